@@ -1,0 +1,29 @@
+# `make demo` and `make test` work on a fresh machine: both run `make setup` first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# A CPU torch, installed before the project so the project's torch range pulls no CUDA build.
+# On GPU machines: make setup TORCH_SPEC=torch
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: setup test demo clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: setup.py Makefile
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python >= 3.11 is required"'
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+test: setup
+	$(PY) -m pytest -q tests $(PYTEST_ARGS)
+
+demo: setup
+	bash examples/run_cpu_demo.sh
+
+clean:
+	rm -rf $(VENV) outputs

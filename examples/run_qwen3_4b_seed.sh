@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The seed's 8-GPU configuration (upstream issue #1487) on a cluster node with SGLang and
+# TransformerEngine installed (pip install -e ".[gpu]"). Paths are placeholders.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+HF=${HF:-/models/Qwen3-4B}
+DATA=${DATA:-/data/dapo-math-17k.jsonl}
+
+MODEL_ARGS=(
+  --swiglu --num-layers 36 --hidden-size 2560 --ffn-hidden-size 9728
+  --num-attention-heads 32 --group-query-attention --num-query-groups 8 --kv-channels 128
+  --use-rotary-position-embeddings --rotary-base 1000000 --disable-bias-linear --qk-layernorm
+  --normalization RMSNorm --norm-epsilon 1e-6 --vocab-size 151936 --untie-embeddings-and-output-weights
+)
+python train.py "${MODEL_ARGS[@]}" \
+  --hf-checkpoint "$HF" --ref-load "$HF" \
+  --prompt-data "$DATA" --input-key prompt --label-key label --apply-chat-template --rollout-shuffle \
+  --rm-type deepscaler --num-rollout 3000 \
+  --actor-num-nodes 1 --actor-num-gpus-per-node 8 --colocate \
+  --tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 1 \
+  --context-parallel-size 4 --expert-model-parallel-size 1 --expert-tensor-parallel-size 1 \
+  --rollout-batch-size 16 --n-samples-per-prompt 64 --rollout-max-response-len 40000 \
+  --rollout-temperature 1.0 --num-steps-per-rollout 1 \
+  --use-dynamic-batch-size --max-tokens-per-gpu 32768 --calculate-per-token-loss \
+  --use-slime-router --rollout-num-gpus-per-engine 1 --sglang-mem-fraction-static 0.7 \
+  --advantage-estimator grpo --use-kl-loss --kl-loss-coef 0.0 --kl-loss-type low_var_kl \
+  --entropy-coef 0.0 --eps-clip 0.2 --eps-clip-high 0.28 \
+  --optimizer adam --lr 1e-6 --lr-decay-style constant --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.98 \
+  --bf16 --attention-dropout 0.0 --hidden-dropout 0.0 --accumulate-allreduce-grads-in-fp32 \
+  --attention-softmax-in-fp32 --recompute-granularity full --recompute-method uniform --recompute-num-layers 1 \
+  --fence-timeout 600 --metrics-jsonl outputs/seed-metrics.jsonl "$@"

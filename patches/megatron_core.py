@@ -1,0 +1,317 @@
+"""Runtime patches that let megatron-core (0.16.x, written defensively for 0.19) train on CPU with gloo.
+
+megatron-core assumes CUDA in a handful of places that have nothing to do with the maths:
+`torch.cuda.current_device()` used as a tensor device, literal `device="cuda"`, the CUDA RNG
+tracker, CUDA streams/events/synchronize, and `tensor.type() == 'torch.cuda.FloatTensor'`
+checks. On a machine without CUDA every one of these can only raise, so mapping them to
+their CPU equivalents changes no code path that could have worked. Nothing here is applied
+when CUDA is available (`patches.apply_all()` checks).
+
+Mechanism, chosen to stay local to megatron-core:
+- Each loaded `megatron.core.*` module gets a `torch` proxy in its globals: identical to torch
+  except that `torch.cuda` is a CPU stand-in and tensor factories map a CUDA device to CPU.
+  Other libraries (transformers, ray, our own code) keep the real torch.
+- A few functions are replaced outright where the proxy cannot reach (Tensor methods).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import sys
+import types
+from typing import Any, Callable
+
+import torch
+
+_APPLIED = False
+
+# Modules the training path imports; importing them before swapping `torch` makes sure they
+# are patched. Missing ones (layout changes between releases) are skipped.
+_MODULES_TO_LOAD = (
+    "megatron.core.parallel_state",
+    "megatron.core.utils",
+    "megatron.core.tensor_parallel.layers",
+    "megatron.core.tensor_parallel.mappings",
+    "megatron.core.tensor_parallel.random",
+    "megatron.core.tensor_parallel.utils",
+    "megatron.core.tensor_parallel.data",
+    "megatron.core.tensor_parallel.cross_entropy",
+    "megatron.core.transformer.utils",
+    "megatron.core.transformer.module",
+    "megatron.core.transformer.attention",
+    "megatron.core.transformer.dot_product_attention",
+    "megatron.core.transformer.transformer_layer",
+    "megatron.core.transformer.transformer_block",
+    "megatron.core.models.gpt.gpt_model",
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.models.common.embeddings.rope_utils",
+    "megatron.core.models.common.embeddings.language_model_embedding",
+    "megatron.core.models.common.language_module.language_module",
+    "megatron.core.distributed.distributed_data_parallel",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.distributed.finalize_model_grads",
+    "megatron.core.optimizer",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.grad_scaler",
+    "megatron.core.optimizer_param_scheduler",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.pipeline_parallel.p2p_communication",
+)
+
+_FACTORIES = (
+    "tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn",
+    "randint", "eye", "linspace", "zeros_like", "ones_like", "empty_like", "full_like",
+)
+
+
+def _cpu_device(device: Any) -> Any:
+    """Map any CUDA device spelling (\"cuda\", \"cuda:0\", torch.device('cuda'), an int) to CPU."""
+    if isinstance(device, int) and not isinstance(device, bool):
+        return torch.device("cpu")
+    if isinstance(device, str) and device.startswith("cuda"):
+        return torch.device("cpu")
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return torch.device("cpu")
+    return device
+
+
+def _factory_on_cpu(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_device(kwargs["device"])
+        kwargs.pop("pin_memory", None)  # pinning needs an accelerator; meaningless on CPU
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+class _NoOpStream:
+    """Stands in for torch.cuda.Stream/Event: CPU ops are synchronous, so ordering is a no-op."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, *args, **kwargs):
+        pass
+
+    def record_event(self, *args, **kwargs):
+        return _NoOpStream()
+
+    def record(self, *args, **kwargs):
+        pass
+
+    def wait(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, *args):
+        return 0.0
+
+
+class _CpuCuda(types.ModuleType):
+    """`torch.cuda` as megatron-core sees it on a CPU-only machine."""
+
+    def __init__(self):
+        super().__init__("torch.cuda")
+        self.current_device = lambda: torch.device("cpu")
+        self.device_count = lambda: 0
+        self.is_available = lambda: False
+        self.synchronize = lambda *a, **k: None
+        self.empty_cache = lambda: None
+        self.Stream = _NoOpStream
+        self.Event = _NoOpStream
+        self.current_stream = lambda *a, **k: _NoOpStream()
+        self.default_stream = lambda *a, **k: _NoOpStream()
+        self.stream = lambda *a, **k: contextlib.nullcontext()
+        self.device = lambda *a, **k: contextlib.nullcontext()
+        self.set_device = lambda *a, **k: None
+        self.memory_allocated = lambda *a, **k: 0
+        self.max_memory_allocated = lambda *a, **k: 0
+        self.memory_reserved = lambda *a, **k: 0
+        self.max_memory_reserved = lambda *a, **k: 0
+        # The "CUDA" RNG of a CPU run is the CPU generator: it is what dropout draws from.
+        self.get_rng_state = lambda *a, **k: torch.get_rng_state()
+        self.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+        self.manual_seed = lambda seed: torch.manual_seed(seed)
+        self.manual_seed_all = lambda seed: torch.manual_seed(seed)
+        self.FloatTensor = torch.FloatTensor
+        self.HalfTensor = torch.HalfTensor
+        self.BFloat16Tensor = torch.BFloat16Tensor
+        self.random = types.SimpleNamespace(
+            get_rng_state=self.get_rng_state, set_rng_state=self.set_rng_state
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+
+class _CpuTorch(types.ModuleType):
+    """The `torch` module as megatron-core sees it on a CPU-only machine."""
+
+    def __init__(self):
+        super().__init__("torch")
+        self.cuda = _CpuCuda()
+        for name in _FACTORIES:
+            setattr(self, name, _factory_on_cpu(getattr(torch, name)))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+_CPU_TORCH = _CpuTorch()
+
+
+def _swap_torch_in_megatron_modules() -> None:
+    """Give every loaded megatron.core module the CPU torch proxy (fixes current_device()/"cuda")."""
+    for name, module in list(sys.modules.items()):
+        if name.startswith("megatron.core") and getattr(module, "torch", None) is torch:
+            module.torch = _CPU_TORCH
+
+
+@contextlib.contextmanager
+def _cpu_tensors_report_cuda_type():
+    """Within a call, CPU float tensors answer `.type()` as their CUDA counterparts.
+
+    megatron's optimizers and grad clipping assert `param.type() == 'torch.cuda.FloatTensor'`
+    (a dtype check written as a device check). Scoped to those calls only.
+    """
+    original = torch.Tensor.type
+
+    def cuda_named_type(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        if not args and not kwargs and isinstance(result, str) and result.startswith("torch.") \
+                and not result.startswith("torch.cuda."):
+            return "torch.cuda." + result[len("torch."):]
+        return result
+
+    torch.Tensor.type = cuda_named_type
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
+
+
+def _wrap_with_cuda_type_names(owner: Any, attr: str) -> None:
+    raw = vars(owner).get(attr) if isinstance(owner, type) else getattr(owner, attr, None)
+    if raw is None:
+        return
+    # Keep staticmethod/classmethod descriptors what they were.
+    kind = type(raw) if isinstance(raw, (staticmethod, classmethod)) else None
+    fn = raw.__func__ if kind else raw
+    if getattr(fn, "_slime_cpu_patched", False):
+        return
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with _cpu_tensors_report_cuda_type():
+            return fn(*args, **kwargs)
+
+    wrapper._slime_cpu_patched = True
+    setattr(owner, attr, kind(wrapper) if kind else wrapper)
+
+
+def _patch_type_checks() -> None:
+    clip_grads = importlib.import_module("megatron.core.optimizer.clip_grads")
+    _wrap_with_cuda_type_names(clip_grads, "clip_grad_by_total_norm_fp32")
+    optimizer_mod = importlib.import_module("megatron.core.optimizer.optimizer")
+    float16_cls = getattr(optimizer_mod, "Float16OptimizerWithFloat16Params", None)
+    if float16_cls is not None:
+        _wrap_with_cuda_type_names(float16_cls, "__init__")
+    distrib = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
+    distrib_cls = getattr(distrib, "DistributedOptimizer", None)
+    if distrib_cls is not None:
+        _wrap_with_cuda_type_names(distrib_cls, "_build_model_and_main_param_groups")
+    # Optimizer modules bind clip_grad_by_total_norm_fp32 by name at import.
+    for module in (optimizer_mod, distrib):
+        if hasattr(module, "clip_grad_by_total_norm_fp32"):
+            module.clip_grad_by_total_norm_fp32 = clip_grads.clip_grad_by_total_norm_fp32
+
+
+def _patch_rng() -> None:
+    """The tensor-parallel RNG tracker keeps CPU generator states instead of CUDA ones."""
+    random = importlib.import_module("megatron.core.tensor_parallel.random")
+    # CUDA generator state accessors -> CPU generator (the one CPU dropout uses).
+    random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    random._set_cuda_rng_state = lambda new_state, *args, **kwargs: torch.set_rng_state(new_state)
+    tracker_cls = getattr(random, "CudaRNGStatesTracker", None)
+    if tracker_cls is not None:
+        tracker_cls.fork = _cpu_fork
+
+
+@contextlib.contextmanager
+def _cpu_fork(self, name: str = "model-parallel-rng"):  # megatron's _MODEL_PARALLEL_RNG_TRACKER_NAME
+    """CudaRNGStatesTracker.fork on CPU: run the block under the tracked state of `name`.
+
+    Upstream's fork warns whenever the CPU state changes inside the block; on CPU the tracked
+    state *is* the CPU generator, so that warning would fire on every use.
+    """
+    if name not in self.states_:
+        raise Exception(f"rng state {name} is not added")
+    outer_state = torch.get_rng_state()
+    outer_name = getattr(self, "_current_state_name", "default-rng")
+    torch.set_rng_state(self.states_[name])
+    self._current_state_name = name
+    try:
+        yield
+    finally:
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(outer_state)
+        self._current_state_name = outer_name
+
+
+def _patch_rope_cp_slice() -> None:
+    """get_pos_emb_on_this_cp_rank builds a pinned index and calls `.cuda()` on it."""
+    rope_utils = importlib.import_module("megatron.core.models.common.embeddings.rope_utils")
+
+    def pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
+        cp_size, cp_rank = cp_group.size(), cp_group.rank()
+        index = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
+        shape = pos_emb.shape
+        pos_emb = pos_emb.view(*shape[:seq_dim], 2 * cp_size, -1, *shape[seq_dim + 1:])
+        pos_emb = pos_emb.index_select(seq_dim, index)
+        return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2:])
+
+    rope_utils.get_pos_emb_on_this_cp_rank = pos_emb_on_this_cp_rank
+    rotary = importlib.import_module("megatron.core.models.common.embeddings.rotary_pos_embedding")
+    if hasattr(rotary, "get_pos_emb_on_this_cp_rank"):
+        rotary.get_pos_emb_on_this_cp_rank = pos_emb_on_this_cp_rank
+
+
+def apply() -> None:
+    """Apply all CPU patches to megatron-core (idempotent).
+
+    The torch swap runs on every call so megatron modules imported since the last call are
+    covered too; the function replacements run once.
+    """
+    global _APPLIED
+    for name in _MODULES_TO_LOAD:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass  # module absent in this release; nothing to patch there
+    _swap_torch_in_megatron_modules()
+    if _APPLIED:
+        return
+    _patch_type_checks()
+    _patch_rng()
+    _patch_rope_cp_slice()
+    _APPLIED = True

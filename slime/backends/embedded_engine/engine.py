@@ -1,0 +1,291 @@
+"""The embedded rollout engine: a transformers causal LM generating batches on CPU.
+
+Not thread-safe by design: the HTTP server runs every call on one worker thread, so a batch,
+a weight update and a release never overlap.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from slime.backends.embedded_engine.sampling import SamplingParams, sample_next_tokens
+
+logger = logging.getLogger(__name__)
+
+INITIAL_WEIGHT_VERSION = "default"  # SGLang's initial weight_version
+MEMORY_TAGS = ("weights", "kv_cache")
+
+
+class EngineReleasedError(RuntimeError):
+    """Raised when generation is asked of an engine whose memory is released (colocate sleep)."""
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    rid: str
+    input_ids: tuple[int, ...]
+    params: SamplingParams
+    return_logprob: bool = False
+
+
+@dataclass
+class _RowState:
+    request: GenerationRequest
+    max_new_tokens: int
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: dict[str, Any] | None = None
+    trim_chars: int | None = None  # text length kept when a stop string matched
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    rid: str
+    text: str
+    output_ids: list[int]
+    finish_reason: dict[str, Any]
+    prompt_tokens: int
+    output_logprobs: list[float] | None
+    weight_version: str
+
+    def to_sglang(self) -> dict[str, Any]:
+        """The JSON object SGLang's /generate returns for one sequence."""
+        meta: dict[str, Any] = {
+            "id": self.rid,
+            "finish_reason": self.finish_reason,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": len(self.output_ids),
+            "cached_tokens": 0,
+            "weight_version": self.weight_version,
+        }
+        if self.output_logprobs is not None:
+            meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(self.output_logprobs, self.output_ids)]
+            meta["input_token_logprobs"] = []
+        return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
+
+
+class EmbeddedEngine:
+    def __init__(self, model_path: str, *, dtype: str = "float32", seed: int = 0) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+        self.model_path = str(model_path)
+        self.dtype = getattr(torch, dtype)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype).eval()
+        self.generator = torch.Generator().manual_seed(seed)
+        self.weight_version = INITIAL_WEIGHT_VERSION
+        self.eos_token_ids = _eos_ids(self.model, self.tokenizer, GenerationConfig, Path(self.model_path))
+        self.context_length = int(getattr(self.model.config, "max_position_embeddings", 4096))
+        self._released: set[str] = set()
+        self._weights_backup: dict[str, torch.Tensor] | None = None
+
+    # ----- state -----------------------------------------------------------------------
+    @property
+    def released_tags(self) -> tuple[str, ...]:
+        return tuple(sorted(self._released))
+
+    def model_info(self) -> dict[str, Any]:
+        return {
+            "model_path": self.model_path,
+            "tokenizer_path": self.model_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": self.weight_version,
+            "model_type": getattr(self.model.config, "model_type", None),
+            "architectures": getattr(self.model.config, "architectures", None),
+            "context_length": self.context_length,
+            "released_tags": list(self.released_tags),
+        }
+
+    # ----- generation ------------------------------------------------------------------
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    @torch.no_grad()
+    def generate_batch(
+        self, requests: list[GenerationRequest], should_abort: Callable[[str], bool] = lambda rid: False
+    ) -> list[GenerationResult]:
+        if self._released:
+            raise EngineReleasedError(
+                f"engine memory is released ({', '.join(self.released_tags)}); call /resume_memory_occupation first"
+            )
+        rows = [self._new_row(r) for r in requests]
+        active = [row for row in rows if row.finish_reason is None]
+        if active:
+            self._decode(active, should_abort)
+        return [self._result(row) for row in rows]
+
+    def _new_row(self, request: GenerationRequest) -> _RowState:
+        prompt_len = len(request.input_ids)
+        if prompt_len == 0:
+            raise ValueError("empty prompt")
+        if prompt_len >= self.context_length:
+            raise ValueError(f"prompt of {prompt_len} tokens does not fit the context length {self.context_length}")
+        max_new = min(request.params.max_new_tokens, self.context_length - prompt_len)
+        row = _RowState(request=request, max_new_tokens=max_new)
+        if max_new == 0:
+            row.finish_reason = {"type": "length", "length": 0}
+        return row
+
+    def _decode(self, rows: list[_RowState], should_abort: Callable[[str], bool]) -> None:
+        from transformers import DynamicCache
+
+        input_ids, attention_mask = self._left_pad([list(r.request.input_ids) for r in rows])
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        params = [r.request.params for r in rows]
+        while True:
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            tokens, logprobs = sample_next_tokens(out.logits[:, -1, :], params, self.generator)
+            for i, row in enumerate(rows):
+                if row.finish_reason is None:
+                    self._append(row, int(tokens[i]), float(logprobs[i]), should_abort)
+            if all(r.finish_reason is not None for r in rows):
+                return
+            input_ids = tokens.unsqueeze(1)
+            attention_mask = torch.cat([attention_mask, torch.ones_like(input_ids)], dim=1)
+            position_ids = position_ids[:, -1:] + 1
+
+    def _left_pad(self, sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(s) for s in sequences)
+        pad_id = self.tokenizer.pad_token_id or 0
+        ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(sequences), width), dtype=torch.long)
+        for i, seq in enumerate(sequences):
+            ids[i, width - len(seq) :] = torch.tensor(seq, dtype=torch.long)
+            mask[i, width - len(seq) :] = 1
+        return ids, mask
+
+    def _append(self, row: _RowState, token: int, logprob: float, should_abort: Callable[[str], bool]) -> None:
+        row.output_ids.append(token)
+        row.logprobs.append(logprob)
+        p = row.request.params
+        if should_abort(row.request.rid):
+            row.finish_reason = {"type": "abort", "message": "request aborted"}
+            return
+        past_min = len(row.output_ids) >= p.min_new_tokens
+        stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+        if past_min and token in stop_ids:
+            row.finish_reason = {"type": "stop", "matched": token}
+        elif past_min and p.stop and self._match_stop_string(row):
+            return
+        elif len(row.output_ids) >= row.max_new_tokens:
+            row.finish_reason = {"type": "length", "length": row.max_new_tokens}
+
+    def _match_stop_string(self, row: _RowState) -> bool:
+        p = row.request.params
+        text = self.tokenizer.decode(row.output_ids, skip_special_tokens=p.skip_special_tokens)
+        hits = [(text.find(s), s) for s in p.stop if s and s in text]
+        if not hits:
+            return False
+        position, matched = min(hits)
+        row.finish_reason = {"type": "stop", "matched": matched}
+        row.trim_chars = position
+        return True
+
+    def _result(self, row: _RowState) -> GenerationResult:
+        p = row.request.params
+        text_ids = row.output_ids
+        reason = row.finish_reason or {"type": "length", "length": row.max_new_tokens}
+        if reason["type"] == "stop" and isinstance(reason.get("matched"), int) and not p.no_stop_trim:
+            text_ids = row.output_ids[:-1]  # SGLang drops the matched stop token from the text
+        text = self.tokenizer.decode(text_ids, skip_special_tokens=p.skip_special_tokens)
+        if row.trim_chars is not None and not p.no_stop_trim:
+            text = text[: row.trim_chars]
+        return GenerationResult(
+            rid=row.request.rid,
+            text=text,
+            output_ids=list(row.output_ids),
+            finish_reason=reason,
+            prompt_tokens=len(row.request.input_ids),
+            output_logprobs=list(row.logprobs) if row.request.return_logprob else None,
+            weight_version=self.weight_version,
+        )
+
+    # ----- weights -----------------------------------------------------------------------
+    @torch.no_grad()
+    def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]], weight_version: str | None) -> int:
+        """Copy the named tensors into the model (names are HF parameter names); all-or-nothing."""
+        if "weights" in self._released:
+            raise EngineReleasedError("weights are released; call /resume_memory_occupation before updating them")
+        state = self.model.state_dict()
+        problems = [_check_tensor(name, tensor, state) for name, tensor in named_tensors]
+        problems = [p for p in problems if p]
+        if problems:
+            raise ValueError("weight update rejected: " + "; ".join(problems[:5]))
+        for name, tensor in named_tensors:
+            state[name].copy_(tensor.to(state[name].dtype))
+        if weight_version is not None:
+            self.weight_version = str(weight_version)
+        return len(named_tensors)
+
+    def update_weights_from_disk(self, model_path: str, weight_version: str | None) -> int:
+        from transformers import AutoModelForCausalLM
+
+        fresh = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
+        count = self.update_weights(list(fresh.state_dict().items()), weight_version)
+        self.model_path = str(model_path)
+        return count
+
+    def get_weight(self, name: str) -> torch.Tensor:
+        if "weights" in self._released:
+            raise EngineReleasedError("weights are released")
+        return self.model.state_dict()[name].detach().clone()
+
+    # ----- colocate sleep/wake -----------------------------------------------------------
+    def release(self, tags: list[str] | None) -> None:
+        """Mirror SGLang's release: weights leave the model (kept as a host backup like SGLang's
+        CPU weight backup), and no KV state survives; generation then fails clearly."""
+        tags = _check_tags(tags)
+        if "weights" in tags and "weights" not in self._released:
+            self._weights_backup = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+            for param in self.model.parameters():
+                param.data = torch.empty(0, dtype=param.dtype)
+        self._released |= set(tags)
+
+    def resume(self, tags: list[str] | None) -> None:
+        tags = _check_tags(tags)
+        if "weights" in tags and "weights" in self._released:
+            assert self._weights_backup is not None
+            for name, param in self.model.named_parameters():
+                param.data = self._weights_backup[name]
+            self._weights_backup = None
+        self._released -= set(tags)
+
+
+def _check_tags(tags: list[str] | None) -> list[str]:
+    tags = list(tags) if tags else list(MEMORY_TAGS)
+    unknown = [t for t in tags if t not in MEMORY_TAGS]
+    if unknown:
+        raise ValueError(f"unknown memory tags {unknown}; known: {list(MEMORY_TAGS)}")
+    return tags
+
+
+def _check_tensor(name: str, tensor: torch.Tensor, state: dict[str, torch.Tensor]) -> str | None:
+    if name not in state:
+        return f"unknown parameter {name!r}"
+    if tuple(tensor.shape) != tuple(state[name].shape):
+        return f"{name}: shape {tuple(tensor.shape)} != {tuple(state[name].shape)}"
+    return None
+
+
+def _eos_ids(model, tokenizer, generation_config_cls, model_path: Path) -> tuple[int, ...]:
+    ids: set[int] = set()
+    if (model_path / "generation_config.json").is_file():
+        eos = generation_config_cls.from_pretrained(str(model_path)).eos_token_id
+        ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    for candidate in (getattr(model.config, "eos_token_id", None), tokenizer.eos_token_id):
+        ids |= set(candidate if isinstance(candidate, list) else [candidate] if candidate is not None else [])
+    return tuple(sorted(ids))

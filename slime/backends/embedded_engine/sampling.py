@@ -1,0 +1,116 @@
+"""SGLang-compatible sampling parameters and the per-row sampler of the embedded engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+# Accepted by SGLang but without effect here; allowed only at their neutral value so a
+# request never silently samples differently from what it asked for.
+_NEUTRAL_ONLY = {
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_p": 0.0,
+    "spaces_between_special_tokens": True,
+    "regex": None,
+    "json_schema": None,
+    "ebnf": None,
+    "logit_bias": None,
+    "custom_params": None,
+    "sampling_seed": None,
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """The subset of SGLang's sampling_params the embedded engine implements."""
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: int = 1
+
+    @classmethod
+    def from_request(cls, raw: dict[str, Any] | None) -> "SamplingParams":
+        raw = dict(raw or {})
+        for key, neutral in _NEUTRAL_ONLY.items():
+            value = raw.pop(key, neutral)
+            if value != neutral and value not in (None, [], {}):
+                raise ValueError(f"sampling param {key}={value!r} is not supported by the embedded engine")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"unknown sampling params: {unknown}")
+        if isinstance(raw.get("stop"), str):
+            raw["stop"] = [raw["stop"]]
+        for key in ("stop", "stop_token_ids"):
+            if raw.get(key) is None:
+                raw.pop(key, None)
+            else:
+                raw[key] = tuple(raw[key])
+        if raw.get("max_new_tokens") is None:
+            raw.pop("max_new_tokens", None)
+        params = cls(**raw)
+        params.validate()
+        return params
+
+    def validate(self) -> None:
+        if self.max_new_tokens < 0 or self.min_new_tokens < 0:
+            raise ValueError("max_new_tokens and min_new_tokens must be >= 0")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError("top_k must be -1 (disabled) or >= 1")
+        if self.n < 1:
+            raise ValueError("n must be >= 1")
+
+
+def sample_next_tokens(
+    logits: torch.Tensor, params: list[SamplingParams], generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row; returns (token_ids [B], raw log-probs of those tokens [B]).
+
+    Log-probs are of the unmodified distribution (temperature 1, no top-k/p), as SGLang
+    reports them, so the trainer can compare them with its own forward pass.
+    """
+    logits = logits.float()
+    raw_logprobs = torch.log_softmax(logits, dim=-1)
+    tokens = torch.empty(logits.shape[0], dtype=torch.long)
+    for row, p in enumerate(params):
+        tokens[row] = _sample_row(logits[row], p, generator)
+    chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    return tokens, chosen
+
+
+def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> int:
+    if p.temperature == 0:
+        return int(torch.argmax(logits))
+    scaled = logits / p.temperature
+    if p.top_k > 0 and p.top_k < scaled.numel():
+        kth = torch.topk(scaled, p.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if p.top_p < 1.0:
+        probs = _top_p_filter(probs, p.top_p)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    sorted_probs, order = torch.sort(probs, descending=True)
+    # Keep the smallest prefix whose mass reaches top_p (the first token is always kept).
+    outside = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) >= top_p
+    sorted_probs = sorted_probs.masked_fill(outside, 0.0)
+    filtered = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+    return filtered / filtered.sum()

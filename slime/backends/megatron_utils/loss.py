@@ -1,0 +1,150 @@
+"""Per-token RL losses of one packed micro-batch, normalised by the step's global denominator.
+
+Normalisation (the choice that makes the loss layout-invariant):
+each token's loss is weighted so that the step loss is the plain SUM of every rank's
+micro-batch losses over DP x CP ranks and micro-batches:
+  per-token  (--calculate-per-token-loss): w_t = mask_t / step_loss_token_total
+  per-sample (default, upstream's mean):   w_t = mask_t / n_i / step_sample_count
+with n_i the loss tokens of token t's whole sample (not the CP-local part). Both
+denominators come from the plan, i.e. from data all ranks share, so no micro-batch,
+CP slice or DP partition changes them. Undoing megatron's own loss/grad averaging is
+train_step.py's job (see ``megatron_loss_scale`` there).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from slime.backends.megatron_utils.data import MicroBatchPlan, PackedMicroBatch
+from slime.utils.ppo_utils import (
+    compute_approx_kl,
+    compute_entropy_from_logits,
+    compute_log_probs,
+    compute_policy_loss,
+    compute_tis_weights,
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossConfig:
+    """The loss-related flags, read once from ``args``."""
+
+    calculate_per_token_loss: bool
+    """Normalise by the step's loss tokens instead of averaging per-sample means."""
+    eps_clip: float
+    eps_clip_high: float
+    eps_clip_c: float | None
+    """Dual-clip bound for negative advantages (None: off)."""
+    use_kl_loss: bool
+    kl_loss_coef: float
+    kl_loss_type: str
+    entropy_coef: float
+    use_tis: bool
+    tis_clip: float
+    tis_clip_low: float
+    temperature: float
+    """Logits are divided by the rollout temperature, as the engine sampled with it."""
+
+    @classmethod
+    def from_args(cls, args: Any) -> "LossConfig":
+        eps_clip = float(getattr(args, "eps_clip", 0.2))
+        eps_high = getattr(args, "eps_clip_high", None)
+        return cls(
+            calculate_per_token_loss=bool(getattr(args, "calculate_per_token_loss", False)),
+            eps_clip=eps_clip,
+            eps_clip_high=eps_clip if eps_high is None else float(eps_high),
+            eps_clip_c=getattr(args, "eps_clip_c", None),
+            use_kl_loss=bool(getattr(args, "use_kl_loss", False)),
+            kl_loss_coef=float(getattr(args, "kl_loss_coef", 0.0) or 0.0),
+            kl_loss_type=getattr(args, "kl_loss_type", "k1") or "k1",
+            entropy_coef=float(getattr(args, "entropy_coef", 0.0) or 0.0),
+            use_tis=bool(getattr(args, "use_tis", False)),
+            tis_clip=float(getattr(args, "tis_clip", 2.0)),
+            tis_clip_low=float(getattr(args, "tis_clip_low", 0.0)),
+            temperature=float(getattr(args, "rollout_temperature", 1.0) or 1.0),
+        )
+
+
+def metric_keys(cfg: LossConfig) -> tuple[str, ...]:
+    """The step's metric keys: a function of the flags only, so equal on every rank."""
+    keys = ["loss", "pg_loss", "pg_clipfrac", "ppo_kl", "entropy_loss"]
+    if cfg.use_kl_loss:
+        keys.append("kl_loss")
+    if cfg.use_tis:
+        keys += ["tis", "tis_clipfrac"]
+    return tuple(sorted(keys))
+
+
+def scaled_logits(logits: torch.Tensor, packed: PackedMicroBatch, cfg: LossConfig) -> torch.Tensor:
+    """[T_local, V/tp] fp32 logits / temperature from the model output ([1,T,V/tp] or [T,1,V/tp])."""
+    flat = logits.reshape(-1, logits.size(-1))
+    if flat.size(0) != packed.labels.numel():
+        raise ValueError(f"logits cover {flat.size(0)} positions, the packed batch {packed.labels.numel()}")
+    return flat.float() / cfg.temperature
+
+
+def target_log_probs(logits: torch.Tensor, packed: PackedMicroBatch, cfg: LossConfig, tp_group: Any) -> torch.Tensor:
+    """log pi(target token) per local position [T_local] (all-reduces over TP)."""
+    return compute_log_probs(scaled_logits(logits, packed, cfg), packed.labels, tp_group)
+
+
+def token_entropy(logits: torch.Tensor, packed: PackedMicroBatch, cfg: LossConfig, tp_group: Any) -> torch.Tensor:
+    """Entropy per local position; without gradient when --entropy-coef is 0 (metric only)."""
+    if cfg.entropy_coef != 0.0:
+        return compute_entropy_from_logits(scaled_logits(logits, packed, cfg), tp_group)
+    with torch.no_grad():
+        return compute_entropy_from_logits(scaled_logits(logits.detach(), packed, cfg), tp_group)
+
+
+def token_weights(packed: PackedMicroBatch, plan: MicroBatchPlan, cfg: LossConfig) -> torch.Tensor:
+    """w_t (see module docstring); zero on prompt, padding and padding micro-batches."""
+    if cfg.calculate_per_token_loss:
+        return packed.loss_mask / max(1, plan.step_loss_token_total)
+    return packed.loss_mask * packed.sample_weight / max(1, plan.step_sample_count)
+
+
+def policy_token_terms(log_probs: torch.Tensor, entropy: torch.Tensor, packed: PackedMicroBatch,
+                       cfg: LossConfig) -> dict[str, torch.Tensor]:
+    """Per-token loss terms; ``loss`` is what is minimised, the rest are metrics."""
+    if packed.advantages is None:
+        raise ValueError("rollout data has no 'advantages'; compute them before training")
+    mask = packed.loss_mask
+    old = packed.old_log_probs if packed.old_log_probs is not None else log_probs.detach()
+    # Masked positions get log-ratio 0 so exp() cannot overflow on prompt tokens.
+    ppo_kl = (old - log_probs) * mask
+    pg_loss, clipfrac = compute_policy_loss(ppo_kl, packed.advantages, cfg.eps_clip, cfg.eps_clip_high,
+                                            cfg.eps_clip_c)
+    terms = {"ppo_kl": ppo_kl, "pg_clipfrac": clipfrac, "entropy_loss": entropy}
+    if cfg.use_tis:
+        if packed.rollout_log_probs is None:
+            raise ValueError("--use-tis needs 'rollout_log_probs' in the rollout data")
+        tis, tis_clipfrac = compute_tis_weights(old * mask, packed.rollout_log_probs * mask,
+                                                cfg.tis_clip, cfg.tis_clip_low)
+        pg_loss = pg_loss * tis
+        terms |= {"tis": tis, "tis_clipfrac": tis_clipfrac}
+    loss = pg_loss - cfg.entropy_coef * entropy
+    if cfg.use_kl_loss:
+        if packed.ref_log_probs is None:
+            raise ValueError("--use-kl-loss needs 'ref_log_probs' in the rollout data")
+        kl = compute_approx_kl(log_probs * mask, packed.ref_log_probs * mask, cfg.kl_loss_type)
+        loss = loss + cfg.kl_loss_coef * kl
+        terms["kl_loss"] = kl
+    return terms | {"pg_loss": pg_loss, "loss": loss}
+
+
+def micro_batch_loss(logits: torch.Tensor, packed: PackedMicroBatch, plan: MicroBatchPlan, cfg: LossConfig,
+                     tp_group: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """This rank's contribution to the step loss, and to each metric (detached sums).
+
+    Padding micro-batches and empty CP slices give an exact 0 that stays connected to
+    the model, so backward runs (and its collectives happen) on every rank.
+    """
+    log_probs = target_log_probs(logits, packed, cfg, tp_group)
+    entropy = token_entropy(logits, packed, cfg, tp_group)
+    weights = token_weights(packed, plan, cfg)
+    terms = policy_token_terms(log_probs, entropy, packed, cfg)
+    metrics = {key: (terms[key].detach() * weights).sum() for key in metric_keys(cfg)}
+    return (terms["loss"] * weights).sum(), metrics

@@ -1,0 +1,307 @@
+"""Build the megatron-core GPT model, its DDP wrapper, optimizer and LR scheduler.
+
+Leaf choice is made once here: the TransformerEngine layer spec when TE imports on CUDA,
+otherwise megatron's local spec with our SP-capable norm and CP/THD-capable core attention
+(slime_plugins/models). Everything above this module is the same on both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from argparse import Namespace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import patches
+
+patches.apply_all()
+
+from megatron.core import parallel_state  # noqa: E402
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
+from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
+from megatron.core.transformer.transformer_block import (  # noqa: E402
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+
+from slime_plugins.models.cp_attention import ContextParallelAttention  # noqa: E402
+from slime_plugins.models.sp_norm import SequenceParallelNorm  # noqa: E402
+
+_QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
+_QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_moe")
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 1) -> int:
+    """Smallest size >= vocab_size divisible by divisible_by * tp (megatron's padding rule).
+
+    We default divisible_by to 1 (not megatron's 128): every padded row is an extra logit
+    in the softmax, so padding only as much as TP needs keeps log-probs equal to HF's.
+    """
+    multiple = divisible_by * tp
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+def model_vocab_size(args: Namespace, hf_config: Any) -> int:
+    """The (padded) vocabulary size of the megatron model built from these args."""
+    divisible_by = getattr(args, "make_vocab_size_divisible_by", None) or 1
+    return padded_vocab_size(hf_config.vocab_size, _arg(args, "tensor_model_parallel_size", 1), divisible_by)
+
+
+def _arg(args: Namespace, name: str, default: Any) -> Any:
+    value = getattr(args, name, None)
+    return default if value is None else value
+
+
+def _rope_theta(hf_config: Any) -> float:
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
+    return float(theta if theta is not None else 10000.0)
+
+
+def _rope_type(hf_config: Any) -> str:
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    return params.get("rope_type", params.get("type", "default")) or "default"
+
+
+def hf_architecture(hf_config: Any) -> dict[str, Any]:
+    """The architecture facts of a dense HF Qwen3/Qwen2/Llama config, in megatron's terms."""
+    model_type = getattr(hf_config, "model_type", "")
+    if getattr(hf_config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"only SwiGLU (silu) MLPs are supported, got {hf_config.hidden_act}")
+    if getattr(hf_config, "mlp_bias", False):
+        raise ValueError("MLP bias is not supported")
+    if getattr(hf_config, "attention_bias", False) and model_type not in _QKV_BIAS_MODEL_TYPES:
+        raise ValueError("attention_bias (bias on q/k/v AND o_proj) is not supported")
+    if _rope_type(hf_config) not in ("default", "llama3"):
+        raise ValueError(f"rope type {_rope_type(hf_config)!r} is not supported")
+    heads = hf_config.num_attention_heads
+    return dict(
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        ffn_hidden_size=hf_config.intermediate_size,
+        num_attention_heads=heads,
+        num_query_groups=getattr(hf_config, "num_key_value_heads", None) or heads,
+        kv_channels=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
+        layernorm_epsilon=hf_config.rms_norm_eps,
+        qk_layernorm=model_type in _QK_NORM_MODEL_TYPES,
+        add_qkv_bias=model_type in _QKV_BIAS_MODEL_TYPES,
+    )
+
+
+def _check_against_args(arch: dict[str, Any], args: Namespace) -> None:
+    """Megatron flags the user passed must agree with the checkpoint (a silent override would
+    build a model the HF weights cannot fill)."""
+    flag_names = {"layernorm_epsilon": "norm_epsilon"}
+    for key, value in arch.items():
+        given = getattr(args, flag_names.get(key, key), None)
+        if given is None or (isinstance(given, bool) and not given):
+            continue  # not given (store_true flags default to False)
+        same = abs(given - value) <= 1e-12 if isinstance(value, float) else given == value
+        if not same:
+            raise ValueError(f"--{flag_names.get(key, key).replace('_', '-')}={given} contradicts "
+                             f"the HF config ({value})")
+
+
+def transformer_config_from_hf(hf_config: Any, args: Namespace) -> TransformerConfig:
+    """TransformerConfig for a dense Qwen3/Qwen2/Llama HF config, with parallelism and
+    training knobs from args. fp32 unless args.bf16 (CPU runs use fp32)."""
+    arch = hf_architecture(hf_config)
+    _check_against_args(arch, args)
+    bf16 = bool(getattr(args, "bf16", False))
+    params_dtype = torch.bfloat16 if bf16 else torch.float32
+    return TransformerConfig(
+        **arch,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        tensor_model_parallel_size=_arg(args, "tensor_model_parallel_size", 1),
+        pipeline_model_parallel_size=_arg(args, "pipeline_model_parallel_size", 1),
+        virtual_pipeline_model_parallel_size=getattr(args, "virtual_pipeline_model_parallel_size", None),
+        context_parallel_size=_arg(args, "context_parallel_size", 1),
+        sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
+        expert_model_parallel_size=_arg(args, "expert_model_parallel_size", 1),
+        calculate_per_token_loss=bool(getattr(args, "calculate_per_token_loss", False)),
+        hidden_dropout=_arg(args, "hidden_dropout", 0.0),
+        attention_dropout=_arg(args, "attention_dropout", getattr(hf_config, "attention_dropout", 0.0)),
+        init_method_std=getattr(hf_config, "initializer_range", 0.02),
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=bf16,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        # Fused kernels are CUDA-only; TE provides its own on the cluster path.
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        variable_seq_lengths=True,  # dynamic batches: PP p2p shapes differ per micro-batch
+        moe_token_dispatcher_type="alltoall",  # "allgather" (default) refuses variable lengths
+        recompute_granularity=getattr(args, "recompute_granularity", None),
+        recompute_method=getattr(args, "recompute_method", None),
+        recompute_num_layers=getattr(args, "recompute_num_layers", None),
+    )
+
+
+def _use_transformer_engine(args: Namespace) -> bool:
+    if getattr(args, "transformer_impl", None) == "local" or not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _local_layer_spec(config: TransformerConfig) -> ModuleSpec:
+    """megatron's local layer spec with SP-capable norms and CP/THD-capable core attention."""
+    spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+    sub = spec.submodules
+    attention = sub.self_attention
+    attn_sub = dataclasses.replace(
+        attention.submodules,
+        core_attention=ContextParallelAttention,
+        q_layernorm=SequenceParallelNorm if config.qk_layernorm else attention.submodules.q_layernorm,
+        k_layernorm=SequenceParallelNorm if config.qk_layernorm else attention.submodules.k_layernorm,
+    )
+    sub = dataclasses.replace(
+        sub,
+        input_layernorm=SequenceParallelNorm,
+        pre_mlp_layernorm=SequenceParallelNorm,
+        self_attention=dataclasses.replace(attention, submodules=attn_sub),
+    )
+    return dataclasses.replace(spec, submodules=sub)
+
+
+def _layer_spec(args: Namespace, config: TransformerConfig, vp_stage: int | None):
+    if _use_transformer_engine(args):
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+    # A block spec so the final norm is ours too (the default one refuses SP).
+    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(
+        layer_specs=[_local_layer_spec(config)] * num_layers, layer_norm=SequenceParallelNorm
+    )
+
+
+def build_gpt_model(
+    args: Namespace, hf_config: Any, pre_process: bool = True, post_process: bool = True,
+    vp_stage: int | None = None,
+) -> GPTModel:
+    """One GPTModel chunk (this PP stage's layers). Logits are vocab-parallel (parallel_output)."""
+    config = transformer_config_from_hf(hf_config, args)
+    rope_scaling = _rope_type(hf_config) == "llama3"
+    rope_params = getattr(hf_config, "rope_parameters", None) or {}
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=_layer_spec(args, config, vp_stage),
+        vocab_size=model_vocab_size(args, hf_config),
+        max_sequence_length=_arg(args, "max_position_embeddings", hf_config.max_position_embeddings),
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        position_embedding_type="rope",
+        rotary_percent=float(getattr(hf_config, "partial_rotary_factor", 1.0) or 1.0),
+        rotary_base=int(_rope_theta(hf_config)),
+        rope_scaling=rope_scaling,
+        rope_scaling_factor=float(rope_params.get("factor", 8.0)),
+        vp_stage=vp_stage,
+    )
+
+
+def _build_model_chunks(args: Namespace, hf_config: Any) -> list[GPTModel]:
+    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    stages = range(vpp) if vpp else [None]
+    chunks = []
+    for vp_stage in stages:
+        chunks.append(build_gpt_model(
+            args, hf_config,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            vp_stage=vp_stage,
+        ))
+    return chunks
+
+
+def _wrap_ddp(args: Namespace, chunks: list[GPTModel]) -> list[DistributedDataParallel]:
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=bool(getattr(args, "accumulate_allreduce_grads_in_fp32", False)),
+        overlap_grad_reduce=False,  # grads are reduced in finalize_model_grads, at a known place
+        use_distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
+        check_for_nan_in_grad=False,
+    )
+    wrapped = []
+    for index, chunk in enumerate(chunks):
+        if torch.cuda.is_available():
+            chunk.cuda(torch.cuda.current_device())
+        wrapped.append(DistributedDataParallel(
+            config=chunk.config, ddp_config=ddp_config, module=chunk,
+            # Only the first chunk's buckets may start reducing early (megatron's rule).
+            disable_bucketing=index > 0,
+        ))
+    return wrapped
+
+
+def _optimizer_config(args: Namespace, config: TransformerConfig) -> OptimizerConfig:
+    optimizer = _arg(args, "optimizer", "adam")
+    if optimizer != "adam":
+        raise ValueError(f"--optimizer {optimizer} is not supported (adam only)")
+    return OptimizerConfig(
+        optimizer="adam",
+        lr=_arg(args, "lr", 1e-6),
+        min_lr=_arg(args, "min_lr", 0.0),
+        weight_decay=_arg(args, "weight_decay", 0.0),
+        adam_beta1=_arg(args, "adam_beta1", 0.9),
+        adam_beta2=_arg(args, "adam_beta2", 0.999),
+        adam_eps=_arg(args, "adam_eps", 1e-8),
+        clip_grad=_arg(args, "clip_grad", 1.0),
+        bf16=config.bf16,
+        params_dtype=config.params_dtype,
+        use_distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
+    )
+
+
+def _lr_scheduler(args: Namespace, optimizer) -> OptimizerParamScheduler:
+    lr = _arg(args, "lr", 1e-6)
+    total = _arg(args, "lr_decay_iters", None) or _arg(args, "train_iters", None) or 10**9
+    warmup = _arg(args, "lr_warmup_iters", 0)
+    if not warmup and _arg(args, "lr_warmup_fraction", None):
+        warmup = int(args.lr_warmup_fraction * total)
+    wd = _arg(args, "weight_decay", 0.0)
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=_arg(args, "lr_warmup_init", 0.0),
+        max_lr=lr,
+        min_lr=_arg(args, "min_lr", 0.0),
+        lr_warmup_steps=warmup,
+        lr_decay_steps=total,
+        lr_decay_style=_arg(args, "lr_decay_style", "constant"),
+        start_wd=_arg(args, "start_weight_decay", wd),
+        end_wd=_arg(args, "end_weight_decay", wd),
+        wd_incr_steps=total,
+        wd_incr_style=_arg(args, "weight_decay_incr_style", "constant"),
+        use_checkpoint_opt_param_scheduler=True,
+        override_opt_param_scheduler=False,
+    )
+
+
+def build_model_and_optimizer(args: Namespace, hf_config: Any):
+    """(DDP model chunks, megatron optimizer, LR scheduler) for this rank.
+
+    Needs init_model_parallel(args) first. finalize_model_grads is NOT installed on the config:
+    the training step calls it once itself (with the per-token denominator when enabled).
+    """
+    chunks = _build_model_chunks(args, hf_config)
+    model = _wrap_ddp(args, chunks)
+    optimizer = get_megatron_optimizer(_optimizer_config(args, chunks[0].config), model)
+    return model, optimizer, _lr_scheduler(args, optimizer)

@@ -1,0 +1,68 @@
+"""Process-group bring-up for the megatron trainer: torch.distributed, then megatron's groups.
+
+Lifecycle (destroy/re-create around colocate sleep, warm-up, fences) belongs to slime/distributed;
+these two functions are the single place a rank joins the world and builds its model-parallel groups.
+"""
+
+from __future__ import annotations
+
+import datetime
+from argparse import Namespace
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 600.0
+
+
+def _timeout(args: Namespace) -> datetime.timedelta:
+    return datetime.timedelta(seconds=float(getattr(args, "fence_timeout", None) or DEFAULT_TIMEOUT_S))
+
+
+def init_distributed(
+    args: Namespace,
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    backend: str | None = None,
+) -> None:
+    """Join the default process group (every wait bounded by args.fence_timeout seconds).
+
+    backend: "nccl" or "gloo"; default nccl when CUDA is present, else gloo.
+    """
+    if dist.is_initialized():
+        raise RuntimeError("torch.distributed is already initialized")
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(torch.cuda.device_count() and rank % torch.cuda.device_count())
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://{master_addr}:{master_port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=_timeout(args),
+    )
+
+
+def init_model_parallel(args: Namespace) -> None:
+    """Create megatron's TP/PP/CP/EP/DP groups and seed the TP-aware RNG tracker.
+
+    Call on every rank after init_distributed. Seeds: megatron's convention (data-parallel
+    state = args.seed, TP state = args.seed + 2718 + tp_rank); CPU runs use the CPU generator
+    (patches/megatron_core.py maps the CUDA RNG onto it).
+    """
+    import patches
+    from megatron.core import parallel_state, tensor_parallel
+
+    patches.apply_all()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=getattr(args, "tensor_model_parallel_size", 1) or 1,
+        pipeline_model_parallel_size=getattr(args, "pipeline_model_parallel_size", 1) or 1,
+        virtual_pipeline_model_parallel_size=getattr(args, "virtual_pipeline_model_parallel_size", None),
+        context_parallel_size=getattr(args, "context_parallel_size", 1) or 1,
+        expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1) or 1,
+        expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None),
+        distributed_timeout_minutes=_timeout(args).total_seconds() / 60.0,
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(getattr(args, "seed", 1234))

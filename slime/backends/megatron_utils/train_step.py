@@ -1,0 +1,305 @@
+"""One RL training step on megatron-core, as small phases the fenced actor can put fences between.
+
+Phase order (identical on every rank, every step; each collective's group is named):
+  loss_token_total   all_reduce(SUM) of the plan's loss tokens over DP x CP; checked
+                     against the plan; a zero total skips the step on every rank together
+  forward_backward   megatron's get_forward_backward_func over exactly plan.micro_batches
+                     (TP/CP/SP collectives inside the model, PP p2p inside the schedule)
+  grad_reduce        finalize_model_grads: DP x CP gradient all-reduce (+ SP norm / embedding)
+  metrics            ONE all_reduce(SUM) over the world of the sorted metric vector
+  optimizer          optimizer.step() (grad-norm all-reduce over model-parallel ranks);
+                     skipped on all ranks when the REDUCED loss is not finite
+
+Gradient normalisation (why the step is layout-invariant): loss.py weights each token so
+that the step loss is the plain sum of all micro-batch losses over DP x CP ranks. Megatron
+would average on top of that; ``megatron_loss_scale`` undoes exactly what it applies:
+- config.calculate_per_token_loss=False: the schedule multiplies a 2-tuple loss by cp/M
+  and DDP scales gradients by 1/(dp*cp) -> we return loss * M * dp;
+- config.calculate_per_token_loss=True: the schedule and DDP leave sums alone and we call
+  finalize_model_grads without num_tokens -> we return the loss as is.
+Either way the gradient is d(step loss)/d(theta), whatever TP, CP, DP or micro-batch split.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from functools import partial
+from typing import Any, Callable, ContextManager, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import get_model_config
+
+from slime.backends.megatron_utils.data import (
+    MicroBatchPlan,
+    PackedMicroBatch,
+    pack_micro_batch,
+    plans_from_rollout,
+    unpack_response_values,
+)
+from slime.backends.megatron_utils.loss import LossConfig, metric_keys, micro_batch_loss, target_log_probs
+
+PhaseHook = Callable[[str], ContextManager]
+
+
+class LossTokenTotalMismatch(RuntimeError):
+    """The loss tokens the DP x CP ranks hold do not add up to the plan's step total."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    loss: float
+    grad_norm: float
+    metrics: dict[str, float]
+    """Step-level means (already reduced), keys sorted."""
+    skipped: bool
+    num_micro_batches: int
+    loss_token_total: int
+
+
+# ------------------------------------------------------------------------- plans
+
+
+def build_plans_for_rank(data: Mapping[str, Any], args: Any) -> list[MicroBatchPlan]:
+    """This rank's plans for every step of the rollout (DP rank/size from parallel_state)."""
+    return plans_from_rollout(
+        data, args,
+        dp_size=parallel_state.get_data_parallel_world_size(),
+        dp_rank=parallel_state.get_data_parallel_rank(),
+    )
+
+
+def pack_plan(data: Mapping[str, Any], plan: MicroBatchPlan, args: Any) -> list[PackedMicroBatch]:
+    """Pack every micro-batch of ``plan`` for this CP rank, on the compute device (no collective)."""
+    cp_rank = parallel_state.get_context_parallel_rank()
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    packed = [
+        pack_micro_batch(data, mb, cp_size=plan.cp_size, cp_rank=cp_rank,
+                         tp_size=args.tensor_model_parallel_size, sequence_parallel=args.sequence_parallel)
+        for mb in plan.micro_batches
+    ]
+    return [_to_device(p, device) for p in packed] if device is not None else packed
+
+
+def _to_device(packed: PackedMicroBatch, device: torch.device) -> PackedMicroBatch:
+    moved = {f.name: getattr(packed, f.name).to(device, non_blocking=True)
+             for f in dataclasses.fields(packed)
+             if isinstance(getattr(packed, f.name), torch.Tensor)}
+    return dataclasses.replace(packed, **moved)
+
+
+# ------------------------------------------------------------------------ phases
+
+
+def _phase(hook: PhaseHook | None, name: str) -> ContextManager:
+    return hook(f"actor_train/{name}") if hook is not None else contextlib.nullcontext()
+
+
+def reduce_loss_token_total(plan: MicroBatchPlan) -> int:
+    """All DP x CP ranks' loss tokens (group: DP x CP), checked against the plan.
+
+    Every CP rank of a DP rank holds the same plan, so the sum counts each DP rank cp
+    times; dividing by cp undoes that inflation.
+    """
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    local = torch.tensor([float(sum(plan.loss_token_counts))], dtype=torch.float64)
+    dist.all_reduce(local, group=group)
+    total = int(round(local.item() / plan.cp_size))
+    if total != plan.step_loss_token_total:
+        raise LossTokenTotalMismatch(
+            f"step {plan.step_index}: DP x CP ranks hold {total} loss tokens, the plan says "
+            f"{plan.step_loss_token_total} (dp_rank {plan.dp_rank} contributes {sum(plan.loss_token_counts)})"
+        )
+    return total
+
+
+def megatron_loss_scale(config: Any, num_micro_batches: int) -> float:
+    """Factor that cancels megatron's loss/gradient averaging (module docstring)."""
+    if config.calculate_per_token_loss:
+        return 1.0
+    return float(num_micro_batches * parallel_state.get_data_parallel_world_size())
+
+
+def zero_grads(model_chunks: Sequence[Any], optimizer: Any) -> None:
+    for chunk in model_chunks:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+
+
+def run_forward_backward(model_chunks: Sequence[Any], packed: list[PackedMicroBatch], plan: MicroBatchPlan,
+                         cfg: LossConfig) -> dict[str, torch.Tensor]:
+    """Forward+backward over the planned micro-batches; returns this rank's metric sums."""
+    config = get_model_config(model_chunks[0])
+    scale = megatron_loss_scale(config, plan.num_micro_batches)
+    keys = metric_keys(cfg)
+    sums = {key: torch.zeros((), dtype=torch.float64) for key in keys}
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+
+    def loss_func(batch: PackedMicroBatch, output: torch.Tensor):
+        loss, metrics = micro_batch_loss(output, batch, plan, cfg, tp_group)
+        for key in keys:
+            sums[key] += metrics[key].double().cpu()
+        if config.calculate_per_token_loss:
+            return loss * scale, batch.loss_mask.sum().int(), metrics
+        return loss * scale, metrics
+
+    _run_schedule(model_chunks, packed, loss_func, forward_only=False)
+    return sums
+
+
+def reduce_step_metrics(sums: Mapping[str, torch.Tensor], keys: Sequence[str]) -> dict[str, float]:
+    """ONE all_reduce(SUM) over the world of the metrics in sorted-key order.
+
+    Each TP rank holds identical values and non-last PP stages hold zeros, so the world
+    sum divided by tp is the sum over DP x CP ranks of the last stage: the step mean.
+    """
+    keys = sorted(keys)
+    vector = torch.stack([sums[k].double().cpu() for k in keys]) if keys else torch.zeros(0, dtype=torch.float64)
+    if torch.cuda.is_available():
+        vector = vector.cuda()
+    dist.all_reduce(vector)
+    vector = vector.cpu() / parallel_state.get_tensor_model_parallel_world_size()
+    return {k: float(v) for k, v in zip(keys, vector.tolist())}
+
+
+def optimizer_step(optimizer: Any, lr_scheduler: Any, reduced_loss: float) -> tuple[float, bool]:
+    """(grad_norm, stepped). Decisions use reduced values only, so all ranks agree."""
+    if not math.isfinite(reduced_loss):
+        optimizer.zero_grad()
+        return float("nan"), False
+    ok, grad_norm, _ = optimizer.step()
+    if ok:
+        lr_scheduler.step(increment=1)
+    return (float(grad_norm) if grad_norm is not None else float("nan")), bool(ok)
+
+
+# ------------------------------------------------------------------------- API
+
+
+def train_one_step(model_chunks: Sequence[Any], optimizer: Any, lr_scheduler: Any, data: Mapping[str, Any],
+                   plan: MicroBatchPlan, args: Any, *, collective_hook: PhaseHook | None = None) -> StepResult:
+    """Run one planned training step; ``collective_hook(phase)`` wraps each phase (fences, ledger)."""
+    cfg = LossConfig.from_args(args)
+    keys = metric_keys(cfg)
+    packed = pack_plan(data, plan, args)
+    with _phase(collective_hook, "loss_token_total"):
+        total = reduce_loss_token_total(plan)
+    if total == 0:
+        return StepResult(0.0, 0.0, {k: 0.0 for k in keys}, True, plan.num_micro_batches, 0)
+    _install_grad_scale(model_chunks, optimizer)
+    zero_grads(model_chunks, optimizer)
+    with _phase(collective_hook, "forward_backward"):
+        sums = run_forward_backward(model_chunks, packed, plan, cfg)
+    with _phase(collective_hook, "grad_reduce"):
+        finalize_model_grads(list(model_chunks), None)
+    with _phase(collective_hook, "metrics"):
+        metrics = reduce_step_metrics(sums, keys)
+    with _phase(collective_hook, "optimizer"):
+        grad_norm, stepped = optimizer_step(optimizer, lr_scheduler, metrics["loss"])
+    return StepResult(metrics["loss"], grad_norm, metrics, not stepped, plan.num_micro_batches, total)
+
+
+def compute_log_probs(model_chunks: Sequence[Any], data: Mapping[str, Any],
+                      plans: MicroBatchPlan | Sequence[MicroBatchPlan], args: Any,
+                      *, collective_hook: PhaseHook | None = None) -> list[list[float]]:
+    """Forward-only log-probs of every response token of the plans' samples.
+
+    Returns one list per rollout sample (same indexing as ``data``); samples outside this
+    DP rank's plans get []. Identical on every rank of the DP group (CP all-gather, PP
+    broadcast). Use for the old policy (actor) and the reference model.
+    """
+    plans = [plans] if isinstance(plans, MicroBatchPlan) else list(plans)
+    cfg = LossConfig.from_args(args)
+    out: list[list[float]] = [[] for _ in data["tokens"]]
+    for plan in plans:
+        packed = pack_plan(data, plan, args)
+        with _phase(collective_hook, "log_probs_forward"):
+            local = _forward_log_probs(model_chunks, packed, cfg)
+        with _phase(collective_hook, "log_probs_gather"):
+            values = _gather_log_probs(local, packed)
+        for sample, lps in values.items():
+            out[sample] = lps
+    return out
+
+
+# ------------------------------------------------------------------- internals
+
+
+def _forward_log_probs(model_chunks, packed: list[PackedMicroBatch], cfg: LossConfig) -> list[torch.Tensor]:
+    """Per micro-batch local target log-probs [T_local] (empty list off the last PP stage)."""
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    results: list[torch.Tensor] = []
+
+    def loss_func(batch: PackedMicroBatch, output: torch.Tensor):
+        log_probs = target_log_probs(output, batch, cfg, tp_group).detach()
+        results.append(log_probs)
+        return output.new_zeros(()), {}
+
+    with torch.no_grad():
+        _run_schedule(model_chunks, packed, loss_func, forward_only=True)
+    return results
+
+
+def _gather_log_probs(local: list[torch.Tensor], packed: list[PackedMicroBatch]) -> dict[int, list[float]]:
+    """One all_gather over CP of all micro-batches' local values, one PP broadcast; unpack."""
+    values: dict[int, list[float]] | None = None
+    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        flat = torch.cat(local)
+        cp = parallel_state.get_context_parallel_world_size()
+        if cp > 1:
+            gathered = flat.new_empty(cp * flat.numel())
+            dist.all_gather_into_tensor(gathered, flat.contiguous(),
+                                        group=parallel_state.get_context_parallel_group())
+            rows = gathered.view(cp, -1).cpu()
+        else:
+            rows = flat.view(1, -1).cpu()
+        values, offset = {}, 0
+        for batch in packed:
+            width = batch.labels.numel()
+            values.update(unpack_response_values(rows[:, offset: offset + width], batch))
+            offset += width
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        holder = [values]
+        dist.broadcast_object_list(holder, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                                   group=parallel_state.get_pipeline_model_parallel_group())
+        values = holder[0]
+    return values
+
+
+def _packed_seq_params(batch: PackedMicroBatch) -> PackedSeqParams:
+    cu = batch.cu_seqlens
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                           max_seqlen_q=batch.max_seqlen, max_seqlen_kv=batch.max_seqlen)
+
+
+def _forward_step(data_iterator, model, *, loss_func):
+    batch = next(data_iterator)
+    output = model(batch.input_ids, batch.position_ids, None, packed_seq_params=_packed_seq_params(batch))
+    return output, partial(loss_func, batch)
+
+
+def _run_schedule(model_chunks, packed: list[PackedMicroBatch], loss_func, *, forward_only: bool) -> None:
+    chunks = list(model_chunks)
+    iterators = [iter(packed) for _ in chunks] if len(chunks) > 1 else iter(packed)
+    get_forward_backward_func()(
+        forward_step_func=partial(_forward_step, loss_func=loss_func),
+        data_iterator=iterators,
+        model=chunks if len(chunks) > 1 else chunks[0],
+        num_microbatches=len(packed),
+        seq_length=max(b.labels.numel() for b in packed),
+        micro_batch_size=1,
+        forward_only=forward_only,
+    )
+
+
+def _install_grad_scale(model_chunks: Sequence[Any], optimizer: Any) -> None:
+    """Backward starts from loss * optimizer.scale_loss (the fp16 loss scale; 1 otherwise)."""
+    config = get_model_config(model_chunks[0])
+    if config.grad_scale_func is None:
+        config.grad_scale_func = optimizer.scale_loss

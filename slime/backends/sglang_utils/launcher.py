@@ -1,0 +1,111 @@
+"""Launch one rollout engine: a real SGLang server (cluster) or the embedded CPU engine.
+
+Both answer the same HTTP API, so everything after `launch_engine` is backend-agnostic.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Any
+
+from slime.backends.sglang_utils.http_client import SGLangHTTPClient
+from slime.backends.sglang_utils.process import ServerProcess, python_module_command, start_server_process
+from slime.backends.sglang_utils.server_args import render_server_flags, validate_sglang_server_args
+
+BACKENDS = ("sglang", "embedded")
+DEFAULT_STARTUP_TIMEOUT_S = 600.0
+
+
+@dataclass
+class EngineHandle:
+    kind: str
+    engine_rank: int
+    host: str
+    port: int
+    server: ServerProcess
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def client(self) -> SGLangHTTPClient:
+        return SGLangHTTPClient(self.url)
+
+    def alive(self) -> bool:
+        return self.server.alive()
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        self.server.stop(grace_s)
+
+
+def pick_rollout_backend(args: Any) -> str:
+    """'sglang' or 'embedded' from args.rollout_backend (auto: sglang iff CUDA and sglang are present)."""
+    choice = getattr(args, "rollout_backend", "auto") or "auto"
+    if choice in BACKENDS:
+        return choice
+    if choice != "auto":
+        raise ValueError(f"--rollout-backend {choice!r}: expected auto, sglang or embedded")
+    import torch
+
+    has_sglang = importlib.util.find_spec("sglang") is not None
+    return "sglang" if torch.cuda.is_available() and has_sglang else "embedded"
+
+
+def sglang_server_args_for_engine(args: Any, engine_rank: int) -> dict[str, Any]:
+    """ServerArgs fields for one engine: slime-derived ones, then the user's --sglang-* passthrough."""
+    gpus_per_engine = int(getattr(args, "rollout_num_gpus_per_engine", 1))
+    gpus_per_node = int(getattr(args, "num_gpus_per_node", 8))
+    derived: dict[str, Any] = {
+        "tp_size": gpus_per_engine,
+        "base_gpu_id": (engine_rank * gpus_per_engine) % gpus_per_node,
+        "trust_remote_code": True,
+        "random_seed": int(getattr(args, "seed", 1234)) + engine_rank,
+    }
+    if getattr(args, "colocate", False):
+        derived["enable_memory_saver"] = True
+    if getattr(args, "sglang_mem_fraction_static", None) is not None:
+        derived["mem_fraction_static"] = args.sglang_mem_fraction_static
+    passthrough = dict(getattr(args, "sglang_server_args", None) or {})
+    validate_sglang_server_args(passthrough)
+    return {**derived, **passthrough}
+
+
+def build_sglang_command(args: Any, engine_rank: int, host: str, port: int, model_path: str) -> list[str]:
+    server_args = sglang_server_args_for_engine(args, engine_rank)
+    flags = ["--model-path", model_path, "--host", host, "--port", str(port), *render_server_flags(server_args)]
+    return python_module_command("sglang.launch_server", flags)
+
+
+def build_embedded_command(args: Any, engine_rank: int, host: str, port: int, model_path: str) -> list[str]:
+    flags = ["--model-path", model_path, "--host", host, "--port", str(port)]
+    flags += ["--seed", str(int(getattr(args, "seed", 1234)) + engine_rank)]
+    threads = getattr(args, "embedded_engine_num_threads", None)
+    if threads:
+        flags += ["--num-threads", str(threads)]
+    return python_module_command("slime.backends.embedded_engine.server", flags)
+
+
+def launch_engine(
+    kind: str,
+    args: Any,
+    engine_rank: int,
+    port: int,
+    model_path: str,
+    *,
+    host: str = "127.0.0.1",
+    startup_timeout_s: float | None = None,
+    log_dir: str | None = None,
+) -> EngineHandle:
+    """Start an engine process and return once its /health answers (or raise with its log tail)."""
+    if kind not in BACKENDS:
+        raise ValueError(f"unknown engine kind {kind!r}; expected one of {BACKENDS}")
+    build = build_sglang_command if kind == "sglang" else build_embedded_command
+    command = build(args, engine_rank, host, port, model_path)
+    env = {"HF_HUB_OFFLINE": "1"} if kind == "embedded" else {}
+    server = start_server_process(
+        f"{kind}-engine-{engine_rank}", command, f"http://{host}:{port}", log_dir=log_dir, extra_env=env
+    )
+    deadline = startup_timeout_s or float(getattr(args, "sglang_server_startup_timeout", DEFAULT_STARTUP_TIMEOUT_S))
+    server.wait_healthy(deadline)
+    return EngineHandle(kind=kind, engine_rank=engine_rank, host=host, port=port, server=server)

@@ -1,0 +1,115 @@
+"""Deterministic fault injection for reproducing each hang class in tests.
+
+SLIME_FAULT_INJECT=<kind>@<rank>[#<rollout_id>][,<kind>@<rank>...] is parsed once per process.
+Without '#<rollout_id>' the fault fires in every rollout. Unset or empty: no fault ever fires.
+The faults are injected where the real bug would be (warm-up, plan, metrics, forward/backward, logging),
+never inside the fences that are supposed to catch them.
+"""
+from __future__ import annotations
+
+import os
+import re
+import time
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+ENV_VAR = "SLIME_FAULT_INJECT"
+
+FAULT_KINDS = frozenset(
+    {
+        "stall_comm_init",  # rank never finishes communicator warm-up
+        "diverge_plan",  # rank alters its micro-batch plan fields
+        "extra_metric_key",  # rank reports one metric key the others lack
+        "skip_collective",  # rank skips one collective of forward/backward
+        "stall_logging",  # rank blocks in logging
+    }
+)
+
+_SPEC_RE = re.compile(r"^(?P<kind>[a-z_]+)@(?P<rank>\d+)(?:#(?P<rollout>\d+))?$")
+EXTRA_METRIC_KEY = "fault_injected/extra_metric"
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    kind: str
+    rank: int
+    rollout_id: int | None = None  # None: every rollout
+
+    def matches(self, kind: str, rank: int, rollout_id: int | None) -> bool:
+        if self.kind != kind or self.rank != rank:
+            return False
+        return self.rollout_id is None or self.rollout_id == rollout_id
+
+
+def parse_fault_specs(text: str | None) -> tuple[FaultSpec, ...]:
+    """Parse the env value; raise ValueError naming the bad part (checked at start-up)."""
+    if not text or not text.strip():
+        return ()
+    specs = []
+    for part in text.split(","):
+        match = _SPEC_RE.match(part.strip())
+        if match is None:
+            raise ValueError(
+                f"{ENV_VAR}: cannot parse {part!r}; expected <kind>@<rank>[#<rollout_id>], kinds: {sorted(FAULT_KINDS)}"
+            )
+        if match["kind"] not in FAULT_KINDS:
+            raise ValueError(f"{ENV_VAR}: unknown fault kind {match['kind']!r}; known: {sorted(FAULT_KINDS)}")
+        rollout = int(match["rollout"]) if match["rollout"] is not None else None
+        specs.append(FaultSpec(match["kind"], int(match["rank"]), rollout))
+    return tuple(specs)
+
+
+_cached: tuple[FaultSpec, ...] | None = None
+
+
+def active_faults() -> tuple[FaultSpec, ...]:
+    """Faults configured for this process (env read and validated once)."""
+    global _cached
+    if _cached is None:
+        _cached = parse_fault_specs(os.environ.get(ENV_VAR))
+    return _cached
+
+
+def reset_fault_cache() -> None:
+    """Re-read the env on next use (tests that change it within one process)."""
+    global _cached
+    _cached = None
+
+
+def fault_active(kind: str, rank: int, rollout_id: int | None = None) -> bool:
+    if kind not in FAULT_KINDS:
+        raise ValueError(f"unknown fault kind {kind!r}")
+    return any(spec.matches(kind, rank, rollout_id) for spec in active_faults())
+
+
+def stall_forever(poll_s: float = 0.05) -> None:
+    """Block like a hung call, but in short Python-level sleeps so a watchdog HangError can land."""
+    while True:
+        time.sleep(poll_s)
+
+
+def maybe_stall(kind: str, rank: int, rollout_id: int | None = None) -> None:
+    if fault_active(kind, rank, rollout_id):
+        stall_forever()
+
+
+def apply_plan_fault(fields: Mapping[str, object], rank: int, rollout_id: int | None) -> dict[str, object]:
+    """diverge_plan: this rank claims one extra micro-batch and a different plan hash."""
+    fields = dict(fields)
+    if fault_active("diverge_plan", rank, rollout_id):
+        fields["num_micro_batches"] = int(fields.get("num_micro_batches", 0)) + 1
+        fields["plan_hash"] = f"diverged-{fields.get('plan_hash', '')}"
+    return fields
+
+
+def apply_metric_key_fault(keys: Iterable[str], rank: int, rollout_id: int | None) -> tuple[str, ...]:
+    """extra_metric_key: this rank adds a metric key the others do not have."""
+    keys = set(keys)
+    if fault_active("extra_metric_key", rank, rollout_id):
+        keys.add(EXTRA_METRIC_KEY)
+    return tuple(sorted(keys))
+
+
+def should_skip_collective(rank: int, rollout_id: int | None) -> bool:
+    """skip_collective: the caller skips exactly one forward/backward collective when this is True."""
+    return fault_active("skip_collective", rank, rollout_id)

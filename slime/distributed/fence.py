@@ -1,0 +1,149 @@
+"""Fences: every rank shows every other rank what it believes about the step, over a gloo group.
+
+Clean path: one all_gather_into_tensor of a fixed-size payload (phase, sequence number, a short
+digest per field). Only when digests differ does a second gather fetch the full values of the
+differing fields, so that the error can print a table of ranks x fields. Every rank sees the same
+gathered payloads, so every rank takes the same branch and raises the same error together.
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter
+from datetime import timedelta
+from typing import Mapping
+
+import torch
+import torch.distributed.distributed_c10d as c10d
+
+from slime.distributed.errors import CollectiveDivergenceError, FenceTimeoutError
+from slime.distributed.fingerprint import stable_hash
+from slime.distributed.hang_report import format_table, suspects_from_dir, render_hang_report
+from slime.distributed.ledger import FENCE_GROUP_NAME, Ledger
+
+PAYLOAD_BYTES = 4096
+_VALUE_CHARS = 48  # a table cell
+
+
+class Fence:
+    """Callable fence over a persistent gloo group; `fence(phase, fields)` raises on divergence or timeout."""
+
+    def __init__(
+        self,
+        group: object,
+        *,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        ledger: Ledger | None = None,
+    ):
+        self.group = group
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self.ledger = ledger
+        self.seq = 0
+
+    def __call__(self, phase: str, fields: Mapping[str, object] | None = None, *, timeout_s: float | None = None) -> None:
+        fields = dict(fields or {})
+        self.seq += 1
+        payload = {"phase": phase, "seq": self.seq, "digests": {k: stable_hash(v) for k, v in sorted(fields.items())}}
+        gathered = self._gather_payloads(phase, payload, timeout_s or self.timeout_s)
+        differing = _differing_fields(gathered)
+        if differing:
+            self._raise_divergence(phase, fields, gathered, differing)
+
+    # -- clean path ------------------------------------------------------------------------
+    def _gather_payloads(self, phase: str, payload: dict, timeout_s: float) -> list[dict]:
+        local = _encode(payload)
+        out = torch.empty(self.world_size * PAYLOAD_BYTES, dtype=torch.uint8)
+        entry = self._ledger_begin(phase)
+        error = None
+        try:
+            work = c10d.all_gather_into_tensor(out, local, group=self.group, async_op=True)
+            work.wait(timeout=timedelta(seconds=timeout_s))
+        except RuntimeError as exc:  # gloo: "timed out" or a peer closed the connection
+            error = f"{type(exc).__name__}: {exc}"
+            raise self._timeout_error(phase, timeout_s, error) from exc
+        finally:
+            if entry is not None:
+                self.ledger.end(entry, error)
+        return [_decode(chunk) for chunk in out.view(self.world_size, PAYLOAD_BYTES)]
+
+    def _ledger_begin(self, phase: str):
+        if self.ledger is None:
+            return None
+        return self.ledger.begin_named(f"fence:{phase}", FENCE_GROUP_NAME, tuple(range(self.world_size)), (PAYLOAD_BYTES,), "uint8")
+
+    def _timeout_error(self, phase: str, timeout_s: float, cause: str) -> FenceTimeoutError:
+        directory = self.ledger.directory if self.ledger else None
+        lagging = suspects_from_dir(directory, self.world_size)
+        report = f"\n{render_hang_report(directory, self.world_size)}" if directory else ""
+        message = (
+            f"fence '{phase}' (seq {self.seq}) on rank {self.rank} did not complete within {timeout_s:g}s; "
+            f"lagging ranks={list(lagging)}; cause: {cause[:300]}{report}"
+        )
+        return FenceTimeoutError(message, phase=phase, lagging_ranks=lagging)
+
+    # -- divergence path -------------------------------------------------------------------
+    def _raise_divergence(self, phase: str, fields: dict, gathered: list[dict], differing: list[str]) -> None:
+        mine = {name: _describe_value(name, payload_value(name, fields, self.seq, phase)) for name in differing}
+        values: list[dict | None] = [None] * self.world_size
+        c10d.all_gather_object(values, mine, group=self.group)  # all ranks are here: the first gather passed
+        odd = _odd_ranks(gathered, differing)
+        rows = [[r] + [values[r][name] for name in differing] for r in range(self.world_size)]
+        table = format_table(["rank"] + differing, rows)
+        message = (
+            f"ranks {list(odd)} diverge at fence '{phase}' in fields {differing} (rank {self.rank} reporting)\n{table}"
+        )
+        raise CollectiveDivergenceError(message, phase=phase, ranks=odd, fields=tuple(differing))
+
+
+def payload_value(name: str, fields: dict, seq: int, phase: str) -> object:
+    if name == "phase":
+        return phase
+    if name == "seq":
+        return seq
+    return fields.get(name, "<missing>")
+
+
+def _describe_value(name: str, value: object) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, default=repr)
+    return text if len(text) <= _VALUE_CHARS else f"{text[:_VALUE_CHARS - 20]}..#{stable_hash(value)[:8]}"
+
+
+def _field_digest(payload: dict, name: str) -> str:
+    if name in ("phase", "seq"):
+        return str(payload[name])
+    return payload["digests"].get(name, "<missing>")
+
+
+def _differing_fields(gathered: list[dict]) -> list[str]:
+    names = ["phase", "seq"] + sorted({k for p in gathered for k in p["digests"]})
+    return [n for n in names if len({_field_digest(p, n) for p in gathered}) > 1]
+
+
+def _odd_ranks(gathered: list[dict], differing: list[str]) -> tuple[int, ...]:
+    """Ranks that disagree with the majority on some field (ties: with rank 0's value)."""
+    odd: set[int] = set()
+    for name in differing:
+        digests = [_field_digest(p, name) for p in gathered]
+        counts = Counter(digests)
+        top = max(counts.values())
+        majority = next(d for d in digests if counts[d] == top)
+        odd.update(r for r, d in enumerate(digests) if d != majority)
+    return tuple(sorted(odd))
+
+
+def _encode(payload: dict) -> torch.Tensor:
+    raw = json.dumps(payload, separators=(",", ":")).encode()
+    if len(raw) > PAYLOAD_BYTES:
+        # Raised before the collective on the offending rank; its peers then time out at this fence.
+        raise ValueError(f"fence payload of {len(raw)} bytes exceeds {PAYLOAD_BYTES}: too many fields")
+    buf = torch.zeros(PAYLOAD_BYTES, dtype=torch.uint8)
+    buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    return buf
+
+
+def _decode(chunk: torch.Tensor) -> dict:
+    raw = chunk.numpy().tobytes().rstrip(b"\x00")
+    return json.loads(raw.decode())

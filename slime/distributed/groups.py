@@ -1,0 +1,205 @@
+"""Process-group lifecycle across colocate sleep/wake: create once, fence, warm up, (optionally) re-create.
+
+Default (keep_communicators): sleep releases memory only and keeps every communicator alive, which
+removes both the lazy-re-creation race of issue #1487 and its ~1.5 s per-cycle cost.
+`--recreate-process-groups-on-wake` restores upstream's behaviour (destroy at sleep, re-create at wake)
+but re-creates in one fixed order, then fences, warms every communicator eagerly with deadlines, and
+fences again. The world group and the gloo fence group are never destroyed.
+
+Caveat of re-creation: objects built before a sleep (megatron DDP buckets, the optimizer) hold the old
+group objects; `wake()` returns old->new pairs by name so the owner can re-point them.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+
+from slime.distributed.fence import Fence
+from slime.distributed.group_names import forget_group, register_group
+from slime.distributed.ledger import FENCE_GROUP_NAME, Ledger
+from slime.distributed.warmup import CommunicatorWarmup, WarmupReport, step_groups
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelLayout:
+    """Parallel sizes and lifecycle options, read once from args."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int | None = None
+    context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    fence_timeout_s: float = 600.0
+    """Deadline of each fence and of each warm-up op."""
+    group_timeout_s: float = 600.0
+    """Timeout megatron's groups are created with (--distributed-timeout-minutes); keep it above the
+    watchdog deadline so the watchdog, which names phase and ranks, fires first."""
+    recreate_process_groups_on_wake: bool = False
+    """Destroy model-parallel groups at sleep and re-create them at wake (upstream colocate behaviour)."""
+
+    @classmethod
+    def from_args(cls, args) -> "ParallelLayout":
+        return cls(
+            tensor_model_parallel_size=args.tensor_model_parallel_size,
+            pipeline_model_parallel_size=getattr(args, "pipeline_model_parallel_size", 1) or 1,
+            virtual_pipeline_model_parallel_size=getattr(args, "virtual_pipeline_model_parallel_size", None),
+            context_parallel_size=getattr(args, "context_parallel_size", 1) or 1,
+            expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1) or 1,
+            fence_timeout_s=float(getattr(args, "fence_timeout", 600.0)),
+            group_timeout_s=60.0 * float(getattr(args, "distributed_timeout_minutes", 10) or 10),
+            recreate_process_groups_on_wake=bool(getattr(args, "recreate_process_groups_on_wake", False)),
+        )
+
+
+@dataclass(frozen=True)
+class WakeReport:
+    recreated: bool
+    create_seconds: float
+    warmup: WarmupReport | None
+    regrouped: tuple[tuple[str, object, object], ...] = ()  # (name, old group, new group) after re-creation
+
+
+class ProcessGroupLifecycle:
+    """Owns megatron's parallel_state groups plus the persistent gloo fence group of this process."""
+
+    def __init__(self, layout: ParallelLayout, *, ledger: Ledger | None = None):
+        assert dist.is_initialized(), "torch.distributed must be initialised (with a timeout) first"
+        self.layout = layout
+        self.ledger = ledger
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self._fence: Fence | None = None
+        self._asleep = False
+        self.metrics: dict[str, float] = {}
+
+    @classmethod
+    def from_args(cls, args, *, ledger: Ledger | None = None) -> "ProcessGroupLifecycle":
+        return cls(ParallelLayout.from_args(args), ledger=ledger)
+
+    @property
+    def fence(self) -> Fence:
+        assert self._fence is not None, "call create() first"
+        return self._fence
+
+    # -- public phases -----------------------------------------------------------------------
+    def create(self, rollout_id: int | None = None) -> WarmupReport:
+        """First creation: fence group (once, never destroyed), model-parallel groups, fence, warm-up, fence."""
+        if self._fence is None:
+            self._fence = self._create_fence_group()
+        self._create_model_parallel()
+        return self._fenced_warmup("create", rollout_id)
+
+    def sleep(self, rollout_id: int | None = None) -> None:
+        """Fence, release memory, and (re-create mode only) destroy the model-parallel groups."""
+        self.fence("sleep", {"rollout_id": rollout_id})
+        _pause_memory()
+        if self.layout.recreate_process_groups_on_wake:
+            self._destroy_model_parallel()
+        self._asleep = True
+
+    def wake(self, rollout_id: int | None = None) -> WakeReport:
+        """Resume memory, re-create groups in the original order if they were destroyed, fence, warm up, fence."""
+        _resume_memory()
+        recreate = self.layout.recreate_process_groups_on_wake and self._asleep
+        old = self._destroyed_groups if recreate else []
+        start = time.perf_counter()
+        if recreate:
+            self._create_model_parallel()
+        create_seconds = time.perf_counter() - start
+        warmup = self._fenced_warmup("wake", rollout_id)
+        self._asleep = False
+        regrouped = _pair_by_name(old, step_groups()) if recreate else ()
+        self.metrics = {"perf/wake_create_groups_s": create_seconds, "perf/wake_warmup_s": warmup.seconds}
+        return WakeReport(recreate, create_seconds, warmup, regrouped)
+
+    # -- internals ---------------------------------------------------------------------------
+    def _create_fence_group(self) -> Fence:
+        timeout = timedelta(seconds=self.layout.fence_timeout_s)
+        group = dist.new_group(list(range(self.world_size)), backend="gloo", timeout=timeout)
+        register_group(FENCE_GROUP_NAME, group)
+        return Fence(group, rank=self.rank, world_size=self.world_size, timeout_s=self.layout.fence_timeout_s, ledger=self.ledger)
+
+    def _create_model_parallel(self) -> None:
+        layout = self.layout
+        mpu.initialize_model_parallel(
+            tensor_model_parallel_size=layout.tensor_model_parallel_size,
+            pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
+            context_parallel_size=layout.context_parallel_size,
+            expert_model_parallel_size=layout.expert_model_parallel_size,
+            distributed_timeout_minutes=layout.group_timeout_s / 60.0,  # fractions work: tests use seconds
+        )
+        for name, group in step_groups():
+            if name != "world":
+                register_group(name, group)
+
+    def _fenced_warmup(self, phase: str, rollout_id: int | None) -> WarmupReport:
+        self.fence(f"{phase}/groups_created", {"rollout_id": rollout_id, "groups": [n for n, _ in step_groups()]})
+        warmup = CommunicatorWarmup(
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout_s=self.layout.fence_timeout_s,
+            ledger=self.ledger,
+            rollout_id=rollout_id,
+        ).run()
+        self.fence(f"{phase}/warmed_up", {"rollout_id": rollout_id, "warmup_ops": len(warmup.ops)})
+        return warmup
+
+    def _destroy_model_parallel(self) -> None:
+        """Destroy every model-parallel group (not the world group, not the fence group), in a fixed order."""
+        self._destroyed_groups = step_groups()
+        doomed = _all_parallel_state_groups()
+        mpu.destroy_model_parallel()  # resets megatron's globals; destroys only its gloo groups itself
+        live = dist.distributed_c10d._world.pg_map
+        for group in doomed:
+            forget_group(group)
+            if group in live:
+                dist.destroy_process_group(group)
+
+
+def _all_parallel_state_groups() -> list[object]:
+    """Distinct ProcessGroup objects referenced by parallel_state globals, in sorted-name order."""
+    seen: dict[int, object] = {}
+    for name in sorted(vars(mpu)):
+        value = getattr(mpu, name)
+        candidates = value if isinstance(value, (list, tuple)) else [value]
+        for group in candidates:
+            if isinstance(group, dist.ProcessGroup) and group is not dist.GroupMember.WORLD:
+                seen.setdefault(id(group), group)
+    return list(seen.values())
+
+
+def _pair_by_name(old: list[tuple[str, object]], new: list[tuple[str, object]]) -> tuple[tuple[str, object, object], ...]:
+    new_by_name = dict(new)
+    return tuple((name, group, new_by_name[name]) for name, group in old if name in new_by_name)
+
+
+def _pause_memory() -> None:
+    """Release GPU memory across sleep via torch_memory_saver where it can work (CUDA); else nothing."""
+    saver = _memory_saver()
+    if saver is not None:
+        torch.cuda.synchronize()
+        saver.pause()
+        torch.cuda.empty_cache()
+
+
+def _resume_memory() -> None:
+    saver = _memory_saver()
+    if saver is not None:
+        saver.resume()
+
+
+def _memory_saver():
+    if not torch.cuda.is_available():
+        return None
+    try:
+        from torch_memory_saver import torch_memory_saver
+    except ImportError:
+        return None
+    return torch_memory_saver

@@ -1,0 +1,147 @@
+"""Record every torch.distributed collective in a Ledger by wrapping the module-level functions.
+
+megatron-core calls collectives as `torch.distributed.X(...)` (or `dist.X` after
+`import torch.distributed as dist`), resolved at call time, so replacing the attributes of
+`torch.distributed` records megatron's own calls too. isend/irecv are also replaced in
+distributed_c10d because P2POp and batch_isend_irecv compare ops by identity against that
+module's globals. A few megatron modules bind `dist_all_gather_func` / `dist_reduce_scatter_func`
+at import time; those aliases are re-pointed as well (MEGATRON_ALIAS_MODULES). Nested calls (send -> isend, batch_isend_irecv -> isend) record only the outer op.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import threading
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from slime.distributed.ledger import Ledger
+
+INSTRUMENTED_OPS = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "_reduce_scatter_base",
+    "_all_gather_base",
+    "broadcast",
+    "barrier",
+    "monitored_barrier",
+    "isend",
+    "irecv",
+    "send",
+    "recv",
+    "batch_isend_irecv",
+    "all_to_all_single",
+    "all_gather_object",
+)
+_ALSO_IN_C10D = ("isend", "irecv")  # identity-checked inside distributed_c10d
+
+# megatron modules holding import-time aliases of all_gather_into_tensor / reduce_scatter_tensor
+MEGATRON_ALIAS_MODULES = (
+    "megatron.core.tensor_parallel.mappings",
+    "megatron.core.tensor_parallel.layers",
+    "megatron.core.tensor_parallel.utils",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.transformer.multi_token_prediction",
+    "megatron.core.timers",
+    "megatron.core.utils",
+)
+_ALIAS_NAMES = ("dist_all_gather_func", "dist_reduce_scatter_func")
+
+_originals: dict[str, Callable] = {}
+_alias_restore: list[tuple[object, str, Callable]] = []
+_active: list[Ledger | None] = [None]
+_depth = threading.local()
+
+
+def _describe(args: tuple, kwargs: dict, group_index: int | None) -> tuple[object | None, tuple, str]:
+    """(group, shape, dtype) of a call, from the first tensor-like argument."""
+    group = kwargs.get("group")
+    if group is None and group_index is not None and len(args) > group_index:
+        group = args[group_index]
+    first = args[0] if args else next(iter(kwargs.values()), None)
+    if isinstance(first, torch.Tensor):
+        return group, tuple(first.shape), str(first.dtype).removeprefix("torch.")
+    if isinstance(first, (list, tuple)) and first and isinstance(first[0], dist.P2POp):
+        shapes = tuple((type_name(p.op), tuple(p.tensor.shape)) for p in first)
+        return first[0].group, shapes, str(first[0].tensor.dtype).removeprefix("torch.")
+    if isinstance(first, (list, tuple)) and first and isinstance(first[0], torch.Tensor):
+        return group, (len(first),) + tuple(first[0].shape), str(first[0].dtype).removeprefix("torch.")
+    return group, (), ""
+
+
+def type_name(op: Callable) -> str:
+    return getattr(op, "__name__", str(op))
+
+
+def _wrap(name: str, original: Callable) -> Callable:
+    params = list(inspect.signature(original).parameters)
+    group_index = params.index("group") if "group" in params else None
+
+    @functools.wraps(original)
+    def recorded(*args, **kwargs):
+        ledger = _active[0]
+        if ledger is None or getattr(_depth, "value", 0) > 0:
+            return original(*args, **kwargs)
+        group, shape, dtype = _describe(args, kwargs, group_index)
+        _depth.value = 1
+        try:
+            with ledger.record(name, group, shape, dtype):
+                return original(*args, **kwargs)
+        finally:
+            _depth.value = 0
+
+    recorded.__slime_original__ = original
+    return recorded
+
+
+def instrument_collectives(ledger: Ledger) -> None:
+    """Route all collectives of this process into `ledger` (idempotent; re-targets if called again)."""
+    _active[0] = ledger
+    if _originals:
+        return
+    for name in INSTRUMENTED_OPS:
+        original = getattr(dist, name)
+        _originals[name] = original
+        wrapped = _wrap(name, original)
+        setattr(dist, name, wrapped)
+        if name in _ALSO_IN_C10D:
+            setattr(c10d, name, wrapped)
+    _repoint_megatron_aliases()
+
+
+def _repoint_megatron_aliases() -> None:
+    wrapped_by_original = {id(orig): getattr(dist, name) for name, orig in _originals.items()}
+    for module_name in MEGATRON_ALIAS_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:  # megatron absent (pure torch use): nothing to re-point
+            continue
+        for alias in _ALIAS_NAMES:
+            current = getattr(module, alias, None)
+            if current is not None and id(current) in wrapped_by_original:
+                _alias_restore.append((module, alias, current))
+                setattr(module, alias, wrapped_by_original[id(current)])
+
+
+def uninstrument_collectives() -> None:
+    """Restore the original functions (tests)."""
+    for name, original in _originals.items():
+        setattr(dist, name, original)
+        if name in _ALSO_IN_C10D:
+            setattr(c10d, name, original)
+    for module, alias, original in _alias_restore:
+        setattr(module, alias, original)
+    _alias_restore.clear()
+    _originals.clear()
+    _active[0] = None
+
+
+def original_collective(name: str) -> Callable:
+    """The unwrapped function, for fences that record themselves."""
+    return _originals.get(name) or getattr(c10d, name)

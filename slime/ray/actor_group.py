@@ -1,0 +1,94 @@
+"""The group of trainer ranks as seen from the driver.
+
+Each method fans one call out to every rank and waits with a deadline derived from
+`--fence-timeout`; ranks enforce the same deadline themselves (watchdog), so the driver's
+deadline is a backstop with a margin. On a deadline the driver renders, from the ranks'
+ledger files, where every rank is.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from typing import Any
+
+import ray
+
+from slime.ray.deadline import wait_ranks
+from slime.ray.placement import Placement, actor_world_size
+from slime.ray.train_actor import TrainRayActor
+
+logger = logging.getLogger(__name__)
+
+# Ranks give up after `--fence-timeout` per phase; the driver waits a little longer so that the
+# ranks' own named errors arrive first.
+DRIVER_MARGIN = 1.5
+# Model build, checkpoint load and Ray start-up are not fenced phases: they get a fixed allowance.
+INIT_ALLOWANCE_S = 600.0
+
+
+class RayTrainGroup:
+    def __init__(self, args, placement: Placement):
+        self.args = args
+        self.world_size = actor_world_size(args)
+        self.ledger_dir = args.ledger_dir or tempfile.mkdtemp(prefix="slime-ledger-")
+        num_gpus = 1 if placement.use_gpu else 0
+        remote = ray.remote(num_gpus=num_gpus, num_cpus=1)(TrainRayActor)
+        self._ranks = [
+            remote.options(scheduling_strategy=placement.strategy(bundle)).remote(
+                args, rank, self.world_size, self.ledger_dir)
+            for rank, bundle in enumerate(placement.actor_bundles)
+        ]
+        self.start_rollout_id = 0
+
+    def init(self, engine_urls: list[str]) -> None:
+        master_addr, master_port = ray.get(self._ranks[0].rendezvous_address.remote(), timeout=120)
+        refs = [r.init.remote(master_addr, master_port, engine_urls) for r in self._ranks]
+        starts = self._wait(refs, "init", INIT_ALLOWANCE_S + self.args.fence_timeout)
+        self.start_rollout_id = starts[0]
+
+    def train(self, rollout_id: int, data_ref: ray.ObjectRef) -> dict[str, Any]:
+        # The data ref is passed inside a list so Ray does not resolve it in the call path:
+        # each rank fetches it itself, under its own deadline.
+        refs = [r.train.remote(rollout_id, [data_ref]) for r in self._ranks]
+        return self._wait(refs, "actor_train", self._step_deadline())[0]
+
+    def update_weights(self, rollout_id: int) -> dict[str, Any]:
+        refs = [r.update_weights.remote(rollout_id) for r in self._ranks]
+        return self._wait(refs, "weight_sync", self._step_deadline())[0]
+
+    def sleep(self) -> None:
+        self._wait([r.sleep.remote() for r in self._ranks], "sleep", self._phase_deadline())
+
+    def save(self, rollout_id: int) -> None:
+        self._wait([r.save.remote(rollout_id) for r in self._ranks], "save", INIT_ALLOWANCE_S)
+
+    def shutdown(self) -> None:
+        for rank in self._ranks:
+            ray.kill(rank, no_restart=True)
+
+    def _phase_deadline(self) -> float:
+        return self.args.fence_timeout * DRIVER_MARGIN + 30
+
+    def _step_deadline(self) -> float:
+        # A step has several phases, each bounded by fence_timeout on the ranks; the whole step is
+        # bounded here so that even a rank whose watchdog died cannot hold the driver forever.
+        return self.args.fence_timeout * 4 + 60
+
+    def _wait(self, refs, phase: str, timeout_s: float) -> list:
+        from slime.distributed.watchdog import render_hang_report
+
+        return wait_ranks(refs, phase=phase, timeout_s=timeout_s,
+                          describe_hang=lambda: render_hang_report(self.ledger_dir, self.world_size))
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def node_ip() -> str:
+    return os.environ.get("SLIME_MASTER_ADDR") or ray.util.get_node_ip_address()

@@ -1,0 +1,158 @@
+"""The rollout side: engines, the router, the data source and the rollout function.
+
+`RolloutManager` is one Ray actor. It starts one engine per `--rollout-num-gpus-per-engine`
+devices (real SGLang servers on GPUs, the embedded engine elsewhere: both answer the same
+HTTP API), puts a router in front, and turns each rollout into the trainer's batch. The
+driver talks to it through `RolloutManagerHandle`, whose calls all carry a deadline.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import ray
+import torch
+
+from slime.backends.sglang_utils.launcher import EngineHandle, launch_engine, pick_rollout_backend
+from slime.rollout.advantages import samples_to_train_data
+from slime.rollout.base_types import call_rollout_fn
+from slime.rollout.data_source import RolloutDataSource
+from slime.rollout.metrics import compute_rollout_metrics
+from slime.router.router import launch_router
+from slime.utils.misc import load_function
+from slime.utils.types import Sample
+
+logger = logging.getLogger(__name__)
+
+# Engine-control calls (release/resume memory, flush) are quick; generation is bounded by the
+# per-request HTTP timeout of the rollout function, not here.
+CONTROL_TIMEOUT_S = 300.0
+STARTUP_TIMEOUT_S = 900.0
+
+
+def num_engines(args) -> int:
+    if args.debug_train_only:
+        return 0
+    return max(1, args.rollout_num_gpus // args.rollout_num_gpus_per_engine)
+
+
+class RolloutManager:
+    def __init__(self, args):
+        self.args = args
+        self.data_source = RolloutDataSource(args)
+        self.data_source.load(getattr(args, "start_rollout_id", None))
+        self.backend = pick_rollout_backend(args)
+        self.engines: list[EngineHandle] = self._launch_engines()
+        self.router = launch_router(args, [e.url for e in self.engines]) if self.engines else None
+        if self.router is not None:
+            args.sglang_router_ip, args.sglang_router_port = self.router.host, self.router.port
+        self._rollout_fn = load_function(args.rollout_function_path)
+
+    def _launch_engines(self) -> list[EngineHandle]:
+        count = num_engines(self.args)
+        if count == 0:
+            return []
+        from slime.ray.actor_group import free_port
+
+        model = self.args.hf_checkpoint
+        log_dir = os.path.join(self.args.ledger_dir or "/tmp", "engine-logs")
+        logger.info("starting %d %s engine(s) for %s", count, self.backend, model)
+        with ThreadPoolExecutor(max_workers=count) as pool:
+            futures = [pool.submit(launch_engine, self.backend, self.args, i, free_port(), model,
+                                   startup_timeout_s=STARTUP_TIMEOUT_S, log_dir=log_dir)
+                       for i in range(count)]
+            return [f.result() for f in futures]
+
+    def engine_urls(self) -> list[str]:
+        return [e.url for e in self.engines]
+
+    def generate(self, rollout_id: int) -> tuple[list[ray.ObjectRef], dict[str, Any]]:
+        samples, metrics = self._samples(rollout_id)
+        if self.args.save_debug_rollout_data:
+            path = self.args.save_debug_rollout_data.format(rollout_id=rollout_id)
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            torch.save({"rollout_id": rollout_id, "samples": [s.to_dict() for s in samples]}, path)
+        data = samples_to_train_data(self.args, samples)
+        metrics = {**compute_rollout_metrics(self.args, samples), **(metrics or {})}
+        if self.args.save:
+            self.data_source.save(rollout_id)
+        return [ray.put(data)], {f"rollout/{k}" if "/" not in k else k: v for k, v in metrics.items()}
+
+    def _samples(self, rollout_id: int) -> tuple[list[Sample], dict[str, Any]]:
+        if self.args.load_debug_rollout_data:
+            path = self.args.load_debug_rollout_data.format(rollout_id=rollout_id)
+            saved = torch.load(path, weights_only=False)
+            return [Sample.from_dict(d) for d in saved["samples"]], {}
+        output = call_rollout_fn(self._rollout_fn, self.args, rollout_id, self.data_source, evaluation=False)
+        return [s for group in output.samples for s in group], dict(output.metrics or {})
+
+    def evaluate(self, rollout_id: int) -> dict[str, Any]:
+        fn = load_function(self.args.eval_function_path or self.args.rollout_function_path)
+        output = call_rollout_fn(fn, self.args, rollout_id, self.data_source, evaluation=True)
+        return dict(output.metrics or {})
+
+    def offload(self) -> None:
+        """Colocate: engines give their memory to the trainer (weights and KV cache)."""
+        self._each_engine(lambda c: c.release_memory_occupation())
+
+    def onload(self, tags: tuple[str, ...]) -> None:
+        self._each_engine(lambda c: c.resume_memory_occupation(list(tags)))
+
+    def _each_engine(self, call) -> None:
+        with ThreadPoolExecutor(max_workers=max(1, len(self.engines))) as pool:
+            list(pool.map(lambda e: call(e.client()), self.engines))
+
+    def shutdown(self) -> None:
+        if self.router is not None:
+            self.router.stop()
+        for engine in self.engines:
+            engine.stop()
+
+
+class RolloutManagerHandle:
+    """Driver-side proxy: each call waits on the Ray actor with a deadline."""
+
+    def __init__(self, actor):
+        self._actor = actor
+
+    def _get(self, ref, what: str, timeout_s: float | None):
+        try:
+            return ray.get(ref, timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError as exc:
+            raise TimeoutError(f"rollout manager: '{what}' did not finish within {timeout_s:.0f}s") from exc
+
+    def wait_ready(self) -> None:
+        self._get(self._actor.engine_urls.remote(), "start engines", STARTUP_TIMEOUT_S + 60)
+
+    def engine_urls(self) -> list[str]:
+        return self._get(self._actor.engine_urls.remote(), "engine_urls", CONTROL_TIMEOUT_S)
+
+    def generate(self, rollout_id: int) -> tuple[ray.ObjectRef, dict[str, Any]]:
+        # Generation time grows with the rollout; each HTTP request inside carries its own timeout.
+        refs, metrics = self._get(self._actor.generate.remote(rollout_id), "generate", None)
+        return refs[0], metrics
+
+    def evaluate(self, rollout_id: int) -> dict[str, Any]:
+        return self._get(self._actor.evaluate.remote(rollout_id), "eval", None)
+
+    def offload(self) -> None:
+        self._get(self._actor.offload.remote(), "offload engines", CONTROL_TIMEOUT_S)
+
+    def onload(self, tags: tuple[str, ...]) -> None:
+        self._get(self._actor.onload.remote(tags), f"onload engines {tags}", CONTROL_TIMEOUT_S)
+
+    def shutdown(self) -> None:
+        try:
+            self._get(self._actor.shutdown.remote(), "shutdown", 60)
+        finally:
+            ray.kill(self._actor, no_restart=True)
+
+
+def create_rollout_manager(args, placement) -> RolloutManagerHandle:
+    # The manager only drives HTTP and subprocesses; it reserves no device of its own.
+    actor = ray.remote(num_cpus=0)(RolloutManager).remote(args)
+    handle = RolloutManagerHandle(actor)
+    handle.wait_ready()
+    return handle

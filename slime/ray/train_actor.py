@@ -1,0 +1,42 @@
+"""One trainer rank as a Ray actor: rendezvous, then delegate to the fenced megatron actor."""
+from __future__ import annotations
+
+import os
+import socket
+
+
+class TrainRayActor:
+    def __init__(self, args, rank: int, world_size: int, ledger_dir: str):
+        self.args = args
+        self.rank = rank
+        self.world_size = world_size
+        self.ledger_dir = ledger_dir
+        self.actor = None
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """Rank 0 offers its address and a free port for torch.distributed."""
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def init(self, master_addr: str, master_port: int, engine_urls: list[str]) -> int:
+        from slime.backends.megatron_utils.actor import MegatronTrainActor
+
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        self.actor = MegatronTrainActor(self.args, self.rank, self.world_size, self.ledger_dir)
+        return self.actor.init(master_addr, master_port, engine_urls)
+
+    def train(self, rollout_id: int, data_ref: list) -> dict:
+        return self.actor.train(rollout_id, data_ref[0])
+
+    def update_weights(self, rollout_id: int) -> dict:
+        return self.actor.update_weights(rollout_id)
+
+    def sleep(self) -> None:
+        self.actor.sleep()
+
+    def save(self, rollout_id: int) -> None:
+        self.actor.save(rollout_id)

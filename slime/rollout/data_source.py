@@ -1,0 +1,345 @@
+"""Prompt data: read --prompt-data, turn rows into Samples, hand out groups epoch after epoch.
+
+Bad input fails here, at load time, with the flag, file and line in the message; prompts that
+cannot fit the engine's context are skipped and counted instead of failing deep inside generation.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import logging
+import os
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from slime.utils.types import Sample
+
+logger = logging.getLogger(__name__)
+
+_SKIP_EXAMPLES = 5  # line numbers of skipped prompts quoted in the log
+
+
+@dataclass(frozen=True)
+class PromptFileSpec:
+    """How to read one prompt file (training or one eval dataset)."""
+
+    path: str
+    flag: str  # the flag that named the file, for error messages
+    input_key: str = "input"
+    label_key: str | None = None
+    metadata_key: str | None = "metadata"
+    tool_key: str | None = "tools"  # tool specs handed to the chat template when a row has them
+    apply_chat_template: bool = False
+    chat_template_kwargs: dict = field(default_factory=dict)
+    # prompts with more tokens than this are skipped; None: no limit
+    max_prompt_len: int | None = None
+
+
+@functools.lru_cache(maxsize=4)
+def load_tokenizer(path: str):
+    """The HF tokenizer of --hf-checkpoint, read from local files only (no hub access)."""
+    from transformers import AutoTokenizer
+
+    if not path or not os.path.isdir(path):
+        raise FileNotFoundError(f"--hf-checkpoint {path!r} is not a directory holding a tokenizer")
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=True, local_files_only=True)
+
+
+def _chat_template_kwargs(args) -> dict:
+    value = getattr(args, "apply_chat_template_kwargs", None) or {}
+    return json.loads(value) if isinstance(value, str) else dict(value)
+
+
+def context_budget(args) -> int | None:
+    """Longest prompt (tokens) worth sending: --rollout-max-prompt-len, else the context minus one token."""
+    if getattr(args, "rollout_max_prompt_len", None):
+        return int(args.rollout_max_prompt_len)
+    context = getattr(args, "rollout_max_context_len", None) or _model_context(getattr(args, "hf_checkpoint", None))
+    return int(context) - 1 if context else None
+
+
+def _model_context(hf_checkpoint: str | None) -> int | None:
+    config = Path(hf_checkpoint or "") / "config.json"
+    if not hf_checkpoint or not config.is_file():
+        return None
+    return json.loads(config.read_text()).get("max_position_embeddings")
+
+
+def train_prompt_spec(args) -> PromptFileSpec:
+    return PromptFileSpec(
+        path=args.prompt_data,
+        flag="--prompt-data",
+        input_key=getattr(args, "input_key", None) or "input",
+        label_key=getattr(args, "label_key", None),
+        metadata_key=getattr(args, "metadata_key", "metadata"),
+        tool_key=getattr(args, "tool_key", "tools"),
+        apply_chat_template=bool(getattr(args, "apply_chat_template", False)),
+        chat_template_kwargs=_chat_template_kwargs(args),
+        max_prompt_len=context_budget(args),
+    )
+
+
+def eval_prompt_specs(args) -> dict[str, PromptFileSpec]:
+    """--eval-prompt-data NAME PATH [NAME PATH ...] -> {name: spec}; eval keys default to training's."""
+    pairs = _name_path_pairs(getattr(args, "eval_prompt_data", None))
+    base = _eval_spec_fields(args)
+    return {
+        name: PromptFileSpec(path=path, flag=f"--eval-prompt-data {name}", **base) for name, path in pairs
+    }
+
+
+def _eval_spec_fields(args) -> dict[str, Any]:
+    return dict(
+        input_key=getattr(args, "eval_input_key", None) or getattr(args, "input_key", None) or "input",
+        label_key=getattr(args, "eval_label_key", None) or getattr(args, "label_key", None),
+        metadata_key=getattr(args, "metadata_key", "metadata"),
+        tool_key=getattr(args, "tool_key", "tools"),
+        apply_chat_template=bool(getattr(args, "apply_chat_template", False)),
+        chat_template_kwargs=_chat_template_kwargs(args),
+        max_prompt_len=context_budget(args),
+    )
+
+
+def _name_path_pairs(value) -> list[tuple[str, str]]:
+    if not value:
+        return []
+    if all(isinstance(item, (list, tuple)) for item in value):
+        return [(str(name), str(path)) for name, path in value]
+    if isinstance(value, dict):
+        return [(str(k), str(v)) for k, v in value.items()]
+    if len(value) % 2:
+        raise ValueError(f"--eval-prompt-data takes NAME PATH pairs, got {list(value)}")
+    return [(str(value[i]), str(value[i + 1])) for i in range(0, len(value), 2)]
+
+
+def read_rows(spec: PromptFileSpec) -> Iterator[tuple[int, dict]]:
+    """(line number, row dict) of a JSONL (or parquet) prompt file."""
+    path = Path(spec.path or "")
+    if not spec.path or not path.is_file():
+        raise FileNotFoundError(f"{spec.flag}: prompt file {spec.path!r} does not exist")
+    if path.suffix == ".parquet":
+        yield from _read_parquet(spec)
+        return
+    with path.open(encoding="utf-8") as handle:
+        for lineno, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{spec.flag}: {path}:{lineno}: malformed JSON line ({exc.msg})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{spec.flag}: {path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+            yield lineno, row
+
+
+def _read_parquet(spec: PromptFileSpec) -> Iterator[tuple[int, dict]]:
+    try:
+        import pandas
+    except ImportError:
+        raise ValueError(f"{spec.flag}: {spec.path} is parquet; install pandas + pyarrow or convert it to JSONL") from None
+    for row_number, row in enumerate(pandas.read_parquet(spec.path).to_dict(orient="records"), start=1):
+        yield row_number, row
+
+
+def _prompt_text(spec: PromptFileSpec, row: dict, where: str, tokenizer) -> str:
+    raw = row[spec.input_key]
+    if spec.apply_chat_template:
+        messages = [{"role": "user", "content": raw}] if isinstance(raw, str) else list(raw)
+        kwargs = dict(spec.chat_template_kwargs)
+        if spec.tool_key and row.get(spec.tool_key) is not None:
+            tools = row[spec.tool_key]
+            kwargs["tools"] = json.loads(tools) if isinstance(tools, str) else tools
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+    if not isinstance(raw, str):
+        raise ValueError(f"{where}: {spec.input_key!r} holds chat messages; pass --apply-chat-template")
+    return raw
+
+
+def _metadata(spec: PromptFileSpec, row: dict, where: str) -> dict:
+    value = row.get(spec.metadata_key) if spec.metadata_key else None
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        value = json.loads(value)
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}: metadata key {spec.metadata_key!r} must hold an object")
+    return value
+
+
+def row_to_sample(spec: PromptFileSpec, row: dict, lineno: int, tokenizer) -> Sample:
+    """One prompt row -> a Sample holding the prompt text, its tokens, label and metadata."""
+    where = f"{spec.flag}: {spec.path}:{lineno}"
+    if spec.input_key not in row:
+        raise ValueError(f"{where}: input key {spec.input_key!r} missing (keys: {sorted(row)}); set --input-key")
+    if spec.label_key is not None and spec.label_key not in row:
+        raise ValueError(f"{where}: label key {spec.label_key!r} missing (keys: {sorted(row)}); set --label-key")
+    prompt = _prompt_text(spec, row, where, tokenizer)
+    return Sample(
+        prompt=prompt,
+        tokens=list(tokenizer(prompt, add_special_tokens=False)["input_ids"]),
+        label=row[spec.label_key] if spec.label_key is not None else None,
+        metadata=_metadata(spec, row, where),
+    )
+
+
+class PromptDataset:
+    """All usable prompts of one file, as Samples in file order; over-long prompts skipped and counted."""
+
+    def __init__(self, spec: PromptFileSpec, tokenizer):
+        self.spec = spec
+        self.samples: list[Sample] = []
+        self.skipped_lines: list[int] = []
+        for lineno, row in read_rows(spec):
+            sample = row_to_sample(spec, row, lineno, tokenizer)
+            if spec.max_prompt_len is not None and len(sample.tokens) > spec.max_prompt_len:
+                self.skipped_lines.append(lineno)
+                continue
+            self.samples.append(sample)
+        self._report(spec)
+
+    def _report(self, spec: PromptFileSpec) -> None:
+        if self.skipped_lines:
+            logger.warning(
+                "%s: skipped %d prompt(s) longer than %d tokens (lines %s%s)",
+                spec.path, len(self.skipped_lines), spec.max_prompt_len,
+                self.skipped_lines[:_SKIP_EXAMPLES], " ..." if len(self.skipped_lines) > _SKIP_EXAMPLES else "",
+            )
+        if not self.samples:
+            raise ValueError(f"{spec.flag}: {spec.path} has no usable prompt ({len(self.skipped_lines)} too long)")
+
+    @property
+    def num_skipped(self) -> int:
+        return len(self.skipped_lines)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+
+def epoch_order(num_prompts: int, epoch: int, seed: int, shuffle: bool) -> list[int]:
+    """Prompt order of one epoch: file order, or a permutation fixed by (seed, epoch)."""
+    order = list(range(num_prompts))
+    if shuffle:
+        random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    return order
+
+
+class RolloutDataSource:
+    """Hands out `num_prompts` groups of `n_samples_per_prompt` Samples; wraps around epochs."""
+
+    def __init__(self, args):
+        self.args = args
+        self.epoch_id = 0
+        self.sample_offset = 0  # position inside the current epoch's order
+        self.sample_group_index = 0
+        self.sample_index = 0
+        self.metadata: dict = {}
+        self.dataset: PromptDataset | None = None
+        if getattr(args, "prompt_data", None) is not None:
+            tokenizer = load_tokenizer(args.hf_checkpoint)
+            self.dataset = PromptDataset(train_prompt_spec(args), tokenizer)
+        seed = getattr(args, "rollout_seed", None)
+        self._seed = int(seed if seed is not None else getattr(args, "seed", 0))
+        self._shuffle = bool(getattr(args, "rollout_shuffle", False))
+        self._order: tuple[int, list[int]] | None = None  # (epoch, order) cache
+
+    def _epoch_order(self) -> list[int]:
+        if self._order is None or self._order[0] != self.epoch_id:
+            self._order = (self.epoch_id, epoch_order(len(self.dataset), self.epoch_id, self._seed, self._shuffle))
+        return self._order[1]
+
+    def _next_prompts(self, num_prompts: int) -> list[Sample]:
+        if self.dataset is None:
+            return [Sample() for _ in range(num_prompts)]
+        prompts: list[Sample] = []
+        size = len(self.dataset)
+        while len(prompts) < num_prompts:
+            if self.sample_offset == size:
+                self.epoch_id += 1
+                self.sample_offset = 0
+            order = self._epoch_order()
+            take = min(num_prompts - len(prompts), size - self.sample_offset)
+            prompts += [self.dataset.samples[i] for i in order[self.sample_offset : self.sample_offset + take]]
+            self.sample_offset += take
+        return prompts
+
+    def get_samples(self, num_prompts: int) -> list[list[Sample]]:
+        """`num_prompts` groups, each n_samples_per_prompt fresh copies with group_index / index set."""
+        groups = []
+        for prompt in self._next_prompts(num_prompts):
+            group = []
+            for _ in range(self.args.n_samples_per_prompt):
+                sample = copy.deepcopy(prompt)
+                sample.group_index, sample.index = self.sample_group_index, self.sample_index
+                self.sample_index += 1
+                group.append(sample)
+            self.sample_group_index += 1
+            groups.append(group)
+        return groups
+
+    def add_samples(self, samples: list[list[Sample]]) -> None:
+        raise RuntimeError(f"{type(self).__name__} is read-only; use RolloutDataSourceWithBuffer")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "epoch_id": self.epoch_id,
+            "sample_offset": self.sample_offset,
+            "sample_group_index": self.sample_group_index,
+            "sample_index": self.sample_index,
+            "metadata": self.metadata,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key, default in (("epoch_id", 0), ("sample_offset", 0), ("sample_group_index", 0), ("sample_index", 0)):
+            setattr(self, key, int(state.get(key, default)))
+        self.metadata = dict(state.get("metadata", {}))
+
+    @staticmethod
+    def state_path(root: str, rollout_id: int) -> str:
+        return os.path.join(root, "rollout", f"global_dataset_state_dict_{rollout_id}.pt")
+
+    def save(self, rollout_id: int) -> None:
+        """Write the position in the data under --save, so --load resumes with the next prompts."""
+        if not getattr(self.args, "save", None):
+            return
+        path = self.state_path(self.args.save, rollout_id)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        torch.save(self.state_dict(), path)
+
+    def load(self, rollout_id: int | None = None) -> None:
+        if not getattr(self.args, "load", None) or rollout_id is None:
+            return
+        path = self.state_path(self.args.load, rollout_id)
+        if not os.path.exists(path):
+            logger.info("no data-source state at %s; starting from the first prompt", path)
+            return
+        self.load_state_dict(torch.load(path, weights_only=True))
+
+    def __len__(self) -> int:
+        return len(self.dataset) if self.dataset is not None else 0
+
+
+class RolloutDataSourceWithBuffer(RolloutDataSource):
+    """Groups handed back with add_samples (e.g. aborted partial rollouts) are served first."""
+
+    def __init__(self, args):
+        super().__init__(args)
+        self.buffer: list[list[Sample]] = []
+
+    def get_samples(self, num_prompts: int) -> list[list[Sample]]:
+        taken, self.buffer = self.buffer[:num_prompts], self.buffer[num_prompts:]
+        return taken + super().get_samples(num_prompts - len(taken))
+
+    def add_samples(self, samples: list[list[Sample]]) -> None:
+        for group in samples:
+            if len(group) != self.args.n_samples_per_prompt:
+                raise ValueError(f"group of {len(group)} samples, expected --n-samples-per-prompt {self.args.n_samples_per_prompt}")
+            self.buffer.append(group)
+
+    def get_buffer_length(self) -> int:
+        return len(self.buffer)

@@ -1,0 +1,141 @@
+"""Math answer extraction and equivalence: \\boxed{...} or the final number, normalised, compared.
+
+The comparison is deliberately conservative: two answers match when their normalised strings are
+equal or when both parse to numbers that agree to 1e-6 relative (fractions, decimals, percents).
+"""
+from __future__ import annotations
+
+import math
+import re
+
+_NUMBER = r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+"
+_NUMBER_RE = re.compile(rf"(?<![\w.])(?:{_NUMBER})(?:\s*/\s*(?:{_NUMBER}))?")
+
+
+def last_boxed_only_string(text: str) -> str | None:
+    """The last `\\boxed{...}` / `\\fbox{...}` (with balanced braces) or `\\boxed x` in text."""
+    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
+    if start < 0:
+        return None
+    brace = text.find("{", start)
+    head = text[start:brace] if brace >= 0 else text[start:]
+    if brace < 0 or head.strip() not in ("\\boxed", "\\fbox"):
+        # "\boxed 5" form: the token after a space
+        tail = text[start:].split("$")[0]
+        return tail if " " in tail else None
+    depth = 0
+    for pos in range(brace, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[pos], 0)
+        if depth == 0:
+            return text[start : pos + 1]
+    return None
+
+
+def remove_boxed(boxed: str) -> str:
+    """`\\boxed{x}` -> `x`; `\\boxed x` -> `x`."""
+    for prefix in ("\\boxed ", "\\fbox "):
+        if boxed.startswith(prefix):
+            return boxed[len(prefix) :].strip()
+    open_at = boxed.find("{")
+    return boxed[open_at + 1 : -1]
+
+
+def extract_answer(text: str) -> str | None:
+    """Content of the last boxed expression, or None."""
+    boxed = last_boxed_only_string(text or "")
+    return remove_boxed(boxed) if boxed is not None else None
+
+
+def extract_final_number(text: str) -> str | None:
+    """The last number in text (integers, decimals, `a/b`), or None."""
+    matches = _NUMBER_RE.findall(text or "")
+    return matches[-1].strip() if matches else None
+
+
+def _strip_text_wrappers(s: str) -> str:
+    # \text{cm} and \mbox{...} keep their content: "5\text{ cm}" -> "5 cm"
+    return re.sub(r"\\(?:text|textbf|mathrm|mbox)\{([^{}]*)\}", r"\1", s)
+
+
+def _canonical_frac(s: str) -> str:
+    # \frac12 -> \frac{1}{2}; \frac{1}2 -> \frac{1}{2}; \sqrt2 -> \sqrt{2}
+    s = re.sub(r"\\frac(\d)(\d)", r"\\frac{\1}{\2}", s)
+    s = re.sub(r"\\sqrt(\w)", r"\\sqrt{\1}", s)
+    return re.sub(r"\\frac\{([^{}]*)\}(\d)", r"\\frac{\1}{\2}", s)
+
+
+def normalize_answer(answer: str | None) -> str:
+    """A canonical string form of a math answer (latex noise, units, spacing, case removed)."""
+    if answer is None:
+        return ""
+    s = str(answer).strip()
+    s = _strip_text_wrappers(s)
+    for noise in ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "\\displaystyle", "$"):
+        s = s.replace(noise, "")
+    s = s.replace("dfrac", "frac").replace("tfrac", "frac")
+    s = re.sub(r"\^\{?\\circ\}?", "", s).replace("°", "")
+    s = s.replace("\\%", "").replace("%", "")
+    s = _canonical_frac(s)
+    # "x = 5" -> "5" when the left side is a short variable name
+    if re.match(r"^\s*[a-zA-Z]\w{0,2}\s*=", s):
+        s = s.split("=", 1)[1]
+    s = s.strip().rstrip(".").strip()
+    # thousands separators inside numbers: 1,000 -> 1000
+    s = re.sub(r"(?<=\d),(?=\d{3}(?:\D|$))", "", s)
+    s = s.replace(" ", "").lower()
+    if re.fullmatch(r"-?\d+\.0+", s):
+        s = s.split(".")[0]
+    if s.startswith("."):
+        s = "0" + s
+    return s
+
+
+def to_number(s: str) -> float | None:
+    """A float for `3`, `-2.5`, `1/2`, `\\frac{1}{2}`, `-\\frac{3}{4}`; None otherwise."""
+    s = normalize_answer(s)
+    frac = re.fullmatch(r"(-?)\\frac\{(-?[\d.]+)\}\{(-?[\d.]+)\}", s)
+    if frac:
+        sign, num, den = frac.groups()
+        return _safe_div(float(num), float(den), negate=bool(sign))
+    ratio = re.fullmatch(r"(-?[\d.]+)/(-?[\d.]+)", s)
+    if ratio:
+        return _safe_div(float(ratio.group(1)), float(ratio.group(2)))
+    try:
+        return float(s)
+    except ValueError:
+        return None
+
+
+def _safe_div(num: float, den: float, negate: bool = False) -> float | None:
+    if den == 0:
+        return None
+    value = num / den
+    return -value if negate else value
+
+
+def grade_answer(given: str | None, ground_truth: str | int | float | None) -> bool:
+    """True when `given` is equivalent to `ground_truth` (string-normalised or numerically)."""
+    if given is None or ground_truth is None:
+        return False
+    a, b = normalize_answer(given), normalize_answer(str(ground_truth))
+    if not a or not b:
+        return False
+    if a == b:
+        return True
+    x, y = to_number(a), to_number(b)
+    if x is None or y is None:
+        return False
+    return math.isclose(x, y, rel_tol=1e-6, abs_tol=1e-9)
+
+
+def extract_math_answer(response: str) -> str | None:
+    """Boxed answer if present, else the final number of the response."""
+    boxed = extract_answer(response)
+    return boxed if boxed is not None else extract_final_number(response)
+
+
+def grade_math_response(response: str, label) -> bool:
+    """`--rm-type math`: the response's answer equals the label (any of them when label is a list)."""
+    labels = label if isinstance(label, (list, tuple)) else [label]
+    answer = extract_math_answer(response)
+    return any(grade_answer(answer, truth) for truth in labels)

@@ -1,0 +1,250 @@
+"""slime's router (`--use-slime-router`): load-balances /generate over registered engines.
+
+    python -m slime.router.router --host 127.0.0.1 --port P [--worker-urls URL ...]
+
+Policy: least in-flight requests, ties broken round-robin. A worker whose connection fails
+is taken out of rotation and the request is retried on another one (the failed attempt never
+reached an engine); a periodic /health probe puts it back. Every upstream call has a timeout.
+Without --use-slime-router, `launch_router` starts sglang-router instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from slime.backends.sglang_utils.process import (
+    ServerProcess,
+    find_free_port,
+    python_module_command,
+    start_server_process,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RouterConfig:
+    request_timeout_s: float = 3600.0
+    """Deadline for one proxied /generate (long rollouts are legitimate)."""
+    connect_timeout_s: float = 5.0
+    """Deadline to open a connection to a worker; past it the worker counts as dead."""
+    health_interval_s: float = 5.0
+    """Seconds between /health probes of every worker."""
+    health_timeout_s: float = 5.0
+
+
+@dataclass
+class Worker:
+    url: str
+    order: int
+    inflight: int = 0
+    healthy: bool = True
+    served: int = 0
+
+
+@dataclass
+class WorkerPool:
+    workers: dict[str, Worker] = field(default_factory=dict)
+    _order: itertools.count = field(default_factory=itertools.count)
+    _turn: int = 0
+
+    def add(self, url: str) -> Worker:
+        url = url.rstrip("/")
+        if url not in self.workers:
+            self.workers[url] = Worker(url=url, order=next(self._order))
+        self.workers[url].healthy = True
+        return self.workers[url]
+
+    def remove(self, url: str) -> None:
+        self.workers.pop(url.rstrip("/"), None)
+
+    def pick(self, exclude: set[str] = frozenset()) -> Worker | None:
+        """Least in-flight healthy worker; among equals, the one after the last pick in turn."""
+        candidates = [w for w in self.workers.values() if w.healthy and w.url not in exclude]
+        if not candidates:
+            return None
+        n = len(candidates)
+        candidates.sort(key=lambda w: w.order)
+        start = self._turn % n
+        rotated = candidates[start:] + candidates[:start]
+        chosen = min(rotated, key=lambda w: w.inflight)
+        self._turn = candidates.index(chosen) + 1
+        return chosen
+
+
+class SlimeRouter:
+    def __init__(self, config: RouterConfig = RouterConfig()) -> None:
+        self.config = config
+        self.pool = WorkerPool()
+        self._session: aiohttp.ClientSession | None = None
+
+    # ----- lifecycle ---------------------------------------------------------------------
+    async def start(self, app: web.Application):
+        self._session = aiohttp.ClientSession()
+        probe = asyncio.create_task(self._probe_loop())
+        yield
+        probe.cancel()
+        await self._session.close()
+
+    async def _probe_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_interval_s)
+            await asyncio.gather(*(self._probe(w) for w in list(self.pool.workers.values())))
+
+    async def _probe(self, worker: Worker) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
+        try:
+            async with self._session.get(worker.url + "/health", timeout=timeout) as response:
+                healthy = response.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            healthy = False
+        if healthy != worker.healthy:
+            logger.warning("worker %s is now %s", worker.url, "healthy" if healthy else "unhealthy")
+        worker.healthy = healthy
+
+    # ----- proxy -------------------------------------------------------------------------
+    async def generate(self, request: web.Request) -> web.Response:
+        body = await request.read()
+        tried: set[str] = set()
+        while (worker := self.pool.pick(exclude=tried)) is not None:
+            tried.add(worker.url)
+            try:
+                return await self._forward(worker, body)
+            except aiohttp.ClientConnectionError as exc:
+                worker.healthy = False
+                logger.warning("worker %s failed (%s); taken out of rotation", worker.url, exc)
+            except asyncio.TimeoutError:
+                return _error(504, f"worker {worker.url} did not answer within {self.config.request_timeout_s}s")
+        return _error(503, f"no healthy worker could take the request (tried {sorted(tried)})")
+
+    async def _forward(self, worker: Worker, body: bytes) -> web.Response:
+        timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s, sock_connect=self.config.connect_timeout_s)
+        worker.inflight += 1
+        try:
+            async with self._session.post(
+                worker.url + "/generate", data=body, headers={"Content-Type": "application/json"}, timeout=timeout
+            ) as response:
+                payload = await response.read()
+                worker.served += 1
+                return web.Response(body=payload, status=response.status, content_type="application/json")
+        finally:
+            worker.inflight -= 1
+
+    # ----- management --------------------------------------------------------------------
+    async def add_worker(self, request: web.Request) -> web.Response:
+        url = request.query.get("url") or request.query.get("worker_url")
+        if not url:
+            return _error(400, "add_worker needs ?url=http://host:port")
+        self.pool.add(url)
+        logger.info("added worker %s", url)
+        return web.json_response({"status": "ok", "url": url.rstrip("/")})
+
+    async def remove_worker(self, request: web.Request) -> web.Response:
+        url = request.query.get("url") or request.query.get("worker_url")
+        if not url:
+            return _error(400, "remove_worker needs ?url=http://host:port")
+        self.pool.remove(url)
+        return web.json_response({"status": "ok"})
+
+    async def list_workers(self, request: web.Request) -> web.Response:
+        workers = sorted(self.pool.workers.values(), key=lambda w: w.order)
+        details = [
+            {"url": w.url, "healthy": w.healthy, "inflight": w.inflight, "served": w.served} for w in workers
+        ]
+        return web.json_response({"urls": [w.url for w in workers], "workers": details})
+
+    async def health(self, request: web.Request) -> web.Response:
+        healthy = sum(w.healthy for w in self.pool.workers.values())
+        return web.json_response({"status": "ok", "healthy_workers": healthy, "workers": len(self.pool.workers)})
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message}}, status=status)
+
+
+def build_router_app(router: SlimeRouter, worker_urls: list[str] = ()) -> web.Application:
+    for url in worker_urls:
+        router.pool.add(url)
+    app = web.Application(client_max_size=2**30)
+    app.cleanup_ctx.append(router.start)
+    app.router.add_post("/generate", router.generate)
+    for path, handler in (("/add_worker", router.add_worker), ("/remove_worker", router.remove_worker)):
+        app.router.add_post(path, handler)
+        app.router.add_get(path, handler)
+    app.router.add_get("/list_workers", router.list_workers)
+    app.router.add_get("/health", router.health)
+    return app
+
+
+# ----- launching (slime router or sglang-router) --------------------------------------------------
+@dataclass
+class RouterHandle:
+    kind: str
+    host: str
+    port: int
+    server: ServerProcess
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        self.server.stop(grace_s)
+
+
+def router_command(args: Any, host: str, port: int, worker_urls: list[str]) -> tuple[str, list[str]]:
+    timeout = str(int(getattr(args, "sglang_router_request_timeout_secs", None) or 3600))
+    if getattr(args, "use_slime_router", False):
+        flags = ["--host", host, "--port", str(port), "--request-timeout-secs", timeout]
+        flags += ["--worker-urls", *worker_urls] if worker_urls else []
+        return "slime-router", python_module_command("slime.router.router", flags)
+    policy = getattr(args, "sglang_router_policy", None) or "round_robin"
+    flags = ["--host", host, "--port", str(port), "--policy", policy, "--request-timeout-secs", timeout]
+    flags += ["--worker-urls", *worker_urls] if worker_urls else []
+    return "sglang-router", python_module_command("sglang_router.launch_router", flags)
+
+
+def launch_router(
+    args: Any, worker_urls: list[str], *, startup_timeout_s: float = 120.0, log_dir: str | None = None
+) -> RouterHandle:
+    """Start slime's router (args.use_slime_router) or sglang-router; return once /health answers.
+
+    Host/port come from args.sglang_router_ip / args.sglang_router_port (127.0.0.1 / a free port when unset).
+    """
+    host = getattr(args, "sglang_router_ip", None) or "127.0.0.1"
+    port = int(getattr(args, "sglang_router_port", None) or find_free_port(host))
+    kind, command = router_command(args, host, port, worker_urls)
+    server = start_server_process(kind, command, f"http://{host}:{port}", log_dir=log_dir)
+    server.wait_healthy(startup_timeout_s)
+    return RouterHandle(kind=kind, host=host, port=port, server=server)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="slime router: least-inflight load balancing over engines")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--worker-urls", nargs="*", default=[])
+    parser.add_argument("--request-timeout-secs", type=float, default=RouterConfig.request_timeout_s)
+    parser.add_argument("--health-check-interval-secs", type=float, default=RouterConfig.health_interval_s)
+    parser.add_argument("--log-level", default="info")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="[slime-router %(asctime)s] %(message)s")
+    config = RouterConfig(request_timeout_s=args.request_timeout_secs, health_interval_s=args.health_check_interval_secs)
+    app = build_router_app(SlimeRouter(config), args.worker_urls)
+    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None, shutdown_timeout=2.0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""Write a tiny, randomly initialised Qwen3 HF checkpoint with the real Qwen tokenizer.
+
+    python -m slime.tools.tiny_checkpoint --out DIR [--layers 2 --hidden 64 --heads 4 ...]
+
+The vocabulary is Qwen3's full 151,936 rows (it must cover the tokenizer), so the embedding
+dominates the size; a small hidden size keeps loading and CPU generation fast. Works offline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from slime.tools.qwen_tokenizer_files import FIRST_ADDED_TOKEN_ID, QWEN3_VOCAB_SIZE, save_hf_tokenizer
+
+IM_END_ID = FIRST_ADDED_TOKEN_ID + 2
+ENDOFTEXT_ID = FIRST_ADDED_TOKEN_ID
+
+
+@dataclass(frozen=True, kw_only=True)
+class TinyQwen3Spec:
+    """Shape of the tiny model; defaults keep a 2-core CPU demo fast."""
+
+    layers: int = 2
+    hidden: int = 64
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 16
+    ffn_hidden: int = 128
+    max_position_embeddings: int = 4096
+    rope_theta: float = 1_000_000.0
+    tie_word_embeddings: bool = False
+    seed: int = 1234
+    init_std: float = 0.02
+
+
+def build_config(spec: TinyQwen3Spec):
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=QWEN3_VOCAB_SIZE,
+        hidden_size=spec.hidden,
+        intermediate_size=spec.ffn_hidden,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        rope_theta=spec.rope_theta,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        initializer_range=spec.init_std,
+        bos_token_id=ENDOFTEXT_ID,
+        eos_token_id=IM_END_ID,
+        pad_token_id=ENDOFTEXT_ID,
+        torch_dtype="float32",
+        architectures=["Qwen3ForCausalLM"],
+    )
+
+
+def write_tiny_checkpoint(out_dir: str | Path, spec: TinyQwen3Spec = TinyQwen3Spec()) -> Path:
+    from transformers import GenerationConfig, Qwen3ForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(spec.seed)
+    model = Qwen3ForCausalLM(build_config(spec)).to(torch.float32)
+    model.save_pretrained(str(out), safe_serialization=True)
+    GenerationConfig(
+        bos_token_id=ENDOFTEXT_ID,
+        eos_token_id=[IM_END_ID, ENDOFTEXT_ID],
+        pad_token_id=ENDOFTEXT_ID,
+        do_sample=True,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+    ).save_pretrained(str(out))
+    save_hf_tokenizer(out, model_max_length=spec.max_position_embeddings)
+    (out / "tiny_spec.json").write_text(json.dumps(spec.__dict__, indent=2) + "\n")
+    return out
+
+
+def _parse(argv: list[str] | None) -> tuple[Path, TinyQwen3Spec]:
+    defaults = TinyQwen3Spec()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--layers", type=int, default=defaults.layers)
+    parser.add_argument("--hidden", type=int, default=defaults.hidden)
+    parser.add_argument("--heads", type=int, default=defaults.heads)
+    parser.add_argument("--kv-heads", type=int, default=defaults.kv_heads)
+    parser.add_argument("--head-dim", type=int, default=defaults.head_dim)
+    parser.add_argument("--ffn-hidden", type=int, default=defaults.ffn_hidden)
+    parser.add_argument("--max-position-embeddings", type=int, default=defaults.max_position_embeddings)
+    parser.add_argument("--tie-word-embeddings", action="store_true")
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    ns = parser.parse_args(argv)
+    spec = TinyQwen3Spec(
+        layers=ns.layers,
+        hidden=ns.hidden,
+        heads=ns.heads,
+        kv_heads=ns.kv_heads,
+        head_dim=ns.head_dim,
+        ffn_hidden=ns.ffn_hidden,
+        max_position_embeddings=ns.max_position_embeddings,
+        tie_word_embeddings=ns.tie_word_embeddings,
+        seed=ns.seed,
+    )
+    return ns.out, spec
+
+
+def main(argv: list[str] | None = None) -> None:
+    out, spec = _parse(argv)
+    path = write_tiny_checkpoint(out, spec)
+    print(f"wrote tiny Qwen3 checkpoint to {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""RMSNorm / LayerNorm for megatron's local layer spec that works with sequence parallelism.
+
+megatron's torch norm wrapper refuses `sequence_parallel=True`. A norm acts per token, so under
+SP each TP rank normalises its own sequence shard with the same replicated weight; the only
+extra requirement is that the weight's gradient is summed over TP, which megatron's
+`finalize_model_grads` does for every parameter marked `.sequence_parallel = True`.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+class SequenceParallelNorm(torch.nn.Module):
+    """Per-token RMSNorm or LayerNorm (chosen by config.normalization), SP-safe.
+
+    Math follows HF Qwen/Llama RMSNorm: normalise in fp32, cast back, then scale.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        hidden_size: int,
+        eps: float = 1e-5,
+        persist_layer_norm: bool = False,
+        zero_centered_gamma: bool = False,
+        normalization: str | None = None,
+    ):
+        super().__init__()
+        if config.layernorm_zero_centered_gamma or zero_centered_gamma:
+            raise ValueError("zero-centered gamma is not supported by SequenceParallelNorm")
+        self.normalization = normalization or config.normalization
+        if self.normalization not in ("RMSNorm", "LayerNorm"):
+            raise ValueError(f"unsupported normalization {self.normalization!r}")
+        self.eps = eps
+        dtype = config.params_dtype
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=dtype))
+        self.bias = (
+            torch.nn.Parameter(torch.zeros(hidden_size, dtype=dtype))
+            if self.normalization == "LayerNorm"
+            else None
+        )
+        for param in self.parameters():
+            # finalize_model_grads sums grads of these over TP when config.sequence_parallel.
+            param.sequence_parallel = config.sequence_parallel
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        x = hidden_states.float()
+        if self.normalization == "RMSNorm":
+            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+            return self.weight * x.to(input_dtype)
+        x = torch.nn.functional.layer_norm(x, x.shape[-1:], eps=self.eps)
+        return (self.weight * x.to(input_dtype)) + self.bias

@@ -1,0 +1,154 @@
+"""Rank bodies for the slime.distributed multi-process tests (importable by spawned children).
+
+The pseudo-step mirrors the fenced actor_train phases with a few real collectives on the TP, CP
+and DP x CP groups of an 8-rank TP2 x CP4 layout, so ordering and fault handling are exercised
+without a model.
+"""
+from __future__ import annotations
+
+import traceback
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+
+from slime.distributed import (
+    DistributedStepError,
+    Ledger,
+    ProcessGroupLifecycle,
+    Watchdog,
+    instrument_collectives,
+    plan_fingerprint,
+)
+from slime.distributed.fault_inject import apply_metric_key_fault, apply_plan_fault, maybe_stall, should_skip_collective
+
+
+def make_args(*, fence_timeout: float, recreate: bool = False, group_timeout_min: float = 1.0) -> SimpleNamespace:
+    return SimpleNamespace(
+        tensor_model_parallel_size=2,
+        context_parallel_size=4,
+        pipeline_model_parallel_size=1,
+        fence_timeout=fence_timeout,
+        distributed_timeout_minutes=group_timeout_min,
+        recreate_process_groups_on_wake=recreate,
+    )
+
+
+def setup(rank: int, world: int, ledger_dir: str, args, *, deadline_s: float, grace_s: float = 1.0):
+    ledger = Ledger(rank, world, ledger_dir)
+    instrument_collectives(ledger)
+    lifecycle = ProcessGroupLifecycle.from_args(args, ledger=ledger)
+    watchdog = Watchdog(deadline_s, ledger_dir, rank, world, ledger=ledger, grace_s=grace_s)
+    with watchdog.phase("create"):
+        lifecycle.create(rollout_id=0)
+    return ledger, lifecycle, watchdog
+
+
+def pseudo_step(rank: int, lifecycle: ProcessGroupLifecycle, watchdog: Watchdog, rollout_id: int) -> float:
+    """plan fence -> forward/backward collectives -> metrics fence + reduce -> logging -> exit fence."""
+    ledger = lifecycle.ledger
+    with ledger.phase("actor_train"):
+        with watchdog.phase("plan"):
+            fp = plan_fingerprint(("plan", rollout_id), rollout_id=rollout_id, step_id=0,
+                                  micro_batch_tokens=[64, 48], loss_token_total=100, metric_keys=["loss"])
+            lifecycle.fence("plan", apply_plan_fault(fp.as_fields(), rank, rollout_id))
+        with watchdog.phase("forward_backward"):
+            x = torch.full((4,), float(rank))
+            dist.all_reduce(x, group=mpu.get_tensor_model_parallel_group())
+            if not should_skip_collective(rank, rollout_id):
+                dist.all_reduce(x, group=mpu.get_context_parallel_group())
+            dist.all_reduce(x, group=mpu.get_data_parallel_group(with_context_parallel=True))
+        with watchdog.phase("metrics"):
+            keys = apply_metric_key_fault(["loss", "grad_norm"], rank, rollout_id)
+            lifecycle.fence("metrics", {"metric_keys": keys})
+            metrics = torch.ones(len(keys))
+            dist.all_reduce(metrics, group=mpu.get_data_parallel_group(with_context_parallel=True))
+        with watchdog.phase("logging"):
+            if rank == 0:
+                maybe_stall("stall_logging", rank, rollout_id)
+        lifecycle.fence("step_end", {"rollout_id": rollout_id})
+    return float(x.sum())
+
+
+def clean_steps(rank: int, world: int, ledger_dir: str, steps: int) -> dict:
+    ledger, lifecycle, watchdog = setup(rank, world, ledger_dir, make_args(fence_timeout=30), deadline_s=60)
+    signatures, totals = [], []
+    for rollout_id in range(steps):
+        mark = ledger.mark()
+        totals.append(pseudo_step(rank, lifecycle, watchdog, rollout_id))
+        signatures.append(ledger.signature(since=mark))
+    ledger.close()
+    return {"signatures": signatures, "totals": totals, "fence_seq": lifecycle.fence.seq}
+
+
+def fault_run(rank: int, world: int, ledger_dir: str, fence_timeout: float, deadline_s: float) -> dict:
+    """Clean rollout 0, then sleep/wake and rollout 1 (faults target rollout 1). Returns the error seen."""
+    try:
+        _, lifecycle, watchdog = setup(rank, world, ledger_dir, make_args(fence_timeout=fence_timeout), deadline_s=deadline_s)
+        pseudo_step(rank, lifecycle, watchdog, 0)
+        lifecycle.sleep(0)
+        with watchdog.phase("wake"):
+            lifecycle.wake(1)
+        pseudo_step(rank, lifecycle, watchdog, 1)
+        return {"error": None}
+    except DistributedStepError as exc:
+        return {"error": type(exc).__name__, "message": str(exc), "mro": [c.__name__ for c in type(exc).__mro__],
+                "trace": traceback.format_exc()[-2000:]}
+
+
+def sleep_wake_cycles(rank: int, world: int, ledger_dir: str, cycles: int, recreate: bool) -> dict:
+    ledger, lifecycle, watchdog = setup(rank, world, ledger_dir, make_args(fence_timeout=30, recreate=recreate), deadline_s=60)
+    warmups, created = [], []
+    for cycle in range(cycles):
+        lifecycle.sleep(cycle)
+        with watchdog.phase("wake"):
+            report = lifecycle.wake(cycle + 1)
+        warmups.append(report.warmup.seconds)
+        created.append(report.recreated)
+        x = torch.ones(2)
+        dist.all_reduce(x, group=mpu.get_data_parallel_group(with_context_parallel=True))
+        assert x.tolist() == [4.0, 4.0], x
+    ledger.close()
+    return {"warmups": warmups, "recreated": created, "live_groups": len(dist.distributed_c10d._world.pg_map)}
+
+
+def clean_then_keep_cycles(rank: int, world: int, ledger_dir: str, steps: int, cycles: int) -> dict:
+    """Clean fenced steps (signatures per step), then keep-communicator sleep/wake cycles."""
+    ledger, lifecycle, watchdog = setup(rank, world, ledger_dir, make_args(fence_timeout=30), deadline_s=60)
+    create_signature = ledger.signature()
+    signatures, totals = [], []
+    for rollout_id in range(steps):
+        mark = ledger.mark()
+        totals.append(pseudo_step(rank, lifecycle, watchdog, rollout_id))
+        signatures.append(ledger.signature(since=mark))
+    groups_before = len(dist.distributed_c10d._world.pg_map)
+    tp_before = mpu.get_tensor_model_parallel_group()
+    for cycle in range(cycles):
+        lifecycle.sleep(cycle)
+        with watchdog.phase("wake"):
+            report = lifecycle.wake(cycle + 1)
+        assert not report.recreated
+    ledger.close()
+    return {
+        "create_signature": create_signature,
+        "signatures": signatures,
+        "totals": totals,
+        "fence_seq": lifecycle.fence.seq,
+        "same_groups": groups_before == len(dist.distributed_c10d._world.pg_map)
+        and tp_before is mpu.get_tensor_model_parallel_group(),
+    }
+
+
+def divergence_rollouts(rank: int, world: int, ledger_dir: str, rollouts: int) -> list:
+    """Each rollout's outcome; divergence errors are raised on all ranks together, so later rollouts still run."""
+    _, lifecycle, watchdog = setup(rank, world, ledger_dir, make_args(fence_timeout=30), deadline_s=60)
+    outcomes = []
+    for rollout_id in range(rollouts):
+        try:
+            pseudo_step(rank, lifecycle, watchdog, rollout_id)
+            outcomes.append(None)
+        except DistributedStepError as exc:
+            outcomes.append({"error": type(exc).__name__, "message": str(exc), "phase": exc.phase,
+                             "ranks": list(getattr(exc, "ranks", ())), "fields": list(getattr(exc, "fields", ()))})
+    return outcomes

@@ -1,0 +1,168 @@
+"""Prompt loading, chat template, grouping, epochs, shuffling, state, and bad-input errors."""
+from types import SimpleNamespace
+
+import pytest
+
+from rollout_testing import write_jsonl, write_tokenizer
+from slime.rollout.data_source import (
+    RolloutDataSource,
+    RolloutDataSourceWithBuffer,
+    eval_prompt_specs,
+)
+from slime.utils.types import Sample
+
+PROMPTS = [{"prompt": f"what is {i} + 1 ?", "label": str(i + 1), "metadata": {"id": i}} for i in range(1, 6)]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    return str(write_tokenizer(tmp_path_factory.mktemp("tok"), max_position_embeddings=64))
+
+
+def make_args(tokenizer_dir, prompt_path, **kw):
+    base = dict(
+        prompt_data=str(prompt_path), hf_checkpoint=tokenizer_dir, input_key="prompt", label_key="label",
+        metadata_key="metadata", apply_chat_template=False, apply_chat_template_kwargs=None, rollout_shuffle=False,
+        seed=1234, rollout_seed=None, n_samples_per_prompt=2, rollout_max_prompt_len=None, rollout_max_context_len=None,
+        save=None, load=None,
+    )
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+def test_groups_have_copies_with_indices(tokenizer_dir, tmp_path):
+    source = RolloutDataSource(make_args(tokenizer_dir, write_jsonl(tmp_path / "p.jsonl", PROMPTS)))
+    groups = source.get_samples(2)
+    assert len(groups) == 2 and all(len(g) == 2 for g in groups)
+    assert [[s.group_index for s in g] for g in groups] == [[0, 0], [1, 1]]
+    assert [s.index for g in groups for s in g] == [0, 1, 2, 3]
+    first = groups[0][0]
+    assert first.prompt == "what is 1 + 1 ?" and first.label == "2" and first.metadata == {"id": 1}
+    assert first.tokens and first.status is Sample.Status.PENDING
+    # copies are independent objects
+    groups[0][0].tokens.append(-1)
+    assert groups[0][1].tokens[-1] != -1
+
+
+def test_chat_template_applied_with_generation_prompt(tokenizer_dir, tmp_path):
+    rows = [{"prompt": "what is 2 + 2 ?", "label": "4"}, {"prompt": [{"role": "user", "content": "what is 1 ?"}], "label": "1"}]
+    args = make_args(tokenizer_dir, write_jsonl(tmp_path / "p.jsonl", rows), apply_chat_template=True, n_samples_per_prompt=1)
+    groups = RolloutDataSource(args).get_samples(2)
+    assert groups[0][0].prompt == "<|im_start|> user what is 2 + 2 ? <|im_end|> <|im_start|> assistant "
+    assert groups[1][0].prompt.startswith("<|im_start|> user what is 1 ?")
+
+
+def test_row_tools_reach_the_chat_template(tokenizer_dir, tmp_path):
+    rows = [{"prompt": "what is 1 ?", "label": "1", "tools": [{"name": "calc"}, {"name": "search"}]}]
+    args = make_args(tokenizer_dir, write_jsonl(tmp_path / "p.jsonl", rows), apply_chat_template=True, tool_key="tools",
+                     n_samples_per_prompt=1)
+    assert RolloutDataSource(args).get_samples(1)[0][0].prompt.startswith("<tools> calc search <|im_start|> user")
+
+
+def test_epochs_wrap_around_and_shuffle_is_seeded(tokenizer_dir, tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", PROMPTS)
+    plain = RolloutDataSource(make_args(tokenizer_dir, path, n_samples_per_prompt=1))
+    labels = [g[0].label for g in plain.get_samples(12)]
+    assert labels == ["2", "3", "4", "5", "6"] * 2 + ["2", "3"]
+    assert plain.epoch_id == 2
+
+    def shuffled(seed):
+        source = RolloutDataSource(make_args(tokenizer_dir, path, n_samples_per_prompt=1, rollout_shuffle=True, seed=seed))
+        return [g[0].label for g in source.get_samples(10)]
+
+    first = shuffled(7)
+    assert first == shuffled(7)
+    assert sorted(first[:5]) == sorted(first[5:]) == ["2", "3", "4", "5", "6"]  # each epoch is a permutation
+    assert first[:5] != first[5:]  # a new order each epoch
+    assert first != shuffled(8) and first[:5] != labels[:5]
+
+
+def test_state_save_and_load_resumes_position(tokenizer_dir, tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", PROMPTS)
+    ckpt = tmp_path / "ckpt"
+    source = RolloutDataSource(make_args(tokenizer_dir, path, save=str(ckpt), rollout_shuffle=True))
+    source.get_samples(4)
+    source.save(rollout_id=3)
+    expected = source.get_samples(3)
+    resumed = RolloutDataSource(make_args(tokenizer_dir, path, load=str(ckpt), rollout_shuffle=True))
+    resumed.load(rollout_id=3)
+    got = resumed.get_samples(3)
+    assert [(s.label, s.index, s.group_index) for g in got for s in g] == [
+        (s.label, s.index, s.group_index) for g in expected for s in g
+    ]
+
+
+def test_missing_state_file_starts_fresh(tokenizer_dir, tmp_path):
+    source = RolloutDataSource(make_args(tokenizer_dir, write_jsonl(tmp_path / "p.jsonl", PROMPTS), load=str(tmp_path)))
+    source.load(rollout_id=9)
+    assert source.sample_index == 0 and source.get_samples(1)[0][0].label == "2"
+
+
+def test_buffer_groups_served_first(tokenizer_dir, tmp_path):
+    source = RolloutDataSourceWithBuffer(make_args(tokenizer_dir, write_jsonl(tmp_path / "p.jsonl", PROMPTS)))
+    returned = [Sample(label="buffered"), Sample(label="buffered")]
+    source.add_samples([returned])
+    groups = source.get_samples(2)
+    assert groups[0] is returned and groups[1][0].label == "2"
+    with pytest.raises(ValueError, match="n-samples-per-prompt"):
+        source.add_samples([[Sample()]])
+
+
+def test_missing_file_names_flag_and_path(tokenizer_dir, tmp_path):
+    with pytest.raises(FileNotFoundError, match="--prompt-data.*nope.jsonl"):
+        RolloutDataSource(make_args(tokenizer_dir, tmp_path / "nope.jsonl"))
+
+
+def test_malformed_line_names_file_and_line(tokenizer_dir, tmp_path):
+    path = write_jsonl(tmp_path / "bad.jsonl", [PROMPTS[0], "", '{"prompt": "x", '])
+    with pytest.raises(ValueError, match=r"bad.jsonl:3: malformed JSON"):
+        RolloutDataSource(make_args(tokenizer_dir, path))
+
+
+def test_missing_input_key_names_key_and_line(tokenizer_dir, tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", [PROMPTS[0], {"question": "q", "label": "1"}])
+    with pytest.raises(ValueError, match=r"p.jsonl:2: input key 'prompt' missing.*--input-key"):
+        RolloutDataSource(make_args(tokenizer_dir, path))
+
+
+def test_missing_label_key_is_an_error(tokenizer_dir, tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "what"}])
+    with pytest.raises(ValueError, match=r"p.jsonl:1: label key 'label' missing"):
+        RolloutDataSource(make_args(tokenizer_dir, path))
+    # without --label-key the label is simply None
+    source = RolloutDataSource(make_args(tokenizer_dir, path, label_key=None, n_samples_per_prompt=1))
+    assert source.get_samples(1)[0][0].label is None
+
+
+def test_message_list_without_chat_template_is_an_error(tokenizer_dir, tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": [{"role": "user", "content": "hi"}], "label": "1"}])
+    with pytest.raises(ValueError, match="--apply-chat-template"):
+        RolloutDataSource(make_args(tokenizer_dir, path))
+
+
+def test_overlong_prompts_are_skipped_and_counted(tokenizer_dir, tmp_path, caplog):
+    rows = PROMPTS[:2] + [{"prompt": " ".join(["one"] * 30), "label": "x"}]
+    path = write_jsonl(tmp_path / "p.jsonl", rows)
+    source = RolloutDataSource(make_args(tokenizer_dir, path, rollout_max_prompt_len=10, n_samples_per_prompt=1))
+    assert len(source) == 2 and source.dataset.num_skipped == 1 and source.dataset.skipped_lines == [3]
+    assert "skipped 1 prompt(s) longer than 10 tokens" in caplog.text
+    # without --rollout-max-prompt-len the model context (64 here) minus one is the budget
+    long_rows = PROMPTS[:1] + [{"prompt": " ".join(["one"] * 64), "label": "x"}]
+    source = RolloutDataSource(make_args(tokenizer_dir, write_jsonl(tmp_path / "q.jsonl", long_rows)))
+    assert len(source) == 1 and source.dataset.num_skipped == 1
+
+
+def test_all_prompts_too_long_is_an_error(tokenizer_dir, tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", PROMPTS)
+    with pytest.raises(ValueError, match="no usable prompt"):
+        RolloutDataSource(make_args(tokenizer_dir, path, rollout_max_prompt_len=2))
+
+
+def test_eval_prompt_specs_pairs(tokenizer_dir, tmp_path):
+    args = make_args(tokenizer_dir, tmp_path / "p.jsonl", eval_prompt_data=["aime", "/a.jsonl", "gsm", "/g.jsonl"],
+                     eval_input_key=None, eval_label_key="answer")
+    specs = eval_prompt_specs(args)
+    assert list(specs) == ["aime", "gsm"]
+    assert specs["gsm"].path == "/g.jsonl" and specs["gsm"].label_key == "answer" and specs["gsm"].input_key == "prompt"
+    with pytest.raises(ValueError, match="NAME PATH pairs"):
+        eval_prompt_specs(make_args(tokenizer_dir, tmp_path, eval_prompt_data=["aime"]))

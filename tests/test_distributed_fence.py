@@ -1,0 +1,57 @@
+"""8-rank gloo (TP2 x CP4): clean fenced steps, identical ledgers, and plan/metric divergence errors."""
+from __future__ import annotations
+
+import pytest
+
+import distributed_workers as workers
+from dist_harness import run_ranks_outcomes
+
+WORLD = 8
+
+
+def _values(outcomes):
+    bad = [o for o in outcomes if o.status != "ok"]
+    assert not bad, "\n".join(f"rank {o.rank}: {o.status} {o.exitcode} {o.value}" for o in bad)
+    return [o.value for o in outcomes]
+
+
+@pytest.mark.timeout(300)
+def test_clean_fenced_steps_have_identical_ledgers_and_keep_mode_cycles(tmp_path):
+    values = _values(run_ranks_outcomes(workers.clean_then_keep_cycles, WORLD, args=(str(tmp_path), 2, 5), timeout_s=240))
+    reference = values[0]
+    for value in values:
+        assert value["signatures"] == reference["signatures"]  # same ops, groups, shapes, phases on every rank
+        assert value["create_signature"] == reference["create_signature"]
+        assert value["fence_seq"] == reference["fence_seq"]
+        assert value["same_groups"]  # keep mode: no group destroyed or created across sleep/wake
+    step_ops = [(phase, op, group) for phase, op, group, _ in reference["signatures"][0]]
+    assert step_ops == [
+        ("actor_train/plan", "fence:plan", "fence"),
+        ("actor_train/forward_backward", "all_reduce", "tp"),
+        ("actor_train/forward_backward", "all_reduce", "cp"),
+        ("actor_train/forward_backward", "all_reduce", "dp_cp"),
+        ("actor_train/metrics", "fence:metrics", "fence"),
+        ("actor_train/metrics", "all_reduce", "dp_cp"),
+        ("actor_train", "fence:step_end", "fence"),
+    ]
+    warmup_ops = {(op, group) for _, op, group, _ in reference["create_signature"]}
+    for group in ("world", "tp", "cp", "dp", "dp_cp", "mp", "tp_cp"):
+        assert ("all_reduce", group) in warmup_ops, group
+    assert {("isend", "cp"), ("irecv", "cp"), ("batch_isend_irecv", "cp")} <= warmup_ops
+    # TP2 x CP4 sums: TP pair, then CP ring, then DP x CP (== CP here): same total on every rank
+    assert len({tuple(v["totals"]) for v in values}) == 1
+
+
+@pytest.mark.timeout(300)
+def test_plan_and_metric_key_divergence_raise_on_all_ranks(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLIME_FAULT_INJECT", "diverge_plan@3#1,extra_metric_key@5#2")
+    values = _values(run_ranks_outcomes(workers.divergence_rollouts, WORLD, args=(str(tmp_path), 4), timeout_s=240))
+    for outcomes in values:
+        clean0, plan, metric, clean3 = outcomes
+        assert clean0 is None and clean3 is None  # ranks recover together after a fence error
+        assert plan["error"] == "CollectiveDivergenceError" and plan["phase"] == "plan"
+        assert plan["ranks"] == [3] and "num_micro_batches" in plan["fields"] and "plan_hash" in plan["fields"]
+        assert "ranks [3] diverge at fence 'plan'" in plan["message"]
+        assert metric["error"] == "CollectiveDivergenceError" and metric["phase"] == "metrics"
+        assert metric["ranks"] == [5] and metric["fields"] == ["metric_keys"]
+        assert "fault_injected/extra_metric" in metric["message"]

@@ -1,0 +1,284 @@
+"""The embedded engine behind SGLang's HTTP API, started as a real server process."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+import types
+
+import pytest
+import requests
+import torch
+
+from slime.backends.embedded_engine.sampling import SamplingParams, sample_next_tokens
+from slime.backends.sglang_utils.http_client import EngineHTTPError, SGLangHTTPClient
+from slime.backends.sglang_utils.launcher import (
+    build_sglang_command,
+    launch_engine,
+    pick_rollout_backend,
+)
+from slime.backends.sglang_utils.named_tensors import deserialize_named_tensors, serialize_named_tensors
+from slime.backends.sglang_utils.process import find_free_port
+from slime.backends.sglang_utils.server_args import (
+    render_server_flags,
+    split_sglang_args,
+    validate_sglang_server_args,
+)
+from slime.tools.tiny_checkpoint import TinyQwen3Spec, write_tiny_checkpoint
+
+pytestmark = pytest.mark.timeout(300)
+
+PROMPT = "What is 3 + 4?"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return str(write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), TinyQwen3Spec(layers=1)))
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint, tmp_path_factory):
+    args = types.SimpleNamespace(seed=7)
+    handle = launch_engine(
+        "embedded", args, 0, find_free_port(), checkpoint, startup_timeout_s=120,
+        log_dir=str(tmp_path_factory.mktemp("logs")),
+    )
+    yield handle
+    handle.stop()
+    assert not handle.alive()
+
+
+@pytest.fixture
+def client(engine):
+    client = SGLangHTTPClient(engine.url)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def reference_model(checkpoint):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+
+
+def greedy(client, n=8, prompt=PROMPT, **extra):
+    params = {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True, **extra}
+    return client.generate(text=prompt, sampling_params=params, return_logprob=True)
+
+
+def reference_logprobs(model, prompt_ids, output_ids):
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids + output_ids])).logits.float()
+    logprobs = torch.log_softmax(logits, dim=-1)[0]
+    return [logprobs[len(prompt_ids) - 1 + j, tok].item() for j, tok in enumerate(output_ids)]
+
+
+# ----- /generate ------------------------------------------------------------------------------
+def test_generate_shapes_and_logprobs(client, engine, reference_model):
+    prompt_ids = [3838, 374, 220, 18, 488, 220, 19, 30]  # "What is 3 + 4?" in Qwen's tokenizer
+    out = client.generate(input_ids=prompt_ids, sampling_params={"max_new_tokens": 6}, return_logprob=True)
+    meta = out["meta_info"]
+    assert meta["finish_reason"]["type"] in ("length", "stop")
+    assert meta["prompt_tokens"] == len(prompt_ids)
+    assert meta["completion_tokens"] == len(out["output_ids"]) == len(meta["output_token_logprobs"])
+    assert meta["weight_version"] == "default"
+    assert [entry[1] for entry in meta["output_token_logprobs"]] == out["output_ids"]
+    logprobs = [entry[0] for entry in meta["output_token_logprobs"]]
+    assert all(math.isfinite(lp) and lp <= 0 for lp in logprobs)
+    expected = reference_logprobs(reference_model, prompt_ids, out["output_ids"])
+    assert logprobs == pytest.approx(expected, abs=1e-4)
+
+
+def test_text_batch_and_n_return_lists(client):
+    out = client.generate(text=["a", "b c"], sampling_params={"max_new_tokens": 3, "n": 2, "ignore_eos": True})
+    assert isinstance(out, list) and len(out) == 4
+    assert all(len(o["output_ids"]) == 3 and o["meta_info"]["finish_reason"]["type"] == "length" for o in out)
+
+
+def test_concurrent_requests_are_batched_correctly(client, engine, reference_model):
+    prompts = [[3838, 374], [9707, 1879, 0], [220]]
+    results: list = [None] * len(prompts)
+
+    def run(i):
+        c = SGLangHTTPClient(engine.url)
+        results[i] = c.generate(input_ids=prompts[i], sampling_params={"max_new_tokens": 5, "ignore_eos": True},
+                                return_logprob=True)
+        c.close()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    for ids, out in zip(prompts, results):
+        logprobs = [e[0] for e in out["meta_info"]["output_token_logprobs"]]
+        assert logprobs == pytest.approx(reference_logprobs(reference_model, ids, out["output_ids"]), abs=1e-4)
+
+
+def test_stop_token_ids(client):
+    base = greedy(client)
+    stop_token = base["output_ids"][3]
+    first = base["output_ids"].index(stop_token)
+    out = greedy(client, stop_token_ids=[stop_token])
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_token}
+    assert out["output_ids"] == base["output_ids"][: first + 1]
+
+
+def test_stop_string_trims_text(client):
+    base = greedy(client, n=12)
+    text = base["text"]
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    out = greedy(client, n=12, stop=[stop])
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert stop not in out["text"] and text.startswith(out["text"])
+    kept = greedy(client, n=12, stop=[stop], no_stop_trim=True)
+    assert stop in kept["text"]
+
+
+def test_bad_requests_are_clear_errors(client):
+    with pytest.raises(EngineHTTPError, match="unknown sampling params"):
+        client.generate(text="x", sampling_params={"max_new_tokenz": 3})
+    with pytest.raises(EngineHTTPError, match="repetition_penalty"):
+        client.generate(text="x", sampling_params={"repetition_penalty": 1.3})
+
+
+# ----- control endpoints ----------------------------------------------------------------------
+def test_health_info_flush(client, engine):
+    assert client.health()
+    client.health_generate()
+    client.flush_cache()
+    assert requests.get(engine.url + "/flush_cache", timeout=10).status_code == 200
+    info = client.model_info()
+    assert info["is_generation"] and info["model_type"] == "qwen3"
+    assert requests.get(engine.url + "/get_weight_version", timeout=10).json()["weight_version"] == info["weight_version"]
+
+
+def test_pause_holds_requests_until_continue(client, engine):
+    client.pause_generation(mode="in_place")
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(out=greedy(SGLangHTTPClient(engine.url), n=2)))
+    worker.start()
+    worker.join(timeout=1.5)
+    assert worker.is_alive(), "a request completed while generation was paused"
+    client.continue_generation()
+    worker.join(timeout=60)
+    assert not worker.is_alive() and len(result["out"]["output_ids"]) == 2
+
+
+def test_pause_abort_mode_aborts_running_request(client, engine):
+    result = {}
+    long_request = threading.Thread(target=lambda: result.update(out=greedy(SGLangHTTPClient(engine.url), n=3000)))
+    long_request.start()
+    time.sleep(1.0)
+    client.pause_generation(mode="abort")
+    long_request.join(timeout=60)
+    client.continue_generation()
+    out = result["out"]
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert len(out["output_ids"]) < 3000
+    assert len(greedy(client, n=2)["output_ids"]) == 2  # serving again after continue
+
+
+def test_release_and_resume_memory(client):
+    before = greedy(client)
+    client.release_memory_occupation()
+    assert client.model_info()["released_tags"] == ["kv_cache", "weights"]
+    with pytest.raises(EngineHTTPError, match="resume_memory_occupation") as err:
+        greedy(client)
+    assert err.value.status == 503
+    client.resume_memory_occupation()
+    assert greedy(client)["output_ids"] == before["output_ids"]
+
+
+def test_weight_update_changes_outputs_and_equals_pushed(client, reference_model):
+    before = greedy(client)
+    torch.manual_seed(0)
+    pushed = [
+        (name, torch.randn_like(param) * 0.5)
+        for name, param in reference_model.state_dict().items()
+        if name in ("lm_head.weight", "model.layers.0.mlp.down_proj.weight")
+    ]
+    reply = client.update_weights_from_tensor(pushed, weight_version="v1")
+    assert reply["success"]
+    assert client.weight_version() == "v1"
+    for name, tensor in pushed:
+        served = client.get_weights_by_name(name, truncate_size=50)
+        assert served == pytest.approx(tensor.flatten()[:50].tolist(), abs=0)
+    after = greedy(client)
+    assert after["meta_info"]["weight_version"] == "v1"
+    assert after["output_ids"] != before["output_ids"]
+    # Log-probs are those of the new weights.
+    updated = type(reference_model)(reference_model.config)
+    updated.load_state_dict({**reference_model.state_dict(), **dict(pushed)})
+    prompt_ids = [3838, 374, 220, 18, 488, 220, 19, 30]
+    expected = reference_logprobs(updated.eval(), prompt_ids, after["output_ids"])
+    assert [e[0] for e in after["meta_info"]["output_token_logprobs"]] == pytest.approx(expected, abs=1e-4)
+
+
+def test_bad_weight_update_is_rejected_whole(client):
+    version = client.weight_version()
+    bad = [("lm_head.weight", torch.zeros(2, 2)), ("no.such.param", torch.zeros(1))]
+    with pytest.raises(EngineHTTPError, match="no.such.param"):
+        client.update_weights_from_tensor(bad, weight_version="broken")
+    assert client.weight_version() == version
+
+
+# ----- pure helpers --------------------------------------------------------------------------------
+def test_named_tensor_round_trip_keeps_order_and_dtype():
+    named = [("z.weight", torch.arange(6.0).view(2, 3)), ("a.bias", torch.tensor([1, 2], dtype=torch.int64)),
+             ("m", torch.ones(3, dtype=torch.bfloat16))]
+    back = deserialize_named_tensors(serialize_named_tensors(named))
+    assert [n for n, _ in back] == ["z.weight", "a.bias", "m"]
+    for (_, expect), (_, got) in zip(named, back):
+        assert got.dtype == expect.dtype and torch.equal(got, expect)
+
+
+def test_sampler_top_k_1_and_tiny_top_p_are_greedy():
+    logits = torch.randn(3, 50)
+    gen = torch.Generator().manual_seed(0)
+    for params in (SamplingParams(top_k=1), SamplingParams(top_p=1e-6), SamplingParams(temperature=0.0)):
+        tokens, logprobs = sample_next_tokens(logits, [params] * 3, gen)
+        assert torch.equal(tokens, logits.argmax(-1))
+        assert torch.allclose(logprobs, torch.log_softmax(logits, -1).max(-1).values)
+
+
+# ----- launcher / passthrough ----------------------------------------------------------------------
+def test_sglang_command_from_args():
+    args = types.SimpleNamespace(
+        rollout_num_gpus_per_engine=2, num_gpus_per_node=8, colocate=True, seed=1,
+        sglang_server_args={"mem_fraction_static": "0.7", "cuda_graph_bs": ["1", "2"], "disable_radix_cache": True},
+    )
+    cmd = build_sglang_command(args, engine_rank=3, host="127.0.0.1", port=30001, model_path="/m")
+    joined = " ".join(cmd)
+    assert cmd[1:3] == ["-m", "sglang.launch_server"]
+    for part in ("--model-path /m", "--port 30001", "--tp-size 2", "--base-gpu-id 6", "--enable-memory-saver",
+                 "--mem-fraction-static 0.7", "--cuda-graph-bs 1 2", "--disable-radix-cache"):
+        assert part in joined
+
+
+def test_split_and_validate_sglang_args():
+    found, rest = split_sglang_args(
+        ["--lr", "1e-6", "--sglang-mem-fraction-static", "0.7", "--sglang-enable-x", "--sglang-cuda-graph-bs", "1",
+         "2", "--sglang-router-port", "3000", "--sglang-log-level=warn"]
+    )
+    assert found == {"mem_fraction_static": "0.7", "enable_x": True, "cuda_graph_bs": ["1", "2"], "log_level": "warn"}
+    assert rest == ["--lr", "1e-6", "--sglang-router-port", "3000"]
+    assert render_server_flags({"a_b": True, "c": False, "d": "1"}) == ["--a-b", "--d", "1"]
+    known = frozenset({"mem_fraction_static", "cuda_graph_bs", "log_level"})
+    with pytest.raises(ValueError, match="--sglang-enable-x"):
+        validate_sglang_server_args(found, known)
+    validate_sglang_server_args({"log_level": "warn"}, known)
+
+
+def test_pick_rollout_backend():
+    assert pick_rollout_backend(types.SimpleNamespace(rollout_backend="sglang")) == "sglang"
+    expected = "sglang" if torch.cuda.is_available() else "embedded"
+    if expected == "sglang":
+        import importlib.util
+
+        expected = "sglang" if importlib.util.find_spec("sglang") else "embedded"
+    assert pick_rollout_backend(types.SimpleNamespace(rollout_backend="auto")) == expected
+    with pytest.raises(ValueError):
+        pick_rollout_backend(types.SimpleNamespace(rollout_backend="vllm"))

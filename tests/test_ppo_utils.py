@@ -1,0 +1,90 @@
+"""PPO math against hand-computed values (pure CPU)."""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from slime.utils.ppo_utils import (
+    compute_advantages_and_returns,
+    compute_approx_kl,
+    compute_entropy_from_logits,
+    compute_log_probs,
+    compute_policy_loss,
+    compute_tis_weights,
+    get_advantages_and_returns,
+    get_grpo_returns,
+    get_reinforce_plus_plus_returns,
+    group_normalize_rewards,
+)
+
+
+def test_approx_kl_estimators():
+    lp, base = torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -1.0])
+    d = lp - base  # [0.5, -1.0]
+    assert compute_approx_kl(lp, base, "k1").tolist() == pytest.approx(d.tolist())
+    assert compute_approx_kl(lp, base, "k2").tolist() == pytest.approx([0.125, 0.5])
+    k3 = [math.exp(-0.5) - 1 + 0.5, math.exp(1.0) - 1 - 1.0]
+    assert compute_approx_kl(lp, base, "k3").tolist() == pytest.approx(k3, rel=1e-6)
+    big = compute_approx_kl(torch.tensor([-30.0]), torch.tensor([0.0]), "low_var_kl")
+    assert big.item() == 10.0
+    with pytest.raises(ValueError):
+        compute_approx_kl(lp, base, "k9")
+
+
+def test_policy_loss_clip_hand_values():
+    # ratio = exp(-ppo_kl): 1.5 (clipped above at 1.2 for A>0), 0.5 (clipped below at 0.8 for A<0), 1.0
+    ratio = torch.tensor([1.5, 0.5, 1.0, 1.5])
+    adv = torch.tensor([1.0, -1.0, 2.0, -1.0])
+    loss, clipfrac = compute_policy_loss(-ratio.log(), adv, 0.2, 0.2)
+    assert loss.tolist() == pytest.approx([-1.2, 0.8, -2.0, 1.5], rel=1e-6)
+    assert clipfrac.tolist() == [1.0, 1.0, 0.0, 0.0]
+    loss_hi, _ = compute_policy_loss(-ratio.log(), adv, 0.2, 0.28)
+    assert loss_hi[0].item() == pytest.approx(-1.28)
+    dual, _ = compute_policy_loss(-torch.tensor([5.0]).log(), torch.tensor([-1.0]), 0.2, 0.2, eps_clip_c=3.0)
+    assert dual.item() == pytest.approx(3.0)
+
+
+def test_tis_weights():
+    old, rollout = torch.tensor([-1.0, -1.0, -1.0]), torch.tensor([-1.0, -3.0, 1.0])
+    w, frac = compute_tis_weights(old, rollout, clip_high=2.0, clip_low=0.5)
+    assert w.tolist() == pytest.approx([1.0, 2.0, 0.5])
+    assert frac.tolist() == [0.0, 1.0, 1.0]
+
+
+def test_log_probs_and_entropy_unsharded():
+    logits = torch.tensor([[0.0, math.log(3.0)], [0.0, 0.0]])
+    lp = compute_log_probs(logits, torch.tensor([1, 0]))
+    assert lp.tolist() == pytest.approx([math.log(0.75), math.log(0.5)], rel=1e-6)
+    h = compute_entropy_from_logits(logits)
+    expected0 = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
+    assert h.tolist() == pytest.approx([expected0, math.log(2.0)], rel=1e-6)
+
+
+def test_returns_and_gae():
+    assert get_grpo_returns([0.5], [torch.zeros(3)])[0].tolist() == [0.5, 0.5, 0.5]
+    kl = [torch.tensor([0.1, 0.2, 0.3])]
+    mask = [torch.tensor([1.0, 1.0, 0.0])]
+    (ret,) = get_reinforce_plus_plus_returns([1.0], kl, mask, kl_coef=1.0, gamma=1.0)
+    # token rewards: [-0.1, -0.2 + 1.0, 0]; reverse cumsum
+    assert ret.tolist() == pytest.approx([0.7, 0.8, 0.0])
+    values = torch.tensor([0.5, 0.25])
+    rewards = torch.tensor([0.0, 1.0])
+    adv, returns = get_advantages_and_returns(4, 2, values, rewards, gamma=0.5, lambd=0.5)
+    d1 = 1.0 - 0.25
+    d0 = 0.0 + 0.5 * 0.25 - 0.5
+    assert adv.tolist() == pytest.approx([d0 + 0.25 * d1, d1])
+    assert returns.tolist() == pytest.approx([d0 + 0.25 * d1 + 0.5, d1 + 0.25])
+
+
+def test_group_normalize_and_advantages():
+    norm = group_normalize_rewards([1.0, 0.0, 1.0, 1.0, 2.0, 3.0], 3)
+    std0 = torch.tensor([1.0, 0.0, 1.0]).std().item()
+    assert norm[0] == pytest.approx((1 - 2 / 3) / (std0 + 1e-6))
+    assert norm[3:] == pytest.approx([-1.0, 0.0, 1.0], rel=1e-5)
+    data = {"rewards": [0.5, -0.5], "loss_masks": [[1, 1], [1, 0, 1]]}
+    compute_advantages_and_returns(SimpleNamespace(advantage_estimator="grpo"), data)
+    assert data["advantages"] == [[0.5, 0.5], [-0.5, -0.5, -0.5]]
+    with pytest.raises(ValueError):
+        compute_advantages_and_returns(SimpleNamespace(advantage_estimator="ppo"), data)

@@ -1,0 +1,161 @@
+"""slime router: least-inflight/round-robin balancing, dead workers, launching either router.
+
+Workers here are small real HTTP servers (SGLang's /generate shape) that say who answered
+and can be made slow; the router runs in-process or as a launched process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import types
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+from aiohttp import web
+
+from slime.backends.sglang_utils.process import find_free_port
+from slime.router.router import RouterConfig, SlimeRouter, WorkerPool, build_router_app, launch_router
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class ServerThread:
+    """Run an aiohttp app on 127.0.0.1 in a background event loop; stop() tears it down."""
+
+    def __init__(self, app: web.Application) -> None:
+        self.port = find_free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._loop = asyncio.new_event_loop()
+        self._runner = web.AppRunner(app, shutdown_timeout=1.0)
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout=10)
+
+    async def _shutdown(self) -> None:
+        await self._runner.cleanup()
+        handlers = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in handlers:  # e.g. a deliberately stuck /generate
+            task.cancel()
+        await asyncio.gather(*handlers, return_exceptions=True)
+
+    async def _start(self) -> None:
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(timeout=10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+
+
+def fake_engine(name: str, delay_s: float = 0.0) -> web.Application:
+    async def generate(request: web.Request) -> web.Response:
+        body = await request.json()
+        await asyncio.sleep(delay_s)
+        meta = {"finish_reason": {"type": "length", "length": 1}, "prompt_tokens": len(body.get("input_ids", []))}
+        return web.json_response({"text": name, "output_ids": [1], "meta_info": meta})
+
+    async def ok(request: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    for path in ("/health", "/health_generate", "/get_model_info", "/get_server_info", "/model_info", "/server_info"):
+        app.router.add_get(path, ok)
+    return app
+
+
+@pytest.fixture
+def servers():
+    started: list[ServerThread] = []
+
+    def start(app: web.Application) -> ServerThread:
+        started.append(ServerThread(app))
+        return started[-1]
+
+    yield start
+    for server in reversed(started):
+        server.stop()
+
+
+def post_generate(url: str, timeout: float = 30.0) -> requests.Response:
+    return requests.post(url + "/generate", json={"input_ids": [1, 2], "sampling_params": {}}, timeout=timeout)
+
+
+def test_pool_round_robin_among_equally_loaded():
+    pool = WorkerPool()
+    for url in ("http://a", "http://b", "http://c"):
+        pool.add(url)
+    assert [pool.pick().url for _ in range(6)] == ["http://a", "http://b", "http://c"] * 2
+    pool.workers["http://a"].inflight = 1
+    assert {pool.pick().url for _ in range(4)} == {"http://b", "http://c"}
+
+
+def test_round_robin_over_http(servers):
+    workers = [servers(fake_engine(f"w{i}")) for i in range(3)]
+    router = servers(build_router_app(SlimeRouter(), [w.url for w in workers]))
+    answered = [post_generate(router.url).json()["text"] for _ in range(6)]
+    assert answered == ["w0", "w1", "w2"] * 2
+
+
+def test_least_inflight_avoids_busy_worker(servers):
+    slow, fast = servers(fake_engine("slow", delay_s=3.0)), servers(fake_engine("fast"))
+    router = servers(build_router_app(SlimeRouter(), [slow.url, fast.url]))
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(post_generate, router.url)  # first pick: slow (it is first in order)
+        deadline = time.monotonic() + 10
+        while requests.get(router.url + "/list_workers", timeout=5).json()["workers"][0]["inflight"] == 0:
+            assert time.monotonic() < deadline, "the slow worker never got the first request"
+            time.sleep(0.02)
+        answered = [post_generate(router.url).json()["text"] for _ in range(3)]
+        assert pending.result(timeout=30).json()["text"] == "slow"
+    assert answered == ["fast"] * 3
+
+
+def test_dead_worker_is_skipped_and_marked(servers):
+    live = servers(fake_engine("live"))
+    dead_url = f"http://127.0.0.1:{find_free_port()}"  # nothing listens there
+    router = servers(build_router_app(SlimeRouter(RouterConfig(connect_timeout_s=2.0)), [dead_url, live.url]))
+    assert [post_generate(router.url).json()["text"] for _ in range(3)] == ["live"] * 3
+    workers = {w["url"]: w for w in requests.get(router.url + "/list_workers", timeout=5).json()["workers"]}
+    assert workers[dead_url]["healthy"] is False and workers[live.url]["served"] == 3
+
+
+def test_no_live_worker_is_a_clear_503(servers):
+    dead_url = f"http://127.0.0.1:{find_free_port()}"
+    router = servers(build_router_app(SlimeRouter(), [dead_url]))
+    response = post_generate(router.url)
+    assert response.status_code == 503 and "no healthy worker" in response.json()["error"]["message"]
+
+
+def test_request_timeout_is_504(servers):
+    stuck = servers(fake_engine("stuck", delay_s=10.0))
+    router = servers(build_router_app(SlimeRouter(RouterConfig(request_timeout_s=0.5)), [stuck.url]))
+    response = post_generate(router.url)
+    assert response.status_code == 504 and "did not answer" in response.json()["error"]["message"]
+
+
+def test_add_and_list_workers(servers):
+    worker = servers(fake_engine("added"))
+    router = servers(build_router_app(SlimeRouter()))
+    assert post_generate(router.url).status_code == 503
+    assert requests.post(router.url + "/add_worker", params={"url": worker.url}, timeout=5).status_code == 200
+    assert requests.get(router.url + "/list_workers", timeout=5).json()["urls"] == [worker.url]
+    assert post_generate(router.url).json()["text"] == "added"
+    assert requests.get(router.url + "/health", timeout=5).json()["healthy_workers"] == 1
+
+
+@pytest.mark.parametrize("use_slime_router", [True, False], ids=["slime-router", "sglang-router"])
+def test_launch_router_process(servers, tmp_path, use_slime_router):
+    workers = [servers(fake_engine(f"w{i}")) for i in range(2)]
+    args = types.SimpleNamespace(use_slime_router=use_slime_router, sglang_router_ip=None, sglang_router_port=None)
+    handle = launch_router(args, [w.url for w in workers], startup_timeout_s=60, log_dir=str(tmp_path))
+    try:
+        answered = {post_generate(handle.url).json()["text"] for _ in range(4)}
+        assert answered == {"w0", "w1"}, handle.server.log_tail()
+    finally:
+        handle.stop()
+    assert not handle.server.alive()

@@ -1,0 +1,86 @@
+"""Entry point: `python train.py <upstream slime flags>`.
+
+The loop, in upstream's order: eval, generate, offload engines, fenced actor_train, save,
+offload trainer, onload engine weights, fenced weight sync, onload engine KV, eval.
+Every wait on the ranks has a deadline (`--fence-timeout`); a stall becomes an error that
+names the phase and the ranks.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+
+from slime.ray.actor_group import RayTrainGroup
+from slime.ray.placement import create_placement, init_ray
+from slime.ray.rollout_manager import create_rollout_manager
+from slime.utils.arguments import parse_args
+from slime.utils.metrics_logger import MetricsLogger
+
+logger = logging.getLogger("slime.train")
+
+
+def train(args) -> None:
+    init_ray(args)
+    placement = create_placement(args)
+    metrics = MetricsLogger(args)
+    rollout = create_rollout_manager(args, placement)
+    actors = None if args.debug_rollout_only else RayTrainGroup(args, placement)
+    try:
+        if actors is not None:
+            actors.init(rollout.engine_urls())
+        start = actors.start_rollout_id if actors is not None else 0
+        for rollout_id in range(start, args.num_rollout):
+            run_rollout(args, rollout_id, rollout, actors, metrics)
+    finally:
+        metrics.close()
+        rollout.shutdown()
+        if actors is not None:
+            actors.shutdown()
+
+
+def run_rollout(args, rollout_id: int, rollout, actors, metrics: MetricsLogger) -> None:
+    if _eval_due(args, rollout_id, before_train=True):
+        metrics.log("eval", rollout_id, rollout.evaluate(rollout_id))
+    data_ref, rollout_metrics = rollout.generate(rollout_id)
+    metrics.log("rollout", rollout_id, rollout_metrics)
+    if actors is None:  # --debug-rollout-only
+        return
+    if args.colocate:
+        rollout.offload()
+    metrics.log("train", rollout_id, actors.train(rollout_id, data_ref))
+    if _save_due(args, rollout_id):
+        actors.save(rollout_id)
+    if args.colocate:
+        actors.sleep()
+        rollout.onload(tags=("weights",))
+    if not args.debug_train_only:
+        metrics.log("weight_sync", rollout_id, actors.update_weights(rollout_id))
+    if args.colocate:
+        rollout.onload(tags=("kv_cache",))
+    if _eval_due(args, rollout_id, before_train=False):
+        metrics.log("eval", rollout_id + 1, rollout.evaluate(rollout_id + 1))
+
+
+def _eval_due(args, rollout_id: int, *, before_train: bool) -> bool:
+    if not args.eval_interval or not args.eval_prompt_data or args.debug_train_only:
+        return False
+    if before_train:
+        return rollout_id == 0 and not getattr(args, "skip_eval_before_train", False)
+    return (rollout_id + 1) % args.eval_interval == 0 or rollout_id + 1 == args.num_rollout
+
+
+def _save_due(args, rollout_id: int) -> bool:
+    if not args.save or not args.save_interval:
+        return False
+    return (rollout_id + 1) % args.save_interval == 0 or rollout_id + 1 == args.num_rollout
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    args = parse_args(argv)
+    train(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
