@@ -25,6 +25,7 @@ $PY train.py \
   --num-rollout 3 --rollout-batch-size 4 --n-samples-per-prompt 4 --num-steps-per-rollout 1 \
   --rollout-max-response-len 16 --rollout-temperature 1.0 \
   --advantage-estimator grpo --use-kl-loss --kl-loss-coef 0.01 --kl-loss-type low_var_kl \
+  --entropy-coef 0.001 --attention-dropout 0.0 --hidden-dropout 0.0 \
   --optimizer adam --lr 1e-4 --lr-decay-style constant --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.98 \
   --seed 1234 --fence-timeout "${FENCE_TIMEOUT:-120}" \
   --metrics-jsonl "$OUT/metrics.jsonl" "$@"

@@ -60,6 +60,14 @@ _MODULES_TO_LOAD = (
     "megatron.core.optimizer_param_scheduler",
     "megatron.core.pipeline_parallel.schedules",
     "megatron.core.pipeline_parallel.p2p_communication",
+    "megatron.core.dist_checkpointing",
+    "megatron.core.dist_checkpointing.exchange_utils",
+    "megatron.core.dist_checkpointing.tensor_aware_state_dict",
+    "megatron.core.dist_checkpointing.strategies.torch",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    "megatron.core.dist_checkpointing.strategies.fully_parallel",
+    "megatron.core.dist_checkpointing.strategies.async_utils",
 )
 
 _FACTORIES = (
@@ -210,11 +218,24 @@ def _cpu_tensors_report_cuda_type():
         torch.Tensor.type = original
 
 
-def _wrap_with_cuda_type_names(owner: Any, attr: str) -> None:
+@contextlib.contextmanager
+def _tensor_cuda_is_identity():
+    """Within a call, `tensor.cuda()` returns the tensor: megatron moves freshly built CPU
+    tensors to the GPU before a collective; on a CPU-only machine they already are where
+    gloo needs them."""
+    original = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original
+
+
+def _wrap_scoped(owner: Any, attr: str, scope: Callable) -> None:
+    """Run owner.attr inside `scope()`, keeping staticmethod/classmethod descriptors."""
     raw = vars(owner).get(attr) if isinstance(owner, type) else getattr(owner, attr, None)
     if raw is None:
         return
-    # Keep staticmethod/classmethod descriptors what they were.
     kind = type(raw) if isinstance(raw, (staticmethod, classmethod)) else None
     fn = raw.__func__ if kind else raw
     if getattr(fn, "_slime_cpu_patched", False):
@@ -222,11 +243,24 @@ def _wrap_with_cuda_type_names(owner: Any, attr: str) -> None:
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        with _cpu_tensors_report_cuda_type():
+        with scope():
             return fn(*args, **kwargs)
 
     wrapper._slime_cpu_patched = True
     setattr(owner, attr, kind(wrapper) if kind else wrapper)
+
+
+def _wrap_with_cuda_type_names(owner: Any, attr: str) -> None:
+    _wrap_scoped(owner, attr, _cpu_tensors_report_cuda_type)
+
+
+def _patch_tied_embedding_sync() -> None:
+    """PP>1 with tied embeddings: the first/last-stage weight sync calls `.cuda()`."""
+    language_module = importlib.import_module(
+        "megatron.core.models.common.language_module.language_module")
+    cls = getattr(language_module, "LanguageModule", None)
+    if cls is not None:
+        _wrap_scoped(cls, "setup_embeddings_and_output_layer", _tensor_cuda_is_identity)
 
 
 def _patch_type_checks() -> None:
@@ -312,6 +346,7 @@ def apply() -> None:
     if _APPLIED:
         return
     _patch_type_checks()
+    _patch_tied_embedding_sync()
     _patch_rng()
     _patch_rope_cp_slice()
     _APPLIED = True

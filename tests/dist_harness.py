@@ -2,18 +2,36 @@
 
 tests/mp_utils.run_ranks raises on the first failing rank; fault-injection tests need all outcomes
 (some ranks raise a named error, some exit with the watchdog's code), so this collects them all
-within one deadline, reusing mp_utils' child bootstrap.
+within one deadline.
 """
 from __future__ import annotations
 
+import datetime
+import os
+import pickle
 import queue
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch.multiprocessing as mp
 
-from mp_utils import _child, free_port
+from mp_utils import free_port
+
+
+def _child(fn, rank, world_size, args, port, pg_timeout_s, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=pg_timeout_s))
+        results.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))  # plain bytes: no shared-memory fds
+    except BaseException:
+        results.put((rank, "error", pickle.dumps(traceback.format_exc())))
 
 
 @dataclass(frozen=True)
@@ -29,7 +47,7 @@ def run_ranks_outcomes(fn: Callable, world_size: int, *, args: Sequence[Any] = (
     results = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_child, daemon=True, args=(fn, r, world_size, tuple(args), port, True, pg_timeout_s, results))
+        ctx.Process(target=_child, daemon=True, args=(fn, r, world_size, tuple(args), port, pg_timeout_s, results))
         for r in range(world_size)
     ]
     for p in procs:
@@ -52,7 +70,7 @@ def _collect(results, procs, world_size: int, timeout_s: float) -> list[RankOutc
             raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(outcomes))} did not finish within {timeout_s:.0f}s")
         try:
             rank, status, value = results.get(timeout=0.5)
-            outcomes[rank] = RankOutcome(rank, status, value, None)
+            outcomes[rank] = RankOutcome(rank, status, pickle.loads(value), None)
         except queue.Empty:
             for r, p in enumerate(procs):
                 if r not in outcomes and not p.is_alive() and p.exitcode not in (0, None):

@@ -40,7 +40,7 @@ def setup(rank: int, world: int, ledger_dir: str, args, *, deadline_s: float, gr
     instrument_collectives(ledger)
     lifecycle = ProcessGroupLifecycle.from_args(args, ledger=ledger)
     watchdog = Watchdog(deadline_s, ledger_dir, rank, world, ledger=ledger, grace_s=grace_s)
-    with watchdog.phase("create"):
+    with watchdog.phase("create", deadline_s=max(deadline_s, 120.0)):  # 8 ranks creating groups on 2 busy cores
         lifecycle.create(rollout_id=0)
     return ledger, lifecycle, watchdog
 

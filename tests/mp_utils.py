@@ -65,7 +65,9 @@ def run_ranks(
     port = free_port()
     pg_timeout = pg_timeout_s if pg_timeout_s is not None else timeout_s
     procs = [
-        ctx.Process(target=_child, daemon=True,
+        # Not daemonic: rank code may start its own processes (dist_checkpointing writers);
+        # _stop() kills whatever is left, so nothing outlives run_ranks.
+        ctx.Process(target=_child, daemon=False,
                     args=(fn, rank, world_size, tuple(args), port, init_process_group, pg_timeout, results))
         for rank in range(world_size)
     ]

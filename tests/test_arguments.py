@@ -78,7 +78,7 @@ def test_defaults_follow_upstream():
         "label_key": None, "n_samples_per_prompt": 1, "seed": 1234, "lr": 1e-6, "micro_batch_size": 1,
         "clip_grad": 1.0, "rollout_function_path": "slime.rollout.sglang_rollout.generate_rollout",
         "fence_timeout": 600.0, "rollout_backend": "auto", "recreate_process_groups_on_wake": False,
-        "metrics_jsonl": None, "add_bias_linear": True, "normalization": "LayerNorm", "rotary_base": 10000,
+        "metrics_jsonl": None, "add_bias_linear": True, "normalization": "LayerNorm", "rotary_base": None,
         "attention_backend": "auto", "optimizer": "adam", "lr_decay_style": "linear", "weight_decay": 0.01,
         "adam_beta1": 0.9, "adam_beta2": 0.999, "colocate": False, "offload_train": False,
         "rollout_num_gpus_per_engine": 1, "sglang_server_args": {}, "global_batch_size": 2,

@@ -9,6 +9,10 @@ from dist_harness import run_ranks_outcomes
 WORLD = 8
 
 
+def _p2p_as_one(signature):
+    return [(phase, "p2p" if op in ("isend", "irecv") else op, group, shape) for phase, op, group, shape in signature]
+
+
 def _values(outcomes):
     bad = [o for o in outcomes if o.status != "ok"]
     assert not bad, "\n".join(f"rank {o.rank}: {o.status} {o.exitcode} {o.value}" for o in bad)
@@ -21,7 +25,8 @@ def test_clean_fenced_steps_have_identical_ledgers_and_keep_mode_cycles(tmp_path
     reference = values[0]
     for value in values:
         assert value["signatures"] == reference["signatures"]  # same ops, groups, shapes, phases on every rank
-        assert value["create_signature"] == reference["create_signature"]
+        # warm-up p2p is posted in even/odd order by design: compare it as "p2p"
+        assert _p2p_as_one(value["create_signature"]) == _p2p_as_one(reference["create_signature"])
         assert value["fence_seq"] == reference["fence_seq"]
         assert value["same_groups"]  # keep mode: no group destroyed or created across sleep/wake
     step_ops = [(phase, op, group) for phase, op, group, _ in reference["signatures"][0]]

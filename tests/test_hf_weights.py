@@ -51,22 +51,33 @@ def _save_tiny_qwen2(path: str) -> str:
     return path
 
 
-def _round_trip(rank, world, hf_dirs):
+def _round_trip(rank, world, hf_dirs, tp, pp):
     import transformers
+    from megatron.core import parallel_state
 
     from slime.backends.megatron_utils.model import build_gpt_model
     from slime.backends.megatron_utils.parallel import init_model_parallel
     from slime_plugins.models.hf_weights import export_hf_weights, load_hf_weights
 
-    args = types.SimpleNamespace(tensor_model_parallel_size=world, seed=5)
+    args = types.SimpleNamespace(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, seed=5)
     init_model_parallel(args)
     exported = []
     for hf_dir in hf_dirs:
         hf_config = transformers.AutoConfig.from_pretrained(hf_dir)
-        model = build_gpt_model(args, hf_config)
+        model = build_gpt_model(args, hf_config,
+                                pre_process=parallel_state.is_pipeline_first_stage(),
+                                post_process=parallel_state.is_pipeline_last_stage())
         load_hf_weights([model], hf_dir, hf_config)
         exported.append(list(export_hf_weights([model], hf_config)))
     return exported
+
+
+def _original(hf_dir):
+    original = load_file(os.path.join(hf_dir, "model.safetensors"))
+    if "lm_head.weight" in original and torch.equal(original["lm_head.weight"],
+                                                    original["model.embed_tokens.weight"]):
+        original.pop("lm_head.weight")  # tied: HF saves (or not) a copy
+    return original
 
 
 @pytest.fixture(scope="module")
@@ -82,15 +93,26 @@ def hf_dirs(tmp_path_factory):
 
 @pytest.mark.timeout(180)
 def test_load_export_round_trip_is_bit_exact_at_tp2(hf_dirs):
-    per_rank = run_ranks(_round_trip, 2, args=(hf_dirs,), timeout_s=170)
+    per_rank = run_ranks(_round_trip, 2, args=(hf_dirs, 2, 1), timeout_s=170)
     for index, hf_dir in enumerate(hf_dirs):
-        original = load_file(os.path.join(hf_dir, "model.safetensors"))
-        if "lm_head.weight" in original and torch.equal(original["lm_head.weight"],
-                                                        original["model.embed_tokens.weight"]):
-            original.pop("lm_head.weight")  # tied: HF saves (or not) a copy
+        original = _original(hf_dir)
         names = [[name for name, _ in rank_export[index]] for rank_export in per_rank]
         assert names[0] == names[1], "TP ranks must export in the same order"
         assert sorted(names[0]) == sorted(original), set(names[0]) ^ set(original)
         for name, tensor in per_rank[0][index]:
             assert tensor.dtype == original[name].dtype, name
             assert torch.equal(tensor, original[name]), name
+
+
+@pytest.mark.timeout(180)
+def test_pp2_stages_export_their_own_layers_with_global_names(hf_dirs):
+    per_rank = run_ranks(_round_trip, 2, args=(hf_dirs[:2], 1, 2), timeout_s=170)
+    for index, hf_dir in enumerate(hf_dirs[:2]):
+        original = _original(hf_dir)
+        first, last = (dict(rank_export[index]) for rank_export in per_rank)
+        assert "model.embed_tokens.weight" in first and "model.layers.0.mlp.down_proj.weight" in first
+        assert "model.norm.weight" in last and "model.layers.1.mlp.down_proj.weight" in last
+        assert not set(first) & set(last)
+        merged = {**first, **last}
+        assert sorted(merged) == sorted(original)
+        assert all(torch.equal(merged[name], original[name]) for name in original)

@@ -78,14 +78,15 @@ def layout_child(rank: int, world: int, layout: dict, hf_dir: str, data: dict, m
     data["log_probs"] = _perturbed(mine, 0.3, 0.0)
     data["ref_log_probs"] = _perturbed(mine, 0.2, 1.0)
     data["rollout_log_probs"] = _perturbed(mine, 0.5, 2.0)
-    steps = {}
-    for mode in modes:
+    steps, step_seconds = {}, []
+    for mode in modes:  # a mode may repeat (benchmarks); steps keeps its last result
         start = time.perf_counter()
         result = train_one_step(model, optimizer, scheduler, data, plan, layout_args(layout, **mode_args(mode)))
         steps[mode] = dict(loss=result.loss, grad_norm=result.grad_norm, metrics=result.metrics,
                            skipped=result.skipped, seconds=time.perf_counter() - start,
                            num_micro_batches=result.num_micro_batches)
-    return dict(rank=rank, log_probs=log_probs, steps=steps, plan=plan.fingerprint_fields(),
+        step_seconds.append(steps[mode]["seconds"])
+    return dict(rank=rank, log_probs=log_probs, steps=steps, step_seconds=step_seconds, plan=plan.fingerprint_fields(),
                 padding=plan.num_padding_micro_batches, torch_threads=torch.get_num_threads())
 
 

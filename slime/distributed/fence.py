@@ -21,7 +21,7 @@ from slime.distributed.hang_report import format_table, suspects_from_dir, rende
 from slime.distributed.ledger import FENCE_GROUP_NAME, Ledger
 
 PAYLOAD_BYTES = 4096
-_VALUE_CHARS = 48  # a table cell
+_VALUE_CHARS = 120  # a table cell
 
 
 class Fence:

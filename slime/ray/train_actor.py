@@ -3,6 +3,12 @@ from __future__ import annotations
 
 import os
 import socket
+import warnings
+
+# megatron-core announces at import that TE/Apex are absent (expected on the embedded path),
+# once per module per rank; the choice of leaves is logged once by the model provider instead.
+warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
+warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor. is deprecated")
 
 
 class TrainRayActor:

@@ -254,17 +254,18 @@ def _add_megatron_model_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--ffn-hidden-size", type=int, default=None, help="MLP hidden size (default 4*hidden)")
     g.add_argument("--num-attention-heads", type=int, default=None, help="attention heads")
     g.add_argument("--group-query-attention", action="store_true", default=False, help="grouped-query attention")
-    g.add_argument("--num-query-groups", type=int, default=1, help="KV groups with --group-query-attention")
+    g.add_argument("--num-query-groups", type=int, default=None,
+                   help="KV groups with --group-query-attention (default: from the HF config)")
     g.add_argument("--kv-channels", type=int, default=None, help="head dim (default hidden/heads)")
     g.add_argument("--max-position-embeddings", type=int, default=None, help="max positions")
     g.add_argument("--position-embedding-type", type=str, default="learned_absolute",
                    choices=["learned_absolute", "rope", "mrope", "none"], help="position embedding")
     g.add_argument("--use-rotary-position-embeddings", action="store_true", default=False,
                    help="deprecated spelling of --position-embedding-type rope")
-    g.add_argument("--rotary-base", type=int, default=10000, help="RoPE base")
+    g.add_argument("--rotary-base", type=int, default=None, help="RoPE base (default: from the HF config)")
     g.add_argument("--rotary-percent", type=float, default=1.0, help="fraction of head dim rotated")
     g.add_argument("--normalization", type=str, default="LayerNorm", choices=["LayerNorm", "RMSNorm"], help="norm")
-    g.add_argument("--norm-epsilon", type=float, default=1e-5, help="norm epsilon")
+    g.add_argument("--norm-epsilon", type=float, default=None, help="norm epsilon (default: from the HF config)")
     g.add_argument("--apply-layernorm-1p", action="store_true", default=False, help="zero-centred norm weight")
     g.add_argument("--swiglu", action="store_true", default=False, help="SwiGLU MLP")
     g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear", help="no linear biases")
@@ -537,7 +538,7 @@ def _check_model_shape(args: argparse.Namespace) -> None:
     tp = args.tensor_model_parallel_size
     if args.num_attention_heads is not None and args.num_attention_heads % tp:
         _fail(f"--num-attention-heads {args.num_attention_heads} is not divisible by --tensor-model-parallel-size {tp}")
-    if args.group_query_attention:
+    if args.group_query_attention and args.num_query_groups is not None:
         if args.num_attention_heads is not None and args.num_attention_heads % args.num_query_groups:
             _fail(f"--num-attention-heads {args.num_attention_heads} is not divisible by --num-query-groups "
                   f"{args.num_query_groups}")
@@ -766,6 +767,11 @@ def parse_args(
     parser = build_parser(add_custom_arguments)
     known_sglang = sglang_passthrough.registered_sglang_flags(parser)
     remaining, passthrough = sglang_passthrough.split_passthrough(argv, known_sglang)
+    # Unknown flags first: argparse would otherwise report a missing required flag instead.
+    unknown = [a.split("=", 1)[0] for a in remaining
+               if a.startswith("--") and a.split("=", 1)[0] not in parser._option_string_actions]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args = parser.parse_args(remaining)
     try:
         args.sglang_server_args = sglang_passthrough.resolve_server_args(args, passthrough)

@@ -20,6 +20,9 @@ from slime_plugins.models.hf_weights import export_hf_weights, load_hf_weights
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_iteration", "load_hf_weights", "export_hf_weights"]
 
 _TRACKER = "latest_checkpointed_iteration.txt"
+# Distributed-optimizer state format: Megatron-LM's default. The model itself reloads under any
+# layout; optimizer state needs the same TP/PP (DP may change).
+_SHARDING_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
 def _iteration_dir(root: str, iteration: int) -> str:
@@ -49,7 +52,7 @@ def _full_sharded_state_dict(model_chunks, optimizer, lr_scheduler, is_loading: 
     state = _model_sharded_state_dict(model_chunks)
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(
-            _merged_model_sharded(state), is_loading=is_loading)
+            _merged_model_sharded(state), is_loading=is_loading, metadata=_SHARDING_METADATA)
     if lr_scheduler is not None:
         state["opt_param_scheduler"] = lr_scheduler.state_dict()
     return state
@@ -83,6 +86,7 @@ def latest_iteration(root: str) -> Optional[int]:
         return int(f.read().strip())
 
 
+@torch.no_grad()  # state copies into (views of) leaf params must not be recorded by autograd
 def load_checkpoint(root: str, model_chunks: list, optimizer=None, lr_scheduler=None,
                     iteration: Optional[int] = None) -> int:
     """Load model (+ optimizer, scheduler) in place; returns the loaded iteration. All ranks call."""
@@ -103,5 +107,6 @@ def load_checkpoint(root: str, model_chunks: list, optimizer=None, lr_scheduler=
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
     if lr_scheduler is not None:
+        lr_scheduler.num_steps = 0  # its load_state_dict ADDS the saved step count
         lr_scheduler.load_state_dict(loaded["opt_param_scheduler"])
     return int(loaded.get("iteration", iteration))

@@ -16,6 +16,8 @@ log-prob, advantage, ... of token t+1 (logits at t predict token t+1).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -62,6 +64,9 @@ class MicroBatchPlan:
     """Trailing micro-batches that run forward with zero loss weight to equalise counts."""
     cp_size: int
     pad_multiple: int
+    global_digest: str
+    """Hash of every DP rank's micro-batches of this step: equal on all ranks iff they
+    all derived the same global plan."""
 
     @property
     def num_micro_batches(self) -> int:
@@ -71,30 +76,27 @@ class MicroBatchPlan:
         return len(self.micro_batches[index]) == 0
 
     def fingerprint_fields(self) -> dict[str, Any]:
-        """Plain JSON-able fields for cross-rank comparison.
-
-        Ranks of one DP group must agree on all of them; ranks of different DP groups
-        agree on everything but the per-rank sample ids and per-micro-batch counts.
-        """
+        """Plain JSON-able fields that must be EQUAL ON ALL RANKS (all-rank fence)."""
         return {
             "step_index": self.step_index,
             "dp_size": self.dp_size,
-            "num_micro_batches": self.num_micro_batches,
-            "num_padding_micro_batches": self.num_padding_micro_batches,
-            "step_loss_token_total": self.step_loss_token_total,
-            "step_sample_count": self.step_sample_count,
             "cp_size": self.cp_size,
             "pad_multiple": self.pad_multiple,
-            "local_padded_lengths": [n // self.cp_size for n in self.padded_lengths],
+            "num_micro_batches": self.num_micro_batches,
+            "step_loss_token_total": self.step_loss_token_total,
+            "step_sample_count": self.step_sample_count,
+            "global_digest": self.global_digest,
         }
 
     def rank_fields(self) -> dict[str, Any]:
-        """This DP rank's own content (compare within a DP group only)."""
+        """This DP rank's own content: equal within its DP group (TP/CP/PP peers) only."""
         return {
             "dp_rank": self.dp_rank,
             "micro_batches": [list(mb) for mb in self.micro_batches],
             "token_counts": list(self.token_counts),
             "loss_token_counts": list(self.loss_token_counts),
+            "local_padded_lengths": [n // self.cp_size for n in self.padded_lengths],
+            "num_padding_micro_batches": self.num_padding_micro_batches,
         }
 
 
@@ -137,9 +139,10 @@ def build_rollout_plans(
             for ids in per_rank
         ]
         target = max(1, max(len(b) for b in batches))
-        mine = _equalise_count(batches[dp_rank], padded, target)
-        plans.append(_make_plan(step_index, dp_rank, dp_size, mine, step_ids, sample_lengths,
-                                padded, loss_token_counts, cp_size, pad_multiple))
+        every_rank = [_equalise_count(b, padded, target) for b in batches]
+        digest = hashlib.sha256(json.dumps([step_ids, every_rank, padded]).encode()).hexdigest()[:16]
+        plans.append(_make_plan(step_index, dp_rank, dp_size, every_rank[dp_rank], step_ids, sample_lengths,
+                                padded, loss_token_counts, cp_size, pad_multiple, digest))
     return plans
 
 
@@ -233,7 +236,7 @@ def _halve(mb: tuple[int, ...], padded: Sequence[int]) -> tuple[tuple[int, ...],
 
 
 def _make_plan(step_index, dp_rank, dp_size, batches, step_ids, lengths, padded, loss_counts,
-               cp_size, pad_multiple) -> MicroBatchPlan:
+               cp_size, pad_multiple, digest) -> MicroBatchPlan:
     return MicroBatchPlan(
         step_index=step_index,
         dp_rank=dp_rank,
@@ -247,6 +250,7 @@ def _make_plan(step_index, dp_rank, dp_size, batches, step_ids, lengths, padded,
         num_padding_micro_batches=sum(1 for mb in batches if not mb),
         cp_size=cp_size,
         pad_multiple=pad_multiple,
+        global_digest=digest,
     )
 
 

@@ -38,18 +38,20 @@ _QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
 _QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_moe")
 
 
-def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 1) -> int:
-    """Smallest size >= vocab_size divisible by divisible_by * tp (megatron's padding rule).
+# Logit given to padded vocabulary columns: exp() underflows to exactly 0 next to any real
+# logit, yet it stays finite so p*log(p) (entropy) is 0, not NaN.
+PADDED_VOCAB_LOGIT = -1.0e4
 
-    We default divisible_by to 1 (not megatron's 128): every padded row is an extra logit
-    in the softmax, so padding only as much as TP needs keeps log-probs equal to HF's.
-    """
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 1) -> int:
+    """Smallest size >= vocab_size divisible by divisible_by * tp (megatron's padding rule)."""
     multiple = divisible_by * tp
     return ((vocab_size + multiple - 1) // multiple) * multiple
 
 
 def model_vocab_size(args: Namespace, hf_config: Any) -> int:
-    """The (padded) vocabulary size of the megatron model built from these args."""
+    """The (padded) vocabulary size of the megatron model built from these args
+    (--make-vocab-size-divisible-by, default 1 here: pad only as much as TP needs)."""
     divisible_by = getattr(args, "make_vocab_size_divisible_by", None) or 1
     return padded_vocab_size(hf_config.vocab_size, _arg(args, "tensor_model_parallel_size", 1), divisible_by)
 
@@ -109,11 +111,17 @@ def _check_against_args(arch: dict[str, Any], args: Namespace) -> None:
                              f"the HF config ({value})")
 
 
+def _check_embedding_tying(hf_config: Any, args: Namespace) -> None:
+    if getattr(args, "untie_embeddings_and_output_weights", False) and getattr(hf_config, "tie_word_embeddings", False):
+        raise ValueError("--untie-embeddings-and-output-weights contradicts the HF config "
+                         "(tie_word_embeddings=True)")
+
+
 def transformer_config_from_hf(hf_config: Any, args: Namespace) -> TransformerConfig:
     """TransformerConfig for a dense Qwen3/Qwen2/Llama HF config, with parallelism and
     training knobs from args. fp32 unless args.bf16 (CPU runs use fp32)."""
     arch = hf_architecture(hf_config)
-    _check_against_args(arch, args)
+    _check_against_args({**arch, "rotary_base": _rope_theta(hf_config)}, args)
     bf16 = bool(getattr(args, "bf16", False))
     params_dtype = torch.bfloat16 if bf16 else torch.float32
     return TransformerConfig(
@@ -197,11 +205,15 @@ def build_gpt_model(
     args: Namespace, hf_config: Any, pre_process: bool = True, post_process: bool = True,
     vp_stage: int | None = None,
 ) -> GPTModel:
-    """One GPTModel chunk (this PP stage's layers). Logits are vocab-parallel (parallel_output)."""
+    """One GPTModel chunk (this PP stage's layers).
+
+    Last stage output: logits [b, s_local, padded_vocab / tp] (vocab-parallel, sequence NOT
+    split by SP: the output layer gathers it); padded columns hold PADDED_VOCAB_LOGIT.
+    """
     config = transformer_config_from_hf(hf_config, args)
     rope_scaling = _rope_type(hf_config) == "llama3"
     rope_params = getattr(hf_config, "rope_parameters", None) or {}
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=_layer_spec(args, config, vp_stage),
         vocab_size=model_vocab_size(args, hf_config),
@@ -217,6 +229,27 @@ def build_gpt_model(
         rope_scaling_factor=float(rope_params.get("factor", 8.0)),
         vp_stage=vp_stage,
     )
+    _mask_padded_vocab(model, hf_config.vocab_size)
+    return model
+
+
+def _mask_padded_vocab(model: GPTModel, vocab_size: int) -> None:
+    """Make padded vocabulary columns impossible tokens, so log-probs and entropy computed over
+    the (padded, vocab-parallel) logits equal HF's over the real vocabulary."""
+    if not model.post_process or model.vocab_size == vocab_size:
+        return
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    local = model.vocab_size // parallel_state.get_tensor_model_parallel_world_size()
+    first_padded = vocab_size - tp_rank * local  # local column index of the first padded token
+    if first_padded >= local:
+        return  # this TP rank holds no padded columns
+
+    def hook(module, inputs, output):
+        logits, bias = output
+        is_padded = torch.arange(local, device=logits.device) >= first_padded
+        return logits.masked_fill(is_padded, PADDED_VOCAB_LOGIT), bias
+
+    model.output_layer.register_forward_hook(hook)
 
 
 def _build_model_chunks(args: Namespace, hf_config: Any) -> list[GPTModel]:

@@ -35,7 +35,8 @@ def init_distributed(
         raise RuntimeError("torch.distributed is already initialized")
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
-        torch.cuda.set_device(torch.cuda.device_count() and rank % torch.cuda.device_count())
+        # Ray gives each actor its own visible GPU(s); without Ray, ranks share a host's GPUs.
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(
         backend=backend,
         init_method=f"tcp://{master_addr}:{master_port}",

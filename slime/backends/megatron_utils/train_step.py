@@ -78,13 +78,17 @@ def build_plans_for_rank(data: Mapping[str, Any], args: Any) -> list[MicroBatchP
 def pack_plan(data: Mapping[str, Any], plan: MicroBatchPlan, args: Any) -> list[PackedMicroBatch]:
     """Pack every micro-batch of ``plan`` for this CP rank, on the compute device (no collective)."""
     cp_rank = parallel_state.get_context_parallel_rank()
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
     packed = [
         pack_micro_batch(data, mb, cp_size=plan.cp_size, cp_rank=cp_rank,
                          tp_size=args.tensor_model_parallel_size, sequence_parallel=args.sequence_parallel)
         for mb in plan.micro_batches
     ]
-    return [_to_device(p, device) for p in packed] if device is not None else packed
+    return [_to_device(p, _comm_device()) for p in packed] if torch.cuda.is_available() else packed
+
+
+def _comm_device() -> torch.device:
+    """Where collective tensors live: the current GPU under NCCL, CPU under gloo."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _to_device(packed: PackedMicroBatch, device: torch.device) -> PackedMicroBatch:
@@ -108,7 +112,7 @@ def reduce_loss_token_total(plan: MicroBatchPlan) -> int:
     times; dividing by cp undoes that inflation.
     """
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    local = torch.tensor([float(sum(plan.loss_token_counts))], dtype=torch.float64)
+    local = torch.tensor([float(sum(plan.loss_token_counts))], dtype=torch.float64, device=_comm_device())
     dist.all_reduce(local, group=group)
     total = int(round(local.item() / plan.cp_size))
     if total != plan.step_loss_token_total:
@@ -138,13 +142,13 @@ def run_forward_backward(model_chunks: Sequence[Any], packed: list[PackedMicroBa
     config = get_model_config(model_chunks[0])
     scale = megatron_loss_scale(config, plan.num_micro_batches)
     keys = metric_keys(cfg)
-    sums = {key: torch.zeros((), dtype=torch.float64) for key in keys}
+    sums = {key: torch.zeros((), dtype=torch.float64, device=_comm_device()) for key in keys}
     tp_group = parallel_state.get_tensor_model_parallel_group()
 
     def loss_func(batch: PackedMicroBatch, output: torch.Tensor):
         loss, metrics = micro_batch_loss(output, batch, plan, cfg, tp_group)
         for key in keys:
-            sums[key] += metrics[key].double().cpu()
+            sums[key] += metrics[key].double()  # stays on device: no sync per micro-batch
         if config.calculate_per_token_loss:
             return loss * scale, batch.loss_mask.sum().int(), metrics
         return loss * scale, metrics
@@ -160,9 +164,7 @@ def reduce_step_metrics(sums: Mapping[str, torch.Tensor], keys: Sequence[str]) -
     sum divided by tp is the sum over DP x CP ranks of the last stage: the step mean.
     """
     keys = sorted(keys)
-    vector = torch.stack([sums[k].double().cpu() for k in keys]) if keys else torch.zeros(0, dtype=torch.float64)
-    if torch.cuda.is_available():
-        vector = vector.cuda()
+    vector = torch.stack([sums[k].double().to(_comm_device()) for k in keys])
     dist.all_reduce(vector)
     vector = vector.cpu() / parallel_state.get_tensor_model_parallel_world_size()
     return {k: float(v) for k, v in zip(keys, vector.tolist())}

@@ -1,0 +1,291 @@
+"""One trainer rank: the fenced actor_train of ARCHITECTURE.md, phase by phase.
+
+Every phase runs on every rank, in this order, under a watchdog deadline (`--fence-timeout`)
+and recorded in this rank's ledger:
+
+  wake          re-create groups if they were destroyed, warm every communicator, fenced
+  plan          build the micro-batch plans from data every rank shares; fence their fingerprint
+  log_probs     forward-only old-policy (and reference) log-probs
+  step k        loss-token total (one DP x CP reduce) -> forward/backward -> grad reduce
+                -> metrics (one reduce over sorted keys) -> optimizer (decisions on reduced values)
+  exit          fence the metric key set, then log off the critical path with a deadline
+
+Nothing between two collectives branches on a rank-local value: plans, skips and metric keys
+are all derived from data every rank holds or from reduced values.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+import ray
+import torch
+
+from megatron.core import parallel_state
+
+from slime.backends.megatron_utils.data import plans_from_rollout
+from slime.backends.megatron_utils.loss import LossConfig, metric_keys
+from slime.backends.megatron_utils.train_step import StepResult, compute_log_probs, train_one_step
+from slime.distributed import (
+    Ledger,
+    ProcessGroupLifecycle,
+    Watchdog,
+    instrument_collectives,
+    stable_hash,
+)
+from slime.distributed.errors import DistributedStepError
+from slime.distributed.fault_inject import apply_metric_key_fault, apply_plan_fault, fault_active, stall_forever
+from slime.utils.ppo_utils import compute_advantages_and_returns
+
+logger = logging.getLogger(__name__)
+
+
+class LoggingStallError(DistributedStepError):
+    """A rank's logging did not finish within the deadline."""
+
+
+class MegatronTrainActor:
+    def __init__(self, args, rank: int, world_size: int, ledger_dir: str):
+        self.args = args
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout_s = float(args.fence_timeout)
+        self.ledger = Ledger(rank, world_size, ledger_dir)
+        self.watchdog = Watchdog(self.timeout_s, ledger_dir, rank, world_size, ledger=self.ledger)
+        self.asleep = False
+
+    # ------------------------------------------------------------------ set-up
+    def init(self, master_addr: str, master_port: int, engine_urls: list[str]) -> int:
+        from transformers import AutoConfig
+
+        import patches
+        from megatron.core import tensor_parallel
+        from slime.backends.megatron_utils.parallel import init_distributed
+        from slime.backends.megatron_utils.update_weight import WeightSync
+
+        patches.apply_all()
+        init_distributed(self.args, self.rank, self.world_size, master_addr, master_port)
+        instrument_collectives(self.ledger)
+        self.groups = ProcessGroupLifecycle.from_args(self.args, ledger=self.ledger)
+        with self.watchdog.phase("init/create_groups"):
+            self.groups.create()
+        tensor_parallel.model_parallel_cuda_manual_seed(self.args.seed)
+        self.hf_config = AutoConfig.from_pretrained(self.args.hf_checkpoint, trust_remote_code=True)
+        start = self._build_model()
+        self.weight_sync = WeightSync(self.args, self.hf_config, engine_urls)
+        return start
+
+    def _build_model(self) -> int:
+        from slime.backends.megatron_utils.checkpoint import latest_iteration, load_checkpoint
+        from slime.backends.megatron_utils.model import build_model_and_optimizer
+        from slime_plugins.models.hf_weights import load_hf_weights
+
+        self.model, self.optimizer, self.lr_scheduler = build_model_and_optimizer(self.args, self.hf_config)
+        start = 0
+        if self.args.load and latest_iteration(self.args.load) is not None:
+            start = load_checkpoint(self.args.load, self.model, self.optimizer, self.lr_scheduler) + 1
+        else:
+            load_hf_weights(self.model, self.args.hf_checkpoint, self.hf_config)
+        self.snapshots = WeightSnapshots(self.model)
+        if self.args.use_kl_loss or self.args.kl_coef:
+            self.snapshots.take("ref")  # the reference policy is the starting policy (--ref-load: same HF)
+        return start
+
+    # ------------------------------------------------------------- actor_train
+    def train(self, rollout_id: int, data_ref: ray.ObjectRef) -> dict[str, Any]:
+        start = time.perf_counter()
+        with self.watchdog.phase("actor_train/fetch_data"):
+            data = ray.get(data_ref, timeout=self.timeout_s)
+        with self.watchdog.phase("actor_train/wake"):
+            wake = self.wake(rollout_id)
+        with self.watchdog.phase("actor_train/plan"):
+            plans = self._fenced_plans(rollout_id, data)
+        with self.watchdog.phase("actor_train/log_probs"):
+            self._fill_log_probs(data, plans)
+            compute_advantages_and_returns(self.args, data)
+        results = [self._train_step(rollout_id, data, plan) for plan in plans]
+        metrics = self._exit_fence(rollout_id, results)
+        metrics.update(wake)
+        metrics["perf/actor_train_s"] = time.perf_counter() - start
+        self._log_locally(rollout_id, metrics)
+        return metrics
+
+    def _fenced_plans(self, rollout_id: int, data: dict):
+        """This DP rank's plans, after every rank showed it derived the same plans for ALL DP ranks.
+
+        Plans are a pure function of the rollout every rank holds, so each rank can build every
+        DP rank's plans and fingerprint the whole table: one global fence then catches any
+        divergence, also between DP replicas (different micro-batch counts, token totals...).
+        """
+        dp_size = parallel_state.get_data_parallel_world_size()
+        every_dp = [plans_from_rollout(data, self.args, dp_size=dp_size, dp_rank=r) for r in range(dp_size)]
+        cfg = LossConfig.from_args(self.args)
+        fields = {
+            "rollout_id": rollout_id,
+            "num_steps": len(every_dp[0]),
+            "plan_hash": stable_hash([[{**p.fingerprint_fields(), **p.rank_fields()} for p in plans]
+                                      for plans in every_dp]),
+            "num_micro_batches": [[p.num_micro_batches for p in plans] for plans in every_dp],
+            "micro_batch_tokens": [[list(p.token_counts) for p in plans] for plans in every_dp],
+            "loss_token_totals": [p.step_loss_token_total for p in every_dp[0]],
+            "metric_keys": sorted(metric_keys(cfg)),
+            "optional_collectives": sorted(k for k, on in (("kl_loss", cfg.use_kl_loss), ("ref_log_probs", "ref" in self.snapshots)) if on),
+        }
+        self.groups.fence("actor_train/plan", apply_plan_fault(fields, self.rank, rollout_id))
+        return every_dp[parallel_state.get_data_parallel_rank()]
+
+    def _fill_log_probs(self, data: dict, plans) -> None:
+        hook = self.watchdog.phase
+        with torch.no_grad():
+            data["log_probs"] = compute_log_probs(self.model, data, plans, self.args, collective_hook=hook)
+            if "ref" in self.snapshots:
+                with self.snapshots.swapped("ref"):
+                    data["ref_log_probs"] = compute_log_probs(self.model, data, plans, self.args, collective_hook=hook)
+
+    def _train_step(self, rollout_id: int, data: dict, plan) -> StepResult:
+        # The skip_collective fault drops this rank's loss-token reduce: its peers then wait in
+        # that collective until the watchdog names the phase.
+        if fault_active("skip_collective", self.rank, rollout_id):
+            with self.watchdog.phase(f"actor_train/step{plan.step_index}/forward_backward"):
+                stall_forever()
+        return train_one_step(self.model, self.optimizer, self.lr_scheduler, data, plan, self.args,
+                              collective_hook=self.watchdog.phase)
+
+    def _exit_fence(self, rollout_id: int, results: list[StepResult]) -> dict[str, Any]:
+        last = results[-1]
+        metrics = {f"train/{k}": v for k, v in last.metrics.items()}
+        metrics.update({
+            "train/loss": last.loss,
+            "train/grad_norm": last.grad_norm,
+            "train/skipped_steps": sum(r.skipped for r in results),
+            "train/num_steps": len(results),
+            "train/num_micro_batches": sum(r.num_micro_batches for r in results),
+            "train/loss_tokens": sum(r.loss_token_total for r in results),
+            "train/lr": self.optimizer.param_groups[0]["lr"],
+        })
+        keys = apply_metric_key_fault(metrics, self.rank, rollout_id)
+        with self.watchdog.phase("actor_train/exit"):
+            self.groups.fence("actor_train/exit", {"rollout_id": rollout_id, "metric_keys": list(keys)})
+        return metrics
+
+    def _log_locally(self, rollout_id: int, metrics: dict[str, Any]) -> None:
+        """Per-rank log line after the exit fence, in a thread with a deadline: a stuck sink is named."""
+        def write() -> None:
+            if fault_active("stall_logging", self.rank, rollout_id):
+                stall_forever()
+            logger.info("rank %d rollout %d: loss=%.6g grad_norm=%.6g", self.rank, rollout_id,
+                        metrics["train/loss"], metrics["train/grad_norm"])
+
+        writer = threading.Thread(target=write, name="rank-logging", daemon=True)
+        writer.start()
+        writer.join(self.timeout_s)
+        if writer.is_alive():
+            raise LoggingStallError(
+                f"phase=actor_train/logging rank={self.rank}: logging did not finish within {self.timeout_s:g}s")
+
+    # ------------------------------------------------------- colocate lifecycle
+    def wake(self, rollout_id: int) -> dict[str, float]:
+        report = self.groups.wake(rollout_id)
+        if report.regrouped:
+            repoint_process_groups([self.model, self.optimizer], report.regrouped)
+        self.asleep = False
+        return {"perf/wake_create_groups_s": report.create_seconds,
+                "perf/wake_warmup_s": report.warmup.seconds if report.warmup else 0.0}
+
+    def sleep(self) -> None:
+        with self.watchdog.phase("sleep"):
+            self.groups.sleep()
+        self.asleep = True
+
+    # ------------------------------------------------------------ weight sync
+    def update_weights(self, rollout_id: int) -> dict[str, Any]:
+        woke = self.asleep
+        with self.watchdog.phase("weight_sync/wake"):
+            wake = self.wake(rollout_id) if woke else {}
+        metrics = self.weight_sync.sync(self.model, rollout_id, fence=self.groups.fence, watchdog=self.watchdog)
+        if woke:  # groups go back down only after the sync's closing fence
+            self.sleep()
+        return {**metrics, **{f"weight_sync/{k.split('/')[-1]}": v for k, v in wake.items()}}
+
+    def save(self, rollout_id: int) -> None:
+        from slime.backends.megatron_utils.checkpoint import save_checkpoint
+
+        with self.watchdog.phase("save", deadline_s=max(self.timeout_s, 1800.0)):
+            save_checkpoint(self.args.save, rollout_id, self.model, self.optimizer, self.lr_scheduler)
+
+
+class WeightSnapshots:
+    """Named CPU copies of the model's parameters, swapped in for forward-only passes (reference policy)."""
+
+    def __init__(self, model_chunks):
+        self._params = [(f"{i}.{n}", p) for i, c in enumerate(model_chunks) for n, p in c.named_parameters()]
+        self._saved: dict[str, dict[str, torch.Tensor]] = {}
+
+    def __contains__(self, tag: str) -> bool:
+        return tag in self._saved
+
+    @torch.no_grad()
+    def take(self, tag: str) -> None:
+        self._saved[tag] = {n: p.detach().to("cpu", copy=True) for n, p in self._params}
+
+    @torch.no_grad()
+    def _load(self, values: dict[str, torch.Tensor]) -> None:
+        for name, param in self._params:
+            param.copy_(values[name].to(param.device))
+
+    def swapped(self, tag: str):
+        snapshots = self
+
+        class _Swap:
+            def __enter__(self):
+                snapshots.take("_live")
+                snapshots._load(snapshots._saved[tag])
+
+            def __exit__(self, *exc):
+                snapshots._load(snapshots._saved.pop("_live"))
+
+        return _Swap()
+
+
+def repoint_process_groups(roots: list[Any], regrouped, max_depth: int = 6) -> int:
+    """Replace destroyed process groups by their re-created twins inside DDP/optimizer objects.
+
+    Objects built before a colocate sleep (DDP bucket groups, the optimizer) keep references to
+    the groups they were built with; after re-creation those references must follow.
+    """
+    mapping = {id(old): new for _, old, new in regrouped}
+    seen: set[int] = set()
+    replaced = 0
+
+    def visit(obj: Any, depth: int) -> None:
+        nonlocal replaced
+        if depth > max_depth or id(obj) in seen or isinstance(obj, (torch.Tensor, str, bytes, int, float)):
+            return
+        seen.add(id(obj))
+        items = obj.__dict__.items() if hasattr(obj, "__dict__") else ()
+        for key, value in list(items):
+            if id(value) in mapping:
+                setattr(obj, key, mapping[id(value)])
+                replaced += 1
+            else:
+                visit(value, depth + 1)
+        if isinstance(obj, list):
+            for i, value in enumerate(obj):
+                if id(value) in mapping:
+                    obj[i] = mapping[id(value)]
+                    replaced += 1
+                else:
+                    visit(value, depth + 1)
+        elif isinstance(obj, dict):
+            for value in obj.values():
+                visit(value, depth + 1)
+        elif isinstance(obj, tuple):
+            for value in obj:
+                visit(value, depth + 1)
+
+    for root in roots:
+        visit(root, 0)
+    return replaced

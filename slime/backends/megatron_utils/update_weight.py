@@ -1,0 +1,444 @@
+"""Fenced weight sync, trainer -> rollout engines (phase 7 of ARCHITECTURE.md).
+
+Order on EVERY rank, every sync (fences are world-wide, over the gloo fence group):
+
+  plan    build the bucket plan (pure, from the local model) and fence its fingerprint
+  pause   the coordinator (world rank 0) pauses and flushes every engine; fence
+  push    exporters stream export_hf_weights, check it against the plan, send each full bucket to
+          every engine (senders only); fence
+  resume  the coordinator checks every engine's weight_version, continues generation; fence
+
+Who does what (megatron parallel_state coordinates):
+  exporters  cp_rank 0 and dp_rank 0 of each PP stage, every TP rank: they iterate the export
+             together because it all-gathers each TP-split parameter over the TP group.
+  senders    the tp_rank 0 exporter of each PP stage: the only ranks that talk HTTP to engines.
+  others     DP/CP replicas skip the export entirely. Invariant that makes this safe: the export's
+             only collectives are on the TP group, and a TP group lies inside one (dp, cp, pp)
+             coordinate, so a replica that skips is never a member of a collective an exporter runs.
+
+Errors never strand a peer inside a collective: an exporter that fails (plan mismatch, HTTP error)
+keeps iterating the export to its end without sending, and every local failure is reported in the
+next fence's fields. That fence then raises on all ranks together (CollectiveDivergenceError naming
+the failing ranks); the failing rank raises its own error, chained to it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import torch
+
+from slime.backends.sglang_utils.http_client import ClientTimeouts, SGLangHTTPClient
+from slime.backends.sglang_utils.named_tensors import serialize_named_tensors
+from slime.distributed.errors import CollectiveDivergenceError, DistributedStepError
+from slime.distributed.fingerprint import stable_hash
+from slime_plugins.models.hf_weights import _mapping_for, _tied, _unwrap, export_hf_weights
+
+DEFAULT_BUCKET_BYTES = 512 * 1024**2  # upstream's --update-weight-buffer-size default
+ENGINE_KINDS = ("embedded", "sglang")
+
+NamedTensors = list[tuple[str, torch.Tensor]]
+
+
+class WeightSyncPlanError(RuntimeError):
+    """The exported tensors do not follow the bucket plan (name, order or size)."""
+
+
+class WeightVersionError(RuntimeError):
+    """An engine reports a weight_version other than the one just pushed."""
+
+
+# ----------------------------------------------------------------------------- the plan
+@dataclass(frozen=True)
+class WeightBucket:
+    """HF tensors sent to the engines in one request, in export order."""
+
+    index: int
+    hf_names: tuple[str, ...]
+    nbytes: int
+    tensor_nbytes: tuple[int, ...] = ()
+    """Bytes of each tensor of hf_names (same order); sums to nbytes."""
+
+
+@dataclass(frozen=True)
+class WeightSyncPlan:
+    """The buckets of one PP stage. Identical on every rank of the stage (built from full shapes)."""
+
+    buckets: tuple[WeightBucket, ...]
+    total_bytes: int
+    pp_rank: int
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(name for bucket in self.buckets for name in bucket.hf_names)
+
+    def fingerprint_fields(self) -> dict[str, Any]:
+        layout = [(b.hf_names, b.tensor_nbytes) for b in self.buckets]
+        return {
+            "weight_sync_pp_rank": self.pp_rank,
+            "weight_sync_buckets": len(self.buckets),
+            "weight_sync_total_bytes": self.total_bytes,
+            "weight_sync_plan": stable_hash(layout),
+        }
+
+
+def pack_buckets(sizes: Iterable[tuple[str, int]], bucket_bytes: int) -> tuple[WeightBucket, ...]:
+    """Greedy, order-keeping packing: a bucket closes before the tensor that would overflow it.
+    A tensor larger than the budget gets a bucket of its own."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    buckets: list[WeightBucket] = []
+    names: list[str] = []
+    sizes_in_bucket: list[int] = []
+
+    def close() -> None:
+        buckets.append(WeightBucket(len(buckets), tuple(names), sum(sizes_in_bucket), tuple(sizes_in_bucket)))
+        names.clear()
+        sizes_in_bucket.clear()
+
+    for name, nbytes in sizes:
+        if names and sum(sizes_in_bucket) + nbytes > bucket_bytes:
+            close()
+        names.append(name)
+        sizes_in_bucket.append(nbytes)
+    if names:
+        close()
+    return tuple(buckets)
+
+
+def _full_shape(param: torch.Tensor, tp_size: int) -> tuple[int, ...]:
+    shape = list(param.shape)
+    if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
+        shape[param.partition_dim] *= tp_size
+    return tuple(shape)
+
+
+def hf_tensor_sizes(model_chunks: Sequence[torch.nn.Module], hf_config: Any, *, tp_size: int
+                    ) -> list[tuple[str, int]]:
+    """(hf_name, bytes) in export_hf_weights' order, without collectives or copies.
+
+    Exact: the mapping's to_hf runs on a meta tensor of the full (TP-gathered) shape, so fused
+    parameters (qkv, gate/up) and vocab padding give the same shapes as the real export.
+    """
+    sizes: list[tuple[str, int]] = []
+    for chunk in model_chunks:
+        model = _unwrap(chunk)
+        for name, param in model.named_parameters():
+            if name == "output_layer.weight" and _tied(hf_config):
+                continue  # export_hf_weights skips it too
+            mapping = _mapping_for(model, name, param, hf_config, tp_size)
+            full = torch.empty(_full_shape(param, tp_size), dtype=param.dtype, device="meta")
+            sizes += [(n, t.numel() * t.element_size()) for n, t in zip(mapping.hf_names, mapping.to_hf(full))]
+    return sizes
+
+
+def build_weight_sync_plan(model_chunks: Sequence[torch.nn.Module], hf_config: Any, *, tp_size: int,
+                           bucket_bytes: int, pp_rank: int = 0) -> WeightSyncPlan:
+    """The bucket plan of this PP stage. Pure: same inputs, same plan, on every rank of the stage."""
+    buckets = pack_buckets(hf_tensor_sizes(model_chunks, hf_config, tp_size=tp_size), bucket_bytes)
+    return WeightSyncPlan(buckets, sum(b.nbytes for b in buckets), pp_rank)
+
+
+def iter_planned_buckets(plan: WeightSyncPlan, exported: Iterable[tuple[str, torch.Tensor]]
+                         ) -> Iterator[tuple[WeightBucket, NamedTensors]]:
+    """Group the exported stream into the plan's buckets; raise at the first deviation from the plan."""
+    stream = iter(exported)
+    for bucket in plan.buckets:
+        tensors: NamedTensors = []
+        for position, (name, nbytes) in enumerate(zip(bucket.hf_names, bucket.tensor_nbytes)):
+            got = next(stream, None)
+            where = f"bucket {bucket.index} position {position}"
+            if got is None:
+                raise WeightSyncPlanError(f"{where}: plan expects {name!r}, the export ended")
+            got_bytes = got[1].numel() * got[1].element_size()
+            if got[0] != name or got_bytes != nbytes:
+                raise WeightSyncPlanError(
+                    f"{where}: plan expects {name!r} ({nbytes} bytes), export gave {got[0]!r} ({got_bytes} bytes)")
+            tensors.append(got)
+        yield bucket, tensors
+    extra = next(stream, None)
+    if extra is not None:
+        raise WeightSyncPlanError(f"export gave {extra[0]!r} after the plan's last tensor")
+
+
+# ----------------------------------------------------------------------------- wire format
+@dataclass(frozen=True)
+class EnginePayload:
+    """One bucket as /update_weights_from_tensor wants it: one entry per engine TP rank."""
+
+    serialized_per_tp_rank: tuple[str, ...]
+    load_format: str | None
+
+
+def encode_for_engine(kind: str, named_tensors: NamedTensors, *, engine_tp_size: int = 1) -> EnginePayload:
+    if kind == "embedded":
+        return EnginePayload((serialize_named_tensors(named_tensors),), None)
+    if kind == "sglang":
+        return _encode_for_sglang(named_tensors, engine_tp_size)
+    raise ValueError(f"unknown engine kind {kind!r}; expected one of {ENGINE_KINDS}")
+
+
+def _encode_for_sglang(named_tensors: NamedTensors, engine_tp_size: int) -> EnginePayload:
+    # Cluster path (CUDA + sglang); it cannot run on the CPU machines this project is tested on.
+    # SGLang unpickles each entry with its MultiprocessingSerializer (ForkingPickler): CUDA tensors
+    # travel as IPC handles, so the engine must share the trainer's node (colocate). One flattened
+    # bucket per request; every engine TP rank gets its own copy of the payload.
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    monkey_patch_torch_reductions()  # device-uuid aware CUDA IPC, as the engine expects
+    bucket = FlattenedTensorBucket(named_tensors=named_tensors)
+    payload = {"flattened_tensor": bucket.get_flattened_tensor(), "metadata": bucket.get_metadata()}
+    blob = MultiprocessingSerializer.serialize(payload, output_str=True)
+    return EnginePayload((blob,) * engine_tp_size, "flattened_bucket")
+
+
+# ----------------------------------------------------------------------------- roles
+@dataclass(frozen=True)
+class SyncRole:
+    """This rank's part in a sync, from megatron's parallel_state."""
+
+    world_rank: int
+    pp_rank: int
+    pp_size: int
+    tp_rank: int
+    tp_size: int
+    exporter: bool  # cp_rank == 0 and dp_rank == 0: iterates the export with its TP group
+
+    @property
+    def sender(self) -> bool:
+        return self.exporter and self.tp_rank == 0
+
+    @property
+    def coordinator(self) -> bool:
+        # World rank 0 is the stage-0 sender: one place pauses and resumes engines, even under PP.
+        return self.world_rank == 0
+
+    @classmethod
+    def current(cls) -> "SyncRole":
+        import torch.distributed as dist
+        from megatron.core import parallel_state as mpu
+
+        return cls(
+            world_rank=dist.get_rank(),
+            pp_rank=mpu.get_pipeline_model_parallel_rank(),
+            pp_size=mpu.get_pipeline_model_parallel_world_size(),
+            tp_rank=mpu.get_tensor_model_parallel_rank(),
+            tp_size=mpu.get_tensor_model_parallel_world_size(),
+            exporter=mpu.get_context_parallel_rank() == 0 and mpu.get_data_parallel_rank() == 0,
+        )
+
+
+@dataclass
+class _PushResult:
+    error: Exception | None = None
+    bytes_sent: int = 0
+    buckets_sent: int = 0
+    gather_seconds: float = 0.0
+    send_seconds: float = 0.0
+
+
+def _error_field(error: Exception | None) -> str:
+    return "" if error is None else f"{type(error).__name__}: {error}"[:200]
+
+
+# ----------------------------------------------------------------------------- the sync
+class WeightSync:
+    """Per-rank executor of the fenced weight sync; `sync` runs on every rank of the world."""
+
+    def __init__(self, args: Any, hf_config: Any, engine_urls: Sequence[str], *, engine_kind: str | None = None,
+                 timeouts: ClientTimeouts | None = None) -> None:
+        from slime.backends.sglang_utils.launcher import pick_rollout_backend
+
+        self.hf_config = hf_config
+        self.engine_urls = tuple(engine_urls)
+        self.engine_kind = engine_kind or pick_rollout_backend(args)
+        if self.engine_kind not in ENGINE_KINDS:
+            raise ValueError(f"engine kind {self.engine_kind!r}; expected one of {ENGINE_KINDS}")
+        self.engine_tp_size = int(getattr(args, "rollout_num_gpus_per_engine", 1) or 1)
+        self.bucket_bytes = int(getattr(args, "update_weight_buffer_size", None) or DEFAULT_BUCKET_BYTES)
+        self.timeout_s = float(getattr(args, "fence_timeout", None) or 600.0)
+        # An engine call never outlives the watchdog deadline of the phase it runs in.
+        self.timeouts = timeouts or ClientTimeouts(control=min(30.0, self.timeout_s), generate=self.timeout_s,
+                                                   weight_update=self.timeout_s, memory=self.timeout_s)
+        self._clients: list[SGLangHTTPClient] | None = None
+
+    @property
+    def clients(self) -> list[SGLangHTTPClient]:
+        if self._clients is None:  # only ranks that talk HTTP open sessions
+            self._clients = [SGLangHTTPClient(url, self.timeouts) for url in self.engine_urls]
+        return self._clients
+
+    def sync(self, model_chunks: Sequence[torch.nn.Module], rollout_id: int, *, fence: Callable[..., None],
+             watchdog: Any = None) -> dict[str, float]:
+        """Push this rank's share of the weights to every engine; returns trainer-side metrics."""
+        start = time.perf_counter()
+        version = str(rollout_id + 1)
+        role = SyncRole.current()
+        phase = _phase_factory(watchdog)
+        ledger = getattr(fence, "ledger", None)
+
+        with phase("weight_sync/plan"):
+            plan = build_weight_sync_plan(model_chunks, self.hf_config, tp_size=role.tp_size,
+                                          bucket_bytes=self.bucket_bytes, pp_rank=role.pp_rank)
+            fence("weight_sync/plan", self._plan_fields(plan, role, rollout_id))
+        with phase("weight_sync/pause"):
+            error = _attempt(self._pause_engines) if role.coordinator else None
+            _fence_outcome(fence, "weight_sync/paused", rollout_id, error)
+        # Exporters are bounded bucket by bucket; the closing fence only by the whole push.
+        push_deadline_s = self.timeout_s * (len(plan.buckets) + 1)
+        with phase("weight_sync/push", push_deadline_s):
+            result = self._push(model_chunks, plan, role, version, phase, ledger) if role.exporter else _PushResult()
+            _fence_outcome(fence, "weight_sync/pushed", rollout_id, result.error, timeout_s=push_deadline_s)
+        with phase("weight_sync/resume"):
+            error = _attempt(lambda: self._verify_and_resume(version)) if role.coordinator else None
+            _fence_outcome(fence, "weight_sync/done", rollout_id, error)
+        return self._metrics(result, version, time.perf_counter() - start)
+
+    # -- phases --------------------------------------------------------------------------
+    def _plan_fields(self, plan: WeightSyncPlan, role: SyncRole, rollout_id: int) -> dict[str, Any]:
+        fields = {
+            "rollout_id": rollout_id,
+            "bucket_bytes": self.bucket_bytes,
+            "tp_size": role.tp_size,
+            "pp_size": role.pp_size,
+            "engines": stable_hash(list(self.engine_urls)),
+        }
+        # The world fence compares every rank with every other; under PP the stages' plans differ
+        # by design, so only the shared part is fenced (each stage still checks its plan against
+        # its own export, bucket by bucket).
+        if role.pp_size == 1:
+            fields.update(plan.fingerprint_fields())
+        return fields
+
+    def _pause_engines(self) -> None:
+        self._each_engine(lambda client: (client.pause_generation(), client.flush_cache()))
+
+    def _push(self, model_chunks, plan: WeightSyncPlan, role: SyncRole, version: str, phase, ledger) -> _PushResult:
+        """Iterate the export to its end (TP collectives) whatever happens; send while nothing failed."""
+        result = _PushResult()
+        exported = export_hf_weights(list(model_chunks), self.hf_config)
+        planned = iter_planned_buckets(plan, exported)
+        for index in range(len(plan.buckets) + 1):  # +1: the plan checks the export has ended
+            with phase(f"bucket{index}"):
+                gather_start = time.perf_counter()
+                item = _next_bucket(planned, exported, result)
+                result.gather_seconds += time.perf_counter() - gather_start
+                if item is None:
+                    return result
+                if role.sender and result.error is None:
+                    result.error = _attempt(lambda: self._send_bucket(*item, version, plan, ledger, result))
+        return result
+
+    def _send_bucket(self, bucket: WeightBucket, tensors: NamedTensors, version: str, plan: WeightSyncPlan,
+                     ledger, result: _PushResult) -> None:
+        start = time.perf_counter()
+        last = bucket.index == len(plan.buckets) - 1
+        entry = ledger.begin_named(f"weight_sync/send_bucket{bucket.index}", "http_engines",
+                                   (ledger.rank,), (bucket.nbytes,), "bytes") if ledger else None
+        error = None
+        try:
+            payload = encode_for_engine(self.engine_kind, tensors, engine_tp_size=self.engine_tp_size)
+            # The version moves (and the cache flushes) with the last bucket only: an engine whose push
+            # broke off midway keeps reporting the old version, so the version check catches it.
+            self._each_engine(lambda client: client.update_weights_from_serialized(
+                list(payload.serialized_per_tp_rank), weight_version=version if last else None,
+                flush_cache=last, load_format=payload.load_format))
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {str(exc)[:200]}"
+            raise
+        finally:
+            if entry is not None:
+                ledger.end(entry, error)
+            result.send_seconds += time.perf_counter() - start
+        result.bytes_sent += bucket.nbytes
+        result.buckets_sent += 1
+
+    def _verify_and_resume(self, version: str) -> None:
+        versions = self._each_engine(lambda client: client.weight_version())
+        wrong = {url: v for url, v in zip(self.engine_urls, versions) if v != version}
+        if wrong:
+            # Engines stay paused: their weights are not the trainer's.
+            raise WeightVersionError(f"engines report weight_version {wrong}, expected {version!r}")
+        self._each_engine(lambda client: client.continue_generation())
+
+    def _each_engine(self, call: Callable[[SGLangHTTPClient], Any]) -> list[Any]:
+        """One call per engine, concurrently; each bounded by the client's HTTP timeout."""
+        clients = self.clients
+        if len(clients) <= 1:
+            return [call(client) for client in clients]
+        with ThreadPoolExecutor(max_workers=len(clients)) as pool:
+            return list(pool.map(call, clients))
+
+    def _metrics(self, result: _PushResult, version: str, seconds: float) -> dict[str, float]:
+        push_seconds = result.gather_seconds + result.send_seconds
+        return {
+            "weight_sync/seconds": seconds,
+            "weight_sync/bytes": float(result.bytes_sent),
+            "weight_sync/buckets": float(result.buckets_sent),
+            "weight_sync/version": float(version),
+            "weight_sync/gather_seconds": result.gather_seconds,
+            "weight_sync/send_seconds": result.send_seconds,
+            # gigabits per second over export + send, on the sending rank (0 elsewhere)
+            "weight_sync/gbps": result.bytes_sent * 8 / 1e9 / push_seconds if result.bytes_sent else 0.0,
+        }
+
+    def close(self) -> None:
+        for client in self._clients or []:
+            client.close()
+        self._clients = None
+
+
+# ----------------------------------------------------------------------------- helpers
+def _phase_factory(watchdog: Any) -> Callable[..., Any]:
+    def phase(name: str, deadline_s: float | None = None):
+        if watchdog is None:
+            return contextlib.nullcontext()
+        return watchdog.phase(name, deadline_s)
+
+    return phase
+
+
+def _attempt(action: Callable[[], Any]) -> Exception | None:
+    """Run a rank-local action; return its error instead of raising, so the next fence reports it.
+    Watchdog/fence errors are not deferred: they already concern every rank."""
+    try:
+        action()
+    except DistributedStepError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - reported at the next fence, re-raised there
+        return exc
+    return None
+
+
+def _next_bucket(planned: Iterator, exported: Iterator, result: _PushResult):
+    """The next planned bucket, or None at the end; a plan mismatch is recorded and the export drained
+    (the TP peers meet the same mismatch at the same tensor and drain the same gathers)."""
+    try:
+        return next(planned, None)
+    except WeightSyncPlanError as exc:
+        result.error = result.error or exc
+        for _ in exported:
+            pass
+        return None
+
+
+def _fence_outcome(fence: Callable[..., None], phase: str, rollout_id: int, error: Exception | None,
+                   timeout_s: float | None = None) -> None:
+    """Fence, carrying this rank's local failure (if any); raise on every rank when any rank failed."""
+    fields = {"rollout_id": rollout_id, "error": _error_field(error)}
+    try:
+        if timeout_s is None:
+            fence(phase, fields)
+        else:
+            fence(phase, fields, timeout_s=timeout_s)
+    except CollectiveDivergenceError as divergence:
+        if error is not None:
+            raise error from divergence
+        raise
+    if error is not None:  # every rank failed alike (or a world of one)
+        raise error

@@ -1,0 +1,64 @@
+"""Each stall class, injected on one rank of 8 (TP2 x CP4), ends in a named error inside the deadline.
+
+Faults target rollout 1, after a clean rollout 0 and a sleep/wake. Fence and warm-up deadlines are
+FENCE_S; the watchdog deadline WATCHDOG_S is longer, so ranks that can time out by themselves do,
+and the watchdog catches the rest (a Python-level stall gets HangError; a rank blocked in native
+code exits with code 3 after printing the HANG line).
+"""
+from __future__ import annotations
+
+import pytest
+
+import distributed_workers as workers
+from dist_harness import run_ranks_outcomes
+from slime.distributed import HANG_EXIT_CODE
+
+WORLD = 8
+FENCE_S = 8.0
+WATCHDOG_S = 12.0
+
+
+def _run(tmp_path, monkeypatch, spec: str):
+    monkeypatch.setenv("SLIME_FAULT_INJECT", spec)
+    return run_ranks_outcomes(workers.fault_run, WORLD, args=(str(tmp_path), FENCE_S, WATCHDOG_S), timeout_s=240)
+
+
+def _error(outcome) -> dict:
+    assert outcome.status == "ok", f"rank {outcome.rank}: {outcome.status} {outcome.exitcode} {outcome.value}"
+    assert outcome.value["error"] is not None, f"rank {outcome.rank} finished without an error"
+    return outcome.value
+
+
+@pytest.mark.timeout(300)
+def test_rank_stuck_in_communicator_warmup(tmp_path, monkeypatch):
+    outcomes = _run(tmp_path, monkeypatch, "stall_comm_init@3#1")
+    stuck = _error(outcomes[3])
+    assert stuck["error"] == "HangError" and "HANG: phase=wake stuck ranks=[3]" in stuck["message"]
+    for outcome in outcomes[:3] + outcomes[4:]:
+        err = _error(outcome)
+        assert "FenceTimeoutError" in err["mro"], err
+        assert "lagging ranks=[3]" in err["message"] and "wake" in err["message"], err["message"]
+
+
+@pytest.mark.timeout(300)
+def test_rank_skipping_a_collective(tmp_path, monkeypatch):
+    outcomes = _run(tmp_path, monkeypatch, "skip_collective@3#1")
+    for rank in (0, 2, 4, 6):  # their CP group is complete: they reach the metrics fence and time out there
+        err = _error(outcomes[rank])
+        assert err["error"] == "FenceTimeoutError" and "fence 'metrics'" in err["message"]
+        assert "lagging ranks=[3]" in err["message"], err["message"]
+    for rank in (1, 3, 5, 7):  # blocked inside gloo ops: the watchdog reports and exits
+        assert outcomes[rank].status == "exit" and outcomes[rank].exitcode == HANG_EXIT_CODE, outcomes[rank]
+        stacks = (tmp_path / f"stacks_rank{rank}.txt").read_text()
+        assert "HANG: phase=actor_train/forward_backward stuck ranks=[3]" in stacks.splitlines()[0]
+
+
+@pytest.mark.timeout(300)
+def test_rank_stuck_in_logging(tmp_path, monkeypatch):
+    outcomes = _run(tmp_path, monkeypatch, "stall_logging@0#1")
+    stuck = _error(outcomes[0])
+    assert stuck["error"] == "HangError" and "HANG: phase=actor_train/logging stuck ranks=[0]" in stuck["message"]
+    for outcome in outcomes[1:]:
+        err = _error(outcome)
+        assert err["error"] == "FenceTimeoutError" and "fence 'step_end'" in err["message"]
+        assert "lagging ranks=[0]" in err["message"], err["message"]
