@@ -11,6 +11,7 @@ import logging
 import sys
 
 from slime.ray.actor_group import RayTrainGroup
+from slime.ray.deadline import RankDeadlineError, RankFailedError
 from slime.ray.placement import create_placement, init_ray
 from slime.ray.rollout_manager import create_rollout_manager
 from slime.utils.arguments import parse_args
@@ -47,6 +48,7 @@ def run_rollout(args, rollout_id: int, rollout, actors, metrics: MetricsLogger) 
         return
     if args.colocate:
         rollout.offload()
+    logger.info("Timer actor_train start (rollout %d)", rollout_id)
     metrics.log("train", rollout_id, actors.train(rollout_id, data_ref))
     if _save_due(args, rollout_id):
         actors.save(rollout_id)
@@ -78,7 +80,12 @@ def _save_due(args, rollout_id: int) -> bool:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = parse_args(argv)
-    train(args)
+    try:
+        train(args)
+    except (RankFailedError, RankDeadlineError, TimeoutError) as exc:
+        # The ranks already printed their tables and stacks; end with the one line that matters.
+        logger.error("training stopped: %s", exc)
+        return 1
     return 0
 
 

@@ -152,3 +152,30 @@ def divergence_rollouts(rank: int, world: int, ledger_dir: str, rollouts: int) -
             outcomes.append({"error": type(exc).__name__, "message": str(exc), "phase": exc.phase,
                              "ranks": list(getattr(exc, "ranks", ())), "fields": list(getattr(exc, "fields", ()))})
     return outcomes
+
+
+def recreate_cycles(rank: int, world: int, ledger_dir: str, cycles: int) -> dict:
+    """Destroy + re-create + warm-up cycles; a DP x CP all_reduce after each wake checks the new groups."""
+    ledger, lifecycle, watchdog = setup(rank, world, ledger_dir, make_args(fence_timeout=30, recreate=True), deadline_s=60)
+    live_after_create = len(dist.distributed_c10d._world.pg_map)
+    warmups, recreated, regrouped = [], [], []
+    for cycle in range(cycles):
+        tp_before = mpu.get_tensor_model_parallel_group()
+        lifecycle.sleep(cycle)
+        assert not mpu.model_parallel_is_initialized()
+        with watchdog.phase("wake"):
+            report = lifecycle.wake(cycle + 1)
+        warmups.append(report.warmup.seconds)
+        recreated.append(report.recreated and mpu.get_tensor_model_parallel_group() is not tp_before)
+        regrouped.append(sorted(name for name, _, _ in report.regrouped))
+        x = torch.ones(2)
+        dist.all_reduce(x, group=mpu.get_data_parallel_group(with_context_parallel=True))
+        assert x.tolist() == [4.0, 4.0], x
+    ledger.close()
+    return {
+        "warmups": warmups,
+        "recreated": recreated,
+        "regrouped": regrouped,
+        "groups_stable": live_after_create == len(dist.distributed_c10d._world.pg_map),  # nothing leaks
+        "fence_seq": lifecycle.fence.seq,
+    }

@@ -36,7 +36,10 @@ class TrainRayActor:
         return self.actor.init(master_addr, master_port, engine_urls)
 
     def train(self, rollout_id: int, data_ref: list) -> dict:
-        return self.actor.train(rollout_id, data_ref[0])
+        import ray
+
+        data = ray.get(data_ref[0], timeout=self.args.fence_timeout)
+        return self.actor.train(rollout_id, data)
 
     def update_weights(self, rollout_id: int) -> dict:
         return self.actor.update_weights(rollout_id)

@@ -71,8 +71,6 @@ NOT_IMPLEMENTED_FLAGS: tuple[NotImplementedFlag, ...] = (
     NotImplementedFlag(
         flag="--advantage-estimator", reason="ppo needs a critic model, which is not implemented", is_active=lambda v: v == "ppo"
     ),
-    NotImplementedFlag(flag="--kl-coef", reason="reward-shaping KL is not implemented; use --use-kl-loss"),
-    NotImplementedFlag(flag="--eps-clip-c", reason="dual-clip PPO is not implemented"),
     NotImplementedFlag(flag="--partial-rollout", reason="partial rollout is not implemented"),
     NotImplementedFlag(flag="--over-sampling-batch-size", reason="over-sampling / dynamic sampling is not implemented"),
     NotImplementedFlag(flag="--dynamic-sampling-filter-path", reason="dynamic sampling is not implemented"),

@@ -21,7 +21,6 @@ import threading
 import time
 from typing import Any
 
-import ray
 import torch
 
 from megatron.core import parallel_state
@@ -95,10 +94,9 @@ class MegatronTrainActor:
         return start
 
     # ------------------------------------------------------------- actor_train
-    def train(self, rollout_id: int, data_ref: ray.ObjectRef) -> dict[str, Any]:
+    def train(self, rollout_id: int, data: dict[str, Any]) -> dict[str, Any]:
+        """One rollout's training on this rank; `data` is the rollout batch every rank shares."""
         start = time.perf_counter()
-        with self.watchdog.phase("actor_train/fetch_data"):
-            data = ray.get(data_ref, timeout=self.timeout_s)
         with self.watchdog.phase("actor_train/wake"):
             wake = self.wake(rollout_id)
         with self.watchdog.phase("actor_train/plan"):
@@ -128,7 +126,8 @@ class MegatronTrainActor:
             "num_steps": len(every_dp[0]),
             "plan_hash": stable_hash([[{**p.fingerprint_fields(), **p.rank_fields()} for p in plans]
                                       for plans in every_dp]),
-            "num_micro_batches": [[p.num_micro_batches for p in plans] for plans in every_dp],
+            "num_micro_batches": sum(p.num_micro_batches for plans in every_dp for p in plans),
+            "micro_batches_per_step": [[p.num_micro_batches for p in plans] for plans in every_dp],
             "micro_batch_tokens": [[list(p.token_counts) for p in plans] for plans in every_dp],
             "loss_token_totals": [p.step_loss_token_total for p in every_dp[0]],
             "metric_keys": sorted(metric_keys(cfg)),
