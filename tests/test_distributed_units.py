@@ -170,7 +170,7 @@ def test_watchdog_exits_when_thread_is_blocked_in_native_code(tmp_path):
             threading.Event().wait()  # a lock wait: an async exception cannot land here
         """
     )
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240)  # imports megatron: slow on a loaded box
     assert proc.returncode == HANG_EXIT_CODE
     assert "HANG: phase=weight_sync stuck ranks=[0]" in proc.stderr
     assert "Thread" in (tmp_path / "stacks_rank0.txt").read_text()  # faulthandler stacks

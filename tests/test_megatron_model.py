@@ -229,3 +229,26 @@ def _checkpoint_round_trip(rank, world, hf_dir, ckpt_dir):
 def test_dist_checkpoint_save_load_restores_model_at_tp2(hf_dir, tmp_path):
     results = run_ranks(_checkpoint_round_trip, 2, args=(hf_dir, str(tmp_path / "ckpt")), timeout_s=190)
     assert results == [(3, True, 1), (3, True, 1)]
+
+
+def test_transformer_config_from_hf_reads_architecture_and_checks_flags():
+    from transformers import Qwen2Config
+
+    from slime.backends.megatron_utils.model import padded_vocab_size, transformer_config_from_hf
+    from tiny_models import tiny_qwen3_config
+
+    qwen3 = transformer_config_from_hf(tiny_qwen3_config(), _args(tensor_model_parallel_size=2))
+    assert (qwen3.num_query_groups, qwen3.kv_channels, qwen3.qk_layernorm, qwen3.add_qkv_bias) == (2, 16, True, False)
+    assert qwen3.gated_linear_unit and qwen3.normalization == "RMSNorm" and qwen3.layernorm_epsilon == 1e-6
+    assert qwen3.params_dtype == torch.float32 and qwen3.tensor_model_parallel_size == 2
+    qwen2 = transformer_config_from_hf(
+        Qwen2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2), _args())
+    assert (qwen2.qk_layernorm, qwen2.add_qkv_bias, qwen2.kv_channels) == (False, True, 16)
+    with pytest.raises(ValueError, match="num-query-groups"):
+        transformer_config_from_hf(tiny_qwen3_config(), _args(num_query_groups=4))
+    with pytest.raises(ValueError, match="untie"):
+        transformer_config_from_hf(tiny_qwen3_config(tie_word_embeddings=True),
+                                   _args(untie_embeddings_and_output_weights=True))
+    assert padded_vocab_size(151936, 2) == 151936
+    assert padded_vocab_size(151936, 2, divisible_by=128) == 152064

@@ -7,11 +7,12 @@ never inside the fences that are supposed to catch them.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import time
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Iterable, Iterator, Mapping
 
 ENV_VAR = "SLIME_FAULT_INJECT"
 
@@ -113,3 +114,46 @@ def apply_metric_key_fault(keys: Iterable[str], rank: int, rollout_id: int | Non
 def should_skip_collective(rank: int, rollout_id: int | None) -> bool:
     """skip_collective: the caller skips exactly one forward/backward collective when this is True."""
     return fault_active("skip_collective", rank, rollout_id)
+
+
+_SKIPPABLE_OPS = ("all_gather_into_tensor", "all_reduce", "all_gather", "reduce_scatter_tensor", "broadcast")
+
+
+class _SkippedWork:
+    """Stands in for the Work handle of a collective that was never issued."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+@contextlib.contextmanager
+def skipping_one_collective() -> Iterator[None]:
+    """skip_collective: the first collective issued through torch.distributed in the block is dropped.
+
+    The peers then wait in that collective while this rank runs ahead into the next one, which is
+    the shape of a real rank-local skip: a mismatch that only a deadline can turn into an error.
+    """
+    import torch.distributed as dist
+
+    originals = {name: getattr(dist, name) for name in _SKIPPABLE_OPS}
+    skipped = [False]
+
+    def make(name):
+        def maybe_skip(*args, **kwargs):
+            if skipped[0]:
+                return originals[name](*args, **kwargs)
+            skipped[0] = True
+            return _SkippedWork() if kwargs.get("async_op") else None
+
+        return maybe_skip
+
+    for name in _SKIPPABLE_OPS:
+        setattr(dist, name, make(name))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)

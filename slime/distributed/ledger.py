@@ -53,7 +53,7 @@ class Ledger:
         *,
         keep_recent: int = 32,
         flush_interval_s: float = 0.1,
-        max_entries: int = 200_000,
+        max_entries: int = 50_000,
     ):
         self.rank = rank
         self.world_size = world_size

@@ -32,6 +32,7 @@ class _Armed:
     deadline_s: float
     thread_id: int
     tripped: bool = False
+    summary: str = ""
 
 
 class Watchdog:
@@ -70,6 +71,12 @@ class Watchdog:
                 self._armed.append(armed)
             try:
                 yield
+            except BaseException:
+                raise
+            else:
+                if armed.tripped:  # finished late: raise here rather than let the async error land elsewhere
+                    _clear_async_error(armed.thread_id)
+                    raise HangError(armed.summary or f"HANG: phase={name} exceeded {seconds:g}s")
             finally:
                 with self._lock:
                     self._armed.remove(armed)
@@ -101,6 +108,7 @@ class Watchdog:
             self.ledger.flush()
         stuck = list(suspects_from_dir(self.ledger_dir, self.world_size)) or [self.rank]
         summary = f"HANG: phase={self._phase_path(armed)} stuck ranks={stuck} (rank {self.rank}, deadline {armed.deadline_s:g}s)"
+        armed.summary = summary
         self._dump(summary)
         _raise_in_thread(armed.thread_id, summary)
         if self._left_phase(armed, self.grace_s):
@@ -128,6 +136,10 @@ class Watchdog:
                     return True
             time.sleep(0.05)
         return False
+
+
+def _clear_async_error(thread_id: int) -> None:
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), None)
 
 
 def _raise_in_thread(thread_id: int, message: str) -> None:

@@ -46,4 +46,6 @@ def wait_ranks(refs: Sequence[ray.ObjectRef], *, phase: str, timeout_s: float,
 def _cause(exc: BaseException) -> str:
     """The innermost message of a Ray task error (Ray wraps the rank's exception)."""
     cause = getattr(exc, "cause", None) or exc.__cause__
-    return f"{type(cause).__name__}: {cause}" if cause is not None else str(exc)
+    if cause is None:
+        return str(exc)
+    return str(cause) if type(cause).__name__ == "RankError" else f"{type(cause).__name__}: {cause}"

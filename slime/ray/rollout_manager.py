@@ -45,7 +45,8 @@ class RolloutManager:
         self.data_source.load(getattr(args, "start_rollout_id", None))
         self.backend = pick_rollout_backend(args)
         self.engines: list[EngineHandle] = self._launch_engines()
-        self.router = launch_router(args, [e.url for e in self.engines]) if self.engines else None
+        self.router = (_retry_port_clash(lambda: launch_router(args, [e.url for e in self.engines]))
+                       if self.engines else None)
         if self.router is not None:
             args.sglang_router_ip, args.sglang_router_port = self.router.host, self.router.port
         self._rollout_fn = load_function(args.rollout_function_path)
@@ -59,11 +60,14 @@ class RolloutManager:
         model = self.args.hf_checkpoint
         log_dir = os.path.join(self.args.ledger_dir or "/tmp", "engine-logs")
         logger.info("starting %d %s engine(s) for %s", count, self.backend, model)
+
+        def launch(rank: int) -> EngineHandle:
+            return _retry_port_clash(lambda: launch_engine(
+                self.backend, self.args, rank, free_port(), model,
+                startup_timeout_s=STARTUP_TIMEOUT_S, log_dir=log_dir))
+
         with ThreadPoolExecutor(max_workers=count) as pool:
-            futures = [pool.submit(launch_engine, self.backend, self.args, i, free_port(), model,
-                                   startup_timeout_s=STARTUP_TIMEOUT_S, log_dir=log_dir)
-                       for i in range(count)]
-            return [f.result() for f in futures]
+            return list(pool.map(launch, range(count)))
 
     def engine_urls(self) -> list[str]:
         return [e.url for e in self.engines]
@@ -109,6 +113,17 @@ class RolloutManager:
             self.router.stop()
         for engine in self.engines:
             engine.stop()
+
+
+def _retry_port_clash(launch, attempts: int = 3):
+    """A free port can be taken by another process between choosing it and binding it: retry."""
+    for attempt in range(attempts):
+        try:
+            return launch()
+        except RuntimeError as exc:
+            if "address already in use" not in str(exc) or attempt == attempts - 1:
+                raise
+            logger.warning("port clash while starting a server; retrying with another port")
 
 
 class RolloutManagerHandle:

@@ -1,6 +1,7 @@
 """One trainer rank as a Ray actor: rendezvous, then delegate to the fenced megatron actor."""
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import warnings
@@ -9,6 +10,23 @@ import warnings
 # once per module per rank; the choice of leaves is logged once by the model provider instead.
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
 warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor. is deprecated")
+
+
+class RankError(RuntimeError):
+    """A rank's failure, flattened to its type name and message so that Ray can always carry it
+    to the driver (exceptions with keyword-only fields, or raised by the watchdog into a thread,
+    do not survive Ray's deserialisation)."""
+
+
+def _portable_errors(method):
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as exc:
+            raise RankError(f"{type(exc).__name__}: {exc}") from None
+
+    return call
 
 
 class TrainRayActor:
@@ -28,6 +46,7 @@ class TrainRayActor:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
+    @_portable_errors
     def init(self, master_addr: str, master_port: int, engine_urls: list[str]) -> int:
         from slime.backends.megatron_utils.actor import MegatronTrainActor
 
@@ -35,17 +54,21 @@ class TrainRayActor:
         self.actor = MegatronTrainActor(self.args, self.rank, self.world_size, self.ledger_dir)
         return self.actor.init(master_addr, master_port, engine_urls)
 
+    @_portable_errors
     def train(self, rollout_id: int, data_ref: list) -> dict:
         import ray
 
         data = ray.get(data_ref[0], timeout=self.args.fence_timeout)
         return self.actor.train(rollout_id, data)
 
+    @_portable_errors
     def update_weights(self, rollout_id: int) -> dict:
         return self.actor.update_weights(rollout_id)
 
+    @_portable_errors
     def sleep(self) -> None:
         self.actor.sleep()
 
+    @_portable_errors
     def save(self, rollout_id: int) -> None:
         self.actor.save(rollout_id)

@@ -43,10 +43,11 @@ def zigzag_positions(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=64)
-def _sequence_index_plan(seq_lens: tuple[int, ...], cp_size: int, cp_rank: int):
+def _sequence_index_plan(seq_lens: tuple[int, ...], cp_size: int, cp_rank: int, device: torch.device):
     """Per sequence: (local slice, gathered-key indices, query positions, key positions).
 
-    Gathered keys are laid out rank-major: [rank 0's local tokens, rank 1's, ...].
+    Gathered keys are laid out rank-major: [rank 0's local tokens, rank 1's, ...]. Cached
+    (on `device`) because every layer of a micro-batch asks for the same plan.
     """
     local_lens = [length // cp_size for length in seq_lens]
     local_total = sum(local_lens)
@@ -59,7 +60,8 @@ def _sequence_index_plan(seq_lens: tuple[int, ...], cp_size: int, cp_rank: int):
         )
         key_pos = torch.cat([zigzag_positions(length, cp_size, j) for j in range(cp_size)])
         query_pos = zigzag_positions(length, cp_size, cp_rank)
-        plan.append((slice(offset, offset + local_len), key_index, query_pos, key_pos))
+        plan.append((slice(offset, offset + local_len), key_index.to(device),
+                     query_pos.to(device), key_pos.to(device)))
         offset += local_len
     return tuple(plan)
 
@@ -175,15 +177,14 @@ class ContextParallelAttention(MegatronModule):
             # One collective for K and V together; identical on every CP rank of the group.
             kv = _AllGatherSequence.apply(torch.cat([k, v], dim=-1), group)
             k, v = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
-        plan = _sequence_index_plan(seq_lens, cp_size, cp_rank)
+        plan = _sequence_index_plan(seq_lens, cp_size, cp_rank, q.device)
         dropout_p = self.attention_dropout if self.training else 0.0
         outputs = []
         with self._dropout_rng():
             for local, key_index, query_pos, key_pos in plan:
-                key_index = key_index.to(q.device)
                 outputs.append(_attend(
                     q[local], k.index_select(0, key_index), v.index_select(0, key_index),
-                    query_pos.to(q.device), key_pos.to(q.device), self.softmax_scale, dropout_p,
+                    query_pos, key_pos, self.softmax_scale, dropout_p,
                 ))
         return torch.cat(outputs, dim=0)
 

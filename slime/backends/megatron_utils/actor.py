@@ -15,8 +15,8 @@ are all derived from data every rank holds or from reduced values.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
-import os
 import threading
 import time
 from typing import Any
@@ -36,7 +36,13 @@ from slime.distributed import (
     stable_hash,
 )
 from slime.distributed.errors import DistributedStepError
-from slime.distributed.fault_inject import apply_metric_key_fault, apply_plan_fault, fault_active, stall_forever
+from slime.distributed.fault_inject import (
+    apply_metric_key_fault,
+    apply_plan_fault,
+    fault_active,
+    skipping_one_collective,
+    stall_forever,
+)
 from slime.utils.ppo_utils import compute_advantages_and_returns
 
 logger = logging.getLogger(__name__)
@@ -145,13 +151,17 @@ class MegatronTrainActor:
                     data["ref_log_probs"] = compute_log_probs(self.model, data, plans, self.args, collective_hook=hook)
 
     def _train_step(self, rollout_id: int, data: dict, plan) -> StepResult:
-        # The skip_collective fault drops this rank's loss-token reduce: its peers then wait in
-        # that collective until the watchdog names the phase.
-        if fault_active("skip_collective", self.rank, rollout_id):
-            with self.watchdog.phase(f"actor_train/step{plan.step_index}/forward_backward"):
-                stall_forever()
         return train_one_step(self.model, self.optimizer, self.lr_scheduler, data, plan, self.args,
-                              collective_hook=self.watchdog.phase)
+                              collective_hook=lambda phase: self._step_phase(phase, rollout_id))
+
+    @contextlib.contextmanager
+    def _step_phase(self, phase: str, rollout_id: int):
+        with self.watchdog.phase(phase):
+            if phase.endswith("forward_backward") and fault_active("skip_collective", self.rank, rollout_id):
+                with skipping_one_collective():
+                    yield
+            else:
+                yield
 
     def _exit_fence(self, rollout_id: int, results: list[StepResult]) -> dict[str, Any]:
         last = results[-1]

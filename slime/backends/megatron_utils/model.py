@@ -122,6 +122,7 @@ def transformer_config_from_hf(hf_config: Any, args: Namespace) -> TransformerCo
     training knobs from args. fp32 unless args.bf16 (CPU runs use fp32)."""
     arch = hf_architecture(hf_config)
     _check_against_args({**arch, "rotary_base": _rope_theta(hf_config)}, args)
+    _check_embedding_tying(hf_config, args)
     bf16 = bool(getattr(args, "bf16", False))
     params_dtype = torch.bfloat16 if bf16 else torch.float32
     return TransformerConfig(
