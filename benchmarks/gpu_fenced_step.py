@@ -299,24 +299,10 @@ def summarize(cycles: list[dict]) -> dict[str, float]:
 
 
 # ------------------------------------------------------------------------------ main
-REPOINT_DEPTH = 64
-
-
-def deepen_group_repointing() -> None:
-    """Workaround (reported to the lead): actor.repoint_process_groups stops at depth 6, which does
-    not reach the TP group held by megatron's layers (DDP -> GPTModel -> decoder -> layers -> ...), so
-    with --recreate-process-groups-on-wake the first step after a wake uses a destroyed group."""
-    from slime.backends.megatron_utils import actor as actor_module
-
-    defaults = actor_module.repoint_process_groups.__defaults__
-    if defaults and defaults[0] < REPOINT_DEPTH:
-        actor_module.repoint_process_groups.__defaults__ = (REPOINT_DEPTH,)
 
 
 def build_actor(args, env: TorchrunEnv):
     from slime.backends.megatron_utils.actor import MegatronTrainActor
-
-    deepen_group_repointing()
 
     ledger_dir = args.ledger_dir or os.path.join(tempfile.gettempdir(), f"gpu_fenced_step_ledger_{env.master_port}")
     actor = MegatronTrainActor(args, env.rank, env.world_size, ledger_dir)

@@ -45,11 +45,11 @@ equal)
 faults)
   : > "$OUT/faults.txt"
   for kind in stall_comm_init diverge_plan extra_metric_key skip_collective stall_logging; do
-    start=$(date +%s.%N)
+    start=$SECONDS
     SLIME_FAULT_INJECT="$kind@1#1" timeout 120 bash -c "$(declare -f drv); PORT=$((PORT + 400)); NP=$NP; drv --model-size tiny \
       --checkpoint-dir /tmp/ckpt_tiny --cycles 2 --num-samples 16 --min-tokens 64 --max-tokens 256 ${LAYOUTS[1]} $COMMON \
       --max-tokens-per-gpu 512 --fence-timeout ${FAULT_TIMEOUT:-20}" > "$OUT/fault_$kind.log" 2>&1
-    rc=$?; secs=$(echo "$(date +%s.%N) - $start" | bc)
+    rc=$?; secs=$((SECONDS - start))
     line=$(grep -m1 -h "FAILED rank=\|^HANG:" "$OUT/fault_$kind.log" | cut -c1-300)
     echo "$kind rc=$rc wall_s=$secs :: $line" | tee -a "$OUT/faults.txt"
   done ;;

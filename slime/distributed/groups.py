@@ -11,7 +11,6 @@ group objects; `wake()` returns old->new pairs by name so the owner can re-point
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -88,12 +87,16 @@ class ProcessGroupLifecycle:
         return self._fence
 
     # -- public phases -----------------------------------------------------------------------
-    def create(self, rollout_id: int | None = None) -> WarmupReport:
-        """First creation: fence group (once, never destroyed), model-parallel groups, fence, warm-up, fence."""
+    def create(self, rollout_id: int | None = None, *, timeout_s: float | None = None) -> WarmupReport:
+        """First creation: fence group (once, never destroyed), model-parallel groups, fence, warm-up, fence.
+
+        `timeout_s` overrides the fence deadline for this first warm-up only: the first set-up of
+        every communicator at job start is slower than a re-warm-up (seen on NCCL: over 15 s).
+        """
         if self._fence is None:
             self._fence = self._create_fence_group()
         self._create_model_parallel()
-        return self._fenced_warmup("create", rollout_id)
+        return self._fenced_warmup("create", rollout_id, timeout_s or self.layout.fence_timeout_s)
 
     def sleep(self, rollout_id: int | None = None) -> None:
         """Fence, release memory, and (re-create mode only) destroy the model-parallel groups."""
@@ -112,7 +115,7 @@ class ProcessGroupLifecycle:
         if recreate:
             self._create_model_parallel()
         create_seconds = time.perf_counter() - start
-        warmup = self._fenced_warmup("wake", rollout_id)
+        warmup = self._fenced_warmup("wake", rollout_id, self.layout.fence_timeout_s)
         self._asleep = False
         regrouped = _pair_by_name(old, step_groups()) if recreate else ()
         self.metrics = {"perf/wake_create_groups_s": create_seconds, "perf/wake_warmup_s": warmup.seconds}
@@ -139,16 +142,17 @@ class ProcessGroupLifecycle:
             if name != "world":
                 register_group(name, group)
 
-    def _fenced_warmup(self, phase: str, rollout_id: int | None) -> WarmupReport:
-        self.fence(f"{phase}/groups_created", {"rollout_id": rollout_id, "groups": [n for n, _ in step_groups()]})
+    def _fenced_warmup(self, phase: str, rollout_id: int | None, timeout_s: float) -> WarmupReport:
+        groups = [n for n, _ in step_groups()]
+        self.fence(f"{phase}/groups_created", {"rollout_id": rollout_id, "groups": groups}, timeout_s=timeout_s)
         warmup = CommunicatorWarmup(
             rank=self.rank,
             world_size=self.world_size,
-            timeout_s=self.layout.fence_timeout_s,
+            timeout_s=timeout_s,
             ledger=self.ledger,
             rollout_id=rollout_id,
         ).run()
-        self.fence(f"{phase}/warmed_up", {"rollout_id": rollout_id, "warmup_ops": len(warmup.ops)})
+        self.fence(f"{phase}/warmed_up", {"rollout_id": rollout_id, "warmup_ops": len(warmup.ops)}, timeout_s=timeout_s)
         return warmup
 
     def _destroy_model_parallel(self) -> None:

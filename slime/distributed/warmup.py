@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Callable
 
 import torch
@@ -141,9 +140,8 @@ class CommunicatorWarmup:
         recording = self.ledger.record("wait", group) if self.ledger else contextlib.nullcontext()
         try:
             with recording:
-                for work in works:
-                    work.wait(timeout=timedelta(seconds=self.timeout_s))
-        except RuntimeError as exc:
+                _wait_completed(works, self.timeout_s)
+        except (RuntimeError, TimeoutError) as exc:
             # files as the peers left them (ours still shows this wait in flight: it is <0.1 s stale)
             lagging = suspects_from_dir(self.ledger_dir, self.world_size)
             report = f"\n{render_hang_report(self.ledger_dir, self.world_size)}" if self.ledger_dir else ""
@@ -154,6 +152,22 @@ class CommunicatorWarmup:
                 phase=phase,
                 lagging_ranks=lagging,
             ) from exc
+
+
+def _wait_completed(works: list, timeout_s: float, poll_s: float = 0.001) -> None:
+    """Block the host until every op has finished on the device, or raise at the deadline.
+
+    On NCCL `work.wait(timeout)` only orders the current stream after the op and returns at once,
+    so it bounds nothing on the host and lets the next warm-up op overlap this one. Polling
+    completion makes the deadline real and runs the warm-up ops strictly one after another.
+    """
+    deadline = time.monotonic() + timeout_s
+    for work in works:
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"op not completed within {timeout_s:g}s")
+            time.sleep(poll_s)
+        work.wait()  # surfaces the op's own error, if any
 
 
 def _device() -> torch.device:

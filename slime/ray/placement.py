@@ -34,6 +34,13 @@ def actor_world_size(args) -> int:
     return args.actor_num_nodes * args.actor_num_gpus_per_node
 
 
+def engine_bundles(args) -> int:
+    """Bundles the engines need of their own (none when they share the trainer's or do not run)."""
+    if args.colocate or args.debug_train_only:
+        return 0
+    return args.rollout_num_gpus or 0
+
+
 def use_gpus(args) -> bool:
     import torch
 
@@ -47,7 +54,7 @@ def init_ray(args) -> None:
     if "RAY_ADDRESS" in os.environ:
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
         return
-    needed = actor_world_size(args) + (0 if args.colocate else args.rollout_num_gpus) + 2
+    needed = actor_world_size(args) + engine_bundles(args) + 2
     num_cpus = max(os.cpu_count() or 1, needed)
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True,
              runtime_env={"env_vars": _forwarded_env()})
@@ -67,7 +74,7 @@ def create_placement(args, timeout_s: float = 300.0) -> Placement:
     """One placement group: trainer bundles first, then engine bundles unless colocated."""
     gpu = use_gpus(args)
     world = actor_world_size(args)
-    rollout = 0 if args.colocate or args.debug_train_only else args.rollout_num_gpus
+    rollout = engine_bundles(args)
     bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
     group = placement_group([dict(bundle) for _ in range(world + rollout)], strategy="PACK")
     ready, _ = ray.wait([group.ready()], timeout=timeout_s)

@@ -47,6 +47,10 @@ from slime.utils.ppo_utils import compute_advantages_and_returns
 
 logger = logging.getLogger(__name__)
 
+# The first set-up of every communicator at job start is slower than a re-warm-up (on 4 H200s a
+# rank was seen 15 s behind its CP peer): it gets this many fence timeouts.
+FIRST_SETUP_FENCE_TIMEOUTS = 2
+
 
 class LoggingStallError(DistributedStepError):
     """A rank's logging did not finish within the deadline."""
@@ -75,8 +79,9 @@ class MegatronTrainActor:
         init_distributed(self.args, self.rank, self.world_size, master_addr, master_port)
         instrument_collectives(self.ledger)
         self.groups = ProcessGroupLifecycle.from_args(self.args, ledger=self.ledger)
-        with self.watchdog.phase("init/create_groups"):
-            self.groups.create()
+        first_setup_s = FIRST_SETUP_FENCE_TIMEOUTS * self.timeout_s
+        with self.watchdog.phase("init/create_groups", deadline_s=first_setup_s + 10):
+            self.groups.create(timeout_s=first_setup_s)
         tensor_parallel.model_parallel_cuda_manual_seed(self.args.seed)
         self.hf_config = AutoConfig.from_pretrained(self.args.hf_checkpoint, trust_remote_code=True)
         start = self._build_model()
@@ -259,42 +264,33 @@ class WeightSnapshots:
         return _Swap()
 
 
-def repoint_process_groups(roots: list[Any], regrouped, max_depth: int = 6) -> int:
+def repoint_process_groups(roots: list[Any], regrouped) -> int:
     """Replace destroyed process groups by their re-created twins inside DDP/optimizer objects.
 
-    Objects built before a colocate sleep (DDP bucket groups, the optimizer) keep references to
-    the groups they were built with; after re-creation those references must follow.
+    Objects built before a colocate sleep (megatron layers, DDP bucket groups, the optimizer) keep
+    references to the groups they were built with; after re-creation those references must follow.
+    The object graph is walked iteratively (attributes, lists, tuples, dict values), each object once.
     """
     mapping = {id(old): new for _, old, new in regrouped}
     seen: set[int] = set()
+    stack = list(roots)
     replaced = 0
-
-    def visit(obj: Any, depth: int) -> None:
-        nonlocal replaced
-        if depth > max_depth or id(obj) in seen or isinstance(obj, (torch.Tensor, str, bytes, int, float)):
-            return
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, (torch.Tensor, str, bytes, int, float, type)):
+            continue
         seen.add(id(obj))
-        items = obj.__dict__.items() if hasattr(obj, "__dict__") else ()
-        for key, value in list(items):
-            if id(value) in mapping:
-                setattr(obj, key, mapping[id(value)])
-                replaced += 1
-            else:
-                visit(value, depth + 1)
-        if isinstance(obj, list):
-            for i, value in enumerate(obj):
+        if isinstance(obj, (tuple, set, frozenset)):
+            stack.extend(obj)
+            continue
+        attributes = vars(obj) if hasattr(obj, "__dict__") else {}
+        items = dict(enumerate(obj)) if isinstance(obj, list) else obj if isinstance(obj, dict) else {}
+        for container, setter in ((attributes, lambda k, v: setattr(obj, k, v)),
+                                  (items, obj.__setitem__ if items else None)):
+            for key, value in list(container.items()):
                 if id(value) in mapping:
-                    obj[i] = mapping[id(value)]
+                    setter(key, mapping[id(value)])
                     replaced += 1
                 else:
-                    visit(value, depth + 1)
-        elif isinstance(obj, dict):
-            for value in obj.values():
-                visit(value, depth + 1)
-        elif isinstance(obj, tuple):
-            for value in obj:
-                visit(value, depth + 1)
-
-    for root in roots:
-        visit(root, 0)
+                    stack.append(value)
     return replaced
