@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from datetime import timedelta
 from dataclasses import dataclass
 from typing import Callable
 
@@ -140,7 +141,7 @@ class CommunicatorWarmup:
         recording = self.ledger.record("wait", group) if self.ledger else contextlib.nullcontext()
         try:
             with recording:
-                _wait_completed(works, self.timeout_s)
+                _wait_completed(works, group, self.timeout_s)
         except (RuntimeError, TimeoutError) as exc:
             # files as the peers left them (ours still shows this wait in flight: it is <0.1 s stale)
             lagging = suspects_from_dir(self.ledger_dir, self.world_size)
@@ -154,13 +155,18 @@ class CommunicatorWarmup:
             ) from exc
 
 
-def _wait_completed(works: list, timeout_s: float, poll_s: float = 0.001) -> None:
-    """Block the host until every op has finished on the device, or raise at the deadline.
+def _wait_completed(works: list, group: object, timeout_s: float, poll_s: float = 0.001) -> None:
+    """Block the host until every op has finished, or raise at the deadline.
 
-    On NCCL `work.wait(timeout)` only orders the current stream after the op and returns at once,
-    so it bounds nothing on the host and lets the next warm-up op overlap this one. Polling
-    completion makes the deadline real and runs the warm-up ops strictly one after another.
+    gloo's `work.wait(timeout)` blocks the host with that deadline. NCCL's only orders the current
+    stream after the op and returns at once, so it bounds nothing on the host and lets the next
+    warm-up op overlap this one: there completion is polled instead (gloo's p2p works, in turn, only
+    complete inside wait(), so polling is NCCL-only).
     """
+    if dist.get_backend(group) != "nccl":
+        for work in works:
+            work.wait(timeout=timedelta(seconds=timeout_s))
+        return
     deadline = time.monotonic() + timeout_s
     for work in works:
         while not work.is_completed():

@@ -154,6 +154,9 @@ class MegatronTrainActor:
             if "ref" in self.snapshots:
                 with self.snapshots.swapped("ref"):
                     data["ref_log_probs"] = compute_log_probs(self.model, data, plans, self.args, collective_hook=hook)
+        if self.args.advantage_estimator in WHOLE_ROLLOUT_ESTIMATORS:
+            with self.watchdog.phase("actor_train/log_probs_share"):
+                share_across_dp(data, ("log_probs", "ref_log_probs"))
 
     def _train_step(self, rollout_id: int, data: dict, plan) -> StepResult:
         return train_one_step(self.model, self.optimizer, self.lr_scheduler, data, plan, self.args,
@@ -229,6 +232,32 @@ class MegatronTrainActor:
 
         with self.watchdog.phase("save", deadline_s=max(self.timeout_s, 1800.0)):
             save_checkpoint(self.args.save, rollout_id, self.model, self.optimizer, self.lr_scheduler)
+
+
+# Estimators whose advantages use statistics of the whole rollout (KL shaping, whitening): each rank
+# needs every sample's log-probs, not only those of its DP rank.
+WHOLE_ROLLOUT_ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
+
+
+def share_across_dp(data: dict, keys: tuple[str, ...]) -> None:
+    """Fill in the other DP ranks' per-sample values (one all_gather_object over the DP group).
+
+    compute_log_probs leaves [] for samples outside this DP rank; every response has at least one
+    token, so a non-empty entry marks the rank that computed it.
+    """
+    import torch.distributed as dist
+
+    group = parallel_state.get_data_parallel_group()
+    if dist.get_world_size(group) == 1:
+        return
+    present = [k for k in keys if data.get(k) is not None]
+    mine = {k: {i: v for i, v in enumerate(data[k]) if v} for k in present}
+    gathered: list[dict | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    for key in present:
+        for part in gathered:
+            for index, values in part[key].items():
+                data[key][index] = values
 
 
 class WeightSnapshots:

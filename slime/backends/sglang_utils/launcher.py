@@ -11,7 +11,7 @@ from typing import Any
 
 from slime.backends.sglang_utils.http_client import SGLangHTTPClient
 from slime.backends.sglang_utils.process import ServerProcess, python_module_command, start_server_process
-from slime.backends.sglang_utils.server_args import render_server_flags, validate_sglang_server_args
+from slime.backends.sglang_utils.server_args import render_server_flags
 
 BACKENDS = ("sglang", "embedded")
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
@@ -66,8 +66,7 @@ def sglang_server_args_for_engine(args: Any, engine_rank: int) -> dict[str, Any]
         derived["enable_memory_saver"] = True
     if getattr(args, "sglang_mem_fraction_static", None) is not None:
         derived["mem_fraction_static"] = args.sglang_mem_fraction_static
-    passthrough = dict(getattr(args, "sglang_server_args", None) or {})
-    validate_sglang_server_args(passthrough)
+    passthrough = dict(getattr(args, "sglang_server_args", None) or {})  # validated by parse_args
     return {**derived, **passthrough}
 
 
