@@ -21,6 +21,7 @@ logger = logging.getLogger("slime.train")
 
 
 def train(args) -> None:
+    args.start_rollout_id = resume_rollout_id(args)
     init_ray(args)
     placement = create_placement(args)
     metrics = MetricsLogger(args)
@@ -29,8 +30,7 @@ def train(args) -> None:
     try:
         if actors is not None:
             actors.init(rollout.engine_urls())
-        start = actors.start_rollout_id if actors is not None else 0
-        for rollout_id in range(start, args.num_rollout):
+        for rollout_id in range(args.start_rollout_id, args.num_rollout):
             run_rollout(args, rollout_id, rollout, actors, metrics)
     finally:
         metrics.close()
@@ -61,6 +61,14 @@ def run_rollout(args, rollout_id: int, rollout, actors, metrics: MetricsLogger) 
         rollout.onload(tags=("kv_cache",))
     if _eval_due(args, rollout_id, before_train=False):
         metrics.log("eval", rollout_id + 1, rollout.evaluate(rollout_id + 1))
+
+
+def resume_rollout_id(args) -> int:
+    """The rollout after the last checkpoint under --load (0 without one)."""
+    from slime.backends.megatron_utils.checkpoint import latest_iteration
+
+    last = latest_iteration(args.load) if args.load else None
+    return 0 if last is None else last + 1
 
 
 def _eval_due(args, rollout_id: int, *, before_train: bool) -> bool:

@@ -156,3 +156,19 @@ def _log_time(output: str, marker: str) -> float:
     line = next(line for line in output.splitlines() if marker in line)
     stamp = re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}", line).group(0)
     return datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+@pytest.mark.timeout(600)
+def test_save_then_resume_continues_with_the_next_rollout(assets, seed_run, tmp_path):
+    assert seed_run["proc"].returncode == 0, "the recording run failed"
+    checkpoints, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
+    base = [*common_flags(assets), *ONE_RANK_LAYOUT, "--debug-train-only",
+            "--load-debug-rollout-data", str(seed_run["replay"]), "--fence-timeout", "120",
+            "--metrics-jsonl", str(metrics)]
+    first, _ = run_train([*base, "--num-rollout", "1", "--save", str(checkpoints), "--save-interval", "1"],
+                         timeout_s=300)
+    assert first.returncode == 0, first.stderr[-4000:]
+    assert (checkpoints / "latest_checkpointed_iteration.txt").read_text().strip() == "0"
+    resumed, _ = run_train([*base, "--num-rollout", "2", "--load", str(checkpoints)], timeout_s=300)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert [e["rollout_id"] for e in read_events(metrics)["train"]] == [0, 1]

@@ -11,6 +11,7 @@ group objects; `wake()` returns old->new pairs by name so the owner can re-point
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -197,6 +198,13 @@ def _resume_memory() -> None:
     saver = _memory_saver()
     if saver is not None:
         saver.resume()
+
+
+def releasable_memory():
+    """Context for allocations that sleep() may release (model, optimizer): torch_memory_saver's
+    region on CUDA, nothing elsewhere. Only memory allocated inside it is paused at sleep."""
+    saver = _memory_saver()
+    return saver.region() if saver is not None else contextlib.nullcontext()
 
 
 def _memory_saver():

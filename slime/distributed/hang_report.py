@@ -107,6 +107,13 @@ def render_hang_report(ledger_dir: str, world_size: int) -> str:
     )
 
 
+def summarize_hang(ledger_dir: str, world_size: int) -> str:
+    """One line from the ledger files: the phases ranks were last in and the ranks most waited on."""
+    snapshots = read_ledgers(ledger_dir, world_size)
+    phases = sorted({snap["phase"] for snap in snapshots.values() if snap})
+    return f"ledgers: phase={','.join(phases) or '?'} suspects={list(suspect_ranks(snapshots))}"
+
+
 def suspects_from_dir(ledger_dir: str | None, world_size: int) -> tuple[int, ...]:
     if not ledger_dir or not os.path.isdir(ledger_dir):
         return ()

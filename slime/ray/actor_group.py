@@ -7,6 +7,7 @@ ledger files, where every rank is.
 """
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import tempfile
@@ -39,13 +40,14 @@ class RayTrainGroup:
                 args, rank, self.world_size, self.ledger_dir)
             for rank, bundle in enumerate(placement.actor_bundles)
         ]
-        self.start_rollout_id = 0
 
     def init(self, engine_urls: list[str]) -> None:
         master_addr, master_port = ray.get(self._ranks[0].rendezvous_address.remote(), timeout=120)
         refs = [r.init.remote(master_addr, master_port, engine_urls) for r in self._ranks]
-        starts = self._wait(refs, "init", INIT_ALLOWANCE_S + self.args.fence_timeout)
-        self.start_rollout_id = starts[0]
+        starts = self._wait(refs, "init", INIT_ALLOWANCE_S + 3 * self.args.fence_timeout)
+        if set(starts) != {self.args.start_rollout_id}:
+            raise RuntimeError(f"ranks resumed at rollouts {sorted(set(starts))}, the driver at "
+                               f"{self.args.start_rollout_id}: is --load readable the same way by every rank?")
 
     def train(self, rollout_id: int, data_ref: ray.ObjectRef) -> dict[str, Any]:
         # The data ref is passed inside a list so Ray does not resolve it in the call path:
@@ -79,7 +81,21 @@ class RayTrainGroup:
         from slime.distributed.watchdog import render_hang_report
 
         return wait_ranks(refs, phase=phase, timeout_s=timeout_s,
-                          describe_hang=lambda: render_hang_report(self.ledger_dir, self.world_size))
+                          describe_hang=lambda: render_hang_report(self.ledger_dir, self.world_size),
+                          describe_exit=lambda: exit_verdict(self.ledger_dir, self.world_size))
+
+
+def exit_verdict(ledger_dir: str, world_size: int) -> str:
+    """Why rank processes ended: the HANG lines their watchdogs wrote before exiting (first line of
+    each stacks file), else where the ledger files last saw every rank."""
+    from slime.distributed.hang_report import summarize_hang
+
+    lines = []
+    for path in sorted(glob.glob(os.path.join(ledger_dir, "stacks_rank*.txt"))):
+        with open(path) as f:
+            lines.append(f.readline().strip())
+    verdicts = list(dict.fromkeys(line for line in lines if line))
+    return "; ".join(verdicts) if verdicts else summarize_hang(ledger_dir, world_size)
 
 
 def free_port() -> int:

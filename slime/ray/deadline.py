@@ -20,8 +20,13 @@ class RankFailedError(RuntimeError):
 
 
 def wait_ranks(refs: Sequence[ray.ObjectRef], *, phase: str, timeout_s: float,
-               describe_hang: Callable[[], str] | None = None) -> list:
-    """Results of `refs` (one per rank) in rank order, or a named error within `timeout_s`."""
+               describe_hang: Callable[[], str] | None = None,
+               describe_exit: Callable[[], str] | None = None) -> list:
+    """Results of `refs` (one per rank) in rank order, or a named error within `timeout_s`.
+
+    `describe_hang` renders where every rank is (on a deadline); `describe_exit` says why a rank
+    process ended (a watchdog leaves its verdict in a file before exiting).
+    """
     index = {ref: rank for rank, ref in enumerate(refs)}
     pending = list(refs)
     deadline = time.monotonic() + timeout_s
@@ -38,6 +43,9 @@ def wait_ranks(refs: Sequence[ray.ObjectRef], *, phase: str, timeout_s: float,
             try:
                 ray.get(ref)
             except Exception as exc:  # the first failing rank names the problem
+                if isinstance(exc, ray.exceptions.RayActorError):  # the rank's process is gone
+                    verdict = describe_exit() if describe_exit else ""
+                    raise RankFailedError(f"phase '{phase}': rank {index[ref]} exited: {verdict}") from exc
                 raise RankFailedError(
                     f"phase '{phase}' failed on rank {index[ref]}: {_cause(exc)}") from exc
     return ray.get(list(refs))

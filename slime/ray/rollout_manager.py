@@ -42,7 +42,8 @@ class RolloutManager:
     def __init__(self, args):
         self.args = args
         self.data_source = RolloutDataSource(args)
-        self.data_source.load(getattr(args, "start_rollout_id", None))
+        if args.start_rollout_id > 0:  # resume after the rollout whose data position was saved
+            self.data_source.load(args.start_rollout_id - 1)
         self.backend = pick_rollout_backend(args)
         self.engines: list[EngineHandle] = self._launch_engines()
         self.router = (_retry_port_clash(lambda: launch_router(args, [e.url for e in self.engines]))

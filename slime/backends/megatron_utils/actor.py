@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 from typing import Any
@@ -36,6 +37,7 @@ from slime.distributed import (
     stable_hash,
 )
 from slime.distributed.errors import DistributedStepError
+from slime.distributed.groups import releasable_memory
 from slime.distributed.fault_inject import (
     apply_metric_key_fault,
     apply_plan_fault,
@@ -91,18 +93,30 @@ class MegatronTrainActor:
     def _build_model(self) -> int:
         from slime.backends.megatron_utils.checkpoint import latest_iteration, load_checkpoint
         from slime.backends.megatron_utils.model import build_model_and_optimizer
+
+        with releasable_memory():  # colocate: the trainer's memory goes to the engines while it sleeps
+            self.model, self.optimizer, self.lr_scheduler = build_model_and_optimizer(self.args, self.hf_config)
+        self.snapshots = WeightSnapshots(self.model)
+        reference = self.args.ref_load or self.args.hf_checkpoint  # --ref-load defaults to the HF weights
+        needs_reference = bool(self.args.use_kl_loss or self.args.kl_coef)
+        if needs_reference:
+            self._load_weights(reference)
+            self.snapshots.take("ref")
+        if self.args.load and latest_iteration(self.args.load) is not None:
+            return load_checkpoint(self.args.load, self.model, self.optimizer, self.lr_scheduler) + 1
+        if not (needs_reference and reference == self.args.hf_checkpoint):
+            self._load_weights(self.args.hf_checkpoint)
+        return 0
+
+    def _load_weights(self, path: str) -> None:
+        """Model weights from an HF directory or a megatron checkpoint (--ref-load accepts both)."""
+        from slime.backends.megatron_utils.checkpoint import load_checkpoint
         from slime_plugins.models.hf_weights import load_hf_weights
 
-        self.model, self.optimizer, self.lr_scheduler = build_model_and_optimizer(self.args, self.hf_config)
-        start = 0
-        if self.args.load and latest_iteration(self.args.load) is not None:
-            start = load_checkpoint(self.args.load, self.model, self.optimizer, self.lr_scheduler) + 1
+        if os.path.exists(os.path.join(path, "config.json")):
+            load_hf_weights(self.model, path, self.hf_config)
         else:
-            load_hf_weights(self.model, self.args.hf_checkpoint, self.hf_config)
-        self.snapshots = WeightSnapshots(self.model)
-        if self.args.use_kl_loss or self.args.kl_coef:
-            self.snapshots.take("ref")  # the reference policy is the starting policy (--ref-load: same HF)
-        return start
+            load_checkpoint(path, self.model)
 
     # ------------------------------------------------------------- actor_train
     def train(self, rollout_id: int, data: dict[str, Any]) -> dict[str, Any]:
