@@ -26,6 +26,8 @@ def train(args) -> None:
     placement = create_placement(args)
     metrics = MetricsLogger(args)
     rollout = create_rollout_manager(args, placement)
+    if args.num_rollout is None:  # --num-epoch: as many rollouts as the epochs of prompts take
+        args.num_rollout = args.num_epoch * rollout.num_prompts() // args.rollout_batch_size
     actors = None if args.debug_rollout_only else RayTrainGroup(args, placement)
     try:
         if actors is not None:

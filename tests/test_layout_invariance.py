@@ -27,3 +27,13 @@ def test_layout_matches_single_process(name, tiny_hf_dir, rollout):
     results = run_ranks(layout_child, 8, args=(layout, tiny_hf_dir, rollout, ("per_token", "per_sample")),
                         timeout_s=200)
     assert_matches_reference(results, reference, rollout)
+
+
+@pytest.mark.timeout(240)
+def test_pipeline_parallel_pp2_tp2_matches_single_process(tiny_hf_dir, rollout):
+    """PP=2 smoke: megatron's 1F1B schedule over the same planned micro-batches, PP broadcast of log-probs."""
+    layout = dict(pipeline_model_parallel_size=2, tensor_model_parallel_size=2, calculate_per_token_loss=True)
+    reference = reference_run(tiny_hf_dir, rollout, True)
+    results = run_ranks(layout_child, 4, args=(layout, tiny_hf_dir, rollout, ("per_token", "per_sample")),
+                        timeout_s=200)
+    assert_matches_reference(results, reference, rollout)

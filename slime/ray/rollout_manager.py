@@ -73,6 +73,9 @@ class RolloutManager:
     def engine_urls(self) -> list[str]:
         return [e.url for e in self.engines]
 
+    def num_prompts(self) -> int:
+        return len(self.data_source)
+
     def generate(self, rollout_id: int) -> tuple[list[ray.ObjectRef], dict[str, Any]]:
         samples, metrics = self._samples(rollout_id)
         if self.args.save_debug_rollout_data:
@@ -144,6 +147,9 @@ class RolloutManagerHandle:
 
     def engine_urls(self) -> list[str]:
         return self._get(self._actor.engine_urls.remote(), "engine_urls", CONTROL_TIMEOUT_S)
+
+    def num_prompts(self) -> int:
+        return self._get(self._actor.num_prompts.remote(), "num_prompts", CONTROL_TIMEOUT_S)
 
     def generate(self, rollout_id: int) -> tuple[ray.ObjectRef, dict[str, Any]]:
         # Generation time grows with the rollout; each HTTP request inside carries its own timeout.
