@@ -21,7 +21,7 @@ import aiohttp
 from aiohttp import web
 
 from slime.backends.sglang_utils.process import (
-    ServerProcess,
+    ServerHandle,
     find_free_port,
     python_module_command,
     start_server_process,
@@ -185,19 +185,7 @@ def build_router_app(router: SlimeRouter, worker_urls: list[str] = ()) -> web.Ap
 
 
 # ----- launching (slime router or sglang-router) --------------------------------------------------
-@dataclass
-class RouterHandle:
-    kind: str
-    host: str
-    port: int
-    server: ServerProcess
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def stop(self, grace_s: float = 10.0) -> None:
-        self.server.stop(grace_s)
+RouterHandle = ServerHandle  # a router is a server like an engine; no extra behaviour
 
 
 def router_command(args: Any, host: str, port: int, worker_urls: list[str]) -> tuple[str, list[str]]:

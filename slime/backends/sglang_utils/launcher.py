@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from slime.backends.sglang_utils.http_client import SGLangHTTPClient
-from slime.backends.sglang_utils.process import ServerProcess, python_module_command, start_server_process
+from slime.backends.sglang_utils.process import ServerHandle, python_module_command, start_server_process
 from slime.backends.sglang_utils.server_args import render_server_flags
 
 BACKENDS = ("sglang", "embedded")
@@ -18,25 +18,11 @@ DEFAULT_STARTUP_TIMEOUT_S = 600.0
 
 
 @dataclass
-class EngineHandle:
-    kind: str
-    engine_rank: int
-    host: str
-    port: int
-    server: ServerProcess
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+class EngineHandle(ServerHandle):
+    engine_rank: int = 0
 
     def client(self) -> SGLangHTTPClient:
         return SGLangHTTPClient(self.url)
-
-    def alive(self) -> bool:
-        return self.server.alive()
-
-    def stop(self, grace_s: float = 10.0) -> None:
-        self.server.stop(grace_s)
 
 
 def pick_rollout_backend(args: Any) -> str:

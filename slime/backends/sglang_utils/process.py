@@ -64,6 +64,26 @@ class ServerProcess:
         )
 
 
+@dataclass
+class ServerHandle:
+    """A started HTTP server (engine or router) and where to reach it."""
+
+    kind: str
+    host: str
+    port: int
+    server: ServerProcess
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def alive(self) -> bool:
+        return self.server.alive()
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        self.server.stop(grace_s)
+
+
 def start_server_process(
     name: str, command: list[str], url: str, *, log_dir: str | None = None, extra_env: dict[str, str] | None = None
 ) -> ServerProcess:
