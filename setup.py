@@ -18,6 +18,7 @@ BASE = [
     "tqdm>=4.66",
     "requests>=2.31",
     "aiohttp>=3.9",
+    "psutil>=5.9",  # megatron-core dist_checkpointing (async writers) needs it at save time
 ]
 
 EXTRAS = {
