@@ -172,3 +172,20 @@ def test_save_then_resume_continues_with_the_next_rollout(assets, seed_run, tmp_
     resumed, _ = run_train([*base, "--num-rollout", "2", "--load", str(checkpoints)], timeout_s=300)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert [e["rollout_id"] for e in read_events(metrics)["train"]] == [0, 1]
+
+
+@pytest.mark.timeout(600)
+def test_recreated_process_groups_train_after_every_wake(assets, seed_run, tmp_path):
+    """Upstream's colocate behaviour: groups destroyed at sleep, re-created and warmed at wake; the
+    model and optimizer follow the new groups and the next rollouts train."""
+    assert seed_run["proc"].returncode == 0, "the recording run failed"
+    metrics = tmp_path / "metrics.jsonl"
+    flags = replay_flags(assets, seed_run, SEED_LAYOUT)
+    flags[flags.index("--num-rollout") + 1] = "3"
+    proc, _ = run_train([*flags, "--recreate-process-groups-on-wake", "--metrics-jsonl", str(metrics)],
+                        timeout_s=500)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    train = read_events(metrics)["train"]
+    assert [e["rollout_id"] for e in train] == [0, 1, 2]
+    assert all(e["perf/wake_create_groups_s"] > 0 for e in train[1:])  # re-created, not kept
+    assert all(math.isfinite(e["train/loss"]) and e["train/grad_norm"] > 0 for e in train)
