@@ -35,6 +35,7 @@ class ParallelLayout:
     virtual_pipeline_model_parallel_size: int | None = None
     context_parallel_size: int = 1
     expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None
     fence_timeout_s: float = 600.0
     """Deadline of each fence and of each warm-up op."""
     group_timeout_s: float = 600.0
@@ -51,10 +52,27 @@ class ParallelLayout:
             virtual_pipeline_model_parallel_size=getattr(args, "virtual_pipeline_model_parallel_size", None),
             context_parallel_size=getattr(args, "context_parallel_size", 1) or 1,
             expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1) or 1,
+            expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None),
             fence_timeout_s=float(getattr(args, "fence_timeout", 600.0)),
             group_timeout_s=60.0 * float(getattr(args, "distributed_timeout_minutes", 10) or 10),
             recreate_process_groups_on_wake=bool(getattr(args, "recreate_process_groups_on_wake", False)),
         )
+
+
+def create_model_parallel_groups(layout: ParallelLayout) -> None:
+    """megatron's parallel_state groups, in its fixed creation order; the one place that creates them."""
+    mpu.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tensor_model_parallel_size,
+        pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
+        context_parallel_size=layout.context_parallel_size,
+        expert_model_parallel_size=layout.expert_model_parallel_size,
+        expert_tensor_parallel_size=layout.expert_tensor_parallel_size,
+        distributed_timeout_minutes=layout.group_timeout_s / 60.0,  # fractions work: tests use seconds
+    )
+    for name, group in step_groups():
+        if name != "world":
+            register_group(name, group)
 
 
 @dataclass(frozen=True)
@@ -130,18 +148,7 @@ class ProcessGroupLifecycle:
         return Fence(group, rank=self.rank, world_size=self.world_size, timeout_s=self.layout.fence_timeout_s, ledger=self.ledger)
 
     def _create_model_parallel(self) -> None:
-        layout = self.layout
-        mpu.initialize_model_parallel(
-            tensor_model_parallel_size=layout.tensor_model_parallel_size,
-            pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
-            virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
-            context_parallel_size=layout.context_parallel_size,
-            expert_model_parallel_size=layout.expert_model_parallel_size,
-            distributed_timeout_minutes=layout.group_timeout_s / 60.0,  # fractions work: tests use seconds
-        )
-        for name, group in step_groups():
-            if name != "world":
-                register_group(name, group)
+        create_model_parallel_groups(self.layout)
 
     def _fenced_warmup(self, phase: str, rollout_id: int | None, timeout_s: float) -> WarmupReport:
         groups = [n for n, _ in step_groups()]

@@ -73,8 +73,7 @@ class MegatronTrainActor:
         from transformers import AutoConfig
 
         import patches
-        from megatron.core import tensor_parallel
-        from slime.backends.megatron_utils.parallel import init_distributed
+        from slime.backends.megatron_utils.parallel import init_distributed, seed_model_parallel
         from slime.backends.megatron_utils.update_weight import WeightSync
 
         patches.apply_all()
@@ -84,7 +83,7 @@ class MegatronTrainActor:
         first_setup_s = FIRST_SETUP_FENCE_TIMEOUTS * self.timeout_s
         with self.watchdog.phase("init/create_groups", deadline_s=first_setup_s + 10):
             self.groups.create(timeout_s=first_setup_s)
-        tensor_parallel.model_parallel_cuda_manual_seed(self.args.seed)
+        seed_model_parallel(self.args)
         self.hf_config = AutoConfig.from_pretrained(self.args.hf_checkpoint, trust_remote_code=True)
         start = self._build_model()
         self.weight_sync = WeightSync(self.args, self.hf_config, engine_urls)

@@ -47,23 +47,24 @@ def init_distributed(
 
 
 def init_model_parallel(args: Namespace) -> None:
-    """Create megatron's TP/PP/CP/EP/DP groups and seed the TP-aware RNG tracker.
+    """Create megatron's TP/PP/CP/EP/DP groups (without fences: tests and tools) and seed the RNGs.
 
-    Call on every rank after init_distributed. Seeds: megatron's convention (data-parallel
-    state = args.seed, TP state = args.seed + 2718 + tp_rank); CPU runs use the CPU generator
-    (patches/megatron_core.py maps the CUDA RNG onto it).
+    The training actor creates the same groups through ProcessGroupLifecycle, which adds the
+    fence group and the eager warm-up; both go through create_model_parallel_groups.
     """
     import patches
-    from megatron.core import parallel_state, tensor_parallel
+    from slime.distributed.groups import ParallelLayout, create_model_parallel_groups
 
     patches.apply_all()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=getattr(args, "tensor_model_parallel_size", 1) or 1,
-        pipeline_model_parallel_size=getattr(args, "pipeline_model_parallel_size", 1) or 1,
-        virtual_pipeline_model_parallel_size=getattr(args, "virtual_pipeline_model_parallel_size", None),
-        context_parallel_size=getattr(args, "context_parallel_size", 1) or 1,
-        expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1) or 1,
-        expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None),
-        distributed_timeout_minutes=_timeout(args).total_seconds() / 60.0,
-    )
+    create_model_parallel_groups(ParallelLayout.from_args(args))
+    seed_model_parallel(args)
+
+
+def seed_model_parallel(args: Namespace) -> None:
+    """megatron's convention: data-parallel state = args.seed, TP state = args.seed + 2718 + tp_rank.
+
+    CPU runs use the CPU generator (patches/megatron_core.py maps the CUDA RNG onto it).
+    """
+    from megatron.core import tensor_parallel
+
     tensor_parallel.model_parallel_cuda_manual_seed(getattr(args, "seed", 1234))
