@@ -155,7 +155,8 @@ class MegatronTrainActor:
             "micro_batch_tokens": [[list(p.token_counts) for p in plans] for plans in every_dp],
             "loss_token_totals": [p.step_loss_token_total for p in every_dp[0]],
             "metric_keys": sorted(metric_keys(cfg)),
-            "optional_collectives": sorted(k for k, on in (("kl_loss", cfg.use_kl_loss), ("ref_log_probs", "ref" in self.snapshots)) if on),
+            "optional_collectives": sorted(name for name, on in (("kl_loss", cfg.use_kl_loss),
+                                                                  ("ref_log_probs", "ref" in self.snapshots)) if on),
         }
         self.groups.fence("actor_train/plan", apply_plan_fault(fields, self.rank, rollout_id))
         return every_dp[parallel_state.get_data_parallel_rank()]
