@@ -12,6 +12,8 @@ warmed at wake). The rollout batch is synthetic, from a fixed seed, and replayed
 Fence overhead (--bench-fence-overhead): the ledger times every fence; per cycle we sum the
 fences inside train() and divide by train()'s wall time (same run, medians over cycles after
 the first). A micro-benchmark of back-to-back fences gives the latency of one fence.
+With --ab-fences, odd cycles run unfenced (fences are no-ops and collectives are not recorded in
+the ledger), so the summary also holds fenced vs unfenced cycle time, medians, same run.
 
 Weight-sync cost (--bench-weight-sync): export_hf_weights (TP gather + HF conversion) grouped
 into the sync's bucket plan, then encode_for_engine("embedded", ...) per bucket, on the ranks
@@ -23,6 +25,7 @@ writes them to --results-json. A rank that fails prints "FAILED rank=R after=S: 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -59,6 +62,7 @@ class DriverOptions:
     cycles: int
     bench_fence_overhead: bool
     bench_weight_sync: bool
+    ab_fences: bool
     model_size: str
     checkpoint_dir: str
     num_samples: int
@@ -90,6 +94,7 @@ def parse_driver(argv: list[str]) -> tuple[DriverOptions, list[str]]:
     p.add_argument("--cycles", type=int, default=3)
     p.add_argument("--bench-fence-overhead", action="store_true")
     p.add_argument("--bench-weight-sync", action="store_true")
+    p.add_argument("--ab-fences", action="store_true", help="odd cycles unfenced: fenced/unfenced ratio")
     p.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="tiny")
     p.add_argument("--checkpoint-dir", default=None, help="where the random HF checkpoint is written (once)")
     p.add_argument("--num-samples", type=int, default=64)
@@ -100,9 +105,12 @@ def parse_driver(argv: list[str]) -> tuple[DriverOptions, list[str]]:
     p.add_argument("--results-json", default=None)
     p.add_argument("--fence-repeats", type=int, default=50)
     ns, rest = p.parse_known_args(argv)
+    if ns.ab_fences and ns.cycles < 4:
+        p.error("--ab-fences needs --cycles >= 4 (cycle 0 is warm-up, then fenced/unfenced pairs)")
     ckpt = ns.checkpoint_dir or os.path.join(tempfile.gettempdir(), f"gpu_fenced_step_{ns.model_size}")
     return DriverOptions(
         cycles=ns.cycles, bench_fence_overhead=ns.bench_fence_overhead, bench_weight_sync=ns.bench_weight_sync,
+        ab_fences=ns.ab_fences,
         model_size=ns.model_size, checkpoint_dir=ckpt, num_samples=ns.num_samples, min_tokens=ns.min_tokens,
         max_tokens=ns.max_tokens, data_seed=ns.data_seed, fp32=ns.fp32, results_json=ns.results_json,
         fence_repeats=ns.fence_repeats,
@@ -202,6 +210,28 @@ def fence_seconds(entries) -> dict[str, float]:
     return out
 
 
+class _NoFence:
+    """The fence of an unfenced A/B cycle: agrees with itself, talks to no one (benchmark only)."""
+
+    def __call__(self, phase: str, fields=None, *, timeout_s=None) -> None:
+        return None
+
+
+@contextlib.contextmanager
+def unfenced(actor):
+    """One cycle without fences and without the ledger's collective recording: the A/B baseline."""
+    from slime.distributed import instrument_collectives, uninstrument_collectives
+
+    fence = actor.groups._fence
+    actor.groups._fence = _NoFence()
+    uninstrument_collectives()
+    try:
+        yield
+    finally:
+        actor.groups._fence = fence
+        instrument_collectives(actor.ledger)
+
+
 def run_cycle(actor, cycle: int, data: dict) -> dict:
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     start = time.perf_counter()
@@ -215,6 +245,7 @@ def run_cycle(actor, cycle: int, data: dict) -> dict:
     wake_s = metrics.get("perf/wake_create_groups_s", 0.0) + metrics.get("perf/wake_warmup_s", 0.0)
     return {
         "cycle": cycle,
+        "fenced": True,
         "loss": metrics["train/loss"],
         "grad_norm": metrics["train/grad_norm"],
         "num_micro_batches": metrics["train/num_micro_batches"],
@@ -281,8 +312,22 @@ def bench_weight_sync(actor, repeats: int = 3) -> dict[str, float]:
             "ws_total_s": gather + encode, "ws_tp": role.tp_size, "ws_sender": role.sender}
 
 
+def ab_summary(cycles: list[dict]) -> dict[str, float]:
+    """Fenced vs unfenced cycle time (sleep + train), medians over the cycles after the first."""
+    def med(fenced: bool) -> float:
+        return statistics.median(c["sleep_s"] + c["train_s"] for c in cycles[1:] if c["fenced"] is fenced)
+
+    fenced, plain = med(True), med(False)
+    # each unfenced cycle against the fenced cycle before it: the spread says what the ratio can resolve
+    pairs = sorted((a["sleep_s"] + a["train_s"]) / (b["sleep_s"] + b["train_s"])
+                   for a, b in zip(cycles[1:], cycles[2:]) if a["fenced"] and not b["fenced"])
+    return {"ab_fenced_median_s": fenced, "ab_unfenced_median_s": plain, "ab_ratio": fenced / plain,
+            "ab_pairs": len(pairs), "ab_pair_ratio_median": statistics.median(pairs),
+            "ab_pair_ratio_p25": pairs[len(pairs) // 4], "ab_pair_ratio_p75": pairs[(3 * len(pairs)) // 4]}
+
+
 def summarize(cycles: list[dict]) -> dict[str, float]:
-    steady = cycles[1:] or cycles
+    steady = [c for c in cycles[1:] if c["fenced"]] or cycles
     med = lambda key: statistics.median(c[key] for c in steady)  # noqa: E731
     return {
         "cycles": len(cycles),
@@ -329,11 +374,17 @@ def run(argv: list[str]) -> dict:
               "data_tokens": sum(len(t) for t in data["tokens"])}
     cycles = []
     for cycle in range(opts.cycles):
-        result = run_cycle(actor, cycle, data)
+        if opts.ab_fences and cycle % 2 == 1:
+            with unfenced(actor):
+                result = {**run_cycle(actor, cycle, data), "fenced": False}
+        else:
+            result = run_cycle(actor, cycle, data)
         cycles.append(result)
         if env.rank == 0:
             print("CYCLE " + json.dumps(result), flush=True)
     summary = {**layout, **summarize(cycles)}
+    if opts.ab_fences:
+        summary.update(ab_summary(cycles))
     if opts.bench_fence_overhead:
         summary.update(bench_fence_latency(actor, opts.fence_repeats))
     if opts.bench_weight_sync:

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# One device call: the fenced step on NCCL. Usage: benchmarks/run_gpu.sh PHASE... (bench equal faults fence)
-#   bench   ~0.5B model, bf16, 20 sleep/wake/train cycles per layout, fence overhead + weight-sync cost
-#   equal   tiny model, fp32, the batch replayed on CPU before (compare with benchmarks/RESULTS.md)
+# One device call: the fenced step on NCCL. Usage: benchmarks/run_gpu.sh PHASE... (bench keep equal faults fence)
+#   bench   ~0.6B model, bf16, sleep/wake/train cycles per layout, process groups re-created every wake
+#   keep    same model, keep-communicators mode (the default): fenced/unfenced A/B cycles, weight-sync cost
+#   equal   tiny model, fp32, per layout; compare with the CPU run of the same flags (benchmarks/RESULTS.md)
 #   faults  each SLIME_FAULT_INJECT kind must end with its named error inside the deadline
 #   fence   benchmarks/bench_fence_overhead.py (pseudo-step, fenced vs unfenced)
-# Layouts follow the GPU count: 4 GPUs -> TP1xCP4 and TP2xCP2; 2 GPUs -> TP2 and CP2.
-# Env: CYCLES (20), BENCH_FROM (first layout index), BENCH_TIMEOUT (s per layout), FAULT_TIMEOUT (--fence-timeout).
-# Logs go to $OUT (device tool) or outputs/gpu.
+# Layouts follow the GPU count: 4 GPUs -> TP1xCP4 and TP2xSPxCP2; 2 GPUs -> TP2xSP and CP2.
+# Env: CYCLES (20, bench), KEEP_CYCLES (12, keep), NUM_SAMPLES (64), BENCH_FROM (first layout index),
+#      BENCH_TIMEOUT (s per layout), FAULT_TIMEOUT (--fence-timeout of the fault runs), FAULT_KINDS.
+# Logs (and the fault runs' ledger files) end up in $OUT/logs.tgz ($OUT: device tool, else outputs/gpu).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-outputs/gpu}
@@ -20,7 +22,8 @@ fi
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 if [ "$NGPU" -ge 4 ]; then NP=4; LAYOUTS=("--context-parallel-size 4" "--tensor-model-parallel-size 2 --sequence-parallel --context-parallel-size 2")
 else NP=2; LAYOUTS=("--tensor-model-parallel-size 2 --sequence-parallel" "--context-parallel-size 2"); fi
-COMMON="--use-dynamic-batch-size --calculate-per-token-loss --recreate-process-groups-on-wake"
+COMMON="--use-dynamic-batch-size --calculate-per-token-loss"
+RECREATE="--recreate-process-groups-on-wake"
 PORT=29500
 drv() { PORT=$((PORT + 7)); torchrun --nproc-per-node "$NP" --master-port "$PORT" benchmarks/gpu_fenced_step.py "$@"; }
 
@@ -29,26 +32,32 @@ drv() { PORT=$((PORT + 7)); torchrun --nproc-per-node "$NP" --master-port "$PORT
   date -u; } 2>&1 | tee "$OUT/env.txt"
 
 for phase in "$@"; do case $phase in
-bench)
-  i=${BENCH_FROM:-0}; for layout in "${LAYOUTS[@]:${BENCH_FROM:-0}}"; do i=$((i + 1))
-    timeout ${BENCH_TIMEOUT:-290} bash -c "$(declare -f drv); PORT=$((PORT + 100 * i)); NP=$NP; drv --model-size 0.5b --checkpoint-dir /tmp/ckpt05b \
-      --cycles ${CYCLES:-20} --bench-fence-overhead --bench-weight-sync --num-samples 64 --min-tokens 512 --max-tokens 4096 \
-      $layout $COMMON --max-tokens-per-gpu 8192 --fence-timeout 120 --lr 1e-6 --results-json $OUT/bench$i.json" \
-      2>&1 | grep -v Warning > "$OUT/bench$i.log"; echo "bench$i rc=${PIPESTATUS[0]} layout: $layout"
-    grep -h "SUMMARY\|FAILED" "$OUT/bench$i.log" | head -3
+bench|keep)
+  if [ "$phase" = bench ]; then MODE="--recreate-process-groups-on-wake --cycles ${CYCLES:-20}"
+  else MODE="--ab-fences --bench-weight-sync --cycles ${KEEP_CYCLES:-12}"; fi
+  i=${BENCH_FROM:-0}; for layout in "${LAYOUTS[@]:${BENCH_FROM:-0}}"; do i=$((i + 1)); name=$phase$i
+    timeout ${BENCH_TIMEOUT:-290} bash -c "$(declare -f drv); PORT=$((PORT + 100 * i)); NP=$NP; drv --model-size 0.5b \
+      --checkpoint-dir /tmp/ckpt05b --bench-fence-overhead --num-samples ${NUM_SAMPLES:-64} --min-tokens 512 \
+      --max-tokens 4096 $layout $COMMON $MODE --max-tokens-per-gpu 8192 --fence-timeout 120 --lr 1e-6 \
+      --results-json $OUT/$name.json" 2>&1 | grep -v Warning > "$OUT/$name.log"; echo "$name rc=${PIPESTATUS[0]} layout: $layout"
+    grep -h "SUMMARY\|FAILED" "$OUT/$name.log" | head -3
   done ;;
 equal)
-  timeout 150 bash -c "$(declare -f drv); PORT=$((PORT + 300)); NP=$NP; drv --model-size tiny --fp32 --checkpoint-dir /tmp/ckpt_tiny --cycles 2 \
-    --num-samples 16 --min-tokens 64 --max-tokens 256 ${LAYOUTS[1]} $COMMON --max-tokens-per-gpu 512 \
-    --fence-timeout 120 --lr 1e-4 --results-json $OUT/equal.json" 2>&1 | grep -v Warning > "$OUT/equal.log"
-  echo "equal rc=${PIPESTATUS[0]} layout: ${LAYOUTS[1]}"; grep -h "CYCLE\|FAILED" "$OUT/equal.log" | cut -c1-200 ;;
+  i=0; for layout in "${LAYOUTS[@]}"; do i=$((i + 1))
+    timeout 150 bash -c "$(declare -f drv); PORT=$((PORT + 300 + 10 * i)); NP=$NP; drv --model-size tiny --fp32 \
+      --checkpoint-dir /tmp/ckpt_tiny --cycles 2 --num-samples 16 --min-tokens 64 --max-tokens 256 $layout $COMMON \
+      $RECREATE --max-tokens-per-gpu 512 --fence-timeout 120 --lr 1e-4 --results-json $OUT/equal$i.json" \
+      2>&1 | grep -v Warning > "$OUT/equal$i.log"
+    echo "equal$i rc=${PIPESTATUS[0]} layout: $layout"; grep -h "CYCLE\|FAILED" "$OUT/equal$i.log" | cut -c1-200
+  done ;;
 faults)
-  : > "$OUT/faults.txt"
-  for kind in stall_comm_init diverge_plan extra_metric_key skip_collective stall_logging; do
+  : > "$OUT/faults.txt"; rm -rf /tmp/ledgers
+  for kind in ${FAULT_KINDS:-stall_comm_init diverge_plan extra_metric_key skip_collective stall_logging}; do
     start=$SECONDS
     SLIME_FAULT_INJECT="$kind@1#1" timeout 120 bash -c "$(declare -f drv); PORT=$((PORT + 400)); NP=$NP; drv --model-size tiny \
       --checkpoint-dir /tmp/ckpt_tiny --cycles 2 --num-samples 16 --min-tokens 64 --max-tokens 256 ${LAYOUTS[1]} $COMMON \
-      --max-tokens-per-gpu 512 --fence-timeout ${FAULT_TIMEOUT:-20}" > "$OUT/fault_$kind.log" 2>&1
+      $RECREATE --max-tokens-per-gpu 512 --fence-timeout ${FAULT_TIMEOUT:-20} --ledger-dir /tmp/ledgers/$kind" \
+      > "$OUT/fault_$kind.log" 2>&1
     rc=$?; secs=$((SECONDS - start))
     line=$(grep -m1 -h "FAILED rank=\|^HANG:" "$OUT/fault_$kind.log" | cut -c1-300)
     echo "$kind rc=$rc wall_s=$secs :: $line" | tee -a "$OUT/faults.txt"
@@ -57,3 +66,5 @@ fence)
   timeout 120 torchrun --nproc-per-node "$NP" --master-port $((PORT + 500)) benchmarks/bench_fence_overhead.py \
     $( [ "$NP" -ge 4 ] && echo "--tp 2 --cp 2" || echo "--tp 2" ) 2>&1 | grep -v Warning | tail -8 | tee "$OUT/fence_overhead.txt" ;;
 esac; done
+rm -rf "$OUT/ledgers" && { [ ! -d /tmp/ledgers ] || cp -r /tmp/ledgers "$OUT/ledgers"; }
+tar czf /tmp/gpu_logs.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/gpu_logs.tgz "$OUT/logs.tgz"

@@ -12,7 +12,7 @@ import os
 import threading
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Iterator
 
 from slime.distributed.group_names import group_name, group_ranks
@@ -38,6 +38,10 @@ class LedgerEntry:
         return f"{self.group}[{','.join(map(str, self.ranks))}]"
 
 
+def _as_dict(entry: LedgerEntry) -> dict:
+    return dict(vars(entry))  # fields are flat: no need for asdict's deep copy under the lock
+
+
 def ledger_path(directory: str, rank: int) -> str:
     return os.path.join(directory, f"rank{rank}.json")
 
@@ -52,7 +56,7 @@ class Ledger:
         directory: str | None = None,
         *,
         keep_recent: int = 32,
-        flush_interval_s: float = 0.1,
+        flush_interval_s: float = 0.5,
         max_entries: int = 50_000,
     ):
         self.rank = rank
@@ -63,6 +67,7 @@ class Ledger:
         self._phases: list[str] = []
         self._seq = 0
         self._group_counts: dict[str, int] = {}  # ops started per group instance: peers must agree
+        self._group_keys: dict[tuple[str, tuple[int, ...]], str] = {}
         self._in_flight: LedgerEntry | None = None
         self._lock = threading.Lock()
         self._flush_lock = threading.Lock()  # the flusher thread and the watchdog may both write
@@ -99,13 +104,16 @@ class Ledger:
         return self.begin_named(op, name, ranks, shape, dtype)
 
     def begin_named(self, op: str, name: str, ranks: tuple[int, ...], shape: tuple = (), dtype: str = "") -> LedgerEntry:
+        key = self._group_keys.get((name, ranks))
+        if key is None:  # the hot path (thousands of ops per step) reuses the formatted key
+            key = self._group_keys[(name, ranks)] = f"{name}[{','.join(map(str, ranks))}]"
         with self._lock:
             self._seq += 1
             entry = LedgerEntry(self._seq, self.current_phase, op, name, ranks, shape, dtype, time.time())
-            self._group_counts[entry.group_key] = self._group_counts.get(entry.group_key, 0) + 1
+            self._group_counts[key] = self._group_counts.get(key, 0) + 1
             self._entries.append(entry)
             self._in_flight = entry
-        self._dirty.set()
+        self._mark_dirty()
         return entry
 
     def end(self, entry: LedgerEntry, error: str | None = None) -> None:
@@ -114,7 +122,11 @@ class Ledger:
             entry.error = error
             if self._in_flight is entry:
                 self._in_flight = None
-        self._dirty.set()
+        self._mark_dirty()
+
+    def _mark_dirty(self) -> None:
+        if not self._dirty.is_set():  # Event.set takes a lock and notifies: skip it when already set
+            self._dirty.set()
 
     @contextlib.contextmanager
     def record(self, op: str, group: object | None, shape: tuple = (), dtype: str = "") -> Iterator[LedgerEntry]:
@@ -152,10 +164,10 @@ class Ledger:
                 "updated": time.time(),
                 "phase": self.current_phase,
                 "seq": self._seq,
-                "in_flight": asdict(self._in_flight) if self._in_flight else None,
-                "blocked_on": asdict(blocked) if blocked else None,
+                "in_flight": _as_dict(self._in_flight) if self._in_flight else None,
+                "blocked_on": _as_dict(blocked) if blocked else None,
                 "group_counts": dict(self._group_counts),
-                "recent": [asdict(e) for e in recent],
+                "recent": [_as_dict(e) for e in recent],
             }
 
     # -- file mirror -------------------------------------------------------------------------
@@ -174,7 +186,7 @@ class Ledger:
         while not self._closed:
             if self._dirty.wait(timeout=1.0) and not self._closed:
                 self.flush()
-                time.sleep(self._flush_interval_s)  # coalesce bursts of ops into one write
+                time.sleep(self._flush_interval_s)  # coalesce bursts of ops into one write (GIL time off the step)
 
     def close(self) -> None:
         self._closed = True
