@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -85,8 +86,9 @@ def test_fence_comparison_finds_the_odd_rank_and_field():
     assert _odd_ranks(skipped, ["phase", "seq"]) == (1,)
 
 
-def _snap(rank: int, counts: dict, blocked: str | None = None, ranks=()) -> dict:
-    op = {"op": "all_reduce", "group": blocked, "ranks": list(ranks), "start": time.time() - 5, "error": None}
+def _snap(rank: int, counts: dict, blocked: str | None = None, ranks=(), op_name="all_reduce", shape=()) -> dict:
+    op = {"op": op_name, "group": blocked, "ranks": list(ranks), "shape": list(shape), "dtype": "float32",
+          "start": time.time() - 5, "error": None}
     return {"rank": rank, "phase": "p", "seq": sum(counts.values()), "updated": time.time(), "in_flight": op if blocked else None,
             "blocked_on": op if blocked else None, "group_counts": counts}
 
@@ -102,6 +104,33 @@ def test_suspects_name_the_rank_that_skipped_an_op():
     snaps[3] = _snap(3, {fence: 1, dp_cp: 1}, "dp_cp", (1, 3, 5, 7))
     assert suspect_ranks(snaps) == (3,)
     assert set(lagging_ranks(snaps)) == {1, 3, 5, 7}
+
+
+def test_suspects_name_the_rank_whose_op_differs_at_the_same_position():
+    # gloo, CP2: rank 1 skipped a forward all-gather and reached the backward reduce-scatter, level
+    # with rank 0 on cp (58 ops each). Each rank's own history breaks the tie: an all-gather followed
+    # that all-gather before, a reduce-scatter never did.
+    recorded = os.path.join(os.path.dirname(__file__), "hang_skip_gloo2")  # the ledger files of that run
+    snaps = {r: json.loads(Path(recorded, f"rank{r}.json").read_text()) for r in (0, 1)}
+    assert snaps[0]["group_counts"]["cp[0,1]"] == snaps[1]["group_counts"]["cp[0,1]"] == 58
+    assert suspect_ranks(snaps) == (1,)
+    report = render_hang_report(recorded, 2)
+    assert ("op mismatch on cp[0,1] #58: rank 0 all_gather_into_tensor[1024,2,32], "
+            "rank 1 reduce_scatter_tensor[512,2,32]") in report
+    assert "suspects): [1]" in report
+
+
+def test_op_mismatch_blames_the_minority_or_names_all_on_an_undecided_tie():
+    tp, cp = "tp[0,1,2]", "cp[0,1]"
+    snaps = {r: _snap(r, {tp: 7}, "tp", (0, 1, 2), shape=(8,)) for r in (0, 2)}
+    snaps[1] = _snap(1, {tp: 7}, "tp", (0, 1, 2), op_name="all_gather_into_tensor", shape=(8,))
+    assert suspect_ranks(snaps) == (1,)
+    # two members, no history to say which one left its pattern: both, not a guess
+    tie = {0: _snap(0, {cp: 3}, "cp", (0, 1), shape=(4,)), 1: _snap(1, {cp: 3}, "cp", (0, 1), shape=(2,))}
+    assert suspect_ranks(tie) == (0, 1)
+    # a send pairs with a recv: not a mismatch
+    p2p = {0: _snap(0, {cp: 3}, "cp", (0, 1), op_name="isend"), 1: _snap(1, {cp: 3}, "cp", (0, 1), op_name="irecv")}
+    assert suspect_ranks(p2p) == ()
 
 
 def test_ledger_file_and_report(tmp_path):

@@ -5,6 +5,7 @@ import json
 import os
 import time
 from collections import Counter
+from typing import NamedTuple
 
 from slime.distributed.ledger import ledger_path
 
@@ -45,18 +46,80 @@ def lagging_ranks(snapshots: dict[int, dict | None]) -> tuple[int, ...]:
     return tuple(sorted(lagging))
 
 
+def _group_key(op: dict) -> str:
+    return f"{op['group']}[{','.join(map(str, op['ranks']))}]"
+
+
+def _blocked_op(snap: dict | None) -> dict | None:
+    return (snap or {}).get("blocked_on") or (snap or {}).get("in_flight")
+
+
 def _blocked_key(snap: dict | None) -> str | None:
-    op = (snap or {}).get("blocked_on")
-    return f"{op['group']}[{','.join(map(str, op['ranks']))}]" if op else None
+    op = _blocked_op(snap)
+    return _group_key(op) if op else None
 
 
-def suspect_ranks(snapshots: dict[int, dict | None]) -> tuple[int, ...]:
-    """The ranks most waited on: every rank blocked in (or timed out of) an op of group G votes for each
-    member of G that has started fewer ops on G.
+def _signature(op: dict) -> tuple[str, str, str]:
+    """What members must agree on for op #n of a group (json: a shape may be a tuple or a list)."""
+    return op["op"], json.dumps(op.get("shape", []), separators=(",", ":")), op.get("dtype", "")
+
+
+# a send pairs with a recv and a ring's ranks issue different batches: peers of a point-to-point
+# op need not issue the same op, so only collectives can disagree
+_P2P_OPS = frozenset({"isend", "irecv", "send", "recv", "batch_isend_irecv"})
+
+
+class OpMismatch(NamedTuple):
+    """Members blocked at the same position of a group, inside different ops."""
+
+    group: str
+    position: int  # ops started on the group, the blocked one included
+    ops: dict[int, dict]  # rank -> the op it is blocked in
+
+
+def op_mismatches(snapshots: dict[int, dict | None]) -> list[OpMismatch]:
+    """Ranks that disagree about what op #n on group G is: a rank that skipped an op on G and then
+    issued the next one sits level with its peers (equal counts), so only the ops tell them apart."""
+    at: dict[tuple[str, int], dict[int, dict]] = {}
+    for rank, snap in sorted(snapshots.items()):
+        key = _blocked_key(snap)
+        if key is not None and _blocked_op(snap)["op"] not in _P2P_OPS:
+            at.setdefault((key, snap["group_counts"].get(key, 0)), {})[rank] = _blocked_op(snap)
+    return [OpMismatch(key, n, ops) for (key, n), ops in sorted(at.items())
+            if len({_signature(op) for op in ops.values()}) > 1]
+
+
+def _fits_own_history(snap: dict, group: str) -> bool | None:
+    """Did this rank's current op follow its previous op on the group before, in its recent entries?
+    Layers and micro-batches repeat, so a healthy rank re-walks its own pattern. None: no precedent."""
+    current = _blocked_op(snap)
+    ops = [_signature(e) for e in snap.get("recent", []) if _group_key(e) == group and e["seq"] < current["seq"]]
+    if not ops:
+        return None
+    followers = {after for before, after in zip(ops, ops[1:]) if before == ops[-1]}
+    return _signature(current) in followers if followers else None
+
+
+def _deviating_ranks(mismatch: OpMismatch, snapshots: dict[int, dict | None]) -> tuple[int, ...]:
+    """The minority against a majority op; on a tie, the ranks whose op breaks their own pattern
+    while every other one fits it; otherwise all of them (a fair list beats a wrong single name)."""
+    signatures = {rank: _signature(op) for rank, op in mismatch.ops.items()}
+    (top, top_n), (_, second_n) = Counter(signatures.values()).most_common(2)
+    if top_n > second_n:
+        return tuple(r for r, sig in signatures.items() if sig != top)
+    fits = {rank: _fits_own_history(snapshots[rank], mismatch.group) for rank in mismatch.ops}
+    off = tuple(r for r, ok in fits.items() if ok is False)
+    if off and all(ok for r, ok in fits.items() if r not in off):
+        return off
+    return tuple(mismatch.ops)
+
+
+def _most_waited_on(snapshots: dict[int, dict | None]) -> tuple[int, ...]:
+    """Every rank blocked in (or timed out of) an op of group G votes for each member of G that has
+    started fewer ops on G; the ranks with the most votes.
 
     Separates the culprit from its victims in a symmetric deadlock (a rank that skipped an op waits in
     the next op, for peers that wait for it in the skipped one: it collects the most votes).
-    Falls back to lagging_ranks when no rank is visibly blocked.
     """
     votes: Counter[int] = Counter()
     for rank, snap in snapshots.items():
@@ -67,10 +130,23 @@ def suspect_ranks(snapshots: dict[int, dict | None]) -> tuple[int, ...]:
             peer_snap = snapshots.get(peer)
             if peer_snap is None or peer_snap["group_counts"].get(key, 0) < snap["group_counts"][key]:
                 votes[peer] += 1
-    if not votes:
-        return lagging_ranks(snapshots)
-    top = max(votes.values())
+    top = max(votes.values(), default=0)
     return tuple(sorted(r for r, v in votes.items() if v == top))
+
+
+def suspect_ranks(snapshots: dict[int, dict | None]) -> tuple[int, ...]:
+    """Who to blame: ranks that deviated in an op mismatch (the most direct evidence), else the ranks
+    most waited on, else lagging_ranks when no rank is visibly blocked."""
+    deviating = {r for mismatch in op_mismatches(snapshots) for r in _deviating_ranks(mismatch, snapshots)}
+    return tuple(sorted(deviating)) or _most_waited_on(snapshots) or lagging_ranks(snapshots)
+
+
+def _describe(mismatch: OpMismatch) -> str:
+    signatures = {rank: _signature(op) for rank, op in mismatch.ops.items()}
+    show_dtype = len({dtype for _, _, dtype in signatures.values()}) > 1
+    ops = ", ".join(f"rank {r} {op}{shape}" + (f" {dtype}" if show_dtype else "")
+                    for r, (op, shape, dtype) in signatures.items())
+    return f"op mismatch on {mismatch.group} #{mismatch.position}: {ops}"
 
 
 def format_table(headers: list[str], rows: list[list[object]]) -> str:
@@ -86,7 +162,7 @@ def _row(rank: int, snap: dict | None, now: float) -> list[object]:
         return [rank, "<no ledger file>", "", "", "", "", ""]
     op = snap.get("in_flight") or snap.get("blocked_on")
     if op:
-        group = f"{op['group']}[{','.join(map(str, op['ranks']))}]"
+        group = _group_key(op)
         waited = f"{now - op['start']:.1f}s" + (" (gave up)" if op.get("error") else "")
         return [rank, snap["phase"], op["op"], group, waited, snap["seq"], f"{now - snap['updated']:.1f}s"]
     return [rank, snap["phase"], "<not in a collective>", "", "", snap["seq"], f"{now - snap['updated']:.1f}s"]
@@ -101,8 +177,9 @@ def render_hang_report(ledger_dir: str, world_size: int) -> str:
     now = time.time()
     rows = [_row(rank, snap, now) for rank, snap in sorted(snapshots.items())]
     table = format_table(["rank", "phase", "op", "group", "waiting", "seq", "file age"], rows)
+    mismatches = "".join(f"\n{_describe(m)}" for m in op_mismatches(snapshots))
     return (
-        f"{table}\nranks behind a peer on some group: {list(lagging_ranks(snapshots))}; "
+        f"{table}{mismatches}\nranks behind a peer on some group: {list(lagging_ranks(snapshots))}; "
         f"most waited-on (suspects): {list(suspect_ranks(snapshots))}"
     )
 
