@@ -13,7 +13,8 @@ Fence overhead (--bench-fence-overhead): the ledger times every fence; per cycle
 fences inside train() and divide by train()'s wall time (same run, medians over cycles after
 the first). A micro-benchmark of back-to-back fences gives the latency of one fence.
 With --ab-fences, odd cycles run unfenced (fences are no-ops and collectives are not recorded in
-the ledger), so the summary also holds fenced vs unfenced cycle time, medians, same run.
+the ledger; --ab-off fences|ledger switches off one of the two), so the summary also holds fenced
+vs unfenced cycle time, medians, same run.
 
 Weight-sync cost (--bench-weight-sync): export_hf_weights (TP gather + HF conversion) grouped
 into the sync's bucket plan, then encode_for_engine("embedded", ...) per bucket, on the ranks
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import gc
 import json
 import os
 import random
@@ -63,6 +65,7 @@ class DriverOptions:
     bench_fence_overhead: bool
     bench_weight_sync: bool
     ab_fences: bool
+    ab_off: str
     model_size: str
     checkpoint_dir: str
     num_samples: int
@@ -95,6 +98,8 @@ def parse_driver(argv: list[str]) -> tuple[DriverOptions, list[str]]:
     p.add_argument("--bench-fence-overhead", action="store_true")
     p.add_argument("--bench-weight-sync", action="store_true")
     p.add_argument("--ab-fences", action="store_true", help="odd cycles unfenced: fenced/unfenced ratio")
+    p.add_argument("--ab-off", choices=("both", "fences", "ledger"), default="both",
+                   help="what an unfenced cycle switches off: the fences, the ledger's collective recording, both")
     p.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="tiny")
     p.add_argument("--checkpoint-dir", default=None, help="where the random HF checkpoint is written (once)")
     p.add_argument("--num-samples", type=int, default=64)
@@ -110,7 +115,7 @@ def parse_driver(argv: list[str]) -> tuple[DriverOptions, list[str]]:
     ckpt = ns.checkpoint_dir or os.path.join(tempfile.gettempdir(), f"gpu_fenced_step_{ns.model_size}")
     return DriverOptions(
         cycles=ns.cycles, bench_fence_overhead=ns.bench_fence_overhead, bench_weight_sync=ns.bench_weight_sync,
-        ab_fences=ns.ab_fences,
+        ab_fences=ns.ab_fences, ab_off=ns.ab_off,
         model_size=ns.model_size, checkpoint_dir=ckpt, num_samples=ns.num_samples, min_tokens=ns.min_tokens,
         max_tokens=ns.max_tokens, data_seed=ns.data_seed, fp32=ns.fp32, results_json=ns.results_json,
         fence_repeats=ns.fence_repeats,
@@ -218,13 +223,15 @@ class _NoFence:
 
 
 @contextlib.contextmanager
-def unfenced(actor):
-    """One cycle without fences and without the ledger's collective recording: the A/B baseline."""
+def unfenced(actor, off: str):
+    """One cycle without fences and/or without the ledger's collective recording: the A/B baseline."""
     from slime.distributed import instrument_collectives, uninstrument_collectives
 
     fence = actor.groups._fence
-    actor.groups._fence = _NoFence()
-    uninstrument_collectives()
+    if off in ("both", "fences"):
+        actor.groups._fence = _NoFence()
+    if off in ("both", "ledger"):
+        uninstrument_collectives()
     try:
         yield
     finally:
@@ -234,13 +241,23 @@ def unfenced(actor):
 
 def run_cycle(actor, cycle: int, data: dict) -> dict:
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    gc.collect()  # collect between cycles, never inside one: a gen-2 pass is cycle-to-cycle noise
+    gc.disable()
+    try:
+        return _timed_cycle(actor, cycle, data, sync)
+    finally:
+        gc.enable()
+
+
+def _timed_cycle(actor, cycle: int, data: dict, sync) -> dict:
     start = time.perf_counter()
     actor.sleep()
     sleep_s = time.perf_counter() - start
     mark = actor.ledger.mark()
     metrics = actor.train(cycle, copy.deepcopy(data))
     sync()
-    fences = fence_seconds(actor.ledger.entries(since=mark))
+    entries = actor.ledger.entries(since=mark)
+    fences = fence_seconds(entries)
     train_s = metrics["perf/actor_train_s"]
     wake_s = metrics.get("perf/wake_create_groups_s", 0.0) + metrics.get("perf/wake_warmup_s", 0.0)
     return {
@@ -254,6 +271,7 @@ def run_cycle(actor, cycle: int, data: dict) -> dict:
         "train_s": train_s,
         "wake_create_groups_s": metrics.get("perf/wake_create_groups_s", 0.0),
         "wake_warmup_s": metrics.get("perf/wake_warmup_s", 0.0),
+        "collectives": sum(1 for e in entries if not e.op.startswith("fence:")),  # recorded ones (0: unfenced)
         "wake_fence_s": fences["wake"],
         "step_fence_s": fences["step"],
         # fences of the step proper (plan + exit) over the step without the wake phase
@@ -375,7 +393,7 @@ def run(argv: list[str]) -> dict:
     cycles = []
     for cycle in range(opts.cycles):
         if opts.ab_fences and cycle % 2 == 1:
-            with unfenced(actor):
+            with unfenced(actor, opts.ab_off):
                 result = {**run_cycle(actor, cycle, data), "fenced": False}
         else:
             result = run_cycle(actor, cycle, data)

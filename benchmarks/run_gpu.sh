@@ -6,8 +6,9 @@
 #   faults  each SLIME_FAULT_INJECT kind must end with its named error inside the deadline
 #   fence   benchmarks/bench_fence_overhead.py (pseudo-step, fenced vs unfenced)
 # Layouts follow the GPU count: 4 GPUs -> TP1xCP4 and TP2xSPxCP2; 2 GPUs -> TP2xSP and CP2.
-# Env: CYCLES (20, bench), KEEP_CYCLES (12, keep), NUM_SAMPLES (64), BENCH_FROM (first layout index),
-#      BENCH_TIMEOUT (s per layout), FAULT_TIMEOUT (--fence-timeout of the fault runs), FAULT_KINDS.
+# Env: CYCLES (20, bench), KEEP_CYCLES (12, keep), AB_OFF (both|fences|ledger, keep), NUM_SAMPLES (64),
+#      BENCH_FROM (first layout index), BENCH_TIMEOUT (s per layout), FAULT_TIMEOUT (--fence-timeout of
+#      the fault runs), FAULT_KINDS.
 # Logs (and the fault runs' ledger files) end up in $OUT/logs.tgz ($OUT: device tool, else outputs/gpu).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,7 +35,7 @@ drv() { PORT=$((PORT + 7)); torchrun --nproc-per-node "$NP" --master-port "$PORT
 for phase in "$@"; do case $phase in
 bench|keep)
   if [ "$phase" = bench ]; then MODE="--recreate-process-groups-on-wake --cycles ${CYCLES:-20}"
-  else MODE="--ab-fences --bench-weight-sync --cycles ${KEEP_CYCLES:-12}"; fi
+  else MODE="--ab-fences --ab-off ${AB_OFF:-both} --bench-weight-sync --cycles ${KEEP_CYCLES:-12}"; fi
   i=${BENCH_FROM:-0}; for layout in "${LAYOUTS[@]:${BENCH_FROM:-0}}"; do i=$((i + 1)); name=$phase$i
     timeout ${BENCH_TIMEOUT:-290} bash -c "$(declare -f drv); PORT=$((PORT + 100 * i)); NP=$NP; drv --model-size 0.5b \
       --checkpoint-dir /tmp/ckpt05b --bench-fence-overhead --num-samples ${NUM_SAMPLES:-64} --min-tokens 512 \
@@ -64,7 +65,7 @@ faults)
   done ;;
 fence)
   timeout 120 torchrun --nproc-per-node "$NP" --master-port $((PORT + 500)) benchmarks/bench_fence_overhead.py \
-    $( [ "$NP" -ge 4 ] && echo "--tp 2 --cp 2" || echo "--tp 2" ) 2>&1 | grep -v Warning | tail -8 | tee "$OUT/fence_overhead.txt" ;;
+    $( [ "$NP" -ge 4 ] && echo "--tp 2 --cp 2" || echo "--tp 2 --cp 1" ) 2>&1 | grep -v Warning | tail -8 | tee "$OUT/fence_overhead.txt" ;;
 esac; done
 rm -rf "$OUT/ledgers" && { [ ! -d /tmp/ledgers ] || cp -r /tmp/ledgers "$OUT/ledgers"; }
 tar czf /tmp/gpu_logs.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/gpu_logs.tgz "$OUT/logs.tgz"

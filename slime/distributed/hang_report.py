@@ -70,44 +70,81 @@ _P2P_OPS = frozenset({"isend", "irecv", "send", "recv", "batch_isend_irecv"})
 
 
 class OpMismatch(NamedTuple):
-    """Members blocked at the same position of a group, inside different ops."""
+    """The first position of a group at which its members' ops differ."""
 
     group: str
-    position: int  # ops started on the group, the blocked one included
-    ops: dict[int, dict]  # rank -> the op it is blocked in
+    position: int  # 1-based index of the op among the ops started on the group
+    ops: dict[int, dict]  # rank -> its op at that position
+
+
+def _group_ops(snap: dict, group: str) -> dict[int, dict]:
+    """position on the group -> op, for this rank's recent entries on it (the newest is at group_counts)."""
+    entries = [e for e in snap.get("recent", []) if _group_key(e) == group]
+    last = snap["group_counts"].get(group, 0)
+    return {last - i: e for i, e in enumerate(reversed(entries))}
 
 
 def op_mismatches(snapshots: dict[int, dict | None]) -> list[OpMismatch]:
-    """Ranks that disagree about what op #n on group G is: a rank that skipped an op on G and then
-    issued the next one sits level with its peers (equal counts), so only the ops tell them apart."""
-    at: dict[tuple[str, int], dict[int, dict]] = {}
-    for rank, snap in sorted(snapshots.items()):
-        key = _blocked_key(snap)
-        if key is not None and _blocked_op(snap)["op"] not in _P2P_OPS:
-            at.setdefault((key, snap["group_counts"].get(key, 0)), {})[rank] = _blocked_op(snap)
-    return [OpMismatch(key, n, ops) for (key, n), ops in sorted(at.items())
-            if len({_signature(op) for op in ops.values()}) > 1]
+    """Groups whose members disagree about what op #n is. A rank that skipped op #n goes on with the
+    next ops (on NCCL they return at once), so its later ops sit one position early: counts can even
+    agree while the ops do not. Compared over the positions every member still has in `recent`."""
+    found = []
+    live = {r: s for r, s in snapshots.items() if s}
+    groups = {_group_key(e) for s in live.values() for e in s.get("recent", [])}
+    for group in sorted(groups):
+        per_rank = {r: _group_ops(live[r], group) for r in _members(group) if r in live}
+        if len(per_rank) < 2:
+            continue
+        common = set.intersection(*(set(ops) for ops in per_rank.values()))
+        for n in sorted(common):
+            at_n = [ops[n] for ops in per_rank.values()]
+            if not any(op["op"] in _P2P_OPS for op in at_n) and len({_signature(op) for op in at_n}) > 1:
+                found.append(OpMismatch(group, n, {r: ops[n] for r, ops in per_rank.items()}))
+                break
+    return found
 
 
-def _fits_own_history(snap: dict, group: str) -> bool | None:
-    """Did this rank's current op follow its previous op on the group before, in its recent entries?
-    Layers and micro-batches repeat, so a healthy rank re-walks its own pattern. None: no precedent."""
-    current = _blocked_op(snap)
-    ops = [_signature(e) for e in snap.get("recent", []) if _group_key(e) == group and e["seq"] < current["seq"]]
-    if not ops:
+def _skipped(rank: int, mismatch: OpMismatch, snapshots: dict[int, dict | None]) -> bool | None:
+    """Do this rank's ops from the mismatch on equal a peer's from one position later (it skipped the
+    peer's op #n), while the reverse does not hold? None: no overlap to compare."""
+    def shifted_equal(a: dict[int, dict], b: dict[int, dict]) -> bool | None:
+        pairs = [(a[n], b[n + 1]) for n in a if n >= mismatch.position and n + 1 in b]
+        return all(_signature(x) == _signature(y) for x, y in pairs) if pairs else None
+
+    mine = _group_ops(snapshots[rank], mismatch.group)
+    verdicts = []
+    for peer in mismatch.ops:
+        if peer != rank:
+            theirs = _group_ops(snapshots[peer], mismatch.group)
+            verdicts.append((shifted_equal(mine, theirs), shifted_equal(theirs, mine)))
+    if any(ahead is None for ahead, _ in verdicts):
         return None
-    followers = {after for before, after in zip(ops, ops[1:]) if before == ops[-1]}
-    return _signature(current) in followers if followers else None
+    return all(ahead and not behind for ahead, behind in verdicts)
+
+
+def _fits_own_history(snap: dict, mismatch: OpMismatch, rank: int) -> bool | None:
+    """Did this rank's op #n follow its op #n-1 on the group before, in its recent entries?
+    Layers and micro-batches repeat, so a healthy rank re-walks its own pattern. None: no precedent."""
+    ops = _group_ops(snap, mismatch.group)
+    before = [_signature(ops[n]) for n in sorted(ops) if n < mismatch.position]
+    if not before:
+        return None
+    followers = {after for prev, after in zip(before, before[1:]) if prev == before[-1]}
+    return _signature(mismatch.ops[rank]) in followers if followers else None
 
 
 def _deviating_ranks(mismatch: OpMismatch, snapshots: dict[int, dict | None]) -> tuple[int, ...]:
-    """The minority against a majority op; on a tie, the ranks whose op breaks their own pattern
-    while every other one fits it; otherwise all of them (a fair list beats a wrong single name)."""
+    """The minority against a majority op; on a tie, the rank whose later ops show it skipped one, or
+    whose op breaks its own pattern while every other one fits it; otherwise all of them (a fair list
+    beats a wrong single name)."""
     signatures = {rank: _signature(op) for rank, op in mismatch.ops.items()}
     (top, top_n), (_, second_n) = Counter(signatures.values()).most_common(2)
     if top_n > second_n:
         return tuple(r for r, sig in signatures.items() if sig != top)
-    fits = {rank: _fits_own_history(snapshots[rank], mismatch.group) for rank in mismatch.ops}
+    skipped = tuple(r for r in mismatch.ops if _skipped(r, mismatch, snapshots))
+    if len(skipped) == 1:
+        return skipped
+    fits = {rank: _fits_own_history(snapshots[rank], mismatch, rank) for rank in mismatch.ops}
     off = tuple(r for r, ok in fits.items() if ok is False)
     if off and all(ok for r, ok in fits.items() if r not in off):
         return off
