@@ -1,12 +1,15 @@
 """Run a function on N local processes joined by a gloo process group, with a hard deadline.
 
     results = run_ranks(fn, world_size=8, args=(cfg,), timeout_s=120)
+    outcomes = run_ranks_outcomes(fn, world_size=8, args=(cfg,), timeout_s=120)
 
 `fn(rank, world_size, *args)` runs in each child after torch.distributed is initialised (unless
 init_process_group=False; MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE are always set in the
-environment). Its return value (picklable) is collected per rank. A child that raises makes
-run_ranks raise with that rank's traceback; a child that does not finish by the deadline makes
-it raise TimeoutError naming the missing ranks. Every child is gone when run_ranks returns.
+environment). run_ranks returns every rank's (picklable) return value and raises on the first
+rank that fails or dies; run_ranks_outcomes collects every rank's outcome, failures included,
+which fault-injection tests need (some ranks raise a named error, others exit with the
+watchdog's code). A rank that does not finish by the deadline raises TimeoutError naming the
+missing ranks. Every child is gone when either returns.
 """
 
 from __future__ import annotations
@@ -16,10 +19,20 @@ import os
 import pickle
 import queue
 import socket
+import time
 import traceback
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch.multiprocessing as mp
+
+
+@dataclass(frozen=True)
+class RankOutcome:
+    rank: int
+    status: str  # "ok" | "error" (traceback text in value) | "exit" (died without reporting)
+    value: Any
+    exitcode: int | None
 
 
 def free_port() -> int:
@@ -41,12 +54,11 @@ def _child(fn, rank, world_size, args, port, init_pg, pg_timeout_s, results):
                 "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                 timeout=datetime.timedelta(seconds=pg_timeout_s),
             )
-        value = fn(rank, world_size, *args)
         # Plain pickle bytes: torch's queue pickler would pass tensors as shared-memory fds,
         # which vanish when this process exits before the parent reads them.
-        results.put((rank, "ok", pickle.dumps(value)))
+        results.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:  # report every failure to the parent, including SystemExit
-        results.put((rank, "error", traceback.format_exc()))
+        results.put((rank, "error", pickle.dumps(traceback.format_exc())))
 
 
 def run_ranks(
@@ -60,51 +72,66 @@ def run_ranks(
     start_method: str = "spawn",
 ) -> list[Any]:
     """Run fn on world_size gloo ranks; return [result of rank 0, rank 1, ...]."""
+    pg_timeout = pg_timeout_s if pg_timeout_s is not None else timeout_s
+    outcomes = _run(fn, world_size, args, timeout_s, init_process_group, pg_timeout, start_method, stop_on_failure=True)
+    for outcome in outcomes:
+        if outcome.status == "error":
+            raise RuntimeError(f"rank {outcome.rank} failed:\n{outcome.value}")
+        if outcome.status == "exit":
+            raise RuntimeError(f"rank {outcome.rank} died without reporting (exit code {outcome.exitcode})")
+    return [outcome.value for outcome in outcomes]
+
+
+def run_ranks_outcomes(fn: Callable[..., Any], world_size: int, *, args: Sequence[Any] = (),
+                       timeout_s: float = 120.0, pg_timeout_s: float = 60.0) -> list[RankOutcome]:
+    """Run fn on world_size gloo ranks; return every rank's outcome, failed and dead ones too."""
+    return _run(fn, world_size, args, timeout_s, True, pg_timeout_s, "spawn", stop_on_failure=False)
+
+
+def _run(fn, world_size, args, timeout_s, init_pg, pg_timeout_s, start_method, *, stop_on_failure) -> list[RankOutcome]:
     ctx = mp.get_context(start_method)
     results = ctx.Queue()
     port = free_port()
-    pg_timeout = pg_timeout_s if pg_timeout_s is not None else timeout_s
     procs = [
         # Not daemonic: rank code may start its own processes (dist_checkpointing writers);
-        # _stop() kills whatever is left, so nothing outlives run_ranks.
+        # _stop() kills whatever is left, so nothing outlives the run.
         ctx.Process(target=_child, daemon=False,
-                    args=(fn, rank, world_size, tuple(args), port, init_process_group, pg_timeout, results))
+                    args=(fn, rank, world_size, tuple(args), port, init_pg, pg_timeout_s, results))
         for rank in range(world_size)
     ]
     for proc in procs:
         proc.start()
     try:
-        return _collect(results, procs, world_size, timeout_s)
+        return _collect(results, procs, world_size, timeout_s, stop_on_failure)
     finally:
         _stop(procs)
 
 
-def _collect(results, procs, world_size: int, timeout_s: float) -> list[Any]:
-    deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)
-    values: dict[int, Any] = {}
-    while len(values) < world_size:
-        remaining = (deadline - datetime.datetime.now()).total_seconds()
+def _collect(results, procs, world_size: int, timeout_s: float, stop_on_failure: bool) -> list[RankOutcome]:
+    """Every rank's outcome within the deadline; with stop_on_failure, up to the first failure only."""
+    deadline = time.monotonic() + timeout_s
+    outcomes: dict[int, RankOutcome] = {}
+    while len(outcomes) < world_size:
+        if stop_on_failure and any(o.status != "ok" for o in outcomes.values()):
+            break
+        remaining = deadline - time.monotonic()
         if remaining <= 0:
-            missing = sorted(set(range(world_size)) - set(values))
+            missing = sorted(set(range(world_size)) - set(outcomes))
             raise TimeoutError(f"ranks {missing} did not finish within {timeout_s:.0f}s")
         try:
-            rank, status, value = results.get(timeout=min(remaining, 1.0))
+            rank, status, value = results.get(timeout=min(remaining, 0.5))
+            outcomes[rank] = RankOutcome(rank, status, pickle.loads(value), None)
         except queue.Empty:
-            dead = [r for r, p in enumerate(procs) if r not in values and not p.is_alive()
-                    and p.exitcode not in (0, None)]
-            if dead:
-                raise RuntimeError(f"ranks {dead} died without reporting "
-                                   f"(exit codes {[procs[r].exitcode for r in dead]})")
-            continue
-        if status == "error":
-            raise RuntimeError(f"rank {rank} failed:\n{value}")
-        values[rank] = pickle.loads(value)
-    return [values[rank] for rank in range(world_size)]
+            for rank, proc in enumerate(procs):
+                if rank not in outcomes and not proc.is_alive() and proc.exitcode not in (0, None):
+                    outcomes[rank] = RankOutcome(rank, "exit", None, proc.exitcode)
+    return [outcomes[rank] for rank in sorted(outcomes)]
 
 
 def _stop(procs) -> None:
+    end = time.monotonic() + 5  # one grace period for all ranks, then kill what is left
     for proc in procs:
-        proc.join(timeout=5)
+        proc.join(timeout=max(0.0, end - time.monotonic()))
     for proc in procs:
         if proc.is_alive():
             proc.kill()

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 import distributed_workers as workers
-from dist_harness import run_ranks_outcomes
+from mp_utils import run_ranks_outcomes
 
 WORLD = 8
 
