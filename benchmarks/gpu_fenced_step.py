@@ -293,8 +293,6 @@ def bench_fence_latency(actor, repeats: int) -> dict[str, float]:
 
 def bench_weight_sync(actor, repeats: int = 3) -> dict[str, float]:
     """Trainer-side cost of a weight sync: export (TP gather + HF conversion) and per-bucket encode."""
-    from megatron.core import parallel_state as mpu
-
     from slime.backends.megatron_utils.update_weight import (
         SyncRole, build_weight_sync_plan, encode_for_engine, iter_planned_buckets)
     from slime_plugins.models.hf_weights import export_hf_weights

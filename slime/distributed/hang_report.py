@@ -50,12 +50,8 @@ def _group_key(op: dict) -> str:
     return f"{op['group']}[{','.join(map(str, op['ranks']))}]"
 
 
-def _blocked_op(snap: dict | None) -> dict | None:
-    return (snap or {}).get("blocked_on") or (snap or {}).get("in_flight")
-
-
 def _blocked_key(snap: dict | None) -> str | None:
-    op = _blocked_op(snap)
+    op = (snap or {}).get("blocked_on")  # the ledger sets it whenever an op is in flight or gave up
     return _group_key(op) if op else None
 
 

@@ -33,10 +33,6 @@ class LedgerEntry:
     end: float | None = None
     error: str | None = None
 
-    @property
-    def group_key(self) -> str:
-        return f"{self.group}[{','.join(map(str, self.ranks))}]"
-
 
 def _as_dict(entry: LedgerEntry) -> dict:
     return dict(vars(entry))  # fields are flat: no need for asdict's deep copy under the lock
