@@ -12,9 +12,13 @@ warmed at wake). The rollout batch is synthetic, from a fixed seed, and replayed
 Fence overhead (--bench-fence-overhead): the ledger times every fence; per cycle we sum the
 fences inside train() and divide by train()'s wall time (same run, medians over cycles after
 the first). A micro-benchmark of back-to-back fences gives the latency of one fence.
-With --ab-fences, odd cycles run unfenced (fences are no-ops and collectives are not recorded in
-the ledger; --ab-off fences|ledger switches off one of the two), so the summary also holds fenced
-vs unfenced cycle time, medians, same run.
+With --ab-fences, cycles after the first rotate through "on" (fenced, recorded) and each variant
+of --ab-off: fences (fence calls are no-ops), ledger (collectives not recorded), both, none (an A/A
+control that switches nothing off). The order rotates by one every block, so a drift or a
+period-two effect does not favour a variant; the summary holds each variant's median cycle time
+against "on" with a bootstrap 90 % interval, and where in the step the difference sits.
+--bench-recording-cost times the ledger's wrapper around a no-op collective on this host, so the
+recording's share of a step can be stated directly (per call x collectives per step / step time).
 
 Weight-sync cost (--bench-weight-sync): export_hf_weights (TP gather + HF conversion) grouped
 into the sync's bucket plan, then encode_for_engine("embedded", ...) per bucket, on the ranks
@@ -65,7 +69,8 @@ class DriverOptions:
     bench_fence_overhead: bool
     bench_weight_sync: bool
     ab_fences: bool
-    ab_off: str
+    ab_off: tuple[str, ...]
+    bench_recording_cost: bool
     model_size: str
     checkpoint_dir: str
     num_samples: int
@@ -97,9 +102,11 @@ def parse_driver(argv: list[str]) -> tuple[DriverOptions, list[str]]:
     p.add_argument("--cycles", type=int, default=3)
     p.add_argument("--bench-fence-overhead", action="store_true")
     p.add_argument("--bench-weight-sync", action="store_true")
-    p.add_argument("--ab-fences", action="store_true", help="odd cycles unfenced: fenced/unfenced ratio")
-    p.add_argument("--ab-off", choices=("both", "fences", "ledger"), default="both",
-                   help="what an unfenced cycle switches off: the fences, the ledger's collective recording, both")
+    p.add_argument("--ab-fences", action="store_true", help="rotate 'on' and the --ab-off variants over cycles")
+    p.add_argument("--ab-off", nargs="+", choices=AB_VARIANTS, default=["both"],
+                   help="variants to compare with 'on': what a cycle switches off (fences, the ledger's "
+                        "collective recording, both, or none: A/A control)")
+    p.add_argument("--bench-recording-cost", action="store_true")
     p.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="tiny")
     p.add_argument("--checkpoint-dir", default=None, help="where the random HF checkpoint is written (once)")
     p.add_argument("--num-samples", type=int, default=64)
@@ -110,12 +117,13 @@ def parse_driver(argv: list[str]) -> tuple[DriverOptions, list[str]]:
     p.add_argument("--results-json", default=None)
     p.add_argument("--fence-repeats", type=int, default=50)
     ns, rest = p.parse_known_args(argv)
-    if ns.ab_fences and ns.cycles < 4:
-        p.error("--ab-fences needs --cycles >= 4 (cycle 0 is warm-up, then fenced/unfenced pairs)")
+    if ns.ab_fences and ns.cycles < 1 + 2 * (1 + len(ns.ab_off)):
+        p.error("--ab-fences needs cycle 0 (warm-up) and at least two blocks of 'on' + each --ab-off variant")
     ckpt = ns.checkpoint_dir or os.path.join(tempfile.gettempdir(), f"gpu_fenced_step_{ns.model_size}")
     return DriverOptions(
         cycles=ns.cycles, bench_fence_overhead=ns.bench_fence_overhead, bench_weight_sync=ns.bench_weight_sync,
-        ab_fences=ns.ab_fences, ab_off=ns.ab_off,
+        ab_fences=ns.ab_fences, ab_off=tuple(dict.fromkeys(ns.ab_off)),
+        bench_recording_cost=ns.bench_recording_cost,
         model_size=ns.model_size, checkpoint_dir=ckpt, num_samples=ns.num_samples, min_tokens=ns.min_tokens,
         max_tokens=ns.max_tokens, data_seed=ns.data_seed, fp32=ns.fp32, results_json=ns.results_json,
         fence_repeats=ns.fence_repeats,
@@ -222,9 +230,20 @@ class _NoFence:
         return None
 
 
+AB_VARIANTS = ("fences", "ledger", "both", "none")
+
+
+def ab_schedule(cycles: int, offs: tuple[str, ...]) -> list[str]:
+    """Variant of each cycle: 'on' for the warm-up cycle 0, then blocks holding every variant once,
+    the order rotated by one per block (two variants: on, off, off, on, on, off, ...)."""
+    variants = ("on",) + offs
+    return ["on"] + [variants[(pos + block) % len(variants)]
+                     for block, pos in (divmod(i, len(variants)) for i in range(cycles - 1))]
+
+
 @contextlib.contextmanager
-def unfenced(actor, off: str):
-    """One cycle without fences and/or without the ledger's collective recording: the A/B baseline."""
+def switched_off(actor, off: str):
+    """One cycle without fences and/or without the ledger's collective recording ('none': as 'on')."""
     from slime.distributed import instrument_collectives, uninstrument_collectives
 
     fence = actor.groups._fence
@@ -236,7 +255,30 @@ def unfenced(actor, off: str):
         yield
     finally:
         actor.groups._fence = fence
-        instrument_collectives(actor.ledger)
+        instrument_collectives(actor.ledger)  # idempotent when recording stayed on
+
+
+class PhaseClock:
+    """Wall seconds per watchdog phase of one cycle, so that an A/B difference can be placed in the step."""
+
+    def __init__(self, watchdog):
+        self.seconds: dict[str, float] = {}
+        inner = watchdog.phase
+
+        @contextlib.contextmanager
+        def timed(name: str, deadline_s: float | None = None):
+            start = time.perf_counter()
+            try:
+                with inner(name, deadline_s):
+                    yield
+            finally:
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+        watchdog.phase = timed
+
+    def take(self) -> dict[str, float]:
+        seconds, self.seconds = self.seconds, {}
+        return seconds
 
 
 def run_cycle(actor, cycle: int, data: dict) -> dict:
@@ -262,7 +304,6 @@ def _timed_cycle(actor, cycle: int, data: dict, sync) -> dict:
     wake_s = metrics.get("perf/wake_create_groups_s", 0.0) + metrics.get("perf/wake_warmup_s", 0.0)
     return {
         "cycle": cycle,
-        "fenced": True,
         "loss": metrics["train/loss"],
         "grad_norm": metrics["train/grad_norm"],
         "num_micro_batches": metrics["train/num_micro_batches"],
@@ -271,7 +312,7 @@ def _timed_cycle(actor, cycle: int, data: dict, sync) -> dict:
         "train_s": train_s,
         "wake_create_groups_s": metrics.get("perf/wake_create_groups_s", 0.0),
         "wake_warmup_s": metrics.get("perf/wake_warmup_s", 0.0),
-        "collectives": sum(1 for e in entries if not e.op.startswith("fence:")),  # recorded ones (0: unfenced)
+        "collectives": sum(1 for e in entries if not e.op.startswith("fence:")),  # recorded ones (0: recording off)
         "wake_fence_s": fences["wake"],
         "step_fence_s": fences["step"],
         # fences of the step proper (plan + exit) over the step without the wake phase
@@ -328,22 +369,69 @@ def bench_weight_sync(actor, repeats: int = 3) -> dict[str, float]:
             "ws_total_s": gather + encode, "ws_tp": role.tp_size, "ws_sender": role.sender}
 
 
-def ab_summary(cycles: list[dict]) -> dict[str, float]:
-    """Fenced vs unfenced cycle time (sleep + train), medians over the cycles after the first."""
-    def med(fenced: bool) -> float:
-        return statistics.median(c["sleep_s"] + c["train_s"] for c in cycles[1:] if c["fenced"] is fenced)
+def ab_summary(cycles: list[dict]) -> dict[str, dict]:
+    """Per variant: median cycle time (sleep + train) of 'on' over the variant's, cycles after the first."""
+    times: dict[str, list[float]] = {}
+    for c in cycles[1:]:
+        times.setdefault(c["variant"], []).append(c["sleep_s"] + c["train_s"])
+    on = times["on"]
+    return {f"ab_{variant}": {"cycles": len(t), "on_median_s": statistics.median(on),
+                              "off_median_s": statistics.median(t),
+                              "ratio": statistics.median(on) / statistics.median(t),
+                              "ratio_90": bootstrap_ratio_interval(on, t),
+                              "phase_delta_ms": ab_phase_deltas(cycles[1:], variant)}
+            for variant, t in times.items() if variant != "on"}
 
-    fenced, plain = med(True), med(False)
-    # each unfenced cycle against the fenced cycle before it: the spread says what the ratio can resolve
-    pairs = sorted((a["sleep_s"] + a["train_s"]) / (b["sleep_s"] + b["train_s"])
-                   for a, b in zip(cycles[1:], cycles[2:]) if a["fenced"] and not b["fenced"])
-    return {"ab_fenced_median_s": fenced, "ab_unfenced_median_s": plain, "ab_ratio": fenced / plain,
-            "ab_pairs": len(pairs), "ab_pair_ratio_median": statistics.median(pairs),
-            "ab_pair_ratio_p25": pairs[len(pairs) // 4], "ab_pair_ratio_p75": pairs[(3 * len(pairs)) // 4]}
+
+def bootstrap_ratio_interval(on: list[float], off: list[float], reps: int = 2000) -> tuple[float, float]:
+    """5th and 95th percentile of median(on) / median(off) over resampled cycles: what the ratio can resolve."""
+    rng = random.Random(0)
+    ratios = sorted(statistics.median(rng.choices(on, k=len(on))) / statistics.median(rng.choices(off, k=len(off)))
+                    for _ in range(reps))
+    return round(ratios[reps // 20], 4), round(ratios[reps - 1 - reps // 20], 4)
+
+
+def ab_phase_deltas(cycles: list[dict], variant: str) -> dict[str, float]:
+    """Median 'on' minus median `variant` milliseconds per phase: where the difference sits."""
+    names = sorted({name for c in cycles for name in c["phase_s"]})
+    def med(name: str, which: str) -> float:
+        return statistics.median(c["phase_s"].get(name, 0.0) for c in cycles if c["variant"] == which)
+    return {name: round(1e3 * (med(name, "on") - med(name, variant)), 2) for name in names}
+
+
+def bench_recording_cost(actor, calls: int = 20_000, repeats: int = 5) -> dict[str, float]:
+    """Seconds the ledger's recording adds to one collective on this host: the wrapper around a no-op,
+    with a TP-group tensor argument and a live ledger (its flusher thread running), best of `repeats`."""
+    from megatron.core import parallel_state
+    from slime.distributed import instrument  # private _wrap/_active: the benchmark times the real wrapper
+    from slime.distributed.ledger import Ledger
+
+    def noop(tensor, op=None, group=None, async_op=False):
+        return None
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    tensor = torch.empty(1024, device="cuda" if torch.cuda.is_available() else "cpu")
+    wrapped = instrument._wrap("all_reduce", noop)
+    ledger = Ledger(actor.rank, actor.world_size, tempfile.mkdtemp(prefix="recording_cost_"))
+    active, instrument._active[0] = instrument._active[0], ledger
+    try:
+        def best(fn) -> float:
+            runs = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                for _ in range(calls):
+                    fn(tensor, group=group)
+                runs.append(time.perf_counter() - start)
+            return min(runs) / calls
+        per_call = best(wrapped) - best(noop)
+    finally:
+        instrument._active[0] = active
+        ledger.close()
+    return {"recording_s_per_call": per_call}
 
 
 def summarize(cycles: list[dict]) -> dict[str, float]:
-    steady = [c for c in cycles[1:] if c["fenced"]] or cycles
+    steady = [c for c in cycles[1:] if c["variant"] == "on"] or cycles
     med = lambda key: statistics.median(c[key] for c in steady)  # noqa: E731
     return {
         "cycles": len(cycles),
@@ -388,13 +476,13 @@ def run(argv: list[str]) -> dict:
               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               "torch": torch.__version__, "samples": opts.num_samples,
               "data_tokens": sum(len(t) for t in data["tokens"])}
+    clock = PhaseClock(actor.watchdog)
+    schedule = ab_schedule(opts.cycles, opts.ab_off) if opts.ab_fences else ["on"] * opts.cycles
     cycles = []
-    for cycle in range(opts.cycles):
-        if opts.ab_fences and cycle % 2 == 1:
-            with unfenced(actor, opts.ab_off):
-                result = {**run_cycle(actor, cycle, data), "fenced": False}
-        else:
-            result = run_cycle(actor, cycle, data)
+    for cycle, variant in enumerate(schedule):  # same schedule on every rank: a function of the flags
+        with switched_off(actor, variant) if variant != "on" else contextlib.nullcontext():
+            result = {**run_cycle(actor, cycle, data), "variant": variant}
+        result["phase_s"] = clock.take()
         cycles.append(result)
         if env.rank == 0:
             print("CYCLE " + json.dumps(result), flush=True)
@@ -403,6 +491,12 @@ def run(argv: list[str]) -> dict:
         summary.update(ab_summary(cycles))
     if opts.bench_fence_overhead:
         summary.update(bench_fence_latency(actor, opts.fence_repeats))
+    if opts.bench_recording_cost:
+        summary.update(bench_recording_cost(actor))
+        on = [c for c in cycles[1:] if c["variant"] == "on"]
+        collectives = statistics.median(c["collectives"] for c in on)
+        summary["recording_share_of_cycle"] = (summary["recording_s_per_call"] * collectives
+                                               / statistics.median(c["sleep_s"] + c["train_s"] for c in on))
     if opts.bench_weight_sync:
         summary.update(bench_weight_sync(actor))
     if env.rank == 0:

@@ -174,6 +174,12 @@ def test_instrumentation_records_megatron_aliases(single_rank_world, tmp_path):
     ops = [op for _, op, _, _ in ledger.signature()]
     assert ops == ["all_reduce", "all_gather_into_tensor", "all_gather_object"]
     assert dist.P2POp(dist.isend, x, 0).op is dist.isend  # P2POp's identity check accepts the wrapper
+    # the hot path keeps torch.Size / torch.dtype; readers and the file see plain values
+    snapshot = json.loads(json.dumps(ledger.snapshot()))
+    first = snapshot["recent"][0]
+    assert (first["op"], first["group"], first["ranks"], first["shape"], first["dtype"]) == (
+        "all_reduce", "world", [0], [2], "float32")
+    assert snapshot["group_counts"] == {"world[0]": 3}
 
 
 def test_watchdog_raises_hang_error_in_stalled_thread(tmp_path):

@@ -62,3 +62,38 @@ def test_driver_fault_ends_with_named_error(tmp_path):
     failures = [line for line in proc.stdout.splitlines() if line.startswith("FAILED rank=")]
     assert failures and all("CollectiveDivergenceError" in line for line in failures), proc.stdout[-3000:]
     assert elapsed < 170
+
+
+def _driver_module():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gpu_fenced_step", DRIVER)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ab_schedule_rotates_the_order_every_block():
+    schedule = _driver_module().ab_schedule(1 + 3 * 4, ("both", "none"))
+    assert schedule[0] == "on"
+    blocks = [schedule[1 + 3 * b: 4 + 3 * b] for b in range(4)]
+    assert blocks[:3] == [["on", "both", "none"], ["both", "none", "on"], ["none", "on", "both"]]
+    assert all(sorted(block) == ["both", "none", "on"] for block in blocks[:3])
+
+
+def test_ab_summary_ratio_interval_and_phase_delta():
+    driver = _driver_module()
+    cycles = []
+    for cycle, variant in enumerate(driver.ab_schedule(41, ("both",))):
+        jitter = 0.01 * ((cycle * 7) % 5)  # same spread in both variants
+        step = 1.0 if variant == "on" else 0.9  # switching off saves 0.1 s, all of it in forward_backward
+        cycles.append({"variant": variant, "sleep_s": 0.05, "train_s": step + jitter,
+                       "phase_s": {"actor_train/forward_backward": step, "actor_train/optimizer": 0.02}})
+    summary = driver.ab_summary(cycles)["ab_both"]
+    assert summary["cycles"] == 20
+    expected = summary["on_median_s"] / summary["off_median_s"]
+    assert summary["ratio"] == pytest.approx(expected) and 1.08 < expected < 1.13
+    low, high = summary["ratio_90"]
+    assert low <= summary["ratio"] <= high and low > 1.0
+    assert summary["phase_delta_ms"] == {"actor_train/forward_backward": pytest.approx(100.0),
+                                         "actor_train/optimizer": 0.0}

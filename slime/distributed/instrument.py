@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from slime.distributed.ledger import Ledger
+from slime.distributed.ledger import Ledger, error_text
 
 INSTRUMENTED_OPS = (
     "all_reduce",
@@ -56,7 +56,13 @@ _ALIAS_NAMES = ("dist_all_gather_func", "dist_reduce_scatter_func")
 _originals: dict[str, Callable] = {}
 _alias_restore: list[tuple[object, str, Callable]] = []
 _active: list[Ledger | None] = [None]
-_depth = threading.local()
+
+
+class _Depth(threading.local):
+    value = 0  # >0 inside a recorded call: nested collectives are not recorded again
+
+
+_depth = _Depth()
 
 
 def _describe(args: tuple, kwargs: dict, group_index: int | None) -> tuple[object | None, tuple, str]:
@@ -84,17 +90,26 @@ def _wrap(name: str, original: Callable) -> Callable:
     group_index = params.index("group") if "group" in params else None
 
     @functools.wraps(original)
-    def recorded(*args, **kwargs):
+    def recorded(*args, **kwargs):  # the hot path: no context manager, see ledger.py
         ledger = _active[0]
-        if ledger is None or getattr(_depth, "value", 0) > 0:
+        if ledger is None or _depth.value:
             return original(*args, **kwargs)
-        group, shape, dtype = _describe(args, kwargs, group_index)
+        first = args[0] if args else None
+        if isinstance(first, torch.Tensor):  # the common case inline; the ledger formats shape/dtype when read
+            group = args[group_index] if group_index is not None and len(args) > group_index else kwargs.get("group")
+            entry = ledger.begin(name, group, first.shape, first.dtype)
+        else:
+            entry = ledger.begin(name, *_describe(args, kwargs, group_index))
         _depth.value = 1
         try:
-            with ledger.record(name, group, shape, dtype):
-                return original(*args, **kwargs)
+            result = original(*args, **kwargs)
+        except BaseException as exc:
+            ledger.end(entry, error_text(exc))
+            raise
         finally:
             _depth.value = 0
+        ledger.end(entry)
+        return result
 
     recorded.__slime_original__ = original
     return recorded
