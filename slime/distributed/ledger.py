@@ -125,7 +125,7 @@ class Ledger:
     def begin(self, op: str, group: object | None, shape: tuple = (), dtype: object = "",
               identity: GroupIdentity | None = None) -> list:
         """Record the start of `op` on `group`; returns the handle to pass to end(). The hot path."""
-        if identity is None:
+        if identity is None:  # group_identity() inlined for registered groups: one call less per collective
             registered = REGISTERED.get(id(group))
             identity = registered[1] if registered is not None else group_identity(group)
         self._seq = seq = self._seq + 1
