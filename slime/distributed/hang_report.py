@@ -7,6 +7,7 @@ import time
 from collections import Counter
 from typing import NamedTuple
 
+from slime.distributed.group_names import format_label
 from slime.distributed.ledger import ledger_path
 
 
@@ -47,7 +48,7 @@ def lagging_ranks(snapshots: dict[int, dict | None]) -> tuple[int, ...]:
 
 
 def _group_key(op: dict) -> str:
-    return f"{op['group']}[{','.join(map(str, op['ranks']))}]"
+    return format_label(op["group"], op["ranks"])  # the key the ledger counts the group's ops under
 
 
 def _blocked_key(snap: dict | None) -> str | None:
