@@ -19,6 +19,8 @@ period-two effect does not favour a variant; the summary holds each variant's me
 against "on" with a bootstrap 90 % interval, and where in the step the difference sits.
 --bench-recording-cost times the ledger's wrapper around a no-op collective on this host, so the
 recording's share of a step can be stated directly (per call x collectives per step / step time).
+Each cycle runs under a frame named cycle_<variant> (cycle_warmup for cycle 0), so a sampling
+profiler's stacks split by variant (benchmarks/profile_split.py).
 
 Weight-sync cost (--bench-weight-sync): export_hf_weights (TP gather + HF conversion) grouped
 into the sync's bucket plan, then encode_for_engine("embedded", ...) per bucket, on the ranks
@@ -281,6 +283,16 @@ class PhaseClock:
         return seconds
 
 
+def cycle_frame(variant: str):
+    """run_cycle under a function named `cycle_<variant>`, so that a sampling profiler's stacks
+    (py-spy, benchmarks/profile_split.py) tell the A/B variants apart within one run."""
+    def cycle(actor, cycle: int, data: dict) -> dict:
+        return run_cycle(actor, cycle, data)
+    name = f"cycle_{variant}"
+    cycle.__code__ = cycle.__code__.replace(co_name=name, co_qualname=name)
+    return cycle
+
+
 def run_cycle(actor, cycle: int, data: dict) -> dict:
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     gc.collect()  # collect between cycles, never inside one: a gen-2 pass is cycle-to-cycle noise
@@ -481,7 +493,7 @@ def run(argv: list[str]) -> dict:
     cycles = []
     for cycle, variant in enumerate(schedule):  # same schedule on every rank: a function of the flags
         with switched_off(actor, variant) if variant != "on" else contextlib.nullcontext():
-            result = {**run_cycle(actor, cycle, data), "variant": variant}
+            result = {**cycle_frame(variant if cycle else "warmup")(actor, cycle, data), "variant": variant}
         result["phase_s"] = clock.take()
         cycles.append(result)
         if env.rank == 0:

@@ -64,9 +64,9 @@ def test_driver_fault_ends_with_named_error(tmp_path):
     assert elapsed < 170
 
 
-def _driver_module():
+def _load_benchmark(path: Path):
     import importlib.util
-    spec = importlib.util.spec_from_file_location("gpu_fenced_step", DRIVER)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
@@ -74,7 +74,7 @@ def _driver_module():
 
 
 def test_ab_schedule_rotates_the_order_every_block():
-    schedule = _driver_module().ab_schedule(1 + 3 * 4, ("both", "none"))
+    schedule = _load_benchmark(DRIVER).ab_schedule(1 + 3 * 4, ("both", "none"))
     assert schedule[0] == "on"
     blocks = [schedule[1 + 3 * b: 4 + 3 * b] for b in range(4)]
     assert blocks[:3] == [["on", "both", "none"], ["both", "none", "on"], ["none", "on", "both"]]
@@ -82,7 +82,7 @@ def test_ab_schedule_rotates_the_order_every_block():
 
 
 def test_ab_summary_ratio_interval_and_phase_delta():
-    driver = _driver_module()
+    driver = _load_benchmark(DRIVER)
     cycles = []
     for cycle, variant in enumerate(driver.ab_schedule(41, ("both",))):
         jitter = 0.01 * ((cycle * 7) % 5)  # same spread in both variants
@@ -97,3 +97,37 @@ def test_ab_summary_ratio_interval_and_phase_delta():
     assert low <= summary["ratio"] <= high and low > 1.0
     assert summary["phase_delta_ms"] == {"actor_train/forward_backward": pytest.approx(100.0),
                                          "actor_train/optimizer": 0.0}
+
+
+def test_cycle_frame_names_the_variant_on_the_stack(monkeypatch):
+    driver = _load_benchmark(DRIVER)
+    monkeypatch.setattr(driver, "run_cycle", lambda actor, cycle, data: sys._getframe(1).f_code.co_name)
+    assert driver.cycle_frame("ledger")(None, 3, {}) == "cycle_ledger"
+
+
+def test_profile_split_attributes_recording_and_variant_differences(tmp_path):
+    """A py-spy raw profile (two ranks, 'on' and 'ledger' cycles) is split per rank and variant."""
+    split = _load_benchmark(ROOT / "benchmarks" / "profile_split.py")
+    head = 'process 10:"torchrun";process {pid}:"python gpu_fenced_step.py";thread (0x1): MainThread;' \
+           "main (gpu_fenced_step.py:1);{cycle} (gpu_fenced_step.py:290)"
+    rec = "_wrap.<locals>.recorded (slime/distributed/instrument.py:100)"
+    lines = []
+    for pid in (11, 12):
+        lines += [f"{head.format(pid=pid, cycle='cycle_on')};forward (core/layers.py:5) 500",
+                  f"{head.format(pid=pid, cycle='cycle_on')};{rec};Ledger.begin (slime/distributed/ledger.py:130) 20",
+                  f"{head.format(pid=pid, cycle='cycle_on')};{rec};all_reduce (torch/distributed/c10d.py:9) 30",
+                  f"{head.format(pid=pid, cycle='cycle_ledger')};forward (core/layers.py:5) 480",
+                  f'process 10:"torchrun";process {pid}:"python";thread (0x2): autograd;'
+                  f"backward (core/layers.py:9);{rec} 5"]
+    (tmp_path / "prof.txt").write_text("\n".join(lines) + "\n")
+    cycles = [{"cycle": i, "variant": v, "sleep_s": 0.0, "train_s": 1.0} for i, v in enumerate(["on", "on", "ledger"])]
+    (tmp_path / "keep.log").write_text("".join(f"CYCLE {json.dumps(c)}\n" for c in cycles))
+
+    profiles = split.parse(str(tmp_path / "prof.txt"))
+    assert sorted(profiles) == ["process 11", "process 12"]  # the innermost process is the rank
+    prof = profiles["process 11"]
+    assert prof.samples == {"on": 550, "ledger": 480}
+    assert sum(prof.recording.values()) == 25  # ledger leaf on the main thread + wrapper leaf on autograd's
+    text = "\n".join(split.report(prof, split.cycle_seconds(str(tmp_path / "keep.log")), 100.0, 5))
+    assert "recording's own time" in text and "250.0 ms/cycle" in text  # 25 samples at 100 Hz, one 'on' cycle
+    assert "+200.0" in text and "forward (core/layers.py)" in text  # (500 - 480) samples at 100 Hz
