@@ -61,10 +61,12 @@ def parse(path: str) -> dict[str, RankProfile]:
                 continue
             n, prof = int(count), profiles[process]
             prof.threads[thread] += n
-            if is_recording_leaf(frames[-1]):
-                prof.recording[thread] += n
             variant = next((function_key(p).split(" ")[0][len("cycle_"):] for p in frames
                             if p.startswith("cycle_")), None)
+            # main thread: inside 'on' cycles only (not the warm-up, not the driver's own probes);
+            # autograd's thread has no cycle frame: all of its samples count
+            if is_recording_leaf(frames[-1]) and (variant == "on" or (variant is None and thread != "MainThread")):
+                prof.recording[thread] += n
             if variant is None:
                 continue
             prof.samples[variant] += n
@@ -90,13 +92,13 @@ def report(prof: RankProfile, seconds: dict[str, list[float]], rate: float, top:
     if not prof.samples["on"]:
         return ["  no samples inside cycle_on frames"]
     per_cycle = lambda v, n: 1e3 * n / rate / len(seconds[v])  # noqa: E731
-    on_cycle_ms = per_cycle("on", prof.samples["on"])
+    timed_ms = 1e3 * sum(seconds["on"]) / len(seconds["on"])  # sleep + train: what the A/B ratio compares
     # the cycle frame also holds the untimed gc.collect and bookkeeping around sleep + train
-    lines = [f"  'on': {len(seconds['on'])} cycles, cycle frame {on_cycle_ms:.0f} ms each "
-             f"(sleep + train {1e3 * sum(seconds['on']) / len(seconds['on']):.0f} ms)"]
-    recording = sum(prof.recording.values())
+    lines = [f"  'on': {len(seconds['on'])} cycles, cycle frame {per_cycle('on', prof.samples['on']):.0f} ms each "
+             f"(sleep + train {timed_ms:.0f} ms)"]
+    recording = per_cycle("on", sum(prof.recording.values()))
     lines.append(f"  recording's own time (innermost frame in the wrapper or ledger), 'on' cycles: "
-                 f"{per_cycle('on', recording):.1f} ms/cycle = {100 * per_cycle('on', recording) / on_cycle_ms:.2f} %"
+                 f"{recording:.1f} ms/cycle = {100 * recording / timed_ms:.2f} % of sleep + train"
                  f" (by thread: {dict(prof.recording)})")
     for v in variants:
         lines.append(f"  '{v}': {len(seconds[v])} cycles, {per_cycle(v, prof.samples[v]):.0f} ms each; "

@@ -118,7 +118,9 @@ def test_profile_split_attributes_recording_and_variant_differences(tmp_path):
                   f"{head.format(pid=pid, cycle='cycle_on')};{rec};all_reduce (torch/distributed/c10d.py:9) 30",
                   f"{head.format(pid=pid, cycle='cycle_ledger')};forward (core/layers.py:5) 480",
                   f'process 10:"torchrun";process {pid}:"python";thread (0x2): autograd;'
-                  f"backward (core/layers.py:9);{rec} 5"]
+                  f"backward (core/layers.py:9);{rec} 5",
+                  f'process 10:"torchrun";process {pid}:"python";thread (0x1): MainThread;'
+                  f"bench_recording_cost (gpu_fenced_step.py:3);{rec} 7"]  # the driver's probe: not a cycle
     (tmp_path / "prof.txt").write_text("\n".join(lines) + "\n")
     cycles = [{"cycle": i, "variant": v, "sleep_s": 0.0, "train_s": 1.0} for i, v in enumerate(["on", "on", "ledger"])]
     (tmp_path / "keep.log").write_text("".join(f"CYCLE {json.dumps(c)}\n" for c in cycles))
@@ -127,7 +129,7 @@ def test_profile_split_attributes_recording_and_variant_differences(tmp_path):
     assert sorted(profiles) == ["process 11", "process 12"]  # the innermost process is the rank
     prof = profiles["process 11"]
     assert prof.samples == {"on": 550, "ledger": 480}
-    assert sum(prof.recording.values()) == 25  # ledger leaf on the main thread + wrapper leaf on autograd's
+    assert sum(prof.recording.values()) == 25  # ledger leaf in 'on' cycles + wrapper leaf on autograd's thread
     text = "\n".join(split.report(prof, split.cycle_seconds(str(tmp_path / "keep.log")), 100.0, 5))
-    assert "recording's own time" in text and "250.0 ms/cycle" in text  # 25 samples at 100 Hz, one 'on' cycle
+    assert "250.0 ms/cycle = 25.00 % of sleep + train" in text  # 25 samples at 100 Hz, one 1 s 'on' cycle
     assert "+200.0" in text and "forward (core/layers.py)" in text  # (500 - 480) samples at 100 Hz
