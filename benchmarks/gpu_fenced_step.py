@@ -17,8 +17,6 @@ of --ab-off: fences (fence calls are no-ops), ledger (collectives not recorded),
 control that switches nothing off). The order rotates by one every block, so a drift or a
 period-two effect does not favour a variant; the summary holds each variant's median cycle time
 against "on" with a bootstrap 90 % interval, and where in the step the difference sits.
---bench-recording-cost times the ledger's wrapper around a no-op collective on this host, so the
-recording's share of a step can be stated directly (per call x collectives per step / step time).
 Each cycle runs under a frame named cycle_<variant> (cycle_warmup for cycle 0), so a sampling
 profiler's stacks split by variant (benchmarks/profile_split.py).
 
@@ -72,7 +70,6 @@ class DriverOptions:
     bench_weight_sync: bool
     ab_fences: bool
     ab_off: tuple[str, ...]
-    bench_recording_cost: bool
     model_size: str
     checkpoint_dir: str
     num_samples: int
@@ -108,7 +105,6 @@ def parse_driver(argv: list[str]) -> tuple[DriverOptions, list[str]]:
     p.add_argument("--ab-off", nargs="+", choices=AB_VARIANTS, default=["both"],
                    help="variants to compare with 'on': what a cycle switches off (fences, the ledger's "
                         "collective recording, both, or none: A/A control)")
-    p.add_argument("--bench-recording-cost", action="store_true")
     p.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="tiny")
     p.add_argument("--checkpoint-dir", default=None, help="where the random HF checkpoint is written (once)")
     p.add_argument("--num-samples", type=int, default=64)
@@ -125,7 +121,6 @@ def parse_driver(argv: list[str]) -> tuple[DriverOptions, list[str]]:
     return DriverOptions(
         cycles=ns.cycles, bench_fence_overhead=ns.bench_fence_overhead, bench_weight_sync=ns.bench_weight_sync,
         ab_fences=ns.ab_fences, ab_off=tuple(dict.fromkeys(ns.ab_off)),
-        bench_recording_cost=ns.bench_recording_cost,
         model_size=ns.model_size, checkpoint_dir=ckpt, num_samples=ns.num_samples, min_tokens=ns.min_tokens,
         max_tokens=ns.max_tokens, data_seed=ns.data_seed, fp32=ns.fp32, results_json=ns.results_json,
         fence_repeats=ns.fence_repeats,
@@ -411,37 +406,6 @@ def ab_phase_deltas(cycles: list[dict], variant: str) -> dict[str, float]:
     return {name: round(1e3 * (med(name, "on") - med(name, variant)), 2) for name in names}
 
 
-def bench_recording_cost(actor, calls: int = 20_000, repeats: int = 5) -> dict[str, float]:
-    """Seconds the ledger's recording adds to one collective on this host: the wrapper around a no-op,
-    with a TP-group tensor argument and a live ledger (its flusher thread running), best of `repeats`."""
-    from megatron.core import parallel_state
-    from slime.distributed import instrument  # private _wrap/_active: the benchmark times the real wrapper
-    from slime.distributed.ledger import Ledger
-
-    def noop(tensor, op=None, group=None, async_op=False):
-        return None
-
-    group = parallel_state.get_tensor_model_parallel_group()
-    tensor = torch.empty(1024, device="cuda" if torch.cuda.is_available() else "cpu")
-    wrapped = instrument._wrap("all_reduce", noop)
-    ledger = Ledger(actor.rank, actor.world_size, tempfile.mkdtemp(prefix="recording_cost_"))
-    active, instrument._active[0] = instrument._active[0], ledger
-    try:
-        def best(fn) -> float:
-            runs = []
-            for _ in range(repeats):
-                start = time.perf_counter()
-                for _ in range(calls):
-                    fn(tensor, group=group)
-                runs.append(time.perf_counter() - start)
-            return min(runs) / calls
-        per_call = best(wrapped) - best(noop)
-    finally:
-        instrument._active[0] = active
-        ledger.close()
-    return {"recording_s_per_call": per_call}
-
-
 def summarize(cycles: list[dict]) -> dict[str, float]:
     steady = [c for c in cycles[1:] if c["variant"] == "on"] or cycles
     med = lambda key: statistics.median(c[key] for c in steady)  # noqa: E731
@@ -503,12 +467,6 @@ def run(argv: list[str]) -> dict:
         summary.update(ab_summary(cycles))
     if opts.bench_fence_overhead:
         summary.update(bench_fence_latency(actor, opts.fence_repeats))
-    if opts.bench_recording_cost:
-        summary.update(bench_recording_cost(actor))
-        on = [c for c in cycles[1:] if c["variant"] == "on"]
-        collectives = statistics.median(c["collectives"] for c in on)
-        summary["recording_share_of_cycle"] = (summary["recording_s_per_call"] * collectives
-                                               / statistics.median(c["sleep_s"] + c["train_s"] for c in on))
     if opts.bench_weight_sync:
         summary.update(bench_weight_sync(actor))
     if env.rank == 0:

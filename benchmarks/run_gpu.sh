@@ -40,7 +40,7 @@ drv() { PORT=$((PORT + 7)); ${PROFILER:-} torchrun --nproc-per-node "$NP" --mast
 for phase in "$@"; do case $phase in
 bench|keep)
   if [ "$phase" = bench ]; then MODE="--recreate-process-groups-on-wake --cycles ${CYCLES:-20}"
-  else MODE="--ab-fences --ab-off ${AB_OFF:-both} --bench-recording-cost --cycles ${KEEP_CYCLES:-12}"
+  else MODE="--ab-fences --ab-off ${AB_OFF:-both} --cycles ${KEEP_CYCLES:-12}"
     [ "${WS_BENCH:-1}" = 1 ] && MODE="$MODE --bench-weight-sync"; fi
   i=${BENCH_FROM:-0}; for layout in "${LAYOUTS[@]:${BENCH_FROM:-0}:${BENCH_COUNT:-9}}"; do i=$((i + 1)); name=$phase$i
     PROFILER=""; [ "${PROFILE:-0}" = 1 ] && PROFILER="py-spy record --subprocesses --nonblocking --idle --threads \

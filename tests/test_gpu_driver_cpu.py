@@ -120,7 +120,7 @@ def test_profile_split_attributes_recording_and_variant_differences(tmp_path):
                   f'process 10:"torchrun";process {pid}:"python";thread (0x2): autograd;'
                   f"backward (core/layers.py:9);{rec} 5",
                   f'process 10:"torchrun";process {pid}:"python";thread (0x1): MainThread;'
-                  f"bench_recording_cost (gpu_fenced_step.py:3);{rec} 7"]  # the driver's probe: not a cycle
+                  f"bench_fence_latency (gpu_fenced_step.py:3);{rec} 7"]  # outside any cycle: not counted
     (tmp_path / "prof.txt").write_text("\n".join(lines) + "\n")
     cycles = [{"cycle": i, "variant": v, "sleep_s": 0.0, "train_s": 1.0} for i, v in enumerate(["on", "on", "ledger"])]
     (tmp_path / "keep.log").write_text("".join(f"CYCLE {json.dumps(c)}\n" for c in cycles))
