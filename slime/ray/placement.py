@@ -56,7 +56,8 @@ def init_ray(args) -> None:
         return
     needed = actor_world_size(args) + engine_bundles(args) + 2
     num_cpus = max(os.cpu_count() or 1, needed)
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True,
+    # address="local": a fresh cluster of our own, never the "current" cluster of another run on this host.
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True,
              runtime_env={"env_vars": _forwarded_env()})
 
 
