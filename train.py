@@ -1,9 +1,16 @@
 """Entry point: `python train.py <upstream slime flags>`.
 
-The loop, in upstream's order: eval, generate, offload engines, fenced actor_train, save,
-offload trainer, onload engine weights, fenced weight sync, onload engine KV, eval.
-Every wait on the ranks has a deadline (`--fence-timeout`); a stall becomes an error that
-names the phase and the ranks.
+The loop, in upstream's order (colocated: trainer and engines take turns on every GPU):
+
+  start     engines start; with --offload-rollout they release all their memory before the trainer
+            is built; the trainer builds, loads, and (--offload-train) sleeps; the engines get the
+            trainer's weights (the first sync also carries a resumed --load checkpoint)
+  rollout   eval (first rollout) -> generate -> engines release memory -> fenced actor_train -> save
+            -> trainer sleeps -> engines resume weights -> fenced weight sync from the sleeping trainer
+            -> engines resume the rest (KV cache, CUDA graphs) -> eval
+
+Every wait on the ranks has a deadline (`--fence-timeout`); a stall becomes an error that names the
+phase and the ranks.
 """
 from __future__ import annotations
 
@@ -28,10 +35,16 @@ def train(args) -> None:
     rollout = create_rollout_manager(args, placement)
     if args.num_rollout is None:  # --num-epoch: as many rollouts as the epochs of prompts take
         args.num_rollout = args.num_epoch * rollout.num_prompts() // args.rollout_batch_size
-    actors = None if args.debug_rollout_only else RayTrainGroup(args, placement)
+    actors = None
     try:
-        if actors is not None:
+        if engines_release_memory(args):  # before the trainer is built: one side owns each GPU
+            metrics.log("memory", args.start_rollout_id - 1, rollout.offload())
+        if not args.debug_rollout_only:
+            actors = RayTrainGroup(args, placement)
             actors.init(rollout.engine_urls())
+            if args.offload_train:
+                metrics.log("memory", args.start_rollout_id - 1, actors.sleep())
+            sync_weights(args, args.start_rollout_id - 1, rollout, actors, metrics)
         for rollout_id in range(args.start_rollout_id, args.num_rollout):
             run_rollout(args, rollout_id, rollout, actors, metrics)
     finally:
@@ -48,21 +61,34 @@ def run_rollout(args, rollout_id: int, rollout, actors, metrics: MetricsLogger) 
     metrics.log("rollout", rollout_id, rollout_metrics)
     if actors is None:  # --debug-rollout-only
         return
-    if args.colocate:
-        rollout.offload()
+    memory = rollout.offload() if engines_release_memory(args) else {}
     logger.info("Timer actor_train start (rollout %d)", rollout_id)
     metrics.log("train", rollout_id, actors.train(rollout_id, data_ref))
     if _save_due(args, rollout_id):
         actors.save(rollout_id)
-    if args.colocate:
-        actors.sleep()
-        rollout.onload(tags=("weights",))
-    if not args.debug_train_only:
-        metrics.log("weight_sync", rollout_id, actors.update_weights(rollout_id))
-    if args.colocate:
-        rollout.onload(tags=("kv_cache",))
+    if args.offload_train:
+        memory.update(actors.sleep())
+    if memory:
+        metrics.log("memory", rollout_id, memory)
+    sync_weights(args, rollout_id, rollout, actors, metrics)
     if _eval_due(args, rollout_id, before_train=False):
         metrics.log("eval", rollout_id + 1, rollout.evaluate(rollout_id + 1))
+
+
+def sync_weights(args, rollout_id: int, rollout, actors, metrics: MetricsLogger) -> None:
+    """The engines get the weights trained in `rollout_id` (version rollout_id + 1); with released
+    engines, weights come back first and the KV cache only after the push (upstream's order)."""
+    if args.debug_train_only:  # no engines
+        return
+    if engines_release_memory(args):
+        rollout.onload(("weights",))
+    metrics.log("weight_sync", rollout_id, actors.update_weights(rollout_id))
+    if engines_release_memory(args):
+        rollout.onload(None)  # every tag still released: KV cache, CUDA graphs
+
+
+def engines_release_memory(args) -> bool:
+    return bool(args.offload_rollout) and not args.debug_train_only
 
 
 def resume_rollout_id(args) -> int:

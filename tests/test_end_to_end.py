@@ -98,8 +98,13 @@ def test_seed_configuration_trains_every_rollout(seed_run):
     for event in train:
         assert math.isfinite(event["train/loss"])
         assert event["train/grad_norm"] > 0
-    assert [e["weight_sync/version"] for e in sync] == [1, 2, 3]
+    # The first push (before rollout 0) carries the trainer's loaded weights; then one per rollout.
+    assert [(e["rollout_id"], e["weight_sync/version"]) for e in sync] == [(-1, 0), (0, 1), (1, 2), (2, 3)]
     assert all(e["weight_sync/bytes"] > 0 for e in sync)
+    # Colocated: the trainer sleeps (freeing its parameters and optimizer state) after every train.
+    memory = [e for e in events.get("memory", []) if "memory/trainer_offloaded_gb" in e]
+    assert [e["rollout_id"] for e in memory] == [-1, 0, 1, 2]
+    assert all(e["memory/trainer_offloaded_gb"] > 0 for e in memory)
 
 
 def replay_flags(assets, seed_run, layout: list[str], *, fence_timeout: int = 120) -> list[str]:

@@ -11,12 +11,10 @@ group objects; `wake()` returns old->new pairs by name so the owner can re-point
 """
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass
 from datetime import timedelta
 
-import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
@@ -118,16 +116,15 @@ class ProcessGroupLifecycle:
         return self._fenced_warmup("create", rollout_id, timeout_s or self.layout.fence_timeout_s)
 
     def sleep(self, rollout_id: int | None = None) -> None:
-        """Fence, release memory, and (re-create mode only) destroy the model-parallel groups."""
+        """Fence, then (re-create mode only) destroy the model-parallel groups. Memory is the owner's
+        business (slime/backends/megatron_utils/offload.py): communicators hold no model state."""
         self.fence("sleep", {"rollout_id": rollout_id})
-        _pause_memory()
         if self.layout.recreate_process_groups_on_wake:
             self._destroy_model_parallel()
         self._asleep = True
 
     def wake(self, rollout_id: int | None = None) -> WakeReport:
-        """Resume memory, re-create groups in the original order if they were destroyed, fence, warm up, fence."""
-        _resume_memory()
+        """Re-create groups in the original order if they were destroyed, fence, warm up, fence."""
         recreate = self.layout.recreate_process_groups_on_wake and self._asleep
         old = self._destroyed_groups if recreate else []
         start = time.perf_counter()
@@ -190,35 +187,3 @@ def _all_parallel_state_groups() -> list[object]:
 def _pair_by_name(old: list[tuple[str, object]], new: list[tuple[str, object]]) -> tuple[tuple[str, object, object], ...]:
     new_by_name = dict(new)
     return tuple((name, group, new_by_name[name]) for name, group in old if name in new_by_name)
-
-
-def _pause_memory() -> None:
-    """Release GPU memory across sleep via torch_memory_saver where it can work (CUDA); else nothing."""
-    saver = _memory_saver()
-    if saver is not None:
-        torch.cuda.synchronize()
-        saver.pause()
-        torch.cuda.empty_cache()
-
-
-def _resume_memory() -> None:
-    saver = _memory_saver()
-    if saver is not None:
-        saver.resume()
-
-
-def releasable_memory():
-    """Context for allocations that sleep() may release (model, optimizer): torch_memory_saver's
-    region on CUDA, nothing elsewhere. Only memory allocated inside it is paused at sleep."""
-    saver = _memory_saver()
-    return saver.region() if saver is not None else contextlib.nullcontext()
-
-
-def _memory_saver():
-    if not torch.cuda.is_available():
-        return None
-    try:
-        from torch_memory_saver import torch_memory_saver
-    except ImportError:
-        return None
-    return torch_memory_saver

@@ -59,8 +59,10 @@ class RayTrainGroup:
         refs = [r.update_weights.remote(rollout_id) for r in self._ranks]
         return self._wait(refs, "weight_sync", self._step_deadline())[0]
 
-    def sleep(self) -> None:
-        self._wait([r.sleep.remote() for r in self._ranks], "sleep", self._phase_deadline())
+    def sleep(self) -> dict[str, float]:
+        """Every rank frees its model and optimizer memory; the figures are the largest over the ranks."""
+        per_rank = self._wait([r.sleep.remote() for r in self._ranks], "sleep", self._phase_deadline())
+        return {key: max(m[key] for m in per_rank) for key in sorted(per_rank[0])}
 
     def save(self, rollout_id: int) -> None:
         self._wait([r.save.remote(rollout_id) for r in self._ranks], "save", INIT_ALLOWANCE_S)

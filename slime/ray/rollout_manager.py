@@ -101,22 +101,41 @@ class RolloutManager:
         output = call_rollout_fn(fn, self.args, rollout_id, self.data_source, evaluation=True)
         return dict(output.metrics or {})
 
-    def offload(self) -> None:
-        """Colocate: engines give their memory to the trainer (weights and KV cache)."""
+    def offload(self) -> dict[str, float]:
+        """Colocate: engines give all their memory (weights, KV cache, CUDA graphs) to the trainer.
+        Returns each engine's device memory before and after the release."""
+        before = self._each_engine(lambda c: c.server_info())
         self._each_engine(lambda c: c.release_memory_occupation())
+        after = self._each_engine(lambda c: c.server_info())
+        return engine_memory_metrics(before, after)
 
-    def onload(self, tags: tuple[str, ...]) -> None:
-        self._each_engine(lambda c: c.resume_memory_occupation(list(tags)))
+    def onload(self, tags: tuple[str, ...] | None) -> None:
+        """Resume the given memory tags (None: every tag still released)."""
+        self._each_engine(lambda c: c.resume_memory_occupation(list(tags) if tags else None))
 
-    def _each_engine(self, call) -> None:
+    def _each_engine(self, call) -> list:
         with ThreadPoolExecutor(max_workers=max(1, len(self.engines))) as pool:
-            list(pool.map(lambda e: call(e.client()), self.engines))
+            return list(pool.map(lambda e: call(e.client()), self.engines))
 
     def shutdown(self) -> None:
         if self.router is not None:
             self.router.stop()
         for engine in self.engines:
             engine.stop()
+
+
+def engine_memory_metrics(before: list[dict], after: list[dict]) -> dict[str, float]:
+    """Per engine: device memory while awake (peak since its last resume) and after the release.
+    Engines that do not report memory (`memory` missing from their server info) are left out."""
+    metrics: dict[str, float] = {}
+    for index, (awake, released) in enumerate(zip(before, after)):
+        if "memory" not in awake or "memory" not in released:
+            continue
+        for key, value in awake["memory"].items():
+            metrics[f"memory/engine{index}_awake_{key}"] = float(value)
+        for key, value in released["memory"].items():
+            metrics[f"memory/engine{index}_released_{key}"] = float(value)
+    return metrics
 
 
 def _retry_port_clash(launch, attempts: int = 3):
@@ -159,11 +178,11 @@ class RolloutManagerHandle:
     def evaluate(self, rollout_id: int) -> dict[str, Any]:
         return self._get(self._actor.evaluate.remote(rollout_id), "eval", None)
 
-    def offload(self) -> None:
-        self._get(self._actor.offload.remote(), "offload engines", CONTROL_TIMEOUT_S)
+    def offload(self) -> dict[str, float]:
+        return self._get(self._actor.offload.remote(), "offload engines", CONTROL_TIMEOUT_S)
 
-    def onload(self, tags: tuple[str, ...]) -> None:
-        self._get(self._actor.onload.remote(tags), f"onload engines {tags}", CONTROL_TIMEOUT_S)
+    def onload(self, tags: tuple[str, ...] | None) -> None:
+        self._get(self._actor.onload.remote(tags), f"onload engines {tags or 'all'}", CONTROL_TIMEOUT_S)
 
     def shutdown(self) -> None:
         try:

@@ -66,8 +66,8 @@ class TrainRayActor:
         return self.actor.update_weights(rollout_id)
 
     @_portable_errors
-    def sleep(self) -> None:
-        self.actor.sleep()
+    def sleep(self) -> dict:
+        return self.actor.sleep()
 
     @_portable_errors
     def save(self, rollout_id: int) -> None:

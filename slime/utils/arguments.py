@@ -689,6 +689,8 @@ def _resolve_modes(args: argparse.Namespace) -> None:
             args.rollout_num_gpus = args.actor_num_gpus_per_node * args.actor_num_nodes
         args.offload_train = True if args.offload_train is None else args.offload_train
         args.offload_rollout = True if args.offload_rollout is None else args.offload_rollout
+    if args.debug_rollout_only:  # no trainer to hand memory to (upstream turns colocation off)
+        args.offload_train = args.offload_rollout = False
     args.offload_train = bool(args.offload_train)
     args.offload_rollout = bool(args.offload_rollout)
     if args.rollout_num_gpus is not None and args.rollout_num_gpus % args.rollout_num_gpus_per_engine:
@@ -733,6 +735,18 @@ def _check_algorithm(args: argparse.Namespace) -> None:
         _fail("--save-interval needs --save DIR")
 
 
+def _check_rollout_backend(args: argparse.Namespace) -> None:
+    """Resolve --rollout-backend once at parse time, so a choice that cannot work fails before start-up."""
+    if args.debug_train_only:  # no engines
+        return
+    from slime.backends.sglang_utils.launcher import pick_rollout_backend
+
+    try:
+        pick_rollout_backend(args)
+    except ValueError as exc:
+        raise ArgumentValidationError(str(exc)) from None
+
+
 def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
     """Fill derived values and check flag combinations in place; raises ArgumentValidationError with the fix."""
     parser = parser or build_parser()
@@ -774,6 +788,7 @@ def parse_args(
     try:
         args.sglang_server_args = sglang_passthrough.resolve_server_args(args, passthrough)
         validate_args(args, parser)
+        _check_rollout_backend(args)
     except (ArgumentValidationError, sglang_passthrough.SGLangArgumentError) as exc:
         parser.error(str(exc))
     args.not_implemented_flags = tuple(warn_not_implemented(args, parser, resolve_train_device(args)))

@@ -206,15 +206,16 @@ def load_hf_weights(model_chunks: list[torch.nn.Module], hf_dir: str, hf_config:
             param.copy_(full.to(param.dtype))
 
 
-def _gather_tp(param: torch.Tensor, tp: int, group: Any) -> torch.Tensor:
+def _gather_tp(shard: torch.Tensor, partition_dim: int, tp: int, group: Any) -> torch.Tensor:
     """Full tensor of a TP-split parameter (collective over the TP group)."""
-    shards = [torch.empty_like(param) for _ in range(tp)]
-    dist.all_gather(shards, param.detach().contiguous(), group=group)
-    return torch.cat(shards, dim=param.partition_dim)
+    shards = [torch.empty_like(shard) for _ in range(tp)]
+    dist.all_gather(shards, shard.contiguous(), group=group)
+    return torch.cat(shards, dim=partition_dim)
 
 
 @torch.no_grad()
-def export_hf_weights(model_chunks: list[torch.nn.Module], hf_config: Any
+def export_hf_weights(model_chunks: list[torch.nn.Module], hf_config: Any,
+                      read_param: Callable[[torch.Tensor], torch.Tensor] | None = None
                       ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (hf_name, full tensor) for this PP stage's parameters, in a fixed order.
 
@@ -222,16 +223,18 @@ def export_hf_weights(model_chunks: list[torch.nn.Module], hf_config: Any
     ranks of a stage); layer names use GLOBAL layer indices. Every rank of a TP group must
     iterate it to the end together (one all_gather over the TP group per TP-split parameter);
     ranks of different DP/CP replicas or PP stages are independent. With tied embeddings the
-    last stage's output_layer copy is skipped (HF ties lm_head to embed_tokens).
+    last stage's output_layer copy is skipped (HF ties lm_head to embed_tokens). `read_param` gives
+    a parameter's value (default: the live tensor; a sleeping trainer serves its host copy).
     """
+    read = read_param or (lambda param: param.detach())
     tp, _, tp_group = _tp()
     for chunk in model_chunks:
         model = _unwrap(chunk)
         for name, param in model.named_parameters():
             if name == "output_layer.weight" and _tied(hf_config):
                 continue
-            full = param.detach()
+            full = read(param)
             if tp > 1 and getattr(param, "tensor_model_parallel", False):
-                full = _gather_tp(param, tp, tp_group)
+                full = _gather_tp(full, param.partition_dim, tp, tp_group)
             mapping = _mapping_for(model, name, param, hf_config, tp)
             yield from zip(mapping.hf_names, mapping.to_hf(full))

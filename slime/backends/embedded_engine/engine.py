@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 
 from slime.backends.embedded_engine.sampling import SamplingParams, sample_next_tokens
+from slime.utils.device_memory import sample_device_memory
 
 logger = logging.getLogger(__name__)
 
@@ -70,14 +71,15 @@ class GenerationResult:
 
 
 class EmbeddedEngine:
-    def __init__(self, model_path: str, *, dtype: str = "float32", seed: int = 0) -> None:
+    def __init__(self, model_path: str, *, dtype: str = "float32", seed: int = 0, device: str = "cpu") -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
         self.model_path = str(model_path)
         self.dtype = getattr(torch, dtype)
+        self.device = torch.device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype).eval()
-        self.generator = torch.Generator().manual_seed(seed)
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype).to(self.device).eval()
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.weight_version = INITIAL_WEIGHT_VERSION
         self.eos_token_ids = _eos_ids(self.model, self.tokenizer, GenerationConfig, Path(self.model_path))
         self.context_length = int(getattr(self.model.config, "max_position_embeddings", 4096))
@@ -166,7 +168,7 @@ class EmbeddedEngine:
         for i, seq in enumerate(sequences):
             ids[i, width - len(seq) :] = torch.tensor(seq, dtype=torch.long)
             mask[i, width - len(seq) :] = 1
-        return ids, mask
+        return ids.to(self.device), mask.to(self.device)
 
     def _append(self, row: _RowState, token: int, logprob: float, should_abort: Callable[[str], bool]) -> None:
         row.output_ids.append(token)
@@ -246,23 +248,33 @@ class EmbeddedEngine:
 
     # ----- colocate sleep/wake -----------------------------------------------------------
     def release(self, tags: list[str] | None) -> None:
-        """Mirror SGLang's release: weights leave the model (kept as a host backup like SGLang's
-        CPU weight backup), and no KV state survives; generation then fails clearly."""
+        """Mirror SGLang's release: weights leave the device for a host backup (SGLang keeps a CPU
+        weight backup too), no KV state survives, and the device memory goes back to the driver so
+        a colocated trainer can use it; generation then fails clearly until resumed."""
         tags = _check_tags(tags)
         if "weights" in tags and "weights" not in self._released:
-            self._weights_backup = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+            self._weights_backup = {name: param.detach().to("cpu", copy=True)
+                                    for name, param in self.model.named_parameters()}
             for param in self.model.parameters():
-                param.data = torch.empty(0, dtype=param.dtype)
+                param.data = torch.empty(0, dtype=param.dtype, device=self.device)
         self._released |= set(tags)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def resume(self, tags: list[str] | None) -> None:
         tags = _check_tags(tags)
         if "weights" in tags and "weights" in self._released:
             assert self._weights_backup is not None
             for name, param in self.model.named_parameters():
-                param.data = self._weights_backup[name]
+                param.data = self._weights_backup[name].to(self.device)
             self._weights_backup = None
         self._released -= set(tags)
+        if not self._released and self.device.type == "cuda":  # the awake period's peak starts here
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def memory(self) -> dict[str, float]:
+        """This engine's device memory in GiB (zeros on CPU), for the colocate metrics."""
+        return sample_device_memory(self.device).gigabytes()
 
 
 def _check_tags(tags: list[str] | None) -> list[str]:

@@ -87,7 +87,7 @@ def sample_next_tokens(
     """
     logits = logits.float()
     raw_logprobs = torch.log_softmax(logits, dim=-1)
-    tokens = torch.empty(logits.shape[0], dtype=torch.long)
+    tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
     for row, p in enumerate(params):
         tokens[row] = _sample_row(logits[row], p, generator)
     chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)

@@ -145,7 +145,8 @@ async def weight_version(request: web.Request) -> web.Response:
 async def server_info(request: web.Request) -> web.Response:
     scheduler = request.app[SCHEDULER_KEY]
     info = scheduler.engine.model_info()
-    info.update(paused=scheduler.paused, queued_requests=scheduler.num_queued(), max_batch_size=scheduler.max_batch_size)
+    info.update(paused=scheduler.paused, queued_requests=scheduler.num_queued(), max_batch_size=scheduler.max_batch_size,
+                memory=scheduler.engine.memory())
     return web.json_response(info)
 
 
@@ -273,6 +274,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cpu", help="torch device of the model (cpu, cuda, cuda:N)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument("--num-threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
@@ -287,7 +289,7 @@ def main(argv: list[str] | None = None) -> None:
         import torch
 
         torch.set_num_threads(args.num_threads)
-    engine = EmbeddedEngine(args.model_path, dtype=args.dtype, seed=args.seed)
+    engine = EmbeddedEngine(args.model_path, dtype=args.dtype, seed=args.seed, device=args.device)
     logger.info("serving %s on http://%s:%d", args.model_path, args.host, args.port)
     access_log = logging.getLogger("aiohttp.access") if args.log_level.lower() == "debug" else None
     web.run_app(

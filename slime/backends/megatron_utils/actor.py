@@ -37,7 +37,6 @@ from slime.distributed import (
     stable_hash,
 )
 from slime.distributed.errors import DistributedStepError
-from slime.distributed.groups import releasable_memory
 from slime.distributed.fault_inject import (
     apply_metric_key_fault,
     apply_plan_fault,
@@ -93,8 +92,10 @@ class MegatronTrainActor:
         from slime.backends.megatron_utils.checkpoint import latest_iteration, load_checkpoint
         from slime.backends.megatron_utils.model import build_model_and_optimizer
 
-        with releasable_memory():  # colocate: the trainer's memory goes to the engines while it sleeps
-            self.model, self.optimizer, self.lr_scheduler = build_model_and_optimizer(self.args, self.hf_config)
+        from slime.backends.megatron_utils.offload import TrainerMemory
+
+        self.model, self.optimizer, self.lr_scheduler = build_model_and_optimizer(self.args, self.hf_config)
+        self.memory = TrainerMemory(self.model, self.optimizer)  # colocate: what sleep frees and wake restores
         self.snapshots = WeightSnapshots(self.model)
         reference = self.args.ref_load or self.args.hf_checkpoint  # --ref-load defaults to the HF weights
         needs_reference = bool(self.args.use_kl_loss or self.args.kl_coef)
@@ -219,26 +220,39 @@ class MegatronTrainActor:
 
     # ------------------------------------------------------- colocate lifecycle
     def wake(self, rollout_id: int) -> dict[str, float]:
+        """Memory back first (rank-local), then the fenced group wake-up and warm-up."""
+        memory_s = self.memory.wake() if self.memory.asleep else 0.0
+        metrics = self._wake_groups(rollout_id)
+        self.asleep = False
+        return {**metrics, "perf/wake_memory_s": memory_s}
+
+    def _wake_groups(self, rollout_id: int) -> dict[str, float]:
         report = self.groups.wake(rollout_id)
         if report.regrouped:
             repoint_process_groups([self.model, self.optimizer], report.regrouped)
-        self.asleep = False
         return {"perf/wake_create_groups_s": report.create_seconds,
                 "perf/wake_warmup_s": report.warmup.seconds if report.warmup else 0.0}
 
-    def sleep(self) -> None:
+    def sleep(self) -> dict[str, float]:
+        """Fence (every rank is done with the step), then free this rank's model and optimizer memory."""
         with self.watchdog.phase("sleep"):
             self.groups.sleep()
+            report = self.memory.sleep()
         self.asleep = True
+        return report.metrics()
 
     # ------------------------------------------------------------ weight sync
     def update_weights(self, rollout_id: int) -> dict[str, Any]:
-        woke = self.asleep
+        """Push the weights to the engines. A sleeping trainer stays asleep: only its communicators wake,
+        and the weights are read from the host copy (nothing is resident twice on a shared GPU)."""
+        asleep = self.asleep
         with self.watchdog.phase("weight_sync/wake"):
-            wake = self.wake(rollout_id) if woke else {}
-        metrics = self.weight_sync.sync(self.model, rollout_id, fence=self.groups.fence, watchdog=self.watchdog)
-        if woke:  # groups go back down only after the sync's closing fence
-            self.sleep()
+            wake = self._wake_groups(rollout_id) if asleep else {}
+        metrics = self.weight_sync.sync(self.model, rollout_id, fence=self.groups.fence, watchdog=self.watchdog,
+                                        read_param=self.memory.read_param)
+        if asleep:  # groups go back down only after the sync's closing fence
+            with self.watchdog.phase("weight_sync/sleep"):
+                self.groups.sleep()
         return {**metrics, **{f"weight_sync/{k.split('/')[-1]}": v for k, v in wake.items()}}
 
     def save(self, rollout_id: int) -> None:

@@ -274,8 +274,11 @@ class WeightSync:
         return self._clients
 
     def sync(self, model_chunks: Sequence[torch.nn.Module], rollout_id: int, *, fence: Callable[..., None],
-             watchdog: Any = None) -> dict[str, float]:
-        """Push this rank's share of the weights to every engine; returns trainer-side metrics."""
+             watchdog: Any = None, read_param: Callable[[torch.Tensor], torch.Tensor] | None = None
+             ) -> dict[str, float]:
+        """Push this rank's share of the weights to every engine; returns trainer-side metrics.
+
+        `read_param` gives a parameter's current value (a sleeping trainer serves it from its host copy)."""
         start = time.perf_counter()
         version = str(rollout_id + 1)
         role = SyncRole.current()
@@ -292,7 +295,8 @@ class WeightSync:
         # Exporters are bounded bucket by bucket; the closing fence only by the whole push.
         push_deadline_s = self.timeout_s * (len(plan.buckets) + 1)
         with phase("weight_sync/push", push_deadline_s):
-            result = self._push(model_chunks, plan, role, version, phase, ledger) if role.exporter else _PushResult()
+            result = (self._push(model_chunks, plan, role, version, phase, ledger, read_param) if role.exporter
+                      else _PushResult())
             _fence_outcome(fence, "weight_sync/pushed", rollout_id, result.error, timeout_s=push_deadline_s)
         with phase("weight_sync/resume"):
             error = _attempt(lambda: self._verify_and_resume(version)) if role.coordinator else None
@@ -318,10 +322,11 @@ class WeightSync:
     def _pause_engines(self) -> None:
         self._each_engine(lambda client: (client.pause_generation(), client.flush_cache()))
 
-    def _push(self, model_chunks, plan: WeightSyncPlan, role: SyncRole, version: str, phase, ledger) -> _PushResult:
+    def _push(self, model_chunks, plan: WeightSyncPlan, role: SyncRole, version: str, phase, ledger,
+              read_param) -> _PushResult:
         """Iterate the export to its end (TP collectives) whatever happens; send while nothing failed."""
         result = _PushResult()
-        exported = export_hf_weights(list(model_chunks), self.hf_config)
+        exported = export_hf_weights(list(model_chunks), self.hf_config, read_param=read_param)
         planned = iter_planned_buckets(plan, exported)
         for index in range(len(plan.buckets) + 1):  # +1: the plan checks the export has ended
             with phase(f"bucket{index}"):

@@ -78,6 +78,9 @@ class SGLangHTTPClient:
     def model_info(self) -> dict[str, Any]:
         return self._json("GET", "/get_model_info", self.timeouts.control)
 
+    def server_info(self) -> dict[str, Any]:
+        return self._json("GET", "/get_server_info", self.timeouts.control)
+
     def weight_version(self) -> str:
         return self.model_info()["weight_version"]
 

@@ -34,8 +34,15 @@ def pick_rollout_backend(args: Any) -> str:
         raise ValueError(f"--rollout-backend {choice!r}: expected auto, sglang or embedded")
     import torch
 
-    has_sglang = importlib.util.find_spec("sglang") is not None
-    return "sglang" if torch.cuda.is_available() and has_sglang else "embedded"
+    if not torch.cuda.is_available():
+        return "embedded"
+    if importlib.util.find_spec("sglang") is None:
+        # A GPU cluster without SGLang would otherwise fall back to the transformers engine, which is
+        # orders of magnitude slower, without anyone noticing: make the choice explicit.
+        raise ValueError("--rollout-backend auto: CUDA is available but sglang is not installed. Install SGLang "
+                         "(see README, 'Running on a cluster'), or pass --rollout-backend embedded to generate "
+                         "with the embedded transformers engine on purpose")
+    return "sglang"
 
 
 def sglang_server_args_for_engine(args: Any, engine_rank: int) -> dict[str, Any]:
