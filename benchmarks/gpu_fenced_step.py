@@ -79,6 +79,7 @@ class DriverOptions:
     fp32: bool
     results_json: str | None
     fence_repeats: int
+    check_wake_exact: bool
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,8 @@ def parse_driver(argv: list[str]) -> tuple[DriverOptions, list[str]]:
     p.add_argument("--fp32", action="store_true", help="keep fp32 on GPU (default there: --bf16)")
     p.add_argument("--results-json", default=None)
     p.add_argument("--fence-repeats", type=int, default=50)
+    p.add_argument("--check-wake-exact", action="store_true",
+                   help="after cycle 0: sleep, wake, and compare parameters and optimizer state element-wise")
     ns, rest = p.parse_known_args(argv)
     if ns.ab_fences and ns.cycles < 1 + 2 * (1 + len(ns.ab_off)):
         p.error("--ab-fences needs cycle 0 (warm-up) and at least two blocks of 'on' + each --ab-off variant")
@@ -123,7 +126,7 @@ def parse_driver(argv: list[str]) -> tuple[DriverOptions, list[str]]:
         ab_fences=ns.ab_fences, ab_off=tuple(dict.fromkeys(ns.ab_off)),
         model_size=ns.model_size, checkpoint_dir=ckpt, num_samples=ns.num_samples, min_tokens=ns.min_tokens,
         max_tokens=ns.max_tokens, data_seed=ns.data_seed, fp32=ns.fp32, results_json=ns.results_json,
-        fence_repeats=ns.fence_repeats,
+        fence_repeats=ns.fence_repeats, check_wake_exact=ns.check_wake_exact,
     ), rest
 
 
@@ -300,7 +303,7 @@ def run_cycle(actor, cycle: int, data: dict) -> dict:
 
 def _timed_cycle(actor, cycle: int, data: dict, sync) -> dict:
     start = time.perf_counter()
-    actor.sleep()
+    memory = actor.sleep()
     sleep_s = time.perf_counter() - start
     mark = actor.ledger.mark()
     metrics = actor.train(cycle, copy.deepcopy(data))
@@ -325,7 +328,26 @@ def _timed_cycle(actor, cycle: int, data: dict, sync) -> dict:
         # fences of the step proper (plan + exit) over the step without the wake phase
         "step_fence_ratio": fences["step"] / max(train_s - wake_s - fences["wake"], 1e-9),
         "all_fence_ratio": (fences["step"] + fences["wake"]) / train_s,
+        "memory": memory,
     }
+
+
+def check_sleep_wake_exact(actor) -> dict:
+    """Parameters and optimizer state before a sleep equal them after the wake, element for element
+    (the CPU tests check the same on gloo; this is the CUDA allocator's and pinned copies' turn)."""
+    from slime.backends.megatron_utils.offload import torch_optimizers
+
+    state = [p for chunk in actor.model for p in chunk.parameters()]
+    for inner in torch_optimizers(actor.optimizer):
+        state += [p for group in inner.param_groups for p in group["params"]]
+        state += [v for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    before = [t.detach().to("cpu", copy=True) for t in state]
+    report = actor.sleep()
+    freed = all(t.untyped_storage().nbytes() == 0 for t in state)
+    actor.wake(-1)
+    exact = all(torch.equal(b, t.detach().cpu()) for b, t in zip(before, state))
+    return {"wake_bit_exact": exact, "sleep_freed_every_state_storage": freed, "state_tensors": len(state),
+            "check_sleep": report}
 
 
 def bench_fence_latency(actor, repeats: int) -> dict[str, float]:
@@ -454,7 +476,7 @@ def run(argv: list[str]) -> dict:
               "data_tokens": sum(len(t) for t in data["tokens"])}
     clock = PhaseClock(actor.watchdog)
     schedule = ab_schedule(opts.cycles, opts.ab_off) if opts.ab_fences else ["on"] * opts.cycles
-    cycles = []
+    cycles, exactness = [], {}
     for cycle, variant in enumerate(schedule):  # same schedule on every rank: a function of the flags
         with switched_off(actor, variant) if variant != "on" else contextlib.nullcontext():
             result = {**cycle_frame(variant if cycle else "warmup")(actor, cycle, data), "variant": variant}
@@ -462,7 +484,11 @@ def run(argv: list[str]) -> dict:
         cycles.append(result)
         if env.rank == 0:
             print("CYCLE " + json.dumps(result), flush=True)
-    summary = {**layout, **summarize(cycles)}
+        if cycle == 0 and opts.check_wake_exact:  # after one step: the optimizer has state to keep
+            exactness = check_sleep_wake_exact(actor)
+            if env.rank == 0:
+                print("WAKE_EXACT " + json.dumps(exactness), flush=True)
+    summary = {**layout, **summarize(cycles), **exactness}
     if opts.ab_fences:
         summary.update(ab_summary(cycles))
     if opts.bench_fence_overhead:

@@ -43,7 +43,8 @@ def _run_driver(tmp_path: Path, extra: list[str], env_extra: dict[str, str], tim
 def test_driver_runs_cycles_and_reports(tmp_path):
     results = tmp_path / "results.json"
     proc, _ = _run_driver(tmp_path, ["--bench-fence-overhead", "--fence-repeats", "5", "--bench-weight-sync",
-                                     "--fence-timeout", "60", "--results-json", str(results)], {}, 280)
+                                     "--check-wake-exact", "--fence-timeout", "60", "--results-json", str(results)],
+                          {}, 280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(results.read_text())
     cycles, summary = report["cycles"], report["summary"]
@@ -53,6 +54,8 @@ def test_driver_runs_cycles_and_reports(tmp_path):
     assert summary["recreate_groups"] and summary["tp"] == 2 and summary["world"] == 2
     assert summary["fence_median_s"] > 0
     assert summary["ws_total_gb"] > 0 and summary["ws_export_s"] > 0 and summary["ws_encode_s"] > 0
+    assert summary["wake_bit_exact"] and summary["sleep_freed_every_state_storage"]
+    assert all(c["memory"]["memory/trainer_offloaded_gb"] > 0 for c in cycles)
 
 
 @pytest.mark.timeout(200)

@@ -35,6 +35,13 @@ def _state_bytes(model, optimizer) -> dict[str, bytes]:
     return state
 
 
+def _optimizer_state(optimizer) -> list:
+    from slime.backends.megatron_utils.offload import torch_optimizers
+
+    return [v for inner in torch_optimizers(optimizer) for state in inner.state.values()
+            for v in state.values() if hasattr(v, "untyped_storage")]
+
+
 def _offload_child(rank: int, world: int, hf_dir: str, sleep_between: bool, distributed_optimizer: bool) -> dict:
     from transformers import AutoConfig
 
@@ -52,14 +59,14 @@ def _offload_child(rank: int, world: int, hf_dir: str, sleep_between: bool, dist
     data = make_rollout(num_samples=6, seed=0)
     (plan,) = build_plans_for_rank(data, args)
     data["log_probs"] = compute_log_probs(model, data, plan, args)
+    memory = TrainerMemory(model, optimizer)  # built before the optimizer has state, as the actor builds it
     first = train_one_step(model, optimizer, scheduler, copy.deepcopy(data), plan, args)
     out: dict = {"first": (first.loss, first.grad_norm)}
     if sleep_between:
-        memory = TrainerMemory(model, optimizer)
         before = _state_bytes(model, optimizer)
         params = [p for chunk in model for p in chunk.parameters()]
         report = memory.sleep()
-        out["freed"] = all(p.untyped_storage().nbytes() == 0 for p in params)
+        out["freed"] = all(t.untyped_storage().nbytes() == 0 for t in params + _optimizer_state(optimizer))
         out["read_while_asleep"] = all(
             memory.read_param(p).numpy().tobytes() == before[f"param/{n}"]
             for chunk in model for n, p in chunk.named_parameters())

@@ -62,14 +62,19 @@ class TrainerMemory:
     """Sleep/wake of one rank's model and optimizer memory (see module docstring)."""
 
     def __init__(self, model_chunks: Sequence[torch.nn.Module], optimizer: Any) -> None:
+        self._model_chunks = list(model_chunks)
+        self._optimizer = optimizer
         self._device = _training_device(model_chunks)
-        kept = _unique_storages(_state_tensors(model_chunks, optimizer), self._device)
-        kept_ids = {id(s) for s in kept}
-        discarded = [s for s in _unique_storages(_grad_buffer_tensors(model_chunks), self._device)
-                     if id(s) not in kept_ids]
-        self._kept, self._discarded = kept, discarded
-        self._optimizer_params = list(_optimizer_params(optimizer))
         self._copies: dict[int, _HostCopy] = {}
+
+    def _storages(self) -> tuple[list[torch.UntypedStorage], list[torch.UntypedStorage]]:
+        """(kept, discarded) storages, found anew at every sleep: the optimizer creates its state lazily,
+        at its first step, after this object exists."""
+        kept = _unique_storages(_state_tensors(self._model_chunks, self._optimizer), self._device)
+        kept_ids = {id(s) for s in kept}
+        discarded = [s for s in _unique_storages(_grad_buffer_tensors(self._model_chunks), self._device)
+                     if id(s) not in kept_ids]
+        return kept, discarded
 
     @property
     def asleep(self) -> bool:
@@ -81,11 +86,12 @@ class TrainerMemory:
             raise RuntimeError("the trainer's memory is already asleep")
         start = time.perf_counter()
         awake = sample_device_memory(self._device)
-        for param in self._optimizer_params:  # fp32 main-param grads are rebuilt by the next step
+        for param in _optimizer_params(self._optimizer):  # fp32 main-param grads are rebuilt by the next step
             param.grad = None
-        for storage in self._kept:
+        kept, discarded = self._storages()
+        for storage in kept:
             self._copies[id(storage)] = _HostCopy(storage, storage.nbytes(), _copy_to_host(storage))
-        for storage in self._discarded:
+        for storage in discarded:
             self._copies[id(storage)] = _HostCopy(storage, storage.nbytes(), None)
         _synchronize(self._device)  # the host copies are complete before the device memory goes
         for copy in self._copies.values():

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# One device call for the colocated loop on lent GPUs. Usage: benchmarks/run_colocate_gpu.sh PHASE...
+#   memory  trainer sleep/wake on a ~0.6B bf16 model under torchrun (1 rank per GPU): memory figures per
+#           cycle, and parameters + optimizer state compared element-wise across one sleep/wake
+#   engine  the embedded engine on CUDA: device memory awake vs released, same greedy outputs after resume
+#   loop    python train.py --colocate: trainer and engine share every GPU, ROLLOUTS rollouts (default 20)
+# Prepare .whl/ with benchmarks/fetch_gpu_wheels.sh and carry it. Results land in $OUT (device tool) or
+# outputs/gpu-colocate.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-outputs/gpu-colocate}
+mkdir -p "$OUT"
+source benchmarks/gpu_setup.sh || exit 1
+NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+CKPT=/tmp/colocate-0.5b
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c 'import torch, megatron.core, transformers, ray; print("torch", torch.__version__, "cuda", torch.version.cuda, "megatron-core", megatron.core.__version__, "transformers", transformers.__version__, "ray", ray.__version__)'
+  date -u; } 2>&1 | tee "$OUT/env.txt"
+
+checkpoint() {  # a ~0.6B Qwen3-shaped random checkpoint with the Qwen tokenizer (engines need one)
+  [ -f $CKPT/tokenizer.json ] && return
+  python3 - <<'PY'
+import sys
+sys.path.insert(0, "benchmarks")
+from pathlib import Path
+from gpu_fenced_step import write_random_checkpoint
+from slime.tools.qwen_tokenizer_files import save_hf_tokenizer
+write_random_checkpoint("/tmp/colocate-0.5b", "0.5b")
+save_hf_tokenizer(Path("/tmp/colocate-0.5b"), 4096)
+PY
+}
+
+for phase in "$@"; do case $phase in
+memory)
+  checkpoint
+  timeout ${MEMORY_TIMEOUT:-240} torchrun --nproc-per-node "$NGPU" --master-port 29611 benchmarks/gpu_fenced_step.py \
+    --model-size 0.5b --checkpoint-dir $CKPT --cycles ${CYCLES:-4} --check-wake-exact --num-samples 16 \
+    --min-tokens 512 --max-tokens 4096 --use-dynamic-batch-size --max-tokens-per-gpu 8192 --calculate-per-token-loss \
+    --fence-timeout 120 --lr 1e-6 --results-json "$OUT/memory.json" 2>&1 | grep -v Warning > "$OUT/memory.log"
+  echo "memory rc=${PIPESTATUS[0]}"; grep -h "WAKE_EXACT\|SUMMARY\|FAILED" "$OUT/memory.log" | cut -c1-1500 ;;
+engine)
+  checkpoint
+  timeout ${ENGINE_TIMEOUT:-240} python3 benchmarks/engine_memory.py --model-path $CKPT --device cuda --dtype bfloat16 \
+    --results-json "$OUT/engine.json" > "$OUT/engine.log" 2>&1
+  echo "engine rc=$?"; grep -h "ENGINE_MEMORY\|Error" "$OUT/engine.log" | cut -c1-1500 ;;
+loop)
+  checkpoint
+  python3 -m slime.tools.demo_prompts --out /tmp/colocate-prompts.jsonl >/dev/null
+  timeout ${LOOP_TIMEOUT:-480} python3 train.py --hf-checkpoint $CKPT --rollout-backend embedded \
+    --prompt-data /tmp/colocate-prompts.jsonl --input-key prompt --label-key label --apply-chat-template --rm-type math \
+    --actor-num-nodes 1 --actor-num-gpus-per-node "$NGPU" --colocate --rollout-num-gpus-per-engine 1 \
+    ${LAYOUT:-} --use-dynamic-batch-size --max-tokens-per-gpu 8192 --calculate-per-token-loss --use-slime-router \
+    --num-rollout ${ROLLOUTS:-20} --rollout-batch-size 8 --n-samples-per-prompt 4 --rollout-max-response-len 64 \
+    --advantage-estimator grpo --kl-loss-coef 0 --entropy-coef 0 --lr 1e-6 --bf16 \
+    --attention-dropout 0.0 --hidden-dropout 0.0 --fence-timeout 120 --seed 1234 \
+    --metrics-jsonl "$OUT/loop_metrics.jsonl" > "$OUT/loop.log" 2>&1
+  echo "loop rc=$?"; grep -h "training stopped\|Traceback\|Error" "$OUT/loop.log" | head -5
+  python3 benchmarks/colocate_summary.py "$OUT/loop_metrics.jsonl" | tee "$OUT/loop_summary.txt" ;;
+*) echo "unknown phase $phase"; exit 2 ;;
+esac; done
