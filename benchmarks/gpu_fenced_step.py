@@ -206,7 +206,8 @@ def train_argv(opts: DriverOptions, env: TorchrunEnv, rest: list[str], ckpt: str
     n_per_prompt = 8 if opts.num_samples % 8 == 0 else 1
     defaults = ["--num-rollout", str(opts.cycles), "--rollout-batch-size", str(opts.num_samples // n_per_prompt),
                 "--n-samples-per-prompt", str(n_per_prompt), "--seed", "1234", "--lr", "1e-6",
-                "--attention-dropout", "0.0", "--hidden-dropout", "0.0"]
+                "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
+                "--rollout-backend", "embedded"]  # no engines run here; the weight-sync bench encodes for this kind
     if torch.cuda.is_available() and not opts.fp32:
         defaults.append("--bf16")
     return defaults + rest + ["--hf-checkpoint", ckpt, "--actor-num-nodes", "1",
