@@ -72,10 +72,19 @@ def build_sglang_command(args: Any, engine_rank: int, host: str, port: int, mode
 def build_embedded_command(args: Any, engine_rank: int, host: str, port: int, model_path: str) -> list[str]:
     flags = ["--model-path", model_path, "--host", host, "--port", str(port)]
     flags += ["--seed", str(int(getattr(args, "seed", 1234)) + engine_rank)]
+    if _on_gpus(args):  # the embedded engine on CUDA: its GPU and the trainer's precision
+        gpu = sglang_server_args_for_engine(args, engine_rank)["base_gpu_id"]
+        flags += ["--device", f"cuda:{gpu}", "--dtype", "bfloat16" if getattr(args, "bf16", False) else "float32"]
     threads = getattr(args, "embedded_engine_num_threads", None)
     if threads:
         flags += ["--num-threads", str(threads)]
     return python_module_command("slime.backends.embedded_engine.server", flags)
+
+
+def _on_gpus(args: Any) -> bool:
+    import torch
+
+    return getattr(args, "train_backend_device", "auto") != "cpu" and torch.cuda.is_available()
 
 
 def launch_engine(
