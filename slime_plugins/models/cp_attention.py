@@ -123,6 +123,11 @@ class AttentionPlan:
     max_key_prefix: int
 
 
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    # through pinned memory without blocking: a plain host-to-GPU copy waits for the GPU's queue
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
 @functools.lru_cache(maxsize=64)
 def attention_plan(lengths: tuple[int, ...], cp_size: int, cp_rank: int, device: torch.device) -> AttentionPlan:
     """The plan of a packed batch of full padded `lengths`. Cached (on `device`): every layer of
@@ -155,14 +160,14 @@ def attention_plan(lengths: tuple[int, ...], cp_size: int, cp_rank: int, device:
             varlen_keys.append(gathered[:prefix])
         offset += local_len
     cumsum = lambda values: torch.tensor([0, *values], dtype=torch.int64).cumsum(0).to(torch.int32)  # noqa: E731
-    key_order = torch.cat(orders).to(device) if cp_size > 1 else None
+    to = functools.partial(_to_device, device=device)
     return AttentionPlan(
         sequences=tuple(sequences),
-        key_order=key_order,
-        query_positions=tuple(p.to(device) for p in positions),
-        varlen_cu_q=cumsum([q for q, _ in segments]).to(device),
-        varlen_cu_k=cumsum([k for _, k in segments]).to(device),
-        varlen_key_index=torch.cat(varlen_keys).to(device) if cp_size > 1 else None,
+        key_order=to(torch.cat(orders)) if cp_size > 1 else None,
+        query_positions=tuple(to(p) for p in positions),
+        varlen_cu_q=to(cumsum([q for q, _ in segments])),
+        varlen_cu_k=to(cumsum([k for _, k in segments])),
+        varlen_key_index=to(torch.cat(varlen_keys)) if cp_size > 1 else None,
         max_query_chunk=max(q for q, _ in segments),
         max_key_prefix=max(k for _, k in segments),
     )
