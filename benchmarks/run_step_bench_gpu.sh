@@ -10,6 +10,7 @@
 # (NUM_SAMPLES, MIN_TOKENS, MAX_TOKENS, TOKENS_PER_GPU, CYCLES), ATTN_TOKENS, PY, OUT.
 # Everything measured lands in $OUT: <phase>.log, <phase>.json, env.txt, summary.txt (the RATIO/MEMORY/FIT/SYNC lines).
 # Exit code: 0 when every phase ran, 1 when one failed, 2 when something the run needs is missing.
+# DRY_RUN=1 PY=.venv/bin/python bash benchmarks/run_step_bench_gpu.sh: the same script on CPU at tiny shapes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-outputs/step_bench}
@@ -32,11 +33,18 @@ if ! "$PY" -c "import megatron.core" 2>/dev/null; then
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 "$PY" -c "import megatron.core, transformers, safetensors, torch.distributed.run" || fatal "a required package does not import (above)"
-NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count())') || fatal "torch does not start"
-[ "$NGPU" -ge 1 ] || fatal "no GPU visible to torch"
+if [ "${DRY_RUN:-0}" = 1 ]; then
+  NGPU=1 M06=tiny M4B=tiny ATTN=(--device cpu --tokens 64 --shapes 4:2:16 --reps 1) SMI=true
+  export S06_MIN_TOKENS=64 S06_MAX_TOKENS=128 S06_TOKENS_PER_GPU=256 S06_CYCLES=1
+  export S4B_MIN_TOKENS=200 S4B_MAX_TOKENS=240 S4B_TOKENS_PER_GPU=256 S4B_CYCLES=1
+else
+  NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count())') || fatal "torch does not start"
+  [ "$NGPU" -ge 1 ] || fatal "no GPU visible to torch"
+  M06=qwen3-0.6b M4B=qwen3-4b ATTN=(--tokens ${ATTN_TOKENS:-16384 32768} --shapes 16:8:128 32:8:128) SMI=nvidia-smi
+fi
 TORCHRUN=("$PY" -m torch.distributed.run --nproc-per-node "$NGPU")
 if [ "$NGPU" -gt 1 ]; then LAYOUT=${LAYOUT:---tensor-model-parallel-size $NGPU --sequence-parallel}; else LAYOUT=${LAYOUT:-}; fi
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+{ $SMI --query-gpu=name,driver_version,memory.total --format=csv,noheader
   "$PY" -c 'import torch, megatron.core, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version(), "megatron-core", megatron.core.__version__, "transformers", transformers.__version__)'
   "$PY" -c 'import flash_attn; print("flash-attn", flash_attn.__version__)' 2>/dev/null || echo "flash-attn: not installed (SDPA kernels)"
   echo "gpus $NGPU layout '${LAYOUT}'"; date -u; } 2>&1 | tee "$OUT/env.txt"
@@ -66,20 +74,19 @@ step() {  # step NAME CAP_S PREFIX MODEL FLAGS...: one torchrun of the step benc
     --time-budget-s $((limit - 30)) --results-json "$OUT/$name.json" $LAYOUT "$@"
 }
 
-run attention 100 "$PY" benchmarks/bench_step_gpu.py attention --tokens ${ATTN_TOKENS:-16384 32768} \
-  --shapes 16:8:128 32:8:128 --results-json "$OUT/attention.json"
+run attention 100 "$PY" benchmarks/bench_step_gpu.py attention "${ATTN[@]}" --results-json "$OUT/attention.json"
 
 S06_NUM_SAMPLES=${S06_NUM_SAMPLES:-6} S06_MIN_TOKENS=${S06_MIN_TOKENS:-12288} S06_MAX_TOKENS=${S06_MAX_TOKENS:-16384}
 S06_CYCLES=${S06_CYCLES:-3}
-step step06 170 S06 qwen3-0.6b --max-tokens-per-gpu "${S06_TOKENS_PER_GPU:-16384}" --sync-audit --profile
+step step06 170 S06 "$M06" --max-tokens-per-gpu "${S06_TOKENS_PER_GPU:-16384}" --sync-audit --profile
 
 S4B_NUM_SAMPLES=${S4B_NUM_SAMPLES:-2} S4B_MIN_TOKENS=${S4B_MIN_TOKENS:-24576} S4B_MAX_TOKENS=${S4B_MAX_TOKENS:-30720}
 S4B_CYCLES=${S4B_CYCLES:-2}
 RECOMPUTE="--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
-step step4b 210 S4B qwen3-4b --max-tokens-per-gpu "${S4B_TOKENS_PER_GPU:-32768}" $RECOMPUTE
+step step4b 210 S4B "$M4B" --max-tokens-per-gpu "${S4B_TOKENS_PER_GPU:-32768}" $RECOMPUTE
 if grep -q "^OOM" "$OUT/step4b.log"; then  # out of memory at 32k: the same at 16k, so 4B figures exist
   S4B_MIN_TOKENS=12288 S4B_MAX_TOKENS=16384
-  step step4b16k 170 S4B qwen3-4b --max-tokens-per-gpu 16384 $RECOMPUTE
+  step step4b16k 170 S4B "$M4B" --max-tokens-per-gpu 16384 $RECOMPUTE
 fi
 
 echo "done after $((SECONDS - START))s, status $STATUS" | tee -a "$OUT/summary.txt"
