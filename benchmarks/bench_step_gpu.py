@@ -417,6 +417,13 @@ def use_path(actor, path: str) -> int:
     return len(modules)
 
 
+def path_in_use(actor) -> dict:
+    """What the model ran with: the THD RoPE (patched or megatron's) and the attention kernels."""
+    from patches import megatron_core
+
+    return {"thd_rope": megatron_core.thd_rope_in_use(), "kernels": sorted({m.kernel for m in attention_modules(actor)})}
+
+
 def cycle_schedule(paths: tuple[str, ...], cycles: int) -> list[tuple[str, str]]:
     """(kind, path): a warm-up per path, then `cycles` blocks holding each path once, the order
     rotated by one per block (new, old, old, new, new, old, ...)."""
@@ -502,7 +509,8 @@ class StepBench:
         step_s = wall - phases.get("actor_train/wake", 0.0)
         world = self.env.world_size
         return {
-            "rollout_id": self.rollout_id, "path": path, "step_s": step_s, "wall_s": wall,
+            "rollout_id": self.rollout_id, "path": path, "in_use": path_in_use(self.actor),
+            "step_s": step_s, "wall_s": wall,
             "tokens_per_s_per_gpu": sum(self.seq_lens) / step_s / world,
             "tflops_per_gpu": self.flops / step_s / world / 1e12,
             "peak_gib": peak_gib(self.device), "static_gib": static,
@@ -550,35 +558,38 @@ class StepBench:
         return bool(flag.item())
 
     def run(self) -> dict:
+        """Warm-ups, timed cycles, then the audit and profile cycles, each only if time is left."""
         last: dict[str, float] = {}
         schedule = cycle_schedule(self.opts.paths, self.opts.cycles)
-        for position, (kind, path) in enumerate(schedule):
-            if position == len(self.opts.paths):  # after the warm-ups, before the timed cycles
-                self._extras()
+        for kind, path in schedule:
             if self.out_of_time(last.get(path, 0.0)):
-                self.extras["stopped_early"] = f"time budget: {len(self.cycles)} of {len(schedule)} cycles ran"
-                self.report("STOPPED " + self.extras["stopped_early"])
-                break
+                return self._stop(f"time budget: {len(self.cycles)} of {len(schedule)} cycles ran")
             self.current = f"{kind} cycle of the {path} path"
             result = {**self.run_cycle(path), "kind": kind}
             last[path] = result["wall_s"]
             self.cycles.append(result)
             self.report("CYCLE " + json.dumps(result))
-        return self.summary()
-
-    def _extras(self) -> None:
-        if self.opts.sync_audit:
-            for path in self.opts.paths:
-                self.current = f"sync audit of the {path} path"
-                audit = self.extras[f"syncs_{path}"] = self.audit_syncs(path)
-                self.report(f"SYNC {self.opts.model} {path}: {audit['total']} host-device syncs per step; "
-                            f"top sites {audit['top_sites']}")
-        if self.opts.profile:
+        for path in self.opts.paths if self.opts.sync_audit else ():
+            if self.out_of_time(last[path]):
+                return self._stop(f"time budget: no sync audit of the {path} path")
+            self.current = f"sync audit of the {path} path"
+            audit = self.extras[f"syncs_{path}"] = self.audit_syncs(path)
+            self.report(f"SYNC {self.opts.model} {path}: {audit['total']} host-device syncs per step; "
+                        f"top sites {audit['top_sites']}")
+        if self.opts.profile and "new" in last:
+            if self.out_of_time(3 * last["new"]):  # tracing and reading the trace back cost extra
+                return self._stop("time budget: no profiled cycle")
             self.current = "profiled cycle of the new path"
             p = self.extras["profile_new"] = self.profile_cycle()
             self.report(f"PROFILE {self.opts.model} new: kernels {p['kernel_s']:.2f} s of a {p['wall_s']:.2f} s step "
                         f"({100 * p['kernel_share']:.0f} %); top: "
                         + "; ".join(f"{k['name'][:60]} {k['gpu_s']:.2f}s" for k in p["top_kernels"][:6]))
+        return self.summary()
+
+    def _stop(self, why: str) -> dict:
+        self.extras["stopped_early"] = why
+        self.report("STOPPED " + why)
+        return self.summary()
 
     def layout(self) -> dict:
         a = self.args
@@ -627,17 +638,29 @@ def summary_lines(s: dict) -> list[str]:
     ratio = ""
     if "new" in paths and "old" in paths:
         ratio = f"new/old speed = {paths['old']['step_s'] / paths['new']['step_s']:.2f}x; "
-    lines.append(f"RATIO step {name}: {ratio}{per_path}; {s['tokens']} tokens in {s['samples']} samples")
+    lines.append(f"RATIO step {name}: {ratio}{per_path or 'no cycle finished'}; {s['tokens']} tokens in "
+                 f"{s['samples']} samples")
     per_32k = 32768 / s["max_tokens_per_gpu"] if s["max_tokens_per_gpu"] else float("nan")
-    lines.append("MEMORY step " + name + ": " + "; ".join(
+    lines.append("MEMORY step " + name + ": " + ("; ".join(
         f"{p} peak {m['peak_gib']:.1f} GiB (static {m['static_gib']:.1f}, above static {m['peak_gib'] - m['static_gib']:.1f}"
-        f" = {(m['peak_gib'] - m['static_gib']) * per_32k:.1f} per 32k tokens)" for p, m in paths.items()))
+        f" = {(m['peak_gib'] - m['static_gib']) * per_32k:.1f} per 32k tokens)" for p, m in paths.items())
+        or "no cycle finished"))
     verdict = "; ".join(f"{p} fits" for p in paths) or "no cycle finished"
     if s.get("failure"):
         verdict += f"; then {s['failure']}"
     lines.append(f"FIT step {name}: {verdict}; peak {max((m['peak_gib'] for m in paths.values()), default=0):.1f}"
                  f" GiB of {s['device_memory_gib']:.1f} GiB")
     return lines
+
+
+def failure_site(exc: BaseException) -> str:
+    """The innermost frame of this project or megatron in the exception's traceback (where an OOM hit)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    ours = [f for f in frames if any(p in f.filename for p in ("/slime/", "/slime_plugins/", "/patches/", "/megatron/"))]
+    if not frames:
+        return "?"
+    f = (ours or frames)[-1]
+    return f"{Path(f.filename).parent.name}/{Path(f.filename).name}:{f.lineno} {f.name}"
 
 
 def run_step(argv: list[str]) -> int:
@@ -652,10 +675,12 @@ def run_step(argv: list[str]) -> int:
         sys.stderr.write(traceback.format_exc())
         first = (str(exc).strip().splitlines() or [""])[0][:400]
         kind = "OOM" if is_oom(exc) else "FAILED"
-        print(f"{kind} rank={rank} after={time.perf_counter() - start:.1f}s: {type(exc).__name__}: {first}", flush=True)
+        where = failure_site(exc)
+        print(f"{kind} rank={rank} after={time.perf_counter() - start:.1f}s at {where}: {type(exc).__name__}: {first}",
+              flush=True)
         if bench is not None and rank == "0":
             summary = bench.summary()
-            summary["failure"] = f"{kind} in the {bench.current}: {type(exc).__name__}: {first}"
+            summary["failure"] = f"{kind} in the {bench.current} at {where}: {type(exc).__name__}: {first}"
             write_json(opts.results_json, {"options": asdict(opts), "summary": summary, "cycles": bench.cycles})
             for line in summary_lines(summary):
                 print(line, flush=True)

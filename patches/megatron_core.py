@@ -377,7 +377,7 @@ def _thd_rope_without_host_sync(t, cu_seqlens, freqs, rotary_interleaved=False, 
     # cu_seqlens[-1] / cp, so the same test needs no device read
     positions = thd_rope_positions(cu_seqlens, t.size(0), cp_size, cp_rank,
                                    batch_offsets=freqs.size(0) == t.size(0) * cp_size)
-    rope_utils = sys.modules[_ROPE_MODULES[0]]
+    rope_utils = importlib.import_module(_ROPE_MODULES[0])
     # the rotation itself stays megatron's (rotate-half / interleaved / MLA variants, mscale)
     return rope_utils._apply_rotary_pos_emb_bshd(
         t.unsqueeze(1), freqs.index_select(0, positions), rotary_interleaved=rotary_interleaved,
@@ -392,6 +392,12 @@ def apply_thd_rope(enabled: bool = True) -> None:
         module = importlib.import_module(name)
         _UPSTREAM_THD_ROPE.setdefault(name, module._apply_rotary_pos_emb_thd)
         module._apply_rotary_pos_emb_thd = _thd_rope_without_host_sync if enabled else _UPSTREAM_THD_ROPE[name]
+
+
+def thd_rope_in_use() -> str:
+    """"patched" or "megatron": which THD RoPE megatron-core's attention calls now."""
+    rope_utils = importlib.import_module(_ROPE_MODULES[0])
+    return "patched" if rope_utils._apply_rotary_pos_emb_thd is _thd_rope_without_host_sync else "megatron"
 
 
 # ------------------------------------------------------------------ CPU-only patches

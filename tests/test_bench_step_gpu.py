@@ -143,6 +143,9 @@ def test_step_command_runs_both_paths_on_cp2_with_audit_and_profile(tmp_path):
     assert summary["cp"] == 2 and summary["attention_modules"] == 2 and summary["step_model_flops"] > 0
     assert set(summary["paths"]) == {"new", "old"} and "syncs_new" in summary and "profile_new" in summary
     assert all(math.isfinite(c["loss"]) and c["grad_norm"] > 0 and c["tflops_per_gpu"] > 0 for c in cycles)
+    in_use = {c["path"]: c["in_use"] for c in cycles}
+    assert in_use == {"new": {"thd_rope": "patched", "kernels": ["causal"]},
+                      "old": {"thd_rope": "megatron", "kernels": ["masked"]}}
     # lr 0: the weights never change, so the two paths must compute the same step
     new, old = (next(c for c in cycles if c["path"] == p) for p in ("new", "old"))
     assert new["loss"] == pytest.approx(old["loss"], rel=1e-5, abs=1e-7)
@@ -158,4 +161,4 @@ def test_step_command_reports_an_out_of_memory_cycle(tmp_path):
     assert "OOM rank=0" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "FIT step tiny" in proc.stdout and "then OOM in the timed cycle of the new path" in proc.stdout
     assert [c["kind"] for c in report["cycles"]] == ["warmup", "warmup"]
-    assert report["summary"]["failure"].startswith("OOM in the timed cycle of the new path")
+    assert report["summary"]["failure"].startswith("OOM in the timed cycle of the new path at benchmarks/bench_step_gpu.py:")

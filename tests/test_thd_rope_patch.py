@@ -96,7 +96,7 @@ def test_apply_thd_rope_can_restore_megatron_and_back(rope):
 
     megatron_core.apply_thd_rope(enabled=False)
     try:
-        assert rope_utils._apply_rotary_pos_emb_thd is upstream
+        assert rope_utils._apply_rotary_pos_emb_thd is upstream and megatron_core.thd_rope_in_use() == "megatron"
     finally:
         megatron_core.apply_thd_rope()
-    assert rope_utils._apply_rotary_pos_emb_thd is patched
+    assert rope_utils._apply_rotary_pos_emb_thd is patched and megatron_core.thd_rope_in_use() == "patched"
