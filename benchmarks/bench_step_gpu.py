@@ -393,7 +393,8 @@ def step_argv(opts: StepOptions, world: int, rest: list[str], ckpt: str) -> list
     defaults = ["--num-rollout", "1000", "--rollout-batch-size", str(opts.num_samples),
                 "--n-samples-per-prompt", "1", "--seed", "1234", "--lr", "1e-6",
                 "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--use-dynamic-batch-size",
-                "--calculate-per-token-loss", "--fence-timeout", "300"]
+                "--calculate-per-token-loss", "--fence-timeout", "300",
+                "--rollout-backend", "embedded"]  # no engines run here (auto refuses the embedded one on CUDA)
     if torch.cuda.is_available():
         defaults.append("--bf16")
     return defaults + rest + ["--hf-checkpoint", ckpt, "--actor-num-nodes", "1",

@@ -63,6 +63,17 @@ def test_cycle_schedule_warms_each_path_then_rotates(bench):
         ("warmup", "new"), ("warmup", "old"), ("timed", "new"), ("timed", "old"), ("timed", "old"), ("timed", "new")]
 
 
+def test_step_flags_parse_as_on_a_gpu_machine(bench, tmp_path, monkeypatch):
+    """What parse_args decides from CUDA being present (bf16, the engine kind) must not refuse the run."""
+    from slime.utils.arguments import parse_args
+
+    ckpt = bench.write_config_checkpoint(str(tmp_path / "ckpt"), bench.MODELS["tiny"])
+    opts, rest = bench.parse_step(["--model", "tiny", "--max-tokens-per-gpu", "256"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    args = parse_args(bench.step_argv(opts, 1, rest, ckpt))
+    assert args.bf16 and args.rollout_backend == "embedded" and args.max_tokens_per_gpu == 256
+
+
 def test_sync_sites_count_synchronising_warnings_by_line(bench):
     with warnings.catch_warnings(record=True) as records:
         warnings.simplefilter("always")
