@@ -1,7 +1,8 @@
 """Runtime patches of third-party libraries, one module per library.
 
-`apply_all()` is the single entry point; it is a no-op where the library runs as designed
-(CUDA present), so cluster runs execute unpatched upstream code.
+`apply_all()` is the single entry point. The THD RoPE patch (no host-device sync per layer)
+applies on every machine; the rest only where a library cannot run as designed (no CUDA), so
+cluster runs execute upstream code apart from that one function.
 """
 
 import torch
@@ -9,8 +10,8 @@ import torch
 
 def apply_all() -> None:
     """Apply every patch this machine needs. Idempotent; call before building a model."""
-    if torch.cuda.is_available():
-        return
     from patches import megatron_core
 
-    megatron_core.apply()
+    megatron_core.apply_thd_rope()
+    if not torch.cuda.is_available():
+        megatron_core.apply()

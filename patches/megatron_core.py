@@ -1,4 +1,14 @@
-"""Runtime patches that let megatron-core (0.16.x, written defensively for 0.19) train on CPU with gloo.
+"""Runtime patches of megatron-core (0.16.x, written defensively for 0.19).
+
+`apply_thd_rope()` (every machine): the unfused THD RoPE without a host-device sync per layer.
+megatron's `_apply_rotary_pos_emb_thd` (used whenever TransformerEngine's fused RoPE is not)
+calls `.tolist()` on the GPU `cu_seqlens` for the query and the key of every layer of every
+forward: the host waits for the GPU twice per layer (measured on one H200: 2.6 s of a 6.9 s
+step; benchmarks/RESULTS.md). The replacement computes each token's position on cu_seqlens'
+device instead (same positions, same rotation code, bit-identical results), so the host keeps
+queueing kernels ahead of the GPU.
+
+`apply()` (machines without CUDA only) lets megatron-core train on CPU with gloo:
 
 megatron-core assumes CUDA in a handful of places that have nothing to do with the maths:
 `torch.cuda.current_device()` used as a tensor device, literal `device="cuda"`, the CUDA RNG
@@ -330,6 +340,67 @@ def _patch_rope_cp_slice() -> None:
         rotary.get_pos_emb_on_this_cp_rank = pos_emb_on_this_cp_rank
 
 
+# ------------------------------------------------------------------ THD RoPE (every machine)
+_UPSTREAM_THD_ROPE: dict[str, Callable] = {}
+_ROPE_MODULES = ("megatron.core.models.common.embeddings.rope_utils",
+                 "megatron.core.models.common.embeddings.rotary_pos_embedding")
+
+
+def thd_rope_positions(cu_seqlens: torch.Tensor, num_local_tokens: int, cp_size: int, cp_rank: int,
+                       *, batch_offsets: bool) -> torch.Tensor:
+    """Row of the RoPE frequency table for every local token of a THD batch, on cu_seqlens' device.
+
+    cu_seqlens: [b+1] cumulative FULL padded lengths. Sequence i contributes (cu[i+1]-cu[i])/cp
+    local tokens: its zig-zag chunks cp_rank and 2*cp-1-cp_rank (megatron's CP layout). Positions
+    count from each sequence's start; with batch_offsets (a frequency table as long as the whole
+    batch) the sequence's start in the batch is added, as megatron does in that case.
+    """
+    cu = cu_seqlens.to(torch.int64)
+    local_cu = cu // cp_size
+    token = torch.arange(num_local_tokens, device=cu.device)
+    seq = torch.searchsorted(local_cu[1:], token, right=True)
+    offset = token - local_cu[seq]
+    half = (local_cu[seq + 1] - local_cu[seq]) // 2
+    first_chunk_pos = cp_rank * half + offset
+    second_chunk_pos = (2 * cp_size - 1 - cp_rank) * half + offset - half
+    positions = torch.where(offset < half, first_chunk_pos, second_chunk_pos) if cp_size > 1 else offset
+    return positions + cu[seq] if batch_offsets else positions
+
+
+def _thd_rope_without_host_sync(t, cu_seqlens, freqs, rotary_interleaved=False, multi_latent_attention=False,
+                                mscale=1.0, cp_group=None):
+    """Same contract as megatron's _apply_rotary_pos_emb_thd: t [t, h, d], freqs [max_s, 1, 1, d]."""
+    if cp_group is None:
+        raise ValueError("cp_group must be provided for THD format RoPE")
+    cp_size, cp_rank = cp_group.size(), cp_group.rank()
+    # megatron picks batch offsets when freqs.size(0) == cu_seqlens[-1]; the local tokens are
+    # cu_seqlens[-1] / cp, so the same test needs no device read
+    positions = thd_rope_positions(cu_seqlens, t.size(0), cp_size, cp_rank,
+                                   batch_offsets=freqs.size(0) == t.size(0) * cp_size)
+    rope_utils = importlib.import_module(_ROPE_MODULES[0])
+    # the rotation itself stays megatron's (rotate-half / interleaved / MLA variants, mscale)
+    return rope_utils._apply_rotary_pos_emb_bshd(
+        t.unsqueeze(1), freqs.index_select(0, positions), rotary_interleaved=rotary_interleaved,
+        multi_latent_attention=multi_latent_attention, mscale=mscale,
+    ).squeeze(1)
+
+
+def apply_thd_rope(enabled: bool = True) -> None:
+    """Install the sync-free THD RoPE in megatron-core (idempotent); `enabled=False` puts
+    megatron's own back (the "old" side of benchmarks/bench_step_gpu.py)."""
+    for name in _ROPE_MODULES:
+        module = importlib.import_module(name)
+        _UPSTREAM_THD_ROPE.setdefault(name, module._apply_rotary_pos_emb_thd)
+        module._apply_rotary_pos_emb_thd = _thd_rope_without_host_sync if enabled else _UPSTREAM_THD_ROPE[name]
+
+
+def thd_rope_in_use() -> str:
+    """"patched" or "megatron": which THD RoPE megatron-core's attention calls now."""
+    rope_utils = importlib.import_module(_ROPE_MODULES[0])
+    return "patched" if rope_utils._apply_rotary_pos_emb_thd is _thd_rope_without_host_sync else "megatron"
+
+
+# ------------------------------------------------------------------ CPU-only patches
 def apply() -> None:
     """Apply all CPU patches to megatron-core (idempotent).
 

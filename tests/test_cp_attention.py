@@ -1,5 +1,6 @@
-"""ContextParallelAttention: zig-zag positions, packed/unpacked causal GQA, and CP4 forward +
-backward equal to single-process attention."""
+"""ContextParallelAttention: zig-zag positions; the mask-free "causal" kernels against the dense-mask
+path they replace and a plain softmax reference (fp32, forward and gradients, packed, unpacked and
+CP zig-zag chunks); lengths read without touching cu_seqlens; CP4 forward + backward over gloo."""
 
 from __future__ import annotations
 
@@ -25,19 +26,21 @@ def _config(cp: int):
                              attention_dropout=0.0, use_cpu_initialization=True)
 
 
-def _attention(cp: int, group=None):
+def _attention(cp: int, group=None, kernel: str = "causal"):
     from megatron.core.transformer.enums import AttnMaskType
 
     from slime_plugins.models.cp_attention import ContextParallelAttention
 
     pg = types.SimpleNamespace(cp=group) if group is not None else None
-    return ContextParallelAttention(_config(cp), 1, AttnMaskType.causal, "self", pg_collection=pg)
+    attention = ContextParallelAttention(_config(cp), 1, AttnMaskType.causal, "self", pg_collection=pg)
+    attention.kernel = kernel
+    return attention
 
 
-def _packed_params(seq_lens):
+def _packed_params(seq_lens, cu=None):
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    cu = torch.tensor((0,) + tuple(seq_lens)).cumsum(0).to(torch.int32)
+    cu = torch.tensor((0,) + tuple(seq_lens)).cumsum(0).to(torch.int32) if cu is None else cu
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                            max_seqlen_q=max(seq_lens), max_seqlen_kv=max(seq_lens))
 
@@ -55,9 +58,9 @@ def _reference(q, k, v, seq_lens):
     return torch.cat(outs).reshape(sum(seq_lens), HEADS * DIM)
 
 
-def _inputs():
-    gen = torch.Generator().manual_seed(0)
-    total = sum(SEQ_LENS)
+def _inputs(seq_lens=SEQ_LENS, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(seq_lens)
     q = torch.randn(total, HEADS, DIM, generator=gen)
     k = torch.randn(total, GROUPS, DIM, generator=gen)
     v = torch.randn(total, GROUPS, DIM, generator=gen)
@@ -73,6 +76,31 @@ def _zigzag_index(seq_lens, cp, rank):
     return torch.cat([s + zigzag_positions(n, cp, rank) for s, n in zip(starts.tolist(), seq_lens)])
 
 
+def _leaves(*tensors):
+    return [t.clone().requires_grad_(True) for t in tensors]
+
+
+def _forward_backward(fn, q, k, v, grad_out):
+    """fn's output and the grads of q, k, v for a fixed output gradient."""
+    q, k, v = _leaves(q, k, v)
+    out = fn(q, k, v)
+    out.backward(grad_out)
+    return out.detach(), [x.grad for x in (q, k, v)]
+
+
+class _HostReadForbidden(torch.Tensor):
+    """cu_seqlens as a GPU tensor looks to code that must not sync: any host read raises."""
+
+    READS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__int__,
+             torch.Tensor.__index__, torch.Tensor.__float__, torch.Tensor.numpy, torch.Tensor.cpu}
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in cls.READS:
+            raise AssertionError(f"host read of a device tensor: {func.__name__}")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
 def test_zigzag_positions_cover_each_sequence_once():
     from slime_plugins.models.cp_attention import zigzag_positions
 
@@ -84,11 +112,17 @@ def test_zigzag_positions_cover_each_sequence_once():
         zigzag_positions(10, 2, 0)
 
 
-def test_packed_and_unpacked_match_reference_without_cp():
-    q, k, v, _ = _inputs()
-    attention = _attention(cp=1)
-    packed = attention(q, k, v, None, packed_seq_params=_packed_params(SEQ_LENS))
-    torch.testing.assert_close(packed, _reference(q, k, v, SEQ_LENS), rtol=0, atol=1e-5)
+@pytest.mark.parametrize("kernel", ["causal", "masked"])
+def test_packed_and_unpacked_match_reference_without_cp(kernel):
+    lens = (16, 29, 7)  # odd lengths: CP1 has no zig-zag split
+    q, k, v, grad_out = _inputs(lens)
+    attention = _attention(cp=1, kernel=kernel)
+    out, grads = _forward_backward(lambda *x: attention(*x, None, packed_seq_params=_packed_params(lens)),
+                                   q, k, v, grad_out)
+    ref_out, ref_grads = _forward_backward(lambda *x: _reference(*x, lens), q, k, v, grad_out)
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-5)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     # [s, b, h, d]: two sequences of 16 as a batch
     qb, kb, vb = (x[:32].reshape(2, 16, *x.shape[1:]).transpose(0, 1) for x in (q, k, v))
     unpacked = attention(qb, kb, vb, None)
@@ -96,32 +130,122 @@ def test_packed_and_unpacked_match_reference_without_cp():
     torch.testing.assert_close(unpacked, expected, rtol=0, atol=1e-5)
 
 
+def test_lower_right_chunk_equals_its_explicit_mask():
+    """A query chunk against a longer key prefix: query i sees keys <= i + tk - tq; GQA unrepeated."""
+    from slime_plugins.models.cp_attention import causal_chunk_attention, masked_attention
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(6, HEADS, DIM, generator=gen), *torch.randn(2, 20, GROUPS, DIM, generator=gen)
+    got = causal_chunk_attention(q, k, v, scale=0.3, dropout_p=0.0)
+    want = masked_attention(q, k, v, torch.arange(14, 20), torch.arange(20), scale=0.3, dropout_p=0.0)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def _simulated_cp(kernel: str, seq_lens, cp: int):
+    """Every CP rank's kernel call in one process: the gathered K/V are the ranks' local K/V
+    concatenated rank-major (what the all-gather returns), so the grads of the full q/k/v
+    sum over ranks exactly as the reduce-scatter does."""
+    from slime_plugins.models import cp_attention
+
+    kernel_fn = {"causal": cp_attention.attend_causal, "masked": cp_attention.attend_masked}[kernel]
+    index = [_zigzag_index(seq_lens, cp, rank) for rank in range(cp)]
+    gathered = torch.cat(index)
+
+    def run(q, k, v):
+        out = torch.zeros(q.shape[0], HEADS * DIM, dtype=q.dtype)
+        for rank in range(cp):
+            plan = cp_attention.attention_plan(tuple(seq_lens), cp, rank, q.device)
+            local = kernel_fn(q[index[rank]], k[gathered], v[gathered], plan, scale=DIM ** -0.5, dropout_p=0.0)
+            out = out.index_put((index[rank],), local.reshape(local.shape[0], -1))
+        return out
+
+    return run
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_zigzag_chunks_causal_kernel_matches_masked_and_reference(cp):
+    lens = tuple(n * 2 * cp for n in (2, 5, 1))
+    q, k, v, grad_out = _inputs(lens, seed=cp)
+    ref_out, ref_grads = _forward_backward(lambda *x: _reference(*x, lens), q, k, v, grad_out)
+    for kernel in ("causal", "masked"):
+        out, grads = _forward_backward(_simulated_cp(kernel, lens, cp), q, k, v, grad_out)
+        torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-5, msg=lambda m: f"{kernel}: {m}")
+        for got, want in zip(grads, ref_grads):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=lambda m: f"{kernel} grad: {m}")
+
+
+def _varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=None, causal=False):
+    """flash-attn's documented varlen contract (segments of cu_q / cu_k; causal aligned
+    bottom-right; GQA by head // groups), written plainly."""
+    assert causal and dropout_p == 0.0 and cu_q.dtype == cu_k.dtype == torch.int32
+    outs = []
+    for i in range(cu_q.numel() - 1):
+        qs, ks, vs = q[cu_q[i]:cu_q[i + 1]], k[cu_k[i]:cu_k[i + 1]], v[cu_k[i]:cu_k[i + 1]]
+        assert qs.shape[0] <= max_q and ks.shape[0] <= max_k
+        kv_head = torch.arange(q.shape[1]) // (q.shape[1] // k.shape[1])
+        scores = torch.einsum("qhd,khd->hqk", qs, ks[:, kv_head]) * softmax_scale
+        future = torch.ones(qs.shape[0], ks.shape[0], dtype=torch.bool).triu(1 + ks.shape[0] - qs.shape[0])
+        outs.append(torch.einsum("hqk,khd->qhd", scores.masked_fill(future, float("-inf")).softmax(-1),
+                                 vs[:, kv_head]))
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_flash_varlen_layout_matches_reference(cp, monkeypatch):
+    """The cu_seqlens and key prefixes handed to flash-attn's varlen kernel (not installed here:
+    its contract is played by _varlen_reference, so this checks our layout, not flash-attn)."""
+    from slime_plugins.models import cp_attention
+
+    monkeypatch.setattr(cp_attention, "flash_attn_varlen_func", _varlen_reference)
+    monkeypatch.setattr(cp_attention, "attend_causal", cp_attention.attend_flash_varlen)
+    lens = tuple(n * 2 * cp for n in (3, 1, 4))
+    q, k, v, grad_out = _inputs(lens, seed=10 + cp)
+    ref_out, ref_grads = _forward_backward(lambda *x: _reference(*x, lens), q, k, v, grad_out)
+    out, grads = _forward_backward(_simulated_cp("causal", lens, cp), q, k, v, grad_out)
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-5)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_lengths_come_from_the_host_not_from_cu_seqlens():
+    from slime_plugins.models.cp_attention import packed_seq_params
+
+    q, k, v, _ = _inputs()
+    cu = torch.tensor((0,) + SEQ_LENS).cumsum(0).to(torch.int32).as_subclass(_HostReadForbidden)
+    attention = _attention(cp=1)
+    out = attention(q, k, v, None, packed_seq_params=packed_seq_params(cu, SEQ_LENS))
+    torch.testing.assert_close(out, _reference(q, k, v, SEQ_LENS), rtol=0, atol=1e-5)
+    with pytest.raises(AssertionError, match="host read"):  # megatron's own params: read back (a sync on GPU)
+        attention(q, k, v, None, packed_seq_params=_packed_params(SEQ_LENS, cu))
+
+
 def _cp_rank_forward_backward(rank, world):
     import torch.distributed as dist
 
     q, k, v, grad_out = _inputs()
     index = _zigzag_index(SEQ_LENS, world, rank)
-    local = [x[index].clone().requires_grad_(True) for x in (q, k, v)]
-    attention = _attention(cp=world, group=dist.group.WORLD)
-    out = attention(*local, None, packed_seq_params=_packed_params(SEQ_LENS))
-    out.backward(grad_out[index])
-    return index, out.detach(), [x.grad for x in local]
+    results = {}
+    for kernel in ("causal", "masked"):
+        attention = _attention(cp=world, group=dist.group.WORLD, kernel=kernel)
+        results[kernel] = _forward_backward(
+            lambda *x: attention(*x, None, packed_seq_params=_packed_params(SEQ_LENS)),
+            q[index], k[index], v[index], grad_out[index])
+    return index, results
 
 
 @pytest.mark.timeout(120)
 def test_cp4_forward_and_backward_match_single_process():
     results = run_ranks(_cp_rank_forward_backward, 4, timeout_s=110)
-    q, k, v, grad_out = (x.clone() for x in _inputs())
-    for x in (q, k, v):
-        x.requires_grad_(True)
-    reference = _reference(q, k, v, SEQ_LENS)
-    reference.backward(grad_out)
-    out = torch.zeros_like(reference)
-    grads = [torch.zeros_like(x) for x in (q, k, v)]
-    for index, local_out, local_grads in results:
-        out[index] = local_out
-        for full, part in zip(grads, local_grads):
-            full[index] = part
-    torch.testing.assert_close(out, reference.detach(), rtol=0, atol=1e-5)
-    for got, x in zip(grads, (q, k, v)):
-        torch.testing.assert_close(got, x.grad, rtol=0, atol=1e-5)
+    q, k, v, grad_out = _inputs()
+    ref_out, ref_grads = _forward_backward(lambda *x: _reference(*x, SEQ_LENS), q, k, v, grad_out)
+    for kernel in ("causal", "masked"):
+        out = torch.zeros_like(ref_out)
+        grads = [torch.zeros_like(x) for x in (q, k, v)]
+        for index, by_kernel in results:
+            local_out, local_grads = by_kernel[kernel]
+            out[index] = local_out
+            for full, part in zip(grads, local_grads):
+                full[index] = part
+        torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-5)
+        for got, want in zip(grads, ref_grads):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)

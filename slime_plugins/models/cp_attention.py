@@ -8,11 +8,21 @@ Layout convention (shared with slime/backends/megatron_utils/data.py):
   CP rank r holds chunks r and 2*cp-1-r, concatenated (zig-zag, balances causal work).
 - A packed batch concatenates each sequence's local part; `PackedSeqParams.cu_seqlens_q`
   (or `cu_seqlens_q_padded` when set) holds cumulative FULL padded lengths, so the local
-  length of sequence i is (cu[i+1]-cu[i]) / cp.
+  length of sequence i is (cu[i+1]-cu[i]) / cp. `PackedSeqParamsWithLengths` also carries
+  those lengths as host ints, so no layer has to read them back from the GPU.
 - Without packing ([s, b, ...]) each batch element is one sequence of length s*cp.
 
-K/V are all-gathered over the CP group (backward: reduce-scatter of their grads); each query
-attends to keys of its own sequence at global positions <= its own.
+K/V are all-gathered over the CP group (backward: reduce-scatter of their grads) and put in
+each sequence's global order; each query attends to keys of its own sequence at global
+positions <= its own. Kernels (`ContextParallelAttention.kernel`):
+- "causal" (default): no mask is built. CP1: one causal call per sequence. CP>1: one call per
+  zig-zag chunk against its key prefix (the keys up to the chunk's end), causal aligned
+  lower-right, i.e. the chunk's last query sees the whole prefix. SDPA with native GQA
+  (flash / cuDNN kernels on GPU); with flash-attn importable and fp16/bf16 CUDA inputs, one
+  varlen call for the whole micro-batch instead.
+- "masked": SDPA with an explicit [tq, tk] boolean mask and GQA by repeat_interleave, the
+  path before issue 19: the reference the causal kernels are tested against, and the "old"
+  side of benchmarks/bench_step_gpu.py.
 """
 
 from __future__ import annotations
@@ -20,15 +30,25 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+from torch.nn.attention.bias import causal_lower_right
+
+try:
+    from flash_attn import flash_attn_varlen_func
+except ImportError:  # optional: SDPA's own flash / cuDNN kernels are used instead
+    flash_attn_varlen_func = None
+
+KERNELS = ("causal", "masked")
 
 
 def zigzag_positions(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
@@ -42,30 +62,195 @@ def zigzag_positions(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
     return torch.cat([first, second])
 
 
-@functools.lru_cache(maxsize=64)
-def _sequence_index_plan(seq_lens: tuple[int, ...], cp_size: int, cp_rank: int, device: torch.device):
-    """Per sequence: (local slice, gathered-key indices, query positions, key positions).
+@dataclass
+class PackedSeqParamsWithLengths(PackedSeqParams):
+    """megatron's PackedSeqParams plus the full padded sequence lengths as host ints.
 
-    Gathered keys are laid out rank-major: [rank 0's local tokens, rank 1's, ...]. Cached
-    (on `device`) because every layer of a micro-batch asks for the same plan.
+    Every layer needs the lengths on the host (one kernel call per sequence or chunk); reading
+    them from the GPU's cu_seqlens would make the host wait for the GPU in every layer.
     """
-    local_lens = [length // cp_size for length in seq_lens]
+
+    padded_lengths: tuple[int, ...] = ()
+
+
+def packed_seq_params(cu_seqlens: torch.Tensor, padded_lengths: tuple[int, ...]) -> PackedSeqParamsWithLengths:
+    """THD params of one packed micro-batch: cu_seqlens (cumulative full padded lengths, on the
+    compute device) and the same lengths on the host."""
+    longest = max(padded_lengths)
+    return PackedSeqParamsWithLengths(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                                      max_seqlen_q=longest, max_seqlen_kv=longest,
+                                      padded_lengths=tuple(padded_lengths))
+
+
+def padded_lengths_of(params: PackedSeqParams) -> tuple[int, ...]:
+    """Full padded sequence lengths; read back from cu_seqlens (a device sync on GPU) only for
+    params built elsewhere."""
+    if isinstance(params, PackedSeqParamsWithLengths) and params.padded_lengths:
+        return params.padded_lengths
+    cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+    return tuple((cu[1:] - cu[:-1]).tolist())
+
+
+# ------------------------------------------------------------------------------ plan
+@dataclass(frozen=True)
+class SequenceChunks:
+    """One sequence of a packed micro-batch, as this CP rank computes its attention."""
+
+    local: slice
+    """This rank's tokens of the sequence within the local packed batch."""
+    keys: slice
+    """The sequence's keys within the key buffer put in global order."""
+    query_chunks: tuple[tuple[slice, int], ...]
+    """(query tokens within the local batch, length of the key prefix they attend to) per chunk."""
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """Index plan of one micro-batch's attention on one CP rank (pure function of the lengths)."""
+
+    sequences: tuple[SequenceChunks, ...]
+    key_order: Optional[torch.Tensor]
+    """Gathered (rank-major) key index of every key in global order; None without CP."""
+    query_positions: tuple[torch.Tensor, ...]
+    """Global position of every local query, per sequence (the masked kernel's mask)."""
+    varlen_cu_q: torch.Tensor
+    """int32 cumulative query lengths, one segment per query chunk (flash-attn varlen)."""
+    varlen_cu_k: torch.Tensor
+    """int32 cumulative key lengths of the chunks' key prefixes."""
+    varlen_key_index: Optional[torch.Tensor]
+    """Gathered key index of the concatenated key prefixes; None without CP."""
+    max_query_chunk: int
+    max_key_prefix: int
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    # through pinned memory without blocking: a plain host-to-GPU copy waits for the GPU's queue
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+@functools.lru_cache(maxsize=64)
+def attention_plan(lengths: tuple[int, ...], cp_size: int, cp_rank: int, device: torch.device) -> AttentionPlan:
+    """The plan of a packed batch of full padded `lengths`. Cached (on `device`): every layer of
+    a micro-batch, forward and backward, asks for the same one."""
+    local_lens = [length // cp_size for length in lengths]
     local_total = sum(local_lens)
-    plan = []
+    sequences, orders, positions, segments, varlen_keys = [], [], [], [], []
     offset = 0
-    for length, local_len in zip(seq_lens, local_lens):
-        key_index = torch.cat(
-            [torch.arange(j * local_total + offset, j * local_total + offset + local_len)
-             for j in range(cp_size)]
-        )
-        key_pos = torch.cat([zigzag_positions(length, cp_size, j) for j in range(cp_size)])
-        query_pos = zigzag_positions(length, cp_size, cp_rank)
-        plan.append((slice(offset, offset + local_len), key_index.to(device),
-                     query_pos.to(device), key_pos.to(device)))
+    for length, local_len in zip(lengths, local_lens):
+        # gathered index of each global position: rank j's local part of this sequence sits at
+        # j * local_total + offset, its tokens at the positions zigzag_positions(length, cp, j)
+        gathered = torch.arange(length) + offset
+        if cp_size > 1:
+            for j in range(cp_size):
+                gathered[zigzag_positions(length, cp_size, j)] = torch.arange(local_len) + j * local_total + offset
+        half = local_len // 2
+        if cp_size == 1:
+            chunks = ((slice(offset, offset + local_len), length),)
+        else:
+            second = 2 * cp_size - 1 - cp_rank  # zig-zag chunk index of this rank's second half
+            chunks = ((slice(offset, offset + half), (cp_rank + 1) * half),
+                      (slice(offset + half, offset + local_len), (second + 1) * half))
+        key_start = offset * cp_size  # sequences keep their order in the global-order buffer
+        sequences.append(SequenceChunks(local=slice(offset, offset + local_len),
+                                        keys=slice(key_start, key_start + length), query_chunks=chunks))
+        orders.append(gathered)
+        positions.append(zigzag_positions(length, cp_size, cp_rank) if cp_size > 1 else torch.arange(length))
+        for queries, prefix in chunks:
+            segments.append((queries.stop - queries.start, prefix))
+            varlen_keys.append(gathered[:prefix])
         offset += local_len
-    return tuple(plan)
+    cumsum = lambda values: torch.tensor([0, *values], dtype=torch.int64).cumsum(0).to(torch.int32)  # noqa: E731
+    to = functools.partial(_to_device, device=device)
+    return AttentionPlan(
+        sequences=tuple(sequences),
+        key_order=to(torch.cat(orders)) if cp_size > 1 else None,
+        query_positions=tuple(to(p) for p in positions),
+        varlen_cu_q=to(cumsum([q for q, _ in segments])),
+        varlen_cu_k=to(cumsum([k for _, k in segments])),
+        varlen_key_index=to(torch.cat(varlen_keys)) if cp_size > 1 else None,
+        max_query_chunk=max(q for q, _ in segments),
+        max_key_prefix=max(k for _, k in segments),
+    )
 
 
+# ------------------------------------------------------------------------------ kernels
+def _heads_first(x: torch.Tensor) -> torch.Tensor:
+    """[t, h, d] -> [1, h, t, d] (a view: SDPA's flash kernels read [t, h, d] natively)."""
+    return x.transpose(0, 1).unsqueeze(0)
+
+
+def causal_chunk_attention(q, k, v, *, scale: float, dropout_p: float) -> torch.Tensor:
+    """q [tq, hq, d] against k/v [tk, hkv, d] (tq <= tk), causal aligned lower-right: query i
+    sees keys <= i + tk - tq. GQA without repeating k/v. -> [tq, hq, d]."""
+    tq, tk = q.shape[0], k.shape[0]
+    square = tq == tk
+    out = F.scaled_dot_product_attention(
+        _heads_first(q), _heads_first(k), _heads_first(v),
+        attn_mask=None if square else causal_lower_right(tq, tk),
+        is_causal=square, dropout_p=dropout_p, scale=scale, enable_gqa=True,
+    )
+    return out.squeeze(0).transpose(0, 1)
+
+
+def masked_attention(q, k, v, query_pos, key_pos, *, scale: float, dropout_p: float) -> torch.Tensor:
+    """q [tq, hq, d], k/v [tk, hkv, d] -> [tq, hq, d] with an explicit mask key_pos <= query_pos
+    and GQA by repeat_interleave (query head h uses kv group h // groups, as megatron and HF)."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    allowed = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)
+    out = F.scaled_dot_product_attention(_heads_first(q), _heads_first(k), _heads_first(v),
+                                         attn_mask=allowed, dropout_p=dropout_p, scale=scale)
+    return out.squeeze(0).transpose(0, 1)
+
+
+def _in_global_order(k, v, plan: AttentionPlan):
+    if plan.key_order is None:
+        return k, v
+    return k.index_select(0, plan.key_order), v.index_select(0, plan.key_order)
+
+
+def attend_causal(q, k, v, plan: AttentionPlan, *, scale: float, dropout_p: float) -> torch.Tensor:
+    """The "causal" kernel: q [t_local, hq, d], k/v gathered over CP (rank-major) -> [t_local, hq, d]."""
+    if flash_attn_varlen_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        return attend_flash_varlen(q, k, v, plan, scale=scale, dropout_p=dropout_p)
+    k, v = _in_global_order(k, v, plan)
+    outputs = []
+    for seq in plan.sequences:
+        keys, values = k[seq.keys], v[seq.keys]
+        for queries, prefix in seq.query_chunks:
+            outputs.append(causal_chunk_attention(q[queries], keys[:prefix], values[:prefix],
+                                                  scale=scale, dropout_p=dropout_p))
+    return torch.cat(outputs)
+
+
+def attend_flash_varlen(q, k, v, plan: AttentionPlan, *, scale: float, dropout_p: float) -> torch.Tensor:
+    """attend_causal with flash-attn's varlen kernel: one call for every sequence / chunk."""
+    # Local queries already are the concatenation of the chunks; causal=True is aligned
+    # bottom-right in flash-attn >= 2.1, i.e. lower-right against each chunk's key prefix.
+    if plan.varlen_key_index is not None:
+        k, v = k.index_select(0, plan.varlen_key_index), v.index_select(0, plan.varlen_key_index)
+    return flash_attn_varlen_func(q, k, v, plan.varlen_cu_q, plan.varlen_cu_k, plan.max_query_chunk,
+                                  plan.max_key_prefix, dropout_p=dropout_p, softmax_scale=scale, causal=True)
+
+
+def attend_masked(q, k, v, plan: AttentionPlan, *, scale: float, dropout_p: float) -> torch.Tensor:
+    """The "masked" kernel (same inputs and output as attend_causal)."""
+    k, v = _in_global_order(k, v, plan)
+    outputs = []
+    for seq, query_pos in zip(plan.sequences, plan.query_positions):
+        keys, values = k[seq.keys], v[seq.keys]
+        key_pos = torch.arange(keys.shape[0], device=keys.device)
+        outputs.append(masked_attention(q[seq.local], keys, values, query_pos, key_pos,
+                                        scale=scale, dropout_p=dropout_p))
+    return torch.cat(outputs)
+
+
+_KERNEL_FUNCTIONS = {"causal": attend_causal, "masked": attend_masked}
+
+
+# ------------------------------------------------------------------------------ module
 class _AllGatherSequence(torch.autograd.Function):
     """All-gather along dim 0 over `group`; backward reduce-scatters (sums) the grads."""
 
@@ -87,24 +272,6 @@ class _AllGatherSequence(torch.autograd.Function):
                           dtype=grad.dtype, device=grad.device)
         dist.reduce_scatter_tensor(out, grad, group=ctx.group)
         return out, None
-
-
-def _attend(q, k, v, query_pos, key_pos, scale: float, dropout_p: float) -> torch.Tensor:
-    """q [tq, hq, d], k/v [tk, hkv, d] -> [tq, hq, d], causal by global position, GQA."""
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:  # query head h uses kv group h // groups (megatron and HF agree)
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
-    allowed = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0),
-        k.transpose(0, 1).unsqueeze(0),
-        v.transpose(0, 1).unsqueeze(0),
-        attn_mask=allowed,
-        dropout_p=dropout_p,
-        scale=scale,
-    )
-    return out.squeeze(0).transpose(0, 1)
 
 
 class ContextParallelAttention(MegatronModule):
@@ -133,6 +300,8 @@ class ContextParallelAttention(MegatronModule):
             softmax_scale = getattr(config, "softmax_scale", None)
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
         self.cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+        self.kernel = "causal"
+        """One of KERNELS; the benchmark and the parity tests switch it per instance."""
 
     def _cp_group(self) -> Optional[dist.ProcessGroup]:
         if self.config.context_parallel_size == 1:
@@ -157,36 +326,26 @@ class ContextParallelAttention(MegatronModule):
         group = self._cp_group()
         cp_size = 1 if group is None else dist.get_world_size(group)
         cp_rank = 0 if group is None else dist.get_rank(group)
-        if packed:
-            # [t, heads, d]; cu_seqlens are the FULL padded sequence boundaries.
-            cu = packed_seq_params.cu_seqlens_q_padded
-            if cu is None:
-                cu = packed_seq_params.cu_seqlens_q
-            seq_lens = tuple((cu[1:] - cu[:-1]).tolist())
-            out = self._attend_packed(query, key, value, seq_lens, group, cp_size, cp_rank)
+        if packed:  # [t, heads, d]
+            lengths = padded_lengths_of(packed_seq_params)
+            out = self._attend_packed(query, key, value, lengths, group, cp_size, cp_rank)
             return out.reshape(out.shape[0], -1)
         # [s, b, heads, d]: every batch element is one sequence of length s*cp.
         s, b = query.shape[:2]
-        fold = lambda x: x.transpose(0, 1).reshape(b * s, *x.shape[2:])
+        fold = lambda x: x.transpose(0, 1).reshape(b * s, *x.shape[2:])  # noqa: E731
         out = self._attend_packed(fold(query), fold(key), fold(value),
                                   (s * cp_size,) * b, group, cp_size, cp_rank)
         return out.reshape(b, s, -1).transpose(0, 1).contiguous()
 
-    def _attend_packed(self, q, k, v, seq_lens, group, cp_size, cp_rank) -> torch.Tensor:
+    def _attend_packed(self, q, k, v, lengths, group, cp_size, cp_rank) -> torch.Tensor:
         if group is not None:
             # One collective for K and V together; identical on every CP rank of the group.
             kv = _AllGatherSequence.apply(torch.cat([k, v], dim=-1), group)
             k, v = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
-        plan = _sequence_index_plan(seq_lens, cp_size, cp_rank, q.device)
+        plan = attention_plan(tuple(lengths), cp_size, cp_rank, q.device)
         dropout_p = self.attention_dropout if self.training else 0.0
-        outputs = []
         with self._dropout_rng():
-            for local, key_index, query_pos, key_pos in plan:
-                outputs.append(_attend(
-                    q[local], k.index_select(0, key_index), v.index_select(0, key_index),
-                    query_pos, key_pos, self.softmax_scale, dropout_p,
-                ))
-        return torch.cat(outputs, dim=0)
+            return _KERNEL_FUNCTIONS[self.kernel](q, k, v, plan, scale=self.softmax_scale, dropout_p=dropout_p)
 
     def _dropout_rng(self):
         # Heads are split over TP, so attention dropout draws from the TP-rank RNG stream

@@ -78,12 +78,17 @@ def metric_keys(cfg: LossConfig) -> tuple[str, ...]:
     return tuple(sorted(keys))
 
 
-def scaled_logits(logits: torch.Tensor, packed: PackedMicroBatch, cfg: LossConfig) -> torch.Tensor:
-    """[T_local, V/tp] fp32 logits / temperature from the model output ([1,T,V/tp] or [T,1,V/tp])."""
+def flat_logits(logits: torch.Tensor, packed: PackedMicroBatch) -> torch.Tensor:
+    """[T_local, V/tp] view of the model output ([1,T,V/tp] or [T,1,V/tp]), checked against the batch."""
     flat = logits.reshape(-1, logits.size(-1))
     if flat.size(0) != packed.labels.numel():
         raise ValueError(f"logits cover {flat.size(0)} positions, the packed batch {packed.labels.numel()}")
-    return flat.float() / cfg.temperature
+    return flat
+
+
+def scaled_logits(logits: torch.Tensor, packed: PackedMicroBatch, cfg: LossConfig) -> torch.Tensor:
+    """[T_local, V/tp] fp32 logits / temperature from the model output ([1,T,V/tp] or [T,1,V/tp])."""
+    return flat_logits(logits, packed).float() / cfg.temperature
 
 
 def target_log_probs(logits: torch.Tensor, packed: PackedMicroBatch, cfg: LossConfig, tp_group: Any) -> torch.Tensor:
@@ -91,12 +96,21 @@ def target_log_probs(logits: torch.Tensor, packed: PackedMicroBatch, cfg: LossCo
     return compute_log_probs(scaled_logits(logits, packed, cfg), packed.labels, tp_group)
 
 
+# The entropy metric (no gradient) runs over chunks of this many logits: at once, its fp32
+# intermediates would hold four copies of the [tokens, vocab] logits (~70 GiB at 32k tokens of
+# Qwen3's 152k vocabulary), more than the rest of the step's loss.
+ENTROPY_CHUNK_ELEMENTS = 2**29
+
+
 def token_entropy(logits: torch.Tensor, packed: PackedMicroBatch, cfg: LossConfig, tp_group: Any) -> torch.Tensor:
     """Entropy per local position; without gradient when --entropy-coef is 0 (metric only)."""
     if cfg.entropy_coef != 0.0:
         return compute_entropy_from_logits(scaled_logits(logits, packed, cfg), tp_group)
+    flat = flat_logits(logits.detach(), packed)
+    rows = max(1, ENTROPY_CHUNK_ELEMENTS // flat.size(-1))  # equal on the TP ranks: same tokens, same shard
     with torch.no_grad():
-        return compute_entropy_from_logits(scaled_logits(logits.detach(), packed, cfg), tp_group)
+        return torch.cat([compute_entropy_from_logits(chunk.float() / cfg.temperature, tp_group)
+                          for chunk in flat.split(rows)])
 
 
 def token_weights(packed: PackedMicroBatch, plan: MicroBatchPlan, cfg: LossConfig) -> torch.Tensor:

@@ -44,6 +44,7 @@ from slime.backends.megatron_utils.data import (
     unpack_response_values,
 )
 from slime.backends.megatron_utils.loss import LossConfig, metric_keys, micro_batch_loss, target_log_probs
+from slime_plugins.models.cp_attention import packed_seq_params
 
 PhaseHook = Callable[[str], ContextManager]
 
@@ -275,9 +276,8 @@ def _gather_log_probs(local: list[torch.Tensor], packed: list[PackedMicroBatch])
 
 
 def _packed_seq_params(batch: PackedMicroBatch) -> PackedSeqParams:
-    cu = batch.cu_seqlens
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                           max_seqlen_q=batch.max_seqlen, max_seqlen_kv=batch.max_seqlen)
+    # the host copy of the lengths spares every layer a device read of cu_seqlens
+    return packed_seq_params(batch.cu_seqlens, batch.padded_lengths)
 
 
 def _forward_step(data_iterator, model, *, loss_func):

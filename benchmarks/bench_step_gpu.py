@@ -1,0 +1,708 @@
+"""The fenced training step on GPUs without TransformerEngine, old path vs new path in one run (issue 19).
+
+    python benchmarks/bench_step_gpu.py attention [--device cuda] [--tokens 16384 32768] [--shapes 16:8:128 32:8:128]
+    torchrun --nproc-per-node N benchmarks/bench_step_gpu.py step --model qwen3-0.6b [--cycles 3] \\
+        [--sync-audit] [--profile] [train.py flags: layout, --max-tokens-per-gpu, recompute, ...]
+
+Paths, switched in place between cycles of one process (same model, data and allocator):
+  old  attention with an explicit [tq, tk] mask and GQA by repeat_interleave (kernel "masked"),
+       megatron's own THD RoPE (`.tolist()` of cu_seqlens for q and k in every layer)
+  new  the mask-free kernels (kernel "causal": SDPA causal / lower-right per sequence or zig-zag
+       chunk with native GQA, flash-attn varlen when importable) and the sync-free THD RoPE
+(The old path reads the lengths from the host like the new one: the attention's own per-layer
+`.tolist()` of the code before issue 19, a third sync right after RoPE's two, is not replayed.)
+
+`attention`: fwd+bwd of one sequence per shape and length, old vs new, at CP1 and as one CP2 rank
+(its two zig-zag chunks against the gathered keys, without the all-gather); time, TFLOP/s (causal
+fwd 2*s^2*d*hq, bwd 2.5 x fwd: the convention of the issue's figures; a CP2 rank does half),
+peak memory, the new/old output and gradient difference, and whether the new path synchronises.
+
+`step`: cycles of MegatronTrainActor.train (plan fence, log-probs, train step, exit fence; no
+engines) alternating old and new after one warm-up cycle each. Per cycle: step seconds (train()
+without its wake phase), tokens/s and model TFLOP/s per GPU, peak and static memory. Model FLOPs
+(what the step must compute, recompute not counted; MFU convention):
+  forward FLOPs of a sequence of L tokens = 2 * L * P_matmul + 2 * layers * hq * d * L^2
+  P_matmul = layers * (h*(hq + 2*hkv)*d + hq*d*h + 3*h*f) + h*V      (projections, SwiGLU, LM head)
+  step FLOPs = 4 x forward (log-prob forward + training forward and backward = 2 x forward)
+Weights stay at megatron's random init (no HF weights are loaded: the step's speed does not
+depend on their values, and a 4B checkpoint would cost device time to write and read).
+--sync-audit runs one extra cycle per path under torch.cuda.set_sync_debug_mode("warn") and
+counts the host-device synchronisations by source line; --profile runs one extra new-path cycle
+under torch.profiler (top kernels, GPU busy share of the step).
+
+Rank 0 prints RATIO / MEMORY / FIT / SYNC lines and writes --results-json after every cycle (a
+run cut short keeps what it measured). An out-of-memory cycle prints "OOM ..." and exits 3
+(BENCH_STEP_INJECT_OOM_AT=N fakes one at the N-th cycle, for the CPU test of that report).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import copy
+import gc
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(BENCH_DIR)
+sys.path[:0] = [p for p in (ROOT, BENCH_DIR) if p not in sys.path]
+
+warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
+warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor. is deprecated")
+
+import torch  # noqa: E402
+
+PATHS = ("new", "old")
+KERNEL_OF_PATH = {"new": "causal", "old": "masked"}
+OOM_EXIT_CODE = 3
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    """A dense Qwen3-style decoder (SwiGLU MLP, GQA, RMSNorm, tied embeddings)."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn_hidden: int
+    vocab: int = 151936
+
+    def matmul_params(self) -> int:
+        """Weights every token multiplies with (projections, MLP, LM head; no embedding lookup, norms)."""
+        h, d = self.hidden, self.head_dim
+        per_layer = h * (self.heads + 2 * self.kv_heads) * d + self.heads * d * h + 3 * h * self.ffn_hidden
+        return self.layers * per_layer + h * self.vocab
+
+    def forward_flops(self, seq_lens: list[int]) -> float:
+        """Model FLOPs of one forward over sequences of these lengths (causal attention)."""
+        attention = sum(2 * self.layers * self.heads * self.head_dim * n * n for n in seq_lens)
+        return 2.0 * self.matmul_params() * sum(seq_lens) + attention
+
+
+MODELS = {
+    "qwen3-0.6b": ModelShape(layers=28, hidden=1024, heads=16, kv_heads=8, head_dim=128, ffn_hidden=3072),
+    "qwen3-4b": ModelShape(layers=36, hidden=2560, heads=32, kv_heads=8, head_dim=128, ffn_hidden=9728),
+    "tiny": ModelShape(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, ffn_hidden=128),
+}
+STEP_FORWARDS = 4  # log-prob forward + training forward/backward (backward = 2 forwards)
+
+
+def attention_flops(seq_len: int, heads: int, head_dim: int, cp_size: int = 1) -> float:
+    """fwd+bwd FLOPs of causal attention over one sequence (bwd 2.5 x fwd), one CP rank's share."""
+    return 3.5 * 2 * seq_len * seq_len * head_dim * heads / cp_size
+
+
+# ------------------------------------------------------------------------------ shared helpers
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_gib(device: torch.device) -> float:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+
+
+def allocated_gib(device: torch.device) -> float:
+    return torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def sync_sites(records: list[warnings.WarningMessage], top: int = 12) -> dict[str, int]:
+    """Synchronising-operation warnings (set_sync_debug_mode("warn")) counted by source line."""
+    sites = collections.Counter(
+        f"{Path(r.filename).parent.name}/{Path(r.filename).name}:{r.lineno}"
+        for r in records if "synchronizing" in str(r.message))
+    return dict(sites.most_common(top))
+
+
+@contextlib.contextmanager
+def recording_syncs(device: torch.device):
+    """Yield the list the block's host-device synchronisations are recorded into (CUDA only)."""
+    with warnings.catch_warnings(record=True) as records:
+        warnings.simplefilter("always")
+        if device.type != "cuda":
+            yield records
+            return
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield records
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
+def write_json(path: str | None, payload: dict) -> None:
+    if path:
+        tmp = f"{path}.tmp"
+        Path(tmp).write_text(json.dumps(payload, indent=2, default=str))
+        os.replace(tmp, path)
+
+
+# ------------------------------------------------------------------------------ attention
+@dataclass(frozen=True, kw_only=True)
+class AttentionOptions:
+    device: str
+    dtype: str
+    tokens: tuple[int, ...]
+    shapes: tuple[tuple[int, int, int], ...]
+    """(query heads, kv heads, head dim)"""
+    reps: int
+    results_json: str | None
+
+
+def parse_attention(argv: list[str]) -> AttentionOptions:
+    p = argparse.ArgumentParser(prog="bench_step_gpu.py attention")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 on cuda, fp32 on cpu")
+    p.add_argument("--tokens", type=int, nargs="+", default=[16384, 32768])
+    p.add_argument("--shapes", nargs="+", default=["16:8:128", "32:8:128"], help="heads:kv_heads:head_dim")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--results-json", default=None)
+    ns = p.parse_args(argv)
+    if ns.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error("--device cuda but torch sees no GPU")
+    shapes = tuple(tuple(int(x) for x in s.split(":")) for s in ns.shapes)
+    if any(len(s) != 3 or s[0] % s[1] for s in shapes):
+        p.error("--shapes are heads:kv_heads:head_dim with heads divisible by kv_heads")
+    if any(n % 4 for n in ns.tokens):
+        p.error("--tokens must be divisible by 4 (a CP2 zig-zag split)")
+    dtype = ns.dtype or ("bf16" if ns.device.startswith("cuda") else "fp32")
+    return AttentionOptions(device=ns.device, dtype=dtype, tokens=tuple(ns.tokens), shapes=shapes,
+                            reps=ns.reps, results_json=ns.results_json)
+
+
+def _timed(fn, device: torch.device, reps: int) -> float:
+    for _ in range(2):
+        fn()
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    synchronize(device)
+    return (time.perf_counter() - start) / reps
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30))
+
+
+class AttentionCase:
+    """One sequence of `seq_len` tokens on one CP rank: this rank's queries, the gathered K/V."""
+
+    def __init__(self, seq_len: int, heads: int, kv_heads: int, head_dim: int, cp_size: int,
+                 device: torch.device, dtype: torch.dtype):
+        from slime_plugins.models import cp_attention
+
+        gen = torch.Generator(device=device).manual_seed(seq_len + heads)
+        make = lambda n, h: torch.randn(n, h, head_dim, device=device, dtype=dtype, generator=gen)  # noqa: E731
+        self.q = make(seq_len // cp_size, heads).requires_grad_(True)
+        self.k = make(seq_len, kv_heads).requires_grad_(True)
+        self.v = make(seq_len, kv_heads).requires_grad_(True)
+        self.grad = make(seq_len // cp_size, heads)
+        self.plan = cp_attention.attention_plan((seq_len,), cp_size, 0, device)
+        self.scale = head_dim ** -0.5
+        self.kernels = {"new": cp_attention.attend_causal, "old": cp_attention.attend_masked}
+
+    def run(self, path: str) -> tuple[torch.Tensor, ...]:
+        for x in (self.q, self.k, self.v):
+            x.grad = None
+        out = self.kernels[path](self.q, self.k, self.v, self.plan, scale=self.scale, dropout_p=0.0)
+        out.backward(self.grad)
+        return out.detach(), self.q.grad, self.k.grad, self.v.grad
+
+
+def _measure_variant(case: AttentionCase, path: str, device: torch.device, reps: int, flops: float) -> dict:
+    synchronize(device)
+    base = allocated_gib(device)
+    reset_peak(device)
+    try:
+        seconds = _timed(lambda: case.run(path), device, reps)
+    except Exception as exc:  # noqa: BLE001 - an OOM or an unsupported kernel is a result here
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+    return {"ms": 1e3 * seconds, "tflops": flops / seconds / 1e12, "peak_gib": peak_gib(device) - base}
+
+
+def _new_path_syncs(case: AttentionCase, device: torch.device) -> dict[str, int]:
+    with recording_syncs(device) as records:
+        case.run("new")
+    return sync_sites(list(records))
+
+
+def _attention_kernels(case: AttentionCase) -> list[str]:
+    """Names of the attention kernels the new path launches (which SDPA backend was taken)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if case.q.is_cuda else [])
+    with profile(activities=activities) as prof:
+        case.run("new")
+    events = prof.key_averages()
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA] or events  # CPU: the ops instead
+    names = {e.key for e in kernels}
+    return sorted(n for n in names if any(w in n.lower() for w in ("flash", "fmha", "cudnn", "attention", "sdpa")))[:8]
+
+
+def bench_attention_case(seq_len: int, shape: tuple[int, int, int], cp_size: int, opts: AttentionOptions,
+                         device: torch.device, dtype: torch.dtype) -> dict:
+    heads, kv_heads, head_dim = shape
+    case = AttentionCase(seq_len, heads, kv_heads, head_dim, cp_size, device, dtype)
+    flops = attention_flops(seq_len, heads, head_dim, cp_size)
+    result = {"tokens": seq_len, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "cp": cp_size,
+              "tflop_per_call": flops / 1e12}
+    for path in PATHS:
+        result[path] = _measure_variant(case, path, device, opts.reps, flops)
+    if "error" not in result["new"] and "error" not in result["old"]:
+        new, old = case.run("new"), case.run("old")
+        result["rel_error"] = {name: _relative_error(a, b) for name, a, b in zip(("out", "dq", "dk", "dv"), new, old)}
+        result["speedup"] = result["new"]["tflops"] / result["old"]["tflops"]
+    result["new_path_syncs"] = _new_path_syncs(case, device)
+    result["new_path_kernels"] = _attention_kernels(case)
+    del case
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def attention_line(r: dict) -> str:
+    name = f"cp{r['cp']} hq{r['heads']}/hkv{r['kv_heads']} d{r['head_dim']} {r['tokens']} tokens"
+    parts = []
+    for path in PATHS:
+        m = r[path]
+        parts.append(f"{path} {m['error']}" if "error" in m else
+                     f"{path} {m['tflops']:.0f} TFLOP/s {m['ms']:.2f} ms peak {m['peak_gib']:.2f} GiB")
+    ratio = f"new/old = {r['speedup']:.2f}x; " if "speedup" in r else ""
+    err = max(r["rel_error"].values()) if "rel_error" in r else float("nan")
+    return (f"RATIO attention {name}: {ratio}{'; '.join(parts)}; max rel diff {err:.1e}; "
+            f"new-path syncs {sum(r['new_path_syncs'].values())}; kernels {r['new_path_kernels'][:3]}")
+
+
+# bf16 new vs old (flash vs masked math); fp32 on CPU agrees to ~1e-6
+ATTENTION_TOLERANCE = {"bf16": 3e-2, "fp32": 1e-4}
+
+
+def run_attention(argv: list[str]) -> int:
+    opts = parse_attention(argv)
+    device = torch.device(opts.device)
+    dtype = torch.bfloat16 if opts.dtype == "bf16" else torch.float32
+    import patches
+
+    patches.apply_all()
+    env = {"torch": torch.__version__, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+           "dtype": opts.dtype}
+    print("ENV " + json.dumps(env), flush=True)
+    results, failures = [], []
+    for shape in opts.shapes:
+        for seq_len in opts.tokens:
+            for cp_size in (1, 2):
+                r = bench_attention_case(seq_len, shape, cp_size, opts, device, dtype)
+                results.append(r)
+                print(attention_line(r), flush=True)
+                if "rel_error" not in r or max(r["rel_error"].values()) > ATTENTION_TOLERANCE[opts.dtype]:
+                    failures.append(f"MISMATCH or failure: {attention_line(r)}")
+                if r["new_path_syncs"]:
+                    failures.append(f"SYNC in the new attention path: {r['new_path_syncs']}")
+                write_json(opts.results_json, {"env": env, "options": asdict(opts), "results": results})
+    for line in failures:
+        print(line, flush=True)
+    return 1 if failures else 0
+
+
+# ------------------------------------------------------------------------------ step
+@dataclass(frozen=True, kw_only=True)
+class StepOptions:
+    """Flags of `step`; every other flag goes to slime's parse_args unchanged."""
+
+    model: str
+    paths: tuple[str, ...]
+    cycles: int
+    """timed cycles per path, after one warm-up cycle each"""
+    num_samples: int
+    min_tokens: int
+    max_tokens: int
+    data_seed: int
+    sync_audit: bool
+    profile: bool
+    time_budget_s: float
+    """start no cycle that would end past this many seconds after start-up (estimated from that
+    path's last cycle), so the summary is written inside the caller's deadline"""
+    results_json: str | None
+    checkpoint_dir: str
+
+
+def parse_step(argv: list[str]) -> tuple[StepOptions, list[str]]:
+    p = argparse.ArgumentParser(prog="bench_step_gpu.py step", add_help=False)
+    p.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    p.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS))
+    p.add_argument("--cycles", type=int, default=3)
+    p.add_argument("--num-samples", type=int, default=6)
+    p.add_argument("--min-tokens", type=int, default=12288)
+    p.add_argument("--max-tokens", type=int, default=16384)
+    p.add_argument("--data-seed", type=int, default=0)
+    p.add_argument("--sync-audit", action="store_true")
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--time-budget-s", type=float, default=1e9)
+    p.add_argument("--results-json", default=None)
+    p.add_argument("--checkpoint-dir", default=None, help="where the config-only HF checkpoint is written")
+    ns, rest = p.parse_known_args(argv)
+    if not 1 <= ns.min_tokens <= ns.max_tokens:
+        p.error("need 1 <= --min-tokens <= --max-tokens")
+    ckpt = ns.checkpoint_dir or os.path.join(tempfile.gettempdir(), f"bench_step_gpu_{ns.model}")
+    return StepOptions(model=ns.model, paths=tuple(dict.fromkeys(ns.paths)), cycles=ns.cycles,
+                       num_samples=ns.num_samples, min_tokens=ns.min_tokens, max_tokens=ns.max_tokens,
+                       data_seed=ns.data_seed, sync_audit=ns.sync_audit, profile=ns.profile,
+                       time_budget_s=ns.time_budget_s, results_json=ns.results_json, checkpoint_dir=ckpt), rest
+
+
+def write_config_checkpoint(out_dir: str, shape: ModelShape) -> str:
+    """An HF directory holding only config.json (weights stay at megatron's init)."""
+    from slime.tools.tiny_checkpoint import TinyQwen3Spec, build_config
+
+    spec = TinyQwen3Spec(layers=shape.layers, hidden=shape.hidden, heads=shape.heads, kv_heads=shape.kv_heads,
+                         head_dim=shape.head_dim, ffn_hidden=shape.ffn_hidden, max_position_embeddings=40960,
+                         tie_word_embeddings=True)
+    tmp = tempfile.mkdtemp(dir=os.path.dirname(os.path.abspath(out_dir)), prefix=".cfg_")
+    build_config(spec).save_pretrained(tmp)
+    if not os.path.exists(os.path.join(out_dir, "config.json")):
+        os.replace(tmp, out_dir)  # atomic: another local rank may have written it first
+    return out_dir
+
+
+def step_argv(opts: StepOptions, world: int, rest: list[str], ckpt: str) -> list[str]:
+    """Defaults a bare run needs, then the user's flags (they win), then what torchrun fixes."""
+    defaults = ["--num-rollout", "1000", "--rollout-batch-size", str(opts.num_samples),
+                "--n-samples-per-prompt", "1", "--seed", "1234", "--lr", "1e-6",
+                "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--use-dynamic-batch-size",
+                "--calculate-per-token-loss", "--fence-timeout", "300",
+                "--rollout-backend", "embedded"]  # no engines run here (auto refuses the embedded one on CUDA)
+    if torch.cuda.is_available():
+        defaults.append("--bf16")
+    return defaults + rest + ["--hf-checkpoint", ckpt, "--actor-num-nodes", "1",
+                              "--actor-num-gpus-per-node", str(world)]
+
+
+def attention_modules(actor) -> list:
+    from slime_plugins.models.cp_attention import ContextParallelAttention
+
+    return [m for chunk in actor.model for m in chunk.modules() if isinstance(m, ContextParallelAttention)]
+
+
+def use_path(actor, path: str) -> int:
+    """Switch the model's attention kernel and megatron's THD RoPE to `path`; the modules switched."""
+    from patches import megatron_core
+
+    megatron_core.apply_thd_rope(enabled=path == "new")
+    modules = attention_modules(actor)
+    for module in modules:
+        module.kernel = KERNEL_OF_PATH[path]
+    return len(modules)
+
+
+def path_in_use(actor) -> dict:
+    """What the model ran with: the THD RoPE (patched or megatron's) and the attention kernels."""
+    from patches import megatron_core
+
+    return {"thd_rope": megatron_core.thd_rope_in_use(), "kernels": sorted({m.kernel for m in attention_modules(actor)})}
+
+
+def cycle_schedule(paths: tuple[str, ...], cycles: int) -> list[tuple[str, str]]:
+    """(kind, path): a warm-up per path, then `cycles` blocks holding each path once, the order
+    rotated by one per block (new, old, old, new, new, old, ...)."""
+    warmup = [("warmup", p) for p in paths]
+    timed = [("timed", paths[(i + b) % len(paths)]) for b in range(cycles) for i in range(len(paths))]
+    return warmup + timed
+
+
+class StepBench:
+    """One process of the step benchmark (every rank runs the same schedule)."""
+
+    def __init__(self, opts: StepOptions, rest: list[str]):
+        import gpu_fenced_step as fenced
+
+        from slime.utils.arguments import parse_args
+
+        self.opts = opts
+        self.shape = MODELS[opts.model]
+        self.env = fenced.TorchrunEnv.read()
+        self.device = torch.device("cuda", self.env.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        ckpt = opts.checkpoint_dir
+        if self.env.local_rank == 0 and not os.path.exists(os.path.join(ckpt, "config.json")):
+            write_config_checkpoint(ckpt, self.shape)
+        self._wait_for(os.path.join(ckpt, "config.json"))
+        self.args = parse_args(step_argv(opts, self.env.world_size, rest, ckpt))
+        self.start = time.perf_counter()
+        self.actor = self._build_actor()
+        self.clock = fenced.PhaseClock(self.actor.watchdog)
+        self.data = fenced.synthetic_rollout(opts, self.actor.hf_config.vocab_size, self.args.n_samples_per_prompt)
+        self.data["rewards"] = [(-1.0) ** i for i in range(opts.num_samples)]  # never all-zero advantages
+        self.seq_lens = [len(t) for t in self.data["tokens"]]
+        self.flops = STEP_FORWARDS * self.shape.forward_flops(self.seq_lens)
+        self.cycles: list[dict] = []
+        self.extras: dict = {}
+        self.rollout_id = -1
+        self.current = "start-up"
+
+    @staticmethod
+    def _wait_for(path: str, deadline_s: float = 300.0) -> None:
+        end = time.monotonic() + deadline_s
+        while not os.path.exists(path):
+            if time.monotonic() > end:
+                raise TimeoutError(f"{path} not written within {deadline_s:g}s")
+            time.sleep(0.2)
+
+    def _build_actor(self):
+        from slime.backends.megatron_utils.actor import MegatronTrainActor
+
+        ledger_dir = self.args.ledger_dir or os.path.join(tempfile.gettempdir(), f"bench_step_ledger_{self.env.master_port}")
+        actor = MegatronTrainActor(self.args, self.env.rank, self.env.world_size, ledger_dir)
+        actor._load_weights = lambda path: None  # weights stay at megatron's random init (see module doc)
+        actor.init(self.env.master_addr, self.env.master_port, engine_urls=[])
+        if not attention_modules(actor):
+            raise RuntimeError("the model does not use ContextParallelAttention (TransformerEngine spec?): "
+                               "this benchmark compares the local-spec paths; pass --transformer-impl local")
+        return actor
+
+    # -- one cycle -------------------------------------------------------------------------
+    def _train(self) -> dict:
+        """actor.train on a fresh copy of the rollout, under the next rollout id (same on every rank)."""
+        self.rollout_id += 1
+        return self.actor.train(self.rollout_id, copy.deepcopy(self.data))
+
+    def run_cycle(self, path: str) -> dict:
+        use_path(self.actor, path)
+        if len(self.cycles) == int(os.environ.get("BENCH_STEP_INJECT_OOM_AT", -1)):  # tests: the OOM report
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected by BENCH_STEP_INJECT_OOM_AT)")
+        gc.collect()  # between cycles, never inside one
+        gc.disable()
+        synchronize(self.device)
+        reset_peak(self.device)
+        static = allocated_gib(self.device)
+        start = time.perf_counter()
+        try:
+            metrics = self._train()
+            synchronize(self.device)
+        finally:
+            gc.enable()
+        wall = time.perf_counter() - start
+        phases = self.clock.take()
+        step_s = wall - phases.get("actor_train/wake", 0.0)
+        world = self.env.world_size
+        return {
+            "rollout_id": self.rollout_id, "path": path, "in_use": path_in_use(self.actor),
+            "step_s": step_s, "wall_s": wall,
+            "tokens_per_s_per_gpu": sum(self.seq_lens) / step_s / world,
+            "tflops_per_gpu": self.flops / step_s / world / 1e12,
+            "peak_gib": peak_gib(self.device), "static_gib": static,
+            "loss": metrics["train/loss"], "grad_norm": metrics["train/grad_norm"],
+            "num_micro_batches": metrics["train/num_micro_batches"],
+            "phase_s": {k: round(v, 4) for k, v in sorted(phases.items())},
+        }
+
+    def audit_syncs(self, path: str) -> dict:
+        use_path(self.actor, path)
+        with recording_syncs(self.device) as records:
+            self._train()
+        self.clock.take()
+        return {"total": sum(1 for r in records if "synchronizing" in str(r.message)),
+                "top_sites": sync_sites(list(records), top=15)}
+
+    def profile_cycle(self) -> dict:
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+
+        use_path(self.actor, "new")
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        start = time.perf_counter()
+        with profile(activities=activities) as prof:
+            self._train()
+            synchronize(self.device)
+        wall = time.perf_counter() - start
+        self.clock.take()
+        kernels = [e for e in prof.key_averages()
+                   if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
+        kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
+        busy_s = sum(e.self_device_time_total for e in kernels) / 1e6
+        return {"wall_s": wall, "kernel_s": busy_s, "kernel_share": busy_s / wall,
+                "top_kernels": [{"name": e.key[:120], "gpu_s": e.self_device_time_total / 1e6, "calls": e.count}
+                                for e in kernels[:20]]}
+
+    # -- the run -----------------------------------------------------------------------------
+    def out_of_time(self, estimate_s: float) -> bool:
+        """Every rank agrees: the decision is reduced (MAX) over the world."""
+        import torch.distributed as dist
+
+        late = time.perf_counter() - self.start + estimate_s > self.opts.time_budget_s
+        flag = torch.tensor([1.0 if late else 0.0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def run(self) -> dict:
+        """Warm-ups, timed cycles, then the audit and profile cycles, each only if time is left."""
+        last: dict[str, float] = {}
+        schedule = cycle_schedule(self.opts.paths, self.opts.cycles)
+        for kind, path in schedule:
+            if self.out_of_time(last.get(path, 0.0)):
+                return self._stop(f"time budget: {len(self.cycles)} of {len(schedule)} cycles ran")
+            self.current = f"{kind} cycle of the {path} path"
+            result = {**self.run_cycle(path), "kind": kind}
+            last[path] = result["wall_s"]
+            self.cycles.append(result)
+            self.report("CYCLE " + json.dumps(result))
+        for path in self.opts.paths if self.opts.sync_audit else ():
+            if self.out_of_time(last[path]):
+                return self._stop(f"time budget: no sync audit of the {path} path")
+            self.current = f"sync audit of the {path} path"
+            audit = self.extras[f"syncs_{path}"] = self.audit_syncs(path)
+            self.report(f"SYNC {self.opts.model} {path}: {audit['total']} host-device syncs per step; "
+                        f"top sites {audit['top_sites']}")
+        if self.opts.profile and "new" in last:
+            if self.out_of_time(3 * last["new"]):  # tracing and reading the trace back cost extra
+                return self._stop("time budget: no profiled cycle")
+            self.current = "profiled cycle of the new path"
+            p = self.extras["profile_new"] = self.profile_cycle()
+            self.report(f"PROFILE {self.opts.model} new: kernels {p['kernel_s']:.2f} s of a {p['wall_s']:.2f} s step "
+                        f"({100 * p['kernel_share']:.0f} %); top: "
+                        + "; ".join(f"{k['name'][:60]} {k['gpu_s']:.2f}s" for k in p["top_kernels"][:6]))
+        return self.summary()
+
+    def _stop(self, why: str) -> dict:
+        self.extras["stopped_early"] = why
+        self.report("STOPPED " + why)
+        return self.summary()
+
+    def layout(self) -> dict:
+        a = self.args
+        return {"model": self.opts.model, "shape": asdict(self.shape), "world": self.env.world_size,
+                "tp": a.tensor_model_parallel_size, "cp": a.context_parallel_size, "sp": a.sequence_parallel,
+                "max_tokens_per_gpu": a.max_tokens_per_gpu, "recompute": [a.recompute_granularity,
+                a.recompute_method, a.recompute_num_layers], "bf16": a.bf16,
+                "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
+                "device_memory_gib": (torch.cuda.get_device_properties(self.device).total_memory / 2**30
+                                      if self.device.type == "cuda" else 0.0),
+                "torch": torch.__version__, "samples": len(self.seq_lens), "tokens": sum(self.seq_lens),
+                "seq_lens": self.seq_lens, "step_model_flops": self.flops,
+                "attention_modules": len(attention_modules(self.actor)),
+                "matmul_params": self.shape.matmul_params()}
+
+    def summary(self) -> dict:
+        by_path: dict[str, dict] = {}
+        for path in self.opts.paths:
+            timed = [c for c in self.cycles if c["path"] == path and c["kind"] == "timed"] or \
+                    [c for c in self.cycles if c["path"] == path]
+            if not timed:
+                continue
+            med = lambda key: statistics.median(c[key] for c in timed)  # noqa: E731
+            by_path[path] = {"cycles": len(timed), "step_s": med("step_s"), "tflops_per_gpu": med("tflops_per_gpu"),
+                             "tokens_per_s_per_gpu": med("tokens_per_s_per_gpu"),
+                             "peak_gib": max(c["peak_gib"] for c in timed), "static_gib": med("static_gib"),
+                             "only_warmup": all(c["kind"] == "warmup" for c in timed)}
+        return {**self.layout(), "paths": by_path, **self.extras}
+
+    def report(self, line: str) -> None:
+        if self.env.rank == 0:
+            print(line, flush=True)
+            write_json(self.opts.results_json, {"options": asdict(self.opts), "summary": self.summary(),
+                                                "cycles": self.cycles})
+
+
+def summary_lines(s: dict) -> list[str]:
+    """RATIO / MEMORY / FIT lines of a step summary."""
+    name = (f"{s['model']} world{s['world']} tp{s['tp']} cp{s['cp']} max-tokens-per-gpu {s['max_tokens_per_gpu']}"
+            f" recompute {'/'.join(str(x) for x in s['recompute']) if s['recompute'][0] else 'off'}")
+    paths = s["paths"]
+    lines = []
+    per_path = "; ".join(f"{p} {m['tflops_per_gpu']:.0f} TFLOP/s/GPU {m['tokens_per_s_per_gpu']:.0f} tok/s/GPU "
+                         f"{m['step_s']:.2f} s (median of {m['cycles']}{' warm-up only' if m['only_warmup'] else ''})"
+                         for p, m in paths.items())
+    ratio = ""
+    if "new" in paths and "old" in paths:
+        ratio = f"new/old speed = {paths['old']['step_s'] / paths['new']['step_s']:.2f}x; "
+    lines.append(f"RATIO step {name}: {ratio}{per_path or 'no cycle finished'}; {s['tokens']} tokens in "
+                 f"{s['samples']} samples")
+    per_32k = 32768 / s["max_tokens_per_gpu"] if s["max_tokens_per_gpu"] else float("nan")
+    lines.append("MEMORY step " + name + ": " + ("; ".join(
+        f"{p} peak {m['peak_gib']:.1f} GiB (static {m['static_gib']:.1f}, above static {m['peak_gib'] - m['static_gib']:.1f}"
+        f" = {(m['peak_gib'] - m['static_gib']) * per_32k:.1f} per 32k tokens)" for p, m in paths.items())
+        or "no cycle finished"))
+    verdict = "; ".join(f"{p} fits" for p in paths) or "no cycle finished"
+    if s.get("failure"):
+        verdict += f"; then {s['failure']}"
+    lines.append(f"FIT step {name}: {verdict}; peak {max((m['peak_gib'] for m in paths.values()), default=0):.1f}"
+                 f" GiB of {s['device_memory_gib']:.1f} GiB")
+    return lines
+
+
+def failure_site(exc: BaseException) -> str:
+    """The innermost frame of this project or megatron in the exception's traceback (where an OOM hit)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    ours = [f for f in frames if any(p in f.filename for p in ("/slime/", "/slime_plugins/", "/patches/", "/megatron/"))]
+    if not frames:
+        return "?"
+    f = (ours or frames)[-1]
+    return f"{Path(f.filename).parent.name}/{Path(f.filename).name}:{f.lineno} {f.name}"
+
+
+def run_step(argv: list[str]) -> int:
+    opts, rest = parse_step(argv)
+    start = time.perf_counter()
+    rank = os.environ.get("RANK", "?")
+    bench = None
+    try:
+        bench = StepBench(opts, rest)
+        summary = bench.run()
+    except BaseException as exc:  # noqa: BLE001 - report any ending, then leave without a teardown that could hang
+        sys.stderr.write(traceback.format_exc())
+        first = (str(exc).strip().splitlines() or [""])[0][:400]
+        kind = "OOM" if is_oom(exc) else "FAILED"
+        where = failure_site(exc)
+        print(f"{kind} rank={rank} after={time.perf_counter() - start:.1f}s at {where}: {type(exc).__name__}: {first}",
+              flush=True)
+        if bench is not None and rank == "0":
+            summary = bench.summary()
+            summary["failure"] = f"{kind} in the {bench.current} at {where}: {type(exc).__name__}: {first}"
+            write_json(opts.results_json, {"options": asdict(opts), "summary": summary, "cycles": bench.cycles})
+            for line in summary_lines(summary):
+                print(line, flush=True)
+        sys.stdout.flush()
+        os._exit(OOM_EXIT_CODE if kind == "OOM" else 1)
+    if rank == "0":
+        for line in summary_lines(summary):
+            print(line, flush=True)
+        write_json(opts.results_json, {"options": asdict(opts), "summary": summary, "cycles": bench.cycles})
+    sys.stdout.flush()
+    os._exit(0)  # skip process-group teardown: every rank passed the last exit fence
+
+
+def main(argv: list[str]) -> int:
+    commands = {"attention": run_attention, "step": run_step}
+    if not argv or argv[0] not in commands:
+        print(__doc__)
+        print(f"usage: bench_step_gpu.py {{{','.join(commands)}}} ...", file=sys.stderr)
+        return 2
+    return commands[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# One device call (<= 9 minutes) for issue 19: attention and fenced-step figures, old vs new path, one run each.
+#   bash benchmarks/run_step_bench_gpu.sh            (device tool: carry .whl; results under $OUT)
+# Phases, each under its own deadline inside BUDGET_S (default 530 s):
+#   attention   benchmarks/bench_step_gpu.py attention: CP1 and a CP2 rank, 16k and 32k tokens, 0.6B and 4B heads
+#   step06      qwen3-0.6b step, old vs new, with a sync audit and one profiled cycle
+#   step4b      qwen3-4b step with --max-tokens-per-gpu 32768 and full recompute (the fit check), old vs new;
+#               if it runs out of memory, step4b16k repeats it at 16384 so the 4B figures exist
+# Layout: 1 GPU -> TP1; N > 1 GPUs -> TPN x SP (LAYOUT overrides). Env overrides: BUDGET_S, S06_* and S4B_*
+# (NUM_SAMPLES, MIN_TOKENS, MAX_TOKENS, TOKENS_PER_GPU, CYCLES), ATTN_TOKENS, PY, OUT.
+# Everything measured lands in $OUT: <phase>.log, <phase>.json, env.txt, summary.txt (the RATIO/MEMORY/FIT/SYNC lines).
+# Exit code: 0 when every phase ran, 1 when one failed, 2 when something the run needs is missing.
+# DRY_RUN=1 PY=.venv/bin/python bash benchmarks/run_step_bench_gpu.sh: the same script on CPU at tiny shapes.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-outputs/step_bench}
+PY=${PY:-python3}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 OMP_NUM_THREADS=4 TOKENIZERS_PARALLELISM=false
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}  # less fragmentation at 32k tokens
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
+START=$SECONDS
+BUDGET_S=${BUDGET_S:-530}
+fatal() { echo "FATAL: $*" | tee -a "$OUT/summary.txt"; exit 2; }
+left() { echo $((BUDGET_S - (SECONDS - START))); }
+
+# megatron-core travels as a wheel (the device image lacks it); installing it must not be skipped silently
+if ! "$PY" -c "import megatron.core" 2>/dev/null; then
+  ls .whl/megatron_core-*.whl >/dev/null 2>&1 || fatal "megatron-core is not importable and .whl/ holds no megatron_core wheel (carry .whl)"
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/megatron_core-*.whl || fatal "pip could not install .whl/megatron_core-*.whl"
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
+"$PY" -c "import megatron.core, transformers, safetensors, torch.distributed.run" || fatal "a required package does not import (above)"
+if [ "${DRY_RUN:-0}" = 1 ]; then
+  NGPU=1 M06=tiny M4B=tiny ATTN=(--device cpu --tokens 64 --shapes 4:2:16 --reps 1) SMI=true
+  export S06_MIN_TOKENS=64 S06_MAX_TOKENS=128 S06_TOKENS_PER_GPU=256 S06_CYCLES=1
+  export S4B_MIN_TOKENS=200 S4B_MAX_TOKENS=240 S4B_TOKENS_PER_GPU=256 S4B_CYCLES=1
+else
+  NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count())') || fatal "torch does not start"
+  [ "$NGPU" -ge 1 ] || fatal "no GPU visible to torch"
+  M06=qwen3-0.6b M4B=qwen3-4b ATTN=(--tokens ${ATTN_TOKENS:-16384 32768} --shapes 16:8:128 32:8:128) SMI=nvidia-smi
+fi
+TORCHRUN=("$PY" -m torch.distributed.run --nproc-per-node "$NGPU")
+if [ "$NGPU" -gt 1 ]; then LAYOUT=${LAYOUT:---tensor-model-parallel-size $NGPU --sequence-parallel}; else LAYOUT=${LAYOUT:-}; fi
+{ $SMI --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  "$PY" -c 'import torch, megatron.core, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version(), "megatron-core", megatron.core.__version__, "transformers", transformers.__version__)'
+  "$PY" -c 'import flash_attn; print("flash-attn", flash_attn.__version__)' 2>/dev/null || echo "flash-attn: not installed (SDPA kernels)"
+  echo "gpus $NGPU layout '${LAYOUT}'"; date -u; } 2>&1 | tee "$OUT/env.txt"
+
+STATUS=0
+summarize() { grep -h "^RATIO\|^MEMORY\|^FIT\|^SYNC\|^PROFILE\|^OOM\|^FAILED\|^MISMATCH\|^STOPPED" "$OUT/$1.log" | cut -c1-900 | tee -a "$OUT/summary.txt"; }
+# run NAME CAP_S CMD...: the command under min(CAP_S, time left - 10 s), its output in $OUT/NAME.log
+run() {
+  local name=$1 cap=$2; shift 2
+  local limit=$(( $(left) - 10 )); [ "$limit" -gt "$cap" ] && limit=$cap
+  if [ "$limit" -lt 30 ]; then echo "SKIPPED $name: $(left) s left" | tee -a "$OUT/summary.txt"; STATUS=1; return 1; fi
+  echo "== $name (limit ${limit}s, $(left)s left): $*" | tee -a "$OUT/summary.txt"
+  timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "$name rc=$rc after $((SECONDS - START))s" | tee -a "$OUT/summary.txt"
+  summarize "$name"
+  [ "$rc" -eq 0 ] || STATUS=1
+  return "$rc"
+}
+step() {  # step NAME CAP_S PREFIX MODEL FLAGS...: one torchrun of the step benchmark; its own cycle budget
+  local name=$1 cap=$2 prefix=$3 model=$4; shift 4  # stays 30 s inside the phase's deadline
+  local v=${prefix}_NUM_SAMPLES; local n=${!v}; v=${prefix}_MIN_TOKENS; local lo=${!v}; v=${prefix}_MAX_TOKENS; local hi=${!v}
+  v=${prefix}_CYCLES; local cycles=${!v}
+  local limit=$(( $(left) - 10 )); [ "$limit" -gt "$cap" ] && limit=$cap
+  run "$name" "$limit" "${TORCHRUN[@]}" --master-port $((29600 + RANDOM % 200)) benchmarks/bench_step_gpu.py step \
+    --model "$model" --num-samples "$n" --min-tokens "$lo" --max-tokens "$hi" --cycles "$cycles" \
+    --time-budget-s $((limit - 30)) --results-json "$OUT/$name.json" $LAYOUT "$@"
+}
+
+run attention 100 "$PY" benchmarks/bench_step_gpu.py attention "${ATTN[@]}" --results-json "$OUT/attention.json"
+
+S06_NUM_SAMPLES=${S06_NUM_SAMPLES:-6} S06_MIN_TOKENS=${S06_MIN_TOKENS:-12288} S06_MAX_TOKENS=${S06_MAX_TOKENS:-16384}
+S06_CYCLES=${S06_CYCLES:-3}
+step step06 170 S06 "$M06" --max-tokens-per-gpu "${S06_TOKENS_PER_GPU:-16384}" --sync-audit --profile
+
+S4B_NUM_SAMPLES=${S4B_NUM_SAMPLES:-2} S4B_MIN_TOKENS=${S4B_MIN_TOKENS:-24576} S4B_MAX_TOKENS=${S4B_MAX_TOKENS:-30720}
+S4B_CYCLES=${S4B_CYCLES:-2}
+RECOMPUTE="--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
+step step4b 210 S4B "$M4B" --max-tokens-per-gpu "${S4B_TOKENS_PER_GPU:-32768}" $RECOMPUTE
+if grep -q "^OOM" "$OUT/step4b.log"; then  # out of memory at 32k: the same at 16k, so 4B figures exist
+  S4B_MIN_TOKENS=12288 S4B_MAX_TOKENS=16384
+  step step4b16k 170 S4B "$M4B" --max-tokens-per-gpu 16384 $RECOMPUTE
+fi
+
+echo "done after $((SECONDS - START))s, status $STATUS" | tee -a "$OUT/summary.txt"
+exit "$STATUS"

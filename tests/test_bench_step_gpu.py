@@ -1,0 +1,175 @@
+"""benchmarks/bench_step_gpu.py on CPU: every path the GPU call takes, at tiny shapes.
+
+The FLOP formula against the real architecture's weights, the cycle schedule, the report lines;
+`attention` end to end (and that a wrong kernel is reported); `step` under torchrun on gloo
+(CP2, recompute, sync audit, profiled cycle, old and new paths equal at lr 0) and its OOM report.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks" / "bench_step_gpu.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_step_gpu", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_matmul_params_are_the_architectures_matmul_weights(bench):
+    """The FLOP formula's weights equal the 2-D projection/MLP weights of the HF Qwen3 model plus the LM head."""
+    from transformers import Qwen3ForCausalLM
+
+    from slime.tools.tiny_checkpoint import TinyQwen3Spec, build_config
+
+    shape = bench.MODELS["qwen3-0.6b"]
+    config = build_config(TinyQwen3Spec(layers=shape.layers, hidden=shape.hidden, heads=shape.heads,
+                                        kv_heads=shape.kv_heads, head_dim=shape.head_dim, ffn_hidden=shape.ffn_hidden,
+                                        tie_word_embeddings=True))
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(config)
+    layer_weights = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and ".layers." in n)
+    assert shape.matmul_params() == layer_weights + shape.hidden * shape.vocab
+    assert 590e6 < shape.matmul_params() < 600e6  # Qwen3-0.6B: 0.44B in the layers + the 0.16B LM head
+
+
+def test_forward_flops_count_causal_attention_per_sequence(bench):
+    shape = bench.ModelShape(layers=2, hidden=8, heads=4, kv_heads=2, head_dim=4, ffn_hidden=16, vocab=32)
+    matmul = 2 * (8 * (4 + 4) * 4 + 4 * 4 * 8 + 3 * 8 * 16) + 8 * 32
+    assert shape.matmul_params() == matmul
+    attention = 2 * 2 * 4 * 4 * (10 ** 2 + 6 ** 2)  # 2 * layers * hq * d * L^2 per sequence
+    assert shape.forward_flops([10, 6]) == 2 * matmul * 16 + attention
+    assert bench.attention_flops(8, 4, 4, cp_size=2) == 3.5 * 2 * 64 * 4 * 4 / 2
+
+
+def test_cycle_schedule_warms_each_path_then_rotates(bench):
+    assert bench.cycle_schedule(("new", "old"), 2) == [
+        ("warmup", "new"), ("warmup", "old"), ("timed", "new"), ("timed", "old"), ("timed", "old"), ("timed", "new")]
+
+
+def test_step_flags_parse_as_on_a_gpu_machine(bench, tmp_path, monkeypatch):
+    """What parse_args decides from CUDA being present (bf16, the engine kind) must not refuse the run."""
+    from slime.utils.arguments import parse_args
+
+    ckpt = bench.write_config_checkpoint(str(tmp_path / "ckpt"), bench.MODELS["tiny"])
+    opts, rest = bench.parse_step(["--model", "tiny", "--max-tokens-per-gpu", "256"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    args = parse_args(bench.step_argv(opts, 1, rest, ckpt))
+    assert args.bf16 and args.rollout_backend == "embedded" and args.max_tokens_per_gpu == 256
+
+
+def test_sync_sites_count_synchronising_warnings_by_line(bench):
+    with warnings.catch_warnings(record=True) as records:
+        warnings.simplefilter("always")
+        for line in (12, 12, 30):
+            warnings.warn_explicit("called a synchronizing CUDA operation", UserWarning, "/a/embeddings/rope_utils.py", line)
+        warnings.warn_explicit("something else", UserWarning, "/a/b/c.py", 1)
+    assert bench.sync_sites(records) == {"embeddings/rope_utils.py:12": 2, "embeddings/rope_utils.py:30": 1}
+
+
+def _summary(**extra):
+    path = dict(cycles=2, step_s=2.0, tflops_per_gpu=300.0, tokens_per_s_per_gpu=1000.0, peak_gib=40.0,
+                static_gib=10.0, only_warmup=False)
+    return {"model": "qwen3-4b", "world": 1, "tp": 1, "cp": 1, "max_tokens_per_gpu": 16384,
+            "recompute": ["full", "uniform", 1], "tokens": 60000, "samples": 4, "device_memory_gib": 139.8,
+            "paths": {"new": path, "old": {**path, "step_s": 4.0, "peak_gib": 50.0}}, **extra}
+
+
+def test_summary_lines_give_ratio_memory_per_32k_and_fit(bench):
+    ratio, memory, fit = bench.summary_lines(_summary())
+    assert ratio.startswith("RATIO step qwen3-4b") and "new/old speed = 2.00x" in ratio
+    assert "new peak 40.0 GiB (static 10.0, above static 30.0 = 60.0 per 32k tokens)" in memory
+    assert fit.endswith("new fits; old fits; peak 50.0 GiB of 139.8 GiB")
+    failed = bench.summary_lines({**_summary(failure="OOM in the warmup cycle of the old path: x"),
+                                  "paths": {}})[2]
+    assert "no cycle finished; then OOM in the warmup cycle of the old path" in failed
+
+
+def test_attention_command_measures_both_paths_and_agrees(bench, tmp_path, capsys):
+    out = tmp_path / "attention.json"
+    rc = bench.main(["attention", "--device", "cpu", "--tokens", "64", "--shapes", "4:2:16", "--reps", "1",
+                     "--results-json", str(out)])
+    assert rc == 0, capsys.readouterr().out
+    results = json.loads(out.read_text())["results"]
+    assert [r["cp"] for r in results] == [1, 2]
+    for r in results:
+        assert r["new"]["ms"] > 0 and r["old"]["ms"] > 0 and max(r["rel_error"].values()) < 1e-5
+        assert r["new_path_syncs"] == {} and r["new_path_kernels"]
+    assert capsys.readouterr().out.count("RATIO attention") == 2
+
+
+def test_attention_command_fails_loudly_on_a_wrong_kernel(bench, tmp_path, capsys, monkeypatch):
+    from slime_plugins.models import cp_attention
+
+    monkeypatch.setattr(cp_attention, "attend_causal",
+                        lambda q, k, v, plan, *, scale, dropout_p: cp_attention.attend_masked(
+                            q, k, v, plan, scale=scale * 1.5, dropout_p=dropout_p))
+    rc = bench.main(["attention", "--device", "cpu", "--tokens", "64", "--shapes", "4:2:16", "--reps", "1"])
+    assert rc == 1 and "MISMATCH" in capsys.readouterr().out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_step(tmp_path: Path, nproc: int, extra: list[str], env_extra: dict[str, str] | None = None):
+    torchrun = Path(sys.executable).with_name("torchrun")
+    results = tmp_path / "step.json"
+    cmd = [str(torchrun), "--nproc-per-node", str(nproc), "--master-port", str(_free_port()), str(BENCH), "step",
+           "--model", "tiny", "--num-samples", "4", "--min-tokens", "40", "--max-tokens", "96", "--cycles", "1",
+           "--max-tokens-per-gpu", "256", "--checkpoint-dir", str(tmp_path / "ckpt"),
+           "--ledger-dir", str(tmp_path / "ledger"), "--results-json", str(results), *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env_extra or {})}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=200)
+    return proc, (json.loads(results.read_text()) if results.exists() else None)
+
+
+@pytest.mark.timeout(240)
+def test_step_command_runs_both_paths_on_cp2_with_audit_and_profile(tmp_path):
+    proc, report = _run_step(tmp_path, 2, ["--context-parallel-size", "2", "--lr", "0", "--sync-audit", "--profile",
+                                           "--recompute-granularity", "full", "--recompute-method", "uniform",
+                                           "--recompute-num-layers", "1"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary, cycles = report["summary"], report["cycles"]
+    assert [(c["kind"], c["path"]) for c in cycles] == [("warmup", "new"), ("warmup", "old"),
+                                                       ("timed", "new"), ("timed", "old")]
+    assert summary["cp"] == 2 and summary["attention_modules"] == 2 and summary["step_model_flops"] > 0
+    assert set(summary["paths"]) == {"new", "old"} and "syncs_new" in summary and "profile_new" in summary
+    assert all(math.isfinite(c["loss"]) and c["grad_norm"] > 0 and c["tflops_per_gpu"] > 0 for c in cycles)
+    in_use = {c["path"]: c["in_use"] for c in cycles}
+    assert in_use == {"new": {"thd_rope": "patched", "kernels": ["causal"]},
+                      "old": {"thd_rope": "megatron", "kernels": ["masked"]}}
+    # lr 0: the weights never change, so the two paths must compute the same step
+    new, old = (next(c for c in cycles if c["path"] == p) for p in ("new", "old"))
+    assert new["loss"] == pytest.approx(old["loss"], rel=1e-5, abs=1e-7)
+    assert new["grad_norm"] == pytest.approx(old["grad_norm"], rel=1e-5)
+    for tag in ("RATIO step tiny world2 tp1 cp2", "MEMORY step", "FIT step", "SYNC tiny new", "PROFILE tiny new"):
+        assert tag in proc.stdout
+
+
+@pytest.mark.timeout(200)
+def test_step_command_reports_an_out_of_memory_cycle(tmp_path):
+    proc, report = _run_step(tmp_path, 1, [], {"BENCH_STEP_INJECT_OOM_AT": "2"})
+    assert proc.returncode != 0
+    assert "OOM rank=0" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "FIT step tiny" in proc.stdout and "then OOM in the timed cycle of the new path" in proc.stdout
+    assert [c["kind"] for c in report["cycles"]] == ["warmup", "warmup"]
+    assert report["summary"]["failure"].startswith("OOM in the timed cycle of the new path at benchmarks/bench_step_gpu.py:")
