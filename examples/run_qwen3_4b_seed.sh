@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
 # The seed's 8-GPU configuration (upstream issue #1487) on a cluster node with SGLang and
-# TransformerEngine installed (pip install -e ".[gpu]"). Paths are placeholders.
+# TransformerEngine installed (README, "Running on a cluster"). HF, DATA and OUT are placeholders.
+# Model flags are Qwen3-4B's own config.json: 36 layers, hidden 2560, 32 query / 8 KV heads of 128,
+# FFN 9728, rope base 1e6, and TIED embeddings (tie_word_embeddings: true), so no
+# --untie-embeddings-and-output-weights: the model builder refuses a flag that contradicts the checkpoint.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 HF=${HF:-/models/Qwen3-4B}
 DATA=${DATA:-/data/dapo-math-17k.jsonl}
+OUT=${OUT:-outputs/seed}
+mkdir -p "$OUT"
 
 MODEL_ARGS=(
   --swiglu --num-layers 36 --hidden-size 2560 --ffn-hidden-size 9728
   --num-attention-heads 32 --group-query-attention --num-query-groups 8 --kv-channels 128
   --use-rotary-position-embeddings --rotary-base 1000000 --disable-bias-linear --qk-layernorm
-  --normalization RMSNorm --norm-epsilon 1e-6 --vocab-size 151936 --untie-embeddings-and-output-weights
+  --normalization RMSNorm --norm-epsilon 1e-6 --vocab-size 151936
 )
 python train.py "${MODEL_ARGS[@]}" \
   --hf-checkpoint "$HF" --ref-load "$HF" \
@@ -28,4 +33,4 @@ python train.py "${MODEL_ARGS[@]}" \
   --optimizer adam --lr 1e-6 --lr-decay-style constant --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.98 \
   --bf16 --attention-dropout 0.0 --hidden-dropout 0.0 --accumulate-allreduce-grads-in-fp32 \
   --attention-softmax-in-fp32 --recompute-granularity full --recompute-method uniform --recompute-num-layers 1 \
-  --fence-timeout 600 --metrics-jsonl outputs/seed-metrics.jsonl "$@"
+  --fence-timeout 600 --metrics-jsonl "$OUT/metrics.jsonl" --ledger-dir "$OUT/ledger" "$@"
