@@ -14,16 +14,15 @@ Train/rollout agreement: ``train_rollout_logprob_abs_diff`` is, on every step, t
 the step's loss tokens of |engine log-prob - trainer old-policy log-prob| of each sampled token
 (whatever the loss normalisation). Both sides mean log softmax(logits / rollout temperature)
 before top-k/top-p filtering (what SGLang returns; the embedded engine's sampling.py matches
-it). Right after a weight sync it is numerical noise (~1e-6 in fp32); a push that went wrong
+it). Right after a weight sync it is numerical noise (~1e-7 in fp32); a push that went wrong
 shows up as a diff orders of magnitude larger.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
-
-import math
 
 import torch
 
@@ -161,24 +160,24 @@ def _rollout_log_probs(packed: PackedMicroBatch, needed_by: str) -> torch.Tensor
     return packed.rollout_log_probs
 
 
-def old_policy_log_probs(log_probs: torch.Tensor, packed: PackedMicroBatch, cfg: LossConfig) -> torch.Tensor:
-    """The PPO ratio's denominator: the engines' log-probs with --use-rollout-logprobs, else the trainer's
-    (this step's own, detached, when none were computed: equal to the old policy on a rollout's first step)."""
-    if cfg.use_rollout_logprobs:
-        return _rollout_log_probs(packed, "--use-rollout-logprobs")
+def trainer_old_log_probs(log_probs: torch.Tensor, packed: PackedMicroBatch) -> torch.Tensor:
+    """The trainer's old-policy log-probs; without that pass (--use-rollout-logprobs alone) this step's own,
+    detached: equal to the old policy on a rollout's first step, as upstream uses them."""
     return packed.old_log_probs if packed.old_log_probs is not None else log_probs.detach()
 
 
-def rollout_logprob_abs_diff(log_probs: torch.Tensor, packed: PackedMicroBatch) -> torch.Tensor:
-    """|trainer - engine| log-prob per loss token (NaN everywhere when the engines gave none).
+def old_policy_log_probs(log_probs: torch.Tensor, packed: PackedMicroBatch, cfg: LossConfig) -> torch.Tensor:
+    """The PPO ratio's denominator: the engines' log-probs with --use-rollout-logprobs, else the trainer's."""
+    if cfg.use_rollout_logprobs:
+        return _rollout_log_probs(packed, "--use-rollout-logprobs")
+    return trainer_old_log_probs(log_probs, packed)
 
-    The trainer side is its old-policy pass; without one (--use-rollout-logprobs alone) the current
-    log-probs, as upstream does.
-    """
+
+def rollout_logprob_abs_diff(log_probs: torch.Tensor, packed: PackedMicroBatch) -> torch.Tensor:
+    """|trainer - engine| log-prob per loss token (NaN everywhere when the engines gave none)."""
     if packed.rollout_log_probs is None:
         return torch.full_like(log_probs, math.nan).detach()
-    trainer = packed.old_log_probs if packed.old_log_probs is not None else log_probs.detach()
-    return (trainer - packed.rollout_log_probs).abs() * packed.loss_mask
+    return (trainer_old_log_probs(log_probs, packed) - packed.rollout_log_probs).abs() * packed.loss_mask
 
 
 def policy_token_terms(log_probs: torch.Tensor, entropy: torch.Tensor, packed: PackedMicroBatch,
@@ -198,7 +197,7 @@ def policy_token_terms(log_probs: torch.Tensor, entropy: torch.Tensor, packed: P
         flag = "--use-tis" if cfg.use_tis else "--get-mismatch-metrics"
         rollout = _rollout_log_probs(packed, flag) * mask
         # TIS corrects the trainer's old policy towards the engines' (--use-rollout-logprobs is refused with it).
-        train_old = (packed.old_log_probs if packed.old_log_probs is not None else log_probs.detach()) * mask
+        train_old = trainer_old_log_probs(log_probs, packed) * mask
         tis, tis_clipfrac = compute_tis_weights(train_old, rollout, cfg.tis_clip, cfg.tis_clip_low)
         ratio = torch.exp(train_old - rollout)
         if cfg.use_tis:
