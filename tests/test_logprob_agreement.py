@@ -4,12 +4,13 @@
 learnable demo's counting task, sampled at temperature 0.8 with top-p 0.9 (engine and trainer must agree on the
 tempered distribution). What is measured, per rollout k: train/train_rollout_logprob_abs_diff, the mean over the
 rollout's loss tokens of |log-prob the engine reported for the token it sampled - log-prob of that token under the
-trainer's old policy|. The engines generated rollout k with the weights pushed after rollout k-1 (rollout 0: the
-checkpoint both sides loaded); the trainer's old policy is its weights after training on rollout k-1. So the diff
+trainer's old policy|. The engines generated rollout k with the weights pushed after rollout k-1 (rollout 0: those
+pushed at start); the trainer's old policy is its weights after training on rollout k-1. So the diff
 is numerical noise when every push delivered the trainer's weights, and large when one did not.
 
-healthy  5 rollouts (4 weight syncs): every diff <= 1e-4; every sample of rollout k carries weight_version k
-         (rollout 0: the engines' initial version), read from the recorded rollouts.
+healthy  5 rollouts (the push at start, then 4 weight syncs that rollouts 1-4 are judged after): every diff
+         <= 1e-4; every sample of rollout k carries weight_version k (rollout 0: version 0, pushed at
+         start), read from the recorded rollouts.
 faulty   the same run with SLIME_FAULT_INJECT=skip_weight_push@0#1,corrupt_weight_push@0#2: the push after
          rollout 1 sends no tensors, the one after rollout 2 sends them with noise. The versions still move (so
          the version check passes), but rollouts 2 and 3 show a diff >= 100 x the healthy run's largest, and
@@ -97,15 +98,14 @@ def faulty(assets) -> dict:
 
 
 def expected_version(rollout_id: int) -> str:
-    from slime.backends.embedded_engine.engine import INITIAL_WEIGHT_VERSION
-
-    return INITIAL_WEIGHT_VERSION if rollout_id == 0 else str(rollout_id)
+    """The sync after rollout k pushes version k + 1; the one at start (k = -1) version 0."""
+    return str(rollout_id)
 
 
 @pytest.mark.timeout(600)
 def test_engines_and_trainer_agree_after_every_weight_sync(healthy):
     assert sorted(healthy["diff"]) == list(range(NUM_ROLLOUTS))
-    assert len(healthy["syncs"]) == NUM_ROLLOUTS  # rollouts 1..4 are judged after 4 of them
+    assert [e["weight_sync/version"] for e in healthy["syncs"]] == list(range(NUM_ROLLOUTS + 1))
     for rollout_id, diff in healthy["diff"].items():
         assert 0.0 <= diff <= AGREEMENT, f"rollout {rollout_id}: diff {diff}"
 
@@ -127,4 +127,4 @@ def test_a_skipped_or_corrupted_push_shows_in_the_diff_though_the_versions_move(
             assert diff <= AGREEMENT, f"rollout {rollout_id}: diff {diff} after a clean push"
     # the faults are silent to the version check: every sample still reports the version just pushed
     assert faulty["versions"] == healthy["versions"]
-    assert [e["weight_sync/version"] for e in faulty["syncs"]] == list(range(1, NUM_ROLLOUTS + 1))
+    assert [e["weight_sync/version"] for e in faulty["syncs"]] == list(range(NUM_ROLLOUTS + 1))
