@@ -120,3 +120,14 @@ def test_tensorboard_logs_the_same_metrics_as_the_jsonl(tmp_path, monkeypatch):
         scalars = [(s.step, s.value) for s in events.Scalars(key)]
         assert scalars == [(e["rollout_id"], pytest.approx(e[key], rel=1e-6)) for e in jsonl]
     assert math.isclose(events.Scalars("train/loss")[-1].value, 1.0)
+
+
+def test_tensorboard_dir_follows_upstream_override_then_flags(monkeypatch):
+    from slime.utils.metrics_logger import tensorboard_log_dir
+
+    args = SimpleNamespace(tensorboard_dir="tb", tb_experiment_name="exp")
+    monkeypatch.delenv("TENSORBOARD_DIR", raising=False)
+    assert tensorboard_log_dir(args) == "tb/exp"
+    assert tensorboard_log_dir(SimpleNamespace(tensorboard_dir=None, tb_experiment_name=None)) == "tensorboard_log"
+    monkeypatch.setenv("TENSORBOARD_DIR", "/elsewhere")
+    assert tensorboard_log_dir(args) == "/elsewhere"

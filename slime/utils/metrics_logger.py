@@ -98,9 +98,11 @@ def _wandb_sink(args):
 def tensorboard_log_dir(args) -> str:
     """$TENSORBOARD_DIR (upstream's override), else --tensorboard-dir (or --tb-project-name), else
     tensorboard_log; --tb-experiment-name adds a sub-directory per run."""
-    base = os.environ.get("TENSORBOARD_DIR") or getattr(args, "tensorboard_dir", None) or "tensorboard_log"
+    if os.environ.get("TENSORBOARD_DIR"):
+        return os.environ["TENSORBOARD_DIR"]
+    base = getattr(args, "tensorboard_dir", None) or "tensorboard_log"
     experiment = getattr(args, "tb_experiment_name", None)
-    return os.path.join(base, experiment) if experiment and not os.environ.get("TENSORBOARD_DIR") else base
+    return os.path.join(base, experiment) if experiment else base
 
 
 def _tensorboard_sink(args):
