@@ -19,12 +19,14 @@ BASE = [
     "requests>=2.31",
     "aiohttp>=3.9",
     "psutil>=5.9",  # megatron-core dist_checkpointing (async writers) needs it at save time
+    "tokenizers>=0.20",  # the demo's character tokenizer (slime/tools/char_tokenizer.py)
+    "matplotlib>=3.7",  # slime.tools.plot_metrics (make demo writes curves.png)
 ]
 
 EXTRAS = {
     "logging": ["wandb", "tensorboard"],
     "gpu": ["sglang", "flash-attn", "transformer-engine[pytorch]", "torch-memory-saver"],
-    "test": ["pytest>=8", "pytest-timeout>=2.3"],
+    "test": ["pytest>=8", "pytest-timeout>=2.3", "tensorboard>=2.14"],  # tensorboard: the --use-tensorboard test
 }
 
 setup(

@@ -2,8 +2,8 @@
 
 SLIME_FAULT_INJECT=<kind>@<rank>[#<rollout_id>][,<kind>@<rank>...] is parsed once per process.
 Without '#<rollout_id>' the fault fires in every rollout. Unset or empty: no fault ever fires.
-The faults are injected where the real bug would be (warm-up, plan, metrics, forward/backward, logging),
-never inside the fences that are supposed to catch them.
+The faults are injected where the real bug would be (warm-up, plan, metrics, forward/backward, logging,
+the weight push), never inside the fences that are supposed to catch them.
 """
 from __future__ import annotations
 
@@ -23,8 +23,13 @@ FAULT_KINDS = frozenset(
         "extra_metric_key",  # rank reports one metric key the others lack
         "skip_collective",  # rank skips one collective of forward/backward
         "stall_logging",  # rank blocks in logging
+        # Silent weight-push failures: the version still moves, only the engines' log-probs can tell.
+        "skip_weight_push",  # the sending rank's buckets go out without their tensors
+        "corrupt_weight_push",  # the sending rank's tensors go out with noise added
     }
 )
+
+CORRUPTION_STD = 0.05  # noise added by corrupt_weight_push (the tiny models' weights are ~0.02-1)
 
 _SPEC_RE = re.compile(r"^(?P<kind>[a-z_]+)@(?P<rank>\d+)(?:#(?P<rollout>\d+))?$")
 EXTRA_METRIC_KEY = "fault_injected/extra_metric"
@@ -109,6 +114,19 @@ def apply_metric_key_fault(keys: Iterable[str], rank: int, rollout_id: int | Non
     if fault_active("extra_metric_key", rank, rollout_id):
         keys.add(EXTRA_METRIC_KEY)
     return tuple(sorted(keys))
+
+
+def apply_weight_push_fault(named_tensors: list, rank: int, rollout_id: int | None) -> list:
+    """skip_weight_push / corrupt_weight_push on the (name, tensor) pairs of one bucket about to be sent."""
+    if fault_active("skip_weight_push", rank, rollout_id):
+        return []
+    if fault_active("corrupt_weight_push", rank, rollout_id):
+        import torch
+
+        generator = torch.Generator().manual_seed(rollout_id or 0)
+        return [(name, tensor + CORRUPTION_STD * torch.randn(tensor.shape, generator=generator).to(tensor))
+                for name, tensor in named_tensors]
+    return named_tensors
 
 
 def should_skip_collective(rank: int, rollout_id: int | None) -> bool:

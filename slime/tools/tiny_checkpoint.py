@@ -1,9 +1,11 @@
-"""Write a tiny, randomly initialised Qwen3 HF checkpoint with the real Qwen tokenizer.
+"""Write a tiny, randomly initialised Qwen3 HF checkpoint with a real HF tokenizer.
 
-    python -m slime.tools.tiny_checkpoint --out DIR [--layers 2 --hidden 64 --heads 4 ...]
+    python -m slime.tools.tiny_checkpoint --out DIR [--layers 2 --hidden 64 --heads 4 ...] [--alphabet 0123456789]
 
-The vocabulary is Qwen3's full 151,936 rows (it must cover the tokenizer), so the embedding
-dominates the size; a small hidden size keeps loading and CPU generation fast. Works offline.
+By default the tokenizer is the real Qwen one and the vocabulary Qwen3's full 151,936 rows (it
+must cover the tokenizer), so the embedding dominates the size; a small hidden size keeps loading
+and CPU generation fast. With `--alphabet` the tokenizer is a character tokenizer over those
+characters (slime/tools/char_tokenizer.py) and the vocabulary has one row per token. Works offline.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from slime.tools import char_tokenizer
 from slime.tools.qwen_tokenizer_files import FIRST_ADDED_TOKEN_ID, QWEN3_VOCAB_SIZE, save_hf_tokenizer
 
 IM_END_ID = FIRST_ADDED_TOKEN_ID + 2
@@ -36,13 +39,33 @@ class TinyQwen3Spec:
     tie_word_embeddings: bool = False
     seed: int = 1234
     init_std: float = 0.02
+    alphabet: str | None = None
+    """None: the Qwen tokenizer; else a character tokenizer over these characters."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class VocabIds:
+    size: int
+    pad: int
+    """Also bos, as in Qwen3 (<|endoftext|>)."""
+    eos: tuple[int, ...]
+    """The first one is config.eos_token_id; all of them end generation."""
+
+
+def vocab_ids(spec: TinyQwen3Spec) -> VocabIds:
+    if spec.alphabet is None:
+        return VocabIds(size=QWEN3_VOCAB_SIZE, pad=ENDOFTEXT_ID, eos=(IM_END_ID, ENDOFTEXT_ID))
+    specials = char_tokenizer.SPECIAL_TOKENS
+    return VocabIds(size=len(specials) + len(spec.alphabet), pad=specials.index(char_tokenizer.PAD_TOKEN),
+                    eos=(specials.index(char_tokenizer.EOS_TOKEN),))
 
 
 def build_config(spec: TinyQwen3Spec):
     from transformers import Qwen3Config
 
+    ids = vocab_ids(spec)
     return Qwen3Config(
-        vocab_size=QWEN3_VOCAB_SIZE,
+        vocab_size=ids.size,
         hidden_size=spec.hidden,
         intermediate_size=spec.ffn_hidden,
         num_hidden_layers=spec.layers,
@@ -54,9 +77,9 @@ def build_config(spec: TinyQwen3Spec):
         rms_norm_eps=1e-6,
         tie_word_embeddings=spec.tie_word_embeddings,
         initializer_range=spec.init_std,
-        bos_token_id=ENDOFTEXT_ID,
-        eos_token_id=IM_END_ID,
-        pad_token_id=ENDOFTEXT_ID,
+        bos_token_id=ids.pad,
+        eos_token_id=ids.eos[0],
+        pad_token_id=ids.pad,
         torch_dtype="float32",
         architectures=["Qwen3ForCausalLM"],
     )
@@ -70,16 +93,20 @@ def write_tiny_checkpoint(out_dir: str | Path, spec: TinyQwen3Spec = TinyQwen3Sp
     torch.manual_seed(spec.seed)
     model = Qwen3ForCausalLM(build_config(spec)).to(torch.float32)
     model.save_pretrained(str(out), safe_serialization=True)
+    ids = vocab_ids(spec)
     GenerationConfig(
-        bos_token_id=ENDOFTEXT_ID,
-        eos_token_id=[IM_END_ID, ENDOFTEXT_ID],
-        pad_token_id=ENDOFTEXT_ID,
+        bos_token_id=ids.pad,
+        eos_token_id=list(ids.eos),
+        pad_token_id=ids.pad,
         do_sample=True,
         temperature=1.0,
         top_p=1.0,
         top_k=0,
     ).save_pretrained(str(out))
-    save_hf_tokenizer(out, model_max_length=spec.max_position_embeddings)
+    if spec.alphabet is None:
+        save_hf_tokenizer(out, model_max_length=spec.max_position_embeddings)
+    else:
+        char_tokenizer.save_char_tokenizer(out, spec.alphabet, model_max_length=spec.max_position_embeddings)
     (out / "tiny_spec.json").write_text(json.dumps(spec.__dict__, indent=2) + "\n")
     return out
 
@@ -97,6 +124,8 @@ def _parse(argv: list[str] | None) -> tuple[Path, TinyQwen3Spec]:
     parser.add_argument("--max-position-embeddings", type=int, default=defaults.max_position_embeddings)
     parser.add_argument("--tie-word-embeddings", action="store_true")
     parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--alphabet", default=None,
+                        help="a character tokenizer over these characters instead of the Qwen tokenizer")
     ns = parser.parse_args(argv)
     spec = TinyQwen3Spec(
         layers=ns.layers,
@@ -108,6 +137,7 @@ def _parse(argv: list[str] | None) -> tuple[Path, TinyQwen3Spec]:
         max_position_embeddings=ns.max_position_embeddings,
         tie_word_embeddings=ns.tie_word_embeddings,
         seed=ns.seed,
+        alphabet=ns.alphabet,
     )
     return ns.out, spec
 

@@ -80,7 +80,6 @@ NOT_IMPLEMENTED_FLAGS: tuple[NotImplementedFlag, ...] = (
         for flag in ("--wandb-host", "--wandb-team", "--wandb-mode", "--wandb-dir", "--wandb-run-id",
                      "--disable-wandb-random-suffix")
     ),
-    NotImplementedFlag(flag="--tb-experiment-name", reason="TensorBoard run names are not wired"),
 )
 
 
@@ -230,6 +229,10 @@ def _add_algorithm_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--use-tis", action="store_true", default=False, help="truncated importance sampling vs rollout logprobs")
     g.add_argument("--tis-clip", type=float, default=2.0, help="TIS upper clip")
     g.add_argument("--tis-clip-low", type=float, default=0.0, help="TIS lower clip")
+    g.add_argument("--use-rollout-logprobs", action="store_true", default=False,
+                   help="the engines' log-probs are the old policy (the trainer skips its old-policy forward)")
+    g.add_argument("--get-mismatch-metrics", action="store_true", default=False,
+                   help="also log train/rollout mismatch metrics (tis, tis_abs, tis_clipfrac, ois); loss unchanged")
     g.add_argument("--calculate-per-token-loss", action="store_true", default=False,
                    help="normalise the loss by the step's loss-token total instead of per sample")
 
@@ -747,6 +750,24 @@ def _check_rollout_backend(args: argparse.Namespace) -> None:
         raise ArgumentValidationError(str(exc)) from None
 
 
+def _check_logprob_mismatch(args: argparse.Namespace) -> None:
+    """Engine vs trainer log-probs (issue 13): both must mean the same distribution."""
+    from slime.backends.embedded_engine.sampling import RETURN_ORIGINAL_LOGPROB_ENV, return_original_logprob
+
+    if args.use_rollout_logprobs and args.use_tis:
+        _fail("--use-rollout-logprobs and --use-tis cannot be combined: TIS corrects the trainer's old policy "
+              "towards the engines', which --use-rollout-logprobs already uses; drop one")
+    if return_original_logprob() and args.rollout_temperature != 1.0:
+        # The engines then report temperature-1 log-probs while the trainer's are at the rollout temperature.
+        message = (f"{RETURN_ORIGINAL_LOGPROB_ENV} is set: engines return log-probs before the rollout temperature "
+                   f"({args.rollout_temperature:g}), the trainer's are after it")
+        if args.use_rollout_logprobs or args.use_tis:
+            _fail(f"{message}; --use-rollout-logprobs / --use-tis would mix the two distributions. "
+                  f"Unset {RETURN_ORIGINAL_LOGPROB_ENV} or use --rollout-temperature 1")
+        warnings.warn(f"{message}: train/train_rollout_logprob_abs_diff compares different distributions",
+                      stacklevel=4)
+
+
 def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
     """Fill derived values and check flag combinations in place; raises ArgumentValidationError with the fix."""
     parser = parser or build_parser()
@@ -761,6 +782,7 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
         _check_batch_split(args)
         _check_context_parallel(args)
     _check_algorithm(args)
+    _check_logprob_mismatch(args)
     _resolve_tracking(args)
     _resolve_eval_datasets(args)
     _check_paths(args, parser)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import queue
 import threading
 from typing import Any
@@ -70,6 +71,7 @@ def _stdout_sink(event: dict) -> None:
 
 
 def _jsonl_sink(path: str):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     handle = open(path, "a", buffering=1)
 
     def write_jsonl(event: dict) -> None:
@@ -93,12 +95,24 @@ def _wandb_sink(args):
     return write_wandb
 
 
+def tensorboard_log_dir(args) -> str:
+    """$TENSORBOARD_DIR (upstream's override), else --tensorboard-dir (or --tb-project-name), else
+    tensorboard_log; --tb-experiment-name adds a sub-directory per run."""
+    if os.environ.get("TENSORBOARD_DIR"):
+        return os.environ["TENSORBOARD_DIR"]
+    base = getattr(args, "tensorboard_dir", None) or "tensorboard_log"
+    experiment = getattr(args, "tb_experiment_name", None)
+    return os.path.join(base, experiment) if experiment else base
+
+
 def _tensorboard_sink(args):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as exc:
         raise SystemExit("TensorBoard logging needs the tensorboard package: pip install tensorboard") from exc
-    writer = SummaryWriter(log_dir=getattr(args, "tensorboard_dir", None))
+    log_dir = tensorboard_log_dir(args)
+    logger.info("TensorBoard logs in %s", log_dir)
+    writer = SummaryWriter(log_dir=log_dir)
 
     def write_tensorboard(event: dict) -> None:
         for key, value in event.items():

@@ -196,8 +196,8 @@ def compute_advantages_and_returns(args: Any, data: dict[str, Any]) -> None:
     """Fill data['advantages'] and data['returns'] (per response token) in place.
 
     Rewards are expected post-processed (group-normalised for GRPO) by the rollout side.
-    KL shaping (reinforce++ families) uses data['log_probs'] / data['ref_log_probs'] when
-    both are present, with --kl-coef.
+    KL shaping (reinforce++ families) uses data['log_probs'] (data['rollout_log_probs'] with
+    --use-rollout-logprobs) / data['ref_log_probs'] when both are present, with --kl-coef.
     """
     estimator = getattr(args, "advantage_estimator", "grpo")
     masks = [torch.tensor(m, dtype=torch.float32) for m in data["loss_masks"]]
@@ -219,12 +219,14 @@ def compute_advantages_and_returns(args: Any, data: dict[str, Any]) -> None:
 
 
 def _shaping_kl(args: Any, data: dict[str, Any], masks: list[torch.Tensor]) -> list[torch.Tensor]:
-    if data.get("log_probs") is None or data.get("ref_log_probs") is None:
+    # The old policy's log-probs: the engines' with --use-rollout-logprobs (as upstream), else the trainer's.
+    policy = data.get("rollout_log_probs" if getattr(args, "use_rollout_logprobs", False) else "log_probs")
+    if policy is None or data.get("ref_log_probs") is None:
         return [torch.zeros_like(m) for m in masks]
     kl_type = getattr(args, "kl_loss_type", "k1") or "k1"
     return [
         compute_approx_kl(torch.tensor(lp), torch.tensor(ref), kl_type)
-        for lp, ref in zip(data["log_probs"], data["ref_log_probs"])
+        for lp, ref in zip(policy, data["ref_log_probs"])
     ]
 
 

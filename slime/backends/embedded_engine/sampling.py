@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
+
+# SGLang's switch (sglang/srt/layers/sampler.py): report log-probs before temperature scaling.
+RETURN_ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
 
 # Accepted by SGLang but without effect here; allowed only at their neutral value so a
 # request never silently samples differently from what it asked for.
@@ -77,21 +81,39 @@ class SamplingParams:
             raise ValueError("n must be >= 1")
 
 
+def return_original_logprob() -> bool:
+    """SGLang's reading of SGLANG_RETURN_ORIGINAL_LOGPROB ("1"/"true", any case)."""
+    return os.environ.get(RETURN_ORIGINAL_LOGPROB_ENV, "false").lower() in ("true", "1")
+
+
+def logprob_temperature(p: SamplingParams) -> float:
+    """The temperature of the distribution whose log-probs SGLang 0.5 returns as output_token_logprobs.
+
+    SGLang divides the logits by the request's temperature, takes the softmax, samples from it
+    (top-k/top-p renormalise a sorted copy), and returns log of that softmax: the tempered
+    distribution before top-k/top-p filtering. Temperature 0 is greedy: SGLang turns it into
+    temperature 1 with top_k 1. SGLANG_RETURN_ORIGINAL_LOGPROB=1 returns temperature-1 log-probs.
+    The trainer's old-policy log-probs divide by --rollout-temperature too (loss.py), so both
+    sides mean the same distribution.
+    """
+    if p.temperature == 0 or return_original_logprob():
+        return 1.0
+    return p.temperature
+
+
 def sample_next_tokens(
     logits: torch.Tensor, params: list[SamplingParams], generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row; returns (token_ids [B], raw log-probs of those tokens [B]).
-
-    Log-probs are of the unmodified distribution (temperature 1, no top-k/p), as SGLang
-    reports them, so the trainer can compare them with its own forward pass.
-    """
+    """Sample one token per row; returns (token_ids [B], log-probs of those tokens [B]) as SGLang
+    reports them (see logprob_temperature)."""
     logits = logits.float()
-    raw_logprobs = torch.log_softmax(logits, dim=-1)
     tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
     for row, p in enumerate(params):
         tokens[row] = _sample_row(logits[row], p, generator)
-    chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
-    return tokens, chosen
+    temperatures = torch.tensor([logprob_temperature(p) for p in params], dtype=logits.dtype,
+                                device=logits.device).unsqueeze(1)
+    logprobs = torch.log_softmax(logits / temperatures, dim=-1)
+    return tokens, logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> int:

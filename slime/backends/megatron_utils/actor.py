@@ -27,7 +27,7 @@ import torch
 from megatron.core import parallel_state
 
 from slime.backends.megatron_utils.data import plans_from_rollout
-from slime.backends.megatron_utils.loss import LossConfig, metric_keys
+from slime.backends.megatron_utils.loss import LossConfig, metric_keys, trainer_computes_old_log_probs
 from slime.backends.megatron_utils.train_step import StepResult, compute_log_probs, train_one_step
 from slime.distributed import (
     Ledger,
@@ -156,16 +156,21 @@ class MegatronTrainActor:
             "micro_batch_tokens": [[list(p.token_counts) for p in plans] for plans in every_dp],
             "loss_token_totals": [p.step_loss_token_total for p in every_dp[0]],
             "metric_keys": sorted(metric_keys(cfg)),
-            "optional_collectives": sorted(name for name, on in (("kl_loss", cfg.use_kl_loss),
-                                                                  ("ref_log_probs", "ref" in self.snapshots)) if on),
+            "optional_collectives": sorted(name for name, on in (
+                ("kl_loss", cfg.use_kl_loss), ("ref_log_probs", "ref" in self.snapshots),
+                ("old_log_probs", trainer_computes_old_log_probs(self.args))) if on),
         }
         self.groups.fence("actor_train/plan", apply_plan_fault(fields, self.rank, rollout_id))
         return every_dp[parallel_state.get_data_parallel_rank()]
 
     def _fill_log_probs(self, data: dict, plans) -> None:
         hook = self.watchdog.phase
+        if getattr(self.args, "use_rollout_logprobs", False) and data.get("rollout_log_probs") is None:
+            raise ValueError("--use-rollout-logprobs: the rollout carries no engine log-probs (every sample needs "
+                             "rollout_log_probs)")
         with torch.no_grad():
-            data["log_probs"] = compute_log_probs(self.model, data, plans, self.args, collective_hook=hook)
+            if trainer_computes_old_log_probs(self.args):  # else the engines' log-probs are the old policy
+                data["log_probs"] = compute_log_probs(self.model, data, plans, self.args, collective_hook=hook)
             if "ref" in self.snapshots:
                 with self.snapshots.swapped("ref"):
                     data["ref_log_probs"] = compute_log_probs(self.model, data, plans, self.args, collective_hook=hook)

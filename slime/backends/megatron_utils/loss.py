@@ -9,10 +9,18 @@ with n_i the loss tokens of token t's whole sample (not the CP-local part). Both
 denominators come from the plan, i.e. from data all ranks share, so no micro-batch,
 CP slice or DP partition changes them. Undoing megatron's own loss/grad averaging is
 train_step.py's job (see ``megatron_loss_scale`` there).
+
+Train/rollout agreement: ``train_rollout_logprob_abs_diff`` is, on every step, the mean over
+the step's loss tokens of |engine log-prob - trainer old-policy log-prob| of each sampled token
+(whatever the loss normalisation). Both sides mean log softmax(logits / rollout temperature)
+before top-k/top-p filtering (what SGLang returns; the embedded engine's sampling.py matches
+it). Right after a weight sync it is numerical noise (~1e-7 in fp32); a push that went wrong
+shows up as a diff orders of magnitude larger.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +55,10 @@ class LossConfig:
     tis_clip_low: float
     temperature: float
     """Logits are divided by the rollout temperature, as the engine sampled with it."""
+    use_rollout_logprobs: bool = False
+    """The engines' log-probs are the old policy (--use-rollout-logprobs)."""
+    get_mismatch_metrics: bool = False
+    """Also report the TIS ratio statistics and ois (--get-mismatch-metrics); the loss is unchanged."""
 
     @classmethod
     def from_args(cls, args: Any) -> "LossConfig":
@@ -65,17 +77,38 @@ class LossConfig:
             tis_clip=float(getattr(args, "tis_clip", 2.0)),
             tis_clip_low=float(getattr(args, "tis_clip_low", 0.0)),
             temperature=float(getattr(args, "rollout_temperature", 1.0) or 1.0),
+            use_rollout_logprobs=bool(getattr(args, "use_rollout_logprobs", False)),
+            get_mismatch_metrics=bool(getattr(args, "get_mismatch_metrics", False)),
         )
+
+    @property
+    def mismatch_terms(self) -> bool:
+        return self.use_tis or self.get_mismatch_metrics
+
+
+LOGPROB_DIFF_KEY = "train_rollout_logprob_abs_diff"
+# Averaged over loss tokens whatever --calculate-per-token-loss says (the issue's definition).
+TOKEN_MEAN_METRICS = (LOGPROB_DIFF_KEY,)
 
 
 def metric_keys(cfg: LossConfig) -> tuple[str, ...]:
-    """The step's metric keys: a function of the flags only, so equal on every rank."""
-    keys = ["loss", "pg_loss", "pg_clipfrac", "ppo_kl", "entropy_loss"]
+    """The step's metric keys: a function of the flags only, so equal on every rank.
+
+    The log-prob diff is always reported; it is NaN when the rollout carries no engine log-probs
+    (a custom generate function that returns none), so the key set never depends on data.
+    """
+    keys = ["loss", "pg_loss", "pg_clipfrac", "ppo_kl", "entropy_loss", LOGPROB_DIFF_KEY]
     if cfg.use_kl_loss:
         keys.append("kl_loss")
-    if cfg.use_tis:
-        keys += ["tis", "tis_clipfrac"]
+    if cfg.mismatch_terms:
+        keys += ["tis", "tis_clipfrac", "tis_abs", "ois"]
     return tuple(sorted(keys))
+
+
+def trainer_computes_old_log_probs(args: Any) -> bool:
+    """Upstream's rule: --use-rollout-logprobs skips the trainer's old-policy forward, unless
+    --get-mismatch-metrics needs it to compare with."""
+    return not getattr(args, "use_rollout_logprobs", False) or bool(getattr(args, "get_mismatch_metrics", False))
 
 
 def flat_logits(logits: torch.Tensor, packed: PackedMicroBatch) -> torch.Tensor:
@@ -120,25 +153,57 @@ def token_weights(packed: PackedMicroBatch, plan: MicroBatchPlan, cfg: LossConfi
     return packed.loss_mask * packed.sample_weight / max(1, plan.step_sample_count)
 
 
+def _rollout_log_probs(packed: PackedMicroBatch, needed_by: str) -> torch.Tensor:
+    if packed.rollout_log_probs is None:
+        raise ValueError(f"{needed_by} needs the engines' log-probs ('rollout_log_probs') in the rollout data; "
+                         "a custom generate function must return them")
+    return packed.rollout_log_probs
+
+
+def trainer_old_log_probs(log_probs: torch.Tensor, packed: PackedMicroBatch) -> torch.Tensor:
+    """The trainer's old-policy log-probs; without that pass (--use-rollout-logprobs alone) this step's own,
+    detached: equal to the old policy on a rollout's first step, as upstream uses them."""
+    return packed.old_log_probs if packed.old_log_probs is not None else log_probs.detach()
+
+
+def old_policy_log_probs(log_probs: torch.Tensor, packed: PackedMicroBatch, cfg: LossConfig) -> torch.Tensor:
+    """The PPO ratio's denominator: the engines' log-probs with --use-rollout-logprobs, else the trainer's."""
+    if cfg.use_rollout_logprobs:
+        return _rollout_log_probs(packed, "--use-rollout-logprobs")
+    return trainer_old_log_probs(log_probs, packed)
+
+
+def rollout_logprob_abs_diff(log_probs: torch.Tensor, packed: PackedMicroBatch) -> torch.Tensor:
+    """|trainer - engine| log-prob per loss token (NaN everywhere when the engines gave none)."""
+    if packed.rollout_log_probs is None:
+        return torch.full_like(log_probs, math.nan).detach()
+    return (trainer_old_log_probs(log_probs, packed) - packed.rollout_log_probs).abs() * packed.loss_mask
+
+
 def policy_token_terms(log_probs: torch.Tensor, entropy: torch.Tensor, packed: PackedMicroBatch,
                        cfg: LossConfig) -> dict[str, torch.Tensor]:
     """Per-token loss terms; ``loss`` is what is minimised, the rest are metrics."""
     if packed.advantages is None:
         raise ValueError("rollout data has no 'advantages'; compute them before training")
     mask = packed.loss_mask
-    old = packed.old_log_probs if packed.old_log_probs is not None else log_probs.detach()
+    old = old_policy_log_probs(log_probs, packed, cfg)
     # Masked positions get log-ratio 0 so exp() cannot overflow on prompt tokens.
     ppo_kl = (old - log_probs) * mask
     pg_loss, clipfrac = compute_policy_loss(ppo_kl, packed.advantages, cfg.eps_clip, cfg.eps_clip_high,
                                             cfg.eps_clip_c)
-    terms = {"ppo_kl": ppo_kl, "pg_clipfrac": clipfrac, "entropy_loss": entropy}
-    if cfg.use_tis:
-        if packed.rollout_log_probs is None:
-            raise ValueError("--use-tis needs 'rollout_log_probs' in the rollout data")
-        tis, tis_clipfrac = compute_tis_weights(old * mask, packed.rollout_log_probs * mask,
-                                                cfg.tis_clip, cfg.tis_clip_low)
-        pg_loss = pg_loss * tis
-        terms |= {"tis": tis, "tis_clipfrac": tis_clipfrac}
+    terms = {"ppo_kl": ppo_kl, "pg_clipfrac": clipfrac, "entropy_loss": entropy,
+             LOGPROB_DIFF_KEY: rollout_logprob_abs_diff(log_probs, packed)}
+    if cfg.mismatch_terms:
+        flag = "--use-tis" if cfg.use_tis else "--get-mismatch-metrics"
+        rollout = _rollout_log_probs(packed, flag) * mask
+        # TIS corrects the trainer's old policy towards the engines' (--use-rollout-logprobs is refused with it).
+        train_old = trainer_old_log_probs(log_probs, packed) * mask
+        tis, tis_clipfrac = compute_tis_weights(train_old, rollout, cfg.tis_clip, cfg.tis_clip_low)
+        ratio = torch.exp(train_old - rollout)
+        if cfg.use_tis:
+            pg_loss = pg_loss * tis
+        terms |= {"tis": ratio, "tis_clipfrac": tis_clipfrac, "tis_abs": (ratio - 1).abs(),
+                  "ois": torch.exp(-ppo_kl).detach()}
     loss = pg_loss - cfg.entropy_coef * entropy
     if cfg.use_kl_loss:
         if packed.ref_log_probs is None:
@@ -159,6 +224,8 @@ def micro_batch_loss(logits: torch.Tensor, packed: PackedMicroBatch, plan: Micro
     log_probs = target_log_probs(logits, packed, cfg, tp_group)
     entropy = token_entropy(logits, packed, cfg, tp_group)
     weights = token_weights(packed, plan, cfg)
+    per_token = packed.loss_mask / max(1, plan.step_loss_token_total)
     terms = policy_token_terms(log_probs, entropy, packed, cfg)
-    metrics = {key: (terms[key].detach() * weights).sum() for key in metric_keys(cfg)}
+    metrics = {key: (terms[key].detach() * (per_token if key in TOKEN_MEAN_METRICS else weights)).sum()
+               for key in metric_keys(cfg)}
     return (terms["loss"] * weights).sum(), metrics

@@ -35,6 +35,7 @@ import torch
 from slime.backends.sglang_utils.http_client import ClientTimeouts, SGLangHTTPClient
 from slime.backends.sglang_utils.named_tensors import serialize_named_tensors
 from slime.distributed.errors import CollectiveDivergenceError, DistributedStepError
+from slime.distributed.fault_inject import apply_weight_push_fault
 from slime.distributed.fingerprint import stable_hash
 from slime_plugins.models.hf_weights import _mapping_for, _tied, _unwrap, export_hf_weights
 
@@ -336,7 +337,8 @@ class WeightSync:
                 if item is None:
                     return result
                 if role.sender and result.error is None:
-                    result.error = _attempt(lambda: self._send_bucket(*item, version, plan, ledger, result))
+                    bucket, tensors = item[0], apply_weight_push_fault(item[1], role.world_rank, int(version) - 1)
+                    result.error = _attempt(lambda: self._send_bucket(bucket, tensors, version, plan, ledger, result))
         return result
 
     def _send_bucket(self, bucket: WeightBucket, tensors: NamedTensors, version: str, plan: WeightSyncPlan,

@@ -1,0 +1,130 @@
+"""The standing proof that weight sync works: the engines' log-probs of what they generate match the trainer's.
+
+`python train.py` on the embedded default in fp32: 2 CPU ranks (TP2 + SP, --colocate, one engine per rank), the
+learnable demo's counting task, sampled at temperature 0.8 with top-p 0.9 (engine and trainer must agree on the
+tempered distribution). What is measured, per rollout k: train/train_rollout_logprob_abs_diff, the mean over the
+rollout's loss tokens of |log-prob the engine reported for the token it sampled - log-prob of that token under the
+trainer's old policy|. The engines generated rollout k with the weights pushed after rollout k-1 (rollout 0: those
+pushed at start); the trainer's old policy is its weights after training on rollout k-1. So the diff
+is numerical noise when every push delivered the trainer's weights, and large when one did not.
+
+healthy  5 rollouts (the push at start, then 4 weight syncs that rollouts 1-4 are judged after): every diff
+         <= 1e-4; every sample of rollout k carries weight_version k (rollout 0: version 0, pushed at
+         start), read from the recorded rollouts.
+faulty   the same run with SLIME_FAULT_INJECT=skip_weight_push@0#1,corrupt_weight_push@0#2: the push after
+         rollout 1 sends no tensors, the one after rollout 2 sends them with noise. The versions still move (so
+         the version check passes), but rollouts 2 and 3 show a diff >= 100 x the healthy run's largest, and
+         rollout 4 (after a clean push) is back to noise.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+NUM_ROLLOUTS = 5
+AGREEMENT = 1e-4  # fp32, 2 ranks: measured ~1e-7 (see the CHANGELOG)
+BROKEN_FACTOR = 100.0
+FAULTS = "skip_weight_push@0#1,corrupt_weight_push@0#2"
+BROKEN_ROLLOUTS = (2, 3)
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> dict[str, Path]:
+    from slime.tools.demo_prompts import write_prompts
+    from slime.tools.tiny_checkpoint import TinyQwen3Spec, write_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("logprob")
+    checkpoint = write_tiny_checkpoint(root / "counting-model", TinyQwen3Spec(alphabet="0123456789"))
+    prompts = write_prompts(root / "counting.jsonl", n=64, seed=0, task="counting")
+    return {"root": root, "checkpoint": checkpoint, "prompts": prompts}
+
+
+def train_flags(assets: dict[str, Path], name: str) -> list[str]:
+    out = assets["root"] / name
+    return [
+        "--hf-checkpoint", str(assets["checkpoint"]),
+        "--prompt-data", str(assets["prompts"]), "--input-key", "prompt", "--label-key", "label",
+        "--rollout-shuffle", "--custom-rm-path", "examples.counting_reward.reward",
+        "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "2", "--colocate",
+        "--tensor-model-parallel-size", "2", "--sequence-parallel", "--context-parallel-size", "1",
+        "--use-dynamic-batch-size", "--max-tokens-per-gpu", "256", "--calculate-per-token-loss",
+        "--use-slime-router", "--rollout-num-gpus-per-engine", "1",
+        "--num-rollout", str(NUM_ROLLOUTS), "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
+        "--num-steps-per-rollout", "1", "--rollout-max-response-len", "3",
+        "--rollout-temperature", "0.8", "--rollout-top-p", "0.9",
+        "--advantage-estimator", "grpo", "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
+        "--optimizer", "adam", "--lr", "3e-3", "--seed", "7", "--fence-timeout", "120",
+        "--metrics-jsonl", str(out / "metrics.jsonl"), "--save-debug-rollout-data", str(out / "rollout_{rollout_id}.pt"),
+    ]
+
+
+def run_train(flags: list[str], faults: str | None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
+    env.pop("SLIME_FAULT_INJECT", None)
+    if faults:
+        env["SLIME_FAULT_INJECT"] = faults
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *flags], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=480)
+
+
+def run_and_read(assets: dict[str, Path], name: str, faults: str | None) -> dict:
+    proc = run_train(train_flags(assets, name), faults)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    events = [json.loads(line) for line in (assets["root"] / name / "metrics.jsonl").read_text().splitlines()]
+    train = {e["rollout_id"]: e for e in events if e["event"] == "train"}
+    recorded = {k: torch.load(assets["root"] / name / f"rollout_{k}.pt", weights_only=False)["samples"]
+                for k in range(NUM_ROLLOUTS)}
+    return {"diff": {k: train[k]["train/train_rollout_logprob_abs_diff"] for k in sorted(train)},
+            "versions": {k: [s["weight_versions"] for s in samples] for k, samples in recorded.items()},
+            "syncs": [e for e in events if e["event"] == "weight_sync"]}
+
+
+@pytest.fixture(scope="module")
+def healthy(assets) -> dict:
+    return run_and_read(assets, "healthy", None)
+
+
+@pytest.fixture(scope="module")
+def faulty(assets) -> dict:
+    return run_and_read(assets, "faulty", FAULTS)
+
+
+def expected_version(rollout_id: int) -> str:
+    """The sync after rollout k pushes version k + 1; the one at start (k = -1) version 0."""
+    return str(rollout_id)
+
+
+@pytest.mark.timeout(600)
+def test_engines_and_trainer_agree_after_every_weight_sync(healthy):
+    assert sorted(healthy["diff"]) == list(range(NUM_ROLLOUTS))
+    assert [e["weight_sync/version"] for e in healthy["syncs"]] == list(range(NUM_ROLLOUTS + 1))
+    for rollout_id, diff in healthy["diff"].items():
+        assert 0.0 <= diff <= AGREEMENT, f"rollout {rollout_id}: diff {diff}"
+
+
+@pytest.mark.timeout(600)
+def test_every_sample_of_rollout_k_carries_the_version_pushed_after_rollout_k_minus_1(healthy):
+    for rollout_id, versions in healthy["versions"].items():
+        assert versions and all(v == [expected_version(rollout_id)] for v in versions), (rollout_id, versions)
+
+
+@pytest.mark.timeout(900)
+def test_a_skipped_or_corrupted_push_shows_in_the_diff_though_the_versions_move(healthy, faulty):
+    worst_healthy = max(healthy["diff"].values())
+    for rollout_id, diff in faulty["diff"].items():
+        if rollout_id in BROKEN_ROLLOUTS:
+            assert diff >= BROKEN_FACTOR * worst_healthy and diff > AGREEMENT, (
+                f"rollout {rollout_id}: broken push gives diff {diff}, healthy runs reach {worst_healthy}")
+        else:
+            assert diff <= AGREEMENT, f"rollout {rollout_id}: diff {diff} after a clean push"
+    # the faults are silent to the version check: every sample still reports the version just pushed
+    assert faulty["versions"] == healthy["versions"]
+    assert [e["weight_sync/version"] for e in faulty["syncs"]] == list(range(NUM_ROLLOUTS + 1))
