@@ -37,11 +37,12 @@ NEUTRAL_ONLY_KEYS: dict[str, Any] = {
         "decode_tp_size", "max_thinking_tokens", "need_wait_for_mm_inputs", "num_items_assigned", "encoder_urls",
         "max_dynamic_patch", "min_dynamic_patch", "image_max_dynamic_patch", "video_max_dynamic_patch",
         "images_config", "mm_processor_kwargs", "multi_item_delimiter_indices", "token_indices_to_pool",
+        "mm_data_mooncake",
     )},
     **{key: False for key in (
         "use_audio_in_video", "return_flat_raw_top_logprobs", "return_flat_raw_output_top_logprobs", "stream",
         "return_hidden_states", "return_routed_experts", "return_indexer_topk", "background", "require_reasoning",
-        "return_bytes", "return_entropy", "return_prompt_token_ids",
+        "return_bytes", "return_entropy", "return_prompt_token_ids", "return_flat_raw_top_logprobs_b64",
     )},
     "routed_experts_start_len": 0,
 }

@@ -13,7 +13,7 @@ from typing import Any
 
 from slime.backends.sglang_utils.http_client import SGLangHTTPClient
 from slime.backends.sglang_utils.process import ServerHandle, python_module_command, start_server_process
-from slime.backends.sglang_utils.server_args import actions_by_dest, render_server_flags
+from slime.backends.sglang_utils.server_args import has_option, render_server_flags
 from slime.utils.sglang_passthrough import server_args_parser
 
 BACKENDS = ("sglang", "embedded")
@@ -96,7 +96,7 @@ def sglang_server_args_for_engine(args: Any, engine_rank: int, *, base_gpu_id: i
     memory_saver = bool(getattr(args, "offload_rollout", False))
     if memory_saver:
         derived["enable_memory_saver"] = True
-        if parser is not None and "cuda_graph_backend_prefill" in actions_by_dest(parser):
+        if parser is not None and has_option(parser, "--cuda-graph-backend-prefill"):
             derived["cuda_graph_backend_prefill"] = "disabled"  # prefill graphs are not memory-saver aware
     if getattr(args, "sglang_mem_fraction_static", None) is not None:
         derived["mem_fraction_static"] = args.sglang_mem_fraction_static

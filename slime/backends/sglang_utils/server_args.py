@@ -26,7 +26,19 @@ RENAMED_FIELDS: dict[str, str] = {
 
 
 def actions_by_dest(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
-    return {action.dest: action for action in parser._actions if action.option_strings}
+    """Each field's own option (`--x-y` for x_y), not a deprecated alias that happens to share its dest."""
+    found: dict[str, argparse.Action] = {}
+    for action in parser._actions:
+        if not action.option_strings:
+            continue
+        canonical = "--" + action.dest.replace("_", "-") in action.option_strings
+        if canonical or action.dest not in found:
+            found[action.dest] = action
+    return found
+
+
+def has_option(parser: argparse.ArgumentParser, option: str) -> bool:
+    return any(option in action.option_strings for action in parser._actions)
 
 
 def apply_renames(server_args: dict[str, Any], parser: argparse.ArgumentParser) -> dict[str, Any]:
