@@ -229,6 +229,8 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
         scheduler.abort(abort_all=True)
     count = await scheduler.run_exclusive(scheduler.engine.receive_broadcast_weights, group, body["names"],
                                           body["dtypes"], body["shapes"], body.get("weight_version"))
+    logger.info("updated %d tensors from group %s, weight_version=%s", count, group_name,
+                scheduler.engine.weight_version)
     return _weight_result(True, f"Updated {count} tensors.")
 
 
