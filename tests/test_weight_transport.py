@@ -32,7 +32,7 @@ class _Engine:
 
 
 def engine_set(*has_sessions: bool) -> tuple[EngineSet, list[_Engine]]:
-    engines = EngineSet(tuple(f"http://engine{i}:1" for i in range(len(has_sessions))), ClientTimeouts())
+    engines = EngineSet(tuple(f"http://127.0.0.1:{i + 1}" for i in range(len(has_sessions))), ClientTimeouts())
     fakes = [_Engine(flag) for flag in has_sessions]
     for client, fake in zip(engines.clients, fakes):
         client._session = fake

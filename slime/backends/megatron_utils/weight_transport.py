@@ -121,8 +121,22 @@ class TensorTransport:
         self.engine_kind = engine_kind
         self.engine_tp_size = engine_tp_size
         self._token = uuid.uuid4().hex[:12]
+        self._checked_local = False
+
+    def _check_engines_on_this_host(self) -> None:
+        """CUDA IPC and shared memory reach only engines of the sender's host."""
+        from slime.distributed.external_group import address_towards
+
+        for url in self.engines.urls:
+            host = urlparse(url).hostname or "127.0.0.1"
+            if address_towards(host) not in (host, "127.0.0.1"):
+                raise ValueError(f"engine {url} is not on this host, so colocated tensors cannot reach it; "
+                                 "engines on other nodes need the distributed transport (no --colocate)")
+        self._checked_local = True
 
     def send(self, index: int, tensors: NamedTensors, *, version: str | None, flush_cache: bool) -> None:
+        if not self._checked_local:
+            self._check_engines_on_this_host()
         if self.engine_kind == "sglang":
             self.engines.each(lambda client: self._post(client, encode_sglang_payload(tensors, self.engine_tp_size),
                                                         version, flush_cache))
