@@ -202,8 +202,8 @@ def test_health_info_flush(client, engine):
     assert waiting.status_code == 400, waiting.text  # still running after waiting 0.5 s
     client.abort_all()
     assert requests.post(engine.url + "/flush_cache?timeout=60", timeout=70).status_code == 200
+    running.join(timeout=30)
     assert not running.is_alive()
-    running.join()
     info = client.model_info()
     assert info["is_generation"] and info["model_type"] == "qwen3"
     assert requests.get(engine.url + "/get_weight_version", timeout=10).json()["weight_version"] == info["weight_version"]
