@@ -66,7 +66,8 @@ def test_train_runs_every_rollout_and_pushes_every_version(run):
     assert [e["rollout_id"] for e in events["train"]] == [0, 1]
     assert all(math.isfinite(e["train/loss"]) for e in events["train"])
     sync = events["weight_sync"]
-    assert [e["weight_sync/version"] for e in sync] == [1, 2]
+    # the push at start (the trainer's initial weights, version 0), then one after each rollout
+    assert [(e["rollout_id"], e["weight_sync/version"]) for e in sync] == [(-1, 0), (0, 1), (1, 2)]
     assert all(e["weight_sync/bytes"] > 0 and e["weight_sync/send_seconds"] > 0 for e in sync)
 
 

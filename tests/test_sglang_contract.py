@@ -14,7 +14,6 @@ import os
 import subprocess
 import sys
 import types
-from pathlib import Path
 from typing import Any
 
 import pytest

@@ -249,8 +249,13 @@ class EmbeddedEngine:
         return self.update_weights(received, weight_version)
 
     @torch.no_grad()
-    def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]], weight_version: str | None) -> int:
-        """Copy the named tensors into the model (names are HF parameter names); all-or-nothing."""
+    def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]], weight_version: str | None, *,
+                       adopt: bool = False) -> int:
+        """Load the named tensors (HF parameter names) into the model; all-or-nothing.
+
+        adopt: the tensors are read-only views of a host-shared mapping that outlives this call; a
+        parameter of the same dtype and device then uses them as its storage (no copy, one copy of the
+        weights per host however many engines map it). Anything else is copied."""
         if "weights" in self._released:
             raise EngineReleasedError("weights are released; call /resume_memory_occupation before updating them")
         state = self.model.state_dict()
@@ -258,8 +263,13 @@ class EmbeddedEngine:
         problems = [p for p in problems if p]
         if problems:
             raise ValueError("weight update rejected: " + "; ".join(problems[:5]))
+        params = dict(self.model.named_parameters(remove_duplicate=False))  # tied names share one Parameter
         for name, tensor in named_tensors:
-            state[name].copy_(tensor.to(state[name].dtype))
+            param = params.get(name)
+            if adopt and param is not None and tensor.dtype == param.dtype and tensor.device == param.device:
+                param.data = tensor
+            else:
+                state[name].copy_(tensor.to(state[name].dtype))
         if weight_version is not None:
             self.weight_version = str(weight_version)
         return len(named_tensors)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import uuid
 from typing import Any
@@ -185,7 +186,9 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
     if body.get("abort_all_requests"):
         scheduler.abort(abort_all=True)
     named = await asyncio.get_running_loop().run_in_executor(None, _decode_tensors, load_format, blobs[0])
-    count = await scheduler.run_exclusive(scheduler.engine.update_weights, named, body.get("weight_version"))
+    # Shared-memory views stay valid after the sender unlinks the file: the engine adopts them as storage.
+    update = functools.partial(scheduler.engine.update_weights, adopt=load_format == SHM_FORMAT)
+    count = await scheduler.run_exclusive(update, named, body.get("weight_version"))
     logger.info("updated %d tensors, weight_version=%s", count, scheduler.engine.weight_version)
     return _weight_result(True, f"Updated {count} tensors.")
 

@@ -6,7 +6,10 @@ HTTP travels only a small JSON descriptor (path, and name/dtype/shape/offset per
 `serialized_named_tensors[0]` with `load_format="slime_shm"`. Nothing is pickled or base64-encoded.
 No pickle also means the receiver never executes sender data.
 
-The file belongs to the sender: it is removed once every engine answered for the bucket.
+The file belongs to the sender: it is removed once every engine answered for the bucket. An engine
+of the same dtype keeps the mapped pages as its parameters' storage (a private mapping: pages stay
+shared and valid after the unlink, freed when the last engine drops them), so the host holds one
+copy of the pushed weights instead of one per engine.
 """
 
 from __future__ import annotations
