@@ -54,14 +54,11 @@ def write_shared_bucket(named_tensors: NamedTensors, directory: Path, stem: str)
         entries.append([name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset, nbytes])
         offset = _aligned(offset + nbytes)
     path = Path(directory) / f"{stem}.bin"
-    with open(path, "w+b") as handle:
+    with open(path, "wb") as handle:  # plain writes: ~3x faster than filling a fresh mapping (no page faults)
+        for (_, tensor), (_, _, _, start, _) in zip(named_tensors, entries):
+            handle.seek(start)
+            handle.write(memoryview(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()))
         handle.truncate(max(offset, 1))
-        with mmap.mmap(handle.fileno(), max(offset, 1)) as mapping:
-            target = torch.frombuffer(mapping, dtype=torch.uint8)
-            for (_, tensor), (_, _, _, start, nbytes) in zip(named_tensors, entries):
-                source = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-                target[start : start + nbytes].copy_(source)
-            del target  # the mapping cannot close while a tensor views it
     return SharedBucket(path, json.dumps({"path": str(path), "tensors": entries}), offset)
 
 
