@@ -19,8 +19,8 @@ The weight *source* is not this module's business: it receives HF-named tensors 
 from __future__ import annotations
 
 import uuid
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Callable
 from urllib.parse import urlparse
 
@@ -75,24 +75,23 @@ def encode_sglang_payload(named_tensors: NamedTensors, engine_tp_size: int) -> E
 
 
 # ----------------------------------------------------------------------------- engines
-@dataclass
 class EngineSet:
-    """The engines one sender feeds, with concurrent calls and session bookkeeping."""
+    """The engines one sender feeds: concurrent calls (one long-lived thread per engine) and sessions."""
 
-    urls: tuple[str, ...]
-    timeouts: ClientTimeouts
-    clients: list[SGLangHTTPClient] = field(default_factory=list)
-    _in_session: list[SGLangHTTPClient] = field(default_factory=list)
+    def __init__(self, urls: tuple[str, ...], timeouts: ClientTimeouts) -> None:
+        self.urls = tuple(urls)
+        self.clients = [SGLangHTTPClient(url, timeouts) for url in self.urls]
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.clients)), thread_name_prefix="engine-call")
+        self._in_session: list[SGLangHTTPClient] = []
 
-    def __post_init__(self) -> None:
-        self.clients = [SGLangHTTPClient(url, self.timeouts) for url in self.urls]
+    def submit_each(self, call: Callable[[SGLangHTTPClient], Any],
+                    clients: list[SGLangHTTPClient] | None = None) -> list[Future]:
+        return [self._pool.submit(call, client) for client in (self.clients if clients is None else clients)]
 
-    def each(self, call: Callable[[SGLangHTTPClient], Any]) -> list[Any]:
+    def each(self, call: Callable[[SGLangHTTPClient], Any],
+             clients: list[SGLangHTTPClient] | None = None) -> list[Any]:
         """One call per engine, concurrently; each bounded by the client's HTTP timeout."""
-        if len(self.clients) <= 1:
-            return [call(client) for client in self.clients]
-        with ThreadPoolExecutor(max_workers=len(self.clients)) as pool:
-            return list(pool.map(call, self.clients))
+        return [future.result() for future in self.submit_each(call, clients)]
 
     def begin_session(self) -> None:
         opened = self.each(lambda client: client.begin_weight_update())
@@ -100,10 +99,10 @@ class EngineSet:
 
     def end_session(self) -> None:
         in_session, self._in_session = self._in_session, []
-        for client in in_session:
-            client.end_weight_update()
+        self.each(lambda client: client.end_weight_update(), in_session)
 
     def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
         for client in self.clients:
             client.close()
 
@@ -182,14 +181,13 @@ class DistributedTransport:
             world_size=1 + len(self.engines.urls) * self.engine_tp_size, group_name=self.group_name,
             backend=self.backend, timeout_s=self.timeout_s,
         )
-        with ThreadPoolExecutor(max_workers=len(self.engines.clients)) as pool:
-            joins = [pool.submit(client.init_weights_update_group, master_address=spec.master_address,
-                                 master_port=spec.master_port, rank_offset=1 + i * self.engine_tp_size,
-                                 world_size=spec.world_size, group_name=spec.group_name, backend=spec.backend)
-                     for i, client in enumerate(self.engines.clients)]
-            group = open_external_group(spec, 0)
-            for join in joins:
-                join.result()  # each bounded by its HTTP timeout
+        rank_offsets = {client.base_url: 1 + i * self.engine_tp_size for i, client in enumerate(self.engines.clients)}
+        joins = self.engines.submit_each(lambda client: client.init_weights_update_group(
+            master_address=spec.master_address, master_port=spec.master_port, rank_offset=rank_offsets[client.base_url],
+            world_size=spec.world_size, group_name=spec.group_name, backend=spec.backend))
+        group = open_external_group(spec, 0)
+        for join in joins:
+            join.result()  # each bounded by its HTTP timeout
         self._group = group
 
     def send(self, index: int, tensors: NamedTensors, *, version: str | None, flush_cache: bool) -> None:
@@ -198,14 +196,13 @@ class DistributedTransport:
         names = [name for name, _ in tensors]
         dtypes = [str(t.dtype).removeprefix("torch.") for _, t in tensors]
         shapes = [list(t.shape) for _, t in tensors]
-        with ThreadPoolExecutor(max_workers=len(self.engines.clients)) as pool:
-            replies = [pool.submit(client.update_weights_from_distributed, names=names, dtypes=dtypes, shapes=shapes,
-                                   group_name=self.group_name, weight_version=version, flush_cache=flush_cache)
-                       for client in self.engines.clients]
-            for _, tensor in tensors:  # the engines receive in this order
-                self._group.broadcast(tensor.detach().contiguous(), 0)
-            for reply in replies:
-                reply.result()
+        replies = self.engines.submit_each(lambda client: client.update_weights_from_distributed(
+            names=names, dtypes=dtypes, shapes=shapes, group_name=self.group_name, weight_version=version,
+            flush_cache=flush_cache))
+        for _, tensor in tensors:  # the engines receive in this order
+            self._group.broadcast(tensor.detach().contiguous(), 0)
+        for reply in replies:
+            reply.result()
 
     def close(self) -> None:
         if self._group is None:
