@@ -242,8 +242,9 @@ class EmbeddedEngine:
         if "weights" in self._released:
             raise EngineReleasedError("weights are released; call /resume_memory_occupation before updating them")
         received = []
+        device = self.device if group.spec.backend == "nccl" else torch.device("cpu")  # gloo moves host tensors
         for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
-            tensor = torch.empty([int(d) for d in shape], dtype=_torch_dtype(dtype))
+            tensor = torch.empty([int(d) for d in shape], dtype=_torch_dtype(dtype), device=device)
             group.broadcast(tensor, 0)
             received.append((name, tensor))
         return self.update_weights(received, weight_version)

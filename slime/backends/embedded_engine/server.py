@@ -198,24 +198,43 @@ GROUPS_KEY = web.AppKey("weight_update_groups", dict)
 
 async def init_weights_update_group(request: web.Request) -> web.Response:
     """Join the sender's group as rank `rank_offset` (TP=1), over gloo: the engine runs on CPU."""
-    from slime.distributed.external_group import ExternalGroupSpec, open_external_group
+    from slime.distributed.external_group import ExternalGroupSpec
 
     body = await _json_body(request)
-    if body.get("backend", "nccl") != "gloo":
-        raise ValueError(f"backend {body.get('backend', 'nccl')!r}: the embedded engine runs on CPU and joins "
-                         "weight-update groups over gloo only")
+    engine = request.app[SCHEDULER_KEY].engine
+    backend = body.get("backend", "nccl")
+    usable = ("gloo", "nccl") if engine.device.type == "cuda" else ("gloo",)
+    if backend not in usable:
+        raise ValueError(f"backend {backend!r}: the embedded engine on {engine.device} joins weight-update groups "
+                         f"over {' or '.join(usable)}")
     spec = ExternalGroupSpec(
         master_address=str(body["master_address"]), master_port=int(body["master_port"]),
         world_size=int(body["world_size"]), group_name=str(body.get("group_name", "weight_update_group")),
-        backend="gloo", timeout_s=request.app[GROUP_TIMEOUT_KEY],
+        backend=backend, timeout_s=request.app[GROUP_TIMEOUT_KEY],
     )
     groups = request.app[GROUPS_KEY]
     if spec.group_name in groups:
         return _weight_result(False, f"weight-update group {spec.group_name!r} already exists")
-    group = await asyncio.get_running_loop().run_in_executor(None, open_external_group, spec, int(body["rank_offset"]))
+    group = await _join_on_engine_thread(request, spec, int(body["rank_offset"]))
     groups[spec.group_name] = group
     logger.info("joined weight-update group %s as rank %d of %d", spec.group_name, group.rank, spec.world_size)
     return _weight_result(True, "Succeeded to initialize custom process group.")
+
+
+async def _join_on_engine_thread(request: web.Request, spec, rank: int):
+    """Join on the engine's own thread (NCCL binds the communicator to that thread's current device)."""
+    from slime.distributed.external_group import open_external_group
+
+    engine = request.app[SCHEDULER_KEY].engine
+
+    def join():
+        if spec.backend == "nccl":
+            import torch
+
+            torch.cuda.set_device(engine.device)
+        return open_external_group(spec, rank)
+
+    return await request.app[SCHEDULER_KEY].run_exclusive(join)
 
 
 async def update_weights_from_distributed(request: web.Request) -> web.Response:

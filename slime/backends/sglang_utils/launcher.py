@@ -122,7 +122,7 @@ def build_embedded_command(args: Any, engine_rank: int, host: str, port: int, mo
     flags = ["--model-path", model_path, "--host", host, "--port", str(port)]
     flags += ["--seed", str(int(getattr(args, "seed", 1234)) + engine_rank)]
     if _on_gpus(args):  # the embedded engine on CUDA: its GPU and the trainer's precision
-        gpu = sglang_server_args_for_engine(args, engine_rank)["base_gpu_id"]
+        gpu = default_base_gpu_id(args, engine_rank) if base_gpu_id is None else int(base_gpu_id)
         flags += ["--device", f"cuda:{gpu}", "--dtype", "bfloat16" if getattr(args, "bf16", False) else "float32"]
     threads = getattr(args, "embedded_engine_num_threads", None)
     if threads:
@@ -159,7 +159,7 @@ def launch_engine(
         command = build_sglang_command(args, engine_rank, host, port, model_path, base_gpu_id=base_gpu_id)
         env = sglang_engine_env()
     else:
-        command = build_embedded_command(args, engine_rank, host, port, model_path)
+        command = build_embedded_command(args, engine_rank, host, port, model_path, base_gpu_id=base_gpu_id)
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     server = start_server_process(
         f"{kind}-engine-{engine_rank}", command, f"http://{host}:{port}", log_dir=log_dir, env=env
