@@ -17,6 +17,7 @@ $(VENV)/.installed: setup.py Makefile
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[test]"
+	$(PY) tests/sglang_files.py  # SGLang's own files for the contract tests: fetched and unpacked, not installed
 	touch $@
 
 test: setup

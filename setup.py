@@ -23,10 +23,16 @@ BASE = [
     "matplotlib>=3.7",  # slime.tools.plot_metrics (make demo writes curves.png)
 ]
 
+# The SGLang releases the rollout side is written and tested against (tests/test_sglang_contract.py
+# checks the project's request bodies, launch flags and tensor payload against the oldest and the newest).
+SGLANG_OLDEST, SGLANG_NEWEST = "0.5.15.post1", "0.5.23"
+
 EXTRAS = {
     "logging": ["wandb", "tensorboard"],
-    "gpu": ["sglang", "flash-attn", "transformer-engine[pytorch]", "torch-memory-saver"],
-    "test": ["pytest>=8", "pytest-timeout>=2.3", "tensorboard>=2.14"],  # tensorboard: the --use-tensorboard test
+    "gpu": [f"sglang>={SGLANG_OLDEST},<={SGLANG_NEWEST}", "flash-attn", "transformer-engine[pytorch]",
+            "torch-memory-saver"],
+    # tensorboard: the --use-tensorboard test; msgspec: SGLang's request types (the contract tests load them).
+    "test": ["pytest>=8", "pytest-timeout>=2.3", "tensorboard>=2.14", "msgspec>=0.18"],
 }
 
 setup(

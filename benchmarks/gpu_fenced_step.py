@@ -21,8 +21,8 @@ Each cycle runs under a frame named cycle_<variant> (cycle_warmup for cycle 0), 
 profiler's stacks split by variant (benchmarks/profile_split.py).
 
 Weight-sync cost (--bench-weight-sync): export_hf_weights (TP gather + HF conversion) grouped
-into the sync's bucket plan, then encode_for_engine("embedded", ...) per bucket, on the ranks
-that do it in a real sync; seconds and GB/s.
+into the sync's bucket plan, then the embedded engine's payload (a shared-memory file) per bucket,
+on the ranks that do it in a real sync; seconds and GB/s.
 
 Rank 0 prints one JSON line per cycle ("CYCLE {...}") and a summary ("SUMMARY {...}"), and
 writes them to --results-json. A rank that fails prints "FAILED rank=R after=S: Error: msg".
@@ -365,8 +365,8 @@ def bench_fence_latency(actor, repeats: int) -> dict[str, float]:
 
 def bench_weight_sync(actor, repeats: int = 3) -> dict[str, float]:
     """Trainer-side cost of a weight sync: export (TP gather + HF conversion) and per-bucket encode."""
-    from slime.backends.megatron_utils.update_weight import (
-        SyncRole, build_weight_sync_plan, encode_for_engine, iter_planned_buckets)
+    from slime.backends.megatron_utils.update_weight import SyncRole, build_weight_sync_plan, iter_planned_buckets
+    from slime.backends.sglang_utils.shared_payload import shared_memory_dir, write_shared_bucket
     from slime_plugins.models.hf_weights import export_hf_weights
 
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
@@ -388,7 +388,7 @@ def bench_weight_sync(actor, repeats: int = 3) -> dict[str, float]:
                     break
                 if role.sender:
                     t0 = time.perf_counter()
-                    encode_for_engine("embedded", item[1])
+                    write_shared_bucket(item[1], shared_memory_dir(), f"bench-bucket{item[0].index}").remove()
                     encode_s += time.perf_counter() - t0
         runs.append((gather_s, encode_s))
     actor.groups.fence("bench/weight_sync_done")

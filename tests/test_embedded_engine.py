@@ -18,9 +18,12 @@ from slime.backends.sglang_utils.launcher import (
     launch_engine,
     pick_rollout_backend,
 )
+from slime.backends.megatron_utils.weight_transport import encode_safetensors_payload
 from slime.backends.sglang_utils.named_tensors import deserialize_named_tensors, serialize_named_tensors
 from slime.backends.sglang_utils.process import find_free_port
 from slime.backends.sglang_utils.server_args import render_server_flags
+from slime.backends.sglang_utils.shared_payload import LOAD_FORMAT as SHM_FORMAT
+from slime.backends.sglang_utils.shared_payload import write_shared_bucket
 from slime.tools.tiny_checkpoint import TinyQwen3Spec, write_tiny_checkpoint
 
 pytestmark = pytest.mark.timeout(300)
@@ -138,6 +141,49 @@ def test_bad_requests_are_clear_errors(client):
         client.generate(text="x", sampling_params={"max_new_tokenz": 3})
     with pytest.raises(EngineHTTPError, match="repetition_penalty"):
         client.generate(text="x", sampling_params={"repetition_penalty": 1.3})
+    for key, value in (("max_new_tokens", 3.0), ("top_k", "5"), ("max_new_tokens", True)):
+        with pytest.raises(EngineHTTPError, match=f"{key} must be an integer"):
+            client.generate(text="x", sampling_params={key: value})
+
+
+def _post_generate(engine, body: dict) -> requests.Response:
+    return requests.post(engine.url + "/generate", json=body, timeout=60)
+
+
+def test_generate_body_keys_follow_sglang(engine):
+    """What the real sglang-router adds is accepted as SGLang accepts it; an SGLang feature the engine lacks
+    is refused unless neutral; a key SGLang does not know is ignored."""
+    base = {"input_ids": [3838, 374], "sampling_params": {"max_new_tokens": 2, "temperature": 0.0}}
+    router_keys = {"model": "tiny", "background": False, "no_logs": False, "return_bytes": False,
+                   "return_entropy": False, "return_hidden_states": False}
+    plain = _post_generate(engine, base)
+    routed = _post_generate(engine, {**base, **router_keys, "not_an_sglang_field": 1})
+    assert plain.status_code == routed.status_code == 200, routed.text
+    assert routed.json()["output_ids"] == plain.json()["output_ids"]
+    for key, value in (("return_hidden_states", True), ("stream", True), ("top_logprobs_num", 3),
+                       ("lora_path", "adapter")):
+        refused = _post_generate(engine, {**base, key: value})
+        assert refused.status_code == 400 and key in refused.text, (key, refused.text)
+
+
+def test_input_token_logprobs_when_asked(client, reference_model):
+    prompt_ids = [3838, 374, 220, 18, 488]
+    out = client.generate(input_ids=prompt_ids, sampling_params={"max_new_tokens": 2, "temperature": 0.0},
+                          return_logprob=True, logprob_start_len=1)
+    entries = out["meta_info"]["input_token_logprobs"]
+    assert [e[1] for e in entries] == prompt_ids[1:]
+    with torch.no_grad():
+        logits = reference_model(torch.tensor([prompt_ids])).logits.float()
+    expected = torch.log_softmax(logits, -1)[0, :-1].gather(1, torch.tensor(prompt_ids[1:]).unsqueeze(1)).squeeze(1)
+    assert [e[0] for e in entries] == pytest.approx(expected.tolist(), abs=1e-4)
+    whole = client.generate(input_ids=prompt_ids, sampling_params={"max_new_tokens": 1}, return_logprob=True,
+                            logprob_start_len=0)["meta_info"]["input_token_logprobs"]
+    assert whole[0] == [None, prompt_ids[0], None] and len(whole) == len(prompt_ids)
+    default = client.generate(input_ids=prompt_ids, sampling_params={"max_new_tokens": 1}, return_logprob=True)
+    assert default["meta_info"]["input_token_logprobs"] == []  # SGLang's default (-1): output tokens only
+    with pytest.raises(EngineHTTPError, match="logprob_start_len"):
+        client.generate(input_ids=prompt_ids, sampling_params={"max_new_tokens": 1}, return_logprob=True,
+                        logprob_start_len=len(prompt_ids))
 
 
 # ----- control endpoints ----------------------------------------------------------------------
@@ -146,6 +192,18 @@ def test_health_info_flush(client, engine):
     client.health_generate()
     client.flush_cache()
     assert requests.get(engine.url + "/flush_cache", timeout=10).status_code == 200
+    # SGLang: no flush while a request runs, unless ?timeout= lets it wait for the scheduler to go idle.
+    running = threading.Thread(target=lambda: greedy(SGLangHTTPClient(engine.url), n=3000))
+    running.start()
+    time.sleep(0.5)
+    busy = requests.post(engine.url + "/flush_cache", timeout=10)
+    assert busy.status_code == 400, busy.text
+    waiting = requests.post(engine.url + "/flush_cache?timeout=0.5", timeout=10)
+    assert waiting.status_code == 400, waiting.text  # still running after waiting 0.5 s
+    client.abort_all()
+    assert requests.post(engine.url + "/flush_cache?timeout=60", timeout=70).status_code == 200
+    running.join(timeout=30)
+    assert not running.is_alive()
     info = client.model_info()
     assert info["is_generation"] and info["model_type"] == "qwen3"
     assert requests.get(engine.url + "/get_weight_version", timeout=10).json()["weight_version"] == info["weight_version"]
@@ -153,6 +211,8 @@ def test_health_info_flush(client, engine):
 
 def test_pause_holds_requests_until_continue(client, engine):
     client.pause_generation(mode="in_place")
+    start = time.monotonic()
+    assert client.health() and time.monotonic() - start < 1.0  # alive at once while paused (routers probe it)
     result = {}
     worker = threading.Thread(target=lambda: result.update(out=greedy(SGLangHTTPClient(engine.url), n=2)))
     worker.start()
@@ -179,13 +239,56 @@ def test_pause_abort_mode_aborts_running_request(client, engine):
 
 def test_release_and_resume_memory(client):
     before = greedy(client)
-    client.release_memory_occupation()
-    assert client.model_info()["released_tags"] == ["kv_cache", "weights"]
+    client.release_memory_occupation()  # no tags: every tag, as SGLang
+    assert client.model_info()["released_tags"] == ["cuda_graph", "kv_cache", "weights"]
     with pytest.raises(EngineHTTPError, match="resume_memory_occupation") as err:
         greedy(client)
     assert err.value.status == 503
-    client.resume_memory_occupation()
+    assert client.health()  # alive while released
+    client.resume_memory_occupation(["weights"])
+    client.resume_memory_occupation(["kv_cache"])
+    with pytest.raises(EngineHTTPError, match="cuda_graph"):  # a tag left released is a clear error
+        greedy(client)
+    client.resume_memory_occupation(["cuda_graph"])
     assert greedy(client)["output_ids"] == before["output_ids"]
+    client.release_memory_occupation()
+    client.resume_memory_occupation(["weights"])
+    client.resume_memory_occupation(None)  # the loop's second step: every tag still released
+    assert client.model_info()["released_tags"] == []
+
+
+def push(client, named, version, load_format=SHM_FORMAT, tmp_dir="/tmp"):
+    """One session-wrapped push, as the weight sync does it."""
+    assert client.begin_weight_update()
+    try:
+        if load_format == SHM_FORMAT:
+            shared = write_shared_bucket(named, tmp_dir, f"test-push-{time.time_ns()}")
+            try:
+                return client.update_weights_from_serialized([shared.descriptor], weight_version=version,
+                                                             load_format=SHM_FORMAT)
+            finally:
+                shared.remove()
+        payload = encode_safetensors_payload(named)
+        return client.update_weights_from_serialized(list(payload.serialized_per_tp_rank), weight_version=version,
+                                                     load_format=payload.load_format)
+    finally:
+        client.end_weight_update()
+
+
+def test_weight_update_needs_a_session_and_a_known_format(client, reference_model):
+    named = [("lm_head.weight", reference_model.state_dict()["lm_head.weight"].clone())]
+    payload = encode_safetensors_payload(named)
+    with pytest.raises(EngineHTTPError, match="begin_weight_update") as err:
+        client.update_weights_from_serialized(list(payload.serialized_per_tp_rank), load_format=payload.load_format)
+    assert err.value.status == 400
+    assert client.begin_weight_update()
+    try:
+        with pytest.raises(EngineHTTPError, match="never unpickles"):
+            client.update_weights_from_serialized(list(payload.serialized_per_tp_rank), load_format="flattened_bucket")
+    finally:
+        client.end_weight_update()
+    with pytest.raises(EngineHTTPError, match="No weight update session"):
+        client.end_weight_update()
 
 
 def test_weight_update_changes_outputs_and_equals_pushed(client, reference_model):
@@ -196,7 +299,7 @@ def test_weight_update_changes_outputs_and_equals_pushed(client, reference_model
         for name, param in reference_model.state_dict().items()
         if name in ("lm_head.weight", "model.layers.0.mlp.down_proj.weight")
     ]
-    reply = client.update_weights_from_tensor(pushed, weight_version="v1")
+    reply = push(client, pushed, "v1")
     assert reply["success"]
     assert client.weight_version() == "v1"
     for name, tensor in pushed:
@@ -216,8 +319,9 @@ def test_weight_update_changes_outputs_and_equals_pushed(client, reference_model
 def test_bad_weight_update_is_rejected_whole(client):
     version = client.weight_version()
     bad = [("lm_head.weight", torch.zeros(2, 2)), ("no.such.param", torch.zeros(1))]
-    with pytest.raises(EngineHTTPError, match="no.such.param"):
-        client.update_weights_from_tensor(bad, weight_version="broken")
+    for load_format in (SHM_FORMAT, "slime_safetensors"):
+        with pytest.raises(EngineHTTPError, match="no.such.param"):
+            push(client, bad, "broken", load_format=load_format)
     assert client.weight_version() == version
 
 
@@ -241,21 +345,49 @@ def test_sampler_top_k_1_and_tiny_top_p_are_greedy():
 
 
 # ----- launcher / passthrough ----------------------------------------------------------------------
-def test_sglang_command_from_args():
-    args = types.SimpleNamespace(
-        rollout_num_gpus_per_engine=2, num_gpus_per_node=8, colocate=True, seed=1,
-        sglang_server_args={"mem_fraction_static": "0.7", "cuda_graph_bs": ["1", "2"], "disable_radix_cache": True},
-    )
-    cmd = build_sglang_command(args, engine_rank=3, host="127.0.0.1", port=30001, model_path="/m")
+def _tiny_launch_parser():
+    """A stand-in with each kind of action SGLang's parser has (the real one: tests/test_sglang_contract.py)."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tp-size", type=int)
+    parser.add_argument("--enable-memory-saver", action="store_true")
+    parser.add_argument("--enable-tf32-matmul", action=argparse.BooleanOptionalAction)
+    parser.add_argument("--preferred-sampling-params", type=json.loads)
+    parser.add_argument("--cuda-graph-bs-decode", type=int, nargs="+")
+    return parser
+
+
+def test_render_server_flags_reads_back_the_same_values():
+    parser = _tiny_launch_parser()
+    server_args = {"tp_size": 2, "enable_memory_saver": True, "enable_tf32_matmul": False,
+                   "preferred_sampling_params": {"temperature": 0.5}, "cuda_graph_bs": [1, 2, 4]}
+    tokens = render_server_flags(server_args, parser)
+    assert "--no-enable-tf32-matmul" in tokens and '{"temperature": 0.5}' in tokens
+    parsed = vars(parser.parse_args(tokens))
+    assert parsed == {"tp_size": 2, "enable_memory_saver": True, "enable_tf32_matmul": False,
+                      "preferred_sampling_params": {"temperature": 0.5}, "cuda_graph_bs_decode": [1, 2, 4]}
+    with pytest.raises(ValueError, match="no field 'not_a_field'"):
+        render_server_flags({"not_a_field": 1}, parser)
+
+
+def test_sglang_command_needs_sglangs_parser():
+    args = types.SimpleNamespace(rollout_num_gpus_per_engine=2, num_gpus_per_node=8, seed=1, offload_rollout=True)
+    cmd = build_sglang_command(args, 3, "127.0.0.1", 30001, "/m", base_gpu_id=5, parser=_tiny_launch_parser_full())
     joined = " ".join(cmd)
     assert cmd[1:3] == ["-m", "sglang.launch_server"]
-    for part in ("--model-path /m", "--port 30001", "--tp-size 2", "--base-gpu-id 6", "--enable-memory-saver",
-                 "--mem-fraction-static 0.7", "--cuda-graph-bs 1 2", "--disable-radix-cache"):
+    for part in ("--model-path /m", "--port 30001", "--tp-size 2", "--base-gpu-id 5", "--enable-memory-saver"):
         assert part in joined
 
 
-def test_render_server_flags():
-    assert render_server_flags({"a_b": True, "c": False, "d": "1", "e": [1, 2]}) == ["--a-b", "--d", "1", "--e", "1", "2"]
+def _tiny_launch_parser_full():
+    parser = _tiny_launch_parser()
+    for flag in ("--base-gpu-id", "--random-seed"):
+        parser.add_argument(flag, type=int)
+    for flag in ("--trust-remote-code", "--skip-server-warmup"):
+        parser.add_argument(flag, action="store_true")
+    return parser
 
 
 def test_pick_rollout_backend():

@@ -12,11 +12,12 @@ from mp_utils import run_ranks
 from slime.backends.megatron_utils.update_weight import (
     WeightSyncPlan,
     WeightSyncPlanError,
-    encode_for_engine,
     iter_planned_buckets,
     pack_buckets,
 )
+from slime.backends.megatron_utils.weight_transport import choose_transport, encode_safetensors_payload
 from slime.backends.sglang_utils.named_tensors import deserialize_named_tensors
+from slime.backends.sglang_utils.shared_payload import read_shared_bucket, write_shared_bucket
 
 MiB = 1024**2
 
@@ -62,22 +63,33 @@ def test_plan_mismatch_names_the_first_difference(exported, message):
         list(iter_planned_buckets(plan, _float_tensors(exported)))
 
 
-def test_embedded_payload_round_trips():
-    named = [("z.weight", torch.randn(3, 2)), ("a.bias", torch.arange(4.0))]
-    payload = encode_for_engine("embedded", named)
-    assert payload.load_format is None and len(payload.serialized_per_tp_rank) == 1
-    decoded = deserialize_named_tensors(payload.serialized_per_tp_rank[0])
-    assert [n for n, _ in decoded] == ["z.weight", "a.bias"]
-    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(decoded, named))
-    with pytest.raises(ValueError, match="unknown engine kind"):
-        encode_for_engine("vllm", named)
+NAMED = [("z.weight", torch.randn(3, 2)), ("a.bias", torch.arange(4.0)), ("h", torch.randn(5, dtype=torch.bfloat16)),
+         ("ids", torch.arange(3, dtype=torch.int64))]
+
+
+def test_embedded_payloads_round_trip_in_order_and_dtype(tmp_path):
+    payload = encode_safetensors_payload(NAMED)
+    assert payload.load_format == "slime_safetensors" and len(payload.serialized_per_tp_rank) == 1
+    shared = write_shared_bucket(NAMED, tmp_path, "bucket0")
+    for decoded in (deserialize_named_tensors(payload.serialized_per_tp_rank[0]), read_shared_bucket(shared.descriptor)):
+        assert [n for n, _ in decoded] == [n for n, _ in NAMED]
+        assert all(a.dtype == b.dtype and torch.equal(a, b) for (_, a), (_, b) in zip(decoded, NAMED))
+    shared.remove()
+    assert not shared.path.exists()
+
+
+def test_transport_follows_upstream_choice():
+    assert choose_transport(types.SimpleNamespace(colocate=True, update_weight_transport="nccl")) == "tensor"
+    assert choose_transport(types.SimpleNamespace(colocate=False, update_weight_transport="nccl")) == "distributed"
+    with pytest.raises(ValueError, match="disk"):
+        choose_transport(types.SimpleNamespace(colocate=False, update_weight_transport="disk"))
 
 
 # ----------------------------------------------------------------------------- real sync
 BUCKET_BYTES = 16 * MiB  # the tiny model's 151936 x 64 embedding (37 MiB) gets a bucket of its own
 
 
-def _sync_on_ranks(rank, world, layout, hf_dir, engine_url, ledger_dir, rollout_ids):
+def _sync_on_ranks(rank, world, layout, hf_dir, engine_url, ledger_dir, rollout_ids, colocate):
     import datetime
 
     import torch.distributed as dist
@@ -91,7 +103,7 @@ def _sync_on_ranks(rank, world, layout, hf_dir, engine_url, ledger_dir, rollout_
     from slime_plugins.models.hf_weights import export_hf_weights, load_hf_weights
 
     tp = world if layout == "tp2" else 1
-    args = types.SimpleNamespace(tensor_model_parallel_size=tp, seed=5, fence_timeout=60.0,
+    args = types.SimpleNamespace(tensor_model_parallel_size=tp, seed=5, fence_timeout=60.0, colocate=colocate,
                                  update_weight_buffer_size=BUCKET_BYTES, rollout_num_gpus_per_engine=1)
     init_model_parallel(args)
     hf_config = transformers.AutoConfig.from_pretrained(hf_dir)
@@ -137,6 +149,7 @@ def _sync_on_ranks(rank, world, layout, hf_dir, engine_url, ledger_dir, rollout_
     sync.close()
     if rank != 0:
         return {"metrics": metrics, "mismatch": mismatch, "sent_buckets": sent_buckets}
+    assert sync.transport_kind == ("tensor" if colocate else "distributed")
     probe = {name: tensor.flatten()[:512].float().clone() for name, tensor in exported}
     return {"metrics": metrics, "mismatch": mismatch, "sent_buckets": sent_buckets, "plan": plan, "probe": probe}
 
@@ -160,13 +173,14 @@ def engine(checkpoint, tmp_path_factory):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("layout, rollout_ids", [("tp2", (0, 1)), ("dp2", (10,))])
-def test_sync_makes_engine_weights_equal_trainer_weights(layout, rollout_ids, checkpoint, engine, tmp_path):
+@pytest.mark.parametrize("layout, rollout_ids, colocate", [("tp2", (0, 1), True), ("dp2", (10, 11), False)],
+                         ids=["tp2-tensor", "dp2-distributed"])
+def test_sync_makes_engine_weights_equal_trainer_weights(layout, rollout_ids, colocate, checkpoint, engine, tmp_path):
     from slime.backends.sglang_utils.http_client import SGLangHTTPClient
 
     client = SGLangHTTPClient(engine.url)
     before = torch.tensor(client.get_weights_by_name("model.layers.0.mlp.down_proj.weight", 512))
-    results = run_ranks(_sync_on_ranks, 2, args=(layout, checkpoint, engine.url, str(tmp_path), rollout_ids),
+    results = run_ranks(_sync_on_ranks, 2, args=(layout, checkpoint, engine.url, str(tmp_path), rollout_ids, colocate),
                         timeout_s=280)
     rank0 = results[0]
     plan = rank0["plan"]

@@ -45,8 +45,10 @@ class RolloutManager:
         if args.start_rollout_id > 0:  # resume after the rollout whose data position was saved
             self.data_source.load(args.start_rollout_id - 1)
         self.backend = pick_rollout_backend(args)
+        self.log_dir = os.path.join(args.ledger_dir or "/tmp", "engine-logs")
         self.engines: list[EngineHandle] = self._launch_engines()
-        self.router = (_retry_port_clash(lambda: launch_router(args, [e.url for e in self.engines]))
+        self.router = (_retry_port_clash(lambda: launch_router(args, [e.url for e in self.engines],
+                                                               log_dir=self.log_dir))
                        if self.engines else None)
         if self.router is not None:
             args.sglang_router_ip, args.sglang_router_port = self.router.host, self.router.port
@@ -59,7 +61,7 @@ class RolloutManager:
         from slime.ray.actor_group import free_port
 
         model = self.args.hf_checkpoint
-        log_dir = os.path.join(self.args.ledger_dir or "/tmp", "engine-logs")
+        log_dir = self.log_dir
         logger.info("starting %d %s engine(s) for %s", count, self.backend, model)
 
         def launch(rank: int) -> EngineHandle:

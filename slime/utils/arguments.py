@@ -164,6 +164,12 @@ def _add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--partial-rollout", action="store_true", default=False, help="recycle unfinished samples")
     g.add_argument("--update-weight-buffer-size", type=int, default=512 * 1024**2,
                    help="bytes per weight-sync bucket")
+    # Weight-sync transport (upstream's names): colocated engines get tensors, others the broadcast group.
+    g.add_argument("--update-weight-mode", type=str, default="full", choices=["full", "delta", "sparse"],
+                   help="what a sync sends: full weights (delta and sparse are not implemented: refused)")
+    g.add_argument("--update-weight-transport", type=str, default="nccl", choices=["nccl", "disk"],
+                   help="nccl: CUDA-IPC tensors to colocated engines, a broadcast group (NCCL; gloo on CPU) to "
+                        "others; disk is not implemented (refused)")
     g.add_argument("--rollout-backend", type=str, default="auto", choices=["auto", "sglang", "embedded"],
                    help="engine kind: SGLang servers, or the embedded CPU engine (auto: SGLang when CUDA + sglang)")
 
@@ -768,6 +774,14 @@ def _check_logprob_mismatch(args: argparse.Namespace) -> None:
                       stacklevel=4)
 
 
+def _check_weight_sync(args: argparse.Namespace) -> None:
+    if args.update_weight_mode != "full":
+        _fail(f"--update-weight-mode {args.update_weight_mode} is not implemented; drop it (full weights are sent)")
+    if args.update_weight_transport != "nccl":
+        _fail(f"--update-weight-transport {args.update_weight_transport} is not implemented; drop it (engines "
+              "get tensors when colocated and a broadcast group otherwise)")
+
+
 def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
     """Fill derived values and check flag combinations in place; raises ArgumentValidationError with the fix."""
     parser = parser or build_parser()
@@ -783,6 +797,7 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
         _check_context_parallel(args)
     _check_algorithm(args)
     _check_logprob_mismatch(args)
+    _check_weight_sync(args)
     _resolve_tracking(args)
     _resolve_eval_datasets(args)
     _check_paths(args, parser)

@@ -169,6 +169,12 @@ def resolve_server_args(args: argparse.Namespace, passthrough: list[tuple[str, l
             values.setdefault(dest[len("sglang_"):], value)
     _check_not_set_by_slime(values)
     if server_parser is not None:
+        from slime.backends.sglang_utils.server_args import apply_renames
+
+        try:
+            values = apply_renames(values, server_parser)  # e.g. --sglang-cuda-graph-bs on SGLang >= 0.5.20
+        except ValueError as exc:
+            raise SGLangArgumentError(str(exc)) from None
         unknown = sorted(n for n in values if not any(a.dest == n for a in server_parser._actions))
         if unknown:
             raise SGLangArgumentError(f"SGLang ServerArgs has no field(s) {unknown} (from --sglang-* flags)")

@@ -19,7 +19,7 @@ from slime.utils.device_memory import sample_device_memory
 logger = logging.getLogger(__name__)
 
 INITIAL_WEIGHT_VERSION = "default"  # SGLang's initial weight_version
-MEMORY_TAGS = ("weights", "kv_cache")
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang's tags; a release without tags releases all
 
 
 class EngineReleasedError(RuntimeError):
@@ -32,6 +32,8 @@ class GenerationRequest:
     input_ids: tuple[int, ...]
     params: SamplingParams
     return_logprob: bool = False
+    logprob_start_len: int = -1
+    """-1: output log-probs only; k >= 0: also the prompt's tokens from position k (SGLang's meaning)."""
 
 
 @dataclass
@@ -42,6 +44,7 @@ class _RowState:
     logprobs: list[float] = field(default_factory=list)
     finish_reason: dict[str, Any] | None = None
     trim_chars: int | None = None  # text length kept when a stop string matched
+    input_logprobs: list[float | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,7 @@ class GenerationResult:
     prompt_tokens: int
     output_logprobs: list[float] | None
     weight_version: str
+    input_logprobs: list[tuple[float | None, int]] | None = None
 
     def to_sglang(self) -> dict[str, Any]:
         """The JSON object SGLang's /generate returns for one sequence."""
@@ -66,7 +70,7 @@ class GenerationResult:
         }
         if self.output_logprobs is not None:
             meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(self.output_logprobs, self.output_ids)]
-            meta["input_token_logprobs"] = []
+            meta["input_token_logprobs"] = [[lp, tok, None] for lp, tok in self.input_logprobs or ()]
         return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
 
 
@@ -141,6 +145,8 @@ class EmbeddedEngine:
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
         params = [r.request.params for r in rows]
+        wants_input = any(r.request.logprob_start_len >= 0 for r in rows)
+        first = True
         while True:
             out = self.model(
                 input_ids=input_ids,
@@ -148,8 +154,11 @@ class EmbeddedEngine:
                 position_ids=position_ids,
                 cache=cache,
                 use_cache=True,
-                logits_to_keep=1,
+                logits_to_keep=0 if first and wants_input else 1,
             )
+            if first and wants_input:
+                _fill_input_logprobs(rows, out.logits, input_ids)
+            first = False
             tokens, logprobs = sample_next_tokens(out.logits[:, -1, :], params, self.generator)
             for i, row in enumerate(rows):
                 if row.finish_reason is None:
@@ -214,12 +223,40 @@ class EmbeddedEngine:
             prompt_tokens=len(row.request.input_ids),
             output_logprobs=list(row.logprobs) if row.request.return_logprob else None,
             weight_version=self.weight_version,
+            input_logprobs=self._input_logprobs(row),
         )
+
+    def _input_logprobs(self, row: _RowState) -> list[tuple[float | None, int]] | None:
+        start = row.request.logprob_start_len
+        if not row.request.return_logprob or start < 0:
+            return None
+        prompt = row.request.input_ids
+        values = row.input_logprobs or [None] * len(prompt)
+        return [(values[k], prompt[k]) for k in range(start, len(prompt))]
 
     # ----- weights -----------------------------------------------------------------------
     @torch.no_grad()
-    def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]], weight_version: str | None) -> int:
-        """Copy the named tensors into the model (names are HF parameter names); all-or-nothing."""
+    def receive_broadcast_weights(self, group, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                  weight_version: str | None) -> int:
+        """SGLang's distributed update: allocate each tensor, receive it from the group's rank 0 in order, load all."""
+        if "weights" in self._released:
+            raise EngineReleasedError("weights are released; call /resume_memory_occupation before updating them")
+        received = []
+        device = self.device if group.spec.backend == "nccl" else torch.device("cpu")  # gloo moves host tensors
+        for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+            tensor = torch.empty([int(d) for d in shape], dtype=_torch_dtype(dtype), device=device)
+            group.broadcast(tensor, 0)
+            received.append((name, tensor))
+        return self.update_weights(received, weight_version)
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]], weight_version: str | None, *,
+                       adopt: bool = False) -> int:
+        """Load the named tensors (HF parameter names) into the model; all-or-nothing.
+
+        adopt: the tensors are read-only views of a host-shared mapping that outlives this call; a
+        parameter of the same dtype and device then uses them as its storage (no copy, one copy of the
+        weights per host however many engines map it). Anything else is copied."""
         if "weights" in self._released:
             raise EngineReleasedError("weights are released; call /resume_memory_occupation before updating them")
         state = self.model.state_dict()
@@ -227,8 +264,13 @@ class EmbeddedEngine:
         problems = [p for p in problems if p]
         if problems:
             raise ValueError("weight update rejected: " + "; ".join(problems[:5]))
+        params = dict(self.model.named_parameters(remove_duplicate=False))  # tied names share one Parameter
         for name, tensor in named_tensors:
-            state[name].copy_(tensor.to(state[name].dtype))
+            param = params.get(name)
+            if adopt and param is not None and tensor.dtype == param.dtype and tensor.device == param.device:
+                param.data = tensor
+            else:
+                state[name].copy_(tensor.to(state[name].dtype))
         if weight_version is not None:
             self.weight_version = str(weight_version)
         return len(named_tensors)
@@ -275,6 +317,26 @@ class EmbeddedEngine:
     def memory(self) -> dict[str, float]:
         """This engine's device memory in GiB (zeros on CPU), for the colocate metrics."""
         return sample_device_memory(self.device).gigabytes()
+
+
+def _fill_input_logprobs(rows: list[_RowState], logits: torch.Tensor, input_ids: torch.Tensor) -> None:
+    """Log-prob of each prompt token given the tokens before it (left-padded batch; the first has none)."""
+    width = input_ids.shape[1]
+    for i, row in enumerate(rows):
+        if row.request.logprob_start_len < 0:
+            continue
+        n = len(row.request.input_ids)
+        offset = width - n
+        logprobs = torch.log_softmax(logits[i, offset : width - 1].float(), dim=-1)
+        targets = input_ids[i, offset + 1 : width].unsqueeze(1)
+        row.input_logprobs = [None, *logprobs.gather(1, targets).squeeze(1).tolist()]
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
 
 
 def _check_tags(tags: list[str] | None) -> list[str]:

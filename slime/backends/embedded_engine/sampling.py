@@ -25,7 +25,15 @@ _NEUTRAL_ONLY = {
     "logit_bias": None,
     "custom_params": None,
     "sampling_seed": None,
+    "stop_regex": None,
+    "beam_width": None,
+    "structural_tag": None,
+    "stream_interval": None,
+    "watermark": None,
+    "ebnf_full_assistant": False,
 }
+# SGLang declares these as integers and refuses other types; so does the embedded engine.
+_INTEGER_FIELDS = ("max_new_tokens", "min_new_tokens", "top_k", "n")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,6 +63,9 @@ class SamplingParams:
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ValueError(f"unknown sampling params: {unknown}")
+        for key in _INTEGER_FIELDS:
+            if raw.get(key) is not None and not _is_int(raw[key]):
+                raise ValueError(f"sampling param {key} must be an integer (as SGLang requires), got {raw[key]!r}")
         if isinstance(raw.get("stop"), str):
             raw["stop"] = [raw["stop"]]
         for key in ("stop", "stop_token_ids"):
@@ -62,6 +73,8 @@ class SamplingParams:
                 raw.pop(key, None)
             else:
                 raw[key] = tuple(raw[key])
+        if not all(_is_int(t) for t in raw.get("stop_token_ids", ())):
+            raise ValueError(f"sampling param stop_token_ids must hold integers, got {list(raw['stop_token_ids'])}")
         if raw.get("max_new_tokens") is None:
             raw.pop("max_new_tokens", None)
         params = cls(**raw)
@@ -99,6 +112,10 @@ def logprob_temperature(p: SamplingParams) -> float:
     if p.temperature == 0 or return_original_logprob():
         return 1.0
     return p.temperature
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def sample_next_tokens(

@@ -140,6 +140,18 @@ class BatchScheduler:
     def num_queued(self) -> int:
         return len(self._pending)
 
+    def idle(self) -> bool:
+        """No request running or waiting: nothing holds state a flush would drop."""
+        return not self._pending and not self._running_rids and not self._model_lock.locked()
+
+    async def wait_idle(self, timeout_s: float, poll_s: float = 0.05) -> bool:
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while not self.idle():
+            if asyncio.get_running_loop().time() >= deadline:
+                return False
+            await asyncio.sleep(poll_s)
+        return True
+
 
 def _aborted_result(request: GenerationRequest, weight_version: str) -> GenerationResult:
     return GenerationResult(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import uuid
 from typing import Any
@@ -17,26 +18,20 @@ from typing import Any
 from aiohttp import web
 
 from slime.backends.embedded_engine.engine import EmbeddedEngine, EngineReleasedError, GenerationRequest
+from slime.backends.embedded_engine.generate_request import build_requests
 from slime.backends.embedded_engine.sampling import SamplingParams
 from slime.backends.embedded_engine.scheduler import BatchScheduler
 from slime.backends.sglang_utils.named_tensors import deserialize_named_tensors
+from slime.backends.sglang_utils.shared_payload import LOAD_FORMAT as SHM_FORMAT
+from slime.backends.sglang_utils.shared_payload import read_shared_bucket
 
 logger = logging.getLogger(__name__)
 
-# Top-level /generate keys this engine honours; any other key is rejected rather than ignored.
-_GENERATE_KEYS = {
-    "text",
-    "input_ids",
-    "sampling_params",
-    "return_logprob",
-    "rid",
-    "stream",
-    "logprob_start_len",
-    "top_logprobs_num",
-    "return_text_in_logprobs",
-    "log_metrics",
-}
-PROJECT_LOAD_FORMATS = (None, "slime_safetensors")
+# load_format values of /update_weights_from_tensor this engine reads. It never unpickles, so SGLang's
+# own formats (None, "flattened_bucket": MultiprocessingSerializer) are refused with a clear message.
+SAFETENSORS_FORMAT = "slime_safetensors"
+TENSOR_LOAD_FORMATS = (SAFETENSORS_FORMAT, SHM_FORMAT)
+DEFAULT_GROUP_TIMEOUT_S = 600.0
 
 SCHEDULER_KEY = web.AppKey("scheduler", BatchScheduler)
 
@@ -65,61 +60,24 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
 
 
 # ----- /generate ---------------------------------------------------------------------------
-def _prompts(body: dict[str, Any], engine: EmbeddedEngine) -> tuple[list[list[int]], bool]:
-    """Token-id prompts and whether the request was a batch (SGLang then answers with a list)."""
-    if (body.get("text") is None) == (body.get("input_ids") is None):
-        raise ValueError("exactly one of text or input_ids is required")
-    if body.get("input_ids") is not None:
-        ids = body["input_ids"]
-        is_batch = bool(ids) and isinstance(ids[0], list)
-        return ([list(map(int, x)) for x in ids] if is_batch else [list(map(int, ids))]), is_batch
-    text = body["text"]
-    is_batch = isinstance(text, list)
-    return [engine.tokenize(t) for t in (text if is_batch else [text])], is_batch
-
-
-def _build_requests(body: dict[str, Any], engine: EmbeddedEngine) -> tuple[list[GenerationRequest], bool]:
-    unknown = sorted(set(body) - _GENERATE_KEYS)
-    if unknown:
-        raise ValueError(f"unsupported /generate fields: {unknown}")
-    if body.get("stream"):
-        raise ValueError("streaming is not supported by the embedded engine")
-    if body.get("top_logprobs_num"):
-        raise ValueError("top_logprobs_num is not supported by the embedded engine")
-    prompts, is_batch = _prompts(body, engine)
-    params = SamplingParams.from_request(body.get("sampling_params"))
-    rids = body.get("rid")
-    rid_list = rids if isinstance(rids, list) else [rids] * len(prompts)
-    requests = []
-    for prompt, rid in zip(prompts, rid_list):
-        base = rid or uuid.uuid4().hex
-        for k in range(params.n):
-            requests.append(
-                GenerationRequest(
-                    rid=base if params.n == 1 else f"{base}-{k}",
-                    input_ids=tuple(prompt),
-                    params=params,
-                    return_logprob=bool(body.get("return_logprob", False)),
-                )
-            )
-    return requests, is_batch or params.n > 1
-
-
 async def generate(request: web.Request) -> web.Response:
     scheduler = request.app[SCHEDULER_KEY]
     body = await _json_body(request)
-    requests, as_list = _build_requests(body, scheduler.engine)
+    requests, as_list = build_requests(body, scheduler.engine.tokenize)
     results = await scheduler.submit(requests)
     outputs = [r.to_sglang() for r in results]
     if body.get("return_text_in_logprobs"):
         for out in outputs:
-            for entry in out["meta_info"].get("output_token_logprobs", []):
-                entry[2] = scheduler.engine.tokenizer.decode([entry[1]])
+            for key in ("input_token_logprobs", "output_token_logprobs"):
+                for entry in out["meta_info"].get(key, []):
+                    entry[2] = scheduler.engine.tokenizer.decode([entry[1]])
     return web.json_response(outputs if as_list else outputs[0])
 
 
 # ----- health, info --------------------------------------------------------------------------
 async def health(request: web.Request) -> web.Response:
+    # SGLang launched for RL (SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false): alive is enough, at once,
+    # also while paused or released, so a router never marks an engine dead during a weight sync.
     return web.Response(status=200)
 
 
@@ -152,7 +110,15 @@ async def server_info(request: web.Request) -> web.Response:
 
 # ----- control ---------------------------------------------------------------------------------
 async def flush_cache(request: web.Request) -> web.Response:
-    # No KV/prefix state outlives a batch here, so there is nothing stale to drop.
+    """SGLang's semantics: flush only when no request runs or waits, waiting up to ?timeout= seconds.
+
+    Nothing the engine keeps outlives a batch (no prefix cache), so an idle engine has nothing stale left."""
+    scheduler = request.app[SCHEDULER_KEY]
+    timeout_s = float(request.query.get("timeout", 0.0))
+    if timeout_s < 0:
+        raise ValueError("timeout must be >= 0")
+    if not await scheduler.wait_idle(timeout_s):
+        return web.Response(text="Cache not flushed: requests are running or waiting.\n", status=400)
     return web.Response(text="Cache flushed.\n", status=200)
 
 
@@ -173,20 +139,130 @@ async def abort_request(request: web.Request) -> web.Response:
     return web.Response(status=200)
 
 
+# ----- weight updates ----------------------------------------------------------------------------
+SESSION_KEY = web.AppKey("weight_update_session", dict)
+
+
+def _weight_result(success: bool, message: str) -> web.Response:
+    return web.json_response({"success": success, "message": message}, status=200 if success else 400)
+
+
+def _require_session(request: web.Request) -> None:
+    if not request.app[SESSION_KEY]["open"]:
+        raise ValueError("no weight-update session: POST /begin_weight_update first (as SGLang >= 0.5.21 requires)")
+
+
+async def begin_weight_update(request: web.Request) -> web.Response:
+    await _json_body(request)
+    request.app[SESSION_KEY]["open"] = True
+    return _weight_result(True, "Weight update session began.")
+
+
+async def end_weight_update(request: web.Request) -> web.Response:
+    await _json_body(request)
+    if not request.app[SESSION_KEY]["open"]:
+        return _weight_result(False, "No weight update session is open.")
+    request.app[SESSION_KEY]["open"] = False
+    return _weight_result(True, "Weight update session ended.")
+
+
+def _decode_tensors(load_format: str, blob: str):
+    if load_format == SHM_FORMAT:
+        return read_shared_bucket(blob)
+    return deserialize_named_tensors(blob)
+
+
 async def update_weights_from_tensor(request: web.Request) -> web.Response:
     scheduler = request.app[SCHEDULER_KEY]
     body = await _json_body(request)
-    if body.get("load_format") not in PROJECT_LOAD_FORMATS:
-        raise ValueError(f"load_format {body.get('load_format')!r} unsupported; expected one of {PROJECT_LOAD_FORMATS}")
+    load_format = body.get("load_format")
+    if load_format not in TENSOR_LOAD_FORMATS:
+        raise ValueError(f"load_format {load_format!r}: the embedded engine reads {TENSOR_LOAD_FORMATS} "
+                         "(it never unpickles, so SGLang's pickled formats are refused)")
+    _require_session(request)
     blobs = body.get("serialized_named_tensors")
     if not isinstance(blobs, list) or len(blobs) != 1:
         raise ValueError("serialized_named_tensors must be a list with one entry (the engine has TP=1)")
     if body.get("abort_all_requests"):
         scheduler.abort(abort_all=True)
-    named = await asyncio.get_running_loop().run_in_executor(None, deserialize_named_tensors, blobs[0])
-    count = await scheduler.run_exclusive(scheduler.engine.update_weights, named, body.get("weight_version"))
+    named = await asyncio.get_running_loop().run_in_executor(None, _decode_tensors, load_format, blobs[0])
+    # Shared-memory views stay valid after the sender unlinks the file: the engine adopts them as storage.
+    update = functools.partial(scheduler.engine.update_weights, adopt=load_format == SHM_FORMAT)
+    count = await scheduler.run_exclusive(update, named, body.get("weight_version"))
     logger.info("updated %d tensors, weight_version=%s", count, scheduler.engine.weight_version)
-    return web.json_response({"success": True, "message": f"Updated {count} tensors."})
+    return _weight_result(True, f"Updated {count} tensors.")
+
+
+GROUPS_KEY = web.AppKey("weight_update_groups", dict)
+
+
+async def init_weights_update_group(request: web.Request) -> web.Response:
+    """Join the sender's group as rank `rank_offset` (TP=1), over gloo: the engine runs on CPU."""
+    from slime.distributed.external_group import ExternalGroupSpec
+
+    body = await _json_body(request)
+    engine = request.app[SCHEDULER_KEY].engine
+    backend = body.get("backend", "nccl")
+    usable = ("gloo", "nccl") if engine.device.type == "cuda" else ("gloo",)
+    if backend not in usable:
+        raise ValueError(f"backend {backend!r}: the embedded engine on {engine.device} joins weight-update groups "
+                         f"over {' or '.join(usable)}")
+    spec = ExternalGroupSpec(
+        master_address=str(body["master_address"]), master_port=int(body["master_port"]),
+        world_size=int(body["world_size"]), group_name=str(body.get("group_name", "weight_update_group")),
+        backend=backend, timeout_s=request.app[GROUP_TIMEOUT_KEY],
+    )
+    groups = request.app[GROUPS_KEY]
+    if spec.group_name in groups:
+        return _weight_result(False, f"weight-update group {spec.group_name!r} already exists")
+    group = await _join_on_engine_thread(request, spec, int(body["rank_offset"]))
+    groups[spec.group_name] = group
+    logger.info("joined weight-update group %s as rank %d of %d", spec.group_name, group.rank, spec.world_size)
+    return _weight_result(True, "Succeeded to initialize custom process group.")
+
+
+async def _join_on_engine_thread(request: web.Request, spec, rank: int):
+    """Join on the engine's own thread (NCCL binds the communicator to that thread's current device)."""
+    from slime.distributed.external_group import open_external_group
+
+    engine = request.app[SCHEDULER_KEY].engine
+
+    def join():
+        if spec.backend == "nccl":
+            import torch
+
+            torch.cuda.set_device(engine.device)
+        return open_external_group(spec, rank)
+
+    return await request.app[SCHEDULER_KEY].run_exclusive(join)
+
+
+async def update_weights_from_distributed(request: web.Request) -> web.Response:
+    scheduler = request.app[SCHEDULER_KEY]
+    body = await _json_body(request)
+    if body.get("load_format") is not None:
+        raise ValueError(f"load_format {body['load_format']!r} is not supported for distributed updates here")
+    _require_session(request)
+    group_name = body.get("group_name", "weight_update_group")
+    group = request.app[GROUPS_KEY].get(group_name)
+    if group is None:
+        raise ValueError(f"no weight-update group {group_name!r}: POST /init_weights_update_group first")
+    if body.get("abort_all_requests"):
+        scheduler.abort(abort_all=True)
+    count = await scheduler.run_exclusive(scheduler.engine.receive_broadcast_weights, group, body["names"],
+                                          body["dtypes"], body["shapes"], body.get("weight_version"))
+    logger.info("updated %d tensors from group %s, weight_version=%s", count, group_name,
+                scheduler.engine.weight_version)
+    return _weight_result(True, f"Updated {count} tensors.")
+
+
+async def destroy_weights_update_group(request: web.Request) -> web.Response:
+    body = await _json_body(request)
+    group = request.app[GROUPS_KEY].pop(body.get("group_name", "weight_update_group"), None)
+    if group is None:
+        return _weight_result(False, "no such weight-update group")
+    group.close()
+    return _weight_result(True, "Succeeded to destroy custom process group.")
 
 
 async def update_weights_from_disk(request: web.Request) -> web.Response:
@@ -231,10 +307,17 @@ async def resume_memory_occupation(request: web.Request) -> web.Response:
     return web.json_response({"success": True, "released_tags": list(scheduler.engine.released_tags)})
 
 
-def build_app(engine: EmbeddedEngine, max_batch_size: int = 64) -> web.Application:
+GROUP_TIMEOUT_KEY = web.AppKey("weight_update_group_timeout_s", float)
+
+
+def build_app(engine: EmbeddedEngine, max_batch_size: int = 64,
+              group_timeout_s: float = DEFAULT_GROUP_TIMEOUT_S) -> web.Application:
     app = web.Application(middlewares=[errors_as_json], client_max_size=2**31)
     scheduler = BatchScheduler(engine, max_batch_size)
     app[SCHEDULER_KEY] = scheduler
+    app[SESSION_KEY] = {"open": False}
+    app[GROUPS_KEY] = {}
+    app[GROUP_TIMEOUT_KEY] = float(group_timeout_s)
 
     async def lifecycle(app: web.Application):
         scheduler.start()
@@ -262,7 +345,12 @@ def build_app(engine: EmbeddedEngine, max_batch_size: int = 64) -> web.Applicati
     app.router.add_post("/pause_generation", pause_generation)
     app.router.add_post("/continue_generation", continue_generation)
     app.router.add_post("/abort_request", abort_request)
+    app.router.add_post("/begin_weight_update", begin_weight_update)
+    app.router.add_post("/end_weight_update", end_weight_update)
     app.router.add_post("/update_weights_from_tensor", update_weights_from_tensor)
+    app.router.add_post("/init_weights_update_group", init_weights_update_group)
+    app.router.add_post("/update_weights_from_distributed", update_weights_from_distributed)
+    app.router.add_post("/destroy_weights_update_group", destroy_weights_update_group)
     app.router.add_post("/update_weights_from_disk", update_weights_from_disk)
     app.router.add_post("/update_weight_version", update_weight_version)
     return app
@@ -278,6 +366,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument("--num-threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
+    parser.add_argument("--weight-update-timeout", type=float, default=DEFAULT_GROUP_TIMEOUT_S,
+                        help="seconds allowed to join a weight-update group and for each broadcast on it")
     parser.add_argument("--log-level", default="info")
     return parser.parse_args(argv)
 
@@ -293,7 +383,7 @@ def main(argv: list[str] | None = None) -> None:
     logger.info("serving %s on http://%s:%d", args.model_path, args.host, args.port)
     access_log = logging.getLogger("aiohttp.access") if args.log_level.lower() == "debug" else None
     web.run_app(
-        build_app(engine, args.max_batch_size), host=args.host, port=args.port, print=None, access_log=access_log,
+        build_app(engine, args.max_batch_size, args.weight_update_timeout), host=args.host, port=args.port, print=None, access_log=access_log,
         shutdown_timeout=2.0,
     )
 

@@ -4,9 +4,12 @@ Order on EVERY rank, every sync (fences are world-wide, over the gloo fence grou
 
   plan    build the bucket plan (pure, from the local model) and fence its fingerprint
   pause   the coordinator (world rank 0) pauses and flushes every engine; fence
-  push    exporters stream export_hf_weights, check it against the plan, send each full bucket to
-          every engine (senders only); fence
+  push    exporters stream the weight source, check it against the plan; senders open a weight-update
+          session, hand each full bucket to the transport (weight_transport.py), close the session; fence
   resume  the coordinator checks every engine's weight_version, continues generation; fence
+
+Where the HF tensors come from (`weight_source`, by default export_hf_weights over the model
+chunks) and how buckets travel (the transport) are separate, replaceable pieces.
 
 Who does what (megatron parallel_state coordinates):
   exporters  cp_rank 0 and dp_rank 0 of each PP stage, every TP rank: they iterate the export
@@ -26,23 +29,32 @@ from __future__ import annotations
 
 import contextlib
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
+from slime.backends.megatron_utils.weight_transport import ENGINE_KINDS, EngineSet, build_transport, choose_transport
 from slime.backends.sglang_utils.http_client import ClientTimeouts, SGLangHTTPClient
-from slime.backends.sglang_utils.named_tensors import serialize_named_tensors
 from slime.distributed.errors import CollectiveDivergenceError, DistributedStepError
 from slime.distributed.fault_inject import apply_weight_push_fault
 from slime.distributed.fingerprint import stable_hash
 from slime_plugins.models.hf_weights import _mapping_for, _tied, _unwrap, export_hf_weights
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2  # upstream's --update-weight-buffer-size default
-ENGINE_KINDS = ("embedded", "sglang")
 
 NamedTensors = list[tuple[str, torch.Tensor]]
+ParamReader = Callable[[torch.Tensor], torch.Tensor]
+# (model chunks, hf_config, read_param) -> HF-named tensors in export order, with the same TP collectives
+# on every exporter of a TP group.
+WeightSource = Callable[[Sequence[torch.nn.Module], Any, "ParamReader | None"], Iterable[tuple[str, torch.Tensor]]]
+
+
+def export_model_weights(model_chunks: Sequence[torch.nn.Module], hf_config: Any, read_param: ParamReader | None = None
+                         ) -> Iterable[tuple[str, torch.Tensor]]:
+    """The default weight source: HF tensors gathered over TP from the model chunks' parameters, each read
+    through `read_param` (a sleeping trainer serves them from its host copy)."""
+    return export_hf_weights(list(model_chunks), hf_config, read_param=read_param)
 
 
 class WeightSyncPlanError(RuntimeError):
@@ -165,39 +177,6 @@ def iter_planned_buckets(plan: WeightSyncPlan, exported: Iterable[tuple[str, tor
         raise WeightSyncPlanError(f"export gave {extra[0]!r} after the plan's last tensor")
 
 
-# ----------------------------------------------------------------------------- wire format
-@dataclass(frozen=True)
-class EnginePayload:
-    """One bucket as /update_weights_from_tensor wants it: one entry per engine TP rank."""
-
-    serialized_per_tp_rank: tuple[str, ...]
-    load_format: str | None
-
-
-def encode_for_engine(kind: str, named_tensors: NamedTensors, *, engine_tp_size: int = 1) -> EnginePayload:
-    if kind == "embedded":
-        return EnginePayload((serialize_named_tensors(named_tensors),), None)
-    if kind == "sglang":
-        return _encode_for_sglang(named_tensors, engine_tp_size)
-    raise ValueError(f"unknown engine kind {kind!r}; expected one of {ENGINE_KINDS}")
-
-
-def _encode_for_sglang(named_tensors: NamedTensors, engine_tp_size: int) -> EnginePayload:
-    # Cluster path (CUDA + sglang); it cannot run on the CPU machines this project is tested on.
-    # SGLang unpickles each entry with its MultiprocessingSerializer (ForkingPickler): CUDA tensors
-    # travel as IPC handles, so the engine must share the trainer's node (colocate). One flattened
-    # bucket per request; every engine TP rank gets its own copy of the payload.
-    from sglang.srt.utils import MultiprocessingSerializer
-    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
-    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
-
-    monkey_patch_torch_reductions()  # device-uuid aware CUDA IPC, as the engine expects
-    bucket = FlattenedTensorBucket(named_tensors=named_tensors)
-    payload = {"flattened_tensor": bucket.get_flattened_tensor(), "metadata": bucket.get_metadata()}
-    blob = MultiprocessingSerializer.serialize(payload, output_str=True)
-    return EnginePayload((blob,) * engine_tp_size, "flattened_bucket")
-
-
 # ----------------------------------------------------------------------------- roles
 @dataclass(frozen=True)
 class SyncRole:
@@ -252,7 +231,8 @@ class WeightSync:
     """Per-rank executor of the fenced weight sync; `sync` runs on every rank of the world."""
 
     def __init__(self, args: Any, hf_config: Any, engine_urls: Sequence[str], *, engine_kind: str | None = None,
-                 timeouts: ClientTimeouts | None = None) -> None:
+                 timeouts: ClientTimeouts | None = None, transport: str | None = None,
+                 weight_source: WeightSource = export_model_weights) -> None:
         from slime.backends.sglang_utils.launcher import pick_rollout_backend
 
         self.hf_config = hf_config
@@ -260,19 +240,29 @@ class WeightSync:
         self.engine_kind = engine_kind or pick_rollout_backend(args)
         if self.engine_kind not in ENGINE_KINDS:
             raise ValueError(f"engine kind {self.engine_kind!r}; expected one of {ENGINE_KINDS}")
+        self.transport_kind = transport or choose_transport(args)
+        self.weight_source = weight_source
         self.engine_tp_size = int(getattr(args, "rollout_num_gpus_per_engine", 1) or 1)
         self.bucket_bytes = int(getattr(args, "update_weight_buffer_size", None) or DEFAULT_BUCKET_BYTES)
         self.timeout_s = float(getattr(args, "fence_timeout", None) or 600.0)
         # An engine call never outlives the watchdog deadline of the phase it runs in.
         self.timeouts = timeouts or ClientTimeouts(control=min(30.0, self.timeout_s), generate=self.timeout_s,
                                                    weight_update=self.timeout_s, memory=self.timeout_s)
-        self._clients: list[SGLangHTTPClient] | None = None
+        self._engines: EngineSet | None = None
+        self._transport = None
 
     @property
-    def clients(self) -> list[SGLangHTTPClient]:
-        if self._clients is None:  # only ranks that talk HTTP open sessions
-            self._clients = [SGLangHTTPClient(url, self.timeouts) for url in self.engine_urls]
-        return self._clients
+    def engines(self) -> EngineSet:
+        if self._engines is None:  # only ranks that talk HTTP open connections
+            self._engines = EngineSet(self.engine_urls, self.timeouts)
+        return self._engines
+
+    def transport(self, device: torch.device, pp_rank: int):
+        if self._transport is None:
+            self._transport = build_transport(self.transport_kind, self.engines, engine_kind=self.engine_kind,
+                                              engine_tp_size=self.engine_tp_size, timeout_s=self.timeout_s,
+                                              device=device, pp_rank=pp_rank)
+        return self._transport
 
     def sync(self, model_chunks: Sequence[torch.nn.Module], rollout_id: int, *, fence: Callable[..., None],
              watchdog: Any = None, read_param: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -321,24 +311,32 @@ class WeightSync:
         return fields
 
     def _pause_engines(self) -> None:
-        self._each_engine(lambda client: (client.pause_generation(), client.flush_cache()))
+        self._each_engine(lambda client: (client.pause_generation(), client.flush_cache(self.timeouts.control)))
 
     def _push(self, model_chunks, plan: WeightSyncPlan, role: SyncRole, version: str, phase, ledger,
               read_param) -> _PushResult:
         """Iterate the export to its end (TP collectives) whatever happens; send while nothing failed."""
         result = _PushResult()
-        exported = export_hf_weights(list(model_chunks), self.hf_config, read_param=read_param)
+        exported = iter(self.weight_source(model_chunks, self.hf_config, read_param))
         planned = iter_planned_buckets(plan, exported)
-        for index in range(len(plan.buckets) + 1):  # +1: the plan checks the export has ended
-            with phase(f"bucket{index}"):
-                gather_start = time.perf_counter()
-                item = _next_bucket(planned, exported, result)
-                result.gather_seconds += time.perf_counter() - gather_start
-                if item is None:
-                    return result
-                if role.sender and result.error is None:
-                    bucket, tensors = item[0], apply_weight_push_fault(item[1], role.world_rank, int(version) - 1)
-                    result.error = _attempt(lambda: self._send_bucket(bucket, tensors, version, plan, ledger, result))
+        result.error = _attempt(self.engines.begin_session) if role.sender else None
+        session = role.sender and result.error is None
+        try:
+            for index in range(len(plan.buckets) + 1):  # +1: the plan checks the export has ended
+                with phase(f"bucket{index}"):
+                    gather_start = time.perf_counter()
+                    item = _next_bucket(planned, exported, result)
+                    result.gather_seconds += time.perf_counter() - gather_start
+                    if item is None:
+                        break
+                    if role.sender and result.error is None:
+                        bucket, tensors = item[0], apply_weight_push_fault(item[1], role.world_rank, int(version) - 1)
+                        result.error = _attempt(lambda: self._send_bucket(bucket, tensors, version, plan, ledger,
+                                                                          result))
+        finally:
+            if session:  # close what was opened, even after a failed bucket
+                error = _attempt(self.engines.end_session)
+                result.error = result.error or error
         return result
 
     def _send_bucket(self, bucket: WeightBucket, tensors: NamedTensors, version: str, plan: WeightSyncPlan,
@@ -349,12 +347,10 @@ class WeightSync:
                                    (ledger.rank,), (bucket.nbytes,), "bytes") if ledger else None
         error = None
         try:
-            payload = encode_for_engine(self.engine_kind, tensors, engine_tp_size=self.engine_tp_size)
             # The version moves (and the cache flushes) with the last bucket only: an engine whose push
             # broke off midway keeps reporting the old version, so the version check catches it.
-            self._each_engine(lambda client: client.update_weights_from_serialized(
-                list(payload.serialized_per_tp_rank), weight_version=version if last else None,
-                flush_cache=last, load_format=payload.load_format))
+            device = tensors[0][1].device if tensors else torch.device("cpu")
+            self.transport(device, plan.pp_rank).send(bucket.index, tensors, version=version if last else None, flush_cache=last)
         except Exception as exc:
             error = f"{type(exc).__name__}: {str(exc)[:200]}"
             raise
@@ -374,12 +370,7 @@ class WeightSync:
         self._each_engine(lambda client: client.continue_generation())
 
     def _each_engine(self, call: Callable[[SGLangHTTPClient], Any]) -> list[Any]:
-        """One call per engine, concurrently; each bounded by the client's HTTP timeout."""
-        clients = self.clients
-        if len(clients) <= 1:
-            return [call(client) for client in clients]
-        with ThreadPoolExecutor(max_workers=len(clients)) as pool:
-            return list(pool.map(call, clients))
+        return self.engines.each(call)
 
     def _metrics(self, result: _PushResult, version: str, seconds: float) -> dict[str, float]:
         push_seconds = result.gather_seconds + result.send_seconds
@@ -395,9 +386,12 @@ class WeightSync:
         }
 
     def close(self) -> None:
-        for client in self._clients or []:
-            client.close()
-        self._clients = None
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+        if self._engines is not None:
+            self._engines.close()
+            self._engines = None
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -11,9 +11,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import requests
-import torch
-
-from slime.backends.sglang_utils.named_tensors import serialize_named_tensors
 
 
 class EngineHTTPError(RuntimeError):
@@ -92,17 +89,23 @@ class SGLangHTTPClient:
         text: str | None = None,
         sampling_params: dict[str, Any] | None = None,
         return_logprob: bool = False,
+        logprob_start_len: int | None = None,
     ) -> Any:
         payload: dict[str, Any] = {"sampling_params": sampling_params or {}, "return_logprob": return_logprob}
         payload.update({"input_ids": input_ids} if input_ids is not None else {"text": text})
+        if logprob_start_len is not None:
+            payload["logprob_start_len"] = logprob_start_len
         return self._json("POST", "/generate", self.timeouts.generate, payload)
 
     def abort_all(self) -> None:
         self._call("POST", "/abort_request", self.timeouts.control, {"abort_all": True})
 
     # ----- control -----------------------------------------------------------------------------------
-    def flush_cache(self) -> None:
-        self._call("POST", "/flush_cache", self.timeouts.control)
+    def flush_cache(self, timeout_s: float | None = None) -> None:
+        """Drop the engine's caches. SGLang refuses at once while requests run unless given `timeout`
+        seconds to wait for the scheduler to go idle (defaults to this client's control timeout)."""
+        wait_s = self.timeouts.control if timeout_s is None else timeout_s
+        self._call("POST", f"/flush_cache?timeout={wait_s:g}", wait_s + self.timeouts.control)
 
     def pause_generation(self, mode: str = "abort") -> None:
         self._call("POST", "/pause_generation", self.timeouts.generate, {"mode": mode})
@@ -111,22 +114,26 @@ class SGLangHTTPClient:
         self._call("POST", "/continue_generation", self.timeouts.control, {})
 
     def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """tags None: every tag the engine has (SGLang: weights, kv_cache, cuda_graph)."""
         self._call("POST", "/release_memory_occupation", self.timeouts.memory, {"tags": tags})
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
         self._call("POST", "/resume_memory_occupation", self.timeouts.memory, {"tags": tags})
 
-    def update_weights_from_tensor(
-        self,
-        named_tensors: list[tuple[str, torch.Tensor]],
-        *,
-        weight_version: str | None = None,
-        flush_cache: bool = True,
-    ) -> dict[str, Any]:
-        """Push HF-named tensors in the project's format (embedded engine)."""
-        return self.update_weights_from_serialized(
-            [serialize_named_tensors(named_tensors)], weight_version=weight_version, flush_cache=flush_cache
-        )
+    # ----- weight updates ------------------------------------------------------------------------
+    def begin_weight_update(self) -> bool:
+        """Open a weight-update session (SGLang >= 0.5.21 refuses tensor pushes without one).
+        False when the engine has no such route (older SGLang: 404), which then needs none."""
+        try:
+            self._call("POST", "/begin_weight_update", self.timeouts.control, {})
+        except EngineHTTPError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
+    def end_weight_update(self) -> None:
+        self._call("POST", "/end_weight_update", self.timeouts.control, {})
 
     def update_weights_from_serialized(
         self,
@@ -136,6 +143,7 @@ class SGLangHTTPClient:
         flush_cache: bool = True,
         load_format: str | None = None,
     ) -> dict[str, Any]:
+        """`/update_weights_from_tensor`: one serialized entry per engine TP rank."""
         payload = {
             "serialized_named_tensors": serialized_per_tp_rank,
             "load_format": load_format,
@@ -147,6 +155,39 @@ class SGLangHTTPClient:
     def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> dict[str, Any]:
         payload = {"model_path": model_path, "weight_version": weight_version}
         return self._json("POST", "/update_weights_from_disk", self.timeouts.weight_update, payload)
+
+    def init_weights_update_group(
+        self, *, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str,
+        backend: str,
+    ) -> dict[str, Any]:
+        """Join the trainer's weight-update group; returns once every member arrived."""
+        payload = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
+        }
+        return self._json("POST", "/init_weights_update_group", self.timeouts.weight_update, payload)
+
+    def update_weights_from_distributed(
+        self, *, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
+        weight_version: str | None = None, flush_cache: bool = True,
+    ) -> dict[str, Any]:
+        """Receive these tensors, in this order, from broadcasts on the group; returns once loaded."""
+        payload = {
+            "names": names,
+            "dtypes": dtypes,
+            "shapes": shapes,
+            "group_name": group_name,
+            "flush_cache": flush_cache,
+            "weight_version": weight_version,
+        }
+        return self._json("POST", "/update_weights_from_distributed", self.timeouts.weight_update, payload)
+
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        self._call("POST", "/destroy_weights_update_group", self.timeouts.control, {"group_name": group_name})
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
         payload = {"name": name, "truncate_size": truncate_size}

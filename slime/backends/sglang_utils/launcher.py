@@ -5,16 +5,46 @@ Both answer the same HTTP API, so everything after `launch_engine` is backend-ag
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
+import os
 from dataclasses import dataclass
 from typing import Any
 
 from slime.backends.sglang_utils.http_client import SGLangHTTPClient
 from slime.backends.sglang_utils.process import ServerHandle, python_module_command, start_server_process
-from slime.backends.sglang_utils.server_args import render_server_flags
+from slime.backends.sglang_utils.server_args import has_option, render_server_flags
+from slime.utils.sglang_passthrough import server_args_parser
 
 BACKENDS = ("sglang", "embedded")
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
+
+# SGLang's environment for RL engines, as upstream slime sets it (a value the user exported wins):
+# /health answers without generating (a paused or released engine stays "alive" for routers), the
+# memory saver covers CUDA graphs, and idle/TP-imbalance memory checks do not trip over colocation.
+SGLANG_ENV_DEFAULTS: dict[str, str] = {
+    "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false",
+    "SGLANG_MEMORY_SAVER_CUDA_GRAPH": "true",
+    "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "false",
+    "SGLANG_DISABLE_TP_MEMORY_INBALANCE_CHECK": "true",
+    "SGL_DISABLE_TP_MEMORY_INBALANCE_CHECK": "true",
+    "SGLANG_JIT_DEEPGEMM_PRECOMPILE": "false",
+    "SGLANG_JIT_DEEPGEMM_FAST_WARMUP": "true",
+    "SGLANG_BATCH_INVARIANT_OPS_ENABLE_MM_FALLBACK_VARIANT": "true",
+    "RAY_USE_UVLOOP": "0",
+}
+# The trainer's allocator settings must not leak into the engine (SGLang manages its own pools).
+SGLANG_ENV_REMOVED = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def sglang_engine_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment an SGLang engine process starts with."""
+    env = dict(os.environ if environ is None else environ)
+    for name in SGLANG_ENV_REMOVED:
+        env.pop(name, None)
+    for name, value in SGLANG_ENV_DEFAULTS.items():
+        env.setdefault(name, value)
+    return env
 
 
 @dataclass
@@ -45,39 +75,59 @@ def pick_rollout_backend(args: Any) -> str:
     return "sglang"
 
 
-def sglang_server_args_for_engine(args: Any, engine_rank: int) -> dict[str, Any]:
-    """ServerArgs fields for one engine: slime-derived ones, then the user's --sglang-* passthrough."""
+def default_base_gpu_id(args: Any, engine_rank: int) -> int:
+    """Engine i's first GPU on a node of engines only; placement passes the bundle's GPU id instead."""
     gpus_per_engine = int(getattr(args, "rollout_num_gpus_per_engine", 1))
-    gpus_per_node = int(getattr(args, "num_gpus_per_node", 8))
+    return (engine_rank * gpus_per_engine) % int(getattr(args, "num_gpus_per_node", 8))
+
+
+def sglang_server_args_for_engine(args: Any, engine_rank: int, *, base_gpu_id: int | None = None,
+                                  parser: argparse.ArgumentParser | None = None) -> dict[str, Any]:
+    """ServerArgs fields for one engine: slime-derived ones, then the user's --sglang-* passthrough.
+
+    `parser` (SGLang's launch parser) lets fields that only some SGLang versions have be set where they exist."""
     derived: dict[str, Any] = {
-        "tp_size": gpus_per_engine,
-        "base_gpu_id": (engine_rank * gpus_per_engine) % gpus_per_node,
+        "tp_size": int(getattr(args, "rollout_num_gpus_per_engine", 1)),
+        "base_gpu_id": default_base_gpu_id(args, engine_rank) if base_gpu_id is None else int(base_gpu_id),
         "trust_remote_code": True,
         "random_seed": int(getattr(args, "seed", 1234)) + engine_rank,
+        "skip_server_warmup": True,
     }
-    if getattr(args, "colocate", False):
+    memory_saver = bool(getattr(args, "offload_rollout", False))
+    if memory_saver:
         derived["enable_memory_saver"] = True
+        if parser is not None and has_option(parser, "--cuda-graph-backend-prefill"):
+            derived["cuda_graph_backend_prefill"] = "disabled"  # prefill graphs are not memory-saver aware
     if getattr(args, "sglang_mem_fraction_static", None) is not None:
         derived["mem_fraction_static"] = args.sglang_mem_fraction_static
     passthrough = dict(getattr(args, "sglang_server_args", None) or {})  # validated by parse_args
     return {**derived, **passthrough}
 
 
-def build_sglang_command(args: Any, engine_rank: int, host: str, port: int, model_path: str) -> list[str]:
-    server_args = sglang_server_args_for_engine(args, engine_rank)
-    flags = ["--model-path", model_path, "--host", host, "--port", str(port), *render_server_flags(server_args)]
+def build_sglang_command(args: Any, engine_rank: int, host: str, port: int, model_path: str, *,
+                         base_gpu_id: int | None = None, parser: argparse.ArgumentParser | None = None) -> list[str]:
+    """`python -m sglang.launch_server ...`, rendered against SGLang's own parser (the installed one by default)."""
+    parser = parser or server_args_parser()
+    if parser is None:
+        raise RuntimeError("sglang is not importable here, so its launch flags cannot be rendered; "
+                           "install the [gpu] extra or use --rollout-backend embedded")
+    server_args = sglang_server_args_for_engine(args, engine_rank, base_gpu_id=base_gpu_id, parser=parser)
+    flags = ["--model-path", model_path, "--host", host, "--port", str(port),
+             *render_server_flags(server_args, parser)]
     return python_module_command("sglang.launch_server", flags)
 
 
-def build_embedded_command(args: Any, engine_rank: int, host: str, port: int, model_path: str) -> list[str]:
+def build_embedded_command(args: Any, engine_rank: int, host: str, port: int, model_path: str, *,
+                           base_gpu_id: int | None = None) -> list[str]:
     flags = ["--model-path", model_path, "--host", host, "--port", str(port)]
     flags += ["--seed", str(int(getattr(args, "seed", 1234)) + engine_rank)]
     if _on_gpus(args):  # the embedded engine on CUDA: its GPU and the trainer's precision
-        gpu = sglang_server_args_for_engine(args, engine_rank)["base_gpu_id"]
+        gpu = default_base_gpu_id(args, engine_rank) if base_gpu_id is None else int(base_gpu_id)
         flags += ["--device", f"cuda:{gpu}", "--dtype", "bfloat16" if getattr(args, "bf16", False) else "float32"]
     threads = getattr(args, "embedded_engine_num_threads", None)
     if threads:
         flags += ["--num-threads", str(threads)]
+    flags += ["--weight-update-timeout", str(float(getattr(args, "fence_timeout", None) or 600.0))]
     return python_module_command("slime.backends.embedded_engine.server", flags)
 
 
@@ -97,15 +147,22 @@ def launch_engine(
     host: str = "127.0.0.1",
     startup_timeout_s: float | None = None,
     log_dir: str | None = None,
+    base_gpu_id: int | None = None,
 ) -> EngineHandle:
-    """Start an engine process and return once its /health answers (or raise with its log tail)."""
+    """Start an engine process and return once its /health answers (or raise with its log tail).
+
+    Callable from any process: host, port and the engine's first GPU id (`base_gpu_id`, default: the
+    engines-only-node arithmetic of `default_base_gpu_id`) come from the caller."""
     if kind not in BACKENDS:
         raise ValueError(f"unknown engine kind {kind!r}; expected one of {BACKENDS}")
-    build = build_sglang_command if kind == "sglang" else build_embedded_command
-    command = build(args, engine_rank, host, port, model_path)
-    env = {"HF_HUB_OFFLINE": "1"} if kind == "embedded" else {}
+    if kind == "sglang":
+        command = build_sglang_command(args, engine_rank, host, port, model_path, base_gpu_id=base_gpu_id)
+        env = sglang_engine_env()
+    else:
+        command = build_embedded_command(args, engine_rank, host, port, model_path, base_gpu_id=base_gpu_id)
+        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     server = start_server_process(
-        f"{kind}-engine-{engine_rank}", command, f"http://{host}:{port}", log_dir=log_dir, extra_env=env
+        f"{kind}-engine-{engine_rank}", command, f"http://{host}:{port}", log_dir=log_dir, env=env
     )
     deadline = startup_timeout_s or float(getattr(args, "sglang_server_startup_timeout", DEFAULT_STARTUP_TIMEOUT_S))
     server.wait_healthy(deadline)

@@ -85,15 +85,16 @@ class ServerHandle:
 
 
 def start_server_process(
-    name: str, command: list[str], url: str, *, log_dir: str | None = None, extra_env: dict[str, str] | None = None
+    name: str, command: list[str], url: str, *, log_dir: str | None = None, env: dict[str, str] | None = None
 ) -> ServerProcess:
-    """Launch `command` with output to a log file (a pipe nobody reads could fill and block it)."""
+    """Launch `command` with output to a log file (a pipe nobody reads could fill and block it).
+
+    `env`: the child's whole environment (default: this process's); the repo goes on its PYTHONPATH."""
     directory = Path(log_dir or tempfile.gettempdir())
     directory.mkdir(parents=True, exist_ok=True)
     log_path = directory / f"{name}-{os.getpid()}-{time.time_ns()}.log"
-    env = dict(os.environ)
+    env = dict(os.environ if env is None else env)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
-    env.update(extra_env or {})
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(REPO_ROOT))
     return ServerProcess(name=name, url=url, command=tuple(command), process=process, log_path=log_path)

@@ -1,26 +1,87 @@
-"""Render `--sglang-<server-arg>` values for `sglang.launch_server`.
+"""Render ServerArgs fields as `sglang.launch_server` flags, against SGLang's own launch parser.
 
-Parsing and validation of the passthrough flags live in `slime/utils/sglang_passthrough.py`
-(at argument-parsing time); here `{"mem_fraction_static": 0.7}` only becomes
-`--mem-fraction-static 0.7` on the server's command line.
+Parsing and validation of the `--sglang-*` passthrough live in `slime/utils/sglang_passthrough.py`
+(at argument-parsing time); here `{"mem_fraction_static": 0.7}` becomes `--mem-fraction-static 0.7`
+the way the installed SGLang's parser reads it back:
+- a BooleanOptionalAction field renders `--x` or `--no-x` (False is a value, not an absence);
+- a switch (store_true) renders `--x` when True and nothing when False;
+- a dict, or a list for a single-value option (JSON-typed fields), renders as JSON text;
+- a list for a multi-value option renders one token per item.
+Renamed fields are mapped to the name the installed SGLang has (RENAMED_FIELDS).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import logging
 from typing import Any
 
+logger = logging.getLogger(__name__)
 
-def render_server_flags(server_args: dict[str, Any]) -> list[str]:
-    """Turn {field: value} into `sglang.launch_server` command-line tokens."""
-    tokens: list[str] = []
+# Old ServerArgs field -> its replacement in newer SGLang (same meaning for what slime passes).
+RENAMED_FIELDS: dict[str, str] = {
+    "cuda_graph_bs": "cuda_graph_bs_decode",  # --cuda-graph-bs is gone since SGLang 0.5.20
+}
+
+
+def actions_by_dest(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """Each field's own option (`--x-y` for x_y), not a deprecated alias that happens to share its dest."""
+    found: dict[str, argparse.Action] = {}
+    for action in parser._actions:
+        if not action.option_strings:
+            continue
+        canonical = "--" + action.dest.replace("_", "-") in action.option_strings
+        if canonical or action.dest not in found:
+            found[action.dest] = action
+    return found
+
+
+def has_option(parser: argparse.ArgumentParser, option: str) -> bool:
+    return any(option in action.option_strings for action in parser._actions)
+
+
+def apply_renames(server_args: dict[str, Any], parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """Fields the installed SGLang renamed, under their new name; a clear error where neither exists."""
+    known = actions_by_dest(parser)
+    result: dict[str, Any] = {}
     for name, value in server_args.items():
-        if value is False or value is None:
-            continue
-        tokens.append("--" + name.replace("_", "-"))
-        if value is True:
-            continue
-        if isinstance(value, (list, tuple)):
-            tokens.extend(str(v) for v in value)
-        else:
-            tokens.append(str(value))
+        new = RENAMED_FIELDS.get(name)
+        if name not in known and new is not None:
+            if new not in known:
+                raise ValueError(f"SGLang here has neither --{name.replace('_', '-')} nor --{new.replace('_', '-')}")
+            logger.info("ServerArgs field %s is called %s in this SGLang; passing it as such", name, new)
+            name = new
+        result[name] = value
+    return result
+
+
+def render_server_flags(server_args: dict[str, Any], parser: argparse.ArgumentParser) -> list[str]:
+    """Turn {field: value} into `sglang.launch_server` tokens that `parser` parses back to the same values."""
+    known = actions_by_dest(parser)
+    tokens: list[str] = []
+    for name, value in apply_renames(server_args, parser).items():
+        action = known.get(name)
+        if action is None:
+            raise ValueError(f"SGLang's ServerArgs has no field {name!r} (flag --{name.replace('_', '-')})")
+        tokens += _render_one(action, value)
     return tokens
+
+
+def _render_one(action: argparse.Action, value: Any) -> list[str]:
+    option = next(s for s in action.option_strings if s.startswith("--"))
+    if value is None:
+        return []
+    if isinstance(action, argparse.BooleanOptionalAction):
+        return [option if value else "--no-" + option[2:]]
+    if action.nargs == 0:  # store_true / store_const switches
+        if not isinstance(value, bool):
+            raise ValueError(f"{option} is a switch; got {value!r}")
+        if not value and action.default:
+            raise ValueError(f"{option} is on by default in SGLang and has no off form")
+        return [option] if value else []
+    if isinstance(value, dict) or (isinstance(value, (list, tuple)) and action.nargs in (None, "?")):
+        return [option, json.dumps(value)]
+    if isinstance(value, (list, tuple)):
+        return [option, *(str(v) for v in value)]
+    return [option, str(value)]

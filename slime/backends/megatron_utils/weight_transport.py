@@ -1,0 +1,225 @@
+"""How weight buckets travel from a trainer sender to the engines: the wire half of the weight sync.
+
+Chosen once at start (`choose_transport`), as upstream slime does:
+  tensor       colocated engines (`--colocate`): `/update_weights_from_tensor`. On SGLang, a CUDA-IPC
+               flattened bucket with ONE serialization per consumer (engine x engine TP rank): torch
+               refcounts each serialized CUDA handle once, so a blob shared by several consumers frees
+               the bucket early or leaks it. On the embedded engine, one shared-memory file per bucket
+               that every engine on the host maps (no pickle, no base64).
+  distributed  engines that do not share the trainer's GPUs or node (`--update-weight-transport nccl`
+               without `--colocate`): `/init_weights_update_group` once, then per bucket
+               `/update_weights_from_distributed` while the sender broadcasts each tensor over that group
+               (NCCL on GPUs, gloo for the embedded engine on CPU: the same protocol).
+Every push sits inside a weight-update session (`/begin_weight_update` ... `/end_weight_update`) on
+engines that have one (SGLang >= 0.5.21, the embedded engine); an engine answering 404 needs none.
+
+The weight *source* is not this module's business: it receives HF-named tensors bucket by bucket.
+"""
+
+from __future__ import annotations
+
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable
+from urllib.parse import urlparse
+
+import torch
+
+from slime.backends.sglang_utils.http_client import ClientTimeouts, SGLangHTTPClient
+from slime.backends.sglang_utils.named_tensors import serialize_named_tensors
+from slime.backends.sglang_utils.process import find_free_port
+from slime.backends.sglang_utils.shared_payload import LOAD_FORMAT as SHM_LOAD_FORMAT
+from slime.backends.sglang_utils.shared_payload import shared_memory_dir, write_shared_bucket
+
+NamedTensors = list[tuple[str, torch.Tensor]]
+ENGINE_KINDS = ("embedded", "sglang")
+TRANSPORTS = ("tensor", "distributed")
+WEIGHT_UPDATE_GROUP = "slime_weight_update"
+
+
+def choose_transport(args: Any) -> str:
+    """'tensor' for colocated engines, 'distributed' for engines elsewhere (upstream's choice)."""
+    if getattr(args, "update_weight_transport", "nccl") != "nccl":
+        raise ValueError(f"--update-weight-transport {args.update_weight_transport!r} is not implemented; use nccl")
+    return "tensor" if getattr(args, "colocate", False) else "distributed"
+
+
+# ----------------------------------------------------------------------------- payloads
+@dataclass(frozen=True)
+class EnginePayload:
+    """One bucket as /update_weights_from_tensor wants it: one entry per engine TP rank."""
+
+    serialized_per_tp_rank: tuple[str, ...]
+    load_format: str
+
+
+def encode_safetensors_payload(named_tensors: NamedTensors) -> EnginePayload:
+    """The embedded engine's portable format (base64 safetensors in JSON): slow, works across hosts."""
+    return EnginePayload((serialize_named_tensors(named_tensors),), "slime_safetensors")
+
+
+def encode_sglang_payload(named_tensors: NamedTensors, engine_tp_size: int) -> EnginePayload:
+    """SGLang's `flattened_bucket`: the bucket flattened once, serialized once per engine TP rank.
+
+    Call once per engine: every returned entry is its own serialization (its own CUDA-IPC reference)."""
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    monkey_patch_torch_reductions()  # device-uuid aware CUDA IPC, as the engine expects
+    bucket = FlattenedTensorBucket(named_tensors=named_tensors)
+    payload = {"flattened_tensor": bucket.get_flattened_tensor(), "metadata": bucket.get_metadata()}
+    blobs = tuple(MultiprocessingSerializer.serialize(payload, output_str=True) for _ in range(engine_tp_size))
+    return EnginePayload(blobs, "flattened_bucket")
+
+
+# ----------------------------------------------------------------------------- engines
+class EngineSet:
+    """The engines one sender feeds: concurrent calls (one long-lived thread per engine) and sessions."""
+
+    def __init__(self, urls: tuple[str, ...], timeouts: ClientTimeouts) -> None:
+        self.urls = tuple(urls)
+        self.clients = [SGLangHTTPClient(url, timeouts) for url in self.urls]
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.clients)), thread_name_prefix="engine-call")
+        self._in_session: list[SGLangHTTPClient] = []
+
+    def submit_each(self, call: Callable[[SGLangHTTPClient], Any],
+                    clients: list[SGLangHTTPClient] | None = None) -> list[Future]:
+        return [self._pool.submit(call, client) for client in (self.clients if clients is None else clients)]
+
+    def each(self, call: Callable[[SGLangHTTPClient], Any],
+             clients: list[SGLangHTTPClient] | None = None) -> list[Any]:
+        """One call per engine, concurrently; each bounded by the client's HTTP timeout."""
+        return [future.result() for future in self.submit_each(call, clients)]
+
+    def begin_session(self) -> None:
+        opened = self.each(lambda client: client.begin_weight_update())
+        self._in_session = [client for client, ok in zip(self.clients, opened) if ok]
+
+    def end_session(self) -> None:
+        in_session, self._in_session = self._in_session, []
+        self.each(lambda client: client.end_weight_update(), in_session)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for client in self.clients:
+            client.close()
+
+
+# ----------------------------------------------------------------------------- transports
+class TensorTransport:
+    """Colocated engines: `/update_weights_from_tensor`."""
+
+    name = "tensor"
+
+    def __init__(self, engines: EngineSet, engine_kind: str, engine_tp_size: int) -> None:
+        if engine_kind not in ENGINE_KINDS:
+            raise ValueError(f"engine kind {engine_kind!r}; expected one of {ENGINE_KINDS}")
+        self.engines = engines
+        self.engine_kind = engine_kind
+        self.engine_tp_size = engine_tp_size
+        self._token = uuid.uuid4().hex[:12]
+        self._checked_local = False
+
+    def _check_engines_on_this_host(self) -> None:
+        """CUDA IPC and shared memory reach only engines of the sender's host."""
+        from slime.distributed.external_group import address_towards
+
+        for url in self.engines.urls:
+            host = urlparse(url).hostname or "127.0.0.1"
+            if address_towards(host) not in (host, "127.0.0.1"):
+                raise ValueError(f"engine {url} is not on this host, so colocated tensors cannot reach it; "
+                                 "engines on other nodes need the distributed transport (no --colocate)")
+        self._checked_local = True
+
+    def send(self, index: int, tensors: NamedTensors, *, version: str | None, flush_cache: bool) -> None:
+        if not self._checked_local:
+            self._check_engines_on_this_host()
+        if self.engine_kind == "sglang":
+            self.engines.each(lambda client: self._post(client, encode_sglang_payload(tensors, self.engine_tp_size),
+                                                        version, flush_cache))
+            return
+        shared = write_shared_bucket(tensors, shared_memory_dir(), f"slime-weights-{self._token}-bucket{index}")
+        try:  # one file per host, mapped by every engine
+            payload = EnginePayload((shared.descriptor,), SHM_LOAD_FORMAT)
+            self.engines.each(lambda client: self._post(client, payload, version, flush_cache))
+        finally:
+            shared.remove()
+
+    @staticmethod
+    def _post(client: SGLangHTTPClient, payload: EnginePayload, version: str | None, flush_cache: bool) -> None:
+        client.update_weights_from_serialized(list(payload.serialized_per_tp_rank), weight_version=version,
+                                              flush_cache=flush_cache, load_format=payload.load_format)
+
+    def close(self) -> None:
+        pass
+
+
+class DistributedTransport:
+    """Engines elsewhere: a broadcast group of the sender (rank 0) and every engine TP rank."""
+
+    name = "distributed"
+
+    def __init__(self, engines: EngineSet, engine_tp_size: int, *, backend: str, timeout_s: float,
+                 group_name: str = WEIGHT_UPDATE_GROUP) -> None:
+        self.engines = engines
+        self.engine_tp_size = engine_tp_size
+        self.backend = backend
+        self.timeout_s = timeout_s
+        self.group_name = group_name
+        self._group = None
+
+    def connect(self) -> None:
+        """Form the group once: every engine joins over HTTP while the sender hosts the rendezvous."""
+        from slime.distributed.external_group import ExternalGroupSpec, address_towards, open_external_group
+
+        first_host = urlparse(self.engines.urls[0]).hostname or "127.0.0.1"
+        master = address_towards(first_host)
+        spec = ExternalGroupSpec(
+            master_address=master, master_port=find_free_port(master),
+            world_size=1 + len(self.engines.urls) * self.engine_tp_size, group_name=self.group_name,
+            backend=self.backend, timeout_s=self.timeout_s,
+        )
+        rank_offsets = {client.base_url: 1 + i * self.engine_tp_size for i, client in enumerate(self.engines.clients)}
+        joins = self.engines.submit_each(lambda client: client.init_weights_update_group(
+            master_address=spec.master_address, master_port=spec.master_port, rank_offset=rank_offsets[client.base_url],
+            world_size=spec.world_size, group_name=spec.group_name, backend=spec.backend))
+        group = open_external_group(spec, 0)
+        for join in joins:
+            join.result()  # each bounded by its HTTP timeout
+        self._group = group
+
+    def send(self, index: int, tensors: NamedTensors, *, version: str | None, flush_cache: bool) -> None:
+        if self._group is None:
+            self.connect()
+        names = [name for name, _ in tensors]
+        dtypes = [str(t.dtype).removeprefix("torch.") for _, t in tensors]
+        shapes = [list(t.shape) for _, t in tensors]
+        replies = self.engines.submit_each(lambda client: client.update_weights_from_distributed(
+            names=names, dtypes=dtypes, shapes=shapes, group_name=self.group_name, weight_version=version,
+            flush_cache=flush_cache))
+        for _, tensor in tensors:  # the engines receive in this order
+            self._group.broadcast(tensor.detach().contiguous(), 0)
+        for reply in replies:
+            reply.result()
+
+    def close(self) -> None:
+        if self._group is None:
+            return
+        group, self._group = self._group, None
+        try:
+            self.engines.each(lambda client: client.destroy_weights_update_group(self.group_name))
+        finally:
+            group.close()
+
+
+def build_transport(kind: str, engines: EngineSet, *, engine_kind: str, engine_tp_size: int, timeout_s: float,
+                    device: torch.device | None = None, pp_rank: int = 0):
+    if kind == "tensor":
+        return TensorTransport(engines, engine_kind, engine_tp_size)
+    if kind == "distributed":
+        on_gpu = device is not None and device.type == "cuda"
+        return DistributedTransport(engines, engine_tp_size, backend="nccl" if on_gpu else "gloo",
+                                    timeout_s=timeout_s, group_name=f"{WEIGHT_UPDATE_GROUP}_pp{pp_rank}")
+    raise ValueError(f"unknown weight transport {kind!r}; expected one of {TRANSPORTS}")

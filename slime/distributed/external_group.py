@@ -1,0 +1,83 @@
+"""Process groups shared with processes outside the training world (the rollout engines).
+
+SGLang's distributed weight update (`/init_weights_update_group`) forms a group of the trainer's
+sender (rank 0) and every engine TP rank (rank_offset + tp_rank) through a TCP rendezvous at
+`master_address:master_port`, keyed by `group_name`. The group lives beside the training world:
+it is never the default group and never one of megatron's, so creating or destroying it does not
+touch the communicators of the step.
+
+The same function serves both sides: the trainer hosts the store (rank 0), an engine joins it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+BACKENDS = ("gloo", "nccl")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExternalGroupSpec:
+    """Where and how the weight-update group meets (the fields of SGLang's InitWeightsUpdateGroupReqInput)."""
+
+    master_address: str
+    master_port: int
+    world_size: int
+    group_name: str
+    backend: str
+    timeout_s: float
+    """Deadline of the rendezvous and of every collective on the group."""
+
+
+@dataclass(frozen=True)
+class ExternalGroup:
+    group: dist.ProcessGroup
+    store: dist.Store
+    """Kept alive with the group: rank 0 serves the rendezvous from it."""
+    rank: int
+    spec: ExternalGroupSpec
+
+    def broadcast(self, tensor, root: int = 0) -> None:
+        """Broadcast in place from `root`; bounded by the group's timeout."""
+        self.group.broadcast(tensor, root).wait()
+
+    def close(self) -> None:
+        shutdown = getattr(self.group, "shutdown", None)
+        if callable(shutdown):
+            shutdown()
+
+
+def open_external_group(spec: ExternalGroupSpec, rank: int) -> ExternalGroup:
+    """Join (rank > 0) or host (rank 0) the group; returns once all `world_size` ranks arrived.
+
+    Raises on the deadline (torch's DistStoreError / RuntimeError), never blocks past it.
+    """
+    if spec.backend not in BACKENDS:
+        raise ValueError(f"weight-update group backend {spec.backend!r}; expected one of {BACKENDS}")
+    if not 0 <= rank < spec.world_size:
+        raise ValueError(f"rank {rank} outside a weight-update group of {spec.world_size}")
+    timeout = datetime.timedelta(seconds=spec.timeout_s)
+    store = dist.TCPStore(spec.master_address, spec.master_port, spec.world_size, is_master=rank == 0,
+                          timeout=timeout, wait_for_workers=False)
+    # torch's own groups key their rendezvous as "<group_name>/": the same prefix meets SGLang's side.
+    prefixed = dist.PrefixStore(f"{spec.group_name}/", store)
+    if spec.backend == "gloo":
+        group = dist.ProcessGroupGloo(prefixed, rank, spec.world_size, timeout)
+    else:
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        group = dist.ProcessGroupNCCL(prefixed, rank, spec.world_size, options)
+    return ExternalGroup(group, store, rank, spec)
+
+
+def address_towards(host: str) -> str:
+    """This machine's address as seen from `host` (loopback for a local peer). Sends no packet."""
+    if host in ("127.0.0.1", "localhost", "::1") or host.startswith("127."):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, 9))  # UDP connect only picks the route
+        return probe.getsockname()[0]

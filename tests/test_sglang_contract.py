@@ -1,0 +1,219 @@
+"""SGLang's own files as the contract, for the oldest and the newest release setup.py supports.
+
+Every request body the project sends (recorded from the real client and rollout code), every launch
+argv it renders (through the real passthrough and launcher, parsed back by SGLang's ServerArgs parser)
+and its CUDA-IPC tensor payload (decoded by SGLang's own flattened-bucket code on CPU) are checked in a
+subprocess that loads SGLang's files (tests/sglang_probe.py). A renamed field, a missing route or a
+flag SGLang lacks fails here.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import types
+from typing import Any
+
+import pytest
+
+from sglang_files import ROOT, sglang_root, supported_versions
+from slime.backends.embedded_engine import generate_request
+from slime.backends.embedded_engine.sampling import SamplingParams
+from slime.backends.sglang_utils.http_client import SGLangHTTPClient
+from slime.backends.sglang_utils.launcher import SGLANG_ENV_DEFAULTS
+
+pytestmark = pytest.mark.timeout(300)
+VERSIONS = supported_versions()
+ENGINE_TP = 2
+
+# route -> SGLang's request struct for it (None: no body struct)
+ROUTE_STRUCTS = {
+    "/generate": "GenerateReqInput",
+    "/abort_request": "AbortReq",
+    "/pause_generation": "PauseGenerationReqInput",
+    "/continue_generation": "ContinueGenerationReqInput",
+    "/release_memory_occupation": "ReleaseMemoryOccupationReqInput",
+    "/resume_memory_occupation": "ResumeMemoryOccupationReqInput",
+    "/begin_weight_update": "BeginWeightUpdateReqInput",
+    "/end_weight_update": "EndWeightUpdateReqInput",
+    "/update_weights_from_tensor": "UpdateWeightsFromTensorReqInput",
+    "/update_weights_from_disk": "UpdateWeightFromDiskReqInput",
+    "/init_weights_update_group": "InitWeightsUpdateGroupReqInput",
+    "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
+    "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
+    "/get_weights_by_name": "GetWeightsByNameReqInput",
+    "/flush_cache": None,  # query parameter only
+    "/health": None,
+    "/get_model_info": None,
+}
+SESSION_ROUTES = ("/begin_weight_update", "/end_weight_update")  # SGLang >= 0.5.21; 404 before (fallback)
+
+
+class _Recorder:
+    """Stands in for requests.Session: records what the real client sends, answers 200 {}."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, Any]] = []
+
+    def request(self, method, url, json=None, timeout=None):
+        path, _, query = url.split("//", 1)[1].partition("/")[2].partition("?")
+        self.calls.append({"method": method, "route": "/" + path, "query": query, "body": json})
+        return types.SimpleNamespace(status_code=200, json=lambda: {"weight_version": "1"}, text="")
+
+    def close(self) -> None:
+        pass
+
+
+def record_client_calls() -> list[dict[str, Any]]:
+    client = SGLangHTTPClient("http://engine:1")
+    recorder = client._session = _Recorder()
+    client.health()
+    client.model_info()
+    client.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 4, "temperature": 1.0, "top_k": 5},
+                    return_logprob=True, logprob_start_len=0)
+    client.abort_all()
+    client.pause_generation()
+    client.flush_cache(timeout_s=30)
+    client.continue_generation()
+    client.release_memory_occupation()
+    client.resume_memory_occupation(["weights"])
+    client.begin_weight_update()
+    client.update_weights_from_serialized(["AAAA", "AAAA"], weight_version="3", flush_cache=False,
+                                          load_format="flattened_bucket")
+    client.end_weight_update()
+    client.update_weights_from_disk("/ckpt", weight_version="4")
+    client.init_weights_update_group(master_address="10.0.0.1", master_port=29500, rank_offset=1, world_size=3,
+                                     group_name="slime_weight_update_pp0", backend="nccl")
+    client.update_weights_from_distributed(names=["a"], dtypes=["bfloat16"], shapes=[[2, 3]],
+                                           group_name="slime_weight_update_pp0", weight_version="5")
+    client.destroy_weights_update_group("slime_weight_update_pp0")
+    client.get_weights_by_name("lm_head.weight", 10)
+    return recorder.calls
+
+
+def record_rollout_generate(monkeypatch) -> dict[str, Any]:
+    """The body slime.rollout.sglang_rollout.generate sends for the default sampling flags."""
+    from slime.rollout import sglang_rollout
+    from slime.utils.arguments import build_parser
+    from slime.utils.types import Sample
+
+    sent = []
+
+    async def capture(url, payload, timeout_s=None):
+        sent.append(payload)
+        return {"text": "", "output_ids": [], "meta_info": {"finish_reason": {"type": "length"}}}
+
+    monkeypatch.setattr(sglang_rollout, "post", capture)
+    args = build_parser().parse_known_args(["--rollout-batch-size", "1"])[0]
+    args.sglang_router_ip, args.sglang_router_port = "127.0.0.1", 1
+    args.rollout_max_response_len, args.rollout_stop, args.rollout_stop_token_ids = 12, ["</s>"], [2]
+    args.rollout_top_k = 20
+    asyncio.run(sglang_rollout.generate(args, Sample(tokens=[1, 2, 3]), sglang_rollout.sampling_params(args)))
+    return {"method": "POST", "route": "/generate", "query": "", "body": sent[0]}
+
+
+LAUNCH_CASES = [
+    {"name": "colocated", "engine_rank": 1, "base_gpu_id": 3,
+     "args": {"rollout_num_gpus_per_engine": ENGINE_TP, "seed": 7, "offload_rollout": True,
+              "sglang_mem_fraction_static": 0.7, "sglang_cuda_graph_bs": [1, 2, 4]},
+     "argv": [], "expect": {"tp_size": ENGINE_TP, "base_gpu_id": 3, "random_seed": 8, "enable_memory_saver": True,
+                            "mem_fraction_static": 0.7, "skip_server_warmup": True, "trust_remote_code": True},
+     "cuda_graph_bs": [1, 2, 4],
+     "env": ["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"]},
+    {"name": "passthrough", "args": {"rollout_num_gpus_per_engine": 1, "seed": 1, "offload_rollout": False},
+     "argv": ["--sglang-preferred-sampling-params", '{"temperature": 0.5, "top_p": 0.9}',
+              "--sglang-json-model-override-args", '{"rope_scaling": {"factor": 2.0}}',
+              "--sglang-no-lora-strict-loading", "--sglang-disable-radix-cache", "--sglang-max-running-requests", "64"],
+     "expect": {"preferred_sampling_params": {"temperature": 0.5, "top_p": 0.9},
+                "json_model_override_args": '{"rope_scaling": {"factor": 2.0}}', "lora_strict_loading": False,
+                "disable_radix_cache": True, "max_running_requests": 64, "enable_memory_saver": False}},
+]
+
+
+@pytest.fixture(scope="module", params=VERSIONS)
+def report(request, tmp_path_factory) -> dict[str, Any]:
+    version = request.param
+    root = sglang_root(version)
+    monkeypatch = pytest.MonkeyPatch()
+    try:
+        bodies = [*record_client_calls(), record_rollout_generate(monkeypatch)]
+    finally:
+        monkeypatch.undo()
+    for body in bodies:
+        body["cls"] = ROUTE_STRUCTS[body["route"]]
+    cases = [{k: v for k, v in case.items() if k != "cuda_graph_bs"} for case in LAUNCH_CASES]
+    for case, source in zip(cases, LAUNCH_CASES):
+        if "cuda_graph_bs" in source:
+            case["expect"] = {**case["expect"], "cuda_graph_bs": None, "cuda_graph_bs_decode": None}
+    probe_request = {"bodies": bodies, "launch": cases, "env_names": sorted(SGLANG_ENV_DEFAULTS), "tp_size": ENGINE_TP}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(ROOT)]), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "sglang_probe.py")], input=json.dumps(probe_request),
+                          capture_output=True, text=True, env=env, timeout=240, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout)
+    assert result["version"] == version
+    return result
+
+
+def _newer_than(version: str, other: str) -> bool:
+    def key(v: str) -> tuple:
+        return tuple(int(p) if p.isdigit() else 0 for p in v.replace(".post", ".").split("."))
+
+    return key(version) >= key(other)
+
+
+def test_every_request_body_fits_sglangs_request_types(report):
+    for entry in report["bodies"]:
+        where = f"{entry['method']} {entry['route']} (SGLang {report['version']})"
+        if entry["route"] in SESSION_ROUTES and not _newer_than(report["version"], "0.5.21"):
+            assert not entry["route_exists"], f"{where}: expected absent before 0.5.21 (the client falls back)"
+            continue
+        assert entry["route_exists"], f"{where}: SGLang has no such route"
+        assert entry["cls_exists"], f"{where}: SGLang has no {entry['cls']}"
+        assert entry["problems"] == [], f"{where}: {entry['problems']}"
+
+
+def test_flush_cache_takes_a_timeout(report):
+    assert "timeout" in report["flush_cache_params"]
+    flush = [b for b in report["bodies"] if b["route"] == "/flush_cache"]
+    assert flush and all(b["query"].startswith("timeout=") for b in flush)
+
+
+def test_launch_argv_parses_back_to_what_slime_meant(report):
+    for case, source in zip(report["launch"], LAUNCH_CASES):
+        assert "error" not in case, f"{case['name']} (SGLang {report['version']}): {case.get('error')}"
+        expected = dict(source["expect"])
+        parsed = dict(case["parsed"])
+        if "cuda_graph_bs" in source:  # renamed in 0.5.20: whichever the installed SGLang has carries the sizes
+            graph_sizes = parsed.pop("cuda_graph_bs") or parsed.pop("cuda_graph_bs_decode")
+            parsed.pop("cuda_graph_bs_decode", None)
+            assert graph_sizes == source["cuda_graph_bs"], case["tokens"]
+        assert parsed == expected, f"{case['name']}: {case['tokens']}"
+        for name in source.get("env", []):
+            assert case["env"][name] == "false", name
+
+
+def test_engine_env_names_exist_in_sglang(report):
+    assert report["env_known"]["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"], report["env_known"]
+
+
+def test_tensor_payload_round_trips_through_sglangs_decoder(report):
+    payload = report["payload"]
+    assert payload["load_format"] == "flattened_bucket"
+    assert payload["entries"] == 2 * ENGINE_TP
+    assert payload["serialize_calls"] == payload["entries"], "one serialization per engine and TP rank"
+    assert payload["decoded_equal"] and payload["base64_strings"]
+
+
+def test_embedded_engine_knows_every_sglang_generate_field(report):
+    """Each GenerateReqInput field is honoured, without effect here, or refused unless neutral: none slips by."""
+    unclassified = set(report["generate_fields"]) - generate_request.KNOWN_KEYS
+    assert not unclassified, f"SGLang {report['version']} /generate fields the embedded engine does not classify"
+    assert generate_request.HONOURED_KEYS <= set(report["generate_fields"])
+
+
+def test_embedded_sampling_params_are_sglangs(report):
+    honoured = set(SamplingParams.__dataclass_fields__)
+    assert honoured <= set(report["sampling_fields"]), honoured - set(report["sampling_fields"])

@@ -1,0 +1,58 @@
+"""Weight-update sessions and per-consumer payloads, on recorded HTTP calls (no servers)."""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from slime.backends.megatron_utils.weight_transport import EngineSet, TensorTransport
+from slime.backends.sglang_utils.http_client import ClientTimeouts, EngineHTTPError
+
+
+class _Engine:
+    """Answers like an SGLang server: `has_sessions=False` is an older SGLang without the routes (404)."""
+
+    def __init__(self, has_sessions: bool) -> None:
+        self.has_sessions = has_sessions
+        self.calls: list[tuple[str, dict | None]] = []
+
+    def request(self, method, url, json=None, timeout=None):
+        route = "/" + url.split("//", 1)[1].partition("/")[2].partition("?")[0]
+        self.calls.append((route, json))
+        if route.endswith("_weight_update") and not self.has_sessions:
+            return types.SimpleNamespace(status_code=404, json=lambda: {"detail": "Not Found"}, text="Not Found")
+        return types.SimpleNamespace(status_code=200, json=lambda: {"success": True}, text="")
+
+    def close(self) -> None:
+        pass
+
+    def routes(self) -> list[str]:
+        return [route for route, _ in self.calls]
+
+
+def engine_set(*has_sessions: bool) -> tuple[EngineSet, list[_Engine]]:
+    engines = EngineSet(tuple(f"http://127.0.0.1:{i + 1}" for i in range(len(has_sessions))), ClientTimeouts())
+    fakes = [_Engine(flag) for flag in has_sessions]
+    for client, fake in zip(engines.clients, fakes):
+        client._session = fake
+    return engines, fakes
+
+
+def test_session_wraps_the_push_where_the_engine_has_one():
+    engines, (new, old) = engine_set(True, False)
+    engines.begin_session()
+    TensorTransport(engines, "embedded", 1).send(0, [("w", torch.ones(2))], version="1", flush_cache=True)
+    engines.end_session()
+    assert new.routes() == ["/begin_weight_update", "/update_weights_from_tensor", "/end_weight_update"]
+    assert old.routes() == ["/begin_weight_update", "/update_weights_from_tensor"]  # 404: no session to end
+    body = new.calls[1][1]
+    assert body["load_format"] == "slime_shm" and body["weight_version"] == "1" and body["flush_cache"]
+
+
+def test_a_failing_begin_is_an_error_not_a_fallback():
+    engines, (fake,) = engine_set(True)
+    fake.request = lambda *a, **k: types.SimpleNamespace(status_code=400, json=lambda: {"message": "busy"},
+                                                         text="busy")
+    with pytest.raises(EngineHTTPError, match="HTTP 400"):
+        engines.begin_session()
