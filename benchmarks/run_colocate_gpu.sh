@@ -44,14 +44,23 @@ engine)
     --results-json "$OUT/engine.json" > "$OUT/engine.log" 2>&1
   echo "engine rc=$?"; grep -h "ENGINE_MEMORY\|Error" "$OUT/engine.log" | cut -c1-1500 ;;
 loop)
-  checkpoint
-  python3 -m slime.tools.demo_prompts --out /tmp/colocate-prompts.jsonl >/dev/null
-  timeout ${LOOP_TIMEOUT:-480} python3 train.py --hf-checkpoint $CKPT --rollout-backend embedded \
-    --prompt-data /tmp/colocate-prompts.jsonl --input-key prompt --label-key label --apply-chat-template --rm-type math \
+  # The learnable counting task (examples/run_cpu_demo.sh) on a Qwen3-0.6B-shaped body (24 layers,
+  # hidden 1024, 16/8 heads, FFN 3072) over the demo's character vocabulary, random init, bf16: rewards
+  # vary inside groups from rollout 0, so every step moves the weights and a push that lost them
+  # would show in train/train_rollout_logprob_abs_diff.
+  MODEL=/tmp/colocate-counting-0.6b
+  [ -f $MODEL/config.json ] || python3 -m slime.tools.tiny_checkpoint --out $MODEL --alphabet 0123456789 \
+    --layers 24 --hidden 1024 --heads 16 --kv-heads 8 --head-dim 64 --ffn-hidden 3072 --seed 1234 > /dev/null
+  python3 -m slime.tools.demo_prompts --task counting --n 400 --out /tmp/counting.jsonl > /dev/null
+  timeout ${LOOP_TIMEOUT:-480} python3 train.py --hf-checkpoint $MODEL --rollout-backend embedded \
+    --prompt-data /tmp/counting.jsonl --input-key prompt --label-key label --rollout-shuffle \
+    --custom-rm-path examples.counting_reward.reward \
     --actor-num-nodes 1 --actor-num-gpus-per-node "$NGPU" --colocate --rollout-num-gpus-per-engine 1 \
     ${LAYOUT:-} --use-dynamic-batch-size --max-tokens-per-gpu 8192 --calculate-per-token-loss --use-slime-router \
-    --num-rollout ${ROLLOUTS:-20} --rollout-batch-size 8 --n-samples-per-prompt 4 --rollout-max-response-len 64 \
-    --advantage-estimator grpo --kl-loss-coef 0 --entropy-coef 0 --lr 1e-6 --bf16 \
+    --num-rollout ${ROLLOUTS:-24} --rollout-batch-size 8 --n-samples-per-prompt 8 --num-steps-per-rollout 2 \
+    --rollout-max-response-len 3 --rollout-temperature 1.0 \
+    --advantage-estimator grpo --use-kl-loss --kl-loss-coef 0.01 --kl-loss-type low_var_kl --entropy-coef 0.001 \
+    --optimizer adam --lr ${LR:-1e-4} --lr-decay-style constant --bf16 \
     --attention-dropout 0.0 --hidden-dropout 0.0 --fence-timeout 120 --seed 1234 \
     --metrics-jsonl "$OUT/loop_metrics.jsonl" > "$OUT/loop.log" 2>&1
   echo "loop rc=$?"; grep -h "training stopped\|Traceback\|Error" "$OUT/loop.log" | head -5
