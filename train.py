@@ -28,7 +28,8 @@ logger = logging.getLogger("slime.train")
 
 
 def train(args) -> None:
-    args.start_rollout_id = resume_rollout_id(args)
+    if getattr(args, "start_rollout_id", None) is None:  # --start-rollout-id wins over --load's position
+        args.start_rollout_id = resume_rollout_id(args)
     init_ray(args)
     placement = create_placement(args)
     metrics = MetricsLogger(args)
@@ -56,9 +57,9 @@ def train(args) -> None:
 
 def run_rollout(args, rollout_id: int, rollout, actors, metrics: MetricsLogger) -> None:
     if _eval_due(args, rollout_id, before_train=True):
-        metrics.log("eval", rollout_id, rollout.evaluate(rollout_id))
+        _log_unless_custom(metrics, "eval", rollout_id, rollout.evaluate(rollout_id))
     data_ref, rollout_metrics = rollout.generate(rollout_id)
-    metrics.log("rollout", rollout_id, rollout_metrics)
+    _log_unless_custom(metrics, "rollout", rollout_id, rollout_metrics)
     if actors is None:  # --debug-rollout-only
         return
     memory = rollout.offload() if engines_release_memory(args) else {}
@@ -72,7 +73,13 @@ def run_rollout(args, rollout_id: int, rollout, actors, metrics: MetricsLogger) 
         metrics.log("memory", rollout_id, memory)
     sync_weights(args, rollout_id, rollout, actors, metrics)
     if _eval_due(args, rollout_id, before_train=False):
-        metrics.log("eval", rollout_id + 1, rollout.evaluate(rollout_id + 1))
+        _log_unless_custom(metrics, "eval", rollout_id + 1, rollout.evaluate(rollout_id + 1))
+
+
+def _log_unless_custom(metrics: MetricsLogger, kind: str, rollout_id: int, values: dict) -> None:
+    # {}: a --custom-(eval-)rollout-log-function-path returned True and did the logging itself
+    if values:
+        metrics.log(kind, rollout_id, values)
 
 
 def sync_weights(args, rollout_id: int, rollout, actors, metrics: MetricsLogger) -> None:
@@ -92,11 +99,11 @@ def engines_release_memory(args) -> bool:
 
 
 def resume_rollout_id(args) -> int:
-    """The rollout after the last checkpoint under --load (0 without one)."""
+    """The rollout after the last checkpoint under --load (0 without one, or with --finetune)."""
     from slime.backends.megatron_utils.checkpoint import latest_iteration
 
     last = latest_iteration(args.load) if args.load else None
-    return 0 if last is None else last + 1
+    return 0 if last is None or getattr(args, "finetune", False) else last + 1
 
 
 def _eval_due(args, rollout_id: int, *, before_train: bool) -> bool:

@@ -56,7 +56,11 @@ def free_port() -> int:
 
 @dataclass
 class FakeEngine:
-    """Replies with `response_text` and `response_ids`, cut at max_new_tokens (finish 'length')."""
+    """Replies with `response_text` and `response_ids`, cut at max_new_tokens (finish 'length').
+
+    It also answers as its own router (/list_workers) and honours /abort_request {"abort_all": true}:
+    a request waiting out `delay_s` then returns its first `aborted_tokens` ids with finish 'abort'.
+    """
 
     response_text: str = "the answer is 7"
     response_ids: list[int] = field(default_factory=lambda: [5, 6, 7, 8])
@@ -66,7 +70,20 @@ class FakeEngine:
     max_inflight: int = 0
     _inflight: int = 0
     port: int = 0
+    aborted_tokens: int = 2
+    abort_calls: int = 0
     _server: "AppThread | None" = None
+
+    async def _wait_or_abort(self) -> bool:
+        """Sleep delay_s; True when an abort arrived meanwhile."""
+        calls = self.abort_calls
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self.delay_s
+        while loop.time() < end:
+            if self.abort_calls != calls:
+                return True
+            await asyncio.sleep(0.01)
+        return False
 
     async def _generate(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -74,13 +91,14 @@ class FakeEngine:
         self._inflight += 1
         self.max_inflight = max(self.max_inflight, self._inflight)
         try:
-            if self.delay_s:
-                await asyncio.sleep(self.delay_s)
+            aborted = await self._wait_or_abort() if self.delay_s else False
         finally:
             self._inflight -= 1
         limit = body["sampling_params"]["max_new_tokens"]
-        ids = self.response_ids[:limit]
+        ids = self.response_ids[:min(limit, self.aborted_tokens) if aborted else limit]
         finish = {"type": "length", "length": limit} if len(self.response_ids) > limit else {"type": "stop", "matched": 2}
+        if aborted:
+            finish = {"type": "abort", "message": "aborted"}
         meta = {
             "finish_reason": finish,
             "prompt_tokens": len(body["input_ids"]),
@@ -92,9 +110,18 @@ class FakeEngine:
         text = self.response_text if len(ids) == len(self.response_ids) else " ".join(self.response_text.split()[: len(ids)])
         return web.json_response({"text": text, "output_ids": ids, "meta_info": meta})
 
+    async def _abort(self, request: web.Request) -> web.Response:
+        self.abort_calls += 1
+        return web.json_response({"success": True})
+
+    async def _list_workers(self, request: web.Request) -> web.Response:
+        return web.json_response({"urls": [f"http://127.0.0.1:{self.port}"]})
+
     def start(self) -> "FakeEngine":
         app = web.Application()
         app.router.add_post("/generate", self._generate)
+        app.router.add_post("/abort_request", self._abort)
+        app.router.add_get("/list_workers", self._list_workers)
         self._server = AppThread(app).start()
         self.port = self._server.port
         return self

@@ -20,6 +20,14 @@ PROMPTS = [{"prompt": "what is 3 + 4 ?", "label": "7"}, {"prompt": "what is 1 + 
            {"prompt": "what is 2 + 5 ?", "label": "7"}]
 
 
+@pytest.fixture(autouse=True)
+def _fresh_generate_state():
+    """GenerateState is a process-wide singleton (upstream's): each test starts with its own args."""
+    SingletonMeta.reset(GenerateState)
+    yield
+    SingletonMeta.reset(GenerateState)
+
+
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory):
     return str(write_tokenizer(tmp_path_factory.mktemp("tok"), max_position_embeddings=64))

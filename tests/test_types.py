@@ -71,3 +71,52 @@ def test_call_rollout_fn_wraps_legacy_returns():
 def test_call_rollout_fn_rejects_flat_sample_list():
     with pytest.raises(TypeError, match="list\\[list\\[Sample\\]\\]"):
         call_rollout_fn(lambda *a, evaluation: [Sample(), Sample()], evaluation=False)
+
+
+def test_round_trip_keeps_every_field_and_flattens_the_info_records():
+    sample = Sample(index=1, tokens=[1, 2], response_length=1, loss_mask=[1], weight_versions=["2"],
+                    remove_sample=True, train_metadata={"loss": "sft"}, session_id="s", non_generation_time=0.5)
+    sample.spec_info.spec_accept_token_num = 3
+    sample.prefix_cache_info.cached_tokens = 7
+    data = sample.to_dict()
+    assert data["spec_info"] == {"spec_accept_token_num": 3, "spec_draft_token_num": 0, "spec_verify_ct": 0,
+                                 "completion_token_num": 0}
+    assert data["prefix_cache_info"] == {"cached_tokens": 7, "total_prompt_tokens": 0}
+    back = Sample.from_dict(data)
+    assert back == sample  # every dataclass field, info records included
+    assert set(data) >= set(Sample.__dataclass_fields__)
+
+
+def test_meta_info_unknown_finish_keeps_status_and_counters_accumulate():
+    sample = Sample(status=Sample.Status.ABORTED)
+    sample.update_from_meta_info(SimpleNamespace(), {"finish_reason": {"type": "weird"}, "cached_tokens": 2,
+                                                    "prompt_tokens": 5, "spec_accept_token_num": 9})
+    sample.update_from_meta_info(SimpleNamespace(), {"cached_tokens": 1, "prompt_tokens": 5})
+    assert sample.status is Sample.Status.ABORTED and sample.weight_versions == []
+    assert (sample.prefix_cache_info.cached_tokens, sample.prefix_cache_info.total_prompt_tokens) == (3, 10)
+    assert sample.prefix_cache_info.prefix_cache_hit_rate == pytest.approx(0.3)
+    assert sample.spec_info.spec_accept_token_num == 0  # no speculative decoding configured
+    sample.update_from_meta_info(SimpleNamespace(sglang_speculative_algorithm="EAGLE"),
+                                 {"spec_accept_token_num": 4, "spec_draft_token_num": 8, "completion_tokens": 6,
+                                  "spec_verify_ct": 2})
+    assert sample.spec_info.spec_accept_rate == 0.5 and sample.spec_info.spec_accept_length == 3.0
+
+
+def test_append_response_tokens_keeps_tokens_mask_and_logprobs_aligned():
+    sample = Sample(tokens=[1, 2, 3])
+    sample.append_response_tokens(tokens=[10, 11], log_probs=[-0.1, -0.2], text="ab",
+                                  meta_info={"finish_reason": {"type": "stop"}, "weight_version": "1"})
+    sample.append_response_tokens(tokens=[20, 21, 22], trainable=False, text="<tool>")  # a tool reply
+    sample.append_response_tokens(tokens=[12], log_probs=[-0.3], meta_info={"finish_reason": {"type": "length"}})
+    assert sample.tokens == [1, 2, 3, 10, 11, 20, 21, 22, 12] and sample.response_length == 6
+    assert sample.loss_mask == [1, 1, 0, 0, 0, 1]
+    assert sample.rollout_log_probs == [-0.1, -0.2, 0.0, 0.0, 0.0, -0.3]
+    assert sample.response == "ab<tool>" and sample.status is Sample.Status.TRUNCATED
+    assert sample.weight_versions == ["1"] and sample.effective_response_length == 3
+    with pytest.raises(ValueError, match="log-probs"):
+        sample.append_response_tokens(tokens=[1], trainable=True)
+    with pytest.raises(ValueError, match="non-trainable"):
+        sample.append_response_tokens(tokens=[1], log_probs=[0.0], trainable=False)
+    with pytest.raises(ValueError, match="2 log-probs for 1 tokens"):
+        sample.append_response_tokens(tokens=[1], log_probs=[0.0, 0.1])
+    assert sample.response_length == 6  # failed appends change nothing

@@ -45,7 +45,8 @@ class RayTrainGroup:
         master_addr, master_port = ray.get(self._ranks[0].rendezvous_address.remote(), timeout=120)
         refs = [r.init.remote(master_addr, master_port, engine_urls) for r in self._ranks]
         starts = self._wait(refs, "init", INIT_ALLOWANCE_S + 3 * self.args.fence_timeout)
-        if set(starts) != {self.args.start_rollout_id}:
+        explicit = getattr(self.args, "start_rollout_id_given", False)  # --start-rollout-id wins over --load
+        if len(set(starts)) != 1 or (not explicit and set(starts) != {self.args.start_rollout_id}):
             raise RuntimeError(f"ranks resumed at rollouts {sorted(set(starts))}, the driver at "
                                f"{self.args.start_rollout_id}: is --load readable the same way by every rank?")
 

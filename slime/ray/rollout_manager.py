@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -16,9 +17,8 @@ import ray
 import torch
 
 from slime.backends.sglang_utils.launcher import EngineHandle, launch_engine, pick_rollout_backend
-from slime.rollout.advantages import samples_to_train_data
+from slime.rollout.advantages import TRAIN_DATA_KEYS, flatten_groups, samples_to_train_data
 from slime.rollout.base_types import call_rollout_fn
-from slime.rollout.data_source import RolloutDataSource
 from slime.rollout.metrics import compute_rollout_metrics
 from slime.router.router import launch_router
 from slime.utils.misc import load_function
@@ -41,7 +41,7 @@ def num_engines(args) -> int:
 class RolloutManager:
     def __init__(self, args):
         self.args = args
-        self.data_source = RolloutDataSource(args)
+        self.data_source = load_function(args.data_source_path)(args)  # --data-source-path: cls(args)
         if args.start_rollout_id > 0:  # resume after the rollout whose data position was saved
             self.data_source.load(args.start_rollout_id - 1)
         self.backend = pick_rollout_backend(args)
@@ -79,15 +79,20 @@ class RolloutManager:
         return len(self.data_source)
 
     def generate(self, rollout_id: int) -> tuple[list[ray.ObjectRef], dict[str, Any]]:
+        """One rollout as the trainer's batch, and its metrics ({} when a custom log function took over)."""
+        start = time.monotonic()
         samples, metrics = self._samples(rollout_id)
+        rollout_time = time.monotonic() - start
         if self.args.save_debug_rollout_data:
             path = self.args.save_debug_rollout_data.format(rollout_id=rollout_id)
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             torch.save({"rollout_id": rollout_id, "samples": [s.to_dict() for s in samples]}, path)
-        data = samples_to_train_data(self.args, samples)
-        metrics = {**compute_rollout_metrics(self.args, samples), **(metrics or {})}
+        data = self._train_data(samples)
         if self.args.save:
             self.data_source.save(rollout_id)
+        if self._custom_log(rollout_id, samples, metrics, rollout_time):
+            return [ray.put(data)], {}
+        metrics = {**compute_rollout_metrics(self.args, samples), **(metrics or {})}
         return [ray.put(data)], {f"rollout/{k}" if "/" not in k else k: v for k, v in metrics.items()}
 
     def _samples(self, rollout_id: int) -> tuple[list[Sample], dict[str, Any]]:
@@ -95,12 +100,32 @@ class RolloutManager:
             path = self.args.load_debug_rollout_data.format(rollout_id=rollout_id)
             saved = torch.load(path, weights_only=False)
             return [Sample.from_dict(d) for d in saved["samples"]], {}
+        if hasattr(self.data_source, "rollout_id"):  # what --buffer-filter-path receives
+            self.data_source.rollout_id = rollout_id
         output = call_rollout_fn(self._rollout_fn, self.args, rollout_id, self.data_source, evaluation=False)
-        return [s for group in output.samples for s in group], dict(output.metrics or {})
+        return flatten_groups(output.samples), dict(output.metrics or {})
+
+    def _train_data(self, samples: list[Sample]) -> dict[str, list]:
+        """--custom-convert-samples-to-train-data-path `fn(args, samples) -> dict`, else the default conversion."""
+        path = self.args.custom_convert_samples_to_train_data_path
+        if not path:
+            return samples_to_train_data(self.args, samples)
+        data = load_function(path)(self.args, samples)
+        check_train_data(data, path)
+        return data
+
+    def _custom_log(self, rollout_id: int, samples: list[Sample], metrics: dict, rollout_time: float) -> bool:
+        """--custom-rollout-log-function-path: True means it replaced the default rollout logging."""
+        path = self.args.custom_rollout_log_function_path
+        return bool(path) and bool(load_function(path)(rollout_id, self.args, samples, metrics, rollout_time))
 
     def evaluate(self, rollout_id: int) -> dict[str, Any]:
+        """Eval metrics ({} when --custom-eval-rollout-log-function-path took over the logging)."""
         fn = load_function(self.args.eval_function_path or self.args.rollout_function_path)
         output = call_rollout_fn(fn, self.args, rollout_id, self.data_source, evaluation=True)
+        path = self.args.custom_eval_rollout_log_function_path
+        if path and load_function(path)(rollout_id, self.args, output.data, output.metrics):
+            return {}
         return dict(output.metrics or {})
 
     def offload(self) -> dict[str, float]:
@@ -138,6 +163,18 @@ def engine_memory_metrics(before: list[dict], after: list[dict]) -> dict[str, fl
         for key, value in released["memory"].items():
             metrics[f"memory/engine{index}_released_{key}"] = float(value)
     return metrics
+
+
+def check_train_data(data: Any, origin: str) -> None:
+    """A custom conversion must return the trainer's keys, one entry per sample each."""
+    if not isinstance(data, dict):
+        raise TypeError(f"{origin} returned {type(data).__name__}, expected a dict of per-sample lists")
+    missing = [k for k in TRAIN_DATA_KEYS if k not in data]
+    if missing:
+        raise KeyError(f"{origin} returned no {missing} (needs {list(TRAIN_DATA_KEYS)})")
+    lengths = {k: len(data[k]) for k in TRAIN_DATA_KEYS}
+    if len(set(lengths.values())) != 1:
+        raise ValueError(f"{origin} returned lists of different lengths: {lengths}")
 
 
 def _retry_port_clash(launch, attempts: int = 3):

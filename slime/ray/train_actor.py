@@ -51,6 +51,7 @@ class TrainRayActor:
         from slime.backends.megatron_utils.actor import MegatronTrainActor
 
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+        os.environ.update({k: str(v) for k, v in (self.args.train_env_vars or {}).items()})  # --train-env-vars
         self.actor = MegatronTrainActor(self.args, self.rank, self.world_size, self.ledger_dir)
         return self.actor.init(master_addr, master_port, engine_urls)
 

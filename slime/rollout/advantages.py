@@ -18,6 +18,9 @@ from typing import Any, Sequence
 
 from slime.utils.types import Sample
 
+# the keys every rollout batch has (a custom conversion must return them all)
+TRAIN_DATA_KEYS = ("tokens", "response_lengths", "rewards", "raw_reward", "truncated", "sample_indices", "loss_masks")
+
 # estimators whose rewards are centred within each prompt's group
 GROUP_NORMALISED_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus_baseline")
 # of those, the ones that also divide by the group's std (unless --disable-grpo-std-normalization)
@@ -26,10 +29,13 @@ STD_EPS = 1e-6
 
 
 def flatten_groups(samples: Sequence[Sample] | Sequence[Sequence[Sample]]) -> list[Sample]:
-    """list[list[Sample]] or list[Sample] -> list[Sample], order kept."""
+    """Groups (whose entries may be lists: a generate function returning several samples) -> list[Sample]."""
     flat: list[Sample] = []
     for item in samples:
-        flat.extend(item if isinstance(item, (list, tuple)) else [item])
+        if isinstance(item, (list, tuple)):
+            flat.extend(flatten_groups(item))
+        else:
+            flat.append(item)
     return flat
 
 

@@ -98,10 +98,10 @@ def _eval_spec_fields(args) -> dict[str, Any]:
         input_key=getattr(args, "eval_input_key", None) or getattr(args, "input_key", None) or "input",
         label_key=getattr(args, "eval_label_key", None) or getattr(args, "label_key", None),
         metadata_key=getattr(args, "metadata_key", "metadata"),
-        tool_key=getattr(args, "tool_key", "tools"),
+        tool_key=getattr(args, "eval_tool_key", None) or getattr(args, "tool_key", "tools"),
         apply_chat_template=bool(getattr(args, "apply_chat_template", False)),
         chat_template_kwargs=_chat_template_kwargs(args),
-        max_prompt_len=context_budget(args),
+        max_prompt_len=getattr(args, "eval_max_prompt_len", None) or context_budget(args),
     )
 
 
@@ -324,16 +324,46 @@ class RolloutDataSource:
         return len(self.dataset) if self.dataset is not None else 0
 
 
+def pop_first(args, rollout_id: int | None, buffer: list[list[Sample]], num_samples: int) -> list[list[Sample]]:
+    """The default --buffer-filter-path: the oldest groups first (removed from the buffer)."""
+    taken = buffer[:num_samples]
+    del buffer[:num_samples]
+    return taken
+
+
+def pop_stalest(args, rollout_id: int | None, buffer: list[list[Sample]], num_samples: int) -> list[list[Sample]]:
+    """--buffer-sort-by-staleness: groups whose tokens came from the oldest weights first."""
+    buffer.sort(key=_oldest_weight_version)
+    return pop_first(args, rollout_id, buffer, num_samples)
+
+
+def _oldest_weight_version(group: list[Sample]) -> float:
+    versions = [float(v) for s in group for v in s.weight_versions if str(v).replace(".", "", 1).isdigit()]
+    return min(versions, default=float("inf"))  # never generated: after every partly generated group
+
+
 class RolloutDataSourceWithBuffer(RolloutDataSource):
-    """Groups handed back with add_samples (e.g. aborted partial rollouts) are served first."""
+    """Groups handed back with add_samples (aborted partial rollouts) are served first, through
+    --buffer-filter-path `fn(args, rollout_id, buffer, num_samples) -> groups` (default: pop_first),
+    which removes what it returns from the buffer."""
 
     def __init__(self, args):
         super().__init__(args)
         self.buffer: list[list[Sample]] = []
+        self.rollout_id: int | None = None  # set by the rollout manager before each rollout
+        path = getattr(args, "buffer_filter_path", None)
+        if path:
+            from slime.utils.misc import load_function
+
+            self.buffer_filter = load_function(path)
+        else:
+            self.buffer_filter = pop_stalest if getattr(args, "buffer_sort_by_staleness", False) else pop_first
 
     def get_samples(self, num_prompts: int) -> list[list[Sample]]:
-        taken, self.buffer = self.buffer[:num_prompts], self.buffer[num_prompts:]
-        return taken + super().get_samples(num_prompts - len(taken))
+        taken = self.buffer_filter(self.args, self.rollout_id, self.buffer, num_prompts) if self.buffer else []
+        if len(taken) > num_prompts:
+            raise ValueError(f"--buffer-filter-path returned {len(taken)} groups, more than the {num_prompts} asked for")
+        return list(taken) + super().get_samples(num_prompts - len(taken))
 
     def add_samples(self, samples: list[list[Sample]]) -> None:
         for group in samples:

@@ -1,17 +1,22 @@
-"""The default rollout function: generate every group through the router's /generate, then reward.
+"""The default rollout function: generate groups through the router's /generate, reward, filter.
 
 `generate_rollout(args, rollout_id, data_source, evaluation=False)` is what `--rollout-function-path`
 replaces; `generate(args, sample, sampling_params)` is what `--custom-generate-function-path`
-replaces. Both keep upstream's signatures. The work runs on one background asyncio loop so the
-caller (a Ray actor or a plain script) stays synchronous; every HTTP request has a deadline.
+replaces; `generate_and_rm(args, sample, sampling_params, evaluation=False)` is the per-sample
+step custom rollout functions reuse. All keep upstream's signatures. The work runs on one
+background asyncio loop so the caller (a Ray actor or a plain script) stays synchronous; every
+HTTP request has a deadline. Over-sampling, dynamic filtering and partial rollout live in
+`sampling_loop.py`.
 """
 from __future__ import annotations
 
 import asyncio
 import copy
+import inspect
 import logging
 import threading
 import time
+import uuid
 from typing import Any, Awaitable, Callable, TypeVar
 
 from tqdm import tqdm
@@ -21,6 +26,8 @@ from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
 from slime.rollout.data_source import PromptDataset, PromptFileSpec, eval_prompt_specs, load_tokenizer
 from slime.rollout.metrics import compute_eval_metrics, compute_rollout_metrics
 from slime.rollout.rm_hub import async_rm, batched_async_rm, load_hook
+from slime.rollout.sample_hooks import apply_rollout_sample_hooks
+from slime.rollout.sampling_loop import SamplingLoop
 from slime.utils.http_utils import DEFAULT_TIMEOUT_S, post
 from slime.utils.misc import SingletonMeta
 from slime.utils.types import Sample
@@ -65,19 +72,26 @@ def request_timeout(args) -> float:
     return DEFAULT_TIMEOUT_S
 
 
+# SGLang sampling parameter -> (rollout flag dest, eval flag dest); the eval one wins when evaluating and set
+_SAMPLING_FLAGS = {
+    "temperature": ("rollout_temperature", "eval_temperature"),
+    "top_p": ("rollout_top_p", "eval_top_p"),
+    "top_k": ("rollout_top_k", "eval_top_k"),
+    "max_new_tokens": ("rollout_max_response_len", "eval_max_response_len"),
+}
+
+
 def _pick(args, name: str, evaluation: bool):
-    # eval_<name> overrides rollout_<name> for evaluation when set
-    value = getattr(args, f"eval_{name}", None) if evaluation else None
-    return value if value is not None else getattr(args, f"rollout_{name}", None)
+    rollout_dest, eval_dest = _SAMPLING_FLAGS[name]
+    value = getattr(args, eval_dest, None) if evaluation else None
+    return value if value is not None else getattr(args, rollout_dest, None)
 
 
 def sampling_params(args, evaluation: bool = False) -> dict[str, Any]:
     """SGLang sampling_params from --rollout-* flags (--eval-* overrides when evaluating)."""
     params = {
-        "temperature": _pick(args, "temperature", evaluation),
-        "top_p": _pick(args, "top_p", evaluation),
-        "top_k": _pick(args, "top_k", evaluation),
-        "max_new_tokens": _pick(args, "max_response_len", evaluation),
+        **{name: _pick(args, name, evaluation) for name in _SAMPLING_FLAGS},
+        "min_new_tokens": getattr(args, "eval_min_new_tokens", None) if evaluation else None,
         "stop": getattr(args, "rollout_stop", None),
         "stop_token_ids": getattr(args, "rollout_stop_token_ids", None),
         "skip_special_tokens": getattr(args, "rollout_skip_special_tokens", False),
@@ -109,7 +123,12 @@ def _budget(args, sample: Sample, params: dict) -> int | None:
 
 
 async def generate(args, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
-    """One /generate call: appends the response tokens, text, log-probs and mask; sets status."""
+    """One /generate call: appends the response tokens, text and log-probs (loss mask 1); sets status.
+
+    A sample aborted in an earlier rollout (--partial-rollout) continues from the tokens it has.
+    """
+    if sample.status not in (Sample.Status.PENDING, Sample.Status.ABORTED):
+        raise ValueError(f"sample {sample.index} is {sample.status.value}; only pending or aborted samples generate")
     if not sample.tokens:
         sample.tokens = list(load_tokenizer(args.hf_checkpoint)(sample.prompt, add_special_tokens=False)["input_ids"])
     params = dict(sampling_params)
@@ -122,13 +141,11 @@ async def generate(args, sample: Sample, sampling_params: dict[str, Any]) -> Sam
     payload = {"input_ids": sample.tokens, "sampling_params": params, "return_logprob": True}
     output = await post(generate_url(args), payload, timeout_s=request_timeout(args))
     tokens, logprobs = _new_tokens_and_logprobs(output)
-    sample.tokens = sample.tokens + tokens
-    sample.response += output.get("text", "")
-    sample.response_length += len(tokens)
-    sample.loss_mask = (sample.loss_mask or []) + [1] * len(tokens)
-    if logprobs is not None:
-        sample.rollout_log_probs = (sample.rollout_log_probs or []) + logprobs
-    sample.update_from_meta_info(args, output.get("meta_info") or {})
+    if logprobs is None:
+        raise ValueError(f"{generate_url(args)} returned no meta_info.output_token_logprobs although "
+                         "return_logprob was requested")
+    sample.append_response_tokens(args, tokens=tokens, log_probs=logprobs, trainable=True,
+                                  meta_info=output.get("meta_info") or {}, text=output.get("text", ""))
     return sample
 
 
@@ -141,9 +158,15 @@ class GenerateState(metaclass=SingletonMeta):
         self.processor = None  # multimodal processors are not supported here
         self.semaphore = asyncio.Semaphore(concurrency(args))
         self.sampling_params = sampling_params(args)
+        self.reset()
+
+    def reset(self, rollout_id: int | None = None) -> None:
+        """Start of a rollout (or eval): nothing aborted yet."""
+        self.rollout_id = rollout_id
+        self.aborted = False
 
 
-# ---------------------------------------------------------------- groups
+# ---------------------------------------------------------------- per sample and per group
 
 async def gather_or_cancel(coros) -> list:
     """asyncio.gather that cancels the siblings when one fails, so no request outlives a failed rollout."""
@@ -157,28 +180,64 @@ async def gather_or_cancel(coros) -> list:
         raise
 
 
-def _generate_fn(args) -> Callable[..., Awaitable[Sample]]:
-    path = getattr(args, "custom_generate_function_path", None)
-    return load_hook(path) if path else generate
-
-
-async def generate_and_rm(args, sample: Sample, params: dict, semaphore: asyncio.Semaphore) -> Sample:
-    """Generate one sample under the concurrency limit; reward it unless rewards are per group."""
-    fn = load_hook(sample.generate_function_path) if sample.generate_function_path else _generate_fn(args)
-    async with semaphore:
+async def _call_generate(args, sample: Sample, params: dict, evaluation: bool) -> Sample | list[Sample]:
+    path = sample.generate_function_path or getattr(args, "custom_generate_function_path", None)
+    fn = load_hook(path) if path else generate
+    # upstream passes `evaluation` only to functions that declare it
+    if "evaluation" in inspect.signature(fn).parameters:
+        result = await fn(args, sample, params, evaluation=evaluation)
+    else:
         result = await fn(args, sample, params)
-    if not isinstance(result, Sample):
-        raise TypeError(f"generate function {getattr(fn, '__qualname__', fn)} returned {type(result).__name__}, expected Sample")
-    if not getattr(args, "group_rm", False):
-        result.reward = await async_rm(args, result)
+    if isinstance(result, Sample) or (isinstance(result, list) and result and all(isinstance(s, Sample) for s in result)):
+        return result
+    raise TypeError(f"generate function {path or 'generate'} returned {type(result).__name__}; "
+                    "expected a Sample or a non-empty list[Sample]")
+
+
+def _as_list(result: Sample | list[Sample]) -> list[Sample]:
+    return result if isinstance(result, list) else [result]
+
+
+async def generate_and_rm(args, sample: Sample, sampling_params: dict, evaluation: bool = False) -> Sample | list[Sample]:
+    """Generate one sample (custom generate functions may return several) and reward it.
+
+    Samples that are already complete (resumed from the partial-rollout buffer) are returned as they
+    are; aborted ones are returned unrewarded. With --group-rm the reward is given per group instead.
+    """
+    state = GenerateState(args)
+    if getattr(args, "partial_rollout", False) and getattr(args, "mask_offpolicy_in_partial_rollout", False) \
+            and sample.response_length > 0:
+        sample.loss_mask = [0] * sample.response_length  # tokens of an earlier policy: not trained on
+    if sample.status in (Sample.Status.COMPLETED, Sample.Status.TRUNCATED):
+        return sample
+    async with state.semaphore:
+        if state.aborted:  # the rollout has enough groups: leave this one for a later rollout
+            sample.status = Sample.Status.ABORTED
+            return sample
+        result = await _call_generate(args, sample, sampling_params, evaluation)
+    result = await apply_rollout_sample_hooks(args, result, rollout_id=state.rollout_id, evaluation=evaluation)
+    samples = _as_list(result)
+    if getattr(args, "group_rm", False) or any(s.status == Sample.Status.ABORTED for s in samples):
+        return result
+    for s in samples:
+        if s.reward is None:  # a custom generate function may have rewarded it already
+            s.reward = await async_rm(args, s)
     return result
 
 
-async def generate_and_rm_group(args, group: list[Sample], params: dict, semaphore: asyncio.Semaphore) -> list[Sample]:
-    """All samples of one prompt concurrently; with --group-rm the group is rewarded at once."""
-    done = await gather_or_cancel(generate_and_rm(args, s, params, semaphore) for s in group)
-    if getattr(args, "group_rm", False):
-        for sample, reward in zip(done, await batched_async_rm(args, done), strict=True):
+async def generate_and_rm_group(args, group: list[Sample], sampling_params: dict,
+                                evaluation: bool = False) -> list[Sample | list[Sample]]:
+    """All samples of one prompt concurrently; with --group-rm the group is rewarded in one call."""
+    state = GenerateState(args)
+    if state.aborted:
+        return group
+    for sample in group:
+        if sample.session_id is None:
+            sample.session_id = uuid.uuid4().hex
+    done = await gather_or_cancel(generate_and_rm(args, s, dict(sampling_params), evaluation) for s in group)
+    flat = flatten_groups(done)
+    if getattr(args, "group_rm", False) and not any(s.status == Sample.Status.ABORTED for s in flat):
+        for sample, reward in zip(flat, await batched_async_rm(args, flat), strict=True):
             sample.reward = reward
     return done
 
@@ -189,13 +248,13 @@ def concurrency(args) -> int:
     return per_engine * engines
 
 
-async def generate_groups(args, groups: list[list[Sample]], params: dict, desc: str) -> list[list[Sample]]:
+async def generate_groups(args, groups: list[list[Sample]], params: dict, desc: str,
+                          evaluation: bool = False) -> list[list[Sample]]:
     """Generate and reward all groups concurrently; results in input order; a tqdm bar per call."""
-    semaphore = asyncio.Semaphore(concurrency(args))
     with tqdm(total=len(groups), desc=desc, mininterval=5.0) as bar:
 
         async def one(group: list[Sample]) -> list[Sample]:
-            result = await generate_and_rm_group(args, group, params, semaphore)
+            result = await generate_and_rm_group(args, group, params, evaluation)
             bar.update(1)
             return result
 
@@ -205,17 +264,36 @@ async def generate_groups(args, groups: list[list[Sample]], params: dict, desc: 
 # ---------------------------------------------------------------- rollout functions
 
 def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = False) -> RolloutFnTrainOutput | RolloutFnEvalOutput:
-    """The default `--rollout-function-path`: rollout_batch_size groups (or every eval dataset)."""
+    """The default `--rollout-function-path`: rollout_batch_size groups (or every eval dataset).
+
+    Groups are drawn --over-sampling-batch-size at a time and kept when --dynamic-sampling-filter-path
+    accepts them, until rollout_batch_size are kept; groups still in flight are then aborted and, with
+    --partial-rollout, handed back to the data source to be resumed by a later rollout.
+    """
     if evaluation:
         return run(eval_rollout(args, rollout_id))
     start = time.monotonic()
-    groups = data_source.get_samples(args.rollout_batch_size)
-    groups = run(generate_groups(args, groups, sampling_params(args), desc=f"rollout {rollout_id}"))
-    metrics = compute_rollout_metrics(args, flatten_groups(groups))
+    GenerateState(args).reset(rollout_id)
+    loop = SamplingLoop(args, rollout_id, generate_group=generate_and_rm_group, state=GenerateState(args),
+                        drain_timeout_s=request_timeout(args))
+    result = run(loop.run(data_source.get_samples, sampling_params(args)))
+    if result.aborted_groups:
+        data_source.add_samples(result.aborted_groups)
+    kept = result.kept_groups
+    _apply_group_hooks(args, kept, result.all_groups, data_source)
+    metrics = {**compute_rollout_metrics(args, flatten_groups(kept)), **result.metrics(args)}
     logger.info("rollout %d: %d samples in %.1fs, raw reward %.3f, truncated %.2f", rollout_id,
-                len(flatten_groups(groups)), time.monotonic() - start, metrics["rollout/raw_reward"],
+                len(flatten_groups(kept)), time.monotonic() - start, metrics["rollout/raw_reward"],
                 metrics["rollout/truncated_ratio"])
-    return RolloutFnTrainOutput(samples=groups, metrics=metrics)
+    return RolloutFnTrainOutput(samples=kept, metrics=metrics)
+
+
+def _apply_group_hooks(args, kept: list[list[Sample]], every_group: list[list[Sample]], data_source) -> None:
+    """--rollout-sample-filter-path (may set remove_sample), then --rollout-all-samples-process-path."""
+    if getattr(args, "rollout_sample_filter_path", None):
+        load_hook(args.rollout_sample_filter_path)(args, kept)
+    if getattr(args, "rollout_all_samples_process_path", None):
+        load_hook(args.rollout_all_samples_process_path)(args, every_group, data_source)
 
 
 _eval_datasets: dict[str, PromptDataset] = {}  # repr(spec) -> dataset, read once per process
@@ -246,11 +324,13 @@ def _eval_reward(args, sample: Sample) -> float:
 
 async def eval_rollout(args, rollout_id: int) -> RolloutFnEvalOutput:
     """Every --eval-prompt-data dataset with the --eval-* sampling settings; metrics per dataset."""
+    GenerateState(args).reset(rollout_id)
     params = sampling_params(args, evaluation=True)
     data, metrics = {}, {}
     for name, spec in eval_prompt_specs(args).items():
         groups = _eval_groups(args, _eval_dataset(args, spec))
-        samples = flatten_groups(await generate_groups(args, groups, params, f"eval {name} @ {rollout_id}"))
+        samples = flatten_groups(await generate_groups(args, groups, params, f"eval {name} @ {rollout_id}",
+                                                       evaluation=True))
         rewards = [_eval_reward(args, s) for s in samples]
         data[name] = {
             "rewards": rewards,

@@ -2,13 +2,17 @@
 
 megatron-core 0.16.1 ships no ``megatron.training``, so the Megatron flags are declared here with Megatron's
 names, dests and defaults (slime's overrides of them where slime has one). Flags are grouped in ``--help`` the
-way upstream groups them. ``parse_args`` = parse + ``validate_args`` (derived values, cross-flag checks) +
-one warning per accepted-but-unimplemented flag the user set (``NOT_IMPLEMENTED_FLAGS``).
+way upstream groups them; every flag shows its default and a one-line meaning. ``parse_args`` = parse +
+``--custom-config-path`` overrides + ``validate_args`` (derived values, cross-flag checks, flags refused because
+they would change the maths without being implemented: ``REFUSED_FLAGS``) + one warning per
+accepted-but-unimplemented flag the user set (``NOT_IMPLEMENTED_FLAGS``). Every flag the parser accepts is read
+by the code or sits in one of the two registries (tests/test_flag_rule.py checks it).
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
 import os
@@ -23,9 +27,11 @@ from slime.utils.misc import module_is_findable, round_up
 logger = logging.getLogger(__name__)
 
 DEFAULT_ROLLOUT_FUNCTION_PATH = "slime.rollout.sglang_rollout.generate_rollout"
-ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
+DEFAULT_DATA_SOURCE_PATH = "slime.rollout.data_source.RolloutDataSourceWithBuffer"
+ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
 KL_LOSS_TYPES = ("k1", "k2", "k3", "low_var_kl")
 ATTENTION_BACKENDS = ("auto", "local", "flash", "fused", "unfused")
+LOSS_TYPES = ("policy_loss", "sft_loss", "custom_loss")
 
 
 class ArgumentValidationError(ValueError):
@@ -41,8 +47,9 @@ class NotImplementedFlagWarning(UserWarning):
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Accepted-but-unimplemented flags: the one place to extend or shrink. A flag is reported when the user's value
-# makes it active (default: differs from the parser default) and the resolved train device is in `devices`.
+# The two registries: flags accepted with a loud warning (no effect on the maths), and flags refused at parse time
+# (they would change the maths, or the run, and are not implemented). An entry applies when the user's value makes
+# it active (default: differs from the parser default) and the resolved train device is in `devices`.
 # --------------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
 class NotImplementedFlag:
@@ -54,6 +61,10 @@ class NotImplementedFlag:
     """Train devices on which the flag is unimplemented."""
     is_active: Callable[[Any], bool] | None = None
     """Predicate on the parsed value; None means 'differs from the parser default'."""
+
+
+def _warned(reason: str, *flags: str) -> tuple[NotImplementedFlag, ...]:
+    return tuple(NotImplementedFlag(flag=flag, reason=reason) for flag in flags)
 
 
 NOT_IMPLEMENTED_FLAGS: tuple[NotImplementedFlag, ...] = (
@@ -68,25 +79,125 @@ NOT_IMPLEMENTED_FLAGS: tuple[NotImplementedFlag, ...] = (
         is_active=lambda v: v not in ("auto", "local"),
     ),
     NotImplementedFlag(flag="--use-flash-attn", reason="flash-attn is not used; attention follows --attention-backend"),
-    NotImplementedFlag(
-        flag="--advantage-estimator", reason="ppo needs a critic model, which is not implemented", is_active=lambda v: v == "ppo"
-    ),
-    NotImplementedFlag(flag="--partial-rollout", reason="partial rollout is not implemented"),
-    NotImplementedFlag(flag="--over-sampling-batch-size", reason="over-sampling / dynamic sampling is not implemented"),
-    NotImplementedFlag(flag="--dynamic-sampling-filter-path", reason="dynamic sampling is not implemented"),
     NotImplementedFlag(flag="--check-weight-update-equal", reason="weight-update equality check is not implemented"),
-    *(
-        NotImplementedFlag(flag=flag, reason="this wandb option is not wired (project, group and key are)")
-        for flag in ("--wandb-host", "--wandb-team", "--wandb-mode", "--wandb-dir", "--wandb-run-id",
-                     "--disable-wandb-random-suffix")
-    ),
+    *_warned("this wandb option is not wired (project, group and key are)", "--wandb-host", "--wandb-team",
+             "--wandb-mode", "--wandb-dir", "--wandb-run-id", "--disable-wandb-random-suffix",
+             "--wandb-always-use-train-step"),
+    NotImplementedFlag(flag="--tb-experiment-name", reason="TensorBoard run names are not wired"),
+    *_warned("gradients are reduced at a fixed place of the step (finalize_model_grads), never overlapped",
+             "--overlap-grad-reduce", "--overlap-param-gather"),
+    *_warned("communicator timeouts follow --fence-timeout", "--distributed-timeout-minutes"),
+    *_warned("a memory/speed option of upstream's loss code; log-probs are computed in one pass",
+             "--log-probs-chunk-size", "--recompute-loss-function"),
+    *_warned("FP8 rollout weights are not implemented (weights are sent in the training dtype)",
+             "--force-fp8-ue8m0-scale"),
+    *_warned("Qwen linear-attention (GDN) models are not supported by the dense model builder", "--qwen-gdn-backend"),
+    *_warned("the straw rollout transport is not available (rollouts travel through the Ray object store)",
+             "--rollout-data-dir", "--rollout-storage-profile", "--rollout-storage-declaration",
+             "--rollout-queue-run-id", "--rollout-queue-online-gc", "--rollout-queue-lease-seconds",
+             "--rollout-queue-segment-mib", "--rollout-io-concurrency"),
+    *_warned("retained internal serving / training recovery is not implemented", "--rollout-session-id",
+             "--rollout-cleanup-timeout"),
+    *_warned("FLOPs-balanced micro-batches are not implemented; --balance-data balances tokens",
+             "--balance-by-flops"),
+    *_warned("eval requests are bounded by --eval-max-response-len and --rollout-max-context-len",
+             "--eval-max-context-len"),
+    *_warned("checkpoints are saved synchronously", "--async-save"),
+    *_warned("a PPO critic option; --advantage-estimator ppo (a critic) is not implemented", "--value-clip",
+             "--lambd"),
+    *_warned("pass@k is always logged here (rollout/pass@k)", "--log-passrate"),
+    *_warned("this rollout logging option is not implemented", "--log-multi-turn", "--log-reward-category",
+             "--log-correct-samples"),
+    *_warned("the trainer logs the entropy of the training pass only", "--use-rollout-entropy"),
+    *_warned("the saved rollout is replayed whole", "--load-debug-rollout-data-subsample"),
+    *_warned("memory snapshots are not implemented", "--memory-snapshot-dir", "--memory-snapshot-num-steps",
+             "--memory-recorder", "--record-memory-history"),
+    *_warned("HTTP requests go directly to the router/engines", "--http-proxy", "--use-distributed-post"),
+    *_warned("read only by upstream's rollout-buffer example plug-ins; nothing here uses it", "--rollout-buffer-url",
+             "--fetch-trajectory-retry-times", "--min-batch-collection-ratio", "--rollout-task-type",
+             "--loss-mask-type", "--data-pad-size-multiplier"),
+    *_warned("TransformerEngine DeepGEMM forwards are not used", "--megatron-deepgemm-forward-layers",
+             "--megatron-deepgemm-forward-modules", "--megatron-deepgemm-moe-forward-layers",
+             "--megatron-deepgemm-moe-forward-modules"),
+    *_warned("multi-token prediction is not supported", "--mtp-loss-scaling-factor"),
+    *_warned("upstream's CI assertions are not implemented", "--ci-test", "--ci-disable-kl-checker",
+             "--ci-train-rollout-logprob-abs-diff-threshold", "--ci-save-grad-norm", "--ci-load-grad-norm"),
+    *_warned("the vocabulary is padded to --make-vocab-size-divisible-by x TP", "--padded-vocab-size"),
+    *_warned("weights always come from --hf-checkpoint / --load; nothing is randomly initialised",
+             "--init-method-std"),
+    *_warned("--optimizer sgd is not implemented", "--sgd-momentum"),
+)
+
+# Flags that ask for what this project always does: accepted, read by nobody, and that is correct.
+ALWAYS_HONOURED_FLAGS: dict[str, str] = {
+    "--swiglu": "the dense builder always builds the HF config's SwiGLU MLP",
+    "--disable-bias-linear": "the dense builder never adds linear biases (Qwen3 / Llama configs have none)",
+    "--attention-softmax-in-fp32": "megatron-core computes the attention softmax in fp32 by default",
+    "--no-masked-softmax-fusion": "fused softmax kernels are always off (they are CUDA-only)",
+    "--no-bias-dropout-fusion": "bias-dropout fusion is always off",
+    "--no-rope-fusion": "RoPE fusion is always off",
+    "--allgather-cp": "context-parallel attention always all-gathers K/V over the CP group",
+    "--train-backend": "megatron-core is the only training backend",
+    "--no-load-rng": "checkpoints here hold no RNG state",
+}
+
+_DENSE_ONLY = "the model builder is dense-only (Qwen3 / Qwen2 / Llama); MoE models are not supported"
+REFUSED_FLAGS: tuple[NotImplementedFlag, ...] = (
+    NotImplementedFlag(flag="--advantage-estimator", is_active=lambda v: v in ("ppo", "cispo"),
+                       reason="ppo needs a critic model and cispo its own objective, neither is implemented; use grpo, "
+                              "gspo, reinforce_plus_plus or reinforce_plus_plus_baseline"),
+    NotImplementedFlag(flag="--optimizer", is_active=lambda v: v != "adam", reason="only --optimizer adam is implemented"),
+    NotImplementedFlag(flag="--pg-loss-type", is_active=lambda v: v == "reinforce",
+                       reason="the REINFORCE objective is not implemented (the PPO-clip objective is)"),
+    NotImplementedFlag(flag="--use-score-centering", reason="score centering is not implemented"),
+    NotImplementedFlag(flag="--score-centering-top-k", reason="score centering is not implemented"),
+    *(NotImplementedFlag(flag=f, reason="on-policy distillation is not implemented")
+      for f in ("--use-opd", "--opd-type", "--opd-kl-coef", "--opd-teacher-load", "--opd-teacher-ckpt-step")),
+    NotImplementedFlag(flag="--use-unbiased-kl", reason="the importance-weighted (unbiased) KL is not implemented"),
+    NotImplementedFlag(flag="--use-opsm", reason="off-policy sequence masking is not implemented"),
+    NotImplementedFlag(flag="--opsm-delta", reason="off-policy sequence masking is not implemented"),
+    *(NotImplementedFlag(flag=f, reason=f"routing replay needs MoE; {_DENSE_ONLY}")
+      for f in ("--use-routing-replay", "--use-rollout-routing-replay", "--routing-replay-prefetch-microbatches")),
+    NotImplementedFlag(flag="--num-critic-only-steps", reason="critic training (ppo) is not implemented"),
+    NotImplementedFlag(flag="--megatron-config-path", reason="per-role (critic) Megatron configs are not implemented"),
+    NotImplementedFlag(flag="--reset-optimizer-states", reason="resetting optimizer state per rollout is not implemented"),
+    NotImplementedFlag(flag="--use-stateless-adam", reason="stateless Adam is not implemented"),
+    NotImplementedFlag(flag="--num-experts", reason=_DENSE_ONLY),
+    NotImplementedFlag(flag="--expert-model-parallel-size", is_active=lambda v: v != 1,
+                       reason=f"expert parallelism needs MoE; {_DENSE_ONLY}"),
+    NotImplementedFlag(flag="--mtp-num-layers", reason="multi-token prediction layers are not supported"),
+    NotImplementedFlag(flag="--enable-mtp-training", reason="multi-token prediction layers are not supported"),
+    *(NotImplementedFlag(flag=f, reason="the dense builder has no such layers (Qwen3 / Qwen2 / Llama only)")
+      for f in ("--post-self-attn-layernorm", "--post-mlp-layernorm", "--use-gated-attention", "--freeze-indexer")),
+    NotImplementedFlag(flag="--release-train", reason="releasing the train actors needs disk weight sync, not implemented"),
+    NotImplementedFlag(flag="--flush-cache-interval", is_active=lambda v: v != 1,
+                       reason="fully-async rollout (values other than 1) is not implemented"),
+    NotImplementedFlag(flag="--rollout-data-transport", is_active=lambda v: v != "object-store",
+                       reason="only the Ray object store carries rollouts here"),
+    NotImplementedFlag(flag="--rollout-external-engine-addrs",
+                       reason="external engines are not supported; the rollout manager launches its own"),
+    NotImplementedFlag(flag="--multimodal-keys", reason="multimodal prompts are not supported"),
+    NotImplementedFlag(flag="--eval-config", reason="use --eval-prompt-data NAME PATH [NAME PATH ...] instead"),
+    NotImplementedFlag(flag="--load-forge-rollout-data",
+                       reason="replaying rollouts with live engines is not implemented; --load-debug-rollout-data "
+                              "replays without engines"),
+    NotImplementedFlag(flag="--ckpt-format", is_active=lambda v: v != "torch_dist",
+                       reason="checkpoints are saved and loaded with dist_checkpointing (torch_dist) only"),
+    NotImplementedFlag(flag="--fp16", reason="fp16 training (loss scaling) is not implemented; use --bf16 or fp32"),
+    NotImplementedFlag(flag="--apply-layernorm-1p", reason="the HF Qwen3 / Qwen2 / Llama norms are plain RMSNorm"),
 )
 
 
-def active_not_implemented_flags(args: argparse.Namespace, parser: argparse.ArgumentParser, device: str) -> list[NotImplementedFlag]:
-    """The registry entries the user actually turned on, for the given train device ('cpu' or 'cuda')."""
+def _moe_refusals(parser: argparse.ArgumentParser) -> tuple[NotImplementedFlag, ...]:
+    """Every --moe-* flag is refused when set: the builder would ignore it."""
+    return tuple(NotImplementedFlag(flag=option, reason=_DENSE_ONLY)
+                 for option in parser._option_string_actions if option.startswith("--moe-"))
+
+
+def _active(entries: Sequence[NotImplementedFlag], args: argparse.Namespace, parser: argparse.ArgumentParser,
+            device: str) -> list[NotImplementedFlag]:
     active = []
-    for entry in NOT_IMPLEMENTED_FLAGS:
+    for entry in entries:
         action = parser._option_string_actions.get(entry.flag)
         if device not in entry.devices or action is None:
             continue
@@ -95,6 +206,11 @@ def active_not_implemented_flags(args: argparse.Namespace, parser: argparse.Argu
         if is_on:
             active.append(entry)
     return active
+
+
+def active_not_implemented_flags(args: argparse.Namespace, parser: argparse.ArgumentParser, device: str) -> list[NotImplementedFlag]:
+    """The registry entries the user actually turned on, for the given train device ('cpu' or 'cuda')."""
+    return _active(NOT_IMPLEMENTED_FLAGS, args, parser, device)
 
 
 def warn_not_implemented(args: argparse.Namespace, parser: argparse.ArgumentParser, device: str) -> list[str]:
@@ -108,6 +224,18 @@ def warn_not_implemented(args: argparse.Namespace, parser: argparse.ArgumentPars
         )
         flags.append(entry.flag)
     return flags
+
+
+def refuse_unsupported(args: argparse.Namespace, parser: argparse.ArgumentParser, device: str) -> None:
+    """Raise for the first active refused flag: it would change the maths and is not implemented."""
+    for entry in _active((*REFUSED_FLAGS, *_moe_refusals(parser)), args, parser, device):
+        value = getattr(args, parser._option_string_actions[entry.flag].dest)
+        shown = "" if isinstance(value, bool) else f" {_shown(value)}"
+        _fail(f"{entry.flag}{shown} is not supported here: {entry.reason}")
+
+
+def _shown(value: Any) -> str:
+    return " ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
 
 
 def resolve_train_device(args: argparse.Namespace) -> str:
@@ -124,44 +252,87 @@ def resolve_train_device(args: argparse.Namespace) -> str:
 # --------------------------------------------------------------------------------------------------------------
 def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("cluster", "Ray placement of the training actors and rollout engines")
-    g.add_argument("--actor-num-nodes", type=int, default=1, help="nodes for the training actors")
-    g.add_argument("--actor-num-gpus-per-node", type=int, default=8, help="training ranks per node (GPUs, or CPU processes)")
-    g.add_argument("--rollout-num-gpus", type=int, default=None, help="GPUs for rollout engines (colocate: the actor's)")
-    g.add_argument("--rollout-num-gpus-per-engine", type=int, default=1, help="GPUs per engine (SGLang tp size)")
-    g.add_argument("--num-gpus-per-node", type=int, default=8, help="GPUs per node available to rollout engines")
-    g.add_argument("--colocate", action="store_true", default=False, help="train and generate on the same GPUs")
-    g.add_argument("--offload", action="store_true", default=False, help="same as --offload-train --offload-rollout")
+    g.add_argument("--actor-num-nodes", type=int, default=1, help="nodes that run training ranks")
+    g.add_argument("--actor-num-gpus-per-node", type=int, default=8,
+                   help="training ranks per node (one GPU each; CPU processes on the embedded default)")
+    g.add_argument("--rollout-num-gpus", type=int, default=None,
+                   help="GPUs for the rollout engines (with --colocate: the training ranks' GPUs)")
+    g.add_argument("--rollout-num-gpus-per-engine", type=int, default=1,
+                   help="GPUs per rollout engine (the engine's SGLang tensor-parallel size)")
+    g.add_argument("--num-gpus-per-node", type=int, default=8, help="GPUs per node that rollout engines may use")
+    g.add_argument("--colocate", action="store_true", default=False,
+                   help="train and generate on the same GPUs, handing memory over between the two")
+    g.add_argument("--offload", action="store_true", default=False, help="shorthand for --offload-train --offload-rollout")
     g.add_argument("--offload-train", action=argparse.BooleanOptionalAction, default=None,
                    help="release training memory while generating (on by default with --colocate)")
     g.add_argument("--offload-rollout", action=argparse.BooleanOptionalAction, default=None,
                    help="release engine memory while training (on by default with --colocate)")
     g.add_argument("--distributed-backend", type=str, default="nccl", choices=["nccl", "gloo"],
-                   help="torch.distributed backend (the CPU path uses gloo regardless)")
-    g.add_argument("--distributed-timeout-minutes", type=int, default=10, help="timeout of process-group collectives")
+                   help="torch.distributed backend of the trainer on GPUs (CPU ranks always use gloo)")
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10,
+                   help="Megatron's communicator timeout (here communicator timeouts follow --fence-timeout)")
+    g.add_argument("--train-env-vars", type=json.loads, default="{}",
+                   help='JSON object of environment variables set in every training rank, e.g. \'{"NCCL_DEBUG": "WARN"}\'')
 
 
 def _add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("rollout", "generation of training samples")
-    g.add_argument("--hf-checkpoint", type=str, default=None, help="HF model dir: engine weights, tokenizer, config")
-    g.add_argument("--model-name", type=str, default=None, help="model family for weight conversion (default: from config)")
+    g.add_argument("--hf-checkpoint", type=str, default=None,
+                   help="HF model directory: the engines' first weights, the tokenizer and the model config")
+    g.add_argument("--model-name", type=str, default=None,
+                   help="model family of the HF checkpoint (qwen3, qwen2, llama); must match its config.json")
     g.add_argument("--rollout-function-path", type=str, default=DEFAULT_ROLLOUT_FUNCTION_PATH,
-                   help="generate_rollout(args, rollout_id, data_source, evaluation=False)")
+                   help="rollout function fn(args, rollout_id, data_source, evaluation=False)")
     g.add_argument("--custom-generate-function-path", type=str, default=None,
-                   help="async generate(args, sample, sampling_params) replacing the per-sample generate")
-    g.add_argument("--rollout-temperature", type=float, default=1.0, help="sampling temperature (> 0)")
-    g.add_argument("--rollout-top-p", type=float, default=1.0, help="sampling top-p")
-    g.add_argument("--rollout-top-k", type=int, default=-1, help="sampling top-k (-1: off)")
-    g.add_argument("--rollout-max-context-len", type=int, default=None, help="max prompt + response tokens")
-    g.add_argument("--rollout-max-prompt-len", type=int, default=None, help="drop prompts longer than this")
-    g.add_argument("--rollout-max-response-len", type=int, default=None, help="max new tokens per response")
-    g.add_argument("--rollout-skip-special-tokens", action="store_true", default=False, help="detokenize without specials")
-    g.add_argument("--rollout-stop", type=str, nargs="+", default=None, help="stop strings")
-    g.add_argument("--rollout-stop-token-ids", type=int, nargs="+", default=None, help="stop token ids")
-    g.add_argument("--rollout-shuffle", action="store_true", default=False, help="shuffle prompts each epoch")
-    g.add_argument("--rollout-seed", type=int, default=42, help="seed for prompt shuffling and sampling")
-    g.add_argument("--over-sampling-batch-size", type=int, default=None, help="prompts drawn per sampling round")
-    g.add_argument("--dynamic-sampling-filter-path", type=str, default=None, help="DAPO-style group filter")
-    g.add_argument("--partial-rollout", action="store_true", default=False, help="recycle unfinished samples")
+                   help="async fn(args, sample, sampling_params[, evaluation]) -> Sample | list[Sample] replacing "
+                        "the per-sample generate (multi-turn, tools)")
+    g.add_argument("--rollout-sample-hook-path", action="append", default=[],
+                   help="fn(args, sample, *, rollout_id, evaluation) -> Sample | None applied to each finished "
+                        "sample before its reward (repeatable)")
+    g.add_argument("--rollout-temperature", type=float, default=1.0, help="sampling temperature of rollouts (> 0)")
+    g.add_argument("--rollout-top-p", type=float, default=1.0, help="nucleus-sampling probability mass of rollouts")
+    g.add_argument("--rollout-top-k", type=int, default=-1, help="sample among the k likeliest tokens (-1: all)")
+    g.add_argument("--rollout-max-context-len", type=int, default=None,
+                   help="most prompt + response tokens of a rollout sample (default: the model's context)")
+    g.add_argument("--rollout-max-prompt-len", type=int, default=None,
+                   help="prompts with more tokens are skipped when the data is read")
+    g.add_argument("--rollout-max-response-len", type=int, default=None,
+                   help="most new tokens per rollout response (SGLang max_new_tokens)")
+    g.add_argument("--rollout-skip-special-tokens", action="store_true", default=False,
+                   help="detokenize responses without special tokens")
+    g.add_argument("--rollout-stop", type=str, nargs="+", default=None, help="strings that end a rollout response")
+    g.add_argument("--rollout-stop-token-ids", type=int, nargs="+", default=None,
+                   help="token ids that end a rollout response")
+    g.add_argument("--rollout-shuffle", action="store_true", default=False, help="shuffle the prompts every epoch")
+    g.add_argument("--rollout-seed", type=int, default=42, help="seed of the prompt shuffling")
+    g.add_argument("--over-sampling-batch-size", type=int, default=None,
+                   help="prompts drawn per sampling round when more groups are needed (default: --rollout-batch-size)")
+    g.add_argument("--dynamic-sampling-filter-path", type=str, default=None,
+                   help="fn(args, group) -> DynamicFilterOutput deciding whether a finished group is kept (DAPO: "
+                        "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std)")
+    g.add_argument("--partial-rollout", action="store_true", default=False,
+                   help="keep groups aborted at the end of a rollout in a buffer and resume them in a later one")
+    g.add_argument("--mask-offpolicy-in-partial-rollout", action="store_true", default=False,
+                   help="with --partial-rollout: exclude tokens generated by an earlier policy from the loss")
+    g.add_argument("--buffer-filter-path", type=str, default=None,
+                   help="fn(args, rollout_id, buffer, num_samples) -> groups taken from the partial-rollout buffer "
+                        "(default: the oldest first)")
+    g.add_argument("--buffer-sort-by-staleness", action="store_true", default=False,
+                   help="resume buffered groups with the oldest weight version first")
+    g.add_argument("--rollout-sample-filter-path", type=str, default=None,
+                   help="fn(args, groups) run on the kept groups; may set sample.remove_sample to drop its loss")
+    g.add_argument("--rollout-all-samples-process-path", type=str, default=None,
+                   help="fn(args, all_groups, data_source) run on every finished group, dropped ones included")
+    g.add_argument("--custom-rollout-log-function-path", type=str, default=None,
+                   help="fn(rollout_id, args, samples, rollout_extra_metrics, rollout_time) -> bool; True skips "
+                        "the default rollout logging")
+    g.add_argument("--custom-eval-rollout-log-function-path", type=str, default=None,
+                   help="fn(rollout_id, args, data, extra_metrics) -> bool; True skips the default eval logging")
+    g.add_argument("--rollout-data-postprocess-path", type=str, default=None,
+                   help="fn(args, rollout_id, rollout_data) on every training rank after log-probs and advantages, "
+                        "before training (e.g. to edit loss masks)")
+    g.add_argument("--release-train", action="store_true", default=False,
+                   help="release the train actors during rollout and recreate them before training")
     g.add_argument("--update-weight-buffer-size", type=int, default=512 * 1024**2,
                    help="bytes per weight-sync bucket")
     # Weight-sync transport (upstream's names): colocated engines get tensors, others the broadcast group.
@@ -170,218 +341,397 @@ def _add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--update-weight-transport", type=str, default="nccl", choices=["nccl", "disk"],
                    help="nccl: CUDA-IPC tensors to colocated engines, a broadcast group (NCCL; gloo on CPU) to "
                         "others; disk is not implemented (refused)")
+    g.add_argument("--flush-cache-interval", type=int, default=1,
+                   help="flush the engines' KV cache every N weight syncs (only 1 is implemented)")
+    g.add_argument("--rollout-data-transport", type=str, default="object-store",
+                   choices=["straw", "object-store", "nixl"], help="how rollouts reach the trainer (Ray object store)")
+    g.add_argument("--rollout-data-dir", type=str, default=None, help="shared directory of straw rollout payloads")
+    g.add_argument("--rollout-storage-profile", type=str, default="local", choices=["local", "juicefs"],
+                   help="storage profile of the straw transport")
+    g.add_argument("--rollout-storage-declaration", type=str, default=None,
+                   help="JSON file declaring the straw transport's storage")
+    g.add_argument("--rollout-queue-run-id", type=str, default="rollout", help="straw queue run identity")
+    g.add_argument("--rollout-queue-online-gc", action="store_true", default=False,
+                   help="reclaim used straw packs during training")
+    g.add_argument("--rollout-queue-lease-seconds", type=float, default=300, help="lease of a straw queue entry")
+    g.add_argument("--rollout-queue-segment-mib", type=int, default=None, help="straw pack size in MiB")
+    g.add_argument("--rollout-io-concurrency", type=int, default=4, help="concurrent straw serialization tasks")
+    g.add_argument("--rollout-external-engine-addrs", type=str, nargs="+", default=None,
+                   help="addresses of engines started outside this run")
+    g.add_argument("--rollout-session-id", type=str, default=None, help="identity of retained internal serving")
+    g.add_argument("--rollout-cleanup-timeout", type=float, default=60.0,
+                   help="seconds to detach or dispose a training attempt (training recovery)")
     g.add_argument("--rollout-backend", type=str, default="auto", choices=["auto", "sglang", "embedded"],
                    help="engine kind: SGLang servers, or the embedded CPU engine (auto: SGLang when CUDA + sglang)")
 
 
 def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("data", "prompt data and batch sizes")
-    g.add_argument("--num-rollout", type=int, default=None, help="number of rollout steps")
-    g.add_argument("--num-epoch", type=int, default=None, help="derive --num-rollout from the dataset size")
-    g.add_argument("--prompt-data", type=str, default=None, help="JSONL (or parquet) prompt file")
-    g.add_argument("--input-key", type=str, default="input", help="record key of the prompt")
-    g.add_argument("--label-key", type=str, default=None, help="record key of the label")
+    g.add_argument("--num-rollout", type=int, default=None, help="rollout steps to run")
+    g.add_argument("--num-epoch", type=int, default=None,
+                   help="derive --num-rollout as epochs x prompts // --rollout-batch-size")
+    g.add_argument("--data-source-path", type=str, default=DEFAULT_DATA_SOURCE_PATH,
+                   help="class cls(args) handing out prompt groups (get_samples, add_samples, save, load)")
+    g.add_argument("--prompt-data", type=str, default=None, help="JSONL (or parquet) file of prompts")
+    g.add_argument("--input-key", type=str, default="input", help="record key holding the prompt")
+    g.add_argument("--label-key", type=str, default=None, help="record key holding the label given to the reward")
     g.add_argument("--metadata-key", type=str, default="metadata", help="record key of per-sample metadata")
-    g.add_argument("--tool-key", type=str, default="tools", help="record key of tools for the chat template")
-    g.add_argument("--apply-chat-template", action="store_true", default=False, help="prompt is a message list")
-    g.add_argument("--apply-chat-template-kwargs", type=json.loads, default="{}", help="JSON kwargs for the template")
-    g.add_argument("--start-rollout-id", type=int, default=None, help="first rollout id (default: from --load or 0)")
-    g.add_argument("--rollout-batch-size", type=int, required=True, help="prompts per rollout step")
-    g.add_argument("--n-samples-per-prompt", type=int, default=1, help="responses per prompt")
+    g.add_argument("--tool-key", type=str, default="tools", help="record key of tool specs for the chat template")
+    g.add_argument("--multimodal-keys", type=json.loads, default=None,
+                   help="JSON mapping of media types to record keys (multimodal prompts)")
+    g.add_argument("--apply-chat-template", action="store_true", default=False,
+                   help="the prompt is a chat message list; render it with the tokenizer's chat template")
+    g.add_argument("--apply-chat-template-kwargs", type=json.loads, default="{}",
+                   help="JSON object of extra keyword arguments for the chat template")
+    g.add_argument("--start-rollout-id", type=int, default=None,
+                   help="first rollout id (default: the rollout after the last checkpoint under --load, else 0)")
+    g.add_argument("--rollout-batch-size", type=int, required=True, help="prompts (groups) per rollout step")
+    g.add_argument("--n-samples-per-prompt", type=int, default=1, help="responses generated per prompt (group size)")
     g.add_argument("--num-steps-per-rollout", type=int, default=None,
                    help="optimizer steps per rollout; sets --global-batch-size = rollout samples // this")
-    g.add_argument("--balance-data", action="store_true", default=False, help="balance tokens across DP ranks")
+    g.add_argument("--balance-data", action="store_true", default=False,
+                   help="balance tokens across data-parallel ranks when splitting a step")
+    g.add_argument("--balance-by-flops", action="store_true", default=False,
+                   help="balance micro-batches by estimated FLOPs instead of tokens")
     g.add_argument("--use-dynamic-batch-size", action="store_true", default=False,
                    help="pack micro-batches up to --max-tokens-per-gpu instead of --micro-batch-size samples")
-    g.add_argument("--max-tokens-per-gpu", type=int, default=None, help="token budget per rank per micro-batch")
+    g.add_argument("--max-tokens-per-gpu", type=int, default=None, help="token budget of a micro-batch per rank")
     g.add_argument("--log-probs-max-tokens-per-gpu", type=int, default=None,
-                   help="token budget for log-prob passes (default: --max-tokens-per-gpu)")
+                   help="token budget per rank of the log-prob passes (default: --max-tokens-per-gpu)")
 
 
 def _add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("eval", "periodic evaluation")
-    g.add_argument("--eval-function-path", type=str, default=None, help="eval rollout fn (default: rollout fn)")
+    g.add_argument("--eval-function-path", type=str, default=None,
+                   help="rollout function used for eval (default: --rollout-function-path)")
     g.add_argument("--eval-interval", type=int, default=None, help="evaluate every N rollouts")
     g.add_argument("--eval-prompt-data", type=str, nargs="+", default=None, metavar="NAME PATH",
                    help="pairs of dataset name and path, e.g. aime /data/aime.jsonl")
+    g.add_argument("--eval-config", type=str, default=None, help="YAML description of the eval datasets")
     g.add_argument("--skip-eval-before-train", action="store_true", default=False, help="no eval at rollout 0")
-    g.add_argument("--eval-input-key", type=str, default=None, help="override --input-key for eval")
-    g.add_argument("--eval-label-key", type=str, default=None, help="override --label-key for eval")
-    g.add_argument("--n-samples-per-eval-prompt", type=int, default=1, help="responses per eval prompt")
-    g.add_argument("--eval-temperature", type=float, default=None, help="eval sampling temperature")
-    g.add_argument("--eval-top-p", type=float, default=None, help="eval sampling top-p")
-    g.add_argument("--eval-top-k", type=int, default=None, help="eval sampling top-k")
-    g.add_argument("--eval-max-response-len", type=int, default=None, help="eval max new tokens")
+    g.add_argument("--eval-input-key", type=str, default=None, help="record key of eval prompts (default: --input-key)")
+    g.add_argument("--eval-label-key", type=str, default=None, help="record key of eval labels (default: --label-key)")
+    g.add_argument("--eval-tool-key", type=str, default=None, help="record key of eval tool specs (default: --tool-key)")
+    g.add_argument("--n-samples-per-eval-prompt", type=int, default=1, help="responses generated per eval prompt")
+    g.add_argument("--eval-temperature", type=float, default=None, help="eval sampling temperature (default: rollout's)")
+    g.add_argument("--eval-top-p", type=float, default=None, help="eval nucleus-sampling mass (default: rollout's)")
+    g.add_argument("--eval-top-k", type=int, default=None, help="eval top-k sampling (default: rollout's)")
+    g.add_argument("--eval-max-response-len", type=int, default=None,
+                   help="most new tokens per eval response (default: --rollout-max-response-len)")
+    g.add_argument("--eval-max-prompt-len", type=int, default=None,
+                   help="eval prompts with more tokens are skipped (default: as for training prompts)")
+    g.add_argument("--eval-min-new-tokens", type=int, default=None, help="fewest new tokens per eval response")
+    g.add_argument("--eval-max-context-len", type=int, default=None, help="most prompt + response tokens in eval")
 
 
 def _add_algorithm_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("algorithm", "RL objective")
-    g.add_argument("--advantage-estimator", type=str, default="grpo", choices=ADVANTAGE_ESTIMATORS, help="advantages")
-    g.add_argument("--eps-clip", type=float, default=0.2, help="PPO ratio clip (lower side)")
-    g.add_argument("--eps-clip-high", type=float, default=None, help="PPO ratio clip upper side (default: --eps-clip)")
-    g.add_argument("--eps-clip-c", type=float, default=None, help="dual-clip PPO bound")
-    g.add_argument("--kl-coef", type=float, default=0.0, help="KL penalty folded into rewards")
-    g.add_argument("--use-kl-loss", action="store_true", default=False, help="add a KL-to-reference loss term")
-    g.add_argument("--kl-loss-coef", type=float, default=0.0, help="weight of the KL loss")
-    g.add_argument("--kl-loss-type", type=str, default="k1", choices=KL_LOSS_TYPES, help="KL estimator")
-    g.add_argument("--entropy-coef", type=float, default=0.0, help="entropy bonus weight")
-    g.add_argument("--gamma", type=float, default=1.0, help="discount (PPO/REINFORCE++)")
-    g.add_argument("--lambd", type=float, default=1.0, help="GAE lambda (PPO)")
-    g.add_argument("--normalize-advantages", action="store_true", default=False, help="whiten advantages per batch")
+    g.add_argument("--advantage-estimator", type=str, default="grpo", choices=ADVANTAGE_ESTIMATORS,
+                   help="how rewards become advantages (gspo: GRPO advantages with a sequence-level ratio)")
+    g.add_argument("--pg-loss-type", type=str, default=None, choices=["ppo", "reinforce"],
+                   help="policy-gradient objective (default: the PPO-clip objective)")
+    g.add_argument("--use-score-centering", action="store_true", default=False,
+                   help="REINFORCE score-centering objective")
+    g.add_argument("--score-centering-top-k", type=int, default=128, help="sampler top-k kept for score centering")
+    g.add_argument("--loss-type", type=str, default="policy_loss", choices=LOSS_TYPES,
+                   help="policy_loss (PPO-clip), sft_loss (negative log-likelihood), or custom_loss "
+                        "(--custom-loss-function-path)")
+    g.add_argument("--custom-loss-function-path", type=str, default=None,
+                   help="fn(args, batch, logits, sum_of_sample_mean) -> (loss, metrics), with --loss-type custom_loss")
+    g.add_argument("--disable-compute-advantages-and-returns", action="store_false",
+                   dest="compute_advantages_and_returns",
+                   help="do not compute advantages/returns (SFT or a custom loss that needs none)")
+    g.add_argument("--custom-advantage-function-path", type=str, default=None,
+                   help="fn(args, rollout_data) filling rollout_data['advantages'] and ['returns'] in place")
+    g.add_argument("--eps-clip", type=float, default=0.2, help="PPO ratio clip below 1 (1 - eps)")
+    g.add_argument("--eps-clip-high", type=float, default=None, help="PPO ratio clip above 1 (default: --eps-clip)")
+    g.add_argument("--eps-clip-c", type=float, default=None, help="dual-clip bound on negative-advantage losses (> 1)")
+    g.add_argument("--value-clip", type=float, default=0.2, help="clip of the critic's value loss (ppo)")
+    g.add_argument("--kl-coef", type=float, default=0.0, help="KL-to-reference penalty folded into the rewards")
+    g.add_argument("--use-kl-loss", action="store_true", default=False, help="add a KL-to-reference term to the loss")
+    g.add_argument("--kl-loss-coef", type=float, default=0.0, help="weight of the KL loss term")
+    g.add_argument("--kl-loss-type", type=str, default="k1", choices=KL_LOSS_TYPES,
+                   help="KL estimator (k1: log-ratio, k2: squared, k3 / low_var_kl: Schulman's k3)")
+    g.add_argument("--use-unbiased-kl", action="store_true", default=False,
+                   help="importance-weight the KL estimate by the current/old ratio")
+    g.add_argument("--ref-update-interval", type=int, default=None,
+                   help="replace the reference model by the actor every N rollouts (default: never)")
+    g.add_argument("--entropy-coef", type=float, default=0.0, help="weight of the entropy bonus")
+    g.add_argument("--gamma", type=float, default=1.0, help="discount of token rewards (REINFORCE++)")
+    g.add_argument("--lambd", type=float, default=1.0, help="GAE lambda of the critic's advantages (ppo)")
+    g.add_argument("--normalize-advantages", action="store_true", default=False,
+                   help="whiten advantages over every loss token of the rollout")
     g.add_argument("--disable-grpo-std-normalization", action="store_false", dest="grpo_std_normalization",
-                   help="GRPO: subtract the group mean only (Dr. GRPO)")
+                   help="GRPO: subtract the group mean only, do not divide by its std (Dr. GRPO)")
     g.add_argument("--disable-rewards-normalization", action="store_false", dest="rewards_normalization",
-                   help="use raw rewards as GRPO scores")
-    g.add_argument("--use-tis", action="store_true", default=False, help="truncated importance sampling vs rollout logprobs")
-    g.add_argument("--tis-clip", type=float, default=2.0, help="TIS upper clip")
-    g.add_argument("--tis-clip-low", type=float, default=0.0, help="TIS lower clip")
+                   help="use raw rewards as GRPO scores (no group centring)")
+    g.add_argument("--use-rollout-entropy", action="store_true", default=False,
+                   help="compute entropy in the log-prob passes as well")
+    g.add_argument("--use-tis", action="store_true", default=False,
+                   help="truncated importance sampling against the engines' log-probs")
+    g.add_argument("--tis-clip", type=float, default=2.0, help="upper clip of the TIS ratio")
+    g.add_argument("--tis-clip-low", type=float, default=0.0, help="lower clip of the TIS ratio")
     g.add_argument("--use-rollout-logprobs", action="store_true", default=False,
                    help="the engines' log-probs are the old policy (the trainer skips its old-policy forward)")
     g.add_argument("--get-mismatch-metrics", action="store_true", default=False,
                    help="also log train/rollout mismatch metrics (tis, tis_abs, tis_clipfrac, ois); loss unchanged")
+    g.add_argument("--custom-tis-function-path", type=str, default=None,
+                   help="fn(args=, pg_loss=, train_log_probs=, rollout_log_probs=, loss_masks=, total_lengths=, "
+                        "response_lengths=) -> (pg_loss, loss_masks, metrics) replacing TIS (with --use-tis or "
+                        "--get-mismatch-metrics)")
+    g.add_argument("--custom-pg-loss-reducer-function-path", type=str, default=None,
+                   help="fn(total_lengths, response_lengths, loss_masks, calculate_per_token_loss) -> reducer of the "
+                        "policy-gradient loss (e.g. Dr. GRPO's constant)")
+    g.add_argument("--reset-optimizer-states", action="store_true", default=False,
+                   help="clear the optimizer state after every rollout")
+    g.add_argument("--use-stateless-adam", action="store_true", default=False, help="Adam without moment estimates")
+    g.add_argument("--use-routing-replay", action="store_true", default=False, help="MoE routing replay in training")
+    g.add_argument("--use-rollout-routing-replay", action="store_true", default=False,
+                   help="MoE routing replay from the rollout engines")
+    g.add_argument("--routing-replay-prefetch-microbatches", type=int, default=1,
+                   help="micro-batches of routing data prefetched")
+    g.add_argument("--use-opsm", action="store_true", default=False, help="off-policy sequence masking")
+    g.add_argument("--opsm-delta", type=float, default=1e-4, help="threshold of off-policy sequence masking")
+    g.add_argument("--num-critic-only-steps", type=int, default=0, help="first rollouts that train the critic only")
+    g.add_argument("--megatron-config-path", type=str, default=None, help="YAML of per-role (actor/critic) overrides")
     g.add_argument("--calculate-per-token-loss", action="store_true", default=False,
                    help="normalise the loss by the step's loss-token total instead of per sample")
 
 
+def _add_opd_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("on-policy distillation", "a KL penalty towards a teacher model")
+    g.add_argument("--use-opd", action="store_true", default=False, help="enable on-policy distillation")
+    g.add_argument("--opd-type", type=str, default=None, choices=["sglang", "megatron"],
+                   help="where the teacher's log-probs come from")
+    g.add_argument("--opd-kl-coef", type=float, default=1.0, help="weight of the distillation KL")
+    g.add_argument("--opd-teacher-load", type=str, default=None, help="Megatron checkpoint of the teacher")
+    g.add_argument("--opd-teacher-ckpt-step", type=int, default=None, help="checkpoint step of the teacher")
+
+
 def _add_reward_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("reward model", "rewards of generated samples")
-    g.add_argument("--rm-type", type=str, default=None, help="built-in reward: math, deepscaler, dapo, f1, remote_rm, ...")
-    g.add_argument("--rm-url", type=str, default=None, help="endpoint for --rm-type remote_rm")
-    g.add_argument("--reward-key", type=str, default=None, help="key of the reward when the rm returns a dict")
-    g.add_argument("--eval-reward-key", type=str, default=None, help="--reward-key for eval (default: same)")
-    g.add_argument("--group-rm", action="store_true", default=False, help="reward a whole group in one call")
-    g.add_argument("--custom-rm-path", type=str, default=None, help="async rm(args, sample) -> float | dict")
-    g.add_argument("--custom-reward-post-process-path", type=str, default=None, help="replaces GRPO normalisation")
+    g.add_argument("--rm-type", type=str, default=None,
+                   help="built-in reward: math, deepscaler, dapo, f1, gpqa, remote_rm (boxed_<type>: boxed answer only)")
+    g.add_argument("--rm-url", type=str, default=None, help="endpoint of --rm-type remote_rm")
+    g.add_argument("--reward-key", type=str, default=None, help="key of the reward when the reward is a dict")
+    g.add_argument("--eval-reward-key", type=str, default=None, help="--reward-key for eval (default: --reward-key)")
+    g.add_argument("--group-rm", action="store_true", default=False, help="reward each group in one call")
+    g.add_argument("--custom-rm-path", type=str, default=None,
+                   help="async fn(args, sample) -> reward (with --group-rm: fn(args, samples) -> rewards)")
+    g.add_argument("--custom-reward-post-process-path", type=str, default=None,
+                   help="fn(args, samples) -> (raw rewards, rewards) replacing the GRPO group normalisation")
+    g.add_argument("--custom-convert-samples-to-train-data-path", type=str, default=None,
+                   help="fn(args, samples) -> dict of per-sample lists (tokens, response_lengths, rewards, raw_reward, "
+                        "truncated, sample_indices, loss_masks) replacing the default conversion")
+
+
+def _add_rollout_buffer_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("rollout buffer", "options read by upstream's external rollout-buffer examples")
+    g.add_argument("--rollout-buffer-url", type=str, default=None, help="URL of an external rollout buffer")
+    g.add_argument("--fetch-trajectory-retry-times", type=int, default=-1,
+                   help="retries of a trajectory fetch (-1: unlimited)")
+    g.add_argument("--min-batch-collection-ratio", type=float, default=1, help="share of a batch to collect")
+    g.add_argument("--rollout-task-type", type=str, default="math", help="task type of the external buffer")
+    g.add_argument("--loss-mask-type", type=str, default="qwen", choices=["qwen", "qwen3", "qwen3_5", "distill_qwen"],
+                   help="chat format whose assistant turns get loss-mask 1")
+    g.add_argument("--data-pad-size-multiplier", type=int, default=128, help="padding multiple of buffer data")
 
 
 def _add_megatron_model_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("megatron model", "architecture (Megatron-LM names)")
+    g = parser.add_argument_group("megatron model", "architecture (Megatron-LM names; must agree with the HF config)")
     g.add_argument("--num-layers", type=int, default=None, help="transformer layers")
-    g.add_argument("--hidden-size", type=int, default=None, help="hidden size")
-    g.add_argument("--ffn-hidden-size", type=int, default=None, help="MLP hidden size (default 4*hidden)")
-    g.add_argument("--num-attention-heads", type=int, default=None, help="attention heads")
-    g.add_argument("--group-query-attention", action="store_true", default=False, help="grouped-query attention")
+    g.add_argument("--hidden-size", type=int, default=None, help="width of the residual stream")
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="width of the MLP (default 4 x hidden)")
+    g.add_argument("--num-attention-heads", type=int, default=None, help="query heads per layer")
+    g.add_argument("--group-query-attention", action="store_true", default=False,
+                   help="grouped-query attention (fewer key/value heads than query heads)")
     g.add_argument("--num-query-groups", type=int, default=None,
-                   help="KV groups with --group-query-attention (default: from the HF config)")
-    g.add_argument("--kv-channels", type=int, default=None, help="head dim (default hidden/heads)")
-    g.add_argument("--max-position-embeddings", type=int, default=None, help="max positions")
+                   help="key/value heads with --group-query-attention (default: from the HF config)")
+    g.add_argument("--kv-channels", type=int, default=None, help="dimension of each attention head")
+    g.add_argument("--max-position-embeddings", type=int, default=None, help="longest sequence the model supports")
     g.add_argument("--position-embedding-type", type=str, default="learned_absolute",
-                   choices=["learned_absolute", "rope", "mrope", "none"], help="position embedding")
+                   choices=["learned_absolute", "rope", "mrope", "none"], help="kind of position encoding")
     g.add_argument("--use-rotary-position-embeddings", action="store_true", default=False,
-                   help="deprecated spelling of --position-embedding-type rope")
-    g.add_argument("--rotary-base", type=int, default=None, help="RoPE base (default: from the HF config)")
-    g.add_argument("--rotary-percent", type=float, default=1.0, help="fraction of head dim rotated")
-    g.add_argument("--normalization", type=str, default="LayerNorm", choices=["LayerNorm", "RMSNorm"], help="norm")
-    g.add_argument("--norm-epsilon", type=float, default=None, help="norm epsilon (default: from the HF config)")
-    g.add_argument("--apply-layernorm-1p", action="store_true", default=False, help="zero-centred norm weight")
-    g.add_argument("--swiglu", action="store_true", default=False, help="SwiGLU MLP")
-    g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear", help="no linear biases")
-    g.add_argument("--add-qkv-bias", action="store_true", default=False, help="bias on QKV only")
-    g.add_argument("--qk-layernorm", action="store_true", default=False, help="norm on Q and K")
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=False, help="separate lm head")
+                   help="older spelling of --position-embedding-type rope")
+    g.add_argument("--rotary-base", type=int, default=None, help="RoPE base frequency (default: from the HF config)")
+    g.add_argument("--rotary-percent", type=float, default=1.0, help="share of each head's dimensions rotated by RoPE")
+    g.add_argument("--normalization", type=str, default="LayerNorm", choices=["LayerNorm", "RMSNorm"],
+                   help="kind of layer normalisation")
+    g.add_argument("--norm-epsilon", type=float, default=None, help="epsilon of the norms (default: from the HF config)")
+    g.add_argument("--apply-layernorm-1p", action="store_true", default=False,
+                   help="norm weights stored as offsets from 1 (zero-centred)")
+    g.add_argument("--swiglu", action="store_true", default=False, help="SwiGLU-gated MLP")
+    g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear",
+                   help="no bias in the linear layers")
+    g.add_argument("--add-qkv-bias", action="store_true", default=False, help="bias on the query/key/value projection")
+    g.add_argument("--qk-layernorm", action="store_true", default=False, help="normalise queries and keys per head")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=False,
+                   help="separate input embedding and output (LM head) weights")
     g.add_argument("--vocab-size", type=int, default=None, help="vocabulary size before padding")
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128, help="pad vocab to a multiple of this * TP")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="pad the vocabulary to a multiple of this x TP")
+    g.add_argument("--padded-vocab-size", type=int, default=None, help="explicit padded vocabulary size")
     g.add_argument("--seq-length", type=int, default=None, help="static sequence length (unused with packing)")
-    g.add_argument("--init-method-std", type=float, default=0.02, help="init std")
-    g.add_argument("--attention-dropout", type=float, default=0.1, help="attention dropout")
-    g.add_argument("--hidden-dropout", type=float, default=0.1, help="hidden dropout")
-    g.add_argument("--attention-softmax-in-fp32", action="store_true", default=False, help="softmax in fp32")
-    g.add_argument("--no-masked-softmax-fusion", action="store_false", dest="masked_softmax_fusion", help="unfused softmax")
-    g.add_argument("--no-bias-dropout-fusion", action="store_false", dest="bias_dropout_fusion", help="unfused bias-dropout")
-    g.add_argument("--no-rope-fusion", action="store_false", dest="apply_rope_fusion", help="unfused RoPE")
-    g.add_argument("--attention-backend", type=str, default="auto", choices=ATTENTION_BACKENDS, help="core attention")
+    g.add_argument("--init-method-std", type=float, default=0.02, help="std of the random weight initialisation")
+    g.add_argument("--attention-dropout", type=float, default=0.1, help="dropout on attention probabilities")
+    g.add_argument("--hidden-dropout", type=float, default=0.1, help="dropout on the residual branches")
+    g.add_argument("--attention-softmax-in-fp32", action="store_true", default=False,
+                   help="compute the attention softmax in fp32")
+    g.add_argument("--no-masked-softmax-fusion", action="store_false", dest="masked_softmax_fusion",
+                   help="do not fuse masking into the softmax kernel")
+    g.add_argument("--no-bias-dropout-fusion", action="store_false", dest="bias_dropout_fusion",
+                   help="do not fuse bias-add and dropout")
+    g.add_argument("--no-rope-fusion", action="store_false", dest="apply_rope_fusion", help="do not fuse RoPE kernels")
+    g.add_argument("--attention-backend", type=str, default="auto", choices=ATTENTION_BACKENDS,
+                   help="core attention implementation")
     g.add_argument("--transformer-impl", type=str, default=None, choices=["local", "transformer_engine"],
                    help="layer spec (default: transformer_engine when TE and CUDA are present, else local)")
-    g.add_argument("--use-flash-attn", action="store_true", default=False, help="deprecated Megatron flash-attn switch")
-    g.add_argument("--bf16", action="store_true", default=False, help="bf16 parameters and compute")
+    g.add_argument("--use-flash-attn", action="store_true", default=False, help="older Megatron flash-attention switch")
+    g.add_argument("--post-self-attn-layernorm", action="store_true", default=False,
+                   help="a norm after self-attention (some architectures)")
+    g.add_argument("--post-mlp-layernorm", action="store_true", default=False, help="a norm after the MLP")
+    g.add_argument("--use-gated-attention", dest="attention_output_gate", action="store_true", default=False,
+                   help="gated attention output (Qwen3-Next)")
+    g.add_argument("--qwen-gdn-backend", type=str, default="fla", choices=["fla", "flashqla"],
+                   help="kernel of Qwen linear-attention (GDN) layers")
+    g.add_argument("--freeze-indexer", action="store_true", default=False, help="freeze DSA indexer parameters")
+    g.add_argument("--allgather-cp", action="store_true", default=False,
+                   help="context-parallel attention by all-gathering K/V (what this project always does)")
+    g.add_argument("--mtp-num-layers", type=int, default=None, help="multi-token-prediction layers")
+    g.add_argument("--mtp-loss-scaling-factor", type=float, default=0.2, help="weight of the multi-token loss")
+    g.add_argument("--enable-mtp-training", action="store_true", default=False, help="train the MTP layers")
+    g.add_argument("--bf16", action="store_true", default=False, help="bf16 parameters and compute (default fp32)")
     g.add_argument("--fp16", action="store_true", default=False, help="fp16 parameters and compute")
 
 
 def _add_moe_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("megatron moe", "mixture of experts (passed to megatron-core where it can)")
+    g = parser.add_argument_group("megatron moe", "mixture of experts (refused: the model builder is dense-only)")
     g.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer")
-    g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="expert MLP hidden size")
-    g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None, help="shared expert size")
-    g.add_argument("--moe-router-topk", type=int, default=2, help="experts per token")
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="MLP width of each expert")
+    g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None, help="MLP width of the shared expert")
+    g.add_argument("--moe-router-topk", type=int, default=2, help="experts each token is routed to")
     g.add_argument("--moe-router-load-balancing-type", type=str, default="aux_loss",
-                   choices=["aux_loss", "seq_aux_loss", "sinkhorn", "none"], help="balancing")
-    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0, help="aux loss weight")
-    g.add_argument("--moe-z-loss-coeff", type=float, default=None, help="router z-loss weight")
-    g.add_argument("--moe-router-score-function", type=str, default="softmax", choices=["softmax", "sigmoid"], help="score")
+                   choices=["aux_loss", "seq_aux_loss", "sinkhorn", "none"], help="expert load-balancing method")
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0, help="weight of the load-balancing loss")
+    g.add_argument("--moe-z-loss-coeff", type=float, default=None, help="weight of the router z-loss")
+    g.add_argument("--moe-router-score-function", type=str, default="softmax", choices=["softmax", "sigmoid"],
+                   help="router score function")
     g.add_argument("--moe-router-pre-softmax", action="store_true", default=False, help="softmax before top-k")
-    g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None, help="scale of top-k probs")
-    g.add_argument("--moe-router-num-groups", type=int, default=None, help="device-limited routing groups")
-    g.add_argument("--moe-router-group-topk", type=int, default=None, help="groups per token")
+    g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None, help="scale of the top-k weights")
+    g.add_argument("--moe-router-num-groups", type=int, default=None, help="expert groups of device-limited routing")
+    g.add_argument("--moe-router-group-topk", type=int, default=None, help="expert groups each token may use")
     g.add_argument("--moe-router-dtype", type=str, default=None, choices=["fp32", "fp64"], help="router precision")
-    g.add_argument("--moe-router-enable-expert-bias", action="store_true", default=False, help="aux-free balancing bias")
-    g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3, help="expert bias update rate")
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true", default=False,
+                   help="auxiliary-loss-free balancing bias")
+    g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3, help="update rate of the expert bias")
     g.add_argument("--moe-token-dispatcher-type", type=str, default="allgather",
-                   choices=["allgather", "alltoall", "flex"], help="token dispatcher")
-    g.add_argument("--moe-grouped-gemm", action="store_true", default=False, help="grouped GEMM experts")
-    g.add_argument("--moe-permute-fusion", action="store_true", default=False, help="fused permutation")
-    g.add_argument("--moe-layer-freq", type=str, default="1", help="MoE layer pattern (int or python list)")
-    g.add_argument("--moe-expert-capacity-factor", type=float, default=None, help="capacity factor")
-    g.add_argument("--moe-token-drop-policy", type=str, default="probs", choices=["probs", "position"], help="drops")
-    g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true", default=False, help="pad to capacity")
-    g.add_argument("--moe-shared-expert-overlap", action="store_true", default=False, help="overlap shared expert")
+                   choices=["allgather", "alltoall", "flex"], help="how tokens reach their experts")
+    g.add_argument("--moe-grouped-gemm", action="store_true", default=False, help="grouped-GEMM expert kernels")
+    g.add_argument("--moe-permute-fusion", action="store_true", default=False, help="fused token permutation")
+    g.add_argument("--moe-layer-freq", type=str, default="1", help="which layers are MoE (int or python list)")
+    g.add_argument("--moe-expert-capacity-factor", type=float, default=None, help="expert capacity factor")
+    g.add_argument("--moe-token-drop-policy", type=str, default="probs", choices=["probs", "position"],
+                   help="which tokens an over-full expert drops")
+    g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true", default=False,
+                   help="pad expert inputs to capacity")
+    g.add_argument("--moe-shared-expert-overlap", action="store_true", default=False,
+                   help="overlap the shared expert with dispatch")
 
 
 def _add_megatron_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("megatron parallel", "model parallelism and activation recomputation")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP")
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="PP")
-    g.add_argument("--context-parallel-size", type=int, default=1, help="CP")
-    g.add_argument("--expert-model-parallel-size", type=int, default=1, help="EP")
-    g.add_argument("--expert-tensor-parallel-size", type=int, default=None, help="expert TP (default: TP)")
-    g.add_argument("--sequence-parallel", action="store_true", default=False, help="SP over the TP group")
-    g.add_argument("--use-distributed-optimizer", action="store_true", default=False, help="shard optimizer over DP")
-    g.add_argument("--overlap-grad-reduce", action="store_true", default=False, help="overlap DP grad reduce")
-    g.add_argument("--overlap-param-gather", action="store_true", default=False, help="overlap DP param gather")
-    g.add_argument("--recompute-granularity", type=str, default=None, choices=["full", "selective"], help="recompute")
-    g.add_argument("--recompute-method", type=str, default=None, choices=["uniform", "block"], help="recompute method")
-    g.add_argument("--recompute-num-layers", type=int, default=None, help="layers per recompute unit")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                   help="tensor-parallel (TP) ranks that split each layer's weights")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                   help="pipeline-parallel (PP) stages that split the layers")
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="context-parallel (CP) ranks that split each sequence")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1, help="expert-parallel (EP) ranks (MoE)")
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="tensor-parallel ranks of each expert (default: --tensor-model-parallel-size)")
+    g.add_argument("--sequence-parallel", action="store_true", default=False,
+                   help="split norms and dropout along the sequence over the TP group (SP)")
+    g.add_argument("--use-distributed-optimizer", action="store_true", default=False,
+                   help="shard the optimizer state over data-parallel ranks")
+    g.add_argument("--overlap-grad-reduce", action="store_true", default=False,
+                   help="overlap the data-parallel gradient reduce with backward")
+    g.add_argument("--overlap-param-gather", action="store_true", default=False,
+                   help="overlap the distributed optimizer's parameter gather with forward")
+    g.add_argument("--recompute-granularity", type=str, default=None, choices=["full", "selective"],
+                   help="recompute activations in backward to save memory")
+    g.add_argument("--recompute-method", type=str, default=None, choices=["uniform", "block"],
+                   help="how layers are grouped for full recomputation")
+    g.add_argument("--recompute-num-layers", type=int, default=None, help="layers per recomputation unit")
 
 
 def _add_megatron_training_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("megatron optimizer/training", "optimizer, schedule and batch")
+    g.add_argument("--train-backend", type=str, default="megatron", choices=["megatron"], help="training backend")
     g.add_argument("--micro-batch-size", type=int, default=1, help="samples per micro-batch (static batching)")
-    g.add_argument("--global-batch-size", type=int, default=None, help="samples per optimizer step")
-    g.add_argument("--optimizer", type=str, default="adam", choices=["adam", "sgd"], help="optimizer")
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="samples per optimizer step (default: a whole rollout, or set by --num-steps-per-rollout)")
+    g.add_argument("--optimizer", type=str, default="adam", choices=["adam", "sgd"],
+                   help="optimizer of the training step (adam only here)")
     g.add_argument("--lr", type=float, default=1e-6, help="learning rate")
-    g.add_argument("--min-lr", type=float, default=0.0, help="floor of the decayed lr")
+    g.add_argument("--min-lr", type=float, default=0.0, help="floor of the decayed learning rate")
     g.add_argument("--lr-decay-style", type=str, default="linear",
-                   choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"], help="lr schedule")
-    g.add_argument("--lr-decay-iters", type=int, default=None, help="decay length (default: train iters)")
-    g.add_argument("--lr-warmup-iters", type=int, default=0, help="warmup steps")
-    g.add_argument("--lr-warmup-fraction", type=float, default=None, help="warmup as a fraction of decay")
-    g.add_argument("--lr-warmup-init", type=float, default=0.0, help="lr at warmup start")
-    g.add_argument("--train-iters", type=int, default=None, help="total optimizer steps for the schedule")
-    g.add_argument("--weight-decay", type=float, default=0.01, help="weight decay")
-    g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1")
-    g.add_argument("--adam-beta2", type=float, default=0.999, help="Adam beta2")
-    g.add_argument("--adam-eps", type=float, default=1e-8, help="Adam epsilon")
+                   choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"],
+                   help="learning-rate schedule after warm-up")
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="optimizer steps of the decay (default: --train-iters)")
+    g.add_argument("--lr-warmup-iters", type=int, default=0, help="optimizer steps of linear warm-up")
+    g.add_argument("--lr-warmup-fraction", type=float, default=None, help="warm-up as a share of the decay steps")
+    g.add_argument("--lr-warmup-init", type=float, default=0.0, help="learning rate at the start of warm-up")
+    g.add_argument("--train-iters", type=int, default=None, help="total optimizer steps the schedule is laid out for")
+    g.add_argument("--weight-decay", type=float, default=0.01, help="decoupled weight decay")
+    g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam's first-moment decay")
+    g.add_argument("--adam-beta2", type=float, default=0.999, help="Adam's second-moment decay")
+    g.add_argument("--adam-eps", type=float, default=1e-8, help="Adam's denominator epsilon")
     g.add_argument("--sgd-momentum", type=float, default=0.9, help="SGD momentum")
-    g.add_argument("--clip-grad", type=float, default=1.0, help="global grad-norm clip (0: off)")
-    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true", default=False, help="fp32 main grads")
-    g.add_argument("--use-precision-aware-optimizer", action="store_true", default=False, help="TE precision-aware Adam")
-    g.add_argument("--optimizer-cpu-offload", action="store_true", default=False, help="optimizer state on CPU")
-    g.add_argument("--overlap-cpu-optimizer-d2h-h2d", action="store_true", default=False, help="overlap offload copies")
-    g.add_argument("--seed", type=int, default=1234, help="global seed")
+    g.add_argument("--clip-grad", type=float, default=1.0, help="clip the global gradient norm to this (0: off)")
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true", default=False,
+                   help="keep and reduce gradients in fp32")
+    g.add_argument("--use-precision-aware-optimizer", action="store_true", default=False,
+                   help="TransformerEngine's precision-aware Adam")
+    g.add_argument("--optimizer-cpu-offload", action="store_true", default=False, help="keep the optimizer state on CPU")
+    g.add_argument("--overlap-cpu-optimizer-d2h-h2d", action="store_true", default=False,
+                   help="overlap the CPU optimizer's copies")
+    g.add_argument("--only-train-params-name-list", type=str, nargs="*", default=None,
+                   help="regexes of parameter names to train; every other parameter is frozen")
+    g.add_argument("--freeze-params-name-list", type=str, nargs="*", default=None,
+                   help="regexes of parameter names to freeze")
+    g.add_argument("--recompute-loss-function", action="store_true", default=False,
+                   help="recompute the loss in backward to save memory")
+    g.add_argument("--force-fp8-ue8m0-scale", action="store_true", default=False,
+                   help="quantize block-FP8 rollout weights with power-of-two scales")
+    g.add_argument("--log-probs-chunk-size", type=int, default=-1,
+                   help="tokens per chunk of the log-prob computation (-1: one chunk)")
+    g.add_argument("--seed", type=int, default=1234, help="seed of weight init, dropout and sampling")
 
 
 def _add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("checkpoint", "Megatron and HF checkpoints")
-    g.add_argument("--ref-load", type=str, default=None, help="reference-model checkpoint (and init when no --load)")
-    g.add_argument("--load", type=str, default=None, help="resume from this Megatron checkpoint dir")
-    g.add_argument("--save", type=str, default=None, help="save Megatron checkpoints here")
+    g.add_argument("--ref-load", type=str, default=None,
+                   help="reference-model weights: HF directory or Megatron checkpoint (default: --hf-checkpoint)")
+    g.add_argument("--ref-ckpt-step", type=int, default=None,
+                   help="iteration of the --ref-load Megatron checkpoint to use (default: its latest)")
+    g.add_argument("--load", type=str, default=None, help="resume from this Megatron checkpoint directory")
+    g.add_argument("--save", type=str, default=None, help="save Megatron checkpoints under this directory")
     g.add_argument("--save-interval", type=int, default=None, help="save every N rollouts (needs --save)")
-    g.add_argument("--no-save-optim", action="store_true", default=False, help="do not save optimizer state")
-    g.add_argument("--no-load-optim", action="store_true", default=False, help="do not load optimizer state")
-    g.add_argument("--no-load-rng", action="store_true", default=False, help="do not load RNG state")
-    g.add_argument("--finetune", action="store_true", default=False, help="load weights only, reset iteration")
-    g.add_argument("--ckpt-format", type=str, default="torch_dist", choices=["torch", "torch_dist"], help="format")
+    g.add_argument("--async-save", action="store_true", default=False, help="save checkpoints in the background")
+    g.add_argument("--no-save-optim", action="store_true", default=False,
+                   help="save model weights without the optimizer state")
+    g.add_argument("--no-load-optim", action="store_true", default=False,
+                   help="resume model weights but start a fresh optimizer")
+    g.add_argument("--no-load-rng", action="store_true", default=False,
+                   help="do not restore RNG state (checkpoints here hold none)")
+    g.add_argument("--finetune", action="store_true", default=False,
+                   help="load --load's weights only and start at rollout 0 with a fresh optimizer")
+    g.add_argument("--ckpt-format", type=str, default="torch_dist", choices=["torch", "torch_dist"],
+                   help="checkpoint format")
     g.add_argument("--save-hf", "--save-hf-path", dest="save_hf", type=str, default=None,
-                   help="also save HF weights to this path ('{rollout_id}' is filled in)")
+                   help="also save HF safetensors weights at every checkpoint to this path ('{rollout_id}' is filled in)")
+    g.add_argument("--custom-model-provider-path", type=str, default=None,
+                   help="fn(pre_process, post_process, vp_stage) -> GPTModel replacing the model builder")
 
 
 def _add_sglang_arguments(parser: argparse.ArgumentParser) -> None:
@@ -390,18 +740,22 @@ def _add_sglang_arguments(parser: argparse.ArgumentParser) -> None:
         "SGLang engines. Any --sglang-<server-arg> is passed to SGLang's ServerArgs (validated against it when sglang "
         "is importable) and collected in args.sglang_server_args; the common ones are listed here.",
     )
-    g.add_argument("--sglang-mem-fraction-static", type=float, default=None, help="KV-cache memory fraction")
-    g.add_argument("--sglang-cuda-graph-bs", type=int, nargs="+", default=None, help="CUDA-graph batch sizes")
-    g.add_argument("--sglang-server-concurrency", type=int, default=512, help="max in-flight requests per engine")
+    g.add_argument("--sglang-mem-fraction-static", type=float, default=None,
+                   help="share of GPU memory for weights and KV cache")
+    g.add_argument("--sglang-cuda-graph-bs", type=int, nargs="+", default=None,
+                   help="batch sizes captured as CUDA graphs")
+    g.add_argument("--sglang-server-concurrency", type=int, default=512,
+                   help="requests in flight per engine from the rollout")
 
 
 def _add_router_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("router", "request routing over engines")
     g.add_argument("--use-slime-router", action="store_true", default=False,
                    help="use this project's router instead of sglang-router")
-    g.add_argument("--sglang-router-ip", type=str, default=None, help="existing router address (default: start one)")
-    g.add_argument("--sglang-router-port", type=int, default=None, help="router port")
-    g.add_argument("--sglang-router-request-timeout-secs", type=int, default=14400, help="per-request timeout")
+    g.add_argument("--sglang-router-ip", type=str, default=None, help="address of a running router (default: start one)")
+    g.add_argument("--sglang-router-port", type=int, default=None, help="port of the router")
+    g.add_argument("--sglang-router-request-timeout-secs", type=int, default=14400,
+                   help="seconds one /generate request may take")
     g.add_argument("--sglang-router-policy", type=str, default=None,
                    help="sglang-router load-balancing policy (default: round_robin)")
 
@@ -409,30 +763,80 @@ def _add_router_arguments(parser: argparse.ArgumentParser) -> None:
 def _add_tracking_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("wandb/tensorboard", "experiment tracking")
     g.add_argument("--use-wandb", action="store_true", default=False, help="log to Weights & Biases")
-    g.add_argument("--wandb-project", type=str, default=None, help="project")
-    g.add_argument("--wandb-group", type=str, default=None, help="group")
-    g.add_argument("--wandb-key", type=str, default=None, help="API key")
-    g.add_argument("--wandb-host", type=str, default=None, help="server")
-    g.add_argument("--wandb-team", type=str, default=None, help="entity")
-    g.add_argument("--wandb-mode", type=str, default=None, choices=["online", "offline", "disabled"], help="mode")
-    g.add_argument("--wandb-dir", type=str, default=None, help="local dir")
-    g.add_argument("--wandb-run-id", type=str, default=None, help="resume this run")
+    g.add_argument("--wandb-project", type=str, default=None, help="Weights & Biases project name")
+    g.add_argument("--wandb-group", type=str, default=None, help="Weights & Biases run group")
+    g.add_argument("--wandb-key", type=str, default=None, help="Weights & Biases API key")
+    g.add_argument("--wandb-host", type=str, default=None, help="Weights & Biases server URL")
+    g.add_argument("--wandb-team", type=str, default=None, help="Weights & Biases entity (team)")
+    g.add_argument("--wandb-mode", type=str, default=None, choices=["online", "offline", "disabled"],
+                   help="Weights & Biases mode")
+    g.add_argument("--wandb-dir", type=str, default=None, help="local directory of Weights & Biases files")
+    g.add_argument("--wandb-run-id", type=str, default=None, help="resume this Weights & Biases run")
     g.add_argument("--disable-wandb-random-suffix", action="store_false", dest="wandb_random_suffix",
-                   help="no random suffix on the run name")
+                   help="no random suffix on the Weights & Biases run name")
+    g.add_argument("--wandb-always-use-train-step", action="store_true", default=False,
+                   help="use the optimizer step as the Weights & Biases x-axis for every metric")
+    g.add_argument("--log-multi-turn", action="store_true", default=False, help="log multi-turn rollout statistics")
+    g.add_argument("--log-passrate", action="store_true", default=False, help="log pass@k of the rollout")
+    g.add_argument("--log-reward-category", type=str, default=None,
+                   help="reward-dict key whose values are counted per rollout")
+    g.add_argument("--log-correct-samples", action="store_true", default=False, help="log the correct responses")
     g.add_argument("--use-tensorboard", action="store_true", default=False, help="log to TensorBoard")
-    g.add_argument("--tensorboard-dir", type=str, default=None, help="TensorBoard log dir (Megatron spelling)")
-    g.add_argument("--tb-project-name", type=str, default=None, help="TensorBoard dir")
+    g.add_argument("--tensorboard-dir", type=str, default=None, help="TensorBoard log directory (Megatron's name)")
+    g.add_argument("--tb-project-name", type=str, default=None, help="TensorBoard log directory (upstream's name)")
     g.add_argument("--tb-experiment-name", type=str, default=None, help="TensorBoard run name")
 
 
 def _add_debug_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("debug", "reproduce train-phase problems without engines")
-    g.add_argument("--save-debug-rollout-data", type=str, default=None, help="save rollouts ('{rollout_id}' template)")
+    g.add_argument("--save-debug-rollout-data", type=str, default=None,
+                   help="save every rollout's samples to this path ('{rollout_id}' template)")
     g.add_argument("--load-debug-rollout-data", type=str, default=None,
                    help="train on saved rollouts instead of generating (implies --debug-train-only)")
+    g.add_argument("--load-debug-rollout-data-subsample", type=float, default=None,
+                   help="share of each saved rollout to replay")
+    g.add_argument("--load-forge-rollout-data", type=str, default=None,
+                   help="replay saved rollouts while the engines stay live")
+    g.add_argument("--save-debug-train-data", type=str, default=None,
+                   help="save the train batch (with log-probs and advantages) per rollout ('{rollout_id}', '{rank}')")
+    g.add_argument("--dump-details", type=str, default=None,
+                   help="directory for both the rollout and the train data of every rollout")
     g.add_argument("--debug-train-only", action="store_true", default=False, help="no engines; train only")
     g.add_argument("--debug-rollout-only", action="store_true", default=False, help="no training; rollout only")
-    g.add_argument("--check-weight-update-equal", action="store_true", default=False, help="compare synced weights")
+    g.add_argument("--check-weight-update-equal", action="store_true", default=False,
+                   help="compare the engines' weights with the trainer's after a sync")
+    g.add_argument("--memory-snapshot-dir", type=str, default=".", help="directory of memory snapshots")
+    g.add_argument("--memory-snapshot-num-steps", type=int, default=None, help="steps recorded in a memory snapshot")
+    g.add_argument("--memory-recorder", type=str, default="torch", choices=["torch", "memray"],
+                   help="memory recorder")
+    g.add_argument("--record-memory-history", action="store_true", default=False, help="record allocation history")
+    g.add_argument("--http-proxy", type=str, default=None, help="proxy for the rollout's HTTP requests")
+    g.add_argument("--use-distributed-post", action="store_true", default=False,
+                   help="spread rollout HTTP requests over Ray workers")
+    g.add_argument("--ci-test", action="store_true", default=False, help="upstream CI assertions")
+    g.add_argument("--ci-disable-kl-checker", action="store_true", default=False, help="skip upstream's CI KL check")
+    g.add_argument("--ci-train-rollout-logprob-abs-diff-threshold", type=float, default=0.1,
+                   help="upstream CI bound on train/train_rollout_logprob_abs_diff")
+    g.add_argument("--ci-save-grad-norm", type=str, default=None, help="file to save grad norms to (CI)")
+    g.add_argument("--ci-load-grad-norm", type=str, default=None, help="file of grad norms to compare with (CI)")
+
+
+def _add_custom_megatron_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("megatron plug-ins", "functions called on every training rank")
+    g.add_argument("--custom-megatron-init-path", type=str, default=None,
+                   help="fn(args) called once after megatron's process groups and RNG are set up")
+    g.add_argument("--custom-megatron-before-log-prob-hook-path", type=str, default=None,
+                   help="fn(args, model, store_prefix) before each log-prob pass ('' actor, 'ref_' reference)")
+    g.add_argument("--custom-megatron-before-train-step-hook-path", type=str, default=None,
+                   help="fn(args, rollout_id, step_id, model, optimizer, opt_param_scheduler) before each step")
+    g.add_argument("--megatron-deepgemm-forward-layers", type=int, nargs="+", default=None,
+                   help="layers whose linears use TransformerEngine's DeepGEMM forward")
+    g.add_argument("--megatron-deepgemm-forward-modules", type=str, nargs="+", default=None,
+                   help="module-name suffixes replaced in those layers")
+    g.add_argument("--megatron-deepgemm-moe-forward-layers", type=int, nargs="+", default=None,
+                   help="MoE layers using the grouped DeepGEMM forward")
+    g.add_argument("--megatron-deepgemm-moe-forward-modules", type=str, nargs="+", default=None,
+                   help="MoE module-name suffixes replaced in those layers")
 
 
 def _add_fencing_arguments(parser: argparse.ArgumentParser) -> None:
@@ -442,10 +846,13 @@ def _add_fencing_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--recreate-process-groups-on-wake", action="store_true", default=False,
                    help="destroy and re-create communicators across colocate sleep (default: keep them alive)")
     g.add_argument("--train-backend-device", type=str, default="auto", choices=["auto", "cpu", "cuda"],
-                   help="training device (auto: cuda when available)")
-    g.add_argument("--metrics-jsonl", type=str, default=None, help="append one JSON line of metrics per step here")
+                   help="device of the training ranks (auto: cuda when available)")
+    g.add_argument("--metrics-jsonl", type=str, default=None, help="append one JSON line of metrics per event here")
     g.add_argument("--ledger-dir", type=str, default=None,
                    help="directory for per-rank collective ledgers and stall reports (default: a temp dir)")
+    g.add_argument("--custom-config-path", type=str, default=None,
+                   help="YAML mapping of flag overrides (flag or attribute names; unknown keys become attributes "
+                        "for plug-ins); applied over the command line")
 
 
 ARGUMENT_GROUPS: tuple[Callable[[argparse.ArgumentParser], None], ...] = (
@@ -454,7 +861,9 @@ ARGUMENT_GROUPS: tuple[Callable[[argparse.ArgumentParser], None], ...] = (
     _add_data_arguments,
     _add_eval_arguments,
     _add_algorithm_arguments,
+    _add_opd_arguments,
     _add_reward_arguments,
+    _add_rollout_buffer_arguments,
     _add_megatron_model_arguments,
     _add_moe_arguments,
     _add_megatron_parallel_arguments,
@@ -464,6 +873,7 @@ ARGUMENT_GROUPS: tuple[Callable[[argparse.ArgumentParser], None], ...] = (
     _add_router_arguments,
     _add_tracking_arguments,
     _add_debug_arguments,
+    _add_custom_megatron_arguments,
     _add_fencing_arguments,
 )
 
@@ -473,8 +883,24 @@ FUNCTION_PATH_FLAGS: tuple[str, ...] = (
     "--custom-generate-function-path",
     "--eval-function-path",
     "--dynamic-sampling-filter-path",
+    "--buffer-filter-path",
+    "--data-source-path",
+    "--rollout-sample-filter-path",
+    "--rollout-all-samples-process-path",
+    "--custom-rollout-log-function-path",
+    "--custom-eval-rollout-log-function-path",
+    "--rollout-data-postprocess-path",
     "--custom-rm-path",
     "--custom-reward-post-process-path",
+    "--custom-convert-samples-to-train-data-path",
+    "--custom-loss-function-path",
+    "--custom-advantage-function-path",
+    "--custom-tis-function-path",
+    "--custom-pg-loss-reducer-function-path",
+    "--custom-model-provider-path",
+    "--custom-megatron-init-path",
+    "--custom-megatron-before-log-prob-hook-path",
+    "--custom-megatron-before-train-step-hook-path",
 )
 
 
@@ -483,6 +909,29 @@ class SlimeArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message}\n(run with --help for the list of flags)\n")
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Every flag's help line ends with its default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default is argparse.SUPPRESS or "%(default)" in text or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def closest_flags(flag: str, parser: argparse.ArgumentParser, n: int = 3) -> list[str]:
+    """Known flags that look like a mistyped one."""
+    return difflib.get_close_matches(flag, list(parser._option_string_actions), n=n, cutoff=0.6)
+
+
+def unknown_flags_message(flags: Sequence[str], parser: argparse.ArgumentParser) -> str:
+    described = []
+    for flag in flags:
+        close = closest_flags(flag, parser)
+        described.append(f"{flag} (did you mean {' or '.join(close)}?)" if close else flag)
+    return "unrecognized arguments: " + "; ".join(described)
 
 
 def build_parser(
@@ -495,6 +944,7 @@ def build_parser(
         usage="%(prog)s [flags]",
         description="slime-compatible RL training (upstream slime + Megatron flags)",
         allow_abbrev=False,  # a typo must be an error, never a silent prefix match
+        formatter_class=DefaultsHelpFormatter,
     )
     if add_custom_arguments is not None:
         parser = add_custom_arguments(parser) or parser
@@ -506,6 +956,9 @@ def build_parser(
 # --------------------------------------------------------------------------------------------------------------
 # Validation: derived values first, then cross-flag checks. Each check is a short function raising with a fix.
 # --------------------------------------------------------------------------------------------------------------
+MODEL_FAMILIES = ("qwen3", "qwen2", "llama")
+
+
 @dataclass(frozen=True)
 class EvalDatasetSpec:
     name: str
@@ -516,12 +969,29 @@ def _fail(message: str) -> None:
     raise ArgumentValidationError(message)
 
 
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _derive(args: argparse.Namespace, dest: str, value: Any, how: str) -> None:
+    """Set a value the user did not pass, remembering how it was derived (for error messages)."""
+    setattr(args, dest, value)
+    args.derived_values[dest] = how
+
+
+def _named(args: argparse.Namespace, dest: str) -> str:
+    """'--flag value', with where the value came from when the user did not pass it."""
+    how = args.derived_values.get(dest)
+    text = f"{_flag(dest)} {getattr(args, dest)}"
+    return text if how is None else f"{text} (not passed: {how})"
+
+
 def _check_positive(args: argparse.Namespace) -> None:
     for dest in ("rollout_batch_size", "n_samples_per_prompt", "actor_num_nodes", "actor_num_gpus_per_node",
                  "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                  "expert_model_parallel_size", "rollout_num_gpus_per_engine", "micro_batch_size"):
         if getattr(args, dest) <= 0:
-            _fail(f"--{dest.replace('_', '-')} must be positive, got {getattr(args, dest)}")
+            _fail(f"{_flag(dest)} must be positive, got {getattr(args, dest)}")
     if args.fence_timeout <= 0:
         _fail(f"--fence-timeout must be positive seconds, got {args.fence_timeout}")
     if args.rollout_temperature <= 0:
@@ -538,7 +1008,11 @@ def _resolve_model_defaults(args: argparse.Namespace) -> None:
     if args.bf16 and args.fp16:
         _fail("--bf16 and --fp16 are mutually exclusive; pass one")
     if args.eps_clip_high is None:
-        args.eps_clip_high = args.eps_clip
+        _derive(args, "eps_clip_high", args.eps_clip, f"--eps-clip {args.eps_clip}")
+    if args.padded_vocab_size is not None and args.vocab_size is not None and args.padded_vocab_size < args.vocab_size:
+        _fail(f"--padded-vocab-size {args.padded_vocab_size} is smaller than --vocab-size {args.vocab_size}")
+    if args.model_name is not None and args.model_name.lower() not in MODEL_FAMILIES:
+        _fail(f"--model-name {args.model_name} is not supported; the model builder converts {', '.join(MODEL_FAMILIES)}")
 
 
 def _check_model_shape(args: argparse.Namespace) -> None:
@@ -571,7 +1045,9 @@ def _check_parallel_layout(args: argparse.Namespace) -> None:
         _fail(f"actor world size {world} is not divisible by EP*ETP*PP = {expert_parallel}")
     args.actor_world_size = world
     args.world_size = world
-    args.data_parallel_size = world // model_parallel
+    _derive(args, "data_parallel_size", world // model_parallel,
+            f"actor world {world} / (--tensor-model-parallel-size {tp} x --context-parallel-size {cp} x "
+            f"--pipeline-model-parallel-size {pp})")
     if args.sequence_parallel and tp == 1:
         warnings.warn("--sequence-parallel has no effect with --tensor-model-parallel-size 1; disabling it", stacklevel=4)
         args.sequence_parallel = False
@@ -582,35 +1058,37 @@ def _check_batching(args: argparse.Namespace) -> None:
         if args.max_tokens_per_gpu is None:
             _fail("--use-dynamic-batch-size needs --max-tokens-per-gpu (the per-rank token budget of a micro-batch)")
         if args.log_probs_max_tokens_per_gpu is None:
-            args.log_probs_max_tokens_per_gpu = args.max_tokens_per_gpu
+            _derive(args, "log_probs_max_tokens_per_gpu", args.max_tokens_per_gpu,
+                    f"--max-tokens-per-gpu {args.max_tokens_per_gpu}")
     samples = args.rollout_batch_size * args.n_samples_per_prompt
+    rollout = f"--rollout-batch-size {args.rollout_batch_size} x --n-samples-per-prompt {args.n_samples_per_prompt}"
     if args.num_steps_per_rollout is not None:
         steps = args.num_steps_per_rollout
         if steps <= 0 or samples % steps:
-            _fail(f"--num-steps-per-rollout {steps} must be positive and divide rollout_batch_size * "
-                  f"n_samples_per_prompt = {samples}")
+            _fail(f"--num-steps-per-rollout {steps} must be positive and divide the rollout's {samples} samples "
+                  f"({rollout})")
         if args.global_batch_size is not None and args.global_batch_size != samples // steps:
             _fail(f"--global-batch-size {args.global_batch_size} contradicts --num-steps-per-rollout {steps} "
-                  f"({samples} // {steps} = {samples // steps}); pass only one of them")
-        args.global_batch_size = samples // steps
+                  f"({rollout} // {steps} = {samples // steps}); pass only one of them")
+        _derive(args, "global_batch_size", samples // steps, f"{rollout} // --num-steps-per-rollout {steps}")
     elif args.global_batch_size is None:
         logger.info("--global-batch-size not set: one optimizer step per rollout (%d samples)", samples)
-        args.global_batch_size = samples
+        _derive(args, "global_batch_size", samples, f"one step per rollout = {rollout}")
     gbs = args.global_batch_size
     if gbs <= 0 or samples % gbs:
-        _fail(f"rollout_batch_size * n_samples_per_prompt = {args.rollout_batch_size} * {args.n_samples_per_prompt} "
-              f"= {samples} is not a multiple of --global-batch-size {gbs}")
+        _fail(f"the rollout's {samples} samples ({rollout}) are not a multiple of {_named(args, 'global_batch_size')}")
     args.num_steps_per_rollout = samples // gbs
 
 
 def _check_batch_split(args: argparse.Namespace) -> None:
     """Every DP rank must get the same number of samples (and static micro-batches) per step."""
     gbs, dp = args.global_batch_size, args.data_parallel_size
+    dp_text = f"data-parallel size {dp} (= {args.derived_values['data_parallel_size']})"
     if gbs % dp:
-        _fail(f"--global-batch-size {gbs} is not divisible by the data-parallel size {dp}")
+        _fail(f"{_named(args, 'global_batch_size')} is not divisible by the {dp_text}")
     if not args.use_dynamic_batch_size and gbs % (args.micro_batch_size * dp):
-        _fail(f"--global-batch-size {gbs} is not divisible by --micro-batch-size {args.micro_batch_size} x "
-              f"data-parallel size {dp}; fix the sizes or use --use-dynamic-batch-size")
+        _fail(f"{_named(args, 'global_batch_size')} is not divisible by --micro-batch-size {args.micro_batch_size} "
+              f"x {dp_text}; fix the sizes or use --use-dynamic-batch-size")
 
 
 def _check_context_parallel(args: argparse.Namespace) -> None:
@@ -674,12 +1152,15 @@ def _check_paths(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
             _require_path("--load-debug-rollout-data", path, "file")
     if args.ref_load is not None and (args.use_kl_loss or args.kl_coef != 0):
         _require_path("--ref-load", args.ref_load, "checkpoint")
-    for flag in FUNCTION_PATH_FLAGS:
-        dest = flag[2:].replace("-", "_")
+    for flag in (*FUNCTION_PATH_FLAGS, "--rollout-sample-hook-path"):
+        dest = parser._option_string_actions[flag].dest
         value = getattr(args, dest)
-        if value is not None and value != parser.get_default(dest) and not module_is_findable(value):
-            raise MissingPathError(f"{flag}: cannot find the module of {value!r} (expected 'pkg.module.func' or "
-                                   "'file.py:func')")
+        if value is None or value == parser.get_default(dest):
+            continue
+        for path in value if isinstance(value, list) else [value]:
+            if not module_is_findable(path):
+                raise MissingPathError(f"{flag}: cannot find the module of {path!r} (expected 'pkg.module.func' or "
+                                       "'file.py:func')")
 
 
 def _resolve_modes(args: argparse.Namespace) -> None:
@@ -707,6 +1188,14 @@ def _resolve_modes(args: argparse.Namespace) -> None:
               f"{args.rollout_num_gpus_per_engine}")
     args.skip_engines = args.debug_train_only
     args.use_critic = args.advantage_estimator == "ppo"
+    args.start_rollout_id_given = args.start_rollout_id is not None  # else train.py reads it from --load
+    if args.finetune and args.load is None:
+        _fail("--finetune loads the weights of --load DIR; pass --load")
+    if args.dump_details is not None:  # upstream: both debug dumps under one directory
+        _derive(args, "save_debug_rollout_data", f"{args.dump_details}/rollout_data/{{rollout_id}}.pt",
+                f"--dump-details {args.dump_details}")
+        _derive(args, "save_debug_train_data", f"{args.dump_details}/train_data/{{rollout_id}}.pt",
+                f"--dump-details {args.dump_details}")
 
 
 def _resolve_rollout_defaults(args: argparse.Namespace) -> None:
@@ -715,10 +1204,13 @@ def _resolve_rollout_defaults(args: argparse.Namespace) -> None:
     if args.over_sampling_batch_size is not None and args.over_sampling_batch_size < args.rollout_batch_size:
         _fail(f"--over-sampling-batch-size {args.over_sampling_batch_size} must be >= --rollout-batch-size "
               f"{args.rollout_batch_size}")
+    if args.mask_offpolicy_in_partial_rollout and not args.partial_rollout:
+        _fail("--mask-offpolicy-in-partial-rollout only acts on resumed samples: add --partial-rollout")
     if args.eval_function_path is None:
-        args.eval_function_path = args.rollout_function_path
+        _derive(args, "eval_function_path", args.rollout_function_path, "--rollout-function-path")
     if args.eval_reward_key is None:
         args.eval_reward_key = args.reward_key
+    _check_rm_type(args)
     if args.n_samples_per_prompt == 1:
         args.grpo_std_normalization = False  # a group of one has no spread to divide by
     if args.rollout_max_context_len is not None:
@@ -734,6 +1226,33 @@ def _resolve_tracking(args: argparse.Namespace) -> None:
         args.tensorboard_dir = args.tb_project_name  # upstream slime's name for the TensorBoard dir
 
 
+def _check_rm_type(args: argparse.Namespace) -> None:
+    if args.rm_type is None or args.custom_rm_path is not None:
+        return
+    from slime.rollout.rm_hub import RM_TYPES
+
+    base = args.rm_type[len("boxed_"):] if args.rm_type.startswith("boxed_") else args.rm_type
+    if base not in RM_TYPES:
+        close = difflib.get_close_matches(base, RM_TYPES, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        _fail(f"--rm-type {args.rm_type} is not a built-in reward{hint}; choose one of {', '.join(RM_TYPES)} "
+              "(optionally boxed_<type>) or pass --custom-rm-path")
+
+
+def _check_plugins(args: argparse.Namespace) -> None:
+    """Plug-in flags that would silently do nothing without their companion flag."""
+    if args.loss_type == "custom_loss" and not args.custom_loss_function_path:
+        _fail("--loss-type custom_loss needs --custom-loss-function-path pkg.module.fn")
+    if args.custom_loss_function_path and args.loss_type != "custom_loss":
+        _fail("--custom-loss-function-path is used with --loss-type custom_loss only; add it")
+    if args.custom_tis_function_path and not (args.use_tis or args.get_mismatch_metrics):
+        _fail("--custom-tis-function-path replaces TIS: add --use-tis (or --get-mismatch-metrics, as upstream)")
+    if args.only_train_params_name_list and args.freeze_params_name_list:
+        _fail("pass one of --only-train-params-name-list and --freeze-params-name-list, not both")
+    if args.ref_update_interval is not None and not (args.use_kl_loss or args.kl_coef):
+        _fail("--ref-update-interval refreshes the reference model, which only --use-kl-loss or --kl-coef use")
+
+
 def _check_algorithm(args: argparse.Namespace) -> None:
     if args.kl_coef != 0 and args.kl_loss_coef != 0:
         _fail("--kl-coef (reward shaping) and --kl-loss-coef (loss term) cannot both be non-zero; pick one")
@@ -742,6 +1261,8 @@ def _check_algorithm(args: argparse.Namespace) -> None:
         _fail(f"--advantage-estimator {args.advantage_estimator} requires --normalize-advantages")
     if args.save_interval is not None and args.save is None:
         _fail("--save-interval needs --save DIR")
+    if args.save_hf and not (args.save and args.save_interval):
+        _fail("--save-hf is written with each checkpoint: add --save DIR --save-interval N")
 
 
 def _check_rollout_backend(args: argparse.Namespace) -> None:
@@ -782,9 +1303,12 @@ def _check_weight_sync(args: argparse.Namespace) -> None:
               "get tensors when colocated and a broadcast group otherwise)")
 
 
-def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None,
+                  device: str = "cpu") -> argparse.Namespace:
     """Fill derived values and check flag combinations in place; raises ArgumentValidationError with the fix."""
     parser = parser or build_parser()
+    args.derived_values = {}
+    refuse_unsupported(args, parser, device)
     _check_positive(args)
     _resolve_model_defaults(args)
     _resolve_modes(args)
@@ -798,19 +1322,74 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
     _check_algorithm(args)
     _check_logprob_mismatch(args)
     _check_weight_sync(args)
+    _check_plugins(args)
     _resolve_tracking(args)
     _resolve_eval_datasets(args)
     _check_paths(args, parser)
     return args
 
 
+def _config_dest(key: str, parser: argparse.ArgumentParser) -> str | None:
+    """The dest a --custom-config-path key names: '--flag-name', 'flag-name' or the attribute 'flag_name'."""
+    for option in (key, "--" + key.lstrip("-"), "--" + key.lstrip("-").replace("_", "-")):
+        if option in parser._option_string_actions:
+            return parser._option_string_actions[option].dest
+    dests = {action.dest for action in parser._actions}
+    return key if key in dests else None
+
+
+def _coerce(action: argparse.Action, value: Any) -> Any:
+    # YAML leaves e.g. 1e-5 a string; convert it the way the flag's own type would
+    convert = action.type if callable(action.type) and action.type is not json.loads else None
+    if convert is None:
+        return value
+    if isinstance(value, list):
+        return [convert(v) if isinstance(v, str) else v for v in value]
+    return convert(value) if isinstance(value, str) else value
+
+
+def apply_custom_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """--custom-config-path: a YAML mapping whose values override the command line (upstream's semantics).
+
+    Keys naming a flag (as '--flag-name', 'flag-name' or 'flag_name') override it before validation, so
+    derived values and checks see them; any other key becomes an attribute for plug-ins (custom functions).
+    """
+    path = args.custom_config_path
+    if not path:
+        return {}
+    import yaml
+
+    _require_path("--custom-config-path", path, "file")
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        _fail(f"--custom-config-path {path}: expected a mapping of flag names to values, got {type(data).__name__}")
+    applied = {}
+    for key, value in data.items():
+        dest = _config_dest(str(key), parser)
+        if dest is None:
+            if not str(key).isidentifier():
+                _fail(f"--custom-config-path {path}: key {key!r} is neither a flag nor a valid attribute name")
+            dest = str(key)
+        else:
+            action = next(a for a in parser._actions if a.dest == dest)
+            value = _coerce(action, value)
+        if hasattr(args, dest):
+            logger.info("--custom-config-path %s: %s = %r (was %r)", path, dest, value, getattr(args, dest))
+        setattr(args, dest, value)
+        applied[dest] = value
+    return applied
+
+
 def parse_args(
     argv: Sequence[str] | None = None,
     add_custom_arguments: Callable[[argparse.ArgumentParser], argparse.ArgumentParser | None] | None = None,
 ) -> argparse.Namespace:
-    """Parse ``argv`` (default: sys.argv[1:]), validate, and warn about accepted-but-unimplemented flags.
+    """Parse ``argv`` (default: sys.argv[1:]), apply --custom-config-path, validate, and warn about
+    accepted-but-unimplemented flags.
 
-    Unknown flags and invalid combinations exit with status 2 and a message naming the flag.
+    Unknown flags (answered with the closest known ones), refused flags and invalid combinations exit
+    with status 2 and a message naming the flags.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(add_custom_arguments)
@@ -820,15 +1399,17 @@ def parse_args(
     unknown = [a.split("=", 1)[0] for a in remaining
                if a.startswith("--") and a.split("=", 1)[0] not in parser._option_string_actions]
     if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        parser.error(unknown_flags_message(unknown, parser))
     args = parser.parse_args(remaining)
     try:
+        args.custom_config_overrides = apply_custom_config(args, parser)
         args.sglang_server_args = sglang_passthrough.resolve_server_args(args, passthrough)
-        validate_args(args, parser)
+        device = resolve_train_device(args)
+        validate_args(args, parser, device)
         _check_rollout_backend(args)
     except (ArgumentValidationError, sglang_passthrough.SGLangArgumentError) as exc:
         parser.error(str(exc))
-    args.not_implemented_flags = tuple(warn_not_implemented(args, parser, resolve_train_device(args)))
+    args.not_implemented_flags = tuple(warn_not_implemented(args, parser, device))
     return args
 
 

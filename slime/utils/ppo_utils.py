@@ -205,7 +205,7 @@ def compute_advantages_and_returns(args: Any, data: dict[str, Any]) -> None:
     kl_coef = getattr(args, "kl_coef", 0.0) or 0.0
     if estimator in ("grpo", "gspo"):
         returns = get_grpo_returns(data["rewards"], kl)
-        advantages = returns
+        advantages = _whiten(returns, masks) if getattr(args, "normalize_advantages", False) else returns
     elif estimator == "reinforce_plus_plus":
         returns = get_reinforce_plus_plus_returns(data["rewards"], kl, masks, kl_coef, getattr(args, "gamma", 1.0))
         advantages = _whiten(returns, masks)

@@ -5,7 +5,7 @@ keep working unchanged.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any
 
@@ -55,15 +55,61 @@ class Sample:
     session_id: str | None = None
     non_generation_time: float = 0.0
 
+    @dataclass
+    class SpecInfo:
+        """Speculative-decoding counters summed over every engine call of the sample."""
+
+        spec_accept_token_num: int = 0
+        spec_draft_token_num: int = 0
+        spec_verify_ct: int = 0
+        completion_token_num: int = 0
+
+        @property
+        def spec_accept_rate(self) -> float:
+            return self.spec_accept_token_num / self.spec_draft_token_num if self.spec_draft_token_num else 0.0
+
+        @property
+        def spec_accept_length(self) -> float:
+            return self.completion_token_num / self.spec_verify_ct if self.spec_verify_ct else 0.0
+
+        def add(self, meta_info: dict) -> None:
+            self.spec_accept_token_num += int(meta_info.get("spec_accept_token_num", 0) or 0)
+            self.spec_draft_token_num += int(meta_info.get("spec_draft_token_num", 0) or 0)
+            self.spec_verify_ct += int(meta_info.get("spec_verify_ct", 0) or 0)
+            self.completion_token_num += int(meta_info.get("completion_tokens", 0) or 0)
+
+    @dataclass
+    class PrefixCacheInfo:
+        """Prompt tokens the engine served from its prefix cache, summed over calls."""
+
+        cached_tokens: int = 0
+        total_prompt_tokens: int = 0
+
+        @property
+        def prefix_cache_hit_rate(self) -> float:
+            return self.cached_tokens / self.total_prompt_tokens if self.total_prompt_tokens else 0.0
+
+        def add(self, meta_info: dict) -> None:
+            self.cached_tokens += int(meta_info.get("cached_tokens", 0) or 0)
+            self.total_prompt_tokens += int(meta_info.get("prompt_tokens", 0) or 0)
+
+    spec_info: SpecInfo = field(default_factory=SpecInfo)
+    prefix_cache_info: PrefixCacheInfo = field(default_factory=PrefixCacheInfo)
+
     def to_dict(self) -> dict[str, Any]:
+        """Plain data (status as its string, the info records as dicts); from_dict inverts it."""
         value = dict(self.__dict__)
         value["status"] = self.status.value
+        value["spec_info"] = asdict(self.spec_info)
+        value["prefix_cache_info"] = asdict(self.prefix_cache_info)
         return value
 
     @staticmethod
     def from_dict(data: dict[str, Any]) -> "Sample":
         data = dict(data)
         data["status"] = Sample.Status(data.get("status", Sample.Status.PENDING.value))
+        data["spec_info"] = Sample.SpecInfo(**(data.get("spec_info") or {}))
+        data["prefix_cache_info"] = Sample.PrefixCacheInfo(**(data.get("prefix_cache_info") or {}))
         known = set(Sample.__dataclass_fields__)
         sample = Sample(**{k: v for k, v in data.items() if k in known})
         # unknown keys (written by plugins) survive a round trip as attributes
@@ -88,12 +134,58 @@ class Sample:
         return sum(self.loss_mask) if self.loss_mask is not None else self.response_length
 
     def update_from_meta_info(self, args, meta_info: dict[str, Any]) -> None:
-        """Record the engine's weight version and map its finish reason onto `status`."""
-        if "weight_version" in meta_info and meta_info["weight_version"] is not None:
+        """Fold one engine reply's meta_info in: weight version, cache/spec counters, status from the finish reason.
+
+        An unknown (or missing) finish reason leaves the status as it was.
+        """
+        if getattr(args, "sglang_speculative_algorithm", None):
+            self.spec_info.add(meta_info)
+        self.prefix_cache_info.add(meta_info)
+        if meta_info.get("weight_version") is not None:
             self.weight_versions.append(str(meta_info["weight_version"]))
         finish = meta_info.get("finish_reason") or {}
         kind = finish.get("type") if isinstance(finish, dict) else finish
-        self.status = _FINISH_TO_STATUS.get(kind, Sample.Status.COMPLETED)
+        self.status = _FINISH_TO_STATUS.get(kind, self.status)
+
+    def append_response_tokens(
+        self,
+        args=None,
+        *,
+        tokens: list[int] | None = None,
+        log_probs: list[float] | None = None,
+        trainable: bool = True,
+        meta_info: dict[str, Any] | None = None,
+        text: str | None = None,
+        update_terminal_info: bool = True,
+    ) -> None:
+        """Append response tokens (a model turn, or a tool/environment reply) keeping every per-token list aligned.
+
+        Model tokens (trainable) carry the engine's log-probs and loss-mask 1; tool tokens (trainable=False)
+        get loss-mask 0 and log-prob 0.0, so `tokens`, `loss_mask` and `rollout_log_probs` keep one entry per
+        response token. With `update_terminal_info`, `meta_info` also updates the status and weight versions.
+        """
+        tokens = [int(t) for t in (tokens or [])]
+        log_probs = None if log_probs is None else [float(p) for p in log_probs]
+        if trainable and tokens and log_probs is None:
+            raise ValueError("trainable (model) tokens need the engine's log-probs")
+        if not trainable:
+            if log_probs is not None:
+                raise ValueError("non-trainable (tool) tokens take no log-probs; they are masked out of the loss")
+            log_probs = [0.0] * len(tokens)
+        if log_probs is not None and len(log_probs) != len(tokens):
+            raise ValueError(f"{len(log_probs)} log-probs for {len(tokens)} tokens")
+        before = self.response_length
+        if self.rollout_log_probs is None and before and trainable and tokens:
+            raise ValueError("cannot add log-probs to a response whose earlier tokens have none")
+        self.tokens = self.tokens + tokens
+        self.response_length = before + len(tokens)
+        self.loss_mask = (self.loss_mask if self.loss_mask is not None else [1] * before) + [int(trainable)] * len(tokens)
+        if log_probs:
+            self.rollout_log_probs = (self.rollout_log_probs or [0.0] * before) + log_probs
+        if text:
+            self.response += text
+        if meta_info is not None and update_terminal_info:
+            self.update_from_meta_info(args, meta_info)
 
 
 _FINISH_TO_STATUS = {

@@ -15,6 +15,7 @@ are all derived from data every rank holds or from reduced values.
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
 import os
@@ -83,6 +84,7 @@ class MegatronTrainActor:
         with self.watchdog.phase("init/create_groups", deadline_s=first_setup_s + 10):
             self.groups.create(timeout_s=first_setup_s)
         seed_model_parallel(self.args)
+        call_hook(self.args.custom_megatron_init_path, self.args)  # after megatron's groups and RNG exist
         self.hf_config = AutoConfig.from_pretrained(self.args.hf_checkpoint, trust_remote_code=True)
         start = self._build_model()
         self.weight_sync = WeightSync(self.args, self.hf_config, engine_urls)
@@ -103,20 +105,30 @@ class MegatronTrainActor:
             self._load_weights(reference)
             self.snapshots.take("ref")
         if self.args.load and latest_iteration(self.args.load) is not None:
-            return load_checkpoint(self.args.load, self.model, self.optimizer, self.lr_scheduler) + 1
+            return self._resume(self.args.load)
         if not (needs_reference and reference == self.args.hf_checkpoint):
             self._load_weights(self.args.hf_checkpoint)
         return 0
 
+    def _resume(self, path: str) -> int:
+        """--load: weights, optimizer (unless --no-load-optim) and schedule; --finetune: weights only, rollout 0."""
+        from slime.backends.megatron_utils.checkpoint import load_checkpoint
+
+        fresh_optimizer = self.args.no_load_optim or self.args.finetune
+        iteration = load_checkpoint(path, self.model, None if fresh_optimizer else self.optimizer,
+                                    None if self.args.finetune else self.lr_scheduler)
+        return 0 if self.args.finetune else iteration + 1
+
     def _load_weights(self, path: str) -> None:
-        """Model weights from an HF directory or a megatron checkpoint (--ref-load accepts both)."""
+        """Model weights from an HF directory or a megatron checkpoint (--ref-load accepts both;
+        --ref-ckpt-step picks the checkpoint's iteration)."""
         from slime.backends.megatron_utils.checkpoint import load_checkpoint
         from slime_plugins.models.hf_weights import load_hf_weights
 
         if os.path.exists(os.path.join(path, "config.json")):
             load_hf_weights(self.model, path, self.hf_config)
         else:
-            load_checkpoint(path, self.model)
+            load_checkpoint(path, self.model, iteration=self.args.ref_ckpt_step)
 
     # ------------------------------------------------------------- actor_train
     def train(self, rollout_id: int, data: dict[str, Any]) -> dict[str, Any]:
@@ -127,16 +139,55 @@ class MegatronTrainActor:
         with self.watchdog.phase("actor_train/plan"):
             plans = self._fenced_plans(rollout_id, data)
         with self.watchdog.phase("actor_train/log_probs"):
-            self._fill_log_probs(data, plans)
-            compute_advantages_and_returns(self.args, data)
+            self._fill_log_probs(data, self.log_prob_plans)
+            self._advantages(data)
+        with self.watchdog.phase("actor_train/postprocess"):
+            plans = self._postprocess(rollout_id, data, plans)
+            self._save_train_data(rollout_id, data)
         results = [self._train_step(rollout_id, data, plan) for plan in plans]
         metrics = self._exit_fence(rollout_id, results)
+        self._refresh_reference(rollout_id)
         metrics.update(wake)
         metrics["perf/actor_train_s"] = time.perf_counter() - start
         self._log_locally(rollout_id, metrics)
         return metrics
 
-    def _fenced_plans(self, rollout_id: int, data: dict):
+    def _advantages(self, data: dict) -> None:
+        if not self.args.compute_advantages_and_returns:  # --disable-compute-advantages-and-returns
+            return
+        if self.args.custom_advantage_function_path:  # fn(args, rollout_data) fills advantages, returns
+            call_hook(self.args.custom_advantage_function_path, self.args, data)
+        else:
+            compute_advantages_and_returns(self.args, data)
+
+    def _save_train_data(self, rollout_id: int, data: dict) -> None:
+        """--save-debug-train-data: the whole train batch (every rank holds it), written by rank 0."""
+        path = self.args.save_debug_train_data
+        if path and self.rank == 0:
+            path = path.format(rollout_id=rollout_id, rank=self.rank)
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            torch.save({"rollout_id": rollout_id, "data": data}, path)
+
+    def _refresh_reference(self, rollout_id: int) -> None:
+        """--ref-update-interval N: the reference model becomes the actor after every N rollouts."""
+        interval = self.args.ref_update_interval
+        if interval and "ref" in self.snapshots and (rollout_id + 1) % interval == 0:
+            self.snapshots.take("ref")
+
+    def _postprocess(self, rollout_id: int, data: dict, plans):
+        """--rollout-data-postprocess-path `fn(args, rollout_id, rollout_data)` on every rank (it must be
+        deterministic: every rank holds the same data). Changed loss masks change the loss-token totals,
+        so the plans are rebuilt and fenced again."""
+        path = self.args.rollout_data_postprocess_path
+        if not path:
+            return plans
+        before = [int(sum(m)) for m in data["loss_masks"]]
+        call_hook(path, self.args, rollout_id, data)
+        if [int(sum(m)) for m in data["loss_masks"]] == before:
+            return plans
+        return self._fenced_plans(rollout_id, data, fence_name="actor_train/plan_postprocess")
+
+    def _fenced_plans(self, rollout_id: int, data: dict, fence_name: str = "actor_train/plan"):
         """This DP rank's plans, after every rank showed it derived the same plans for ALL DP ranks.
 
         Plans are a pure function of the rollout every rank holds, so each rank can build every
@@ -145,6 +196,9 @@ class MegatronTrainActor:
         """
         dp_size = parallel_state.get_data_parallel_world_size()
         every_dp = [plans_from_rollout(data, self.args, dp_size=dp_size, dp_rank=r) for r in range(dp_size)]
+        log_prob_args = log_prob_plan_args(self.args)
+        log_prob_plans = every_dp if log_prob_args is self.args else [
+            plans_from_rollout(data, log_prob_args, dp_size=dp_size, dp_rank=r) for r in range(dp_size)]
         cfg = LossConfig.from_args(self.args)
         fields = {
             "rollout_id": rollout_id,
@@ -155,12 +209,14 @@ class MegatronTrainActor:
             "micro_batches_per_step": [[p.num_micro_batches for p in plans] for plans in every_dp],
             "micro_batch_tokens": [[list(p.token_counts) for p in plans] for plans in every_dp],
             "loss_token_totals": [p.step_loss_token_total for p in every_dp[0]],
+            "log_prob_plan_digests": [[p.global_digest for p in plans] for plans in log_prob_plans],
             "metric_keys": sorted(metric_keys(cfg)),
             "optional_collectives": sorted(name for name, on in (
                 ("kl_loss", cfg.use_kl_loss), ("ref_log_probs", "ref" in self.snapshots),
                 ("old_log_probs", trainer_computes_old_log_probs(self.args))) if on),
         }
-        self.groups.fence("actor_train/plan", apply_plan_fault(fields, self.rank, rollout_id))
+        self.groups.fence(fence_name, apply_plan_fault(fields, self.rank, rollout_id))
+        self.log_prob_plans = log_prob_plans[parallel_state.get_data_parallel_rank()]
         return every_dp[parallel_state.get_data_parallel_rank()]
 
     def _fill_log_probs(self, data: dict, plans) -> None:
@@ -168,17 +224,22 @@ class MegatronTrainActor:
         if getattr(self.args, "use_rollout_logprobs", False) and data.get("rollout_log_probs") is None:
             raise ValueError("--use-rollout-logprobs: the rollout carries no engine log-probs (every sample needs "
                              "rollout_log_probs)")
+        before = self.args.custom_megatron_before_log_prob_hook_path  # fn(args, model, store_prefix)
         with torch.no_grad():
             if trainer_computes_old_log_probs(self.args):  # else the engines' log-probs are the old policy
+                call_hook(before, self.args, self.model, "")
                 data["log_probs"] = compute_log_probs(self.model, data, plans, self.args, collective_hook=hook)
             if "ref" in self.snapshots:
                 with self.snapshots.swapped("ref"):
+                    call_hook(before, self.args, self.model, "ref_")
                     data["ref_log_probs"] = compute_log_probs(self.model, data, plans, self.args, collective_hook=hook)
         if self.args.advantage_estimator in WHOLE_ROLLOUT_ESTIMATORS:
             with self.watchdog.phase("actor_train/log_probs_share"):
                 share_across_dp(data, ("log_probs", "ref_log_probs"))
 
     def _train_step(self, rollout_id: int, data: dict, plan) -> StepResult:
+        call_hook(self.args.custom_megatron_before_train_step_hook_path, self.args, rollout_id, plan.step_index,
+                  self.model, self.optimizer, self.lr_scheduler)
         return train_one_step(self.model, self.optimizer, self.lr_scheduler, data, plan, self.args,
                               collective_hook=lambda phase: self._step_phase(phase, rollout_id))
 
@@ -261,10 +322,31 @@ class MegatronTrainActor:
         return {**metrics, **{f"weight_sync/{k.split('/')[-1]}": v for k, v in wake.items()}}
 
     def save(self, rollout_id: int) -> None:
-        from slime.backends.megatron_utils.checkpoint import save_checkpoint
+        """--save (without the optimizer state under --no-save-optim), and --save-hf as HF safetensors."""
+        from slime.backends.megatron_utils.checkpoint import save_checkpoint, save_hf_checkpoint
 
         with self.watchdog.phase("save", deadline_s=max(self.timeout_s, 1800.0)):
-            save_checkpoint(self.args.save, rollout_id, self.model, self.optimizer, self.lr_scheduler)
+            optimizer = None if self.args.no_save_optim else self.optimizer
+            save_checkpoint(self.args.save, rollout_id, self.model, optimizer, self.lr_scheduler)
+            if self.args.save_hf:
+                save_hf_checkpoint(self.args.save_hf.format(rollout_id=rollout_id), self.model, self.hf_config,
+                                   self.args.hf_checkpoint)
+
+
+def log_prob_plan_args(args):
+    """args whose token budget is --log-probs-max-tokens-per-gpu (args itself when that is the training budget)."""
+    budget = getattr(args, "log_probs_max_tokens_per_gpu", None)
+    if not args.use_dynamic_batch_size or budget in (None, args.max_tokens_per_gpu):
+        return args
+    return argparse.Namespace(**{**vars(args), "max_tokens_per_gpu": budget})
+
+
+def call_hook(path: str | None, *args):
+    """Call the user function at `path` (a --custom-* flag) when it is set."""
+    if path:
+        from slime.utils.misc import load_function
+
+        load_function(path)(*args)
 
 
 # Estimators whose advantages use statistics of the whole rollout (KL shaping, whitening): each rank

@@ -8,7 +8,10 @@ layout on load is dist_checkpointing's job.
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import shutil
 from typing import Any, Optional
 
 import torch
@@ -17,9 +20,16 @@ import torch.distributed as dist
 import patches
 from slime_plugins.models.hf_weights import export_hf_weights, load_hf_weights
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_iteration", "load_hf_weights", "export_hf_weights"]
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_iteration", "load_hf_weights", "export_hf_weights",
+           "save_hf_checkpoint"]
+
+logger = logging.getLogger(__name__)
 
 _TRACKER = "latest_checkpointed_iteration.txt"
+_CONTENTS = "slime_contents.json"  # what an iteration directory holds (a --no-save-optim one has no optimizer)
+# HF files copied next to --save-hf weights so the directory loads with transformers / SGLang
+_HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                  "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja", "added_tokens.json")
 # Distributed-optimizer state format: Megatron-LM's default. The model itself reloads under any
 # layout; optimizer state needs the same TP/PP (DP may change).
 _SHARDING_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
@@ -72,6 +82,8 @@ def save_checkpoint(root: str, iteration: int, model_chunks: list, optimizer=Non
     dist_checkpointing.save(state, path)
     dist.barrier()
     if dist.get_rank() == 0:
+        with open(os.path.join(path, _CONTENTS), "w") as f:
+            json.dump({"optimizer": optimizer is not None}, f)
         with open(os.path.join(root, _TRACKER), "w") as f:
             f.write(str(iteration))
     dist.barrier()
@@ -96,6 +108,10 @@ def load_checkpoint(root: str, model_chunks: list, optimizer=None, lr_scheduler=
     iteration = latest_iteration(root) if iteration is None else iteration
     if iteration is None:
         raise FileNotFoundError(f"no {_TRACKER} under {root}")
+    if optimizer is not None and not _has_optimizer(_iteration_dir(root, iteration)):
+        logger.warning("%s holds no optimizer state (saved with --no-save-optim): starting a fresh optimizer",
+                       _iteration_dir(root, iteration))
+        optimizer = None
     state = _full_sharded_state_dict(model_chunks, optimizer, lr_scheduler, is_loading=True)
     state["iteration"] = iteration
     loaded = dist_checkpointing.load(state, _iteration_dir(root, iteration))
@@ -110,3 +126,48 @@ def load_checkpoint(root: str, model_chunks: list, optimizer=None, lr_scheduler=
         lr_scheduler.num_steps = 0  # its load_state_dict ADDS the saved step count
         lr_scheduler.load_state_dict(loaded["opt_param_scheduler"])
     return int(loaded.get("iteration", iteration))
+
+
+def _has_optimizer(path: str) -> bool:
+    contents = os.path.join(path, _CONTENTS)
+    if not os.path.exists(contents):
+        return True  # older checkpoints always held it
+    with open(contents) as f:
+        return bool(json.load(f).get("optimizer", True))
+
+
+@torch.no_grad()
+def save_hf_checkpoint(path: str, model_chunks: list, hf_config: Any, hf_source_dir: str | None) -> str:
+    """--save-hf: the model as HF safetensors (one file per pipeline stage, with an index when PP > 1),
+    plus the config and tokenizer files of --hf-checkpoint. Every rank calls (TP gathers inside export);
+    the first TP/DP/CP rank of each PP stage writes."""
+    from megatron.core import parallel_state
+    from safetensors.torch import save_file
+
+    # clone: split tensors (q/k/v, gate/up) are views of one parameter, which safetensors refuses
+    tensors = {name: t.detach().cpu().clone() for name, t in export_hf_weights(model_chunks, hf_config)}
+    pp, stage = parallel_state.get_pipeline_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_rank()
+    writer = (parallel_state.get_tensor_model_parallel_rank() == 0 and parallel_state.get_data_parallel_rank() == 0
+              and parallel_state.get_context_parallel_rank() == 0)
+    shard = "model.safetensors" if pp == 1 else f"model-{stage + 1:05d}-of-{pp:05d}.safetensors"
+    if writer:
+        os.makedirs(path, exist_ok=True)
+        save_file(tensors, os.path.join(path, shard), metadata={"format": "pt"})
+    # the shard names of every stage, for the index (one object all-gather over the world)
+    names: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(names, (shard, sorted(tensors)) if writer else None)
+    if dist.get_rank() == 0:
+        _write_hf_side_files(path, [n for n in names if n is not None], pp, hf_source_dir)
+    dist.barrier()
+    return path
+
+
+def _write_hf_side_files(path: str, shards: list, pp: int, hf_source_dir: str | None) -> None:
+    if pp > 1:
+        weight_map = {name: shard for shard, tensor_names in shards for name in tensor_names}
+        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=1)
+    for name in _HF_SIDE_FILES:
+        source = os.path.join(hf_source_dir or "", name)
+        if hf_source_dir and os.path.exists(source):
+            shutil.copyfile(source, os.path.join(path, name))

@@ -147,12 +147,15 @@ def build_rollout_plans(
 
 
 def _split_steps(num_samples: int, num_steps: int, global_batch_size: int | None) -> list[list[int]]:
+    """Contiguous steps of global_batch_size samples; a rollout of another size (a generate function that
+    returned several samples per prompt) is cut into num_steps steps whose sizes differ by at most one."""
     step_size = global_batch_size or num_samples // num_steps
-    if step_size * num_steps != num_samples:
-        raise ValueError(
-            f"rollout has {num_samples} samples but num_steps={num_steps} x global_batch_size={step_size}"
-        )
-    return [list(range(s * step_size, (s + 1) * step_size)) for s in range(num_steps)]
+    if step_size * num_steps == num_samples:
+        return [list(range(s * step_size, (s + 1) * step_size)) for s in range(num_steps)]
+    if global_batch_size is None or num_samples < num_steps:
+        raise ValueError(f"rollout has {num_samples} samples but num_steps={num_steps} x global_batch_size={step_size}")
+    bounds = [round(s * num_samples / num_steps) for s in range(num_steps + 1)]
+    return [list(range(bounds[s], bounds[s + 1])) for s in range(num_steps)]
 
 
 def _partition_dp(ids: list[int], padded: Sequence[int], dp_size: int, balance: bool) -> list[list[int]]:

@@ -20,12 +20,14 @@ shows up as a diff orders of magnitude larger.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from slime.backends.megatron_utils import loss_hooks
 from slime.backends.megatron_utils.data import MicroBatchPlan, PackedMicroBatch
 from slime.utils.ppo_utils import (
     compute_approx_kl,
@@ -59,6 +61,20 @@ class LossConfig:
     """The engines' log-probs are the old policy (--use-rollout-logprobs)."""
     get_mismatch_metrics: bool = False
     """Also report the TIS ratio statistics and ois (--get-mismatch-metrics); the loss is unchanged."""
+    sequence_level_ratio: bool = False
+    """GSPO: one importance ratio per sample (the mean token log-ratio), clipped per sample."""
+    loss_type: str = "policy_loss"
+    custom_loss_function_path: str | None = None
+    custom_tis_function_path: str | None = None
+    """Replaces the vanilla TIS weights when --use-tis is on."""
+    custom_pg_loss_reducer_function_path: str | None = None
+    args: Any = field(default=None, compare=False, repr=False)
+    """The parsed flags, handed to the loss plug-ins."""
+
+    @property
+    def has_plugin_metrics(self) -> bool:
+        """Metric keys chosen by a plug-in: the ranks agree on them before reducing."""
+        return self.loss_type == "custom_loss" or (self.mismatch_terms and self.custom_tis_function_path is not None)
 
     @classmethod
     def from_args(cls, args: Any) -> "LossConfig":
@@ -79,6 +95,12 @@ class LossConfig:
             temperature=float(getattr(args, "rollout_temperature", 1.0) or 1.0),
             use_rollout_logprobs=bool(getattr(args, "use_rollout_logprobs", False)),
             get_mismatch_metrics=bool(getattr(args, "get_mismatch_metrics", False)),
+            sequence_level_ratio=getattr(args, "advantage_estimator", "grpo") == "gspo",
+            loss_type=getattr(args, "loss_type", None) or "policy_loss",
+            custom_loss_function_path=getattr(args, "custom_loss_function_path", None),
+            custom_tis_function_path=getattr(args, "custom_tis_function_path", None),
+            custom_pg_loss_reducer_function_path=getattr(args, "custom_pg_loss_reducer_function_path", None),
+            args=args,
         )
 
     @property
@@ -92,16 +114,20 @@ TOKEN_MEAN_METRICS = (LOGPROB_DIFF_KEY,)
 
 
 def metric_keys(cfg: LossConfig) -> tuple[str, ...]:
-    """The step's metric keys: a function of the flags only, so equal on every rank.
+    """The step's metric keys fixed by the flags (equal on every rank); plug-ins may add their own.
 
     The log-prob diff is always reported; it is NaN when the rollout carries no engine log-probs
     (a custom generate function that returns none), so the key set never depends on data.
     """
+    if cfg.loss_type in ("custom_loss", "sft_loss"):
+        return tuple(sorted(("loss", LOGPROB_DIFF_KEY)))
     keys = ["loss", "pg_loss", "pg_clipfrac", "ppo_kl", "entropy_loss", LOGPROB_DIFF_KEY]
     if cfg.use_kl_loss:
         keys.append("kl_loss")
     if cfg.mismatch_terms:
-        keys += ["tis", "tis_clipfrac", "tis_abs", "ois"]
+        keys.append("ois")
+        if cfg.custom_tis_function_path is None:  # a TIS plug-in reports its own statistics
+            keys += ["tis", "tis_clipfrac", "tis_abs"]
     return tuple(sorted(keys))
 
 
@@ -182,28 +208,38 @@ def rollout_logprob_abs_diff(log_probs: torch.Tensor, packed: PackedMicroBatch) 
 
 def policy_token_terms(log_probs: torch.Tensor, entropy: torch.Tensor, packed: PackedMicroBatch,
                        cfg: LossConfig) -> dict[str, torch.Tensor]:
-    """Per-token loss terms; ``loss`` is what is minimised, the rest are metrics."""
+    """Per-token loss terms; ``loss`` is what is minimised, the rest are metrics.
+
+    ``pg_loss_mask`` (custom TIS/RS only) multiplies the weights of the policy-gradient term.
+    """
     if packed.advantages is None:
         raise ValueError("rollout data has no 'advantages'; compute them before training")
     mask = packed.loss_mask
     old = old_policy_log_probs(log_probs, packed, cfg)
     # Masked positions get log-ratio 0 so exp() cannot overflow on prompt tokens.
     ppo_kl = (old - log_probs) * mask
-    pg_loss, clipfrac = compute_policy_loss(ppo_kl, packed.advantages, cfg.eps_clip, cfg.eps_clip_high,
+    ratio_kl = loss_hooks.sequence_mean_log_ratio(ppo_kl, packed) if cfg.sequence_level_ratio else ppo_kl
+    pg_loss, clipfrac = compute_policy_loss(ratio_kl, packed.advantages, cfg.eps_clip, cfg.eps_clip_high,
                                             cfg.eps_clip_c)
     terms = {"ppo_kl": ppo_kl, "pg_clipfrac": clipfrac, "entropy_loss": entropy,
              LOGPROB_DIFF_KEY: rollout_logprob_abs_diff(log_probs, packed)}
     if cfg.mismatch_terms:
         flag = "--use-tis" if cfg.use_tis else "--get-mismatch-metrics"
         rollout = _rollout_log_probs(packed, flag) * mask
-        # TIS corrects the trainer's old policy towards the engines' (--use-rollout-logprobs is refused with it).
-        train_old = trainer_old_log_probs(log_probs, packed) * mask
-        tis, tis_clipfrac = compute_tis_weights(train_old, rollout, cfg.tis_clip, cfg.tis_clip_low)
-        ratio = torch.exp(train_old - rollout)
-        if cfg.use_tis:
-            pg_loss = pg_loss * tis
-        terms |= {"tis": ratio, "tis_clipfrac": tis_clipfrac, "tis_abs": (ratio - 1).abs(),
-                  "ois": torch.exp(-ppo_kl).detach()}
+        terms["ois"] = torch.exp(-ppo_kl).detach()
+        if cfg.custom_tis_function_path:  # upstream's TIS/RS plug-in replaces the vanilla weights
+            pg_loss, pg_mask, plugin_metrics = loss_hooks.custom_tis(
+                cfg.custom_tis_function_path, cfg.args, pg_loss, trainer_old_log_probs(log_probs, packed), packed,
+                loss_hooks.ResponseView.of(packed))
+            terms |= plugin_metrics | {"pg_loss_mask": pg_mask}
+        else:
+            # TIS corrects the trainer's old policy towards the engines' (--use-rollout-logprobs is refused with it).
+            train_old = trainer_old_log_probs(log_probs, packed) * mask
+            tis, tis_clipfrac = compute_tis_weights(train_old, rollout, cfg.tis_clip, cfg.tis_clip_low)
+            ratio = torch.exp(train_old - rollout)
+            if cfg.use_tis:
+                pg_loss = pg_loss * tis
+            terms |= {"tis": ratio, "tis_clipfrac": tis_clipfrac, "tis_abs": (ratio - 1).abs()}
     loss = pg_loss - cfg.entropy_coef * entropy
     if cfg.use_kl_loss:
         if packed.ref_log_probs is None:
@@ -225,7 +261,35 @@ def micro_batch_loss(logits: torch.Tensor, packed: PackedMicroBatch, plan: Micro
     entropy = token_entropy(logits, packed, cfg, tp_group)
     weights = token_weights(packed, plan, cfg)
     per_token = packed.loss_mask / max(1, plan.step_loss_token_total)
+
+    def reduced(key: str, value: torch.Tensor) -> torch.Tensor:
+        return (value.detach() * (per_token if key in TOKEN_MEAN_METRICS else weights)).sum()
+
+    if cfg.loss_type in ("sft_loss", "custom_loss"):
+        diff = {LOGPROB_DIFF_KEY: reduced(LOGPROB_DIFF_KEY, rollout_logprob_abs_diff(log_probs, packed))}
+        if cfg.loss_type == "sft_loss":  # negative log-likelihood of the loss tokens
+            loss = (-log_probs * weights).sum()
+            return loss, diff | {"loss": loss.detach()}
+        loss, plugin_metrics = loss_hooks.custom_loss(cfg.custom_loss_function_path, cfg.args, logits, packed,
+                                                      loss_hooks.ResponseView.of(packed), log_probs, entropy, weights)
+        return loss, plugin_metrics | diff | {"loss": loss.detach()}
     terms = policy_token_terms(log_probs, entropy, packed, cfg)
-    metrics = {key: (terms[key].detach() * (per_token if key in TOKEN_MEAN_METRICS else weights)).sum()
-               for key in metric_keys(cfg)}
-    return (terms["loss"] * weights).sum(), metrics
+    pg_mask = terms.pop("pg_loss_mask", None)
+    metrics = {key: reduced(key, value) for key, value in terms.items()}
+    if pg_mask is None and cfg.custom_pg_loss_reducer_function_path is None:
+        return (terms["loss"] * weights).sum(), metrics
+    # a plug-in reshapes the policy-gradient term; the other terms keep the default weights
+    pg_term = _pg_term(terms["pg_loss"], weights if pg_mask is None else weights * pg_mask, packed, pg_mask, cfg)
+    loss = pg_term + ((terms["loss"] - terms["pg_loss"]) * weights).sum()
+    return loss, metrics | {"pg_loss": pg_term.detach(), "loss": loss.detach()}
+
+
+def _pg_term(pg_loss: torch.Tensor, pg_weights: torch.Tensor, packed: PackedMicroBatch,
+             pg_mask: torch.Tensor | None, cfg: LossConfig) -> torch.Tensor:
+    """The policy-gradient part of the loss: weighted sum, or --custom-pg-loss-reducer-function-path."""
+    if cfg.custom_pg_loss_reducer_function_path is None:
+        return (pg_loss * pg_weights).sum()
+    masked = packed if pg_mask is None else dataclasses.replace(packed, loss_mask=packed.loss_mask * pg_mask)
+    reduce = loss_hooks.custom_pg_reducer(cfg.custom_pg_loss_reducer_function_path, masked,
+                                          loss_hooks.ResponseView.of(packed), cfg.calculate_per_token_loss)
+    return reduce(pg_loss)

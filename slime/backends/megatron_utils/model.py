@@ -97,18 +97,32 @@ def hf_architecture(hf_config: Any) -> dict[str, Any]:
     )
 
 
+# Megatron flag dest -> key of hf_architecture(); the model is built from the HF config, so a flag
+# the user passed must agree with it (a silent override would build a model the weights cannot fill).
+_ARCH_FLAGS = {
+    "num_layers": "num_layers", "hidden_size": "hidden_size", "ffn_hidden_size": "ffn_hidden_size",
+    "num_attention_heads": "num_attention_heads", "num_query_groups": "num_query_groups",
+    "kv_channels": "kv_channels", "norm_epsilon": "layernorm_epsilon", "qk_layernorm": "qk_layernorm",
+    "add_qkv_bias": "add_qkv_bias", "rotary_base": "rotary_base", "rotary_percent": "rotary_percent",
+}
+
+
 def _check_against_args(arch: dict[str, Any], args: Namespace) -> None:
-    """Megatron flags the user passed must agree with the checkpoint (a silent override would
-    build a model the HF weights cannot fill)."""
-    flag_names = {"layernorm_epsilon": "norm_epsilon"}
-    for key, value in arch.items():
-        given = getattr(args, flag_names.get(key, key), None)
-        if given is None or (isinstance(given, bool) and not given):
+    for dest, key in _ARCH_FLAGS.items():
+        given, value = getattr(args, dest, None), arch.get(key)
+        if given is None or value is None or (isinstance(given, bool) and not given):
             continue  # not given (store_true flags default to False)
         same = abs(given - value) <= 1e-12 if isinstance(value, float) else given == value
         if not same:
-            raise ValueError(f"--{flag_names.get(key, key).replace('_', '-')}={given} contradicts "
-                             f"the HF config ({value})")
+            raise ValueError(f"--{dest.replace('_', '-')}={given} contradicts the HF config ({value})")
+    model_name = getattr(args, "model_name", None)
+    if model_name and model_name.lower() != arch["model_type"]:
+        raise ValueError(f"--model-name {model_name} contradicts the HF config (model_type {arch['model_type']})")
+
+
+def _family(hf_config: Any) -> str:
+    """qwen3 / qwen2 / llama: what --model-name names (MoE variants are refused by hf_architecture)."""
+    return getattr(hf_config, "model_type", "").removesuffix("_moe")
 
 
 def _check_embedding_tying(hf_config: Any, args: Namespace) -> None:
@@ -121,7 +135,8 @@ def transformer_config_from_hf(hf_config: Any, args: Namespace) -> TransformerCo
     """TransformerConfig for a dense Qwen3/Qwen2/Llama HF config, with parallelism and
     training knobs from args. fp32 unless args.bf16 (CPU runs use fp32)."""
     arch = hf_architecture(hf_config)
-    _check_against_args({**arch, "rotary_base": _rope_theta(hf_config)}, args)
+    _check_against_args({**arch, "rotary_base": _rope_theta(hf_config), "model_type": _family(hf_config),
+                         "rotary_percent": float(getattr(hf_config, "partial_rotary_factor", 1.0) or 1.0)}, args)
     _check_embedding_tying(hf_config, args)
     bf16 = bool(getattr(args, "bf16", False))
     params_dtype = torch.bfloat16 if bf16 else torch.float32
@@ -253,18 +268,41 @@ def _mask_padded_vocab(model: GPTModel, vocab_size: int) -> None:
     model.output_layer.register_forward_hook(hook)
 
 
+_PROVIDER_CONTEXT: dict[str, Any] = {}
+
+
+def model_provider_context() -> tuple[Namespace, Any]:
+    """(args, hf_config) of the model being built: what a --custom-model-provider-path function reads
+    (upstream providers call megatron.training.get_args(), which megatron-core does not ship)."""
+    if not _PROVIDER_CONTEXT:
+        raise RuntimeError("model_provider_context() is only available while the model is being built")
+    return _PROVIDER_CONTEXT["args"], _PROVIDER_CONTEXT["hf_config"]
+
+
+def _model_provider(args: Namespace, hf_config: Any):
+    """`provider(pre_process, post_process, vp_stage)`: --custom-model-provider-path, else build_gpt_model."""
+    path = getattr(args, "custom_model_provider_path", None)
+    if path:
+        from slime.utils.misc import load_function
+
+        return load_function(path)
+    return lambda pre_process, post_process, vp_stage=None: build_gpt_model(
+        args, hf_config, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
+
+
 def _build_model_chunks(args: Namespace, hf_config: Any) -> list[GPTModel]:
     vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
     stages = range(vpp) if vpp else [None]
-    chunks = []
-    for vp_stage in stages:
-        chunks.append(build_gpt_model(
-            args, hf_config,
+    provider = _model_provider(args, hf_config)
+    _PROVIDER_CONTEXT.update(args=args, hf_config=hf_config)
+    try:
+        return [provider(
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
             vp_stage=vp_stage,
-        ))
-    return chunks
+        ) for vp_stage in stages]
+    finally:
+        _PROVIDER_CONTEXT.clear()
 
 
 def _wrap_ddp(args: Namespace, chunks: list[GPTModel]) -> list[DistributedDataParallel]:
@@ -329,6 +367,26 @@ def _lr_scheduler(args: Namespace, optimizer) -> OptimizerParamScheduler:
     )
 
 
+def freeze_parameters(chunks: list[GPTModel], only_train: list[str] | None, freeze: list[str] | None) -> int:
+    """--only-train-params-name-list / --freeze-params-name-list: regexes (re.search) on megatron parameter
+    names; frozen parameters get no gradient buffer and no optimizer state. Returns how many were frozen."""
+    import re
+
+    if not only_train and not freeze:
+        return 0
+    frozen = 0
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            matched = any(re.search(p, name) for p in (only_train or freeze))
+            if matched != bool(only_train):  # only-train: freeze the unmatched; freeze: the matched
+                param.requires_grad_(False)
+                frozen += 1
+    if not any(p.requires_grad for chunk in chunks for p in chunk.parameters()):
+        raise ValueError(f"--only-train-params-name-list {only_train} / --freeze-params-name-list {freeze} leave "
+                         "no trainable parameter")
+    return frozen
+
+
 def build_model_and_optimizer(args: Namespace, hf_config: Any):
     """(DDP model chunks, megatron optimizer, LR scheduler) for this rank.
 
@@ -336,6 +394,8 @@ def build_model_and_optimizer(args: Namespace, hf_config: Any):
     the training step calls it once itself (with the per-token denominator when enabled).
     """
     chunks = _build_model_chunks(args, hf_config)
+    freeze_parameters(chunks, getattr(args, "only_train_params_name_list", None),
+                      getattr(args, "freeze_params_name_list", None))
     model = _wrap_ddp(args, chunks)
     optimizer = get_megatron_optimizer(_optimizer_config(args, chunks[0].config), model)
     return model, optimizer, _lr_scheduler(args, optimizer)

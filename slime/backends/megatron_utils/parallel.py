@@ -29,11 +29,11 @@ def init_distributed(
 ) -> None:
     """Join the default process group (every wait bounded by args.fence_timeout seconds).
 
-    backend: "nccl" or "gloo"; default nccl when CUDA is present, else gloo.
+    backend: "nccl" or "gloo"; default --distributed-backend when CUDA is present, else gloo.
     """
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialized")
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    backend = backend or (getattr(args, "distributed_backend", None) or "nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         # Ray gives each actor its own visible GPU(s); without Ray, ranks share a host's GPUs.
         torch.cuda.set_device(rank % torch.cuda.device_count())

@@ -148,8 +148,10 @@ def run_forward_backward(model_chunks: Sequence[Any], packed: list[PackedMicroBa
 
     def loss_func(batch: PackedMicroBatch, output: torch.Tensor):
         loss, metrics = micro_batch_loss(output, batch, plan, cfg, tp_group)
-        for key in keys:
-            sums[key] += metrics[key].double()  # stays on device: no sync per micro-batch
+        for key, value in metrics.items():  # plug-ins (custom loss / TIS) may add keys
+            if key not in sums:
+                sums[key] = torch.zeros((), dtype=torch.float64, device=_comm_device())
+            sums[key] += value.double()  # stays on device: no sync per micro-batch
         if config.calculate_per_token_loss:
             return loss * scale, batch.loss_mask.sum().int(), metrics
         return loss * scale, metrics
@@ -169,6 +171,24 @@ def reduce_step_metrics(sums: Mapping[str, torch.Tensor], keys: Sequence[str]) -
     dist.all_reduce(vector)
     vector = vector.cpu() / parallel_state.get_tensor_model_parallel_world_size()
     return {k: float(v) for k, v in zip(keys, vector.tolist())}
+
+
+class MetricKeyMismatch(RuntimeError):
+    """Ranks' loss plug-ins reported different metric keys (the metric reduce would not line up)."""
+
+
+def agree_on_metric_keys(keys: Sequence[str]) -> None:
+    """ONE all_gather_object over the world of the metric keys, when a plug-in chose them.
+
+    Runs only with a custom loss / TIS function (a flag, equal on every rank), before the reduce
+    whose vector layout the keys decide; a difference raises on every rank together.
+    """
+    gathered: list[list[str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, list(keys))
+    if any(g != gathered[0] for g in gathered):
+        table = "; ".join(f"rank {r}: {g}" for r, g in enumerate(gathered))
+        raise MetricKeyMismatch(f"loss plug-in metric keys differ across ranks ({table}); return the same keys "
+                                "on every micro-batch, padding ones included")
 
 
 def optimizer_step(optimizer: Any, lr_scheduler: Any, reduced_loss: float) -> tuple[float, bool]:
@@ -202,7 +222,9 @@ def train_one_step(model_chunks: Sequence[Any], optimizer: Any, lr_scheduler: An
     with _phase(collective_hook, "grad_reduce"):
         finalize_model_grads(list(model_chunks), None)
     with _phase(collective_hook, "metrics"):
-        metrics = reduce_step_metrics(sums, keys)
+        if cfg.has_plugin_metrics:
+            agree_on_metric_keys(sorted(sums))
+        metrics = reduce_step_metrics(sums, sorted(sums))
     with _phase(collective_hook, "optimizer"):
         grad_norm, stepped = optimizer_step(optimizer, lr_scheduler, metrics["loss"])
     return StepResult(metrics["loss"], grad_norm, metrics, not stepped, plan.num_micro_batches, total)

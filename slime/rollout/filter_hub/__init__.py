@@ -1,0 +1,1 @@
+"""Group filters for dynamic sampling (`--dynamic-sampling-filter-path`), at upstream's module path."""

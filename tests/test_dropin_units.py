@@ -1,0 +1,109 @@
+"""Small pieces of the flags that used to be accepted without effect: parameter freezing, the log-prob
+token budget, the reference refresh, resume variants, --dump-details, --train-env-vars."""
+from __future__ import annotations
+
+import argparse
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from slime.backends.megatron_utils import actor as actor_module
+from slime.backends.megatron_utils.actor import MegatronTrainActor, WeightSnapshots, log_prob_plan_args
+from slime.utils import sglang_passthrough
+from slime.utils.arguments import parse_args
+
+MINIMAL = ["--rollout-batch-size", "2", "--num-rollout", "1", "--actor-num-gpus-per-node", "1",
+           "--train-backend-device", "cpu"]
+
+
+@pytest.fixture(autouse=True)
+def _no_real_sglang(monkeypatch):
+    monkeypatch.setattr(sglang_passthrough, "server_args_parser", lambda: None)
+
+
+def _chunks():
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.embedding = torch.nn.Linear(2, 2)
+    model.decoder = torch.nn.Linear(2, 2)
+    model.output_layer = torch.nn.Linear(2, 2)
+    return [model]
+
+
+def test_freeze_and_only_train_lists_select_parameters_by_regex():
+    from slime.backends.megatron_utils.model import freeze_parameters
+
+    chunks = _chunks()
+    assert freeze_parameters(chunks, None, ["^embedding", "output_layer.bias"]) == 3
+    assert {n for n, p in chunks[0].named_parameters() if p.requires_grad} == {"decoder.weight", "decoder.bias",
+                                                                               "output_layer.weight"}
+    chunks = _chunks()
+    assert freeze_parameters(chunks, ["decoder"], None) == 4
+    assert {n for n, p in chunks[0].named_parameters() if p.requires_grad} == {"decoder.weight", "decoder.bias"}
+    with pytest.raises(ValueError, match="no trainable parameter"):
+        freeze_parameters(_chunks(), ["nothing_matches"], None)
+
+
+def test_log_prob_passes_get_their_own_token_budget():
+    args = argparse.Namespace(use_dynamic_batch_size=True, max_tokens_per_gpu=100, log_probs_max_tokens_per_gpu=400)
+    assert log_prob_plan_args(args).max_tokens_per_gpu == 400 and args.max_tokens_per_gpu == 100
+    same = argparse.Namespace(use_dynamic_batch_size=True, max_tokens_per_gpu=100, log_probs_max_tokens_per_gpu=100)
+    assert log_prob_plan_args(same) is same
+
+
+def test_reference_model_is_refreshed_every_interval():
+    model = _chunks()
+    actor = SimpleNamespace(args=SimpleNamespace(ref_update_interval=2), snapshots=WeightSnapshots(model))
+    actor.snapshots.take("ref")
+    with torch.no_grad():
+        model[0].decoder.weight.add_(1.0)
+    MegatronTrainActor._refresh_reference(actor, rollout_id=0)  # after rollout 0: not yet
+    assert not torch.equal(actor.snapshots._saved["ref"]["0.decoder.weight"], model[0].decoder.weight)
+    MegatronTrainActor._refresh_reference(actor, rollout_id=1)  # after 2 rollouts: the actor becomes the reference
+    assert torch.equal(actor.snapshots._saved["ref"]["0.decoder.weight"], model[0].decoder.weight)
+
+
+@pytest.mark.parametrize("flags, optimizer_loaded, scheduler_loaded, start", [
+    ({}, True, True, 8), ({"no_load_optim": True}, False, True, 8), ({"finetune": True}, False, False, 0)])
+def test_resume_variants(monkeypatch, flags, optimizer_loaded, scheduler_loaded, start):
+    calls = []
+    monkeypatch.setattr("slime.backends.megatron_utils.checkpoint.load_checkpoint",
+                        lambda path, model, optimizer=None, scheduler=None: calls.append((optimizer, scheduler)) or 7)
+    args = SimpleNamespace(**{"no_load_optim": False, "finetune": False, **flags})
+    actor = SimpleNamespace(args=args, model="m", optimizer="opt", lr_scheduler="sched")
+    assert MegatronTrainActor._resume(actor, "/ckpt") == start
+    assert calls == [("opt" if optimizer_loaded else None, "sched" if scheduler_loaded else None)]
+
+
+def test_dump_details_sets_both_debug_dumps():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        args = parse_args(MINIMAL + ["--dump-details", "/tmp/d"])
+    assert args.save_debug_rollout_data == "/tmp/d/rollout_data/{rollout_id}.pt"
+    assert args.save_debug_train_data == "/tmp/d/train_data/{rollout_id}.pt"
+    assert args.derived_values["save_debug_train_data"] == "--dump-details /tmp/d"
+
+
+def test_train_env_vars_reach_the_rank_process(monkeypatch):
+    from slime.ray import train_actor
+
+    seen = {}
+
+    class FakeMegatronActor:  # stands in for the megatron actor: only the environment is checked
+        def __init__(self, *a):
+            pass
+
+        def init(self, *a):
+            import os
+
+            seen["value"] = os.environ.get("SLIME_TEST_ENV_VAR")
+            return 0
+
+    monkeypatch.setattr(actor_module, "MegatronTrainActor", FakeMegatronActor)
+    monkeypatch.delenv("SLIME_TEST_ENV_VAR", raising=False)
+    rank = train_actor.TrainRayActor(SimpleNamespace(train_env_vars={"SLIME_TEST_ENV_VAR": 3}), 0, 1, "/tmp")
+    rank.init("127.0.0.1", 1, [])
+    assert seen["value"] == "3"
+    monkeypatch.delenv("SLIME_TEST_ENV_VAR", raising=False)
