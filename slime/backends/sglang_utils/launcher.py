@@ -121,9 +121,10 @@ def build_embedded_command(args: Any, engine_rank: int, host: str, port: int, mo
                            base_gpu_id: int | None = None) -> list[str]:
     flags = ["--model-path", model_path, "--host", host, "--port", str(port)]
     flags += ["--seed", str(int(getattr(args, "seed", 1234)) + engine_rank)]
-    if _on_gpus(args):  # the embedded engine on CUDA: its GPU and the trainer's precision
+    flags += ["--dtype", "bfloat16" if getattr(args, "bf16", False) else "float32"]  # the trainer's precision
+    if _on_gpus(args):  # the embedded engine on CUDA: its GPU
         gpu = default_base_gpu_id(args, engine_rank) if base_gpu_id is None else int(base_gpu_id)
-        flags += ["--device", f"cuda:{gpu}", "--dtype", "bfloat16" if getattr(args, "bf16", False) else "float32"]
+        flags += ["--device", f"cuda:{gpu}"]
     threads = getattr(args, "embedded_engine_num_threads", None)
     if threads:
         flags += ["--num-threads", str(threads)]
