@@ -6,6 +6,7 @@ megatron-core calls collectives as `torch.distributed.X(...)` (or `dist.X` after
 distributed_c10d because P2POp and batch_isend_irecv compare ops by identity against that
 module's globals. A few megatron modules bind `dist_all_gather_func` / `dist_reduce_scatter_func`
 at import time; those aliases are re-pointed as well (MEGATRON_ALIAS_MODULES). Nested calls (send -> isend, batch_isend_irecv -> isend) record only the outer op.
+Point-to-point ops also record their peer (global rank), so that a send can be paired with its receive.
 """
 from __future__ import annotations
 
@@ -40,6 +41,8 @@ INSTRUMENTED_OPS = (
     "all_gather_object",
 )
 _ALSO_IN_C10D = ("isend", "irecv")  # identity-checked inside distributed_c10d
+_PEER_PARAMS = {"isend": ("dst", "group_dst"), "send": ("dst", "group_dst"),
+                "irecv": ("src", "group_src"), "recv": ("src", "group_src")}
 
 # megatron modules holding import-time aliases of all_gather_into_tensor / reduce_scatter_tensor
 MEGATRON_ALIAS_MODULES = (
@@ -74,7 +77,7 @@ def _describe(args: tuple, kwargs: dict, group_index: int | None) -> tuple[objec
     if isinstance(first, torch.Tensor):
         return group, tuple(first.shape), str(first.dtype).removeprefix("torch.")
     if isinstance(first, (list, tuple)) and first and isinstance(first[0], dist.P2POp):
-        shapes = tuple((type_name(p.op), tuple(p.tensor.shape)) for p in first)
+        shapes = tuple((type_name(p.op), p.peer, tuple(p.tensor.shape)) for p in first)
         return first[0].group, shapes, str(first[0].tensor.dtype).removeprefix("torch.")
     if isinstance(first, (list, tuple)) and first and isinstance(first[0], torch.Tensor):
         return group, (len(first),) + tuple(first[0].shape), str(first[0].dtype).removeprefix("torch.")
@@ -115,6 +118,41 @@ def _wrap(name: str, original: Callable) -> Callable:
     return recorded
 
 
+def _wrap_p2p(name: str, original: Callable) -> Callable:
+    """Like _wrap, for a single send/recv: the ledger entry also names the peer."""
+    params = list(inspect.signature(original).parameters)
+    peer_param, group_peer_param = _PEER_PARAMS[name]
+    peer_index, group_index = params.index(peer_param), params.index("group")
+
+    def peer_of(args: tuple, kwargs: dict, group: object | None) -> int | None:
+        peer = args[peer_index] if len(args) > peer_index else kwargs.get(peer_param)
+        group_peer = kwargs.get(group_peer_param)
+        if peer is None and group_peer is not None:
+            return dist.get_global_rank(group, group_peer)
+        return peer
+
+    @functools.wraps(original)
+    def recorded(*args, **kwargs):
+        ledger = _active[0]
+        if ledger is None or _depth.value:
+            return original(*args, **kwargs)
+        group, shape, dtype = _describe(args, kwargs, group_index)
+        entry = ledger.begin_p2p(name, group, shape, dtype, peer_of(args, kwargs, group))
+        _depth.value = 1
+        try:
+            result = original(*args, **kwargs)
+        except BaseException as exc:
+            ledger.end(entry, error_text(exc))
+            raise
+        finally:
+            _depth.value = 0
+        ledger.end(entry)
+        return result
+
+    recorded.__slime_original__ = original
+    return recorded
+
+
 def instrument_collectives(ledger: Ledger) -> None:
     """Route all collectives of this process into `ledger` (idempotent; re-targets if called again)."""
     _active[0] = ledger
@@ -123,7 +161,7 @@ def instrument_collectives(ledger: Ledger) -> None:
     for name in INSTRUMENTED_OPS:
         original = getattr(dist, name)
         _originals[name] = original
-        wrapped = _wrap(name, original)
+        wrapped = (_wrap_p2p if name in _PEER_PARAMS else _wrap)(name, original)
         setattr(dist, name, wrapped)
         if name in _ALSO_IN_C10D:
             setattr(c10d, name, wrapped)

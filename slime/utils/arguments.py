@@ -440,6 +440,9 @@ def _add_fencing_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--metrics-jsonl", type=str, default=None, help="append one JSON line of metrics per step here")
     g.add_argument("--ledger-dir", type=str, default=None,
                    help="directory for per-rank collective ledgers and stall reports (default: a temp dir)")
+    g.add_argument("--ledger-record-sequence", action="store_true", default=False,
+                   help="also write every rank's whole sequence of fences and collectives to "
+                        "<ledger-dir>/sequence_rank<N>.jsonl (check: python -m slime.distributed.order_proof DIR)")
 
 
 ARGUMENT_GROUPS: tuple[Callable[[argparse.ArgumentParser], None], ...] = (
@@ -768,6 +771,11 @@ def _check_logprob_mismatch(args: argparse.Namespace) -> None:
                       stacklevel=4)
 
 
+def _check_ledger(args: argparse.Namespace) -> None:
+    if args.ledger_record_sequence and not args.ledger_dir:
+        _fail("--ledger-record-sequence needs --ledger-dir DIR (where the sequence files are kept)")
+
+
 def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
     """Fill derived values and check flag combinations in place; raises ArgumentValidationError with the fix."""
     parser = parser or build_parser()
@@ -783,6 +791,7 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
         _check_context_parallel(args)
     _check_algorithm(args)
     _check_logprob_mismatch(args)
+    _check_ledger(args)
     _resolve_tracking(args)
     _resolve_eval_datasets(args)
     _check_paths(args, parser)
