@@ -104,7 +104,7 @@ def test_point_to_point_ops_are_paired_not_compared():
                                         for i, (op, g, r, s, kw) in enumerate(specs)), ())
 
     assert check_order({0: seq(0, even), 2: seq(2, odd)}).ok
-    batched = RankSequence(2, (_op(1, "batch_isend_irecv", "cp", ring, (("irecv", 0, (1,)), ("isend", 0, (1,)))),), ())
+    batched = RankSequence(2, (_op(1, "batch_isend_irecv", "cp", ring, (("irecv", (1,)), ("isend", (1,))), peer=(0, 0)),), ())
     assert check_order({0: seq(0, even), 2: batched}).ok
     wrong = [("irecv", "cp", ring, (2,), {"peer": 0}), ("isend", "cp", ring, (1,), {"peer": 0})]
     report = check_order({0: seq(0, even), 2: seq(2, wrong)})

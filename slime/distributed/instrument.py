@@ -43,6 +43,7 @@ INSTRUMENTED_OPS = (
 _ALSO_IN_C10D = ("isend", "irecv")  # identity-checked inside distributed_c10d
 _PEER_PARAMS = {"isend": ("dst", "group_dst"), "send": ("dst", "group_dst"),
                 "irecv": ("src", "group_src"), "recv": ("src", "group_src")}
+_P2P_OPS = (*_PEER_PARAMS, "batch_isend_irecv")
 
 # megatron modules holding import-time aliases of all_gather_into_tensor / reduce_scatter_tensor
 MEGATRON_ALIAS_MODULES = (
@@ -77,7 +78,7 @@ def _describe(args: tuple, kwargs: dict, group_index: int | None) -> tuple[objec
     if isinstance(first, torch.Tensor):
         return group, tuple(first.shape), str(first.dtype).removeprefix("torch.")
     if isinstance(first, (list, tuple)) and first and isinstance(first[0], dist.P2POp):
-        shapes = tuple((type_name(p.op), p.peer, tuple(p.tensor.shape)) for p in first)
+        shapes = tuple((type_name(p.op), tuple(p.tensor.shape)) for p in first)
         return first[0].group, shapes, str(first[0].tensor.dtype).removeprefix("torch.")
     if isinstance(first, (list, tuple)) and first and isinstance(first[0], torch.Tensor):
         return group, (len(first),) + tuple(first[0].shape), str(first[0].dtype).removeprefix("torch.")
@@ -118,11 +119,12 @@ def _wrap(name: str, original: Callable) -> Callable:
     return recorded
 
 
-def _wrap_p2p(name: str, original: Callable) -> Callable:
-    """Like _wrap, for a single send/recv: the ledger entry also names the peer."""
-    params = list(inspect.signature(original).parameters)
+def _peer_getter(name: str, params: list[str]) -> Callable:
+    """(args, kwargs, group) -> the global peer rank of a send/recv, or the peers of a batch in order."""
+    if name == "batch_isend_irecv":
+        return lambda args, kwargs, group: tuple(p.peer for p in (args[0] if args else kwargs["p2p_op_list"]))
     peer_param, group_peer_param = _PEER_PARAMS[name]
-    peer_index, group_index = params.index(peer_param), params.index("group")
+    peer_index = params.index(peer_param)
 
     def peer_of(args: tuple, kwargs: dict, group: object | None) -> int | None:
         peer = args[peer_index] if len(args) > peer_index else kwargs.get(peer_param)
@@ -130,6 +132,15 @@ def _wrap_p2p(name: str, original: Callable) -> Callable:
         if peer is None and group_peer is not None:
             return dist.get_global_rank(group, group_peer)
         return peer
+
+    return peer_of
+
+
+def _wrap_p2p(name: str, original: Callable) -> Callable:
+    """Like _wrap, for point-to-point ops: the ledger entry also names the peer(s)."""
+    params = list(inspect.signature(original).parameters)
+    group_index = params.index("group") if "group" in params else None
+    peer_of = _peer_getter(name, params)
 
     @functools.wraps(original)
     def recorded(*args, **kwargs):
@@ -161,7 +172,7 @@ def instrument_collectives(ledger: Ledger) -> None:
     for name in INSTRUMENTED_OPS:
         original = getattr(dist, name)
         _originals[name] = original
-        wrapped = (_wrap_p2p if name in _PEER_PARAMS else _wrap)(name, original)
+        wrapped = (_wrap_p2p if name in _P2P_OPS else _wrap)(name, original)
         setattr(dist, name, wrapped)
         if name in _ALSO_IN_C10D:
             setattr(c10d, name, wrapped)

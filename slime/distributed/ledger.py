@@ -53,8 +53,8 @@ class LedgerEntry:
     start: float
     end: float | None = None
     error: str | None = None
-    peer: int | None = None
-    """Global rank at the other end of a single send/recv (None: a collective, or any source)."""
+    peer: int | tuple | None = None
+    """Global rank at the other end of a send/recv, a batch's peers in order (None: a collective, any source)."""
 
     @classmethod
     def from_record(cls, rec: list) -> "LedgerEntry":
@@ -164,8 +164,8 @@ class Ledger:
         """begin() for a channel that is not a process group (fences, HTTP engines)."""
         return self.begin(op, None, shape, dtype, identity=(name, ranks, format_label(name, ranks)))
 
-    def begin_p2p(self, op: str, group: object | None, shape: tuple, dtype: object, peer: int | None) -> list:
-        """begin() for a single send/recv: also records the peer, so that sends and receives can be paired."""
+    def begin_p2p(self, op: str, group: object | None, shape: tuple, dtype: object, peer: int | tuple | None) -> list:
+        """begin() for point-to-point ops: also records the peer(s), so that sends and receives can be paired."""
         entry = self.begin(op, group, shape, dtype)
         entry[_PEER] = peer
         return entry
@@ -336,7 +336,7 @@ class _SequenceWriter:
         shape = rec[_SHAPE]
         shape = (f"[{','.join(map(str, shape))}]" if all(type(d) is int for d in shape)
                  else _dumps(_plain_shape(shape)))
-        peer = "" if rec[_PEER] is None else f',"peer":{rec[_PEER]}'
+        peer = "" if rec[_PEER] is None else f',"peer":{_dumps(rec[_PEER])}'
         return (f'{{"seq":{rec[_SEQ]},"pos":{position},"phase":{phase},"op":{op},{group},'
                 f'"shape":{shape},"dtype":{dtype}{peer}}}')
 
@@ -346,5 +346,5 @@ def _dumps(value: object) -> str:
 
 
 def _plain_shape(shape) -> list:
-    """Nested tuples (batched p2p: (op, peer, shape) per transfer) as JSON lists."""
+    """Nested tuples (batched p2p: (op, shape) per transfer) as JSON lists."""
     return [_plain_shape(d) if isinstance(d, (tuple, list)) else d for d in shape]

@@ -48,7 +48,8 @@ class SequenceOp:
     ranks: tuple[int, ...]
     shape: tuple
     dtype: str
-    peer: int | None = None
+    peer: int | tuple | None = None
+    """The peer of a send/recv; a batch's peers, one per transfer."""
 
     @property
     def label(self) -> str:
@@ -95,7 +96,7 @@ def read_sequence(path: str, rank: int) -> RankSequence:
                 ops.append(SequenceOp(seq=record["seq"], position=record["pos"], phase=record["phase"],
                                       op=record["op"], group=record["group"], ranks=tuple(record["ranks"]),
                                       shape=_deep_tuple(record["shape"]), dtype=record["dtype"],
-                                      peer=record.get("peer")))
+                                      peer=_deep_tuple(record.get("peer"))))
             elif "note" in record:
                 notes.append(SequenceNote(record["note"], record["after"], record["phase"], record["fields"]))
     return RankSequence(rank, tuple(ops), tuple(notes))
@@ -246,7 +247,8 @@ def _transfers(op: SequenceOp) -> list[tuple[str, int | None, tuple]]:
     if op.op in _P2P_RECV:
         return [("recv", op.peer, op.shape)]
     if op.op == "batch_isend_irecv":
-        return [("send" if name in _P2P_SEND else "recv", peer, tuple(shape)) for name, peer, shape in op.shape]
+        return [("send" if name in _P2P_SEND else "recv", peer, tuple(shape))
+                for (name, shape), peer in zip(op.shape, op.peer or (None,) * len(op.shape))]
     return []
 
 

@@ -58,7 +58,7 @@ def op_text(op: SequenceOp) -> str:
         return op.op
     if op.op == "batch_isend_irecv":
         parts = ", ".join(f"{name} {_dims(shape)} {'->' if name.endswith('send') else '<-'}{peer}"
-                          for name, peer, shape in op.shape)
+                          for (name, shape), peer in zip(op.shape, op.peer or (None,) * len(op.shape)))
         return f"batch_isend_irecv({parts}) {op.dtype}"
     text = " ".join(t for t in (op.op, _dims(op.shape), op.dtype) if t)
     if op.peer is not None:
