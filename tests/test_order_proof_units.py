@@ -104,7 +104,8 @@ def test_point_to_point_ops_are_paired_not_compared():
                                         for i, (op, g, r, s, kw) in enumerate(specs)), ())
 
     assert check_order({0: seq(0, even), 2: seq(2, odd)}).ok
-    batched = RankSequence(2, (_op(1, "batch_isend_irecv", "cp", ring, (("irecv", (1,)), ("isend", (1,))), peer=(0, 0)),), ())
+    batch = _op(1, "batch_isend_irecv", "cp", ring, (("irecv", (1,)), ("isend", (1,))), peer=(0, 0))
+    batched = RankSequence(2, (batch,), ())
     assert check_order({0: seq(0, even), 2: batched}).ok
     wrong = [("irecv", "cp", ring, (2,), {"peer": 0}), ("isend", "cp", ring, (1,), {"peer": 0})]
     report = check_order({0: seq(0, even), 2: seq(2, wrong)})

@@ -187,7 +187,8 @@ def _compare_collectives(label: str, per_rank: dict[int, list[SequenceOp]], comp
         top = max(lengths.values())
         short = tuple(r for r, n in lengths.items() if n < top)
         counts = ", ".join(f"rank {r} {n}" for r, n in lengths.items())
-        return [OrderMismatch(label, min(lengths.values()) + 1, short, f"members recorded different numbers of collectives: {counts}")]
+        return [OrderMismatch(label, min(lengths.values()) + 1, short,
+                              f"members recorded different numbers of collectives: {counts}")]
     return []
 
 
@@ -236,7 +237,8 @@ def _compare_transfers(label: str, members: tuple[int, ...], per_rank: dict[int,
         elif complete and len(sent) != len(received):
             found.append(OrderMismatch(label, min(len(sent), len(received)) + 1,
                                        (a,) if len(sent) < len(received) else (b,),
-                                       f"rank {a} sends {len(sent)} transfers to rank {b}, which receives {len(received)}"))
+                                       f"rank {a} sends {len(sent)} transfers to rank {b}, "
+                                       f"which receives {len(received)}"))
     return found
 
 

@@ -66,7 +66,8 @@ def train_flags(out: Path, *, fence_timeout: float = 120) -> list[str]:
     return [
         "--hf-checkpoint", str(out / "tiny-qwen3"), "--prompt-data", str(out / "prompts.jsonl"),
         *SEED_LAYOUT, *RUN, "--fence-timeout", str(fence_timeout),
-        "--metrics-jsonl", str(out / "metrics.jsonl"), "--save-debug-rollout-data", str(out / "rollout_{rollout_id}.pt"),
+        "--metrics-jsonl", str(out / "metrics.jsonl"),
+        "--save-debug-rollout-data", str(out / "rollout_{rollout_id}.pt"),
         "--ledger-dir", str(out / "ledger"), "--ledger-record-sequence",
     ]
 

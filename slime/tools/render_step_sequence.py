@@ -110,8 +110,8 @@ def layout_line(window: tuple[SequenceOp, ...]) -> str:
 def plan_line(sequence: RankSequence, window: tuple[SequenceOp, ...]) -> str:
     """What the plan fence of this rollout claimed: micro-batches per step and their tokens."""
     first, last = window[0].seq, window[-1].seq
-    plan = next((n.fields for n in sequence.notes if n.kind == "fence:actor_train/plan" and first <= n.after_seq <= last),
-                None)
+    plans = (n.fields for n in sequence.notes if n.kind == "fence:actor_train/plan" and first <= n.after_seq <= last)
+    plan = next(plans, None)
     if not plan:
         return ""
     keys = ("num_steps", "micro_batches_per_step", "micro_batch_tokens", "loss_token_totals")
