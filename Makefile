@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup test demo clean
+.PHONY: setup test demo step-sequence clean
 
 setup: $(VENV)/.installed
 
@@ -25,6 +25,10 @@ test: setup
 
 demo: setup
 	bash examples/run_cpu_demo.sh
+
+# Record the seed's layout with every rank's collective sequence and regenerate docs/step_sequence.md.
+step-sequence: setup
+	$(PY) -m slime.tools.record_step_sequence --doc docs/step_sequence.md
 
 clean:
 	rm -rf $(VENV) outputs

@@ -46,6 +46,8 @@ class Fence:
     def __call__(self, phase: str, fields: Mapping[str, object] | None = None, *, timeout_s: float | None = None) -> None:
         fields = dict(fields or {})
         self.seq += 1
+        if self.ledger is not None:  # the recorded sequence keeps what each rank claimed (e.g. its plan)
+            self.ledger.note(f"fence:{phase}", fields)
         payload = {"phase": phase, "seq": self.seq, "digests": {k: stable_hash(v) for k, v in sorted(fields.items())}}
         gathered = self._gather_payloads(phase, payload, timeout_s or self.timeout_s)
         differing = _differing_fields(gathered)

@@ -6,6 +6,7 @@ megatron-core calls collectives as `torch.distributed.X(...)` (or `dist.X` after
 distributed_c10d because P2POp and batch_isend_irecv compare ops by identity against that
 module's globals. A few megatron modules bind `dist_all_gather_func` / `dist_reduce_scatter_func`
 at import time; those aliases are re-pointed as well (MEGATRON_ALIAS_MODULES). Nested calls (send -> isend, batch_isend_irecv -> isend) record only the outer op.
+Point-to-point ops also record their peer (global rank), so that a send can be paired with its receive.
 """
 from __future__ import annotations
 
@@ -40,6 +41,9 @@ INSTRUMENTED_OPS = (
     "all_gather_object",
 )
 _ALSO_IN_C10D = ("isend", "irecv")  # identity-checked inside distributed_c10d
+_PEER_PARAMS = {"isend": ("dst", "group_dst"), "send": ("dst", "group_dst"),
+                "irecv": ("src", "group_src"), "recv": ("src", "group_src")}
+_P2P_OPS = (*_PEER_PARAMS, "batch_isend_irecv")
 
 # megatron modules holding import-time aliases of all_gather_into_tensor / reduce_scatter_tensor
 MEGATRON_ALIAS_MODULES = (
@@ -115,6 +119,51 @@ def _wrap(name: str, original: Callable) -> Callable:
     return recorded
 
 
+def _peer_getter(name: str, params: list[str]) -> Callable:
+    """(args, kwargs, group) -> the global peer rank of a send/recv, or the peers of a batch in order."""
+    if name == "batch_isend_irecv":
+        return lambda args, kwargs, group: tuple(p.peer for p in (args[0] if args else kwargs["p2p_op_list"]))
+    peer_param, group_peer_param = _PEER_PARAMS[name]
+    peer_index = params.index(peer_param)
+
+    def peer_of(args: tuple, kwargs: dict, group: object | None) -> int | None:
+        peer = args[peer_index] if len(args) > peer_index else kwargs.get(peer_param)
+        group_peer = kwargs.get(group_peer_param)
+        if peer is None and group_peer is not None:
+            return dist.get_global_rank(group, group_peer)
+        return peer
+
+    return peer_of
+
+
+def _wrap_p2p(name: str, original: Callable) -> Callable:
+    """Like _wrap, for point-to-point ops: the ledger entry also names the peer(s)."""
+    params = list(inspect.signature(original).parameters)
+    group_index = params.index("group") if "group" in params else None
+    peer_of = _peer_getter(name, params)
+
+    @functools.wraps(original)
+    def recorded(*args, **kwargs):
+        ledger = _active[0]
+        if ledger is None or _depth.value:
+            return original(*args, **kwargs)
+        group, shape, dtype = _describe(args, kwargs, group_index)
+        entry = ledger.begin_p2p(name, group, shape, dtype, peer_of(args, kwargs, group))
+        _depth.value = 1
+        try:
+            result = original(*args, **kwargs)
+        except BaseException as exc:
+            ledger.end(entry, error_text(exc))
+            raise
+        finally:
+            _depth.value = 0
+        ledger.end(entry)
+        return result
+
+    recorded.__slime_original__ = original
+    return recorded
+
+
 def instrument_collectives(ledger: Ledger) -> None:
     """Route all collectives of this process into `ledger` (idempotent; re-targets if called again)."""
     _active[0] = ledger
@@ -123,7 +172,7 @@ def instrument_collectives(ledger: Ledger) -> None:
     for name in INSTRUMENTED_OPS:
         original = getattr(dist, name)
         _originals[name] = original
-        wrapped = _wrap(name, original)
+        wrapped = (_wrap_p2p if name in _P2P_OPS else _wrap)(name, original)
         setattr(dist, name, wrapped)
         if name in _ALSO_IN_C10D:
             setattr(c10d, name, wrapped)

@@ -11,6 +11,12 @@ and an Event per op; ~11 us as written now).
 It takes no lock: collectives are issued by one thread at a time (the main thread, or autograd's
 while the main thread waits in backward), and readers copy the containers in single C calls
 under the GIL, so they see a consistent prefix.
+
+With `record_sequence`, the same flusher also appends every op (and every fence's fields, as a
+note) once to <dir>/sequence_rank<N>.jsonl: the whole sequence of the run, which
+slime.distributed.order_proof compares across the members of each group. The hot path is
+unchanged. The in-memory window is then trimmed by the flusher, after writing, instead of by the
+deque itself, so that no op can leave memory before it is on file.
 """
 from __future__ import annotations
 
@@ -27,10 +33,11 @@ from typing import Iterator
 from slime.distributed.group_names import REGISTERED, GroupIdentity, format_label, group_identity
 
 FENCE_GROUP_NAME = "fence"
+SEQUENCE_FLUSH_INTERVAL_S = 0.1  # recording the sequence: the window stays near max_entries
 
 # One op in memory is a list (built without a Python-level __init__, mutable for end/error):
-# [seq, phase, op, (group name, ranks, label), shape, dtype, start, end, error]; read as LedgerEntry.
-_SEQ, _PHASE, _OP, _GROUP, _SHAPE, _DTYPE, _START, _END, _ERROR = range(9)
+# [seq, phase, op, (group name, ranks, label), shape, dtype, start, end, error, peer]; read as LedgerEntry.
+_SEQ, _PHASE, _OP, _GROUP, _SHAPE, _DTYPE, _START, _END, _ERROR, _PEER = range(10)
 _now = time.time
 
 
@@ -46,13 +53,18 @@ class LedgerEntry:
     start: float
     end: float | None = None
     error: str | None = None
+    peer: int | tuple | None = None
+    """Global rank at the other end of a send/recv, a batch's peers in order (None: a collective, any source)."""
 
     @classmethod
     def from_record(cls, rec: list) -> "LedgerEntry":
         name, ranks, _ = rec[_GROUP]
-        dtype = rec[_DTYPE] if isinstance(rec[_DTYPE], str) else str(rec[_DTYPE]).removeprefix("torch.")
-        return cls(rec[_SEQ], rec[_PHASE], rec[_OP], name, ranks, tuple(rec[_SHAPE]), dtype, rec[_START],
-                   rec[_END], rec[_ERROR])
+        return cls(rec[_SEQ], rec[_PHASE], rec[_OP], name, ranks, tuple(rec[_SHAPE]), _dtype_text(rec[_DTYPE]),
+                   rec[_START], rec[_END], rec[_ERROR], rec[_PEER])
+
+
+def _dtype_text(dtype: object) -> str:
+    return dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
 
 
 def _as_dict(rec: list) -> dict:
@@ -67,6 +79,10 @@ def ledger_path(directory: str, rank: int) -> str:
     return os.path.join(directory, f"rank{rank}.json")
 
 
+def sequence_path(directory: str, rank: int) -> str:
+    return os.path.join(directory, f"sequence_rank{rank}.jsonl")
+
+
 class Ledger:
     """Records (phase, seq, op, group, shape, dtype, start/end) for one rank."""
 
@@ -79,12 +95,16 @@ class Ledger:
         keep_recent: int = 32,
         flush_interval_s: float = 0.5,
         max_entries: int = 50_000,
+        record_sequence: bool = False,
     ):
         self.rank = rank
         self.world_size = world_size
         self.directory = directory
         self._keep_recent = keep_recent
-        self._entries: deque[list] = deque(maxlen=max_entries)
+        self._max_entries = max_entries
+        recording = bool(directory and record_sequence)
+        # recording: unbounded here, trimmed after each write (_append_sequence), so nothing is lost
+        self._entries: deque[list] = deque(maxlen=None if recording else max_entries)
         self._phases: list[str] = []
         self._phase = "idle"  # "/".join(self._phases), kept formatted for the hot path
         self._seq = 0
@@ -95,9 +115,12 @@ class Ledger:
         self._dirty = False
         self._closed = threading.Event()
         self._flusher: threading.Thread | None = None
-        self._flush_interval_s = flush_interval_s
+        self._flush_interval_s = min(flush_interval_s, SEQUENCE_FLUSH_INTERVAL_S) if recording else flush_interval_s
+        self._sequence = _SequenceWriter(sequence_path(directory, rank)) if recording else None
         if directory:
             os.makedirs(directory, exist_ok=True)
+            if self._sequence:
+                self._sequence.start()
             self.flush()
             self._flusher = threading.Thread(target=self._flush_loop, name=f"ledger-flush-{rank}", daemon=True)
             self._flusher.start()
@@ -129,7 +152,7 @@ class Ledger:
             registered = REGISTERED.get(id(group))
             identity = registered[1] if registered is not None else group_identity(group)
         self._seq = seq = self._seq + 1
-        entry = [seq, self._phase, op, identity, shape, dtype, _now(), None, None]
+        entry = [seq, self._phase, op, identity, shape, dtype, _now(), None, None, None]
         counts = self._group_counts
         counts[identity[2]] = counts.get(identity[2], 0) + 1
         self._entries.append(entry)
@@ -140,6 +163,18 @@ class Ledger:
     def begin_named(self, op: str, name: str, ranks: tuple[int, ...], shape: tuple = (), dtype: str = "") -> list:
         """begin() for a channel that is not a process group (fences, HTTP engines)."""
         return self.begin(op, None, shape, dtype, identity=(name, ranks, format_label(name, ranks)))
+
+    def begin_p2p(self, op: str, group: object | None, shape: tuple, dtype: object, peer: int | tuple | None) -> list:
+        """begin() for point-to-point ops: also records the peer(s), so that sends and receives can be paired."""
+        entry = self.begin(op, group, shape, dtype)
+        entry[_PEER] = peer
+        return entry
+
+    def note(self, kind: str, fields: dict) -> None:
+        """Put `fields` (JSON-able) into the recorded sequence after the last op; nothing without record_sequence."""
+        if self._sequence is not None:
+            self._sequence.add_note(self._seq, self._phase, kind, fields)
+            self._dirty = True
 
     def end(self, entry: list, error: str | None = None) -> None:
         entry[_END] = _now()
@@ -197,11 +232,33 @@ class Ledger:
             return
         with self._flush_lock:
             self._dirty = False
+            if self._sequence is not None:
+                self._append_sequence()
             path = ledger_path(self.directory, self.rank)
             tmp = f"{path}.tmp{os.getpid()}"
             with open(tmp, "w") as f:
                 json.dump(self.snapshot(), f)
             os.replace(tmp, path)
+
+    def _append_sequence(self) -> None:
+        """Write the ops begun since the last flush, then trim the window to max_entries written ops."""
+        written = self._sequence.written_seq
+        unwritten = self._seq - written
+        if unwritten <= 0:
+            self._sequence.write([], written)
+            return
+        take = unwritten + 1024  # slack for ops begun between reading _seq and copying
+        while True:  # each copy is one C call; copy more if the step ran past the slack meanwhile
+            newest = list(itertools.islice(reversed(self._entries), take))[::-1]
+            if len(newest) < take or newest[0][_SEQ] <= written + 1:
+                break
+            take *= 2
+        self._sequence.write([rec for rec in newest if rec[_SEQ] > written], newest[-1][_SEQ])
+        entries, written = self._entries, self._sequence.written_seq
+        for _ in range(len(entries) - self._max_entries):  # popleft vs the hot path's append: both atomic
+            if entries[0][_SEQ] > written:
+                break
+            entries.popleft()
 
     def _flush_loop(self) -> None:
         # polls a flag rather than waiting on an Event: setting an Event per op costs the hot path a lock
@@ -212,3 +269,82 @@ class Ledger:
     def close(self) -> None:
         self._closed.set()
         self.flush()
+
+
+class _SequenceWriter:
+    """Appends ops and notes, each once and in sequence order, to one rank's sequence file.
+
+    Lines are JSON objects: {"seq", "pos", "phase", "op", "group", "ranks", "shape", "dtype"[, "peer"]}
+    per collective or fence ("pos": 1-based position on its group), {"note", "after", "phase",
+    "fields"} for fields put in by the program (fences). Runs in the flusher thread (or a caller of
+    flush(), under the flush lock). Each line is formatted from cached JSON fragments: the writer
+    shares the GIL with the step, so its cost per op is the recording's cost.
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+        self.written_seq = 0
+        self._positions: dict[str, int] = {}  # ops written per group label
+        self._notes: list[tuple[int, str]] = []  # (seq of the op they follow, line)
+        self._notes_lock = threading.Lock()
+        self._fragments: dict[object, str] = {}  # phase / op / dtype / group identity -> its JSON text
+
+    def start(self) -> None:
+        open(self.path, "w").close()  # a new run's sequence, not appended to a previous one
+
+    def add_note(self, after_seq: int, phase: str, kind: str, fields: dict) -> None:
+        line = _dumps({"note": kind, "after": after_seq, "phase": phase, "fields": fields})
+        with self._notes_lock:
+            self._notes.append((after_seq, line))
+
+    def write(self, records: list[list], last_seq: int) -> None:
+        lines = []
+        with self._notes_lock:
+            notes, self._notes = self._notes, []
+        pending = iter(notes)
+        note = next(pending, None)
+        for rec in records:
+            while note is not None and note[0] < rec[_SEQ]:
+                lines.append(note[1])
+                note = next(pending, None)
+            lines.append(self._op_line(rec))
+        while note is not None and note[0] <= last_seq:
+            lines.append(note[1])
+            note = next(pending, None)
+        if note is not None:  # follows an op not copied yet: next time
+            with self._notes_lock:
+                self._notes[:0] = [note, *pending]
+        self.written_seq = max(self.written_seq, last_seq)
+        if lines:
+            with open(self.path, "a") as f:
+                f.write("\n".join(lines) + "\n")
+
+    def _fragment(self, key: object, make) -> str:
+        text = self._fragments.get(key)
+        if text is None:
+            self._fragments[key] = text = make()
+        return text
+
+    def _op_line(self, rec: list) -> str:
+        identity = rec[_GROUP]
+        label = identity[2]
+        self._positions[label] = position = self._positions.get(label, 0) + 1
+        phase = self._fragment(("phase", rec[_PHASE]), lambda: _dumps(rec[_PHASE]))
+        op = self._fragment(("op", rec[_OP]), lambda: _dumps(rec[_OP]))
+        group = self._fragment(identity, lambda: f'"group":{_dumps(identity[0])},"ranks":{_dumps(list(identity[1]))}')
+        dtype = self._fragment(("dtype", rec[_DTYPE]), lambda: _dumps(_dtype_text(rec[_DTYPE])))
+        shape = rec[_SHAPE]
+        shape = (f"[{','.join(map(str, shape))}]" if all(type(d) is int for d in shape)
+                 else _dumps(_plain_shape(shape)))
+        peer = "" if rec[_PEER] is None else f',"peer":{_dumps(rec[_PEER])}'
+        return (f'{{"seq":{rec[_SEQ]},"pos":{position},"phase":{phase},"op":{op},{group},'
+                f'"shape":{shape},"dtype":{dtype}{peer}}}')
+
+
+def _dumps(value: object) -> str:
+    return json.dumps(value, separators=(",", ":"), default=repr)
+
+
+def _plain_shape(shape) -> list:
+    """Nested tuples (batched p2p: (op, shape) per transfer) as JSON lists."""
+    return [_plain_shape(d) if isinstance(d, (tuple, list)) else d for d in shape]

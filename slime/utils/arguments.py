@@ -853,6 +853,9 @@ def _add_fencing_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--custom-config-path", type=str, default=None,
                    help="YAML mapping of flag overrides (flag or attribute names; unknown keys become attributes "
                         "for plug-ins); applied over the command line")
+    g.add_argument("--ledger-record-sequence", action="store_true", default=False,
+                   help="also write every rank's whole sequence of fences and collectives to "
+                        "<ledger-dir>/sequence_rank<N>.jsonl (check: python -m slime.distributed.order_proof DIR)")
 
 
 ARGUMENT_GROUPS: tuple[Callable[[argparse.ArgumentParser], None], ...] = (
@@ -1303,6 +1306,11 @@ def _check_weight_sync(args: argparse.Namespace) -> None:
               "get tensors when colocated and a broadcast group otherwise)")
 
 
+def _check_ledger(args: argparse.Namespace) -> None:
+    if args.ledger_record_sequence and not args.ledger_dir:
+        _fail("--ledger-record-sequence needs --ledger-dir DIR (where the sequence files are kept)")
+
+
 def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None,
                   device: str = "cpu") -> argparse.Namespace:
     """Fill derived values and check flag combinations in place; raises ArgumentValidationError with the fix."""
@@ -1323,6 +1331,7 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
     _check_logprob_mismatch(args)
     _check_weight_sync(args)
     _check_plugins(args)
+    _check_ledger(args)
     _resolve_tracking(args)
     _resolve_eval_datasets(args)
     _check_paths(args, parser)

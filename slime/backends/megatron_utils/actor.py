@@ -64,7 +64,7 @@ class MegatronTrainActor:
         self.rank = rank
         self.world_size = world_size
         self.timeout_s = float(args.fence_timeout)
-        self.ledger = Ledger(rank, world_size, ledger_dir)
+        self.ledger = Ledger(rank, world_size, ledger_dir, record_sequence=bool(args.ledger_record_sequence))
         self.watchdog = Watchdog(self.timeout_s, ledger_dir, rank, world_size, ledger=self.ledger)
         self.asleep = False
 
@@ -150,6 +150,7 @@ class MegatronTrainActor:
         metrics.update(wake)
         metrics["perf/actor_train_s"] = time.perf_counter() - start
         self._log_locally(rollout_id, metrics)
+        self.ledger.flush()  # on file before the driver may kill this process
         return metrics
 
     def _advantages(self, data: dict) -> None:
@@ -319,6 +320,7 @@ class MegatronTrainActor:
         if asleep:  # groups go back down only after the sync's closing fence
             with self.watchdog.phase("weight_sync/sleep"):
                 self.groups.sleep()
+        self.ledger.flush()  # on file before the driver may kill this process
         return {**metrics, **{f"weight_sync/{k.split('/')[-1]}": v for k, v in wake.items()}}
 
     def save(self, rollout_id: int) -> None:
