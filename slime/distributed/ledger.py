@@ -93,6 +93,9 @@ class Ledger:
         self._lock = threading.Lock()  # phase changes and snapshots; not the hot path (see module doc)
         self._flush_lock = threading.Lock()  # the flusher thread and the watchdog may both write
         self._dirty = False
+        # wall-clock time of the last progress (an op that completed without error, or a tick):
+        # the watchdog's and the driver's deadlines run from it (slime/distributed/progress.py)
+        self.progress_at = _now()
         self._closed = threading.Event()
         self._flusher: threading.Thread | None = None
         self._flush_interval_s = flush_interval_s
@@ -142,11 +145,18 @@ class Ledger:
         return self.begin(op, None, shape, dtype, identity=(name, ranks, format_label(name, ranks)))
 
     def end(self, entry: list, error: str | None = None) -> None:
-        entry[_END] = _now()
-        if error is not None:
+        entry[_END] = now = _now()
+        if error is None:
+            self.progress_at = now
+        else:
             entry[_ERROR] = error
         if self._in_flight is entry:
             self._in_flight = None
+        self._dirty = True
+
+    def note_progress(self) -> None:
+        """Progress that is not a collective (a micro-batch, a weight bucket, checkpoint bytes written)."""
+        self.progress_at = _now()
         self._dirty = True
 
     @contextlib.contextmanager
@@ -185,6 +195,7 @@ class Ledger:
                 "updated": time.time(),
                 "phase": self.current_phase,
                 "seq": self._seq,
+                "progress": self.progress_at,
                 "in_flight": _as_dict(in_flight) if in_flight else None,
                 "blocked_on": _as_dict(blocked) if blocked else None,
                 "group_counts": dict(self._group_counts),

@@ -1,0 +1,135 @@
+"""The deadline model: progress-based windows on the ranks, the watchdog's race, the derived limits.
+
+Single-process tests: ledgers and watchdogs in one process, peers simulated by a second ledger
+writing its file into the same directory (as another rank would).
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from slime.distributed import HangError, Ledger, Watchdog
+from slime.distributed.progress import ProgressView, latest_file_progress
+from slime.utils.arguments import parse_args
+from slime.utils.deadlines import DeadlineModel, default_group_timeout_minutes
+
+WINDOW_S = 0.5
+
+
+def _busy(seconds: float, tick=None, every_s: float = 0.05) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        time.sleep(every_s)
+        if tick is not None:
+            tick()
+
+
+def test_phase_several_windows_long_passes_while_it_progresses_and_fails_once_it_stalls(tmp_path):
+    ledger = Ledger(0, 1, str(tmp_path))
+    watchdog = Watchdog(WINDOW_S, str(tmp_path), 0, 1, ledger=ledger, grace_s=2.0)
+    start = time.monotonic()
+    with watchdog.phase("actor_train/forward_backward"):
+        _busy(8 * WINDOW_S, ledger.note_progress)  # a micro-batch every 50 ms for 8 windows
+    assert time.monotonic() - start >= 8 * WINDOW_S
+    stalled_at = time.monotonic()
+    with pytest.raises(HangError, match=r"phase=actor_train/forward_backward .*no progress for 0.5s"):
+        with watchdog.phase("actor_train/forward_backward"):
+            _busy(10)
+    assert time.monotonic() - stalled_at < 4 * WINDOW_S + 1.0
+    watchdog.close()
+    ledger.close()
+
+
+def test_a_peer_that_keeps_progressing_keeps_a_waiting_rank_alive(tmp_path):
+    waiting = Ledger(0, 2, str(tmp_path), flush_interval_s=0.05)
+    working = Ledger(1, 2, str(tmp_path), flush_interval_s=0.05)
+    watchdog = Watchdog(1.0, str(tmp_path), 0, 2, ledger=waiting, grace_s=2.0)
+    with watchdog.phase("weight_sync/push"):  # rank 0 only waits (like a replica at the closing fence)
+        _busy(4.0, working.note_progress)
+    stopped = time.monotonic()
+    with pytest.raises(HangError):
+        with watchdog.phase("weight_sync/push"):
+            _busy(10)  # nobody progresses any more
+    assert time.monotonic() - stopped < 4.0
+    watchdog.close()
+    waiting.close()
+    working.close()
+
+
+def test_failed_ops_are_not_progress_and_files_carry_the_progress_time(tmp_path):
+    ledger = Ledger(0, 1, str(tmp_path))
+    before = ledger.progress_at
+    time.sleep(0.01)
+    ledger.end(ledger.begin_named("fence:x", "fence", (0,)), error="TimeoutError: gave up")
+    assert ledger.progress_at == before
+    ledger.end(ledger.begin_named("fence:y", "fence", (0,)))
+    assert ledger.progress_at > before
+    ledger.flush()
+    assert latest_file_progress(str(tmp_path), 1) == ledger.progress_at
+    view = ProgressView(ledger)
+    assert view.last_progress(since=0.0, window_s=10.0) == ledger.progress_at
+    assert view.last_progress(since=ledger.progress_at + 5, window_s=10.0) == ledger.progress_at + 5
+    ledger.close()
+
+
+class _HeldDumpWatchdog(Watchdog):
+    """Holds the trip between the decision and the injection (where the report is written)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.decided = threading.Event()
+        self.release = threading.Event()
+
+    def _dump(self, summary: str) -> None:
+        self.decided.set()
+        self.release.wait(10)
+
+
+def test_a_phase_ending_between_trip_and_injection_leaves_no_stray_hang_error(tmp_path):
+    ledger = Ledger(0, 1, str(tmp_path))
+    watchdog = _HeldDumpWatchdog(WINDOW_S, str(tmp_path), 0, 1, ledger=ledger, grace_s=1.0)
+    with pytest.raises(HangError, match="phase=logging"):  # it was declared hung: the error lands here
+        with watchdog.phase("logging"):
+            assert watchdog.decided.wait(10)
+    watchdog.release.set()
+    _busy(2.0)  # unrelated code: an error injected after the phase ended would land here
+    watchdog.close()
+    ledger.close()
+
+
+def test_an_error_injected_during_a_native_wait_lands_inside_its_phase_without_an_exit(tmp_path):
+    ledger = Ledger(0, 1, str(tmp_path))
+    watchdog = Watchdog(WINDOW_S, str(tmp_path), 0, 1, ledger=ledger, grace_s=5.0)
+    done = threading.Event()
+    with pytest.raises(HangError):
+        with watchdog.phase("weight_sync"):
+            done.wait(3 * WINDOW_S + 1)  # a lock wait: the injected error cannot land inside it
+    _busy(1.0)
+    watchdog.close()
+    ledger.close()
+
+
+def test_group_timeout_is_derived_above_every_rank_window_and_checked_at_parse_time():
+    model = DeadlineModel(no_progress_s=600.0)
+    assert model.first_setup_s == 1210.0
+    assert model.group_timeout >= model.first_setup_s + 30 and model.group_timeout == 60 * 21
+    assert model.driver_window_s > model.no_progress_s
+    assert default_group_timeout_minutes(30.0) == 2
+    minimal = ["--rollout-batch-size", "2", "--num-rollout", "1", "--actor-num-gpus-per-node", "1",
+               "--train-backend-device", "cpu"]
+    assert parse_args(minimal + ["--fence-timeout", "30"]).distributed_timeout_minutes == 2
+    assert parse_args(minimal + ["--fence-timeout", "30", "--distributed-timeout-minutes", "5"]
+                      ).distributed_timeout_minutes == 5
+    with pytest.raises(SystemExit):
+        parse_args(minimal + ["--distributed-timeout-minutes", "10"])  # 600 s is under 2 x 600 + 10
+
+
+def test_parse_error_says_which_flags_to_change(capsys):
+    minimal = ["--rollout-batch-size", "2", "--num-rollout", "1", "--actor-num-gpus-per-node", "1",
+               "--train-backend-device", "cpu"]
+    with pytest.raises(SystemExit):
+        parse_args(minimal + ["--distributed-timeout-minutes", "10"])
+    err = capsys.readouterr().err
+    assert "--distributed-timeout-minutes 21" in err and "lower --fence-timeout to 280" in err, err
