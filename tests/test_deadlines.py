@@ -133,3 +133,69 @@ def test_parse_error_says_which_flags_to_change(capsys):
         parse_args(minimal + ["--distributed-timeout-minutes", "10"])
     err = capsys.readouterr().err
     assert "--distributed-timeout-minutes 21" in err and "lower --fence-timeout to 280" in err, err
+
+
+class _FakeRay:
+    """ray.wait / ray.get for the driver's waiting logic: every rank finishes at `finish_at`."""
+
+    def __init__(self, finish_at: float):
+        self.finish_at = finish_at
+
+    def wait(self, pending, num_returns, timeout):
+        if time.time() >= self.finish_at:
+            return pending[:1], pending[1:]
+        time.sleep(min(timeout, max(0.0, self.finish_at - time.time())))
+        return [], pending
+
+    def get(self, refs):
+        return [f"result of {r}" for r in refs] if isinstance(refs, list) else f"result of {refs}"
+
+
+def _ticking(stop: threading.Event) -> list[float]:
+    latest = [time.time()]
+
+    def tick() -> None:
+        while not stop.wait(0.05):
+            latest[0] = time.time()
+
+    threading.Thread(target=tick, daemon=True).start()
+    return latest
+
+
+def test_driver_waits_as_long_as_ranks_progress_and_fails_one_window_after_they_stop(monkeypatch):
+    from slime.ray import deadline
+
+    monkeypatch.setattr(deadline.ray, "wait", _FakeRay(time.time() + 3.0).wait)
+    monkeypatch.setattr(deadline.ray, "get", _FakeRay(0).get)
+    stop = threading.Event()
+    latest = _ticking(stop)
+    # a phase 5 windows long (many steps, a large save) passes while some rank progresses
+    assert deadline.wait_ranks(["r0", "r1"], phase="actor_train", window_s=0.6, progress=lambda: latest[0],
+                               poll_s=0.1) == ["result of r0", "result of r1"]
+    stop.set()
+    monkeypatch.setattr(deadline.ray, "wait", _FakeRay(time.time() + 60).wait)
+    stopped = time.time()
+    with pytest.raises(deadline.RankDeadlineError, match=r"phase 'save': no rank made progress .* ranks \[0, 1\]") as err:
+        deadline.wait_ranks(["r0", "r1"], phase="save", window_s=0.6, progress=lambda: latest[0],
+                            describe_hang=lambda: "THE TABLE", poll_s=0.1)
+    assert time.time() - stopped < 2.0
+    assert err.value.details == "THE TABLE" and err.value.ranks == (0, 1)
+
+
+def test_a_failed_rank_keeps_its_traceback_and_the_summary_stays_one_line():
+    from slime.ray.deadline import _failure
+    from slime.ray.train_actor import RankError
+
+    class TaskError(Exception):
+        cause = RankError("CollectiveDivergenceError: ranks [3] diverge at fence 'actor_train/plan'\nrank | plan",
+                          'Traceback (most recent call last):\n  File "actor.py", line 1\nCollectiveDivergenceError: ...')
+
+    failure = _failure("actor_train", 0, TaskError(), lambda: "THE TABLE", None)
+    assert str(failure) == ("phase 'actor_train' failed on rank 0: CollectiveDivergenceError: ranks [3] diverge at "
+                            "fence 'actor_train/plan'")
+    assert failure.details.startswith("rank 0 traceback:\nTraceback (most recent call last):")
+    assert failure.details.endswith("THE TABLE")
+    import pickle  # Ray carries the rank's error by pickling it
+
+    carried = pickle.loads(pickle.dumps(TaskError.cause))
+    assert str(carried) == TaskError.cause.message and carried.traceback_text == TaskError.cause.traceback_text
