@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     except (RankWaitError, TimeoutError) as exc:
         # The rank's traceback and one table of every rank, then the one line that matters.
         if getattr(exc, "details", ""):
-            logger.error("%s", exc.details)
+            logger.error("\n%s", exc.details)
         logger.error("training stopped: %s (ledger dir %s)", exc, args.ledger_dir)
         return 1
     return 0

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections import Counter
 from typing import NamedTuple
@@ -263,13 +264,17 @@ def ledger_world_size(ledger_dir: str) -> int:
 
 
 def watchdog_verdicts(ledger_dir: str) -> list[str]:
-    """The HANG lines watchdogs left (first line of each stacks file), one per distinct verdict."""
-    lines = []
+    """The HANG lines watchdogs left (first line of each stacks file), ranks reporting the same verdict
+    merged: "HANG: phase=<p> stuck ranks=[3] (reported by ranks [0, 1, 2])"."""
+    reporters: dict[str, list[int]] = {}
     for name in sorted(os.listdir(ledger_dir)):
-        if name.startswith("stacks_rank") and name.endswith(".txt"):
+        match = re.fullmatch(r"stacks_rank(\d+)\.txt", name)
+        if match:
             with open(os.path.join(ledger_dir, name)) as f:
-                lines.append(f.readline().strip())
-    return list(dict.fromkeys(line for line in lines if line))
+                verdict = f.readline().strip().split(" (rank ", 1)[0]
+            if verdict:
+                reporters.setdefault(verdict, []).append(int(match.group(1)))
+    return [f"{verdict} (reported by ranks {sorted(ranks)})" for verdict, ranks in reporters.items()]
 
 
 def main(argv: list[str] | None = None) -> int:

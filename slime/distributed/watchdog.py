@@ -42,6 +42,7 @@ class _Armed:
     tripped: bool = False  # the watchdog decided this phase is hung (under the lock)
     injected: bool = False  # HangError was sent to the thread (under the lock)
     delivered: bool = False  # it landed (set when the exception is instantiated in the thread)
+    path: str = ""  # the ledger's phase path when the watchdog decided
     summary: str = ""
 
 
@@ -118,6 +119,7 @@ class Watchdog:
                 with self._lock:
                     if armed in self._armed and not armed.tripped:
                         armed.tripped = True
+                        armed.path = self._phase_path(armed)
                         return armed
         return None
 
@@ -128,7 +130,7 @@ class Watchdog:
         if self.ledger:
             self.ledger.flush()
         stuck = list(suspects_from_dir(self.ledger_dir, self.world_size)) or [self.rank]
-        armed.summary = (f"HANG: phase={self._phase_path(armed)} stuck ranks={stuck} (rank {self.rank}, "
+        armed.summary = (f"HANG: phase={armed.path} stuck ranks={stuck} (rank {self.rank}, "
                          f"no progress for {armed.window_s:g}s)")
         self._dump(armed.summary)
         with self._lock:

@@ -9,6 +9,7 @@ rank's traceback and one table of every rank, rendered here from the ledger file
 """
 from __future__ import annotations
 
+import re
 import time
 from typing import Callable, Sequence
 
@@ -53,34 +54,59 @@ def wait_ranks(refs: Sequence[ray.ObjectRef], *, phase: str, window_s: float,
             missing = sorted(index[r] for r in pending)
             raise RankDeadlineError(
                 f"phase '{phase}': no rank made progress for {idle:.0f}s; ranks {missing} did not finish",
-                phase=phase, ranks=missing, details=describe_hang() if describe_hang else "")
+                phase=phase, ranks=missing, details=_table(describe_hang))
         done, pending = ray.wait(pending, num_returns=1, timeout=max(0.1, min(poll_s, window_s - idle)))
         for ref in done:
             try:
                 ray.get(ref)
             except Exception as exc:  # the first failing rank names the problem
-                raise _failure(phase, index[ref], exc, describe_hang, describe_exit) from exc
+                others = _other_failures([r for r in refs if r is not ref], index)
+                raise _failure(phase, index[ref], exc, others, describe_hang, describe_exit) from exc
     return ray.get(list(refs))
 
 
-def _failure(phase: str, rank: int, exc: Exception, describe_hang, describe_exit) -> RankFailedError:
-    table = describe_hang() if describe_hang else ""
+def _table(describe_hang: Callable[[], str] | None) -> str:
+    return f"every rank, from its ledger file:\n{describe_hang()}" if describe_hang else ""
+
+
+def _other_failures(refs: list, index: dict, grace_s: float = 2.0) -> list[str]:
+    """One line per other rank that failed too (ranks that meet at a fence fail together). Getting
+    them also keeps Ray from printing each one as an unhandled error."""
+    done, _ = ray.wait(refs, num_returns=len(refs), timeout=grace_s)
+    alike: dict[str, list[tuple[int, str]]] = {}  # messages that differ only in the reporting rank
+    for ref in done:
+        try:
+            ray.get(ref)
+        except Exception as exc:  # noqa: BLE001 - reported, not raised: the first failure is
+            message = _cause(exc)[0].partition("\n")[0][:200]
+            alike.setdefault(re.sub(r"\brank \d+\b", "rank N", message), []).append((index[ref], message))
+    groups = sorted(sorted(group) for group in alike.values())
+    return [f"ranks {[rank for rank, _ in group]}: {group[0][1]}" for group in groups]
+
+
+def _failure(phase: str, rank: int, exc: Exception, others: list[str], describe_hang, describe_exit
+             ) -> RankFailedError:
+    also = "also failed:\n" + "\n".join(others) if others else ""
     if isinstance(exc, ray.exceptions.RayActorError):  # the rank's process is gone
         verdict = describe_exit() if describe_exit else ""
         return RankFailedError(f"phase '{phase}': rank {rank} exited: {verdict}", phase=phase, ranks=(rank,),
-                               details=table)
-    message, traceback_text = _cause(exc)
+                               details=_join(also, _table(describe_hang)))
+    message, traceback_text, stalled = _cause(exc)
     first, _, rest = message.partition("\n")
-    details = f"rank {rank} traceback:\n{traceback_text.rstrip()}" if traceback_text else rest
+    own = f"rank {rank} traceback:\n{traceback_text.rstrip()}" if traceback_text else rest
     return RankFailedError(f"phase '{phase}' failed on rank {rank}: {first}", phase=phase, ranks=(rank,),
-                           details="\n".join(part for part in (details, table) if part))
+                           details=_join(own, also, _table(describe_hang) if stalled else ""))
 
 
-def _cause(exc: BaseException) -> tuple[str, str]:
-    """(message, rank traceback) of a Ray task error; Ray wraps the rank's exception."""
+def _join(*parts: str) -> str:
+    return "\n".join(part for part in parts if part)
+
+
+def _cause(exc: BaseException) -> tuple[str, str, bool]:
+    """(message, rank traceback, is a stall) of a Ray task error; Ray wraps the rank's exception."""
     cause = getattr(exc, "cause", None) or exc.__cause__
     if cause is None:
-        return str(exc), ""
+        return str(exc), "", True
     if type(cause).__name__ == "RankError":
-        return str(cause), getattr(cause, "traceback_text", "")
-    return f"{type(cause).__name__}: {cause}", ""
+        return str(cause), getattr(cause, "traceback_text", ""), getattr(cause, "stalled", True)
+    return f"{type(cause).__name__}: {cause}", "", True
