@@ -123,7 +123,7 @@ def _progress_while_growing(directory: str, progress: Callable[[], None] | None)
     done = threading.Event()
 
     def watch() -> None:
-        size = -1
+        size = _tree_bytes(directory)
         while not done.wait(_GROWTH_POLL_S):
             now = _tree_bytes(directory)
             if now > size:
@@ -155,8 +155,8 @@ def latest_iteration(root: str) -> Optional[int]:
     with open(tracker) as f:
         text = f.read().strip()
     if not text.isdigit():
-        raise ValueError(f"{tracker} holds {text[:40]!r}, not an iteration number; fix or delete it "
-                         f"(the checkpoints are the {_iteration_dir(root, 0)[:-7]}* directories)")
+        raise ValueError(f"{tracker} holds {text[:40]!r}, not an iteration number; write the number of a "
+                         f"complete iter_* directory under {root} into it, or delete it to start fresh")
     return int(text)
 
 
