@@ -32,6 +32,7 @@ FENCE_GROUP_NAME = "fence"
 # [seq, phase, op, (group name, ranks, label), shape, dtype, start, end, error]; read as LedgerEntry.
 _SEQ, _PHASE, _OP, _GROUP, _SHAPE, _DTYPE, _START, _END, _ERROR = range(9)
 _now = time.time
+_PROGRESS_SCAN = 8  # newest entries searched for the last completed op (one is in flight at most)
 
 
 @dataclass
@@ -93,9 +94,7 @@ class Ledger:
         self._lock = threading.Lock()  # phase changes and snapshots; not the hot path (see module doc)
         self._flush_lock = threading.Lock()  # the flusher thread and the watchdog may both write
         self._dirty = False
-        # wall-clock time of the last progress (an op that completed without error, or a tick):
-        # the watchdog's and the driver's deadlines run from it (slime/distributed/progress.py)
-        self.progress_at = _now()
+        self._tick_at = _now()  # the last note_progress() (or the creation)
         self._closed = threading.Event()
         self._flusher: threading.Thread | None = None
         self._flush_interval_s = flush_interval_s
@@ -145,10 +144,8 @@ class Ledger:
         return self.begin(op, None, shape, dtype, identity=(name, ranks, format_label(name, ranks)))
 
     def end(self, entry: list, error: str | None = None) -> None:
-        entry[_END] = now = _now()
-        if error is None:
-            self.progress_at = now
-        else:
+        entry[_END] = _now()
+        if error is not None:
             entry[_ERROR] = error
         if self._in_flight is entry:
             self._in_flight = None
@@ -156,8 +153,18 @@ class Ledger:
 
     def note_progress(self) -> None:
         """Progress that is not a collective (a micro-batch, a weight bucket, checkpoint bytes written)."""
-        self.progress_at = _now()
+        self._tick_at = _now()
         self._dirty = True
+
+    @property
+    def progress_at(self) -> float:
+        """Wall-clock time of the last progress: the end of the newest op that completed without error,
+        or the last note_progress(); the deadlines run from it (slime/distributed/progress.py). Read
+        from the entries rather than kept by end(), which stays as cheap as it was."""
+        for rec in itertools.islice(reversed(self._entries), _PROGRESS_SCAN):
+            if rec[_END] is not None and rec[_ERROR] is None:
+                return max(self._tick_at, rec[_END])
+        return self._tick_at
 
     @contextlib.contextmanager
     def record(self, op: str, group: object | None, shape: tuple = (), dtype: str = "") -> Iterator[list]:
