@@ -72,6 +72,8 @@ def _table(describe_hang: Callable[[], str] | None) -> str:
 def _other_failures(refs: list, index: dict, grace_s: float = 2.0) -> list[str]:
     """One line per other rank that failed too (ranks that meet at a fence fail together). Getting
     them also keeps Ray from printing each one as an unhandled error."""
+    if not refs:
+        return []
     done, _ = ray.wait(refs, num_returns=len(refs), timeout=grace_s)
     alike: dict[str, list[tuple[int, str]]] = {}  # messages that differ only in the reporting rank
     for ref in done:
