@@ -9,16 +9,16 @@ The loop, in upstream's order (colocated: trainer and engines take turns on ever
             -> trainer sleeps -> engines resume weights -> fenced weight sync from the sleeping trainer
             -> engines resume the rest (KV cache, CUDA graphs) -> eval
 
-Every wait on the ranks has a deadline (`--fence-timeout`); a stall becomes an error that names the
-phase and the ranks.
+Every wait on the ranks has a deadline that follows their progress (`--fence-timeout`:
+slime/utils/deadlines.py); a stall becomes an error that names the phase and the ranks.
 """
 from __future__ import annotations
 
 import logging
 import sys
 
-from slime.ray.actor_group import RayTrainGroup
-from slime.ray.deadline import RankDeadlineError, RankFailedError
+from slime.ray.actor_group import RayTrainGroup, resolve_ledger_dir
+from slime.ray.deadline import RankWaitError
 from slime.ray.placement import create_placement, init_ray
 from slime.ray.rollout_manager import create_rollout_manager
 from slime.utils.arguments import parse_args
@@ -30,6 +30,7 @@ logger = logging.getLogger("slime.train")
 def train(args) -> None:
     if getattr(args, "start_rollout_id", None) is None:  # --start-rollout-id wins over --load's position
         args.start_rollout_id = resume_rollout_id(args)
+    resolve_ledger_dir(args)
     init_ray(args)
     placement = create_placement(args)
     metrics = MetricsLogger(args)
@@ -125,9 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         train(args)
-    except (RankFailedError, RankDeadlineError, TimeoutError) as exc:
-        # The ranks already printed their tables and stacks; end with the one line that matters.
-        logger.error("training stopped: %s", exc)
+    except (RankWaitError, TimeoutError) as exc:
+        # The rank's traceback and one table of every rank, then the one line that matters.
+        if getattr(exc, "details", ""):
+            logger.error("\n%s", exc.details)
+        logger.error("training stopped: %s (ledger dir %s)", exc, args.ledger_dir)
         return 1
     return 0
 

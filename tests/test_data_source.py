@@ -154,7 +154,7 @@ def test_overlong_prompts_are_skipped_and_counted(tokenizer_dir, tmp_path, caplo
 
 def test_all_prompts_too_long_is_an_error(tokenizer_dir, tmp_path):
     path = write_jsonl(tmp_path / "p.jsonl", PROMPTS)
-    with pytest.raises(ValueError, match="no usable prompt"):
+    with pytest.raises(ValueError, match=r"all 5 prompts .* longer than 2 tokens, --rollout-max-prompt-len; raise"):
         RolloutDataSource(make_args(tokenizer_dir, path, rollout_max_prompt_len=2))
 
 

@@ -149,6 +149,11 @@ def test_injected_fault_ends_run_with_named_error(assets, seed_run, kind):
     assert summary, f"{kind}: no 'training stopped' line\n{output[-3000:]}"
     assert re.search(FAULTS[kind], summary[0]), summary[0]
     assert re.search(r"\b3\b", summary[0]), f"{kind}: rank 3 not named: {summary[0]}"
+    # readable: the ledger dir in the last line, the rank's traceback, and one table (after a stall)
+    assert "(ledger dir " in summary[0], summary[0]
+    assert "traceback:\nTraceback" in output or " exited: " in summary[0], output[-3000:]
+    tables = output.count("rank  verdict  phase")
+    assert tables == (0 if kind in ("diverge_plan", "extra_metric_key") else 1), f"{kind}: {tables} tables"
     # From the start of actor_train to the error: within about twice the fence timeout.
     started = _log_time(output, "Timer actor_train start")
     stopped = _log_time(output, "training stopped:")

@@ -1,48 +1,47 @@
 """Process-group lifecycle, fences, plan fingerprints, ledger, watchdog and fault injection.
 
 The rest of the code asks this package for groups and fences; it never calls new_group or bare barriers.
+Names are imported from their modules on first use, so that a module used alone (the hang_report
+command, the driver reading ledger files) does not import megatron.
 """
-from slime.distributed.errors import (
-    CollectiveDivergenceError,
-    DistributedStepError,
-    FenceTimeoutError,
-    HangError,
-    WarmupTimeoutError,
-)
-from slime.distributed.fault_inject import FAULT_KINDS, FaultSpec, fault_active, parse_fault_specs
-from slime.distributed.fence import Fence
-from slime.distributed.fingerprint import PlanFingerprint, plan_fingerprint, stable_hash
-from slime.distributed.groups import ParallelLayout, ProcessGroupLifecycle, WakeReport
-from slime.distributed.hang_report import lagging_ranks, render_hang_report
-from slime.distributed.instrument import instrument_collectives, uninstrument_collectives
-from slime.distributed.ledger import Ledger
-from slime.distributed.warmup import CommunicatorWarmup, WarmupReport
-from slime.distributed.watchdog import HANG_EXIT_CODE, Watchdog
+from __future__ import annotations
 
-__all__ = [
-    "CollectiveDivergenceError",
-    "CommunicatorWarmup",
-    "DistributedStepError",
-    "FAULT_KINDS",
-    "FaultSpec",
-    "Fence",
-    "FenceTimeoutError",
-    "HANG_EXIT_CODE",
-    "HangError",
-    "Ledger",
-    "ParallelLayout",
-    "PlanFingerprint",
-    "ProcessGroupLifecycle",
-    "WakeReport",
-    "WarmupReport",
-    "WarmupTimeoutError",
-    "Watchdog",
-    "fault_active",
-    "instrument_collectives",
-    "lagging_ranks",
-    "parse_fault_specs",
-    "plan_fingerprint",
-    "render_hang_report",
-    "stable_hash",
-    "uninstrument_collectives",
-]
+import importlib
+
+_EXPORTS = {
+    "CollectiveDivergenceError": "errors",
+    "DistributedStepError": "errors",
+    "FenceTimeoutError": "errors",
+    "HangError": "errors",
+    "WarmupTimeoutError": "errors",
+    "FAULT_KINDS": "fault_inject",
+    "FaultSpec": "fault_inject",
+    "fault_active": "fault_inject",
+    "parse_fault_specs": "fault_inject",
+    "Fence": "fence",
+    "PlanFingerprint": "fingerprint",
+    "plan_fingerprint": "fingerprint",
+    "stable_hash": "fingerprint",
+    "ParallelLayout": "groups",
+    "ProcessGroupLifecycle": "groups",
+    "WakeReport": "groups",
+    "lagging_ranks": "hang_report",
+    "render_hang_report": "hang_report",
+    "instrument_collectives": "instrument",
+    "uninstrument_collectives": "instrument",
+    "Ledger": "ledger",
+    "CommunicatorWarmup": "warmup",
+    "WarmupReport": "warmup",
+    "HANG_EXIT_CODE": "watchdog",
+    "Watchdog": "watchdog",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value

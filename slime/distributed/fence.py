@@ -4,10 +4,16 @@ Clean path: one all_gather_into_tensor of a fixed-size payload (phase, sequence 
 digest per field). Only when digests differ does a second gather fetch the full values of the
 differing fields, so that the error can print a table of ranks x fields. Every rank sees the same
 gathered payloads, so every rank takes the same branch and raises the same error together.
+
+A fence waits as long as some rank makes progress (slime/distributed/progress.py) and fails when
+none did for its timeout: ranks that wait at a fence while a peer works (the weight push) wait
+for as long as the work goes on. The gloo group's own timeout (--distributed-timeout-minutes)
+stays the hard limit of one wait.
 """
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter
 from datetime import timedelta
 from typing import Mapping
@@ -17,10 +23,12 @@ import torch.distributed.distributed_c10d as c10d
 
 from slime.distributed.errors import CollectiveDivergenceError, FenceTimeoutError
 from slime.distributed.fingerprint import stable_hash
-from slime.distributed.hang_report import format_table, suspects_from_dir, render_hang_report
+from slime.distributed.hang_report import format_table, suspects_from_dir
 from slime.distributed.ledger import FENCE_GROUP_NAME, Ledger
+from slime.distributed.progress import ProgressView
 
 PAYLOAD_BYTES = 4096
+_WAIT_SLICE_S = 1.0  # how often a waiting fence looks at the progress of its peers
 _VALUE_CHARS = 120  # a table cell
 
 
@@ -41,6 +49,7 @@ class Fence:
         self.world_size = world_size
         self.timeout_s = timeout_s
         self.ledger = ledger
+        self.progress = ProgressView(ledger)
         self.seq = 0
 
     def __call__(self, phase: str, fields: Mapping[str, object] | None = None, *, timeout_s: float | None = None) -> None:
@@ -62,8 +71,8 @@ class Fence:
         error = None
         try:
             work = c10d.all_gather_into_tensor(out, local, group=self.group, async_op=True)
-            work.wait(timeout=timedelta(seconds=timeout_s))
-        except RuntimeError as exc:  # gloo: "timed out" or a peer closed the connection
+            self._wait(work, timeout_s)
+        except (RuntimeError, TimeoutError) as exc:  # gloo: "timed out" or a peer closed the connection
             error = f"{type(exc).__name__}: {exc}"
             raise self._timeout_error(phase, timeout_s, error) from exc
         finally:
@@ -71,18 +80,31 @@ class Fence:
                 self.ledger.end(entry, error)
         return [_decode(chunk) for chunk in out.view(self.world_size, PAYLOAD_BYTES)]
 
+    def _wait(self, work, timeout_s: float) -> None:
+        """Wait in slices until done; raise when no rank made progress for timeout_s."""
+        start = time.time()
+        while True:
+            try:
+                work.wait(timeout=timedelta(seconds=min(_WAIT_SLICE_S, timeout_s)))
+                return
+            except RuntimeError:
+                if work.is_completed():  # the op itself failed (a peer closed, gloo's own timeout)
+                    raise
+            idle = self.progress.idle_s(since=start, window_s=timeout_s)
+            if idle > timeout_s:
+                raise TimeoutError(f"no rank made progress for {idle:.0f}s")
+
     def _ledger_begin(self, phase: str):
         if self.ledger is None:
             return None
         return self.ledger.begin_named(f"fence:{phase}", FENCE_GROUP_NAME, tuple(range(self.world_size)), (PAYLOAD_BYTES,), "uint8")
 
     def _timeout_error(self, phase: str, timeout_s: float, cause: str) -> FenceTimeoutError:
-        directory = self.ledger.directory if self.ledger else None
-        lagging = suspects_from_dir(directory, self.world_size)
-        report = f"\n{render_hang_report(directory, self.world_size)}" if directory else ""
+        # the table of every rank is rendered once, by the driver or `python -m slime.distributed.hang_report`
+        lagging = suspects_from_dir(self.ledger.directory if self.ledger else None, self.world_size)
         message = (
-            f"fence '{phase}' (seq {self.seq}) on rank {self.rank} did not complete within {timeout_s:g}s; "
-            f"lagging ranks={list(lagging)}; cause: {cause[:300]}{report}"
+            f"fence '{phase}' (seq {self.seq}) on rank {self.rank}: no progress for {timeout_s:g}s; "
+            f"lagging ranks={list(lagging)}; cause: {cause[:300]}"
         )
         return FenceTimeoutError(message, phase=phase, lagging_ranks=lagging)
 

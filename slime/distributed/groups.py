@@ -22,6 +22,7 @@ from slime.distributed.fence import Fence
 from slime.distributed.group_names import forget_group, register_group
 from slime.distributed.ledger import FENCE_GROUP_NAME, Ledger
 from slime.distributed.warmup import CommunicatorWarmup, WarmupReport, step_groups
+from slime.utils.deadlines import DeadlineModel
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,15 +36,17 @@ class ParallelLayout:
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: int | None = None
     fence_timeout_s: float = 600.0
-    """Deadline of each fence and of each warm-up op."""
-    group_timeout_s: float = 600.0
-    """Timeout megatron's groups are created with (--distributed-timeout-minutes); keep it above the
-    watchdog deadline so the watchdog, which names phase and ranks, fires first."""
+    """No-progress window of each fence, and deadline of each warm-up op."""
+    group_timeout_s: float = 1260.0
+    """Timeout megatron's groups and the fence group are created with (--distributed-timeout-minutes,
+    derived above every rank window when unset: slime/utils/deadlines.py), so the watchdog, which
+    names phase and ranks, fires first."""
     recreate_process_groups_on_wake: bool = False
     """Destroy model-parallel groups at sleep and re-create them at wake (upstream colocate behaviour)."""
 
     @classmethod
     def from_args(cls, args) -> "ParallelLayout":
+        deadlines = DeadlineModel.from_args(args)
         return cls(
             tensor_model_parallel_size=args.tensor_model_parallel_size,
             pipeline_model_parallel_size=getattr(args, "pipeline_model_parallel_size", 1) or 1,
@@ -51,8 +54,8 @@ class ParallelLayout:
             context_parallel_size=getattr(args, "context_parallel_size", 1) or 1,
             expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1) or 1,
             expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None),
-            fence_timeout_s=float(getattr(args, "fence_timeout", 600.0)),
-            group_timeout_s=60.0 * float(getattr(args, "distributed_timeout_minutes", 10) or 10),
+            fence_timeout_s=deadlines.no_progress_s,
+            group_timeout_s=deadlines.group_timeout,
             recreate_process_groups_on_wake=bool(getattr(args, "recreate_process_groups_on_wake", False)),
         )
 
@@ -139,7 +142,8 @@ class ProcessGroupLifecycle:
 
     # -- internals ---------------------------------------------------------------------------
     def _create_fence_group(self) -> Fence:
-        timeout = timedelta(seconds=self.layout.fence_timeout_s)
+        # gloo's own limit on one wait: above the fence's no-progress window, which may outlast it
+        timeout = timedelta(seconds=self.layout.group_timeout_s)
         group = dist.new_group(list(range(self.world_size)), backend="gloo", timeout=timeout)
         register_group(FENCE_GROUP_NAME, group)
         return Fence(group, rank=self.rank, world_size=self.world_size, timeout_s=self.layout.fence_timeout_s, ledger=self.ledger)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections import Counter
 from typing import NamedTuple
@@ -191,30 +192,48 @@ def format_table(headers: list[str], rows: list[list[object]]) -> str:
     return "\n".join(lines)
 
 
-def _row(rank: int, snap: dict | None, now: float) -> list[object]:
+# The table's columns, explained in the README ("Reading a hang table").
+COLUMNS = ["rank", "verdict", "phase", "op", "group", "waiting", "progress", "seq", "file age"]
+
+
+def _verdict(rank: int, snap: dict | None, suspects: tuple[int, ...]) -> str:
+    """One word per rank: SUSPECT (the ranks to blame), waiting (inside an op, on its peers),
+    working (outside any collective: computing, or between calls), absent (no ledger file)."""
+    if rank in suspects:
+        return "SUSPECT"
     if snap is None:
-        return [rank, "<no ledger file>", "", "", "", "", ""]
+        return "absent"
+    return "waiting" if snap.get("in_flight") or snap.get("blocked_on") else "working"
+
+
+def _age(now: float, then: float | None) -> str:
+    return f"{now - then:.1f}s" if then else "?"
+
+
+def _row(rank: int, snap: dict | None, now: float, suspects: tuple[int, ...]) -> list[object]:
+    verdict = _verdict(rank, snap, suspects)
+    if snap is None:
+        return [rank, verdict, "<no ledger file>", "", "", "", "", "", ""]
     op = snap.get("in_flight") or snap.get("blocked_on")
-    if op:
-        group = _group_key(op)
-        waited = f"{now - op['start']:.1f}s" + (" (gave up)" if op.get("error") else "")
-        return [rank, snap["phase"], op["op"], group, waited, snap["seq"], f"{now - snap['updated']:.1f}s"]
-    return [rank, snap["phase"], "<not in a collective>", "", "", snap["seq"], f"{now - snap['updated']:.1f}s"]
+    what = [op["op"], _group_key(op), _age(now, op["start"]) + (" (gave up)" if op.get("error") else "")] if op \
+        else ["<not in a collective>", "", ""]
+    return [rank, verdict, snap["phase"], *what, _age(now, snap.get("progress")), snap["seq"],
+            _age(now, snap["updated"])]
 
 
 def render_hang_report(ledger_dir: str, world_size: int) -> str:
-    """A table (rank, phase, op, group, waiting since, seq, file age) plus the lagging ranks.
+    """The table (COLUMNS) plus the first op mismatch per group and the ranks behind and blamed.
 
-    Safe to call from the Ray driver after its own ray.get timeout: it only reads files.
+    Safe to call from the Ray driver or another shell while the run is stuck: it only reads files.
     """
     snapshots = read_ledgers(ledger_dir, world_size)
     now = time.time()
-    rows = [_row(rank, snap, now) for rank, snap in sorted(snapshots.items())]
-    table = format_table(["rank", "phase", "op", "group", "waiting", "seq", "file age"], rows)
+    suspects = suspect_ranks(snapshots)
+    rows = [_row(rank, snap, now, suspects) for rank, snap in sorted(snapshots.items())]
     mismatches = "".join(f"\n{_describe(m)}" for m in op_mismatches(snapshots))
     return (
-        f"{table}{mismatches}\nranks behind a peer on some group: {list(lagging_ranks(snapshots))}; "
-        f"most waited-on (suspects): {list(suspect_ranks(snapshots))}"
+        f"{format_table(COLUMNS, rows)}{mismatches}\nranks behind a peer on some group: "
+        f"{list(lagging_ranks(snapshots))}; most waited-on (suspects): {list(suspects)}"
     )
 
 
@@ -229,3 +248,55 @@ def suspects_from_dir(ledger_dir: str | None, world_size: int) -> tuple[int, ...
     if not ledger_dir or not os.path.isdir(ledger_dir):
         return ()
     return suspect_ranks(read_ledgers(ledger_dir, world_size))
+
+
+def ledger_world_size(ledger_dir: str) -> int:
+    """The world size the rank files of a directory were written for (0: no rank file)."""
+    sizes = []
+    for name in os.listdir(ledger_dir):
+        if name.startswith("rank") and name.endswith(".json"):
+            try:
+                with open(os.path.join(ledger_dir, name)) as f:
+                    sizes.append(int(json.load(f)["world_size"]))
+            except (OSError, ValueError, KeyError):
+                continue
+    return max(sizes, default=0)
+
+
+def watchdog_verdicts(ledger_dir: str) -> list[str]:
+    """The HANG lines watchdogs left (first line of each stacks file), ranks reporting the same verdict
+    merged: "HANG: phase=<p> stuck ranks=[3] (reported by ranks [0, 1, 2])"."""
+    reporters: dict[str, list[int]] = {}
+    for name in sorted(os.listdir(ledger_dir)):
+        match = re.fullmatch(r"stacks_rank(\d+)\.txt", name)
+        if match:
+            with open(os.path.join(ledger_dir, name)) as f:
+                verdict = f.readline().strip().split(" (rank ", 1)[0]
+            if verdict:
+                reporters.setdefault(verdict, []).append(int(match.group(1)))
+    return [f"{verdict} (reported by ranks {sorted(ranks)})" for verdict, ranks in reporters.items()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m slime.distributed.hang_report DIR`: the table of a run, live, from another shell."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m slime.distributed.hang_report",
+                                     description="Where is every rank of a (seemingly stuck) run? Reads the "
+                                                 "ledger files under DIR (--ledger-dir; printed at start).")
+    parser.add_argument("ledger_dir", metavar="DIR")
+    parser.add_argument("--world-size", type=int, default=None, help="ranks to show (default: from the files)")
+    args = parser.parse_args(argv)
+    if not os.path.isdir(args.ledger_dir):
+        parser.error(f"{args.ledger_dir} is not a directory; pass the ledger directory the run printed at start")
+    world_size = args.world_size or ledger_world_size(args.ledger_dir)
+    if not world_size:
+        parser.error(f"no rank<N>.json under {args.ledger_dir}: the ranks have not started, or pass --world-size")
+    print(render_hang_report(args.ledger_dir, world_size))
+    for line in watchdog_verdicts(args.ledger_dir):
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

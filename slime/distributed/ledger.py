@@ -39,6 +39,7 @@ SEQUENCE_FLUSH_INTERVAL_S = 0.1  # recording the sequence: the window stays near
 # [seq, phase, op, (group name, ranks, label), shape, dtype, start, end, error, peer]; read as LedgerEntry.
 _SEQ, _PHASE, _OP, _GROUP, _SHAPE, _DTYPE, _START, _END, _ERROR, _PEER = range(10)
 _now = time.time
+_PROGRESS_SCAN = 8  # newest entries searched for the last completed op (one is in flight at most)
 
 
 @dataclass
@@ -113,6 +114,7 @@ class Ledger:
         self._lock = threading.Lock()  # phase changes and snapshots; not the hot path (see module doc)
         self._flush_lock = threading.Lock()  # the flusher thread and the watchdog may both write
         self._dirty = False
+        self._tick_at = _now()  # the last note_progress() (or the creation)
         self._closed = threading.Event()
         self._flusher: threading.Thread | None = None
         self._flush_interval_s = min(flush_interval_s, SEQUENCE_FLUSH_INTERVAL_S) if recording else flush_interval_s
@@ -184,6 +186,21 @@ class Ledger:
             self._in_flight = None
         self._dirty = True
 
+    def note_progress(self) -> None:
+        """Progress that is not a collective (a micro-batch, a weight bucket, checkpoint bytes written)."""
+        self._tick_at = _now()
+        self._dirty = True
+
+    @property
+    def progress_at(self) -> float:
+        """Wall-clock time of the last progress: the end of the newest op that completed without error,
+        or the last note_progress(); the deadlines run from it (slime/distributed/progress.py). Read
+        from the entries rather than kept by end(), which stays as cheap as it was."""
+        for rec in itertools.islice(reversed(self._entries), _PROGRESS_SCAN):
+            if rec[_END] is not None and rec[_ERROR] is None:
+                return max(self._tick_at, rec[_END])
+        return self._tick_at
+
     @contextlib.contextmanager
     def record(self, op: str, group: object | None, shape: tuple = (), dtype: str = "") -> Iterator[list]:
         entry = self.begin(op, group, shape, dtype)
@@ -220,6 +237,7 @@ class Ledger:
                 "updated": time.time(),
                 "phase": self.current_phase,
                 "seq": self._seq,
+                "progress": self.progress_at,
                 "in_flight": _as_dict(in_flight) if in_flight else None,
                 "blocked_on": _as_dict(blocked) if blocked else None,
                 "group_counts": dict(self._group_counts),

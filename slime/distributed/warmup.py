@@ -23,7 +23,7 @@ from slime.distributed.errors import WarmupTimeoutError
 from slime.distributed.fault_inject import maybe_stall
 from slime.distributed.group_names import group_label
 from slime.distributed.ledger import Ledger
-from slime.distributed.hang_report import suspects_from_dir, render_hang_report
+from slime.distributed.hang_report import suspects_from_dir
 
 # (name, getter) in the fixed warm-up order; getters that are not initialised are skipped on every rank alike.
 GROUP_GETTERS: tuple[tuple[str, Callable[[], object]], ...] = (
@@ -143,13 +143,13 @@ class CommunicatorWarmup:
             with recording:
                 _wait_completed(works, group, self.timeout_s)
         except (RuntimeError, TimeoutError) as exc:
-            # files as the peers left them (ours still shows this wait in flight: it is <0.1 s stale)
+            # files as the peers left them (ours still shows this wait in flight: it is <0.1 s stale);
+            # the table of every rank is rendered once, by the driver or the hang_report command
             lagging = suspects_from_dir(self.ledger_dir, self.world_size)
-            report = f"\n{render_hang_report(self.ledger_dir, self.world_size)}" if self.ledger_dir else ""
             phase = self.ledger.current_phase if self.ledger else "warmup"
             raise WarmupTimeoutError(
                 f"communicator warm-up '{label}' in phase {phase} on rank {self.rank} did not complete within "
-                f"{self.timeout_s:g}s; lagging ranks={list(lagging)}; cause: {str(exc)[:300]}{report}",
+                f"{self.timeout_s:g}s; lagging ranks={list(lagging)}; cause: {str(exc)[:300]}",
                 phase=phase,
                 lagging_ranks=lagging,
             ) from exc

@@ -1,10 +1,17 @@
 """Turn a stalled phase into an error that names the phase and the ranks others wait for.
 
-A daemon thread watches deadlines armed by `with watchdog.phase(name):`. On expiry it reads every
-rank's ledger file (a channel independent of the stuck communicators), prints the table and this
-process's stacks, then raises HangError in the thread that armed the phase. If that thread is
-blocked in native code and cannot take the exception within `grace_s`, the process exits with
-code 3 after printing `HANG: phase=<p> stuck ranks=[...]`.
+A daemon thread watches the phases armed by `with watchdog.phase(name, window_s):`. A phase is
+stalled when neither this rank nor any peer (ledger files) made progress for its window
+(slime/distributed/progress.py), however long the phase has run. Then the watchdog writes the
+hang table and this process's stacks to `<ledger dir>/stacks_rank<N>.txt`, prints one line, and
+raises HangError in the thread that armed the phase. If that thread is blocked in native code and
+the error has not landed within `grace_s`, the process exits with code 3 after printing
+`HANG: phase=<p> stuck ranks=[...]`.
+
+No HangError outlives its phase: the decision to trip and the injection are made under the lock
+the phase takes to disarm, a phase that ends after the decision but before the injection raises
+HangError itself at its exit (and is never injected), and one that ends after the injection clears
+any error still pending.
 """
 from __future__ import annotations
 
@@ -19,19 +26,23 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from slime.distributed.errors import HangError
-from slime.distributed.hang_report import suspects_from_dir, render_hang_report
+from slime.distributed.hang_report import render_hang_report, suspects_from_dir
 from slime.distributed.ledger import Ledger
+from slime.distributed.progress import ProgressView
 
 HANG_EXIT_CODE = 3
 
 
-@dataclass(eq=False)  # identity: two phases may share name and deadline
+@dataclass(eq=False)  # identity: two phases may share name and window
 class _Armed:
     name: str
-    deadline_at: float
-    deadline_s: float
+    window_s: float
     thread_id: int
-    tripped: bool = False
+    armed_at: float  # wall clock, the ledger's clock
+    tripped: bool = False  # the watchdog decided this phase is hung (under the lock)
+    injected: bool = False  # HangError was sent to the thread (under the lock)
+    delivered: bool = False  # it landed (set when the exception is instantiated in the thread)
+    path: str = ""  # the ledger's phase path when the watchdog decided
     summary: str = ""
 
 
@@ -54,6 +65,7 @@ class Watchdog:
         self.ledger = ledger
         self.grace_s = grace_s
         self.poll_s = poll_s
+        self._progress = ProgressView(ledger)
         self._armed: list[_Armed] = []
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -61,9 +73,9 @@ class Watchdog:
 
     @contextlib.contextmanager
     def phase(self, name: str, deadline_s: float | None = None) -> Iterator[None]:
-        """Arm a deadline (and a ledger phase of the same name) around a block."""
-        seconds = self.deadline_s if deadline_s is None else deadline_s
-        armed = _Armed(name, time.monotonic() + seconds, seconds, threading.get_ident())
+        """Arm a no-progress window (and a ledger phase of the same name) around a block."""
+        window = self.deadline_s if deadline_s is None else deadline_s
+        armed = _Armed(name, window, threading.get_ident(), time.time())
         self._ensure_thread()
         ledger_phase = self.ledger.phase(name) if self.ledger else contextlib.nullcontext()
         with ledger_phase:
@@ -71,18 +83,20 @@ class Watchdog:
                 self._armed.append(armed)
             try:
                 yield
-            except BaseException:
-                raise
-            else:
-                if armed.tripped:  # finished late: raise here rather than let the async error land elsewhere
-                    _clear_async_error(armed.thread_id)
-                    raise HangError(armed.summary or f"HANG: phase={name} exceeded {seconds:g}s")
             finally:
-                with self._lock:
-                    self._armed.remove(armed)
+                self._disarm(armed)
+            if armed.tripped:  # declared hung, then finished: the error belongs here, nowhere later
+                raise HangError(armed.summary or f"HANG: phase={name} made no progress for {window:g}s")
 
     def close(self) -> None:
         self._closed = True
+
+    def _disarm(self, armed: _Armed) -> None:
+        with self._lock:  # no injection can start once this holds: injecting takes the same lock
+            if armed in self._armed:
+                self._armed.remove(armed)
+            if armed.injected and not armed.delivered:
+                _clear_async_error(armed.thread_id)
 
     def _ensure_thread(self) -> None:
         if self._thread is None:
@@ -92,13 +106,22 @@ class Watchdog:
     def _loop(self) -> None:
         while not self._closed:
             time.sleep(self.poll_s)
-            now = time.monotonic()
-            with self._lock:
-                expired = next((a for a in reversed(self._armed) if not a.tripped and now > a.deadline_at), None)
-                if expired:
-                    expired.tripped = True
-            if expired:
-                self._trip(expired)
+            stalled = self._next_stalled()
+            if stalled is not None:
+                self._trip(stalled)
+
+    def _next_stalled(self) -> _Armed | None:
+        """The innermost armed phase whose window ran out, marked tripped; progress is read unlocked."""
+        with self._lock:
+            candidates = [a for a in reversed(self._armed) if not a.tripped]
+        for armed in candidates:
+            if self._progress.idle_s(since=armed.armed_at, window_s=armed.window_s) > armed.window_s:
+                with self._lock:
+                    if armed in self._armed and not armed.tripped:
+                        armed.tripped = True
+                        armed.path = self._phase_path(armed)
+                        return armed
+        return None
 
     def _phase_path(self, armed: _Armed) -> str:
         return self.ledger.current_phase if self.ledger else armed.name
@@ -107,32 +130,42 @@ class Watchdog:
         if self.ledger:
             self.ledger.flush()
         stuck = list(suspects_from_dir(self.ledger_dir, self.world_size)) or [self.rank]
-        summary = f"HANG: phase={self._phase_path(armed)} stuck ranks={stuck} (rank {self.rank}, deadline {armed.deadline_s:g}s)"
-        armed.summary = summary
-        self._dump(summary)
-        _raise_in_thread(armed.thread_id, summary)
-        if self._left_phase(armed, self.grace_s):
+        armed.summary = (f"HANG: phase={armed.path} stuck ranks={stuck} (rank {self.rank}, "
+                         f"no progress for {armed.window_s:g}s)")
+        self._dump(armed.summary)
+        with self._lock:
+            if armed not in self._armed:
+                return  # the phase ended meanwhile and raises at its exit
+            armed.injected = True
+            _raise_in_thread(armed.thread_id, armed.summary, lambda: setattr(armed, "delivered", True))
+        if self._landed(armed, self.grace_s):
             return
-        sys.stderr.write(f"{summary}; thread blocked in native code, exiting with code {HANG_EXIT_CODE}\n")
+        sys.stderr.write(f"{armed.summary}; thread blocked in native code, exiting with code {HANG_EXIT_CODE}\n")
         sys.stderr.flush()
         os._exit(HANG_EXIT_CODE)
 
     def _dump(self, summary: str) -> None:
-        report = render_hang_report(self.ledger_dir, self.world_size) if self.ledger_dir else "(no ledger dir)"
-        sys.stderr.write(f"\n{summary}\n{report}\n")
+        """The table and every thread's stack to this rank's stacks file; one line to stderr (the driver
+        renders the table once for all ranks). Without a ledger directory, everything to stderr."""
+        if not self.ledger_dir:
+            sys.stderr.write(f"\n{summary}\n(no ledger dir)\n")
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+            sys.stderr.flush()
+            return
+        path = os.path.join(self.ledger_dir, f"stacks_rank{self.rank}.txt")
+        with open(path, "w") as f:
+            f.write(f"{summary}\n{render_hang_report(self.ledger_dir, self.world_size)}\n\n")
+            f.flush()
+            faulthandler.dump_traceback(file=f, all_threads=True)
+        sys.stderr.write(f"{summary}; table and stacks in {path}\n")
         sys.stderr.flush()
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        if self.ledger_dir:
-            with open(os.path.join(self.ledger_dir, f"stacks_rank{self.rank}.txt"), "w") as f:
-                f.write(f"{summary}\n{report}\n")
-                f.flush()
-                faulthandler.dump_traceback(file=f, all_threads=True)
 
-    def _left_phase(self, armed: _Armed, wait_s: float) -> bool:
+    def _landed(self, armed: _Armed, wait_s: float) -> bool:
+        """Did the error land (or the phase end) within wait_s?"""
         end = time.monotonic() + wait_s
         while time.monotonic() < end:
             with self._lock:
-                if armed not in self._armed:
+                if armed.delivered or armed not in self._armed:
                     return True
             time.sleep(0.05)
         return False
@@ -142,7 +175,15 @@ def _clear_async_error(thread_id: int) -> None:
     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), None)
 
 
-def _raise_in_thread(thread_id: int, message: str) -> None:
-    """Deliver HangError(message) asynchronously; it lands at the thread's next Python bytecode."""
-    error_type = type("HangError", (HangError,), {"__init__": lambda self: HangError.__init__(self, message)})
+def _raise_in_thread(thread_id: int, message: str, on_delivery) -> None:
+    """Deliver HangError(message) asynchronously; it lands at the thread's next Python bytecode.
+
+    CPython instantiates the exception in that thread when it lands (at the first handler or
+    frame exit), which is when `on_delivery` runs.
+    """
+    def init(self) -> None:
+        HangError.__init__(self, message)
+        on_delivery()
+
+    error_type = type("HangError", (HangError,), {"__init__": init})
     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(error_type))

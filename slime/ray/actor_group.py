@@ -1,13 +1,13 @@
 """The group of trainer ranks as seen from the driver.
 
-Each method fans one call out to every rank and waits with a deadline derived from
-`--fence-timeout`; ranks enforce the same deadline themselves (watchdog), so the driver's
-deadline is a backstop with a margin. On a deadline the driver renders, from the ranks'
-ledger files, where every rank is.
+Each method fans one call out to every rank and waits until no rank has made progress for the
+driver's window (slime/utils/deadlines.py), read from the ranks' ledger files: a margin above the
+ranks' own window, so that their named errors arrive first, and no fixed total, so that a long
+healthy phase (many steps, a large checkpoint) is never cut short. On a failure or a deadline the
+driver renders, once, from the ranks' ledger files, where every rank is.
 """
 from __future__ import annotations
 
-import glob
 import logging
 import os
 import tempfile
@@ -18,21 +18,26 @@ import ray
 from slime.ray.deadline import wait_ranks
 from slime.ray.placement import Placement, actor_world_size
 from slime.ray.train_actor import TrainRayActor
+from slime.utils.deadlines import DeadlineModel
 
 logger = logging.getLogger(__name__)
 
-# Ranks give up after `--fence-timeout` per phase; the driver waits a little longer so that the
-# ranks' own named errors arrive first.
-DRIVER_MARGIN = 1.5
-# Model build, checkpoint load and Ray start-up are not fenced phases: they get a fixed allowance.
-INIT_ALLOWANCE_S = 600.0
+
+def resolve_ledger_dir(args) -> str:
+    """--ledger-dir, or a fresh temp dir; printed so a stuck run can be inspected from another shell."""
+    if not args.ledger_dir:
+        args.ledger_dir = tempfile.mkdtemp(prefix="slime-ledger-")
+    logger.info("ledger dir: %s (where is every rank: python -m slime.distributed.hang_report %s)",
+                args.ledger_dir, args.ledger_dir)
+    return args.ledger_dir
 
 
 class RayTrainGroup:
     def __init__(self, args, placement: Placement):
         self.args = args
         self.world_size = actor_world_size(args)
-        self.ledger_dir = args.ledger_dir or tempfile.mkdtemp(prefix="slime-ledger-")
+        self.ledger_dir = args.ledger_dir or resolve_ledger_dir(args)
+        self.deadlines = DeadlineModel.from_args(args)
         num_gpus = 1 if placement.use_gpu else 0
         remote = ray.remote(num_gpus=num_gpus, num_cpus=1)(TrainRayActor)
         self._ranks = [
@@ -44,7 +49,7 @@ class RayTrainGroup:
     def init(self, engine_urls: list[str]) -> None:
         master_addr, master_port = ray.get(self._ranks[0].rendezvous_address.remote(), timeout=120)
         refs = [r.init.remote(master_addr, master_port, engine_urls) for r in self._ranks]
-        starts = self._wait(refs, "init", INIT_ALLOWANCE_S + 3 * self.args.fence_timeout)
+        starts = self._wait(refs, "init", self.deadlines.driver_init_window_s)
         explicit = getattr(self.args, "start_rollout_id_given", False)  # --start-rollout-id wins over --load
         if len(set(starts)) != 1 or (not explicit and set(starts) != {self.args.start_rollout_id}):
             raise RuntimeError(f"ranks resumed at rollouts {sorted(set(starts))}, the driver at "
@@ -54,36 +59,30 @@ class RayTrainGroup:
         # The data ref is passed inside a list so Ray does not resolve it in the call path:
         # each rank fetches it itself, under its own deadline.
         refs = [r.train.remote(rollout_id, [data_ref]) for r in self._ranks]
-        return self._wait(refs, "actor_train", self._step_deadline())[0]
+        return self._wait(refs, "actor_train")[0]
 
     def update_weights(self, rollout_id: int) -> dict[str, Any]:
         refs = [r.update_weights.remote(rollout_id) for r in self._ranks]
-        return self._wait(refs, "weight_sync", self._step_deadline())[0]
+        return self._wait(refs, "weight_sync")[0]
 
     def sleep(self) -> dict[str, float]:
         """Every rank frees its model and optimizer memory; the figures are the largest over the ranks."""
-        per_rank = self._wait([r.sleep.remote() for r in self._ranks], "sleep", self._phase_deadline())
+        per_rank = self._wait([r.sleep.remote() for r in self._ranks], "sleep")
         return {key: max(m[key] for m in per_rank) for key in sorted(per_rank[0])}
 
     def save(self, rollout_id: int) -> None:
-        self._wait([r.save.remote(rollout_id) for r in self._ranks], "save", INIT_ALLOWANCE_S)
+        self._wait([r.save.remote(rollout_id) for r in self._ranks], "save")
 
     def shutdown(self) -> None:
         for rank in self._ranks:
             ray.kill(rank, no_restart=True)
 
-    def _phase_deadline(self) -> float:
-        return self.args.fence_timeout * DRIVER_MARGIN + 30
+    def _wait(self, refs, phase: str, window_s: float | None = None) -> list:
+        from slime.distributed.hang_report import render_hang_report
+        from slime.distributed.progress import latest_file_progress
 
-    def _step_deadline(self) -> float:
-        # A step has several phases, each bounded by fence_timeout on the ranks; the whole step is
-        # bounded here so that even a rank whose watchdog died cannot hold the driver forever.
-        return self.args.fence_timeout * 4 + 60
-
-    def _wait(self, refs, phase: str, timeout_s: float) -> list:
-        from slime.distributed.watchdog import render_hang_report
-
-        return wait_ranks(refs, phase=phase, timeout_s=timeout_s,
+        return wait_ranks(refs, phase=phase, window_s=window_s or self.deadlines.driver_window_s,
+                          progress=lambda: latest_file_progress(self.ledger_dir, self.world_size),
                           describe_hang=lambda: render_hang_report(self.ledger_dir, self.world_size),
                           describe_exit=lambda: exit_verdict(self.ledger_dir, self.world_size))
 
@@ -91,14 +90,9 @@ class RayTrainGroup:
 def exit_verdict(ledger_dir: str, world_size: int) -> str:
     """Why rank processes ended: the HANG lines their watchdogs wrote before exiting (first line of
     each stacks file), else where the ledger files last saw every rank."""
-    from slime.distributed.hang_report import summarize_hang
+    from slime.distributed.hang_report import summarize_hang, watchdog_verdicts
 
-    lines = []
-    for path in sorted(glob.glob(os.path.join(ledger_dir, "stacks_rank*.txt"))):
-        with open(path) as f:
-            lines.append(f.readline().strip())
-    verdicts = list(dict.fromkeys(line for line in lines if line))
-    return "; ".join(verdicts) if verdicts else summarize_hang(ledger_dir, world_size)
+    return "; ".join(watchdog_verdicts(ledger_dir)) or summarize_hang(ledger_dir, world_size)
 
 
 def free_port() -> int:

@@ -1,59 +1,114 @@
-"""Waiting on Ray with a deadline: the driver never blocks forever on its ranks.
+"""Waiting on Ray with a deadline that follows the ranks' progress: the driver never blocks forever.
 
-A rank that raised surfaces at once (not after the others finish); a rank that never
-answers turns into `RankDeadlineError` naming the phase and the ranks still out.
+A phase fails when no rank made progress for `window_s` (read from their ledger files: the same
+rule as on the ranks, slime/utils/deadlines.py), however long it has been running; so the limit
+grows with the number of steps of a rollout and with the size of a checkpoint. A rank that raised
+surfaces at once (not after the others finish). Each error has a one-line message (`str()`) for
+the final "training stopped:" line, and `details` for the lines above it: the first failing
+rank's traceback and one table of every rank, rendered here from the ledger files.
 """
 from __future__ import annotations
 
+import re
 import time
 from typing import Callable, Sequence
 
 import ray
 
 
-class RankDeadlineError(RuntimeError):
-    """Some ranks did not finish a phase within its deadline."""
+class RankWaitError(RuntimeError):
+    """A phase ended without every rank's result."""
+
+    def __init__(self, summary: str, *, phase: str, ranks: Sequence[int], details: str = ""):
+        super().__init__(summary)
+        self.phase = phase
+        self.ranks = tuple(ranks)
+        self.details = details
 
 
-class RankFailedError(RuntimeError):
-    """A rank raised during a phase; the others are no longer waited for."""
+class RankDeadlineError(RankWaitError):
+    """No rank made progress for the phase's window while some had not finished."""
 
 
-def wait_ranks(refs: Sequence[ray.ObjectRef], *, phase: str, timeout_s: float,
+class RankFailedError(RankWaitError):
+    """A rank raised (or its process ended) during a phase; the others are no longer waited for."""
+
+
+def wait_ranks(refs: Sequence[ray.ObjectRef], *, phase: str, window_s: float,
+               progress: Callable[[], float] | None = None,
                describe_hang: Callable[[], str] | None = None,
-               describe_exit: Callable[[], str] | None = None) -> list:
-    """Results of `refs` (one per rank) in rank order, or a named error within `timeout_s`.
+               describe_exit: Callable[[], str] | None = None,
+               poll_s: float = 5.0) -> list:
+    """Results of `refs` (one per rank) in rank order, or a named error.
 
-    `describe_hang` renders where every rank is (on a deadline); `describe_exit` says why a rank
+    `progress()` is the latest time (wall clock) any rank made progress; without it the window runs
+    from the call. `describe_hang` renders where every rank is; `describe_exit` says why a rank
     process ended (a watchdog leaves its verdict in a file before exiting).
     """
     index = {ref: rank for rank, ref in enumerate(refs)}
     pending = list(refs)
-    deadline = time.monotonic() + timeout_s
+    start = time.time()
     while pending:
-        left = deadline - time.monotonic()
-        if left <= 0:
+        idle = time.time() - max(start, progress() if progress else start)
+        if idle > window_s:
             missing = sorted(index[r] for r in pending)
-            report = describe_hang() if describe_hang else ""
             raise RankDeadlineError(
-                f"phase '{phase}' did not finish within {timeout_s:.0f}s on ranks {missing}"
-                + (f"\n{report}" if report else ""))
-        done, pending = ray.wait(pending, num_returns=1, timeout=min(left, 5.0))
+                f"phase '{phase}': no rank made progress for {idle:.0f}s; ranks {missing} did not finish",
+                phase=phase, ranks=missing, details=_table(describe_hang))
+        done, pending = ray.wait(pending, num_returns=1, timeout=max(0.1, min(poll_s, window_s - idle)))
         for ref in done:
             try:
                 ray.get(ref)
             except Exception as exc:  # the first failing rank names the problem
-                if isinstance(exc, ray.exceptions.RayActorError):  # the rank's process is gone
-                    verdict = describe_exit() if describe_exit else ""
-                    raise RankFailedError(f"phase '{phase}': rank {index[ref]} exited: {verdict}") from exc
-                raise RankFailedError(
-                    f"phase '{phase}' failed on rank {index[ref]}: {_cause(exc)}") from exc
+                others = _other_failures([r for r in refs if r is not ref], index)
+                raise _failure(phase, index[ref], exc, others, describe_hang, describe_exit) from exc
     return ray.get(list(refs))
 
 
-def _cause(exc: BaseException) -> str:
-    """The innermost message of a Ray task error (Ray wraps the rank's exception)."""
+def _table(describe_hang: Callable[[], str] | None) -> str:
+    return f"every rank, from its ledger file:\n{describe_hang()}" if describe_hang else ""
+
+
+def _other_failures(refs: list, index: dict, grace_s: float = 2.0) -> list[str]:
+    """One line per other rank that failed too (ranks that meet at a fence fail together). Getting
+    them also keeps Ray from printing each one as an unhandled error."""
+    if not refs:
+        return []
+    done, _ = ray.wait(refs, num_returns=len(refs), timeout=grace_s)
+    alike: dict[str, list[tuple[int, str]]] = {}  # messages that differ only in the reporting rank
+    for ref in done:
+        try:
+            ray.get(ref)
+        except Exception as exc:  # noqa: BLE001 - reported, not raised: the first failure is
+            message = _cause(exc)[0].partition("\n")[0][:200]
+            alike.setdefault(re.sub(r"\brank \d+\b", "rank N", message), []).append((index[ref], message))
+    groups = sorted(sorted(group) for group in alike.values())
+    return [f"ranks {[rank for rank, _ in group]}: {group[0][1]}" for group in groups]
+
+
+def _failure(phase: str, rank: int, exc: Exception, others: list[str], describe_hang, describe_exit
+             ) -> RankFailedError:
+    also = "also failed:\n" + "\n".join(others) if others else ""
+    if isinstance(exc, ray.exceptions.RayActorError):  # the rank's process is gone
+        verdict = describe_exit() if describe_exit else ""
+        return RankFailedError(f"phase '{phase}': rank {rank} exited: {verdict}", phase=phase, ranks=(rank,),
+                               details=_join(also, _table(describe_hang)))
+    message, traceback_text, stalled = _cause(exc)
+    first, _, rest = message.partition("\n")
+    own = f"rank {rank} traceback:\n{traceback_text.rstrip()}" if traceback_text else rest
+    return RankFailedError(f"phase '{phase}' failed on rank {rank}: {first}", phase=phase, ranks=(rank,),
+                           details=_join(own, also, _table(describe_hang) if stalled else ""))
+
+
+def _join(*parts: str) -> str:
+    return "\n".join(part for part in parts if part)
+
+
+def _cause(exc: BaseException) -> tuple[str, str, bool]:
+    """(message, rank traceback, is a stall) of a Ray task error; Ray wraps the rank's exception."""
     cause = getattr(exc, "cause", None) or exc.__cause__
     if cause is None:
-        return str(exc)
-    return str(cause) if type(cause).__name__ == "RankError" else f"{type(cause).__name__}: {cause}"
+        return str(exc), "", True
+    if type(cause).__name__ == "RankError":
+        return str(cause), getattr(cause, "traceback_text", ""), getattr(cause, "stalled", True)
+    return f"{type(cause).__name__}: {cause}", "", True

@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import os
 import socket
+import traceback
 import warnings
 
 # megatron-core announces at import that TE/Apex are absent (expected on the embedded path),
@@ -13,9 +14,27 @@ warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor. is depreca
 
 
 class RankError(RuntimeError):
-    """A rank's failure, flattened to its type name and message so that Ray can always carry it
-    to the driver (exceptions with keyword-only fields, or raised by the watchdog into a thread,
-    do not survive Ray's deserialisation)."""
+    """A rank's failure as plain values, so that Ray can always carry it to the driver (exceptions
+    with keyword-only fields, or raised by the watchdog into a thread, do not survive Ray's
+    deserialisation): "Type: message", the rank's whole traceback, and whether it is a stall (the
+    driver then shows where every rank is)."""
+
+    def __init__(self, message: str, traceback_text: str = "", stalled: bool = False):
+        super().__init__(message, traceback_text, stalled)
+        self.message = message
+        self.traceback_text = traceback_text
+        self.stalled = stalled
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _is_stall(exc: BaseException) -> bool:
+    """A liveness failure (deadline, hang), as opposed to ranks that agree they differ or bad input."""
+    from slime.distributed.errors import CollectiveDivergenceError, DistributedStepError
+
+    return isinstance(exc, TimeoutError) or (isinstance(exc, DistributedStepError)
+                                             and not isinstance(exc, CollectiveDivergenceError))
 
 
 def _portable_errors(method):
@@ -24,7 +43,7 @@ def _portable_errors(method):
         try:
             return method(self, *args, **kwargs)
         except Exception as exc:
-            raise RankError(f"{type(exc).__name__}: {exc}") from None
+            raise RankError(f"{type(exc).__name__}: {exc}", traceback.format_exc(), _is_stall(exc)) from None
 
     return call
 

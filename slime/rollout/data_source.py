@@ -36,8 +36,12 @@ class PromptFileSpec:
     tool_key: str | None = "tools"  # tool specs handed to the chat template when a row has them
     apply_chat_template: bool = False
     chat_template_kwargs: dict = field(default_factory=dict)
-    # prompts with more tokens than this are skipped; None: no limit
-    max_prompt_len: int | None = None
+    # prompts with more tokens than this are skipped and counted; None: no limit
+    max_prompt_len: PromptBudget | None = None
+
+
+# A tokenizer directory holds one of these (fast, sentencepiece, or byte-level BPE vocabulary + merges).
+_TOKENIZER_FILES = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"))
 
 
 @functools.lru_cache(maxsize=4)
@@ -47,7 +51,24 @@ def load_tokenizer(path: str):
 
     if not path or not os.path.isdir(path):
         raise FileNotFoundError(f"--hf-checkpoint {path!r} is not a directory holding a tokenizer")
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=True, local_files_only=True)
+    check_tokenizer_files(path)
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=True, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--hf-checkpoint {path}: its tokenizer files cannot be read ({exc}); copy "
+                         "tokenizer.json and tokenizer_config.json from the model's HF repository") from exc
+
+
+def check_tokenizer_files(path: str) -> None:
+    """Raise FileNotFoundError naming what is missing when `path` holds no complete tokenizer."""
+    present = set(os.listdir(path))
+    if any(all(name in present for name in names) for names in _TOKENIZER_FILES):
+        return
+    partial = [name for names in _TOKENIZER_FILES for name in names if name in present]
+    found = f" (found {partial}, but not the file it needs next to it)" if partial else ""
+    raise FileNotFoundError(
+        f"--hf-checkpoint {path} has no tokenizer{found}: expected tokenizer.json, or tokenizer.model, or "
+        "vocab.json + merges.txt, next to config.json; copy them from the model's HF repository")
 
 
 def _chat_template_kwargs(args) -> dict:
@@ -55,12 +76,33 @@ def _chat_template_kwargs(args) -> dict:
     return json.loads(value) if isinstance(value, str) else dict(value)
 
 
-def context_budget(args) -> int | None:
-    """Longest prompt (tokens) worth sending: --rollout-max-prompt-len, else the context minus one token."""
+@dataclass(frozen=True)
+class PromptBudget:
+    """The longest prompt (tokens) worth sending, and the limit that sets it (for the skip warning)."""
+
+    tokens: int
+    reason: str
+
+
+def context_budget(args) -> PromptBudget | None:
+    """The tightest of: --rollout-max-prompt-len (else the context minus one token to generate) and,
+    with dynamic batching, the training token budget of a micro-batch minus one response token."""
+    budgets = []
     if getattr(args, "rollout_max_prompt_len", None):
-        return int(args.rollout_max_prompt_len)
-    context = getattr(args, "rollout_max_context_len", None) or _model_context(getattr(args, "hf_checkpoint", None))
-    return int(context) - 1 if context else None
+        budgets.append(PromptBudget(int(args.rollout_max_prompt_len), "--rollout-max-prompt-len"))
+    else:
+        context = getattr(args, "rollout_max_context_len", None)
+        if context:
+            budgets.append(PromptBudget(int(context) - 1, f"--rollout-max-context-len {context} less one token"))
+        elif _model_context(getattr(args, "hf_checkpoint", None)):
+            context = _model_context(args.hf_checkpoint)
+            budgets.append(PromptBudget(int(context) - 1, f"the model's context ({context}) less one token"))
+    if getattr(args, "use_dynamic_batch_size", False) and getattr(args, "max_tokens_per_gpu", None):
+        cp = int(getattr(args, "context_parallel_size", 1) or 1)
+        budgets.append(PromptBudget(int(args.max_tokens_per_gpu) * cp - 1,
+                                    f"the training token budget (--max-tokens-per-gpu {args.max_tokens_per_gpu} x "
+                                    f"CP {cp}) less one response token"))
+    return min(budgets, key=lambda b: b.tokens, default=None)
 
 
 def _model_context(hf_checkpoint: str | None) -> int | None:
@@ -195,23 +237,30 @@ class PromptDataset:
         self.spec = spec
         self.samples: list[Sample] = []
         self.skipped_lines: list[int] = []
+        budget = spec.max_prompt_len
         for lineno, row in read_rows(spec):
             sample = row_to_sample(spec, row, lineno, tokenizer)
-            if spec.max_prompt_len is not None and len(sample.tokens) > spec.max_prompt_len:
+            if budget is not None and len(sample.tokens) > budget.tokens:
                 self.skipped_lines.append(lineno)
                 continue
             self.samples.append(sample)
         self._report(spec)
 
     def _report(self, spec: PromptFileSpec) -> None:
-        if self.skipped_lines:
+        skipped, budget = self.skipped_lines, spec.max_prompt_len
+        if skipped:
             logger.warning(
-                "%s: skipped %d prompt(s) longer than %d tokens (lines %s%s)",
-                spec.path, len(self.skipped_lines), spec.max_prompt_len,
-                self.skipped_lines[:_SKIP_EXAMPLES], " ..." if len(self.skipped_lines) > _SKIP_EXAMPLES else "",
+                "%s: skipped %d prompt(s) longer than %d tokens, %s (lines %s%s); raise that limit or shorten them",
+                spec.path, len(skipped), budget.tokens, budget.reason, skipped[:_SKIP_EXAMPLES],
+                " ..." if len(skipped) > _SKIP_EXAMPLES else "",
             )
-        if not self.samples:
-            raise ValueError(f"{spec.flag}: {spec.path} has no usable prompt ({len(self.skipped_lines)} too long)")
+        if self.samples:
+            return
+        if skipped:
+            raise ValueError(f"{spec.flag}: all {len(skipped)} prompts of {spec.path} are longer than {budget.tokens} "
+                             f"tokens, {budget.reason}; raise that limit or shorten the prompts")
+        raise ValueError(f"{spec.flag}: {spec.path} is empty: expected one JSON object per line with the prompt "
+                         f"under {spec.input_key!r} (--input-key)")
 
     @property
     def num_skipped(self) -> int:
@@ -309,7 +358,8 @@ class RolloutDataSource:
             return
         path = self.state_path(self.args.save, rollout_id)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        torch.save(self.state_dict(), path)
+        torch.save(self.state_dict(), f"{path}.partial")  # a failed write leaves no state --load would read
+        os.replace(f"{path}.partial", path)
 
     def load(self, rollout_id: int | None = None) -> None:
         if not getattr(self.args, "load", None) or rollout_id is None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from slime.utils import sglang_passthrough
+from slime.utils.deadlines import DeadlineModel, default_group_timeout_minutes
 from slime.utils.misc import module_is_findable, round_up
 
 logger = logging.getLogger(__name__)
@@ -86,7 +87,6 @@ NOT_IMPLEMENTED_FLAGS: tuple[NotImplementedFlag, ...] = (
     NotImplementedFlag(flag="--tb-experiment-name", reason="TensorBoard run names are not wired"),
     *_warned("gradients are reduced at a fixed place of the step (finalize_model_grads), never overlapped",
              "--overlap-grad-reduce", "--overlap-param-gather"),
-    *_warned("communicator timeouts follow --fence-timeout", "--distributed-timeout-minutes"),
     *_warned("a memory/speed option of upstream's loss code; log-probs are computed in one pass",
              "--log-probs-chunk-size", "--recompute-loss-function"),
     *_warned("FP8 rollout weights are not implemented (weights are sent in the training dtype)",
@@ -269,8 +269,9 @@ def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
                    help="release engine memory while training (on by default with --colocate)")
     g.add_argument("--distributed-backend", type=str, default="nccl", choices=["nccl", "gloo"],
                    help="torch.distributed backend of the trainer on GPUs (CPU ranks always use gloo)")
-    g.add_argument("--distributed-timeout-minutes", type=int, default=10,
-                   help="Megatron's communicator timeout (here communicator timeouts follow --fence-timeout)")
+    g.add_argument("--distributed-timeout-minutes", type=int, default=None,
+                   help="timeout of process-group collectives (default: just above the watchdog's longest window, "
+                        "derived from --fence-timeout; a smaller value is refused)")
     g.add_argument("--train-env-vars", type=json.loads, default="{}",
                    help='JSON object of environment variables set in every training rank, e.g. \'{"NCCL_DEBUG": "WARN"}\'')
 
@@ -842,7 +843,8 @@ def _add_custom_megatron_arguments(parser: argparse.ArgumentParser) -> None:
 def _add_fencing_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("fencing (this project)", "hang-proof training step")
     g.add_argument("--fence-timeout", type=float, default=600.0,
-                   help="seconds any fence, collective or remote call may wait before the step fails with a report")
+                   help="seconds a rank may go without progress (no collective, micro-batch, weight bucket or "
+                        "checkpoint bytes completing) before the step fails with a report; phases may run longer")
     g.add_argument("--recreate-process-groups-on-wake", action="store_true", default=False,
                    help="destroy and re-create communicators across colocate sleep (default: keep them alive)")
     g.add_argument("--train-backend-device", type=str, default="auto", choices=["auto", "cpu", "cuda"],
@@ -1001,6 +1003,17 @@ def _check_positive(args: argparse.Namespace) -> None:
         _fail("--rollout-temperature must be > 0 (0 is greedy decoding, not a valid RL policy)")
     if args.max_tokens_per_gpu is not None and args.max_tokens_per_gpu <= 0:
         _fail(f"--max-tokens-per-gpu must be positive, got {args.max_tokens_per_gpu}")
+
+
+def _check_deadlines(args: argparse.Namespace) -> None:
+    """Process-group timeouts strictly above every watchdog window (slime/utils/deadlines.py)."""
+    if args.distributed_timeout_minutes is not None and args.distributed_timeout_minutes <= 0:
+        _fail(f"--distributed-timeout-minutes must be positive, got {args.distributed_timeout_minutes}")
+    problem = DeadlineModel.from_args(args).group_timeout_error()
+    if problem:
+        _fail(problem)
+    if args.distributed_timeout_minutes is None:
+        args.distributed_timeout_minutes = default_group_timeout_minutes(args.fence_timeout)
 
 
 def _resolve_model_defaults(args: argparse.Namespace) -> None:
@@ -1318,6 +1331,7 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
     args.derived_values = {}
     refuse_unsupported(args, parser, device)
     _check_positive(args)
+    _check_deadlines(args)
     _resolve_model_defaults(args)
     _resolve_modes(args)
     _resolve_rollout_defaults(args)

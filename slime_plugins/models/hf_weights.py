@@ -164,6 +164,10 @@ def _tp() -> tuple[int, int, Any]:
             parallel_state.get_tensor_model_parallel_group())
 
 
+class HFCheckpointError(ValueError):
+    """The HF checkpoint's tensors do not match its config (missing, mis-shaped or unreadable files)."""
+
+
 class _SafetensorsReader:
     """Reads named tensors from an HF checkpoint dir (single file or index-sharded)."""
 
@@ -172,17 +176,62 @@ class _SafetensorsReader:
         if os.path.exists(index_path):
             with open(index_path) as f:
                 weight_map = json.load(f)["weight_map"]
-        else:
-            path = os.path.join(hf_dir, "model.safetensors")
-            with safe_open(path, framework="pt") as f:
+        elif os.path.exists(os.path.join(hf_dir, "model.safetensors")):
+            with safe_open(os.path.join(hf_dir, "model.safetensors"), framework="pt") as f:
                 weight_map = {key: "model.safetensors" for key in f.keys()}
+        else:
+            raise HFCheckpointError(f"--hf-checkpoint {hf_dir} holds neither model.safetensors nor "
+                                    "model.safetensors.index.json; convert the weights to safetensors")
         self._dir, self._weight_map = hf_dir, weight_map
+        missing_files = sorted({f for f in weight_map.values() if not os.path.exists(os.path.join(hf_dir, f))})
+        if missing_files:
+            raise HFCheckpointError(f"--hf-checkpoint {hf_dir}: the index names files that are not there: "
+                                    f"{missing_files[:5]}; copy every shard of the checkpoint")
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        """The tensor's shape from the file header (no data read); None when the checkpoint lacks it."""
+        if name not in self._weight_map:
+            return None
+        with safe_open(os.path.join(self._dir, self._weight_map[name]), framework="pt") as f:
+            return tuple(f.get_slice(name).get_shape())
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self._weight_map:
             raise KeyError(f"{name} not found in {self._dir}")
         with safe_open(os.path.join(self._dir, self._weight_map[name]), framework="pt") as f:
             return f.get_tensor(name)
+
+
+def _expected_hf_shapes(model: torch.nn.Module, hf_config: Any, tp: int) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """(hf name, full shape) of every HF tensor this model chunk loads, from meta tensors (no data)."""
+    for name, param in model.named_parameters():
+        shape = list(param.shape)
+        if tp > 1 and getattr(param, "tensor_model_parallel", False):
+            shape[param.partition_dim] *= tp
+        mapping = _mapping_for(model, name, param, hf_config, tp)
+        full = torch.empty(shape, dtype=param.dtype, device="meta")
+        yield from ((n, tuple(t.shape)) for n, t in zip(mapping.hf_names, mapping.to_hf(full)))
+
+
+def check_hf_tensors(model_chunks: list[torch.nn.Module], reader: _SafetensorsReader, hf_config: Any, tp: int) -> None:
+    """Raise HFCheckpointError listing every missing or mis-shaped tensor, before anything is loaded."""
+    missing, misshaped = [], []
+    for chunk in model_chunks:
+        for name, expected in _expected_hf_shapes(_unwrap(chunk), hf_config, tp):
+            found = reader.shape(name)
+            if found is None:
+                missing.append(name)
+            elif found != expected:
+                misshaped.append(f"{name}: file {found}, config expects {expected}")
+    if not missing and not misshaped:
+        return
+    parts = [f"{len(missing)} missing ({missing[:4]}{' ...' if len(missing) > 4 else ''})"] if missing else []
+    parts += [f"{len(misshaped)} mis-shaped ({'; '.join(misshaped[:3])}{' ...' if len(misshaped) > 3 else ''})"] \
+        if misshaped else []
+    raise HFCheckpointError(
+        f"--hf-checkpoint {reader._dir} does not match its config.json (hidden_size={hf_config.hidden_size}, "
+        f"num_hidden_layers={hf_config.num_hidden_layers}, vocab_size={hf_config.vocab_size}): tensors "
+        f"{' and '.join(parts)}; point --hf-checkpoint at a complete checkpoint of that architecture")
 
 
 @torch.no_grad()
@@ -194,6 +243,7 @@ def load_hf_weights(model_chunks: list[torch.nn.Module], hf_dir: str, hf_config:
     """
     tp, tp_rank, _ = _tp()
     reader = _SafetensorsReader(hf_dir)
+    check_hf_tensors(model_chunks, reader, hf_config, tp)
     for chunk in model_chunks:
         model = _unwrap(chunk)
         for name, param in model.named_parameters():

@@ -1,7 +1,7 @@
 """One trainer rank: the fenced actor_train of ARCHITECTURE.md, phase by phase.
 
-Every phase runs on every rank, in this order, under a watchdog deadline (`--fence-timeout`)
-and recorded in this rank's ledger:
+Every phase runs on every rank, in this order, under a watchdog no-progress window
+(`--fence-timeout`: slime/utils/deadlines.py) and recorded in this rank's ledger:
 
   wake          re-create groups if they were destroyed, warm every communicator, fenced
   plan          build the micro-batch plans from data every rank shares; fence their fingerprint
@@ -45,13 +45,10 @@ from slime.distributed.fault_inject import (
     skipping_one_collective,
     stall_forever,
 )
+from slime.utils.deadlines import DeadlineModel
 from slime.utils.ppo_utils import compute_advantages_and_returns
 
 logger = logging.getLogger(__name__)
-
-# The first set-up of every communicator at job start is slower than a re-warm-up (on 4 H200s a
-# rank was seen 15 s behind its CP peer): it gets this many fence timeouts.
-FIRST_SETUP_FENCE_TIMEOUTS = 2
 
 
 class LoggingStallError(DistributedStepError):
@@ -63,7 +60,8 @@ class MegatronTrainActor:
         self.args = args
         self.rank = rank
         self.world_size = world_size
-        self.timeout_s = float(args.fence_timeout)
+        self.deadlines = DeadlineModel.from_args(args)
+        self.timeout_s = self.deadlines.no_progress_s
         self.ledger = Ledger(rank, world_size, ledger_dir, record_sequence=bool(args.ledger_record_sequence))
         self.watchdog = Watchdog(self.timeout_s, ledger_dir, rank, world_size, ledger=self.ledger)
         self.asleep = False
@@ -80,9 +78,10 @@ class MegatronTrainActor:
         init_distributed(self.args, self.rank, self.world_size, master_addr, master_port)
         instrument_collectives(self.ledger)
         self.groups = ProcessGroupLifecycle.from_args(self.args, ledger=self.ledger)
-        first_setup_s = FIRST_SETUP_FENCE_TIMEOUTS * self.timeout_s
-        with self.watchdog.phase("init/create_groups", deadline_s=first_setup_s + 10):
-            self.groups.create(timeout_s=first_setup_s)
+        # the first set-up of every communicator is slower than a re-warm-up (on 4 H200s a rank was
+        # seen 15 s behind its CP peer): it gets a longer window
+        with self.watchdog.phase("init/create_groups", deadline_s=self.deadlines.first_setup_s):
+            self.groups.create(timeout_s=self.deadlines.first_setup_op_s)
         seed_model_parallel(self.args)
         call_hook(self.args.custom_megatron_init_path, self.args)  # after megatron's groups and RNG exist
         self.hf_config = AutoConfig.from_pretrained(self.args.hf_checkpoint, trust_remote_code=True)
@@ -221,7 +220,7 @@ class MegatronTrainActor:
         return every_dp[parallel_state.get_data_parallel_rank()]
 
     def _fill_log_probs(self, data: dict, plans) -> None:
-        hook = self.watchdog.phase
+        hooks = dict(collective_hook=self.watchdog.phase, progress=self.ledger.note_progress)
         if getattr(self.args, "use_rollout_logprobs", False) and data.get("rollout_log_probs") is None:
             raise ValueError("--use-rollout-logprobs: the rollout carries no engine log-probs (every sample needs "
                              "rollout_log_probs)")
@@ -229,11 +228,11 @@ class MegatronTrainActor:
         with torch.no_grad():
             if trainer_computes_old_log_probs(self.args):  # else the engines' log-probs are the old policy
                 call_hook(before, self.args, self.model, "")
-                data["log_probs"] = compute_log_probs(self.model, data, plans, self.args, collective_hook=hook)
+                data["log_probs"] = compute_log_probs(self.model, data, plans, self.args, **hooks)
             if "ref" in self.snapshots:
                 with self.snapshots.swapped("ref"):
                     call_hook(before, self.args, self.model, "ref_")
-                    data["ref_log_probs"] = compute_log_probs(self.model, data, plans, self.args, collective_hook=hook)
+                    data["ref_log_probs"] = compute_log_probs(self.model, data, plans, self.args, **hooks)
         if self.args.advantage_estimator in WHOLE_ROLLOUT_ESTIMATORS:
             with self.watchdog.phase("actor_train/log_probs_share"):
                 share_across_dp(data, ("log_probs", "ref_log_probs"))
@@ -242,7 +241,8 @@ class MegatronTrainActor:
         call_hook(self.args.custom_megatron_before_train_step_hook_path, self.args, rollout_id, plan.step_index,
                   self.model, self.optimizer, self.lr_scheduler)
         return train_one_step(self.model, self.optimizer, self.lr_scheduler, data, plan, self.args,
-                              collective_hook=lambda phase: self._step_phase(phase, rollout_id))
+                              collective_hook=lambda phase: self._step_phase(phase, rollout_id),
+                              progress=self.ledger.note_progress)
 
     @contextlib.contextmanager
     def _step_phase(self, phase: str, rollout_id: int):
@@ -327,9 +327,10 @@ class MegatronTrainActor:
         """--save (without the optimizer state under --no-save-optim), and --save-hf as HF safetensors."""
         from slime.backends.megatron_utils.checkpoint import save_checkpoint, save_hf_checkpoint
 
-        with self.watchdog.phase("save", deadline_s=max(self.timeout_s, 1800.0)):
+        with self.watchdog.phase("save"):  # progress: collectives and checkpoint bytes written
             optimizer = None if self.args.no_save_optim else self.optimizer
-            save_checkpoint(self.args.save, rollout_id, self.model, optimizer, self.lr_scheduler)
+            save_checkpoint(self.args.save, rollout_id, self.model, optimizer, self.lr_scheduler,
+                            progress=self.ledger.note_progress)
             if self.args.save_hf:
                 save_hf_checkpoint(self.args.save_hf.format(rollout_id=rollout_id), self.model, self.hf_config,
                                    self.args.hf_checkpoint)

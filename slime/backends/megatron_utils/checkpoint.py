@@ -4,15 +4,22 @@ Layout (megatron's): <dir>/iter_0000007/ (a torch_dist checkpoint) and
 <dir>/latest_checkpointed_iteration.txt. Every rank of the world calls save/load together
 (dist_checkpointing coordinates over the default group); resharding to another TP/PP/CP
 layout on load is dist_checkpointing's job.
+
+A save is atomic for --load: it is written under <iter dir>.partial, renamed into place once
+every rank has finished, and only then is the tracker replaced (write + rename). A save that fails
+anywhere leaves the previous checkpoint and tracker as they were; a leftover .partial directory
+is never read and is cleared by the next save of that iteration.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
-from typing import Any, Optional
+import threading
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -30,6 +37,8 @@ _CONTENTS = "slime_contents.json"  # what an iteration directory holds (a --no-s
 # HF files copied next to --save-hf weights so the directory loads with transformers / SGLang
 _HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                   "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja", "added_tokens.json")
+_PARTIAL = ".partial"
+_GROWTH_POLL_S = 1.0
 # Distributed-optimizer state format: Megatron-LM's default. The model itself reloads under any
 # layout; optimizer state needs the same TP/PP (DP may change).
 _SHARDING_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
@@ -68,26 +77,86 @@ def _full_sharded_state_dict(model_chunks, optimizer, lr_scheduler, is_loading: 
     return state
 
 
-def save_checkpoint(root: str, iteration: int, model_chunks: list, optimizer=None, lr_scheduler=None) -> str:
-    """Save model (+ optimizer, scheduler) as iteration `iteration` under root. All ranks call."""
+def save_checkpoint(root: str, iteration: int, model_chunks: list, optimizer=None, lr_scheduler=None, *,
+                    progress: Callable[[], None] | None = None) -> str:
+    """Save model (+ optimizer, scheduler) as iteration `iteration` under root, atomically. All ranks call.
+
+    `progress()` is called whenever the bytes written grow (the save's progress for the deadlines).
+    """
     patches.apply_all()  # dist_checkpointing modules imported since start get the CPU patch too
     from megatron.core import dist_checkpointing
 
     path = _iteration_dir(root, iteration)
+    partial = path + _PARTIAL
     if dist.get_rank() == 0:
-        os.makedirs(path, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)  # a failed earlier attempt
+        os.makedirs(partial)
     dist.barrier()
     state = _full_sharded_state_dict(model_chunks, optimizer, lr_scheduler, is_loading=False)
     state["iteration"] = iteration
-    dist_checkpointing.save(state, path)
-    dist.barrier()
+    with _progress_while_growing(partial, progress):
+        dist_checkpointing.save(state, partial)
+    dist.barrier()  # every rank's shards are complete
     if dist.get_rank() == 0:
-        with open(os.path.join(path, _CONTENTS), "w") as f:
+        with open(os.path.join(partial, _CONTENTS), "w") as f:
             json.dump({"optimizer": optimizer is not None}, f)
-        with open(os.path.join(root, _TRACKER), "w") as f:
-            f.write(str(iteration))
+        _publish(partial, path)
+        _write_tracker(root, iteration)
     dist.barrier()
     return path
+
+
+def _publish(partial: str, path: str) -> None:
+    """Rename the finished save into place; an older save of the same iteration goes only after."""
+    old = path + ".old"
+    if os.path.exists(path):
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
+    os.replace(partial, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_tracker(root: str, iteration: int) -> None:
+    tracker = os.path.join(root, _TRACKER)
+    with open(tracker + _PARTIAL, "w") as f:
+        f.write(str(iteration))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tracker + _PARTIAL, tracker)
+
+
+@contextlib.contextmanager
+def _progress_while_growing(directory: str, progress: Callable[[], None] | None) -> Iterator[None]:
+    """Call progress() from a thread each time the bytes under `directory` grow (polled)."""
+    if progress is None:
+        yield
+        return
+    done = threading.Event()
+
+    def watch() -> None:
+        size = _tree_bytes(directory)
+        while not done.wait(_GROWTH_POLL_S):
+            now = _tree_bytes(directory)
+            if now > size:
+                size = now
+                progress()
+
+    watcher = threading.Thread(target=watch, name="checkpoint-progress", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join()
+
+
+def _tree_bytes(directory: str) -> int:
+    total = 0
+    for base, _, files in os.walk(directory):
+        for name in files:
+            with contextlib.suppress(OSError):  # a writer may rename or remove files meanwhile
+                total += os.path.getsize(os.path.join(base, name))
+    return total
 
 
 def latest_iteration(root: str) -> Optional[int]:
@@ -95,7 +164,11 @@ def latest_iteration(root: str) -> Optional[int]:
     if not os.path.exists(tracker):
         return None
     with open(tracker) as f:
-        return int(f.read().strip())
+        text = f.read().strip()
+    if not text.isdigit():
+        raise ValueError(f"{tracker} holds {text[:40]!r}, not an iteration number; write the number of a "
+                         f"complete iter_* directory under {root} into it, or delete it to start fresh")
+    return int(text)
 
 
 @torch.no_grad()  # state copies into (views of) leaf params must not be recorded by autograd
@@ -108,6 +181,9 @@ def load_checkpoint(root: str, model_chunks: list, optimizer=None, lr_scheduler=
     iteration = latest_iteration(root) if iteration is None else iteration
     if iteration is None:
         raise FileNotFoundError(f"no {_TRACKER} under {root}")
+    if not os.path.isdir(_iteration_dir(root, iteration)):
+        raise FileNotFoundError(f"{root}: the tracker names iteration {iteration}, but {_iteration_dir(root, iteration)} "
+                                "does not exist; point --load at a complete checkpoint directory")
     if optimizer is not None and not _has_optimizer(_iteration_dir(root, iteration)):
         logger.warning("%s holds no optimizer state (saved with --no-save-optim): starting a fresh optimizer",
                        _iteration_dir(root, iteration))

@@ -12,11 +12,12 @@ from argparse import Namespace
 import torch
 import torch.distributed as dist
 
-DEFAULT_TIMEOUT_S = 600.0
+from slime.utils.deadlines import DeadlineModel
 
 
 def _timeout(args: Namespace) -> datetime.timedelta:
-    return datetime.timedelta(seconds=float(getattr(args, "fence_timeout", None) or DEFAULT_TIMEOUT_S))
+    """The world group's timeout: the process-group timeout, above every watchdog window."""
+    return datetime.timedelta(seconds=DeadlineModel.from_args(args).group_timeout)
 
 
 def init_distributed(
@@ -27,7 +28,7 @@ def init_distributed(
     master_port: int,
     backend: str | None = None,
 ) -> None:
-    """Join the default process group (every wait bounded by args.fence_timeout seconds).
+    """Join the default process group (every wait bounded by the process-group timeout).
 
     backend: "nccl" or "gloo"; default --distributed-backend when CUDA is present, else gloo.
     """

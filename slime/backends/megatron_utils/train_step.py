@@ -47,6 +47,7 @@ from slime.backends.megatron_utils.loss import LossConfig, metric_keys, micro_ba
 from slime_plugins.models.cp_attention import packed_seq_params
 
 PhaseHook = Callable[[str], ContextManager]
+ProgressHook = Callable[[], None]  # called as each micro-batch starts: the previous one completed (deadlines)
 
 
 class LossTokenTotalMismatch(RuntimeError):
@@ -138,7 +139,7 @@ def zero_grads(model_chunks: Sequence[Any], optimizer: Any) -> None:
 
 
 def run_forward_backward(model_chunks: Sequence[Any], packed: list[PackedMicroBatch], plan: MicroBatchPlan,
-                         cfg: LossConfig) -> dict[str, torch.Tensor]:
+                         cfg: LossConfig, progress: ProgressHook | None = None) -> dict[str, torch.Tensor]:
     """Forward+backward over the planned micro-batches; returns this rank's metric sums."""
     config = get_model_config(model_chunks[0])
     scale = megatron_loss_scale(config, plan.num_micro_batches)
@@ -156,7 +157,7 @@ def run_forward_backward(model_chunks: Sequence[Any], packed: list[PackedMicroBa
             return loss * scale, batch.loss_mask.sum().int(), metrics
         return loss * scale, metrics
 
-    _run_schedule(model_chunks, packed, loss_func, forward_only=False)
+    _run_schedule(model_chunks, packed, loss_func, forward_only=False, progress=progress)
     return sums
 
 
@@ -206,7 +207,8 @@ def optimizer_step(optimizer: Any, lr_scheduler: Any, reduced_loss: float) -> tu
 
 
 def train_one_step(model_chunks: Sequence[Any], optimizer: Any, lr_scheduler: Any, data: Mapping[str, Any],
-                   plan: MicroBatchPlan, args: Any, *, collective_hook: PhaseHook | None = None) -> StepResult:
+                   plan: MicroBatchPlan, args: Any, *, collective_hook: PhaseHook | None = None,
+                   progress: ProgressHook | None = None) -> StepResult:
     """Run one planned training step; ``collective_hook(phase)`` wraps each phase (fences, ledger)."""
     cfg = LossConfig.from_args(args)
     keys = metric_keys(cfg)
@@ -218,7 +220,7 @@ def train_one_step(model_chunks: Sequence[Any], optimizer: Any, lr_scheduler: An
     _install_grad_scale(model_chunks, optimizer)
     zero_grads(model_chunks, optimizer)
     with _phase(collective_hook, "forward_backward"):
-        sums = run_forward_backward(model_chunks, packed, plan, cfg)
+        sums = run_forward_backward(model_chunks, packed, plan, cfg, progress)
     with _phase(collective_hook, "grad_reduce"):
         finalize_model_grads(list(model_chunks), None)
     with _phase(collective_hook, "metrics"):
@@ -232,7 +234,8 @@ def train_one_step(model_chunks: Sequence[Any], optimizer: Any, lr_scheduler: An
 
 def compute_log_probs(model_chunks: Sequence[Any], data: Mapping[str, Any],
                       plans: MicroBatchPlan | Sequence[MicroBatchPlan], args: Any,
-                      *, collective_hook: PhaseHook | None = None) -> list[list[float]]:
+                      *, collective_hook: PhaseHook | None = None,
+                      progress: ProgressHook | None = None) -> list[list[float]]:
     """Forward-only log-probs of every response token of the plans' samples.
 
     Returns one list per rollout sample (same indexing as ``data``); samples outside this
@@ -245,7 +248,7 @@ def compute_log_probs(model_chunks: Sequence[Any], data: Mapping[str, Any],
     for plan in plans:
         packed = pack_plan(data, plan, args)
         with _phase(collective_hook, "log_probs_forward"):
-            local = _forward_log_probs(model_chunks, packed, cfg)
+            local = _forward_log_probs(model_chunks, packed, cfg, progress)
         with _phase(collective_hook, "log_probs_gather"):
             values = _gather_log_probs(local, packed)
         for sample, lps in values.items():
@@ -256,7 +259,8 @@ def compute_log_probs(model_chunks: Sequence[Any], data: Mapping[str, Any],
 # ------------------------------------------------------------------- internals
 
 
-def _forward_log_probs(model_chunks, packed: list[PackedMicroBatch], cfg: LossConfig) -> list[torch.Tensor]:
+def _forward_log_probs(model_chunks, packed: list[PackedMicroBatch], cfg: LossConfig,
+                       progress: ProgressHook | None = None) -> list[torch.Tensor]:
     """Per micro-batch local target log-probs [T_local] (empty list off the last PP stage)."""
     tp_group = parallel_state.get_tensor_model_parallel_group()
     results: list[torch.Tensor] = []
@@ -267,7 +271,7 @@ def _forward_log_probs(model_chunks, packed: list[PackedMicroBatch], cfg: LossCo
         return output.new_zeros(()), {}
 
     with torch.no_grad():
-        _run_schedule(model_chunks, packed, loss_func, forward_only=True)
+        _run_schedule(model_chunks, packed, loss_func, forward_only=True, progress=progress)
     return results
 
 
@@ -302,17 +306,20 @@ def _packed_seq_params(batch: PackedMicroBatch) -> PackedSeqParams:
     return packed_seq_params(batch.cu_seqlens, batch.padded_lengths)
 
 
-def _forward_step(data_iterator, model, *, loss_func):
+def _forward_step(data_iterator, model, *, loss_func, progress: ProgressHook | None):
+    if progress is not None:
+        progress()
     batch = next(data_iterator)
     output = model(batch.input_ids, batch.position_ids, None, packed_seq_params=_packed_seq_params(batch))
     return output, partial(loss_func, batch)
 
 
-def _run_schedule(model_chunks, packed: list[PackedMicroBatch], loss_func, *, forward_only: bool) -> None:
+def _run_schedule(model_chunks, packed: list[PackedMicroBatch], loss_func, *, forward_only: bool,
+                  progress: ProgressHook | None = None) -> None:
     chunks = list(model_chunks)
     iterators = [iter(packed) for _ in chunks] if len(chunks) > 1 else iter(packed)
     get_forward_backward_func()(
-        forward_step_func=partial(_forward_step, loss_func=loss_func),
+        forward_step_func=partial(_forward_step, loss_func=loss_func, progress=progress),
         data_iterator=iterators,
         model=chunks if len(chunks) > 1 else chunks[0],
         num_microbatches=len(packed),

@@ -283,12 +283,12 @@ class WeightSync:
         with phase("weight_sync/pause"):
             error = _attempt(self._pause_engines) if role.coordinator else None
             _fence_outcome(fence, "weight_sync/paused", rollout_id, error)
-        # Exporters are bounded bucket by bucket; the closing fence only by the whole push.
-        push_deadline_s = self.timeout_s * (len(plan.buckets) + 1)
-        with phase("weight_sync/push", push_deadline_s):
+        # Every bucket and TP gather is progress: ranks that only wait at the closing fence wait as
+        # long as the exporters keep making it (slime/utils/deadlines.py).
+        with phase("weight_sync/push"):
             result = (self._push(model_chunks, plan, role, version, phase, ledger, read_param) if role.exporter
                       else _PushResult())
-            _fence_outcome(fence, "weight_sync/pushed", rollout_id, result.error, timeout_s=push_deadline_s)
+            _fence_outcome(fence, "weight_sync/pushed", rollout_id, result.error)
         with phase("weight_sync/resume"):
             error = _attempt(lambda: self._verify_and_resume(version)) if role.coordinator else None
             _fence_outcome(fence, "weight_sync/done", rollout_id, error)
@@ -333,6 +333,8 @@ class WeightSync:
                         bucket, tensors = item[0], apply_weight_push_fault(item[1], role.world_rank, int(version) - 1)
                         result.error = _attempt(lambda: self._send_bucket(bucket, tensors, version, plan, ledger,
                                                                           result))
+                    if ledger is not None:
+                        ledger.note_progress()  # a bucket exported (and sent): progress on every exporter
         finally:
             if session:  # close what was opened, even after a failed bucket
                 error = _attempt(self.engines.end_session)
@@ -428,15 +430,11 @@ def _next_bucket(planned: Iterator, exported: Iterator, result: _PushResult):
         return None
 
 
-def _fence_outcome(fence: Callable[..., None], phase: str, rollout_id: int, error: Exception | None,
-                   timeout_s: float | None = None) -> None:
+def _fence_outcome(fence: Callable[..., None], phase: str, rollout_id: int, error: Exception | None) -> None:
     """Fence, carrying this rank's local failure (if any); raise on every rank when any rank failed."""
     fields = {"rollout_id": rollout_id, "error": _error_field(error)}
     try:
-        if timeout_s is None:
-            fence(phase, fields)
-        else:
-            fence(phase, fields, timeout_s=timeout_s)
+        fence(phase, fields)
     except CollectiveDivergenceError as divergence:
         if error is not None:
             raise error from divergence

@@ -1,7 +1,9 @@
 """Reward dispatch: `--custom-rm-path` first, then the rule-based graders named by `--rm-type`.
 
 `async_rm(args, sample)` grades one sample, `batched_async_rm(args, samples)` a group
-(with `--group-rm` a custom rm receives the whole group at once).
+(with `--group-rm` a custom rm receives the whole group at once). A label a rule-based grader
+cannot read (none, empty, of the wrong type, naming no choice) earns reward 0 with a warning that
+counts such samples, instead of a crash or a silent zero.
 """
 from __future__ import annotations
 
@@ -15,15 +17,55 @@ from slime.utils.types import Sample
 
 from .deepscaler import get_deepscaler_rule_based_reward
 from .f1 import f1_score
-from .gpqa import compute_gpqa_reward
+from .f1 import normalize_text
+from .gpqa import _letters, compute_gpqa_reward, label_to_letter
 from .math_dapo_utils import compute_score as compute_score_dapo
-from .math_utils import extract_answer, grade_math_response
+from .math_utils import extract_answer, grade_math_response, normalize_answer
 
 logger = logging.getLogger(__name__)
 
 RM_TYPES = ("math", "deepscaler", "dapo", "f1", "gpqa", "remote_rm")
 _REMOTE_RM_RETRIES = 3
 _REMOTE_RM_TIMEOUT_S = 120.0
+_LABEL_WARNINGS_SHOWN = 5  # the first few unreadable labels are quoted; then one line per 100
+_MATH_LIKE = ("math", "deepscaler", "dapo")
+
+
+class UnreadableLabels:
+    """Counts the samples graded 0 because the grader could not read their label."""
+
+    count = 0
+
+    @classmethod
+    def record(cls, rm_type: str, sample: Sample, problem: str) -> None:
+        cls.count += 1
+        if cls.count <= _LABEL_WARNINGS_SHOWN or cls.count % 100 == 0:
+            logger.warning("--rm-type %s cannot read the label of sample %s (%s): reward 0 (%d such sample(s) so "
+                           "far); fix the label column of the prompt data (--label-key)", rm_type, sample.index,
+                           problem, cls.count)
+
+
+def label_problem(rm_type: str, label, metadata: dict) -> str | None:
+    """Why a rule-based grader cannot read `label`, or None when it can."""
+    labels = label if isinstance(label, (list, tuple)) and rm_type in ("math", "deepscaler") else [label]
+    if not labels:
+        return "an empty list of labels"
+    for item in labels:
+        if item is None:
+            return "no label; set --label-key"
+        if isinstance(item, bool) or not isinstance(item, (str, int, float)):
+            return f"a {type(item).__name__} label {str(item)[:60]!r}"
+        if rm_type in _MATH_LIKE and not normalize_answer(str(item)):
+            return f"label {str(item)[:60]!r} holds no answer"
+        if rm_type == "f1" and not normalize_text(item):
+            return f"label {str(item)[:60]!r} holds no words"
+        if rm_type == "gpqa" and label_to_letter(item, metadata, _letters(metadata)) is None:
+            return f"label {str(item)[:60]!r} names none of the choices {_letters(metadata)}"
+    return None
+
+
+def _zero_reward(rm_type: str) -> float | dict:
+    return {"score": 0.0, "acc": False, "pred": "[NO LABEL]"} if rm_type == "dapo" else 0
 
 
 def load_hook(path: str) -> Callable:
@@ -82,6 +124,10 @@ async def async_rm(args, sample: Sample, **kwargs) -> Any:
         # "boxed_<type>": grade only the boxed part of the response
         response = extract_answer(response) or ""
         rm_type = rm_type[len("boxed_") :]
+    problem = label_problem(rm_type, sample.label, metadata) if rm_type in RM_TYPES else None
+    if problem is not None:
+        UnreadableLabels.record(rm_type, sample, problem)
+        return _zero_reward(rm_type)
     return _rule_based(rm_type, response, sample.label, metadata)
 
 

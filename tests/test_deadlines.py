@@ -1,0 +1,208 @@
+"""The deadline model: progress-based windows on the ranks, the watchdog's race, the derived limits.
+
+Single-process tests: ledgers and watchdogs in one process, peers simulated by a second ledger
+writing its file into the same directory (as another rank would).
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from slime.distributed import HangError, Ledger, Watchdog
+from slime.distributed.progress import ProgressView, latest_file_progress
+from slime.utils.arguments import parse_args
+from slime.utils.deadlines import DeadlineModel, default_group_timeout_minutes
+
+WINDOW_S = 0.5
+
+
+def _busy(seconds: float, tick=None, every_s: float = 0.05) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        time.sleep(every_s)
+        if tick is not None:
+            tick()
+
+
+def test_phase_several_windows_long_passes_while_it_progresses_and_fails_once_it_stalls(tmp_path):
+    ledger = Ledger(0, 1, str(tmp_path))
+    watchdog = Watchdog(WINDOW_S, str(tmp_path), 0, 1, ledger=ledger, grace_s=2.0)
+    start = time.monotonic()
+    with watchdog.phase("actor_train/forward_backward"):
+        _busy(8 * WINDOW_S, ledger.note_progress)  # a micro-batch every 50 ms for 8 windows
+    assert time.monotonic() - start >= 8 * WINDOW_S
+    stalled_at = time.monotonic()
+    with pytest.raises(HangError, match=r"phase=actor_train/forward_backward .*no progress for 0.5s"):
+        with watchdog.phase("actor_train/forward_backward"):
+            _busy(10)
+    assert time.monotonic() - stalled_at < 4 * WINDOW_S + 1.0
+    watchdog.close()
+    ledger.close()
+
+
+def test_a_peer_that_keeps_progressing_keeps_a_waiting_rank_alive(tmp_path):
+    waiting = Ledger(0, 2, str(tmp_path), flush_interval_s=0.05)
+    working = Ledger(1, 2, str(tmp_path), flush_interval_s=0.05)
+    watchdog = Watchdog(1.0, str(tmp_path), 0, 2, ledger=waiting, grace_s=2.0)
+    with watchdog.phase("weight_sync/push"):  # rank 0 only waits (like a replica at the closing fence)
+        _busy(4.0, working.note_progress)
+    stopped = time.monotonic()
+    with pytest.raises(HangError):
+        with watchdog.phase("weight_sync/push"):
+            _busy(10)  # nobody progresses any more
+    assert time.monotonic() - stopped < 4.0
+    watchdog.close()
+    waiting.close()
+    working.close()
+
+
+def test_failed_ops_are_not_progress_and_files_carry_the_progress_time(tmp_path):
+    ledger = Ledger(0, 1, str(tmp_path))
+    before = ledger.progress_at
+    time.sleep(0.01)
+    ledger.end(ledger.begin_named("fence:x", "fence", (0,)), error="TimeoutError: gave up")
+    assert ledger.progress_at == before
+    ledger.end(ledger.begin_named("fence:y", "fence", (0,)))
+    assert ledger.progress_at > before
+    ledger.flush()
+    assert latest_file_progress(str(tmp_path), 1) == ledger.progress_at
+    view = ProgressView(ledger)
+    assert view.last_progress(since=0.0, window_s=10.0) == ledger.progress_at
+    assert view.last_progress(since=ledger.progress_at + 5, window_s=10.0) == ledger.progress_at + 5
+    ledger.close()
+
+
+class _HeldDumpWatchdog(Watchdog):
+    """Holds the trip between the decision and the injection (where the report is written)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.decided = threading.Event()
+        self.release = threading.Event()
+
+    def _dump(self, summary: str) -> None:
+        self.decided.set()
+        self.release.wait(10)
+
+
+def test_a_phase_ending_between_trip_and_injection_leaves_no_stray_hang_error(tmp_path):
+    ledger = Ledger(0, 1, str(tmp_path))
+    watchdog = _HeldDumpWatchdog(WINDOW_S, str(tmp_path), 0, 1, ledger=ledger, grace_s=1.0)
+    with pytest.raises(HangError, match="phase=logging"):  # it was declared hung: the error lands here
+        with watchdog.phase("logging"):
+            assert watchdog.decided.wait(10)
+    watchdog.release.set()
+    _busy(2.0)  # unrelated code: an error injected after the phase ended would land here
+    watchdog.close()
+    ledger.close()
+
+
+def test_an_error_injected_during_a_native_wait_lands_inside_its_phase_without_an_exit(tmp_path):
+    ledger = Ledger(0, 1, str(tmp_path))
+    watchdog = Watchdog(WINDOW_S, str(tmp_path), 0, 1, ledger=ledger, grace_s=5.0)
+    done = threading.Event()
+    with pytest.raises(HangError):
+        with watchdog.phase("weight_sync"):
+            done.wait(3 * WINDOW_S + 1)  # a lock wait: the injected error cannot land inside it
+    _busy(1.0)
+    watchdog.close()
+    ledger.close()
+
+
+def test_group_timeout_is_derived_above_every_rank_window_and_checked_at_parse_time():
+    model = DeadlineModel(no_progress_s=600.0)
+    assert model.first_setup_s == 1210.0
+    assert model.group_timeout >= model.first_setup_s + 30 and model.group_timeout == 60 * 21
+    assert model.driver_window_s > model.no_progress_s
+    assert default_group_timeout_minutes(30.0) == 2
+    minimal = ["--rollout-batch-size", "2", "--num-rollout", "1", "--actor-num-gpus-per-node", "1",
+               "--train-backend-device", "cpu"]
+    assert parse_args(minimal + ["--fence-timeout", "30"]).distributed_timeout_minutes == 2
+    assert parse_args(minimal + ["--fence-timeout", "30", "--distributed-timeout-minutes", "5"]
+                      ).distributed_timeout_minutes == 5
+    with pytest.raises(SystemExit):
+        parse_args(minimal + ["--distributed-timeout-minutes", "10"])  # 600 s is under 2 x 600 + 10
+
+
+def test_parse_error_says_which_flags_to_change(capsys):
+    minimal = ["--rollout-batch-size", "2", "--num-rollout", "1", "--actor-num-gpus-per-node", "1",
+               "--train-backend-device", "cpu"]
+    with pytest.raises(SystemExit):
+        parse_args(minimal + ["--distributed-timeout-minutes", "10"])
+    err = capsys.readouterr().err
+    assert "--distributed-timeout-minutes 21" in err and "lower --fence-timeout to 280" in err, err
+
+
+class _FakeRay:
+    """ray.wait / ray.get for the driver's waiting logic: every rank finishes at `finish_at`."""
+
+    def __init__(self, finish_at: float):
+        self.finish_at = finish_at
+
+    def wait(self, pending, num_returns, timeout):
+        if time.time() >= self.finish_at:
+            return pending[:1], pending[1:]
+        time.sleep(min(timeout, max(0.0, self.finish_at - time.time())))
+        return [], pending
+
+    def get(self, refs):
+        return [f"result of {r}" for r in refs] if isinstance(refs, list) else f"result of {refs}"
+
+
+def _ticking(stop: threading.Event) -> list[float]:
+    latest = [time.time()]
+
+    def tick() -> None:
+        while not stop.wait(0.05):
+            latest[0] = time.time()
+
+    threading.Thread(target=tick, daemon=True).start()
+    return latest
+
+
+def test_driver_waits_as_long_as_ranks_progress_and_fails_one_window_after_they_stop(monkeypatch):
+    from slime.ray import deadline
+
+    monkeypatch.setattr(deadline.ray, "wait", _FakeRay(time.time() + 3.0).wait)
+    monkeypatch.setattr(deadline.ray, "get", _FakeRay(0).get)
+    stop = threading.Event()
+    latest = _ticking(stop)
+    # a phase 5 windows long (many steps, a large save) passes while some rank progresses
+    assert deadline.wait_ranks(["r0", "r1"], phase="actor_train", window_s=0.6, progress=lambda: latest[0],
+                               poll_s=0.1) == ["result of r0", "result of r1"]
+    stop.set()
+    monkeypatch.setattr(deadline.ray, "wait", _FakeRay(time.time() + 60).wait)
+    stopped = time.time()
+    with pytest.raises(deadline.RankDeadlineError, match=r"phase 'save': no rank made progress .* ranks \[0, 1\]") as err:
+        deadline.wait_ranks(["r0", "r1"], phase="save", window_s=0.6, progress=lambda: latest[0],
+                            describe_hang=lambda: "THE TABLE", poll_s=0.1)
+    assert time.time() - stopped < 2.0
+    assert err.value.details.endswith("THE TABLE") and err.value.ranks == (0, 1)
+
+
+def test_a_failed_rank_keeps_its_traceback_and_the_summary_stays_one_line():
+    from slime.ray.deadline import _failure
+    from slime.ray.train_actor import RankError
+
+    class TaskError(Exception):
+        cause = RankError("CollectiveDivergenceError: ranks [3] diverge at fence 'actor_train/plan'\nrank | plan",
+                          'Traceback (most recent call last):\n  File "actor.py", line 1\nCollectiveDivergenceError: ...',
+                          stalled=False)
+
+    class Stalled(Exception):
+        cause = RankError("HangError: HANG: phase=actor_train/wake stuck ranks=[3]", "Traceback ...", stalled=True)
+
+    failure = _failure("actor_train", 0, TaskError(), ["ranks [1]: CollectiveDivergenceError: ..."], lambda: "THE TABLE",
+                       None)
+    assert str(failure) == ("phase 'actor_train' failed on rank 0: CollectiveDivergenceError: ranks [3] diverge at "
+                            "fence 'actor_train/plan'")
+    assert failure.details.startswith("rank 0 traceback:\nTraceback (most recent call last):")
+    assert failure.details.endswith("also failed:\nranks [1]: CollectiveDivergenceError: ...")  # no hang table
+    stalled = _failure("actor_train", 3, Stalled(), [], lambda: "THE TABLE", None)
+    assert stalled.details.endswith("THE TABLE")  # where every rank is, after a stall
+    import pickle  # Ray carries the rank's error by pickling it
+
+    carried = pickle.loads(pickle.dumps(TaskError.cause))
+    assert str(carried) == TaskError.cause.message and carried.traceback_text == TaskError.cause.traceback_text
