@@ -247,9 +247,12 @@ class MegatronTrainActor:
         return report.metrics()
 
     # ------------------------------------------------------------ weight sync
-    def update_weights(self, rollout_id: int) -> dict[str, Any]:
+    def update_weights(self, rollout_id: int, engine_urls: list[str] | None = None) -> dict[str, Any]:
         """Push the weights to the engines. A sleeping trainer stays asleep: only its communicators wake,
-        and the weights are read from the host copy (nothing is resident twice on a shared GPU)."""
+        and the weights are read from the host copy (nothing is resident twice on a shared GPU).
+        `engine_urls`: aim this and later pushes at these engines (engines were restarted)."""
+        if engine_urls is not None:
+            self.weight_sync.retarget(engine_urls)
         asleep = self.asleep
         with self.watchdog.phase("weight_sync/wake"):
             wake = self._wake_groups(rollout_id) if asleep else {}

@@ -399,6 +399,11 @@ class WeightSync:
             client.close()
         self._clients = None
 
+    def retarget(self, engine_urls: Sequence[str]) -> None:
+        """Aim the next syncs at these engines (some were restarted elsewhere): connections are rebuilt."""
+        self.close()
+        self.engine_urls = tuple(engine_urls)
+
 
 # ----------------------------------------------------------------------------- helpers
 def _phase_factory(watchdog: Any) -> Callable[..., Any]:
