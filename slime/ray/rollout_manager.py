@@ -50,6 +50,9 @@ def num_engines(args) -> int:
 
 class RolloutManager:
     def __init__(self, args):
+        from slime.utils.logging_utils import configure_logger
+
+        configure_logger(role="rollout manager")  # engine failures and restarts reach the driver's output
         self.args = args
         self.data_source = RolloutDataSource(args)
         if args.start_rollout_id > 0:  # resume after the rollout whose data position was saved
@@ -216,6 +219,7 @@ class RolloutManagerHandle:
         return self._get(self._actor.num_prompts.remote(), "num_prompts", CONTROL_TIMEOUT_S)
 
     def generate(self, rollout_id: int) -> tuple[ray.ObjectRef, dict[str, Any]]:
+        logger.info("rollout %d: generating", rollout_id)
         ref = self._actor.generate.remote(rollout_id, self._version())
         refs, metrics = wait_for_rollout(self._actor, ref, what="generate", margin_s=self._margin_s,
                                          targets=self.targets)
