@@ -95,6 +95,9 @@ class RolloutGuard:
                 raise self._end(worker, RolloutTimeoutError(message, _details(table, outstanding)), label)
         if worker.error is None:
             return worker.result
+        self.fleet.check_processes()  # the function may have failed before the watch saw an engine die
+        if self.fleet.fatal is not None:
+            raise self._end(worker, self.fleet.fatal, label) from worker.error
         if self.fleet.failures and not isinstance(worker.error, RolloutError):
             failure = self.fleet.failures[-1]
             raise EngineFailedError(f"{label} failed after {failure.describe()}: {worker.error}",
