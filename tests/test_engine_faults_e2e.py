@@ -69,6 +69,8 @@ def test_failed_engines_are_restarted_and_every_rollout_trains(tolerant_run):
         assert event["rollout/num_samples"] == 8 and event["rollout/aborted_ratio"] == 0
         assert event["rollout/response_len/min"] > 0
     assert [e["rollout_id"] for e in events["train"]] == [0, 1, 2]
+    # the engines' log-probs match the trainer's: restarted engines generated with the trainer's weights
+    assert all(e["train/train_rollout_logprob_abs_diff"] <= 1e-4 for e in events["train"]), events["train"]
     assert [(e["rollout_id"], e["weight_sync/version"]) for e in events["weight_sync"]] == [
         (-1, 0), (0, 1), (1, 2), (2, 3)]
     for kind, engine in (("kill_engine", 1), ("stall_engine", 0)):
