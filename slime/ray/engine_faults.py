@@ -6,7 +6,8 @@ rollout manager into the engine's process tree while rollout <rollout_id> genera
                                         connections open (the seed's symptom: nothing moves, nothing fails)
 
 "Mid-generation": the signal goes out once the engine reports running requests (the embedded engine's
-/get_server_info), or after FIRE_AFTER_S when it never says. Works on any engine backend.
+/get_server_info; an engine that does not report them gets it after FIRE_AFTER_S); a fault whose
+rollout ended first does not fire (it says so in the log).
 """
 from __future__ import annotations
 
@@ -27,26 +28,30 @@ FIRE_AFTER_S = 30.0
 POLL_S = 0.05
 
 
-def inject_engine_faults(fleet: EngineFleet, rollout_id: int) -> list[threading.Thread]:
-    """Start one thread per fault configured for this rollout; each fires once."""
+def inject_engine_faults(fleet: EngineFleet, rollout_id: int, rollout_done: threading.Event) -> list[threading.Thread]:
+    """Start one thread per fault configured for this rollout; each fires once, while the rollout runs."""
     threads = []
     for slot in fleet.serving():
         for kind in ENGINE_FAULT_KINDS:
             if fault_active(kind, slot.rank, rollout_id):
-                thread = threading.Thread(target=_fire, args=(kind, slot, rollout_id), daemon=True,
+                thread = threading.Thread(target=_fire, args=(kind, slot, rollout_id, rollout_done), daemon=True,
                                           name=f"fault-{kind}-{slot.rank}")
                 thread.start()
                 threads.append(thread)
     return threads
 
 
-def _fire(kind: str, slot: EngineSlot, rollout_id: int) -> None:
+def _fire(kind: str, slot: EngineSlot, rollout_id: int, rollout_done: threading.Event) -> None:
     end = time.monotonic() + FIRE_AFTER_S
-    while time.monotonic() < end and not _running_requests(slot.url):
-        time.sleep(POLL_S)
-    logger.warning("fault injection: %s on engine %d (pid %d, %s) during rollout %d", kind, slot.rank, slot.pid,
-                   slot.url, rollout_id)
-    signal_process_tree(slot.pid, SIGNALS[kind])
+    pid, url = slot.pid, slot.url  # the engine as it is now, not a later restart of it
+    while time.monotonic() < end and not _running_requests(url):
+        if rollout_done.wait(POLL_S):
+            logger.warning("fault injection: %s on engine %d did not fire: rollout %d ended first", kind, slot.rank,
+                           rollout_id)
+            return
+    logger.warning("fault injection: %s on engine %d (pid %d, %s) during rollout %d", kind, slot.rank, pid, url,
+                   rollout_id)
+    signal_process_tree(pid, SIGNALS[kind])
 
 
 def _running_requests(url: str) -> int:

@@ -109,6 +109,7 @@ class EngineFleet:
         self.on_recovered: Callable[[float], None] | None = None  # seconds from a failure to serving again
         self._lock = threading.RLock()
         self._restarts: list[threading.Thread] = []
+        self._restarts_begun: list[int] = []  # engine ranks, one entry per restart
 
     # ----- views ------------------------------------------------------------------------
     def urls(self) -> list[str]:
@@ -128,8 +129,9 @@ class EngineFleet:
         return bool(self.serving())
 
     def counts(self) -> dict[str, int]:
+        """Failures seen and restarts begun so far (a restart may end after the rollout that began it)."""
         with self._lock:
-            return {"failures": len(self.failures), "restarts": sum(s.restarts for s in self.slots)}
+            return {"failures": len(self.failures), "restarts": len(self._restarts_begun)}
 
     # ----- failure and restart ----------------------------------------------------------
     def fail(self, rank: int, reason: str) -> None:
@@ -148,6 +150,7 @@ class EngineFleet:
         if self.fault_tolerant:
             thread = threading.Thread(target=self._restart, args=(slot,), name=f"restart-engine-{rank}", daemon=True)
             self._restarts.append(thread)
+            self._restarts_begun.append(rank)
             thread.start()
         elif self.fatal is None:
             self.fatal = EngineFailedError(

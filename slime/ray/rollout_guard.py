@@ -56,12 +56,14 @@ class RolloutGuard:
         self.clock.start(budget_s)
         self._bound_requests()
         self.monitor.resume()
+        done = threading.Event()
         if inject_faults:
-            inject_engine_faults(self.fleet, rollout_id)
+            inject_engine_faults(self.fleet, rollout_id, done)
         worker = _Worker(fn)
         try:
             result = self._watch(worker, f"rollout {rollout_id}: {what}", budget_s)
         finally:
+            done.set()
             self.monitor.pause()
             set_request_bounds(None, None)
             self.clock.stop()
