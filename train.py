@@ -19,6 +19,7 @@ import sys
 
 from slime.ray.actor_group import RayTrainGroup, resolve_ledger_dir
 from slime.ray.deadline import RankWaitError
+from slime.ray.rollout_errors import RolloutError
 from slime.ray.placement import create_placement, init_ray
 from slime.ray.rollout_manager import create_rollout_manager
 from slime.utils.arguments import parse_args
@@ -44,6 +45,7 @@ def train(args) -> None:
         if not args.debug_rollout_only:
             actors = RayTrainGroup(args, placement)
             actors.init(rollout.engine_urls())
+            rollout.attach_trainer(lambda urls, version: _catch_up(actors, metrics, urls, version))
             if args.offload_train:
                 metrics.log("memory", args.start_rollout_id - 1, actors.sleep())
             sync_weights(args, args.start_rollout_id - 1, rollout, actors, metrics)
@@ -90,9 +92,18 @@ def sync_weights(args, rollout_id: int, rollout, actors, metrics: MetricsLogger)
         return
     if engines_release_memory(args):
         rollout.onload(("weights",))
-    metrics.log("weight_sync", rollout_id, actors.update_weights(rollout_id))
+    engine_urls = rollout.engines_for_sync()  # None: the engines of the last push
+    metrics.log("weight_sync", rollout_id, actors.update_weights(rollout_id, engine_urls=engine_urls))
+    rollout.weights_pushed(engine_urls, rollout_id + 1)
     if engines_release_memory(args):
         rollout.onload(None)  # every tag still released: KV cache, CUDA graphs
+
+
+def _catch_up(actors, metrics: MetricsLogger, engine_urls: list[str], version: int) -> dict:
+    """--use-fault-tolerance: engines restarted during a rollout get the trainer's current weights."""
+    result = actors.update_weights(version - 1, engine_urls=engine_urls)
+    metrics.log("engine_catch_up", version - 1, result)
+    return result
 
 
 def engines_release_memory(args) -> bool:
@@ -126,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         train(args)
-    except (RankWaitError, TimeoutError) as exc:
+    except (RankWaitError, TimeoutError, RolloutError) as exc:
         # The rank's traceback and one table of every rank, then the one line that matters.
         if getattr(exc, "details", ""):
             logger.error("\n%s", exc.details)

@@ -2,6 +2,8 @@
 
 SLIME_FAULT_INJECT=<kind>@<rank>[#<rollout_id>][,<kind>@<rank>...] is parsed once per process.
 Without '#<rollout_id>' the fault fires in every rollout. Unset or empty: no fault ever fires.
+For the engine faults (ENGINE_FAULT_KINDS) '<rank>' is the rollout engine's index; the rollout manager
+injects them (slime/ray/engine_faults.py) while that rollout generates.
 The faults are injected where the real bug would be (warm-up, plan, metrics, forward/backward, logging,
 the weight push), never inside the fences that are supposed to catch them.
 """
@@ -26,8 +28,11 @@ FAULT_KINDS = frozenset(
         # Silent weight-push failures: the version still moves, only the engines' log-probs can tell.
         "skip_weight_push",  # the sending rank's buckets go out without their tensors
         "corrupt_weight_push",  # the sending rank's tensors go out with noise added
+        "kill_engine",  # the engine process exits mid-generation
+        "stall_engine",  # the engine process stops answering (health included) mid-generation
     }
 )
+ENGINE_FAULT_KINDS = ("kill_engine", "stall_engine")
 
 CORRUPTION_STD = 0.05  # noise added by corrupt_weight_push (the tiny models' weights are ~0.02-1)
 

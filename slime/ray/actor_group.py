@@ -61,8 +61,10 @@ class RayTrainGroup:
         refs = [r.train.remote(rollout_id, [data_ref]) for r in self._ranks]
         return self._wait(refs, "actor_train")[0]
 
-    def update_weights(self, rollout_id: int) -> dict[str, Any]:
-        refs = [r.update_weights.remote(rollout_id) for r in self._ranks]
+    def update_weights(self, rollout_id: int, engine_urls: list[str] | None = None) -> dict[str, Any]:
+        """Push the weights of rollout `rollout_id` (version rollout_id + 1); `engine_urls` re-aims the
+        trainer at a new set of engines (fault tolerance restarted some)."""
+        refs = [r.update_weights.remote(rollout_id, engine_urls) for r in self._ranks]
         return self._wait(refs, "weight_sync")[0]
 
     def sleep(self) -> dict[str, float]:

@@ -4,6 +4,9 @@
 devices (real SGLang servers on GPUs, the embedded engine elsewhere: both answer the same
 HTTP API), puts a router in front, and turns each rollout into the trainer's batch. The
 driver talks to it through `RolloutManagerHandle`, whose calls all carry a deadline.
+
+Every rollout and eval runs under `RolloutGuard` (--rollout-timeout, engine health, fault
+tolerance: slime/ray/rollout_guard.py); the engines' states live in `EngineFleet`.
 """
 from __future__ import annotations
 
@@ -16,11 +19,19 @@ from typing import Any
 import ray
 import torch
 
+from slime.backends.sglang_utils.http_client import SGLangHTTPClient
 from slime.backends.sglang_utils.launcher import EngineHandle, launch_engine, pick_rollout_backend
+from slime.ray.engine_health import HealthConfig
+from slime.ray.engine_recovery import EngineFleet
+from slime.ray.rollout_guard import RolloutGuard
+from slime.ray.rollout_wait import EngineTargets, get_result, wait_for_rollout
 from slime.rollout.advantages import TRAIN_DATA_KEYS, flatten_groups, samples_to_train_data
 from slime.rollout.base_types import call_rollout_fn
+from slime.rollout.data_source import eval_prompt_specs, read_rows
+from slime.rollout.deadline import driver_margin_s, rollout_deadline_s
 from slime.rollout.metrics import compute_rollout_metrics
 from slime.router.router import launch_router
+from slime.router.workers import RouterWorkers
 from slime.utils.misc import load_function
 from slime.utils.types import Sample
 
@@ -40,6 +51,9 @@ def num_engines(args) -> int:
 
 class RolloutManager:
     def __init__(self, args):
+        from slime.utils.logging_utils import configure_logger
+
+        configure_logger(role="rollout manager")  # engine failures and restarts reach the driver's output
         self.args = args
         self.data_source = load_function(args.data_source_path)(args)  # --data-source-path: cls(args)
         if args.start_rollout_id > 0:  # resume after the rollout whose data position was saved
@@ -52,37 +66,44 @@ class RolloutManager:
                        if self.engines else None)
         if self.router is not None:
             args.sglang_router_ip, args.sglang_router_port = self.router.host, self.router.port
+        self.fleet = EngineFleet(self.engines, relaunch=self._launch_engine, fault_tolerant=args.use_fault_tolerance,
+                                 router=RouterWorkers(kind=self.router.kind, url=self.router.url) if self.router else None)
+        self.guard = RolloutGuard(HealthConfig.from_args(args), self.fleet)
         self._rollout_fn = load_function(args.rollout_function_path)
 
     def _launch_engines(self) -> list[EngineHandle]:
         count = num_engines(self.args)
         if count == 0:
             return []
+        logger.info("starting %d %s engine(s) for %s", count, self.backend, self.args.hf_checkpoint)
+        with ThreadPoolExecutor(max_workers=count) as pool:
+            return list(pool.map(self._launch_engine, range(count)))
+
+    def _launch_engine(self, rank: int) -> EngineHandle:
+        """Start engine `rank` on a free port (also how a failed engine is restarted)."""
         from slime.ray.actor_group import free_port
 
-        model = self.args.hf_checkpoint
-        log_dir = self.log_dir
-        logger.info("starting %d %s engine(s) for %s", count, self.backend, model)
-
-        def launch(rank: int) -> EngineHandle:
-            return _retry_port_clash(lambda: launch_engine(
-                self.backend, self.args, rank, free_port(), model,
-                startup_timeout_s=STARTUP_TIMEOUT_S, log_dir=log_dir))
-
-        with ThreadPoolExecutor(max_workers=count) as pool:
-            return list(pool.map(launch, range(count)))
+        return _retry_port_clash(lambda: launch_engine(
+            self.backend, self.args, rank, free_port(), self.args.hf_checkpoint,
+            startup_timeout_s=STARTUP_TIMEOUT_S, log_dir=self.log_dir))
 
     def engine_urls(self) -> list[str]:
-        return [e.url for e in self.engines]
+        return self.fleet.urls()
 
     def num_prompts(self) -> int:
         return len(self.data_source)
 
-    def generate(self, rollout_id: int) -> tuple[list[ray.ObjectRef], dict[str, Any]]:
-        """One rollout as the trainer's batch, and its metrics ({} when a custom log function took over)."""
+    def generate(self, rollout_id: int, weights_version: str | None = None
+                 ) -> tuple[list[ray.ObjectRef], dict[str, Any]]:
+        """One rollout as the trainer's batch, and its metrics ({} when a custom log function took over).
+        `weights_version`: what the engines hold (a restarted engine must reach it before serving)."""
         start = time.monotonic()
-        samples, metrics = self._samples(rollout_id)
+        (samples, metrics), faults = self.guard.run(
+            "generate", rollout_id, lambda: self._samples(rollout_id), budget_s=rollout_deadline_s(self.args),
+            weights_version=weights_version, inject_faults=True)
         rollout_time = time.monotonic() - start
+        if self.args.use_fault_tolerance:
+            metrics = {**(metrics or {}), **faults}
         if self.args.save_debug_rollout_data:
             path = self.args.save_debug_rollout_data.format(rollout_id=rollout_id)
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -119,14 +140,38 @@ class RolloutManager:
         path = self.args.custom_rollout_log_function_path
         return bool(path) and bool(load_function(path)(rollout_id, self.args, samples, metrics, rollout_time))
 
-    def evaluate(self, rollout_id: int) -> dict[str, Any]:
+    def evaluate(self, rollout_id: int, weights_version: str | None = None) -> dict[str, Any]:
         """Eval metrics ({} when --custom-eval-rollout-log-function-path took over the logging)."""
         fn = load_function(self.args.eval_function_path or self.args.rollout_function_path)
-        output = call_rollout_fn(fn, self.args, rollout_id, self.data_source, evaluation=True)
+        budget_s = rollout_deadline_s(self.args, evaluation=True, eval_prompts=self._eval_prompts())
+        output, _ = self.guard.run(
+            "eval", rollout_id, lambda: call_rollout_fn(fn, self.args, rollout_id, self.data_source, evaluation=True),
+            budget_s=budget_s, weights_version=weights_version)
         path = self.args.custom_eval_rollout_log_function_path
         if path and load_function(path)(rollout_id, self.args, output.data, output.metrics):
             return {}
         return dict(output.metrics or {})
+
+    def _eval_prompts(self) -> int:
+        if not hasattr(self, "_eval_prompt_count"):  # rows of every eval file, counted once
+            self._eval_prompt_count = sum(sum(1 for _ in read_rows(spec)) for spec in eval_prompt_specs(self.args).values())
+        return self._eval_prompt_count
+
+    # ----- engine fault tolerance (the driver's side: RolloutManagerHandle, slime/ray/rollout_wait.py) -----
+    def rollout_status(self) -> dict[str, Any]:
+        """Polled by the driver while a rollout or eval runs (this actor is threaded)."""
+        return {"left_s": self.guard.left_s(), "needs_weights": self.fleet.needing_weights()}
+
+    def engines_caught_up(self, urls: list[str], weights_version: str | None) -> None:
+        self.fleet.caught_up(urls, weights_version)
+
+    def engines_for_sync(self) -> list[str]:
+        """The engines a weight sync must reach: restarts still running are waited for first."""
+        self.fleet.check_processes()
+        self.fleet.wait_restarts(STARTUP_TIMEOUT_S)
+        if self.fleet.fatal is not None:
+            raise self.fleet.fatal
+        return self.fleet.urls()
 
     def offload(self) -> dict[str, float]:
         """Colocate: engines give all their memory (weights, KV cache, CUDA graphs) to the trainer.
@@ -141,14 +186,15 @@ class RolloutManager:
         self._each_engine(lambda c: c.resume_memory_occupation(list(tags) if tags else None))
 
     def _each_engine(self, call) -> list:
-        with ThreadPoolExecutor(max_workers=max(1, len(self.engines))) as pool:
-            return list(pool.map(lambda e: call(e.client()), self.engines))
+        urls = self.fleet.urls()
+        with ThreadPoolExecutor(max_workers=max(1, len(urls))) as pool:
+            return list(pool.map(lambda url: call(SGLangHTTPClient(url)), urls))
 
     def shutdown(self) -> None:
+        self.guard.monitor.close()
         if self.router is not None:
             self.router.stop()
-        for engine in self.engines:
-            engine.stop()
+        self.fleet.stop_all()
 
 
 def engine_memory_metrics(before: list[dict], after: list[dict]) -> dict[str, float]:
@@ -191,14 +237,14 @@ def _retry_port_clash(launch, attempts: int = 3):
 class RolloutManagerHandle:
     """Driver-side proxy: each call waits on the Ray actor with a deadline."""
 
-    def __init__(self, actor):
+    def __init__(self, actor, args):
         self._actor = actor
+        self._margin_s = driver_margin_s(args)
+        self.targets = EngineTargets()
+        """What the trainer's pushes reach; `targets.push` is set once a trainer exists."""
 
     def _get(self, ref, what: str, timeout_s: float | None):
-        try:
-            return ray.get(ref, timeout=timeout_s)
-        except ray.exceptions.GetTimeoutError as exc:
-            raise TimeoutError(f"rollout manager: '{what}' did not finish within {timeout_s:.0f}s") from exc
+        return get_result(ref, timeout_s=timeout_s, what=what)
 
     def wait_ready(self) -> None:
         self._get(self._actor.engine_urls.remote(), "start engines", STARTUP_TIMEOUT_S + 60)
@@ -210,12 +256,35 @@ class RolloutManagerHandle:
         return self._get(self._actor.num_prompts.remote(), "num_prompts", CONTROL_TIMEOUT_S)
 
     def generate(self, rollout_id: int) -> tuple[ray.ObjectRef, dict[str, Any]]:
-        # Generation time grows with the rollout; each HTTP request inside carries its own timeout.
-        refs, metrics = self._get(self._actor.generate.remote(rollout_id), "generate", None)
+        logger.info("rollout %d: generating", rollout_id)
+        ref = self._actor.generate.remote(rollout_id, self._version())
+        refs, metrics = wait_for_rollout(self._actor, ref, what="generate", margin_s=self._margin_s,
+                                         targets=self.targets)
         return refs[0], metrics
 
     def evaluate(self, rollout_id: int) -> dict[str, Any]:
-        return self._get(self._actor.evaluate.remote(rollout_id), "eval", None)
+        ref = self._actor.evaluate.remote(rollout_id, self._version())
+        return wait_for_rollout(self._actor, ref, what="eval", margin_s=self._margin_s, targets=self.targets)
+
+    def attach_trainer(self, push) -> None:
+        """push(engine_urls, version) -> metrics: how restarted engines get the trainer's current weights."""
+        self.targets.push = push
+        self.targets.urls = tuple(self.engine_urls())  # what the trainer was built aiming at
+
+    def _version(self) -> str | None:
+        return None if self.targets.version is None else str(self.targets.version)
+
+    def engines_for_sync(self) -> list[str] | None:
+        """The engine list to aim the next weight sync at when it changed since the last push, else None."""
+        current = self._get(self._actor.engines_for_sync.remote(), "engines for the weight sync",
+                            STARTUP_TIMEOUT_S + CONTROL_TIMEOUT_S)
+        return self.targets.for_sync(current)
+
+    def weights_pushed(self, urls: list[str] | None, version: int) -> None:
+        """A sync reached every engine: restarted ones that waited for weights may serve now."""
+        self.targets.pushed(urls if urls is not None else list(self.targets.urls), version)
+        self._get(self._actor.engines_caught_up.remote(list(self.targets.urls), str(version)),
+                  "engines caught up", CONTROL_TIMEOUT_S)
 
     def offload(self) -> dict[str, float]:
         return self._get(self._actor.offload.remote(), "offload engines", CONTROL_TIMEOUT_S)
@@ -232,7 +301,8 @@ class RolloutManagerHandle:
 
 def create_rollout_manager(args, placement) -> RolloutManagerHandle:
     # The manager only drives HTTP and subprocesses; it reserves no device of its own.
-    actor = ray.remote(num_cpus=0)(RolloutManager).remote(args)
-    handle = RolloutManagerHandle(actor)
+    # Threaded, so the driver can poll a rollout's status while it generates (RolloutManager.rollout_status).
+    actor = ray.remote(num_cpus=0, max_concurrency=4)(RolloutManager).remote(args)
+    handle = RolloutManagerHandle(actor, args)
     handle.wait_ready()
     return handle

@@ -82,8 +82,8 @@ class TrainRayActor:
         return self.actor.train(rollout_id, data)
 
     @_portable_errors
-    def update_weights(self, rollout_id: int) -> dict:
-        return self.actor.update_weights(rollout_id)
+    def update_weights(self, rollout_id: int, engine_urls: list[str] | None = None) -> dict:
+        return self.actor.update_weights(rollout_id, engine_urls)
 
     @_portable_errors
     def sleep(self) -> dict:

@@ -138,7 +138,9 @@ async def generate(args, sample: Sample, sampling_params: dict[str, Any]) -> Sam
         return sample
     if budget is not None:
         params["max_new_tokens"] = budget
-    payload = {"input_ids": sample.tokens, "sampling_params": params, "return_logprob": True}
+    # rid: engines and the rollout's error reports name the sample an outstanding request belongs to
+    payload = {"input_ids": sample.tokens, "sampling_params": params, "return_logprob": True,
+               "rid": f"sample{sample.index}-{uuid.uuid4().hex[:8]}"}
     output = await post(generate_url(args), payload, timeout_s=request_timeout(args))
     tokens, logprobs = _new_tokens_and_logprobs(output)
     if logprobs is None:

@@ -860,6 +860,28 @@ def _add_fencing_arguments(parser: argparse.ArgumentParser) -> None:
                         "<ledger-dir>/sequence_rank<N>.jsonl (check: python -m slime.distributed.order_proof DIR)")
 
 
+def _add_rollout_fault_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("rollout deadlines and fault tolerance", "bounded waits on the engines")
+    g.add_argument("--rollout-timeout", type=float, default=None,
+                   help="seconds one rollout (or eval) may take before it fails naming the engines and the requests "
+                        "outstanding (default: 300 + 0.1 x max new tokens x ceil(samples / (engines x "
+                        "--sglang-server-concurrency)); samples = max(--rollout-batch-size, "
+                        "--over-sampling-batch-size) x --n-samples-per-prompt; max new tokens = "
+                        "--rollout-max-response-len, else --rollout-max-context-len, else 4096; eval: every eval "
+                        "prompt x --n-samples-per-eval-prompt and --eval-max-response-len)")
+    g.add_argument("--use-fault-tolerance", action="store_true", default=False,
+                   help="probe the engines while they generate; restart a dead or unresponsive one, push it the "
+                        "trainer's weights and send its requests again (without: a failed engine ends the run)")
+    g.add_argument("--rollout-health-check-interval", type=float, default=10.0,
+                   help="seconds between two health probes of every engine (with --use-fault-tolerance)")
+    g.add_argument("--rollout-health-check-timeout", type=float, default=5.0,
+                   help="seconds an engine's /health_generate may take before it counts as failed "
+                        "(with --use-fault-tolerance)")
+    g.add_argument("--rollout-health-check-first-wait", type=float, default=300.0,
+                   help="seconds before the first health probe of a run, e.g. for model compilation "
+                        "(with --use-fault-tolerance)")
+
+
 ARGUMENT_GROUPS: tuple[Callable[[argparse.ArgumentParser], None], ...] = (
     _add_cluster_arguments,
     _add_rollout_arguments,
@@ -876,6 +898,7 @@ ARGUMENT_GROUPS: tuple[Callable[[argparse.ArgumentParser], None], ...] = (
     _add_checkpoint_arguments,
     _add_sglang_arguments,
     _add_router_arguments,
+    _add_rollout_fault_arguments,
     _add_tracking_arguments,
     _add_debug_arguments,
     _add_custom_megatron_arguments,
@@ -1237,6 +1260,20 @@ def _resolve_rollout_defaults(args: argparse.Namespace) -> None:
                   f"--rollout-max-context-len {args.rollout_max_context_len}")
 
 
+def _check_rollout_faults(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    if args.rollout_timeout is not None and args.rollout_timeout <= 0:
+        _fail(f"--rollout-timeout must be positive, got {args.rollout_timeout}")
+    for dest in ("rollout_health_check_interval", "rollout_health_check_timeout"):
+        if getattr(args, dest) <= 0:
+            _fail(f"--{dest.replace('_', '-')} must be positive, got {getattr(args, dest)}")
+    if args.rollout_health_check_first_wait < 0:
+        _fail(f"--rollout-health-check-first-wait must be >= 0, got {args.rollout_health_check_first_wait}")
+    health = ("rollout_health_check_interval", "rollout_health_check_timeout", "rollout_health_check_first_wait")
+    changed = [f"--{d.replace('_', '-')}" for d in health if getattr(args, d) != parser.get_default(d)]
+    if changed and not args.use_fault_tolerance:
+        warnings.warn(f"{', '.join(changed)} only take effect with --use-fault-tolerance", stacklevel=4)
+
+
 def _resolve_tracking(args: argparse.Namespace) -> None:
     if args.tensorboard_dir is None and args.tb_project_name is not None:
         args.tensorboard_dir = args.tb_project_name  # upstream slime's name for the TensorBoard dir
@@ -1346,6 +1383,7 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
     _check_weight_sync(args)
     _check_plugins(args)
     _check_ledger(args)
+    _check_rollout_faults(args, parser)
     _resolve_tracking(args)
     _resolve_eval_datasets(args)
     _check_paths(args, parser)

@@ -3,13 +3,22 @@
 `await post(url, payload)` is the call users' custom generate functions make upstream; it keeps
 that name. One aiohttp session per event loop is reused so thousands of concurrent requests do
 not each open a connection pool.
+
+The rollout manager bounds every request of a rollout from outside (`set_request_bounds`): no
+request outlives the rollout's deadline, requests still in flight can be listed for an error report
+(`outstanding_requests`), and with --use-fault-tolerance a request that failed because its engine
+did is sent again once an engine serves (`retry`).
 """
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import threading
+import time
 import weakref
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
 
 import aiohttp
 
@@ -18,6 +27,56 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 1800.0  # one generation of a long response on a loaded engine
 _CONNECT_RETRIES = 3  # only for connection failures; a timeout is final
 _sessions: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aiohttp.ClientSession]" = weakref.WeakKeyDictionary()
+
+
+class HTTPStatusError(RuntimeError):
+    """The server answered with an error status."""
+
+    def __init__(self, method: str, url: str, status: int, body: str) -> None:
+        super().__init__(f"{method} {url} -> HTTP {status}: {body}")
+        self.url = url
+        self.status = status
+
+
+@dataclass(frozen=True)
+class OutstandingRequest:
+    """A request in flight, as the rollout's error report lists it."""
+
+    method: str
+    url: str
+    rid: str | None
+    prompt_tokens: int | None
+    max_new_tokens: int | None
+    started: float  # time.monotonic()
+    attempt: int
+
+
+# A policy deciding, after a failed request, whether to send it again (it waits for a serving engine first).
+RetryPolicy = Callable[[str, BaseException, int], Awaitable[bool]]
+
+
+@dataclass
+class _Bounds:
+    deadline: float | None = None  # time.monotonic() by which every request must have ended
+    retry: RetryPolicy | None = None
+
+
+_bounds = _Bounds()
+_outstanding: dict[int, OutstandingRequest] = {}
+_outstanding_lock = threading.Lock()
+_ids = itertools.count()
+
+
+def set_request_bounds(deadline: float | None, retry: RetryPolicy | None = None) -> None:
+    """Bound every request of this process by `deadline` (time.monotonic()) and retry per `retry`;
+    None, None lifts both (between rollouts)."""
+    _bounds.deadline, _bounds.retry = deadline, retry
+
+
+def outstanding_requests() -> list[OutstandingRequest]:
+    """Requests of this process in flight now, oldest first."""
+    with _outstanding_lock:
+        return sorted(_outstanding.values(), key=lambda r: r.started)
 
 
 def _session() -> aiohttp.ClientSession:
@@ -36,14 +95,29 @@ async def close_session() -> None:
         await session.close()
 
 
-async def _request(method: str, url: str, payload: Any, timeout_s: float) -> Any:
+def _bounded_timeout(timeout_s: float) -> float:
+    if _bounds.deadline is None:
+        return timeout_s
+    return max(0.001, min(timeout_s, _bounds.deadline - time.monotonic()))
+
+
+def _describe(method: str, url: str, payload: Any, attempt: int) -> OutstandingRequest:
+    body = payload if isinstance(payload, dict) else {}
+    ids = body.get("input_ids")
+    params = body.get("sampling_params") if isinstance(body.get("sampling_params"), dict) else {}
+    return OutstandingRequest(method=method, url=url, rid=body.get("rid"),
+                              prompt_tokens=len(ids) if isinstance(ids, list) else None,
+                              max_new_tokens=params.get("max_new_tokens"), started=time.monotonic(), attempt=attempt)
+
+
+async def _request_once(method: str, url: str, payload: Any, timeout_s: float) -> Any:
+    timeout_s = _bounded_timeout(timeout_s)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     for attempt in range(1, _CONNECT_RETRIES + 1):
         try:
             async with _session().request(method, url, json=payload, timeout=timeout) as resp:
                 if resp.status >= 400:
-                    body = (await resp.text())[:500]
-                    raise RuntimeError(f"{method} {url} -> HTTP {resp.status}: {body}")
+                    raise HTTPStatusError(method, url, resp.status, (await resp.text())[:500])
                 return await resp.json(content_type=None)
         # timeouts first: aiohttp's read timeouts are also ClientConnectionErrors, and are final
         except asyncio.TimeoutError as exc:
@@ -53,6 +127,23 @@ async def _request(method: str, url: str, payload: Any, timeout_s: float) -> Any
                 raise ConnectionError(f"{method} {url}: cannot connect after {attempt} attempts ({exc!r})") from exc
             logger.warning("%s %s: connection failed (%r); retry %d", method, url, exc, attempt)
             await asyncio.sleep(0.5 * attempt)
+
+
+async def _request(method: str, url: str, payload: Any, timeout_s: float) -> Any:
+    for attempt in itertools.count(1):
+        key = next(_ids)
+        with _outstanding_lock:
+            _outstanding[key] = _describe(method, url, payload, attempt)
+        try:
+            return await _request_once(method, url, payload, timeout_s)
+        except (ConnectionError, HTTPStatusError, TimeoutError) as exc:
+            retry = _bounds.retry
+            if retry is None or not await retry(url, exc, attempt):
+                raise
+            logger.warning("%s %s failed (%s); sending it again (attempt %d)", method, url, exc, attempt + 1)
+        finally:
+            with _outstanding_lock:
+                _outstanding.pop(key, None)
 
 
 async def post(url: str, payload: Any, timeout_s: float = DEFAULT_TIMEOUT_S) -> Any:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
 
@@ -40,6 +41,7 @@ class BatchScheduler:
         self._aborted_rids: set[str] = set()
         self._running_rids: frozenset[str] = frozenset()
         self._task: asyncio.Task | None = None
+        self.last_progress = time.monotonic()  # a batch started or made a decode step (/health_generate)
 
     @property
     def paused(self) -> bool:
@@ -80,6 +82,7 @@ class BatchScheduler:
         requests = [request for request, _ in batch]
         async with self._model_lock:
             self._running_rids = frozenset(r.rid for r in requests)
+            self.last_progress = time.monotonic()
             try:
                 results = await self._in_worker(self.engine.generate_batch, requests, self._should_abort)
             except Exception as exc:  # the requests of this batch fail, the server keeps serving
@@ -96,6 +99,7 @@ class BatchScheduler:
                 future.set_result(result)
 
     def _should_abort(self, rid: str) -> bool:
+        self.last_progress = time.monotonic()  # called between decode steps, once per running request
         return rid in self._aborted_rids
 
     # ----- control -----------------------------------------------------------------------
@@ -151,6 +155,10 @@ class BatchScheduler:
                 return False
             await asyncio.sleep(poll_s)
         return True
+
+    def request_ids(self) -> tuple[list[str], list[str]]:
+        """(running, queued) request ids."""
+        return sorted(self._running_rids), [request.rid for request, _ in self._pending]
 
 
 def _aborted_result(request: GenerationRequest, weight_version: str) -> GenerationResult:

@@ -17,6 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
+from slime.backends.embedded_engine.client_watch import ClientGoneError, made_progress, submit_while_connected
 from slime.backends.embedded_engine.engine import EmbeddedEngine, EngineReleasedError, GenerationRequest
 from slime.backends.embedded_engine.generate_request import build_requests
 from slime.backends.embedded_engine.sampling import SamplingParams
@@ -46,6 +47,8 @@ async def errors_as_json(request: web.Request, handler) -> web.StreamResponse:
         return await handler(request)
     except EngineReleasedError as exc:
         return error_response(str(exc), status=503)
+    except ClientGoneError as exc:  # nobody reads this answer
+        return error_response(str(exc), status=499)
     except (ValueError, KeyError, TypeError) as exc:
         return error_response(f"{type(exc).__name__}: {exc}", status=400)
 
@@ -64,7 +67,7 @@ async def generate(request: web.Request) -> web.Response:
     scheduler = request.app[SCHEDULER_KEY]
     body = await _json_body(request)
     requests, as_list = build_requests(body, scheduler.engine.tokenize)
-    results = await scheduler.submit(requests)
+    results = await submit_while_connected(request, scheduler, requests)
     outputs = [r.to_sglang() for r in results]
     if body.get("return_text_in_logprobs"):
         for out in outputs:
@@ -85,6 +88,8 @@ async def health_generate(request: web.Request) -> web.Response:
     scheduler = request.app[SCHEDULER_KEY]
     if scheduler.paused:  # paused on purpose (weight sync): alive, and a probe would wait for continue
         return web.Response(status=200)
+    if made_progress(scheduler):  # busy and moving: a probe would only wait behind the batch
+        return web.Response(status=200)
     probe = GenerationRequest(
         rid=f"health-{uuid.uuid4().hex}", input_ids=(0,), params=SamplingParams(max_new_tokens=1, temperature=0.0)
     )
@@ -103,8 +108,9 @@ async def weight_version(request: web.Request) -> web.Response:
 async def server_info(request: web.Request) -> web.Response:
     scheduler = request.app[SCHEDULER_KEY]
     info = scheduler.engine.model_info()
-    info.update(paused=scheduler.paused, queued_requests=scheduler.num_queued(), max_batch_size=scheduler.max_batch_size,
-                memory=scheduler.engine.memory())
+    running, queued = scheduler.request_ids()
+    info.update(paused=scheduler.paused, queued_requests=len(queued), running_requests=len(running),
+                request_ids=running + queued, max_batch_size=scheduler.max_batch_size, memory=scheduler.engine.memory())
     return web.json_response(info)
 
 

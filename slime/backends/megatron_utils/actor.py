@@ -90,7 +90,7 @@ class MegatronTrainActor:
         return start
 
     def _build_model(self) -> int:
-        from slime.backends.megatron_utils.checkpoint import latest_iteration, load_checkpoint
+        from slime.backends.megatron_utils.checkpoint import latest_iteration
         from slime.backends.megatron_utils.model import build_model_and_optimizer
 
         from slime.backends.megatron_utils.offload import TrainerMemory
@@ -309,9 +309,12 @@ class MegatronTrainActor:
         return report.metrics()
 
     # ------------------------------------------------------------ weight sync
-    def update_weights(self, rollout_id: int) -> dict[str, Any]:
+    def update_weights(self, rollout_id: int, engine_urls: list[str] | None = None) -> dict[str, Any]:
         """Push the weights to the engines. A sleeping trainer stays asleep: only its communicators wake,
-        and the weights are read from the host copy (nothing is resident twice on a shared GPU)."""
+        and the weights are read from the host copy (nothing is resident twice on a shared GPU).
+        `engine_urls`: aim this and later pushes at these engines (engines were restarted)."""
+        if engine_urls is not None:
+            self.weight_sync.retarget(engine_urls)
         asleep = self.asleep
         with self.watchdog.phase("weight_sync/wake"):
             wake = self._wake_groups(rollout_id) if asleep else {}

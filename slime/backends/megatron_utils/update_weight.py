@@ -395,6 +395,11 @@ class WeightSync:
             self._engines.close()
             self._engines = None
 
+    def retarget(self, engine_urls: Sequence[str]) -> None:
+        """Aim the next syncs at these engines (some were restarted elsewhere): connections are rebuilt."""
+        self.close()
+        self.engine_urls = tuple(engine_urls)
+
 
 # ----------------------------------------------------------------------------- helpers
 def _phase_factory(watchdog: Any) -> Callable[..., Any]:

@@ -1,0 +1,144 @@
+"""Health of the rollout engines: the monitor thread of --use-fault-tolerance, and the probes of a report.
+
+As upstream, the monitor runs only while a rollout or an eval generates (engines legitimately stop
+generating while paused for a weight push or released for training); its first resume waits
+--rollout-health-check-first-wait. Every --rollout-health-check-interval it looks at each serving
+engine: an exited process, or a /health_generate that does not answer 200 within
+--rollout-health-check-timeout, is a failure (EngineFleet.fail). Without the flag it only watches
+the processes (no HTTP, nothing to misjudge): a dead engine still ends the rollout at once, a
+stalled one at --rollout-timeout.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import requests
+
+from slime.ray.engine_recovery import EngineFleet, EngineSlot, process_state
+
+logger = logging.getLogger(__name__)
+
+PROCESS_POLL_S = 1.0  # without fault tolerance: how often exited engine processes are noticed
+
+
+@dataclass(frozen=True, kw_only=True)
+class HealthConfig:
+    fault_tolerant: bool = False
+    """--use-fault-tolerance: probe engines and restart failed ones."""
+    interval_s: float = 10.0
+    """--rollout-health-check-interval: seconds between two looks at every engine."""
+    timeout_s: float = 5.0
+    """--rollout-health-check-timeout: /health_generate must answer within this."""
+    first_wait_s: float = 300.0
+    """--rollout-health-check-first-wait: delay before the first probe (model compilation)."""
+
+    @classmethod
+    def from_args(cls, args) -> "HealthConfig":
+        return cls(fault_tolerant=bool(getattr(args, "use_fault_tolerance", False)),
+                   interval_s=float(getattr(args, "rollout_health_check_interval", 10.0)),
+                   timeout_s=float(getattr(args, "rollout_health_check_timeout", 5.0)),
+                   first_wait_s=float(getattr(args, "rollout_health_check_first_wait", 300.0)))
+
+
+def probe_health(url: str, timeout_s: float, path: str = "/health_generate") -> str | None:
+    """None when the engine answers 200 within timeout_s, else what went wrong."""
+    try:
+        response = requests.get(url + path, timeout=timeout_s)
+    except requests.Timeout:
+        return f"no answer to {path} within {timeout_s:g}s"
+    except requests.RequestException as exc:
+        return f"{path} failed: {type(exc).__name__}"
+    return None if response.status_code == 200 else f"{path} answered HTTP {response.status_code}"
+
+
+def request_ids(url: str, timeout_s: float) -> tuple[str, ...] | None:
+    """The request ids an engine reports holding (the embedded engine does; None when it does not say)."""
+    try:
+        info = requests.get(url + "/get_server_info", timeout=timeout_s).json()
+    except (requests.RequestException, ValueError):
+        return None
+    ids = info.get("request_ids") if isinstance(info, dict) else None
+    return tuple(ids) if isinstance(ids, list) else None
+
+
+class HealthMonitor:
+    def __init__(self, config: HealthConfig, fleet: EngineFleet) -> None:
+        self.config = config
+        self.fleet = fleet
+        self._active = threading.Event()
+        self._closed = threading.Event()
+        self._first_resume = True
+        self._not_before = 0.0
+        self._thread = threading.Thread(target=self._run, name="engine-health", daemon=True)
+        self._thread.start()
+
+    def resume(self) -> None:
+        if self._first_resume and self.config.fault_tolerant:
+            self._not_before = time.monotonic() + self.config.first_wait_s
+        self._first_resume = False
+        self._active.set()
+
+    def pause(self) -> None:
+        self._active.clear()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._active.set()
+        self._thread.join(timeout=self.config.timeout_s + 5)
+
+    def _run(self) -> None:
+        period = self.config.interval_s if self.config.fault_tolerant else PROCESS_POLL_S
+        while not self._closed.is_set():
+            self._active.wait()
+            if self._closed.is_set():
+                return
+            try:
+                self.fleet.check_processes()
+                if self.config.fault_tolerant and time.monotonic() >= self._not_before:
+                    self._probe_all()
+            except Exception:  # noqa: BLE001 - the monitor must outlive one bad look
+                logger.exception("engine health check failed")
+            self._closed.wait(period)
+
+    def _probe_all(self) -> None:
+        slots = self.fleet.serving()
+        if not slots:
+            return
+        with ThreadPoolExecutor(max_workers=len(slots)) as pool:
+            problems = list(pool.map(self._probe, slots))
+        for slot, problem in zip(slots, problems):
+            if problem is not None and self._active.is_set():  # a pause during the probe makes it moot
+                self.fleet.fail(slot.rank, problem)
+
+    def _probe(self, slot: EngineSlot) -> str | None:
+        problem = probe_health(slot.url, self.config.timeout_s)
+        if problem is None:
+            ids = request_ids(slot.url, self.config.timeout_s)
+            if ids is not None:
+                slot.last_request_ids = ids
+        return problem
+
+
+def describe_engines(fleet: EngineFleet, timeout_s: float) -> str:
+    """One line per engine: process, /health, the requests it says it holds (a report's table)."""
+    slots = list(fleet.slots)
+
+    def look(slot: EngineSlot) -> tuple[str, str, str]:
+        process = process_state(slot)
+        if not process.startswith("alive"):
+            return process, "-", "-"
+        health = probe_health(slot.url, timeout_s, path="/health") or "ok"
+        ids = request_ids(slot.url, timeout_s) if health == "ok" else None
+        held = "?" if ids is None else (f"{len(ids)}: {', '.join(ids[:6])}" + (" ..." if len(ids) > 6 else ""))
+        return process, health, held
+
+    with ThreadPoolExecutor(max_workers=max(1, len(slots))) as pool:
+        looks = list(pool.map(look, slots))
+    rows = [("engine", "url", "state", "process", "/health", "requests held")]
+    rows += [(str(s.rank), s.url, s.state, *look_) for s, look_ in zip(slots, looks)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)

@@ -1,0 +1,212 @@
+"""Rollout-side deadlines: the default rule, the flags, requests bounded by the rollout's clock, the
+in-flight registry, the fault-tolerance retry, the guard's errors and the driver's engine targets.
+
+Single process: the servers are in-process aiohttp apps (tests/rollout_testing.py); the one engine
+"process" whose death the guard must notice is a plain `sleep`.
+"""
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+import time
+import types
+import warnings
+
+import pytest
+from aiohttp import web
+
+from rollout_testing import AppThread, FakeEngine
+from slime.ray.engine_health import HealthConfig
+from slime.ray.engine_recovery import EngineFleet
+from slime.ray.rollout_errors import EngineFailedError, RolloutTimeoutError
+from slime.ray.rollout_guard import RolloutGuard
+from slime.ray.rollout_wait import EngineTargets
+from slime.rollout.deadline import RolloutClock, driver_margin_s, rollout_deadline_s, rollout_timeout_s
+from slime.utils import http_utils
+from slime.utils.arguments import parse_args
+
+MINIMAL = ["--rollout-batch-size", "4", "--n-samples-per-prompt", "8", "--num-rollout", "1",
+           "--actor-num-gpus-per-node", "1", "--train-backend-device", "cpu", "--rollout-backend", "embedded"]
+
+
+def _parse(*extra: str):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        args = parse_args([*MINIMAL, *extra])
+    return args, [str(w.message) for w in caught]
+
+
+# ----- the default rule and the flags ---------------------------------------------------------
+def test_default_timeout_grows_with_response_length_and_batch():
+    base = rollout_timeout_s(samples=64, max_new_tokens=1000, engines=2, concurrency=512)
+    assert base == pytest.approx(300 + 0.1 * 1000)
+    assert rollout_timeout_s(samples=64, max_new_tokens=2000, engines=2, concurrency=512) - 300 == pytest.approx(200)
+    # more samples than the engines take at once: one more wave each time they fill up
+    assert rollout_timeout_s(samples=2048, max_new_tokens=1000, engines=2, concurrency=512) == pytest.approx(300 + 200)
+    assert rollout_timeout_s(samples=2048, max_new_tokens=1000, engines=4, concurrency=512) == pytest.approx(300 + 100)
+
+
+def test_deadline_from_flags_and_override():
+    args, _ = _parse("--rollout-max-response-len", "1000", "--rollout-num-gpus", "2")
+    assert rollout_deadline_s(args) == pytest.approx(300 + 100)
+    args, _ = _parse("--rollout-max-response-len", "1000", "--over-sampling-batch-size", "2000",
+                     "--sglang-server-concurrency", "1000", "--rollout-num-gpus", "2")
+    assert rollout_deadline_s(args) == pytest.approx(300 + 0.1 * 1000 * 8)  # 2000 x 8 samples over 2 x 1000
+    args, _ = _parse("--rollout-max-response-len", "1000", "--eval-max-response-len", "50",
+                     "--n-samples-per-eval-prompt", "2")
+    assert rollout_deadline_s(args, evaluation=True, eval_prompts=10) == pytest.approx(300 + 5)
+    args, _ = _parse("--rollout-timeout", "42", "--rollout-health-check-timeout", "3", "--use-fault-tolerance")
+    assert rollout_deadline_s(args) == 42 and rollout_deadline_s(args, evaluation=True) == 42
+    assert driver_margin_s(args) > 2 * 3
+
+
+def test_bad_deadline_flags_are_refused_and_idle_ones_warned(capsys):
+    for flags in (["--rollout-timeout", "0"], ["--rollout-health-check-interval", "-1"]):
+        with pytest.raises(SystemExit):
+            _parse(*flags)
+        assert "must be positive" in capsys.readouterr().err
+    _, messages = _parse("--rollout-health-check-interval", "2")
+    assert any("only take effect with --use-fault-tolerance" in m for m in messages), messages
+    _, messages = _parse("--rollout-health-check-interval", "2", "--use-fault-tolerance")
+    assert not any("--use-fault-tolerance" in m for m in messages)
+
+
+def test_clock_extends_and_expires():
+    clock = RolloutClock()
+    assert clock.left_s() is None and not clock.expired()
+    clock.start(0.2)
+    assert 0 < clock.left_s() <= 0.2
+    clock.extend(10)
+    assert clock.left_s() > 10 and clock.budget_s == pytest.approx(10.2)
+    clock.start(0.0)
+    assert clock.expired()
+
+
+# ----- requests bounded by the rollout's clock, listed while in flight, retried on failure ---------
+@pytest.fixture
+def slow_engine():
+    engine = FakeEngine(delay_s=4.0).start()  # longer than every deadline below
+    yield engine
+    engine.stop()
+
+
+def _post(url: str, payload: dict, timeout_s: float = 600.0):
+    async def call():
+        try:
+            return await http_utils.post(url, payload, timeout_s=timeout_s)
+        finally:
+            await http_utils.close_session()
+
+    return asyncio.run(call())
+
+
+def test_request_never_outlives_the_rollout_deadline_and_is_listed_meanwhile(slow_engine):
+    url = f"http://127.0.0.1:{slow_engine.port}/generate"
+    payload = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 7}, "rid": "sample3-abc"}
+    seen = []
+    http_utils.set_request_bounds(time.monotonic() + 1.0)
+    try:
+        threading.Timer(0.5, lambda: seen.extend(http_utils.outstanding_requests())).start()
+        start = time.monotonic()
+        with pytest.raises(TimeoutError):
+            _post(url, payload)
+        assert time.monotonic() - start < 5
+    finally:
+        http_utils.set_request_bounds(None)
+    assert [(r.rid, r.prompt_tokens, r.max_new_tokens, r.attempt) for r in seen] == [("sample3-abc", 3, 7, 1)]
+    assert http_utils.outstanding_requests() == []
+
+
+def test_failed_request_is_sent_again_only_when_the_policy_says_so():
+    calls = []
+
+    async def flaky(request: web.Request) -> web.Response:
+        calls.append(await request.json())
+        if len(calls) == 1:
+            return web.json_response({"error": "worker died"}, status=503)
+        return web.json_response({"text": "ok"})
+
+    app = web.Application()
+    app.router.add_post("/generate", flaky)
+    server = AppThread(app).start()
+    url = f"http://127.0.0.1:{server.port}/generate"
+    attempts = []
+
+    async def retry(url_: str, error: BaseException, attempt: int) -> bool:
+        attempts.append((isinstance(error, http_utils.HTTPStatusError) and error.status, attempt))
+        return True
+
+    try:
+        with pytest.raises(http_utils.HTTPStatusError, match="HTTP 503"):
+            _post(url, {"rid": "a"})  # no policy: the error stands
+        http_utils.set_request_bounds(time.monotonic() + 30, retry)
+        calls.clear()
+        assert _post(url, {"rid": "b"}) == {"text": "ok"}
+    finally:
+        http_utils.set_request_bounds(None)
+        server.stop()
+    assert attempts == [(503, 1)] and len(calls) == 2
+
+
+# ----- the guard: a deadline or a failed engine ends the rollout with a named error ----------------
+def _guard(engines=(), fault_tolerant=False) -> RolloutGuard:
+    fleet = EngineFleet(list(engines), relaunch=lambda rank: None, router=None, fault_tolerant=fault_tolerant)
+    return RolloutGuard(HealthConfig(fault_tolerant=fault_tolerant, timeout_s=1.0), fleet, grace_s=1.0)
+
+
+def test_guard_deadline_names_the_requests_outstanding(slow_engine):
+    guard = _guard()
+    url = f"http://127.0.0.1:{slow_engine.port}/generate"
+    start = time.monotonic()
+    with pytest.raises(RolloutTimeoutError) as raised:
+        guard.run("generate", 4, lambda: _post(url, {"input_ids": [1] * 5, "rid": "sample9-x"}), budget_s=1.0,
+                  weights_version=None)
+    assert time.monotonic() - start < 10
+    error = raised.value
+    assert "rollout 4: generate did not finish within --rollout-timeout 1s; 1 request(s) outstanding" in str(error)
+    assert "rid=sample9-x" in error.details and "5 prompt tokens" in error.details
+    guard.monitor.close()
+
+
+class _Process:
+    """What the fleet reads of an engine: its URL, its process and how to stop it."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.server = types.SimpleNamespace(process=subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+
+    def stop(self) -> None:
+        self.server.process.kill()
+        self.server.process.wait()
+
+
+def test_guard_ends_the_rollout_when_an_engine_dies_without_fault_tolerance(slow_engine):
+    engine = _Process(f"http://127.0.0.1:{slow_engine.port}")
+    guard = _guard([engine])
+    threading.Timer(0.5, engine.server.process.kill).start()
+    start = time.monotonic()
+    try:
+        with pytest.raises(EngineFailedError) as raised:
+            guard.run("generate", 2, lambda: _post(engine.url + "/generate", {"rid": "sample1-y"}), budget_s=60,
+                      weights_version=None)
+    finally:
+        guard.monitor.close()
+        engine.stop()
+    assert time.monotonic() - start < 10  # the process watch, not the 60 s deadline
+    message = str(raised.value)
+    assert "engine 0 at" in message and "process exited with code -9" in message
+    assert "--use-fault-tolerance" in message
+    assert "rid=sample1-y" in raised.value.details
+
+
+# ----- the driver's targets -----------------------------------------------------------------------
+def test_engine_targets_reaim_the_sync_after_a_catch_up():
+    pushes = []
+    targets = EngineTargets(urls=("a", "b"), push=lambda urls, version: pushes.append((urls, version)) or {})
+    assert targets.catch_up(["c"]) is None  # nothing pushed yet: the checkpoint's weights are current
+    targets.pushed(["a", "b"], 3)
+    assert targets.for_sync(["a", "b"]) is None
+    assert targets.catch_up(["c"]) == {} and pushes == [(["c"], 3)]
+    assert targets.for_sync(["a", "c"]) == ["a", "c"]  # the trainer aims at ["c"] now: re-aim at every engine
