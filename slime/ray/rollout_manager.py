@@ -1,9 +1,11 @@
 """The rollout side: engines, the router, the data source and the rollout function.
 
-`RolloutManager` is one Ray actor. It starts one engine per `--rollout-num-gpus-per-engine`
-devices (real SGLang servers on GPUs, the embedded engine elsewhere: both answer the same
-HTTP API), puts a router in front, and turns each rollout into the trainer's batch. The
-driver talks to it through `RolloutManagerHandle`, whose calls all carry a deadline.
+`RolloutManager` is one Ray actor on the driver's node (where the user's data paths were
+checked). It starts one engine per `--rollout-num-gpus-per-engine` devices (real SGLang servers
+on GPUs, the embedded engine elsewhere: both answer the same HTTP API), each through an
+`EngineRayActor` on the engine's own bundles, so on their node and GPUs; puts a router in front;
+and turns each rollout into the trainer's batch. The driver talks to it through
+`RolloutManagerHandle`, whose calls all carry a deadline.
 """
 from __future__ import annotations
 
@@ -14,8 +16,12 @@ from typing import Any
 
 import ray
 import torch
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from slime.backends.sglang_utils.launcher import EngineHandle, launch_engine, pick_rollout_backend
+from slime.backends.sglang_utils.http_client import SGLangHTTPClient
+from slime.backends.sglang_utils.launcher import pick_rollout_backend
+from slime.ray.engine_actor import EngineEndpoint, EngineRayActor
+from slime.ray.placement import Placement, advertised_host, node_address, worker_env
 from slime.rollout.advantages import samples_to_train_data
 from slime.rollout.base_types import call_rollout_fn
 from slime.rollout.data_source import RolloutDataSource
@@ -32,46 +38,47 @@ CONTROL_TIMEOUT_S = 300.0
 STARTUP_TIMEOUT_S = 900.0
 
 
-def num_engines(args) -> int:
-    if args.debug_train_only:
-        return 0
-    return max(1, args.rollout_num_gpus // args.rollout_num_gpus_per_engine)
-
-
 class RolloutManager:
-    def __init__(self, args):
+    def __init__(self, args, placement: Placement):
         self.args = args
         self.data_source = RolloutDataSource(args)
         if args.start_rollout_id > 0:  # resume after the rollout whose data position was saved
             self.data_source.load(args.start_rollout_id - 1)
         self.backend = pick_rollout_backend(args)
-        self.engines: list[EngineHandle] = self._launch_engines()
-        self.router = (_retry_port_clash(lambda: launch_router(args, [e.url for e in self.engines]))
-                       if self.engines else None)
-        if self.router is not None:
-            args.sglang_router_ip, args.sglang_router_port = self.router.host, self.router.port
+        self._engine_actors: list = []
+        self.engines: list[EngineEndpoint] = self._launch_engines(placement)
+        self.router = self._launch_router() if self.engines else None
         self._rollout_fn = load_function(args.rollout_function_path)
 
-    def _launch_engines(self) -> list[EngineHandle]:
-        count = num_engines(self.args)
-        if count == 0:
+    def _launch_engines(self, placement: Placement) -> list[EngineEndpoint]:
+        slots = placement.layout.engines
+        if not slots:
             return []
-        from slime.ray.actor_group import free_port
-
-        model = self.args.hf_checkpoint
         log_dir = os.path.join(self.args.ledger_dir or "/tmp", "engine-logs")
-        logger.info("starting %d %s engine(s) for %s", count, self.backend, model)
+        logger.info("starting %d %s engine(s) for %s", len(slots), self.backend, self.args.hf_checkpoint)
+        remote = ray.remote(EngineRayActor)
+        self._engine_actors = [remote.options(**placement.engine_options(slot.rank)).remote(
+            self.args, slot, self.backend, log_dir) for slot in slots]
+        refs = [actor.start.remote(STARTUP_TIMEOUT_S) for actor in self._engine_actors]
+        try:  # each engine bounds its own start-up; this bounds Ray scheduling the actors as well
+            return wait_engines(refs, slots, timeout_s=STARTUP_TIMEOUT_S + 120)
+        except Exception:
+            self._stop_engines()
+            raise
 
-        def launch(rank: int) -> EngineHandle:
-            return _retry_port_clash(lambda: launch_engine(
-                self.backend, self.args, rank, free_port(), model,
-                startup_timeout_s=STARTUP_TIMEOUT_S, log_dir=log_dir))
-
-        with ThreadPoolExecutor(max_workers=count) as pool:
-            return list(pool.map(launch, range(count)))
+    def _launch_router(self):
+        # Upstream binds the router to its node's address; --sglang-router-ip overrides (0.0.0.0: every
+        # interface). The rollout function then reaches it at the address other nodes would use too.
+        self.args.sglang_router_ip = self.args.sglang_router_ip or node_address()
+        router = _retry_port_clash(lambda: launch_router(self.args, [e.url for e in self.engines]))
+        self.args.sglang_router_ip, self.args.sglang_router_port = advertised_host(router.host), router.port
+        return router
 
     def engine_urls(self) -> list[str]:
         return [e.url for e in self.engines]
+
+    def engine_endpoints(self) -> list[EngineEndpoint]:
+        return list(self.engines)
 
     def num_prompts(self) -> int:
         return len(self.data_source)
@@ -115,13 +122,29 @@ class RolloutManager:
 
     def _each_engine(self, call) -> list:
         with ThreadPoolExecutor(max_workers=max(1, len(self.engines))) as pool:
-            return list(pool.map(lambda e: call(e.client()), self.engines))
+            return list(pool.map(lambda e: call(SGLangHTTPClient(e.url)), self.engines))
 
     def shutdown(self) -> None:
         if self.router is not None:
             self.router.stop()
-        for engine in self.engines:
-            engine.stop()
+        self._stop_engines()
+
+    def _stop_engines(self, timeout_s: float = 60.0) -> None:
+        stops = [actor.stop.remote() for actor in self._engine_actors]
+        ray.wait(stops, num_returns=len(stops), timeout=timeout_s)
+        for actor in self._engine_actors:
+            ray.kill(actor, no_restart=True)
+
+
+def wait_engines(refs: list, slots, *, timeout_s: float) -> list[EngineEndpoint]:
+    """The engines' endpoints in rank order; the first engine that fails, or the deadline, raises naming it."""
+    from slime.ray.deadline import RankDeadlineError, RankFailedError, wait_ranks
+
+    try:
+        return wait_ranks(refs, phase="start engines", timeout_s=timeout_s)
+    except (RankDeadlineError, RankFailedError) as exc:
+        where = "; ".join(f"engine {s.rank}: node {s.node_ip} ({s.node_id[:8]}) gpus {list(s.gpu_ids)}" for s in slots)
+        raise RuntimeError(f"engines did not start ({exc}; 'rank' = engine rank) [{where}]") from exc
 
 
 def engine_memory_metrics(before: list[dict], after: list[dict]) -> dict[str, float]:
@@ -162,10 +185,13 @@ class RolloutManagerHandle:
             raise TimeoutError(f"rollout manager: '{what}' did not finish within {timeout_s:.0f}s") from exc
 
     def wait_ready(self) -> None:
-        self._get(self._actor.engine_urls.remote(), "start engines", STARTUP_TIMEOUT_S + 60)
+        self._get(self._actor.engine_urls.remote(), "start engines", STARTUP_TIMEOUT_S + 180)
 
     def engine_urls(self) -> list[str]:
         return self._get(self._actor.engine_urls.remote(), "engine_urls", CONTROL_TIMEOUT_S)
+
+    def engine_endpoints(self) -> list[EngineEndpoint]:
+        return self._get(self._actor.engine_endpoints.remote(), "engine_endpoints", CONTROL_TIMEOUT_S)
 
     def num_prompts(self) -> int:
         return self._get(self._actor.num_prompts.remote(), "num_prompts", CONTROL_TIMEOUT_S)
@@ -191,9 +217,12 @@ class RolloutManagerHandle:
             ray.kill(self._actor, no_restart=True)
 
 
-def create_rollout_manager(args, placement) -> RolloutManagerHandle:
-    # The manager only drives HTTP and subprocesses; it reserves no device of its own.
-    actor = ray.remote(num_cpus=0)(RolloutManager).remote(args)
+def create_rollout_manager(args, placement: Placement) -> RolloutManagerHandle:
+    # The manager drives HTTP and the router; it reserves no device. It runs on the driver's node:
+    # the data paths parse_args checked there are the ones it reads.
+    here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+    actor = ray.remote(num_cpus=0)(RolloutManager).options(
+        scheduling_strategy=here, runtime_env={"env_vars": worker_env(placement.use_gpu)}).remote(args, placement)
     handle = RolloutManagerHandle(actor)
     handle.wait_ready()
     return handle

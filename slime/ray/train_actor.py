@@ -31,20 +31,38 @@ def _portable_errors(method):
 
 class TrainRayActor:
     def __init__(self, args, rank: int, world_size: int, ledger_dir: str):
+        import ray
+
+        from slime.ray.placement import visible_device_index
+
         self.args = args
         self.rank = rank
         self.world_size = world_size
         self.ledger_dir = ledger_dir
         self.actor = None
+        # On GPU bundles the rank sees the whole node (placement.py says why) and trains on its
+        # bundle's GPU; init_distributed makes LOCAL_RANK the current device.
+        self.gpu_ids = [str(g) for g in ray.get_gpu_ids()]
+        if self.gpu_ids:
+            os.environ["LOCAL_RANK"] = str(visible_device_index(self.gpu_ids[0]))
+
+    def where(self) -> dict:
+        """Where this rank landed: node, Ray's GPU ids, the CUDA device it trains on."""
+        import ray
+
+        from slime.ray.placement import node_address
+
+        return {"rank": self.rank, "node_id": ray.get_runtime_context().get_node_id(), "node_ip": node_address(),
+                "gpu_ids": self.gpu_ids, "device": int(os.environ["LOCAL_RANK"]) if self.gpu_ids else None}
 
     def rendezvous_address(self) -> tuple[str, int]:
-        """Rank 0 offers its address and a free port for torch.distributed."""
-        import ray
+        """Rank 0 offers its node's address and a free port there for torch.distributed."""
+        from slime.ray.placement import node_address
 
         with socket.socket() as s:
             s.bind(("", 0))
             port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        return node_address(), port
 
     @_portable_errors
     def init(self, master_addr: str, master_port: int, engine_urls: list[str]) -> int:

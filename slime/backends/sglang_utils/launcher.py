@@ -6,8 +6,9 @@ Both answer the same HTTP API, so everything after `launch_engine` is backend-ag
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from slime.backends.sglang_utils.http_client import SGLangHTTPClient
 from slime.backends.sglang_utils.process import ServerHandle, python_module_command, start_server_process
@@ -45,16 +46,32 @@ def pick_rollout_backend(args: Any) -> str:
     return "sglang"
 
 
-def sglang_server_args_for_engine(args: Any, engine_rank: int) -> dict[str, Any]:
-    """ServerArgs fields for one engine: slime-derived ones, then the user's --sglang-* passthrough."""
+def gpu_id_layout(gpu_ids: Sequence[int]) -> tuple[int, int]:
+    """(base_gpu_id, gpu_id_step) that make SGLang's TP ranks use exactly these device indices."""
+    step = gpu_ids[1] - gpu_ids[0] if len(gpu_ids) > 1 else 1
+    if step < 1 or list(gpu_ids) != [gpu_ids[0] + i * step for i in range(len(gpu_ids))]:
+        raise ValueError(f"engine GPUs {list(gpu_ids)} are not evenly spaced: SGLang takes a base GPU id and a step")
+    return gpu_ids[0], step
+
+
+def sglang_server_args_for_engine(args: Any, engine_rank: int, gpu_ids: Sequence[int] | None = None
+                                  ) -> dict[str, Any]:
+    """ServerArgs fields for one engine: slime-derived ones, then the user's --sglang-* passthrough.
+
+    gpu_ids: the CUDA device indices of the engine's Ray bundles (see slime/ray/placement.py);
+    without them, engines are assumed to fill each node's GPUs in rank order.
+    """
     gpus_per_engine = int(getattr(args, "rollout_num_gpus_per_engine", 1))
     gpus_per_node = int(getattr(args, "num_gpus_per_node", 8))
+    base, step = gpu_id_layout(gpu_ids) if gpu_ids else ((engine_rank * gpus_per_engine) % gpus_per_node, 1)
     derived: dict[str, Any] = {
         "tp_size": gpus_per_engine,
-        "base_gpu_id": (engine_rank * gpus_per_engine) % gpus_per_node,
+        "base_gpu_id": base,
         "trust_remote_code": True,
         "random_seed": int(getattr(args, "seed", 1234)) + engine_rank,
     }
+    if step != 1:
+        derived["gpu_id_step"] = step
     if getattr(args, "colocate", False):
         derived["enable_memory_saver"] = True
     if getattr(args, "sglang_mem_fraction_static", None) is not None:
@@ -63,8 +80,9 @@ def sglang_server_args_for_engine(args: Any, engine_rank: int) -> dict[str, Any]
     return {**derived, **passthrough}
 
 
-def build_sglang_command(args: Any, engine_rank: int, host: str, port: int, model_path: str) -> list[str]:
-    server_args = sglang_server_args_for_engine(args, engine_rank)
+def build_sglang_command(args: Any, engine_rank: int, host: str, port: int, model_path: str,
+                         gpu_ids: Sequence[int] | None = None) -> list[str]:
+    server_args = sglang_server_args_for_engine(args, engine_rank, gpu_ids)
     flags = ["--model-path", model_path, "--host", host, "--port", str(port), *render_server_flags(server_args)]
     return python_module_command("sglang.launch_server", flags)
 
@@ -95,18 +113,32 @@ def launch_engine(
     model_path: str,
     *,
     host: str = "127.0.0.1",
+    gpu_ids: Sequence[int] | None = None,
     startup_timeout_s: float | None = None,
     log_dir: str | None = None,
 ) -> EngineHandle:
-    """Start an engine process and return once its /health answers (or raise with its log tail)."""
+    """Start an engine process and return once its /health answers (or raise with its log tail).
+
+    gpu_ids: CUDA device indices (in this process's view) the engine must run on. SGLang gets them
+    as --base-gpu-id/--gpu-id-step; the single-device embedded engine as its CUDA_VISIBLE_DEVICES.
+    """
     if kind not in BACKENDS:
         raise ValueError(f"unknown engine kind {kind!r}; expected one of {BACKENDS}")
-    build = build_sglang_command if kind == "sglang" else build_embedded_command
-    command = build(args, engine_rank, host, port, model_path)
-    env = {"HF_HUB_OFFLINE": "1"} if kind == "embedded" else {}
+    if kind == "sglang":
+        command = build_sglang_command(args, engine_rank, host, port, model_path, gpu_ids)
+        env = {}
+    else:
+        command = build_embedded_command(args, engine_rank, host, port, model_path)
+        env = {"HF_HUB_OFFLINE": "1", **({"CUDA_VISIBLE_DEVICES": _visible_devices(gpu_ids)} if gpu_ids else {})}
     server = start_server_process(
         f"{kind}-engine-{engine_rank}", command, f"http://{host}:{port}", log_dir=log_dir, extra_env=env
     )
     deadline = startup_timeout_s or float(getattr(args, "sglang_server_startup_timeout", DEFAULT_STARTUP_TIMEOUT_S))
     server.wait_healthy(deadline)
     return EngineHandle(kind=kind, engine_rank=engine_rank, host=host, port=port, server=server)
+
+
+def _visible_devices(gpu_ids: Sequence[int]) -> str:
+    """CUDA_VISIBLE_DEVICES naming these device indices of this process (through its own list, if any)."""
+    inherited = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    return ",".join(inherited[i] if inherited else str(i) for i in gpu_ids)
