@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Iterable, Sequence
 
 import ray
 import torch
@@ -21,7 +22,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from slime.backends.sglang_utils.http_client import SGLangHTTPClient
 from slime.backends.sglang_utils.launcher import pick_rollout_backend
 from slime.ray.engine_actor import EngineEndpoint, EngineRayActor
-from slime.ray.placement import Placement, advertised_host, node_address, worker_env
+from slime.ray.placement import EngineSlot, Placement, advertised_host, node_address, worker_env
 from slime.rollout.advantages import samples_to_train_data
 from slime.rollout.base_types import call_rollout_fn
 from slime.rollout.data_source import RolloutDataSource
@@ -136,15 +137,25 @@ class RolloutManager:
             ray.kill(actor, no_restart=True)
 
 
-def wait_engines(refs: list, slots, *, timeout_s: float) -> list[EngineEndpoint]:
-    """The engines' endpoints in rank order; the first engine that fails, or the deadline, raises naming it."""
-    from slime.ray.deadline import RankDeadlineError, RankFailedError, wait_ranks
+def wait_engines(refs: list, slots: Sequence[EngineSlot], *, timeout_s: float) -> list[EngineEndpoint]:
+    """The engines' endpoints in rank order; the first engine that fails, or the deadline, raises naming
+    the engines and their nodes."""
+    pending = dict(zip(refs, slots))
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        done, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not done:
+            raise TimeoutError(f"engines did not start within {timeout_s:.0f}s: {_describe(pending.values())}")
+        slot = pending.pop(done[0])
+        try:
+            ray.get(done[0])
+        except Exception as exc:
+            raise RuntimeError(f"engine failed to start: {_describe([slot])}: {exc}") from exc
+    return ray.get(refs)
 
-    try:
-        return wait_ranks(refs, phase="start engines", timeout_s=timeout_s)
-    except (RankDeadlineError, RankFailedError) as exc:
-        where = "; ".join(f"engine {s.rank}: node {s.node_ip} ({s.node_id[:8]}) gpus {list(s.gpu_ids)}" for s in slots)
-        raise RuntimeError(f"engines did not start ({exc}; 'rank' = engine rank) [{where}]") from exc
+
+def _describe(slots: Iterable[EngineSlot]) -> str:
+    return "; ".join(f"engine {s.rank} on node {s.node_ip} ({s.node_id[:8]}), gpus {list(s.gpu_ids)}" for s in slots)
 
 
 def engine_memory_metrics(before: list[dict], after: list[dict]) -> dict[str, float]:

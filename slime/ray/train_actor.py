@@ -6,6 +6,10 @@ import os
 import socket
 import warnings
 
+import ray
+
+from slime.ray.placement import node_address, visible_device_index
+
 # megatron-core announces at import that TE/Apex are absent (expected on the embedded path),
 # once per module per rank; the choice of leaves is logged once by the model provider instead.
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
@@ -31,10 +35,6 @@ def _portable_errors(method):
 
 class TrainRayActor:
     def __init__(self, args, rank: int, world_size: int, ledger_dir: str):
-        import ray
-
-        from slime.ray.placement import visible_device_index
-
         self.args = args
         self.rank = rank
         self.world_size = world_size
@@ -48,17 +48,11 @@ class TrainRayActor:
 
     def where(self) -> dict:
         """Where this rank landed: node, Ray's GPU ids, the CUDA device it trains on."""
-        import ray
-
-        from slime.ray.placement import node_address
-
         return {"rank": self.rank, "node_id": ray.get_runtime_context().get_node_id(), "node_ip": node_address(),
                 "gpu_ids": self.gpu_ids, "device": int(os.environ["LOCAL_RANK"]) if self.gpu_ids else None}
 
     def rendezvous_address(self) -> tuple[str, int]:
         """Rank 0 offers its node's address and a free port there for torch.distributed."""
-        from slime.ray.placement import node_address
-
         with socket.socket() as s:
             s.bind(("", 0))
             port = s.getsockname()[1]
@@ -74,8 +68,6 @@ class TrainRayActor:
 
     @_portable_errors
     def train(self, rollout_id: int, data_ref: list) -> dict:
-        import ray
-
         data = ray.get(data_ref[0], timeout=self.args.fence_timeout)
         return self.actor.train(rollout_id, data)
 
