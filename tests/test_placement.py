@@ -111,6 +111,25 @@ def test_cluster_address_follows_ray_address_then_ray_start(tmp_path):
     assert cluster_address({"RAY_ADDRESS": "auto", "RAY_TMPDIR": str(tmp_path)}) == "10.9.9.9:6379"
 
 
+def test_a_recorded_address_nobody_answers_at_fails_at_once(monkeypatch, tmp_path):
+    import socket
+
+    import ray
+
+    from slime.ray.placement import init_ray
+
+    with socket.socket() as sock:  # a port that was free a moment ago: nothing listens there
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{port}")  # a dead `ray start` cluster
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with pytest.raises(PlacementError, match=f"no Ray cluster answers at 127.0.0.1:{port}"):
+        init_ray(types.SimpleNamespace())
+
+
 def test_worker_env_forwards_the_job_env_but_not_node_addresses(monkeypatch):
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "eth1")
     monkeypatch.setenv("SLIME_FAULT_INJECT", "diverge_plan@1")

@@ -338,5 +338,9 @@ def _probe(group: PlacementGroup, count: int, use_gpu: bool, timeout_s: float) -
                           runtime_env={"env_vars": worker_env(use_gpu)},
                           scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i)
                           ).remote() for i in range(count)]
-    found = ray.get(refs, timeout=timeout_s)
+    try:
+        found = ray.get(refs, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise PlacementError(f"the {count} bundles were reserved but not all ran a probe within {timeout_s:.0f}s "
+                             "(a node that cannot start Ray workers?)") from None
     return [BundleInfo(index=i, node_id=node, node_ip=ip, gpu_id=gpu) for i, (node, ip, gpu) in enumerate(found)]

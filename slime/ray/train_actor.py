@@ -60,6 +60,10 @@ class TrainRayActor:
 
     @_portable_errors
     def init(self, master_addr: str, master_port: int, engine_urls: list[str]) -> int:
+        if self.gpu_ids:  # before any import touches CUDA: a context on device 0 of every rank is lost memory
+            import torch
+
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         from slime.backends.megatron_utils.actor import MegatronTrainActor
 
         os.environ.setdefault("OMP_NUM_THREADS", "1")
