@@ -6,7 +6,6 @@ Both answer the same HTTP API, so everything after `launch_engine` is backend-ag
 from __future__ import annotations
 
 import importlib.util
-import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -87,11 +86,12 @@ def build_sglang_command(args: Any, engine_rank: int, host: str, port: int, mode
     return python_module_command("sglang.launch_server", flags)
 
 
-def build_embedded_command(args: Any, engine_rank: int, host: str, port: int, model_path: str) -> list[str]:
+def build_embedded_command(args: Any, engine_rank: int, host: str, port: int, model_path: str,
+                           gpu_ids: Sequence[int] | None = None) -> list[str]:
     flags = ["--model-path", model_path, "--host", host, "--port", str(port)]
     flags += ["--seed", str(int(getattr(args, "seed", 1234)) + engine_rank)]
     if _on_gpus(args):  # the embedded engine on CUDA: its GPU and the trainer's precision
-        gpu = sglang_server_args_for_engine(args, engine_rank)["base_gpu_id"]
+        gpu = sglang_server_args_for_engine(args, engine_rank, gpu_ids)["base_gpu_id"]
         flags += ["--device", f"cuda:{gpu}", "--dtype", "bfloat16" if getattr(args, "bf16", False) else "float32"]
     threads = getattr(args, "embedded_engine_num_threads", None)
     if threads:
@@ -119,26 +119,17 @@ def launch_engine(
 ) -> EngineHandle:
     """Start an engine process and return once its /health answers (or raise with its log tail).
 
-    gpu_ids: CUDA device indices (in this process's view) the engine must run on. SGLang gets them
-    as --base-gpu-id/--gpu-id-step; the single-device embedded engine as its CUDA_VISIBLE_DEVICES.
+    gpu_ids: the CUDA device indices (in this process's view, which the engine inherits) it must run
+    on: SGLang's --base-gpu-id/--gpu-id-step, the embedded engine's --device.
     """
     if kind not in BACKENDS:
         raise ValueError(f"unknown engine kind {kind!r}; expected one of {BACKENDS}")
-    if kind == "sglang":
-        command = build_sglang_command(args, engine_rank, host, port, model_path, gpu_ids)
-        env = {}
-    else:
-        command = build_embedded_command(args, engine_rank, host, port, model_path)
-        env = {"HF_HUB_OFFLINE": "1", **({"CUDA_VISIBLE_DEVICES": _visible_devices(gpu_ids)} if gpu_ids else {})}
+    build = build_sglang_command if kind == "sglang" else build_embedded_command
+    command = build(args, engine_rank, host, port, model_path, gpu_ids)
+    env = {"HF_HUB_OFFLINE": "1"} if kind == "embedded" else {}
     server = start_server_process(
         f"{kind}-engine-{engine_rank}", command, f"http://{host}:{port}", log_dir=log_dir, extra_env=env
     )
     deadline = startup_timeout_s or float(getattr(args, "sglang_server_startup_timeout", DEFAULT_STARTUP_TIMEOUT_S))
     server.wait_healthy(deadline)
     return EngineHandle(kind=kind, engine_rank=engine_rank, host=host, port=port, server=server)
-
-
-def _visible_devices(gpu_ids: Sequence[int]) -> str:
-    """CUDA_VISIBLE_DEVICES naming these device indices of this process (through its own list, if any)."""
-    inherited = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
-    return ",".join(inherited[i] if inherited else str(i) for i in gpu_ids)
