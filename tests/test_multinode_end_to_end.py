@@ -61,8 +61,9 @@ def test_two_node_run_trains_and_pushes_weights_to_both_nodes(two_node_run):
     events = read_events(two_node_run["metrics"])
     assert [e["rollout_id"] for e in events["train"]] == [0, 1]
     assert all(math.isfinite(e["train/loss"]) for e in events["train"])
-    # The version check inside each sync reads every engine's weight_version: both nodes' engines got it.
-    assert [e["weight_sync/version"] for e in events["weight_sync"]] == [1, 2]
+    # The version check inside each sync reads every engine's weight_version: both nodes' engines got it
+    # (version 0: the start-up sync of the trainer's initial weights).
+    assert [e["weight_sync/version"] for e in events["weight_sync"]] == [0, 1, 2]
     assert all(e["weight_sync/bytes"] > 0 for e in events["weight_sync"])
 
 
