@@ -11,16 +11,8 @@ import types
 import pytest
 
 from slime.backends.sglang_utils.launcher import gpu_id_layout, sglang_server_args_for_engine
-from slime.ray.placement import (
-    BundleInfo,
-    PlacementError,
-    check_engine_bind_host,
-    cluster_address,
-    order_bundles,
-    plan_layout,
-    visible_device_index,
-    worker_env,
-)
+from slime.ray.cluster import PlacementError, cluster_address, worker_env
+from slime.ray.placement import BundleInfo, check_engine_bind_host, order_bundles, plan_layout, visible_device_index
 
 
 def _bundles(spec: list[tuple[str, str, str | None]]) -> list[BundleInfo]:

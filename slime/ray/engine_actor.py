@@ -15,7 +15,8 @@ from typing import Any
 import ray
 
 from slime.backends.sglang_utils.launcher import EngineHandle, launch_engine
-from slime.ray.placement import EngineSlot, advertised_host, node_address, visible_device_index
+from slime.ray.cluster import advertised_host, node_address
+from slime.ray.placement import EngineSlot, visible_device_index
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from slime.backends.sglang_utils.http_client import SGLangHTTPClient
 from slime.backends.sglang_utils.launcher import pick_rollout_backend
 from slime.ray.engine_actor import EngineEndpoint, EngineRayActor
-from slime.ray.placement import EngineSlot, Placement, advertised_host, node_address, worker_env
+from slime.ray.cluster import advertised_host, node_address, worker_env
+from slime.ray.placement import EngineSlot, Placement
 from slime.rollout.advantages import samples_to_train_data
 from slime.rollout.base_types import call_rollout_fn
 from slime.rollout.data_source import RolloutDataSource

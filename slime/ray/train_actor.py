@@ -8,7 +8,8 @@ import warnings
 
 import ray
 
-from slime.ray.placement import node_address, visible_device_index
+from slime.ray.cluster import node_address
+from slime.ray.placement import visible_device_index
 
 # megatron-core announces at import that TE/Apex are absent (expected on the embedded path),
 # once per module per rank; the choice of leaves is logged once by the model provider instead.
