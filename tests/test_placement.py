@@ -73,6 +73,21 @@ def test_cpu_bundles_give_engines_no_gpus():
     assert [e.gpu_ids for e in layout.engines] == [(), ()]
 
 
+def test_bundle_count_per_mode():
+    from slime.ray.placement import total_bundles
+
+    def count(**kw):
+        base = dict(actor_num_nodes=2, actor_num_gpus_per_node=4, rollout_num_gpus=4, rollout_num_gpus_per_engine=2,
+                    colocate=False, debug_train_only=False, debug_rollout_only=False)
+        return total_bundles(types.SimpleNamespace(**{**base, **kw}))
+
+    assert count() == 12  # trainer's 8 + the engines' 4
+    assert count(colocate=True) == 8 and count(colocate=True, rollout_num_gpus=16) == 16  # shared: the larger
+    assert count(debug_train_only=True) == 8 and count(debug_rollout_only=True) == 4
+    with pytest.raises(PlacementError, match="set --rollout-num-gpus"):
+        count(rollout_num_gpus=None)
+
+
 # ----------------------------------------------------------------------------- devices, addresses
 def test_gpu_ids_become_device_indices_through_the_inherited_visible_list():
     assert visible_device_index("5", visible="") == 5
