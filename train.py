@@ -20,7 +20,7 @@ import sys
 from slime.ray.actor_group import RayTrainGroup, resolve_ledger_dir
 from slime.ray.deadline import RankWaitError
 from slime.ray.rollout_errors import RolloutError
-from slime.ray.placement import create_placement, init_ray
+from slime.ray.placement import create_placement, init_ray, placement_record
 from slime.ray.rollout_manager import create_rollout_manager
 from slime.utils.arguments import parse_args
 from slime.utils.metrics_logger import MetricsLogger
@@ -44,6 +44,9 @@ def train(args) -> None:
             metrics.log("memory", args.start_rollout_id - 1, rollout.offload())
         if not args.debug_rollout_only:
             actors = RayTrainGroup(args, placement)
+        metrics.log("placement", args.start_rollout_id,
+                    placement_record(actors.where() if actors else [], rollout.engine_endpoints()))
+        if actors is not None:
             actors.init(rollout.engine_urls())
             rollout.attach_trainer(lambda urls, version: _catch_up(actors, metrics, urls, version))
             if args.offload_train:

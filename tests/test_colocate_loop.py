@@ -27,6 +27,9 @@ class FakeRollout:
     def engine_urls(self):
         return ["http://engine"]
 
+    def engine_endpoints(self):
+        return []
+
     def generate(self, rollout_id):
         self.log.calls.append(f"generate {rollout_id}")
         return object(), {"rollout/raw_reward": 0.0}
@@ -48,6 +51,9 @@ class FakeRollout:
 class FakeTrainers:
     def __init__(self, log: Recorder):
         self.log = log
+
+    def where(self):
+        return []
 
     def init(self, urls):
         self.log.calls.append("trainer build")

@@ -19,7 +19,7 @@ from aiohttp import web
 
 from rollout_testing import AppThread, FakeEngine
 from slime.ray.engine_health import HealthConfig
-from slime.ray.engine_recovery import EngineFleet
+from slime.ray.engine_recovery import EngineFleet, LocalEngine
 from slime.ray.rollout_errors import EngineFailedError, RolloutTimeoutError
 from slime.ray.rollout_guard import RolloutGuard
 from slime.ray.rollout_wait import EngineTargets
@@ -152,7 +152,7 @@ def test_failed_request_is_sent_again_only_when_the_policy_says_so():
 
 # ----- the guard: a deadline or a failed engine ends the rollout with a named error ----------------
 def _guard(engines=(), fault_tolerant=False) -> RolloutGuard:
-    fleet = EngineFleet(list(engines), relaunch=lambda rank: None, router=None, fault_tolerant=fault_tolerant)
+    fleet = EngineFleet([LocalEngine(e) for e in engines], relaunch=lambda rank: None, router=None, fault_tolerant=fault_tolerant)
     return RolloutGuard(HealthConfig(fault_tolerant=fault_tolerant, timeout_s=1.0), fleet, grace_s=1.0)
 
 

@@ -115,7 +115,7 @@ def record_rollout_generate(monkeypatch) -> dict[str, Any]:
 
 
 LAUNCH_CASES = [
-    {"name": "colocated", "engine_rank": 1, "base_gpu_id": 3,
+    {"name": "colocated", "engine_rank": 1, "gpu_ids": [3, 4],
      "args": {"rollout_num_gpus_per_engine": ENGINE_TP, "seed": 7, "offload_rollout": True,
               "sglang_mem_fraction_static": 0.7, "sglang_cuda_graph_bs": [1, 2, 4]},
      "argv": [], "expect": {"tp_size": ENGINE_TP, "base_gpu_id": 3, "random_seed": 8, "enable_memory_saver": True,

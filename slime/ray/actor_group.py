@@ -9,7 +9,6 @@ driver renders, once, from the ranks' ledger files, where every rank is.
 from __future__ import annotations
 
 import logging
-import os
 import tempfile
 from typing import Any
 
@@ -38,13 +37,13 @@ class RayTrainGroup:
         self.world_size = actor_world_size(args)
         self.ledger_dir = args.ledger_dir or resolve_ledger_dir(args)
         self.deadlines = DeadlineModel.from_args(args)
-        num_gpus = 1 if placement.use_gpu else 0
-        remote = ray.remote(num_gpus=num_gpus, num_cpus=1)(TrainRayActor)
-        self._ranks = [
-            remote.options(scheduling_strategy=placement.strategy(bundle)).remote(
-                args, rank, self.world_size, self.ledger_dir)
-            for rank, bundle in enumerate(placement.actor_bundles)
-        ]
+        remote = ray.remote(TrainRayActor)
+        self._ranks = [remote.options(**placement.trainer_options(rank)).remote(
+            args, rank, self.world_size, self.ledger_dir) for rank in range(self.world_size)]
+
+    def where(self) -> list[dict]:
+        """Each rank's own account of its node and GPU, in rank order."""
+        return self._wait([r.where.remote() for r in self._ranks], "placement", self.deadlines.driver_init_window_s)
 
     def init(self, engine_urls: list[str]) -> None:
         master_addr, master_port = ray.get(self._ranks[0].rendezvous_address.remote(), timeout=120)
@@ -95,15 +94,3 @@ def exit_verdict(ledger_dir: str, world_size: int) -> str:
     from slime.distributed.hang_report import summarize_hang, watchdog_verdicts
 
     return "; ".join(watchdog_verdicts(ledger_dir)) or summarize_hang(ledger_dir, world_size)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
-def node_ip() -> str:
-    return os.environ.get("SLIME_MASTER_ADDR") or ray.util.get_node_ip_address()

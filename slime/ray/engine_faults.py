@@ -19,7 +19,7 @@ import time
 import requests
 
 from slime.distributed.fault_inject import ENGINE_FAULT_KINDS, fault_active
-from slime.ray.engine_recovery import EngineFleet, EngineSlot, signal_process_tree
+from slime.ray.engine_recovery import EngineFleet, FleetSlot
 
 logger = logging.getLogger(__name__)
 
@@ -41,17 +41,16 @@ def inject_engine_faults(fleet: EngineFleet, rollout_id: int, rollout_done: thre
     return threads
 
 
-def _fire(kind: str, slot: EngineSlot, rollout_id: int, rollout_done: threading.Event) -> None:
+def _fire(kind: str, slot: FleetSlot, rollout_id: int, rollout_done: threading.Event) -> None:
     end = time.monotonic() + FIRE_AFTER_S
-    pid, url = slot.pid, slot.url  # the engine as it is now, not a later restart of it
+    engine, url = slot.handle, slot.url  # the engine as it is now, not a later restart of it
     while time.monotonic() < end and not _running_requests(url):
         if rollout_done.wait(POLL_S):
             logger.warning("fault injection: %s on engine %d did not fire: rollout %d ended first", kind, slot.rank,
                            rollout_id)
             return
-    logger.warning("fault injection: %s on engine %d (pid %d, %s) during rollout %d", kind, slot.rank, pid, url,
-                   rollout_id)
-    signal_process_tree(pid, SIGNALS[kind])
+    logger.warning("fault injection: %s on engine %d (%s) during rollout %d", kind, slot.rank, url, rollout_id)
+    engine.signal(SIGNALS[kind])
 
 
 def _running_requests(url: str) -> int:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import requests
 
-from slime.ray.engine_recovery import EngineFleet, EngineSlot, process_state
+from slime.ray.engine_recovery import EngineFleet, FleetSlot
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class HealthMonitor:
             if problem is not None and self._active.is_set():  # a pause during the probe makes it moot
                 self.fleet.fail(slot.rank, problem)
 
-    def _probe(self, slot: EngineSlot) -> str | None:
+    def _probe(self, slot: FleetSlot) -> str | None:
         problem = probe_health(slot.url, self.config.timeout_s)
         if problem is None:
             ids = request_ids(slot.url, self.config.timeout_s)
@@ -127,8 +127,8 @@ def describe_engines(fleet: EngineFleet, timeout_s: float) -> str:
     """One line per engine: process, /health, the requests it says it holds (a report's table)."""
     slots = list(fleet.slots)
 
-    def look(slot: EngineSlot) -> tuple[str, str, str]:
-        process = process_state(slot)
+    def look(slot: FleetSlot) -> tuple[str, str, str]:
+        process = slot.handle.process_state()
         if not process.startswith("alive"):
             return process, "-", "-"
         health = probe_health(slot.url, timeout_s, path="/health") or "ok"

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import logging
 import signal
+import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import psutil
 
@@ -45,11 +46,27 @@ class EngineFailure:
         return f"engine {self.rank} at {self.url}: {self.reason}{held}"
 
 
+class EngineProcess(Protocol):
+    """What the fleet needs of a started engine, wherever its process runs: `LocalEngine` for a child of
+    this process, `slime.ray.engine_actor.RemoteEngine` for one started by its engine actor on its bundle."""
+
+    url: str
+
+    def exit_code(self) -> int | None: ...
+
+    def signal(self, sig: int) -> None:
+        """Send `sig` to the engine's whole process tree."""
+
+    def process_state(self) -> str:
+        """'alive', 'stopped (SIGSTOP)' or 'exited with code N', for reports."""
+
+    def stop(self) -> None: ...
+
+
 @dataclass
-class EngineSlot:
+class FleetSlot:
     rank: int
-    handle: Any
-    """The started engine: `.url`, `.server.process` (its Popen) and `.stop()` (launcher.EngineHandle)."""
+    handle: EngineProcess
     state: str = SERVING
     last_request_ids: tuple[str, ...] = ()
     restarts: int = 0
@@ -58,12 +75,8 @@ class EngineSlot:
     def url(self) -> str:
         return self.handle.url
 
-    @property
-    def pid(self) -> int:
-        return self.handle.server.process.pid
-
     def exit_code(self) -> int | None:
-        return self.handle.server.process.poll()
+        return self.handle.exit_code()
 
 
 def signal_process_tree(pid: int, sig: int) -> None:
@@ -80,23 +93,46 @@ def signal_process_tree(pid: int, sig: int) -> None:
             pass
 
 
-def process_state(slot: EngineSlot) -> str:
-    """'alive', 'stopped (SIGSTOP)' or 'exited with code N', for reports."""
-    code = slot.exit_code()
+def local_process_state(process: subprocess.Popen) -> str:
+    code = process.poll()
     if code is not None:
         return f"exited with code {code}"
     try:
-        if psutil.Process(slot.pid).status() == psutil.STATUS_STOPPED:
+        if psutil.Process(process.pid).status() == psutil.STATUS_STOPPED:
             return "stopped (SIGSTOP)"
     except psutil.NoSuchProcess:
         return "exited"
     return "alive"
 
 
+class LocalEngine:
+    """An engine process that is a child of this process (launcher.EngineHandle: `.url`, `.server.process`,
+    `.stop()`)."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+        self.url = handle.url
+
+    def exit_code(self) -> int | None:
+        return self.handle.server.process.poll()
+
+    def signal(self, sig: int) -> None:
+        signal_process_tree(self.handle.server.process.pid, sig)
+
+    def process_state(self) -> str:
+        return local_process_state(self.handle.server.process)
+
+    def stop(self) -> None:
+        if self.process_state().startswith("stopped"):
+            self.signal(signal.SIGKILL)  # a stopped process never handles SIGTERM
+        self.handle.stop()
+
+
 class EngineFleet:
-    def __init__(self, engines: list[Any], *, relaunch: Callable[[int], Any], router: RouterWorkers | None,
+    def __init__(self, engines: list[EngineProcess], *, relaunch: Callable[[int], EngineProcess],
+                 router: RouterWorkers | None,
                  fault_tolerant: bool, control_timeout_s: float = 30.0) -> None:
-        self.slots = [EngineSlot(rank, handle) for rank, handle in enumerate(engines)]
+        self.slots = [FleetSlot(rank, handle) for rank, handle in enumerate(engines)]
         self.relaunch = relaunch
         self.router = router
         self.fault_tolerant = fault_tolerant
@@ -117,7 +153,7 @@ class EngineFleet:
         with self._lock:
             return [s.url for s in self.slots if s.state in (SERVING, NEEDS_WEIGHTS)]
 
-    def serving(self) -> list[EngineSlot]:
+    def serving(self) -> list[FleetSlot]:
         with self._lock:
             return [s for s in self.slots if s.state == SERVING]
 
@@ -145,7 +181,7 @@ class EngineFleet:
             failure = EngineFailure(rank, slot.url, reason, slot.last_request_ids)
             self.failures.append(failure)
         logger.error("rollout %s", failure.describe())
-        signal_process_tree(slot.pid, signal.SIGKILL)
+        slot.handle.signal(signal.SIGKILL)
         self._leave_router(slot.url)
         if self.fault_tolerant:
             thread = threading.Thread(target=self._restart, args=(slot,), name=f"restart-engine-{rank}", daemon=True)
@@ -157,7 +193,7 @@ class EngineFleet:
                 f"{failure.describe()}; pass --use-fault-tolerance to restart failed engines and go on")
         self.changed.set()
 
-    def _restart(self, slot: EngineSlot) -> None:
+    def _restart(self, slot: FleetSlot) -> None:
         with self._lock:
             slot.state = STARTING
         start = time.monotonic()
@@ -228,6 +264,4 @@ class EngineFleet:
 
     def stop_all(self) -> None:
         for slot in self.slots:
-            if process_state(slot).startswith("stopped"):
-                signal_process_tree(slot.pid, signal.SIGKILL)  # a stopped process never handles SIGTERM
             slot.handle.stop()

@@ -1,44 +1,238 @@
-"""Ray start-up and placement groups for the trainer ranks and the rollout engines.
+"""Ray start-up and placement: which bundle, node and GPU every trainer rank and engine gets.
 
-On GPU machines each bundle is one GPU (plus a CPU); on machines without GPUs each bundle is
-one logical CPU, so `--actor-num-gpus-per-node 8` means 8 CPU ranks. With `--colocate` the
-engines share the trainer's bundles, as upstream does with GPUs.
+One placement group holds every bundle of the job (one GPU and one CPU each on GPU machines, one
+logical CPU elsewhere). Ray may spread it over several nodes; each bundle is then probed for its
+node and GPU and the bundles are ordered by (node address, node, GPU id), as upstream slime does, so
+that consecutive trainer ranks share a node and an engine's GPUs are neighbours on one node.
+
+    trainer rank r      -> ordered bundle r
+    engine e (G GPUs)   -> ordered bundles offset + e*G .. offset + (e+1)*G - 1
+                           offset = 0 with --colocate (engines share the trainer's bundles),
+                           else the trainer's bundle count
+
+GPU ids: actors on GPU bundles run with RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1, as upstream's
+do. Ray then leaves every GPU of the node visible and each process picks its devices by the bundle's
+GPU id: a trainer rank sets its device to it, an SGLang engine gets it as --base-gpu-id (its TP ranks
+take the engine's next bundles' GPUs). Letting Ray narrow CUDA_VISIBLE_DEVICES per actor would show
+a multi-GPU engine only the GPU of the bundle its actor holds, and would hide peer GPUs from NCCL
+(no P2P between the trainer and the engines for the distributed weight push).
 """
 from __future__ import annotations
 
+import dataclasses
+import ipaddress
 import logging
 import os
 from dataclasses import dataclass
+from typing import Any, Sequence
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from slime.ray.cluster import (
+    PlacementError,
+    cluster_address,
+    is_wildcard,
+    node_address,
+    require_reachable,
+    worker_env,
+)
 
 logger = logging.getLogger(__name__)
 
+# A trainer rank and an engine share a bundle under --colocate; upstream's shares of it.
+TRAINER_SHARE = 0.4
+ENGINE_SHARE = 0.2
 
-@dataclass(frozen=True)
-class Placement:
-    """Where the trainer ranks and the engines run."""
 
-    group: PlacementGroup
-    use_gpu: bool
-    actor_bundles: tuple[int, ...]
-    rollout_bundles: tuple[int, ...]
+def init_ray(args) -> None:
+    """Join the cluster of `ray start` / `ray job submit`, or start a private one sized for the job.
 
-    def strategy(self, bundle: int) -> PlacementGroupSchedulingStrategy:
-        return PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=bundle)
+    No runtime_env is given here: under `ray job submit` the job's own runtime env applies, and the
+    env the ranks need travels with each actor instead (`worker_env`).
+    """
+    if ray.is_initialized():
+        return
+    address = cluster_address()
+    if address is None:
+        # Without GPUs every bundle is one logical CPU: raise the count to fit the job.
+        needed = total_bundles(args) + 2
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False,
+                 log_to_driver=True)
+        return
+    require_reachable(address)
+    logger.info("joining the Ray cluster at %s", address)
+    ray.init(address=address, log_to_driver=True)
+
+
+def visible_device_index(gpu_id: int | str, visible: str | None = None) -> int:
+    """The CUDA device index of Ray's GPU id in a process that sees every GPU of the node.
+
+    Ray reports ids as listed in the raylet's CUDA_VISIBLE_DEVICES when one was set, which the
+    process inherits (with NOSET Ray does not change it); else as plain indices.
+    """
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
+    if not visible:
+        return int(gpu_id)
+    listed = [v.strip() for v in visible.split(",") if v.strip()]
+    if str(gpu_id) not in listed:
+        raise PlacementError(f"GPU id {gpu_id} from Ray is not in CUDA_VISIBLE_DEVICES={visible}")
+    return listed.index(str(gpu_id))
+
+
+# ----------------------------------------------------------------------------- the layout (pure)
+@dataclass(frozen=True, kw_only=True)
+class BundleInfo:
+    """What a probe found on one bundle of the placement group."""
+
+    index: int
+    """The bundle's index in the placement group."""
+    node_id: str
+    node_ip: str
+    gpu_id: str | None = None
+    """Ray's id of the bundle's GPU (None on CPU bundles)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineSlot:
+    """The bundles of one engine; its Ray actor runs on the first."""
+
+    rank: int
+    bundles: tuple[int, ...]
+    node_id: str
+    node_ip: str
+    gpu_ids: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    actor_bundles: tuple[BundleInfo, ...]
+    """Trainer rank r runs on actor_bundles[r]."""
+    engines: tuple[EngineSlot, ...]
+
+
+def _node_order(ip: str) -> tuple:
+    try:
+        parsed = ipaddress.ip_address(ip.strip("[]"))
+        return (0, parsed.version, int(parsed))
+    except ValueError:  # a hostname
+        return (1, 0, ip)
+
+
+def _gpu_order(gpu_id: str | None) -> tuple:
+    if gpu_id is None:
+        return (0, 0, "")
+    return (0, int(gpu_id), "") if str(gpu_id).isdigit() else (1, 0, str(gpu_id))
+
+
+def order_bundles(infos: Sequence[BundleInfo]) -> list[BundleInfo]:
+    """Bundles by node (address, then id: several nodes may share an address) and GPU id."""
+    return sorted(infos, key=lambda b: (_node_order(b.node_ip), b.node_id, _gpu_order(b.gpu_id), b.index))
+
+
+def plan_layout(infos: Sequence[BundleInfo], *, trainer_ranks: int, num_engines: int, gpus_per_engine: int,
+                colocate: bool) -> Layout:
+    """Assign ordered bundles to trainer ranks and engines; every engine must fit on one node."""
+    ordered = order_bundles(infos)
+    offset = 0 if colocate else trainer_ranks
+    needed = max(trainer_ranks, offset + num_engines * gpus_per_engine)
+    if len(ordered) < needed:
+        raise PlacementError(f"{len(ordered)} bundles for {trainer_ranks} trainer ranks and {num_engines} "
+                             f"engines of {gpus_per_engine} (colocate={colocate}): need {needed}")
+    engines = []
+    for rank in range(num_engines):
+        own = ordered[offset + rank * gpus_per_engine: offset + (rank + 1) * gpus_per_engine]
+        nodes = {b.node_id for b in own}
+        if len(nodes) > 1:
+            raise PlacementError(
+                f"engine {rank} would span nodes {sorted(nodes)} (bundles {[b.index for b in own]}): engines larger "
+                "than a node are not supported; lower --rollout-num-gpus-per-engine to at most a node's GPUs")
+        engines.append(EngineSlot(rank=rank, bundles=tuple(b.index for b in own), node_id=own[0].node_id,
+                                  node_ip=own[0].node_ip,
+                                  gpu_ids=tuple(b.gpu_id for b in own if b.gpu_id is not None)))
+    return Layout(actor_bundles=tuple(ordered[:trainer_ranks]), engines=tuple(engines))
+
+
+def check_engine_bind_host(bind_host: str | None, layout: Layout, driver_node_id: str) -> None:
+    """A concrete --engine-bind-host is one node's address: refuse it when the job spans several nodes."""
+    if not bind_host or is_wildcard(bind_host):
+        return
+    nodes = {b.node_id for b in layout.actor_bundles} | {e.node_id for e in layout.engines} | {driver_node_id}
+    if len(nodes) > 1:
+        raise PlacementError(f"--engine-bind-host {bind_host} is one address, but the job runs on {len(nodes)} nodes: "
+                             "leave it unset (each engine listens on its node's address) or use 0.0.0.0")
+
+
+def trainer_ranks(args) -> int:
+    return 0 if args.debug_rollout_only else actor_world_size(args)
 
 
 def actor_world_size(args) -> int:
     return args.actor_num_nodes * args.actor_num_gpus_per_node
 
 
-def engine_bundles(args) -> int:
-    """Bundles the engines need of their own (none when they share the trainer's or do not run)."""
-    if args.colocate or args.debug_train_only:
+def num_engines(args) -> int:
+    if args.debug_train_only:
         return 0
-    return args.rollout_num_gpus or 0
+    if not args.rollout_num_gpus:
+        raise PlacementError("no GPUs for the engines: set --rollout-num-gpus N, or --colocate to share the "
+                             "trainer's (or --debug-train-only to run without engines)")
+    return args.rollout_num_gpus // args.rollout_num_gpus_per_engine
+
+
+def total_bundles(args) -> int:
+    engines = num_engines(args) * args.rollout_num_gpus_per_engine
+    ranks = trainer_ranks(args)
+    return max(ranks, engines) if args.colocate else ranks + engines
+
+
+# ----------------------------------------------------------------------------- on the cluster
+@dataclass(frozen=True)
+class Placement:
+    """The job's placement group and who runs on which of its bundles."""
+
+    group: PlacementGroup
+    use_gpu: bool
+    layout: Layout
+
+    def strategy(self, bundle: int) -> PlacementGroupSchedulingStrategy:
+        return PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=bundle)
+
+    def trainer_options(self, rank: int) -> dict[str, Any]:
+        """Ray actor options of trainer rank `rank`: a share of its bundle, the job's env."""
+        return self._options(self.layout.actor_bundles[rank].index, TRAINER_SHARE)
+
+    def engine_options(self, engine: int) -> dict[str, Any]:
+        return self._options(self.layout.engines[engine].bundles[0], ENGINE_SHARE)
+
+    def _options(self, bundle: int, share: float) -> dict[str, Any]:
+        return {"num_cpus": share, "num_gpus": share if self.use_gpu else 0,
+                "scheduling_strategy": self.strategy(bundle),
+                "runtime_env": {"env_vars": worker_env(self.use_gpu)}}
+
+    def describe(self) -> list[str]:
+        lines = [f"trainer rank {r}: bundle {b.index} node {b.node_ip} ({b.node_id[:8]}) gpu {b.gpu_id}"
+                 for r, b in enumerate(self.layout.actor_bundles)]
+        lines += [f"engine {e.rank}: bundles {list(e.bundles)} node {e.node_ip} ({e.node_id[:8]}) "
+                  f"gpus {list(e.gpu_ids)}" for e in self.layout.engines]
+        return lines
+
+    def remove(self) -> None:
+        remove_placement_group(self.group)
+
+
+def placement_record(ranks: Sequence[dict], engines: Sequence[Any]) -> dict[str, Any]:
+    """The 'placement' metrics event: where every trainer rank and engine runs, by its own account."""
+    engines = [dataclasses.asdict(e) for e in engines]
+    nodes = {r["node_id"] for r in ranks} | {e["node_id"] for e in engines}
+    return {"placement/nodes": len(nodes), "placement/ranks": list(ranks), "placement/engines": engines}
+
+
+def probe_bundle() -> tuple[str, str, str | None]:
+    """(node id, node address, GPU id) of the bundle this runs on; a Ray task on each bundle."""
+    gpu_ids = ray.get_gpu_ids()
+    return ray.get_runtime_context().get_node_id(), node_address(), (str(gpu_ids[0]) if gpu_ids else None)
 
 
 def use_gpus(args) -> bool:
@@ -47,43 +241,37 @@ def use_gpus(args) -> bool:
     return getattr(args, "train_backend_device", "auto") != "cpu" and torch.cuda.is_available()
 
 
-def init_ray(args) -> None:
-    """Start (or join) Ray. Without GPUs, logical CPUs are raised to fit one bundle per rank."""
-    if ray.is_initialized():
-        return
-    if "RAY_ADDRESS" in os.environ:
-        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
-        return
-    needed = actor_world_size(args) + engine_bundles(args) + 2
-    num_cpus = max(os.cpu_count() or 1, needed)
-    # address="local": a fresh cluster of our own, never the "current" cluster of another run on this host.
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True,
-             runtime_env={"env_vars": _forwarded_env()})
-
-
-def _forwarded_env() -> dict[str, str]:
-    """Env vars the ranks must see (fault injection, offline hub, thread counts)."""
-    keys = ("SLIME_FAULT_INJECT", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "OMP_NUM_THREADS",
-            "TORCH_DISTRIBUTED_DEBUG", "NCCL_DEBUG", "PYTHONPATH")
-    env = {k: os.environ[k] for k in keys if k in os.environ}
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    return env
-
-
-def create_placement(args, timeout_s: float = 300.0) -> Placement:
-    """One placement group: trainer bundles first, then engine bundles unless colocated."""
-    gpu = use_gpus(args)
-    world = actor_world_size(args)
-    rollout = engine_bundles(args)
-    bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
-    group = placement_group([dict(bundle) for _ in range(world + rollout)], strategy="PACK")
+def create_placement(args, *, use_gpu: bool | None = None, timeout_s: float = 300.0) -> Placement:
+    """Reserve every bundle of the job in one placement group, probe them, assign them."""
+    use_gpu = use_gpus(args) if use_gpu is None else use_gpu
+    count = total_bundles(args)
+    bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
+    group = placement_group([dict(bundle) for _ in range(count)], strategy="PACK")
     ready, _ = ray.wait([group.ready()], timeout=timeout_s)
     if not ready:
-        raise TimeoutError(
-            f"Ray could not place {world + rollout} bundles of {bundle} within {timeout_s:.0f}s; "
-            f"cluster resources: {ray.cluster_resources()}")
-    actor = tuple(range(world))
-    engines = actor if args.colocate else tuple(range(world, world + rollout))
-    logger.info("placement: %d trainer bundles, %d engine bundles, gpu=%s", world, len(engines), gpu)
-    return Placement(group=group, use_gpu=gpu, actor_bundles=actor, rollout_bundles=engines)
+        remove_placement_group(group)
+        raise PlacementError(f"Ray could not place {count} bundles of {bundle} within {timeout_s:.0f}s; cluster "
+                             f"resources: {ray.cluster_resources()}, available: {ray.available_resources()}")
+    infos = _probe(group, count, use_gpu, timeout_s)
+    layout = plan_layout(infos, trainer_ranks=trainer_ranks(args), num_engines=num_engines(args),
+                         gpus_per_engine=args.rollout_num_gpus_per_engine, colocate=args.colocate)
+    check_engine_bind_host(getattr(args, "engine_bind_host", None), layout, ray.get_runtime_context().get_node_id())
+    placement = Placement(group=group, use_gpu=use_gpu, layout=layout)
+    logger.info("placement of %d bundles over %d node(s):\n  %s", count, len({b.node_id for b in infos}),
+                "\n  ".join(placement.describe()))
+    return placement
+
+
+def _probe(group: PlacementGroup, count: int, use_gpu: bool, timeout_s: float) -> list[BundleInfo]:
+    # Tasks with the actors' env: their worker processes are then reused for the actors.
+    probe = ray.remote(probe_bundle)
+    refs = [probe.options(num_cpus=0.01, num_gpus=0.01 if use_gpu else 0,
+                          runtime_env={"env_vars": worker_env(use_gpu)},
+                          scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i)
+                          ).remote() for i in range(count)]
+    try:
+        found = ray.get(refs, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise PlacementError(f"the {count} bundles were reserved but not all ran a probe within {timeout_s:.0f}s "
+                             "(a node that cannot start Ray workers?)") from None
+    return [BundleInfo(index=i, node_id=node, node_ip=ip, gpu_id=gpu) for i, (node, ip, gpu) in enumerate(found)]

@@ -1,9 +1,11 @@
 """The rollout side: engines, the router, the data source and the rollout function.
 
-`RolloutManager` is one Ray actor. It starts one engine per `--rollout-num-gpus-per-engine`
-devices (real SGLang servers on GPUs, the embedded engine elsewhere: both answer the same
-HTTP API), puts a router in front, and turns each rollout into the trainer's batch. The
-driver talks to it through `RolloutManagerHandle`, whose calls all carry a deadline.
+`RolloutManager` is one Ray actor on the driver's node (where the user's data paths were
+checked). It starts one engine per `--rollout-num-gpus-per-engine` devices (real SGLang servers
+on GPUs, the embedded engine elsewhere: both answer the same HTTP API), each through an
+`EngineRayActor` on the engine's own bundles, so on their node and GPUs; puts a router in front;
+and turns each rollout into the trainer's batch. The driver talks to it through
+`RolloutManagerHandle`, whose calls all carry a deadline.
 
 Every rollout and eval runs under `RolloutGuard` (--rollout-timeout, engine health, fault
 tolerance: slime/ray/rollout_guard.py); the engines' states live in `EngineFleet`.
@@ -14,15 +16,19 @@ import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Iterable, Sequence
 
 import ray
 import torch
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from slime.backends.sglang_utils.http_client import SGLangHTTPClient
-from slime.backends.sglang_utils.launcher import EngineHandle, launch_engine, pick_rollout_backend
+from slime.backends.sglang_utils.launcher import pick_rollout_backend
+from slime.ray.cluster import advertised_host, node_address, worker_env
+from slime.ray.engine_actor import EngineEndpoint, EngineRayActor, RemoteEngine
 from slime.ray.engine_health import HealthConfig
 from slime.ray.engine_recovery import EngineFleet
+from slime.ray.placement import EngineSlot, Placement
 from slime.ray.rollout_guard import RolloutGuard
 from slime.ray.rollout_wait import EngineTargets, get_result, wait_for_rollout
 from slime.rollout.advantages import TRAIN_DATA_KEYS, flatten_groups, samples_to_train_data
@@ -43,14 +49,8 @@ CONTROL_TIMEOUT_S = 300.0
 STARTUP_TIMEOUT_S = 900.0
 
 
-def num_engines(args) -> int:
-    if args.debug_train_only:
-        return 0
-    return max(1, args.rollout_num_gpus // args.rollout_num_gpus_per_engine)
-
-
 class RolloutManager:
-    def __init__(self, args):
+    def __init__(self, args, placement: Placement):
         from slime.utils.logging_utils import configure_logger
 
         configure_logger(role="rollout manager")  # engine failures and restarts reach the driver's output
@@ -60,35 +60,51 @@ class RolloutManager:
             self.data_source.load(args.start_rollout_id - 1)
         self.backend = pick_rollout_backend(args)
         self.log_dir = os.path.join(args.ledger_dir or "/tmp", "engine-logs")
-        self.engines: list[EngineHandle] = self._launch_engines()
-        self.router = (_retry_port_clash(lambda: launch_router(args, [e.url for e in self.engines],
-                                                               log_dir=self.log_dir))
-                       if self.engines else None)
-        if self.router is not None:
-            args.sglang_router_ip, args.sglang_router_port = self.router.host, self.router.port
-        self.fleet = EngineFleet(self.engines, relaunch=self._launch_engine, fault_tolerant=args.use_fault_tolerance,
+        self._engine_actors: list = []
+        self.engines: list[EngineEndpoint] = self._launch_engines(placement)
+        self.router = self._launch_router() if self.engines else None
+        self.fleet = EngineFleet([RemoteEngine(a, e) for a, e in zip(self._engine_actors, self.engines)],
+                                 relaunch=self._restart_engine, fault_tolerant=args.use_fault_tolerance,
                                  router=RouterWorkers(kind=self.router.kind, url=self.router.url) if self.router else None)
         self.guard = RolloutGuard(HealthConfig.from_args(args), self.fleet)
         self._rollout_fn = load_function(args.rollout_function_path)
 
-    def _launch_engines(self) -> list[EngineHandle]:
-        count = num_engines(self.args)
-        if count == 0:
+    def _launch_engines(self, placement: Placement) -> list[EngineEndpoint]:
+        slots = placement.layout.engines
+        if not slots:
             return []
-        logger.info("starting %d %s engine(s) for %s", count, self.backend, self.args.hf_checkpoint)
-        with ThreadPoolExecutor(max_workers=count) as pool:
-            return list(pool.map(self._launch_engine, range(count)))
+        logger.info("starting %d %s engine(s) for %s", len(slots), self.backend, self.args.hf_checkpoint)
+        remote = ray.remote(EngineRayActor)
+        self._engine_actors = [remote.options(**placement.engine_options(slot.rank)).remote(
+            self.args, slot, self.backend, self.log_dir) for slot in slots]
+        refs = [actor.start.remote(STARTUP_TIMEOUT_S) for actor in self._engine_actors]
+        try:  # each engine bounds its own start-up; this bounds Ray scheduling the actors as well
+            return wait_engines(refs, slots, timeout_s=STARTUP_TIMEOUT_S + 120)
+        except Exception:
+            self._stop_engines()
+            raise
 
-    def _launch_engine(self, rank: int) -> EngineHandle:
-        """Start engine `rank` on a free port (also how a failed engine is restarted)."""
-        from slime.ray.actor_group import free_port
+    def _restart_engine(self, rank: int) -> RemoteEngine:
+        """A failed engine, again on its own bundle, on a new port (EngineFleet's relaunch)."""
+        actor = self._engine_actors[rank]
+        endpoint = ray.get(actor.restart.remote(STARTUP_TIMEOUT_S), timeout=STARTUP_TIMEOUT_S + 60)
+        self.engines[rank] = endpoint
+        return RemoteEngine(actor, endpoint)
 
-        return _retry_port_clash(lambda: launch_engine(
-            self.backend, self.args, rank, free_port(), self.args.hf_checkpoint,
-            startup_timeout_s=STARTUP_TIMEOUT_S, log_dir=self.log_dir))
+    def _launch_router(self):
+        # Upstream binds the router to its node's address; --sglang-router-ip overrides (0.0.0.0: every
+        # interface). The rollout function then reaches it at the address other nodes would use too.
+        self.args.sglang_router_ip = self.args.sglang_router_ip or node_address()
+        router = _retry_port_clash(lambda: launch_router(self.args, [e.url for e in self.engines],
+                                                         log_dir=self.log_dir))
+        self.args.sglang_router_ip, self.args.sglang_router_port = advertised_host(router.host), router.port
+        return router
 
     def engine_urls(self) -> list[str]:
         return self.fleet.urls()
+
+    def engine_endpoints(self) -> list[EngineEndpoint]:
+        return list(self.engines)
 
     def num_prompts(self) -> int:
         return len(self.data_source)
@@ -194,7 +210,34 @@ class RolloutManager:
         self.guard.monitor.close()
         if self.router is not None:
             self.router.stop()
-        self.fleet.stop_all()
+        self._stop_engines()
+
+    def _stop_engines(self, timeout_s: float = 60.0) -> None:
+        stops = [actor.stop.remote() for actor in self._engine_actors]
+        ray.wait(stops, num_returns=len(stops), timeout=timeout_s)
+        for actor in self._engine_actors:
+            ray.kill(actor, no_restart=True)
+
+
+def wait_engines(refs: list, slots: Sequence[EngineSlot], *, timeout_s: float) -> list[EngineEndpoint]:
+    """The engines' endpoints in rank order; the first engine that fails, or the deadline, raises naming
+    the engines and their nodes."""
+    pending = dict(zip(refs, slots))
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        done, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not done:
+            raise TimeoutError(f"engines did not start within {timeout_s:.0f}s: {_describe(pending.values())}")
+        slot = pending.pop(done[0])
+        try:
+            ray.get(done[0])
+        except Exception as exc:
+            raise RuntimeError(f"engine failed to start: {_describe([slot])}: {exc}") from exc
+    return ray.get(refs)
+
+
+def _describe(slots: Iterable[EngineSlot]) -> str:
+    return "; ".join(f"engine {s.rank} on node {s.node_ip} ({s.node_id[:8]}), gpus {list(s.gpu_ids)}" for s in slots)
 
 
 def engine_memory_metrics(before: list[dict], after: list[dict]) -> dict[str, float]:
@@ -247,10 +290,13 @@ class RolloutManagerHandle:
         return get_result(ref, timeout_s=timeout_s, what=what)
 
     def wait_ready(self) -> None:
-        self._get(self._actor.engine_urls.remote(), "start engines", STARTUP_TIMEOUT_S + 60)
+        self._get(self._actor.engine_urls.remote(), "start engines", STARTUP_TIMEOUT_S + 180)
 
     def engine_urls(self) -> list[str]:
         return self._get(self._actor.engine_urls.remote(), "engine_urls", CONTROL_TIMEOUT_S)
+
+    def engine_endpoints(self) -> list[EngineEndpoint]:
+        return self._get(self._actor.engine_endpoints.remote(), "engine_endpoints", CONTROL_TIMEOUT_S)
 
     def num_prompts(self) -> int:
         return self._get(self._actor.num_prompts.remote(), "num_prompts", CONTROL_TIMEOUT_S)
@@ -299,10 +345,13 @@ class RolloutManagerHandle:
             ray.kill(self._actor, no_restart=True)
 
 
-def create_rollout_manager(args, placement) -> RolloutManagerHandle:
-    # The manager only drives HTTP and subprocesses; it reserves no device of its own.
-    # Threaded, so the driver can poll a rollout's status while it generates (RolloutManager.rollout_status).
-    actor = ray.remote(num_cpus=0, max_concurrency=4)(RolloutManager).remote(args)
+def create_rollout_manager(args, placement: Placement) -> RolloutManagerHandle:
+    # The manager drives HTTP and the router; it reserves no device. It runs on the driver's node:
+    # the data paths parse_args checked there are the ones it reads. Threaded, so the driver can poll
+    # a rollout's status while it generates (RolloutManager.rollout_status).
+    here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+    actor = ray.remote(num_cpus=0, max_concurrency=4)(RolloutManager).options(
+        scheduling_strategy=here, runtime_env={"env_vars": worker_env(placement.use_gpu)}).remote(args, placement)
     handle = RolloutManagerHandle(actor, args)
     handle.wait_ready()
     return handle

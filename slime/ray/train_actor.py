@@ -7,6 +7,11 @@ import socket
 import traceback
 import warnings
 
+import ray
+
+from slime.ray.cluster import node_address
+from slime.ray.placement import visible_device_index
+
 # megatron-core announces at import that TE/Apex are absent (expected on the embedded path),
 # once per module per rank; the choice of leaves is logged once by the model provider instead.
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
@@ -55,18 +60,30 @@ class TrainRayActor:
         self.world_size = world_size
         self.ledger_dir = ledger_dir
         self.actor = None
+        # On GPU bundles the rank sees the whole node (placement.py says why) and trains on its
+        # bundle's GPU; init_distributed makes LOCAL_RANK the current device.
+        self.gpu_ids = [str(g) for g in ray.get_gpu_ids()]
+        if self.gpu_ids:
+            os.environ["LOCAL_RANK"] = str(visible_device_index(self.gpu_ids[0]))
+
+    def where(self) -> dict:
+        """Where this rank landed: node, Ray's GPU ids, the CUDA device it trains on."""
+        return {"rank": self.rank, "node_id": ray.get_runtime_context().get_node_id(), "node_ip": node_address(),
+                "gpu_ids": self.gpu_ids, "device": int(os.environ["LOCAL_RANK"]) if self.gpu_ids else None}
 
     def rendezvous_address(self) -> tuple[str, int]:
-        """Rank 0 offers its address and a free port for torch.distributed."""
-        import ray
-
+        """Rank 0 offers its node's address and a free port there for torch.distributed."""
         with socket.socket() as s:
             s.bind(("", 0))
             port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        return node_address(), port
 
     @_portable_errors
     def init(self, master_addr: str, master_port: int, engine_urls: list[str]) -> int:
+        if self.gpu_ids:  # before any import touches CUDA: a context on device 0 of every rank is lost memory
+            import torch
+
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         from slime.backends.megatron_utils.actor import MegatronTrainActor
 
         os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -76,8 +93,6 @@ class TrainRayActor:
 
     @_portable_errors
     def train(self, rollout_id: int, data_ref: list) -> dict:
-        import ray
-
         data = ray.get(data_ref[0], timeout=self.args.fence_timeout)
         return self.actor.train(rollout_id, data)
 

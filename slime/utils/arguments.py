@@ -260,6 +260,9 @@ def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--rollout-num-gpus-per-engine", type=int, default=1,
                    help="GPUs per rollout engine (the engine's SGLang tensor-parallel size)")
     g.add_argument("--num-gpus-per-node", type=int, default=8, help="GPUs per node that rollout engines may use")
+    g.add_argument("--engine-bind-host", type=str, default=None,
+                   help="address engines listen on (this project; default: their node's address, as upstream; "
+                        "0.0.0.0 listens on every interface, URLs keep the node's address)")
     g.add_argument("--colocate", action="store_true", default=False,
                    help="train and generate on the same GPUs, handing memory over between the two")
     g.add_argument("--offload", action="store_true", default=False, help="shorthand for --offload-train --offload-rollout")

@@ -23,6 +23,7 @@ FIELDS_SET_BY_SLIME: dict[str, str] = {
     "model_path": "--hf-checkpoint",
     "tokenizer_path": "--hf-checkpoint",
     "tp_size": "--rollout-num-gpus-per-engine",
+    "host": "--engine-bind-host",
     "port": "the engine launcher",
     "nnodes": "the engine launcher",
     "node_rank": "the engine launcher",

@@ -7,6 +7,7 @@ these two functions are the single place a rank joins the world and builds its m
 from __future__ import annotations
 
 import datetime
+import os
 from argparse import Namespace
 
 import torch
@@ -36,8 +37,9 @@ def init_distributed(
         raise RuntimeError("torch.distributed is already initialized")
     backend = backend or (getattr(args, "distributed_backend", None) or "nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
-        # Ray gives each actor its own visible GPU(s); without Ray, ranks share a host's GPUs.
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+        # LOCAL_RANK: the device of the rank's Ray bundle (slime/ray/placement.py), or torchrun's;
+        # without either, ranks share a host's GPUs in rank order.
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
     dist.init_process_group(
         backend=backend,
         init_method=f"tcp://{master_addr}:{master_port}",

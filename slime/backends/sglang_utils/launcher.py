@@ -9,7 +9,7 @@ import argparse
 import importlib.util
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from slime.backends.sglang_utils.http_client import SGLangHTTPClient
 from slime.backends.sglang_utils.process import ServerHandle, python_module_command, start_server_process
@@ -75,24 +75,34 @@ def pick_rollout_backend(args: Any) -> str:
     return "sglang"
 
 
-def default_base_gpu_id(args: Any, engine_rank: int) -> int:
-    """Engine i's first GPU on a node of engines only; placement passes the bundle's GPU id instead."""
-    gpus_per_engine = int(getattr(args, "rollout_num_gpus_per_engine", 1))
-    return (engine_rank * gpus_per_engine) % int(getattr(args, "num_gpus_per_node", 8))
+def gpu_id_layout(gpu_ids: Sequence[int]) -> tuple[int, int]:
+    """(base_gpu_id, gpu_id_step) that make SGLang's TP ranks use exactly these device indices."""
+    step = gpu_ids[1] - gpu_ids[0] if len(gpu_ids) > 1 else 1
+    if step < 1 or list(gpu_ids) != [gpu_ids[0] + i * step for i in range(len(gpu_ids))]:
+        raise ValueError(f"engine GPUs {list(gpu_ids)} are not evenly spaced: SGLang takes a base GPU id and a step")
+    return gpu_ids[0], step
 
 
-def sglang_server_args_for_engine(args: Any, engine_rank: int, *, base_gpu_id: int | None = None,
+def sglang_server_args_for_engine(args: Any, engine_rank: int, gpu_ids: Sequence[int] | None = None, *,
                                   parser: argparse.ArgumentParser | None = None) -> dict[str, Any]:
     """ServerArgs fields for one engine: slime-derived ones, then the user's --sglang-* passthrough.
 
-    `parser` (SGLang's launch parser) lets fields that only some SGLang versions have be set where they exist."""
+    gpu_ids: the CUDA device indices of the engine's Ray bundles (see slime/ray/placement.py);
+    without them, engines are assumed to fill each node's GPUs in rank order. `parser` (SGLang's
+    launch parser) lets fields that only some SGLang versions have be set where they exist.
+    """
+    gpus_per_engine = int(getattr(args, "rollout_num_gpus_per_engine", 1))
+    gpus_per_node = int(getattr(args, "num_gpus_per_node", 8))
+    base, step = gpu_id_layout(gpu_ids) if gpu_ids else ((engine_rank * gpus_per_engine) % gpus_per_node, 1)
     derived: dict[str, Any] = {
-        "tp_size": int(getattr(args, "rollout_num_gpus_per_engine", 1)),
-        "base_gpu_id": default_base_gpu_id(args, engine_rank) if base_gpu_id is None else int(base_gpu_id),
+        "tp_size": gpus_per_engine,
+        "base_gpu_id": base,
         "trust_remote_code": True,
         "random_seed": int(getattr(args, "seed", 1234)) + engine_rank,
         "skip_server_warmup": True,
     }
+    if step != 1:
+        derived["gpu_id_step"] = step
     memory_saver = bool(getattr(args, "offload_rollout", False))
     if memory_saver:
         derived["enable_memory_saver"] = True
@@ -104,26 +114,27 @@ def sglang_server_args_for_engine(args: Any, engine_rank: int, *, base_gpu_id: i
     return {**derived, **passthrough}
 
 
-def build_sglang_command(args: Any, engine_rank: int, host: str, port: int, model_path: str, *,
-                         base_gpu_id: int | None = None, parser: argparse.ArgumentParser | None = None) -> list[str]:
+def build_sglang_command(args: Any, engine_rank: int, host: str, port: int, model_path: str,
+                         gpu_ids: Sequence[int] | None = None, *,
+                         parser: argparse.ArgumentParser | None = None) -> list[str]:
     """`python -m sglang.launch_server ...`, rendered against SGLang's own parser (the installed one by default)."""
     parser = parser or server_args_parser()
     if parser is None:
         raise RuntimeError("sglang is not importable here, so its launch flags cannot be rendered; "
                            "install the [gpu] extra or use --rollout-backend embedded")
-    server_args = sglang_server_args_for_engine(args, engine_rank, base_gpu_id=base_gpu_id, parser=parser)
+    server_args = sglang_server_args_for_engine(args, engine_rank, gpu_ids, parser=parser)
     flags = ["--model-path", model_path, "--host", host, "--port", str(port),
              *render_server_flags(server_args, parser)]
     return python_module_command("sglang.launch_server", flags)
 
 
-def build_embedded_command(args: Any, engine_rank: int, host: str, port: int, model_path: str, *,
-                           base_gpu_id: int | None = None) -> list[str]:
+def build_embedded_command(args: Any, engine_rank: int, host: str, port: int, model_path: str,
+                           gpu_ids: Sequence[int] | None = None) -> list[str]:
     flags = ["--model-path", model_path, "--host", host, "--port", str(port)]
     flags += ["--seed", str(int(getattr(args, "seed", 1234)) + engine_rank)]
     flags += ["--dtype", "bfloat16" if getattr(args, "bf16", False) else "float32"]  # the trainer's precision
     if _on_gpus(args):  # the embedded engine on CUDA: its GPU
-        gpu = default_base_gpu_id(args, engine_rank) if base_gpu_id is None else int(base_gpu_id)
+        gpu = sglang_server_args_for_engine(args, engine_rank, gpu_ids)["base_gpu_id"]
         flags += ["--device", f"cuda:{gpu}"]
     threads = getattr(args, "embedded_engine_num_threads", None)
     if threads:
@@ -146,21 +157,23 @@ def launch_engine(
     model_path: str,
     *,
     host: str = "127.0.0.1",
+    gpu_ids: Sequence[int] | None = None,
     startup_timeout_s: float | None = None,
     log_dir: str | None = None,
-    base_gpu_id: int | None = None,
 ) -> EngineHandle:
     """Start an engine process and return once its /health answers (or raise with its log tail).
 
-    Callable from any process: host, port and the engine's first GPU id (`base_gpu_id`, default: the
-    engines-only-node arithmetic of `default_base_gpu_id`) come from the caller."""
+    Callable from any process: host and port come from the caller; gpu_ids are the CUDA device
+    indices (in this process's view, which the engine inherits) it must run on: SGLang's
+    --base-gpu-id/--gpu-id-step, the embedded engine's --device.
+    """
     if kind not in BACKENDS:
         raise ValueError(f"unknown engine kind {kind!r}; expected one of {BACKENDS}")
     if kind == "sglang":
-        command = build_sglang_command(args, engine_rank, host, port, model_path, base_gpu_id=base_gpu_id)
+        command = build_sglang_command(args, engine_rank, host, port, model_path, gpu_ids)
         env = sglang_engine_env()
     else:
-        command = build_embedded_command(args, engine_rank, host, port, model_path, base_gpu_id=base_gpu_id)
+        command = build_embedded_command(args, engine_rank, host, port, model_path, gpu_ids)
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     server = start_server_process(
         f"{kind}-engine-{engine_rank}", command, f"http://{host}:{port}", log_dir=log_dir, env=env

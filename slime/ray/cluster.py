@@ -1,0 +1,92 @@
+"""The Ray cluster around a job: which one to join, each node's address, the env every actor gets.
+
+Users start a cluster with `ray start --head` / `ray start --address` and run `python train.py` on
+the head or `ray job submit -- python train.py` (which sets RAY_ADDRESS); without one, train.py
+starts a private cluster on this machine (slime/ray/placement.py:init_ray). Servers listen on their
+node's address, as upstream's do.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from pathlib import Path
+
+import ray
+
+logger = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+NOSET_VISIBLE_DEVICES = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+HOST_IP_ENV = "SLIME_HOST_IP"  # upstream's per-node override of the node's address
+# Env the ranks and engines must see wherever they run (names, or prefixes ending in "_").
+FORWARDED_ENV = ("SLIME_", "NCCL_", "GLOO_", "TORCH_", "HF_", "TRANSFORMERS_OFFLINE", "OMP_NUM_THREADS",
+                 "CUDA_DEVICE_MAX_CONNECTIONS", "PYTHONPATH")
+NODE_LOCAL_ENV = (HOST_IP_ENV,)  # each node has its own value: never copied from the driver
+
+
+class PlacementError(RuntimeError):
+    """The cluster cannot hold the requested layout, or the layout cannot be placed as asked."""
+
+
+def cluster_address(env: dict[str, str] | None = None) -> str | None:
+    """The Ray cluster to join, or None to start a private one.
+
+    RAY_ADDRESS (set by `ray job submit`, or by hand; "local" forces a private cluster), else the
+    address `ray start --head` on this machine left in <ray temp dir>/ray_current_cluster.
+    """
+    env = os.environ if env is None else env
+    address = env.get("RAY_ADDRESS", "").strip()
+    if address == "local":
+        return None
+    if address and address != "auto":
+        return address
+    temp_root = env.get("RAY_TMPDIR") or env.get("TMPDIR") or "/tmp"
+    current = Path(temp_root) / "ray" / "ray_current_cluster"
+    if current.is_file() and current.read_text().strip():
+        return current.read_text().strip()
+    if address == "auto":
+        raise PlacementError("RAY_ADDRESS=auto but no cluster was started here with `ray start`")
+    return None
+
+
+def require_reachable(address: str, timeout_s: float = 10.0) -> None:
+    """Ray retries an unreachable address for minutes; a dead cluster's stale address fails here at once."""
+    if "://" in address:  # ray://... (Ray Client) is checked by Ray itself
+        return
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except (OSError, ValueError) as exc:
+        raise PlacementError(
+            f"no Ray cluster answers at {address} ({exc}). It comes from RAY_ADDRESS or from the address file "
+            "`ray start` leaves: start the cluster (`ray start --head`), clear a stale address with `ray stop`, "
+            "or set RAY_ADDRESS=local for a private single-machine cluster") from None
+
+
+def worker_env(use_gpu: bool) -> dict[str, str]:
+    """Env vars for every trainer rank, engine and the rollout manager, on any node."""
+    env = {k: v for k, v in os.environ.items()
+           if k.startswith(FORWARDED_ENV) and k not in NODE_LOCAL_ENV}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    if use_gpu:
+        env[NOSET_VISIBLE_DEVICES] = "1"
+    return env
+
+
+def node_address() -> str:
+    """This node's address as other nodes reach it: SLIME_HOST_IP if set here, else Ray's node IP."""
+    return os.environ.get(HOST_IP_ENV) or ray.util.get_node_ip_address()
+
+
+def is_wildcard(host: str) -> bool:
+    return host in ("0.0.0.0", "::", "[::]")
+
+
+def advertised_host(bind_host: str | None) -> str:
+    """Where peers reach a server bound to `bind_host` on this node (None: the node's address)."""
+    if not bind_host or is_wildcard(bind_host):
+        return node_address()
+    return bind_host

@@ -1,0 +1,252 @@
+"""Placement: which bundle, node and GPU every trainer rank and engine gets (issue 15 item 2, issue 20).
+
+Pure tests of the layout arithmetic, the cluster address and the device ids, then one Ray cluster of
+two nodes with four fake GPUs each: the trainer ranks and the engines' actors are created on it as
+train.py creates them, and each reports what Ray gave it, colocated and not.
+"""
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from slime.backends.sglang_utils.launcher import gpu_id_layout, sglang_server_args_for_engine
+from slime.ray.cluster import PlacementError, cluster_address, worker_env
+from slime.ray.placement import BundleInfo, check_engine_bind_host, order_bundles, plan_layout, visible_device_index
+
+
+def _bundles(spec: list[tuple[str, str, str | None]]) -> list[BundleInfo]:
+    return [BundleInfo(index=i, node_id=node, node_ip=ip, gpu_id=gpu) for i, (node, ip, gpu) in enumerate(spec)]
+
+
+# ----------------------------------------------------------------------------- the layout
+def test_bundles_are_ordered_by_node_address_then_gpu():
+    # Ray hands bundles back in any order; 10.0.0.10 sorts after 10.0.0.9 (numerically, not as text).
+    infos = _bundles([("b", "10.0.0.10", "1"), ("a", "10.0.0.9", "1"), ("b", "10.0.0.10", "0"),
+                      ("a", "10.0.0.9", "0")])
+    ordered = order_bundles(infos)
+    assert [(b.node_ip, b.gpu_id) for b in ordered] == [("10.0.0.9", "0"), ("10.0.0.9", "1"),
+                                                      ("10.0.0.10", "0"), ("10.0.0.10", "1")]
+    assert [b.index for b in ordered] == [3, 1, 2, 0]
+
+
+def test_nodes_sharing_an_address_stay_apart():
+    infos = _bundles([("n2", "10.0.0.1", "0"), ("n1", "10.0.0.1", "0"), ("n2", "10.0.0.1", "1"),
+                      ("n1", "10.0.0.1", "1")])
+    assert [(b.node_id, b.gpu_id) for b in order_bundles(infos)] == [("n1", "0"), ("n1", "1"), ("n2", "0"), ("n2", "1")]
+
+
+def test_colocated_engines_take_the_trainer_ranks_gpus():
+    infos = _bundles([(n, ip, g) for n, ip in (("b", "10.0.0.2"), ("a", "10.0.0.1")) for g in "3210"])
+    layout = plan_layout(infos, trainer_ranks=8, num_engines=4, gpus_per_engine=2, colocate=True)
+    ranks = [(b.node_id, b.gpu_id) for b in layout.actor_bundles]
+    assert ranks == [("a", "0"), ("a", "1"), ("a", "2"), ("a", "3"), ("b", "0"), ("b", "1"), ("b", "2"), ("b", "3")]
+    assert [(e.node_id, e.gpu_ids) for e in layout.engines] == [
+        ("a", ("0", "1")), ("a", ("2", "3")), ("b", ("0", "1")), ("b", ("2", "3"))]
+    by_bundle = {b.index: (b.node_id, b.gpu_id) for b in infos}
+    for engine in layout.engines:  # the actor runs on the engine's first GPU's bundle
+        assert by_bundle[engine.bundles[0]] == (engine.node_id, engine.gpu_ids[0])
+
+
+def test_separate_engines_come_after_the_trainer_ranks():
+    infos = _bundles([(n, ip, g) for n, ip in (("a", "10.0.0.1"), ("b", "10.0.0.2")) for g in "0123"])
+    layout = plan_layout(infos, trainer_ranks=4, num_engines=2, gpus_per_engine=2, colocate=False)
+    assert {b.node_id for b in layout.actor_bundles} == {"a"}
+    assert [(e.node_id, e.gpu_ids) for e in layout.engines] == [("b", ("0", "1")), ("b", ("2", "3"))]
+
+
+def test_an_engine_may_not_span_nodes():
+    infos = _bundles([("a", "10.0.0.1", "0"), ("a", "10.0.0.1", "1"), ("a", "10.0.0.1", "2"), ("b", "10.0.0.2", "0")])
+    with pytest.raises(PlacementError, match="engine 1 would span nodes"):
+        plan_layout(infos, trainer_ranks=0, num_engines=2, gpus_per_engine=2, colocate=False)
+
+
+def test_too_few_bundles_is_refused():
+    with pytest.raises(PlacementError, match="need 6"):
+        plan_layout(_bundles([("a", "10.0.0.1", None)] * 4), trainer_ranks=4, num_engines=2, gpus_per_engine=1,
+                    colocate=False)
+
+
+def test_cpu_bundles_give_engines_no_gpus():
+    layout = plan_layout(_bundles([("a", "10.0.0.1", None)] * 2), trainer_ranks=2, num_engines=2, gpus_per_engine=1,
+                         colocate=True)
+    assert [e.gpu_ids for e in layout.engines] == [(), ()]
+
+
+def test_bundle_count_per_mode():
+    from slime.ray.placement import total_bundles
+
+    def count(**kw):
+        base = dict(actor_num_nodes=2, actor_num_gpus_per_node=4, rollout_num_gpus=4, rollout_num_gpus_per_engine=2,
+                    colocate=False, debug_train_only=False, debug_rollout_only=False)
+        return total_bundles(types.SimpleNamespace(**{**base, **kw}))
+
+    assert count() == 12  # trainer's 8 + the engines' 4
+    assert count(colocate=True) == 8 and count(colocate=True, rollout_num_gpus=16) == 16  # shared: the larger
+    assert count(debug_train_only=True) == 8 and count(debug_rollout_only=True) == 4
+    with pytest.raises(PlacementError, match="set --rollout-num-gpus"):
+        count(rollout_num_gpus=None)
+
+
+# ----------------------------------------------------------------------------- devices, addresses
+def test_gpu_ids_become_device_indices_through_the_inherited_visible_list():
+    assert visible_device_index("5", visible="") == 5
+    assert visible_device_index("6", visible="4,5,6,7") == 2
+    with pytest.raises(PlacementError, match="not in CUDA_VISIBLE_DEVICES"):
+        visible_device_index("1", visible="4,5")
+
+
+def test_sglang_gets_its_bundles_gpus_not_rank_arithmetic():
+    args = types.SimpleNamespace(rollout_num_gpus_per_engine=2, num_gpus_per_node=8, seed=1)
+    assert sglang_server_args_for_engine(args, 0, gpu_ids=[4, 5])["base_gpu_id"] == 4
+    spaced = sglang_server_args_for_engine(args, 0, gpu_ids=[1, 3])
+    assert (spaced["base_gpu_id"], spaced["gpu_id_step"]) == (1, 2)
+    assert gpu_id_layout([6]) == (6, 1)
+    with pytest.raises(ValueError, match="not evenly spaced"):
+        gpu_id_layout([0, 1, 3])
+
+
+def test_cluster_address_follows_ray_address_then_ray_start(tmp_path):
+    assert cluster_address({"RAY_ADDRESS": "10.1.2.3:6379"}) == "10.1.2.3:6379"
+    assert cluster_address({"RAY_ADDRESS": "local", "RAY_TMPDIR": str(tmp_path)}) is None
+    assert cluster_address({"RAY_TMPDIR": str(tmp_path)}) is None  # nothing started: a private cluster
+    with pytest.raises(PlacementError, match="no cluster was started"):
+        cluster_address({"RAY_ADDRESS": "auto", "RAY_TMPDIR": str(tmp_path)})
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "ray_current_cluster").write_text("10.9.9.9:6379\n")  # what `ray start --head` leaves
+    assert cluster_address({"RAY_TMPDIR": str(tmp_path)}) == "10.9.9.9:6379"
+    assert cluster_address({"RAY_ADDRESS": "auto", "RAY_TMPDIR": str(tmp_path)}) == "10.9.9.9:6379"
+
+
+def test_a_recorded_address_nobody_answers_at_fails_at_once(monkeypatch, tmp_path):
+    import socket
+
+    import ray
+
+    from slime.ray.placement import init_ray
+
+    with socket.socket() as sock:  # a port that was free a moment ago: nothing listens there
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{port}")  # a dead `ray start` cluster
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with pytest.raises(PlacementError, match=f"no Ray cluster answers at 127.0.0.1:{port}"):
+        init_ray(types.SimpleNamespace())
+
+
+def test_worker_env_forwards_the_job_env_but_not_node_addresses(monkeypatch):
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "eth1")
+    monkeypatch.setenv("SLIME_FAULT_INJECT", "diverge_plan@1")
+    monkeypatch.setenv("SLIME_HOST_IP", "10.0.0.5")  # the driver node's own address
+    monkeypatch.setenv("UNRELATED_VAR", "x")
+    env = worker_env(use_gpu=True)
+    assert env["NCCL_SOCKET_IFNAME"] == "eth1" and env["SLIME_FAULT_INJECT"] == "diverge_plan@1"
+    assert "SLIME_HOST_IP" not in env and "UNRELATED_VAR" not in env
+    assert env["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] == "1"
+    assert "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES" not in worker_env(use_gpu=False)
+
+
+def test_a_concrete_engine_bind_host_is_refused_across_nodes():
+    two_nodes = plan_layout(_bundles([("a", "10.0.0.1", None), ("b", "10.0.0.2", None)]), trainer_ranks=2,
+                            num_engines=2, gpus_per_engine=1, colocate=True)
+    with pytest.raises(PlacementError, match="runs on 2 nodes"):
+        check_engine_bind_host("127.0.0.1", two_nodes, driver_node_id="a")
+    check_engine_bind_host("0.0.0.0", two_nodes, driver_node_id="a")
+    one_node = plan_layout(_bundles([("a", "10.0.0.1", None)] * 2), trainer_ranks=2, num_engines=2,
+                           gpus_per_engine=1, colocate=True)
+    check_engine_bind_host("127.0.0.1", one_node, driver_node_id="a")
+
+
+# ----------------------------------------------------------------------------- on a Ray cluster
+FAKE_GPUS_PER_NODE = 4
+
+
+@pytest.fixture(scope="module")
+def fake_gpu_cluster():
+    """Two Ray nodes of 4 fake GPUs (GPU resources on a CPU machine), the second on its own address."""
+    import ray
+    from ray_cluster import RayTestCluster, second_loopback_address
+
+    second = {"node_ip_address": ip} if (ip := second_loopback_address()) else {}
+    node = {"num_cpus": FAKE_GPUS_PER_NODE, "num_gpus": FAKE_GPUS_PER_NODE}
+    with RayTestCluster([node, {**node, **second}]) as cluster:
+        ray.init(address=cluster.address, log_to_driver=False)
+        try:
+            yield cluster
+        finally:
+            ray.shutdown()
+
+
+def _layout_args(tmp_path, **overrides):
+    args = dict(actor_num_nodes=2, actor_num_gpus_per_node=4, rollout_num_gpus=8, rollout_num_gpus_per_engine=2,
+                num_gpus_per_node=FAKE_GPUS_PER_NODE, colocate=True, debug_train_only=False, debug_rollout_only=False,
+                engine_bind_host=None, ledger_dir=str(tmp_path), fence_timeout=60.0, seed=1)
+    return types.SimpleNamespace(**{**args, **overrides})
+
+
+def _assignments(args):
+    """Place the job as train.py does; every trainer rank and engine actor reports what Ray gave it."""
+    import ray
+
+    from slime.backends.sglang_utils.launcher import build_sglang_command
+    from slime.ray.actor_group import RayTrainGroup
+    from slime.ray.engine_actor import EngineRayActor
+    from slime.ray.placement import create_placement
+
+    placement = create_placement(args, use_gpu=True, timeout_s=120)
+    trainers = RayTrainGroup(args, placement)
+    engines = [ray.remote(EngineRayActor).options(**placement.engine_options(slot.rank)).remote(
+        args, slot, "sglang", str(args.ledger_dir)) for slot in placement.layout.engines]
+    try:
+        ranks = trainers.where()
+        actors = ray.get([e.where.remote() for e in engines], timeout=120)
+    finally:
+        trainers.shutdown()
+        for engine in engines:
+            ray.kill(engine)
+        placement.remove()
+    commands = [" ".join(build_sglang_command(args, a["rank"], "h", 1, "/m", a["device_indices"])) for a in actors]
+    return placement.layout, ranks, actors, commands
+
+
+def _check_engines_on_their_bundles(layout, actors, commands):
+    for slot, actor, command in zip(layout.engines, actors, commands, strict=True):
+        assert actor["node_id"] == slot.node_id  # the engine's actor runs on its own bundle's node ...
+        assert actor["ray_gpu_ids"] == [slot.gpu_ids[0]]  # ... holding a share of its first bundle's GPU
+        assert actor["device_indices"] == [int(g) for g in slot.gpu_ids]  # NOSET: physical ids are indices
+        assert f"--base-gpu-id {slot.gpu_ids[0]} " in command
+        assert f"--tp-size {len(slot.gpu_ids)}" in command
+
+
+@pytest.mark.timeout(300)
+def test_colocated_trainer_ranks_and_engines_share_each_bundle_gpu(fake_gpu_cluster, tmp_path):
+    layout, ranks, actors, commands = _assignments(_layout_args(tmp_path, colocate=True))
+    # 8 ranks over 2 nodes x 4 GPUs: every (node, GPU) once, consecutive ranks on one node.
+    held = [(r["node_id"], r["gpu_ids"][0]) for r in ranks]
+    assert len(set(held)) == 8 and len({node for node, _ in held}) == 2
+    assert len({node for node, _ in held[:4]}) == 1 and [g for _, g in held] == ["0", "1", "2", "3"] * 2
+    assert [r["device"] for r in ranks] == [int(g) for _, g in held]
+    for rank, bundle in zip(ranks, layout.actor_bundles, strict=True):
+        assert (rank["node_id"], rank["gpu_ids"]) == (bundle.node_id, [bundle.gpu_id])
+    _check_engines_on_their_bundles(layout, actors, commands)
+    # colocated: engine e runs on the GPUs of trainer ranks 2e and 2e+1
+    for engine, slot in enumerate(layout.engines):
+        assert {(slot.node_id, g) for g in slot.gpu_ids} == set(held[2 * engine: 2 * engine + 2])
+
+
+@pytest.mark.timeout(300)
+def test_separate_engines_get_gpus_of_their_own(fake_gpu_cluster, tmp_path):
+    # 6 ranks fill node A and half of node B; the two engines get node B's last GPUs (2 and 3), where
+    # rank arithmetic (engine_rank * gpus_per_engine % gpus_per_node) would say 0 and 1.
+    args = _layout_args(tmp_path, colocate=False, actor_num_nodes=1, actor_num_gpus_per_node=6,
+                        rollout_num_gpus=2, rollout_num_gpus_per_engine=1)
+    layout, ranks, actors, commands = _assignments(args)
+    trainer_gpus = {(r["node_id"], r["gpu_ids"][0]) for r in ranks}
+    engine_gpus = [(slot.node_id, g) for slot in layout.engines for g in slot.gpu_ids]
+    assert len(trainer_gpus) == 6 and not trainer_gpus & set(engine_gpus)
+    node_b = ranks[-1]["node_id"]
+    assert engine_gpus == [(node_b, "2"), (node_b, "3")]
+    _check_engines_on_their_bundles(layout, actors, commands)
