@@ -191,7 +191,7 @@ def _assignments(args):
     """Place the job as train.py does; every trainer rank and engine actor reports what Ray gave it."""
     import ray
 
-    from slime.backends.sglang_utils.launcher import build_sglang_command
+    from slime.backends.sglang_utils.launcher import sglang_server_args_for_engine
     from slime.ray.actor_group import RayTrainGroup
     from slime.ray.engine_actor import EngineRayActor
     from slime.ray.placement import create_placement
@@ -208,22 +208,23 @@ def _assignments(args):
         for engine in engines:
             ray.kill(engine)
         placement.remove()
-    commands = [" ".join(build_sglang_command(args, a["rank"], "h", 1, "/m", a["device_indices"])) for a in actors]
-    return placement.layout, ranks, actors, commands
+    # what SGLang is launched with (rendered against SGLang's parser in tests/test_sglang_contract.py)
+    server_args = [sglang_server_args_for_engine(args, a["rank"], a["device_indices"]) for a in actors]
+    return placement.layout, ranks, actors, server_args
 
 
-def _check_engines_on_their_bundles(layout, actors, commands):
-    for slot, actor, command in zip(layout.engines, actors, commands, strict=True):
+def _check_engines_on_their_bundles(layout, actors, server_args):
+    for slot, actor, fields in zip(layout.engines, actors, server_args, strict=True):
         assert actor["node_id"] == slot.node_id  # the engine's actor runs on its own bundle's node ...
         assert actor["ray_gpu_ids"] == [slot.gpu_ids[0]]  # ... holding a share of its first bundle's GPU
         assert actor["device_indices"] == [int(g) for g in slot.gpu_ids]  # NOSET: physical ids are indices
-        assert f"--base-gpu-id {slot.gpu_ids[0]} " in command
-        assert f"--tp-size {len(slot.gpu_ids)}" in command
+        assert fields["base_gpu_id"] == int(slot.gpu_ids[0])
+        assert fields["tp_size"] == len(slot.gpu_ids)
 
 
 @pytest.mark.timeout(300)
 def test_colocated_trainer_ranks_and_engines_share_each_bundle_gpu(fake_gpu_cluster, tmp_path):
-    layout, ranks, actors, commands = _assignments(_layout_args(tmp_path, colocate=True))
+    layout, ranks, actors, server_args = _assignments(_layout_args(tmp_path, colocate=True))
     # 8 ranks over 2 nodes x 4 GPUs: every (node, GPU) once, consecutive ranks on one node.
     held = [(r["node_id"], r["gpu_ids"][0]) for r in ranks]
     assert len(set(held)) == 8 and len({node for node, _ in held}) == 2
@@ -231,7 +232,7 @@ def test_colocated_trainer_ranks_and_engines_share_each_bundle_gpu(fake_gpu_clus
     assert [r["device"] for r in ranks] == [int(g) for _, g in held]
     for rank, bundle in zip(ranks, layout.actor_bundles, strict=True):
         assert (rank["node_id"], rank["gpu_ids"]) == (bundle.node_id, [bundle.gpu_id])
-    _check_engines_on_their_bundles(layout, actors, commands)
+    _check_engines_on_their_bundles(layout, actors, server_args)
     # colocated: engine e runs on the GPUs of trainer ranks 2e and 2e+1
     for engine, slot in enumerate(layout.engines):
         assert {(slot.node_id, g) for g in slot.gpu_ids} == set(held[2 * engine: 2 * engine + 2])
@@ -243,10 +244,10 @@ def test_separate_engines_get_gpus_of_their_own(fake_gpu_cluster, tmp_path):
     # rank arithmetic (engine_rank * gpus_per_engine % gpus_per_node) would say 0 and 1.
     args = _layout_args(tmp_path, colocate=False, actor_num_nodes=1, actor_num_gpus_per_node=6,
                         rollout_num_gpus=2, rollout_num_gpus_per_engine=1)
-    layout, ranks, actors, commands = _assignments(args)
+    layout, ranks, actors, server_args = _assignments(args)
     trainer_gpus = {(r["node_id"], r["gpu_ids"][0]) for r in ranks}
     engine_gpus = [(slot.node_id, g) for slot in layout.engines for g in slot.gpu_ids]
     assert len(trainer_gpus) == 6 and not trainer_gpus & set(engine_gpus)
     node_b = ranks[-1]["node_id"]
     assert engine_gpus == [(node_b, "2"), (node_b, "3")]
-    _check_engines_on_their_bundles(layout, actors, commands)
+    _check_engines_on_their_bundles(layout, actors, server_args)

@@ -103,7 +103,8 @@ def record_rollout_generate(monkeypatch) -> dict[str, Any]:
 
     async def capture(url, payload, timeout_s=None):
         sent.append(payload)
-        return {"text": "", "output_ids": [], "meta_info": {"finish_reason": {"type": "length"}}}
+        return {"text": "", "output_ids": [],
+                "meta_info": {"finish_reason": {"type": "length"}, "output_token_logprobs": []}}
 
     monkeypatch.setattr(sglang_rollout, "post", capture)
     args = build_parser().parse_known_args(["--rollout-batch-size", "1"])[0]
