@@ -5,6 +5,7 @@ components run this order in the end-to-end tests): at every moment one side own
 """
 from __future__ import annotations
 
+import tempfile
 import types
 
 import pytest
@@ -44,6 +45,15 @@ class FakeRollout:
     def evaluate(self, rollout_id):
         return {}
 
+    def attach_trainer(self, push):
+        pass
+
+    def engines_for_sync(self):
+        return None  # the engines of the last push (none was restarted)
+
+    def weights_pushed(self, urls, version):
+        pass
+
     def shutdown(self):
         self.log.calls.append("engines stop")
 
@@ -69,7 +79,7 @@ class FakeTrainers:
     def save(self, rollout_id):
         self.log.calls.append(f"save {rollout_id}")
 
-    def update_weights(self, rollout_id):
+    def update_weights(self, rollout_id, engine_urls=None):
         self.log.calls.append(f"push version {rollout_id + 1}")
         return {"weight_sync/version": rollout_id + 1}
 
@@ -86,7 +96,8 @@ def run_loop(monkeypatch, **flags) -> list[str]:
     defaults = dict(load=None, num_rollout=2, num_epoch=None, rollout_batch_size=4, debug_rollout_only=False,
                     debug_train_only=False, offload_train=True, offload_rollout=True, eval_interval=None,
                     eval_prompt_data=None, save=None, save_interval=None, metrics_jsonl=None, use_wandb=False,
-                    use_tensorboard=False, tensorboard_dir=None)
+                    use_tensorboard=False, tensorboard_dir=None, start_rollout_id=None,
+                    ledger_dir=tempfile.gettempdir())
     train_module.train(types.SimpleNamespace(**{**defaults, **flags}))
     return log.calls
 
