@@ -13,6 +13,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
 from aiohttp import web
 
 WORDS = "what is the answer a b c d one two three four five six seven eight nine 1 2 3 4 5 6 7 8 9 + = ?".split()
@@ -160,3 +161,27 @@ class AppThread:
         asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout=30)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
+
+
+# ----- fixtures shared by the rollout tests (import them into the test module) -----------------------
+@pytest.fixture(autouse=True)
+def fresh_generate_state():
+    """GenerateState is a process-wide singleton (upstream's): each test starts with its own args."""
+    from slime.rollout.sglang_rollout import GenerateState
+    from slime.utils.misc import SingletonMeta
+
+    SingletonMeta.reset(GenerateState)
+    yield
+    SingletonMeta.reset(GenerateState)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    return str(write_tokenizer(tmp_path_factory.mktemp("tok"), max_position_embeddings=64))
+
+
+@pytest.fixture
+def engine():
+    fake = FakeEngine().start()
+    yield fake
+    fake.stop()

@@ -5,7 +5,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from rollout_testing import FakeEngine, free_port, write_jsonl, write_tokenizer
+from rollout_testing import engine, fresh_generate_state, tokenizer_dir  # noqa: F401 (fixtures)
+from rollout_testing import FakeEngine, free_port, write_jsonl
 from slime.rollout.advantages import group_normalize, samples_to_train_data
 from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput, call_rollout_fn
 from slime.rollout.data_source import RolloutDataSource, load_tokenizer
@@ -20,24 +21,6 @@ PROMPTS = [{"prompt": "what is 3 + 4 ?", "label": "7"}, {"prompt": "what is 1 + 
            {"prompt": "what is 2 + 5 ?", "label": "7"}]
 
 
-@pytest.fixture(autouse=True)
-def _fresh_generate_state():
-    """GenerateState is a process-wide singleton (upstream's): each test starts with its own args."""
-    SingletonMeta.reset(GenerateState)
-    yield
-    SingletonMeta.reset(GenerateState)
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    return str(write_tokenizer(tmp_path_factory.mktemp("tok"), max_position_embeddings=64))
-
-
-@pytest.fixture
-def engine():
-    fake = FakeEngine().start()
-    yield fake
-    fake.stop()
 
 
 def make_args(tokenizer_dir, prompt_path, port, **kw):

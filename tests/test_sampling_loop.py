@@ -8,15 +8,15 @@ from types import SimpleNamespace
 import pytest
 
 import hook_plugins
-from rollout_testing import FakeEngine, write_jsonl, write_tokenizer
+from rollout_testing import engine, fresh_generate_state, tokenizer_dir  # noqa: F401 (fixtures)
+from rollout_testing import write_jsonl
 from slime.rollout.data_source import RolloutDataSourceWithBuffer, pop_first, pop_stalest
 from slime.rollout.filter_hub.base_types import DynamicFilterOutput, call_dynamic_filter, should_drop
 from slime.rollout.filter_hub.dynamic_sampling_filters import (
     check_reward_nonzero_std,
     check_reward_nonzero_std_with_fallback,
 )
-from slime.rollout.sglang_rollout import GenerateState, generate_and_rm, generate_rollout, run, sampling_params
-from slime.utils.misc import SingletonMeta
+from slime.rollout.sglang_rollout import generate_and_rm, generate_rollout, run, sampling_params
 from slime.utils.types import Sample
 
 pytestmark = pytest.mark.timeout(120)
@@ -24,23 +24,6 @@ PLUGINS = f"{Path(hook_plugins.__file__).resolve()}"
 PROMPTS = [{"prompt": f"what is {i} + {i} ?", "label": str(2 * i)} for i in range(1, 9)]
 
 
-@pytest.fixture(autouse=True)
-def _fresh_generate_state():
-    SingletonMeta.reset(GenerateState)
-    yield
-    SingletonMeta.reset(GenerateState)
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    return str(write_tokenizer(tmp_path_factory.mktemp("tok"), max_position_embeddings=64))
-
-
-@pytest.fixture
-def engine():
-    fake = FakeEngine().start()
-    yield fake
-    fake.stop()
 
 
 def make_args(tokenizer_dir, tmp_path, port, **kw):
