@@ -172,6 +172,8 @@ def fake_gpu_cluster():
 
     second = {"node_ip_address": ip} if (ip := second_loopback_address()) else {}
     node = {"num_cpus": FAKE_GPUS_PER_NODE, "num_gpus": FAKE_GPUS_PER_NODE}
+    if ray.is_initialized():  # this process must talk to the test cluster, not to one joined earlier
+        ray.shutdown()
     with RayTestCluster([node, {**node, **second}]) as cluster:
         ray.init(address=cluster.address, log_to_driver=False)
         try:

@@ -57,11 +57,17 @@ class RolloutGuard:
         self._bound_requests()
         self.monitor.resume()
         done = threading.Event()
-        if inject_faults:
-            inject_engine_faults(self.fleet, rollout_id, done)
+        faults = inject_engine_faults(self.fleet, rollout_id, done) if inject_faults else []
         worker = _Worker(fn)
+        label = f"rollout {rollout_id}: {what}"
         try:
-            result = self._watch(worker, f"rollout {rollout_id}: {what}", budget_s)
+            result = self._watch(worker, label, budget_s)
+            done.set()
+            for fault in faults:  # a fault that fired during the rollout is seen by the check below
+                fault.join(timeout=5.0)
+            self.fleet.check_processes()  # an engine that died while the others (or the router) covered for it
+            if self.fleet.fatal is not None:
+                raise self._end(worker, self.fleet.fatal, label)
         finally:
             done.set()
             self.monitor.pause()

@@ -18,6 +18,7 @@ The weight *source* is not this module's business: it receives HF-named tensors 
 
 from __future__ import annotations
 
+import logging
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,11 +27,13 @@ from urllib.parse import urlparse
 
 import torch
 
-from slime.backends.sglang_utils.http_client import ClientTimeouts, SGLangHTTPClient
+from slime.backends.sglang_utils.http_client import ClientTimeouts, EngineHTTPError, SGLangHTTPClient
 from slime.backends.sglang_utils.named_tensors import serialize_named_tensors
 from slime.backends.sglang_utils.process import find_free_port
 from slime.backends.sglang_utils.shared_payload import LOAD_FORMAT as SHM_LOAD_FORMAT
 from slime.backends.sglang_utils.shared_payload import shared_memory_dir, write_shared_bucket
+
+logger = logging.getLogger(__name__)
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 ENGINE_KINDS = ("embedded", "sglang")
@@ -209,7 +212,12 @@ class DistributedTransport:
             return
         group, self._group = self._group, None
         try:
-            self.engines.each(lambda client: client.destroy_weights_update_group(self.group_name))
+            for client, leave in zip(self.engines.clients, self.engines.submit_each(
+                    lambda client: client.destroy_weights_update_group(self.group_name))):
+                try:
+                    leave.result()
+                except EngineHTTPError as exc:  # an engine that failed took its end of the group with it
+                    logger.warning("weight-update group: %s did not leave it: %s", client.base_url, exc)
         finally:
             group.close()
 
