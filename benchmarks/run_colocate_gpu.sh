@@ -3,7 +3,9 @@
 #   memory  trainer sleep/wake on a ~0.6B bf16 model under torchrun (1 rank per GPU): memory figures per
 #           cycle, and parameters + optimizer state compared element-wise across one sleep/wake
 #   engine  the embedded engine on CUDA: device memory awake vs released, same greedy outputs after resume
-#   loop    python train.py --colocate: trainer and engine share every GPU, ROLLOUTS rollouts (default 20)
+#   loop    python train.py --colocate: trainer and engine share every GPU, ROLLOUTS rollouts (default 24)
+#   logprobs  the loop's model on one GPU: engine, transformers and megatron log-probs of the same generated
+#           tokens in bf16 and fp32 (benchmarks/logprob_parity.py), which side of the loop's diff is off
 # Prepare .whl/ with benchmarks/fetch_gpu_wheels.sh and carry it. Results land in $OUT (device tool) or
 # outputs/gpu-colocate.
 set -uo pipefail
@@ -30,7 +32,19 @@ save_hf_tokenizer(Path("/tmp/colocate-0.5b"), 4096)
 PY
 }
 
+MODEL=/tmp/colocate-counting-0.6b
+counting_model() {  # the loop's model: a Qwen3-0.6B-shaped body over the demo's character vocabulary
+  [ -f $MODEL/config.json ] || python3 -m slime.tools.tiny_checkpoint --out $MODEL --alphabet 0123456789 \
+    --layers 24 --hidden 1024 --heads 16 --kv-heads 8 --head-dim 64 --ffn-hidden 3072 --seed 1234 > /dev/null
+  python3 -m slime.tools.demo_prompts --task counting --n 400 --out /tmp/counting.jsonl > /dev/null
+}
+
 for phase in "$@"; do case $phase in
+logprobs)
+  counting_model
+  timeout ${LOGPROBS_TIMEOUT:-180} python3 benchmarks/logprob_parity.py --model-path $MODEL --prompts /tmp/counting.jsonl \
+    --num-prompts 64 --results-json "$OUT/logprobs.json" > "$OUT/logprobs.log" 2>&1
+  echo "logprobs rc=$?"; grep -h "LOGPROB_PARITY\|Error" "$OUT/logprobs.log" | cut -c1-300 ;;
 memory)
   checkpoint
   timeout ${MEMORY_TIMEOUT:-240} torchrun --nproc-per-node "$NGPU" --master-port 29611 benchmarks/gpu_fenced_step.py \
@@ -48,10 +62,7 @@ loop)
   # hidden 1024, 16/8 heads, FFN 3072) over the demo's character vocabulary, random init, bf16: rewards
   # vary inside groups from rollout 0, so every step moves the weights and a push that lost them
   # would show in train/train_rollout_logprob_abs_diff.
-  MODEL=/tmp/colocate-counting-0.6b
-  [ -f $MODEL/config.json ] || python3 -m slime.tools.tiny_checkpoint --out $MODEL --alphabet 0123456789 \
-    --layers 24 --hidden 1024 --heads 16 --kv-heads 8 --head-dim 64 --ffn-hidden 3072 --seed 1234 > /dev/null
-  python3 -m slime.tools.demo_prompts --task counting --n 400 --out /tmp/counting.jsonl > /dev/null
+  counting_model
   timeout ${LOOP_TIMEOUT:-480} python3 train.py --hf-checkpoint $MODEL --rollout-backend embedded \
     --prompt-data /tmp/counting.jsonl --input-key prompt --label-key label --rollout-shuffle \
     --custom-rm-path examples.counting_reward.reward \

@@ -6,6 +6,7 @@ a weight update and a release never overlap.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -152,10 +153,11 @@ class EmbeddedEngine:
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 position_ids=position_ids,
-                cache=cache,
                 use_cache=True,
                 logits_to_keep=0 if first and wants_input else 1,
+                **{cache_keyword(self.model): cache},
             )
+            _check_cache_holds(cache, attention_mask.shape[1])
             if first and wants_input:
                 _fill_input_logprobs(rows, out.logits, input_ids)
             first = False
@@ -317,6 +319,26 @@ class EmbeddedEngine:
     def memory(self) -> dict[str, float]:
         """This engine's device memory in GiB (zeros on CPU), for the colocate metrics."""
         return sample_device_memory(self.device).gigabytes()
+
+
+def cache_keyword(model) -> str:
+    """The name under which `model.forward` takes its KV cache: transformers renamed `past_key_values`
+    to `cache` (5.24 has `cache`, the lent GPUs' 5.17 only `past_key_values`). Passing the other name
+    is not an error there: it lands in **kwargs, and every decode step then sees its new token alone."""
+    parameters = inspect.signature(model.forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in parameters:
+            return name
+    raise TypeError(f"{type(model).__name__}.forward takes neither `cache` nor `past_key_values`")
+
+
+def _check_cache_holds(cache, tokens: int) -> None:
+    """Every decode step must extend the engine's cache to all tokens fed so far; otherwise the
+    model decoded without its context and the log-probs it reported are not the policy's."""
+    held = cache.get_seq_length()
+    if held != tokens:
+        raise RuntimeError(f"the KV cache holds {held} tokens after a step over {tokens}: this transformers "
+                           "version did not use the engine's cache")
 
 
 def _fill_input_logprobs(rows: list[_RowState], logits: torch.Tensor, input_ids: torch.Tensor) -> None:

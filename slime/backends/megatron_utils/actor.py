@@ -116,18 +116,16 @@ class MegatronTrainActor:
         fresh_optimizer = self.args.no_load_optim or self.args.finetune
         iteration = load_checkpoint(path, self.model, None if fresh_optimizer else self.optimizer,
                                     None if self.args.finetune else self.lr_scheduler)
+        if fresh_optimizer:
+            self.optimizer.reload_model_params()  # bf16 main params follow the loaded weights (load_model_weights)
         return 0 if self.args.finetune else iteration + 1
 
     def _load_weights(self, path: str) -> None:
         """Model weights from an HF directory or a megatron checkpoint (--ref-load accepts both;
-        --ref-ckpt-step picks the checkpoint's iteration)."""
-        from slime.backends.megatron_utils.checkpoint import load_checkpoint
-        from slime_plugins.models.hf_weights import load_hf_weights
+        --ref-ckpt-step picks the checkpoint's iteration); the optimizer's main params follow them."""
+        from slime.backends.megatron_utils.checkpoint import load_model_weights
 
-        if os.path.exists(os.path.join(path, "config.json")):
-            load_hf_weights(self.model, path, self.hf_config)
-        else:
-            load_checkpoint(path, self.model, iteration=self.args.ref_ckpt_step)
+        load_model_weights(path, self.model, self.optimizer, self.hf_config, iteration=self.args.ref_ckpt_step)
 
     # ------------------------------------------------------------- actor_train
     def train(self, rollout_id: int, data: dict[str, Any]) -> dict[str, Any]:

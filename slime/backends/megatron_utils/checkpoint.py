@@ -27,8 +27,8 @@ import torch.distributed as dist
 import patches
 from slime_plugins.models.hf_weights import export_hf_weights, load_hf_weights
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_iteration", "load_hf_weights", "export_hf_weights",
-           "save_hf_checkpoint"]
+__all__ = ["save_checkpoint", "load_checkpoint", "load_model_weights", "latest_iteration", "load_hf_weights",
+           "export_hf_weights", "save_hf_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
@@ -184,10 +184,11 @@ def load_checkpoint(root: str, model_chunks: list, optimizer=None, lr_scheduler=
     if not os.path.isdir(_iteration_dir(root, iteration)):
         raise FileNotFoundError(f"{root}: the tracker names iteration {iteration}, but {_iteration_dir(root, iteration)} "
                                 "does not exist; point --load at a complete checkpoint directory")
+    stale_optimizer = None
     if optimizer is not None and not _has_optimizer(_iteration_dir(root, iteration)):
         logger.warning("%s holds no optimizer state (saved with --no-save-optim): starting a fresh optimizer",
                        _iteration_dir(root, iteration))
-        optimizer = None
+        stale_optimizer, optimizer = optimizer, None
     state = _full_sharded_state_dict(model_chunks, optimizer, lr_scheduler, is_loading=True)
     state["iteration"] = iteration
     loaded = dist_checkpointing.load(state, _iteration_dir(root, iteration))
@@ -198,10 +199,29 @@ def load_checkpoint(root: str, model_chunks: list, optimizer=None, lr_scheduler=
             _unwrap(chunk).load_state_dict(loaded[f"model{i}"])
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
+    if stale_optimizer is not None:
+        stale_optimizer.reload_model_params()  # see load_model_weights
     if lr_scheduler is not None:
         lr_scheduler.num_steps = 0  # its load_state_dict ADDS the saved step count
         lr_scheduler.load_state_dict(loaded["opt_param_scheduler"])
     return int(loaded.get("iteration", iteration))
+
+
+def load_model_weights(path: str, model_chunks: list, optimizer, hf_config: Any,
+                       iteration: Optional[int] = None) -> None:
+    """Model weights only, from an HF directory (config.json) or a megatron checkpoint (its `iteration`,
+    default the latest), then the optimizer's main params refreshed from them. All ranks call.
+
+    With --bf16 megatron's optimizer keeps fp32 main params, cloned from the model when it was built
+    (random init here) and copied back into the model at every step: weights loaded behind its back
+    would be replaced by that init at the first step (issue 15: a KL to the reference of ~5 nats on
+    the H200 within a few rollouts). Megatron-LM reloads them after a checkpoint load the same way.
+    """
+    if os.path.exists(os.path.join(path, "config.json")):
+        load_hf_weights(model_chunks, path, hf_config)
+    else:
+        load_checkpoint(path, model_chunks, iteration=iteration)
+    optimizer.reload_model_params()
 
 
 def _has_optimizer(path: str) -> bool:
