@@ -85,7 +85,10 @@ def test_engines_lost_together_get_the_current_weights_before_serving(tolerant_r
     served_again = re.findall(r"engine (\d) serves again at \S+ \(weights (\S+)\)", tolerant_run["output"])
     assert {engine for engine, _ in served_again} == {"0", "1"}
     assert all(version != "of" for _, version in served_again)  # always after a push, never the checkpoint's
-    assert ("0", "1") in served_again and ("1", "1") in served_again
+    # an engine back during rollout 1 got version 1 (the catch-up push); one back only after it, version 2
+    # (the rollout's own sync): which engine makes it in time depends on the machine's speed
+    assert ("0", "1") in served_again or ("1", "1") in served_again, served_again
+    assert {version for _, version in served_again} <= {"1", "2"}, served_again
 
 
 def test_killed_engine_without_fault_tolerance_ends_the_run_naming_it(assets):

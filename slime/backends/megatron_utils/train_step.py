@@ -247,13 +247,27 @@ def compute_log_probs(model_chunks: Sequence[Any], data: Mapping[str, Any],
     out: list[list[float]] = [[] for _ in data["tokens"]]
     for plan in plans:
         packed = pack_plan(data, plan, args)
-        with _phase(collective_hook, "log_probs_forward"):
+        with _phase(collective_hook, "log_probs_forward"), eval_mode(model_chunks):
             local = _forward_log_probs(model_chunks, packed, cfg, progress)
         with _phase(collective_hook, "log_probs_gather"):
             values = _gather_log_probs(local, packed)
         for sample, lps in values.items():
             out[sample] = lps
     return out
+
+
+@contextlib.contextmanager
+def eval_mode(model_chunks: Sequence[Any]):
+    """No dropout while scoring: the old-policy and reference log-probs are the policy's own, as the
+    engines' are (upstream's forward-only pass does the same); training mode comes back after."""
+    modes = [chunk.training for chunk in model_chunks]
+    for chunk in model_chunks:
+        chunk.eval()
+    try:
+        yield
+    finally:
+        for chunk, training in zip(model_chunks, modes):
+            chunk.train(training)
 
 
 # ------------------------------------------------------------------- internals

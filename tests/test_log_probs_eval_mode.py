@@ -1,0 +1,46 @@
+"""The old-policy and reference log-probs are scored without dropout, as the engines score (one CPU rank).
+
+With megatron's default dropout (0.1, which upstream's flags keep unless a script sets 0), a forward in
+training mode gives log-probs that differ from run to run and from the engines' by ~0.04 on a tiny
+model: train/train_rollout_logprob_abs_diff then measures dropout noise, and PPO's ratio starts off 1.
+"""
+from __future__ import annotations
+
+import pytest
+
+from mp_utils import run_ranks
+from tiny_models import save_tiny_qwen3
+from train_step_harness import layout_args, make_rollout
+
+
+@pytest.fixture(scope="module")
+def tiny_hf_dir(tmp_path_factory):
+    return save_tiny_qwen3(str(tmp_path_factory.mktemp("tiny_qwen3_dropout")))
+
+
+def _log_probs_child(rank: int, world: int, hf_dir: str, dropout: float) -> dict:
+    from transformers import AutoConfig
+
+    from slime.backends.megatron_utils.model import build_model_and_optimizer
+    from slime.backends.megatron_utils.parallel import init_model_parallel
+    from slime.backends.megatron_utils.train_step import build_plans_for_rank, compute_log_probs
+    from slime_plugins.models.hf_weights import load_hf_weights
+
+    args = layout_args({}, hidden_dropout=dropout, attention_dropout=dropout)
+    init_model_parallel(args)
+    hf_config = AutoConfig.from_pretrained(hf_dir)
+    model, _, _ = build_model_and_optimizer(args, hf_config)
+    load_hf_weights(model, hf_dir, hf_config)
+    data = make_rollout(num_samples=4, seed=0)
+    (plan,) = build_plans_for_rank(data, args)
+    first = compute_log_probs(model, data, plan, args)
+    second = compute_log_probs(model, data, plan, args)
+    return {"first": first, "second": second, "training_after": all(chunk.training for chunk in model)}
+
+
+def test_log_probs_ignore_dropout_and_training_mode_comes_back(tiny_hf_dir):
+    (noisy,) = run_ranks(_log_probs_child, 1, args=(tiny_hf_dir, 0.5), timeout_s=180)
+    (clean,) = run_ranks(_log_probs_child, 1, args=(tiny_hf_dir, 0.0), timeout_s=180)
+    assert noisy["first"] == noisy["second"], "two forward-only passes of the same weights differ: dropout is on"
+    assert noisy["first"] == clean["first"], "dropout changed the scored log-probs"
+    assert noisy["training_after"], "the model did not go back to training mode (dropout off while training)"
