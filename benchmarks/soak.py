@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ROLES = (
     (r"ray::TrainRayActor", "rank"),
     (r"ray::RolloutManager", "rollout-manager"),
+    (r"ray::EngineRayActor", "engine-actor"),  # starts and watches one engine on its bundle
     (r"embedded_engine\.server|sglang\.launch_server", "engine"),
     (r"slime\.router\.router|sglang_router", "router"),
     (r"train\.py", "driver"),
