@@ -18,7 +18,8 @@ BASE = [
     "tqdm>=4.66",
     "requests>=2.31",
     "aiohttp>=3.9",
-    "psutil>=5.9",  # megatron-core dist_checkpointing (async writers) needs it at save time
+    "psutil>=5.9",  # the engine fleet's process watch; megatron-core dist_checkpointing at save time
+    "pyyaml>=6",  # --custom-config-path
     "tokenizers>=0.20",  # the demo's character tokenizer (slime/tools/char_tokenizer.py)
     "matplotlib>=3.7",  # slime.tools.plot_metrics (make demo writes curves.png)
 ]
