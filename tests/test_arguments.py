@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from arg_testing import no_real_sglang, parse_error, parse_quiet  # noqa: F401 (fixture)
 from slime.utils import arguments, sglang_passthrough
 from slime.utils.arguments import (
     EvalDatasetSpec,
@@ -36,27 +37,8 @@ MINIMAL = ["--rollout-batch-size", "2", "--num-rollout", "1", "--actor-num-gpus-
            "--train-backend-device", "cpu"]
 
 
-@pytest.fixture(autouse=True)
-def _no_real_sglang(monkeypatch):
-    """Default: sglang treated as not importable, so results do not depend on what the venv holds."""
-    monkeypatch.setattr(sglang_passthrough, "server_args_parser", lambda: None)
-
-
-def _parse_quiet(argv):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return parse_args(argv)
-
-
-def _parse_error(argv, capsys) -> str:
-    with pytest.raises(SystemExit) as info:
-        _parse_quiet(argv)
-    assert info.value.code == 2
-    return capsys.readouterr().err
-
-
 def test_seed_configuration_parses_with_upstream_meaning():
-    args = _parse_quiet(SEED_FLAGS + ["--num-rollout", "3", "--train-backend-device", "cpu"])
+    args = parse_quiet(SEED_FLAGS + ["--num-rollout", "3", "--train-backend-device", "cpu"])
     assert (args.tensor_model_parallel_size, args.context_parallel_size, args.pipeline_model_parallel_size) == (2, 4, 1)
     assert args.sequence_parallel and args.colocate and args.use_dynamic_batch_size and args.calculate_per_token_loss
     assert args.use_slime_router
@@ -71,7 +53,7 @@ def test_seed_configuration_parses_with_upstream_meaning():
 
 
 def test_defaults_follow_upstream():
-    args = _parse_quiet(MINIMAL)
+    args = parse_quiet(MINIMAL)
     expected = {
         "eps_clip": 0.2, "eps_clip_high": 0.2, "kl_loss_coef": 0.0, "kl_loss_type": "k1", "use_kl_loss": False,
         "entropy_coef": 0.0, "advantage_estimator": "grpo", "rollout_temperature": 1.0, "input_key": "input",
@@ -138,7 +120,7 @@ def _dense_grpo_command(tmp_path: Path) -> list[str]:
 
 def test_full_dense_grpo_command_line_parses(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path / "hooks"))
-    args = _parse_quiet(_dense_grpo_command(tmp_path))
+    args = parse_quiet(_dense_grpo_command(tmp_path))
     assert args.position_embedding_type == "rope" and args.add_bias_linear is False
     assert args.normalization == "RMSNorm" and args.num_query_groups == 8 and args.kv_channels == 128
     assert args.global_batch_size == 256 and args.num_steps_per_rollout == 1
@@ -180,7 +162,7 @@ def test_unknown_flag_exits_nonzero_naming_it():
 
 
 def test_flag_prefix_is_not_silently_expanded(capsys):
-    err = _parse_error(MINIMAL + ["--rollout-temp", "0.5"], capsys)
+    err = parse_error(MINIMAL + ["--rollout-temp", "0.5"], capsys)
     assert "--rollout-temp" in err
 
 
@@ -216,12 +198,12 @@ VALIDATION_CASES = [
 
 @pytest.mark.parametrize("extra, message", VALIDATION_CASES, ids=[m for _, m in VALIDATION_CASES])
 def test_validation_error_names_what_to_fix(extra, message, capsys):
-    err = _parse_error(MINIMAL + extra, capsys)
+    err = parse_error(MINIMAL + extra, capsys)
     assert message in err
 
 
 def test_missing_num_rollout_is_an_error(capsys):
-    err = _parse_error(["--rollout-batch-size", "2", "--actor-num-gpus-per-node", "1"], capsys)
+    err = parse_error(["--rollout-batch-size", "2", "--actor-num-gpus-per-node", "1"], capsys)
     assert "--num-rollout" in err
 
 
@@ -240,27 +222,27 @@ def test_sequence_parallel_with_tp1_warns_and_is_disabled():
 
 
 def test_colocate_keeps_an_explicit_rollout_gpu_count():
-    args = _parse_quiet(MINIMAL + ["--colocate", "--rollout-num-gpus", "4"])
+    args = parse_quiet(MINIMAL + ["--colocate", "--rollout-num-gpus", "4"])
     assert args.rollout_num_gpus == 4 and args.offload_rollout
 
 
 def test_load_debug_rollout_data_implies_train_only(tmp_path):
     data = _touch(tmp_path / "rollout_0.pt")
-    args = _parse_quiet(MINIMAL + ["--load-debug-rollout-data", data])
+    args = parse_quiet(MINIMAL + ["--load-debug-rollout-data", data])
     assert args.debug_train_only and args.skip_engines
 
 
 def test_eval_prompt_data_pairs_and_legacy_single_path(tmp_path):
     a, b = _touch(tmp_path / "a.jsonl"), _touch(tmp_path / "b.jsonl")
-    args = _parse_quiet(MINIMAL + ["--eval-prompt-data", "A", a, "B", b])
+    args = parse_quiet(MINIMAL + ["--eval-prompt-data", "A", a, "B", b])
     assert args.eval_datasets == (EvalDatasetSpec("A", a), EvalDatasetSpec("B", b))
-    args = _parse_quiet(MINIMAL + ["--eval-prompt-data", a])
+    args = parse_quiet(MINIMAL + ["--eval-prompt-data", a])
     assert args.eval_datasets == (EvalDatasetSpec("aime", a),)
 
 
 def test_function_path_in_file_form_is_found(tmp_path):
     hook = _touch(tmp_path / "hook.py", "def rm(args, sample): return 0.0\n")
-    args = _parse_quiet(MINIMAL + ["--custom-rm-path", f"{hook}:rm"])
+    args = parse_quiet(MINIMAL + ["--custom-rm-path", f"{hook}:rm"])
     assert args.custom_rm_path == f"{hook}:rm"
 
 
@@ -268,7 +250,7 @@ def test_function_path_in_file_form_is_found(tmp_path):
 
 
 def test_sglang_passthrough_without_sglang_types_values_by_shape():
-    args = _parse_quiet(MINIMAL + ["--sglang-chunked-prefill-size", "4096", "--sglang-enable-metrics",
+    args = parse_quiet(MINIMAL + ["--sglang-chunked-prefill-size", "4096", "--sglang-enable-metrics",
                                    "--sglang-schedule-conservativeness=0.5", "--sglang-attention-backend", "triton",
                                    "--sglang-cuda-graph-max-bs", "-1", "--sglang-disable-radix-cache", "false",
                                    "--rollout-temperature", "0.9"])
@@ -295,18 +277,18 @@ def _fake_server_parser() -> argparse.ArgumentParser:
 
 def test_sglang_passthrough_with_server_args_types_and_validates(monkeypatch, capsys):
     monkeypatch.setattr(sglang_passthrough, "server_args_parser", _fake_server_parser)
-    args = _parse_quiet(MINIMAL + ["--sglang-enable-metrics", "--sglang-log-level", "debug",
+    args = parse_quiet(MINIMAL + ["--sglang-enable-metrics", "--sglang-log-level", "debug",
                                    "--sglang-mem-fraction-static", "0.5", "--sglang-cuda-graph-bs", "1", "2"])
     assert args.sglang_server_args == {"cuda_graph_bs": [1, 2], "enable_metrics": True, "log_level": "debug",
                                        "mem_fraction_static": 0.5}
-    err = _parse_error(MINIMAL + ["--sglang-not-a-server-arg", "1"], capsys)
+    err = parse_error(MINIMAL + ["--sglang-not-a-server-arg", "1"], capsys)
     assert "--sglang-not-a-server-arg" in err
-    err = _parse_error(MINIMAL + ["--sglang-log-level"], capsys)
+    err = parse_error(MINIMAL + ["--sglang-log-level"], capsys)
     assert "--sglang-log-level" in err  # missing value is reported with the user's spelling
 
 
 def test_sglang_fields_owned_by_slime_are_refused(capsys):
-    err = _parse_error(MINIMAL + ["--sglang-tp-size", "2"], capsys)
+    err = parse_error(MINIMAL + ["--sglang-tp-size", "2"], capsys)
     assert "--sglang-tp-size" in err and "--rollout-num-gpus-per-engine" in err
 
 
@@ -317,9 +299,9 @@ def test_sglang_passthrough_matches_the_installed_sglang(monkeypatch, capsys):
     real = sglang_passthrough.server_args_parser()
     argv = MINIMAL + ["--sglang-definitely-not-an-sglang-arg", "1"]
     if real is None:
-        assert _parse_quiet(argv).sglang_server_args == {"definitely_not_an_sglang_arg": 1}
+        assert parse_quiet(argv).sglang_server_args == {"definitely_not_an_sglang_arg": 1}
     else:
-        assert "--sglang-definitely-not-an-sglang-arg" in _parse_error(argv, capsys)
+        assert "--sglang-definitely-not-an-sglang-arg" in parse_error(argv, capsys)
 
 
 # ---------------------------------------------------------------- accepted-but-unimplemented flags
@@ -353,7 +335,7 @@ def test_registry_entries_name_real_flags():
         warnings.simplefilter("always")
         args = parse_args(MINIMAL)
     assert args.not_implemented_flags == () and caught == []  # defaults never warn
-    args = _parse_quiet(MINIMAL + ["--disable-wandb-random-suffix", "--tb-project-name", "/tmp/tb"])
+    args = parse_quiet(MINIMAL + ["--disable-wandb-random-suffix", "--tb-project-name", "/tmp/tb"])
     assert args.not_implemented_flags == ("--disable-wandb-random-suffix",)
     assert args.tensorboard_dir == "/tmp/tb"
 

@@ -10,13 +10,13 @@
 from __future__ import annotations
 
 import re
-import warnings
 from pathlib import Path
 
 import pytest
 
+from arg_testing import no_real_sglang, parse_error, parse_quiet  # noqa: F401 (fixture)
 from slime.utils import arguments, sglang_passthrough
-from slime.utils.arguments import build_parser, parse_args
+from slime.utils.arguments import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 UPSTREAM_FLAGS = Path(__file__).with_name("upstream_slime_flags.txt")
@@ -35,24 +35,6 @@ OWNED_ELSEWHERE = {
 }
 TERSE_HELP = {"tp", "pp", "cp", "ep", "mode", "dir", "group", "project", "score", "server", "entity", "format",
               "norm", "bias", "drops", "balancing", "recompute", "recompute method", "optimizer"}
-
-
-@pytest.fixture(autouse=True)
-def _no_real_sglang(monkeypatch):
-    monkeypatch.setattr(sglang_passthrough, "server_args_parser", lambda: None)
-
-
-def _parse_quiet(argv):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return parse_args(argv)
-
-
-def _error(argv, capsys) -> str:
-    with pytest.raises(SystemExit) as info:
-        _parse_quiet(argv)
-    assert info.value.code == 2
-    return capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- the flag rule
@@ -132,7 +114,7 @@ def _script_fixture(tmp_path: Path) -> list[str]:
 
 
 def test_upstream_example_script_flags_parse(tmp_path):
-    args = _parse_quiet(_script_fixture(tmp_path))
+    args = parse_quiet(_script_fixture(tmp_path))
     assert args.global_batch_size == 8 and args.eval_datasets[0].name == "gsm8k"
     assert args.sglang_server_args["enable_deterministic_inference"] is True
     assert args.not_implemented_flags == ("--attention-backend",)
@@ -163,7 +145,7 @@ REFUSED_CASES = [
 
 @pytest.mark.parametrize("extra, message", REFUSED_CASES, ids=[c[0][0] for c in REFUSED_CASES])
 def test_unsupported_choices_are_refused_at_parse_time(extra, message, capsys):
-    assert message in _error(MINIMAL + extra, capsys)
+    assert message in parse_error(MINIMAL + extra, capsys)
 
 
 # ---------------------------------------------------------------- --help and unknown flags
@@ -186,28 +168,28 @@ def test_help_gives_every_flag_a_meaning_and_its_default():
 
 
 def test_unknown_flag_is_answered_with_the_closest_known_ones(capsys):
-    err = _error(MINIMAL + ["--rollout-temprature", "0.7", "--tensor-parallel-size", "2"], capsys)
+    err = parse_error(MINIMAL + ["--rollout-temprature", "0.7", "--tensor-parallel-size", "2"], capsys)
     assert "--rollout-temprature (did you mean --rollout-temperature" in err
     assert "--tensor-parallel-size (did you mean --tensor-model-parallel-size" in err
-    assert "--zzz-unknown" in _error(MINIMAL + ["--zzz-unknown"], capsys)
+    assert "--zzz-unknown" in parse_error(MINIMAL + ["--zzz-unknown"], capsys)
 
 
 # ---------------------------------------------------------------- derived values
 
 
 def test_errors_about_derived_values_say_where_they_came_from(capsys):
-    err = _error(["--rollout-batch-size", "3", "--n-samples-per-prompt", "1", "--num-rollout", "1",
+    err = parse_error(["--rollout-batch-size", "3", "--n-samples-per-prompt", "1", "--num-rollout", "1",
                   "--actor-num-gpus-per-node", "2", "--train-backend-device", "cpu"], capsys)
     assert ("--global-batch-size 3 (not passed: one step per rollout = --rollout-batch-size 3 x "
             "--n-samples-per-prompt 1) is not divisible by the data-parallel size 2 (= actor world 2 / "
             "(--tensor-model-parallel-size 1 x --context-parallel-size 1 x --pipeline-model-parallel-size 1))") in err
     assert "rollout_batch_size" not in err and "data_parallel_size" not in err
-    err = _error(MINIMAL + ["--n-samples-per-prompt", "3", "--num-steps-per-rollout", "4"], capsys)
+    err = parse_error(MINIMAL + ["--n-samples-per-prompt", "3", "--num-steps-per-rollout", "4"], capsys)
     assert "the rollout's 6 samples (--rollout-batch-size 2 x --n-samples-per-prompt 3)" in err
 
 
 def test_derived_values_are_recorded():
-    args = _parse_quiet(MINIMAL + ["--n-samples-per-prompt", "4", "--num-steps-per-rollout", "2"])
+    args = parse_quiet(MINIMAL + ["--n-samples-per-prompt", "4", "--num-steps-per-rollout", "2"])
     assert args.global_batch_size == 4
     assert args.derived_values["global_batch_size"] == \
         "--rollout-batch-size 2 x --n-samples-per-prompt 4 // --num-steps-per-rollout 2"
@@ -221,12 +203,12 @@ def test_custom_config_overrides_flags_and_adds_plugin_attributes(tmp_path, caps
     config = tmp_path / "overrides.yaml"
     config.write_text("lr: 1e-5\n--n-samples-per-prompt: 4\nnum-steps-per-rollout: 2\nmy_plugin_temperature: 0.3\n"
                       "eval_prompt_data: null\n")
-    args = _parse_quiet(MINIMAL + ["--lr", "3e-4", "--custom-config-path", str(config)])
+    args = parse_quiet(MINIMAL + ["--lr", "3e-4", "--custom-config-path", str(config)])
     assert args.lr == 1e-5 and isinstance(args.lr, float)  # YAML's '1e-5' string is converted by the flag's type
     assert args.n_samples_per_prompt == 4 and args.global_batch_size == 4  # validation saw the override
     assert args.my_plugin_temperature == 0.3
     assert args.custom_config_overrides["lr"] == 1e-5
     config.write_text("- not a mapping\n")
-    assert "expected a mapping" in _error(MINIMAL + ["--custom-config-path", str(config)], capsys)
+    assert "expected a mapping" in parse_error(MINIMAL + ["--custom-config-path", str(config)], capsys)
     config.write_text("rollout_batch_size: 0\n")  # overrides are validated like flags
-    assert "--rollout-batch-size must be positive" in _error(MINIMAL + ["--custom-config-path", str(config)], capsys)
+    assert "--rollout-batch-size must be positive" in parse_error(MINIMAL + ["--custom-config-path", str(config)], capsys)
