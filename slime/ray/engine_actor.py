@@ -85,9 +85,6 @@ class EngineRayActor:
         self.stop()
         return self.start(startup_timeout_s)
 
-    def alive(self) -> bool:
-        return self.engine is not None and self.engine.alive()
-
     def exit_code(self) -> int | None:
         return LocalEngine(self.engine).exit_code() if self.engine is not None else None
 

@@ -261,7 +261,3 @@ class EngineFleet:
     def _join_router(self, url: str) -> None:
         if self.router is not None:
             self.router.add(url)
-
-    def stop_all(self) -> None:
-        for slot in self.slots:
-            slot.handle.stop()
