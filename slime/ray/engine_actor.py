@@ -125,9 +125,6 @@ class RemoteEngine:
     def process_state(self) -> str:
         return self._call("process_state", lost="engine actor lost")
 
-    def stop(self) -> None:
-        self._call("stop")
-
 
 def _free_port(host: str) -> int:
     family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET

@@ -60,8 +60,6 @@ class EngineProcess(Protocol):
     def process_state(self) -> str:
         """'alive', 'stopped (SIGSTOP)' or 'exited with code N', for reports."""
 
-    def stop(self) -> None: ...
-
 
 @dataclass
 class FleetSlot:
