@@ -72,9 +72,13 @@ def test_resume_variants(monkeypatch, flags, optimizer_loaded, scheduler_loaded,
     monkeypatch.setattr("slime.backends.megatron_utils.checkpoint.load_checkpoint",
                         lambda path, model, optimizer=None, scheduler=None: calls.append((optimizer, scheduler)) or 7)
     args = SimpleNamespace(**{"no_load_optim": False, "finetune": False, **flags})
-    actor = SimpleNamespace(args=args, model="m", optimizer="opt", lr_scheduler="sched")
+    optimizer = SimpleNamespace(reloaded=0)
+    optimizer.reload_model_params = lambda: setattr(optimizer, "reloaded", optimizer.reloaded + 1)
+    actor = SimpleNamespace(args=args, model="m", optimizer=optimizer, lr_scheduler="sched")
     assert MegatronTrainActor._resume(actor, "/ckpt") == start
-    assert calls == [("opt" if optimizer_loaded else None, "sched" if scheduler_loaded else None)]
+    assert calls == [(optimizer if optimizer_loaded else None, "sched" if scheduler_loaded else None)]
+    # a fresh optimizer's (bf16) main params must follow the loaded weights, not the init they were cloned from
+    assert optimizer.reloaded == (0 if optimizer_loaded else 1)
 
 
 def test_dump_details_sets_both_debug_dumps():
