@@ -110,11 +110,15 @@ class RemoteEngine:
         self.url = endpoint.url
         self._timeout_s = control_timeout_s
 
-    def _call(self, method: str, *args, lost: Any = None) -> Any:
+    def _call(self, method: str, *args, lost: Any = None, silent: Any = None) -> Any:
+        """`lost` when the actor is gone; `silent` when it did not answer in time (it may only be slow:
+        the health probes, not this, decide that an engine that still runs is unresponsive)."""
         try:
             return ray.get(getattr(self.actor, method).remote(*args), timeout=self._timeout_s)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        except ray.exceptions.RayActorError:
             return lost
+        except ray.exceptions.GetTimeoutError:
+            return silent
 
     def exit_code(self) -> int | None:
         return self._call("exit_code", lost=-1)
@@ -123,7 +127,7 @@ class RemoteEngine:
         self._call("signal", int(sig))
 
     def process_state(self) -> str:
-        return self._call("process_state", lost="engine actor lost")
+        return self._call("process_state", lost="engine actor lost", silent="engine actor not answering")
 
 
 def _free_port(host: str) -> int:
