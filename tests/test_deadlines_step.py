@@ -23,20 +23,12 @@ def _child(rank, world, hf_dir, ledger_dir):
     import copy
     import time
 
-    from transformers import AutoConfig
-
-    from slime.backends.megatron_utils.model import build_model_and_optimizer
-    from slime.backends.megatron_utils.parallel import init_model_parallel
     from slime.backends.megatron_utils.train_step import build_plans_for_rank, compute_log_probs, train_one_step
     from slime.distributed import HangError, Ledger, Watchdog
-    from slime_plugins.models.hf_weights import load_hf_weights
-    from train_step_harness import layout_args, make_rollout
+    from train_step_harness import build_loaded_model, layout_args, make_rollout
 
     args = layout_args({}, max_tokens_per_gpu=24, fence_timeout=WINDOW_S)
-    init_model_parallel(args)
-    hf_config = AutoConfig.from_pretrained(hf_dir)
-    model, optimizer, scheduler = build_model_and_optimizer(args, hf_config)
-    load_hf_weights(model, hf_dir, hf_config)
+    model, optimizer, scheduler = build_loaded_model(args, hf_dir)
     data = make_rollout(num_samples=16, seed=3)
     (plan,) = build_plans_for_rank(data, args)
     log_probs = compute_log_probs(model, data, plan, args)

@@ -10,7 +10,7 @@ import pytest
 
 from mp_utils import run_ranks
 from tiny_models import save_tiny_qwen3
-from train_step_harness import layout_args, make_rollout
+from train_step_harness import build_loaded_model, layout_args, make_rollout
 
 
 @pytest.fixture(scope="module")
@@ -19,18 +19,10 @@ def tiny_hf_dir(tmp_path_factory):
 
 
 def _log_probs_child(rank: int, world: int, hf_dir: str, dropout: float) -> dict:
-    from transformers import AutoConfig
-
-    from slime.backends.megatron_utils.model import build_model_and_optimizer
-    from slime.backends.megatron_utils.parallel import init_model_parallel
     from slime.backends.megatron_utils.train_step import build_plans_for_rank, compute_log_probs
-    from slime_plugins.models.hf_weights import load_hf_weights
 
     args = layout_args({}, hidden_dropout=dropout, attention_dropout=dropout)
-    init_model_parallel(args)
-    hf_config = AutoConfig.from_pretrained(hf_dir)
-    model, _, _ = build_model_and_optimizer(args, hf_config)
-    load_hf_weights(model, hf_dir, hf_config)
+    model, _, _ = build_loaded_model(args, hf_dir)
     data = make_rollout(num_samples=4, seed=0)
     (plan,) = build_plans_for_rank(data, args)
     first = compute_log_probs(model, data, plan, args)

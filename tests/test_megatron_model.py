@@ -10,6 +10,7 @@ import torch
 
 from mp_utils import run_ranks
 from tiny_models import save_tiny_qwen3
+from train_step_harness import build_loaded_model
 
 SEQ_LENS = (13, 29, 7)  # real lengths of the packed sequences
 
@@ -22,18 +23,6 @@ def _args(**overrides) -> types.SimpleNamespace:
     return types.SimpleNamespace(**fields)
 
 
-def _build(args, hf_dir):
-    import transformers
-
-    from slime.backends.megatron_utils.model import build_model_and_optimizer
-    from slime.backends.megatron_utils.parallel import init_model_parallel
-    from slime_plugins.models.hf_weights import load_hf_weights
-
-    init_model_parallel(args)
-    hf_config = transformers.AutoConfig.from_pretrained(hf_dir)
-    model, optimizer, scheduler = build_model_and_optimizer(args, hf_config)
-    load_hf_weights(model, hf_dir, hf_config)
-    return model, optimizer, scheduler
 
 
 def _sequences(vocab: int) -> list[torch.Tensor]:
@@ -101,7 +90,7 @@ def _forward_backward_step(rank, world, hf_dir, tp, cp, sp):
     from megatron.core.distributed import finalize_model_grads
 
     args = _args(tensor_model_parallel_size=tp, context_parallel_size=cp, sequence_parallel=sp)
-    model, optimizer, scheduler = _build(args, hf_dir)
+    model, optimizer, scheduler = build_loaded_model(args, hf_dir)
     vocab = model[0].module.vocab_size
     cp_rank = parallel_state.get_context_parallel_rank()
     ids, targets, positions, mask, params = _packed_batch(
@@ -144,7 +133,7 @@ def hf_dir(tmp_path_factory):
 
 def _logits_single_rank(rank, world, hf_dir):
     # 512 -> 768 rows: padded vocabulary columns must not change the softmax.
-    model, _, _ = _build(_args(make_vocab_size_divisible_by=384), hf_dir)
+    model, _, _ = build_loaded_model(_args(make_vocab_size_divisible_by=384), hf_dir)
     ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(3))
     positions = torch.arange(24).unsqueeze(0).expand(2, -1)
     with torch.no_grad():
@@ -204,7 +193,7 @@ def _checkpoint_round_trip(rank, world, hf_dir, ckpt_dir):
     from slime.backends.megatron_utils.checkpoint import load_checkpoint, save_checkpoint
 
     args = _args(tensor_model_parallel_size=world, use_distributed_optimizer=True)
-    model, optimizer, scheduler = _build(args, hf_dir)
+    model, optimizer, scheduler = build_loaded_model(args, hf_dir)
     ids, targets, positions, mask, params = _packed_batch(_sequences(512), 1, 0, 2 * world)
     # One step so the optimizer has state worth saving.
     from megatron.core.distributed import finalize_model_grads

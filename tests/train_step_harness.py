@@ -36,6 +36,21 @@ def make_rollout(num_samples: int = 6, seed: int = 0, vocab: int = 512, max_len:
     return data
 
 
+def build_loaded_model(args, hf_dir: str):
+    """Model-parallel state, the megatron model with its optimizer and scheduler, the HF weights loaded."""
+    import transformers
+
+    from slime.backends.megatron_utils.model import build_model_and_optimizer
+    from slime.backends.megatron_utils.parallel import init_model_parallel
+    from slime_plugins.models.hf_weights import load_hf_weights
+
+    init_model_parallel(args)
+    hf_config = transformers.AutoConfig.from_pretrained(hf_dir)
+    model, optimizer, scheduler = build_model_and_optimizer(args, hf_config)
+    load_hf_weights(model, hf_dir, hf_config)
+    return model, optimizer, scheduler
+
+
 def layout_args(layout: dict, **overrides) -> SimpleNamespace:
     args = dict(
         tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
