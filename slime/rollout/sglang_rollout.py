@@ -25,11 +25,11 @@ from slime.rollout.advantages import flatten_groups
 from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
 from slime.rollout.data_source import PromptDataset, PromptFileSpec, eval_prompt_specs, load_tokenizer
 from slime.rollout.metrics import compute_eval_metrics, compute_rollout_metrics
-from slime.rollout.rm_hub import async_rm, batched_async_rm, load_hook
+from slime.rollout.rm_hub import async_rm, batched_async_rm
 from slime.rollout.sample_hooks import apply_rollout_sample_hooks
 from slime.rollout.sampling_loop import SamplingLoop
 from slime.utils.http_utils import DEFAULT_TIMEOUT_S, post
-from slime.utils.misc import SingletonMeta
+from slime.utils.misc import SingletonMeta, load_function
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -183,8 +183,9 @@ async def gather_or_cancel(coros) -> list:
 
 
 async def _call_generate(args, sample: Sample, params: dict, evaluation: bool) -> Sample | list[Sample]:
+    # a function set on the sample wins over --custom-generate-function-path (upstream's order)
     path = sample.generate_function_path or getattr(args, "custom_generate_function_path", None)
-    fn = load_hook(path) if path else generate
+    fn = load_function(path) if path else generate
     # upstream passes `evaluation` only to functions that declare it
     if "evaluation" in inspect.signature(fn).parameters:
         result = await fn(args, sample, params, evaluation=evaluation)
@@ -217,7 +218,8 @@ async def generate_and_rm(args, sample: Sample, sampling_params: dict, evaluatio
             sample.status = Sample.Status.ABORTED
             return sample
         result = await _call_generate(args, sample, sampling_params, evaluation)
-    result = await apply_rollout_sample_hooks(args, result, rollout_id=state.rollout_id, evaluation=evaluation)
+    result = await apply_rollout_sample_hooks(args, result, rollout_id=getattr(state, "rollout_id", None),
+                                           evaluation=evaluation)
     samples = _as_list(result)
     if getattr(args, "group_rm", False) or any(s.status == Sample.Status.ABORTED for s in samples):
         return result
@@ -293,9 +295,9 @@ def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = Fals
 def _apply_group_hooks(args, kept: list[list[Sample]], every_group: list[list[Sample]], data_source) -> None:
     """--rollout-sample-filter-path (may set remove_sample), then --rollout-all-samples-process-path."""
     if getattr(args, "rollout_sample_filter_path", None):
-        load_hook(args.rollout_sample_filter_path)(args, kept)
+        load_function(args.rollout_sample_filter_path)(args, kept)
     if getattr(args, "rollout_all_samples_process_path", None):
-        load_hook(args.rollout_all_samples_process_path)(args, every_group, data_source)
+        load_function(args.rollout_all_samples_process_path)(args, every_group, data_source)
 
 
 _eval_datasets: dict[str, PromptDataset] = {}  # repr(spec) -> dataset, read once per process
