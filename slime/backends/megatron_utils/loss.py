@@ -219,8 +219,8 @@ def policy_token_terms(log_probs: torch.Tensor, entropy: torch.Tensor, packed: P
     # Masked positions get log-ratio 0 so exp() cannot overflow on prompt tokens.
     ppo_kl = (old - log_probs) * mask
     ratio_kl = loss_hooks.sequence_mean_log_ratio(ppo_kl, packed) if cfg.sequence_level_ratio else ppo_kl
-    pg_loss, clipfrac = compute_policy_loss(ratio_kl, packed.advantages, cfg.eps_clip, cfg.eps_clip_high,
-                                            cfg.eps_clip_c)
+    pg_loss, clipfrac = compute_policy_loss(ratio_kl, packed.advantages, eps_clip=cfg.eps_clip,
+                                            eps_clip_high=cfg.eps_clip_high, eps_clip_c=cfg.eps_clip_c)
     terms = {"ppo_kl": ppo_kl, "pg_clipfrac": clipfrac, "entropy_loss": entropy,
              LOGPROB_DIFF_KEY: rollout_logprob_abs_diff(log_probs, packed)}
     if cfg.mismatch_terms:
