@@ -130,6 +130,10 @@ async def generate(args, sample: Sample, sampling_params: dict[str, Any]) -> Sam
     if sample.status not in (Sample.Status.PENDING, Sample.Status.ABORTED):
         raise ValueError(f"sample {sample.index} is {sample.status.value}; only pending or aborted samples generate")
     if not sample.tokens:
+        if not isinstance(sample.prompt, str):
+            raise ValueError(f"sample {sample.index}: the prompt is a list of chat messages; pass --apply-chat-template "
+                             "to render it (or --rollout-function-path slime.rollout.sft_rollout.generate_rollout "
+                             "to train on the conversation)")
         sample.tokens = list(load_tokenizer(args.hf_checkpoint)(sample.prompt, add_special_tokens=False)["input_ids"])
     params = dict(sampling_params)
     budget = _budget(args, sample, params)
