@@ -17,6 +17,7 @@ from typing import Any, Iterator
 
 import torch
 
+from slime.rollout.eval_config import EvalDatasetSpec
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -126,13 +127,24 @@ def train_prompt_spec(args) -> PromptFileSpec:
     )
 
 
+def eval_datasets(args) -> tuple[EvalDatasetSpec, ...]:
+    """The eval datasets parse_args resolved (--eval-config or --eval-prompt-data), or the pairs of a bare args."""
+    resolved = getattr(args, "eval_datasets", None)
+    if resolved:
+        return tuple(resolved)
+    return tuple(EvalDatasetSpec(name, path) for name, path in _name_path_pairs(getattr(args, "eval_prompt_data", None)))
+
+
 def eval_prompt_specs(args) -> dict[str, PromptFileSpec]:
-    """--eval-prompt-data NAME PATH [NAME PATH ...] -> {name: spec}; eval keys default to training's."""
-    pairs = _name_path_pairs(getattr(args, "eval_prompt_data", None))
+    """{name: spec} of every eval dataset; its keys default to the --eval-* ones, then to training's."""
     base = _eval_spec_fields(args)
-    return {
-        name: PromptFileSpec(path=path, flag=f"--eval-prompt-data {name}", **base) for name, path in pairs
-    }
+    flag = "--eval-config" if getattr(args, "eval_config", None) else "--eval-prompt-data"
+    specs = {}
+    for dataset in eval_datasets(args):
+        keys = {key: getattr(dataset, key) for key in ("input_key", "label_key", "tool_key", "metadata_key")
+                if getattr(dataset, key) is not None}
+        specs[dataset.name] = PromptFileSpec(path=dataset.path, flag=f"{flag} {dataset.name}", **{**base, **keys})
+    return specs
 
 
 def _eval_spec_fields(args) -> dict[str, Any]:

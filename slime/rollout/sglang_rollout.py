@@ -23,7 +23,8 @@ from tqdm import tqdm
 
 from slime.rollout.advantages import flatten_groups
 from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
-from slime.rollout.data_source import PromptDataset, PromptFileSpec, eval_prompt_specs, load_tokenizer
+from slime.rollout.data_source import PromptDataset, PromptFileSpec, eval_datasets, eval_prompt_specs, load_tokenizer
+from slime.rollout.eval_config import EvalDatasetSpec
 from slime.rollout.metrics import compute_eval_metrics, compute_rollout_metrics
 from slime.rollout.rm_hub import async_rm, batched_async_rm
 from slime.rollout.sample_hooks import apply_rollout_sample_hooks
@@ -314,13 +315,14 @@ def _eval_dataset(args, spec: PromptFileSpec) -> PromptDataset:
     return _eval_datasets[key]
 
 
-def _eval_groups(args, dataset: PromptDataset) -> list[list[Sample]]:
-    n = getattr(args, "n_samples_per_eval_prompt", None) or 1
+def _eval_groups(args, dataset: PromptDataset, config: EvalDatasetSpec) -> list[list[Sample]]:
+    n = config.n_samples_per_eval_prompt or getattr(args, "n_samples_per_eval_prompt", None) or 1
     groups = []
     for group_index, prompt in enumerate(dataset.samples):
         group = [copy.deepcopy(prompt) for _ in range(n)]
         for offset, sample in enumerate(group):
             sample.group_index, sample.index = group_index, group_index * n + offset
+            sample.metadata = config.sample_metadata(sample.metadata)  # per-dataset rm_type (--eval-config)
         groups.append(group)
     return groups
 
@@ -331,12 +333,15 @@ def _eval_reward(args, sample: Sample) -> float:
 
 
 async def eval_rollout(args, rollout_id: int) -> RolloutFnEvalOutput:
-    """Every --eval-prompt-data dataset with the --eval-* sampling settings; metrics per dataset."""
+    """Every eval dataset with the --eval-* sampling settings (and its own, from --eval-config); metrics per
+    dataset."""
     GenerateState(args).reset(rollout_id)
-    params = sampling_params(args, evaluation=True)
     data, metrics = {}, {}
-    for name, spec in eval_prompt_specs(args).items():
-        groups = _eval_groups(args, _eval_dataset(args, spec))
+    specs = eval_prompt_specs(args)
+    for config in eval_datasets(args):
+        name, spec = config.name, specs[config.name]
+        params = {**sampling_params(args, evaluation=True), **config.sampling_overrides()}
+        groups = _eval_groups(args, _eval_dataset(args, spec), config)
         samples = flatten_groups(await generate_groups(args, groups, params, f"eval {name} @ {rollout_id}",
                                                        evaluation=True))
         rewards = [_eval_reward(args, s) for s in samples]

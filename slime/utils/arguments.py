@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence
 
 from slime.utils import sglang_passthrough
 from slime.utils.deadlines import DeadlineModel, default_group_timeout_minutes
+from slime.rollout.eval_config import EvalDatasetSpec, load_eval_config
 from slime.utils.misc import module_is_findable, round_up
 
 logger = logging.getLogger(__name__)
@@ -151,8 +152,6 @@ REFUSED_FLAGS: tuple[NotImplementedFlag, ...] = (
                        reason="the REINFORCE objective is not implemented (the PPO-clip objective is)"),
     NotImplementedFlag(flag="--use-score-centering", reason="score centering is not implemented"),
     NotImplementedFlag(flag="--score-centering-top-k", reason="score centering is not implemented"),
-    *(NotImplementedFlag(flag=f, reason="on-policy distillation is not implemented")
-      for f in ("--use-opd", "--opd-type", "--opd-kl-coef", "--opd-teacher-load", "--opd-teacher-ckpt-step")),
     NotImplementedFlag(flag="--use-unbiased-kl", reason="the importance-weighted (unbiased) KL is not implemented"),
     NotImplementedFlag(flag="--use-opsm", reason="off-policy sequence masking is not implemented"),
     NotImplementedFlag(flag="--opsm-delta", reason="off-policy sequence masking is not implemented"),
@@ -177,7 +176,6 @@ REFUSED_FLAGS: tuple[NotImplementedFlag, ...] = (
     NotImplementedFlag(flag="--rollout-external-engine-addrs",
                        reason="external engines are not supported; the rollout manager launches its own"),
     NotImplementedFlag(flag="--multimodal-keys", reason="multimodal prompts are not supported"),
-    NotImplementedFlag(flag="--eval-config", reason="use --eval-prompt-data NAME PATH [NAME PATH ...] instead"),
     NotImplementedFlag(flag="--load-forge-rollout-data",
                        reason="replaying rollouts with live engines is not implemented; --load-debug-rollout-data "
                               "replays without engines"),
@@ -503,13 +501,44 @@ def _add_algorithm_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_opd_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("on-policy distillation", "a KL penalty towards a teacher model")
-    g.add_argument("--use-opd", action="store_true", default=False, help="enable on-policy distillation")
+    g = parser.add_argument_group("on-policy distillation",
+                                  "a per-token reverse-KL penalty towards a teacher, added to the advantages")
+    g.add_argument("--use-opd", action="store_true", default=False,
+                   help="enable on-policy distillation (needs --opd-type)")
     g.add_argument("--opd-type", type=str, default=None, choices=["sglang", "megatron"],
-                   help="where the teacher's log-probs come from")
-    g.add_argument("--opd-kl-coef", type=float, default=1.0, help="weight of the distillation KL")
-    g.add_argument("--opd-teacher-load", type=str, default=None, help="Megatron checkpoint of the teacher")
-    g.add_argument("--opd-teacher-ckpt-step", type=int, default=None, help="checkpoint step of the teacher")
+                   help="sglang: a teacher engine scores each sample (slime.rollout.on_policy_distillation as "
+                        "--custom-rm-path / --custom-reward-post-process-path, the engine at --rm-url); megatron: "
+                        "the trainer loads the teacher from --opd-teacher-load")
+    g.add_argument("--opd-kl-coef", type=float, default=1.0, help="weight of the reverse KL in the advantages")
+    g.add_argument("--opd-teacher-load", type=str, default=None,
+                   help="teacher checkpoint (megatron or HF directory, the model's architecture) with --opd-type megatron")
+    g.add_argument("--opd-teacher-ckpt-step", type=int, default=None,
+                   help="iteration of the --opd-teacher-load checkpoint (default: its latest)")
+
+
+def _check_opd(args: argparse.Namespace) -> None:
+    """Upstream's rules for the on-policy distillation flags."""
+    if not args.use_opd:
+        if args.opd_teacher_load is not None:
+            _fail("--opd-teacher-load is set but --use-opd is not; add --use-opd --opd-type megatron")
+        if args.opd_type is not None:
+            _fail(f"--opd-type {args.opd_type} has no effect without --use-opd; add --use-opd")
+        return
+    if args.opd_type is None:
+        _fail("--use-opd needs --opd-type sglang (a teacher engine) or --opd-type megatron (a teacher checkpoint)")
+    if args.opd_type == "megatron":
+        if args.opd_teacher_load is None:
+            _fail("--opd-type megatron needs --opd-teacher-load DIR (the teacher's checkpoint)")
+        _require_path("--opd-teacher-load", args.opd_teacher_load, "checkpoint")
+    elif args.opd_teacher_load is not None:
+        _fail("--opd-teacher-load is for --opd-type megatron; with --opd-type sglang the teacher engine at --rm-url "
+              "scores the samples")
+    if args.opd_teacher_ckpt_step is not None and args.opd_type != "megatron":
+        _fail("--opd-teacher-ckpt-step picks an iteration of --opd-teacher-load (--opd-type megatron)")
+    if args.loss_type != "policy_loss":
+        _fail(f"--use-opd shapes the advantages of --loss-type policy_loss; --loss-type {args.loss_type} has none")
+    if not args.compute_advantages_and_returns:
+        _fail("--use-opd adds its penalty to the advantages: remove --disable-compute-advantages-and-returns")
 
 
 def _add_reward_arguments(parser: argparse.ArgumentParser) -> None:
@@ -990,12 +1019,6 @@ def build_parser(
 MODEL_FAMILIES = ("qwen3", "qwen2", "llama")
 
 
-@dataclass(frozen=True)
-class EvalDatasetSpec:
-    name: str
-    path: str
-
-
 def _fail(message: str) -> None:
     raise ArgumentValidationError(message)
 
@@ -1167,6 +1190,14 @@ def _require_path(flag: str, path: str, kind: str = "path") -> None:
 
 
 def _resolve_eval_datasets(args: argparse.Namespace) -> None:
+    if args.eval_config is not None:  # upstream: the config replaces --eval-prompt-data
+        _require_path("--eval-config", args.eval_config, "file")
+        try:
+            args.eval_datasets = load_eval_config(args.eval_config)
+        except ValueError as exc:
+            _fail(str(exc))
+        args.eval_prompt_data = [item for spec in args.eval_datasets for item in (spec.name, spec.path)]
+        return
     values = list(args.eval_prompt_data or [])
     if len(values) == 1:
         logger.info("--eval-prompt-data given one path; naming the dataset 'aime' as upstream does")
@@ -1176,7 +1207,7 @@ def _resolve_eval_datasets(args: argparse.Namespace) -> None:
     args.eval_datasets = tuple(EvalDatasetSpec(values[i], values[i + 1]) for i in range(0, len(values), 2))
     args.eval_prompt_data = values or None
     if args.eval_interval is not None and not args.eval_datasets:
-        _fail("--eval-interval needs --eval-prompt-data NAME PATH [NAME PATH ...]")
+        _fail("--eval-interval needs --eval-prompt-data NAME PATH [NAME PATH ...] (or --eval-config FILE)")
 
 
 def _check_paths(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -1385,6 +1416,7 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
     _check_logprob_mismatch(args)
     _check_weight_sync(args)
     _check_plugins(args)
+    _check_opd(args)
     _check_ledger(args)
     _check_rollout_faults(args, parser)
     _resolve_tracking(args)
