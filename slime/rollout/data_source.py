@@ -315,7 +315,8 @@ class RolloutDataSource:
         self.sample_index = 0
         self.metadata: dict = {}
         self.dataset: PromptDataset | None = None
-        if getattr(args, "prompt_data", None) is not None:
+        # --disable-rollout-global-dataset: the rollout function brings its own prompts
+        if getattr(args, "prompt_data", None) is not None and getattr(args, "rollout_global_dataset", True):
             tokenizer = load_tokenizer(args.hf_checkpoint)
             self.dataset = PromptDataset(train_prompt_spec(args), tokenizer)
         seed = getattr(args, "rollout_seed", None)

@@ -127,6 +127,25 @@ NOT_IMPLEMENTED_FLAGS: tuple[NotImplementedFlag, ...] = (
     *_warned("weights always come from --hf-checkpoint / --load; nothing is randomly initialised",
              "--init-method-std"),
     *_warned("--optimizer sgd is not implemented", "--sgd-momentum"),
+    # upstream slime's remaining non-model flags (the "upstream compatibility" group)
+    NotImplementedFlag(flag="--keep-old-actor",
+                       reason="the old-policy pass already runs on the weights that generated the rollout (train.py "
+                              "pushes after every train), so no second copy is kept"),
+    *_warned("torch profiler traces are not written", "--profile-target", "--use-pytorch-profiler",
+             "--profile-step-start", "--profile-step-end", "--profile-ranks", "--profile"),
+    *_warned("a colocated trainer releases and restores its whole memory at sleep; no margin is reserved",
+             "--train-memory-margin-bytes"),
+    *_warned("a sleeping trainer always keeps the host copy of its weights (the weight push reads it)",
+             "--disable-weights-backuper"),
+    NotImplementedFlag(flag="--megatron-to-hf-mode", is_active=lambda v: v != "raw",
+                       reason="the project's own HF <-> megatron name mapping is used, not Megatron-Bridge"),
+    NotImplementedFlag(flag="--qkv-format", is_active=lambda v: v != "thd",
+                       reason="micro-batches are always packed THD sequences"),
+    *_warned("eval runs on the rollout engines", "--eval-num-gpus"),
+    *_warned("this Megatron logging option is not wired; metrics are logged every rollout",
+             "--log-throughput", "--log-timers-to-tensorboard", "--tensorboard-log-interval", "--log-params-norm",
+             "--timing-log-level"),
+    *_warned("every checkpoint under --save is kept", "--save-retain-interval", "--keep-checkpoint-num"),
 )
 
 # Flags that ask for what this project always does: accepted, read by nobody, and that is correct.
@@ -140,6 +159,7 @@ ALWAYS_HONOURED_FLAGS: dict[str, str] = {
     "--allgather-cp": "context-parallel attention always all-gathers K/V over the CP group",
     "--train-backend": "megatron-core is the only training backend",
     "--no-load-rng": "checkpoints here hold no RNG state",
+    "--no-save-rng": "checkpoints here hold no RNG state",
 }
 
 _DENSE_ONLY = "the model builder is dense-only (Qwen3 / Qwen2 / Llama); MoE models are not supported"
@@ -183,6 +203,29 @@ REFUSED_FLAGS: tuple[NotImplementedFlag, ...] = (
                        reason="checkpoints are saved and loaded with dist_checkpointing (torch_dist) only"),
     NotImplementedFlag(flag="--fp16", reason="fp16 training (loss scaling) is not implemented; use --bf16 or fp32"),
     NotImplementedFlag(flag="--apply-layernorm-1p", reason="the HF Qwen3 / Qwen2 / Llama norms are plain RMSNorm"),
+    # upstream slime's remaining non-model flags (the "upstream compatibility" group)
+    NotImplementedFlag(flag="--sglang-config",
+                       reason="engine groups (prefill / decode / placeholder, per-group overrides) are not implemented; "
+                              "every engine is a regular server of --rollout-num-gpus-per-engine GPUs"),
+    NotImplementedFlag(flag="--prefill-num-servers", reason="prefill/decode disaggregation is not implemented"),
+    NotImplementedFlag(flag="--slime-router-middleware-paths",
+                       reason="upstream's router middlewares are Starlette classes; this project's router is an aiohttp "
+                              "server and cannot mount them (its radix-tree cache middleware is not implemented)"),
+    NotImplementedFlag(flag="--custom-update-weight-post-write-path",
+                       reason="it runs after a disk weight update, and weights never go through disk here "
+                              "(--update-weight-transport disk is not implemented)"),
+    NotImplementedFlag(flag="--true-on-policy-mode",
+                       reason="bit-exact train/rollout numerics (matched kernels on both sides) are not implemented"),
+    NotImplementedFlag(flag="--use-dynamic-global-batch-size",
+                       reason="the global batch is fixed by --global-batch-size / --num-steps-per-rollout"),
+    *(NotImplementedFlag(flag=f, reason="critic training (--advantage-estimator ppo) is not implemented")
+      for f in ("--critic-num-nodes", "--critic-num-gpus-per-node", "--critic-load", "--critic-save", "--critic-lr",
+                "--critic-lr-warmup-iters")),
+    NotImplementedFlag(flag="--rollout-external",
+                       reason="external engines are not supported; the rollout manager launches its own"),
+    NotImplementedFlag(flag="--ckpt-step", reason="--load resumes from its latest iteration; pick one with "
+                                                   "latest_checkpointed_iteration.txt"),
+    NotImplementedFlag(flag="--exit-interval", reason="a run ends after --num-rollout rollouts; set that instead"),
 )
 
 
@@ -872,6 +915,54 @@ def _add_custom_megatron_arguments(parser: argparse.ArgumentParser) -> None:
                    help="MoE module-name suffixes replaced in those layers")
 
 
+# upstream flag -> its argparse keywords; what each does here is its registry entry (warned or refused)
+_UPSTREAM_COMPAT_FLAGS: dict[str, dict[str, Any]] = {
+    "--keep-old-actor": dict(action="store_true"),
+    "--profile-target": dict(type=str, default=None), "--use-pytorch-profiler": dict(action="store_true"),
+    "--profile": dict(action="store_true"), "--profile-step-start": dict(type=int, default=None),
+    "--profile-step-end": dict(type=int, default=None), "--profile-ranks": dict(type=int, nargs="+", default=None),
+    "--train-memory-margin-bytes": dict(type=int, default=None), "--disable-weights-backuper": dict(action="store_true"),
+    "--megatron-to-hf-mode": dict(type=str, default="raw", choices=["raw", "bridge"]),
+    "--qkv-format": dict(type=str, default="thd", choices=["thd", "bshd"]),
+    "--eval-num-gpus": dict(type=int, default=None), "--log-throughput": dict(action="store_true"),
+    "--log-timers-to-tensorboard": dict(action="store_true"), "--tensorboard-log-interval": dict(type=int, default=None),
+    "--log-params-norm": dict(action="store_true"), "--timing-log-level": dict(type=int, default=None),
+    "--save-retain-interval": dict(type=int, default=None), "--keep-checkpoint-num": dict(type=int, default=None),
+    "--sglang-config": dict(type=str, default=None), "--prefill-num-servers": dict(type=int, default=None),
+    "--slime-router-middleware-paths": dict(type=str, nargs="+", default=None),
+    "--custom-update-weight-post-write-path": dict(type=str, default=None),
+    "--true-on-policy-mode": dict(action="store_true"), "--use-dynamic-global-batch-size": dict(action="store_true"),
+    "--critic-num-nodes": dict(type=int, default=None), "--critic-num-gpus-per-node": dict(type=int, default=None),
+    "--critic-load": dict(type=str, default=None), "--critic-save": dict(type=str, default=None),
+    "--critic-lr": dict(type=float, default=None), "--critic-lr-warmup-iters": dict(type=int, default=None),
+    "--rollout-external": dict(action="store_true"), "--ckpt-step": dict(type=int, default=None),
+    "--exit-interval": dict(type=int, default=None), "--no-save-rng": dict(action="store_true"),
+}
+
+
+def _registry_help(flag: str) -> str:
+    for entry in REFUSED_FLAGS:
+        if entry.flag == flag:
+            return f"upstream's flag; refused here: {entry.reason}"
+    for entry in NOT_IMPLEMENTED_FLAGS:
+        if entry.flag == flag:
+            return f"upstream's flag; no effect here (warned): {entry.reason}"
+    if flag in ALWAYS_HONOURED_FLAGS:
+        return f"upstream's flag; always true here: {ALWAYS_HONOURED_FLAGS[flag]}"
+    return "upstream's flag (its registry entry says what it does here)"  # registries replaced (tests)
+
+
+def _add_upstream_compat_arguments(parser: argparse.ArgumentParser) -> None:
+    """Upstream slime's remaining non-model flags: two implemented, the rest warned or refused with the reason."""
+    g = parser.add_argument_group("upstream compatibility", "upstream slime flags, with what they do here")
+    g.add_argument("--disable-rollout-global-dataset", action="store_false", dest="rollout_global_dataset",
+                   help="do not load --prompt-data into the data source; a custom --rollout-function-path (or "
+                        "--data-source-path) supplies the prompts")
+    g.add_argument("--log-interval", type=int, default=1, help="write each rank's loss line every N rollouts")
+    for flag, kwargs in _UPSTREAM_COMPAT_FLAGS.items():
+        g.add_argument(flag, help=_registry_help(flag), **kwargs)
+
+
 def _add_fencing_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("fencing (this project)", "hang-proof training step")
     g.add_argument("--fence-timeout", type=float, default=600.0,
@@ -935,6 +1026,7 @@ ARGUMENT_GROUPS: tuple[Callable[[argparse.ArgumentParser], None], ...] = (
     _add_debug_arguments,
     _add_custom_megatron_arguments,
     _add_fencing_arguments,
+    _add_upstream_compat_arguments,
 )
 
 # Hook-path flags checked for an importable module when the user sets them.
@@ -1043,7 +1135,7 @@ def _named(args: argparse.Namespace, dest: str) -> str:
 def _check_positive(args: argparse.Namespace) -> None:
     for dest in ("rollout_batch_size", "n_samples_per_prompt", "actor_num_nodes", "actor_num_gpus_per_node",
                  "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-                 "expert_model_parallel_size", "rollout_num_gpus_per_engine", "micro_batch_size"):
+                 "expert_model_parallel_size", "rollout_num_gpus_per_engine", "micro_batch_size", "log_interval"):
         if getattr(args, dest) <= 0:
             _fail(f"{_flag(dest)} must be positive, got {getattr(args, dest)}")
     if args.fence_timeout <= 0:

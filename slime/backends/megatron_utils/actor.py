@@ -283,8 +283,9 @@ class MegatronTrainActor:
         def write() -> None:
             if fault_active("stall_logging", self.rank, rollout_id):
                 stall_forever()
-            logger.info("rank %d rollout %d: loss=%.6g grad_norm=%.6g", self.rank, rollout_id,
-                        metrics["train/loss"], metrics["train/grad_norm"])
+            if (rollout_id + 1) % self.args.log_interval == 0:  # --log-interval
+                logger.info("rank %d rollout %d: loss=%.6g grad_norm=%.6g", self.rank, rollout_id,
+                            metrics["train/loss"], metrics["train/grad_norm"])
 
         writer = threading.Thread(target=write, name="rank-logging", daemon=True)
         writer.start()
