@@ -168,3 +168,88 @@ def test_embedded_engine_scores_a_prompt_at_the_request_temperature(tmp_path):
         logits = AutoModelForCausalLM.from_pretrained(str(model_dir))(torch.tensor([ids])).logits.float()[0, :-1]
     expected = torch.log_softmax(logits / 0.5, -1).gather(1, torch.tensor(ids[1:]).unsqueeze(1)).squeeze(1)
     assert opd_rollout.teacher_response_log_probs(reply, len(ids) - 1) == pytest.approx(expected.tolist(), abs=1e-5)
+
+
+# ------------------------------------------------------------------ end to end (CPU): the KL to the teacher falls
+
+OPD_ROLLOUTS = 10
+
+
+@pytest.fixture(scope="module")
+def opd_assets(tmp_path_factory) -> dict[str, Path]:
+    from slime.tools.demo_prompts import write_prompts
+    from slime.tools.tiny_checkpoint import TinyQwen3Spec, write_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("opd")
+    # two random-init tiny models over the demo's alphabet: student and (a different seed) teacher
+    student = write_tiny_checkpoint(root / "student", TinyQwen3Spec(alphabet="0123456789", seed=1))
+    teacher = write_tiny_checkpoint(root / "teacher", TinyQwen3Spec(alphabet="0123456789", seed=2, init_std=0.2))
+    prompts = write_prompts(root / "prompts.jsonl", n=32, seed=0, task="counting")
+    zero = root / "zero_reward.py"
+    zero.write_text("async def reward(args, sample, **kwargs):\n    return 0.0\n")  # pure distillation
+    return {"root": root, "student": Path(student), "teacher": Path(teacher), "prompts": Path(prompts),
+            "zero": zero}
+
+
+def opd_flags(assets: dict[str, Path], metrics: Path) -> list[str]:
+    return [
+        "--hf-checkpoint", str(assets["student"]), "--prompt-data", str(assets["prompts"]),
+        "--input-key", "prompt", "--label-key", "label", "--rollout-shuffle",
+        "--use-opd", "--opd-kl-coef", "1.0",
+        "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1",
+        "--rollout-num-gpus-per-engine", "1", "--num-rollout", str(OPD_ROLLOUTS), "--rollout-batch-size", "4",
+        "--n-samples-per-prompt", "4", "--num-steps-per-rollout", "1", "--rollout-max-response-len", "4",
+        "--rollout-temperature", "1.0", "--advantage-estimator", "grpo",
+        "--use-dynamic-batch-size", "--max-tokens-per-gpu", "256", "--calculate-per-token-loss",
+        "--optimizer", "adam", "--lr", "1e-2", "--lr-decay-style", "constant", "--weight-decay", "0.0",
+        "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--seed", "1234", "--fence-timeout", "120",
+        "--metrics-jsonl", str(metrics),
+    ]
+
+
+def _reverse_kls(metrics: Path) -> list[float]:
+    from test_end_to_end import read_events
+
+    train = sorted(read_events(metrics)["train"], key=lambda e: e["rollout_id"])
+    return [e[f"train/{OPD_KL_KEY}"] for e in train]
+
+
+def _assert_falls(kls: list[float]) -> None:
+    assert len(kls) == OPD_ROLLOUTS and all(math.isfinite(v) for v in kls), kls
+    assert kls[0] > 0.05, f"the student starts away from its teacher: {kls}"
+    assert sum(kls[-3:]) / 3 < 0.6 * kls[0], f"reverse KL per rollout {[round(v, 4) for v in kls]}"
+
+
+@pytest.mark.timeout(700)
+def test_student_moves_towards_a_megatron_teacher(opd_assets, tmp_path):
+    from test_end_to_end import run_train
+
+    metrics = tmp_path / "metrics.jsonl"
+    proc, _ = run_train([*opd_flags(opd_assets, metrics), "--opd-type", "megatron",
+                         "--opd-teacher-load", str(opd_assets["teacher"]),
+                         "--custom-rm-path", f"{opd_assets['zero']}:reward"], timeout_s=640)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    _assert_falls(_reverse_kls(metrics))
+
+
+@pytest.mark.timeout(700)
+def test_student_moves_towards_a_teacher_engine(opd_assets, tmp_path):
+    from types import SimpleNamespace as NS
+
+    from slime.backends.sglang_utils.launcher import launch_engine
+    from slime.backends.sglang_utils.process import find_free_port
+    from test_end_to_end import run_train
+
+    teacher = launch_engine("embedded", NS(seed=7), 0, find_free_port(), str(opd_assets["teacher"]),
+                            startup_timeout_s=120, log_dir=str(tmp_path / "teacher-logs"))
+    try:
+        metrics = tmp_path / "metrics.jsonl"
+        proc, _ = run_train([*opd_flags(opd_assets, metrics), "--opd-type", "sglang",
+                             "--custom-rm-path", "slime.rollout.on_policy_distillation.reward_func",
+                             "--custom-reward-post-process-path",
+                             "slime.rollout.on_policy_distillation.post_process_rewards",
+                             "--rm-url", f"{teacher.url}/generate"], timeout_s=640)
+    finally:
+        teacher.stop()
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    _assert_falls(_reverse_kls(metrics))
