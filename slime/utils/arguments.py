@@ -1307,8 +1307,9 @@ def _check_paths(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
         _require_path("--hf-checkpoint", args.hf_checkpoint, "directory")
     if args.prompt_data is not None and not args.debug_train_only:
         _require_path("--prompt-data", args.prompt_data, "file")
+    eval_flag = "--eval-config" if args.eval_config else "--eval-prompt-data"
     for spec in args.eval_datasets:
-        _require_path(f"--eval-prompt-data {spec.name}", spec.path, "file")
+        _require_path(f"{eval_flag} {spec.name}", spec.path, "file")
     if args.load_debug_rollout_data is not None:
         path = args.load_debug_rollout_data
         if "{rollout_id}" in path:  # a per-rollout template: its directory must exist
