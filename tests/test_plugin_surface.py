@@ -187,3 +187,31 @@ def test_cp_helpers_without_context_parallelism_return_their_input():
     assert all_gather_with_cp(values, 5, 3) is values
     with pytest.raises(ValueError, match="2 values for a response of 3"):
         slice_log_prob_with_cp([0.1, 0.2], 5, 3)
+
+
+def _cp_gather_rank(rank, world):
+    from slime.backends.megatron_utils.cp_utils import all_gather_with_cp, slice_log_prob_with_cp
+    from slime.backends.megatron_utils.parallel import init_model_parallel
+    from train_step_harness import layout_args
+
+    init_model_parallel(layout_args({"context_parallel_size": world}))
+    total, response = 11, 6
+    whole = torch.arange(1.0, response + 1)
+    mine = slice_log_prob_with_cp(whole, total, response).clone().requires_grad_(True)
+    gathered = all_gather_with_cp(mine, total, response)
+    (gathered * torch.arange(1.0, response + 1)).sum().backward()
+    return mine.detach().tolist(), gathered.detach().tolist(), mine.grad.tolist(), \
+        slice_log_prob_with_cp(list(whole.tolist()), total, response)
+
+
+@pytest.mark.timeout(120)
+def test_all_gather_with_cp_rebuilds_the_response_and_carries_the_gradient_back():
+    from mp_utils import run_ranks
+
+    results = run_ranks(_cp_gather_rank, 2, timeout_s=110)
+    parts = [mine for mine, _, _, _ in results]
+    assert sorted(v for part in parts for v in part) == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]  # every token once
+    for mine, gathered, grad, as_list in results:
+        assert gathered == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0] and as_list == mine
+        # each rank's loss reads the whole response; the all-reduce sums both ranks' gradients back to the owner
+        assert grad == [2.0 * v for v in mine]
