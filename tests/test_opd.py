@@ -34,6 +34,10 @@ MINIMAL = ["--rollout-batch-size", "2", "--num-rollout", "1", "--actor-num-gpus-
     (["--opd-type", "sglang"], "no effect without --use-opd"),
     (["--use-opd", "--opd-type", "sglang", "--opd-teacher-ckpt-step", "3"], "--opd-teacher-ckpt-step"),
     (["--use-opd", "--opd-type", "sglang", "--loss-type", "sft_loss"], "--loss-type sft_loss"),
+    (["--use-opd", "--opd-type", "sglang", "--disable-compute-advantages-and-returns"],
+     "remove --disable-compute-advantages-and-returns"),
+    (["--use-opd", "--opd-type", "sglang", "--custom-advantage-function-path", "os.path.join"],
+     "--custom-advantage-function-path replaces"),
 ])
 def test_opd_flag_rules(flags, message, capsys):
     assert message in parse_error(MINIMAL + flags, capsys)

@@ -582,6 +582,9 @@ def _check_opd(args: argparse.Namespace) -> None:
         _fail(f"--use-opd shapes the advantages of --loss-type policy_loss; --loss-type {args.loss_type} has none")
     if not args.compute_advantages_and_returns:
         _fail("--use-opd adds its penalty to the advantages: remove --disable-compute-advantages-and-returns")
+    if args.custom_advantage_function_path:
+        _fail("--use-opd adds its penalty to the built-in advantages, which --custom-advantage-function-path "
+              "replaces: drop one of them (or add the teacher term inside the custom function)")
 
 
 def _add_reward_arguments(parser: argparse.ArgumentParser) -> None:
