@@ -1,4 +1,4 @@
-"""`python train.py` on a Ray cluster of two nodes (issue 20): where ranks and engines land, and the push.
+"""`python train.py` on a Ray cluster of two nodes: where ranks and engines land, and the push.
 
 The cluster is Ray's own multi-node test cluster on this machine (tests/ray_cluster.py), the second
 node on its own loopback address (127.0.0.2) where the machine allows it. train.py is started the way

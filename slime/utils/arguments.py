@@ -1334,7 +1334,7 @@ def _check_rollout_backend(args: argparse.Namespace) -> None:
 
 
 def _check_logprob_mismatch(args: argparse.Namespace) -> None:
-    """Engine vs trainer log-probs (issue 13): both must mean the same distribution."""
+    """Engine vs trainer log-probs: both must mean the same distribution."""
     from slime.backends.embedded_engine.sampling import RETURN_ORIGINAL_LOGPROB_ENV, return_original_logprob
 
     if args.use_rollout_logprobs and args.use_tis:
