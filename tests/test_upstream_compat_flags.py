@@ -26,7 +26,7 @@ def _value_for(flag: str) -> list[str]:
     return [flag, {int: "2", float: "0.5"}.get(kwargs["type"], "some/value")]
 
 
-def test_every_flag_the_issue_names_is_accepted():
+def test_every_named_upstream_flag_is_accepted():
     options = arguments.build_parser()._option_string_actions
     assert [f for f in NAMED if f not in options] == []
 
