@@ -219,10 +219,10 @@ def opd_flags(assets: dict[str, Path], metrics: Path) -> list[str]:
         "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1",
         "--rollout-num-gpus-per-engine", "1", "--use-slime-router",
         "--num-rollout", str(OPD_ROLLOUTS), "--rollout-batch-size", "8",
-        "--n-samples-per-prompt", "4", "--num-steps-per-rollout", "2", "--rollout-max-response-len", "4",
+        "--n-samples-per-prompt", "8", "--num-steps-per-rollout", "1", "--rollout-max-response-len", "6",
         "--rollout-temperature", "1.0", "--advantage-estimator", "grpo",
         "--use-dynamic-batch-size", "--max-tokens-per-gpu", "256", "--calculate-per-token-loss",
-        "--optimizer", "adam", "--lr", "1e-2", "--lr-decay-style", "constant", "--weight-decay", "0.0",
+        "--optimizer", "adam", "--lr", "5e-3", "--lr-decay-style", "constant", "--weight-decay", "0.0",
         "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--seed", "1234", "--fence-timeout", "120",
         "--metrics-jsonl", str(metrics),
     ]
