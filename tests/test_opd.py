@@ -260,7 +260,7 @@ def _run_and_check(assets: dict[str, Path], tmp_path: Path, extra: list[str]) ->
     assert len(kls) == OPD_ROLLOUTS and all(math.isfinite(v) and v > 0 for v in kls), kls
     before = exact_kl(assets["student"], assets["teacher"], assets["prompts"])
     after = exact_kl(Path(str(saved).format(rollout_id=OPD_ROLLOUTS - 1)), assets["teacher"], assets["prompts"])
-    assert before > 0.05 and after < 0.6 * before, f"KL(student || teacher) {before:.4f} -> {after:.4f}; per rollout {kls}"
+    assert before > 0.05 and after < 0.7 * before, f"KL(student || teacher) {before:.4f} -> {after:.4f}; per rollout {kls}"
 
 
 @pytest.mark.timeout(700)
