@@ -154,6 +154,17 @@ def plan_layout(infos: Sequence[BundleInfo], *, trainer_ranks: int, num_engines:
     return Layout(actor_bundles=tuple(ordered[:trainer_ranks]), engines=tuple(engines))
 
 
+def check_disjoint(layout: Layout) -> None:
+    """Trainer ranks and engines on bundles of their own (train_async.py: both run at once)."""
+    trainer = {b.index for b in layout.actor_bundles}
+    shared = {index: engine.rank for engine in layout.engines for index in engine.bundles if index in trainer}
+    if shared:
+        listed = ", ".join(f"bundle {index} (engine {rank})" for index, rank in sorted(shared.items()))
+        raise PlacementError(f"trainer ranks and engines share {listed}: training and generation run at once here, "
+                             "so each needs bundles of its own; drop --colocate and give the engines their own GPUs "
+                             "with --rollout-num-gpus")
+
+
 def check_engine_bind_host(bind_host: str | None, layout: Layout, driver_node_id: str) -> None:
     """A concrete --engine-bind-host is one node's address: refuse it when the job spans several nodes."""
     if not bind_host or is_wildcard(bind_host):
