@@ -255,3 +255,15 @@ def test_trainer_and_engine_bundles_that_overlap_are_refused():
                                                                     node_ip="127.0.0.1"),))
     with pytest.raises(PlacementError, match=r"share bundle 1 \(engine 0\).*bundles of its own"):
         check_disjoint(shared)
+
+
+def test_train_py_refuses_an_interval_it_would_ignore(capsys):
+    import train as train_module
+
+    assert train_module.main([*MINIMAL, "--update-weights-interval", "2"]) == 2
+    assert "is train_async.py's" in capsys.readouterr().err
+
+
+def test_a_negative_staleness_bound_is_refused(capsys):
+    message = parse_error([*MINIMAL, "--max-weight-staleness", "-1"], capsys)
+    assert "--max-weight-staleness" in message and "is not a non-negative integer" in message

@@ -6,6 +6,16 @@ from __future__ import annotations
 from slime.utils.metrics_logger import MetricsLogger
 
 
+def check_alternating_args(args) -> None:
+    """train.py pushes after every rollout: a longer interval is train_async.py's."""
+    from slime.utils.arguments import ArgumentValidationError
+
+    if getattr(args, "update_weights_interval", 1) != 1:
+        raise ArgumentValidationError(f"--update-weights-interval {args.update_weights_interval} is train_async.py's: "
+                                      "train.py pushes the weights after every rollout (drop the flag, or run "
+                                      "train_async.py)")
+
+
 def resume_rollout_id(args) -> int:
     """The rollout after the last checkpoint under --load (0 without one, or with --finetune)."""
     from slime.backends.megatron_utils.checkpoint import latest_iteration
