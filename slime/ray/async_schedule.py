@@ -120,6 +120,7 @@ class AsyncSchedule:
         """What the engines hold (None before the push at start)."""
         self._generation: _Generation | None = None
         self._finished: dict[int, _Generation] = {}
+        self._generated_with: dict[int, int] = {}
         rollout.attach_trainer(lambda urls, version: catch_up(actors, metrics, urls, version))
         rollout.targets.trainer_version = lambda: self.trainer_version
 
@@ -144,6 +145,9 @@ class AsyncSchedule:
             raise RuntimeError(f"collected rollout {generation.rollout_id}, expected {rollout_id}")
         data_ref, metrics = generation.result
         log_unless_custom(self.metrics, "rollout", rollout_id, metrics)
+        # what its samples report (a restarted engine caught up meanwhile serves a newer version; a background
+        # generator's groups may be older); without the metrics (a custom log function), the schedule's word
+        self._generated_with[rollout_id] = int(metrics.get("rollout/weight_version_min", generation.version))
         return data_ref
 
     def _finish_generation(self) -> _Generation:
@@ -171,9 +175,12 @@ class AsyncSchedule:
                     step.generated_with, self.trainer_version)
         result = self.actors.train(rollout_id, data_ref, on_poll=self._watch_generation)
         self.trainer_version = rollout_id + 1
+        generated_with = self._generated_with.pop(rollout_id, step.generated_with)
+        # train_rollout_logprob_abs_diff compares the engines' log-probs of `generated_with` with the trainer's
+        # of `trained_at`: near zero only where the two are the same version
         self.metrics.log("train", rollout_id, {**result, "train/trainer_weight_version": float(step.trained_at),
-                                               "train/rollout_weight_version": float(step.generated_with),
-                                               "train/weight_staleness": float(step.staleness)})
+                                               "train/rollout_weight_version": float(generated_with),
+                                               "train/weight_staleness": float(step.trained_at - generated_with)})
         self._catch_up_waiting()
 
     def _catch_up_waiting(self) -> None:
