@@ -51,6 +51,7 @@ logger = logging.getLogger(__name__)
 # per-request HTTP timeout of the rollout function, not here.
 CONTROL_TIMEOUT_S = 300.0
 STARTUP_TIMEOUT_S = 900.0
+HOLD_POLL_S = 0.1
 
 
 class RolloutManager:
@@ -200,12 +201,17 @@ class RolloutManager:
         generation_gate.hold()
         deadline = time.monotonic() + timeout_s
         held = len(_generating())
-        while _generating():
+        quiet = 0  # two looks in a row without a request: one that passed the gate just before it closed is seen
+        while quiet < 2:
             if time.monotonic() > deadline:
                 raise RolloutTimeoutError(f"{len(_generating())} /generate request(s) still running {timeout_s:.0f}s "
                                           "after the engines were told to abort them for a weight push")
-            self._each_engine(lambda c: c.abort_all())
-            time.sleep(0.2)
+            if _generating():
+                quiet = 0
+                self._each_engine(lambda c: c.abort_all())
+            else:
+                quiet += 1
+            time.sleep(HOLD_POLL_S)
         return {"rollout/held_requests": float(held)}
 
     def release_generation(self) -> None:
