@@ -17,12 +17,9 @@ import sys
 
 from slime.ray.actor_group import RayTrainGroup, resolve_ledger_dir
 from slime.ray.async_schedule import AsyncSchedule, check_async_args
-from slime.ray.deadline import RankWaitError
-from slime.ray.driver_loop import eval_due, log_unless_custom, resume_rollout_id, save_due
+from slime.ray.driver_loop import eval_due, log_unless_custom, resume_rollout_id, run_entry, save_due
 from slime.ray.placement import check_disjoint, create_placement, init_ray, placement_record
-from slime.ray.rollout_errors import RolloutError
 from slime.ray.rollout_manager import create_rollout_manager
-from slime.utils.arguments import ArgumentValidationError, parse_args
 from slime.utils.metrics_logger import MetricsLogger
 
 logger = logging.getLogger("slime.train_async")
@@ -67,23 +64,7 @@ def train(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    args = parse_args(argv)
-    try:
-        check_async_args(args)
-    except ArgumentValidationError as exc:
-        print(f"train_async.py: error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        train(args)
-    except (RankWaitError, TimeoutError, RolloutError) as exc:
-        # The rank's traceback and one table of every rank, then the one line that matters.
-        if getattr(exc, "details", ""):
-            logger.error("\n%s", exc.details)
-        logger.error("training stopped: %s (ledger dir %s)", exc, args.ledger_dir)
-        return 1
-    return 0
-
+    return run_entry("train_async.py", train, check_async_args, argv, logger)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,41 +1,12 @@
 #!/usr/bin/env bash
 # train_async.py learns the demo task on a CPU machine: 4 CPU ranks as TP2 x SP x CP2 train while 2 embedded
 # engines of their own (--rollout-num-gpus 2, no --colocate) generate the next rollout (upstream's one-step-off
-# schedule); weights reach the engines over the distributed group (gloo). Same task, model and reward as
-# examples/run_cpu_demo.sh. Writes $OUT/metrics.jsonl and $OUT/curves.png.
+# schedule); weights reach the engines over the distributed group (gloo). Task, model, reward and every other
+# flag are examples/run_cpu_demo.sh's. Writes $OUT/metrics.jsonl and $OUT/curves.png.
 # Extra arguments go to train_async.py (later flags win), e.g. --update-weights-interval 2, or
 # --rollout-function-path slime.rollout.fully_async_rollout.generate_rollout_fully_async.
 # SCRIPT=train.py with --colocate runs the same job colocated (benchmarks/bench_async_overlap.py).
 set -euo pipefail
-cd "$(dirname "$0")/.."
-PY=${PY:-.venv/bin/python}
-OUT=${OUT:-outputs/async-demo}
-mkdir -p "$OUT"
-export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the reward plugin is imported as examples.counting_reward
-
-SEED=${SEED:-1234}
-MODEL="$OUT/counting-model-seed$SEED"  # random init: the seed picks the initial weights too
-[ -f "$MODEL/config.json" ] || $PY -m slime.tools.tiny_checkpoint --out "$MODEL" --alphabet 0123456789 --seed "$SEED"
-[ -f "$OUT/counting.jsonl" ] || $PY -m slime.tools.demo_prompts --task counting --n 200 --out "$OUT/counting.jsonl"
-rm -f "$OUT/metrics.jsonl"
-
-$PY "${SCRIPT:-train_async.py}" \
-  --hf-checkpoint "$MODEL" \
-  --prompt-data "$OUT/counting.jsonl" --input-key prompt --label-key label \
-  --rollout-shuffle --custom-rm-path examples.counting_reward.reward \
-  --actor-num-nodes 1 --actor-num-gpus-per-node 4 --rollout-num-gpus 2 --rollout-num-gpus-per-engine 1 \
-  --tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 1 \
-  --context-parallel-size 2 --expert-model-parallel-size 1 --expert-tensor-parallel-size 1 \
-  --use-dynamic-batch-size --max-tokens-per-gpu 96 --calculate-per-token-loss \
-  --use-slime-router --sglang-mem-fraction-static 0.7 --update-weights-interval "${INTERVAL:-1}" \
-  --num-rollout "${NUM_ROLLOUT:-20}" --rollout-batch-size 8 --n-samples-per-prompt 8 --num-steps-per-rollout 2 \
-  --rollout-max-response-len 3 --rollout-temperature 1.0 \
-  --advantage-estimator grpo --use-kl-loss --kl-loss-coef 0.01 --kl-loss-type low_var_kl \
-  --entropy-coef 0.001 --attention-dropout 0.0 --hidden-dropout 0.0 \
-  --optimizer adam --lr 3e-3 --lr-decay-style constant --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.98 \
-  --seed "$SEED" --fence-timeout "${FENCE_TIMEOUT:-120}" \
-  --metrics-jsonl "$OUT/metrics.jsonl" "$@"
-
-$PY -m slime.tools.plot_metrics "$OUT/metrics.jsonl" --out "$OUT"
-echo "curves: $OUT/curves.png"
+export SCRIPT=${SCRIPT:-train_async.py} COLOCATE="" OUT=${OUT:-outputs/async-demo}
+exec bash "$(dirname "$0")/run_cpu_demo.sh" \
+  --actor-num-gpus-per-node 4 --rollout-num-gpus 2 --context-parallel-size 2 "$@"

@@ -1,9 +1,37 @@
-"""What the two entry scripts' loops share (train.py alternates, train_async.py overlaps): where a resumed
-run starts, when eval and save are due, events a logging hook may take over, and how engines restarted
-during a rollout get the trainer's current weights."""
+"""What the two entry scripts share (train.py alternates, train_async.py overlaps): how a run starts and
+ends (`run_entry`), where a resumed run starts, when eval and save are due, events a logging hook may take
+over, and how engines restarted during a rollout get the trainer's current weights."""
 from __future__ import annotations
 
+import logging
+import sys
+from typing import Callable
+
 from slime.utils.metrics_logger import MetricsLogger
+
+
+def run_entry(script: str, train: Callable, check: Callable, argv: list[str] | None, logger: logging.Logger) -> int:
+    """Parse, refuse what `script` cannot run (exit 2), train; a named failure ends with exit 1 and one line."""
+    from slime.ray.deadline import RankWaitError
+    from slime.ray.rollout_errors import RolloutError
+    from slime.utils.arguments import ArgumentValidationError, parse_args
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    args = parse_args(argv)
+    try:
+        check(args)
+    except ArgumentValidationError as exc:
+        print(f"{script}: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        train(args)
+    except (RankWaitError, TimeoutError, RolloutError) as exc:
+        # The rank's traceback and one table of every rank, then the one line that matters.
+        if getattr(exc, "details", ""):
+            logger.error("\n%s", exc.details)
+        logger.error("training stopped: %s (ledger dir %s)", exc, args.ledger_dir)
+        return 1
+    return 0
 
 
 def check_alternating_args(args) -> None:
