@@ -171,7 +171,7 @@ REFUSED_FLAGS: tuple[NotImplementedFlag, ...] = (
       for f in ("--post-self-attn-layernorm", "--post-mlp-layernorm", "--use-gated-attention", "--freeze-indexer")),
     NotImplementedFlag(flag="--release-train", reason="releasing the train actors needs disk weight sync, not implemented"),
     NotImplementedFlag(flag="--flush-cache-interval", is_active=lambda v: v != 1,
-                       reason="fully-async rollout (values other than 1) is not implemented"),
+                       reason="the engines' cache is flushed at every weight sync; a longer interval is not implemented"),
     NotImplementedFlag(flag="--rollout-data-transport", is_active=lambda v: v != "object-store",
                        reason="only the Ray object store carries rollouts here"),
     NotImplementedFlag(flag="--rollout-external-engine-addrs",
