@@ -98,7 +98,7 @@ class FakeRollout:
 
     def hold_generation(self):
         self.log.append("hold")
-        return {"rollout/held_requests": 0.0}
+        return {"weight_sync/held_requests": 0.0}
 
     def release_generation(self):
         self.log.append("release")

@@ -212,7 +212,7 @@ class RolloutManager:
             else:
                 quiet += 1
             time.sleep(HOLD_POLL_S)
-        return {"rollout/held_requests": float(held)}
+        return {"weight_sync/held_requests": float(held)}
 
     def release_generation(self) -> None:
         generation_gate.release()
