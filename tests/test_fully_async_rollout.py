@@ -122,3 +122,15 @@ def test_a_failed_group_fails_the_next_rollout_naming_the_error(worker):
     w = worker(_args(), Source(), plan)
     with pytest.raises(RuntimeError, match="ConnectionError: router went away"):
         _take(w, 2)
+
+
+def test_version_metrics_name_the_oldest_version_of_each_sample():
+    from slime.rollout.staleness import group_version, version_metrics
+
+    fresh, continued, unpushed = Sample(weight_versions=["4"]), Sample(weight_versions=["3", "4"]), \
+        Sample(weight_versions=["default"])
+    assert group_version([fresh, continued, unpushed]) == 3
+    assert version_metrics([fresh, continued, unpushed]) == {
+        "rollout/weight_version_min": 3.0, "rollout/weight_version_max": 4.0,
+        "rollout/staleness/multi_version_frac": 1 / 3}
+    assert version_metrics([unpushed]) == {}  # an engine that never got a push reports no version
