@@ -1,10 +1,11 @@
 """train.py (colocated: trainer and engines take turns) against train_async.py (engines of their own, the next
 rollout generated while this one trains), on the same CPU budget, one after the other in one invocation.
 
-    python benchmarks/bench_async_overlap.py [--num-rollout 8] [--out outputs/bench-async] [--json FILE]
+    python benchmarks/bench_async_overlap.py [--num-rollout 8] [--out outputs/bench-async] [--json FILE] [-- FLAGS]
 
 Both run the CPU demo's task, model and flags (examples/run_cpu_async_demo.sh: 4 ranks as TP2 x SP x CP2 and 2
-embedded engines); train.py gets `--colocate` instead, its 2 engines on the first 2 of the ranks' bundles. Per
+embedded engines); train.py gets `--colocate` instead, its 2 engines on the first 2 of the ranks' bundles. FLAGS
+go to both (e.g. `--rollout-max-response-len 32`: longer generation, more to overlap). Per
 script, over the rollouts after the first two (start-up and first compilation left out):
 
   wall per rollout   seconds between consecutive `train` events reaching the metrics file
@@ -59,13 +60,7 @@ def _watch(path: Path, arrivals: list[tuple[float, dict]], stop: threading.Event
                 return
 
 
-def _flags(script: str, num_rollout: int) -> list[str]:
-    if script == "train.py":  # the async demo's flags, colocated: engines share the ranks' bundles
-        return ["--colocate"]
-    return []
-
-
-def run(script: str, num_rollout: int, out: Path, timeout_s: float) -> list[tuple[float, dict]]:
+def run(script: str, num_rollout: int, out: Path, timeout_s: float, extra: list[str]) -> list[tuple[float, dict]]:
     out.mkdir(parents=True, exist_ok=True)
     metrics = out / "metrics.jsonl"
     metrics.unlink(missing_ok=True)
@@ -76,7 +71,8 @@ def run(script: str, num_rollout: int, out: Path, timeout_s: float) -> list[tupl
     watcher = threading.Thread(target=_watch, args=(metrics, arrivals, stop), daemon=True)
     watcher.start()
     try:
-        proc = subprocess.run(["bash", str(ROOT / "examples" / "run_cpu_async_demo.sh"), *_flags(script, num_rollout)],
+        colocate = ["--colocate"] if script == "train.py" else []  # engines share the ranks' first bundles
+        proc = subprocess.run(["bash", str(ROOT / "examples" / "run_cpu_async_demo.sh"), *colocate, *extra],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
     finally:
         time.sleep(0.5)
@@ -111,10 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench-async")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per script")
+    parser.add_argument("extra", nargs=argparse.REMAINDER, help="-- flags for both scripts")
     args = parser.parse_args(argv)
+    extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
     if args.num_rollout < SKIP + 2:
         parser.error(f"--num-rollout must be at least {SKIP + 2}")
-    results = [figures(script, run(script, args.num_rollout, args.out / script.removesuffix(".py"), args.timeout))
+    results = [figures(script, run(script, args.num_rollout, args.out / script.removesuffix(".py"), args.timeout, extra))
                for script in ("train.py", "train_async.py")]
     print(f"{'script':<16}{'rollouts':>9}{'wall s/rollout':>16}{'engine idle':>13}{'trainer idle':>14}")
     for r in results:
