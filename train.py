@@ -109,5 +109,6 @@ def engines_release_memory(args) -> bool:
 def main(argv: list[str] | None = None) -> int:
     return run_entry("train.py", train, check_alternating_args, argv, logger)
 
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One device call (<= 9 minutes) for issue 19: attention and fenced-step figures, old vs new path, one run each.
-#   bash benchmarks/run_step_bench_gpu.sh            (device tool: carry .whl; results under $OUT)
+# One run (<= 9 minutes): attention and fenced-step figures, old vs new path, one run each.
+#   bash benchmarks/run_step_bench_gpu.sh            (with .whl/ beside it; results under $OUT)
 # Phases, each under its own deadline inside BUDGET_S (default 530 s):
 #   attention   benchmarks/bench_step_gpu.py attention: CP1 and a CP2 rank, 16k and 32k tokens, 0.6B and 4B heads
 #   step06      qwen3-0.6b step, old vs new, with a sync audit and one profiled cycle
@@ -26,7 +26,7 @@ left() { echo $((BUDGET_S - (SECONDS - START))); }
 
 # megatron-core travels as a wheel (the device image lacks it); installing it must not be skipped silently
 if ! "$PY" -c "import megatron.core" 2>/dev/null; then
-  ls .whl/megatron_core-*.whl >/dev/null 2>&1 || fatal "megatron-core is not importable and .whl/ holds no megatron_core wheel (carry .whl)"
+  ls .whl/megatron_core-*.whl >/dev/null 2>&1 || fatal "megatron-core is not importable and .whl/ holds no megatron_core wheel (benchmarks/fetch_gpu_wheels.sh makes it)"
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl/megatron_core-*.whl || fatal "pip could not install .whl/megatron_core-*.whl"
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
@@ -50,6 +50,12 @@ if [ "$NGPU" -gt 1 ]; then LAYOUT=${LAYOUT:---tensor-model-parallel-size $NGPU -
   echo "gpus $NGPU layout '${LAYOUT}'"; date -u; } 2>&1 | tee "$OUT/env.txt"
 
 STATUS=0
+# Why a phase exited non-zero, in the summary itself: its exit code read, then the end of its log.
+explain_failure() {
+  local name=$1 rc=$2 log=$3 why="exit code $rc"
+  [ "$rc" -eq 124 ] && why="timed out (exit 124)"; [ "$rc" -eq 137 ] && why="killed (exit 137: out of time or memory)"
+  echo "FAILED $name: $why; the last lines of $log:"; tail -n 15 "$log" | cut -c1-300 | sed 's/^/  | /'
+}
 summarize() { grep -h "^RATIO\|^MEMORY\|^FIT\|^SYNC\|^PROFILE\|^OOM\|^FAILED\|^MISMATCH\|^STOPPED" "$OUT/$1.log" | cut -c1-900 | tee -a "$OUT/summary.txt"; }
 # run NAME CAP_S CMD...: the command under min(CAP_S, time left - 10 s), its output in $OUT/NAME.log
 run() {
@@ -61,7 +67,7 @@ run() {
   local rc=$?
   echo "$name rc=$rc after $((SECONDS - START))s" | tee -a "$OUT/summary.txt"
   summarize "$name"
-  [ "$rc" -eq 0 ] || STATUS=1
+  [ "$rc" -eq 0 ] || { STATUS=1; explain_failure "$name" "$rc" "$OUT/$name.log" | tee -a "$OUT/summary.txt"; }
   return "$rc"
 }
 step() {  # step NAME CAP_S PREFIX MODEL FLAGS...: one torchrun of the step benchmark; its own cycle budget

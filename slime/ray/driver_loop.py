@@ -12,13 +12,15 @@ from slime.utils.metrics_logger import MetricsLogger
 
 def run_entry(script: str, train: Callable, check: Callable, argv: list[str] | None, logger: logging.Logger) -> int:
     """Parse, refuse what `script` cannot run (exit 2), train; a named failure ends with exit 1 and one line."""
+    from slime.ray.actor_group import remove_temp_ledger_dir
     from slime.ray.deadline import RankWaitError
     from slime.ray.rollout_errors import RolloutError
-    from slime.utils.arguments import ArgumentValidationError, parse_args
+    from slime.utils.arguments import ArgumentValidationError, check_launch_inputs, parse_args
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = parse_args(argv)
     try:
+        check_launch_inputs(args)
         check(args)
     except ArgumentValidationError as exc:
         print(f"{script}: error: {exc}", file=sys.stderr)
@@ -31,6 +33,11 @@ def run_entry(script: str, train: Callable, check: Callable, argv: list[str] | N
             logger.error("\n%s", exc.details)
         logger.error("training stopped: %s (ledger dir %s)", exc, args.ledger_dir)
         return 1
+    except Exception as exc:  # anything else: its traceback, then the same one line
+        logger.exception("unexpected error")
+        logger.error("training stopped: %s: %s (ledger dir %s)", type(exc).__name__, exc, args.ledger_dir)
+        return 1
+    remove_temp_ledger_dir(args)
     return 0
 
 
