@@ -20,8 +20,8 @@ def run_entry(script: str, train: Callable, check: Callable, argv: list[str] | N
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = parse_args(argv)
     try:
+        check(args)  # what this script cannot run, first: no file is read for a job refused anyway
         check_launch_inputs(args)
-        check(args)
     except ArgumentValidationError as exc:
         print(f"{script}: error: {exc}", file=sys.stderr)
         return 2
