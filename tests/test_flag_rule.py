@@ -131,7 +131,7 @@ REFUSED_CASES = [
     (["--optimizer", "sgd"], "only --optimizer adam is implemented"),
     (["--use-opd", "--opd-type", "sglang"], "on-policy distillation is not implemented"),
     (["--ckpt-format", "torch"], "dist_checkpointing (torch_dist) only"),
-    (["--flush-cache-interval", "4"], "fully-async rollout"),
+    (["--flush-cache-interval", "4"], "a longer interval is not implemented"),
     (["--loss-type", "custom_loss"], "--loss-type custom_loss needs --custom-loss-function-path"),
     (["--custom-tis-function-path", "slime.rollout.rm_hub.async_rm"], "add --use-tis (or --get-mismatch-metrics"),
     (["--mask-offpolicy-in-partial-rollout"], "add --partial-rollout"),
