@@ -5,6 +5,7 @@
 # by the reward plugin examples/counting_reward.py. Model: a random-init tiny Qwen3 over a
 # 13-token character vocabulary. Writes $OUT/metrics.jsonl and $OUT/curves.png.
 # Extra arguments go to train.py (later flags win), e.g. --kl-loss-coef 0 --entropy-coef 0.
+# SCRIPT (default train.py) and COLOCATE (default --colocate) let examples/run_cpu_async_demo.sh reuse it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -19,11 +20,11 @@ MODEL="$OUT/counting-model-seed$SEED"  # random init: the seed picks the initial
 [ -f "$OUT/counting.jsonl" ] || $PY -m slime.tools.demo_prompts --task counting --n 200 --out "$OUT/counting.jsonl"
 rm -f "$OUT/metrics.jsonl"
 
-$PY train.py \
+$PY "${SCRIPT:-train.py}" \
   --hf-checkpoint "$MODEL" \
   --prompt-data "$OUT/counting.jsonl" --input-key prompt --label-key label \
   --rollout-shuffle --custom-rm-path examples.counting_reward.reward \
-  --actor-num-nodes 1 --actor-num-gpus-per-node 8 --colocate \
+  --actor-num-nodes 1 --actor-num-gpus-per-node 8 ${COLOCATE---colocate} \
   --tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 1 \
   --context-parallel-size 4 --expert-model-parallel-size 1 --expert-tensor-parallel-size 1 \
   --use-dynamic-batch-size --max-tokens-per-gpu 96 --calculate-per-token-loss \

@@ -130,7 +130,7 @@ REFUSED_CASES = [
     (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size 2 is not supported here"),
     (["--optimizer", "sgd"], "only --optimizer adam is implemented"),
     (["--ckpt-format", "torch"], "dist_checkpointing (torch_dist) only"),
-    (["--flush-cache-interval", "4"], "fully-async rollout"),
+    (["--flush-cache-interval", "4"], "a longer interval is not implemented"),
     (["--loss-type", "custom_loss"], "--loss-type custom_loss needs --custom-loss-function-path"),
     (["--custom-tis-function-path", "slime.rollout.rm_hub.async_rm"], "add --use-tis (or --get-mismatch-metrics"),
     (["--mask-offpolicy-in-partial-rollout"], "add --partial-rollout"),

@@ -208,5 +208,13 @@ def test_engine_targets_reaim_the_sync_after_a_catch_up():
     assert targets.catch_up(["c"]) is None  # nothing pushed yet: the checkpoint's weights are current
     targets.pushed(["a", "b"], 3)
     assert targets.for_sync(["a", "b"]) is None
-    assert targets.catch_up(["c"]) == {} and pushes == [(["c"], 3)]
+    assert targets.catch_up(["c"]) == 3 and pushes == [(["c"], 3)]
     assert targets.for_sync(["a", "c"]) == ["a", "c"]  # the trainer aims at ["c"] now: re-aim at every engine
+
+
+def test_a_trainer_ahead_of_the_engines_catches_up_with_its_own_version():
+    pushes = []
+    targets = EngineTargets(push=lambda urls, version: pushes.append((urls, version)) or {},
+                            trainer_version=lambda: 5)
+    targets.pushed(["a", "b"], 4)  # train_async.py: the engines hold 4, the trainer trained on to 5
+    assert targets.catch_up(["b2"]) == 5 and pushes == [(["b2"], 5)]

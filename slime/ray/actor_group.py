@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
-from typing import Any
+from typing import Any, Callable
 
 import ray
 
@@ -62,11 +62,13 @@ class RayTrainGroup:
             raise RuntimeError(f"ranks resumed at rollouts {sorted(set(starts))}, the driver at "
                                f"{self.args.start_rollout_id}: is --load readable the same way by every rank?")
 
-    def train(self, rollout_id: int, data_ref: ray.ObjectRef) -> dict[str, Any]:
+    def train(self, rollout_id: int, data_ref: ray.ObjectRef, on_poll: Callable[[], None] | None = None
+              ) -> dict[str, Any]:
+        """`on_poll`: watches what runs meanwhile (train_async.py: the next rollout's generation)."""
         # The data ref is passed inside a list so Ray does not resolve it in the call path:
         # each rank fetches it itself, under its own deadline.
         refs = [r.train.remote(rollout_id, [data_ref]) for r in self._ranks]
-        return self._wait(refs, "actor_train")[0]
+        return self._wait(refs, "actor_train", on_poll=on_poll)[0]
 
     def update_weights(self, rollout_id: int, engine_urls: list[str] | None = None) -> dict[str, Any]:
         """Push the weights of rollout `rollout_id` (version rollout_id + 1); `engine_urls` re-aims the
@@ -86,14 +88,15 @@ class RayTrainGroup:
         for rank in self._ranks:
             ray.kill(rank, no_restart=True)
 
-    def _wait(self, refs, phase: str, window_s: float | None = None) -> list:
+    def _wait(self, refs, phase: str, window_s: float | None = None, on_poll: Callable[[], None] | None = None
+              ) -> list:
         from slime.distributed.hang_report import render_hang_report
         from slime.distributed.progress import latest_file_progress
 
         return wait_ranks(refs, phase=phase, window_s=window_s or self.deadlines.driver_window_s,
                           progress=lambda: latest_file_progress(self.ledger_dir, self.world_size),
                           describe_hang=lambda: render_hang_report(self.ledger_dir, self.world_size),
-                          describe_exit=lambda: exit_verdict(self.ledger_dir, self.world_size))
+                          describe_exit=lambda: exit_verdict(self.ledger_dir, self.world_size), on_poll=on_poll)
 
 
 def exit_verdict(ledger_dir: str, world_size: int) -> str:

@@ -38,13 +38,16 @@ def wait_ranks(refs: Sequence[ray.ObjectRef], *, phase: str, window_s: float,
                progress: Callable[[], float] | None = None,
                describe_hang: Callable[[], str] | None = None,
                describe_exit: Callable[[], str] | None = None,
-               poll_s: float = 5.0) -> list:
+               poll_s: float = 5.0, on_poll: Callable[[], None] | None = None) -> list:
     """Results of `refs` (one per rank) in rank order, or a named error.
 
     `progress()` is the latest time (wall clock) any rank made progress; without it the window runs
     from the call. `describe_hang` renders where every rank is; `describe_exit` says why a rank
-    process ended (a watchdog leaves its verdict in a file before exiting).
+    process ended (a watchdog leaves its verdict in a file before exiting). `on_poll` runs between
+    waits (at least every second): what runs beside the phase (a rollout) is watched, and may raise.
     """
+    if on_poll is not None:
+        poll_s = min(poll_s, 1.0)
     index = {ref: rank for rank, ref in enumerate(refs)}
     pending = list(refs)
     start = time.time()
@@ -55,6 +58,8 @@ def wait_ranks(refs: Sequence[ray.ObjectRef], *, phase: str, window_s: float,
             raise RankDeadlineError(
                 f"phase '{phase}': no rank made progress for {idle:.0f}s; ranks {missing} did not finish",
                 phase=phase, ranks=missing, details=_table(describe_hang))
+        if on_poll is not None:
+            on_poll()
         done, pending = ray.wait(pending, num_returns=1, timeout=max(0.1, min(poll_s, window_s - idle)))
         for ref in done:
             try:

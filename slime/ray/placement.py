@@ -158,6 +158,17 @@ def plan_layout(infos: Sequence[BundleInfo], *, trainer_ranks: int, num_engines:
     return Layout(actor_bundles=tuple(ordered[:trainer_ranks]), engines=tuple(engines))
 
 
+def check_disjoint(layout: Layout) -> None:
+    """Trainer ranks and engines on bundles of their own (train_async.py: both run at once)."""
+    trainer = {b.index for b in layout.actor_bundles}
+    shared = {index: engine.rank for engine in layout.engines for index in engine.bundles if index in trainer}
+    if shared:
+        listed = ", ".join(f"bundle {index} (engine {rank})" for index, rank in sorted(shared.items()))
+        raise PlacementError(f"trainer ranks and engines share {listed}: training and generation run at once here, "
+                             "so each needs bundles of its own; drop --colocate and give the engines their own GPUs "
+                             "with --rollout-num-gpus")
+
+
 def node_count(layout: Layout, driver_node_id: str) -> int:
     """How many nodes the job's processes (driver, ranks, engines) run on."""
     return len({b.node_id for b in layout.actor_bundles} | {e.node_id for e in layout.engines} | {driver_node_id})

@@ -30,14 +30,18 @@ from slime.ray.engine_health import HealthConfig
 from slime.ray.engine_recovery import EngineFleet
 from slime.ray.placement import EngineSlot, Placement
 from slime.ray.rollout_guard import RolloutGuard
-from slime.ray.rollout_wait import EngineTargets, get_result, wait_for_rollout
+from slime.ray.rollout_errors import RolloutTimeoutError
+from slime.ray.rollout_wait import EngineTargets, RolloutWatch, get_result, wait_for_rollout
+from slime.rollout import generation_gate
 from slime.rollout.advantages import TRAIN_DATA_KEYS, flatten_groups, samples_to_train_data
 from slime.rollout.base_types import call_rollout_fn
 from slime.rollout.data_source import eval_prompt_specs, read_rows
 from slime.rollout.deadline import driver_margin_s, rollout_deadline_s
 from slime.rollout.metrics import compute_rollout_metrics
+from slime.rollout.staleness import version_metrics
 from slime.router.router import launch_router
 from slime.router.workers import RouterWorkers
+from slime.utils.http_utils import outstanding_requests
 from slime.utils.misc import load_function
 from slime.utils.types import Sample
 
@@ -47,6 +51,7 @@ logger = logging.getLogger(__name__)
 # per-request HTTP timeout of the rollout function, not here.
 CONTROL_TIMEOUT_S = 300.0
 STARTUP_TIMEOUT_S = 900.0
+HOLD_POLL_S = 0.1
 
 
 class RolloutManager:
@@ -129,7 +134,8 @@ class RolloutManager:
             self.data_source.save(rollout_id)
         if self._custom_log(rollout_id, samples, metrics, rollout_time):
             return [ray.put(data)], {}
-        metrics = {**compute_rollout_metrics(self.args, samples), **(metrics or {})}
+        metrics = {**compute_rollout_metrics(self.args, samples), **version_metrics(samples), **(metrics or {}),
+                   "perf/rollout_generate_s": rollout_time}
         return [ray.put(data)], {f"rollout/{k}" if "/" not in k else k: v for k, v in metrics.items()}
 
     def _samples(self, rollout_id: int) -> tuple[list[Sample], dict[str, Any]]:
@@ -189,6 +195,28 @@ class RolloutManager:
             raise self.fleet.fatal
         return self.fleet.urls()
 
+    def hold_generation(self, timeout_s: float = CONTROL_TIMEOUT_S) -> dict[str, float]:
+        """Before a weight push while generation may go on (train_async.py): no new request starts, the
+        engines abort what they run, and this returns once every request of this process came back."""
+        generation_gate.hold()
+        deadline = time.monotonic() + timeout_s
+        held = len(_generating())
+        quiet = 0  # two looks in a row without a request: one that passed the gate just before it closed is seen
+        while quiet < 2:
+            if time.monotonic() > deadline:
+                raise RolloutTimeoutError(f"{len(_generating())} /generate request(s) still running {timeout_s:.0f}s "
+                                          "after the engines were told to abort them for a weight push")
+            if _generating():
+                quiet = 0
+                self._each_engine(lambda c: c.abort_all())
+            else:
+                quiet += 1
+            time.sleep(HOLD_POLL_S)
+        return {"weight_sync/held_requests": float(held)}
+
+    def release_generation(self) -> None:
+        generation_gate.release()
+
     def offload(self) -> dict[str, float]:
         """Colocate: engines give all their memory (weights, KV cache, CUDA graphs) to the trainer.
         Returns each engine's device memory before and after the release."""
@@ -217,6 +245,10 @@ class RolloutManager:
         ray.wait(stops, num_returns=len(stops), timeout=timeout_s)
         for actor in self._engine_actors:
             ray.kill(actor, no_restart=True)
+
+
+def _generating() -> list:
+    return [r for r in outstanding_requests() if r.url.endswith("/generate")]
 
 
 def wait_engines(refs: list, slots: Sequence[EngineSlot], *, timeout_s: float) -> list[EngineEndpoint]:
@@ -302,11 +334,24 @@ class RolloutManagerHandle:
         return self._get(self._actor.num_prompts.remote(), "num_prompts", CONTROL_TIMEOUT_S)
 
     def generate(self, rollout_id: int) -> tuple[ray.ObjectRef, dict[str, Any]]:
+        return self.collect(self.start_generate(rollout_id))
+
+    def start_generate(self, rollout_id: int) -> RolloutWatch:
+        """Start a rollout without waiting for it (train_async.py trains meanwhile)."""
         logger.info("rollout %d: generating", rollout_id)
         ref = self._actor.generate.remote(rollout_id, self._version())
-        refs, metrics = wait_for_rollout(self._actor, ref, what="generate", margin_s=self._margin_s,
-                                         targets=self.targets)
+        return RolloutWatch(self._actor, ref, what="generate", margin_s=self._margin_s, targets=self.targets)
+
+    @staticmethod
+    def collect(watch: RolloutWatch) -> tuple[ray.ObjectRef, dict[str, Any]]:
+        refs, metrics = watch.result()
         return refs[0], metrics
+
+    def hold_generation(self) -> dict[str, float]:
+        return self._get(self._actor.hold_generation.remote(), "hold generation", CONTROL_TIMEOUT_S + 60)
+
+    def release_generation(self) -> None:
+        self._get(self._actor.release_generation.remote(), "release generation", CONTROL_TIMEOUT_S)
 
     def evaluate(self, rollout_id: int) -> dict[str, Any]:
         ref = self._actor.evaluate.remote(rollout_id, self._version())

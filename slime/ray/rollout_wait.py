@@ -34,6 +34,9 @@ class EngineTargets:
     """The weight version the engines hold (None before the first push: the checkpoint's)."""
     push: Callable[[list[str], int], dict[str, Any]] | None = None
     """(engine urls, version) -> metrics: the trainer pushes its current weights to these engines."""
+    trainer_version: Callable[[], int] | None = None
+    """The version of the trainer's weights now (None: the engines' version, as when the loop alternates;
+    train_async.py's trainer runs ahead of the engines)."""
     catch_ups: list[dict[str, Any]] = field(default_factory=list)
 
     def for_sync(self, current: list[str]) -> list[str] | None:
@@ -43,35 +46,62 @@ class EngineTargets:
     def pushed(self, urls: list[str], version: int) -> None:
         self.urls, self.version = tuple(urls), version
 
-    def catch_up(self, urls: list[str]) -> dict[str, Any] | None:
-        """Push the current weights to restarted engines; None when there is nothing to push (no trainer,
-        or nothing pushed yet: the checkpoint's weights are current)."""
+    def catch_up(self, urls: list[str]) -> int | None:
+        """Push the trainer's current weights to restarted engines; returns the version pushed, or None when
+        there is nothing to push (no trainer, or nothing pushed yet: the checkpoint's weights are current)."""
         if self.push is None or self.version is None:
             return None
-        metrics = self.push(urls, self.version)
+        version = self.trainer_version() if self.trainer_version is not None else self.version
+        self.catch_ups.append(self.push(urls, version))
         self.urls = tuple(urls)  # the trainer now aims at these; the next sync re-aims at every engine
-        self.catch_ups.append(metrics)
-        return metrics
+        return version
+
+
+class RolloutWatch:
+    """One manager call (generate or eval) in flight, watched without blocking the driver.
+
+    Each `poll` waits at most its timeout for the call, then reads the manager's status: restarted engines
+    are caught up (when the caller's trainer is free to push; else they wait for the next poll that may),
+    and a manager that neither answers nor ends within its deadline + margin_s raises TimeoutError."""
+
+    def __init__(self, actor, ref: ray.ObjectRef, *, what: str, margin_s: float, targets: EngineTargets) -> None:
+        self.actor, self.ref, self.what = actor, ref, what
+        self.margin_s = margin_s
+        self.targets = targets
+        self.waiting_for_weights: list[str] = []
+        """Restarted engines seen by a poll that could not catch them up."""
+
+    def poll(self, timeout_s: float = POLL_S, *, can_push: bool = True) -> bool:
+        """True once the call has ended (its error, if any, raises here)."""
+        done, _ = ray.wait([self.ref], timeout=timeout_s)
+        if done:
+            get_result(self.ref)  # a failed rollout raises now, not when its result is asked for
+            return True
+        status = get_result(self.actor.rollout_status.remote(), timeout_s=STATUS_TIMEOUT_S, what="rollout status")
+        self.waiting_for_weights = list(status["needs_weights"])
+        if self.waiting_for_weights and can_push:
+            version = self.targets.catch_up(self.waiting_for_weights)
+            get_result(self.actor.engines_caught_up.remote(self.waiting_for_weights,
+                                                           None if version is None else str(version)),
+                       timeout_s=STATUS_TIMEOUT_S, what="engines caught up")
+            self.waiting_for_weights = []
+        left = status["left_s"]
+        if left is not None and left + self.margin_s < 0:
+            ray.cancel(self.ref, force=False)
+            raise TimeoutError(f"rollout manager: '{self.what}' passed its deadline by {-left:.0f}s without "
+                               f"reporting (driver margin {self.margin_s:.0f}s)")
+        return False
+
+    def result(self) -> Any:
+        while not self.poll():
+            pass
+        return get_result(self.ref)
 
 
 def wait_for_rollout(actor, ref: ray.ObjectRef, *, what: str, margin_s: float, targets: EngineTargets) -> Any:
     """The manager call's result; meanwhile restarted engines are caught up, and a manager that neither
     answers nor ends within its deadline + margin_s raises TimeoutError."""
-    while True:
-        done, _ = ray.wait([ref], timeout=POLL_S)
-        if done:
-            return get_result(ref)
-        status = get_result(actor.rollout_status.remote(), timeout_s=STATUS_TIMEOUT_S, what="rollout status")
-        if status["needs_weights"]:
-            metrics = targets.catch_up(status["needs_weights"])
-            get_result(actor.engines_caught_up.remote(status["needs_weights"],
-                                                      None if metrics is None else str(targets.version)),
-                       timeout_s=STATUS_TIMEOUT_S, what="engines caught up")
-        left = status["left_s"]
-        if left is not None and left + margin_s < 0:
-            ray.cancel(ref, force=False)
-            raise TimeoutError(f"rollout manager: '{what}' passed its deadline by {-left:.0f}s without reporting "
-                               f"(driver margin {margin_s:.0f}s)")
+    return RolloutWatch(actor, ref, what=what, margin_s=margin_s, targets=targets).result()
 
 
 def get_result(ref: ray.ObjectRef, *, timeout_s: float | None = None, what: str = "call") -> Any:

@@ -11,6 +11,7 @@ HTTP request has a deadline. Over-sampling, dynamic filtering and partial rollou
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import copy
 import inspect
 import logging
@@ -21,6 +22,7 @@ from typing import Any, Awaitable, Callable, TypeVar
 
 from tqdm import tqdm
 
+from slime.rollout import generation_gate
 from slime.rollout.advantages import flatten_groups
 from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
 from slime.rollout.data_source import PromptDataset, PromptFileSpec, eval_datasets, eval_prompt_specs, load_tokenizer
@@ -56,7 +58,12 @@ def _background_loop() -> asyncio.AbstractEventLoop:
 
 def run(coro: Awaitable[T]) -> T:
     """Run a coroutine on the rollout loop and wait for it (each request inside has its own deadline)."""
-    return asyncio.run_coroutine_threadsafe(coro, _background_loop()).result()
+    return spawn(coro).result()
+
+
+def spawn(coro: Awaitable[T]) -> "concurrent.futures.Future[T]":
+    """Start a coroutine on the rollout loop without waiting for it (a background generator)."""
+    return asyncio.run_coroutine_threadsafe(coro, _background_loop())
 
 
 # ---------------------------------------------------------------- one request
@@ -219,7 +226,8 @@ async def generate_and_rm(args, sample: Sample, sampling_params: dict, evaluatio
     if sample.status in (Sample.Status.COMPLETED, Sample.Status.TRUNCATED):
         return sample
     async with state.semaphore:
-        if state.aborted:  # the rollout has enough groups: leave this one for a later rollout
+        # the rollout has enough groups, or a weight push is under way: leave this one for later
+        if state.aborted or generation_gate.is_held():
             sample.status = Sample.Status.ABORTED
             return sample
         result = await _call_generate(args, sample, sampling_params, evaluation)

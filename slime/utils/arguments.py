@@ -190,7 +190,7 @@ REFUSED_FLAGS: tuple[NotImplementedFlag, ...] = (
       for f in ("--post-self-attn-layernorm", "--post-mlp-layernorm", "--use-gated-attention", "--freeze-indexer")),
     NotImplementedFlag(flag="--release-train", reason="releasing the train actors needs disk weight sync, not implemented"),
     NotImplementedFlag(flag="--flush-cache-interval", is_active=lambda v: v != 1,
-                       reason="fully-async rollout (values other than 1) is not implemented"),
+                       reason="the engines' cache is flushed at every weight sync; a longer interval is not implemented"),
     NotImplementedFlag(flag="--rollout-data-transport", is_active=lambda v: v != "object-store",
                        reason="only the Ray object store carries rollouts here"),
     NotImplementedFlag(flag="--rollout-external-engine-addrs",
@@ -286,6 +286,25 @@ def resolve_train_device(args: argparse.Namespace) -> str:
     import torch  # deferred: --help and pure parsing should not pay for torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1, with an error that says so."""
+    return _bounded_int(text, 1, "a positive integer")
+
+
+def _non_negative_int(text: str) -> int:
+    return _bounded_int(text, 0, "a non-negative integer")
+
+
+def _bounded_int(text: str, lowest: int, what: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+    if value < lowest:
+        raise argparse.ArgumentTypeError(f"{value} is not {what}")
+    return value
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -386,6 +405,13 @@ def _add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--update-weight-transport", type=str, default="nccl", choices=["nccl", "disk"],
                    help="nccl: CUDA-IPC tensors to colocated engines, a broadcast group (NCCL; gloo on CPU) to "
                         "others; disk is not implemented (refused)")
+    # train_async.py (slime/ray/async_schedule.py): how often the engines get new weights, how stale a
+    # fully-async sample may be.
+    g.add_argument("--update-weights-interval", type=_positive_int, default=1,
+                   help="train_async.py: push the trained weights to the engines every N rollouts")
+    g.add_argument("--max-weight-staleness", type=_non_negative_int, default=None,
+                   help="fully-async rollout: drop groups generated more than N weight versions before the engines' "
+                        "current one (counted in rollout/staleness/dropped_groups; default: keep every group)")
     g.add_argument("--flush-cache-interval", type=int, default=1,
                    help="flush the engines' KV cache every N weight syncs (only 1 is implemented)")
     g.add_argument("--rollout-data-transport", type=str, default="object-store",

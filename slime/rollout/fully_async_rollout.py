@@ -1,0 +1,190 @@
+"""Fully-async rollout (upstream's module path): a background generator that keeps the engines busy across
+rollouts and weight pushes.
+
+    --rollout-function-path slime.rollout.fully_async_rollout.generate_rollout_fully_async
+
+The first call starts one generator per process, on the rollout loop (slime/rollout/sglang_rollout.py). It
+draws one prompt group at a time from the data source and generates it with `generate_and_rm_group` (so
+--custom-generate-function-path and --custom-rm-path apply), keeping up to `capacity` groups in flight or
+finished-and-waiting: the in-flight cap of the engines (--sglang-server-concurrency x engines, in groups),
+at most two rollouts' worth. Each call of the rollout function takes the first --rollout-batch-size finished
+groups, the rest wait for the next call.
+
+Weight pushes: train_async.py holds the generator for each push (slime/rollout/generation_gate.py); the
+requests the engines were running come back aborted. An aborted group goes back to the data source: with
+--partial-rollout as it is, so it continues from its tokens under the new weights (its samples then list
+both versions in `weight_versions`; --mask-offpolicy-in-partial-rollout keeps the earlier tokens out of
+the loss), otherwise as the fresh prompt it was drawn as, so it is generated again and no sample mixes
+versions.
+
+Staleness: a group's version is the oldest weight version in its samples; its staleness is the engines'
+version when it is taken minus that. `--max-weight-staleness N` drops groups staler than N (counted in
+`rollout/staleness/dropped_groups`); every taken group's staleness is logged (`rollout/staleness/max`,
+`rollout/staleness/mean`), with `rollout/staleness/multi_version_frac` (samples continued across a push).
+
+Deadlines: a call waits at most the rollout's deadline (slime/rollout/deadline.py; the rollout manager's
+guard watches it too); every request keeps its own timeout, also between calls, when no rollout runs.
+A group whose generation failed fails the next call, naming the error.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import threading
+import time
+from collections import deque
+from typing import Any
+
+from slime.rollout import generation_gate
+from slime.rollout.advantages import flatten_groups
+from slime.rollout.base_types import RolloutFnTrainOutput
+from slime.rollout.deadline import rollout_deadline_s
+from slime.rollout.metrics import compute_rollout_metrics
+from slime.rollout.sampling_loop import engine_urls
+from slime.rollout.sglang_rollout import (
+    GenerateState,
+    concurrency,
+    eval_rollout,
+    generate_and_rm_group,
+    run,
+    sampling_params,
+    spawn,
+)
+from slime.rollout.staleness import group_version
+from slime.utils.http_utils import get
+from slime.utils.types import Sample
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.05
+VERSION_TIMEOUT_S = 30.0
+
+_generator: "FullyAsyncGenerator | None" = None
+_generator_lock = threading.Lock()
+
+
+class FullyAsyncGenerator:
+    """The background generator (see the module docstring)."""
+
+    def __init__(self, args, data_source) -> None:
+        self.args = args
+        self.data_source = data_source
+        groups_in_flight = max(1, concurrency(args) // max(1, args.n_samples_per_prompt))
+        self.capacity = min(groups_in_flight, 2 * int(args.rollout_batch_size))
+        self.ready: deque[list] = deque()  # finished groups, oldest first (appended by the loop's thread)
+        self.in_flight = 0
+        self.error: BaseException | None = None
+        self.requeued = {"redone": 0, "continued": 0}
+        self._stop = False
+        self._future = spawn(self._run())
+
+    def stop(self) -> None:
+        self._stop = True
+
+    async def _run(self) -> None:
+        tasks: dict[asyncio.Task, list[Sample]] = {}  # task -> the group as drawn
+        params = sampling_params(self.args)
+        GenerateState(self.args)  # the semaphore is made on this loop
+        while not self._stop:
+            while not generation_gate.is_held() and self.in_flight + len(self.ready) < self.capacity:
+                drawn = self.data_source.get_samples(1)
+                if not drawn:
+                    break
+                for group in drawn:
+                    task = asyncio.ensure_future(generate_and_rm_group(self.args, group, dict(params)))
+                    tasks[task] = copy.deepcopy(group)
+                    self.in_flight += 1
+            if not tasks:
+                await asyncio.sleep(POLL_S)
+                continue
+            done, _ = await asyncio.wait(list(tasks), timeout=POLL_S, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                self._file(task, tasks.pop(task))
+
+    def _file(self, task: asyncio.Task, drawn: list[Sample]) -> None:
+        self.in_flight -= 1
+        if task.exception() is not None:
+            self.error = self.error or task.exception()
+            return
+        group = task.result()
+        if not any(s.status == Sample.Status.ABORTED for s in flatten_groups(group)):
+            self.ready.append(group)
+            return
+        if getattr(self.args, "partial_rollout", False) and all(isinstance(s, Sample) for s in group):
+            self.data_source.add_samples([group])  # continues from its tokens
+            self.requeued["continued"] += 1
+        else:
+            self.data_source.add_samples([drawn])  # generated again from its prompt
+            self.requeued["redone"] += 1
+
+    def take(self, count: int, *, current_version: int | None, max_staleness: int | None,
+             deadline: float) -> tuple[list[list], list[int], int]:
+        """`count` finished groups within their staleness bound: (groups, their staleness, groups dropped)."""
+        kept, staleness, dropped = [], [], 0
+        while len(kept) < count:
+            if self.error is not None:
+                raise RuntimeError(f"fully-async rollout: a group's generation failed: "
+                                   f"{type(self.error).__name__}: {self.error}") from self.error
+            if not self.ready:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"fully-async rollout: {len(kept)} of {count} groups within the rollout's "
+                                       f"deadline ({self.in_flight} in flight)")
+                time.sleep(POLL_S)
+                continue
+            group = self.ready.popleft()
+            version = group_version(flatten_groups(group))
+            stale = 0 if current_version is None or version is None else current_version - version
+            if max_staleness is not None and stale > max_staleness:
+                dropped += 1
+                continue
+            kept.append(group)
+            staleness.append(stale)
+        return kept, staleness, dropped
+
+
+def generator(args, data_source) -> FullyAsyncGenerator:
+    """The process's generator, started on first use."""
+    global _generator
+    with _generator_lock:
+        if _generator is None or _generator._future.done():
+            logger.info("starting the fully-async rollout generator")
+            _generator = FullyAsyncGenerator(args, data_source)
+        return _generator
+
+
+async def _engines_version(args) -> int | None:
+    """The newest weight version behind the router (engines that never got a push report none)."""
+    replies = await asyncio.gather(*(get(f"{url.rstrip('/')}/get_model_info", timeout_s=VERSION_TIMEOUT_S)
+                                     for url in await engine_urls(args)))
+    versions = [int(r["weight_version"]) for r in replies if str(r.get("weight_version")).isdigit()]
+    return max(versions) if versions else None
+
+
+def _index(group: list) -> int:
+    first = flatten_groups(group)[0]
+    return first.index if first.index is not None else -1
+
+
+def generate_rollout_fully_async(args, rollout_id: int, data_source, evaluation: bool = False) -> Any:
+    """`--rollout-function-path` entry point: --rollout-batch-size groups from the background generator."""
+    if evaluation:  # on the rollout loop, beside the generator's requests
+        return run(eval_rollout(args, rollout_id))
+    start = time.monotonic()
+    worker = generator(args, data_source)
+    current = run(_engines_version(args))
+    max_staleness = getattr(args, "max_weight_staleness", None)
+    groups, staleness, dropped = worker.take(int(args.rollout_batch_size), current_version=current,
+                                             max_staleness=max_staleness, deadline=start + rollout_deadline_s(args))
+    groups.sort(key=_index)
+    samples = flatten_groups(groups)
+    metrics = {**compute_rollout_metrics(args, samples),
+               "rollout/staleness/max": float(max(staleness)), "rollout/staleness/mean": sum(staleness) / len(staleness),
+               "rollout/staleness/dropped_groups": float(dropped),
+               "rollout/fully_async/redone_groups": float(worker.requeued["redone"]),
+               "rollout/fully_async/continued_groups": float(worker.requeued["continued"]),
+               "rollout/fully_async/waiting_groups": float(len(worker.ready))}
+    logger.info("fully-async rollout %d: %d groups in %.1fs (engines at version %s, staleness max %d, %d dropped, "
+                "%d waiting)", rollout_id, len(groups), time.monotonic() - start, current, max(staleness), dropped,
+                len(worker.ready))
+    return RolloutFnTrainOutput(samples=groups, metrics=metrics)

@@ -1,0 +1,269 @@
+"""train_async.py's schedule (slime/ray/async_schedule.py): the plan as data, the loop's order call by call, and
+the refusals. Recorders stand in for the rollout manager and the trainer group (pure loop logic; the real
+components run this order in tests/test_train_async_e2e.py)."""
+from __future__ import annotations
+
+import tempfile
+import types
+
+import pytest
+
+import train_async
+from arg_testing import no_real_sglang, parse_error  # noqa: F401 - the fixture applies to every test here
+from slime.ray.async_schedule import OneStepOffPlan, check_async_args
+from slime.ray.placement import BundleInfo, EngineSlot, Layout, PlacementError, check_disjoint, plan_layout
+from slime.ray.rollout_errors import EngineFailedError
+from slime.ray.rollout_wait import EngineTargets
+from slime.utils.arguments import ArgumentValidationError
+
+
+# ----- the plan -----------------------------------------------------------------------------------
+def _timeline(**kwargs) -> list[tuple[int, int, int, bool]]:
+    return [(s.rollout_id, s.generated_with, s.trained_at, s.push_after) for s in OneStepOffPlan(**kwargs).steps()]
+
+
+def test_one_step_off_every_rollout_after_the_first_is_generated_one_version_behind():
+    assert _timeline(start_rollout_id=0, num_rollout=4) == [
+        (0, 0, 0, True), (1, 0, 1, True), (2, 1, 2, True), (3, 2, 3, True)]
+
+
+def test_an_interval_of_two_pushes_every_other_rollout_and_staleness_alternates():
+    steps = OneStepOffPlan(start_rollout_id=0, num_rollout=6, update_weights_interval=2).steps()
+    assert [(s.generated_with, s.push_after) for s in steps] == [
+        (0, False), (0, True), (0, False), (2, True), (2, False), (4, True)]
+    assert [s.staleness for s in steps] == [0, 1, 2, 1, 2, 1]
+
+
+def test_a_resumed_run_starts_from_the_version_it_pushes_at_start():
+    assert _timeline(start_rollout_id=5, num_rollout=7) == [(5, 5, 5, True), (6, 5, 6, True)]
+
+
+# ----- the loop, call by call ---------------------------------------------------------------------
+class Log(list):
+    pass
+
+
+class FakeWatch:
+    def __init__(self, log: Log, rollout_id: int, targets: EngineTargets, *, fail: bool, restarted: list[str]):
+        self.log, self.rollout_id, self.targets = log, rollout_id, targets
+        self.fail = fail
+        self.waiting_for_weights = list(restarted)
+        self.done = False
+
+    def poll(self, timeout_s=1.0, *, can_push=True):
+        if self.fail:
+            raise EngineFailedError(f"engine 1 died while rollout {self.rollout_id} generated")
+        if self.waiting_for_weights and can_push:
+            version = self.targets.catch_up(self.waiting_for_weights)
+            self.log.append(f"engine caught up at version {version}")
+            self.waiting_for_weights = []
+        if not self.waiting_for_weights and not self.done:
+            self.done = True
+            self.log.append(f"generate {self.rollout_id} done")
+        return self.done
+
+    def result(self):
+        while not self.poll():
+            pass
+        return f"data{self.rollout_id}", {"rollout/raw_reward": 0.0}
+
+
+class FakeRollout:
+    def __init__(self, log: Log, *, fail_rollout=None, restart_in=None):
+        self.log = log
+        self.targets = EngineTargets()
+        self.version = None
+        self.fail_rollout, self.restart_in = fail_rollout, restart_in
+
+    def num_prompts(self):
+        return 8
+
+    def engine_urls(self):
+        return ["http://e0", "http://e1"]
+
+    def engine_endpoints(self):
+        return []
+
+    def attach_trainer(self, push):
+        self.targets.push = push
+
+    def start_generate(self, rollout_id):
+        self.log.append(f"generate {rollout_id} starts at version {self.version}")
+        return FakeWatch(self.log, rollout_id, self.targets, fail=rollout_id == self.fail_rollout,
+                         restarted=["http://e1b"] if rollout_id == self.restart_in else [])
+
+    @staticmethod
+    def collect(watch):
+        return watch.result()
+
+    def hold_generation(self):
+        self.log.append("hold")
+        return {"weight_sync/held_requests": 0.0}
+
+    def release_generation(self):
+        self.log.append("release")
+
+    def engines_for_sync(self):
+        return None
+
+    def weights_pushed(self, urls, version):
+        self.version = version
+        self.targets.pushed(urls or [], version)
+
+    def evaluate(self, rollout_id):
+        return {}
+
+    def shutdown(self):
+        self.log.append("engines stop")
+
+
+class FakeTrainers:
+    def __init__(self, log: Log):
+        self.log = log
+
+    def where(self):
+        return []
+
+    def init(self, urls):
+        self.log.append("trainer build")
+
+    def train(self, rollout_id, data_ref, on_poll=None):
+        self.log.append(f"train {rollout_id} on {data_ref}")
+        if on_poll is not None:
+            on_poll()  # the next rollout is watched while this one trains
+        return {"train/loss": 0.0}
+
+    def save(self, rollout_id):
+        self.log.append(f"save {rollout_id}")
+
+    def update_weights(self, rollout_id, engine_urls=None):
+        self.log.append(f"push version {rollout_id + 1}" + (f" to {engine_urls}" if engine_urls else ""))
+        return {"weight_sync/version": rollout_id + 1}
+
+    def shutdown(self):
+        self.log.append("trainer stop")
+
+
+class Metrics:
+    def __init__(self, args):
+        self.events = []
+
+    def log(self, kind, step, values):
+        self.events.append((kind, step, values))
+
+    def close(self):
+        pass
+
+
+def run_loop(monkeypatch, rollout_options=None, **flags):
+    log = Log()
+    metrics = {}
+    monkeypatch.setattr(train_async, "init_ray", lambda args: None)
+    monkeypatch.setattr(train_async, "create_placement", lambda args: types.SimpleNamespace(layout=Layout(
+        actor_bundles=(), engines=())))
+    monkeypatch.setattr(train_async, "create_rollout_manager",
+                        lambda args, placement: FakeRollout(log, **(rollout_options or {})))
+    monkeypatch.setattr(train_async, "RayTrainGroup", lambda args, placement: FakeTrainers(log))
+    monkeypatch.setattr(train_async, "MetricsLogger", lambda args: metrics.setdefault("logger", Metrics(args)))
+    defaults = dict(load=None, num_rollout=3, num_epoch=None, rollout_batch_size=4, debug_rollout_only=False,
+                    debug_train_only=False, offload_train=False, offload_rollout=False, colocate=False,
+                    rollout_num_gpus=2, update_weights_interval=1, eval_interval=None, eval_prompt_data=None,
+                    save=None, save_interval=None, start_rollout_id=None, ledger_dir=tempfile.gettempdir())
+    args = types.SimpleNamespace(**{**defaults, **flags})
+    try:
+        train_async.train(args)
+    finally:
+        log.events = metrics["logger"].events if "logger" in metrics else []
+    return log
+
+
+def test_the_next_rollout_generates_while_this_one_trains_and_pushes_wait_for_it(monkeypatch):
+    log = run_loop(monkeypatch)
+    assert log == [
+        "trainer build", "hold", "push version 0", "release",  # the engines start from the trainer's weights
+        "generate 0 starts at version 0", "generate 0 done",
+        "generate 1 starts at version 0", "train 0 on data0", "generate 1 done",
+        "hold", "push version 1", "release",
+        "generate 2 starts at version 1", "train 1 on data1", "generate 2 done",
+        "hold", "push version 2", "release",
+        "train 2 on data2", "hold", "push version 3", "release",
+        "engines stop", "trainer stop",
+    ]
+    train_events = {step: values for kind, step, values in log.events if kind == "train"}
+    assert [(v["train/rollout_weight_version"], v["train/trainer_weight_version"]) for v in train_events.values()] == [
+        (0.0, 0.0), (0.0, 1.0), (1.0, 2.0)]
+
+
+def test_with_an_interval_of_two_the_engines_keep_a_version_for_two_rollouts(monkeypatch):
+    log = run_loop(monkeypatch, num_rollout=4, update_weights_interval=2)
+    assert [c for c in log if c.startswith("push")] == ["push version 0", "push version 2", "push version 4"]
+    assert [c for c in log if c.startswith("generate") and "starts" in c] == [
+        "generate 0 starts at version 0", "generate 1 starts at version 0", "generate 2 starts at version 0",
+        "generate 3 starts at version 2"]
+
+
+def test_a_rollout_that_fails_while_the_trainer_trains_stops_the_run_at_once(monkeypatch):
+    with pytest.raises(EngineFailedError, match="rollout 1"):
+        run_loop(monkeypatch, rollout_options={"fail_rollout": 1})
+
+
+def test_an_engine_restarted_during_training_is_caught_up_once_the_trainer_is_free(monkeypatch):
+    log = run_loop(monkeypatch, rollout_options={"restart_in": 1})
+    train0 = log.index("train 0 on data0")
+    catch_up = log.index("push version 1 to ['http://e1b']")  # the trainer's version after training rollout 0
+    assert train0 < catch_up < log.index("engine caught up at version 1") < log.index("generate 1 done")
+
+
+# ----- refusals -----------------------------------------------------------------------------------
+def _async_args(**flags):
+    base = dict(colocate=False, offload_train=False, offload_rollout=False, debug_train_only=False,
+                debug_rollout_only=False, rollout_num_gpus=2)
+    return types.SimpleNamespace(**{**base, **flags})
+
+
+@pytest.mark.parametrize("flags, says", [
+    ({"colocate": True}, "--colocate is not supported by train_async.py"),
+    ({"offload_rollout": True}, "--offload-rollout"),
+    ({"debug_train_only": True}, "run train.py --debug-train-only"),
+    ({"rollout_num_gpus": None}, "--rollout-num-gpus"),
+])
+def test_what_train_async_cannot_run_is_refused_with_the_reason(flags, says):
+    with pytest.raises(ArgumentValidationError, match=says):
+        check_async_args(_async_args(**flags))
+
+
+MINIMAL = ["--rollout-batch-size", "2", "--num-rollout", "1", "--actor-num-gpus-per-node", "1",
+           "--train-backend-device", "cpu"]
+
+
+def test_train_async_colocate_exits_with_the_reason(capsys):
+    code = train_async.main([*MINIMAL, "--colocate"])
+    assert code == 2
+    assert "engines and trainer cannot share GPUs" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "1.5", "two"])
+def test_an_update_weights_interval_that_is_not_a_positive_integer_is_refused(value, capsys):
+    message = parse_error([*MINIMAL, "--update-weights-interval", value], capsys)
+    assert "--update-weights-interval" in message and "is not a positive integer" in message
+
+
+def test_trainer_and_engine_bundles_that_overlap_are_refused():
+    bundles = tuple(BundleInfo(index=i, node_id="n", node_ip="127.0.0.1") for i in range(4))
+    check_disjoint(plan_layout(bundles, trainer_ranks=2, num_engines=2, gpus_per_engine=1, colocate=False))
+    shared = Layout(actor_bundles=bundles[:2], engines=(EngineSlot(rank=0, bundles=(1,), node_id="n",
+                                                                    node_ip="127.0.0.1"),))
+    with pytest.raises(PlacementError, match=r"share bundle 1 \(engine 0\).*bundles of its own"):
+        check_disjoint(shared)
+
+
+def test_train_py_refuses_an_interval_it_would_ignore(capsys):
+    import train as train_module
+
+    assert train_module.main([*MINIMAL, "--update-weights-interval", "2"]) == 2
+    assert "is train_async.py's" in capsys.readouterr().err
+
+
+def test_a_negative_staleness_bound_is_refused(capsys):
+    message = parse_error([*MINIMAL, "--max-weight-staleness", "-1"], capsys)
+    assert "--max-weight-staleness" in message and "is not a non-negative integer" in message

@@ -1,0 +1,136 @@
+"""The fully-async generator's own logic (slime/rollout/fully_async_rollout.py) with a stand-in per-group generate:
+what happens to groups aborted by a weight push, the staleness bound, the gate, a failed group. The real engines
+run it in tests/test_train_async_e2e.py."""
+from __future__ import annotations
+
+import asyncio
+import time
+import types
+
+import pytest
+
+from slime.rollout import fully_async_rollout as fa
+from slime.rollout import generation_gate
+from slime.utils.types import Sample
+
+
+class Source:
+    def __init__(self):
+        self.drawn = 0
+        self.buffer: list[list[Sample]] = []
+
+    def get_samples(self, n):
+        if self.buffer:
+            return [self.buffer.pop(0)]
+        self.drawn += 1
+        return [[Sample(index=2 * self.drawn + i, prompt=f"p{self.drawn}") for i in range(2)]]
+
+    def add_samples(self, groups):
+        self.buffer += groups
+
+
+def _args(**flags):
+    return types.SimpleNamespace(**{"rollout_batch_size": 2, "n_samples_per_prompt": 2, "sglang_server_concurrency": 2,
+                                    "rollout_num_gpus": 2, "rollout_num_gpus_per_engine": 1, "partial_rollout": False,
+                                    **flags})
+
+
+def _generated(sample: Sample, version: int, status=Sample.Status.COMPLETED) -> Sample:
+    sample.response_length, sample.status = 3, status
+    sample.weight_versions.append(str(version))
+    return sample
+
+
+@pytest.fixture
+def worker(monkeypatch):
+    made = []
+
+    def start(args, source, plan):
+        async def fake_group(args, group, params, evaluation=False):
+            await asyncio.sleep(0.01)
+            return plan(group)
+
+        monkeypatch.setattr(fa, "generate_and_rm_group", fake_group)
+        monkeypatch.setattr(fa, "sampling_params", lambda args: {})
+        monkeypatch.setattr(fa, "GenerateState", lambda args: None)
+        made.append(fa.FullyAsyncGenerator(args, source))
+        return made[-1]
+
+    yield start
+    for w in made:
+        w.stop()
+    generation_gate.release()
+
+
+def _take(w, count, **kw):
+    return w.take(count, current_version=kw.pop("current", None), max_staleness=kw.pop("max_staleness", None),
+                  deadline=time.monotonic() + 10)
+
+
+def test_groups_aborted_by_a_push_are_redone_from_their_prompt(worker):
+    source, calls = Source(), []
+
+    def plan(group):
+        calls.append([s.response_length for s in group])
+        status = Sample.Status.ABORTED if len(calls) == 1 else Sample.Status.COMPLETED
+        return [_generated(s, 0, status) for s in group]
+
+    w = worker(_args(), source, plan)
+    groups, staleness, dropped = _take(w, 2)
+    assert len(groups) == 2 and dropped == 0 and w.requeued == {"redone": 1, "continued": 0}
+    assert all(c == [0, 0] for c in calls)  # the aborted group came back as the fresh prompt it was drawn as
+    assert all(s.weight_versions == ["0"] for g in groups for s in g)  # one version per sample
+
+
+def test_with_partial_rollout_an_aborted_group_continues_from_its_tokens(worker):
+    source, calls = Source(), []
+
+    def plan(group):
+        calls.append([s.response_length for s in group])
+        return [_generated(s, len(calls) - 1, Sample.Status.ABORTED if len(calls) == 1 else Sample.Status.COMPLETED)
+                for s in group]
+
+    w = worker(_args(partial_rollout=True), source, plan)
+    groups, _, _ = _take(w, 3)  # the two first drawn (one of them continued) and one more
+    assert w.requeued["continued"] == 1 and [3, 3] in calls  # resumed with what it had
+    continued = [s for g in groups for s in g if len(s.weight_versions) == 2]
+    assert len(continued) == 2 and all(s.weight_versions[0] == "0" != s.weight_versions[1] for s in continued)
+
+
+def test_groups_staler_than_the_bound_are_dropped_and_counted(worker):
+    versions = iter([3, 4, 5, 3, 5, 5, 5, 5, 5, 5])
+    w = worker(_args(rollout_batch_size=3), Source(), lambda group: [_generated(s, v) for s, v in
+                                                                      zip(group, [next(versions)] * 2)])
+    groups, staleness, dropped = _take(w, 3, current=5, max_staleness=1)
+    assert dropped == 2 and staleness == [1, 0, 0]
+
+
+def test_a_held_gate_draws_no_new_prompt(worker):
+    generation_gate.hold()
+    source = Source()
+    w = worker(_args(), source, lambda group: [_generated(s, 0) for s in group])
+    time.sleep(0.3)
+    assert source.drawn == 0 and w.in_flight == 0
+    generation_gate.release()
+    assert len(_take(w, 2)[0]) == 2
+
+
+def test_a_failed_group_fails_the_next_rollout_naming_the_error(worker):
+    def plan(group):
+        raise ConnectionError("router went away")
+
+    w = worker(_args(), Source(), plan)
+    with pytest.raises(RuntimeError, match="ConnectionError: router went away"):
+        _take(w, 2)
+
+
+def test_version_metrics_name_the_oldest_version_of_each_sample():
+    from slime.rollout.staleness import group_version, version_metrics
+
+    fresh, continued, unpushed = Sample(weight_versions=["4"]), Sample(weight_versions=["3", "4"]), \
+        Sample(weight_versions=["default"])
+    assert group_version([fresh, continued, unpushed]) == 3
+    assert version_metrics([fresh, continued, unpushed]) == {
+        "rollout/weight_version_min": 3.0, "rollout/weight_version_max": 4.0,
+        "rollout/staleness/multi_version_frac": 1 / 3}
+    assert version_metrics([unpushed]) == {}  # an engine that never got a push reports no version

@@ -1,0 +1,134 @@
+"""`python train_async.py` end to end on the embedded CPU default: examples/run_cpu_async_demo.sh (4 ranks as
+TP2 x SP x CP2 training while 2 engines of their own generate the next rollout, weights over the distributed
+group on gloo).
+
+The demo run (20 rollouts; both engines killed while they generate rollout 3, during the training of rollout
+2, with --use-fault-tolerance) must learn the task, every sample must carry the weight version the schedule
+says its rollout was generated with (the restarted engines' samples the trainer's version they were caught
+up with once the trainer was free), the log-prob diff must be
+logged against those versions, and every process group of the trainer must have recorded one sequence (the
+order proof). A short fully-async run checks the background generator across weight pushes: the staleness
+bound holds and no sample mixes versions.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from slime.distributed.order_proof import check_order, read_sequences
+from slime.ray.async_schedule import OneStepOffPlan
+
+ROOT = Path(__file__).resolve().parents[1]
+NUM_ROLLOUTS = 20
+KILLED_IN = 3  # both engines are killed while they generate this rollout (during the training of the one before)
+MIN_RISE = 0.25  # the demo's target is +0.3; the margin keeps sampling noise from failing the test
+AGREEMENT = 1e-4
+RUN_TIMEOUT_S = 600
+
+
+def _run(out: Path, num_rollout: int, extra: list[str], env: dict[str, str] | None = None) -> dict:
+    environ = {**os.environ, "OUT": str(out), "NUM_ROLLOUT": str(num_rollout), "PY": sys.executable, **(env or {})}
+    if not env or "SLIME_FAULT_INJECT" not in env:
+        environ.pop("SLIME_FAULT_INJECT", None)
+    flags = ["--ledger-dir", str(out / "ledger"), "--save-debug-rollout-data", str(out / "rollout_{rollout_id}.pt"),
+             *extra]
+    proc = subprocess.run(["bash", str(ROOT / "examples" / "run_cpu_async_demo.sh"), *flags], cwd=ROOT, env=environ,
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    events: dict[str, dict[int, dict]] = {}
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        event = json.loads(line)
+        events.setdefault(event["event"], {})[event["rollout_id"]] = event
+    return {"out": out, "events": events, "stdout": proc.stdout}
+
+
+def _sample_versions(out: Path, rollout_id: int) -> list[list[str]]:
+    saved = torch.load(out / f"rollout_{rollout_id}.pt", weights_only=False)
+    return [list(s["weight_versions"]) for s in saved["samples"]]
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory) -> dict:
+    return _run(tmp_path_factory.mktemp("async_demo"), NUM_ROLLOUTS,
+                ["--ledger-record-sequence", "--use-fault-tolerance", "--rollout-health-check-interval", "1",
+                 "--rollout-health-check-timeout", "2", "--rollout-health-check-first-wait", "0"],
+                env={"SLIME_FAULT_INJECT": f"kill_engine@0#{KILLED_IN},kill_engine@1#{KILLED_IN}"})
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+def test_the_async_demo_learns_with_an_engine_killed_midway(demo):
+    rollouts = demo["events"]["rollout"]
+    rewards = [rollouts[k]["rollout/raw_reward"] for k in range(NUM_ROLLOUTS)]
+    rise = sum(rewards[-3:]) / 3 - rewards[0]
+    assert rise >= MIN_RISE, f"rewards {[round(r, 3) for r in rewards]}"
+    assert rollouts[KILLED_IN]["rollout/engine_restarts"] == 2
+    catch_ups = demo["events"].get("engine_catch_up", {})
+    assert list(catch_ups) == [KILLED_IN - 1], catch_ups  # caught up once the trainer finished rollout 2
+    assert catch_ups[KILLED_IN - 1]["weight_sync/version"] == KILLED_IN  # ... with the trainer's version then
+    assert rollouts[KILLED_IN]["rollout/num_samples"] == 64  # the killed engines' requests were generated again
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+def test_every_sample_records_the_version_the_schedule_generated_it_with(demo):
+    steps = OneStepOffPlan(start_rollout_id=0, num_rollout=NUM_ROLLOUTS).steps()
+    assert [s.generated_with for s in steps] == [0] + list(range(NUM_ROLLOUTS - 1))  # one step off
+    for step in steps:
+        versions = _sample_versions(demo["out"], step.rollout_id)
+        allowed = {str(step.generated_with)}
+        if step.rollout_id == KILLED_IN:  # the restarted engine serves the trainer's weights of then
+            allowed.add(str(step.generated_with + 1))
+        assert all(len(v) == 1 and v[0] in allowed for v in versions), (step, versions)
+        rollout = demo["events"]["rollout"][step.rollout_id]
+        assert rollout["rollout/weight_version_min"] == min(int(v[0]) for v in versions)
+        assert rollout["rollout/weight_version_max"] == max(int(v[0]) for v in versions)
+        train = demo["events"]["train"][step.rollout_id]
+        assert (train["train/rollout_weight_version"], train["train/trainer_weight_version"]) == (
+            rollout["rollout/weight_version_min"], step.trained_at)
+    assert str(KILLED_IN) in {v[0] for v in _sample_versions(demo["out"], KILLED_IN)}  # served after the catch-up
+    assert [demo["events"]["weight_sync"][k]["weight_sync/version"] for k in range(-1, NUM_ROLLOUTS)] == list(
+        range(NUM_ROLLOUTS + 1))
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+def test_the_log_prob_diff_is_logged_against_the_generating_version(demo):
+    train = demo["events"]["train"]
+    assert train[0]["train/weight_staleness"] == 0  # generated and trained with version 0
+    assert 0.0 <= train[0]["train/train_rollout_logprob_abs_diff"] <= AGREEMENT
+    stale = [train[k]["train/train_rollout_logprob_abs_diff"] for k in range(1, NUM_ROLLOUTS) if k != KILLED_IN]
+    assert all(train[k]["train/weight_staleness"] == 1 for k in range(1, NUM_ROLLOUTS) if k != KILLED_IN)
+    assert train[KILLED_IN]["train/weight_staleness"] in (0, 1)  # its samples: version 2, or 3 after the catch-up
+    assert all(AGREEMENT < d < 1.0 for d in stale), stale  # the policy moved by one step between the two
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+def test_weights_travel_over_the_distributed_group(demo):
+    logs = "".join(p.read_text(errors="replace") for p in (demo["out"] / "ledger" / "engine-logs").glob("*"))
+    assert "tensors from group slime_weight_update" in logs
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+def test_the_order_proof_holds_on_the_trainer_side(demo):
+    sequences = read_sequences(str(demo["out"] / "ledger"))
+    assert sorted(sequences) == [0, 1, 2, 3]
+    report = check_order(sequences)
+    assert report.ok, report.format()
+    assert any(op.phase.startswith("weight_sync/push/") and op.group == "tp" for op in sequences[0].ops)
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+def test_fully_async_keeps_generating_across_pushes_within_the_staleness_bound(tmp_path):
+    run = _run(tmp_path, 5, ["--rollout-function-path", "slime.rollout.fully_async_rollout.generate_rollout_fully_async",
+                             "--max-weight-staleness", "1"])
+    rollouts, syncs = run["events"]["rollout"], run["events"]["weight_sync"]
+    assert sorted(rollouts) == list(range(5)) and sorted(syncs) == list(range(-1, 5))
+    for k in range(5):
+        assert rollouts[k]["rollout/staleness/max"] <= 1
+        assert rollouts[k]["rollout/staleness/multi_version_frac"] == 0  # aborted groups are redone, not mixed
+        assert all(len(v) == 1 for v in _sample_versions(tmp_path, k))
+    assert any(rollouts[k]["rollout/fully_async/waiting_groups"] > 0 for k in range(5)), rollouts  # ran ahead
