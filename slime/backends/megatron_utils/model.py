@@ -29,8 +29,9 @@ from megatron.core.transformer.transformer_block import (  # noqa: E402
     TransformerBlockSubmodules,
     get_num_layers_to_build,
 )
-from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig  # noqa: E402
 
+from slime_plugins.models import deepseek_v3  # noqa: E402
 from slime_plugins.models.cp_attention import ContextParallelAttention  # noqa: E402
 from slime_plugins.models.sp_norm import SequenceParallelNorm  # noqa: E402
 
@@ -81,10 +82,10 @@ def hf_architecture(hf_config: Any) -> dict[str, Any]:
         raise ValueError("MLP bias is not supported")
     if getattr(hf_config, "attention_bias", False) and model_type not in _QKV_BIAS_MODEL_TYPES:
         raise ValueError("attention_bias (bias on q/k/v AND o_proj) is not supported")
-    if _rope_type(hf_config) not in ("default", "llama3"):
+    if _rope_type(hf_config) not in ("default", "llama3") and not deepseek_v3.is_mla(hf_config):
         raise ValueError(f"rope type {_rope_type(hf_config)!r} is not supported")
     heads = hf_config.num_attention_heads
-    return dict(
+    arch = dict(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
         ffn_hidden_size=hf_config.intermediate_size,
@@ -95,6 +96,10 @@ def hf_architecture(hf_config: Any) -> dict[str, Any]:
         qk_layernorm=model_type in _QK_NORM_MODEL_TYPES,
         add_qkv_bias=model_type in _QKV_BIAS_MODEL_TYPES,
     )
+    if deepseek_v3.is_mla(hf_config):  # latent q/kv norms are megatron's qk_layernorm; one kv head per query head
+        arch.update(num_query_groups=heads, qk_layernorm=True,
+                    kv_channels=hf_config.qk_nope_head_dim + hf_config.qk_rope_head_dim)
+    return arch
 
 
 # Megatron flag dest -> key of hf_architecture(); the model is built from the HF config, so a flag
@@ -107,8 +112,8 @@ _ARCH_FLAGS = {
 }
 
 
-def _check_against_args(arch: dict[str, Any], args: Namespace) -> None:
-    for dest, key in _ARCH_FLAGS.items():
+def _check_against_args(arch: dict[str, Any], args: Namespace, flags: dict[str, str] = _ARCH_FLAGS) -> None:
+    for dest, key in flags.items():
         given, value = getattr(args, dest, None), arch.get(key)
         if given is None or value is None or (isinstance(given, bool) and not given):
             continue  # not given (store_true flags default to False)
@@ -138,10 +143,12 @@ def transformer_config_from_hf(hf_config: Any, args: Namespace) -> TransformerCo
     _check_against_args({**arch, "rotary_base": _rope_theta(hf_config), "model_type": _family(hf_config),
                          "rotary_percent": float(getattr(hf_config, "partial_rotary_factor", 1.0) or 1.0)}, args)
     _check_embedding_tying(hf_config, args)
+    config_class, family_fields = _family_config(hf_config, args)
     bf16 = bool(getattr(args, "bf16", False))
     params_dtype = torch.bfloat16 if bf16 else torch.float32
-    return TransformerConfig(
+    return config_class(
         **arch,
+        **family_fields,
         normalization="RMSNorm",
         gated_linear_unit=True,
         activation_func=F.silu,
@@ -175,6 +182,18 @@ def transformer_config_from_hf(hf_config: Any, args: Namespace) -> TransformerCo
     )
 
 
+def _family_config(hf_config: Any, args: Namespace) -> tuple[type, dict[str, Any]]:
+    """(config class, extra fields) of the HF config's attention family: MLA or standard."""
+    if not deepseek_v3.is_mla(hf_config):
+        if getattr(args, "multi_latent_attention", False):
+            raise ValueError(f"--multi-latent-attention contradicts the HF config (model_type "
+                             f"{getattr(hf_config, 'model_type', '')}, no latent attention)")
+        return TransformerConfig, {}
+    fields = deepseek_v3.mla_config_fields(hf_config)
+    _check_against_args(fields, args, deepseek_v3.MLA_FLAGS)
+    return MLATransformerConfig, fields
+
+
 def _use_transformer_engine(args: Namespace) -> bool:
     if getattr(args, "transformer_impl", None) == "local" or not torch.cuda.is_available():
         return False
@@ -187,6 +206,8 @@ def _use_transformer_engine(args: Namespace) -> bool:
 
 def _local_layer_spec(config: TransformerConfig) -> ModuleSpec:
     """megatron's local layer spec with SP-capable norms and CP/THD-capable core attention."""
+    if config.multi_latent_attention:
+        return deepseek_v3.mla_layer_spec(config)
     spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
     sub = spec.submodules
     attention = sub.self_attention
@@ -209,7 +230,8 @@ def _layer_spec(args: Namespace, config: TransformerConfig, vp_stage: int | None
     if _use_transformer_engine(args):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm,
+                                                          multi_latent_attention=config.multi_latent_attention)
     # A block spec so the final norm is ours too (the default one refuses SP).
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(
