@@ -14,7 +14,10 @@ Three things live here, so the builder, load, save-hf and the weight push read o
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
+
+import torch
 
 MLA_MODEL_TYPES = ("deepseek_v3", "deepseek_v2", "kimi_k2")
 
@@ -69,6 +72,70 @@ MLA_FLAGS = {
 }
 
 
+def _full_latent_forward(linear: Any, config: Any):
+    """forward of linear_kv_down_proj (a ColumnParallelLinear) giving the full [latent | rope] width.
+
+    megatron-core 0.16's local MLA gathers the TP-split down projection and uses its rope columns in every
+    TP rank's heads, but leaves their gradient partial (each rank's heads only): the RoPE key's weight rows,
+    the input norm and everything below get a wrong gradient at TP > 1 (the loss is right, the grad norm
+    is not). Returned full-width, MLA takes its replicated-output branch; here the rope columns' gradient
+    is summed over TP (without SP; with SP MLA's own sequence gather reduce-scatters it).
+    """
+    from megatron.core.tensor_parallel.mappings import (
+        gather_from_tensor_model_parallel_region,
+        scatter_to_sequence_parallel_region,
+    )
+
+    column_forward = linear.forward
+
+    def forward(hidden_states, *args, **kwargs):
+        local, bias = column_forward(hidden_states, *args, **kwargs)
+        full = gather_from_tensor_model_parallel_region(local)
+        if config.sequence_parallel:
+            return scatter_to_sequence_parallel_region(full), bias
+        latent, rope = full.split([config.kv_lora_rank, config.qk_pos_emb_head_dim], dim=-1)
+        return torch.cat([latent, _SumGradOverTP.apply(rope)], dim=-1), bias
+
+    return forward
+
+
+class _SumGradOverTP(torch.autograd.Function):
+    """Identity forward; backward all-reduces the gradient over the TP group. (megatron's
+    copy_to_tensor_model_parallel_region reduces a contiguous copy of a non-contiguous gradient, such as
+    this slice's, and returns the unreduced original.)"""
+
+    @staticmethod
+    def forward(ctx, tensor):
+        return tensor
+
+    @staticmethod
+    def backward(ctx, grad):
+        from megatron.core import parallel_state
+
+        grad = grad.contiguous()
+        torch.distributed.all_reduce(grad, group=parallel_state.get_tensor_model_parallel_group())
+        return grad
+
+
+def _mla_attention_class():
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    class LatentSelfAttention(MLASelfAttention):
+        """megatron's MLASelfAttention with the TP gradient of the RoPE key made whole (_full_latent_forward)."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            if type(self.linear_kv_down_proj) is ColumnParallelLinear and self.config.tensor_model_parallel_size > 1:
+                # an instance attribute: parameter names (checkpoints, HF mapping) stay megatron's
+                self.linear_kv_down_proj.forward = _full_latent_forward(self.linear_kv_down_proj, self.config)
+
+    return LatentSelfAttention
+
+
+_LATENT_ATTENTION = functools.cache(_mla_attention_class)
+
+
 def mla_layer_spec(config: Any, mlp: Any = None):
     """megatron's local MLA layer spec with SP-capable norms and CP/THD-capable core attention; `mlp`
     replaces the dense MLP spec (an MoE layer's)."""
@@ -83,7 +150,8 @@ def mla_layer_spec(config: Any, mlp: Any = None):
     attn_sub = dataclasses.replace(attention.submodules, core_attention=ContextParallelAttention,
                                    q_layernorm=SequenceParallelNorm, kv_layernorm=SequenceParallelNorm)
     sub = dataclasses.replace(sub, input_layernorm=SequenceParallelNorm, pre_mlp_layernorm=SequenceParallelNorm,
-                              self_attention=dataclasses.replace(attention, submodules=attn_sub),
+                              self_attention=dataclasses.replace(attention, module=_LATENT_ATTENTION(),
+                                                                 submodules=attn_sub),
                               mlp=sub.mlp if mlp is None else mlp)
     return dataclasses.replace(spec, submodules=sub)
 
