@@ -62,3 +62,23 @@ def save_tiny_deepseek_v3(path: str, seed: int = 0, **overrides) -> str:
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
     return path
+
+
+def save_tiny_glm4(path: str, seed: int = 0, **overrides) -> str:
+    """Random-init a tiny Glm4ForCausalLM (post norms, q/k/v biases, half-rotary interleaved RoPE) under path."""
+    import torch
+    from transformers import Glm4Config, Glm4ForCausalLM
+
+    fields = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6,
+                  tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, attention_bias=True)
+    fields.update(overrides)
+    torch.manual_seed(seed)
+    model = Glm4ForCausalLM(Glm4Config(**fields)).float()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                param.add_(0.1 * torch.randn_like(param))
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    return path

@@ -1,9 +1,11 @@
-"""DeepSeek-V3 multi-latent attention (megatron-core's MLA, local spec with the project's CP/SP plugins).
+"""Model families beyond the dense Qwen3 / Llama layout, against transformers (what the embedded engine runs).
 
-- the megatron model built from a DeepseekV3 HF config gives transformers' logits (fp32, ~1e-7) at TP1, TP2,
-  CP2 and TP2 x CP2, with default RoPE and with YaRN (mscale terms), and exports the HF tensors bit-exactly;
-- the training step (packed THD micro-batches, zig-zag CP, SP) at TP2 x CP2 gives the single process's
-  log-probs, loss and grad norm, and those log-probs are transformers' (what the embedded engine computes).
+- DeepSeek-V3 multi-latent attention (megatron-core's MLA in the local spec with the project's CP/SP plugins),
+  default RoPE and YaRN; GLM-4 through its --spec plug-in (post norms, q/k/v biases, half-rotary interleaved RoPE);
+- the megatron model gives transformers' logits (fp32, ~1e-7) at TP2, CP2 and TP2 x CP2 and exports the HF
+  tensors bit-exactly;
+- the training step (packed THD micro-batches, zig-zag CP, SP) gives the single process's log-probs, loss and
+  grad norm, and those log-probs are transformers'.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import torch
 
 from mp_utils import run_ranks
 from test_train_step import assert_matches_reference, rollout  # noqa: F401 (fixture)
-from tiny_models import save_tiny_deepseek_v3
+from tiny_models import save_tiny_deepseek_v3, save_tiny_glm4
 from train_step_harness import layout_child
 
 SEQ = 16
@@ -22,12 +24,16 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
         "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
 
 
+ARCHITECTURES = {"rope": "DeepseekV3ForCausalLM", "yarn": "DeepseekV3ForCausalLM", "glm4": "Glm4ForCausalLM"}
+
+
 @pytest.fixture(scope="module")
-def mla_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("mla")
+def family_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
     return {"rope": save_tiny_deepseek_v3(str(root / "rope")),
             # no query compression (q_proj instead of q_a/q_b), YaRN RoPE
-            "yarn": save_tiny_deepseek_v3(str(root / "yarn"), seed=1, q_lora_rank=None, rope_scaling=YARN)}
+            "yarn": save_tiny_deepseek_v3(str(root / "yarn"), seed=1, q_lora_rank=None, rope_scaling=YARN),
+            "glm4": save_tiny_glm4(str(root / "glm4"))}
 
 
 def _forward_and_export(rank, world, hf_dir, tp, cp):
@@ -55,23 +61,23 @@ def _forward_and_export(rank, world, hf_dir, tp, cp):
                 exported=dict(export_hf_weights([model], hf_config)))
 
 
-def _hf_logits(hf_dir):
+def _hf_logits(hf_dir, architecture):
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    assert type(model).__name__ == "DeepseekV3ForCausalLM"
+    assert type(model).__name__ == architecture
     tokens = torch.randint(0, model.config.vocab_size, (1, SEQ), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         return model(tokens).logits[0]
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("kind, tp, cp", [("rope", 2, 1), ("rope", 1, 2), ("yarn", 2, 2)])
-def test_mla_logits_match_transformers_and_export_is_exact(mla_dirs, kind, tp, cp):
+@pytest.mark.parametrize("kind, tp, cp", [("rope", 2, 1), ("rope", 1, 2), ("yarn", 2, 2), ("glm4", 2, 2)])
+def test_logits_match_transformers_and_export_is_exact(family_dirs, kind, tp, cp):
     from safetensors.torch import load_file
 
-    hf_dir = mla_dirs[kind]
-    reference = _hf_logits(hf_dir)
+    hf_dir = family_dirs[kind]
+    reference = _hf_logits(hf_dir, ARCHITECTURES[kind])
     original = load_file(f"{hf_dir}/model.safetensors")
     for result in run_ranks(_forward_and_export, tp * cp, args=(hf_dir, tp, cp), timeout_s=220):
         width = result["logits"].shape[-1]
@@ -87,20 +93,20 @@ LAYOUTS = {
     # without SP the RoPE key's gradient is summed over TP by the plugin (deepseek_v3._full_latent_forward)
     "tp2": dict(tensor_model_parallel_size=2),
 }
-_REFERENCE = {}
+_REFERENCES = {}
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", sorted(LAYOUTS))
-def test_mla_train_step_matches_single_process_and_transformers(mla_dirs, rollout, name):  # noqa: F811
+@pytest.mark.parametrize("kind, name", [("yarn", "tp2_sp_cp2"), ("yarn", "tp2"), ("glm4", "tp2_sp_cp2")])
+def test_train_step_matches_single_process_and_transformers(family_dirs, rollout, kind, name):  # noqa: F811
     import transformers
 
-    hf_dir = mla_dirs["yarn"]
+    hf_dir = family_dirs[kind]
     modes = ("per_token", "per_sample")
-    if not _REFERENCE:
-        (_REFERENCE["run"],) = run_ranks(layout_child, 1, args=(dict(calculate_per_token_loss=True), hf_dir,
+    if kind not in _REFERENCES:
+        (_REFERENCES[kind],) = run_ranks(layout_child, 1, args=(dict(calculate_per_token_loss=True), hf_dir,
                                                                  rollout, modes), timeout_s=120)
-    reference = _REFERENCE["run"]
+    reference = _REFERENCES[kind]
     layout = dict(LAYOUTS[name], calculate_per_token_loss=True)
     world = layout["tensor_model_parallel_size"] * layout.get("context_parallel_size", 1)
     results = run_ranks(layout_child, world, args=(layout, hf_dir, rollout, modes), timeout_s=220)
