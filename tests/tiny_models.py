@@ -23,10 +23,16 @@ def save_tiny_qwen3(path: str, seed: int = 0, **overrides) -> str:
     from transformers import Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(tiny_qwen3_config(**overrides)).float()
-    with torch.no_grad():  # non-trivial norms so a wrong norm mapping shows up
+    return _perturb_and_save(Qwen3ForCausalLM(tiny_qwen3_config(**overrides)).float(), path)
+
+
+def _perturb_and_save(model, path: str, also: tuple[str, ...] = ()) -> str:
+    """Non-trivial norms (and `also` parameters, by name suffix) so a wrong mapping shows up; then save."""
+    import torch
+
+    with torch.no_grad():
         for name, param in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name or any(name.endswith(suffix) for suffix in also):
                 param.add_(0.1 * torch.randn_like(param))
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
@@ -54,14 +60,7 @@ def save_tiny_deepseek_v3(path: str, seed: int = 0, **overrides) -> str:
     from transformers import DeepseekV3ForCausalLM
 
     torch.manual_seed(seed)
-    model = DeepseekV3ForCausalLM(tiny_deepseek_v3_config(**overrides)).float()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.add_(0.1 * torch.randn_like(param))
-    os.makedirs(path, exist_ok=True)
-    model.save_pretrained(path)
-    return path
+    return _perturb_and_save(DeepseekV3ForCausalLM(tiny_deepseek_v3_config(**overrides)).float(), path)
 
 
 def save_tiny_glm4(path: str, seed: int = 0, **overrides) -> str:
@@ -74,11 +73,4 @@ def save_tiny_glm4(path: str, seed: int = 0, **overrides) -> str:
                   tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, attention_bias=True)
     fields.update(overrides)
     torch.manual_seed(seed)
-    model = Glm4ForCausalLM(Glm4Config(**fields)).float()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                param.add_(0.1 * torch.randn_like(param))
-    os.makedirs(path, exist_ok=True)
-    model.save_pretrained(path)
-    return path
+    return _perturb_and_save(Glm4ForCausalLM(Glm4Config(**fields)).float(), path, also=("bias",))

@@ -31,6 +31,13 @@ def _post_norm(config: Any) -> SequenceParallelNorm:
     return SequenceParallelNorm(config, config.hidden_size, eps=config.layernorm_epsilon)
 
 
+def _normed(norm: SequenceParallelNorm, output_and_bias: tuple, what: str) -> tuple:
+    output, bias = output_and_bias
+    if bias is not None:
+        raise ValueError(f"GLM-4's {what} has no bias; the post norm would come before it")
+    return norm(output), None
+
+
 class PostNormSelfAttention(SelfAttention):
     """megatron's SelfAttention whose output is normalised (GLM-4's post_self_attn_layernorm)."""
 
@@ -39,10 +46,7 @@ class PostNormSelfAttention(SelfAttention):
         self.post_self_attn_layernorm = _post_norm(config)
 
     def forward(self, *args, **kwargs):
-        output, bias = super().forward(*args, **kwargs)
-        if bias is not None:
-            raise ValueError("GLM-4's o_proj has no bias; the post-attention norm would come before it")
-        return self.post_self_attn_layernorm(output), None
+        return _normed(self.post_self_attn_layernorm, super().forward(*args, **kwargs), "o_proj")
 
 
 class PostNormMLP(MLP):
@@ -53,10 +57,7 @@ class PostNormMLP(MLP):
         self.post_mlp_layernorm = _post_norm(config)
 
     def forward(self, *args, **kwargs):
-        output, bias = super().forward(*args, **kwargs)
-        if bias is not None:
-            raise ValueError("GLM-4's down_proj has no bias; the post-MLP norm would come before it")
-        return self.post_mlp_layernorm(output), None
+        return _normed(self.post_mlp_layernorm, super().forward(*args, **kwargs), "down_proj")
 
 
 def get_glm_spec(args: Any, config: Any, vp_stage: int | None = None) -> ModuleSpec:
