@@ -1,14 +1,15 @@
 """Build the megatron-core GPT model, its DDP wrapper, optimizer and LR scheduler.
 
-Leaf choice is made once here: the TransformerEngine layer spec when TE imports on CUDA,
-otherwise megatron's local spec with our SP-capable norm and CP/THD-capable core attention
-(slime_plugins/models). Everything above this module is the same on both.
+Leaf choice is made once here: megatron's local spec with our SP-capable norm and CP/THD-capable
+core attention (slime_plugins/models), the path measured on CPU and GPUs; TransformerEngine's spec
+only with `--transformer-impl transformer_engine`. Everything above this module is the same on both.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
+import logging
 from argparse import Namespace
 from typing import Any, Callable
 
@@ -34,6 +35,8 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 from slime_plugins.models import deepseek_v3, glm4  # noqa: E402
 from slime_plugins.models.local_spec import dense_layer_spec  # noqa: E402
 from slime_plugins.models.sp_norm import SequenceParallelNorm  # noqa: E402
+
+logger = logging.getLogger(__name__)
 
 _QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
 _QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_moe", "glm4")
@@ -205,12 +208,22 @@ def _family_config(hf_config: Any, args: Namespace) -> tuple[type, dict[str, Any
 
 
 def _use_transformer_engine(args: Namespace) -> bool:
-    if getattr(args, "transformer_impl", None) == "local" or not torch.cuda.is_available():
+    """The local spec + this project's attention unless TransformerEngine's spec is asked for by name.
+
+    The local path is the one measured on GPUs (benchmarks/RESULTS.md); TransformerEngine's spec is opt-in
+    until it has run here, even where TransformerEngine is installed (as in slime's own container).
+    """
+    if getattr(args, "transformer_impl", None) != "transformer_engine":
         return False
+    if not torch.cuda.is_available():
+        raise RuntimeError("--transformer-impl transformer_engine needs CUDA; leave it unset on CPU (local spec)")
     try:
         import transformer_engine  # noqa: F401
     except ImportError:
-        return False
+        raise RuntimeError("--transformer-impl transformer_engine: TransformerEngine is not installed; "
+                           "leave the flag unset for the local spec") from None
+    logger.warning("--transformer-impl transformer_engine: TransformerEngine's layer spec has not been measured with "
+                   "this project's fenced step; the default (local spec + the project's attention) is the measured path")
     return True
 
 
