@@ -1,8 +1,8 @@
 """Runtime patches of third-party libraries, one module per library.
 
-`apply_all()` is the single entry point. The THD RoPE patch (no host-device sync per layer)
-and MLA's TransformerEngine check (where TE is absent) apply on every machine; the rest only where a library cannot run as designed (no CUDA), so
-cluster runs execute upstream code apart from that one function.
+`apply_all()` is the single entry point. The THD RoPE patch (no host-device sync per layer) and
+MLA's TransformerEngine check (where TE is absent) apply on every machine; the rest only where a
+library cannot run as designed (no CUDA), so cluster runs execute upstream code apart from those.
 """
 
 import torch

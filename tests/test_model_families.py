@@ -117,3 +117,38 @@ def test_train_step_matches_single_process_and_transformers(family_dirs, rollout
             logits = hf(torch.tensor([tokens])).logits[0].log_softmax(-1)
         want = logits[:-1].gather(-1, torch.tensor(tokens[1:]).unsqueeze(-1)).squeeze(-1)[-response:]
         assert got == pytest.approx(want.tolist(), abs=1e-5)
+
+
+def test_architecture_flags_must_agree_with_the_hf_config():
+    from slime.backends.megatron_utils.model import transformer_config_from_hf
+    from tiny_models import tiny_deepseek_v3_config, tiny_qwen3_config
+
+    config = transformer_config_from_hf(tiny_deepseek_v3_config(rope_scaling=YARN), types.SimpleNamespace(
+        multi_latent_attention=True, q_lora_rank=32, kv_lora_rank=24, qk_head_dim=16, qk_pos_emb_head_dim=8,
+        v_head_dim=12, rotary_scaling_factor=4.0, mscale=1.0, mscale_all_dim=1.0))
+    assert config.multi_latent_attention and config.rope_type == "yarn" and config.rotary_scaling_factor == 4.0
+    with pytest.raises(ValueError, match="--kv-lora-rank=512 contradicts the HF config"):
+        transformer_config_from_hf(tiny_deepseek_v3_config(), types.SimpleNamespace(kv_lora_rank=512))
+    with pytest.raises(ValueError, match="--multi-latent-attention contradicts the HF config"):
+        transformer_config_from_hf(tiny_qwen3_config(), types.SimpleNamespace(multi_latent_attention=True))
+    with pytest.raises(ValueError, match="--rotary-interleaved=True contradicts"):
+        transformer_config_from_hf(tiny_qwen3_config(), types.SimpleNamespace(rotary_interleaved=True))
+    with pytest.raises(ValueError, match="DeepSeek-V3's MoE layers are not built here yet"):
+        transformer_config_from_hf(tiny_deepseek_v3_config(first_k_dense_replace=1), types.SimpleNamespace())
+
+
+def test_spec_plugin_signatures_and_result_types():
+    from slime.backends.megatron_utils import model as builder
+    from slime_plugins.models import glm4
+    from tiny_models import tiny_qwen3_config
+
+    args = types.SimpleNamespace(spec=["slime_plugins.models.glm4", "get_glm_spec"])
+    assert builder.spec_function(args, tiny_qwen3_config()) is glm4.get_glm_spec
+    assert builder.spec_function(types.SimpleNamespace(spec=None), tiny_qwen3_config()) is None
+    config = builder.transformer_config_from_hf(tiny_qwen3_config(), types.SimpleNamespace())
+    legacy = builder._plugin_spec(lambda a: "from fn(args)", args, config, None)
+    assert legacy == "from fn(args)"
+    with pytest.raises(TypeError, match="expected a megatron ModuleSpec"):
+        # a one-parameter function is called as fn(args); this one returns a dict, not a spec
+        builder._layer_spec(types.SimpleNamespace(spec=["slime_plugins.models.glm4", "layer_names"]),
+                            tiny_qwen3_config(), config, None)

@@ -309,7 +309,7 @@ def _add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--hf-checkpoint", type=str, default=None,
                    help="HF model directory: the engines' first weights, the tokenizer and the model config")
     g.add_argument("--model-name", type=str, default=None,
-                   help="model family of the HF checkpoint (qwen3, qwen2, llama); must match its config.json")
+                   help="model family of the HF checkpoint (qwen3, qwen2, llama, deepseek_v3, glm4); must match its config.json")
     g.add_argument("--rollout-function-path", type=str, default=DEFAULT_ROLLOUT_FUNCTION_PATH,
                    help="rollout function fn(args, rollout_id, data_source, evaluation=False)")
     g.add_argument("--custom-generate-function-path", type=str, default=None,
@@ -1121,7 +1121,7 @@ def build_parser(
 # --------------------------------------------------------------------------------------------------------------
 # Validation: derived values first, then cross-flag checks. Each check is a short function raising with a fix.
 # --------------------------------------------------------------------------------------------------------------
-MODEL_FAMILIES = ("qwen3", "qwen2", "llama")
+MODEL_FAMILIES = ("qwen3", "qwen2", "llama", "deepseek_v3", "glm4")
 
 
 @dataclass(frozen=True)

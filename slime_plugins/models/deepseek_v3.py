@@ -38,6 +38,11 @@ def mla_config_fields(hf_config: Any) -> dict[str, Any]:
         raise ValueError(f"MLA supports default or yarn RoPE, got {rope_type!r}")
     if getattr(hf_config, "attention_bias", False):
         raise ValueError("attention_bias on MLA projections is not supported (DeepSeek-V3 has none)")
+    dense_layers = getattr(hf_config, "first_k_dense_replace", hf_config.num_hidden_layers)
+    if getattr(hf_config, "n_routed_experts", None) and dense_layers < hf_config.num_hidden_layers:
+        raise ValueError(f"the HF config has MoE layers from layer {dense_layers} on (first_k_dense_replace < "
+                         f"num_hidden_layers={hf_config.num_hidden_layers}); DeepSeek-V3's MoE layers are not built "
+                         "here yet, only its attention: use a checkpoint whose layers are all dense")
     fields = dict(
         multi_latent_attention=True,
         q_lora_rank=hf_config.q_lora_rank,
