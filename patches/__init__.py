@@ -1,8 +1,8 @@
 """Runtime patches of third-party libraries, one module per library.
 
-`apply_all()` is the single entry point. The THD RoPE patch (no host-device sync per layer)
-applies on every machine; the rest only where a library cannot run as designed (no CUDA), so
-cluster runs execute upstream code apart from that one function.
+`apply_all()` is the single entry point. The THD RoPE patch (no host-device sync per layer) and
+MLA's TransformerEngine check (where TE is absent) apply on every machine; the rest only where a
+library cannot run as designed (no CUDA), so cluster runs execute upstream code apart from those.
 """
 
 import torch
@@ -13,5 +13,6 @@ def apply_all() -> None:
     from patches import megatron_core
 
     megatron_core.apply_thd_rope()
+    megatron_core.apply_mla_without_te()
     if not torch.cuda.is_available():
         megatron_core.apply()

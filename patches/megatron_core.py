@@ -51,11 +51,13 @@ _MODULES_TO_LOAD = (
     "megatron.core.transformer.utils",
     "megatron.core.transformer.module",
     "megatron.core.transformer.attention",
+    "megatron.core.transformer.multi_latent_attention",
     "megatron.core.transformer.dot_product_attention",
     "megatron.core.transformer.transformer_layer",
     "megatron.core.transformer.transformer_block",
     "megatron.core.models.gpt.gpt_model",
     "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
     "megatron.core.models.common.embeddings.rope_utils",
     "megatron.core.models.common.embeddings.language_model_embedding",
     "megatron.core.models.common.language_module.language_module",
@@ -335,9 +337,10 @@ def _patch_rope_cp_slice() -> None:
         return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2:])
 
     rope_utils.get_pos_emb_on_this_cp_rank = pos_emb_on_this_cp_rank
-    rotary = importlib.import_module("megatron.core.models.common.embeddings.rotary_pos_embedding")
-    if hasattr(rotary, "get_pos_emb_on_this_cp_rank"):
-        rotary.get_pos_emb_on_this_cp_rank = pos_emb_on_this_cp_rank
+    for name in ("rotary_pos_embedding", "yarn_rotary_pos_embedding"):  # both import it by name
+        module = importlib.import_module(f"megatron.core.models.common.embeddings.{name}")
+        if hasattr(module, "get_pos_emb_on_this_cp_rank"):
+            module.get_pos_emb_on_this_cp_rank = pos_emb_on_this_cp_rank
 
 
 # ------------------------------------------------------------------ THD RoPE (every machine)
@@ -398,6 +401,21 @@ def thd_rope_in_use() -> str:
     """"patched" or "megatron": which THD RoPE megatron-core's attention calls now."""
     rope_utils = importlib.import_module(_ROPE_MODULES[0])
     return "patched" if rope_utils._apply_rotary_pos_emb_thd is _thd_rope_without_host_sync else "megatron"
+
+
+# ------------------------------------------------------------------ MLA without TransformerEngine (every machine)
+def apply_mla_without_te() -> None:
+    """multi_latent_attention.HAVE_TE is True even without TransformerEngine: megatron's TE extension
+    stands MagicMocks in for the TE classes, so MLA's `isinstance(linear_proj, TELinear)` raises.
+    Without TE those checks must be False; flipping the flag keeps megatron's own branches."""
+    try:
+        import transformer_engine  # noqa: F401
+        return
+    except ImportError:
+        pass
+    from megatron.core.transformer import multi_latent_attention
+
+    multi_latent_attention.HAVE_TE = False
 
 
 # ------------------------------------------------------------------ CPU-only patches

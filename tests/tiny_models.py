@@ -23,11 +23,54 @@ def save_tiny_qwen3(path: str, seed: int = 0, **overrides) -> str:
     from transformers import Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(tiny_qwen3_config(**overrides)).float()
-    with torch.no_grad():  # non-trivial norms so a wrong norm mapping shows up
+    return _perturb_and_save(Qwen3ForCausalLM(tiny_qwen3_config(**overrides)).float(), path)
+
+
+def _perturb_and_save(model, path: str, also: tuple[str, ...] = ()) -> str:
+    """Non-trivial norms (and `also` parameters, by name suffix) so a wrong mapping shows up; then save."""
+    import torch
+
+    with torch.no_grad():
         for name, param in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name or any(name.endswith(suffix) for suffix in also):
                 param.add_(0.1 * torch.randn_like(param))
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
     return path
+
+
+def tiny_deepseek_v3_config(**overrides):
+    """A DeepSeek-V3-shaped config (multi-latent attention); dense MLPs unless first_k_dense_replace says less."""
+    from transformers import DeepseekV3Config
+
+    fields = dict(
+        vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=24, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=12, first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2,
+        n_group=1, topk_group=1, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rope_theta=10000.0,
+    )
+    fields.update(overrides)
+    return DeepseekV3Config(**fields)
+
+
+def save_tiny_deepseek_v3(path: str, seed: int = 0, **overrides) -> str:
+    """Random-init a tiny DeepseekV3ForCausalLM (fp32, norms perturbed) and save it under path."""
+    import torch
+    from transformers import DeepseekV3ForCausalLM
+
+    torch.manual_seed(seed)
+    return _perturb_and_save(DeepseekV3ForCausalLM(tiny_deepseek_v3_config(**overrides)).float(), path)
+
+
+def save_tiny_glm4(path: str, seed: int = 0, **overrides) -> str:
+    """Random-init a tiny Glm4ForCausalLM (post norms, q/k/v biases, half-rotary interleaved RoPE) under path."""
+    import torch
+    from transformers import Glm4Config, Glm4ForCausalLM
+
+    fields = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6,
+                  tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, attention_bias=True)
+    fields.update(overrides)
+    torch.manual_seed(seed)
+    return _perturb_and_save(Glm4ForCausalLM(Glm4Config(**fields)).float(), path, also=("bias",))

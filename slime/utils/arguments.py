@@ -12,6 +12,7 @@ by the code or sits in one of the two registries (tests/test_flag_rule.py checks
 from __future__ import annotations
 
 import argparse
+import copy
 import difflib
 import json
 import logging
@@ -92,7 +93,8 @@ NOT_IMPLEMENTED_FLAGS: tuple[NotImplementedFlag, ...] = (
              "--log-probs-chunk-size", "--recompute-loss-function"),
     *_warned("FP8 rollout weights are not implemented (weights are sent in the training dtype)",
              "--force-fp8-ue8m0-scale"),
-    *_warned("Qwen linear-attention (GDN) models are not supported by the dense model builder", "--qwen-gdn-backend"),
+    *_warned("Qwen3-Next / Qwen3.5 gated delta-net layers are not implemented (their --spec is refused), so no GDN "
+             "kernel is chosen", "--qwen-gdn-backend"),
     *_warned("the straw rollout transport is not available (rollouts travel through the Ray object store)",
              "--rollout-data-dir", "--rollout-storage-profile", "--rollout-storage-declaration",
              "--rollout-queue-run-id", "--rollout-queue-online-gc", "--rollout-queue-lease-seconds",
@@ -121,6 +123,11 @@ NOT_IMPLEMENTED_FLAGS: tuple[NotImplementedFlag, ...] = (
              "--megatron-deepgemm-forward-modules", "--megatron-deepgemm-moe-forward-layers",
              "--megatron-deepgemm-moe-forward-modules"),
     *_warned("multi-token prediction is not supported", "--mtp-loss-scaling-factor"),
+    *_warned("megatron-core's experimental features are not used by this model builder", "--enable-experimental"),
+    *_warned("not wired: GPU runs use the default (non-deterministic) kernels; CPU runs are deterministic",
+             "--deterministic-mode"),
+    *_warned("a non-finite loss always skips the step on every rank together (the fenced step's rule); that "
+             "check cannot be turned off", "--no-check-for-nan-in-loss-and-grad"),
     *_warned("upstream's CI assertions are not implemented", "--ci-test", "--ci-disable-kl-checker",
              "--ci-train-rollout-logprob-abs-diff-threshold", "--ci-save-grad-norm", "--ci-load-grad-norm"),
     *_warned("the vocabulary is padded to --make-vocab-size-divisible-by x TP", "--padded-vocab-size"),
@@ -160,6 +167,9 @@ ALWAYS_HONOURED_FLAGS: dict[str, str] = {
     "--train-backend": "megatron-core is the only training backend",
     "--no-load-rng": "checkpoints here hold no RNG state",
     "--no-save-rng": "checkpoints here hold no RNG state",
+    "--no-gradient-accumulation-fusion": "gradient-accumulation fusion (a CUDA kernel) is always off",
+    "--no-position-embedding": "no learned absolute position embedding is ever added; positions are the HF "
+                               "config's RoPE",
 }
 
 _DENSE_ONLY = "the model builder is dense-only (Qwen3 / Qwen2 / Llama); MoE models are not supported"
@@ -187,7 +197,13 @@ REFUSED_FLAGS: tuple[NotImplementedFlag, ...] = (
     NotImplementedFlag(flag="--mtp-num-layers", reason="multi-token prediction layers are not supported"),
     NotImplementedFlag(flag="--enable-mtp-training", reason="multi-token prediction layers are not supported"),
     *(NotImplementedFlag(flag=f, reason="the dense builder has no such layers (Qwen3 / Qwen2 / Llama only)")
-      for f in ("--post-self-attn-layernorm", "--post-mlp-layernorm", "--use-gated-attention", "--freeze-indexer")),
+      for f in ("--freeze-indexer",)),
+    NotImplementedFlag(flag="--attention-output-gate",
+                       reason="gated attention output (Qwen3-Next / Qwen3.5) is not implemented; no builder here has "
+                              "such layers yet"),
+    *(NotImplementedFlag(flag=f, reason="FP8 training needs TransformerEngine's FP8 layers, which this model builder "
+                                        "does not use; drop it to train in bf16 (--bf16) or fp32")
+      for f in ("--fp8-format", "--fp8-recipe")),
     NotImplementedFlag(flag="--release-train", reason="releasing the train actors needs disk weight sync, not implemented"),
     NotImplementedFlag(flag="--flush-cache-interval", is_active=lambda v: v != 1,
                        reason="the engines' cache is flushed at every weight sync; a longer interval is not implemented"),
@@ -267,12 +283,21 @@ def warn_not_implemented(args: argparse.Namespace, parser: argparse.ArgumentPars
     return flags
 
 
-def refuse_unsupported(args: argparse.Namespace, parser: argparse.ArgumentParser, device: str) -> None:
-    """Raise for the first active refused flag: it would change the maths and is not implemented."""
+def refusal_messages(args: argparse.Namespace, parser: argparse.ArgumentParser, device: str) -> list[str]:
+    """One line per active refused flag: it would change the maths and is not implemented."""
+    messages = []
     for entry in _active((*REFUSED_FLAGS, *_moe_refusals(parser)), args, parser, device):
         value = getattr(args, parser._option_string_actions[entry.flag].dest)
         shown = "" if isinstance(value, bool) else f" {_shown(value)}"
-        _fail(f"{entry.flag}{shown} is not supported here: {entry.reason}")
+        messages.append(f"{entry.flag}{shown} is not supported here: {entry.reason}")
+    return messages
+
+
+def refuse_unsupported(args: argparse.Namespace, parser: argparse.ArgumentParser, device: str) -> None:
+    """Raise naming every active refused flag at once."""
+    messages = refusal_messages(args, parser, device)
+    if messages:
+        _fail("; ".join(messages))
 
 
 def _shown(value: Any) -> str:
@@ -344,7 +369,7 @@ def _add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--hf-checkpoint", type=str, default=None,
                    help="HF model directory: the engines' first weights, the tokenizer and the model config")
     g.add_argument("--model-name", type=str, default=None,
-                   help="model family of the HF checkpoint (qwen3, qwen2, llama); must match its config.json")
+                   help="model family of the HF checkpoint (qwen3, qwen2, llama, deepseek_v3, glm4); must match its config.json")
     g.add_argument("--rollout-function-path", type=str, default=DEFAULT_ROLLOUT_FUNCTION_PATH,
                    help="rollout function fn(args, rollout_id, data_source, evaluation=False)")
     g.add_argument("--custom-generate-function-path", type=str, default=None,
@@ -659,7 +684,8 @@ def _add_megatron_model_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--use-rotary-position-embeddings", action="store_true", default=False,
                    help="older spelling of --position-embedding-type rope")
     g.add_argument("--rotary-base", type=int, default=None, help="RoPE base frequency (default: from the HF config)")
-    g.add_argument("--rotary-percent", type=float, default=1.0, help="share of each head's dimensions rotated by RoPE")
+    g.add_argument("--rotary-percent", type=float, default=None,
+                   help="share of each head's dimensions rotated by RoPE (default: the HF config's)")
     g.add_argument("--normalization", type=str, default="LayerNorm", choices=["LayerNorm", "RMSNorm"],
                    help="kind of layer normalisation")
     g.add_argument("--norm-epsilon", type=float, default=None, help="epsilon of the norms (default: from the HF config)")
@@ -693,10 +719,8 @@ def _add_megatron_model_arguments(parser: argparse.ArgumentParser) -> None:
                    help="layer spec (default: local, the path measured on GPUs here; transformer_engine is opt-in, "
                         "warned as unmeasured, and needs CUDA and TransformerEngine)")
     g.add_argument("--use-flash-attn", action="store_true", default=False, help="older Megatron flash-attention switch")
-    g.add_argument("--post-self-attn-layernorm", action="store_true", default=False,
-                   help="a norm after self-attention (some architectures)")
-    g.add_argument("--post-mlp-layernorm", action="store_true", default=False, help="a norm after the MLP")
-    g.add_argument("--use-gated-attention", dest="attention_output_gate", action="store_true", default=False,
+    g.add_argument("--attention-output-gate", "--use-gated-attention", dest="attention_output_gate",
+                   action="store_true", default=False,
                    help="gated attention output (Qwen3-Next)")
     g.add_argument("--qwen-gdn-backend", type=str, default="fla", choices=["fla", "flashqla"],
                    help="kernel of Qwen linear-attention (GDN) layers")
@@ -742,6 +766,56 @@ def _add_moe_arguments(parser: argparse.ArgumentParser) -> None:
                    help="pad expert inputs to capacity")
     g.add_argument("--moe-shared-expert-overlap", action="store_true", default=False,
                    help="overlap the shared expert with dispatch")
+
+
+def _add_model_family_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group(
+        "model families", "layer spec and attention shape (DeepSeek-V3 MLA, GLM-4 post norms); the model is built "
+        "from the HF config and a flag given here must agree with it")
+    g.add_argument("--spec", type=str, nargs=2, default=None, metavar=("MODULE", "FUNCTION"),
+                   help="layer-spec plug-in: MODULE.FUNCTION(args, config, vp_stage) (or FUNCTION(args)) returns a "
+                        "megatron ModuleSpec of one layer or a TransformerBlockSubmodules, e.g. "
+                        "slime_plugins.models.glm4 get_glm_spec")
+    g.add_argument("--multi-latent-attention", action="store_true", default=False,
+                   help="multi-latent attention (DeepSeek-V2/V3, Kimi-K2 configs)")
+    g.add_argument("--q-lora-rank", type=int, default=None, help="MLA query latent rank (HF q_lora_rank)")
+    g.add_argument("--kv-lora-rank", type=int, default=None, help="MLA key/value latent rank (HF kv_lora_rank)")
+    g.add_argument("--qk-head-dim", type=int, default=None,
+                   help="MLA query/key head dimension without RoPE (HF qk_nope_head_dim)")
+    g.add_argument("--qk-pos-emb-head-dim", type=int, default=None,
+                   help="MLA query/key RoPE head dimension (HF qk_rope_head_dim)")
+    g.add_argument("--v-head-dim", type=int, default=None, help="MLA value head dimension (HF v_head_dim)")
+    g.add_argument("--rotary-scaling-factor", type=float, default=None, help="YaRN RoPE scaling factor (HF factor)")
+    g.add_argument("--mscale", type=float, default=None, help="YaRN attention mscale (HF mscale)")
+    g.add_argument("--mscale-all-dim", type=float, default=None, help="YaRN mscale_all_dim (HF mscale_all_dim)")
+    g.add_argument("--rotary-interleaved", action="store_true", default=False,
+                   help="RoPE rotates interleaved dimension pairs (GLM-4) instead of halves")
+    g.add_argument("--post-self-attn-layernorm", action="store_true", default=False,
+                   help="a norm on the self-attention output before the residual add (GLM-4)")
+    g.add_argument("--post-mlp-layernorm", action="store_true", default=False,
+                   help="a norm on the MLP output before the residual add (GLM-4)")
+    g.add_argument("--no-position-embedding", action="store_false", dest="add_position_embedding",
+                   help="no learned absolute position embedding (older Megatron spelling)")
+
+
+def _add_upstream_megatron_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("megatron (more)", "other Megatron flags upstream's launchers pass")
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                   help="layers of the first pipeline stage (the others split the rest evenly)")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                   help="layers of the last pipeline stage (the others split the rest evenly)")
+    g.add_argument("--fp8-format", type=str, default=None, choices=["e4m3", "hybrid"],
+                   help="FP8 number format of TransformerEngine's FP8 training")
+    g.add_argument("--fp8-recipe", type=str, default=None, choices=["tensorwise", "delayed", "mxfp8", "blockwise"],
+                   help="FP8 scaling recipe of TransformerEngine's FP8 training")
+    g.add_argument("--enable-experimental", action="store_true", default=False,
+                   help="megatron-core's experimental features")
+    g.add_argument("--deterministic-mode", action="store_true", default=False,
+                   help="deterministic kernels and collectives")
+    g.add_argument("--no-gradient-accumulation-fusion", action="store_false", dest="gradient_accumulation_fusion",
+                   help="no fused weight-gradient accumulation kernel")
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
+                   dest="check_for_nan_in_loss_and_grad", help="do not check the loss and gradients for NaN")
 
 
 def _add_megatron_parallel_arguments(parser: argparse.ArgumentParser) -> None:
@@ -1047,6 +1121,8 @@ ARGUMENT_GROUPS: tuple[Callable[[argparse.ArgumentParser], None], ...] = (
     _add_rollout_buffer_arguments,
     _add_megatron_model_arguments,
     _add_moe_arguments,
+    _add_model_family_arguments,
+    _add_upstream_megatron_arguments,
     _add_megatron_parallel_arguments,
     _add_megatron_training_arguments,
     _add_checkpoint_arguments,
@@ -1156,6 +1232,22 @@ def unknown_flags_message(flags: Sequence[str], parser: argparse.ArgumentParser)
     return "unrecognized arguments: " + "; ".join(described)
 
 
+def unknown_flags_report(argv: Sequence[str], unknown: Sequence[str], parser: argparse.ArgumentParser) -> str:
+    """The refusals and no-effect warnings of argv's known flags, then every unknown flag with did-you-mean."""
+    lenient = copy.deepcopy(parser)
+    for action in lenient._actions:
+        action.required = False
+    try:
+        known, _ = lenient.parse_known_args(list(argv))
+    except SystemExit:  # a known flag's own value is malformed: report the unknown ones alone
+        return unknown_flags_message(unknown, parser)
+    device = resolve_train_device(known)
+    parts = [f"refused: {m}" for m in refusal_messages(known, parser, device)]
+    parts += [f"accepted without effect: {e.flag} ({e.reason})"
+              for e in active_not_implemented_flags(known, parser, device)]
+    return "\n".join([*parts, unknown_flags_message(unknown, parser)])
+
+
 def build_parser(
     add_custom_arguments: Callable[[argparse.ArgumentParser], argparse.ArgumentParser | None] | None = None,
     prog: str | None = None,
@@ -1179,7 +1271,7 @@ def build_parser(
 # --------------------------------------------------------------------------------------------------------------
 # Validation: derived values first, then cross-flag checks. Each check is a short function raising with a fix.
 # --------------------------------------------------------------------------------------------------------------
-MODEL_FAMILIES = ("qwen3", "qwen2", "llama")
+MODEL_FAMILIES = ("qwen3", "qwen2", "llama", "deepseek_v3", "glm4")
 
 
 def _fail(message: str) -> None:
@@ -1253,9 +1345,25 @@ def _check_model_shape(args: argparse.Namespace) -> None:
                   f"{args.num_query_groups}")
         if args.num_query_groups % tp:
             _fail(f"--num-query-groups {args.num_query_groups} is not divisible by --tensor-model-parallel-size {tp}")
-    if args.num_layers is not None and args.num_layers % args.pipeline_model_parallel_size:
-        _fail(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size "
-              f"{args.pipeline_model_parallel_size}")
+    _check_pipeline_layers(args)
+
+
+def _check_pipeline_layers(args: argparse.Namespace) -> None:
+    """The layers the middle stages split evenly: --num-layers minus the first/last stage's own counts."""
+    pp, layers = args.pipeline_model_parallel_size, args.num_layers
+    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+    if (first is not None or last is not None) and pp == 1:
+        _fail("--decoder-first/last-pipeline-num-layers set the layers of pipeline stages: add "
+              "--pipeline-model-parallel-size > 1 or drop them")
+    if layers is None:
+        return
+    middle, stages = layers - (first or 0) - (last or 0), pp - (first is not None) - (last is not None)
+    if middle < 0 or (stages == 0 and middle) or (stages and middle % stages):
+        given = " ".join(f"{_flag(d)} {getattr(args, d)}" for d in
+                         ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers") if getattr(args, d))
+        _fail(f"--num-layers {layers} does not split over --pipeline-model-parallel-size {pp}"
+              f"{' with ' + given if given else ''}: the remaining {middle} layers must divide evenly over the "
+              f"other {stages} stage(s)")
 
 
 def _check_parallel_layout(args: argparse.Namespace) -> None:
@@ -1591,6 +1699,29 @@ def _check_weight_sync(args: argparse.Namespace) -> None:
               "get tensors when colocated and a broadcast group otherwise)")
 
 
+# Upstream's layer-spec plug-ins whose layers this project does not have (a --spec naming one is refused).
+UNSUPPORTED_SPEC_MODULES: dict[str, str] = {
+    "slime_plugins.models.qwen3_5": "Qwen3.5 gated delta-net and gated-attention layers are not implemented",
+    "slime_plugins.models.qwen3_5_vl": "Qwen3.5-VL (vision and gated delta-net layers) is not implemented",
+    "slime_plugins.models.qwen3_next": "Qwen3-Next gated delta-net and gated-attention layers are not implemented",
+    "slime_plugins.models.glm5": "GLM-5's sparse (DSA indexer) attention layers are not implemented",
+    "slime_plugins.models.glm5.glm5": "GLM-5's sparse (DSA indexer) attention layers are not implemented",
+    "slime_plugins.models.minimax_m2": "MiniMax-M2's layers are not implemented",
+}
+
+
+def _check_spec(args: argparse.Namespace) -> None:
+    """--spec MODULE FUNCTION must name a function now, not when the training ranks build the model."""
+    if not args.spec:
+        return
+    module, function = args.spec
+    if module in UNSUPPORTED_SPEC_MODULES:
+        _fail(f"--spec {module} {function} is not supported here: {UNSUPPORTED_SPEC_MODULES[module]}; the layer "
+              "specs here are the built-in ones (dense, MoE, MLA from the HF config) and slime_plugins.models.glm4 "
+              "get_glm_spec")
+    _check_hook_path("--spec", f"{module}.{function}")
+
+
 def _check_ledger(args: argparse.Namespace) -> None:
     if args.ledger_record_sequence and not args.ledger_dir:
         _fail("--ledger-record-sequence needs --ledger-dir DIR (where the sequence files are kept)")
@@ -1618,6 +1749,7 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
     _check_weight_sync(args)
     _check_plugins(args)
     _check_opd(args)
+    _check_spec(args)
     _check_ledger(args)
     _check_rollout_faults(args, parser)
     _resolve_tracking(args)
@@ -1692,11 +1824,12 @@ def parse_args(
     parser = build_parser(add_custom_arguments)
     known_sglang = sglang_passthrough.registered_sglang_flags(parser)
     remaining, passthrough = sglang_passthrough.split_passthrough(argv, known_sglang)
-    # Unknown flags first: argparse would otherwise report a missing required flag instead.
+    # Unknown flags before argparse (which would report a missing required flag instead), after what the
+    # registries say of the known ones: an upstream job learns why its refused flags cannot run first.
     unknown = [a.split("=", 1)[0] for a in remaining
                if a.startswith("--") and a.split("=", 1)[0] not in parser._option_string_actions]
     if unknown:
-        parser.error(unknown_flags_message(unknown, parser))
+        parser.error(unknown_flags_report(remaining, unknown, parser))
     args = parser.parse_args(remaining)
     try:
         args.custom_config_overrides = apply_custom_config(args, parser)

@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
+from slime_plugins.models import deepseek_v3, glm4
+
 
 @dataclass(frozen=True)
 class _Shapes:
@@ -104,10 +106,16 @@ def _gate_up(prefix: str, tp: int) -> _Mapping:
     return _Mapping((f"{prefix}mlp.gate_proj.weight", f"{prefix}mlp.up_proj.weight"), to_megatron, to_hf)
 
 
+def _row_fused(hf_name: str, parts: _Mapping) -> _Mapping:
+    """`parts` with its equally sized HF tensors stored as one, concatenated along rows."""
+    return _Mapping((hf_name,), lambda ts: parts.to_megatron(list(ts[0].chunk(len(parts.hf_names)))),
+                    lambda t: [torch.cat(parts.to_hf(t))])
+
+
 _LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
-def _layer_mapping(suffix: str, prefix: str, shapes: _Shapes, tp: int) -> _Mapping:
+def _layer_mapping(suffix: str, prefix: str, shapes: _Shapes, tp: int, hf_config: Any) -> _Mapping:
     table = {
         "input_layernorm.weight": f"{prefix}input_layernorm.weight",
         "self_attention.linear_qkv.layer_norm_weight": f"{prefix}input_layernorm.weight",
@@ -118,12 +126,17 @@ def _layer_mapping(suffix: str, prefix: str, shapes: _Shapes, tp: int) -> _Mappi
         "mlp.linear_fc1.layer_norm_weight": f"{prefix}post_attention_layernorm.weight",
         "mlp.linear_fc2.weight": f"{prefix}mlp.down_proj.weight",
     }
+    if deepseek_v3.is_mla(hf_config):
+        table.update(deepseek_v3.attention_names(prefix))
+    if glm4.is_glm4(hf_config):
+        table.update(glm4.layer_names(prefix))
     if suffix in table:
         return _identity(table[suffix])
     if suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
         return _qkv(prefix, suffix.rsplit(".", 1)[1], shapes)
     if suffix == "mlp.linear_fc1.weight":
-        return _gate_up(prefix, tp)
+        gate_up = _gate_up(prefix, tp)
+        return _row_fused(glm4.fused_gate_up_name(prefix), gate_up) if glm4.is_glm4(hf_config) else gate_up
     raise KeyError(f"no HF mapping for layer parameter {suffix!r}")
 
 
@@ -153,7 +166,7 @@ def _mapping_for(model: torch.nn.Module, name: str, param: torch.Tensor, hf_conf
     if match is None:
         raise KeyError(f"no HF mapping for parameter {name!r}")
     global_layer = model.decoder.layers[int(match.group(1))].layer_number - 1
-    return _layer_mapping(match.group(2), f"model.layers.{global_layer}.", shapes, tp)
+    return _layer_mapping(match.group(2), f"model.layers.{global_layer}.", shapes, tp, hf_config)
 
 
 def _tp() -> tuple[int, int, Any]:

@@ -7,10 +7,11 @@ only with `--transformer-impl transformer_engine`. Everything above this module 
 
 from __future__ import annotations
 
-import dataclasses
+import importlib
+import inspect
 import logging
 from argparse import Namespace
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +23,6 @@ patches.apply_all()
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
 from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
@@ -30,15 +30,16 @@ from megatron.core.transformer.transformer_block import (  # noqa: E402
     TransformerBlockSubmodules,
     get_num_layers_to_build,
 )
-from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig  # noqa: E402
 
-from slime_plugins.models.cp_attention import ContextParallelAttention  # noqa: E402
+from slime_plugins.models import deepseek_v3, glm4  # noqa: E402
+from slime_plugins.models.local_spec import dense_layer_spec  # noqa: E402
 from slime_plugins.models.sp_norm import SequenceParallelNorm  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
 _QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
-_QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_moe")
+_QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_moe", "glm4")
 
 
 # Logit given to padded vocabulary columns: exp() underflows to exactly 0 next to any real
@@ -70,6 +71,11 @@ def _rope_theta(hf_config: Any) -> float:
     return float(theta if theta is not None else 10000.0)
 
 
+def _rotary_percent(hf_config: Any) -> float:
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    return float(params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)) or 1.0)
+
+
 def _rope_type(hf_config: Any) -> str:
     params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
     return params.get("rope_type", params.get("type", "default")) or "default"
@@ -84,10 +90,10 @@ def hf_architecture(hf_config: Any) -> dict[str, Any]:
         raise ValueError("MLP bias is not supported")
     if getattr(hf_config, "attention_bias", False) and model_type not in _QKV_BIAS_MODEL_TYPES:
         raise ValueError("attention_bias (bias on q/k/v AND o_proj) is not supported")
-    if _rope_type(hf_config) not in ("default", "llama3"):
+    if _rope_type(hf_config) not in ("default", "llama3") and not deepseek_v3.is_mla(hf_config):
         raise ValueError(f"rope type {_rope_type(hf_config)!r} is not supported")
     heads = hf_config.num_attention_heads
-    return dict(
+    arch = dict(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
         ffn_hidden_size=hf_config.intermediate_size,
@@ -97,7 +103,12 @@ def hf_architecture(hf_config: Any) -> dict[str, Any]:
         layernorm_epsilon=hf_config.rms_norm_eps,
         qk_layernorm=model_type in _QK_NORM_MODEL_TYPES,
         add_qkv_bias=model_type in _QKV_BIAS_MODEL_TYPES,
+        rotary_interleaved=glm4.is_glm4(hf_config),
     )
+    if deepseek_v3.is_mla(hf_config):  # latent q/kv norms are megatron's qk_layernorm; one kv head per query head
+        arch.update(num_query_groups=heads, qk_layernorm=True,
+                    kv_channels=hf_config.qk_nope_head_dim + hf_config.qk_rope_head_dim)
+    return arch
 
 
 # Megatron flag dest -> key of hf_architecture(); the model is built from the HF config, so a flag
@@ -107,11 +118,13 @@ _ARCH_FLAGS = {
     "num_attention_heads": "num_attention_heads", "num_query_groups": "num_query_groups",
     "kv_channels": "kv_channels", "norm_epsilon": "layernorm_epsilon", "qk_layernorm": "qk_layernorm",
     "add_qkv_bias": "add_qkv_bias", "rotary_base": "rotary_base", "rotary_percent": "rotary_percent",
+    "rotary_interleaved": "rotary_interleaved", "post_self_attn_layernorm": "post_norms",
+    "post_mlp_layernorm": "post_norms",
 }
 
 
-def _check_against_args(arch: dict[str, Any], args: Namespace) -> None:
-    for dest, key in _ARCH_FLAGS.items():
+def _check_against_args(arch: dict[str, Any], args: Namespace, flags: dict[str, str] = _ARCH_FLAGS) -> None:
+    for dest, key in flags.items():
         given, value = getattr(args, dest, None), arch.get(key)
         if given is None or value is None or (isinstance(given, bool) and not given):
             continue  # not given (store_true flags default to False)
@@ -139,12 +152,14 @@ def transformer_config_from_hf(hf_config: Any, args: Namespace) -> TransformerCo
     training knobs from args. fp32 unless args.bf16 (CPU runs use fp32)."""
     arch = hf_architecture(hf_config)
     _check_against_args({**arch, "rotary_base": _rope_theta(hf_config), "model_type": _family(hf_config),
-                         "rotary_percent": float(getattr(hf_config, "partial_rotary_factor", 1.0) or 1.0)}, args)
+                         "rotary_percent": _rotary_percent(hf_config), "post_norms": glm4.is_glm4(hf_config)}, args)
     _check_embedding_tying(hf_config, args)
+    config_class, family_fields = _family_config(hf_config, args)
     bf16 = bool(getattr(args, "bf16", False))
     params_dtype = torch.bfloat16 if bf16 else torch.float32
-    return TransformerConfig(
+    return config_class(
         **arch,
+        **family_fields,
         normalization="RMSNorm",
         gated_linear_unit=True,
         activation_func=F.silu,
@@ -175,7 +190,21 @@ def transformer_config_from_hf(hf_config: Any, args: Namespace) -> TransformerCo
         recompute_granularity=getattr(args, "recompute_granularity", None),
         recompute_method=getattr(args, "recompute_method", None),
         recompute_num_layers=getattr(args, "recompute_num_layers", None),
+        num_layers_in_first_pipeline_stage=getattr(args, "decoder_first_pipeline_num_layers", None),
+        num_layers_in_last_pipeline_stage=getattr(args, "decoder_last_pipeline_num_layers", None),
     )
+
+
+def _family_config(hf_config: Any, args: Namespace) -> tuple[type, dict[str, Any]]:
+    """(config class, extra fields) of the HF config's attention family: MLA or standard."""
+    if not deepseek_v3.is_mla(hf_config):
+        if getattr(args, "multi_latent_attention", False):
+            raise ValueError(f"--multi-latent-attention contradicts the HF config (model_type "
+                             f"{getattr(hf_config, 'model_type', '')}, no latent attention)")
+        return TransformerConfig, {}
+    fields = deepseek_v3.mla_config_fields(hf_config)
+    _check_against_args(fields, args, deepseek_v3.MLA_FLAGS)
+    return MLATransformerConfig, fields
 
 
 def _use_transformer_engine(args: Namespace) -> bool:
@@ -199,35 +228,43 @@ def _use_transformer_engine(args: Namespace) -> bool:
 
 
 def _local_layer_spec(config: TransformerConfig) -> ModuleSpec:
-    """megatron's local layer spec with SP-capable norms and CP/THD-capable core attention."""
-    spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
-    sub = spec.submodules
-    attention = sub.self_attention
-    attn_sub = dataclasses.replace(
-        attention.submodules,
-        core_attention=ContextParallelAttention,
-        q_layernorm=SequenceParallelNorm if config.qk_layernorm else attention.submodules.q_layernorm,
-        k_layernorm=SequenceParallelNorm if config.qk_layernorm else attention.submodules.k_layernorm,
-    )
-    sub = dataclasses.replace(
-        sub,
-        input_layernorm=SequenceParallelNorm,
-        pre_mlp_layernorm=SequenceParallelNorm,
-        self_attention=dataclasses.replace(attention, submodules=attn_sub),
-    )
-    return dataclasses.replace(spec, submodules=sub)
+    if config.multi_latent_attention:
+        return deepseek_v3.mla_layer_spec(config)
+    return dense_layer_spec(config)
 
 
-def _layer_spec(args: Namespace, config: TransformerConfig, vp_stage: int | None):
-    if _use_transformer_engine(args):
+def spec_function(args: Namespace, hf_config: Any) -> Callable[..., Any] | None:
+    """The layer-spec plug-in: --spec MODULE FUNCTION, else the HF family's own (GLM-4), else None."""
+    spec = getattr(args, "spec", None)
+    if spec:
+        module, function = spec
+        return getattr(importlib.import_module(module), function)
+    return glm4.get_glm_spec if glm4.is_glm4(hf_config) else None
+
+
+def _plugin_spec(function: Callable[..., Any], args: Namespace, config: TransformerConfig, vp_stage: int | None):
+    # upstream's two signatures: fn(args, config, vp_stage) and the older fn(args)
+    if len(inspect.signature(function).parameters) == 1:
+        return function(args)
+    return function(args, config, vp_stage)
+
+
+def _layer_spec(args: Namespace, hf_config: Any, config: TransformerConfig, vp_stage: int | None):
+    function = spec_function(args, hf_config)
+    if function is None and _use_transformer_engine(args):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm,
+                                                          multi_latent_attention=config.multi_latent_attention)
+    spec = _local_layer_spec(config) if function is None else _plugin_spec(function, args, config, vp_stage)
+    if isinstance(spec, TransformerBlockSubmodules):
+        return spec
+    if not isinstance(spec, ModuleSpec):
+        raise TypeError(f"--spec {' '.join(args.spec or ())} returned {type(spec).__name__}; expected a megatron "
+                        "ModuleSpec (one layer) or TransformerBlockSubmodules")
     # A block spec so the final norm is ours too (the default one refuses SP).
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(
-        layer_specs=[_local_layer_spec(config)] * num_layers, layer_norm=SequenceParallelNorm
-    )
+    return TransformerBlockSubmodules(layer_specs=[spec] * num_layers, layer_norm=SequenceParallelNorm)
 
 
 def build_gpt_model(
@@ -244,7 +281,7 @@ def build_gpt_model(
     rope_params = getattr(hf_config, "rope_parameters", None) or {}
     model = GPTModel(
         config=config,
-        transformer_layer_spec=_layer_spec(args, config, vp_stage),
+        transformer_layer_spec=_layer_spec(args, hf_config, config, vp_stage),
         vocab_size=model_vocab_size(args, hf_config),
         max_sequence_length=_arg(args, "max_position_embeddings", hf_config.max_position_embeddings),
         pre_process=pre_process,
@@ -252,7 +289,7 @@ def build_gpt_model(
         parallel_output=True,
         share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)),
         position_embedding_type="rope",
-        rotary_percent=float(getattr(hf_config, "partial_rotary_factor", 1.0) or 1.0),
+        rotary_percent=_rotary_percent(hf_config),
         rotary_base=int(_rope_theta(hf_config)),
         rope_scaling=rope_scaling,
         rope_scaling_factor=float(rope_params.get("factor", 8.0)),

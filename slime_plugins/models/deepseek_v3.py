@@ -1,0 +1,178 @@
+"""DeepSeek-V3 family (transformers' DeepseekV3ForCausalLM): multi-latent attention on megatron-core.
+
+Three things live here, so the builder, load, save-hf and the weight push read one description:
+- `mla_config_fields(hf_config)`: the MLATransformerConfig fields of the HF config (latent ranks, head
+  dims, RoPE or YaRN with its mscale terms);
+- `mla_layer_spec(config)`: megatron's local MLA layer spec with this project's SP-capable norms and
+  CP/THD-capable core attention (q/k heads of qk_head_dim + qk_pos_emb_head_dim, v heads of v_head_dim);
+- `layer_mapping(suffix, prefix)`: HF <-> megatron names of the attention parameters. megatron's MLA keeps
+  HF's layouts (per head [nope | rope] rows in q_b_proj, [nope | v] rows in kv_b_proj, [latent | rope]
+  rows in kv_a_proj_with_mqa), and both sides de-interleave the rotary dimensions at run time, so every
+  tensor maps one to one; TP splits are whole rows (generic in hf_weights).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import torch
+
+MLA_MODEL_TYPES = ("deepseek_v3", "deepseek_v2", "kimi_k2")
+
+
+def is_mla(hf_config: Any) -> bool:
+    return getattr(hf_config, "model_type", "") in MLA_MODEL_TYPES
+
+
+def _rope_params(hf_config: Any) -> dict[str, Any]:
+    return dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+
+
+def mla_config_fields(hf_config: Any) -> dict[str, Any]:
+    """MLATransformerConfig fields of a DeepSeek-V3-style HF config."""
+    rope = _rope_params(hf_config)
+    rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
+    if rope_type not in ("default", "yarn"):
+        raise ValueError(f"MLA supports default or yarn RoPE, got {rope_type!r}")
+    if getattr(hf_config, "attention_bias", False):
+        raise ValueError("attention_bias on MLA projections is not supported (DeepSeek-V3 has none)")
+    dense_layers = getattr(hf_config, "first_k_dense_replace", hf_config.num_hidden_layers)
+    if getattr(hf_config, "n_routed_experts", None) and dense_layers < hf_config.num_hidden_layers:
+        raise ValueError(f"the HF config has MoE layers from layer {dense_layers} on (first_k_dense_replace < "
+                         f"num_hidden_layers={hf_config.num_hidden_layers}); DeepSeek-V3's MoE layers are not built "
+                         "here yet, only its attention: use a checkpoint whose layers are all dense")
+    fields = dict(
+        multi_latent_attention=True,
+        q_lora_rank=hf_config.q_lora_rank,
+        kv_lora_rank=hf_config.kv_lora_rank,
+        qk_head_dim=hf_config.qk_nope_head_dim,
+        qk_pos_emb_head_dim=hf_config.qk_rope_head_dim,
+        v_head_dim=hf_config.v_head_dim,
+        rotary_base=float(rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))),
+        rope_type="rope",
+        rotary_scaling_factor=1.0,
+        mscale=1.0,
+        mscale_all_dim=0.0,
+    )
+    if rope_type == "yarn":
+        fields.update(
+            rope_type="yarn",
+            rotary_scaling_factor=float(rope["factor"]),
+            original_max_position_embeddings=int(rope.get("original_max_position_embeddings", 4096)),
+            beta_fast=float(rope.get("beta_fast", 32)),
+            beta_slow=float(rope.get("beta_slow", 1)),
+            mscale=float(rope.get("mscale", 1.0)),
+            mscale_all_dim=float(rope.get("mscale_all_dim", 0.0)),
+        )
+    return fields
+
+
+# Megatron flag dest -> MLA config field: a flag the user passed must agree with the HF config.
+MLA_FLAGS = {
+    "q_lora_rank": "q_lora_rank", "kv_lora_rank": "kv_lora_rank", "qk_head_dim": "qk_head_dim",
+    "qk_pos_emb_head_dim": "qk_pos_emb_head_dim", "v_head_dim": "v_head_dim",
+    "rotary_scaling_factor": "rotary_scaling_factor", "mscale": "mscale", "mscale_all_dim": "mscale_all_dim",
+}
+
+
+def _full_latent_forward(linear: Any, config: Any):
+    """forward of linear_kv_down_proj (a ColumnParallelLinear) giving the full [latent | rope] width.
+
+    megatron-core 0.16's local MLA gathers the TP-split down projection and uses its rope columns in every
+    TP rank's heads, but leaves their gradient partial (each rank's heads only): the RoPE key's weight rows,
+    the input norm and everything below get a wrong gradient at TP > 1 (the loss is right, the grad norm
+    is not). Returned full-width, MLA takes its replicated-output branch; here the rope columns' gradient
+    is summed over TP (without SP; with SP MLA's own sequence gather reduce-scatters it).
+    """
+    from megatron.core.tensor_parallel.mappings import (
+        gather_from_tensor_model_parallel_region,
+        scatter_to_sequence_parallel_region,
+    )
+
+    column_forward = linear.forward
+
+    def forward(hidden_states, *args, **kwargs):
+        local, bias = column_forward(hidden_states, *args, **kwargs)
+        full = gather_from_tensor_model_parallel_region(local)
+        if config.sequence_parallel:
+            return scatter_to_sequence_parallel_region(full), bias
+        latent, rope = full.split([config.kv_lora_rank, config.qk_pos_emb_head_dim], dim=-1)
+        return torch.cat([latent, _SumGradOverTP.apply(rope)], dim=-1), bias
+
+    return forward
+
+
+class _SumGradOverTP(torch.autograd.Function):
+    """Identity forward; backward all-reduces the gradient over the TP group. (megatron's
+    copy_to_tensor_model_parallel_region reduces a contiguous copy of a non-contiguous gradient, such as
+    this slice's, and returns the unreduced original.)"""
+
+    @staticmethod
+    def forward(ctx, tensor):
+        return tensor
+
+    @staticmethod
+    def backward(ctx, grad):
+        from megatron.core import parallel_state
+
+        grad = grad.contiguous()
+        torch.distributed.all_reduce(grad, group=parallel_state.get_tensor_model_parallel_group())
+        return grad
+
+
+def _mla_attention_class():
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    class LatentSelfAttention(MLASelfAttention):
+        """megatron's MLASelfAttention with the TP gradient of the RoPE key made whole (_full_latent_forward)."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            if type(self.linear_kv_down_proj) is ColumnParallelLinear and self.config.tensor_model_parallel_size > 1:
+                # an instance attribute: parameter names (checkpoints, HF mapping) stay megatron's
+                self.linear_kv_down_proj.forward = _full_latent_forward(self.linear_kv_down_proj, self.config)
+
+    return LatentSelfAttention
+
+
+_LATENT_ATTENTION = functools.cache(_mla_attention_class)
+
+
+def mla_layer_spec(config: Any, mlp: Any = None):
+    """megatron's local MLA layer spec with SP-capable norms and CP/THD-capable core attention; `mlp`
+    replaces the dense MLP spec (an MoE layer's)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from slime_plugins.models.cp_attention import ContextParallelAttention
+    from slime_plugins.models.sp_norm import SequenceParallelNorm
+
+    spec = get_gpt_layer_local_spec(multi_latent_attention=True, qk_layernorm=True, normalization="RMSNorm")
+    sub = spec.submodules
+    attention = sub.self_attention
+    attn_sub = dataclasses.replace(attention.submodules, core_attention=ContextParallelAttention,
+                                   q_layernorm=SequenceParallelNorm, kv_layernorm=SequenceParallelNorm)
+    sub = dataclasses.replace(sub, input_layernorm=SequenceParallelNorm, pre_mlp_layernorm=SequenceParallelNorm,
+                              self_attention=dataclasses.replace(attention, module=_LATENT_ATTENTION(),
+                                                                 submodules=attn_sub),
+                              mlp=sub.mlp if mlp is None else mlp)
+    return dataclasses.replace(spec, submodules=sub)
+
+
+def attention_names(prefix: str) -> dict[str, str]:
+    """megatron MLA parameter suffix -> HF name (local-spec and TE-spec spellings)."""
+    attn = f"{prefix}self_attn."
+    return {
+        "self_attention.linear_q_proj.weight": f"{attn}q_proj.weight",
+        "self_attention.linear_q_down_proj.weight": f"{attn}q_a_proj.weight",
+        "self_attention.q_layernorm.weight": f"{attn}q_a_layernorm.weight",
+        "self_attention.linear_q_up_proj.layer_norm_weight": f"{attn}q_a_layernorm.weight",
+        "self_attention.linear_q_up_proj.weight": f"{attn}q_b_proj.weight",
+        "self_attention.linear_kv_down_proj.weight": f"{attn}kv_a_proj_with_mqa.weight",
+        "self_attention.kv_layernorm.weight": f"{attn}kv_a_layernorm.weight",
+        "self_attention.linear_kv_up_proj.layer_norm_weight": f"{attn}kv_a_layernorm.weight",
+        "self_attention.linear_kv_up_proj.weight": f"{attn}kv_b_proj.weight",
+        "self_attention.linear_proj.weight": f"{attn}o_proj.weight",
+    }

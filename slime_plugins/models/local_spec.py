@@ -1,0 +1,33 @@
+"""megatron's local (no TransformerEngine) dense layer spec with this project's SP-capable norms and
+CP/THD-capable core attention: the base every local layer spec here starts from."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from slime_plugins.models.cp_attention import ContextParallelAttention
+from slime_plugins.models.sp_norm import SequenceParallelNorm
+
+
+def dense_layer_spec(config: TransformerConfig) -> ModuleSpec:
+    """megatron's local GPT layer spec with SP-capable norms and CP/THD-capable core attention."""
+    spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+    sub = spec.submodules
+    attention = sub.self_attention
+    attn_sub = dataclasses.replace(
+        attention.submodules,
+        core_attention=ContextParallelAttention,
+        q_layernorm=SequenceParallelNorm if config.qk_layernorm else attention.submodules.q_layernorm,
+        k_layernorm=SequenceParallelNorm if config.qk_layernorm else attention.submodules.k_layernorm,
+    )
+    sub = dataclasses.replace(
+        sub,
+        input_layernorm=SequenceParallelNorm,
+        pre_mlp_layernorm=SequenceParallelNorm,
+        self_attention=dataclasses.replace(attention, submodules=attn_sub),
+    )
+    return dataclasses.replace(spec, submodules=sub)

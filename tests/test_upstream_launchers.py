@@ -1,0 +1,73 @@
+"""Upstream slime's launcher shapes parse here, or stop with the registry's reason: never at "unrecognized".
+
+tests/upstream_launchers.json holds this project's own expansion of the flag sets upstream's scripts/*.sh and
+examples/**/*.sh pass (model, parallel, MoE/MLA, FP8, MTP, spec plug-ins), with local paths and small batches.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from arg_testing import no_real_sglang, parse_quiet  # noqa: F401 (fixture)
+from slime.utils.arguments import build_parser
+
+LAUNCHERS = json.loads(Path(__file__).with_name("upstream_launchers.json").read_text())
+# --moe-* flags the MoE builder adds (they merge separately); dropped while this parser lacks them.
+MOE_OWNED = {"--moe-enable-deepep", "--moe-shared-expert-gate"}
+
+
+def _argv(shape: dict, tmp_path: Path) -> list[str]:
+    (tmp_path / "hf").mkdir(exist_ok=True)
+    (tmp_path / "data.jsonl").write_text("")
+    text = f"{LAUNCHERS['common']} {shape['argv']}".format(hf=tmp_path / "hf", data=tmp_path / "data.jsonl",
+                                                           dir=tmp_path)
+    known = build_parser()._option_string_actions
+    return [a for a in text.split() if not (a in MOE_OWNED and a not in known)]
+
+
+@pytest.mark.parametrize("shape", LAUNCHERS["shapes"], ids=[s["name"] for s in LAUNCHERS["shapes"]])
+def test_upstream_launcher_shape_parses_or_is_refused_with_its_reason(shape, tmp_path, capsys):
+    try:
+        args = parse_quiet(_argv(shape, tmp_path))
+    except SystemExit as exc:
+        assert exc.code == 2
+        err = capsys.readouterr().err
+        assert "unrecognized arguments" not in err, err
+        assert shape["may_refuse"], f"{shape['name']} must parse: {err}"
+        assert "is not supported here" in err and any(flag in err for flag in shape["may_refuse"]), err
+        return
+    if shape["name"] == "glm4-9B":
+        assert args.spec == ["slime_plugins.models.glm4", "get_glm_spec"] and args.rotary_interleaved
+    if shape["name"] == "uneven-pipeline":
+        assert (args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers) == (8, 6)
+
+
+def test_refusals_and_no_effect_reasons_come_before_every_unknown_flag(tmp_path, capsys):
+    argv = _argv(LAUNCHERS["shapes"][0], tmp_path) + ["--fp8-format", "e4m3", "--deterministic-mode",
+                                                      "--q-lora-rnk", "8", "--tensor-paralel-size", "2"]
+    with pytest.raises(SystemExit):
+        parse_quiet(argv)
+    lines = capsys.readouterr().err.splitlines()
+    refused = next(i for i, line in enumerate(lines) if "refused: --fp8-format e4m3 is not supported here" in line)
+    no_effect = next(i for i, line in enumerate(lines) if "accepted without effect: --deterministic-mode" in line)
+    unknown = next(i for i, line in enumerate(lines) if "unrecognized arguments" in line)
+    assert refused < unknown and no_effect < unknown
+    assert "--q-lora-rnk (did you mean --q-lora-rank" in lines[unknown]
+    assert "--tensor-paralel-size (did you mean --tensor-model-parallel-size" in lines[unknown]
+
+
+def test_upstream_flag_list_is_read_from_the_parser_source_text():
+    from slime.tools.upstream_flags import declared_flags, render
+
+    source = ('parser.add_argument("--a-b", type=int)\nparser.add_argument(\n    "--save-hf",\n    "--save-hf-path",\n'
+              '    default=None,\n)\nreset_arg(parser, "--lr", type=float)\nparser.add_argument("--a-b")\n'
+              'x = "--not-a-flag"\ntemp_parser.add_argument("--debug-train-only", action="store_true")\n')
+    assert declared_flags(source) == ["--a-b", "--save-hf", "--save-hf-path", "--lr", "--debug-train-only"]
+    lines = Path(__file__).with_name("upstream_slime_flags.txt").read_text().splitlines()
+    header = [line for line in lines if line.startswith("#")]
+    flags = [line for line in lines if line.startswith("--")]
+    assert re.search(r"at [0-9a-f]{40}\)", header[0]) and len(flags) == len(set(flags)) > 200
+    assert render(flags, "c").splitlines()[len(header):] == flags
