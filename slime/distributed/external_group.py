@@ -51,8 +51,16 @@ class ExternalGroup:
             shutdown()
 
 
-def open_external_group(spec: ExternalGroupSpec, rank: int) -> ExternalGroup:
+def host_group_store(world_size: int, timeout_s: float) -> dist.TCPStore:
+    """Rank 0's rendezvous store on a port the kernel picks as it binds (`.port`, for the spec): no other
+    process can take it between choosing and binding it."""
+    return dist.TCPStore("0.0.0.0", 0, world_size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+def open_external_group(spec: ExternalGroupSpec, rank: int, store: dist.TCPStore | None = None) -> ExternalGroup:
     """Join (rank > 0) or host (rank 0) the group; returns once all `world_size` ranks arrived.
+    `store`: rank 0's `host_group_store` (else rank 0 binds spec.master_port itself).
 
     Raises on the deadline (torch's DistStoreError / RuntimeError), never blocks past it.
     """
@@ -61,8 +69,9 @@ def open_external_group(spec: ExternalGroupSpec, rank: int) -> ExternalGroup:
     if not 0 <= rank < spec.world_size:
         raise ValueError(f"rank {rank} outside a weight-update group of {spec.world_size}")
     timeout = datetime.timedelta(seconds=spec.timeout_s)
-    store = dist.TCPStore(spec.master_address, spec.master_port, spec.world_size, is_master=rank == 0,
-                          timeout=timeout, wait_for_workers=False)
+    if store is None:
+        store = dist.TCPStore(spec.master_address, spec.master_port, spec.world_size, is_master=rank == 0,
+                              timeout=timeout, wait_for_workers=False)
     # torch's own groups key their rendezvous as "<group_name>/": the same prefix meets SGLang's side.
     prefixed = dist.PrefixStore(f"{spec.group_name}/", store)
     if spec.backend == "gloo":

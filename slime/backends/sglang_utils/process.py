@@ -1,9 +1,17 @@
-"""Start an HTTP server as a child process, wait for its /health with a deadline, stop it."""
+"""Start an HTTP server as a child process, wait for its /health with a deadline, stop it.
+
+Ports: a server of this project gets a socket already bound and listening (`listening_socket`, passed
+as an inherited file descriptor), so no other process can take its port between choosing and
+binding it. A server that cannot take a socket (SGLang, sglang-router) is started on a free port and
+started again on another one if it lost that port (`retry_port_clash`, bounded).
+"""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -12,6 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import requests
+
+from slime.utils.security import auth_headers
+
+logger = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
@@ -53,7 +65,7 @@ class ServerProcess:
                     f"log {self.log_path}:\n{self.log_tail()}"
                 )
             try:
-                if requests.get(self.url + health_path, timeout=2.0).status_code == 200:
+                if requests.get(self.url + health_path, headers=auth_headers(), timeout=2.0).status_code == 200:
                     return
             except requests.RequestException:
                 pass
@@ -85,18 +97,21 @@ class ServerHandle:
 
 
 def start_server_process(
-    name: str, command: list[str], url: str, *, log_dir: str | None = None, env: dict[str, str] | None = None
+    name: str, command: list[str], url: str, *, log_dir: str | None = None, env: dict[str, str] | None = None,
+    pass_fds: tuple[int, ...] = (),
 ) -> ServerProcess:
     """Launch `command` with output to a log file (a pipe nobody reads could fill and block it).
 
-    `env`: the child's whole environment (default: this process's); the repo goes on its PYTHONPATH."""
+    `env`: the child's whole environment (default: this process's); the repo goes on its PYTHONPATH.
+    `pass_fds`: descriptors the child inherits (a listening socket)."""
     directory = Path(log_dir or tempfile.gettempdir())
     directory.mkdir(parents=True, exist_ok=True)
     log_path = directory / f"{name}-{os.getpid()}-{time.time_ns()}.log"
     env = dict(os.environ if env is None else env)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
     with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(REPO_ROOT))
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(REPO_ROOT),
+                                   pass_fds=pass_fds)
     return ServerProcess(name=name, url=url, command=tuple(command), process=process, log_path=log_path)
 
 
@@ -104,9 +119,40 @@ def python_module_command(module: str, args: list[str]) -> list[str]:
     return [sys.executable, "-m", module, *args]
 
 
-def find_free_port(host: str = "127.0.0.1") -> int:
-    import socket
+def listening_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
+    """A TCP socket bound to host:port (0: a free port, chosen by the kernel) and listening, ready to hand
+    to a child server: the port is the child's from this moment on."""
+    bare = host.strip("[]")
+    sock = socket.socket(socket.AF_INET6 if ":" in bare else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((bare, port))
+        sock.listen(1024)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
 
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """A port free now. Only for servers that cannot take a socket, behind `retry_port_clash`."""
+    with listening_socket(host) as sock:
         return sock.getsockname()[1]
+
+
+PORT_CLASH = "address already in use"  # aiohttp, uvicorn and the Rust router all say it (case varies)
+PORT_ATTEMPTS = 3
+
+
+def retry_port_clash(launch, attempts: int = PORT_ATTEMPTS, what: str = "server"):
+    """`launch()` again, on a fresh port, when the server lost its port to another process before binding
+    it; at most `attempts` times, then the last error."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return launch()
+        except RuntimeError as exc:
+            if PORT_CLASH not in str(exc).lower() or attempt == attempts:
+                raise
+            logger.warning("%s lost its port to another process (attempt %d of %d); starting it on another port",
+                           what, attempt, attempts)
