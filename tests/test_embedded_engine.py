@@ -20,11 +20,11 @@ from slime.backends.sglang_utils.launcher import (
 )
 from slime.backends.megatron_utils.weight_transport import encode_safetensors_payload
 from slime.backends.sglang_utils.named_tensors import deserialize_named_tensors, serialize_named_tensors
-from slime.backends.sglang_utils.process import find_free_port
 from slime.backends.sglang_utils.server_args import render_server_flags
 from slime.backends.sglang_utils.shared_payload import LOAD_FORMAT as SHM_FORMAT
 from slime.backends.sglang_utils.shared_payload import write_shared_bucket
 from slime.tools.tiny_checkpoint import TinyQwen3Spec, write_tiny_checkpoint
+from slime.utils.security import auth_headers
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -40,7 +40,7 @@ def checkpoint(tmp_path_factory):
 def engine(checkpoint, tmp_path_factory):
     args = types.SimpleNamespace(seed=7)
     handle = launch_engine(
-        "embedded", args, 0, find_free_port(), checkpoint, startup_timeout_s=120,
+        "embedded", args, 0, 0, checkpoint, startup_timeout_s=120,
         log_dir=str(tmp_path_factory.mktemp("logs")),
     )
     yield handle
@@ -147,7 +147,7 @@ def test_bad_requests_are_clear_errors(client):
 
 
 def _post_generate(engine, body: dict) -> requests.Response:
-    return requests.post(engine.url + "/generate", json=body, timeout=60)
+    return requests.post(engine.url + "/generate", json=body, headers=auth_headers(), timeout=60)
 
 
 def test_generate_body_keys_follow_sglang(engine):
@@ -191,22 +191,22 @@ def test_health_info_flush(client, engine):
     assert client.health()
     client.health_generate()
     client.flush_cache()
-    assert requests.get(engine.url + "/flush_cache", timeout=10).status_code == 200
+    assert requests.post(engine.url + "/flush_cache", headers=auth_headers(), timeout=10).status_code == 200
     # SGLang: no flush while a request runs, unless ?timeout= lets it wait for the scheduler to go idle.
     running = threading.Thread(target=lambda: greedy(SGLangHTTPClient(engine.url), n=3000))
     running.start()
     time.sleep(0.5)
-    busy = requests.post(engine.url + "/flush_cache", timeout=10)
+    busy = requests.post(engine.url + "/flush_cache", headers=auth_headers(), timeout=10)
     assert busy.status_code == 400, busy.text
-    waiting = requests.post(engine.url + "/flush_cache?timeout=0.5", timeout=10)
+    waiting = requests.post(engine.url + "/flush_cache?timeout=0.5", headers=auth_headers(), timeout=10)
     assert waiting.status_code == 400, waiting.text  # still running after waiting 0.5 s
     client.abort_all()
-    assert requests.post(engine.url + "/flush_cache?timeout=60", timeout=70).status_code == 200
+    assert requests.post(engine.url + "/flush_cache?timeout=60", headers=auth_headers(), timeout=70).status_code == 200
     running.join(timeout=30)
     assert not running.is_alive()
     info = client.model_info()
     assert info["is_generation"] and info["model_type"] == "qwen3"
-    assert requests.get(engine.url + "/get_weight_version", timeout=10).json()["weight_version"] == info["weight_version"]
+    assert requests.get(engine.url + "/get_weight_version", headers=auth_headers(), timeout=10).json()["weight_version"] == info["weight_version"]
 
 
 def test_pause_holds_requests_until_continue(client, engine):

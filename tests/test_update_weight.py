@@ -164,9 +164,8 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(checkpoint, tmp_path_factory):
     from slime.backends.sglang_utils.launcher import launch_engine
-    from slime.backends.sglang_utils.process import find_free_port
 
-    handle = launch_engine("embedded", types.SimpleNamespace(seed=7), 0, find_free_port(), checkpoint,
+    handle = launch_engine("embedded", types.SimpleNamespace(seed=7), 0, 0, checkpoint,
                            startup_timeout_s=120, log_dir=str(tmp_path_factory.mktemp("engine-logs")))
     yield handle
     handle.stop()

@@ -89,7 +89,7 @@ class WorkerPool:
 
 
 class SlimeRouter:
-    def __init__(self, api_key: ApiKey, config: RouterConfig = RouterConfig()) -> None:
+    def __init__(self, config: RouterConfig = RouterConfig(), *, api_key: ApiKey) -> None:
         self.api_key = api_key
         self.config = config
         self.pool = WorkerPool()
@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="[slime-router %(asctime)s] %(message)s")
     config = RouterConfig(request_timeout_s=args.request_timeout_secs, health_interval_s=args.health_check_interval_secs)
-    app = build_router_app(SlimeRouter(server_key(), config), args.worker_urls)
+    app = build_router_app(SlimeRouter(config, api_key=server_key()), args.worker_urls)
     where = ({"sock": socket.socket(fileno=args.listen_fd)} if args.listen_fd is not None
              else {"host": args.host, "port": args.port})
     web.run_app(app, print=None, access_log=None, shutdown_timeout=2.0, **where)

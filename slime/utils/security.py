@@ -1,9 +1,10 @@
 """The run's API key: who may talk to the servers a run starts.
 
 One key per run: `--api-key`, else $SLIME_API_KEY, else a random one the driver makes
-(`secrets.token_urlsafe`). Every server the run starts requires it on every route, as
-`Authorization: Bearer <key>` (SGLang's header): the embedded engines and the project's router
-through `require_api_key`, SGLang engines and sglang-router through their own `--api-key`.
+(`secrets.token_urlsafe`). Every server the run starts requires it, as `Authorization: Bearer <key>`
+(SGLang's header): the project's router on every route, the embedded engines on every route but the
+liveness probes SGLang leaves open too (`LIVENESS_PATHS`), both through `require_api_key`; SGLang
+engines and sglang-router through their own `--api-key`.
 Every client of the project sends it (`auth_headers`). The key never reaches a log line, an argv
 of the project's own servers (they read $SLIME_API_KEY) or the wandb config (`public_config`).
 
@@ -107,12 +108,18 @@ def auth_headers() -> dict[str, str]:
     return key.headers() if key is not None else {}
 
 
-def require_api_key(key: ApiKey):
-    """aiohttp middleware: every route, unknown ones included, answers 401 without the key."""
+LIVENESS_PATHS = ("/health", "/health_generate")
+"""What SGLang answers without its key (its auth exempts /health*): sglang-router probes workers there
+without sending one, so an engine behind it must too. They say only "alive"."""
+
+
+def require_api_key(key: ApiKey, public: tuple[str, ...] = ()):
+    """aiohttp middleware: every route, unknown ones included, answers 401 without the key, except the
+    exact paths in `public`."""
 
     @web.middleware
     async def check_api_key(request: web.Request, handler) -> web.StreamResponse:
-        if not key.accepts(request.headers.get("Authorization")):
+        if request.path not in public and not key.accepts(request.headers.get("Authorization")):
             return web.json_response({"error": {"message": "missing or wrong API key (send 'Authorization: "
                                                            "Bearer <the run's key>')"}}, status=401,
                                      headers={"WWW-Authenticate": "Bearer"})

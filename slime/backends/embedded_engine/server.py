@@ -3,8 +3,8 @@
     SLIME_API_KEY=KEY python -m slime.backends.embedded_engine.server --model-path DIR --host 127.0.0.1 \
         --port P [--listen-fd FD] [--dtype float32] [--seed S] [--max-batch-size 64]
 
-Rollout code talks to this exactly as to `sglang.launch_server` started with `--api-key KEY`, except
-that every route, /health included, wants the key, and state-changing routes take POST only.
+Rollout code talks to this exactly as to `sglang.launch_server` started with `--api-key KEY`: every
+route but /health and /health_generate wants the key; state-changing routes take POST only.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from slime.backends.embedded_engine.scheduler import BatchScheduler
 from slime.backends.sglang_utils.named_tensors import deserialize_named_tensors
 from slime.backends.sglang_utils.shared_payload import LOAD_FORMAT as SHM_FORMAT
 from slime.backends.sglang_utils.shared_payload import read_shared_bucket, run_directory
-from slime.utils.security import ApiKey, request_limit, require_api_key, server_key
+from slime.utils.security import LIVENESS_PATHS, ApiKey, request_limit, require_api_key, server_key
 
 logger = logging.getLogger(__name__)
 
@@ -328,7 +328,8 @@ DEFAULT_MAX_REQUEST_BYTES = request_limit()  # one default weight bucket in base
 def build_app(engine: EmbeddedEngine, max_batch_size: int = 64,
               group_timeout_s: float = DEFAULT_GROUP_TIMEOUT_S, *, api_key: ApiKey,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> web.Application:
-    app = web.Application(middlewares=[require_api_key(api_key), errors_as_json], client_max_size=max_request_bytes)
+    auth = require_api_key(api_key, public=LIVENESS_PATHS)  # as SGLang: sglang-router probes /health keyless
+    app = web.Application(middlewares=[auth, errors_as_json], client_max_size=max_request_bytes)
     scheduler = BatchScheduler(engine, max_batch_size)
     app[SCHEDULER_KEY] = scheduler
     app[SESSION_KEY] = {"open": False}
