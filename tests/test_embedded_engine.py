@@ -22,9 +22,9 @@ from slime.backends.megatron_utils.weight_transport import encode_safetensors_pa
 from slime.backends.sglang_utils.named_tensors import deserialize_named_tensors, serialize_named_tensors
 from slime.backends.sglang_utils.server_args import render_server_flags
 from slime.backends.sglang_utils.shared_payload import LOAD_FORMAT as SHM_FORMAT
-from slime.backends.sglang_utils.shared_payload import write_shared_bucket
+from slime.backends.sglang_utils.shared_payload import make_run_directory, write_shared_bucket
 from slime.tools.tiny_checkpoint import TinyQwen3Spec, write_tiny_checkpoint
-from slime.utils.security import auth_headers
+from slime.utils.security import auth_headers, current_key
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -257,12 +257,12 @@ def test_release_and_resume_memory(client):
     assert client.model_info()["released_tags"] == []
 
 
-def push(client, named, version, load_format=SHM_FORMAT, tmp_dir="/tmp"):
-    """One session-wrapped push, as the weight sync does it."""
+def push(client, named, version, load_format=SHM_FORMAT):
+    """One session-wrapped push, as the weight sync does it (shared buckets in the run's own directory)."""
     assert client.begin_weight_update()
     try:
         if load_format == SHM_FORMAT:
-            shared = write_shared_bucket(named, tmp_dir, f"test-push-{time.time_ns()}")
+            shared = write_shared_bucket(named, make_run_directory(current_key()), f"test-push-{time.time_ns()}")
             try:
                 return client.update_weights_from_serialized([shared.descriptor], weight_version=version,
                                                              load_format=SHM_FORMAT)
@@ -377,7 +377,8 @@ def test_sglang_command_needs_sglangs_parser():
     cmd = build_sglang_command(args, 3, "127.0.0.1", 30001, "/m", gpu_ids=[5, 6], parser=_tiny_launch_parser_full())
     joined = " ".join(cmd)
     assert cmd[1:3] == ["-m", "sglang.launch_server"]
-    for part in ("--model-path /m", "--port 30001", "--tp-size 2", "--base-gpu-id 5", "--enable-memory-saver"):
+    for part in ("--model-path /m", "--port 30001", "--tp-size 2", "--base-gpu-id 5", "--enable-memory-saver",
+                 f"--api-key {current_key().reveal()}"):  # SGLang takes the run's key in argv only
         assert part in joined
 
 
@@ -385,6 +386,7 @@ def _tiny_launch_parser_full():
     parser = _tiny_launch_parser()
     for flag in ("--base-gpu-id", "--random-seed"):
         parser.add_argument(flag, type=int)
+    parser.add_argument("--api-key", type=str)
     for flag in ("--trust-remote-code", "--skip-server-warmup"):
         parser.add_argument(flag, action="store_true")
     return parser

@@ -60,7 +60,7 @@ def test_request_of_a_client_that_went_away_stops_generating(engine_url):
 def test_busy_engine_answers_health_generate_at_once(engine_url):
     thread = threading.Thread(target=lambda: requests.post(
         engine_url + "/generate", json={**LONG, "sampling_params": {**LONG["sampling_params"], "max_new_tokens": 600},
-                                        "rid": "busy"}, timeout=120))
+                                        "rid": "busy"}, headers=auth_headers(), timeout=120))
     thread.start()
     _wait_for(lambda: "busy" in _held(engine_url), 10)
     start = time.monotonic()

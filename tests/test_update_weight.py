@@ -71,7 +71,8 @@ def test_embedded_payloads_round_trip_in_order_and_dtype(tmp_path):
     payload = encode_safetensors_payload(NAMED)
     assert payload.load_format == "slime_safetensors" and len(payload.serialized_per_tp_rank) == 1
     shared = write_shared_bucket(NAMED, tmp_path, "bucket0")
-    for decoded in (deserialize_named_tensors(payload.serialized_per_tp_rank[0]), read_shared_bucket(shared.descriptor)):
+    decodings = (deserialize_named_tensors(payload.serialized_per_tp_rank[0]), read_shared_bucket(shared.descriptor, tmp_path))
+    for decoded in decodings:
         assert [n for n, _ in decoded] == [n for n, _ in NAMED]
         assert all(a.dtype == b.dtype and torch.equal(a, b) for (_, a), (_, b) in zip(decoded, NAMED))
     shared.remove()
