@@ -23,6 +23,7 @@ if ROOT not in sys.path:
 
 from slime.backends.sglang_utils.http_client import ClientTimeouts, SGLangHTTPClient  # noqa: E402
 from slime.backends.sglang_utils.process import find_free_port, python_module_command, start_server_process  # noqa: E402
+from slime.utils.security import ApiKey, use_key  # noqa: E402
 
 TARGET_RATIO = 0.10  # asleep / awake, the colocate target of issue 15
 
@@ -47,6 +48,7 @@ def greedy_batch(client: SGLangHTTPClient, prompts: int, new_tokens: int) -> lis
 
 def main() -> int:
     opts = parse()
+    use_key(ApiKey.generate())  # the engine requires it; the client sends it
     port = find_free_port()
     command = python_module_command("slime.backends.embedded_engine.server", [
         "--model-path", opts.model_path, "--port", str(port), "--device", opts.device, "--dtype", opts.dtype])
