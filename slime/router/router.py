@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import itertools
 import logging
-import socket
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,9 +25,10 @@ from aiohttp import web
 from slime.backends.sglang_utils.process import (
     ServerHandle,
     find_free_port,
-    listening_socket,
     python_module_command,
     retry_port_clash,
+    serve_on,
+    start_bound_server,
     start_server_process,
 )
 from slime.utils.security import ApiKey, current_key, require_api_key, server_key
@@ -227,13 +227,11 @@ def launch_router(
     host = getattr(args, "sglang_router_ip", None) or "127.0.0.1"
     given = int(getattr(args, "sglang_router_port", None) or 0)
     if getattr(args, "use_slime_router", False):
-        with listening_socket(host, given) as sock:
-            port = sock.getsockname()[1]
-            kind, command = router_command(args, host, port, worker_urls, listen_fd=sock.fileno())
-            server = start_server_process(kind, command, f"http://{host}:{port}", log_dir=log_dir,
-                                          pass_fds=(sock.fileno(),))
+        server, port = start_bound_server(
+            "slime-router", lambda p, fd: router_command(args, host, p, worker_urls, listen_fd=fd)[1],
+            host=host, port=given, log_dir=log_dir)
         server.wait_healthy(startup_timeout_s)
-        return RouterHandle(kind=kind, host=host, port=port, server=server)
+        return RouterHandle(kind="slime-router", host=host, port=port, server=server)
 
     def start() -> RouterHandle:
         port = given or find_free_port(host)
@@ -263,9 +261,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="[slime-router %(asctime)s] %(message)s")
     config = RouterConfig(request_timeout_s=args.request_timeout_secs, health_interval_s=args.health_check_interval_secs)
     app = build_router_app(SlimeRouter(config, api_key=server_key()), args.worker_urls)
-    where = ({"sock": socket.socket(fileno=args.listen_fd)} if args.listen_fd is not None
-             else {"host": args.host, "port": args.port})
-    web.run_app(app, print=None, access_log=None, shutdown_timeout=2.0, **where)
+    web.run_app(app, print=None, access_log=None, shutdown_timeout=2.0, **serve_on(args.listen_fd, args.host, args.port))
 
 
 if __name__ == "__main__":

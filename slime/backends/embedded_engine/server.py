@@ -13,7 +13,6 @@ import argparse
 import asyncio
 import functools
 import logging
-import socket
 import uuid
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from slime.backends.embedded_engine.generate_request import build_requests
 from slime.backends.embedded_engine.sampling import SamplingParams
 from slime.backends.embedded_engine.scheduler import BatchScheduler
 from slime.backends.sglang_utils.named_tensors import deserialize_named_tensors
+from slime.backends.sglang_utils.process import serve_on
 from slime.backends.sglang_utils.shared_payload import LOAD_FORMAT as SHM_FORMAT
 from slime.backends.sglang_utils.shared_payload import read_shared_bucket, run_directory
 from slime.utils.security import LIVENESS_PATHS, ApiKey, request_limit, require_api_key, server_key
@@ -404,9 +404,8 @@ def main(argv: list[str] | None = None) -> None:
     access_log = logging.getLogger("aiohttp.access") if args.log_level.lower() == "debug" else None
     app = build_app(engine, args.max_batch_size, args.weight_update_timeout, api_key=key,
                     max_request_bytes=args.max_request_bytes)
-    where = ({"sock": socket.socket(fileno=args.listen_fd)} if args.listen_fd is not None
-             else {"host": args.host, "port": args.port})
-    web.run_app(app, print=None, access_log=access_log, shutdown_timeout=2.0, **where)
+    web.run_app(app, print=None, access_log=access_log, shutdown_timeout=2.0,
+                **serve_on(args.listen_fd, args.host, args.port))
 
 
 if __name__ == "__main__":

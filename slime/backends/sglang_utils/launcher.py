@@ -15,9 +15,9 @@ from slime.backends.sglang_utils.http_client import SGLangHTTPClient
 from slime.backends.sglang_utils.process import (
     ServerHandle,
     find_free_port,
-    listening_socket,
     python_module_command,
     retry_port_clash,
+    start_bound_server,
     start_server_process,
 )
 from slime.backends.sglang_utils.server_args import has_option, render_server_flags
@@ -186,12 +186,9 @@ def launch_engine(
     deadline = startup_timeout_s or float(getattr(args, "sglang_server_startup_timeout", DEFAULT_STARTUP_TIMEOUT_S))
     name = f"{kind}-engine-{engine_rank}"
     if kind == "embedded":  # bound here, served there: the port cannot be lost in between
-        with listening_socket(host, port) as sock:
-            bound = sock.getsockname()[1]
-            command = build_embedded_command(args, engine_rank, host, bound, model_path, gpu_ids,
-                                             listen_fd=sock.fileno())
-            server = start_server_process(name, command, f"http://{host}:{bound}", log_dir=log_dir,
-                                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, pass_fds=(sock.fileno(),))
+        server, bound = start_bound_server(
+            name, lambda p, fd: build_embedded_command(args, engine_rank, host, p, model_path, gpu_ids, listen_fd=fd),
+            host=host, port=port, log_dir=log_dir, env={**os.environ, "HF_HUB_OFFLINE": "1"})
         server.wait_healthy(deadline)
         return EngineHandle(kind=kind, engine_rank=engine_rank, host=host, port=bound, server=server)
 

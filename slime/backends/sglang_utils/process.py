@@ -135,6 +135,22 @@ def listening_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
     return sock
 
 
+def start_bound_server(name: str, command_for, *, host: str, port: int = 0, log_dir: str | None = None,
+                       env: dict[str, str] | None = None) -> tuple[ServerProcess, int]:
+    """Bind host:port (0: a free one) here and start the server on that socket: `command_for(port, fd)`
+    is its command line. Returns the process and its port."""
+    with listening_socket(host, port) as sock:
+        bound = sock.getsockname()[1]
+        server = start_server_process(name, command_for(bound, sock.fileno()), f"http://{host}:{bound}",
+                                      log_dir=log_dir, env=env, pass_fds=(sock.fileno(),))
+    return server, bound
+
+
+def serve_on(listen_fd: int | None, host: str, port: int) -> dict:
+    """`web.run_app` keywords of a server started by `start_bound_server` (or on host:port by hand)."""
+    return {"sock": socket.socket(fileno=listen_fd)} if listen_fd is not None else {"host": host, "port": port}
+
+
 def find_free_port(host: str = "127.0.0.1") -> int:
     """A port free now. Only for servers that cannot take a socket, behind `retry_port_clash`."""
     with listening_socket(host) as sock:
