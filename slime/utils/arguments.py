@@ -1478,7 +1478,10 @@ def parse_args(
     args = parser.parse_args(remaining)
     try:
         args.custom_config_overrides = apply_custom_config(args, parser)
-        args.api_key = resolve_api_key(args.api_key)  # once, in the driver: every server of the run gets it
+        try:  # once, in the driver: every server of the run gets it
+            args.api_key = resolve_api_key(args.api_key)
+        except ValueError as exc:
+            raise ArgumentValidationError(f"--api-key: {exc}") from None
         args.sglang_server_args = sglang_passthrough.resolve_server_args(args, passthrough)
         device = resolve_train_device(args)
         validate_args(args, parser, device)
