@@ -36,7 +36,7 @@ from slime.backends.megatron_utils.weight_transport import (
 from slime.backends.sglang_utils.http_client import ClientTimeouts
 from slime.backends.sglang_utils.launcher import launch_engine
 from slime.backends.sglang_utils.named_tensors import deserialize_named_tensors
-from slime.backends.sglang_utils.process import find_free_port
+from slime.utils.ports import find_free_port
 from slime.utils.security import ApiKey, use_key
 
 METHODS = ("old", "shm", "distributed")

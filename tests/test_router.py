@@ -16,7 +16,7 @@ import pytest
 import requests
 from aiohttp import web
 
-from slime.backends.sglang_utils.process import find_free_port
+from slime.utils.ports import find_free_port
 from slime.router.router import RouterConfig, SlimeRouter, WorkerPool, build_router_app, launch_router
 from slime.utils.security import auth_headers, current_key
 

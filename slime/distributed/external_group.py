@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from slime.utils.ports import listening_socket
+
 BACKENDS = ("gloo", "nccl")
 
 
@@ -51,16 +53,18 @@ class ExternalGroup:
             shutdown()
 
 
-def host_group_store(world_size: int, timeout_s: float) -> dist.TCPStore:
-    """Rank 0's rendezvous store on a port the kernel picks as it binds (`.port`, for the spec): no other
-    process can take it between choosing and binding it."""
-    return dist.TCPStore("0.0.0.0", 0, world_size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
+def hosted_store(host: str, world_size: int, timeout: datetime.timedelta) -> dist.TCPStore:
+    """A TCP store served on `host`, on a port the kernel picks as it binds (`.port`): no other process can
+    take the port between choosing and binding it. The store owns the listening socket."""
+    sock = listening_socket(host)
+    port = sock.getsockname()[1]
+    return dist.TCPStore(host.strip("[]"), port, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
+                         master_listen_fd=sock.detach())
 
 
 def open_external_group(spec: ExternalGroupSpec, rank: int, store: dist.TCPStore | None = None) -> ExternalGroup:
     """Join (rank > 0) or host (rank 0) the group; returns once all `world_size` ranks arrived.
-    `store`: rank 0's `host_group_store` (else rank 0 binds spec.master_port itself).
+    `store`: rank 0's `hosted_store` (else rank 0 binds spec.master_port itself).
 
     Raises on the deadline (torch's DistStoreError / RuntimeError), never blocks past it.
     """

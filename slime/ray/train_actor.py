@@ -8,7 +8,7 @@ import warnings
 
 import ray
 
-from slime.ray.cluster import node_address
+from slime.ray.cluster import node_address, serving_host
 from slime.ray.placement import visible_device_index
 from slime.utils.security import use_key
 
@@ -74,12 +74,13 @@ class TrainRayActor:
                 "gpu_ids": self.gpu_ids, "device": int(os.environ["LOCAL_RANK"]) if self.gpu_ids else None}
 
     def rendezvous_address(self) -> tuple[str, int]:
-        """Rank 0 hosts torch.distributed's store on a port the kernel picks as it binds (no other process
-        can take it first) and offers its node's address and that port."""
+        """Rank 0 hosts torch.distributed's store (on loopback when the run is on one node) on a port the
+        kernel picks as it binds, so no other process can take it first, and offers that address and port."""
         from slime.backends.megatron_utils.parallel import host_rendezvous
 
-        self._store = host_rendezvous(self.args, self.world_size)
-        return node_address(), self._store.port
+        host = serving_host(getattr(self.args, "spans_nodes", True))
+        self._store = host_rendezvous(self.args, self.world_size, host)
+        return host, self._store.port
 
     @_portable_errors
     def init(self, master_addr: str, master_port: int, engine_urls: list[str]) -> int:

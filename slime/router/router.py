@@ -24,13 +24,12 @@ from aiohttp import web
 
 from slime.backends.sglang_utils.process import (
     ServerHandle,
-    find_free_port,
     python_module_command,
-    retry_port_clash,
     serve_on,
     start_bound_server,
     start_server_process,
 )
+from slime.utils.ports import find_free_port, retry_port_clash
 from slime.utils.security import ApiKey, current_key, require_api_key, server_key
 
 logger = logging.getLogger(__name__)

@@ -21,10 +21,12 @@ def _timeout(args: Namespace) -> datetime.timedelta:
     return datetime.timedelta(seconds=DeadlineModel.from_args(args).group_timeout)
 
 
-def host_rendezvous(args: Namespace, world_size: int) -> dist.TCPStore:
-    """Rank 0's rendezvous store, on a port the kernel picks as it binds (`.port`): no other process can
-    take the port between choosing and binding it. Pass it to init_distributed as rank 0's `store`."""
-    return dist.TCPStore("0.0.0.0", 0, world_size, is_master=True, timeout=_timeout(args), wait_for_workers=False)
+def host_rendezvous(args: Namespace, world_size: int, host: str) -> dist.TCPStore:
+    """Rank 0's rendezvous store on `host`, on a port the kernel picks as it binds (`.port`): no other
+    process can take the port between choosing and binding it. Pass it to init_distributed as rank 0's `store`."""
+    from slime.distributed.external_group import hosted_store
+
+    return hosted_store(host, world_size, _timeout(args))
 
 
 def join_rendezvous(args: Namespace, master_addr: str, master_port: int, world_size: int) -> dist.TCPStore:

@@ -18,6 +18,7 @@ The weight *source* is not this module's business: it receives HF-named tensors 
 
 from __future__ import annotations
 
+import datetime
 import logging
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -183,15 +184,15 @@ class DistributedTransport:
         from slime.distributed.external_group import (
             ExternalGroupSpec,
             address_towards,
-            host_group_store,
+            hosted_store,
             open_external_group,
         )
 
-        first_host = urlparse(self.engines.urls[0]).hostname or "127.0.0.1"
+        master = address_towards(urlparse(self.engines.urls[0]).hostname or "127.0.0.1")
         world_size = 1 + len(self.engines.urls) * self.engine_tp_size
-        store = host_group_store(world_size, self.timeout_s)  # bound before anyone is told its port
+        store = hosted_store(master, world_size, datetime.timedelta(seconds=self.timeout_s))  # bound, then told
         spec = ExternalGroupSpec(
-            master_address=address_towards(first_host), master_port=store.port, world_size=world_size,
+            master_address=master, master_port=store.port, world_size=world_size,
             group_name=self.group_name, backend=self.backend, timeout_s=self.timeout_s,
         )
         rank_offsets = {client.base_url: 1 + i * self.engine_tp_size for i, client in enumerate(self.engines.clients)}

@@ -14,13 +14,12 @@ from typing import Any, Sequence
 from slime.backends.sglang_utils.http_client import SGLangHTTPClient
 from slime.backends.sglang_utils.process import (
     ServerHandle,
-    find_free_port,
     python_module_command,
-    retry_port_clash,
     start_bound_server,
     start_server_process,
 )
 from slime.backends.sglang_utils.server_args import has_option, render_server_flags
+from slime.utils.ports import find_free_port, retry_port_clash
 from slime.utils.security import current_key, request_limit
 from slime.utils.sglang_passthrough import server_args_parser
 

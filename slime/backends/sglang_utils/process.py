@@ -1,14 +1,13 @@
 """Start an HTTP server as a child process, wait for its /health with a deadline, stop it.
 
-Ports: a server of this project gets a socket already bound and listening (`listening_socket`, passed
-as an inherited file descriptor), so no other process can take its port between choosing and
-binding it. A server that cannot take a socket (SGLang, sglang-router) is started on a free port and
-started again on another one if it lost that port (`retry_port_clash`, bounded).
+Ports: a server of this project gets a socket already bound and listening (`start_bound_server`:
+an inherited file descriptor), so no other process can take its port between choosing and binding
+it. A server that cannot take a socket (SGLang, sglang-router) is started on a free port and started
+again on another one if it lost that port (slime/utils/ports.py: `retry_port_clash`, bounded).
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import socket
@@ -21,9 +20,8 @@ from pathlib import Path
 
 import requests
 
+from slime.utils.ports import listening_socket
 from slime.utils.security import auth_headers
-
-logger = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
@@ -119,22 +117,6 @@ def python_module_command(module: str, args: list[str]) -> list[str]:
     return [sys.executable, "-m", module, *args]
 
 
-def listening_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
-    """A TCP socket bound to host:port (0: a free port, chosen by the kernel) and listening, ready to hand
-    to a child server: the port is the child's from this moment on."""
-    bare = host.strip("[]")
-    sock = socket.socket(socket.AF_INET6 if ":" in bare else socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((bare, port))
-        sock.listen(1024)
-    except OSError:
-        sock.close()
-        raise
-    sock.set_inheritable(True)
-    return sock
-
-
 def start_bound_server(name: str, command_for, *, host: str, port: int = 0, log_dir: str | None = None,
                        env: dict[str, str] | None = None) -> tuple[ServerProcess, int]:
     """Bind host:port (0: a free one) here and start the server on that socket: `command_for(port, fd)`
@@ -149,26 +131,3 @@ def start_bound_server(name: str, command_for, *, host: str, port: int = 0, log_
 def serve_on(listen_fd: int | None, host: str, port: int) -> dict:
     """`web.run_app` keywords of a server started by `start_bound_server` (or on host:port by hand)."""
     return {"sock": socket.socket(fileno=listen_fd)} if listen_fd is not None else {"host": host, "port": port}
-
-
-def find_free_port(host: str = "127.0.0.1") -> int:
-    """A port free now. Only for servers that cannot take a socket, behind `retry_port_clash`."""
-    with listening_socket(host) as sock:
-        return sock.getsockname()[1]
-
-
-PORT_CLASH = "address already in use"  # aiohttp, uvicorn and the Rust router all say it (case varies)
-PORT_ATTEMPTS = 3
-
-
-def retry_port_clash(launch, attempts: int = PORT_ATTEMPTS, what: str = "server"):
-    """`launch()` again, on a fresh port, when the server lost its port to another process before binding
-    it; at most `attempts` times, then the last error."""
-    for attempt in range(1, attempts + 1):
-        try:
-            return launch()
-        except RuntimeError as exc:
-            if PORT_CLASH not in str(exc).lower() or attempt == attempts:
-                raise
-            logger.warning("%s lost its port to another process (attempt %d of %d); starting it on another port",
-                           what, attempt, attempts)
