@@ -26,7 +26,7 @@ from slime.backends.sglang_utils.process import python_module_command, start_ser
 from slime.utils.ports import find_free_port  # noqa: E402
 from slime.utils.security import ApiKey, use_key  # noqa: E402
 
-TARGET_RATIO = 0.10  # asleep / awake, the colocate target of issue 15
+TARGET_RATIO = 0.10  # asleep / awake, the colocate memory target
 
 
 def parse() -> argparse.Namespace:
