@@ -310,6 +310,29 @@ def test_routers_start_although_their_first_ports_are_taken(use_slime_router, la
         handle.stop()
 
 
+def test_port_clash_retries_are_bounded_and_only_for_a_lost_port():
+    from slime.utils.ports import PORT_ATTEMPTS, retry_port_clash
+
+    calls = []
+
+    def lost_port():
+        calls.append(1)
+        raise RuntimeError("server exited: OSError: [Errno 98] Address already in use")
+
+    with pytest.raises(RuntimeError, match="Address already in use"):
+        retry_port_clash(lost_port)
+    assert len(calls) == PORT_ATTEMPTS
+    calls.clear()
+
+    def other_failure():
+        calls.append(1)
+        raise RuntimeError("model not found")
+
+    with pytest.raises(RuntimeError, match="model not found"):
+        retry_port_clash(other_failure)
+    assert len(calls) == 1
+
+
 def test_rendezvous_port_is_held_from_the_moment_it_is_offered(monkeypatch):
     from slime.backends.megatron_utils.parallel import join_rendezvous
     from slime.ray.train_actor import TrainRayActor
