@@ -590,7 +590,8 @@ def _add_megatron_model_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", type=str, default="auto", choices=ATTENTION_BACKENDS,
                    help="core attention implementation")
     g.add_argument("--transformer-impl", type=str, default=None, choices=["local", "transformer_engine"],
-                   help="layer spec (default: transformer_engine when TE and CUDA are present, else local)")
+                   help="layer spec (default: local, the path measured on GPUs here; transformer_engine is opt-in, "
+                        "warned as unmeasured, and needs CUDA and TransformerEngine)")
     g.add_argument("--use-flash-attn", action="store_true", default=False, help="older Megatron flash-attention switch")
     g.add_argument("--post-self-attn-layernorm", action="store_true", default=False,
                    help="a norm after self-attention (some architectures)")
