@@ -134,10 +134,15 @@ def test_missing_label_key_is_an_error(tokenizer_dir, tmp_path):
     assert source.get_samples(1)[0][0].label is None
 
 
-def test_message_list_without_chat_template_is_an_error(tokenizer_dir, tmp_path):
-    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": [{"role": "user", "content": "hi"}], "label": "1"}])
-    with pytest.raises(ValueError, match="--apply-chat-template"):
-        RolloutDataSource(make_args(tokenizer_dir, path))
+def test_message_list_without_chat_template_stays_messages(tokenizer_dir, tmp_path):
+    # upstream keeps the chat as the prompt (SFT renders it turn by turn; generation refuses it: test_sft.py)
+    messages = [{"role": "user", "content": "hi"}]
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": messages, "label": "1", "tools": [{"name": "f"}]}])
+    sample = RolloutDataSource(make_args(tokenizer_dir, path)).get_samples(1)[0][0]
+    assert sample.prompt == messages and sample.tokens == [] and sample.metadata["tools"] == [{"name": "f"}]
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": 7, "label": "1"}])
+    with pytest.raises(ValueError, match="expected text or chat messages"):
+        RolloutDataSource(make_args(tokenizer_dir, bad))
 
 
 def test_overlong_prompts_are_skipped_and_counted(tokenizer_dir, tmp_path, caplog):

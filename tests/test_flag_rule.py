@@ -129,7 +129,6 @@ REFUSED_CASES = [
     (["--moe-router-topk", "4"], "--moe-router-topk 4 is not supported here: the model builder is dense-only"),
     (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size 2 is not supported here"),
     (["--optimizer", "sgd"], "only --optimizer adam is implemented"),
-    (["--use-opd", "--opd-type", "sglang"], "on-policy distillation is not implemented"),
     (["--ckpt-format", "torch"], "dist_checkpointing (torch_dist) only"),
     (["--flush-cache-interval", "4"], "fully-async rollout"),
     (["--loss-type", "custom_loss"], "--loss-type custom_loss needs --custom-loss-function-path"),

@@ -2,6 +2,7 @@
 --normalize-advantages on one packed micro-batch (single process, no collectives)."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -151,3 +152,24 @@ def test_a_rollout_with_more_samples_than_prompts_x_n_is_split_into_the_planned_
                                 balance_data=False, pad_multiple=2)
     assert [p.step_sample_count for p in plans] == [5, 5]
     assert sorted(i for p in plans for mb in p.micro_batches for i in mb) == list(range(10))
+
+
+def test_policy_loss_forwards_eps_clip_c(monkeypatch):
+    from slime.backends.megatron_utils import loss as loss_module
+
+    seen = {}
+    real = loss_module.compute_policy_loss
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loss_module, "compute_policy_loss", spy)
+    args = _args(eps_clip_c=3.0)
+    packed, plan, logits = _batch(args)
+    # a large ratio on every token: the dual clip bounds the loss of the negative-advantage sample
+    packed = dataclasses.replace(packed, old_log_probs=torch.full_like(packed.loss_mask, -20.0))
+    _, dual = _loss(args, packed, plan, logits)
+    assert seen["eps_clip_c"] == 3.0 and seen["eps_clip"] == 0.2 and seen["eps_clip_high"] == 0.28
+    _, plain = _loss(_args(), packed, plan, logits)
+    assert dual["pg_loss"].item() < plain["pg_loss"].item()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os.path
+import sys
 
 import pytest
 
@@ -88,3 +89,33 @@ def test_configure_logger_stamps_role_once(capsys, monkeypatch):
         logging.captureWarnings(False)
     err = capsys.readouterr().err
     assert err.count("hello from the test") == 1 and "rank 3" in err
+
+
+def test_file_hook_is_executed_once_and_keeps_its_state(tmp_path):
+    # a hook with module state (a counter of its calls, and of the times its file ran)
+    hook = tmp_path / "stateful_hook.py"
+    hook.write_text("import builtins\n"
+                    "builtins.__dict__.setdefault('_stateful_hook_runs', []).append(1)\n"
+                    "CALLS = []\n"
+                    "def count(args):\n    CALLS.append(args)\n    return len(CALLS)\n")
+    import builtins
+
+    first = load_function(f"{hook}:count")
+    assert first(1) == 1
+    again = load_function(f"{hook}:count")
+    assert again is first
+    assert again(2) == 2  # the state of the first call survived the second load
+    assert builtins._stateful_hook_runs == [1]  # the file ran once
+    module = sys.modules[first.__module__]
+    assert module.CALLS == [1, 2]
+    # another spelling of the same file is the same module
+    assert load_function(f"{tmp_path}/./stateful_hook.py:count") is first
+
+
+def test_file_hook_that_fails_to_load_is_not_cached(tmp_path):
+    hook = tmp_path / "broken_hook.py"
+    hook.write_text("raise RuntimeError('not yet')\n")
+    with pytest.raises(RuntimeError, match="not yet"):
+        load_function(f"{hook}:fn")
+    hook.write_text("def fn():\n    return 'fixed'\n")
+    assert load_function(f"{hook}:fn")() == "fixed"

@@ -11,7 +11,7 @@ import hook_plugins
 from rollout_testing import engine, fresh_generate_state, tokenizer_dir  # noqa: F401 (fixtures)
 from rollout_testing import write_jsonl
 from slime.rollout.data_source import RolloutDataSourceWithBuffer, pop_first, pop_stalest
-from slime.rollout.filter_hub.base_types import DynamicFilterOutput, call_dynamic_filter, should_drop
+from slime.rollout.filter_hub.base_types import DynamicFilterOutput, call_dynamic_filter, should_drop_dynamic_filter_output
 from slime.rollout.filter_hub.dynamic_sampling_filters import (
     check_reward_nonzero_std,
     check_reward_nonzero_std_with_fallback,
@@ -65,7 +65,8 @@ def test_check_reward_nonzero_std_keeps_only_groups_with_spread():
     assert check_reward_nonzero_std(args, [[Sample(reward=0.0)], [Sample(reward=1.0)]]).keep
     fallback = check_reward_nonzero_std_with_fallback(args, _group([0.0, 0.0]))
     assert not fallback.keep and fallback.keep_when_insufficient
-    assert not should_drop(fallback, candidates=2, target=2) and should_drop(fallback, candidates=3, target=2)
+    assert not should_drop_dynamic_filter_output(fallback, remaining_batch_size=2, target_data_size=2)
+    assert should_drop_dynamic_filter_output(fallback, remaining_batch_size=3, target_data_size=2)
 
 
 def test_call_dynamic_filter_wraps_bare_bools():

@@ -120,3 +120,33 @@ def test_append_response_tokens_keeps_tokens_mask_and_logprobs_aligned():
     with pytest.raises(ValueError, match="2 log-probs for 1 tokens"):
         sample.append_response_tokens(tokens=[1], log_probs=[0.0, 0.1])
     assert sample.response_length == 6  # failed appends change nothing
+
+
+# upstream's Sample fields, by name (its plug-ins set and read them)
+UPSTREAM_SAMPLE_FIELDS = {
+    "group_index", "index", "rollout_id", "prompt", "tokens", "multimodal_inputs", "multimodal_train_inputs",
+    "multimodal_train_input_id", "apply_chat_template_kwargs", "response", "response_length", "label", "reward",
+    "loss_mask", "weight_versions", "rollout_log_probs", "rollout_top_p_token_ids", "rollout_top_p_token_offsets",
+    "rollout_routed_experts", "remove_sample", "teacher_log_probs", "status", "metadata", "generate_function_path",
+    "custom_rm_path", "train_metadata", "session_id", "non_generation_time", "spec_info", "prefix_cache_info",
+}
+
+
+def test_sample_has_upstreams_fields_and_their_dict_form_round_trips():
+    assert set(Sample.__dataclass_fields__) == UPSTREAM_SAMPLE_FIELDS
+    sample = Sample(rollout_id=4, index=4, multimodal_train_input_id="img-1",
+                    apply_chat_template_kwargs={"enable_thinking": False}, rollout_top_p_token_ids=[5, 6, 7],
+                    rollout_top_p_token_offsets=[0, 2, 3], response_length=2, teacher_log_probs=[-0.1, -0.2],
+                    status=Sample.Status.COMPLETED)
+    data = sample.to_dict()
+    assert set(data) == UPSTREAM_SAMPLE_FIELDS
+    assert data["rollout_id"] == 4 and data["status"] == "completed"
+    assert data["apply_chat_template_kwargs"] == {"enable_thinking": False}
+    back = Sample.from_dict(data)
+    assert back == sample
+    assert back.to_dict() == data
+    # the short name plug-ins use for the offsets reads and writes the same field
+    assert back.rollout_top_p_offsets == [0, 2, 3]
+    back.rollout_top_p_offsets = [0, 1, 3]
+    assert back.rollout_top_p_token_offsets == [0, 1, 3]
+    assert Sample().apply_chat_template_kwargs is not Sample().apply_chat_template_kwargs

@@ -9,6 +9,7 @@ The trainer receives a dict of equal-length lists, one entry per sample, in roll
   truncated         list[int]         1 when the engine stopped on the length limit
   sample_indices    list[int]         Sample.index (global id)
   rollout_log_probs list[list[float]] engine log-probs of response tokens (only when every sample has them)
+  teacher_log_probs list[list[float]] a distillation teacher's log-probs of them (likewise)
 """
 from __future__ import annotations
 
@@ -93,9 +94,10 @@ def _loss_mask(sample: Sample) -> list[int]:
 def _check_sample(sample: Sample) -> None:
     if sample.response_length > len(sample.tokens):
         raise ValueError(f"sample {sample.index}: response_length {sample.response_length} > {len(sample.tokens)} tokens")
-    logps = sample.rollout_log_probs
-    if logps is not None and len(logps) != sample.response_length:
-        raise ValueError(f"sample {sample.index}: {len(logps)} rollout log-probs for {sample.response_length} response tokens")
+    for name in ("rollout_log_probs", "teacher_log_probs"):
+        logps = getattr(sample, name)
+        if logps is not None and len(logps) != sample.response_length:
+            raise ValueError(f"sample {sample.index}: {len(logps)} {name} for {sample.response_length} response tokens")
 
 
 def samples_to_train_data(args, samples: Sequence[Sample] | Sequence[Sequence[Sample]]) -> dict[str, list[Any]]:
@@ -115,4 +117,6 @@ def samples_to_train_data(args, samples: Sequence[Sample] | Sequence[Sequence[Sa
     }
     if flat and all(s.rollout_log_probs is not None for s in flat):
         data["rollout_log_probs"] = [list(s.rollout_log_probs) for s in flat]
+    if flat and all(s.teacher_log_probs is not None for s in flat):  # --use-opd --opd-type sglang
+        data["teacher_log_probs"] = [[float(v) for v in s.teacher_log_probs] for s in flat]
     return data

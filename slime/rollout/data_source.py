@@ -17,6 +17,7 @@ from typing import Any, Iterator
 
 import torch
 
+from slime.rollout.eval_config import EvalDatasetSpec
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -126,13 +127,24 @@ def train_prompt_spec(args) -> PromptFileSpec:
     )
 
 
+def eval_datasets(args) -> tuple[EvalDatasetSpec, ...]:
+    """The eval datasets parse_args resolved (--eval-config or --eval-prompt-data), or the pairs of a bare args."""
+    resolved = getattr(args, "eval_datasets", None)
+    if resolved:
+        return tuple(resolved)
+    return tuple(EvalDatasetSpec(name, path) for name, path in _name_path_pairs(getattr(args, "eval_prompt_data", None)))
+
+
 def eval_prompt_specs(args) -> dict[str, PromptFileSpec]:
-    """--eval-prompt-data NAME PATH [NAME PATH ...] -> {name: spec}; eval keys default to training's."""
-    pairs = _name_path_pairs(getattr(args, "eval_prompt_data", None))
+    """{name: spec} of every eval dataset; its keys default to the --eval-* ones, then to training's."""
     base = _eval_spec_fields(args)
-    return {
-        name: PromptFileSpec(path=path, flag=f"--eval-prompt-data {name}", **base) for name, path in pairs
-    }
+    flag = "--eval-config" if getattr(args, "eval_config", None) else "--eval-prompt-data"
+    specs = {}
+    for dataset in eval_datasets(args):
+        keys = {key: getattr(dataset, key) for key in ("input_key", "label_key", "tool_key", "metadata_key")
+                if getattr(dataset, key) is not None}
+        specs[dataset.name] = PromptFileSpec(path=dataset.path, flag=f"{flag} {dataset.name}", **{**base, **keys})
+    return specs
 
 
 def _eval_spec_fields(args) -> dict[str, Any]:
@@ -189,17 +201,27 @@ def _read_parquet(spec: PromptFileSpec) -> Iterator[tuple[int, dict]]:
         yield row_number, row
 
 
-def _prompt_text(spec: PromptFileSpec, row: dict, where: str, tokenizer) -> str:
+def _tools(spec: PromptFileSpec, row: dict):
+    if not spec.tool_key or row.get(spec.tool_key) is None:
+        return None
+    tools = row[spec.tool_key]
+    return json.loads(tools) if isinstance(tools, str) else tools
+
+
+def _prompt(spec: PromptFileSpec, row: dict, where: str, tokenizer) -> str | list[dict]:
+    """The prompt text; without --apply-chat-template a chat stays a list of messages (upstream keeps it so:
+    SFT renders it turn by turn, and generation refuses it)."""
     raw = row[spec.input_key]
     if spec.apply_chat_template:
         messages = [{"role": "user", "content": raw}] if isinstance(raw, str) else list(raw)
         kwargs = dict(spec.chat_template_kwargs)
-        if spec.tool_key and row.get(spec.tool_key) is not None:
-            tools = row[spec.tool_key]
-            kwargs["tools"] = json.loads(tools) if isinstance(tools, str) else tools
+        if _tools(spec, row) is not None:
+            kwargs["tools"] = _tools(spec, row)
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+    if isinstance(raw, (list, tuple)) and all(isinstance(m, dict) for m in raw):
+        return list(raw)
     if not isinstance(raw, str):
-        raise ValueError(f"{where}: {spec.input_key!r} holds chat messages; pass --apply-chat-template")
+        raise ValueError(f"{where}: {spec.input_key!r} holds a {type(raw).__name__}, expected text or chat messages")
     return raw
 
 
@@ -221,12 +243,16 @@ def row_to_sample(spec: PromptFileSpec, row: dict, lineno: int, tokenizer) -> Sa
         raise ValueError(f"{where}: input key {spec.input_key!r} missing (keys: {sorted(row)}); set --input-key")
     if spec.label_key is not None and spec.label_key not in row:
         raise ValueError(f"{where}: label key {spec.label_key!r} missing (keys: {sorted(row)}); set --label-key")
-    prompt = _prompt_text(spec, row, where, tokenizer)
+    prompt = _prompt(spec, row, where, tokenizer)
+    metadata = _metadata(spec, row, where)
+    if isinstance(prompt, list) and _tools(spec, row) is not None:
+        metadata.setdefault("tools", _tools(spec, row))  # the chat is rendered later, with its tools
     return Sample(
         prompt=prompt,
-        tokens=list(tokenizer(prompt, add_special_tokens=False)["input_ids"]),
+        # a chat has no tokens until it is rendered (sft_rollout) or refused (generate)
+        tokens=list(tokenizer(prompt, add_special_tokens=False)["input_ids"]) if isinstance(prompt, str) else [],
         label=row[spec.label_key] if spec.label_key is not None else None,
-        metadata=_metadata(spec, row, where),
+        metadata=metadata,
     )
 
 
@@ -289,7 +315,8 @@ class RolloutDataSource:
         self.sample_index = 0
         self.metadata: dict = {}
         self.dataset: PromptDataset | None = None
-        if getattr(args, "prompt_data", None) is not None:
+        # --disable-rollout-global-dataset: the rollout function brings its own prompts
+        if getattr(args, "prompt_data", None) is not None and getattr(args, "rollout_global_dataset", True):
             tokenizer = load_tokenizer(args.hf_checkpoint)
             self.dataset = PromptDataset(train_prompt_spec(args), tokenizer)
         seed = getattr(args, "rollout_seed", None)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from slime.rollout.advantages import flatten_groups
-from slime.rollout.filter_hub.base_types import DropCounter, call_dynamic_filter, should_drop
+from slime.rollout.filter_hub.base_types import DropCounter, call_dynamic_filter, should_drop_dynamic_filter_output
 from slime.utils.http_utils import get, post
 from slime.utils.misc import load_function
 from slime.utils.types import Sample
@@ -119,7 +119,7 @@ class SamplingLoop:
         """File a finished group; returns 1 when it stops being a candidate (dropped), else 0."""
         result.all_groups.append(group)
         verdict = call_dynamic_filter(self.filter, self.args, group)
-        if should_drop(verdict, candidates=candidates, target=self.target):
+        if should_drop_dynamic_filter_output(verdict, remaining_batch_size=candidates, target_data_size=self.target):
             result.drops.drop(verdict.reason)
             return 1
         if len(result.kept_groups) < self.target:

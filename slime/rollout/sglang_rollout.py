@@ -23,13 +23,14 @@ from tqdm import tqdm
 
 from slime.rollout.advantages import flatten_groups
 from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
-from slime.rollout.data_source import PromptDataset, PromptFileSpec, eval_prompt_specs, load_tokenizer
+from slime.rollout.data_source import PromptDataset, PromptFileSpec, eval_datasets, eval_prompt_specs, load_tokenizer
+from slime.rollout.eval_config import EvalDatasetSpec
 from slime.rollout.metrics import compute_eval_metrics, compute_rollout_metrics
-from slime.rollout.rm_hub import async_rm, batched_async_rm, load_hook
+from slime.rollout.rm_hub import async_rm, batched_async_rm
 from slime.rollout.sample_hooks import apply_rollout_sample_hooks
 from slime.rollout.sampling_loop import SamplingLoop
 from slime.utils.http_utils import DEFAULT_TIMEOUT_S, post
-from slime.utils.misc import SingletonMeta
+from slime.utils.misc import SingletonMeta, load_function
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -130,6 +131,10 @@ async def generate(args, sample: Sample, sampling_params: dict[str, Any]) -> Sam
     if sample.status not in (Sample.Status.PENDING, Sample.Status.ABORTED):
         raise ValueError(f"sample {sample.index} is {sample.status.value}; only pending or aborted samples generate")
     if not sample.tokens:
+        if not isinstance(sample.prompt, str):
+            raise ValueError(f"sample {sample.index}: the prompt is a list of chat messages; pass --apply-chat-template "
+                             "to render it (or --rollout-function-path slime.rollout.sft_rollout.generate_rollout "
+                             "to train on the conversation)")
         sample.tokens = list(load_tokenizer(args.hf_checkpoint)(sample.prompt, add_special_tokens=False)["input_ids"])
     params = dict(sampling_params)
     budget = _budget(args, sample, params)
@@ -183,8 +188,9 @@ async def gather_or_cancel(coros) -> list:
 
 
 async def _call_generate(args, sample: Sample, params: dict, evaluation: bool) -> Sample | list[Sample]:
+    # a function set on the sample wins over --custom-generate-function-path (upstream's order)
     path = sample.generate_function_path or getattr(args, "custom_generate_function_path", None)
-    fn = load_hook(path) if path else generate
+    fn = load_function(path) if path else generate
     # upstream passes `evaluation` only to functions that declare it
     if "evaluation" in inspect.signature(fn).parameters:
         result = await fn(args, sample, params, evaluation=evaluation)
@@ -217,7 +223,8 @@ async def generate_and_rm(args, sample: Sample, sampling_params: dict, evaluatio
             sample.status = Sample.Status.ABORTED
             return sample
         result = await _call_generate(args, sample, sampling_params, evaluation)
-    result = await apply_rollout_sample_hooks(args, result, rollout_id=state.rollout_id, evaluation=evaluation)
+    result = await apply_rollout_sample_hooks(args, result, rollout_id=getattr(state, "rollout_id", None),
+                                           evaluation=evaluation)
     samples = _as_list(result)
     if getattr(args, "group_rm", False) or any(s.status == Sample.Status.ABORTED for s in samples):
         return result
@@ -293,9 +300,9 @@ def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = Fals
 def _apply_group_hooks(args, kept: list[list[Sample]], every_group: list[list[Sample]], data_source) -> None:
     """--rollout-sample-filter-path (may set remove_sample), then --rollout-all-samples-process-path."""
     if getattr(args, "rollout_sample_filter_path", None):
-        load_hook(args.rollout_sample_filter_path)(args, kept)
+        load_function(args.rollout_sample_filter_path)(args, kept)
     if getattr(args, "rollout_all_samples_process_path", None):
-        load_hook(args.rollout_all_samples_process_path)(args, every_group, data_source)
+        load_function(args.rollout_all_samples_process_path)(args, every_group, data_source)
 
 
 _eval_datasets: dict[str, PromptDataset] = {}  # repr(spec) -> dataset, read once per process
@@ -308,13 +315,14 @@ def _eval_dataset(args, spec: PromptFileSpec) -> PromptDataset:
     return _eval_datasets[key]
 
 
-def _eval_groups(args, dataset: PromptDataset) -> list[list[Sample]]:
-    n = getattr(args, "n_samples_per_eval_prompt", None) or 1
+def _eval_groups(args, dataset: PromptDataset, config: EvalDatasetSpec) -> list[list[Sample]]:
+    n = config.n_samples_per_eval_prompt or getattr(args, "n_samples_per_eval_prompt", None) or 1
     groups = []
     for group_index, prompt in enumerate(dataset.samples):
         group = [copy.deepcopy(prompt) for _ in range(n)]
         for offset, sample in enumerate(group):
             sample.group_index, sample.index = group_index, group_index * n + offset
+            sample.metadata = config.sample_metadata(sample.metadata)  # per-dataset rm_type (--eval-config)
         groups.append(group)
     return groups
 
@@ -325,12 +333,15 @@ def _eval_reward(args, sample: Sample) -> float:
 
 
 async def eval_rollout(args, rollout_id: int) -> RolloutFnEvalOutput:
-    """Every --eval-prompt-data dataset with the --eval-* sampling settings; metrics per dataset."""
+    """Every eval dataset with the --eval-* sampling settings (and its own, from --eval-config); metrics per
+    dataset."""
     GenerateState(args).reset(rollout_id)
-    params = sampling_params(args, evaluation=True)
     data, metrics = {}, {}
-    for name, spec in eval_prompt_specs(args).items():
-        groups = _eval_groups(args, _eval_dataset(args, spec))
+    specs = eval_prompt_specs(args)
+    for config in eval_datasets(args):
+        name, spec = config.name, specs[config.name]
+        params = {**sampling_params(args, evaluation=True), **config.sampling_overrides()}
+        groups = _eval_groups(args, _eval_dataset(args, spec), config)
         samples = flatten_groups(await generate_groups(args, groups, params, f"eval {name} @ {rollout_id}",
                                                        evaluation=True))
         rewards = [_eval_reward(args, s) for s in samples]

@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence
 
 from slime.utils import sglang_passthrough
 from slime.utils.deadlines import DeadlineModel, default_group_timeout_minutes
+from slime.rollout.eval_config import EvalDatasetSpec, load_eval_config
 from slime.utils.misc import load_function, module_is_findable, round_up
 from slime.utils.security import resolve_api_key, shown
 
@@ -127,6 +128,25 @@ NOT_IMPLEMENTED_FLAGS: tuple[NotImplementedFlag, ...] = (
     *_warned("weights always come from --hf-checkpoint / --load; nothing is randomly initialised",
              "--init-method-std"),
     *_warned("--optimizer sgd is not implemented", "--sgd-momentum"),
+    # upstream slime's remaining non-model flags (the "upstream compatibility" group)
+    NotImplementedFlag(flag="--keep-old-actor",
+                       reason="the old-policy pass already runs on the weights that generated the rollout (train.py "
+                              "pushes after every train), so no second copy is kept"),
+    *_warned("torch profiler traces are not written", "--profile-target", "--use-pytorch-profiler",
+             "--profile-step-start", "--profile-step-end", "--profile-ranks", "--profile"),
+    *_warned("a colocated trainer releases and restores its whole memory at sleep; no margin is reserved",
+             "--train-memory-margin-bytes"),
+    *_warned("a sleeping trainer always keeps the host copy of its weights (the weight push reads it)",
+             "--disable-weights-backuper"),
+    NotImplementedFlag(flag="--megatron-to-hf-mode", is_active=lambda v: v != "raw",
+                       reason="the project's own HF <-> megatron name mapping is used, not Megatron-Bridge"),
+    NotImplementedFlag(flag="--qkv-format", is_active=lambda v: v != "thd",
+                       reason="micro-batches are always packed THD sequences"),
+    *_warned("eval runs on the rollout engines", "--eval-num-gpus"),
+    *_warned("this Megatron logging option is not wired; metrics are logged every rollout",
+             "--log-throughput", "--log-timers-to-tensorboard", "--tensorboard-log-interval", "--log-params-norm",
+             "--timing-log-level"),
+    *_warned("every checkpoint under --save is kept", "--save-retain-interval", "--keep-checkpoint-num"),
 )
 
 # Flags that ask for what this project always does: accepted, read by nobody, and that is correct.
@@ -140,6 +160,7 @@ ALWAYS_HONOURED_FLAGS: dict[str, str] = {
     "--allgather-cp": "context-parallel attention always all-gathers K/V over the CP group",
     "--train-backend": "megatron-core is the only training backend",
     "--no-load-rng": "checkpoints here hold no RNG state",
+    "--no-save-rng": "checkpoints here hold no RNG state",
 }
 
 _DENSE_ONLY = "the model builder is dense-only (Qwen3 / Qwen2 / Llama); MoE models are not supported"
@@ -152,8 +173,6 @@ REFUSED_FLAGS: tuple[NotImplementedFlag, ...] = (
                        reason="the REINFORCE objective is not implemented (the PPO-clip objective is)"),
     NotImplementedFlag(flag="--use-score-centering", reason="score centering is not implemented"),
     NotImplementedFlag(flag="--score-centering-top-k", reason="score centering is not implemented"),
-    *(NotImplementedFlag(flag=f, reason="on-policy distillation is not implemented")
-      for f in ("--use-opd", "--opd-type", "--opd-kl-coef", "--opd-teacher-load", "--opd-teacher-ckpt-step")),
     NotImplementedFlag(flag="--use-unbiased-kl", reason="the importance-weighted (unbiased) KL is not implemented"),
     NotImplementedFlag(flag="--use-opsm", reason="off-policy sequence masking is not implemented"),
     NotImplementedFlag(flag="--opsm-delta", reason="off-policy sequence masking is not implemented"),
@@ -178,7 +197,6 @@ REFUSED_FLAGS: tuple[NotImplementedFlag, ...] = (
     NotImplementedFlag(flag="--rollout-external-engine-addrs",
                        reason="external engines are not supported; the rollout manager launches its own"),
     NotImplementedFlag(flag="--multimodal-keys", reason="multimodal prompts are not supported"),
-    NotImplementedFlag(flag="--eval-config", reason="use --eval-prompt-data NAME PATH [NAME PATH ...] instead"),
     NotImplementedFlag(flag="--load-forge-rollout-data",
                        reason="replaying rollouts with live engines is not implemented; --load-debug-rollout-data "
                               "replays without engines"),
@@ -186,6 +204,29 @@ REFUSED_FLAGS: tuple[NotImplementedFlag, ...] = (
                        reason="checkpoints are saved and loaded with dist_checkpointing (torch_dist) only"),
     NotImplementedFlag(flag="--fp16", reason="fp16 training (loss scaling) is not implemented; use --bf16 or fp32"),
     NotImplementedFlag(flag="--apply-layernorm-1p", reason="the HF Qwen3 / Qwen2 / Llama norms are plain RMSNorm"),
+    # upstream slime's remaining non-model flags (the "upstream compatibility" group)
+    NotImplementedFlag(flag="--sglang-config",
+                       reason="engine groups (prefill / decode / placeholder, per-group overrides) are not implemented; "
+                              "every engine is a regular server of --rollout-num-gpus-per-engine GPUs"),
+    NotImplementedFlag(flag="--prefill-num-servers", reason="prefill/decode disaggregation is not implemented"),
+    NotImplementedFlag(flag="--slime-router-middleware-paths",
+                       reason="upstream's router middlewares are Starlette classes; this project's router is an aiohttp "
+                              "server and cannot mount them (its radix-tree cache middleware is not implemented)"),
+    NotImplementedFlag(flag="--custom-update-weight-post-write-path",
+                       reason="it runs after a disk weight update, and weights never go through disk here "
+                              "(--update-weight-transport disk is not implemented)"),
+    NotImplementedFlag(flag="--true-on-policy-mode",
+                       reason="bit-exact train/rollout numerics (matched kernels on both sides) are not implemented"),
+    NotImplementedFlag(flag="--use-dynamic-global-batch-size",
+                       reason="the global batch is fixed by --global-batch-size / --num-steps-per-rollout"),
+    *(NotImplementedFlag(flag=f, reason="critic training (--advantage-estimator ppo) is not implemented")
+      for f in ("--critic-num-nodes", "--critic-num-gpus-per-node", "--critic-load", "--critic-save", "--critic-lr",
+                "--critic-lr-warmup-iters")),
+    NotImplementedFlag(flag="--rollout-external",
+                       reason="external engines are not supported; the rollout manager launches its own"),
+    NotImplementedFlag(flag="--ckpt-step", reason="--load resumes from its latest iteration; pick one with "
+                                                   "latest_checkpointed_iteration.txt"),
+    NotImplementedFlag(flag="--exit-interval", reason="a run ends after --num-rollout rollouts; set that instead"),
 )
 
 
@@ -504,13 +545,47 @@ def _add_algorithm_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_opd_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("on-policy distillation", "a KL penalty towards a teacher model")
-    g.add_argument("--use-opd", action="store_true", default=False, help="enable on-policy distillation")
+    g = parser.add_argument_group("on-policy distillation",
+                                  "a per-token reverse-KL penalty towards a teacher, added to the advantages")
+    g.add_argument("--use-opd", action="store_true", default=False,
+                   help="enable on-policy distillation (needs --opd-type)")
     g.add_argument("--opd-type", type=str, default=None, choices=["sglang", "megatron"],
-                   help="where the teacher's log-probs come from")
-    g.add_argument("--opd-kl-coef", type=float, default=1.0, help="weight of the distillation KL")
-    g.add_argument("--opd-teacher-load", type=str, default=None, help="Megatron checkpoint of the teacher")
-    g.add_argument("--opd-teacher-ckpt-step", type=int, default=None, help="checkpoint step of the teacher")
+                   help="sglang: a teacher engine scores each sample (slime.rollout.on_policy_distillation as "
+                        "--custom-rm-path / --custom-reward-post-process-path, the engine at --rm-url); megatron: "
+                        "the trainer loads the teacher from --opd-teacher-load")
+    g.add_argument("--opd-kl-coef", type=float, default=1.0, help="weight of the reverse KL in the advantages")
+    g.add_argument("--opd-teacher-load", type=str, default=None,
+                   help="teacher checkpoint (megatron or HF directory, the model's architecture) with --opd-type megatron")
+    g.add_argument("--opd-teacher-ckpt-step", type=int, default=None,
+                   help="iteration of the --opd-teacher-load checkpoint (default: its latest)")
+
+
+def _check_opd(args: argparse.Namespace) -> None:
+    """Upstream's rules for the on-policy distillation flags."""
+    if not args.use_opd:
+        if args.opd_teacher_load is not None:
+            _fail("--opd-teacher-load is set but --use-opd is not; add --use-opd --opd-type megatron")
+        if args.opd_type is not None:
+            _fail(f"--opd-type {args.opd_type} has no effect without --use-opd; add --use-opd")
+        return
+    if args.opd_type is None:
+        _fail("--use-opd needs --opd-type sglang (a teacher engine) or --opd-type megatron (a teacher checkpoint)")
+    if args.opd_type == "megatron":
+        if args.opd_teacher_load is None:
+            _fail("--opd-type megatron needs --opd-teacher-load DIR (the teacher's checkpoint)")
+        _require_path("--opd-teacher-load", args.opd_teacher_load, "checkpoint")
+    elif args.opd_teacher_load is not None:
+        _fail("--opd-teacher-load is for --opd-type megatron; with --opd-type sglang the teacher engine at --rm-url "
+              "scores the samples")
+    if args.opd_teacher_ckpt_step is not None and args.opd_type != "megatron":
+        _fail("--opd-teacher-ckpt-step picks an iteration of --opd-teacher-load (--opd-type megatron)")
+    if args.loss_type != "policy_loss":
+        _fail(f"--use-opd shapes the advantages of --loss-type policy_loss; --loss-type {args.loss_type} has none")
+    if not args.compute_advantages_and_returns:
+        _fail("--use-opd adds its penalty to the advantages: remove --disable-compute-advantages-and-returns")
+    if args.custom_advantage_function_path:
+        _fail("--use-opd adds its penalty to the built-in advantages, which --custom-advantage-function-path "
+              "replaces: drop one of them (or add the teacher term inside the custom function)")
 
 
 def _add_reward_arguments(parser: argparse.ArgumentParser) -> None:
@@ -845,6 +920,54 @@ def _add_custom_megatron_arguments(parser: argparse.ArgumentParser) -> None:
                    help="MoE module-name suffixes replaced in those layers")
 
 
+# upstream flag -> its argparse keywords; what each does here is its registry entry (warned or refused)
+_UPSTREAM_COMPAT_FLAGS: dict[str, dict[str, Any]] = {
+    "--keep-old-actor": dict(action="store_true"),
+    "--profile-target": dict(type=str, default=None), "--use-pytorch-profiler": dict(action="store_true"),
+    "--profile": dict(action="store_true"), "--profile-step-start": dict(type=int, default=None),
+    "--profile-step-end": dict(type=int, default=None), "--profile-ranks": dict(type=int, nargs="+", default=None),
+    "--train-memory-margin-bytes": dict(type=int, default=None), "--disable-weights-backuper": dict(action="store_true"),
+    "--megatron-to-hf-mode": dict(type=str, default="raw", choices=["raw", "bridge"]),
+    "--qkv-format": dict(type=str, default="thd", choices=["thd", "bshd"]),
+    "--eval-num-gpus": dict(type=int, default=None), "--log-throughput": dict(action="store_true"),
+    "--log-timers-to-tensorboard": dict(action="store_true"), "--tensorboard-log-interval": dict(type=int, default=None),
+    "--log-params-norm": dict(action="store_true"), "--timing-log-level": dict(type=int, default=None),
+    "--save-retain-interval": dict(type=int, default=None), "--keep-checkpoint-num": dict(type=int, default=None),
+    "--sglang-config": dict(type=str, default=None), "--prefill-num-servers": dict(type=int, default=None),
+    "--slime-router-middleware-paths": dict(type=str, nargs="+", default=None),
+    "--custom-update-weight-post-write-path": dict(type=str, default=None),
+    "--true-on-policy-mode": dict(action="store_true"), "--use-dynamic-global-batch-size": dict(action="store_true"),
+    "--critic-num-nodes": dict(type=int, default=None), "--critic-num-gpus-per-node": dict(type=int, default=None),
+    "--critic-load": dict(type=str, default=None), "--critic-save": dict(type=str, default=None),
+    "--critic-lr": dict(type=float, default=None), "--critic-lr-warmup-iters": dict(type=int, default=None),
+    "--rollout-external": dict(action="store_true"), "--ckpt-step": dict(type=int, default=None),
+    "--exit-interval": dict(type=int, default=None), "--no-save-rng": dict(action="store_true"),
+}
+
+
+def _registry_help(flag: str) -> str:
+    for entry in REFUSED_FLAGS:
+        if entry.flag == flag:
+            return f"upstream's flag; refused here: {entry.reason}"
+    for entry in NOT_IMPLEMENTED_FLAGS:
+        if entry.flag == flag:
+            return f"upstream's flag; no effect here (warned): {entry.reason}"
+    if flag in ALWAYS_HONOURED_FLAGS:
+        return f"upstream's flag; always true here: {ALWAYS_HONOURED_FLAGS[flag]}"
+    return "upstream's flag (its registry entry says what it does here)"  # registries replaced (tests)
+
+
+def _add_upstream_compat_arguments(parser: argparse.ArgumentParser) -> None:
+    """Upstream slime's remaining non-model flags: two implemented, the rest warned or refused with the reason."""
+    g = parser.add_argument_group("upstream compatibility", "upstream slime flags, with what they do here")
+    g.add_argument("--disable-rollout-global-dataset", action="store_false", dest="rollout_global_dataset",
+                   help="do not load --prompt-data into the data source; a custom --rollout-function-path (or "
+                        "--data-source-path) supplies the prompts")
+    g.add_argument("--log-interval", type=int, default=1, help="write each rank's loss line every N rollouts")
+    for flag, kwargs in _UPSTREAM_COMPAT_FLAGS.items():
+        g.add_argument(flag, help=_registry_help(flag), **kwargs)
+
+
 def _add_fencing_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("fencing (this project)", "hang-proof training step")
     g.add_argument("--fence-timeout", type=float, default=600.0,
@@ -918,6 +1041,7 @@ ARGUMENT_GROUPS: tuple[Callable[[argparse.ArgumentParser], None], ...] = (
     _add_custom_megatron_arguments,
     _add_fencing_arguments,
     _add_security_arguments,
+    _add_upstream_compat_arguments,
 )
 
 # Hook-path flags checked for an importable module when the user sets them.
@@ -1042,12 +1166,6 @@ def build_parser(
 MODEL_FAMILIES = ("qwen3", "qwen2", "llama")
 
 
-@dataclass(frozen=True)
-class EvalDatasetSpec:
-    name: str
-    path: str
-
-
 def _fail(message: str) -> None:
     raise ArgumentValidationError(message)
 
@@ -1072,7 +1190,7 @@ def _named(args: argparse.Namespace, dest: str) -> str:
 def _check_positive(args: argparse.Namespace) -> None:
     for dest in ("rollout_batch_size", "n_samples_per_prompt", "actor_num_nodes", "actor_num_gpus_per_node",
                  "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-                 "expert_model_parallel_size", "rollout_num_gpus_per_engine", "micro_batch_size"):
+                 "expert_model_parallel_size", "rollout_num_gpus_per_engine", "micro_batch_size", "log_interval"):
         if getattr(args, dest) <= 0:
             _fail(f"{_flag(dest)} must be positive, got {getattr(args, dest)}")
     if args.fence_timeout <= 0:
@@ -1219,6 +1337,14 @@ def _require_path(flag: str, path: str, kind: str = "path") -> None:
 
 
 def _resolve_eval_datasets(args: argparse.Namespace) -> None:
+    if args.eval_config is not None:  # upstream: the config replaces --eval-prompt-data
+        _require_path("--eval-config", args.eval_config, "file")
+        try:
+            args.eval_datasets = load_eval_config(args.eval_config)
+        except ValueError as exc:
+            _fail(str(exc))
+        args.eval_prompt_data = [item for spec in args.eval_datasets for item in (spec.name, spec.path)]
+        return
     values = list(args.eval_prompt_data or [])
     if len(values) == 1:
         logger.info("--eval-prompt-data given one path; naming the dataset 'aime' as upstream does")
@@ -1228,7 +1354,7 @@ def _resolve_eval_datasets(args: argparse.Namespace) -> None:
     args.eval_datasets = tuple(EvalDatasetSpec(values[i], values[i + 1]) for i in range(0, len(values), 2))
     args.eval_prompt_data = values or None
     if args.eval_interval is not None and not args.eval_datasets:
-        _fail("--eval-interval needs --eval-prompt-data NAME PATH [NAME PATH ...]")
+        _fail("--eval-interval needs --eval-prompt-data NAME PATH [NAME PATH ...] (or --eval-config FILE)")
 
 
 def _check_paths(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -1236,8 +1362,9 @@ def _check_paths(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
         _require_path("--hf-checkpoint", args.hf_checkpoint, "directory")
     if args.prompt_data is not None and not args.debug_train_only:
         _require_path("--prompt-data", args.prompt_data, "file")
+    eval_flag = "--eval-config" if args.eval_config else "--eval-prompt-data"
     for spec in args.eval_datasets:
-        _require_path(f"--eval-prompt-data {spec.name}", spec.path, "file")
+        _require_path(f"{eval_flag} {spec.name}", spec.path, "file")
     if args.load_debug_rollout_data is not None:
         path = args.load_debug_rollout_data
         if "{rollout_id}" in path:  # a per-rollout template: its directory must exist
@@ -1474,6 +1601,7 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
     _check_logprob_mismatch(args)
     _check_weight_sync(args)
     _check_plugins(args)
+    _check_opd(args)
     _check_ledger(args)
     _check_rollout_faults(args, parser)
     _resolve_tracking(args)

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import os
+import re
+import sys
 import threading
 from typing import Any, Callable
+
+
+_hook_lock = threading.RLock()
 
 
 def split_function_path(path: str) -> tuple[str, str]:
@@ -26,16 +32,33 @@ def split_function_path(path: str) -> tuple[str, str]:
     return module_part, attr
 
 
+def hook_module_name(file_path: str) -> str:
+    """The sys.modules name of a hook file: one per absolute path, so each file is executed once."""
+    real = os.path.realpath(file_path)
+    stem = re.sub(r"\W", "_", os.path.splitext(os.path.basename(real))[0])
+    return f"_slime_hook_{stem}_{hashlib.sha1(real.encode()).hexdigest()[:12]}"
+
+
 def _import_from_file(file_path: str, origin: str) -> Any:
+    """Execute a hook file once per process (as `import` would) and return the same module afterwards:
+    module-level state of a hook (caches, counters, clients) survives between calls."""
     if not os.path.isfile(file_path):
         raise ModuleNotFoundError(f"cannot load {origin!r}: file {file_path!r} does not exist")
-    module_name = "_slime_hook_" + os.path.splitext(os.path.basename(file_path))[0]
-    spec = importlib.util.spec_from_file_location(module_name, file_path)
-    if spec is None or spec.loader is None:
-        raise ModuleNotFoundError(f"cannot load {origin!r}: {file_path!r} is not an importable Python file")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    module_name = hook_module_name(file_path)
+    with _hook_lock:
+        if module_name in sys.modules:
+            return sys.modules[module_name]
+        spec = importlib.util.spec_from_file_location(module_name, file_path)
+        if spec is None or spec.loader is None:
+            raise ModuleNotFoundError(f"cannot load {origin!r}: {file_path!r} is not an importable Python file")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module  # registered first, as import does: the file may import itself
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[module_name]  # a failed load is retried next time, not half-cached
+            raise
+        return module
 
 
 def _import_module(module_part: str, origin: str) -> Any:

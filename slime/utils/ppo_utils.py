@@ -12,6 +12,8 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from slime.backends.megatron_utils.opd import opd_penalised
+
 
 # ------------------------------------------------------------------------- KL / loss
 
@@ -203,15 +205,17 @@ def compute_advantages_and_returns(args: Any, data: dict[str, Any]) -> None:
     masks = [torch.tensor(m, dtype=torch.float32) for m in data["loss_masks"]]
     kl = _shaping_kl(args, data, masks)
     kl_coef = getattr(args, "kl_coef", 0.0) or 0.0
+    # --use-opd: the distillation penalty joins the estimator's advantages before any whitening (upstream's order)
     if estimator in ("grpo", "gspo"):
         returns = get_grpo_returns(data["rewards"], kl)
-        advantages = _whiten(returns, masks) if getattr(args, "normalize_advantages", False) else returns
+        advantages = opd_penalised(args, data, returns)
+        advantages = _whiten(advantages, masks) if getattr(args, "normalize_advantages", False) else advantages
     elif estimator == "reinforce_plus_plus":
         returns = get_reinforce_plus_plus_returns(data["rewards"], kl, masks, kl_coef, getattr(args, "gamma", 1.0))
-        advantages = _whiten(returns, masks)
+        advantages = _whiten(opd_penalised(args, data, returns), masks)
     elif estimator == "reinforce_plus_plus_baseline":
         returns = get_reinforce_plus_plus_baseline_advantages(data["rewards"], kl, masks, kl_coef)
-        advantages = _whiten(returns, masks)
+        advantages = _whiten(opd_penalised(args, data, returns), masks)
     else:
         raise ValueError(f"advantage estimator {estimator!r} needs a critic, which this trainer does not have")
     data["advantages"] = [a.tolist() for a in advantages]

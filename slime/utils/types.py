@@ -18,12 +18,17 @@ class Sample:
 
     group_index: int | None = None
     index: int | None = None
+    # one rollout execution; samples split from one execution (agent sub-trajectories) share it
+    rollout_id: int | None = None
     # prompt: text (chat template already applied) or a list of chat messages
     prompt: str | list[dict[str, str]] = ""
     # prompt + response token ids
     tokens: list[int] = field(default_factory=list)
     multimodal_inputs: dict[str, Any] | None = None
     multimodal_train_inputs: dict[str, Any] | None = None
+    multimodal_train_input_id: str | None = None
+    # extra keyword arguments of the tokenizer's apply_chat_template for this sample (e.g. enable_thinking)
+    apply_chat_template_kwargs: dict = field(default_factory=dict)
     # response
     response: str = ""
     response_length: int = 0
@@ -33,6 +38,9 @@ class Sample:
     loss_mask: list[int] | None = None
     weight_versions: list[str] = field(default_factory=list)
     rollout_log_probs: list[float] | None = None
+    # top-p replay in CSR form: the kept token ids of every response token, offsets of length response_length + 1
+    rollout_top_p_token_ids: list[int] | torch.Tensor | None = None
+    rollout_top_p_token_offsets: list[int] | torch.Tensor | None = None
     rollout_routed_experts: list[list[int]] | None = None
     # True: kept for bookkeeping but contributes no loss
     remove_sample: bool = False
@@ -95,6 +103,15 @@ class Sample:
 
     spec_info: SpecInfo = field(default_factory=SpecInfo)
     prefix_cache_info: PrefixCacheInfo = field(default_factory=PrefixCacheInfo)
+
+    @property
+    def rollout_top_p_offsets(self) -> list[int] | torch.Tensor | None:
+        """Short name of rollout_top_p_token_offsets (plug-ins use both)."""
+        return self.rollout_top_p_token_offsets
+
+    @rollout_top_p_offsets.setter
+    def rollout_top_p_offsets(self, value: list[int] | torch.Tensor | None) -> None:
+        self.rollout_top_p_token_offsets = value
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (status as its string, the info records as dicts); from_dict inverts it."""

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from slime.backends.embedded_engine.sampling import SamplingParams, sample_next_tokens
+from slime.backends.embedded_engine.sampling import SamplingParams, logprob_temperature, sample_next_tokens
 from slime.utils.device_memory import sample_device_memory
 
 logger = logging.getLogger(__name__)
@@ -122,7 +122,9 @@ class EmbeddedEngine:
                 f"engine memory is released ({', '.join(self.released_tags)}); call /resume_memory_occupation first"
             )
         rows = [self._new_row(r) for r in requests]
-        active = [row for row in rows if row.finish_reason is None]
+        # a prompt-scoring request (max_new_tokens 0 with input log-probs, as a distillation teacher gets)
+        # still needs its prefill
+        active = [row for row in rows if row.finish_reason is None or row.request.logprob_start_len >= 0]
         if active:
             self._decode(active, should_abort)
         return [self._result(row) for row in rows]
@@ -342,14 +344,17 @@ def _check_cache_holds(cache, tokens: int) -> None:
 
 
 def _fill_input_logprobs(rows: list[_RowState], logits: torch.Tensor, input_ids: torch.Tensor) -> None:
-    """Log-prob of each prompt token given the tokens before it (left-padded batch; the first has none)."""
+    """Log-prob of each prompt token given the tokens before it (left-padded batch; the first has none), at the
+    request's temperature like the output log-probs (logprob_temperature): a teacher scoring a student's
+    rollout (on-policy distillation) scores it at the temperature the student sampled with."""
     width = input_ids.shape[1]
     for i, row in enumerate(rows):
         if row.request.logprob_start_len < 0:
             continue
         n = len(row.request.input_ids)
         offset = width - n
-        logprobs = torch.log_softmax(logits[i, offset : width - 1].float(), dim=-1)
+        scaled = logits[i, offset : width - 1].float() / logprob_temperature(row.request.params)
+        logprobs = torch.log_softmax(scaled, dim=-1)
         targets = input_ids[i, offset + 1 : width].unsqueeze(1)
         row.input_logprobs = [None, *logprobs.gather(1, targets).squeeze(1).tolist()]
 

@@ -29,6 +29,7 @@ from megatron.core import parallel_state
 
 from slime.backends.megatron_utils.data import plans_from_rollout
 from slime.backends.megatron_utils.loss import LossConfig, metric_keys, trainer_computes_old_log_probs
+from slime.backends.megatron_utils.opd import megatron_teacher
 from slime.backends.megatron_utils.train_step import StepResult, compute_log_probs, train_one_step
 from slime.distributed import (
     Ledger,
@@ -98,15 +99,20 @@ class MegatronTrainActor:
         self.model, self.optimizer, self.lr_scheduler = build_model_and_optimizer(self.args, self.hf_config)
         self.memory = TrainerMemory(self.model, self.optimizer)  # colocate: what sleep frees and wake restores
         self.snapshots = WeightSnapshots(self.model)
+        # forward-only copies first (the model holds each in turn), then the actor's own weights
+        loaded = None
         reference = self.args.ref_load or self.args.hf_checkpoint  # --ref-load defaults to the HF weights
-        needs_reference = bool(self.args.use_kl_loss or self.args.kl_coef)
-        if needs_reference:
-            self._load_weights(reference)
+        if self.args.use_kl_loss or self.args.kl_coef:
+            loaded = self._load_weights(reference, self.args.ref_ckpt_step)
             self.snapshots.take("ref")
+        teacher = megatron_teacher(self.args)  # --use-opd --opd-type megatron
+        if teacher is not None:
+            loaded = self._load_weights(*teacher)
+            self.snapshots.take("teacher")
         if self.args.load and latest_iteration(self.args.load) is not None:
             return self._resume(self.args.load)
-        if not (needs_reference and reference == self.args.hf_checkpoint):
-            self._load_weights(self.args.hf_checkpoint)
+        if loaded != self.args.hf_checkpoint:
+            self._load_weights(self.args.hf_checkpoint, self.args.ref_ckpt_step)
         return 0
 
     def _resume(self, path: str) -> int:
@@ -120,12 +126,14 @@ class MegatronTrainActor:
             self.optimizer.reload_model_params()  # bf16 main params follow the loaded weights (load_model_weights)
         return 0 if self.args.finetune else iteration + 1
 
-    def _load_weights(self, path: str) -> None:
-        """Model weights from an HF directory or a megatron checkpoint (--ref-load accepts both;
-        --ref-ckpt-step picks the checkpoint's iteration); the optimizer's main params follow them."""
+    def _load_weights(self, path: str, iteration: int | None) -> str:
+        """Model weights from an HF directory or a megatron checkpoint (--ref-load and --opd-teacher-load accept
+        both; --ref-ckpt-step / --opd-teacher-ckpt-step pick the checkpoint's iteration); the optimizer's main
+        params follow them. Returns `path`."""
         from slime.backends.megatron_utils.checkpoint import load_model_weights
 
-        load_model_weights(path, self.model, self.optimizer, self.hf_config, iteration=self.args.ref_ckpt_step)
+        load_model_weights(path, self.model, self.optimizer, self.hf_config, iteration=iteration)
+        return path
 
     # ------------------------------------------------------------- actor_train
     def train(self, rollout_id: int, data: dict[str, Any]) -> dict[str, Any]:
@@ -211,6 +219,7 @@ class MegatronTrainActor:
             "metric_keys": sorted(metric_keys(cfg)),
             "optional_collectives": sorted(name for name, on in (
                 ("kl_loss", cfg.use_kl_loss), ("ref_log_probs", "ref" in self.snapshots),
+                ("teacher_log_probs", "teacher" in self.snapshots),
                 ("old_log_probs", trainer_computes_old_log_probs(self.args))) if on),
         }
         self.groups.fence(fence_name, apply_plan_fault(fields, self.rank, rollout_id))
@@ -227,13 +236,14 @@ class MegatronTrainActor:
             if trainer_computes_old_log_probs(self.args):  # else the engines' log-probs are the old policy
                 call_hook(before, self.args, self.model, "")
                 data["log_probs"] = compute_log_probs(self.model, data, plans, self.args, **hooks)
-            if "ref" in self.snapshots:
-                with self.snapshots.swapped("ref"):
-                    call_hook(before, self.args, self.model, "ref_")
-                    data["ref_log_probs"] = compute_log_probs(self.model, data, plans, self.args, **hooks)
+            for tag in FORWARD_ONLY_COPIES:
+                if tag in self.snapshots:
+                    with self.snapshots.swapped(tag):
+                        call_hook(before, self.args, self.model, f"{tag}_")
+                        data[f"{tag}_log_probs"] = compute_log_probs(self.model, data, plans, self.args, **hooks)
         if self.args.advantage_estimator in WHOLE_ROLLOUT_ESTIMATORS:
             with self.watchdog.phase("actor_train/log_probs_share"):
-                share_across_dp(data, ("log_probs", "ref_log_probs"))
+                share_across_dp(data, ("log_probs", *(f"{tag}_log_probs" for tag in FORWARD_ONLY_COPIES)))
 
     def _train_step(self, rollout_id: int, data: dict, plan) -> StepResult:
         call_hook(self.args.custom_megatron_before_train_step_hook_path, self.args, rollout_id, plan.step_index,
@@ -273,8 +283,9 @@ class MegatronTrainActor:
         def write() -> None:
             if fault_active("stall_logging", self.rank, rollout_id):
                 stall_forever()
-            logger.info("rank %d rollout %d: loss=%.6g grad_norm=%.6g", self.rank, rollout_id,
-                        metrics["train/loss"], metrics["train/grad_norm"])
+            if (rollout_id + 1) % self.args.log_interval == 0:  # --log-interval
+                logger.info("rank %d rollout %d: loss=%.6g grad_norm=%.6g", self.rank, rollout_id,
+                            metrics["train/loss"], metrics["train/grad_norm"])
 
         writer = threading.Thread(target=write, name="rank-logging", daemon=True)
         writer.start()
@@ -352,6 +363,10 @@ def call_hook(path: str | None, *args):
 
         load_function(path)(*args)
 
+
+# Weight copies scored in the log-prob phase, in this order: the reference policy (KL loss / shaping) and
+# the distillation teacher (--opd-type megatron); their log-probs go to data["<tag>_log_probs"].
+FORWARD_ONLY_COPIES = ("ref", "teacher")
 
 # Estimators whose advantages use statistics of the whole rollout (KL shaping, whitening): each rank
 # needs every sample's log-probs, not only those of its DP rank.

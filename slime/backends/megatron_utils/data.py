@@ -31,6 +31,7 @@ PER_TOKEN_KEYS: dict[str, str] = {
     "ref_log_probs": "ref_log_probs",
     "advantages": "advantages",
     "rollout_log_probs": "rollout_log_probs",
+    "opd_reverse_kl": "opd_reverse_kl",
 }
 
 PAD_TOKEN_ID = 0
@@ -326,6 +327,8 @@ class PackedMicroBatch:
     ref_log_probs: torch.Tensor | None
     advantages: torch.Tensor | None
     rollout_log_probs: torch.Tensor | None
+    opd_reverse_kl: torch.Tensor | None
+    """--use-opd: student - teacher log-prob per token (a metric; the penalty is in the advantages)."""
     sample_ids: tuple[int, ...]
     """Sample position per packed sequence (PADDING_SAMPLE_ID for the dummy sequence)."""
     total_lengths: tuple[int, ...]

@@ -29,6 +29,7 @@ import torch
 
 from slime.backends.megatron_utils import loss_hooks
 from slime.backends.megatron_utils.data import MicroBatchPlan, PackedMicroBatch
+from slime.backends.megatron_utils.opd import OPD_KL_KEY
 from slime.utils.ppo_utils import (
     compute_approx_kl,
     compute_entropy_from_logits,
@@ -63,6 +64,8 @@ class LossConfig:
     """Also report the TIS ratio statistics and ois (--get-mismatch-metrics); the loss is unchanged."""
     sequence_level_ratio: bool = False
     """GSPO: one importance ratio per sample (the mean token log-ratio), clipped per sample."""
+    use_opd: bool = False
+    """On-policy distillation: report the rollout's reverse KL to the teacher (opd_reverse_kl)."""
     loss_type: str = "policy_loss"
     custom_loss_function_path: str | None = None
     custom_tis_function_path: str | None = None
@@ -96,6 +99,7 @@ class LossConfig:
             use_rollout_logprobs=bool(getattr(args, "use_rollout_logprobs", False)),
             get_mismatch_metrics=bool(getattr(args, "get_mismatch_metrics", False)),
             sequence_level_ratio=getattr(args, "advantage_estimator", "grpo") == "gspo",
+            use_opd=bool(getattr(args, "use_opd", False)),
             loss_type=getattr(args, "loss_type", None) or "policy_loss",
             custom_loss_function_path=getattr(args, "custom_loss_function_path", None),
             custom_tis_function_path=getattr(args, "custom_tis_function_path", None),
@@ -124,6 +128,8 @@ def metric_keys(cfg: LossConfig) -> tuple[str, ...]:
     keys = ["loss", "pg_loss", "pg_clipfrac", "ppo_kl", "entropy_loss", LOGPROB_DIFF_KEY]
     if cfg.use_kl_loss:
         keys.append("kl_loss")
+    if cfg.use_opd:
+        keys.append(OPD_KL_KEY)
     if cfg.mismatch_terms:
         keys.append("ois")
         if cfg.custom_tis_function_path is None:  # a TIS plug-in reports its own statistics
@@ -219,10 +225,14 @@ def policy_token_terms(log_probs: torch.Tensor, entropy: torch.Tensor, packed: P
     # Masked positions get log-ratio 0 so exp() cannot overflow on prompt tokens.
     ppo_kl = (old - log_probs) * mask
     ratio_kl = loss_hooks.sequence_mean_log_ratio(ppo_kl, packed) if cfg.sequence_level_ratio else ppo_kl
-    pg_loss, clipfrac = compute_policy_loss(ratio_kl, packed.advantages, cfg.eps_clip, cfg.eps_clip_high,
-                                            cfg.eps_clip_c)
+    pg_loss, clipfrac = compute_policy_loss(ratio_kl, packed.advantages, eps_clip=cfg.eps_clip,
+                                            eps_clip_high=cfg.eps_clip_high, eps_clip_c=cfg.eps_clip_c)
     terms = {"ppo_kl": ppo_kl, "pg_clipfrac": clipfrac, "entropy_loss": entropy,
              LOGPROB_DIFF_KEY: rollout_logprob_abs_diff(log_probs, packed)}
+    if cfg.use_opd:
+        if packed.opd_reverse_kl is None:
+            raise ValueError("--use-opd: the rollout data has no opd_reverse_kl (computed with the advantages)")
+        terms[OPD_KL_KEY] = packed.opd_reverse_kl * mask
     if cfg.mismatch_terms:
         flag = "--use-tis" if cfg.use_tis else "--get-mismatch-metrics"
         rollout = _rollout_log_probs(packed, flag) * mask

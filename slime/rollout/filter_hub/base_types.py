@@ -24,11 +24,13 @@ def call_dynamic_filter(fn: Callable[..., Any] | None, args, group: list) -> Dyn
     return output if isinstance(output, DynamicFilterOutput) else DynamicFilterOutput(keep=bool(output))
 
 
-def should_drop(output: DynamicFilterOutput, *, candidates: int, target: int) -> bool:
-    """Drop a rejected group unless it asked to be kept when the remaining candidates barely fill the batch."""
+def should_drop_dynamic_filter_output(output: DynamicFilterOutput, *, remaining_batch_size: int,
+                                      target_data_size: int) -> bool:
+    """Drop a rejected group unless it asked to be kept when the groups still in play (in flight or kept,
+    `remaining_batch_size`) barely fill the rollout (`target_data_size`)."""
     if output.keep:
         return False
-    return not (output.keep_when_insufficient and candidates <= target)
+    return not (output.keep_when_insufficient and remaining_batch_size <= target_data_size)
 
 
 class DropCounter:

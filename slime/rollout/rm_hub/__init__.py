@@ -13,16 +13,19 @@ from typing import Any, Callable
 
 import aiohttp
 
+from slime.utils.misc import load_function
 from slime.utils.types import Sample
 
 from .deepscaler import get_deepscaler_rule_based_reward
 from .f1 import f1_score
-from .f1 import normalize_text
+from .f1 import normalize_answer as normalize_f1_answer
 from .gpqa import _letters, compute_gpqa_reward, label_to_letter
 from .math_dapo_utils import compute_score as compute_score_dapo
-from .math_utils import extract_answer, grade_math_response, normalize_answer
+from .math_utils import extract_answer, grade_answer_verl, grade_math_response, normalize_answer
 
 logger = logging.getLogger(__name__)
+
+__all__ = ["async_rm", "batched_async_rm", "grade_answer_verl"]
 
 RM_TYPES = ("math", "deepscaler", "dapo", "f1", "gpqa", "remote_rm")
 _REMOTE_RM_RETRIES = 3
@@ -57,7 +60,7 @@ def label_problem(rm_type: str, label, metadata: dict) -> str | None:
             return f"a {type(item).__name__} label {str(item)[:60]!r}"
         if rm_type in _MATH_LIKE and not normalize_answer(str(item)):
             return f"label {str(item)[:60]!r} holds no answer"
-        if rm_type == "f1" and not normalize_text(item):
+        if rm_type == "f1" and not normalize_f1_answer(item):
             return f"label {str(item)[:60]!r} holds no words"
         if rm_type == "gpqa" and label_to_letter(item, metadata, _letters(metadata)) is None:
             return f"label {str(item)[:60]!r} names none of the choices {_letters(metadata)}"
@@ -66,13 +69,6 @@ def label_problem(rm_type: str, label, metadata: dict) -> str | None:
 
 def _zero_reward(rm_type: str) -> float | dict:
     return {"score": 0.0, "acc": False, "pred": "[NO LABEL]"} if rm_type == "dapo" else 0
-
-
-def load_hook(path: str) -> Callable:
-    """Import a user hook `pkg.module.func` (through slime.utils.misc.load_function)."""
-    from slime.utils.misc import load_function
-
-    return load_function(path)
 
 
 def _rule_based(rm_type: str, response: str, label, metadata: dict) -> float | int | dict:
@@ -112,7 +108,7 @@ async def async_rm(args, sample: Sample, **kwargs) -> Any:
     """Reward of one sample: per-sample or global custom rm, else the rule named by rm_type."""
     custom = sample.custom_rm_path or getattr(args, "custom_rm_path", None)
     if custom:
-        return await load_hook(custom)(args, sample, **kwargs)
+        return await load_function(custom)(args, sample, **kwargs)
     metadata = sample.metadata if isinstance(sample.metadata, dict) else {}
     rm_type = (metadata.get("rm_type") or getattr(args, "rm_type", None) or "").strip()
     if not rm_type:
@@ -135,5 +131,5 @@ async def batched_async_rm(args, samples: list[Sample], **kwargs) -> list[Any]:
     """Rewards of a group; a custom rm (with --group-rm) receives the whole list at once."""
     custom = getattr(args, "custom_rm_path", None)
     if custom:
-        return await load_hook(custom)(args, samples, **kwargs)
+        return await load_function(custom)(args, samples, **kwargs)
     return list(await asyncio.gather(*(async_rm(args, sample, **kwargs) for sample in samples)))

@@ -1,16 +1,27 @@
-"""`--rm-type deepscaler`: reasoning-format reward. The answer must follow `</think>` and be boxed."""
+"""`--rm-type deepscaler`: reasoning-format reward. The boxed answer is read from the response's tail:
+after the last `</think>`, or (responses of base-model prompt formats) after `###Response`."""
 from __future__ import annotations
 
 from .math_utils import extract_answer, grade_answer
 
 THINK_END = "</think>"
+RESPONSE_MARKER = "###Response"
+
+
+def solution_tail(response: str) -> str | None:
+    """The part of the response that holds the final answer, or None when neither marker is present."""
+    if THINK_END in response:
+        return response.rsplit(THINK_END, 1)[1]
+    if RESPONSE_MARKER in response:
+        return response.split(RESPONSE_MARKER, 1)[1]
+    return None
 
 
 def get_deepscaler_rule_based_reward(response: str, label) -> int:
-    """1 when the boxed answer after `</think>` equals the label (or any label in a list), else 0."""
-    if THINK_END not in response:
+    """1 when the boxed answer of the solution tail equals the label (or any label in a list), else 0."""
+    solution = solution_tail(response)
+    if solution is None:
         return 0
-    solution = response.split(THINK_END, 1)[1]
     answer = extract_answer(solution)
     if answer is None:
         return 0

@@ -9,7 +9,7 @@ _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCT = str.maketrans("", "", string.punctuation)
 
 
-def normalize_text(text: str) -> str:
+def normalize_answer(text: str) -> str:
     """Lowercase, drop punctuation and articles, collapse whitespace."""
     text = str(text).lower().translate(_PUNCT)
     return " ".join(_ARTICLES.sub(" ", text).split())
@@ -20,8 +20,8 @@ def f1_score(prediction: str, ground_truth) -> tuple[float, float, float]:
     if isinstance(ground_truth, (list, tuple)):
         scores = [f1_score(prediction, truth) for truth in ground_truth] or [(0.0, 0.0, 0.0)]
         return max(scores)
-    pred_tokens = normalize_text(prediction).split()
-    truth_tokens = normalize_text(ground_truth).split()
+    pred_tokens = normalize_answer(prediction).split()
+    truth_tokens = normalize_answer(ground_truth).split()
     common = sum((Counter(pred_tokens) & Counter(truth_tokens)).values())
     if common == 0:
         return 0.0, 0.0, 0.0

@@ -6,7 +6,8 @@ import string
 
 from .math_utils import extract_answer
 
-_DEFAULT_NUM_CHOICES = 4
+# the option letters when the sample names neither its choices nor its valid letters (upstream's default)
+DEFAULT_VALID_LETTERS = list(string.ascii_uppercase[:10])
 # strongest cue first; the last match of the first pattern that matches wins
 _CUES = (
     r"(?i)answer\s*(?:is|:)\s*\(?\**([A-Z])\b",
@@ -16,9 +17,12 @@ _CUES = (
 
 
 def _letters(metadata: dict | None) -> str:
-    choices = (metadata or {}).get("choices")
-    count = len(choices) if choices else _DEFAULT_NUM_CHOICES
-    return string.ascii_uppercase[:count]
+    """The option letters: metadata['valid_letters'], else one per metadata['choices'], else A-J."""
+    metadata = metadata or {}
+    if metadata.get("valid_letters"):
+        return "".join(str(letter).strip().upper() for letter in metadata["valid_letters"])
+    choices = metadata.get("choices")
+    return string.ascii_uppercase[:len(choices)] if choices else "".join(DEFAULT_VALID_LETTERS)
 
 
 def extract_choice(response: str, letters: str) -> str | None:

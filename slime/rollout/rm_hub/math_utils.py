@@ -60,6 +60,7 @@ def _strip_text_wrappers(s: str) -> str:
 def _canonical_frac(s: str) -> str:
     # \frac12 -> \frac{1}{2}; \frac{1}2 -> \frac{1}{2}; \sqrt2 -> \sqrt{2}
     s = re.sub(r"\\frac(\d)(\d)", r"\\frac{\1}{\2}", s)
+    s = re.sub(r"\\frac(\w)\{", r"\\frac{\1}{", s)
     s = re.sub(r"\\sqrt(\w)", r"\\sqrt{\1}", s)
     return re.sub(r"\\frac\{([^{}]*)\}(\d)", r"\\frac{\1}{\2}", s)
 
@@ -139,3 +140,38 @@ def grade_math_response(response: str, label) -> bool:
     labels = label if isinstance(label, (list, tuple)) else [label]
     answer = extract_math_answer(response)
     return any(grade_answer(answer, truth) for truth in labels)
+
+
+def grade_answer_verl(solution_str: str, ground_truth) -> bool:
+    """True when the boxed answer of `solution_str` equals `ground_truth` (itself possibly boxed); False when
+    either is missing. Upstream's name for the boxed-only grade that example plug-ins import."""
+    if not ground_truth:
+        return False
+    truth = str(ground_truth)
+    if "\\boxed" in truth:
+        truth = extract_answer(truth)
+    return grade_answer(extract_answer(solution_str or ""), truth)
+
+
+def _strip_string(string: str) -> str:
+    """The MATH dataset's answer normalisation (upstream keeps this private name; plug-ins import it).
+
+    Unlike normalize_answer it keeps case, and turns `0.5` and integer `a/b` into `\\frac{a}{b}`.
+    """
+    s = str(string).replace("\n", "").replace("\\!", "").replace("\\\\", "\\")
+    s = s.replace("tfrac", "frac").replace("dfrac", "frac").replace("\\left", "").replace("\\right", "")
+    s = s.replace("^{\\circ}", "").replace("^\\circ", "").replace("\\$", "")
+    s = s.split("\\text{ ")[0] if "\\text{ " in s else s  # trailing units
+    s = s.replace("\\%", "").replace("%", "").replace(" .", " 0.").replace("{.", "{0.")
+    if not s:
+        return s
+    if s[0] == ".":
+        s = "0" + s
+    sides = s.split("=")
+    if len(sides) == 2 and len(sides[0]) <= 2:  # "k = 5" -> "5"
+        s = sides[1]
+    s = _canonical_frac(s.replace(" ", ""))
+    if s == "0.5":
+        return "\\frac{1}{2}"
+    ratio = re.fullmatch(r"(-?\d+)/(-?\d+)", s)
+    return f"\\frac{{{ratio.group(1)}}}{{{ratio.group(2)}}}" if ratio else s
