@@ -36,7 +36,8 @@ from slime.backends.megatron_utils.weight_transport import (
 from slime.backends.sglang_utils.http_client import ClientTimeouts
 from slime.backends.sglang_utils.launcher import launch_engine
 from slime.backends.sglang_utils.named_tensors import deserialize_named_tensors
-from slime.backends.sglang_utils.process import find_free_port
+from slime.utils.ports import find_free_port
+from slime.utils.security import ApiKey, use_key
 
 METHODS = ("old", "shm", "distributed")
 
@@ -132,7 +133,8 @@ def main(argv: list[str] | None = None) -> None:
     named, export_s = exported_weights(checkpoint)
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
     launch_args = types.SimpleNamespace(seed=1, embedded_engine_num_threads=1, fence_timeout=120.0)
-    handles = [launch_engine("embedded", launch_args, i, find_free_port(), checkpoint, startup_timeout_s=600,
+    use_key(ApiKey.generate())  # the engines require it; every push sends it
+    handles = [launch_engine("embedded", launch_args, i, 0, checkpoint, startup_timeout_s=600,
                              log_dir=str(workdir / "logs")) for i in range(opts.engines)]
     engines = EngineSet(tuple(h.url for h in handles), ClientTimeouts(weight_update=600.0))
     transports = {"shm": TensorTransport(engines, "embedded", 1),

@@ -22,7 +22,9 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from slime.backends.sglang_utils.http_client import ClientTimeouts, SGLangHTTPClient  # noqa: E402
-from slime.backends.sglang_utils.process import find_free_port, python_module_command, start_server_process  # noqa: E402
+from slime.backends.sglang_utils.process import python_module_command, start_server_process  # noqa: E402
+from slime.utils.ports import find_free_port  # noqa: E402
+from slime.utils.security import ApiKey, use_key  # noqa: E402
 
 TARGET_RATIO = 0.10  # asleep / awake, the colocate memory target
 
@@ -47,6 +49,7 @@ def greedy_batch(client: SGLangHTTPClient, prompts: int, new_tokens: int) -> lis
 
 def main() -> int:
     opts = parse()
+    use_key(ApiKey.generate())  # the engine requires it; the client sends it
     port = find_free_port()
     command = python_module_command("slime.backends.embedded_engine.server", [
         "--model-path", opts.model_path, "--port", str(port), "--device", opts.device, "--dtype", opts.dtype])

@@ -366,7 +366,8 @@ def bench_fence_latency(actor, repeats: int) -> dict[str, float]:
 def bench_weight_sync(actor, repeats: int = 3) -> dict[str, float]:
     """Trainer-side cost of a weight sync: export (TP gather + HF conversion) and per-bucket encode."""
     from slime.backends.megatron_utils.update_weight import SyncRole, build_weight_sync_plan, iter_planned_buckets
-    from slime.backends.sglang_utils.shared_payload import shared_memory_dir, write_shared_bucket
+    from slime.backends.sglang_utils.shared_payload import make_run_directory, write_shared_bucket
+    from slime.utils.security import ApiKey
     from slime_plugins.models.hf_weights import export_hf_weights
 
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
@@ -374,6 +375,7 @@ def bench_weight_sync(actor, repeats: int = 3) -> dict[str, float]:
     plan = build_weight_sync_plan(actor.model, actor.hf_config, tp_size=role.tp_size,
                                   bucket_bytes=actor.weight_sync.bucket_bytes, pp_rank=role.pp_rank)
     runs = []
+    shared_dir = make_run_directory(ApiKey.generate())  # private, as a run's
     for _ in range(repeats):
         actor.groups.fence("bench/weight_sync_start")
         gather_s = encode_s = 0.0
@@ -388,10 +390,11 @@ def bench_weight_sync(actor, repeats: int = 3) -> dict[str, float]:
                     break
                 if role.sender:
                     t0 = time.perf_counter()
-                    write_shared_bucket(item[1], shared_memory_dir(), f"bench-bucket{item[0].index}").remove()
+                    write_shared_bucket(item[1], shared_dir, f"bench-bucket{item[0].index}").remove()
                     encode_s += time.perf_counter() - t0
         runs.append((gather_s, encode_s))
     actor.groups.fence("bench/weight_sync_done")
+    shared_dir.rmdir()
     gather = statistics.median(r[0] for r in runs)
     encode = statistics.median(r[1] for r in runs)
     gb = plan.total_bytes / 1e9

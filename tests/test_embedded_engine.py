@@ -20,11 +20,11 @@ from slime.backends.sglang_utils.launcher import (
 )
 from slime.backends.megatron_utils.weight_transport import encode_safetensors_payload
 from slime.backends.sglang_utils.named_tensors import deserialize_named_tensors, serialize_named_tensors
-from slime.backends.sglang_utils.process import find_free_port
 from slime.backends.sglang_utils.server_args import render_server_flags
 from slime.backends.sglang_utils.shared_payload import LOAD_FORMAT as SHM_FORMAT
-from slime.backends.sglang_utils.shared_payload import write_shared_bucket
+from slime.backends.sglang_utils.shared_payload import make_run_directory, write_shared_bucket
 from slime.tools.tiny_checkpoint import TinyQwen3Spec, write_tiny_checkpoint
+from slime.utils.security import auth_headers, current_key
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -40,7 +40,7 @@ def checkpoint(tmp_path_factory):
 def engine(checkpoint, tmp_path_factory):
     args = types.SimpleNamespace(seed=7)
     handle = launch_engine(
-        "embedded", args, 0, find_free_port(), checkpoint, startup_timeout_s=120,
+        "embedded", args, 0, 0, checkpoint, startup_timeout_s=120,
         log_dir=str(tmp_path_factory.mktemp("logs")),
     )
     yield handle
@@ -147,7 +147,7 @@ def test_bad_requests_are_clear_errors(client):
 
 
 def _post_generate(engine, body: dict) -> requests.Response:
-    return requests.post(engine.url + "/generate", json=body, timeout=60)
+    return requests.post(engine.url + "/generate", json=body, headers=auth_headers(), timeout=60)
 
 
 def test_generate_body_keys_follow_sglang(engine):
@@ -191,22 +191,22 @@ def test_health_info_flush(client, engine):
     assert client.health()
     client.health_generate()
     client.flush_cache()
-    assert requests.get(engine.url + "/flush_cache", timeout=10).status_code == 200
+    assert requests.post(engine.url + "/flush_cache", headers=auth_headers(), timeout=10).status_code == 200
     # SGLang: no flush while a request runs, unless ?timeout= lets it wait for the scheduler to go idle.
     running = threading.Thread(target=lambda: greedy(SGLangHTTPClient(engine.url), n=3000))
     running.start()
     time.sleep(0.5)
-    busy = requests.post(engine.url + "/flush_cache", timeout=10)
+    busy = requests.post(engine.url + "/flush_cache", headers=auth_headers(), timeout=10)
     assert busy.status_code == 400, busy.text
-    waiting = requests.post(engine.url + "/flush_cache?timeout=0.5", timeout=10)
+    waiting = requests.post(engine.url + "/flush_cache?timeout=0.5", headers=auth_headers(), timeout=10)
     assert waiting.status_code == 400, waiting.text  # still running after waiting 0.5 s
     client.abort_all()
-    assert requests.post(engine.url + "/flush_cache?timeout=60", timeout=70).status_code == 200
+    assert requests.post(engine.url + "/flush_cache?timeout=60", headers=auth_headers(), timeout=70).status_code == 200
     running.join(timeout=30)
     assert not running.is_alive()
     info = client.model_info()
     assert info["is_generation"] and info["model_type"] == "qwen3"
-    assert requests.get(engine.url + "/get_weight_version", timeout=10).json()["weight_version"] == info["weight_version"]
+    assert requests.get(engine.url + "/get_weight_version", headers=auth_headers(), timeout=10).json()["weight_version"] == info["weight_version"]
 
 
 def test_pause_holds_requests_until_continue(client, engine):
@@ -257,12 +257,12 @@ def test_release_and_resume_memory(client):
     assert client.model_info()["released_tags"] == []
 
 
-def push(client, named, version, load_format=SHM_FORMAT, tmp_dir="/tmp"):
-    """One session-wrapped push, as the weight sync does it."""
+def push(client, named, version, load_format=SHM_FORMAT):
+    """One session-wrapped push, as the weight sync does it (shared buckets in the run's own directory)."""
     assert client.begin_weight_update()
     try:
         if load_format == SHM_FORMAT:
-            shared = write_shared_bucket(named, tmp_dir, f"test-push-{time.time_ns()}")
+            shared = write_shared_bucket(named, make_run_directory(current_key()), f"test-push-{time.time_ns()}")
             try:
                 return client.update_weights_from_serialized([shared.descriptor], weight_version=version,
                                                              load_format=SHM_FORMAT)
@@ -377,7 +377,8 @@ def test_sglang_command_needs_sglangs_parser():
     cmd = build_sglang_command(args, 3, "127.0.0.1", 30001, "/m", gpu_ids=[5, 6], parser=_tiny_launch_parser_full())
     joined = " ".join(cmd)
     assert cmd[1:3] == ["-m", "sglang.launch_server"]
-    for part in ("--model-path /m", "--port 30001", "--tp-size 2", "--base-gpu-id 5", "--enable-memory-saver"):
+    for part in ("--model-path /m", "--port 30001", "--tp-size 2", "--base-gpu-id 5", "--enable-memory-saver",
+                 f"--api-key {current_key().reveal()}"):  # SGLang takes the run's key in argv only
         assert part in joined
 
 
@@ -385,6 +386,7 @@ def _tiny_launch_parser_full():
     parser = _tiny_launch_parser()
     for flag in ("--base-gpu-id", "--random-seed"):
         parser.add_argument(flag, type=int)
+    parser.add_argument("--api-key", type=str)
     for flag in ("--trust-remote-code", "--skip-server-warmup"):
         parser.add_argument(flag, action="store_true")
     return parser

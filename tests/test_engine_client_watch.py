@@ -14,6 +14,7 @@ from rollout_testing import AppThread
 from slime.backends.embedded_engine.engine import EmbeddedEngine
 from slime.backends.embedded_engine.server import build_app
 from slime.tools.tiny_checkpoint import TinyQwen3Spec, write_tiny_checkpoint
+from slime.utils.security import auth_headers, current_key
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -23,13 +24,13 @@ LONG = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 3000, "ign
 @pytest.fixture(scope="module")
 def engine_url(tmp_path_factory):
     checkpoint = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), TinyQwen3Spec(layers=1))
-    server = AppThread(build_app(EmbeddedEngine(str(checkpoint), seed=3))).start()
+    server = AppThread(build_app(EmbeddedEngine(str(checkpoint), seed=3), api_key=current_key())).start()
     yield f"http://127.0.0.1:{server.port}"
     server.stop()
 
 
 def _held(url: str) -> list[str]:
-    return requests.get(url + "/get_server_info", timeout=10).json()["request_ids"]
+    return requests.get(url + "/server_info", headers=auth_headers(), timeout=10).json()["request_ids"]
 
 
 def _wait_for(condition, timeout_s: float) -> float:
@@ -43,7 +44,7 @@ def _wait_for(condition, timeout_s: float) -> float:
 def test_request_of_a_client_that_went_away_stops_generating(engine_url):
     def client_that_gives_up():
         with pytest.raises(requests.Timeout):
-            requests.post(engine_url + "/generate", json={**LONG, "rid": "gone-1"}, timeout=1.0)
+            requests.post(engine_url + "/generate", json={**LONG, "rid": "gone-1"}, headers=auth_headers(), timeout=1.0)
 
     thread = threading.Thread(target=client_that_gives_up)
     thread.start()
@@ -51,7 +52,7 @@ def test_request_of_a_client_that_went_away_stops_generating(engine_url):
     thread.join()
     # a 3000-token generation takes far longer than this: it was aborted, not finished
     assert _wait_for(lambda: not _held(engine_url), 5) < 5
-    reply = requests.post(engine_url + "/generate", timeout=30, json={
+    reply = requests.post(engine_url + "/generate", headers=auth_headers(), timeout=30, json={
         "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}, "rid": "next"})
     assert reply.status_code == 200 and reply.json()["meta_info"]["completion_tokens"] == 4
 
@@ -59,12 +60,12 @@ def test_request_of_a_client_that_went_away_stops_generating(engine_url):
 def test_busy_engine_answers_health_generate_at_once(engine_url):
     thread = threading.Thread(target=lambda: requests.post(
         engine_url + "/generate", json={**LONG, "sampling_params": {**LONG["sampling_params"], "max_new_tokens": 600},
-                                        "rid": "busy"}, timeout=120))
+                                        "rid": "busy"}, headers=auth_headers(), timeout=120))
     thread.start()
     _wait_for(lambda: "busy" in _held(engine_url), 10)
     start = time.monotonic()
-    assert requests.get(engine_url + "/health_generate", timeout=10).status_code == 200
+    assert requests.get(engine_url + "/health_generate", headers=auth_headers(), timeout=10).status_code == 200
     assert time.monotonic() - start < 1.0, "the probe waited behind the running batch"
     assert "busy" in _held(engine_url)  # still generating: the probe did not wait for it
-    requests.post(engine_url + "/abort_request", json={"abort_all": True}, timeout=10)
+    requests.post(engine_url + "/abort_request", json={"abort_all": True}, headers=auth_headers(), timeout=10)
     thread.join(timeout=60)

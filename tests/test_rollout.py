@@ -216,9 +216,10 @@ def embedded_engine(tmp_path_factory):
     from slime.backends.embedded_engine.engine import EmbeddedEngine
     from slime.backends.embedded_engine.server import build_app
     from slime.tools.tiny_checkpoint import write_tiny_checkpoint
+    from slime.utils.security import current_key
 
     model_dir = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
-    server = AppThread(build_app(EmbeddedEngine(str(model_dir), dtype="float32", seed=0))).start()
+    server = AppThread(build_app(EmbeddedEngine(str(model_dir), dtype="float32", seed=0), api_key=current_key())).start()
     yield str(model_dir), server.port
     server.stop()
 

@@ -82,3 +82,16 @@ def test_the_intended_router_served_the_rollouts(run):
         assert "updated" in text and "weight_version=2" in text, engine.name
     if run["name"] == "sglang_router":
         assert all("joined weight-update group" in e.read_text() for e in engines)
+
+
+def test_the_run_key_reaches_no_log(run):
+    """Both routers and both weight transports authenticate with the run's key (here from $SLIME_API_KEY,
+    as tests/conftest.py set it), and neither the run's output nor any file it wrote holds it."""
+    from slime.utils.security import current_key
+
+    assert run["proc"].returncode == 0, "the run failed"
+    key = current_key().reveal()
+    assert key not in run["proc"].stdout + run["proc"].stderr
+    written = [p for p in run["out"].rglob("*") if p.is_file()]
+    assert any(p.name.startswith("embedded-engine-") for p in written)
+    assert not [p for p in written if key in p.read_text(errors="replace")]

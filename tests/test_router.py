@@ -16,8 +16,9 @@ import pytest
 import requests
 from aiohttp import web
 
-from slime.backends.sglang_utils.process import find_free_port
+from slime.utils.ports import find_free_port
 from slime.router.router import RouterConfig, SlimeRouter, WorkerPool, build_router_app, launch_router
+from slime.utils.security import auth_headers, current_key
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -82,7 +83,8 @@ def servers():
 
 
 def post_generate(url: str, timeout: float = 30.0) -> requests.Response:
-    return requests.post(url + "/generate", json={"input_ids": [1, 2], "sampling_params": {}}, timeout=timeout)
+    return requests.post(url + "/generate", json={"input_ids": [1, 2], "sampling_params": {}}, headers=auth_headers(),
+                         timeout=timeout)
 
 
 def test_pool_round_robin_among_equally_loaded():
@@ -96,18 +98,18 @@ def test_pool_round_robin_among_equally_loaded():
 
 def test_round_robin_over_http(servers):
     workers = [servers(fake_engine(f"w{i}")) for i in range(3)]
-    router = servers(build_router_app(SlimeRouter(), [w.url for w in workers]))
+    router = servers(build_router_app(SlimeRouter(api_key=current_key()), [w.url for w in workers]))
     answered = [post_generate(router.url).json()["text"] for _ in range(6)]
     assert answered == ["w0", "w1", "w2"] * 2
 
 
 def test_least_inflight_avoids_busy_worker(servers):
     slow, fast = servers(fake_engine("slow", delay_s=3.0)), servers(fake_engine("fast"))
-    router = servers(build_router_app(SlimeRouter(), [slow.url, fast.url]))
+    router = servers(build_router_app(SlimeRouter(api_key=current_key()), [slow.url, fast.url]))
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(post_generate, router.url)  # first pick: slow (it is first in order)
         deadline = time.monotonic() + 10
-        while requests.get(router.url + "/list_workers", timeout=5).json()["workers"][0]["inflight"] == 0:
+        while requests.get(router.url + "/list_workers", headers=auth_headers(), timeout=5).json()["workers"][0]["inflight"] == 0:
             assert time.monotonic() < deadline, "the slow worker never got the first request"
             time.sleep(0.02)
         answered = [post_generate(router.url).json()["text"] for _ in range(3)]
@@ -118,34 +120,34 @@ def test_least_inflight_avoids_busy_worker(servers):
 def test_dead_worker_is_skipped_and_marked(servers):
     live = servers(fake_engine("live"))
     dead_url = f"http://127.0.0.1:{find_free_port()}"  # nothing listens there
-    router = servers(build_router_app(SlimeRouter(RouterConfig(connect_timeout_s=2.0)), [dead_url, live.url]))
+    router = servers(build_router_app(SlimeRouter(RouterConfig(connect_timeout_s=2.0), api_key=current_key()), [dead_url, live.url]))
     assert [post_generate(router.url).json()["text"] for _ in range(3)] == ["live"] * 3
-    workers = {w["url"]: w for w in requests.get(router.url + "/list_workers", timeout=5).json()["workers"]}
+    workers = {w["url"]: w for w in requests.get(router.url + "/list_workers", headers=auth_headers(), timeout=5).json()["workers"]}
     assert workers[dead_url]["healthy"] is False and workers[live.url]["served"] == 3
 
 
 def test_no_live_worker_is_a_clear_503(servers):
     dead_url = f"http://127.0.0.1:{find_free_port()}"
-    router = servers(build_router_app(SlimeRouter(), [dead_url]))
+    router = servers(build_router_app(SlimeRouter(api_key=current_key()), [dead_url]))
     response = post_generate(router.url)
     assert response.status_code == 503 and "no healthy worker" in response.json()["error"]["message"]
 
 
 def test_request_timeout_is_504(servers):
     stuck = servers(fake_engine("stuck", delay_s=10.0))
-    router = servers(build_router_app(SlimeRouter(RouterConfig(request_timeout_s=0.5)), [stuck.url]))
+    router = servers(build_router_app(SlimeRouter(RouterConfig(request_timeout_s=0.5), api_key=current_key()), [stuck.url]))
     response = post_generate(router.url)
     assert response.status_code == 504 and "did not answer" in response.json()["error"]["message"]
 
 
 def test_add_and_list_workers(servers):
     worker = servers(fake_engine("added"))
-    router = servers(build_router_app(SlimeRouter()))
+    router = servers(build_router_app(SlimeRouter(api_key=current_key())))
     assert post_generate(router.url).status_code == 503
-    assert requests.post(router.url + "/add_worker", params={"url": worker.url}, timeout=5).status_code == 200
-    assert requests.get(router.url + "/list_workers", timeout=5).json()["urls"] == [worker.url]
+    assert requests.post(router.url + "/add_worker", params={"url": worker.url}, headers=auth_headers(), timeout=5).status_code == 200
+    assert requests.get(router.url + "/list_workers", headers=auth_headers(), timeout=5).json()["urls"] == [worker.url]
     assert post_generate(router.url).json()["text"] == "added"
-    assert requests.get(router.url + "/health", timeout=5).json()["healthy_workers"] == 1
+    assert requests.get(router.url + "/health", headers=auth_headers(), timeout=5).json()["healthy_workers"] == 1
 
 
 @pytest.mark.parametrize("use_slime_router", [True, False], ids=["slime-router", "sglang-router"])

@@ -46,7 +46,7 @@ ROUTE_STRUCTS = {
     "/get_weights_by_name": "GetWeightsByNameReqInput",
     "/flush_cache": None,  # query parameter only
     "/health": None,
-    "/get_model_info": None,
+    "/model_info": None,
 }
 SESSION_ROUTES = ("/begin_weight_update", "/end_weight_update")  # SGLang >= 0.5.21; 404 before (fallback)
 

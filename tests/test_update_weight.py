@@ -71,7 +71,8 @@ def test_embedded_payloads_round_trip_in_order_and_dtype(tmp_path):
     payload = encode_safetensors_payload(NAMED)
     assert payload.load_format == "slime_safetensors" and len(payload.serialized_per_tp_rank) == 1
     shared = write_shared_bucket(NAMED, tmp_path, "bucket0")
-    for decoded in (deserialize_named_tensors(payload.serialized_per_tp_rank[0]), read_shared_bucket(shared.descriptor)):
+    decodings = (deserialize_named_tensors(payload.serialized_per_tp_rank[0]), read_shared_bucket(shared.descriptor, tmp_path))
+    for decoded in decodings:
         assert [n for n, _ in decoded] == [n for n, _ in NAMED]
         assert all(a.dtype == b.dtype and torch.equal(a, b) for (_, a), (_, b) in zip(decoded, NAMED))
     shared.remove()
@@ -164,9 +165,8 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(checkpoint, tmp_path_factory):
     from slime.backends.sglang_utils.launcher import launch_engine
-    from slime.backends.sglang_utils.process import find_free_port
 
-    handle = launch_engine("embedded", types.SimpleNamespace(seed=7), 0, find_free_port(), checkpoint,
+    handle = launch_engine("embedded", types.SimpleNamespace(seed=7), 0, 0, checkpoint,
                            startup_timeout_s=120, log_dir=str(tmp_path_factory.mktemp("engine-logs")))
     yield handle
     handle.stop()

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from slime.utils.ports import listening_socket
+
 BACKENDS = ("gloo", "nccl")
 
 
@@ -51,8 +53,18 @@ class ExternalGroup:
             shutdown()
 
 
-def open_external_group(spec: ExternalGroupSpec, rank: int) -> ExternalGroup:
+def hosted_store(host: str, world_size: int, timeout: datetime.timedelta) -> dist.TCPStore:
+    """A TCP store served on `host`, on a port the kernel picks as it binds (`.port`): no other process can
+    take the port between choosing and binding it. The store owns the listening socket."""
+    sock = listening_socket(host)
+    port = sock.getsockname()[1]
+    return dist.TCPStore(host.strip("[]"), port, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
+                         master_listen_fd=sock.detach())
+
+
+def open_external_group(spec: ExternalGroupSpec, rank: int, store: dist.TCPStore | None = None) -> ExternalGroup:
     """Join (rank > 0) or host (rank 0) the group; returns once all `world_size` ranks arrived.
+    `store`: rank 0's `hosted_store` (else rank 0 binds spec.master_port itself).
 
     Raises on the deadline (torch's DistStoreError / RuntimeError), never blocks past it.
     """
@@ -61,8 +73,9 @@ def open_external_group(spec: ExternalGroupSpec, rank: int) -> ExternalGroup:
     if not 0 <= rank < spec.world_size:
         raise ValueError(f"rank {rank} outside a weight-update group of {spec.world_size}")
     timeout = datetime.timedelta(seconds=spec.timeout_s)
-    store = dist.TCPStore(spec.master_address, spec.master_port, spec.world_size, is_master=rank == 0,
-                          timeout=timeout, wait_for_workers=False)
+    if store is None:
+        store = dist.TCPStore(spec.master_address, spec.master_port, spec.world_size, is_master=rank == 0,
+                              timeout=timeout, wait_for_workers=False)
     # torch's own groups key their rendezvous as "<group_name>/": the same prefix meets SGLang's side.
     prefixed = dist.PrefixStore(f"{spec.group_name}/", store)
     if spec.backend == "gloo":

@@ -9,7 +9,6 @@ the engine fleet needs: exit code, signals to the process tree, restart on a new
 from __future__ import annotations
 
 import logging
-import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,10 +18,9 @@ from slime.backends.sglang_utils.launcher import EngineHandle, launch_engine
 from slime.ray.cluster import advertised_host, node_address, serving_host
 from slime.ray.engine_recovery import LocalEngine
 from slime.ray.placement import EngineSlot, visible_device_index
+from slime.utils.security import use_key
 
 logger = logging.getLogger(__name__)
-
-PORT_ATTEMPTS = 3
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,6 +40,7 @@ class EngineEndpoint:
 
 class EngineRayActor:
     def __init__(self, args: Any, slot: EngineSlot, backend: str, log_dir: str):
+        use_key(args.api_key)  # the engine inherits it; health checks send it
         self.args = args
         self.slot = slot
         self.backend = backend
@@ -63,15 +62,9 @@ class EngineRayActor:
         """Start the engine on this node and return once it answers /health."""
         bind = getattr(self.args, "engine_bind_host", None) or serving_host(_spans_nodes(self.args))
         devices = self.devices()
-        for attempt in range(PORT_ATTEMPTS):
-            try:
-                self.engine = launch_engine(
-                    self.backend, self.args, self.slot.rank, _free_port(bind), self.args.hf_checkpoint,
-                    host=bind, gpu_ids=devices or None, startup_timeout_s=startup_timeout_s, log_dir=self.log_dir)
-                break
-            except RuntimeError as exc:  # the port was taken between choosing and binding it
-                if "address already in use" not in str(exc) or attempt == PORT_ATTEMPTS - 1:
-                    raise
+        self.engine = launch_engine(  # port 0: one no other process can take first (launch_engine says how)
+            self.backend, self.args, self.slot.rank, 0, self.args.hf_checkpoint,
+            host=bind, gpu_ids=devices or None, startup_timeout_s=startup_timeout_s, log_dir=self.log_dir)
         self.endpoint = EngineEndpoint(
             rank=self.slot.rank, url=f"http://{_url_host(advertised_host(bind))}:{self.engine.port}",
             node_id=ray.get_runtime_context().get_node_id(), node_ip=node_address(), bind_host=bind,
@@ -133,13 +126,6 @@ class RemoteEngine:
 def _spans_nodes(args: Any) -> bool:
     # Set by create_placement; a run placed by other means is taken to span nodes (node addresses).
     return getattr(args, "spans_nodes", True)
-
-
-def _free_port(host: str) -> int:
-    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.bind((host.strip("[]"), 0))
-        return sock.getsockname()[1]
 
 
 def _url_host(host: str) -> str:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import requests
 
 from slime.ray.engine_recovery import EngineFleet, FleetSlot
+from slime.utils.security import auth_headers
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ class HealthConfig:
 def probe_health(url: str, timeout_s: float, path: str = "/health_generate") -> str | None:
     """None when the engine answers 200 within timeout_s, else what went wrong."""
     try:
-        response = requests.get(url + path, timeout=timeout_s)
+        response = requests.get(url + path, headers=auth_headers(), timeout=timeout_s)
     except requests.Timeout:
         return f"no answer to {path} within {timeout_s:g}s"
     except requests.RequestException as exc:
@@ -58,7 +59,7 @@ def probe_health(url: str, timeout_s: float, path: str = "/health_generate") -> 
 def request_ids(url: str, timeout_s: float) -> tuple[str, ...] | None:
     """The request ids an engine reports holding (the embedded engine does; None when it does not say)."""
     try:
-        info = requests.get(url + "/get_server_info", timeout=timeout_s).json()
+        info = requests.get(url + "/server_info", headers=auth_headers(), timeout=timeout_s).json()
     except (requests.RequestException, ValueError):
         return None
     ids = info.get("request_ids") if isinstance(info, dict) else None

@@ -43,6 +43,7 @@ from slime.router.router import launch_router
 from slime.router.workers import RouterWorkers
 from slime.utils.http_utils import outstanding_requests
 from slime.utils.misc import load_function
+from slime.utils.security import use_key
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class RolloutManager:
         from slime.utils.logging_utils import configure_logger
 
         configure_logger(role="rollout manager")  # engine failures and restarts reach the driver's output
+        use_key(args.api_key)  # the router inherits it; every call to an engine or the router sends it
         self.args = args
         self.data_source = load_function(args.data_source_path)(args)  # --data-source-path: cls(args)
         if args.start_rollout_id > 0:  # resume after the rollout whose data position was saved
@@ -100,8 +102,7 @@ class RolloutManager:
         # Loopback on one node; upstream's node address when the run spans nodes; --sglang-router-ip
         # overrides (0.0.0.0: every interface). The rollout function reaches it at the advertised address.
         self.args.sglang_router_ip = self.args.sglang_router_ip or serving_host(getattr(self.args, "spans_nodes", True))
-        router = _retry_port_clash(lambda: launch_router(self.args, [e.url for e in self.engines],
-                                                         log_dir=self.log_dir))
+        router = launch_router(self.args, [e.url for e in self.engines], log_dir=self.log_dir)
         self.args.sglang_router_ip, self.args.sglang_router_port = advertised_host(router.host), router.port
         return router
 
@@ -141,7 +142,7 @@ class RolloutManager:
     def _samples(self, rollout_id: int) -> tuple[list[Sample], dict[str, Any]]:
         if self.args.load_debug_rollout_data:
             path = self.args.load_debug_rollout_data.format(rollout_id=rollout_id)
-            saved = torch.load(path, weights_only=False)
+            saved = load_debug_rollout(path)
             return [Sample.from_dict(d) for d in saved["samples"]], {}
         if hasattr(self.data_source, "rollout_id"):  # what --buffer-filter-path receives
             self.data_source.rollout_id = rollout_id
@@ -268,6 +269,19 @@ def wait_engines(refs: list, slots: Sequence[EngineSlot], *, timeout_s: float) -
     return ray.get(refs)
 
 
+def load_debug_rollout(path: str) -> dict[str, Any]:
+    """A --save-debug-rollout-data file: plain data (Sample.to_dict), so it loads without running any
+    pickled code (torch's weights_only loader)."""
+    import pickle
+
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise ValueError(f"--load-debug-rollout-data {path}: holds objects other than plain data (dicts, lists, "
+                         f"numbers, strings, tensors), which are not unpickled since that could run code; store "
+                         f"plug-in fields in Sample.metadata as plain data ({exc})") from None
+
+
 def _describe(slots: Iterable[EngineSlot]) -> str:
     return "; ".join(f"engine {s.rank} on node {s.node_ip} ({s.node_id[:8]}), gpus {list(s.gpu_ids)}" for s in slots)
 
@@ -296,17 +310,6 @@ def check_train_data(data: Any, origin: str) -> None:
     lengths = {k: len(data[k]) for k in TRAIN_DATA_KEYS}
     if len(set(lengths.values())) != 1:
         raise ValueError(f"{origin} returned lists of different lengths: {lengths}")
-
-
-def _retry_port_clash(launch, attempts: int = 3):
-    """A free port can be taken by another process between choosing it and binding it: retry."""
-    for attempt in range(attempts):
-        try:
-            return launch()
-        except RuntimeError as exc:
-            if "address already in use" not in str(exc) or attempt == attempts - 1:
-                raise
-            logger.warning("port clash while starting a server; retrying with another port")
 
 
 class RolloutManagerHandle:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import functools
 import os
-import socket
 import traceback
 import warnings
 
@@ -11,6 +10,7 @@ import ray
 
 from slime.ray.cluster import node_address, serving_host
 from slime.ray.placement import visible_device_index
+from slime.utils.security import use_key
 
 # megatron-core announces at import that TE/Apex are absent (expected on the embedded path),
 # once per module per rank; the choice of leaves is logged once by the model provider instead.
@@ -60,6 +60,8 @@ class TrainRayActor:
         self.world_size = world_size
         self.ledger_dir = ledger_dir
         self.actor = None
+        self._store = None  # rank 0: the rendezvous store it hosts
+        use_key(args.api_key)  # weight pushes reach the engines with the run's key
         # On GPU bundles the rank sees the whole node (placement.py says why) and trains on its
         # bundle's GPU; init_distributed makes LOCAL_RANK the current device.
         self.gpu_ids = [str(g) for g in ray.get_gpu_ids()]
@@ -72,12 +74,13 @@ class TrainRayActor:
                 "gpu_ids": self.gpu_ids, "device": int(os.environ["LOCAL_RANK"]) if self.gpu_ids else None}
 
     def rendezvous_address(self) -> tuple[str, int]:
-        """Rank 0 offers a free port for torch.distributed: on loopback when the run is on one node."""
+        """Rank 0 hosts torch.distributed's store (on loopback when the run is on one node) on a port the
+        kernel picks as it binds, so no other process can take it first, and offers that address and port."""
+        from slime.backends.megatron_utils.parallel import host_rendezvous
+
         host = serving_host(getattr(self.args, "spans_nodes", True))
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-        return host, port
+        self._store = host_rendezvous(self.args, self.world_size, host)
+        return host, self._store.port
 
     @_portable_errors
     def init(self, master_addr: str, master_port: int, engine_urls: list[str]) -> int:
@@ -89,8 +92,11 @@ class TrainRayActor:
 
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         os.environ.update({k: str(v) for k, v in (self.args.train_env_vars or {}).items()})  # --train-env-vars
+        from slime.backends.megatron_utils.parallel import join_rendezvous
+
+        store = self._store if self.rank == 0 else join_rendezvous(self.args, master_addr, master_port, self.world_size)
         self.actor = MegatronTrainActor(self.args, self.rank, self.world_size, self.ledger_dir)
-        return self.actor.init(master_addr, master_port, engine_urls)
+        return self.actor.init(master_addr, master_port, engine_urls, store=store)
 
     @_portable_errors
     def train(self, rollout_id: int, data_ref: list) -> dict:

@@ -1,10 +1,12 @@
 """slime's router (`--use-slime-router`): load-balances /generate over registered engines.
 
-    python -m slime.router.router --host 127.0.0.1 --port P [--worker-urls URL ...]
+    SLIME_API_KEY=KEY python -m slime.router.router --host 127.0.0.1 --port P [--listen-fd FD] \
+        [--worker-urls URL ...]
 
 Policy: least in-flight requests, ties broken round-robin. A worker whose connection fails
 is taken out of rotation and the request is retried on another one (the failed attempt never
 reached an engine); a periodic /health probe puts it back. Every upstream call has a timeout.
+Every route wants the run's key; the router sends the same key to its workers.
 Without --use-slime-router, `launch_router` starts sglang-router instead.
 """
 
@@ -22,10 +24,13 @@ from aiohttp import web
 
 from slime.backends.sglang_utils.process import (
     ServerHandle,
-    find_free_port,
     python_module_command,
+    serve_on,
+    start_bound_server,
     start_server_process,
 )
+from slime.utils.ports import find_free_port, retry_port_clash
+from slime.utils.security import ApiKey, current_key, require_api_key, server_key
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +44,8 @@ class RouterConfig:
     health_interval_s: float = 5.0
     """Seconds between /health probes of every worker."""
     health_timeout_s: float = 5.0
+    max_request_bytes: int = 256 * 1024**2
+    """Largest /generate body forwarded (sglang-router's default payload limit)."""
 
 
 @dataclass
@@ -81,14 +88,15 @@ class WorkerPool:
 
 
 class SlimeRouter:
-    def __init__(self, config: RouterConfig = RouterConfig()) -> None:
+    def __init__(self, config: RouterConfig = RouterConfig(), *, api_key: ApiKey) -> None:
+        self.api_key = api_key
         self.config = config
         self.pool = WorkerPool()
         self._session: aiohttp.ClientSession | None = None
 
     # ----- lifecycle ---------------------------------------------------------------------
     async def start(self, app: web.Application):
-        self._session = aiohttp.ClientSession()
+        self._session = aiohttp.ClientSession(headers=self.api_key.headers())  # workers want the run's key too
         probe = asyncio.create_task(self._probe_loop())
         yield
         probe.cancel()
@@ -173,12 +181,12 @@ def _error(status: int, message: str) -> web.Response:
 def build_router_app(router: SlimeRouter, worker_urls: list[str] = ()) -> web.Application:
     for url in worker_urls:
         router.pool.add(url)
-    app = web.Application(client_max_size=2**30)
+    app = web.Application(middlewares=[require_api_key(router.api_key)],
+                          client_max_size=router.config.max_request_bytes)
     app.cleanup_ctx.append(router.start)
     app.router.add_post("/generate", router.generate)
-    for path, handler in (("/add_worker", router.add_worker), ("/remove_worker", router.remove_worker)):
-        app.router.add_post(path, handler)
-        app.router.add_get(path, handler)
+    app.router.add_post("/add_worker", router.add_worker)  # state-changing: POST only
+    app.router.add_post("/remove_worker", router.remove_worker)
     app.router.add_get("/list_workers", router.list_workers)
     app.router.add_get("/health", router.health)
     return app
@@ -188,14 +196,20 @@ def build_router_app(router: SlimeRouter, worker_urls: list[str] = ()) -> web.Ap
 RouterHandle = ServerHandle  # a router is a server like an engine; no extra behaviour
 
 
-def router_command(args: Any, host: str, port: int, worker_urls: list[str]) -> tuple[str, list[str]]:
+def router_command(args: Any, host: str, port: int, worker_urls: list[str],
+                   listen_fd: int | None = None) -> tuple[str, list[str]]:
+    """The router's command line. The slime router reads the run's key from its environment; sglang-router
+    takes it in argv (`--api-key`: sent to the workers)."""
     timeout = str(int(getattr(args, "sglang_router_request_timeout_secs", None) or 3600))
     if getattr(args, "use_slime_router", False):
         flags = ["--host", host, "--port", str(port), "--request-timeout-secs", timeout]
+        flags += ["--listen-fd", str(listen_fd)] if listen_fd is not None else []
         flags += ["--worker-urls", *worker_urls] if worker_urls else []
         return "slime-router", python_module_command("slime.router.router", flags)
     policy = getattr(args, "sglang_router_policy", None) or "round_robin"
     flags = ["--host", host, "--port", str(port), "--policy", policy, "--request-timeout-secs", timeout]
+    key = current_key()
+    flags += ["--api-key", key.reveal()] if key is not None else []
     flags += ["--worker-urls", *worker_urls] if worker_urls else []
     return "sglang-router", python_module_command("sglang_router.launch_router", flags)
 
@@ -206,19 +220,34 @@ def launch_router(
     """Start slime's router (args.use_slime_router) or sglang-router; return once /health answers.
 
     Host/port come from args.sglang_router_ip / args.sglang_router_port (127.0.0.1 / a free port when unset).
+    The slime router is handed its socket already bound; sglang-router, which cannot take one, is started
+    again on a fresh port if another process took its port first (a port the user set is kept).
     """
     host = getattr(args, "sglang_router_ip", None) or "127.0.0.1"
-    port = int(getattr(args, "sglang_router_port", None) or find_free_port(host))
-    kind, command = router_command(args, host, port, worker_urls)
-    server = start_server_process(kind, command, f"http://{host}:{port}", log_dir=log_dir)
-    server.wait_healthy(startup_timeout_s)
-    return RouterHandle(kind=kind, host=host, port=port, server=server)
+    given = int(getattr(args, "sglang_router_port", None) or 0)
+    if getattr(args, "use_slime_router", False):
+        server, port = start_bound_server(
+            "slime-router", lambda p, fd: router_command(args, host, p, worker_urls, listen_fd=fd)[1],
+            host=host, port=given, log_dir=log_dir)
+        server.wait_healthy(startup_timeout_s)
+        return RouterHandle(kind="slime-router", host=host, port=port, server=server)
+
+    def start() -> RouterHandle:
+        port = given or find_free_port(host)
+        kind, command = router_command(args, host, port, worker_urls)
+        server = start_server_process(kind, command, f"http://{host}:{port}", log_dir=log_dir)
+        server.wait_healthy(startup_timeout_s)
+        return RouterHandle(kind=kind, host=host, port=port, server=server)
+
+    return retry_port_clash(start, attempts=1 if given else 3, what="sglang-router")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="slime router: least-inflight load balancing over engines")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--port", type=int, required=True, help="the port (with --listen-fd: the socket's)")
+    parser.add_argument("--listen-fd", type=int, default=None,
+                        help="serve on this inherited listening socket (bound by the launcher: no port race)")
     parser.add_argument("--worker-urls", nargs="*", default=[])
     parser.add_argument("--request-timeout-secs", type=float, default=RouterConfig.request_timeout_s)
     parser.add_argument("--health-check-interval-secs", type=float, default=RouterConfig.health_interval_s)
@@ -230,8 +259,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="[slime-router %(asctime)s] %(message)s")
     config = RouterConfig(request_timeout_s=args.request_timeout_secs, health_interval_s=args.health_check_interval_secs)
-    app = build_router_app(SlimeRouter(config), args.worker_urls)
-    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None, shutdown_timeout=2.0)
+    app = build_router_app(SlimeRouter(config, api_key=server_key()), args.worker_urls)
+    web.run_app(app, print=None, access_log=None, shutdown_timeout=2.0, **serve_on(args.listen_fd, args.host, args.port))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import requests
 
+from slime.utils.security import auth_headers
+
 CALL_TIMEOUT_S = 10.0
 REGISTER_TIMEOUT_S = 60.0
 
@@ -60,7 +62,8 @@ class RouterWorkers:
 
     def _json(self, method: str, path: str, **kwargs):
         try:
-            response = requests.request(method, self.url + path, timeout=CALL_TIMEOUT_S, **kwargs)
+            response = requests.request(method, self.url + path, headers=auth_headers(), timeout=CALL_TIMEOUT_S,
+                                        **kwargs)
         except requests.RequestException as exc:
             raise RouterWorkersError(f"{self.kind} at {self.url}: {method} {path} failed: {exc}") from exc
         if response.status_code >= 300:

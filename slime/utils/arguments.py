@@ -26,6 +26,7 @@ from slime.utils import sglang_passthrough
 from slime.utils.deadlines import DeadlineModel, default_group_timeout_minutes
 from slime.rollout.eval_config import EvalDatasetSpec, load_eval_config
 from slime.utils.misc import load_function, module_is_findable, round_up
+from slime.utils.security import resolve_api_key, shown
 
 logger = logging.getLogger(__name__)
 
@@ -1088,6 +1089,14 @@ def _add_fencing_arguments(parser: argparse.ArgumentParser) -> None:
                         "<ledger-dir>/sequence_rank<N>.jsonl (check: python -m slime.distributed.order_proof DIR)")
 
 
+def _add_security_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("security", "who may call the run's engines and router (slime/utils/security.py)")
+    g.add_argument("--api-key", type=str, default=None,
+                   help="the run's API key, required as 'Authorization: Bearer <key>' on every route of every engine "
+                        "and router the run starts (SGLang's --api-key is set to it); default: $SLIME_API_KEY, else "
+                        "a random key made at start. Never logged")
+
+
 def _add_rollout_fault_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("rollout deadlines and fault tolerance", "bounded waits on the engines")
     g.add_argument("--rollout-timeout", type=float, default=None,
@@ -1133,6 +1142,7 @@ ARGUMENT_GROUPS: tuple[Callable[[argparse.ArgumentParser], None], ...] = (
     _add_debug_arguments,
     _add_custom_megatron_arguments,
     _add_fencing_arguments,
+    _add_security_arguments,
     _add_upstream_compat_arguments,
 )
 
@@ -1804,9 +1814,10 @@ def apply_custom_config(args: argparse.Namespace, parser: argparse.ArgumentParse
             action = next(a for a in parser._actions if a.dest == dest)
             value = _coerce(action, value)
         if hasattr(args, dest):
-            logger.info("--custom-config-path %s: %s = %r (was %r)", path, dest, value, getattr(args, dest))
+            logger.info("--custom-config-path %s: %s = %r (was %r)", path, dest, shown(dest, value),
+                        shown(dest, getattr(args, dest)))
         setattr(args, dest, value)
-        applied[dest] = value
+        applied[dest] = shown(dest, value)  # kept with args: no secret in it
     return applied
 
 
@@ -1833,6 +1844,10 @@ def parse_args(
     args = parser.parse_args(remaining)
     try:
         args.custom_config_overrides = apply_custom_config(args, parser)
+        try:  # once, in the driver: every server of the run gets it
+            args.api_key = resolve_api_key(args.api_key)
+        except ValueError as exc:
+            raise ArgumentValidationError(f"--api-key: {exc}") from None
         args.sglang_server_args = sglang_passthrough.resolve_server_args(args, passthrough)
         device = resolve_train_device(args)
         validate_args(args, parser, device)

@@ -8,6 +8,9 @@ The rollout manager bounds every request of a rollout from outside (`set_request
 request outlives the rollout's deadline, requests still in flight can be listed for an error report
 (`outstanding_requests`), and with --use-fault-tolerance a request that failed because its engine
 did is sent again once an engine serves (`retry`).
+
+Every request carries the run's key (slime/utils/security.py): these helpers talk to the run's own
+engines and router; call other services with a client of your own.
 """
 from __future__ import annotations
 
@@ -21,6 +24,8 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 import aiohttp
+
+from slime.utils.security import auth_headers
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +88,7 @@ def _session() -> aiohttp.ClientSession:
     loop = asyncio.get_running_loop()
     session = _sessions.get(loop)
     if session is None or session.closed:
-        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=auth_headers())
         _sessions[loop] = session
     return session
 

@@ -14,6 +14,8 @@ import queue
 import threading
 from typing import Any
 
+from slime.utils.security import public_config
+
 logger = logging.getLogger(__name__)
 
 
@@ -87,7 +89,7 @@ def _wandb_sink(args):
         raise SystemExit("--use-wandb needs the wandb package: pip install wandb") from exc
     if getattr(args, "wandb_key", None):
         wandb.login(key=args.wandb_key)
-    wandb.init(project=args.wandb_project, group=getattr(args, "wandb_group", None), config=vars(args))
+    wandb.init(project=args.wandb_project, group=getattr(args, "wandb_group", None), config=public_config(args))
 
     def write_wandb(event: dict) -> None:
         wandb.log({k: v for k, v in event.items() if isinstance(v, (int, float))}, step=event["rollout_id"])

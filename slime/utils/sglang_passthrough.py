@@ -33,6 +33,7 @@ FIELDS_SET_BY_SLIME: dict[str, str] = {
     "nccl_port": "the engine launcher",
     "enable_memory_saver": "--colocate / --offload-rollout",
     "random_seed": "--seed",
+    "api_key": "--api-key",
 }
 
 # Flags with the --sglang- prefix that belong to slime itself (router/client), never to ServerArgs.

@@ -1,9 +1,10 @@
 """HTTP server exposing the embedded engine with SGLang's endpoints and payloads.
 
-    python -m slime.backends.embedded_engine.server --model-path DIR --host 127.0.0.1 --port P \
-        [--dtype float32] [--seed S] [--max-batch-size 64]
+    SLIME_API_KEY=KEY python -m slime.backends.embedded_engine.server --model-path DIR --host 127.0.0.1 \
+        --port P [--listen-fd FD] [--dtype float32] [--seed S] [--max-batch-size 64]
 
-Rollout code talks to this exactly as to `sglang.launch_server`.
+Rollout code talks to this exactly as to `sglang.launch_server` started with `--api-key KEY`: every
+route but /health and /health_generate wants the key; state-changing routes take POST only.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import asyncio
 import functools
 import logging
 import uuid
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -23,8 +25,10 @@ from slime.backends.embedded_engine.generate_request import build_requests
 from slime.backends.embedded_engine.sampling import SamplingParams
 from slime.backends.embedded_engine.scheduler import BatchScheduler
 from slime.backends.sglang_utils.named_tensors import deserialize_named_tensors
+from slime.backends.sglang_utils.process import serve_on
 from slime.backends.sglang_utils.shared_payload import LOAD_FORMAT as SHM_FORMAT
-from slime.backends.sglang_utils.shared_payload import read_shared_bucket
+from slime.backends.sglang_utils.shared_payload import read_shared_bucket, run_directory
+from slime.utils.security import LIVENESS_PATHS, ApiKey, request_limit, require_api_key, server_key
 
 logger = logging.getLogger(__name__)
 
@@ -172,9 +176,9 @@ async def end_weight_update(request: web.Request) -> web.Response:
     return _weight_result(True, "Weight update session ended.")
 
 
-def _decode_tensors(load_format: str, blob: str):
+def _decode_tensors(load_format: str, blob: str, shared_dir):
     if load_format == SHM_FORMAT:
-        return read_shared_bucket(blob)
+        return read_shared_bucket(blob, shared_dir)  # only files of the run's own directory
     return deserialize_named_tensors(blob)
 
 
@@ -191,7 +195,8 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
         raise ValueError("serialized_named_tensors must be a list with one entry (the engine has TP=1)")
     if body.get("abort_all_requests"):
         scheduler.abort(abort_all=True)
-    named = await asyncio.get_running_loop().run_in_executor(None, _decode_tensors, load_format, blobs[0])
+    named = await asyncio.get_running_loop().run_in_executor(None, _decode_tensors, load_format, blobs[0],
+                                                             request.app[SHARED_DIR_KEY])
     # Shared-memory views stay valid after the sender unlinks the file: the engine adopts them as storage.
     update = functools.partial(scheduler.engine.update_weights, adopt=load_format == SHM_FORMAT)
     count = await scheduler.run_exclusive(update, named, body.get("weight_version"))
@@ -314,16 +319,23 @@ async def resume_memory_occupation(request: web.Request) -> web.Response:
 
 
 GROUP_TIMEOUT_KEY = web.AppKey("weight_update_group_timeout_s", float)
+SHARED_DIR_KEY = web.AppKey("shared_bucket_directory", Path)
+
+
+DEFAULT_MAX_REQUEST_BYTES = request_limit()  # one default weight bucket in base64, plus a margin
 
 
 def build_app(engine: EmbeddedEngine, max_batch_size: int = 64,
-              group_timeout_s: float = DEFAULT_GROUP_TIMEOUT_S) -> web.Application:
-    app = web.Application(middlewares=[errors_as_json], client_max_size=2**31)
+              group_timeout_s: float = DEFAULT_GROUP_TIMEOUT_S, *, api_key: ApiKey,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> web.Application:
+    auth = require_api_key(api_key, public=LIVENESS_PATHS)  # as SGLang: sglang-router probes /health keyless
+    app = web.Application(middlewares=[auth, errors_as_json], client_max_size=max_request_bytes)
     scheduler = BatchScheduler(engine, max_batch_size)
     app[SCHEDULER_KEY] = scheduler
     app[SESSION_KEY] = {"open": False}
     app[GROUPS_KEY] = {}
     app[GROUP_TIMEOUT_KEY] = float(group_timeout_s)
+    app[SHARED_DIR_KEY] = run_directory(api_key)
 
     async def lifecycle(app: web.Application):
         scheduler.start()
@@ -331,15 +343,12 @@ def build_app(engine: EmbeddedEngine, max_batch_size: int = 64,
         await scheduler.close()
 
     app.cleanup_ctx.append(lifecycle)
-    get_and_post = [
-        ("/flush_cache", flush_cache),
-        ("/get_weights_by_name", get_weights_by_name),
-        ("/release_memory_occupation", release_memory_occupation),
-        ("/resume_memory_occupation", resume_memory_occupation),
-    ]
-    for path, handler in get_and_post:
-        app.router.add_get(path, handler)
-        app.router.add_post(path, handler)
+    app.router.add_get("/get_weights_by_name", get_weights_by_name)  # reads only: GET as well
+    app.router.add_post("/get_weights_by_name", get_weights_by_name)
+    # State-changing routes take POST only (SGLang answers GET on some: a link or a prefetch must not act).
+    app.router.add_post("/flush_cache", flush_cache)
+    app.router.add_post("/release_memory_occupation", release_memory_occupation)
+    app.router.add_post("/resume_memory_occupation", resume_memory_occupation)
     app.router.add_post("/generate", generate)
     app.router.add_get("/health", health)
     app.router.add_get("/health_generate", health_generate)
@@ -366,7 +375,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="Embedded CPU rollout engine with SGLang's HTTP API")
     parser.add_argument("--model-path", required=True)
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--port", type=int, required=True, help="the port (with --listen-fd: the socket's)")
+    parser.add_argument("--listen-fd", type=int, default=None,
+                        help="serve on this inherited listening socket (bound by the launcher: no port race)")
+    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                        help="largest request body accepted (one weight bucket plus a margin)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cpu", help="torch device of the model (cpu, cuda, cuda:N)")
     parser.add_argument("--seed", type=int, default=0)
@@ -385,13 +398,14 @@ def main(argv: list[str] | None = None) -> None:
         import torch
 
         torch.set_num_threads(args.num_threads)
+    key = server_key()
     engine = EmbeddedEngine(args.model_path, dtype=args.dtype, seed=args.seed, device=args.device)
     logger.info("serving %s on http://%s:%d", args.model_path, args.host, args.port)
     access_log = logging.getLogger("aiohttp.access") if args.log_level.lower() == "debug" else None
-    web.run_app(
-        build_app(engine, args.max_batch_size, args.weight_update_timeout), host=args.host, port=args.port, print=None, access_log=access_log,
-        shutdown_timeout=2.0,
-    )
+    app = build_app(engine, args.max_batch_size, args.weight_update_timeout, api_key=key,
+                    max_request_bytes=args.max_request_bytes)
+    web.run_app(app, print=None, access_log=access_log, shutdown_timeout=2.0,
+                **serve_on(args.listen_fd, args.host, args.port))
 
 
 if __name__ == "__main__":

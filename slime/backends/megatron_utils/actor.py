@@ -68,7 +68,7 @@ class MegatronTrainActor:
         self.asleep = False
 
     # ------------------------------------------------------------------ set-up
-    def init(self, master_addr: str, master_port: int, engine_urls: list[str]) -> int:
+    def init(self, master_addr: str, master_port: int, engine_urls: list[str], store=None) -> int:
         from transformers import AutoConfig
 
         import patches
@@ -76,7 +76,7 @@ class MegatronTrainActor:
         from slime.backends.megatron_utils.update_weight import WeightSync
 
         patches.apply_all()
-        init_distributed(self.args, self.rank, self.world_size, master_addr, master_port)
+        init_distributed(self.args, self.rank, self.world_size, master_addr, master_port, store=store)
         instrument_collectives(self.ledger)
         self.groups = ProcessGroupLifecycle.from_args(self.args, ledger=self.ledger)
         # the first set-up of every communicator is slower than a re-warm-up (on 4 H200s a rank was

@@ -21,6 +21,19 @@ def _timeout(args: Namespace) -> datetime.timedelta:
     return datetime.timedelta(seconds=DeadlineModel.from_args(args).group_timeout)
 
 
+def host_rendezvous(args: Namespace, world_size: int, host: str) -> dist.TCPStore:
+    """Rank 0's rendezvous store on `host`, on a port the kernel picks as it binds (`.port`): no other
+    process can take the port between choosing and binding it. Pass it to init_distributed as rank 0's `store`."""
+    from slime.distributed.external_group import hosted_store
+
+    return hosted_store(host, world_size, _timeout(args))
+
+
+def join_rendezvous(args: Namespace, master_addr: str, master_port: int, world_size: int) -> dist.TCPStore:
+    """The other ranks' side of `host_rendezvous` (waits for it up to the process-group timeout)."""
+    return dist.TCPStore(master_addr, master_port, world_size, is_master=False, timeout=_timeout(args))
+
+
 def init_distributed(
     args: Namespace,
     rank: int,
@@ -28,10 +41,13 @@ def init_distributed(
     master_addr: str,
     master_port: int,
     backend: str | None = None,
+    store: dist.Store | None = None,
 ) -> None:
     """Join the default process group (every wait bounded by the process-group timeout).
 
     backend: "nccl" or "gloo"; default --distributed-backend when CUDA is present, else gloo.
+    store: rank 0's `host_rendezvous()`, the other ranks' `join_rendezvous()`; without it, torch's tcp://
+    rendezvous at master_addr:master_port (torchrun's agent store under torchrun).
     """
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialized")
@@ -40,13 +56,8 @@ def init_distributed(
         # LOCAL_RANK: the device of the rank's Ray bundle (slime/ray/placement.py), or torchrun's;
         # without either, ranks share a host's GPUs in rank order.
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
-    dist.init_process_group(
-        backend=backend,
-        init_method=f"tcp://{master_addr}:{master_port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=_timeout(args),
-    )
+    rendezvous = {"store": store} if store is not None else {"init_method": f"tcp://{master_addr}:{master_port}"}
+    dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=_timeout(args), **rendezvous)
 
 
 def init_model_parallel(args: Namespace) -> None:

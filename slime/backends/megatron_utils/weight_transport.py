@@ -18,6 +18,7 @@ The weight *source* is not this module's business: it receives HF-named tensors 
 
 from __future__ import annotations
 
+import datetime
 import logging
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,9 +30,9 @@ import torch
 
 from slime.backends.sglang_utils.http_client import ClientTimeouts, EngineHTTPError, SGLangHTTPClient
 from slime.backends.sglang_utils.named_tensors import serialize_named_tensors
-from slime.backends.sglang_utils.process import find_free_port
 from slime.backends.sglang_utils.shared_payload import LOAD_FORMAT as SHM_LOAD_FORMAT
-from slime.backends.sglang_utils.shared_payload import shared_memory_dir, write_shared_bucket
+from slime.backends.sglang_utils.shared_payload import make_run_directory, run_directory, write_shared_bucket
+from slime.utils.security import current_key
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +125,7 @@ class TensorTransport:
         self.engine_tp_size = engine_tp_size
         self._token = uuid.uuid4().hex[:12]
         self._checked_local = False
+        self._key = current_key()  # names the run's shared-memory directory, which the engines accept
 
     def _check_engines_on_this_host(self) -> None:
         """CUDA IPC and shared memory reach only engines of the sender's host."""
@@ -143,7 +145,7 @@ class TensorTransport:
             self.engines.each(lambda client: self._post(client, encode_sglang_payload(tensors, self.engine_tp_size),
                                                         version, flush_cache))
             return
-        shared = write_shared_bucket(tensors, shared_memory_dir(), f"slime-weights-{self._token}-bucket{index}")
+        shared = write_shared_bucket(tensors, make_run_directory(self._key), f"weights-{self._token}-bucket{index}")
         try:  # one file per host, mapped by every engine
             payload = EnginePayload((shared.descriptor,), SHM_LOAD_FORMAT)
             self.engines.each(lambda client: self._post(client, payload, version, flush_cache))
@@ -156,7 +158,11 @@ class TensorTransport:
                                               flush_cache=flush_cache, load_format=payload.load_format)
 
     def close(self) -> None:
-        pass
+        if self._key is not None and self.engine_kind == "embedded":
+            try:  # empty once every bucket was answered; another sender of the host may still use it
+                run_directory(self._key).rmdir()
+            except OSError:
+                pass
 
 
 class DistributedTransport:
@@ -175,20 +181,25 @@ class DistributedTransport:
 
     def connect(self) -> None:
         """Form the group once: every engine joins over HTTP while the sender hosts the rendezvous."""
-        from slime.distributed.external_group import ExternalGroupSpec, address_towards, open_external_group
+        from slime.distributed.external_group import (
+            ExternalGroupSpec,
+            address_towards,
+            hosted_store,
+            open_external_group,
+        )
 
-        first_host = urlparse(self.engines.urls[0]).hostname or "127.0.0.1"
-        master = address_towards(first_host)
+        master = address_towards(urlparse(self.engines.urls[0]).hostname or "127.0.0.1")
+        world_size = 1 + len(self.engines.urls) * self.engine_tp_size
+        store = hosted_store(master, world_size, datetime.timedelta(seconds=self.timeout_s))  # bound, then told
         spec = ExternalGroupSpec(
-            master_address=master, master_port=find_free_port(master),
-            world_size=1 + len(self.engines.urls) * self.engine_tp_size, group_name=self.group_name,
-            backend=self.backend, timeout_s=self.timeout_s,
+            master_address=master, master_port=store.port, world_size=world_size,
+            group_name=self.group_name, backend=self.backend, timeout_s=self.timeout_s,
         )
         rank_offsets = {client.base_url: 1 + i * self.engine_tp_size for i, client in enumerate(self.engines.clients)}
         joins = self.engines.submit_each(lambda client: client.init_weights_update_group(
             master_address=spec.master_address, master_port=spec.master_port, rank_offset=rank_offsets[client.base_url],
             world_size=spec.world_size, group_name=spec.group_name, backend=spec.backend))
-        group = open_external_group(spec, 0)
+        group = open_external_group(spec, 0, store=store)
         for join in joins:
             join.result()  # each bounded by its HTTP timeout
         self._group = group

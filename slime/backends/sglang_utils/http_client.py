@@ -1,7 +1,8 @@
 """Blocking HTTP client for an SGLang server (or the embedded engine, same API).
 
 Every call has a timeout; a non-2xx answer raises EngineHTTPError carrying the server's
-message, so a stuck or failing engine never blocks the caller silently.
+message, so a stuck or failing engine never blocks the caller silently. Every call carries the
+run's key (slime/utils/security.py).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import requests
+
+from slime.utils.security import ApiKey, current_key
 
 
 class EngineHTTPError(RuntimeError):
@@ -31,10 +34,15 @@ class ClientTimeouts:
 
 
 class SGLangHTTPClient:
-    def __init__(self, base_url: str, timeouts: ClientTimeouts = ClientTimeouts()) -> None:
+    def __init__(self, base_url: str, timeouts: ClientTimeouts = ClientTimeouts(),
+                 api_key: ApiKey | None = None) -> None:
+        """api_key: default, this process's key (security.use_key)."""
         self.base_url = base_url.rstrip("/")
         self.timeouts = timeouts
         self._session = requests.Session()
+        key = api_key or current_key()
+        if key is not None:
+            self._session.headers.update(key.headers())
 
     def close(self) -> None:
         self._session.close()
@@ -73,10 +81,10 @@ class SGLangHTTPClient:
         self._call("GET", "/health_generate", self.timeouts.generate)
 
     def model_info(self) -> dict[str, Any]:
-        return self._json("GET", "/get_model_info", self.timeouts.control)
+        return self._json("GET", "/model_info", self.timeouts.control)
 
     def server_info(self) -> dict[str, Any]:
-        return self._json("GET", "/get_server_info", self.timeouts.control)
+        return self._json("GET", "/server_info", self.timeouts.control)
 
     def weight_version(self) -> str:
         return self.model_info()["weight_version"]

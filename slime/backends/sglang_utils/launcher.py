@@ -12,8 +12,15 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from slime.backends.sglang_utils.http_client import SGLangHTTPClient
-from slime.backends.sglang_utils.process import ServerHandle, python_module_command, start_server_process
+from slime.backends.sglang_utils.process import (
+    ServerHandle,
+    python_module_command,
+    start_bound_server,
+    start_server_process,
+)
 from slime.backends.sglang_utils.server_args import has_option, render_server_flags
+from slime.utils.ports import find_free_port, retry_port_clash
+from slime.utils.security import current_key, request_limit
 from slime.utils.sglang_passthrough import server_args_parser
 
 BACKENDS = ("sglang", "embedded")
@@ -26,8 +33,7 @@ SGLANG_ENV_DEFAULTS: dict[str, str] = {
     "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false",
     "SGLANG_MEMORY_SAVER_CUDA_GRAPH": "true",
     "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "false",
-    "SGLANG_DISABLE_TP_MEMORY_INBALANCE_CHECK": "true",
-    "SGL_DISABLE_TP_MEMORY_INBALANCE_CHECK": "true",
+    "SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK": "false",
     "SGLANG_JIT_DEEPGEMM_PRECOMPILE": "false",
     "SGLANG_JIT_DEEPGEMM_FAST_WARMUP": "true",
     "SGLANG_BATCH_INVARIANT_OPS_ENABLE_MM_FALLBACK_VARIANT": "true",
@@ -123,14 +129,21 @@ def build_sglang_command(args: Any, engine_rank: int, host: str, port: int, mode
         raise RuntimeError("sglang is not importable here, so its launch flags cannot be rendered; "
                            "install the [gpu] extra or use --rollout-backend embedded")
     server_args = sglang_server_args_for_engine(args, engine_rank, gpu_ids, parser=parser)
+    key = current_key()
+    if key is not None:  # SGLang reads its key from argv only
+        server_args["api_key"] = key.reveal()
     flags = ["--model-path", model_path, "--host", host, "--port", str(port),
              *render_server_flags(server_args, parser)]
     return python_module_command("sglang.launch_server", flags)
 
 
 def build_embedded_command(args: Any, engine_rank: int, host: str, port: int, model_path: str,
-                           gpu_ids: Sequence[int] | None = None) -> list[str]:
+                           gpu_ids: Sequence[int] | None = None, *, listen_fd: int | None = None) -> list[str]:
+    """The embedded engine's command; `listen_fd`: a listening socket it inherits (then `port` is that
+    socket's). Its key comes from the environment ($SLIME_API_KEY), never from argv."""
     flags = ["--model-path", model_path, "--host", host, "--port", str(port)]
+    flags += ["--listen-fd", str(listen_fd)] if listen_fd is not None else []
+    flags += ["--max-request-bytes", str(request_limit(getattr(args, "update_weight_buffer_size", None)))]
     flags += ["--seed", str(int(getattr(args, "seed", 1234)) + engine_rank)]
     flags += ["--dtype", "bfloat16" if getattr(args, "bf16", False) else "float32"]  # the trainer's precision
     if _on_gpus(args):  # the embedded engine on CUDA: its GPU
@@ -163,21 +176,27 @@ def launch_engine(
 ) -> EngineHandle:
     """Start an engine process and return once its /health answers (or raise with its log tail).
 
-    Callable from any process: host and port come from the caller; gpu_ids are the CUDA device
-    indices (in this process's view, which the engine inherits) it must run on: SGLang's
-    --base-gpu-id/--gpu-id-step, the embedded engine's --device.
+    Callable from any process: host and port come from the caller (port 0: a free one, which no other
+    process can take first); gpu_ids are the CUDA device indices (in this process's view, which the engine
+    inherits) it must run on: SGLang's --base-gpu-id/--gpu-id-step, the embedded engine's --device.
     """
     if kind not in BACKENDS:
         raise ValueError(f"unknown engine kind {kind!r}; expected one of {BACKENDS}")
-    if kind == "sglang":
-        command = build_sglang_command(args, engine_rank, host, port, model_path, gpu_ids)
-        env = sglang_engine_env()
-    else:
-        command = build_embedded_command(args, engine_rank, host, port, model_path, gpu_ids)
-        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    server = start_server_process(
-        f"{kind}-engine-{engine_rank}", command, f"http://{host}:{port}", log_dir=log_dir, env=env
-    )
     deadline = startup_timeout_s or float(getattr(args, "sglang_server_startup_timeout", DEFAULT_STARTUP_TIMEOUT_S))
-    server.wait_healthy(deadline)
-    return EngineHandle(kind=kind, engine_rank=engine_rank, host=host, port=port, server=server)
+    name = f"{kind}-engine-{engine_rank}"
+    if kind == "embedded":  # bound here, served there: the port cannot be lost in between
+        server, bound = start_bound_server(
+            name, lambda p, fd: build_embedded_command(args, engine_rank, host, p, model_path, gpu_ids, listen_fd=fd),
+            host=host, port=port, log_dir=log_dir, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        server.wait_healthy(deadline)
+        return EngineHandle(kind=kind, engine_rank=engine_rank, host=host, port=bound, server=server)
+
+    def start_sglang() -> EngineHandle:
+        chosen = port or find_free_port(host)
+        command = build_sglang_command(args, engine_rank, host, chosen, model_path, gpu_ids)
+        server = start_server_process(name, command, f"http://{host}:{chosen}", log_dir=log_dir,
+                                      env=sglang_engine_env())
+        server.wait_healthy(deadline)
+        return EngineHandle(kind=kind, engine_rank=engine_rank, host=host, port=chosen, server=server)
+
+    return retry_port_clash(start_sglang, attempts=1 if port else 3, what=name)

@@ -1,9 +1,16 @@
-"""Start an HTTP server as a child process, wait for its /health with a deadline, stop it."""
+"""Start an HTTP server as a child process, wait for its /health with a deadline, stop it.
+
+Ports: a server of this project gets a socket already bound and listening (`start_bound_server`:
+an inherited file descriptor), so no other process can take its port between choosing and binding
+it. A server that cannot take a socket (SGLang, sglang-router) is started on a free port and started
+again on another one if it lost that port (slime/utils/ports.py: `retry_port_clash`, bounded).
+"""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -12,6 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import requests
+
+from slime.utils.ports import listening_socket
+from slime.utils.security import auth_headers
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
@@ -53,7 +63,7 @@ class ServerProcess:
                     f"log {self.log_path}:\n{self.log_tail()}"
                 )
             try:
-                if requests.get(self.url + health_path, timeout=2.0).status_code == 200:
+                if requests.get(self.url + health_path, headers=auth_headers(), timeout=2.0).status_code == 200:
                     return
             except requests.RequestException:
                 pass
@@ -85,18 +95,21 @@ class ServerHandle:
 
 
 def start_server_process(
-    name: str, command: list[str], url: str, *, log_dir: str | None = None, env: dict[str, str] | None = None
+    name: str, command: list[str], url: str, *, log_dir: str | None = None, env: dict[str, str] | None = None,
+    pass_fds: tuple[int, ...] = (),
 ) -> ServerProcess:
     """Launch `command` with output to a log file (a pipe nobody reads could fill and block it).
 
-    `env`: the child's whole environment (default: this process's); the repo goes on its PYTHONPATH."""
+    `env`: the child's whole environment (default: this process's); the repo goes on its PYTHONPATH.
+    `pass_fds`: descriptors the child inherits (a listening socket)."""
     directory = Path(log_dir or tempfile.gettempdir())
     directory.mkdir(parents=True, exist_ok=True)
     log_path = directory / f"{name}-{os.getpid()}-{time.time_ns()}.log"
     env = dict(os.environ if env is None else env)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
     with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(REPO_ROOT))
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(REPO_ROOT),
+                                   pass_fds=pass_fds)
     return ServerProcess(name=name, url=url, command=tuple(command), process=process, log_path=log_path)
 
 
@@ -104,9 +117,17 @@ def python_module_command(module: str, args: list[str]) -> list[str]:
     return [sys.executable, "-m", module, *args]
 
 
-def find_free_port(host: str = "127.0.0.1") -> int:
-    import socket
+def start_bound_server(name: str, command_for, *, host: str, port: int = 0, log_dir: str | None = None,
+                       env: dict[str, str] | None = None) -> tuple[ServerProcess, int]:
+    """Bind host:port (0: a free one) here and start the server on that socket: `command_for(port, fd)`
+    is its command line. Returns the process and its port."""
+    with listening_socket(host, port) as sock:
+        bound = sock.getsockname()[1]
+        server = start_server_process(name, command_for(bound, sock.fileno()), f"http://{host}:{bound}",
+                                      log_dir=log_dir, env=env, pass_fds=(sock.fileno(),))
+    return server, bound
 
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+
+def serve_on(listen_fd: int | None, host: str, port: int) -> dict:
+    """`web.run_app` keywords of a server started by `start_bound_server` (or on host:port by hand)."""
+    return {"sock": socket.socket(fileno=listen_fd)} if listen_fd is not None else {"host": host, "port": port}
