@@ -29,7 +29,7 @@ def engine_url(tmp_path_factory):
 
 
 def _held(url: str) -> list[str]:
-    return requests.get(url + "/get_server_info", timeout=10).json()["request_ids"]
+    return requests.get(url + "/server_info", timeout=10).json()["request_ids"]
 
 
 def _wait_for(condition, timeout_s: float) -> float:

@@ -6,7 +6,7 @@ rollout manager into the engine's process tree while rollout <rollout_id> genera
                                         connections open (the seed's symptom: nothing moves, nothing fails)
 
 "Mid-generation": the signal goes out once the engine reports running requests (the embedded engine's
-/get_server_info; an engine that does not report them gets it after FIRE_AFTER_S); a fault whose
+/server_info; an engine that does not report them gets it after FIRE_AFTER_S); a fault whose
 rollout ended first does not fire (it says so in the log).
 """
 from __future__ import annotations
@@ -55,6 +55,6 @@ def _fire(kind: str, slot: FleetSlot, rollout_id: int, rollout_done: threading.E
 
 def _running_requests(url: str) -> int:
     try:
-        return int(requests.get(url + "/get_server_info", timeout=1.0).json().get("running_requests") or 0)
+        return int(requests.get(url + "/server_info", timeout=1.0).json().get("running_requests") or 0)
     except (requests.RequestException, ValueError, AttributeError):
         return 0

@@ -58,7 +58,7 @@ def probe_health(url: str, timeout_s: float, path: str = "/health_generate") -> 
 def request_ids(url: str, timeout_s: float) -> tuple[str, ...] | None:
     """The request ids an engine reports holding (the embedded engine does; None when it does not say)."""
     try:
-        info = requests.get(url + "/get_server_info", timeout=timeout_s).json()
+        info = requests.get(url + "/server_info", timeout=timeout_s).json()
     except (requests.RequestException, ValueError):
         return None
     ids = info.get("request_ids") if isinstance(info, dict) else None

@@ -73,10 +73,10 @@ class SGLangHTTPClient:
         self._call("GET", "/health_generate", self.timeouts.generate)
 
     def model_info(self) -> dict[str, Any]:
-        return self._json("GET", "/get_model_info", self.timeouts.control)
+        return self._json("GET", "/model_info", self.timeouts.control)
 
     def server_info(self) -> dict[str, Any]:
-        return self._json("GET", "/get_server_info", self.timeouts.control)
+        return self._json("GET", "/server_info", self.timeouts.control)
 
     def weight_version(self) -> str:
         return self.model_info()["weight_version"]
