@@ -22,14 +22,14 @@ ROOT = Path(__file__).resolve().parents[1]
 UPSTREAM_FLAGS = Path(__file__).with_name("upstream_slime_flags.txt")
 MINIMAL = ["--rollout-batch-size", "2", "--num-rollout", "1", "--actor-num-gpus-per-node", "1",
            "--train-backend-device", "cpu"]
-# Upstream flags another branch adds (they merge separately); the lead empties this after merging.
+# Upstream flags the parser does not know yet: each is to become implemented, warned or refused.
 OWNED_ELSEWHERE = {
-    # rollout (issue 14 / 13.5): weight-sync transports and the disk-sync hook, the router's options
+    # rollout: weight-sync transports and the disk-sync hook, the router's options
     "--update-weight-disk-dir", "--update-weight-disk-keep-files",
     "--update-weight-delta-encoding", "--update-weight-delta-checksum", "--update-weight-local-checkpoint-dir",
     "--custom-update-weight-post-write-path", "--slime-router-middleware-paths", "--slime-router-timeout",
     "--slime-router-max-connections",
-    # lead (issue 17.4): engine fault tolerance
+    # engine fault tolerance
     "--use-fault-tolerance", "--rollout-health-check-interval", "--rollout-health-check-timeout",
     "--rollout-health-check-first-wait",
 }

@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 
 from slime.utils import sglang_passthrough
 from slime.utils.deadlines import DeadlineModel, default_group_timeout_minutes
-from slime.utils.misc import module_is_findable, round_up
+from slime.utils.misc import load_function, module_is_findable, round_up
 
 logger = logging.getLogger(__name__)
 
@@ -854,7 +854,8 @@ def _add_fencing_arguments(parser: argparse.ArgumentParser) -> None:
                    help="device of the training ranks (auto: cuda when available)")
     g.add_argument("--metrics-jsonl", type=str, default=None, help="append one JSON line of metrics per event here")
     g.add_argument("--ledger-dir", type=str, default=None,
-                   help="directory for per-rank collective ledgers and stall reports (default: a temp dir)")
+                   help="directory for per-rank collective ledgers and stall reports (default: a temp dir, removed "
+                        "after a run that ends cleanly and kept, with its path printed, after a failure)")
     g.add_argument("--custom-config-path", type=str, default=None,
                    help="YAML mapping of flag overrides (flag or attribute names; unknown keys become attributes "
                         "for plug-ins); applied over the command line")
@@ -1200,9 +1201,42 @@ def _check_paths(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
         if value is None or value == parser.get_default(dest):
             continue
         for path in value if isinstance(value, list) else [value]:
-            if not module_is_findable(path):
-                raise MissingPathError(f"{flag}: cannot find the module of {path!r} (expected 'pkg.module.func' or "
-                                       "'file.py:func')")
+            _check_hook_path(flag, path)
+
+
+def _check_hook_path(flag: str, path: str) -> None:
+    """A hook must resolve to a callable now, not in a Ray actor minutes after start-up."""
+    try:
+        findable = module_is_findable(path)
+    except ValueError as exc:  # not of the form pkg.module.func / file.py:func
+        _fail(f"{flag}: {exc}")
+    if not findable:
+        raise MissingPathError(f"{flag}: cannot find the module of {path!r} (expected 'pkg.module.func' or "
+                               "'file.py:func')")
+    try:
+        hook = load_function(path)
+    except AttributeError as exc:
+        _fail(f"{flag}: {exc}")
+    if not callable(hook):
+        _fail(f"{flag}: {path!r} is a value of type {type(hook).__name__}, not a function or class")
+
+
+# What an HF checkpoint directory must hold for the trainer (config) and the engines and data (tokenizer).
+HF_CONFIG_FILE = "config.json"
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def check_launch_inputs(args: argparse.Namespace) -> None:
+    """What a launch needs before Ray starts, beyond what parse_args checks: the HF checkpoint."""
+    path = args.hf_checkpoint
+    if not path:
+        _fail("--hf-checkpoint DIR is required: the Hugging Face checkpoint (config.json and tokenizer) the "
+              "trainer builds its model from and the engines serve")
+    _require_path("--hf-checkpoint", path, "directory")
+    if not os.path.isfile(os.path.join(path, HF_CONFIG_FILE)):
+        _fail(f"--hf-checkpoint {path}: no {HF_CONFIG_FILE} (is it a Hugging Face checkpoint directory?)")
+    if not any(os.path.isfile(os.path.join(path, name)) for name in HF_TOKENIZER_FILES):
+        _fail(f"--hf-checkpoint {path}: no tokenizer (none of {', '.join(HF_TOKENIZER_FILES)})")
 
 
 def _resolve_modes(args: argparse.Namespace) -> None:
@@ -1216,6 +1250,10 @@ def _resolve_modes(args: argparse.Namespace) -> None:
               "(or a custom --rollout-function-path that needs no engines)")
     if args.offload:
         args.offload_train = args.offload_rollout = True
+    if args.colocate and args.actor_num_nodes > 1:
+        _fail(f"--colocate with --actor-num-nodes {args.actor_num_nodes}: colocated engines take their weights "
+              "from a trainer rank on their own host (CUDA IPC or shared memory), which this project does on one "
+              "node only; across nodes drop --colocate and give the engines their own GPUs (--rollout-num-gpus N)")
     if args.colocate:
         if args.rollout_num_gpus is None:
             args.rollout_num_gpus = args.actor_num_gpus_per_node * args.actor_num_nodes
@@ -1334,7 +1372,7 @@ def _check_rollout_backend(args: argparse.Namespace) -> None:
 
 
 def _check_logprob_mismatch(args: argparse.Namespace) -> None:
-    """Engine vs trainer log-probs (issue 13): both must mean the same distribution."""
+    """Engine vs trainer log-probs: both must mean the same distribution."""
     from slime.backends.embedded_engine.sampling import RETURN_ORIGINAL_LOGPROB_ENV, return_original_logprob
 
     if args.use_rollout_logprobs and args.use_tis:
