@@ -43,7 +43,7 @@ LAYOUTS = {
         *SEPARATE, "--over-sampling-batch-size", "4", "--sglang-server-concurrency", "1",
         "--dynamic-sampling-filter-path", "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std",
         "--custom-rm-path", f"{PLUGINS}:first_group_flat_rm", "--rollout-sample-hook-path", f"{PLUGINS}:slow_sample_hook",
-        "--partial-rollout", "--rollout-max-response-len", "96"],
+        "--partial-rollout", "--rollout-max-response-len", "256"],
 }
 ROUTER_LOG = {"sglang_router": "sglang-router-", "slime_router": "slime-router-", "sglang_router_sampling": "sglang-router-"}
 
