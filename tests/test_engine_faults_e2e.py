@@ -2,10 +2,10 @@
 
 One rank, two embedded engines behind the router, a one-layer tiny Qwen3:
 - with --use-fault-tolerance, once behind the project's router and once behind the real sglang-router
-  (a restarted engine is registered at its new URL, the dead one removed): rollout 0 loses engine 1 (killed mid-generation; the survivor takes its
-  requests), rollout 1 loses both (engine 0 stalls, engine 1 is killed: every request waits for the
-  restarted engines, which first get the trainer's weights); every rollout trains on all its samples
-  and the run goes on to its last rollout.
+  (each restarted engine is registered at its new URL, the dead one removed): rollout 0 loses engine 1
+  (killed mid-generation; the survivor takes its requests), rollout 1 loses both (engine 0 stalls,
+  engine 1 is killed: every request waits for the restarted engines, which first get the trainer's
+  weights); every rollout trains on all its samples and the run goes on to its last rollout.
 - without it: a killed engine ends the run at once with an error naming the engine; a stalled one ends
   it at --rollout-timeout with the engines and the requests outstanding.
 """
