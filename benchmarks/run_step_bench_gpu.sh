@@ -50,6 +50,12 @@ if [ "$NGPU" -gt 1 ]; then LAYOUT=${LAYOUT:---tensor-model-parallel-size $NGPU -
   echo "gpus $NGPU layout '${LAYOUT}'"; date -u; } 2>&1 | tee "$OUT/env.txt"
 
 STATUS=0
+# Why a phase exited non-zero, in the summary itself: its exit code read, then the end of its log.
+explain_failure() {
+  local name=$1 rc=$2 log=$3 why="exit code $rc"
+  [ "$rc" -eq 124 ] && why="timed out (exit 124)"; [ "$rc" -eq 137 ] && why="killed (exit 137: out of time or memory)"
+  echo "FAILED $name: $why; the last lines of $log:"; tail -n 15 "$log" | cut -c1-300 | sed 's/^/  | /'
+}
 summarize() { grep -h "^RATIO\|^MEMORY\|^FIT\|^SYNC\|^PROFILE\|^OOM\|^FAILED\|^MISMATCH\|^STOPPED" "$OUT/$1.log" | cut -c1-900 | tee -a "$OUT/summary.txt"; }
 # run NAME CAP_S CMD...: the command under min(CAP_S, time left - 10 s), its output in $OUT/NAME.log
 run() {
@@ -61,7 +67,7 @@ run() {
   local rc=$?
   echo "$name rc=$rc after $((SECONDS - START))s" | tee -a "$OUT/summary.txt"
   summarize "$name"
-  [ "$rc" -eq 0 ] || STATUS=1
+  [ "$rc" -eq 0 ] || { STATUS=1; explain_failure "$name" "$rc" "$OUT/$name.log" | tee -a "$OUT/summary.txt"; }
   return "$rc"
 }
 step() {  # step NAME CAP_S PREFIX MODEL FLAGS...: one torchrun of the step benchmark; its own cycle budget

@@ -241,3 +241,15 @@ def test_transformer_config_from_hf_reads_architecture_and_checks_flags():
                                    _args(untie_embeddings_and_output_weights=True))
     assert padded_vocab_size(151936, 2) == 151936
     assert padded_vocab_size(151936, 2, divisible_by=128) == 152064
+
+
+def test_the_layer_spec_is_the_measured_local_one_unless_transformer_engine_is_asked_for():
+    from argparse import Namespace
+
+    from slime.backends.megatron_utils import model
+
+    assert model._use_transformer_engine(Namespace(transformer_impl=None)) is False
+    assert model._use_transformer_engine(Namespace(transformer_impl="local")) is False
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="needs CUDA"):
+            model._use_transformer_engine(Namespace(transformer_impl="transformer_engine"))

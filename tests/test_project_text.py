@@ -51,3 +51,9 @@ def test_the_patterns_catch_what_they_name():
         assert any(re.search(p, sample) for p in BANNED.values()), sample
     for fine in ["upstream #1487", "a weight-update session", "one H200", "two H200s", "issue #2168"]:
         assert not any(re.search(p, fine) for p in BANNED.values()), fine
+
+
+def test_the_coming_from_upstream_page_is_generated_from_the_registries():
+    from slime.tools import upstream_notes
+
+    assert upstream_notes.main(["--check"]) == 0, "run: python -m slime.tools.upstream_notes"

@@ -589,7 +589,8 @@ def _add_megatron_model_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", type=str, default="auto", choices=ATTENTION_BACKENDS,
                    help="core attention implementation")
     g.add_argument("--transformer-impl", type=str, default=None, choices=["local", "transformer_engine"],
-                   help="layer spec (default: transformer_engine when TE and CUDA are present, else local)")
+                   help="layer spec (default: local, the path measured on GPUs here; transformer_engine is opt-in, "
+                        "warned as unmeasured, and needs CUDA and TransformerEngine)")
     g.add_argument("--use-flash-attn", action="store_true", default=False, help="older Megatron flash-attention switch")
     g.add_argument("--post-self-attn-layernorm", action="store_true", default=False,
                    help="a norm after self-attention (some architectures)")
@@ -943,14 +944,53 @@ class SlimeArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n(run with --help for the list of flags)\n")
 
 
+# Flags a launch cannot do without (checked by check_launch_inputs before Ray starts, not by argparse, so that
+# --help and the parser's own tests work without them).
+REQUIRED_FLAGS: tuple[str, ...] = ("--hf-checkpoint",)
+
+HELP_EPILOG = """\
+This project's own flags (hang-proof step) are in the groups "fencing (this project)" and "rollout faults":
+--fence-timeout, --ledger-dir, --ledger-record-sequence, --distributed-timeout-minutes, --use-fault-tolerance.
+Where every rank is in a running or stopped job: python -m slime.distributed.hang_report LEDGER_DIR
+Whether every rank ran the same collectives in the same order: python -m slime.distributed.order_proof LEDGER_DIR
+Marks: [required] must be given; [refused] stops at parse time with the reason; [no effect] accepted with a
+warning, changes nothing; [always on] asks for what this project always does."""
+
+
+def registry_mark(flag: str) -> str:
+    """How a flag's help line starts: what the registries say of it ('' for an ordinary flag)."""
+    if flag in REQUIRED_FLAGS:
+        return "[required] "
+    for entry in REFUSED_FLAGS:
+        if entry.flag == flag:
+            return "[refused: some values] " if entry.is_active else f"[refused: {entry.reason}] "
+    for entry in NOT_IMPLEMENTED_FLAGS:
+        if entry.flag == flag:
+            return f"[no effect: {entry.reason}] "
+    if flag in ALWAYS_HONOURED_FLAGS:
+        return f"[always on: {ALWAYS_HONOURED_FLAGS[flag]}] "
+    return ""
+
+
 class DefaultsHelpFormatter(argparse.HelpFormatter):
-    """Every flag's help line ends with its default."""
+    """Every flag's help line starts with its registry mark and ends with its default, once."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if action.default is argparse.SUPPRESS or "%(default)" in text or not action.option_strings:
+        if not action.option_strings:
+            return text
+        text = registry_mark(action.option_strings[0]) + text
+        refused_values = [e.reason for e in REFUSED_FLAGS if e.flag == action.option_strings[0] and e.is_active]
+        if refused_values:
+            text += f" (refused values: {'; '.join(refused_values)})"
+        if (action.default is argparse.SUPPRESS or "%(default)" in text or "default" in text.lower()
+                or action.option_strings[0] in REQUIRED_FLAGS):
             return text
         return f"{text} (default: %(default)s)"
+
+    def _format_text(self, text: str) -> str:
+        # The epilog keeps its lines (one command per line); the description is one paragraph.
+        return text + "\n" if text and "\n" in text else super()._format_text(text)
 
 
 def closest_flags(flag: str, parser: argparse.ArgumentParser, n: int = 3) -> list[str]:
@@ -977,6 +1017,7 @@ def build_parser(
         description="slime-compatible RL training (upstream slime + Megatron flags)",
         allow_abbrev=False,  # a typo must be an error, never a silent prefix match
         formatter_class=DefaultsHelpFormatter,
+        epilog=HELP_EPILOG,
     )
     if add_custom_arguments is not None:
         parser = add_custom_arguments(parser) or parser

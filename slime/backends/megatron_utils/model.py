@@ -1,13 +1,14 @@
 """Build the megatron-core GPT model, its DDP wrapper, optimizer and LR scheduler.
 
-Leaf choice is made once here: the TransformerEngine layer spec when TE imports on CUDA,
-otherwise megatron's local spec with our SP-capable norm and CP/THD-capable core attention
-(slime_plugins/models). Everything above this module is the same on both.
+Leaf choice is made once here: megatron's local spec with our SP-capable norm and CP/THD-capable
+core attention (slime_plugins/models), the path measured on CPU and GPUs; TransformerEngine's spec
+only with `--transformer-impl transformer_engine`. Everything above this module is the same on both.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from argparse import Namespace
 from typing import Any
 
@@ -33,6 +34,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig  # no
 
 from slime_plugins.models.cp_attention import ContextParallelAttention  # noqa: E402
 from slime_plugins.models.sp_norm import SequenceParallelNorm  # noqa: E402
+
+logger = logging.getLogger(__name__)
 
 _QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
 _QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_moe")
@@ -176,12 +179,22 @@ def transformer_config_from_hf(hf_config: Any, args: Namespace) -> TransformerCo
 
 
 def _use_transformer_engine(args: Namespace) -> bool:
-    if getattr(args, "transformer_impl", None) == "local" or not torch.cuda.is_available():
+    """The local spec + this project's attention unless TransformerEngine's spec is asked for by name.
+
+    The local path is the one measured on GPUs (benchmarks/RESULTS.md); TransformerEngine's spec is opt-in
+    until it has run here, even where TransformerEngine is installed (as in slime's own container).
+    """
+    if getattr(args, "transformer_impl", None) != "transformer_engine":
         return False
+    if not torch.cuda.is_available():
+        raise RuntimeError("--transformer-impl transformer_engine needs CUDA; leave it unset on CPU (local spec)")
     try:
         import transformer_engine  # noqa: F401
     except ImportError:
-        return False
+        raise RuntimeError("--transformer-impl transformer_engine: TransformerEngine is not installed; "
+                           "leave the flag unset for the local spec") from None
+    logger.warning("--transformer-impl transformer_engine: TransformerEngine's layer spec has not been measured with "
+                   "this project's fenced step; the default (local spec + the project's attention) is the measured path")
     return True
 
 
