@@ -59,7 +59,8 @@ def free_port() -> int:
 class FakeEngine:
     """Replies with `response_text` and `response_ids`, cut at max_new_tokens (finish 'length').
 
-    It also answers as its own router (/list_workers) and honours /abort_request {"abort_all": true}:
+    It also answers as its own router (sglang-router's GET /workers, the project router's GET /list_workers)
+    and honours /abort_request {"abort_all": true}:
     a request waiting out `delay_s` then returns its first `aborted_tokens` ids with finish 'abort'.
     """
 
@@ -118,11 +119,15 @@ class FakeEngine:
     async def _list_workers(self, request: web.Request) -> web.Response:
         return web.json_response({"urls": [f"http://127.0.0.1:{self.port}"]})
 
+    async def _workers(self, request: web.Request) -> web.Response:
+        return web.json_response({"workers": [{"id": "fake-0", "url": f"http://127.0.0.1:{self.port}"}]})
+
     def start(self) -> "FakeEngine":
         app = web.Application()
         app.router.add_post("/generate", self._generate)
         app.router.add_post("/abort_request", self._abort)
         app.router.add_get("/list_workers", self._list_workers)
+        app.router.add_get("/workers", self._workers)
         self._server = AppThread(app).start()
         self.port = self._server.port
         return self

@@ -21,6 +21,7 @@ import dataclasses
 import importlib.abc
 import importlib.machinery
 import json
+import re
 import sys
 import types
 from pathlib import Path
@@ -174,6 +175,25 @@ def struct_problems(cls, body: dict[str, Any]) -> list[str]:
     return problems
 
 
+def schema_gate():
+    """SGLang's own /generate JSON gate (`sglang/api/v1/api_types.py`, generated from its API schema; newer
+    releases only): stricter than msgspec.convert, e.g. a float in an integer field is refused."""
+    path = sglang_dir() / "api/v1/api_types.py"
+    if not path.is_file():
+        return None
+    from sglang.api.v1 import api_types
+
+    return api_types
+
+
+def gate_problems(body: dict[str, Any], gate) -> list[str]:
+    try:
+        gate.GenerateRequest.from_json_value(json.loads(json.dumps(body)))  # as the server sees the JSON
+    except gate.JsonContractError as exc:
+        return [f"SGLang's /generate schema gate: {exc}"]
+    return []
+
+
 def generate_problems(body: dict[str, Any], io) -> list[str]:
     import msgspec
 
@@ -190,7 +210,8 @@ def generate_problems(body: dict[str, Any], io) -> list[str]:
                 msgspec.convert(value, sampling[key].type, strict=True)
             except Exception as exc:  # noqa: BLE001
                 problems.append(f"sampling param {key}={value!r}: {exc}")
-    return problems
+    gate = schema_gate()
+    return problems + (gate_problems(body, gate) if gate else [])
 
 
 # ----------------------------------------------------------------------------- checks
@@ -246,9 +267,14 @@ def check_launch(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return report
 
 
-def env_names_known(names: list[str]) -> dict[str, bool]:
-    text = "\n".join(p.read_text(errors="replace") for p in (sglang_dir() / "srt").rglob("*.py"))
-    return {name: name in text for name in names}
+def env_readers(names: list[str]) -> dict[str, list[str]]:
+    """For each name, SGLang's files that read it. environ.py only declares names (or converts deprecated
+    ones), so a name found there alone is read by nobody."""
+    srt = sglang_dir() / "srt"
+    texts = {str(p.relative_to(srt)): p.read_text(errors="replace") for p in srt.rglob("*.py")
+             if p.name != "environ.py"}
+    return {name: sorted(path for path, text in texts.items() if re.search(rf"(?<![A-Z0-9_]){name}(?![A-Z0-9_])", text))
+            for name in names}
 
 
 def check_payload(tp_size: int) -> dict[str, Any]:
@@ -328,7 +354,10 @@ def main() -> None:
         "sampling_fields": sorted(f.name for f in msgspec.structs.fields(SamplingParams)),
         "bodies": check_bodies(request["bodies"], io),
         "launch": check_launch(request["launch"]),
-        "env_known": env_names_known(request["env_names"]),
+        "env_readers": env_readers(request["env_names"]),
+        "schema_gate": schema_gate() is not None,
+        "gate_rejects": {name: gate_problems(body, schema_gate()) if schema_gate() else None
+                         for name, body in request.get("gate_checks", {}).items()},
         "payload": check_payload(request["tp_size"]),
         "stubbed": sorted({name.split(".")[0] for name in STUBBED}),
     }

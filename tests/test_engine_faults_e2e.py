@@ -1,10 +1,11 @@
 """`python train.py` with engines that fail (SLIME_FAULT_INJECT kill_engine / stall_engine), end to end.
 
 One rank, two embedded engines behind the router, a one-layer tiny Qwen3:
-- with --use-fault-tolerance: rollout 0 loses engine 1 (killed mid-generation; the survivor takes its
-  requests), rollout 1 loses both (engine 0 stalls, engine 1 is killed: every request waits for the
-  restarted engines, which first get the trainer's weights); every rollout trains on all its samples
-  and the run goes on to its last rollout.
+- with --use-fault-tolerance, once behind the project's router and once behind the real sglang-router
+  (each restarted engine is registered at its new URL, the dead one removed): rollout 0 loses engine 1
+  (killed mid-generation; the survivor takes its requests), rollout 1 loses both (engine 0 stalls,
+  engine 1 is killed: every request waits for the restarted engines, which first get the trainer's
+  weights); every rollout trains on all its samples and the run goes on to its last rollout.
 - without it: a killed engine ends the run at once with an error naming the engine; a stalled one ends
   it at --rollout-timeout with the engines and the requests outstanding.
 """
@@ -22,11 +23,12 @@ pytestmark = pytest.mark.timeout(600)
 FLAGS = [
     "--input-key", "prompt", "--label-key", "label", "--apply-chat-template", "--rm-type", "math",
     "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "2",
-    "--rollout-num-gpus-per-engine", "1", "--use-slime-router",
+    "--rollout-num-gpus-per-engine", "1",
     "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--num-steps-per-rollout", "1",
     "--rollout-max-response-len", "24", "--advantage-estimator", "grpo", "--lr", "1e-4", "--seed", "1234",
     "--fence-timeout", "120", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "512",
 ]
+ROUTERS = {"slime_router": ["--use-slime-router"], "sglang_router": []}
 FAULT_TOLERANCE = ["--use-fault-tolerance", "--rollout-health-check-interval", "1",
                    "--rollout-health-check-timeout", "2", "--rollout-health-check-first-wait", "0"]
 
@@ -51,9 +53,9 @@ def _run(assets, name: str, extra: list[str], faults: str, timeout_s: float = 54
     return {"proc": proc, "out": out, "output": proc.stdout + proc.stderr, "seconds": seconds}
 
 
-@pytest.fixture(scope="module")
-def tolerant_run(assets) -> dict:
-    return _run(assets, "tolerant", [*FAULT_TOLERANCE, "--num-rollout", "3"],
+@pytest.fixture(scope="module", params=sorted(ROUTERS))
+def tolerant_run(request, assets) -> dict:
+    return _run(assets, f"tolerant-{request.param}", [*ROUTERS[request.param], *FAULT_TOLERANCE, "--num-rollout", "3"],
                 "kill_engine@1#0,stall_engine@0#1,kill_engine@1#1")
 
 
@@ -92,7 +94,8 @@ def test_engines_lost_together_get_the_current_weights_before_serving(tolerant_r
 
 
 def test_killed_engine_without_fault_tolerance_ends_the_run_naming_it(assets):
-    run = _run(assets, "kill", ["--debug-rollout-only", "--num-rollout", "2"], "kill_engine@1#0", timeout_s=300)
+    run = _run(assets, "kill", ["--use-slime-router", "--debug-rollout-only", "--num-rollout", "2"], "kill_engine@1#0",
+               timeout_s=300)
     output = run["output"]
     assert run["proc"].returncode != 0, output[-3000:]
     summary = [line for line in output.splitlines() if "training stopped:" in line]
@@ -104,7 +107,8 @@ def test_killed_engine_without_fault_tolerance_ends_the_run_naming_it(assets):
 
 def test_stalled_engine_without_fault_tolerance_ends_at_the_rollout_timeout(assets):
     timeout = 15
-    run = _run(assets, "stall", ["--debug-rollout-only", "--num-rollout", "2", "--rollout-timeout", str(timeout)],
+    run = _run(assets, "stall", ["--use-slime-router", "--debug-rollout-only", "--num-rollout", "2",
+                                 "--rollout-timeout", str(timeout)],
                "stall_engine@1#0", timeout_s=300)
     output = run["output"]
     assert run["proc"].returncode != 0, output[-3000:]

@@ -5,6 +5,9 @@
   join a gloo group with the trainer's sender and receive broadcasts.
 - `--use-slime-router --colocate`: the project's router, two ranks and two colocated engines, weights
   through the shared-memory tensor payload.
+- sampling behind the real sglang-router: over-sampling with the DAPO filter (group 0 scores flat and is
+  dropped), partial rollout (the group in flight when the rollout has its groups is aborted on every
+  engine the router lists, buffered and finished by the next rollout under the next weights).
 One small run each (2 engines, 2 rollouts); every assertion shares it.
 """
 from __future__ import annotations
@@ -13,7 +16,9 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
+import hook_plugins
 from test_end_to_end import read_events, run_train
 
 pytestmark = pytest.mark.timeout(600)
@@ -26,12 +31,21 @@ COMMON = [
     "--lr", "1e-4", "--seed", "1234", "--fence-timeout", "120", "--use-dynamic-batch-size",
     "--max-tokens-per-gpu", "512",
 ]
+PLUGINS = str(Path(hook_plugins.__file__).resolve())
+SEPARATE = ["--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "2"]
 LAYOUTS = {
-    "sglang_router": ["--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "2"],
+    "sglang_router": SEPARATE,
     "slime_router": ["--actor-num-nodes", "1", "--actor-num-gpus-per-node", "2", "--colocate",
                      "--use-slime-router"],
+    # 4 groups drawn for 2; one request per engine at a time, so the groups generate one after another, and
+    # each sample waits 0.5 s before its reward: the last group is mid-generation when the rollout is full
+    "sglang_router_sampling": [
+        *SEPARATE, "--over-sampling-batch-size", "4", "--sglang-server-concurrency", "1",
+        "--dynamic-sampling-filter-path", "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std",
+        "--custom-rm-path", f"{PLUGINS}:first_group_flat_rm", "--rollout-sample-hook-path", f"{PLUGINS}:slow_sample_hook",
+        "--partial-rollout", "--rollout-max-response-len", "256"],
 }
-ROUTER_LOG = {"sglang_router": "sglang-router-", "slime_router": "slime-router-"}
+ROUTER_LOG = {"sglang_router": "sglang-router-", "slime_router": "slime-router-", "sglang_router_sampling": "sglang-router-"}
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +65,8 @@ def run(request, assets) -> dict:
     name = request.param
     out = assets["root"] / name
     flags = ["--hf-checkpoint", str(assets["checkpoint"]), "--prompt-data", str(assets["prompts"]), *COMMON,
-             *LAYOUTS[name], "--metrics-jsonl", str(out / "metrics.jsonl"), "--ledger-dir", str(out / "ledger")]
+             *LAYOUTS[name], "--metrics-jsonl", str(out / "metrics.jsonl"), "--ledger-dir", str(out / "ledger"),
+             "--save-debug-rollout-data", str(out / "rollout_{rollout_id}.pt")]
     out.mkdir()
     proc, seconds = run_train(flags, timeout_s=540)
     return {"name": name, "proc": proc, "out": out, "seconds": seconds}
@@ -80,7 +95,7 @@ def test_the_intended_router_served_the_rollouts(run):
     for engine in engines:  # each engine took every push
         text = engine.read_text()
         assert "updated" in text and "weight_version=2" in text, engine.name
-    if run["name"] == "sglang_router":
+    if run["name"].startswith("sglang_router"):
         assert all("joined weight-update group" in e.read_text() for e in engines)
 
 
@@ -95,3 +110,36 @@ def test_the_run_key_reaches_no_log(run):
     written = [p for p in run["out"].rglob("*") if p.is_file()]
     assert any(p.name.startswith("embedded-engine-") for p in written)
     assert not [p for p in written if key in p.read_text(errors="replace")]
+
+
+def _engine_logs(run) -> list[str]:
+    return [p.read_text() for p in sorted((run["out"] / "ledger" / "engine-logs").glob("embedded-engine-*"))]
+
+
+SAMPLING_RUN = pytest.mark.parametrize("run", ["sglang_router_sampling"], indirect=True)
+
+
+@SAMPLING_RUN
+def test_over_sampling_drops_flat_groups_behind_the_real_router(run):
+    assert run["proc"].returncode == 0, run["proc"].stderr[-4000:]
+    first = read_events(run["out"] / "metrics.jsonl")["rollout"][0]
+    assert first["rollout/sampling/drawn_groups"] == 4.0 and first["rollout/dynamic_filter/drop_zero_std_0.0"] == 1.0
+    kept = torch.load(run["out"] / "rollout_0.pt", weights_only=False)["samples"]
+    assert sorted({s["group_index"] for s in kept}) == [1, 2]  # group 0 (all rewards 0) was dropped
+    assert first["rollout/zero_std_group_ratio"] == 0.0
+
+
+@SAMPLING_RUN
+def test_partial_rollout_aborts_on_every_engine_and_resumes_behind_the_real_router(run):
+    """GET /workers gave the abort both engines; the aborted group came back first in the next rollout."""
+    assert run["proc"].returncode == 0, run["proc"].stderr[-4000:]
+    first = read_events(run["out"] / "metrics.jsonl")["rollout"][0]
+    assert first["rollout/partial/buffered_groups"] == 1.0 and first["rollout/partial/buffered_tokens"] > 0
+    logs = _engine_logs(run)
+    assert len(logs) == 2 and all("abort_request (all)" in log for log in logs)
+    resumed = [s for s in torch.load(run["out"] / "rollout_1.pt", weights_only=False)["samples"]
+               if s["metadata"].get("start_rollout_id") == 0]
+    assert resumed and all(s["group_index"] == 3 for s in resumed), resumed  # the group in flight in rollout 0
+    for sample in resumed:  # tokens from the weights of rollout 0 and from those pushed after it
+        assert sample["status"] in ("completed", "truncated"), sample["status"]
+        assert sample["weight_versions"][0] == "0" and sample["weight_versions"][-1] == "1", sample["weight_versions"]

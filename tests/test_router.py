@@ -16,8 +16,10 @@ import pytest
 import requests
 from aiohttp import web
 
-from slime.utils.ports import find_free_port
+from slime.rollout.sampling_loop import engine_urls
 from slime.router.router import RouterConfig, SlimeRouter, WorkerPool, build_router_app, launch_router
+from slime.router.workers import RouterWorkers
+from slime.utils.ports import find_free_port
 from slime.utils.security import auth_headers, current_key
 
 pytestmark = pytest.mark.timeout(120)
@@ -64,7 +66,7 @@ def fake_engine(name: str, delay_s: float = 0.0) -> web.Application:
 
     app = web.Application()
     app.router.add_post("/generate", generate)
-    for path in ("/health", "/health_generate", "/get_model_info", "/get_server_info", "/model_info", "/server_info"):
+    for path in ("/health", "/health_generate", "/model_info", "/server_info"):  # not the deprecated /get_*
         app.router.add_get(path, ok)
     return app
 
@@ -158,6 +160,20 @@ def test_launch_router_process(servers, tmp_path, use_slime_router):
     try:
         answered = {post_generate(handle.url).json()["text"] for _ in range(4)}
         assert answered == {"w0", "w1"}, handle.server.log_tail()
+        check_worker_changes(args, handle, workers, servers(fake_engine("w2")))
     finally:
         handle.stop()
     assert not handle.server.alive()
+
+
+def check_worker_changes(args, handle, workers, extra) -> None:
+    """What the sampling loop's abort and the engine fleet's restarts ask of the router they launched."""
+    args = types.SimpleNamespace(**{**vars(args), "sglang_router_ip": handle.host, "sglang_router_port": handle.port})
+    router = RouterWorkers.for_args(args)
+    assert router.kind == handle.kind
+    assert sorted(asyncio.run(engine_urls(args))) == sorted(w.url for w in workers), handle.server.log_tail()
+    router.add(extra.url, timeout_s=30)
+    assert extra.url in router.urls()
+    assert {post_generate(handle.url).json()["text"] for _ in range(6)} == {"w0", "w1", "w2"}
+    router.remove(workers[0].url)
+    assert sorted(router.urls()) == sorted([workers[1].url, extra.url]), handle.server.log_tail()

@@ -47,6 +47,7 @@ ROUTE_STRUCTS = {
     "/flush_cache": None,  # query parameter only
     "/health": None,
     "/model_info": None,
+    "/server_info": None,
 }
 SESSION_ROUTES = ("/begin_weight_update", "/end_weight_update")  # SGLang >= 0.5.21; 404 before (fallback)
 
@@ -71,6 +72,7 @@ def record_client_calls() -> list[dict[str, Any]]:
     recorder = client._session = _Recorder()
     client.health()
     client.model_info()
+    client.server_info()
     client.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 4, "temperature": 1.0, "top_k": 5},
                     return_logprob=True, logprob_start_len=0)
     client.abort_all()
@@ -93,8 +95,9 @@ def record_client_calls() -> list[dict[str, Any]]:
     return recorder.calls
 
 
-def record_rollout_generate(monkeypatch) -> dict[str, Any]:
-    """The body slime.rollout.sglang_rollout.generate sends for the default sampling flags."""
+def record_rollout_generate(monkeypatch) -> list[dict[str, Any]]:
+    """The bodies slime.rollout.sglang_rollout.generate sends for the default sampling flags: a fresh sample,
+    and one aborted earlier (--partial-rollout) that resumes within --rollout-max-context-len."""
     from slime.rollout import sglang_rollout
     from slime.utils.arguments import build_parser
     from slime.utils.types import Sample
@@ -110,9 +113,20 @@ def record_rollout_generate(monkeypatch) -> dict[str, Any]:
     args = build_parser().parse_known_args(["--rollout-batch-size", "1"])[0]
     args.sglang_router_ip, args.sglang_router_port = "127.0.0.1", 1
     args.rollout_max_response_len, args.rollout_stop, args.rollout_stop_token_ids = 12, ["</s>"], [2]
-    args.rollout_top_k = 20
-    asyncio.run(sglang_rollout.generate(args, Sample(tokens=[1, 2, 3]), sglang_rollout.sampling_params(args)))
-    return {"method": "POST", "route": "/generate", "query": "", "body": sent[0]}
+    args.rollout_top_k, args.rollout_max_context_len = 20, 64
+    resumed = Sample(tokens=[1, 2, 3, 7, 8], response_length=2, status=Sample.Status.ABORTED)
+    for sample in (Sample(tokens=[1, 2, 3]), resumed):
+        asyncio.run(sglang_rollout.generate(args, sample, sglang_rollout.sampling_params(args)))
+    return [{"method": "POST", "route": "/generate", "query": "", "body": body} for body in sent]
+
+
+# SGLang's /generate schema gate must refuse these (proof that the gate runs, not a formality)
+GATE_CHECKS = {
+    "float max_new_tokens": {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 10.0}},
+    "unknown sampling param": {"input_ids": [1, 2], "sampling_params": {"max_new_token": 10}},
+}
+# Engine environment names that are not SGLang's, and the installed package that reads each
+FOREIGN_ENV_READERS = {"RAY_": "ray"}
 
 
 LAUNCH_CASES = [
@@ -122,7 +136,7 @@ LAUNCH_CASES = [
      "argv": [], "expect": {"tp_size": ENGINE_TP, "base_gpu_id": 3, "random_seed": 8, "enable_memory_saver": True,
                             "mem_fraction_static": 0.7, "skip_server_warmup": True, "trust_remote_code": True},
      "cuda_graph_bs": [1, 2, 4],
-     "env": ["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"]},
+     "env": ["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK"]},
     {"name": "passthrough", "args": {"rollout_num_gpus_per_engine": 1, "seed": 1, "offload_rollout": False},
      "argv": ["--sglang-preferred-sampling-params", '{"temperature": 0.5, "top_p": 0.9}',
               "--sglang-json-model-override-args", '{"rope_scaling": {"factor": 2.0}}',
@@ -139,7 +153,7 @@ def report(request, tmp_path_factory) -> dict[str, Any]:
     root = sglang_root(version)
     monkeypatch = pytest.MonkeyPatch()
     try:
-        bodies = [*record_client_calls(), record_rollout_generate(monkeypatch)]
+        bodies = [*record_client_calls(), *record_rollout_generate(monkeypatch)]
     finally:
         monkeypatch.undo()
     for body in bodies:
@@ -148,7 +162,9 @@ def report(request, tmp_path_factory) -> dict[str, Any]:
     for case, source in zip(cases, LAUNCH_CASES):
         if "cuda_graph_bs" in source:
             case["expect"] = {**case["expect"], "cuda_graph_bs": None, "cuda_graph_bs_decode": None}
-    probe_request = {"bodies": bodies, "launch": cases, "env_names": sorted(SGLANG_ENV_DEFAULTS), "tp_size": ENGINE_TP}
+    env_names = sorted(n for n in SGLANG_ENV_DEFAULTS if n.startswith(("SGLANG_", "SGL_")))
+    probe_request = {"bodies": bodies, "launch": cases, "env_names": env_names, "tp_size": ENGINE_TP,
+                     "gate_checks": GATE_CHECKS}
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(ROOT)]), "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "sglang_probe.py")], input=json.dumps(probe_request),
                           capture_output=True, text=True, env=env, timeout=240, cwd=str(ROOT))
@@ -196,8 +212,40 @@ def test_launch_argv_parses_back_to_what_slime_meant(report):
             assert case["env"][name] == "false", name
 
 
-def test_engine_env_names_exist_in_sglang(report):
-    assert report["env_known"]["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"], report["env_known"]
+def test_every_engine_env_name_is_read_by_sglang(report):
+    """A name SGLang does not read is a setting that silently does nothing (a renamed switch)."""
+    readers = report["env_readers"]
+    unread = [name for name, files in readers.items() if not files]
+    assert not unread, f"SGLang {report['version']} reads none of {unread} (declared in environ.py at most)"
+    assert "SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK" in readers, readers
+
+
+def test_engine_env_names_of_other_libraries_are_read_by_them():
+    import importlib.util
+    import re
+    from pathlib import Path
+
+    for name in SGLANG_ENV_DEFAULTS:
+        if name.startswith(("SGLANG_", "SGL_")):
+            continue
+        package = next((pkg for prefix, pkg in FOREIGN_ENV_READERS.items() if name.startswith(prefix)), None)
+        assert package, f"{name}: no known reader; add its library to FOREIGN_ENV_READERS"
+        root = Path(importlib.util.find_spec(package).origin).parent
+        pattern = re.compile(rf"(?<![A-Z0-9_]){name}(?![A-Z0-9_])")
+        assert any(pattern.search(p.read_text(errors="replace")) for p in root.rglob("*.py")), f"{package} never reads {name}"
+
+
+def test_generate_bodies_pass_sglangs_own_schema_gate(report):
+    """The newest release ships its /generate JSON gate; it must run and refuse what SGLang refuses."""
+    if _newer_than(report["version"], "0.5.23"):
+        assert report["schema_gate"], f"SGLang {report['version']}: sglang/api/v1/api_types.py not found"
+    if not report["schema_gate"]:
+        return  # older releases: the struct checks of test_every_request_body_fits_sglangs_request_types only
+    assert all(report["gate_rejects"][name] for name in GATE_CHECKS), report["gate_rejects"]
+    generate = [b for b in report["bodies"] if b["route"] == "/generate"]
+    assert len(generate) == 3  # the client's, a fresh and a resumed rollout sample
+    for entry in generate:
+        assert entry["problems"] == [], entry["problems"]
 
 
 def test_tensor_payload_round_trips_through_sglangs_decoder(report):

@@ -17,7 +17,8 @@ from typing import Any, Awaitable, Callable
 
 from slime.rollout.advantages import flatten_groups
 from slime.rollout.filter_hub.base_types import DropCounter, call_dynamic_filter, should_drop_dynamic_filter_output
-from slime.utils.http_utils import get, post
+from slime.router.workers import RouterWorkers
+from slime.utils.http_utils import post
 from slime.utils.misc import load_function
 from slime.utils.types import Sample
 
@@ -167,12 +168,9 @@ async def _cancel(tasks: set[asyncio.Task]) -> None:
 
 
 async def engine_urls(args) -> list[str]:
-    """The engines behind the router (this project's router and sglang-router answer /list_workers)."""
-    reply = await get(f"http://{args.sglang_router_ip}:{args.sglang_router_port}/list_workers",
-                      timeout_s=ENGINE_CONTROL_TIMEOUT_S)
-    if "urls" in reply:
-        return list(reply["urls"])
-    return [worker["url"] for worker in reply.get("workers", [])]
+    """The engines behind the router, as the router lists them (each router kind has its own route)."""
+    router = RouterWorkers.for_args(args)
+    return await asyncio.to_thread(router.urls)
 
 
 async def abort_engines(args) -> None:

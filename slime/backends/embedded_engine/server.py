@@ -145,7 +145,8 @@ async def continue_generation(request: web.Request) -> web.Response:
 
 async def abort_request(request: web.Request) -> web.Response:
     body = await _json_body(request)
-    request.app[SCHEDULER_KEY].abort(rid=body.get("rid"), abort_all=bool(body.get("abort_all", False)))
+    aborted = request.app[SCHEDULER_KEY].abort(rid=body.get("rid"), abort_all=bool(body.get("abort_all", False)))
+    logger.info("abort_request (%s): %d request(s) aborted", "all" if body.get("abort_all") else body.get("rid"), aborted)
     return web.Response(status=200)
 
 
