@@ -274,7 +274,7 @@ def test_student_moves_towards_a_teacher_engine(opd_assets, tmp_path):
     from types import SimpleNamespace as NS
 
     from slime.backends.sglang_utils.launcher import launch_engine
-    from slime.backends.sglang_utils.process import find_free_port
+    from slime.utils.ports import find_free_port
 
     teacher = launch_engine("embedded", NS(seed=7), 0, find_free_port(), str(opd_assets["teacher"]),
                             startup_timeout_s=120, log_dir=str(tmp_path / "teacher-logs"))

@@ -155,7 +155,7 @@ def generator(args, data_source) -> FullyAsyncGenerator:
 
 async def _engines_version(args) -> int | None:
     """The newest weight version behind the router (engines that never got a push report none)."""
-    replies = await asyncio.gather(*(get(f"{url.rstrip('/')}/get_model_info", timeout_s=VERSION_TIMEOUT_S)
+    replies = await asyncio.gather(*(get(f"{url.rstrip('/')}/model_info", timeout_s=VERSION_TIMEOUT_S)
                                      for url in await engine_urls(args)))
     versions = [int(r["weight_version"]) for r in replies if str(r.get("weight_version")).isdigit()]
     return max(versions) if versions else None
