@@ -119,6 +119,7 @@ class Ledger:
         self._flusher: threading.Thread | None = None
         self._flush_interval_s = min(flush_interval_s, SEQUENCE_FLUSH_INTERVAL_S) if recording else flush_interval_s
         self._sequence = _SequenceWriter(sequence_path(directory, rank)) if recording else None
+        self.hub = None  # the live link to every rank's progress (progress_hub.HubClient); None: peers' files
         if directory:
             os.makedirs(directory, exist_ok=True)
             if self._sequence:
@@ -243,6 +244,21 @@ class Ledger:
                 "group_counts": dict(self._group_counts),
                 "recent": [_as_dict(e) for e in recent],
             }
+
+    def heartbeat_key(self) -> tuple:
+        """Changes whenever heartbeat() would say something new (not with the mere passing of time)."""
+        in_flight = self._in_flight
+        return self._seq, self._phase, self.progress_at, in_flight is None
+
+    def heartbeat(self, now: float | None = None) -> dict:
+        """The compact live state the progress hub keeps: ages instead of times (the hub has its own clock)."""
+        now = _now() if now is None else now
+        last = self._entries[-1] if self._entries else None
+        op = self._in_flight or (last if last is not None and last[_ERROR] else None)
+        return {"rank": self.rank, "world_size": self.world_size, "seq": self._seq, "phase": self._phase,
+                "age": now - self.progress_at, "counts": dict(self._group_counts),
+                "op": None if op is None else {"op": op[_OP], "group": op[_GROUP][0], "ranks": list(op[_GROUP][1]),
+                                               "age": now - op[_START], "error": op[_ERROR]}}
 
     # -- file mirror -------------------------------------------------------------------------
     def flush(self) -> None:

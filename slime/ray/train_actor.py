@@ -54,11 +54,12 @@ def _portable_errors(method):
 
 
 class TrainRayActor:
-    def __init__(self, args, rank: int, world_size: int, ledger_dir: str):
+    def __init__(self, args, rank: int, world_size: int, ledger_dir: str, hub: tuple | None = None):
         self.args = args
         self.rank = rank
         self.world_size = world_size
         self.ledger_dir = ledger_dir
+        self.hub = hub  # (actor handle, name) of the driver's progress hub
         self.actor = None
         # On GPU bundles the rank sees the whole node (placement.py says why) and trains on its
         # bundle's GPU; init_distributed makes LOCAL_RANK the current device.
@@ -88,7 +89,7 @@ class TrainRayActor:
 
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         os.environ.update({k: str(v) for k, v in (self.args.train_env_vars or {}).items()})  # --train-env-vars
-        self.actor = MegatronTrainActor(self.args, self.rank, self.world_size, self.ledger_dir)
+        self.actor = MegatronTrainActor(self.args, self.rank, self.world_size, self.ledger_dir, hub=self.hub)
         return self.actor.init(master_addr, master_port, engine_urls)
 
     @_portable_errors
