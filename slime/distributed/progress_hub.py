@@ -170,15 +170,17 @@ class ProgressHub:
         return {"cpu_s": time.process_time(), "calls": self.calls, "ranks": len(self.state.ranks)}
 
 
-def start_hub(world_size: int):
-    """Start the hub on this (the driver's) node; returns (actor handle, name for errors)."""
+def start_hub(world_size: int, runtime_env: dict | None = None):
+    """Start the hub on this (the driver's) node, taking no CPU slot; returns (actor handle, name for errors).
+
+    No restarts: a new hub would know no rank, and ranks must not take its silence for theirs."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     node = ray.get_runtime_context().get_node_id()
     handle = ray.remote(ProgressHub).options(
         num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-        max_restarts=0, max_pending_calls=MAX_PENDING_CALLS).remote(world_size)
+        max_restarts=0, max_pending_calls=MAX_PENDING_CALLS, runtime_env=runtime_env).remote(world_size)
     return handle, f"progress hub (Ray actor {handle._actor_id.hex()[:12]} on node {node[:12]})"
 
 

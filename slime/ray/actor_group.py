@@ -16,6 +16,7 @@ from typing import Any
 import ray
 
 from slime.distributed.progress_hub import HubClient, RayHub, start_hub
+from slime.ray.cluster import worker_env
 from slime.ray.deadline import wait_ranks
 from slime.ray.placement import Placement, actor_world_size
 from slime.ray.train_actor import TrainRayActor
@@ -39,7 +40,7 @@ class RayTrainGroup:
         self.world_size = actor_world_size(args)
         self.ledger_dir = args.ledger_dir or resolve_ledger_dir(args)
         self.deadlines = DeadlineModel.from_args(args)
-        self.hub = start_hub(self.world_size)
+        self.hub = start_hub(self.world_size, runtime_env={"env_vars": worker_env(use_gpu=False)})
         self.progress = HubClient(RayHub(*self.hub))  # the driver's view: asks only
         remote = ray.remote(TrainRayActor)
         self._ranks = [remote.options(**placement.trainer_options(rank)).remote(
