@@ -143,7 +143,7 @@ def file_round(world: int, repeats: int = 3) -> dict:
 
 
 def ray_transport(world: int):
-    handle, name = start_hub(world)
+    handle, name = start_hub(world, max_pending_calls=4 * world)  # one process holds every "rank"
     import ray
 
     ray.get(handle.stats.remote(), timeout=60)  # started

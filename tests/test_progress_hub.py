@@ -109,6 +109,7 @@ def test_a_peer_on_another_node_keeps_a_waiting_rank_alive_and_its_stop_is_named
             waiting.begin_named("fence:push", "fence", (0, 1))
             _busy(20)  # nobody progresses any more
     assert time.monotonic() - stopped < window + 3 * INTERVAL_S + 1.5, err.value
+    assert clients[0].verdicts() == ["HANG: phase=weight_sync/push stuck ranks=[1] (reported by ranks [0])"]
     table = clients[0].table()
     assert "SUSPECT" in table and "beat age" in table
     rows = {line.split()[0]: line for line in table.splitlines()[2:4]}

@@ -113,6 +113,7 @@ def two_ranks(tmp_path_factory):
         ray.init(address=cluster.address, log_to_driver=False)
         try:
             hub = start_hub(2, runtime_env=env)
+            ray.get(hub[0].stats.remote(), timeout=120)  # up before the ranks count on it
             remote = ray.remote(HubRank).options(num_cpus=1, runtime_env=env)
             ranks = [remote.remote(0, 2, str(root / "node1"), hub, SKEW_S), remote.remote(1, 2, str(root / "node2"), hub)]
             driver = HubClient(RayHub(*hub))

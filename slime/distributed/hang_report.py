@@ -270,14 +270,22 @@ def ledger_world_size(ledger_dir: str) -> int:
 def watchdog_verdicts(ledger_dir: str) -> list[str]:
     """The HANG lines watchdogs left (first line of each stacks file), ranks reporting the same verdict
     merged: "HANG: phase=<p> stuck ranks=[3] (reported by ranks [0, 1, 2])"."""
-    reporters: dict[str, list[int]] = {}
+    lines = {}
     for name in sorted(os.listdir(ledger_dir)):
         match = re.fullmatch(r"stacks_rank(\d+)\.txt", name)
         if match:
             with open(os.path.join(ledger_dir, name)) as f:
-                verdict = f.readline().strip().split(" (rank ", 1)[0]
-            if verdict:
-                reporters.setdefault(verdict, []).append(int(match.group(1)))
+                lines[int(match.group(1))] = f.readline()
+    return merge_verdicts(lines)
+
+
+def merge_verdicts(lines: dict[int, str]) -> list[str]:
+    """rank -> its watchdog's HANG line, as one line per verdict with the ranks that reported it."""
+    reporters: dict[str, list[int]] = {}
+    for rank, line in sorted(lines.items()):
+        verdict = line.strip().split(" (rank ", 1)[0]
+        if verdict:
+            reporters.setdefault(verdict, []).append(rank)
     return [f"{verdict} (reported by ranks {sorted(ranks)})" for verdict, ranks in reporters.items()]
 
 

@@ -70,6 +70,7 @@ class HubState:
     _latest: float | None = None
     _slowest: dict[str, tuple[float, list]] = field(default_factory=dict)  # label -> (computed at, answer)
     _members: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    verdict_lines: dict[int, str] = field(default_factory=dict)  # rank -> its watchdog's HANG line
 
     def __post_init__(self) -> None:
         self.started = self.clock()  # ranks that never sent count as progressing at the hub's start
@@ -148,6 +149,14 @@ class HubState:
 
         return suspect_ranks(self.snapshots())
 
+    def report(self, rank: int, line: str) -> None:
+        self.verdict_lines[rank] = line
+
+    def verdicts(self) -> list[str]:
+        from slime.distributed.hang_report import merge_verdicts
+
+        return merge_verdicts(self.verdict_lines)
+
 
 class ProgressHub:
     """The Ray actor: one HubState, calls served one at a time (no lock needed)."""
@@ -166,21 +175,28 @@ class ProgressHub:
     def suspects(self) -> tuple[int, ...]:
         return self.state.suspects()
 
+    def report(self, rank: int, line: str) -> None:
+        self.state.report(rank, line)
+
+    def verdicts(self) -> list[str]:
+        return self.state.verdicts()
+
     def stats(self) -> dict:
         return {"cpu_s": time.process_time(), "calls": self.calls, "ranks": len(self.state.ranks)}
 
 
-def start_hub(world_size: int, runtime_env: dict | None = None):
+def start_hub(world_size: int, runtime_env: dict | None = None, *, max_pending_calls: int = MAX_PENDING_CALLS):
     """Start the hub on this (the driver's) node, taking no CPU slot; returns (actor handle, name for errors).
 
-    No restarts: a new hub would know no rank, and ranks must not take its silence for theirs."""
+    No restarts: a new hub would know no rank, and ranks must not take its silence for theirs.
+    `max_pending_calls` counts per process (one rank each; a benchmark's process holds many)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     node = ray.get_runtime_context().get_node_id()
     handle = ray.remote(ProgressHub).options(
         num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-        max_restarts=0, max_pending_calls=MAX_PENDING_CALLS, runtime_env=runtime_env).remote(world_size)
+        max_restarts=0, max_pending_calls=max_pending_calls, runtime_env=runtime_env).remote(world_size)
     return handle, f"progress hub (Ray actor {handle._actor_id.hex()[:12]} on node {node[:12]})"
 
 
@@ -310,6 +326,20 @@ class HubClient:
             return self.transport.call("table", timeout_s=self.call_timeout_s)
         except HubCallError as exc:
             return f"(no table: {self.transport.name} did not answer: {exc})"
+
+    def report(self, line: str) -> None:
+        """Leave this rank's watchdog verdict at the hub (the driver names why a rank process ended)."""
+        try:
+            self.transport.call("report", self.rank, line, timeout_s=self.call_timeout_s)
+        except HubCallError:
+            pass  # the stacks file keeps it on this node
+
+    def verdicts(self) -> list[str]:
+        """The watchdog verdicts every node's ranks reported, merged (hang_report.merge_verdicts)."""
+        try:
+            return self.transport.call("verdicts", timeout_s=self.call_timeout_s)
+        except HubCallError:
+            return []
 
     def close(self) -> None:
         self._closed.set()

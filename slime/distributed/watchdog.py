@@ -139,6 +139,8 @@ class Watchdog:
             armed.summary = (f"HANG: phase={armed.path} stuck ranks={stuck} (rank {self.rank}, "
                              f"no progress for {armed.window_s:g}s)")
         self._dump(armed.summary)
+        if armed.error_type is HangError and self.ledger is not None and self.ledger.hub is not None:
+            self.ledger.hub.report(armed.summary)  # for the driver, should this process exit
         with self._lock:
             if armed not in self._armed:
                 return  # the phase ended meanwhile and raises at its exit

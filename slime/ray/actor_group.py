@@ -90,7 +90,12 @@ class RayTrainGroup:
         return wait_ranks(refs, phase=phase, window_s=window_s,
                           progress=lambda: self.progress.latest_progress(window_s),
                           describe_hang=self.progress.table,
-                          describe_exit=lambda: exit_verdict(self.ledger_dir, self.world_size))
+                          describe_exit=self._exit_verdict)
+
+    def _exit_verdict(self) -> str:
+        """Why rank processes ended: the HANG lines their watchdogs left at the hub before exiting (every
+        node), else in the stacks files here, else where the ledger files here last saw every rank."""
+        return "; ".join(self.progress.verdicts()) or exit_verdict(self.ledger_dir, self.world_size)
 
 
 def exit_verdict(ledger_dir: str, world_size: int) -> str:
