@@ -124,12 +124,13 @@ def two_ranks(tmp_path_factory):
 
 
 def _wait(two_ranks, refs, phase: str):
+    from slime.distributed.progress import hang_table
     from slime.ray.deadline import wait_ranks
 
     driver = two_ranks["driver"]
     window = 1.5 * WINDOW_S + 5  # above the ranks' window, as the driver's is (slime/utils/deadlines.py)
     return wait_ranks(refs, phase=phase, window_s=window, progress=lambda: driver.latest_progress(window),
-                      describe_hang=driver.table, poll_s=0.5)
+                      describe_hang=lambda: hang_table(driver, 2, None), poll_s=0.5)
 
 
 @pytest.mark.timeout(240)

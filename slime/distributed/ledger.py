@@ -247,8 +247,7 @@ class Ledger:
 
     def heartbeat_key(self) -> tuple:
         """Changes whenever heartbeat() would say something new (not with the mere passing of time)."""
-        in_flight = self._in_flight
-        return self._seq, self._phase, self.progress_at, in_flight is None
+        return self._seq, self._phase, self.progress_at, self._in_flight is None
 
     def heartbeat(self, now: float | None = None) -> dict:
         """The compact live state the progress hub keeps: ages instead of times (the hub has its own clock)."""

@@ -18,6 +18,7 @@ import time
 
 from slime.distributed.hang_report import read_ledgers, render_hang_report, suspects_from_dir
 from slime.distributed.ledger import Ledger
+from slime.distributed.progress_hub import HubCallError, HubClient
 
 
 def latest_file_progress(ledger_dir: str | None, world_size: int) -> float:
@@ -68,8 +69,12 @@ def suspects(ledger: Ledger | None, world_size: int, ledger_dir: str | None = No
     return suspects_from_dir(ledger_dir or (ledger.directory if ledger else None), world_size)
 
 
-def hang_table(ledger: Ledger | None, world_size: int, ledger_dir: str | None = None) -> str:
-    """Where every rank is: the hub's table of every node, else the table of the ledger files here."""
-    if ledger is not None and ledger.hub is not None:
-        return ledger.hub.table()
-    return render_hang_report(ledger_dir or ledger.directory, world_size)
+def hang_table(hub: HubClient | None, world_size: int, ledger_dir: str | None) -> str:
+    """Where every rank is: the hub's table of every node; the ledger files here if it does not answer."""
+    note = ""
+    if hub is not None:
+        try:
+            return hub.table()
+        except HubCallError as exc:
+            note = f"({hub.transport.name} did not answer: {exc}; from the ledger files here:)\n"
+    return note + (render_hang_report(ledger_dir, world_size) if ledger_dir else "(no ledger dir)")

@@ -4,10 +4,10 @@ A daemon thread watches the phases armed by `with watchdog.phase(name, window_s)
 stalled when neither this rank nor any peer (the progress hub, or ledger files) made progress for
 its window (slime/distributed/progress.py), however long the phase has run. Then the watchdog
 writes the hang table and this process's stacks to `<ledger dir>/stacks_rank<N>.txt`, prints one
-line, and raises HangError in the thread that armed the phase (HubUnreachableError instead when
-the progress hub stopped answering for the window: the peers' progress is then unknown). If that thread is blocked in native code and
-the error has not landed within `grace_s`, the process exits with code 3 after printing
-`HANG: phase=<p> stuck ranks=[...]`.
+line, and raises HangError in the thread that armed the phase (HubUnreachableError when the
+progress hub stopped answering for the window: the peers' progress is then unknown). If that
+thread is blocked in native code and the error has not landed within `grace_s`, the process exits
+with code 3 after printing `HANG: phase=<p> stuck ranks=[...]`.
 
 No HangError outlives its phase: the decision to trip and the injection are made under the lock
 the phase takes to disarm, a phase that ends after the decision but before the injection raises
@@ -162,7 +162,8 @@ class Watchdog:
             return
         path = os.path.join(self.ledger_dir, f"stacks_rank{self.rank}.txt")
         with open(path, "w") as f:
-            f.write(f"{summary}\n{hang_table(self.ledger, self.world_size, self.ledger_dir)}\n\n")
+            hub = self.ledger.hub if self.ledger is not None else None
+            f.write(f"{summary}\n{hang_table(hub, self.world_size, self.ledger_dir)}\n\n")
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
         sys.stderr.write(f"{summary}; table and stacks in {path}\n")

@@ -86,10 +86,12 @@ class RayTrainGroup:
         ray.kill(self.hub[0], no_restart=True)
 
     def _wait(self, refs, phase: str, window_s: float | None = None) -> list:
+        from slime.distributed.progress import hang_table
+
         window_s = window_s or self.deadlines.driver_window_s
         return wait_ranks(refs, phase=phase, window_s=window_s,
                           progress=lambda: self.progress.latest_progress(window_s),
-                          describe_hang=self.progress.table,
+                          describe_hang=lambda: hang_table(self.progress, self.world_size, self.ledger_dir),
                           describe_exit=self._exit_verdict)
 
     def _exit_verdict(self) -> str:
