@@ -167,8 +167,12 @@ def main() -> None:
     if args.hub == "ray":
         import ray
 
+        from patches.ray import keep_cluster_on_loopback
+        from slime.ray.cluster import LOOPBACK
+
+        keep_cluster_on_loopback()  # a private cluster of this machine: nothing leaves loopback
         ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False,
-                 log_to_driver=False, _node_ip_address="127.0.0.1")
+                 log_to_driver=False, _node_ip_address=LOOPBACK)
         transport_for = ray_transport
     print(f"hub={args.hub} window={args.window:g}s cpus={os.cpu_count()} heartbeat interval 1s, progress every "
           f"{TICK_S:g}s")

@@ -135,6 +135,8 @@ def _wait(two_ranks, refs, phase: str):
 
 @pytest.mark.timeout(240)
 def test_a_long_phase_on_one_node_keeps_the_other_nodes_waiting_rank_alive(two_ranks):
+    import ray
+
     rank0, rank1 = two_ranks["ranks"]
     nodes = [w["node_id"] for w in two_ranks["where"]]
     assert nodes[0] != nodes[1]
@@ -144,8 +146,10 @@ def test_a_long_phase_on_one_node_keeps_the_other_nodes_waiting_rank_alive(two_r
         == ["saved", "passed"]
     from slime.ray.deadline import RankFailedError
 
-    with pytest.raises(RankFailedError, match=r"rank 1: HangError: HANG: phase=weight_sync"):  # the control
-        _wait(two_ranks, [rank0.checkpoint.remote(2 * WINDOW_S), rank1.wait_at_fence.remote(long, False)], "save")
+    control = [rank0.checkpoint.remote(2 * WINDOW_S), rank1.wait_at_fence.remote(long, False)]
+    with pytest.raises(RankFailedError, match=r"rank 1: HangError: HANG: phase=weight_sync"):
+        _wait(two_ranks, control, "save")
+    assert ray.get(control[0], timeout=60) == "saved"  # rank 0 was healthy all along
 
 
 @pytest.mark.timeout(240)

@@ -249,19 +249,19 @@ class Aggregate:
 class HubClient:
     """One process's link to the hub: a daemon thread exchanges once per interval; readers never wait.
 
-    `ledger` None: the driver (asks only). `clock` is the clock of the ledger's times (wall clock);
-    contact is timed on the monotonic clock.
+    `ledger` None: the driver (asks only). `clock` (default: the wall clock, read at each call) is
+    the clock the readers of `latest` compare with; contact is timed on the monotonic clock.
     """
 
     def __init__(self, transport: HubTransport, ledger=None, *, rank: int | None = None,
                  interval_s: float = DEFAULT_INTERVAL_S, call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
-                 clock: Callable[[], float] = time.time, start: bool = True):
+                 clock: Callable[[], float] | None = None, start: bool = True):
         self.transport = transport
         self.ledger = ledger
         self.rank = rank if rank is not None else getattr(ledger, "rank", None)
         self.interval_s = interval_s
         self.call_timeout_s = call_timeout_s
-        self.clock = clock
+        self.clock = clock or (lambda: time.time())
         self.latest: Aggregate | None = None
         self.published = 0  # heartbeats the hub acknowledged
         self.last_error = ""
@@ -285,7 +285,7 @@ class HubClient:
     def exchange(self) -> None:
         """Send the heartbeat if it changed (else only ask); keep the answer. Never raises."""
         key = self.ledger.heartbeat_key() if self.ledger is not None else None
-        beat = self.ledger.heartbeat(self.clock()) if key is not None and key != self._sent_key else None
+        beat = self.ledger.heartbeat() if key is not None and key != self._sent_key else None
         sent = self.clock()
         try:
             answer = self.transport.call("beat", beat, self.rank, timeout_s=self.call_timeout_s)
