@@ -144,3 +144,16 @@ def test_the_heartbeat_is_sent_only_when_it_changed_at_most_once_per_interval(tm
     assert client.published == busy_beats + 1  # the last change, once
     assert hub.state.ranks[0].beat["age"] < 1.5
     client.close()
+
+
+def test_the_hubs_table_finds_an_op_mismatch_from_the_heartbeats_alone():
+    hub = HubState(2)
+    for rank, second in ((0, "all_gather_into_tensor"), (1, "reduce_scatter_tensor")):
+        ledger = Ledger(rank, 2, None)  # no file anywhere
+        for op in ("all_reduce", second, "all_reduce"):
+            ledger.end(ledger.begin_named(op, "cp", (0, 1), (1024, 2), "float32"))
+        ledger.begin_named("all_reduce", "cp", (0, 1), (8,), "float32")  # both wait in the next op
+        hub.beat(ledger.heartbeat(), rank)
+    table = hub.table()
+    assert ("op mismatch on cp[0,1] #2: rank 0 all_gather_into_tensor[1024,2], "
+            "rank 1 reduce_scatter_tensor[1024,2]") in table, table

@@ -104,14 +104,18 @@ class HubState:
         if cached is not None and now - cached[0] < AGGREGATE_REFRESH_S:
             age_then = cached[1]
             return [age_then[0], age_then[1] + (now - cached[0]), age_then[2]]
-        members = self._members.get(label)
-        if members is None:
-            members = self._members[label] = _members(label)
+        members = self._group_members(label)
         slowest = min(members or (), key=lambda r: self._progress_of(r), default=None)
         answer = [slowest, now - self._progress_of(slowest), self._count(slowest, label)] if slowest is not None \
             else [None, 0.0, 0]
         self._slowest[label] = (now, answer)
         return answer
+
+    def _group_members(self, label: str) -> tuple[int, ...]:
+        members = self._members.get(label)
+        if members is None:
+            members = self._members[label] = _members(label)
+        return members
 
     def _progress_of(self, rank: int) -> float:
         known = self.ranks.get(rank)
@@ -134,10 +138,12 @@ class HubState:
             entry = {"seq": beat["seq"], "phase": beat["phase"], "op": op["op"], "group": op["group"],
                      "ranks": op["ranks"], "shape": [], "dtype": "", "start": known.op_start, "end": None,
                      "error": op.get("error"), "peer": None}
+        recent = [{"op": name, "group": label.partition("[")[0], "ranks": list(self._group_members(label)),
+                   "shape": shape, "dtype": dtype} for name, label, shape, dtype in beat.get("recent", [])]
         return {"rank": beat["rank"], "world_size": beat.get("world_size", self.world_size), "updated": known.received,
                 "phase": beat["phase"], "seq": beat["seq"], "progress": known.progress,
                 "in_flight": entry if op and not op.get("error") else None, "blocked_on": entry,
-                "group_counts": dict(beat.get("counts", {})), "recent": []}
+                "group_counts": dict(beat.get("counts", {})), "recent": recent}
 
     def table(self) -> str:
         from slime.distributed.hang_report import render_snapshots  # only at a stall: the hub stays light
