@@ -258,9 +258,12 @@ class Ledger:
         newest = list(itertools.islice(reversed(self._entries), recent))[::-1]  # one C call
         last = newest[-1] if newest else None
         op = self._in_flight or (last if last is not None and last[_ERROR] else None)
+        counts = dict(self._group_counts)
+        labels = {label: label for label in counts}  # a fence's label is a new string per op
         return {"rank": self.rank, "world_size": self.world_size, "seq": self._seq, "phase": self._phase,
-                "age": now - self.progress_at, "counts": dict(self._group_counts),
-                "recent": [[rec[_OP], rec[_GROUP][2], rec[_SHAPE], _dtype_text(rec[_DTYPE])] for rec in newest],
+                "age": now - self.progress_at, "counts": counts,
+                "recent": [[rec[_OP], labels.get(rec[_GROUP][2], rec[_GROUP][2]), rec[_SHAPE],
+                            _dtype_text(rec[_DTYPE])] for rec in newest],
                 "op": None if op is None else {"op": op[_OP], "group": op[_GROUP][0], "ranks": list(op[_GROUP][1]),
                                                "age": now - op[_START], "error": op[_ERROR]}}
 
