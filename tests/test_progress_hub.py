@@ -12,7 +12,7 @@ import time
 import pytest
 
 from slime.distributed import HangError, HubUnreachableError, Ledger, Watchdog
-from slime.distributed.progress_hub import HubClient, HubState, LocalHub
+from slime.distributed.progress_hub import HubClient, HubState, LocalHub, to_wire
 
 INTERVAL_S = 0.2
 
@@ -26,8 +26,8 @@ class _Clock:
 
 
 def _beat(rank: int, now: float, progress: float, seq: int, counts: dict, op: dict | None = None) -> dict:
-    return {"rank": rank, "world_size": 2, "seq": seq, "phase": "actor_train", "age": now - progress,
-            "counts": counts, "op": op}
+    return to_wire({"rank": rank, "world_size": 2, "seq": seq, "phase": "actor_train", "age": now - progress,
+                    "counts": counts, "recent": [], "op": op}, None)
 
 
 @pytest.mark.parametrize("skew_s", [3600.0, -3600.0])
@@ -46,8 +46,8 @@ def test_a_skewed_publisher_clock_changes_no_verdict(skew_s):
                 hub.beat(_beat(1, clock1.now, clock1.now - 0.5, 10, fence), 1)
         hub_clock.now += 0.25
         answer = hub.beat(None, 1)
-        verdicts.append((round(answer["latest_age"], 6), [answer["slowest"]["fence[0,1]"][0],
-                                                          round(answer["slowest"]["fence[0,1]"][1], 6)]))
+        (slowest,) = answer["slowest"]  # rank 1's one group, fence[0,1]
+        verdicts.append((round(answer["latest_age"], 6), [slowest[0], round(slowest[1], 6)]))
     assert verdicts[0] == verdicts[1] == (0.25, [1, 4.75])  # rank 1 last progressed 4.75 s ago, hub clock
 
 
@@ -109,6 +109,8 @@ def test_a_peer_on_another_node_keeps_a_waiting_rank_alive_and_its_stop_is_named
             waiting.begin_named("fence:push", "fence", (0, 1))
             _busy(20)  # nobody progresses any more
     assert time.monotonic() - stopped < window + 3 * INTERVAL_S + 1.5, err.value
+    slowest_rank, behind_s, ops = clients[0].latest.slowest["fence[0,1]"]  # rank 0's aggregate, its fence group
+    assert slowest_rank == 1 and behind_s > window and ops == 0
     assert clients[0].verdicts() == ["HANG: phase=weight_sync/push stuck ranks=[1] (reported by ranks [0])"]
     table = clients[0].table()
     assert "SUSPECT" in table and "beat age" in table
@@ -153,7 +155,7 @@ def test_the_hubs_table_finds_an_op_mismatch_from_the_heartbeats_alone():
         for op in ("all_reduce", second, "all_reduce"):
             ledger.end(ledger.begin_named(op, "cp", (0, 1), (1024, 2), "float32"))
         ledger.begin_named("all_reduce", "cp", (0, 1), (8,), "float32")  # both wait in the next op
-        hub.beat(ledger.heartbeat(), rank)
+        hub.beat(to_wire(ledger.heartbeat(), None), rank)
     table = hub.table()
     assert ("op mismatch on cp[0,1] #2: rank 0 all_gather_into_tensor[1024,2], "
             "rank 1 reduce_scatter_tensor[1024,2]") in table, table

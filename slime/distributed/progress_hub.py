@@ -52,6 +52,18 @@ def _members(label: str) -> tuple[int, ...]:
     return tuple(int(r) for r in inside.split(",") if r)
 
 
+def to_wire(beat: dict, labels_sent: list[str] | None) -> dict:
+    """A heartbeat for the wire: group labels (thousands of characters on a large world) only when the
+    set changed since `labels_sent`, else counts and recent ops by position in the labels."""
+    labels = list(beat["counts"])
+    where = {label: i for i, label in enumerate(labels)}
+    wire = {**beat, "counts": [beat["counts"][label] for label in labels],
+            "recent": [[op, where[label], shape, dtype] for op, label, shape, dtype in beat["recent"]]}
+    if labels != labels_sent:
+        wire["labels"] = labels
+    return wire
+
+
 @dataclass
 class _Rank:
     received: float  # hub clock
@@ -70,19 +82,23 @@ class HubState:
     _latest: float | None = None
     _slowest: dict[str, tuple[float, list]] = field(default_factory=dict)  # label -> (computed at, answer)
     _members: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    _labels: dict[int, list[str]] = field(default_factory=dict)  # rank -> the group labels it last sent
     verdict_lines: dict[int, str] = field(default_factory=dict)  # rank -> its watchdog's HANG line
 
     def __post_init__(self) -> None:
         self.started = self.clock()  # ranks that never sent count as progressing at the hub's start
 
     def beat(self, heartbeat: dict | None, rank: int | None) -> dict:
-        """Keep `heartbeat` (None: nothing new), answer the aggregate for `rank` (None: the driver)."""
+        """Keep `heartbeat` (to_wire's form; None: nothing new), answer the aggregate for `rank` (None: the driver)."""
         now = self.clock()
         if heartbeat is not None:
             self._keep(heartbeat, now)
         return self.aggregate(rank, now)
 
-    def _keep(self, beat: dict, now: float) -> None:
+    def _keep(self, wire: dict, now: float) -> None:
+        labels = self._labels[wire["rank"]] = wire.get("labels") or self._labels.get(wire["rank"], [])
+        beat = {**wire, "counts": dict(zip(labels, wire["counts"])),
+                "recent": [[op, labels[i], shape, dtype] for op, i, shape, dtype in wire["recent"]]}
         progress = now - beat["age"]
         previous = self.ranks.get(beat["rank"])
         if previous is not None and beat["seq"] >= previous.beat["seq"]:
@@ -93,10 +109,9 @@ class HubState:
 
     def aggregate(self, rank: int | None, now: float | None = None) -> dict:
         now = self.clock() if now is None else now
-        mine = self.ranks.get(rank) if rank is not None else None
-        groups = mine.beat.get("counts", {}) if mine else {}
+        groups = self._labels.get(rank, []) if rank is not None else []
         return {"latest_age": None if self._latest is None else now - self._latest,
-                "slowest": {label: self._slowest_member(label, now) for label in groups}}
+                "slowest": [self._slowest_member(label, now) for label in groups]}  # by position in the labels
 
     def _slowest_member(self, label: str, now: float) -> list:
         """[rank, seconds since its progress, ops it started on the group] of the member furthest behind."""
@@ -272,6 +287,7 @@ class HubClient:
         self.published = 0  # heartbeats the hub acknowledged
         self.last_error = ""
         self._sent_key: tuple | None = None
+        self._labels_sent: list[str] | None = None
         self._contact = time.monotonic()  # the last answer (or the start)
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"progress-hub-{self.rank}", daemon=True)
@@ -291,7 +307,9 @@ class HubClient:
     def exchange(self) -> None:
         """Send the heartbeat if it changed (else only ask); keep the answer. Never raises."""
         key = self.ledger.heartbeat_key() if self.ledger is not None else None
-        beat = self.ledger.heartbeat() if key is not None and key != self._sent_key else None
+        beat = None
+        if key is not None and key != self._sent_key:
+            beat = to_wire(self.ledger.heartbeat(), self._labels_sent)
         sent = self.clock()
         try:
             answer = self.transport.call("beat", beat, self.rank, timeout_s=self.call_timeout_s)
@@ -302,8 +320,10 @@ class HubClient:
         self._contact = time.monotonic()
         if beat is not None:
             self._sent_key = key
+            self._labels_sent = beat.get("labels", self._labels_sent)  # what the hub holds for this rank
             self.published += 1
-        self.latest = Aggregate((sent + received) / 2, answer["latest_age"], answer["slowest"])
+        slowest = dict(zip(self._labels_sent or [], answer["slowest"]))
+        self.latest = Aggregate((sent + received) / 2, answer["latest_age"], slowest)
 
     def check(self, window_s: float) -> None:
         """HubUnreachableError once the hub has not answered for `window_s`."""
