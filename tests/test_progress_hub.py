@@ -110,7 +110,7 @@ def test_a_peer_on_another_node_keeps_a_waiting_rank_alive_and_its_stop_is_named
             _busy(20)  # nobody progresses any more
     assert time.monotonic() - stopped < window + 3 * INTERVAL_S + 1.5, err.value
     slowest_rank, behind_s, ops = clients[0].latest.slowest["fence[0,1]"]  # rank 0's aggregate, its fence group
-    assert slowest_rank == 1 and behind_s > window and ops == 0
+    assert slowest_rank == 1 and behind_s > window - 2 * INTERVAL_S and ops == 0  # as of its last answer
     assert clients[0].verdicts() == ["HANG: phase=weight_sync/push stuck ranks=[1] (reported by ranks [0])"]
     table = clients[0].table()
     assert "SUSPECT" in table and "beat age" in table

@@ -114,13 +114,14 @@ class HubState:
                 "slowest": [self._slowest_member(label, now) for label in groups]}  # by position in the labels
 
     def _slowest_member(self, label: str, now: float) -> list:
-        """[rank, seconds since its progress, ops it started on the group] of the member furthest behind."""
+        """[rank, seconds since its progress, ops it started on the group] of the member furthest behind:
+        the fewest ops started on the group (the one its peers wait for), then the oldest progress."""
         cached = self._slowest.get(label)
         if cached is not None and now - cached[0] < AGGREGATE_REFRESH_S:
             age_then = cached[1]
             return [age_then[0], age_then[1] + (now - cached[0]), age_then[2]]
         members = self._group_members(label)
-        slowest = min(members or (), key=lambda r: self._progress_of(r), default=None)
+        slowest = min(members or (), key=lambda r: (self._count(r, label), self._progress_of(r)), default=None)
         answer = [slowest, now - self._progress_of(slowest), self._count(slowest, label)] if slowest is not None \
             else [None, 0.0, 0]
         self._slowest[label] = (now, answer)
