@@ -96,7 +96,7 @@ def test_train_env_vars_reach_the_rank_process(monkeypatch):
     seen = {}
 
     class FakeMegatronActor:  # stands in for the megatron actor: only the environment is checked
-        def __init__(self, *a):
+        def __init__(self, *a, **kw):
             pass
 
         def init(self, *a):

@@ -13,6 +13,7 @@ _EXPORTS = {
     "DistributedStepError": "errors",
     "FenceTimeoutError": "errors",
     "HangError": "errors",
+    "HubUnreachableError": "errors",
     "WarmupTimeoutError": "errors",
     "FAULT_KINDS": "fault_inject",
     "FaultSpec": "fault_inject",

@@ -34,3 +34,13 @@ class WarmupTimeoutError(FenceTimeoutError):
 
 class HangError(DistributedStepError):
     """Raised in the stuck thread by the watchdog when a phase exceeds its deadline."""
+
+
+class HubUnreachableError(DistributedStepError):
+    """The progress hub (slime/distributed/progress_hub.py) did not answer for a whole no-progress window:
+    the peers' progress is unknown, so no deadline can be kept honestly."""
+
+    def __init__(self, message: str, *, hub: str = "", rank: int | None = None):
+        super().__init__(message)
+        self.hub = hub
+        self.rank = rank

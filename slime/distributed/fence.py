@@ -21,11 +21,11 @@ from typing import Mapping
 import torch
 import torch.distributed.distributed_c10d as c10d
 
-from slime.distributed.errors import CollectiveDivergenceError, FenceTimeoutError
+from slime.distributed.errors import CollectiveDivergenceError, FenceTimeoutError, HubUnreachableError
 from slime.distributed.fingerprint import stable_hash
-from slime.distributed.hang_report import format_table, suspects_from_dir
+from slime.distributed.hang_report import format_table
 from slime.distributed.ledger import FENCE_GROUP_NAME, Ledger
-from slime.distributed.progress import ProgressView
+from slime.distributed.progress import ProgressView, suspects
 
 PAYLOAD_BYTES = 4096
 _WAIT_SLICE_S = 1.0  # how often a waiting fence looks at the progress of its peers
@@ -72,6 +72,9 @@ class Fence:
         try:
             work = c10d.all_gather_into_tensor(out, local, group=self.group, async_op=True)
             self._wait(work, timeout_s)
+        except HubUnreachableError as exc:  # the peers' progress is unknown: named as what it is
+            error = f"{type(exc).__name__}: {exc}"
+            raise
         except (RuntimeError, TimeoutError) as exc:  # gloo: "timed out" or a peer closed the connection
             error = f"{type(exc).__name__}: {exc}"
             raise self._timeout_error(phase, timeout_s, error) from exc
@@ -101,7 +104,7 @@ class Fence:
 
     def _timeout_error(self, phase: str, timeout_s: float, cause: str) -> FenceTimeoutError:
         # the table of every rank is rendered once, by the driver or `python -m slime.distributed.hang_report`
-        lagging = suspects_from_dir(self.ledger.directory if self.ledger else None, self.world_size)
+        lagging = suspects(self.ledger, self.world_size)
         message = (
             f"fence '{phase}' (seq {self.seq}) on rank {self.rank}: no progress for {timeout_s:g}s; "
             f"lagging ranks={list(lagging)}; cause: {cause[:300]}"

@@ -210,10 +210,10 @@ def _age(now: float, then: float | None) -> str:
     return f"{now - then:.1f}s" if then else "?"
 
 
-def _row(rank: int, snap: dict | None, now: float, suspects: tuple[int, ...]) -> list[object]:
+def _row(rank: int, snap: dict | None, now: float, suspects: tuple[int, ...], missing: str) -> list[object]:
     verdict = _verdict(rank, snap, suspects)
     if snap is None:
-        return [rank, verdict, "<no ledger file>", "", "", "", "", "", ""]
+        return [rank, verdict, missing, "", "", "", "", "", ""]
     op = snap.get("in_flight") or snap.get("blocked_on")
     what = [op["op"], _group_key(op), _age(now, op["start"]) + (" (gave up)" if op.get("error") else "")] if op \
         else ["<not in a collective>", "", ""]
@@ -226,13 +226,17 @@ def render_hang_report(ledger_dir: str, world_size: int) -> str:
 
     Safe to call from the Ray driver or another shell while the run is stuck: it only reads files.
     """
-    snapshots = read_ledgers(ledger_dir, world_size)
-    now = time.time()
+    return render_snapshots(read_ledgers(ledger_dir, world_size), time.time())
+
+
+def render_snapshots(snapshots: dict[int, dict | None], now: float, *, age_column: str = "file age",
+                     missing: str = "<no ledger file>") -> str:
+    """The same from snapshots in hand (the progress hub's, whose times are on its clock: `now` too)."""
     suspects = suspect_ranks(snapshots)
-    rows = [_row(rank, snap, now, suspects) for rank, snap in sorted(snapshots.items())]
+    rows = [_row(rank, snap, now, suspects, missing) for rank, snap in sorted(snapshots.items())]
     mismatches = "".join(f"\n{_describe(m)}" for m in op_mismatches(snapshots))
     return (
-        f"{format_table(COLUMNS, rows)}{mismatches}\nranks behind a peer on some group: "
+        f"{format_table([*COLUMNS[:-1], age_column], rows)}{mismatches}\nranks behind a peer on some group: "
         f"{list(lagging_ranks(snapshots))}; most waited-on (suspects): {list(suspects)}"
     )
 
@@ -266,14 +270,22 @@ def ledger_world_size(ledger_dir: str) -> int:
 def watchdog_verdicts(ledger_dir: str) -> list[str]:
     """The HANG lines watchdogs left (first line of each stacks file), ranks reporting the same verdict
     merged: "HANG: phase=<p> stuck ranks=[3] (reported by ranks [0, 1, 2])"."""
-    reporters: dict[str, list[int]] = {}
+    lines = {}
     for name in sorted(os.listdir(ledger_dir)):
         match = re.fullmatch(r"stacks_rank(\d+)\.txt", name)
         if match:
             with open(os.path.join(ledger_dir, name)) as f:
-                verdict = f.readline().strip().split(" (rank ", 1)[0]
-            if verdict:
-                reporters.setdefault(verdict, []).append(int(match.group(1)))
+                lines[int(match.group(1))] = f.readline()
+    return merge_verdicts(lines)
+
+
+def merge_verdicts(lines: dict[int, str]) -> list[str]:
+    """rank -> its watchdog's HANG line, as one line per verdict with the ranks that reported it."""
+    reporters: dict[str, list[int]] = {}
+    for rank, line in sorted(lines.items()):
+        verdict = line.strip().split(" (rank ", 1)[0]
+        if verdict:
+            reporters.setdefault(verdict, []).append(rank)
     return [f"{verdict} (reported by ranks {sorted(ranks)})" for verdict, ranks in reporters.items()]
 
 

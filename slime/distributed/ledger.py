@@ -40,6 +40,7 @@ SEQUENCE_FLUSH_INTERVAL_S = 0.1  # recording the sequence: the window stays near
 _SEQ, _PHASE, _OP, _GROUP, _SHAPE, _DTYPE, _START, _END, _ERROR, _PEER = range(10)
 _now = time.time
 _PROGRESS_SCAN = 8  # newest entries searched for the last completed op (one is in flight at most)
+HEARTBEAT_RECENT = 8  # newest ops a heartbeat carries (the hub's table compares them across a group)
 
 
 @dataclass
@@ -119,6 +120,7 @@ class Ledger:
         self._flusher: threading.Thread | None = None
         self._flush_interval_s = min(flush_interval_s, SEQUENCE_FLUSH_INTERVAL_S) if recording else flush_interval_s
         self._sequence = _SequenceWriter(sequence_path(directory, rank)) if recording else None
+        self.hub = None  # the live link to every rank's progress (progress_hub.HubClient); None: peers' files
         if directory:
             os.makedirs(directory, exist_ok=True)
             if self._sequence:
@@ -243,6 +245,27 @@ class Ledger:
                 "group_counts": dict(self._group_counts),
                 "recent": [_as_dict(e) for e in recent],
             }
+
+    def heartbeat_key(self) -> tuple:
+        """Changes whenever heartbeat() would say something new (not with the mere passing of time)."""
+        return self._seq, self._phase, self.progress_at, self._in_flight is None
+
+    def heartbeat(self, now: float | None = None, recent: int = HEARTBEAT_RECENT) -> dict:
+        """The compact live state the progress hub keeps: ages instead of times (the hub has its own clock),
+        and the newest ops as [op, group label, shape, dtype] (the label is the very string that keys
+        `counts`: pickled once)."""
+        now = _now() if now is None else now
+        newest = list(itertools.islice(reversed(self._entries), recent))[::-1]  # one C call
+        last = newest[-1] if newest else None
+        op = self._in_flight or (last if last is not None and last[_ERROR] else None)
+        counts = dict(self._group_counts)
+        labels = {label: label for label in counts}  # a fence's label is a new string per op
+        return {"rank": self.rank, "world_size": self.world_size, "seq": self._seq, "phase": self._phase,
+                "age": now - self.progress_at, "counts": counts,
+                "recent": [[rec[_OP], labels.get(rec[_GROUP][2], rec[_GROUP][2]), rec[_SHAPE],
+                            _dtype_text(rec[_DTYPE])] for rec in newest],
+                "op": None if op is None else {"op": op[_OP], "group": op[_GROUP][0], "ranks": list(op[_GROUP][1]),
+                                               "age": now - op[_START], "error": op[_ERROR]}}
 
     # -- file mirror -------------------------------------------------------------------------
     def flush(self) -> None:

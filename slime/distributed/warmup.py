@@ -23,7 +23,7 @@ from slime.distributed.errors import WarmupTimeoutError
 from slime.distributed.fault_inject import maybe_stall
 from slime.distributed.group_names import group_label
 from slime.distributed.ledger import Ledger
-from slime.distributed.hang_report import suspects_from_dir
+from slime.distributed.progress import suspects
 
 # (name, getter) in the fixed warm-up order; getters that are not initialised are skipped on every rank alike.
 GROUP_GETTERS: tuple[tuple[str, Callable[[], object]], ...] = (
@@ -78,7 +78,6 @@ class CommunicatorWarmup:
         self.world_size = world_size
         self.timeout_s = timeout_s
         self.ledger = ledger
-        self.ledger_dir = ledger.directory if ledger else None
         self.rollout_id = rollout_id
         self.device = _device()
 
@@ -145,7 +144,7 @@ class CommunicatorWarmup:
         except (RuntimeError, TimeoutError) as exc:
             # files as the peers left them (ours still shows this wait in flight: it is <0.1 s stale);
             # the table of every rank is rendered once, by the driver or the hang_report command
-            lagging = suspects_from_dir(self.ledger_dir, self.world_size)
+            lagging = suspects(self.ledger, self.world_size)
             phase = self.ledger.current_phase if self.ledger else "warmup"
             raise WarmupTimeoutError(
                 f"communicator warm-up '{label}' in phase {phase} on rank {self.rank} did not complete within "

@@ -1,12 +1,13 @@
 """Turn a stalled phase into an error that names the phase and the ranks others wait for.
 
 A daemon thread watches the phases armed by `with watchdog.phase(name, window_s):`. A phase is
-stalled when neither this rank nor any peer (ledger files) made progress for its window
-(slime/distributed/progress.py), however long the phase has run. Then the watchdog writes the
-hang table and this process's stacks to `<ledger dir>/stacks_rank<N>.txt`, prints one line, and
-raises HangError in the thread that armed the phase. If that thread is blocked in native code and
-the error has not landed within `grace_s`, the process exits with code 3 after printing
-`HANG: phase=<p> stuck ranks=[...]`.
+stalled when neither this rank nor any peer (the progress hub, or ledger files) made progress for
+its window (slime/distributed/progress.py), however long the phase has run. Then the watchdog
+writes the hang table and this process's stacks to `<ledger dir>/stacks_rank<N>.txt`, prints one
+line, and raises HangError in the thread that armed the phase (HubUnreachableError when the
+progress hub stopped answering for the window: the peers' progress is then unknown). If that
+thread is blocked in native code and the error has not landed within `grace_s`, the process exits
+with code 3 after printing `HANG: phase=<p> stuck ranks=[...]`.
 
 No HangError outlives its phase: the decision to trip and the injection are made under the lock
 the phase takes to disarm, a phase that ends after the decision but before the injection raises
@@ -25,10 +26,9 @@ import time
 from dataclasses import dataclass
 from typing import Iterator
 
-from slime.distributed.errors import HangError
-from slime.distributed.hang_report import render_hang_report, suspects_from_dir
+from slime.distributed.errors import HangError, HubUnreachableError
 from slime.distributed.ledger import Ledger
-from slime.distributed.progress import ProgressView
+from slime.distributed.progress import ProgressView, hang_table, suspects
 
 HANG_EXIT_CODE = 3
 
@@ -44,6 +44,7 @@ class _Armed:
     delivered: bool = False  # it landed (set when the exception is instantiated in the thread)
     path: str = ""  # the ledger's phase path when the watchdog decided
     summary: str = ""
+    error_type: type[Exception] = HangError
 
 
 class Watchdog:
@@ -86,7 +87,7 @@ class Watchdog:
             finally:
                 self._disarm(armed)
             if armed.tripped:  # declared hung, then finished: the error belongs here, nowhere later
-                raise HangError(armed.summary or f"HANG: phase={name} made no progress for {window:g}s")
+                raise armed.error_type(armed.summary or f"HANG: phase={name} made no progress for {window:g}s")
 
     def close(self) -> None:
         self._closed = True
@@ -115,7 +116,11 @@ class Watchdog:
         with self._lock:
             candidates = [a for a in reversed(self._armed) if not a.tripped]
         for armed in candidates:
-            if self._progress.idle_s(since=armed.armed_at, window_s=armed.window_s) > armed.window_s:
+            try:
+                stalled = self._progress.idle_s(since=armed.armed_at, window_s=armed.window_s) > armed.window_s
+            except HubUnreachableError as exc:
+                stalled, armed.error_type, armed.summary = True, HubUnreachableError, f"{exc} (phase {armed.name})"
+            if stalled:
                 with self._lock:
                     if armed in self._armed and not armed.tripped:
                         armed.tripped = True
@@ -129,15 +134,18 @@ class Watchdog:
     def _trip(self, armed: _Armed) -> None:
         if self.ledger:
             self.ledger.flush()
-        stuck = list(suspects_from_dir(self.ledger_dir, self.world_size)) or [self.rank]
-        armed.summary = (f"HANG: phase={armed.path} stuck ranks={stuck} (rank {self.rank}, "
-                         f"no progress for {armed.window_s:g}s)")
+        if armed.error_type is HangError:
+            stuck = list(suspects(self.ledger, self.world_size, self.ledger_dir)) or [self.rank]
+            armed.summary = (f"HANG: phase={armed.path} stuck ranks={stuck} (rank {self.rank}, "
+                             f"no progress for {armed.window_s:g}s)")
         self._dump(armed.summary)
+        if armed.error_type is HangError and self.ledger is not None and self.ledger.hub is not None:
+            self.ledger.hub.report(armed.summary)  # for the driver, should this process exit
         with self._lock:
             if armed not in self._armed:
                 return  # the phase ended meanwhile and raises at its exit
             armed.injected = True
-            _raise_in_thread(armed.thread_id, armed.summary, lambda: setattr(armed, "delivered", True))
+            _raise_in_thread(armed.thread_id, armed.error_type, armed.summary, lambda: setattr(armed, "delivered", True))
         if self._landed(armed, self.grace_s):
             return
         sys.stderr.write(f"{armed.summary}; thread blocked in native code, exiting with code {HANG_EXIT_CODE}\n")
@@ -154,7 +162,8 @@ class Watchdog:
             return
         path = os.path.join(self.ledger_dir, f"stacks_rank{self.rank}.txt")
         with open(path, "w") as f:
-            f.write(f"{summary}\n{render_hang_report(self.ledger_dir, self.world_size)}\n\n")
+            hub = self.ledger.hub if self.ledger is not None else None
+            f.write(f"{summary}\n{hang_table(hub, self.world_size, self.ledger_dir)}\n\n")
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
         sys.stderr.write(f"{summary}; table and stacks in {path}\n")
@@ -175,15 +184,15 @@ def _clear_async_error(thread_id: int) -> None:
     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), None)
 
 
-def _raise_in_thread(thread_id: int, message: str, on_delivery) -> None:
-    """Deliver HangError(message) asynchronously; it lands at the thread's next Python bytecode.
+def _raise_in_thread(thread_id: int, error_type: type[Exception], message: str, on_delivery) -> None:
+    """Deliver error_type(message) asynchronously; it lands at the thread's next Python bytecode.
 
     CPython instantiates the exception in that thread when it lands (at the first handler or
     frame exit), which is when `on_delivery` runs.
     """
     def init(self) -> None:
-        HangError.__init__(self, message)
+        error_type.__init__(self, message)
         on_delivery()
 
-    error_type = type("HangError", (HangError,), {"__init__": init})
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(error_type))
+    delivered = type(error_type.__name__, (error_type,), {"__init__": init})
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(delivered))

@@ -1,10 +1,11 @@
 """The group of trainer ranks as seen from the driver.
 
 Each method fans one call out to every rank and waits until no rank has made progress for the
-driver's window (slime/utils/deadlines.py), read from the ranks' ledger files: a margin above the
-ranks' own window, so that their named errors arrive first, and no fixed total, so that a long
-healthy phase (many steps, a large checkpoint) is never cut short. On a failure or a deadline the
-driver renders, once, from the ranks' ledger files, where every rank is.
+driver's window (slime/utils/deadlines.py), as the progress hub the driver starts sees it (every
+node's ranks: slime/distributed/progress_hub.py): a margin above the ranks' own window, so that
+their named errors arrive first, and no fixed total, so that a long healthy phase (many steps, a
+large checkpoint) is never cut short. On a failure or a deadline the driver renders, once, the
+hub's table of where every rank is.
 """
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from typing import Any, Callable
 
 import ray
 
+from slime.distributed.progress_hub import HubClient, RayHub, start_hub
+from slime.ray.cluster import worker_env
 from slime.ray.deadline import wait_ranks
 from slime.ray.placement import Placement, actor_world_size
 from slime.ray.train_actor import TrainRayActor
@@ -45,9 +48,11 @@ class RayTrainGroup:
         self.world_size = actor_world_size(args)
         self.ledger_dir = args.ledger_dir or resolve_ledger_dir(args)
         self.deadlines = DeadlineModel.from_args(args)
+        self.hub = start_hub(self.world_size, runtime_env={"env_vars": worker_env(use_gpu=False)})
+        self.progress = HubClient(RayHub(*self.hub))  # the driver's view: asks only
         remote = ray.remote(TrainRayActor)
         self._ranks = [remote.options(**placement.trainer_options(rank)).remote(
-            args, rank, self.world_size, self.ledger_dir) for rank in range(self.world_size)]
+            args, rank, self.world_size, self.ledger_dir, self.hub) for rank in range(self.world_size)]
 
     def where(self) -> list[dict]:
         """Each rank's own account of its node and GPU, in rank order."""
@@ -87,16 +92,23 @@ class RayTrainGroup:
     def shutdown(self) -> None:
         for rank in self._ranks:
             ray.kill(rank, no_restart=True)
+        self.progress.close()
+        ray.kill(self.hub[0], no_restart=True)
 
     def _wait(self, refs, phase: str, window_s: float | None = None, on_poll: Callable[[], None] | None = None
               ) -> list:
-        from slime.distributed.hang_report import render_hang_report
-        from slime.distributed.progress import latest_file_progress
+        from slime.distributed.progress import hang_table
 
-        return wait_ranks(refs, phase=phase, window_s=window_s or self.deadlines.driver_window_s,
-                          progress=lambda: latest_file_progress(self.ledger_dir, self.world_size),
-                          describe_hang=lambda: render_hang_report(self.ledger_dir, self.world_size),
-                          describe_exit=lambda: exit_verdict(self.ledger_dir, self.world_size), on_poll=on_poll)
+        window_s = window_s or self.deadlines.driver_window_s
+        return wait_ranks(refs, phase=phase, window_s=window_s,
+                          progress=lambda: self.progress.latest_progress(window_s),
+                          describe_hang=lambda: hang_table(self.progress, self.world_size, self.ledger_dir),
+                          describe_exit=self._exit_verdict, on_poll=on_poll)
+
+    def _exit_verdict(self) -> str:
+        """Why rank processes ended: the HANG lines their watchdogs left at the hub before exiting (every
+        node), else in the stacks files here, else where the ledger files here last saw every rank."""
+        return "; ".join(self.progress.verdicts()) or exit_verdict(self.ledger_dir, self.world_size)
 
 
 def exit_verdict(ledger_dir: str, world_size: int) -> str:

@@ -1,11 +1,11 @@
 """Waiting on Ray with a deadline that follows the ranks' progress: the driver never blocks forever.
 
-A phase fails when no rank made progress for `window_s` (read from their ledger files: the same
-rule as on the ranks, slime/utils/deadlines.py), however long it has been running; so the limit
+A phase fails when no rank made progress for `window_s` (as the progress hub sees every node's
+ranks: the same rule as on the ranks, slime/utils/deadlines.py), however long it has been running; so the limit
 grows with the number of steps of a rollout and with the size of a checkpoint. A rank that raised
 surfaces at once (not after the others finish). Each error has a one-line message (`str()`) for
 the final "training stopped:" line, and `details` for the lines above it: the first failing
-rank's traceback and one table of every rank, rendered here from the ledger files.
+rank's traceback and one table of every rank, rendered by the progress hub.
 """
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ def wait_ranks(refs: Sequence[ray.ObjectRef], *, phase: str, window_s: float,
 
 
 def _table(describe_hang: Callable[[], str] | None) -> str:
-    return f"every rank, from its ledger file:\n{describe_hang()}" if describe_hang else ""
+    return f"where every rank is:\n{describe_hang()}" if describe_hang else ""
 
 
 def _other_failures(refs: list, index: dict, grace_s: float = 2.0) -> list[str]:

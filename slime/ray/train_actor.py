@@ -54,11 +54,12 @@ def _portable_errors(method):
 
 
 class TrainRayActor:
-    def __init__(self, args, rank: int, world_size: int, ledger_dir: str):
+    def __init__(self, args, rank: int, world_size: int, ledger_dir: str, hub: tuple | None = None):
         self.args = args
         self.rank = rank
         self.world_size = world_size
         self.ledger_dir = ledger_dir
+        self.hub = hub  # (actor handle, name) of the driver's progress hub
         self.actor = None
         self._store = None  # rank 0: the rendezvous store it hosts
         use_key(args.api_key)  # weight pushes reach the engines with the run's key
@@ -95,7 +96,7 @@ class TrainRayActor:
         from slime.backends.megatron_utils.parallel import join_rendezvous
 
         store = self._store if self.rank == 0 else join_rendezvous(self.args, master_addr, master_port, self.world_size)
-        self.actor = MegatronTrainActor(self.args, self.rank, self.world_size, self.ledger_dir)
+        self.actor = MegatronTrainActor(self.args, self.rank, self.world_size, self.ledger_dir, hub=self.hub)
         return self.actor.init(master_addr, master_port, engine_urls, store=store)
 
     @_portable_errors

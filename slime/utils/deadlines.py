@@ -6,8 +6,8 @@ phase of any length passes; a stall fails one window after the last progress. Ev
 derives from that window:
 
   rank window     --fence-timeout: the watchdog's phases and the fences. Peers' progress counts (read
-                  from their ledger files): a rank waiting at a fence for peers that keep working is
-                  not hung.
+                  through the progress hub, from every node): a rank waiting at a fence for peers that
+                  keep working is not hung. The hub sees a peer up to two heartbeat intervals (2 s) late.
   first set-up    FIRST_SETUP_WINDOWS windows per warm-up op (+ FIRST_SETUP_EXTRA_S for the phase):
                   the first communicator set-up at job start is slower than any later one.
   process groups  --distributed-timeout-minutes, strictly above every rank window (by at least

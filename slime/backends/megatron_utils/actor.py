@@ -39,6 +39,7 @@ from slime.distributed import (
     stable_hash,
 )
 from slime.distributed.errors import DistributedStepError
+from slime.distributed.progress_hub import HubClient, RayHub
 from slime.distributed.fault_inject import (
     apply_metric_key_fault,
     apply_plan_fault,
@@ -57,13 +58,15 @@ class LoggingStallError(DistributedStepError):
 
 
 class MegatronTrainActor:
-    def __init__(self, args, rank: int, world_size: int, ledger_dir: str):
+    def __init__(self, args, rank: int, world_size: int, ledger_dir: str, hub: tuple | None = None):
         self.args = args
         self.rank = rank
         self.world_size = world_size
         self.deadlines = DeadlineModel.from_args(args)
         self.timeout_s = self.deadlines.no_progress_s
         self.ledger = Ledger(rank, world_size, ledger_dir, record_sequence=bool(args.ledger_record_sequence))
+        if hub is not None:  # peers' progress from the driver's hub, on every node (no shared filesystem)
+            self.ledger.hub = HubClient(RayHub(*hub), self.ledger)
         self.watchdog = Watchdog(self.timeout_s, ledger_dir, rank, world_size, ledger=self.ledger)
         self.asleep = False
 
