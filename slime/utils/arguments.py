@@ -138,7 +138,6 @@ ALWAYS_HONOURED_FLAGS: dict[str, str] = {
     "--no-rope-fusion": "RoPE fusion is always off",
     "--allgather-cp": "context-parallel attention always all-gathers K/V over the CP group",
     "--train-backend": "megatron-core is the only training backend",
-    "--no-load-rng": "checkpoints here hold no RNG state",
 }
 
 _DENSE_ONLY = "the model builder is dense-only (Qwen3 / Qwen2 / Llama); MoE models are not supported"
@@ -727,7 +726,10 @@ def _add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-load-optim", action="store_true", default=False,
                    help="resume model weights but start a fresh optimizer")
     g.add_argument("--no-load-rng", action="store_true", default=False,
-                   help="do not restore RNG state (checkpoints here hold none)")
+                   help="do not restore the saved RNG states on --load (every rank starts from --seed)")
+    g.add_argument("--allow-fresh-data-position", action="store_true", default=False,
+                   help="--load without the saved data position (rollout/global_dataset_state_dict_N.pt): start "
+                        "from the first prompt instead of failing")
     g.add_argument("--finetune", action="store_true", default=False,
                    help="load --load's weights only and start at rollout 0 with a fresh optimizer")
     g.add_argument("--ckpt-format", type=str, default="torch_dist", choices=["torch", "torch_dist"],
