@@ -241,3 +241,11 @@ class RecordingDataSource(_data_source_base()):
     def add_samples(self, samples):
         record(self.args, "data_source_add", groups=len(samples))
         super().add_samples(samples)
+
+
+def hanging_rollout_log(rollout_id, args, samples, rollout_extra_metrics, rollout_time):
+    """--custom-rollout-log-function-path that never returns: the rollout manager's step window ends it."""
+    import threading
+
+    record(args, "hanging_rollout_log", rollout_id=rollout_id)
+    threading.Event().wait()
