@@ -193,7 +193,8 @@ def test_checkpoint_without_optimizer_and_hf_export(hooks_run, assets):
 
     ckpt = hooks_run["root"] / "ckpt"
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
-    assert json.loads((ckpt / "iter_0000003" / "slime_contents.json").read_text()) == {"optimizer": False}
+    assert json.loads((ckpt / "iter_0000003" / "slime_contents.json").read_text()) == {
+        "items": ["model", "scheduler", "rng"], "optimizer": False}
     exported = {r: AutoModelForCausalLM.from_pretrained(hooks_run["root"] / f"hf_{r}", torch_dtype=torch.float32)
                 for r in (3, 4)}
     initial = AutoModelForCausalLM.from_pretrained(assets["checkpoint"], torch_dtype=torch.float32)
