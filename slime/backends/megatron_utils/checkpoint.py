@@ -47,8 +47,6 @@ _GROWTH_POLL_S = 1.0
 # Distributed-optimizer state format: Megatron-LM's default. The model itself reloads under any
 # layout; optimizer state needs the same TP/PP (DP may change).
 _SHARDING_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
-
-
 _iteration_dir = contents.iteration_dir
 
 
