@@ -10,9 +10,9 @@ Three runs, each shared by many assertions:
 from __future__ import annotations
 
 import json
-import re
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
