@@ -35,7 +35,7 @@ FAULT_KINDS = frozenset(
         "kill_engine",  # the engine process exits mid-generation
         "stall_engine",  # the engine process stops answering (health included) mid-generation
         # A crash of the whole run (SIGKILL to its process group) at one point of one rollout:
-        "kill_during_rollout",  # the rollout function has started generating
+        "kill_during_rollout",  # the rollout starts (engines serving, its deadline running)
         "kill_during_train",  # actor_train's first phase has finished on the rank
         "kill_during_weight_sync",  # the rank starts pushing weights
         "kill_during_save",  # the rank's shards are written, the checkpoint is not yet published
