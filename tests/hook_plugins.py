@@ -249,3 +249,10 @@ def hanging_rollout_log(rollout_id, args, samples, rollout_extra_metrics, rollou
 
     record(args, "hanging_rollout_log", rollout_id=rollout_id)
     threading.Event().wait()
+
+
+async def response_parity_rm(args, sample):
+    """A reward of every generated token: the parity of their sum (a run whose generations change scores
+    differently)."""
+    response = sample.tokens[len(sample.tokens) - sample.response_length:]
+    return float(sum(response) % 2)

@@ -23,7 +23,10 @@ from pathlib import Path
 import pytest
 import torch
 
+import hook_plugins
+
 ROOT = Path(__file__).resolve().parents[1]
+PLUGINS = str(Path(hook_plugins.__file__).resolve())
 NUM_ROLLOUT = 4
 RUN_TIMEOUT_S = 420
 # per-rollout metrics that must agree exactly: they depend only on the tokens, the weights and the optimizer
@@ -53,7 +56,8 @@ def assets(tmp_path_factory) -> dict[str, Path]:
 def flags(assets, save: Path, metrics: Path) -> list[str]:
     return [
         "--hf-checkpoint", str(assets["checkpoint"]), "--prompt-data", str(assets["prompts"]),
-        "--input-key", "prompt", "--label-key", "label", "--apply-chat-template", "--rm-type", "math",
+        "--input-key", "prompt", "--label-key", "label", "--apply-chat-template",
+        "--custom-rm-path", f"{PLUGINS}:response_parity_rm",
         "--rollout-shuffle", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
         "--rollout-max-response-len", "8", "--num-steps-per-rollout", "1", "--num-rollout", str(NUM_ROLLOUT),
         "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2",
