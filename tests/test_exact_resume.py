@@ -43,6 +43,21 @@ KILL_POINTS = {  # kind@rank#rollout -> (the rollout the resumed run starts at)
 }
 
 
+def test_a_run_kill_outside_a_run_of_its_own_refuses(monkeypatch):
+    """The fault kills the whole session: never one that is not the run's (a shell's, pytest's)."""
+    from slime.distributed import fault_inject
+
+    monkeypatch.setenv(fault_inject.ENV_VAR, "kill_during_save@0#1")
+    fault_inject.reset_fault_cache()
+    try:
+        fault_inject.maybe_kill_run("kill_during_save", 0, 2)  # another rollout: nothing happens
+        with pytest.raises(RuntimeError, match="not the run's train.py; start the run as its own session"):
+            fault_inject.maybe_kill_run("kill_during_save", 0, 1)
+    finally:
+        monkeypatch.delenv(fault_inject.ENV_VAR)
+        fault_inject.reset_fault_cache()
+
+
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> dict[str, Path]:
     from slime.tools.demo_prompts import write_prompts
@@ -100,16 +115,12 @@ def _kill_session(sid: int, timeout_s: float = 30.0) -> None:
 
 def _session_pids(sid: int) -> list[int]:
     pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
+            if os.getsid(int(entry)) == sid and not Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].startswith(" Z"):
+                pids.append(int(entry))
+        except OSError:  # gone meanwhile
             continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[3]) == sid and fields[0] != "Z":  # fields: state ppid pgrp session ...
-            pids.append(int(entry))
     return pids
 
 

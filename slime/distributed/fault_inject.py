@@ -4,9 +4,11 @@ SLIME_FAULT_INJECT=<kind>@<rank>[#<rollout_id>][,<kind>@<rank>...] is parsed onc
 Without '#<rollout_id>' the fault fires in every rollout. Unset or empty: no fault ever fires.
 For the engine faults (ENGINE_FAULT_KINDS) '<rank>' is the rollout engine's index; the rollout manager
 injects them (slime/ray/engine_faults.py) while that rollout generates. The run-kill faults
-(RUN_KILL_KINDS: a crash at a known point, for the resume tests) SIGKILL the whole process group of
-the run (driver, ranks, rollout manager, engines) when that phase of that rollout starts on that
-rank; for kill_during_rollout '<rank>' is 0 (the rollout manager).
+(RUN_KILL_KINDS: a crash at a known point, for the resume tests) SIGKILL every process of the run
+(driver, Ray, ranks, rollout manager, engines) when that phase of that rollout starts on that rank;
+for kill_during_rollout '<rank>' is 0 (the rollout manager). They need the run started as its own
+session (`setsid python train.py ...`): Ray puts each worker in a process group of its own, so the
+session is what holds the whole run.
 The faults are injected where the real bug would be (warm-up, plan, metrics, forward/backward, logging,
 the weight push), never inside the fences that are supposed to catch them.
 """
@@ -110,12 +112,38 @@ def stall_forever(poll_s: float = 0.05) -> None:
 
 
 def maybe_kill_run(kind: str, rank: int, rollout_id: int | None) -> None:
-    """A run-kill fault: SIGKILL this process's group, which a run started as its own group shares with
-    every process of it (Ray's workers and the engines are started inside it)."""
+    """A run-kill fault: SIGKILL every process of this session, this one last."""
     if kind not in RUN_KILL_KINDS:
         raise ValueError(f"{kind!r} is not a run-kill fault; known: {RUN_KILL_KINDS}")
-    if fault_active(kind, rank, rollout_id):
-        os.killpg(os.getpgrp(), signal.SIGKILL)
+    if not fault_active(kind, rank, rollout_id):
+        return
+    session = os.getsid(0)
+    leader = _cmdline(session)
+    if "train.py" not in leader:  # never a login shell's session
+        raise RuntimeError(f"{ENV_VAR}={kind}: the session leader is {leader!r}, not the run's train.py; start "
+                           "the run as its own session (setsid)")
+    for _ in range(2):  # processes started meanwhile
+        for pid in _session_pids(session) - {os.getpid()}:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _session_pids(session: int) -> set[int]:
+    pids = set()
+    for entry in os.listdir("/proc"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if entry.isdigit() and os.getsid(int(entry)) == session:
+                pids.add(int(entry))
+    return pids
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            return handle.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
 
 
 def maybe_stall(kind: str, rank: int, rollout_id: int | None = None) -> None:
