@@ -371,8 +371,8 @@ class RolloutDataSource:
     def _checked_order(self, order: list[int]) -> list[int]:
         if sorted(order) != list(range(len(self.dataset))):
             raise ValueError(f"--prompt-data {self.dataset.spec.path} has {len(self.dataset)} usable prompts, but the "
-                             f"saved data position is for {len(order)}: resume with the prompt file the run was "
-                             "saved with, or pass --allow-fresh-data-position without --load's data state")
+                             f"saved data position is for {len(order)}: resume with the prompt file (and prompt "
+                             "length limits) the run was saved with")
         return [int(i) for i in order]
 
     def _load_buffer(self, groups: list[list[dict]]) -> None:
