@@ -344,6 +344,7 @@ def test_a_hanging_rollout_log_hook_stops_the_run_naming_it(assets):
     one_rank = ONE_RANK[:ONE_RANK.index("--fence-timeout")] + ONE_RANK[ONE_RANK.index("--fence-timeout") + 2:]
     proc = run_train([*data_flags(assets), *one_rank, "--debug-rollout-only", "--num-rollout", "1",
                       "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4",
+                      "--rm-type", "math",
                       "--custom-rollout-log-function-path", f"{PLUGINS}:hanging_rollout_log", "--fence-timeout", "15"],
                      timeout_s=300)
     summary = [line for line in (proc.stdout + proc.stderr).splitlines() if "training stopped:" in line]
