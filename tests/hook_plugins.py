@@ -241,3 +241,18 @@ class RecordingDataSource(_data_source_base()):
     def add_samples(self, samples):
         record(self.args, "data_source_add", groups=len(samples))
         super().add_samples(samples)
+
+
+def hanging_rollout_log(rollout_id, args, samples, rollout_extra_metrics, rollout_time):
+    """--custom-rollout-log-function-path that never returns: the rollout manager's step window ends it."""
+    import threading
+
+    record(args, "hanging_rollout_log", rollout_id=rollout_id)
+    threading.Event().wait()
+
+
+async def response_parity_rm(args, sample):
+    """A reward of every generated token: the parity of their sum (a run whose generations change scores
+    differently)."""
+    response = sample.tokens[len(sample.tokens) - sample.response_length:]
+    return float(sum(response) % 2)

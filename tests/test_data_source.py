@@ -92,10 +92,52 @@ def test_state_save_and_load_resumes_position(tokenizer_dir, tmp_path):
     ]
 
 
-def test_missing_state_file_starts_fresh(tokenizer_dir, tmp_path):
-    source = RolloutDataSource(make_args(tokenizer_dir, write_jsonl(tmp_path / "p.jsonl", PROMPTS), load=str(tmp_path)))
-    source.load(rollout_id=9)
-    assert source.sample_index == 0 and source.get_samples(1)[0][0].label == "2"
+def test_missing_state_file_is_an_error_naming_the_file_and_the_flag(tokenizer_dir, tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", PROMPTS)
+    source = RolloutDataSource(make_args(tokenizer_dir, path, load=str(tmp_path)))
+    with pytest.raises(FileNotFoundError, match=r"global_dataset_state_dict_9\.pt.*--allow-fresh-data-position"):
+        source.load(rollout_id=9)
+    fresh = RolloutDataSource(make_args(tokenizer_dir, path, load=str(tmp_path), allow_fresh_data_position=True))
+    fresh.load(rollout_id=9)
+    assert fresh.sample_index == 0 and fresh.get_samples(1)[0][0].label == "2"
+
+
+def test_state_holds_the_buffer_the_shuffle_order_and_the_rng(tokenizer_dir, tmp_path):
+    """A resumed source serves the buffered groups, then the same prompts, and draws the same random numbers."""
+    import random
+
+    import numpy
+    import torch
+
+    path = write_jsonl(tmp_path / "p.jsonl", PROMPTS)
+    ckpt = tmp_path / "ckpt"
+    source = RolloutDataSourceWithBuffer(make_args(tokenizer_dir, path, save=str(ckpt), rollout_shuffle=True))
+    aborted = source.get_samples(3)[1]
+    aborted[0].tokens, aborted[0].status = aborted[0].tokens + [7, 8], Sample.Status.ABORTED
+    source.add_samples([aborted])
+    source.save(rollout_id=0)
+    expected_rng = (random.random(), float(numpy.random.rand()), float(torch.rand(1)))
+    expected = source.get_samples(4)
+    random.seed(0), numpy.random.seed(0), torch.manual_seed(0)  # what a fresh process would hold
+
+    resumed = RolloutDataSourceWithBuffer(make_args(tokenizer_dir, path, load=str(ckpt), rollout_shuffle=True))
+    resumed.load(rollout_id=0)
+    assert (random.random(), float(numpy.random.rand()), float(torch.rand(1))) == expected_rng
+    got = resumed.get_samples(4)
+    assert [s.to_dict() for g in got for s in g] == [s.to_dict() for g in expected for s in g]
+    assert got[0][0].status is Sample.Status.ABORTED and got[0][0].tokens[-2:] == [7, 8]
+    saved = torch.load(RolloutDataSource.state_path(str(ckpt), 0), weights_only=True)
+    assert sorted(saved["epoch_order"]) == list(range(len(PROMPTS))) and len(saved["buffer"]) == 1
+
+
+def test_state_for_another_prompt_file_is_refused(tokenizer_dir, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    source = RolloutDataSource(make_args(tokenizer_dir, write_jsonl(tmp_path / "p.jsonl", PROMPTS), save=str(ckpt)))
+    source.get_samples(1)
+    source.save(rollout_id=2)
+    shorter = RolloutDataSource(make_args(tokenizer_dir, write_jsonl(tmp_path / "q.jsonl", PROMPTS[:3]), load=str(ckpt)))
+    with pytest.raises(ValueError, match="3 usable prompts.*saved data position is for 5"):
+        shorter.load(rollout_id=2)
 
 
 def test_buffer_groups_served_first(tokenizer_dir, tmp_path):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -193,7 +194,8 @@ def test_checkpoint_without_optimizer_and_hf_export(hooks_run, assets):
 
     ckpt = hooks_run["root"] / "ckpt"
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
-    assert json.loads((ckpt / "iter_0000003" / "slime_contents.json").read_text()) == {"optimizer": False}
+    assert json.loads((ckpt / "iter_0000003" / "slime_contents.json").read_text()) == {
+        "items": ["model", "scheduler", "rng"], "optimizer": False}
     exported = {r: AutoModelForCausalLM.from_pretrained(hooks_run["root"] / f"hf_{r}", torch_dtype=torch.float32)
                 for r in (3, 4)}
     initial = AutoModelForCausalLM.from_pretrained(assets["checkpoint"], torch_dtype=torch.float32)
@@ -330,3 +332,22 @@ def test_multi_turn_example_trains_on_model_tokens_only(multi_turn_run):
         samples = saved_samples(multi_turn_run["rollout"], event["rollout_id"])
         assert event["train/loss_tokens"] == sum(sum(s["loss_mask"]) for s in samples)
         assert math.isfinite(event["train/loss"]) and event["train/grad_norm"] > 0
+
+
+# ==================================================================================== a hook that hangs
+
+
+@pytest.mark.timeout(400)
+def test_a_hanging_rollout_log_hook_stops_the_run_naming_it(assets):
+    """The driver's wait covers RolloutManager.generate to its end: a log hook that never returns ends the
+    run within its window (--fence-timeout) with an error that names the hook."""
+    one_rank = ONE_RANK[:ONE_RANK.index("--fence-timeout")] + ONE_RANK[ONE_RANK.index("--fence-timeout") + 2:]
+    proc = run_train([*data_flags(assets), *one_rank, "--debug-rollout-only", "--num-rollout", "1",
+                      "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4",
+                      "--rm-type", "math",
+                      "--custom-rollout-log-function-path", f"{PLUGINS}:hanging_rollout_log", "--fence-timeout", "15"],
+                     timeout_s=300)
+    summary = [line for line in (proc.stdout + proc.stderr).splitlines() if "training stopped:" in line]
+    assert proc.returncode == 1 and summary, proc.stderr[-3000:]
+    assert re.search(r"rollout 0: --custom-rollout-log-function-path \S+:hanging_rollout_log did not return "
+                     r"within 15s", summary[0]), summary[0]

@@ -53,9 +53,16 @@ def test_log_prob_passes_get_their_own_token_budget():
     assert log_prob_plan_args(same) is same
 
 
+def _actor(**attributes) -> MegatronTrainActor:
+    """The actor's methods on hand-set attributes (no process group, no model build)."""
+    actor = object.__new__(MegatronTrainActor)
+    vars(actor).update(attributes)
+    return actor
+
+
 def test_reference_model_is_refreshed_every_interval():
     model = _chunks()
-    actor = SimpleNamespace(args=SimpleNamespace(ref_update_interval=2), snapshots=WeightSnapshots(model))
+    actor = _actor(args=SimpleNamespace(ref_update_interval=2), snapshots=WeightSnapshots(model))
     actor.snapshots.take("ref")
     with torch.no_grad():
         model[0].decoder.weight.add_(1.0)
@@ -65,20 +72,50 @@ def test_reference_model_is_refreshed_every_interval():
     assert torch.equal(actor.snapshots._saved["ref"]["0.decoder.weight"], model[0].decoder.weight)
 
 
-@pytest.mark.parametrize("flags, optimizer_loaded, scheduler_loaded, start", [
-    ({}, True, True, 8), ({"no_load_optim": True}, False, True, 8), ({"finetune": True}, False, False, 0)])
-def test_resume_variants(monkeypatch, flags, optimizer_loaded, scheduler_loaded, start):
-    calls = []
-    monkeypatch.setattr("slime.backends.megatron_utils.checkpoint.load_checkpoint",
+@pytest.mark.parametrize("flags, optimizer_loaded, scheduler_loaded, rng_loaded, start", [
+    ({}, True, True, True, 8), ({"no_load_optim": True}, False, True, True, 8),
+    ({"no_load_rng": True}, True, True, False, 8), ({"finetune": True}, False, False, False, 0)])
+def test_resume_variants(monkeypatch, flags, optimizer_loaded, scheduler_loaded, rng_loaded, start):
+    from slime.backends.megatron_utils import checkpoint
+
+    calls, rng_calls = [], []
+    monkeypatch.setattr(checkpoint, "load_checkpoint",
                         lambda path, model, optimizer=None, scheduler=None: calls.append((optimizer, scheduler)) or 7)
-    args = SimpleNamespace(**{"no_load_optim": False, "finetune": False, **flags})
+    monkeypatch.setattr(checkpoint, "restore_rng", lambda path, iteration, rank: rng_calls.append((iteration, rank)) or True)
+    args = SimpleNamespace(**{"no_load_optim": False, "finetune": False, "no_load_rng": False,
+                              "ref_update_interval": None, **flags})
     optimizer = SimpleNamespace(reloaded=0)
     optimizer.reload_model_params = lambda: setattr(optimizer, "reloaded", optimizer.reloaded + 1)
-    actor = SimpleNamespace(args=args, model="m", optimizer=optimizer, lr_scheduler="sched")
-    assert MegatronTrainActor._resume(actor, "/ckpt") == start
+    actor = _actor(args=args, model="m", optimizer=optimizer, lr_scheduler="sched", rank=3,
+                   snapshots=WeightSnapshots(_chunks()))
+    assert actor._resume("/ckpt") == start
     assert calls == [(optimizer if optimizer_loaded else None, "sched" if scheduler_loaded else None)]
+    assert rng_calls == ([(7, 3)] if rng_loaded else [])
     # a fresh optimizer's (bf16) main params must follow the loaded weights, not the init they were cloned from
     assert optimizer.reloaded == (0 if optimizer_loaded else 1)
+
+
+def test_resume_restores_a_refreshed_reference_and_keeps_the_live_weights(monkeypatch):
+    from slime.backends.megatron_utils import checkpoint
+
+    model = _chunks()
+    live = {n: p.detach().clone() for n, p in model[0].named_parameters()}
+    monkeypatch.setattr(checkpoint, "load_checkpoint", lambda *a, **k: 4)
+    monkeypatch.setattr(checkpoint, "restore_rng", lambda *a: True)
+    monkeypatch.setattr(checkpoint, "holds", lambda path, iteration: frozenset({"model", "reference"}))
+
+    def load_reference(path, iteration, chunks):  # the saved reference: every weight 0.5
+        with torch.no_grad():
+            for p in chunks[0].parameters():
+                p.fill_(0.5)
+
+    monkeypatch.setattr(checkpoint, "load_reference", load_reference)
+    args = SimpleNamespace(no_load_optim=False, finetune=False, no_load_rng=False, ref_update_interval=2)
+    actor = _actor(args=args, model=model, optimizer=None, lr_scheduler=None, rank=0, snapshots=WeightSnapshots(model))
+    actor.snapshots.take("ref")  # --ref-load's weights
+    assert actor._resume("/ckpt") == 5
+    assert all(torch.equal(v, torch.full_like(v, 0.5)) for v in actor.snapshots._saved["ref"].values())
+    assert all(torch.equal(live[n], p) for n, p in model[0].named_parameters())
 
 
 def test_dump_details_sets_both_debug_dumps():

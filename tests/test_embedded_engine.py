@@ -402,3 +402,22 @@ def test_pick_rollout_backend():
     assert pick_rollout_backend(types.SimpleNamespace(rollout_backend="auto")) == expected
     with pytest.raises(ValueError):
         pick_rollout_backend(types.SimpleNamespace(rollout_backend="vllm"))
+
+
+def test_a_seeded_request_generates_the_same_alone_batched_or_on_another_engine(checkpoint):
+    """sampling_seed fixes every draw: what a request generates does not depend on its batch or engine."""
+    from slime.backends.embedded_engine.engine import EmbeddedEngine, GenerationRequest
+
+    def request(rid, ids, seed):
+        params = SamplingParams.from_request({"max_new_tokens": 10, "temperature": 1.0, "sampling_seed": seed})
+        return GenerationRequest(rid=rid, input_ids=tuple(ids), params=params, return_logprob=True)
+
+    one, other = EmbeddedEngine(checkpoint, seed=1), EmbeddedEngine(checkpoint, seed=2)
+    alone = one.generate_batch([request("a", [5, 6, 7], 11)])[0]
+    batched = other.generate_batch([request("b", [9, 3, 4, 2, 8], 12), request("a", [5, 6, 7], 11)])[1]
+    assert batched.output_ids == alone.output_ids
+    assert batched.output_logprobs == pytest.approx(alone.output_logprobs, abs=1e-5)
+    reseeded = one.generate_batch([request("a", [5, 6, 7], 13)])[0]
+    assert reseeded.output_ids != alone.output_ids  # the seed, not the prompt, fixes the draws
+    with pytest.raises(ValueError, match="sampling_seed must be an integer"):
+        SamplingParams.from_request({"sampling_seed": 1.5})

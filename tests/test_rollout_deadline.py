@@ -218,3 +218,36 @@ def test_a_trainer_ahead_of_the_engines_catches_up_with_its_own_version():
                             trainer_version=lambda: 5)
     targets.pushed(["a", "b"], 4)  # train_async.py: the engines hold 4, the trainer trained on to 5
     assert targets.catch_up(["b2"]) == 5 and pushes == [(["b2"], 5)]
+
+
+def _manager_with_hanging_log(window_s: float):
+    """A RolloutManager whose guarded generation returns at once and whose log hook never returns."""
+    import hook_plugins
+    from slime.ray.rollout_manager import RolloutManager
+    from slime.ray.rollout_steps import RolloutSteps
+
+    args = types.SimpleNamespace(use_fault_tolerance=False, save_debug_rollout_data=None, save=None,
+                                 custom_convert_samples_to_train_data_path=None, rollout_timeout=60,
+                                 custom_rollout_log_function_path=f"{hook_plugins.__file__}:hanging_rollout_log")
+    manager = object.__new__(RolloutManager)
+    guard = types.SimpleNamespace(run=lambda *a, **k: (([], {}), {}), left_s=lambda: None)
+    fleet = types.SimpleNamespace(needing_weights=lambda: [])
+    vars(manager).update(args=args, guard=guard, fleet=fleet, steps=RolloutSteps(window_s), _train_data=lambda s: {})
+    return manager
+
+
+def test_a_hanging_log_hook_ends_in_a_named_error_within_its_window():
+    from slime.ray.rollout_errors import RolloutStepTimeoutError
+
+    manager = _manager_with_hanging_log(window_s=1.0)
+    status: list = []
+    poller = threading.Timer(0.5, lambda: status.append(manager.rollout_status()["left_s"]))
+    poller.start()
+    start = time.monotonic()
+    with pytest.raises(RolloutStepTimeoutError, match=r"rollout 4: --custom-rollout-log-function-path .*hanging_"
+                                                      r"rollout_log did not return within 1s"):
+        manager.generate(4)
+    assert time.monotonic() - start < 5
+    poller.join()
+    assert status and 0 < status[0] <= 1.0  # the driver's wait had a deadline while the hook hung
+    assert manager.rollout_status()["left_s"] is None  # the call is over

@@ -3,7 +3,12 @@
 SLIME_FAULT_INJECT=<kind>@<rank>[#<rollout_id>][,<kind>@<rank>...] is parsed once per process.
 Without '#<rollout_id>' the fault fires in every rollout. Unset or empty: no fault ever fires.
 For the engine faults (ENGINE_FAULT_KINDS) '<rank>' is the rollout engine's index; the rollout manager
-injects them (slime/ray/engine_faults.py) while that rollout generates.
+injects them (slime/ray/engine_faults.py) while that rollout generates. The run-kill faults
+(RUN_KILL_KINDS: a crash at a known point, for the resume tests) SIGKILL every process of the run
+(driver, Ray, ranks, rollout manager, engines) when that phase of that rollout starts on that rank;
+for kill_during_rollout '<rank>' is 0 (the rollout manager). They need the run started as its own
+session (`setsid python train.py ...`): Ray puts each worker in a process group of its own, so the
+session is what holds the whole run.
 The faults are injected where the real bug would be (warm-up, plan, metrics, forward/backward, logging,
 the weight push), never inside the fences that are supposed to catch them.
 """
@@ -12,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import signal
 import time
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Mapping
@@ -30,9 +36,15 @@ FAULT_KINDS = frozenset(
         "corrupt_weight_push",  # the sending rank's tensors go out with noise added
         "kill_engine",  # the engine process exits mid-generation
         "stall_engine",  # the engine process stops answering (health included) mid-generation
+        # A crash of the whole run (SIGKILL to its process group) at one point of one rollout:
+        "kill_during_rollout",  # the rollout starts (engines serving, its deadline running)
+        "kill_during_train",  # actor_train's first phase has finished on the rank
+        "kill_during_weight_sync",  # the rank starts pushing weights
+        "kill_during_save",  # the rank's shards are written, the checkpoint is not yet published
     }
 )
 ENGINE_FAULT_KINDS = ("kill_engine", "stall_engine")
+RUN_KILL_KINDS = ("kill_during_rollout", "kill_during_train", "kill_during_weight_sync", "kill_during_save")
 
 CORRUPTION_STD = 0.05  # noise added by corrupt_weight_push (the tiny models' weights are ~0.02-1)
 
@@ -97,6 +109,41 @@ def stall_forever(poll_s: float = 0.05) -> None:
     """Block like a hung call, but in short Python-level sleeps so a watchdog HangError can land."""
     while True:
         time.sleep(poll_s)
+
+
+def maybe_kill_run(kind: str, rank: int, rollout_id: int | None) -> None:
+    """A run-kill fault: SIGKILL every process of this session, this one last."""
+    if kind not in RUN_KILL_KINDS:
+        raise ValueError(f"{kind!r} is not a run-kill fault; known: {RUN_KILL_KINDS}")
+    if not fault_active(kind, rank, rollout_id):
+        return
+    session = os.getsid(0)
+    leader = _cmdline(session)
+    if "train.py" not in leader:  # never a login shell's session
+        raise RuntimeError(f"{ENV_VAR}={kind}: the session leader is {leader!r}, not the run's train.py; start "
+                           "the run as its own session (setsid)")
+    for _ in range(2):  # processes started meanwhile
+        for pid in _session_pids(session) - {os.getpid()}:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _session_pids(session: int) -> set[int]:
+    pids = set()
+    for entry in os.listdir("/proc"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if entry.isdigit() and os.getsid(int(entry)) == session:
+                pids.add(int(entry))
+    return pids
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            return handle.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
 
 
 def maybe_stall(kind: str, rank: int, rollout_id: int | None = None) -> None:

@@ -19,6 +19,11 @@ class RolloutTimeoutError(RolloutError, TimeoutError):
     """A rollout or eval did not finish within --rollout-timeout."""
 
 
+class RolloutStepTimeoutError(RolloutError, TimeoutError):
+    """A step of the rollout manager outside the generation itself (a user hook, the data save, the
+    metrics) did not return within its window."""
+
+
 class EngineFailedError(RolloutError):
     """An engine died or stopped answering and --use-fault-tolerance is off."""
 

@@ -58,7 +58,7 @@ class RolloutGuard:
         self.monitor.resume()
         done = threading.Event()
         faults = inject_engine_faults(self.fleet, rollout_id, done) if inject_faults else []
-        worker = _Worker(fn)
+        worker = RolloutWorker(fn)
         label = f"rollout {rollout_id}: {what}"
         try:
             result = self._watch(worker, label, budget_s)
@@ -91,7 +91,7 @@ class RolloutGuard:
             self._bound_requests()
 
     # ----- watching ---------------------------------------------------------------------
-    def _watch(self, worker: "_Worker", label: str, budget_s: float):
+    def _watch(self, worker: "RolloutWorker", label: str, budget_s: float):
         while not worker.done.wait(WATCH_POLL_S):
             if self.fleet.fatal is not None:
                 raise self._end(worker, self.fleet.fatal, label)
@@ -112,7 +112,7 @@ class RolloutGuard:
                                     describe_engines(self.fleet, self.config.timeout_s)) from worker.error
         raise worker.error
 
-    def _end(self, worker: "_Worker", error: RolloutError, label: str) -> RolloutError:
+    def _end(self, worker: "RolloutWorker", error: RolloutError, label: str) -> RolloutError:
         if not error.details:
             error.details = _details(describe_engines(self.fleet, self.config.timeout_s), outstanding_requests())
         logger.error("%s\n%s", error, error.details)
@@ -147,7 +147,7 @@ class RolloutGuard:
         return True
 
 
-class _Worker:
+class RolloutWorker:
     """fn in a thread of its own, so the guard can stop waiting for it."""
 
     def __init__(self, fn: Callable[[], Any]) -> None:

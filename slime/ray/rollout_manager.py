@@ -24,6 +24,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from slime.backends.sglang_utils.http_client import SGLangHTTPClient
 from slime.backends.sglang_utils.launcher import pick_rollout_backend
+from slime.distributed.fault_inject import maybe_kill_run
 from slime.ray.cluster import advertised_host, serving_host, worker_env
 from slime.ray.engine_actor import EngineEndpoint, EngineRayActor, RemoteEngine
 from slime.ray.engine_health import HealthConfig
@@ -31,12 +32,13 @@ from slime.ray.engine_recovery import EngineFleet
 from slime.ray.placement import EngineSlot, Placement
 from slime.ray.rollout_guard import RolloutGuard
 from slime.ray.rollout_errors import RolloutTimeoutError
+from slime.ray.rollout_steps import RolloutSteps
 from slime.ray.rollout_wait import EngineTargets, RolloutWatch, get_result, wait_for_rollout
 from slime.rollout import generation_gate
 from slime.rollout.advantages import TRAIN_DATA_KEYS, flatten_groups, samples_to_train_data
 from slime.rollout.base_types import call_rollout_fn
 from slime.rollout.data_source import eval_prompt_specs, read_rows
-from slime.rollout.deadline import driver_margin_s, rollout_deadline_s
+from slime.rollout.deadline import driver_margin_s, rollout_deadline_s, step_window_s
 from slime.rollout.metrics import compute_rollout_metrics
 from slime.rollout.staleness import version_metrics
 from slime.router.router import launch_router
@@ -63,8 +65,6 @@ class RolloutManager:
         use_key(args.api_key)  # the router inherits it; every call to an engine or the router sends it
         self.args = args
         self.data_source = load_function(args.data_source_path)(args)  # --data-source-path: cls(args)
-        if args.start_rollout_id > 0:  # resume after the rollout whose data position was saved
-            self.data_source.load(args.start_rollout_id - 1)
         self.backend = pick_rollout_backend(args)
         self.log_dir = os.path.join(args.ledger_dir or "/tmp", "engine-logs")
         self._engine_actors: list = []
@@ -74,7 +74,10 @@ class RolloutManager:
                                  relaunch=self._restart_engine, fault_tolerant=args.use_fault_tolerance,
                                  router=RouterWorkers(kind=self.router.kind, url=self.router.url) if self.router else None)
         self.guard = RolloutGuard(HealthConfig.from_args(args), self.fleet)
+        self.steps = RolloutSteps(step_window_s(args))
         self._rollout_fn = load_function(args.rollout_function_path)
+        if args.start_rollout_id > 0:  # resume after the rollout whose data state was saved; last, so that
+            self.data_source.load(args.start_rollout_id - 1)  # the restored RNG is this process's at rollout start
 
     def _launch_engines(self, placement: Placement) -> list[EngineEndpoint]:
         slots = placement.layout.engines
@@ -118,26 +121,35 @@ class RolloutManager:
     def generate(self, rollout_id: int, weights_version: str | None = None
                  ) -> tuple[list[ray.ObjectRef], dict[str, Any]]:
         """One rollout as the trainer's batch, and its metrics ({} when a custom log function took over).
-        `weights_version`: what the engines hold (a restarted engine must reach it before serving)."""
-        start = time.monotonic()
-        (samples, metrics), faults = self.guard.run(
-            "generate", rollout_id, lambda: self._samples(rollout_id), budget_s=rollout_deadline_s(self.args),
-            weights_version=weights_version, inject_faults=True)
-        rollout_time = time.monotonic() - start
-        if self.args.use_fault_tolerance:
-            metrics = {**(metrics or {}), **faults}
-        if self.args.save_debug_rollout_data:
-            path = self.args.save_debug_rollout_data.format(rollout_id=rollout_id)
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            torch.save({"rollout_id": rollout_id, "samples": [s.to_dict() for s in samples]}, path)
-        data = self._train_data(samples)
-        if self.args.save:
-            self.data_source.save(rollout_id)
-        if self._custom_log(rollout_id, samples, metrics, rollout_time):
-            return [ray.put(data)], {}
-        metrics = {**compute_rollout_metrics(self.args, samples), **version_metrics(samples), **(metrics or {}),
-                   "perf/rollout_generate_s": rollout_time}
-        return [ray.put(data)], {f"rollout/{k}" if "/" not in k else k: v for k, v in metrics.items()}
+        `weights_version`: what the engines hold (a restarted engine must reach it before serving).
+        Every step after the guarded generation has its window (RolloutSteps)."""
+        with self.steps.call():
+            start = time.monotonic()
+            (samples, metrics), faults = self.steps.guarded(lambda: self.guard.run(
+                "generate", rollout_id, lambda: self._samples(rollout_id), budget_s=rollout_deadline_s(self.args),
+                weights_version=weights_version, inject_faults=True))
+            rollout_time = time.monotonic() - start
+            if self.args.use_fault_tolerance:
+                metrics = {**(metrics or {}), **faults}
+            label = f"rollout {rollout_id}:"
+            if self.args.save_debug_rollout_data:
+                self.steps.run(f"{label} --save-debug-rollout-data", self._save_debug_rollout, rollout_id, samples)
+            data = self.steps.run(f"{label} the conversion to train data", self._train_data, samples)
+            if self.args.save:
+                self.steps.run(f"{label} the data-source save", self.data_source.save, rollout_id)
+            log_path = self.args.custom_rollout_log_function_path
+            if log_path and self.steps.run(f"{label} --custom-rollout-log-function-path {log_path}",
+                                           _call_rollout_log, log_path, rollout_id, self.args, samples, metrics,
+                                           rollout_time):
+                return [ray.put(data)], {}
+            metrics = {**self.steps.run(f"{label} the rollout metrics", compute_rollout_metrics, self.args, samples),
+                       **version_metrics(samples), **(metrics or {}), "perf/rollout_generate_s": rollout_time}
+            return [ray.put(data)], {f"rollout/{k}" if "/" not in k else k: v for k, v in metrics.items()}
+
+    def _save_debug_rollout(self, rollout_id: int, samples: list[Sample]) -> None:
+        path = self.args.save_debug_rollout_data.format(rollout_id=rollout_id)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        torch.save({"rollout_id": rollout_id, "samples": [s.to_dict() for s in samples]}, path)
 
     def _samples(self, rollout_id: int) -> tuple[list[Sample], dict[str, Any]]:
         if self.args.load_debug_rollout_data:
@@ -146,6 +158,7 @@ class RolloutManager:
             return [Sample.from_dict(d) for d in saved["samples"]], {}
         if hasattr(self.data_source, "rollout_id"):  # what --buffer-filter-path receives
             self.data_source.rollout_id = rollout_id
+        maybe_kill_run("kill_during_rollout", 0, rollout_id)
         output = call_rollout_fn(self._rollout_fn, self.args, rollout_id, self.data_source, evaluation=False)
         return flatten_groups(output.samples), dict(output.metrics or {})
 
@@ -158,22 +171,22 @@ class RolloutManager:
         check_train_data(data, path)
         return data
 
-    def _custom_log(self, rollout_id: int, samples: list[Sample], metrics: dict, rollout_time: float) -> bool:
-        """--custom-rollout-log-function-path: True means it replaced the default rollout logging."""
-        path = self.args.custom_rollout_log_function_path
-        return bool(path) and bool(load_function(path)(rollout_id, self.args, samples, metrics, rollout_time))
-
     def evaluate(self, rollout_id: int, weights_version: str | None = None) -> dict[str, Any]:
         """Eval metrics ({} when --custom-eval-rollout-log-function-path took over the logging)."""
-        fn = load_function(self.args.eval_function_path or self.args.rollout_function_path)
-        budget_s = rollout_deadline_s(self.args, evaluation=True, eval_prompts=self._eval_prompts())
-        output, _ = self.guard.run(
-            "eval", rollout_id, lambda: call_rollout_fn(fn, self.args, rollout_id, self.data_source, evaluation=True),
-            budget_s=budget_s, weights_version=weights_version)
-        path = self.args.custom_eval_rollout_log_function_path
-        if path and load_function(path)(rollout_id, self.args, output.data, output.metrics):
-            return {}
-        return dict(output.metrics or {})
+        with self.steps.call():
+            label = f"eval {rollout_id}:"
+            fn = self.steps.run(f"{label} loading the eval function", load_function,
+                                self.args.eval_function_path or self.args.rollout_function_path)
+            budget_s = rollout_deadline_s(self.args, evaluation=True, eval_prompts=self.steps.run(
+                f"{label} counting the eval prompts", self._eval_prompts))
+            output, _ = self.steps.guarded(lambda: self.guard.run(
+                "eval", rollout_id, lambda: call_rollout_fn(fn, self.args, rollout_id, self.data_source, evaluation=True),
+                budget_s=budget_s, weights_version=weights_version))
+            log_path = self.args.custom_eval_rollout_log_function_path
+            if log_path and self.steps.run(f"{label} --custom-eval-rollout-log-function-path {log_path}",
+                                           _call_eval_log, log_path, rollout_id, self.args, output):
+                return {}
+            return dict(output.metrics or {})
 
     def _eval_prompts(self) -> int:
         if not hasattr(self, "_eval_prompt_count"):  # rows of every eval file, counted once
@@ -182,8 +195,10 @@ class RolloutManager:
 
     # ----- engine fault tolerance (the driver's side: RolloutManagerHandle, slime/ray/rollout_wait.py) -----
     def rollout_status(self) -> dict[str, Any]:
-        """Polled by the driver while a rollout or eval runs (this actor is threaded)."""
-        return {"left_s": self.guard.left_s(), "needs_weights": self.fleet.needing_weights()}
+        """Polled by the driver while a rollout or eval runs (this actor is threaded): the time left of
+        the guarded generation, else of the step around it."""
+        left = self.guard.left_s()
+        return {"left_s": self.steps.left_s() if left is None else left, "needs_weights": self.fleet.needing_weights()}
 
     def engines_caught_up(self, urls: list[str], weights_version: str | None) -> None:
         self.fleet.caught_up(urls, weights_version)
@@ -250,6 +265,16 @@ class RolloutManager:
 
 def _generating() -> list:
     return [r for r in outstanding_requests() if r.url.endswith("/generate")]
+
+
+def _call_rollout_log(path: str, rollout_id: int, args, samples: list[Sample], metrics: dict, rollout_time: float) -> bool:
+    """--custom-rollout-log-function-path: True means it replaced the default rollout logging."""
+    return bool(load_function(path)(rollout_id, args, samples, metrics, rollout_time))
+
+
+def _call_eval_log(path: str, rollout_id: int, args, output) -> bool:
+    """--custom-eval-rollout-log-function-path: True means it replaced the default eval logging."""
+    return bool(load_function(path)(rollout_id, args, output.data, output.metrics))
 
 
 def wait_engines(refs: list, slots: Sequence[EngineSlot], *, timeout_s: float) -> list[EngineEndpoint]:

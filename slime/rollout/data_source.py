@@ -18,6 +18,9 @@ from typing import Any, Iterator
 import torch
 
 from slime.rollout.eval_config import EvalDatasetSpec
+from slime.checkpoint import rng
+from slime.checkpoint.contents import DATA_ITEMS, data_file
+from slime.checkpoint.durable import write_atomic
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -362,40 +365,75 @@ class RolloutDataSource:
         raise RuntimeError(f"{type(self).__name__} is read-only; use RolloutDataSourceWithBuffer")
 
     def state_dict(self) -> dict[str, Any]:
+        """Everything the next rollout's prompts depend on (slime/checkpoint/contents.py, DATA_ITEMS): the
+        position, the epoch's shuffle order, the partial-rollout buffer and this process's RNG."""
         return {
             "epoch_id": self.epoch_id,
             "sample_offset": self.sample_offset,
             "sample_group_index": self.sample_group_index,
             "sample_index": self.sample_index,
             "metadata": self.metadata,
+            "epoch_order": list(self._epoch_order()) if self.dataset is not None else [],
+            "buffer": self._buffer_state(),
+            "rng": rng.capture(tracker=False),
         }
+
+    def _buffer_state(self) -> list[list[dict]]:
+        return []
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for key, default in (("epoch_id", 0), ("sample_offset", 0), ("sample_group_index", 0), ("sample_index", 0)):
             setattr(self, key, int(state.get(key, default)))
         self.metadata = dict(state.get("metadata", {}))
+        missing = [key for key in DATA_ITEMS if key not in state]
+        if missing:
+            logger.warning("the data-source state has no %s (written before they were saved): the resumed run's "
+                           "prompts and sampling may differ from the saved run's", missing)
+        if state.get("epoch_order") and self.dataset is not None:
+            self._order = (self.epoch_id, self._checked_order(state["epoch_order"]))
+        self._load_buffer(state.get("buffer") or [])
+        if state.get("rng") is not None:
+            rng.restore(state["rng"])
+
+    def _checked_order(self, order: list[int]) -> list[int]:
+        if sorted(order) != list(range(len(self.dataset))):
+            raise ValueError(f"--prompt-data {self.dataset.spec.path} has {len(self.dataset)} usable prompts, but the "
+                             f"saved data position is for {len(order)}: resume with the prompt file (and prompt "
+                             "length limits) the run was saved with")
+        return [int(i) for i in order]
+
+    def _load_buffer(self, groups: list[list[dict]]) -> None:
+        if groups:
+            raise ValueError(f"the saved data state holds {len(groups)} partial-rollout groups, but "
+                             f"{type(self).__name__} has no buffer; resume with the --data-source-path it was saved with")
 
     @staticmethod
     def state_path(root: str, rollout_id: int) -> str:
-        return os.path.join(root, "rollout", f"global_dataset_state_dict_{rollout_id}.pt")
+        return data_file(root, rollout_id)
 
     def save(self, rollout_id: int) -> None:
-        """Write the position in the data under --save, so --load resumes with the next prompts."""
+        """Write the data state under --save (atomically, fsynced), so --load resumes with the next prompts."""
         if not getattr(self.args, "save", None):
             return
-        path = self.state_path(self.args.save, rollout_id)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        torch.save(self.state_dict(), f"{path}.partial")  # a failed write leaves no state --load would read
-        os.replace(f"{path}.partial", path)
+        state = self.state_dict()
+        write_atomic(self.state_path(self.args.save, rollout_id), lambda handle: torch.save(state, handle))
 
     def load(self, rollout_id: int | None = None) -> None:
+        """The state saved after rollout `rollout_id` under --load; a missing file is an error unless
+        --allow-fresh-data-position accepts starting from the first prompt."""
         if not getattr(self.args, "load", None) or rollout_id is None:
             return
         path = self.state_path(self.args.load, rollout_id)
-        if not os.path.exists(path):
-            logger.info("no data-source state at %s; starting from the first prompt", path)
-            return
-        self.load_state_dict(torch.load(path, weights_only=True))
+        if os.path.exists(path):
+            self.load_state_dict(torch.load(path, weights_only=True))
+        elif getattr(self.args, "allow_fresh_data_position", False):
+            logger.warning("no data-source state at %s: starting from the first prompt (--allow-fresh-data-position)",
+                           path)
+        else:
+            raise FileNotFoundError(
+                f"--load {self.args.load}: no data-source state at {path} (the position in --prompt-data after rollout "
+                f"{rollout_id}, written under --save after every rollout); point --load at the --save directory of "
+                "the run, or pass --allow-fresh-data-position to start from the first prompt")
 
     def __len__(self) -> int:
         return len(self.dataset) if self.dataset is not None else 0
@@ -450,3 +488,9 @@ class RolloutDataSourceWithBuffer(RolloutDataSource):
 
     def get_buffer_length(self) -> int:
         return len(self.buffer)
+
+    def _buffer_state(self) -> list[list[dict]]:
+        return [[sample.to_dict() for sample in group] for group in self.buffer]
+
+    def _load_buffer(self, groups: list[list[dict]]) -> None:
+        self.buffer = [[Sample.from_dict(sample) for sample in group] for group in groups]

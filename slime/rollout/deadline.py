@@ -110,3 +110,11 @@ class RolloutClock:
     def expired(self) -> bool:
         left = self.left_s()
         return left is not None and left <= 0
+
+
+def step_window_s(args) -> float:
+    """The window of each rollout-manager step outside generation (user hooks, the data save, metrics):
+    the loop's no-progress window, --fence-timeout (slime/utils/deadlines.py)."""
+    from slime.utils.deadlines import DeadlineModel
+
+    return DeadlineModel.from_args(args).no_progress_s

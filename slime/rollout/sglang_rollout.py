@@ -31,6 +31,7 @@ from slime.rollout.metrics import compute_eval_metrics, compute_rollout_metrics
 from slime.rollout.rm_hub import async_rm, batched_async_rm
 from slime.rollout.sample_hooks import apply_rollout_sample_hooks
 from slime.rollout.sampling_loop import SamplingLoop
+from slime.rollout.sampling_seed import seeded_params
 from slime.utils.http_utils import DEFAULT_TIMEOUT_S, post
 from slime.utils.misc import SingletonMeta, load_function
 from slime.utils.types import Sample
@@ -230,9 +231,9 @@ async def generate_and_rm(args, sample: Sample, sampling_params: dict, evaluatio
         if state.aborted or generation_gate.is_held():
             sample.status = Sample.Status.ABORTED
             return sample
-        result = await _call_generate(args, sample, sampling_params, evaluation)
-    result = await apply_rollout_sample_hooks(args, result, rollout_id=getattr(state, "rollout_id", None),
-                                           evaluation=evaluation)
+        params = seeded_params(args, sampling_params, state.rollout_id, sample.index, evaluation)
+        result = await _call_generate(args, sample, params, evaluation)
+    result = await apply_rollout_sample_hooks(args, result, rollout_id=state.rollout_id, evaluation=evaluation)
     samples = _as_list(result)
     if getattr(args, "group_rm", False) or any(s.status == Sample.Status.ABORTED for s in samples):
         return result

@@ -135,6 +135,8 @@ NOT_IMPLEMENTED_FLAGS: tuple[NotImplementedFlag, ...] = (
     *_warned("weights always come from --hf-checkpoint / --load; nothing is randomly initialised",
              "--init-method-std"),
     *_warned("--optimizer sgd is not implemented", "--sgd-momentum"),
+    *_warned("every checkpoint holds each rank's RNG state (an exact resume needs it); --no-load-rng skips "
+             "restoring it", "--no-save-rng"),
     # upstream slime's remaining non-model flags (the "upstream compatibility" group)
     NotImplementedFlag(flag="--keep-old-actor",
                        reason="the old-policy pass already runs on the weights that generated the rollout (train.py "
@@ -166,8 +168,6 @@ ALWAYS_HONOURED_FLAGS: dict[str, str] = {
     "--no-rope-fusion": "RoPE fusion is always off",
     "--allgather-cp": "context-parallel attention always all-gathers K/V over the CP group",
     "--train-backend": "megatron-core is the only training backend",
-    "--no-load-rng": "checkpoints here hold no RNG state",
-    "--no-save-rng": "checkpoints here hold no RNG state",
     "--no-gradient-accumulation-fusion": "gradient-accumulation fusion (a CUDA kernel) is always off",
     "--no-position-embedding": "no learned absolute position embedding is ever added; positions are the HF "
                                "config's RoPE",
@@ -904,7 +904,10 @@ def _add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-load-optim", action="store_true", default=False,
                    help="resume model weights but start a fresh optimizer")
     g.add_argument("--no-load-rng", action="store_true", default=False,
-                   help="do not restore RNG state (checkpoints here hold none)")
+                   help="do not restore the saved RNG states on --load (every rank starts from --seed)")
+    g.add_argument("--allow-fresh-data-position", action="store_true", default=False,
+                   help="--load without the saved data position (rollout/global_dataset_state_dict_N.pt): start "
+                        "from the first prompt instead of failing")
     g.add_argument("--finetune", action="store_true", default=False,
                    help="load --load's weights only and start at rollout 0 with a fresh optimizer")
     g.add_argument("--ckpt-format", type=str, default="torch_dist", choices=["torch", "torch_dist"],

@@ -163,7 +163,8 @@ class EmbeddedEngine:
             if first and wants_input:
                 _fill_input_logprobs(rows, out.logits, input_ids)
             first = False
-            tokens, logprobs = sample_next_tokens(out.logits[:, -1, :], params, self.generator)
+            positions = [len(r.request.input_ids) + len(r.output_ids) for r in rows]
+            tokens, logprobs = sample_next_tokens(out.logits[:, -1, :], params, self.generator, positions)
             for i, row in enumerate(rows):
                 if row.finish_reason is None:
                     self._append(row, int(tokens[i]), float(logprobs[i]), should_abort)

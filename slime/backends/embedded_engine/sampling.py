@@ -24,7 +24,6 @@ _NEUTRAL_ONLY = {
     "ebnf": None,
     "logit_bias": None,
     "custom_params": None,
-    "sampling_seed": None,
     "stop_regex": None,
     "beam_width": None,
     "structural_tag": None,
@@ -33,7 +32,7 @@ _NEUTRAL_ONLY = {
     "ebnf_full_assistant": False,
 }
 # SGLang declares these as integers and refuses other types; so does the embedded engine.
-_INTEGER_FIELDS = ("max_new_tokens", "min_new_tokens", "top_k", "n")
+_INTEGER_FIELDS = ("max_new_tokens", "min_new_tokens", "top_k", "n", "sampling_seed")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,6 +50,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     n: int = 1
+    sampling_seed: int | None = None
+    """Draw every token from (sampling_seed, position) alone, whatever else the batch holds; None: the
+    engine's own generator."""
 
     @classmethod
     def from_request(cls, raw: dict[str, Any] | None) -> "SamplingParams":
@@ -75,8 +77,9 @@ class SamplingParams:
                 raw[key] = tuple(raw[key])
         if not all(_is_int(t) for t in raw.get("stop_token_ids", ())):
             raise ValueError(f"sampling param stop_token_ids must hold integers, got {list(raw['stop_token_ids'])}")
-        if raw.get("max_new_tokens") is None:
-            raw.pop("max_new_tokens", None)
+        for key in ("max_new_tokens", "sampling_seed"):
+            if raw.get(key) is None:
+                raw.pop(key, None)
         params = cls(**raw)
         params.validate()
         return params
@@ -119,18 +122,27 @@ def _is_int(value: Any) -> bool:
 
 
 def sample_next_tokens(
-    logits: torch.Tensor, params: list[SamplingParams], generator: torch.Generator
+    logits: torch.Tensor, params: list[SamplingParams], generator: torch.Generator,
+    positions: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row; returns (token_ids [B], log-probs of those tokens [B]) as SGLang
-    reports them (see logprob_temperature)."""
+    reports them (see logprob_temperature). positions[row]: the position of the token being drawn
+    (needed by rows with a sampling_seed)."""
     logits = logits.float()
     tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
     for row, p in enumerate(params):
-        tokens[row] = _sample_row(logits[row], p, generator)
+        row_generator = generator if p.sampling_seed is None else seeded_generator(p.sampling_seed, positions[row],
+                                                                                  logits.device)
+        tokens[row] = _sample_row(logits[row], p, row_generator)
     temperatures = torch.tensor([logprob_temperature(p) for p in params], dtype=logits.dtype,
                                 device=logits.device).unsqueeze(1)
     logprobs = torch.log_softmax(logits / temperatures, dim=-1)
     return tokens, logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+
+
+def seeded_generator(seed: int, position: int, device: torch.device) -> torch.Generator:
+    """The generator of one draw of a seeded request: a function of (seed, position) only."""
+    return torch.Generator(device=device).manual_seed((int(seed) * 1_000_003 + int(position)) % 2**63)
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> int:

@@ -44,6 +44,7 @@ from slime.distributed.fault_inject import (
     apply_metric_key_fault,
     apply_plan_fault,
     fault_active,
+    maybe_kill_run,
     skipping_one_collective,
     stall_forever,
 )
@@ -119,7 +120,8 @@ class MegatronTrainActor:
         return 0
 
     def _resume(self, path: str) -> int:
-        """--load: weights, optimizer (unless --no-load-optim) and schedule; --finetune: weights only, rollout 0."""
+        """--load: weights, optimizer (unless --no-load-optim), schedule, this rank's RNG (unless --no-load-rng)
+        and a refreshed reference model; --finetune: weights only, rollout 0."""
         from slime.backends.megatron_utils.checkpoint import load_checkpoint
 
         fresh_optimizer = self.args.no_load_optim or self.args.finetune
@@ -127,7 +129,37 @@ class MegatronTrainActor:
                                     None if self.args.finetune else self.lr_scheduler)
         if fresh_optimizer:
             self.optimizer.reload_model_params()  # bf16 main params follow the loaded weights (load_model_weights)
-        return 0 if self.args.finetune else iteration + 1
+        if self.args.finetune:
+            return 0
+        self._resume_reference(path, iteration)
+        self._resume_rng(path, iteration)
+        return iteration + 1
+
+    def _resume_reference(self, path: str, iteration: int) -> None:
+        """--ref-update-interval: the reference as the saved run had refreshed it, not --ref-load's."""
+        from slime.backends.megatron_utils.checkpoint import holds, load_reference
+
+        if not self._reference_moves():
+            return
+        if "reference" not in holds(path, iteration):
+            logger.warning("%s (iteration %d) holds no reference model (saved before references were saved): "
+                           "the reference restarts from --ref-load, so the KL term differs from the saved run's",
+                           path, iteration)
+            return
+        self.snapshots.capture("ref", lambda: load_reference(path, iteration, self.model))
+
+    def _resume_rng(self, path: str, iteration: int) -> None:
+        from slime.backends.megatron_utils.checkpoint import restore_rng
+
+        if self.args.no_load_rng:
+            return
+        if not restore_rng(path, iteration, self.rank):
+            logger.warning("%s (iteration %d) holds no RNG state for rank %d (saved before RNG was saved, or by "
+                           "another world size): this rank keeps the --seed state", path, iteration, self.rank)
+
+    def _reference_moves(self) -> bool:
+        """The reference is refreshed from the actor, so only a checkpoint holds its current weights."""
+        return bool(self.args.ref_update_interval) and "ref" in self.snapshots
 
     def _load_weights(self, path: str, iteration: int | None) -> str:
         """Model weights from an HF directory or a megatron checkpoint (--ref-load and --opd-teacher-load accept
@@ -146,6 +178,7 @@ class MegatronTrainActor:
             wake = self.wake(rollout_id)
         with self.watchdog.phase("actor_train/plan"):
             plans = self._fenced_plans(rollout_id, data)
+        maybe_kill_run("kill_during_train", self.rank, rollout_id)
         with self.watchdog.phase("actor_train/log_probs"):
             self._fill_log_probs(data, self.log_prob_plans)
             self._advantages(data)
@@ -179,8 +212,7 @@ class MegatronTrainActor:
 
     def _refresh_reference(self, rollout_id: int) -> None:
         """--ref-update-interval N: the reference model becomes the actor after every N rollouts."""
-        interval = self.args.ref_update_interval
-        if interval and "ref" in self.snapshots and (rollout_id + 1) % interval == 0:
+        if self._reference_moves() and (rollout_id + 1) % self.args.ref_update_interval == 0:
             self.snapshots.take("ref")
 
     def _postprocess(self, rollout_id: int, data: dict, plans):
@@ -325,6 +357,7 @@ class MegatronTrainActor:
         """Push the weights to the engines. A sleeping trainer stays asleep: only its communicators wake,
         and the weights are read from the host copy (nothing is resident twice on a shared GPU).
         `engine_urls`: aim this and later pushes at these engines (engines were restarted)."""
+        maybe_kill_run("kill_during_weight_sync", self.rank, rollout_id)
         if engine_urls is not None:
             self.weight_sync.retarget(engine_urls)
         asleep = self.asleep
@@ -344,8 +377,9 @@ class MegatronTrainActor:
 
         with self.watchdog.phase("save"):  # progress: collectives and checkpoint bytes written
             optimizer = None if self.args.no_save_optim else self.optimizer
+            reference = (lambda: self.snapshots.swapped("ref")) if self._reference_moves() else None
             save_checkpoint(self.args.save, rollout_id, self.model, optimizer, self.lr_scheduler,
-                            progress=self.ledger.note_progress)
+                            progress=self.ledger.note_progress, reference=reference)
             if self.args.save_hf:
                 save_hf_checkpoint(self.args.save_hf.format(rollout_id=rollout_id), self.model, self.hf_config,
                                    self.args.hf_checkpoint)
@@ -415,6 +449,15 @@ class WeightSnapshots:
     def _load(self, values: dict[str, torch.Tensor]) -> None:
         for name, param in self._params:
             param.copy_(values[name].to(param.device))
+
+    def capture(self, tag: str, fill) -> None:
+        """Snapshot `tag` of the weights fill() loads into the model; the live weights come back after."""
+        self.take("_live")
+        try:
+            fill()
+            self.take(tag)
+        finally:
+            self._load(self._saved.pop("_live"))
 
     def swapped(self, tag: str):
         snapshots = self

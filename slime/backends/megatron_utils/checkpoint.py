@@ -5,10 +5,14 @@ Layout (megatron's): <dir>/iter_0000007/ (a torch_dist checkpoint) and
 (dist_checkpointing coordinates over the default group); resharding to another TP/PP/CP
 layout on load is dist_checkpointing's job.
 
-A save is atomic for --load: it is written under <iter dir>.partial, renamed into place once
-every rank has finished, and only then is the tracker replaced (write + rename). A save that fails
-anywhere leaves the previous checkpoint and tracker as they were; a leftover .partial directory
-is never read and is cleared by the next save of that iteration.
+What an iteration directory holds (model, optimizer, scheduler, every rank's RNG, the refreshed
+reference model) is listed in slime/checkpoint/contents.py; its manifest names the items it has.
+
+A save is atomic and durable for --load: it is written under <iter dir>.partial, fsynced file by
+file, swapped into place once every rank has finished (an older save of the same iteration is
+exchanged out in one step, never missing), and only then is the tracker replaced (write, fsync,
+rename, fsync). A save that fails anywhere leaves the previous checkpoint and tracker as they were;
+a leftover .partial directory is never read and is cleared by the next save of that iteration.
 """
 
 from __future__ import annotations
@@ -25,27 +29,25 @@ import torch
 import torch.distributed as dist
 
 import patches
+from slime.checkpoint import contents, durable, rng
+from slime.distributed.fault_inject import maybe_kill_run
 from slime_plugins.models.hf_weights import export_hf_weights, load_hf_weights
 
 __all__ = ["save_checkpoint", "load_checkpoint", "load_model_weights", "latest_iteration", "load_hf_weights",
-           "export_hf_weights", "save_hf_checkpoint"]
+           "export_hf_weights", "save_hf_checkpoint", "load_reference", "restore_rng", "holds"]
 
 logger = logging.getLogger(__name__)
 
-_TRACKER = "latest_checkpointed_iteration.txt"
-_CONTENTS = "slime_contents.json"  # what an iteration directory holds (a --no-save-optim one has no optimizer)
+_TRACKER = contents.TRACKER
 # HF files copied next to --save-hf weights so the directory loads with transformers / SGLang
 _HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                   "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja", "added_tokens.json")
-_PARTIAL = ".partial"
+_PARTIAL = durable.PARTIAL
 _GROWTH_POLL_S = 1.0
 # Distributed-optimizer state format: Megatron-LM's default. The model itself reloads under any
 # layout; optimizer state needs the same TP/PP (DP may change).
 _SHARDING_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
-
-
-def _iteration_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
+_iteration_dir = contents.iteration_dir
 
 
 def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
@@ -78,14 +80,18 @@ def _full_sharded_state_dict(model_chunks, optimizer, lr_scheduler, is_loading: 
 
 
 def save_checkpoint(root: str, iteration: int, model_chunks: list, optimizer=None, lr_scheduler=None, *,
-                    progress: Callable[[], None] | None = None) -> str:
-    """Save model (+ optimizer, scheduler) as iteration `iteration` under root, atomically. All ranks call.
+                    progress: Callable[[], None] | None = None,
+                    reference: Callable[[], contextlib.AbstractContextManager] | None = None) -> str:
+    """Save model (+ optimizer, scheduler), every rank's RNG and (`reference`) the reference model as
+    iteration `iteration` under root, atomically and durably. All ranks call.
 
     `progress()` is called whenever the bytes written grow (the save's progress for the deadlines).
+    `reference()`: a context in which the model holds the reference weights (saved under reference/).
     """
     patches.apply_all()  # dist_checkpointing modules imported since start get the CPU patch too
     from megatron.core import dist_checkpointing
 
+    plan = contents.TrainerSave(optimizer=optimizer is not None, reference=reference is not None)
     path = _iteration_dir(root, iteration)
     partial = path + _PARTIAL
     if dist.get_rank() == 0:
@@ -96,33 +102,32 @@ def save_checkpoint(root: str, iteration: int, model_chunks: list, optimizer=Non
     state["iteration"] = iteration
     with _progress_while_growing(partial, progress):
         dist_checkpointing.save(state, partial)
+        if reference is not None:  # every rank passes one or none (--ref-update-interval)
+            _save_reference(partial, model_chunks, reference)
+    durable.write_atomic(contents.rng_file(partial, dist.get_rank()), lambda f: torch.save(rng.capture(), f))
+    maybe_kill_run("kill_during_save", dist.get_rank(), iteration)
     dist.barrier()  # every rank's shards are complete
     if dist.get_rank() == 0:
-        with open(os.path.join(partial, _CONTENTS), "w") as f:
-            json.dump({"optimizer": optimizer is not None}, f)
-        _publish(partial, path)
+        contents.write_manifest(partial, plan.items())
+        durable.publish_dir(partial, path)  # fsyncs every shard first
         _write_tracker(root, iteration)
     dist.barrier()
     return path
 
 
-def _publish(partial: str, path: str) -> None:
-    """Rename the finished save into place; an older save of the same iteration goes only after."""
-    old = path + ".old"
-    if os.path.exists(path):
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(path, old)
-    os.replace(partial, path)
-    shutil.rmtree(old, ignore_errors=True)
+def _save_reference(partial: str, model_chunks: list, reference) -> None:
+    from megatron.core import dist_checkpointing
+
+    dist.barrier()  # the model's save is done: its directory may now hold the reference's
+    if dist.get_rank() == 0:
+        os.makedirs(contents.reference_dir(partial))
+    dist.barrier()
+    with reference():
+        dist_checkpointing.save(_model_sharded_state_dict(model_chunks), contents.reference_dir(partial))
 
 
 def _write_tracker(root: str, iteration: int) -> None:
-    tracker = os.path.join(root, _TRACKER)
-    with open(tracker + _PARTIAL, "w") as f:
-        f.write(str(iteration))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tracker + _PARTIAL, tracker)
+    durable.write_text_atomic(os.path.join(root, _TRACKER), str(iteration))
 
 
 @contextlib.contextmanager
@@ -185,18 +190,14 @@ def load_checkpoint(root: str, model_chunks: list, optimizer=None, lr_scheduler=
         raise FileNotFoundError(f"{root}: the tracker names iteration {iteration}, but {_iteration_dir(root, iteration)} "
                                 "does not exist; point --load at a complete checkpoint directory")
     stale_optimizer = None
-    if optimizer is not None and not _has_optimizer(_iteration_dir(root, iteration)):
+    if optimizer is not None and contents.OPTIMIZER not in holds(root, iteration):
         logger.warning("%s holds no optimizer state (saved with --no-save-optim): starting a fresh optimizer",
                        _iteration_dir(root, iteration))
         stale_optimizer, optimizer = optimizer, None
     state = _full_sharded_state_dict(model_chunks, optimizer, lr_scheduler, is_loading=True)
     state["iteration"] = iteration
     loaded = dist_checkpointing.load(state, _iteration_dir(root, iteration))
-    if len(model_chunks) == 1:
-        _unwrap(model_chunks[0]).load_state_dict(loaded["model"])
-    else:
-        for i, chunk in enumerate(model_chunks):
-            _unwrap(chunk).load_state_dict(loaded[f"model{i}"])
+    _load_model_state(model_chunks, loaded)
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
     if stale_optimizer is not None:
@@ -205,6 +206,14 @@ def load_checkpoint(root: str, model_chunks: list, optimizer=None, lr_scheduler=
         lr_scheduler.num_steps = 0  # its load_state_dict ADDS the saved step count
         lr_scheduler.load_state_dict(loaded["opt_param_scheduler"])
     return int(loaded.get("iteration", iteration))
+
+
+def _load_model_state(model_chunks: list, loaded: dict[str, Any]) -> None:
+    if len(model_chunks) == 1:
+        _unwrap(model_chunks[0]).load_state_dict(loaded["model"])
+    else:
+        for i, chunk in enumerate(model_chunks):
+            _unwrap(chunk).load_state_dict(loaded[f"model{i}"])
 
 
 def load_model_weights(path: str, model_chunks: list, optimizer, hf_config: Any,
@@ -224,12 +233,30 @@ def load_model_weights(path: str, model_chunks: list, optimizer, hf_config: Any,
     optimizer.reload_model_params()
 
 
-def _has_optimizer(path: str) -> bool:
-    contents = os.path.join(path, _CONTENTS)
-    if not os.path.exists(contents):
-        return True  # older checkpoints always held it
-    with open(contents) as f:
-        return bool(json.load(f).get("optimizer", True))
+def holds(root: str, iteration: int) -> frozenset[str]:
+    """The items (slime/checkpoint/contents.py) the iteration directory holds."""
+    return contents.read_manifest(_iteration_dir(root, iteration))
+
+
+@torch.no_grad()
+def load_reference(root: str, iteration: int, model_chunks: list) -> None:
+    """The reference model saved with the iteration, loaded into model_chunks in place. All ranks call."""
+    patches.apply_all()
+    from megatron.core import dist_checkpointing
+
+    loaded = dist_checkpointing.load(_model_sharded_state_dict(model_chunks),
+                                     contents.reference_dir(_iteration_dir(root, iteration)))
+    _load_model_state(model_chunks, loaded)
+
+
+def restore_rng(root: str, iteration: int, rank: int) -> bool:
+    """This rank's RNG as it was when the iteration was saved; False when the checkpoint has none for it
+    (saved before RNG was saved, or by a world of another size)."""
+    path = contents.rng_file(_iteration_dir(root, iteration), rank)
+    if contents.RNG not in holds(root, iteration) or not os.path.exists(path):
+        return False
+    rng.restore(torch.load(path, weights_only=True))
+    return True
 
 
 @torch.no_grad()

@@ -77,7 +77,9 @@ def init_model_parallel(args: Namespace) -> None:
 def seed_model_parallel(args: Namespace) -> None:
     """megatron's convention: data-parallel state = args.seed, TP state = args.seed + 2718 + tp_rank.
 
-    CPU runs use the CPU generator (patches/megatron_core.py maps the CUDA RNG onto it).
+    CPU runs use the CPU generator (patches/megatron_core.py maps the CUDA RNG onto it). This is the
+    state of a fresh start; a resume then restores every RNG as the checkpoint saved it
+    (MegatronTrainActor._resume_rng, slime/checkpoint/rng.py).
     """
     from megatron.core import tensor_parallel
 

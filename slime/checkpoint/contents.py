@@ -1,0 +1,88 @@
+"""The list of what a checkpoint of iteration N holds, who writes it and where. Save and load both
+read it, so nothing is saved that load ignores, and nothing load needs goes unsaved.
+
+  item            writer            file (under --save / --load)
+  model           every rank        iter_N/                    torch_dist shards (megatron's layout)
+  optimizer       every rank        iter_N/                    unless --no-save-optim
+  scheduler       every rank        iter_N/                    common state
+  rng             every rank        iter_N/rng/rank_R.pt       torch CPU + CUDA, Python, numpy, megatron tracker
+  reference       every rank        iter_N/reference/          torch_dist; only when --ref-update-interval
+                                                               moves the reference away from --ref-load
+  iteration       rank 0            latest_checkpointed_iteration.txt (and iter_N/slime_contents.json)
+  data            rollout manager   rollout/global_dataset_state_dict_N.pt: prompt position, epoch and
+                                    its shuffle order, the partial-rollout buffer, the rollout side's RNG
+  metrics step    (derived)         N + 1: the driver logs every event under its rollout id
+
+The data file is written after every rollout under --save (the rollout manager's copy of the position
+that rollout left); --load reads the one of the iteration the tracker names. Sampling itself needs no
+saved state: each sample's seed is derived from --seed, the rollout id and the sample index
+(slime/rollout/sampling_seed.py).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from slime.checkpoint.durable import write_text_atomic
+
+TRACKER = "latest_checkpointed_iteration.txt"
+MANIFEST = "slime_contents.json"
+RNG_DIR = "rng"
+REFERENCE_DIR = "reference"
+DATA_DIR = "rollout"
+
+MODEL, OPTIMIZER, SCHEDULER, RNG, REFERENCE = "model", "optimizer", "scheduler", "rng", "reference"
+TRAINER_ITEMS = (MODEL, OPTIMIZER, SCHEDULER, RNG, REFERENCE)
+# What the data file holds (RolloutDataSource.state_dict): every key is needed for an exact resume.
+DATA_ITEMS = ("position", "epoch_order", "buffer", "rng")
+# A checkpoint written before the manifest listed its items held these (optimizer unless it said not).
+_LEGACY_ITEMS = (MODEL, OPTIMIZER, SCHEDULER)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerSave:
+    """Which trainer items one save writes."""
+
+    optimizer: bool
+    """False under --no-save-optim."""
+    reference: bool
+    """True when the reference model is refreshed (--ref-update-interval), so --ref-load no longer holds it."""
+
+    def items(self) -> tuple[str, ...]:
+        return tuple(name for name in TRAINER_ITEMS
+                     if (name != OPTIMIZER or self.optimizer) and (name != REFERENCE or self.reference))
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def rng_file(iteration_path: str, rank: int) -> str:
+    return os.path.join(iteration_path, RNG_DIR, f"rank_{rank:05d}.pt")
+
+
+def reference_dir(iteration_path: str) -> str:
+    return os.path.join(iteration_path, REFERENCE_DIR)
+
+
+def data_file(root: str, rollout_id: int) -> str:
+    """upstream's name, so its tools find it"""
+    return os.path.join(root, DATA_DIR, f"global_dataset_state_dict_{rollout_id}.pt")
+
+
+def write_manifest(iteration_path: str, items: tuple[str, ...]) -> None:
+    text = json.dumps({"items": list(items), "optimizer": OPTIMIZER in items})
+    write_text_atomic(os.path.join(iteration_path, MANIFEST), text)
+
+
+def read_manifest(iteration_path: str) -> frozenset[str]:
+    """The items an iteration directory holds (older saves: model, scheduler, optimizer unless marked)."""
+    path = os.path.join(iteration_path, MANIFEST)
+    if not os.path.exists(path):
+        return frozenset(_LEGACY_ITEMS)
+    with open(path) as handle:
+        manifest = json.load(handle)
+    if "items" in manifest:
+        return frozenset(manifest["items"])
+    return frozenset(name for name in _LEGACY_ITEMS if name != OPTIMIZER or manifest.get("optimizer", True))

@@ -1,0 +1,134 @@
+"""What a checkpoint holds and how it reaches the disk: the manifest, RNG states, the refreshed reference
+model, fsynced writes, and a re-save that never leaves the iteration missing (2 gloo ranks for the
+megatron round trip)."""
+from __future__ import annotations
+
+import json
+import os
+import types
+
+import pytest
+import torch
+
+from mp_utils import run_ranks
+from tiny_models import save_tiny_qwen3
+from train_step_harness import build_loaded_model
+
+from slime.checkpoint import contents, durable, rng
+
+
+def test_trainer_save_lists_only_what_it_writes():
+    assert contents.TrainerSave(optimizer=True, reference=False).items() == ("model", "optimizer", "scheduler", "rng")
+    assert contents.TrainerSave(optimizer=False, reference=True).items() == ("model", "scheduler", "rng", "reference")
+
+
+def test_manifest_of_older_checkpoints_is_read_as_what_they_held(tmp_path):
+    assert contents.read_manifest(str(tmp_path)) == {"model", "optimizer", "scheduler"}
+    (tmp_path / contents.MANIFEST).write_text(json.dumps({"optimizer": False}))  # a --no-save-optim save
+    assert contents.read_manifest(str(tmp_path)) == {"model", "scheduler"}
+    contents.write_manifest(str(tmp_path), ("model", "rng"))
+    assert contents.read_manifest(str(tmp_path)) == {"model", "rng"}
+
+
+def test_rng_capture_restores_every_generator():
+    import random
+
+    import numpy
+
+    state = rng.capture(tracker=False)
+    expected = (float(torch.rand(1)), random.random(), float(numpy.random.rand()))
+    torch.manual_seed(99), random.seed(99), numpy.random.seed(99)
+    rng.restore(state)
+    assert (float(torch.rand(1)), random.random(), float(numpy.random.rand())) == expected
+
+
+def test_resave_swaps_the_iteration_in_without_a_gap(tmp_path, monkeypatch):
+    """The older save is exchanged out atomically: at every later step the iteration holds a whole save."""
+    path, partial = tmp_path / "iter_0000003", tmp_path / "iter_0000003.partial"
+    for directory, text in ((path, "old"), (partial, "new")):
+        directory.mkdir()
+        (directory / "shard").write_text(text)
+    seen, fsynced = [], []
+    real_rmtree, real_fsync = durable.shutil.rmtree, durable.fsync_path
+    monkeypatch.setattr(durable.shutil, "rmtree", lambda p: seen.append((path / "shard").read_text()) or real_rmtree(p))
+    monkeypatch.setattr(durable, "fsync_path", lambda p: fsynced.append(os.path.basename(p)) or real_fsync(p))
+    durable.publish_dir(str(partial), str(path))
+    assert seen == ["new"] and (path / "shard").read_text() == "new" and not partial.exists()
+    assert "shard" in fsynced and fsynced.count(tmp_path.name) >= 2  # the shard, and the parent after each rename
+
+
+def test_atomic_write_replaces_whole_files_only(tmp_path):
+    target = tmp_path / "sub" / "state.pt"
+    durable.write_text_atomic(str(target), "one")
+
+    def fails(handle):
+        handle.write(b"half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        durable.write_atomic(str(target), fails)
+    assert target.read_text() == "one"
+
+
+def _args(**overrides) -> types.SimpleNamespace:
+    fields = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
+                  sequence_parallel=False, seed=1234, lr=1e-2, clip_grad=1e9, weight_decay=0.0, fence_timeout=120,
+                  use_distributed_optimizer=True)
+    fields.update(overrides)
+    return types.SimpleNamespace(**fields)
+
+
+def _round_trip(rank, world, hf_dir, ckpt):
+    import random
+
+    import numpy
+
+    from slime.backends.megatron_utils.actor import WeightSnapshots
+    from slime.backends.megatron_utils.checkpoint import (holds, load_checkpoint, load_reference, restore_rng,
+                                                          save_checkpoint)
+
+    model, optimizer, scheduler = build_loaded_model(_args(), hf_dir)
+    model[0].zero_grad_buffer()  # one optimizer step on the same gradient everywhere: state worth saving
+    for p in model[0].parameters():
+        p.main_grad.fill_(1e-3)
+    optimizer.step()
+    scheduler.step(1)
+    snapshots = WeightSnapshots(model)
+    snapshots.take("ref")
+    with torch.no_grad():  # the actor moved away from its reference
+        for p in model[0].parameters():
+            p.mul_(1.5)
+    saved = {n: p.detach().clone() for n, p in model[0].named_parameters()}
+    reference = {n: t.clone() for n, t in snapshots._saved["ref"].items()}
+    torch.manual_seed(17 + rank), random.seed(17 + rank), numpy.random.seed(17 + rank)
+    save_checkpoint(ckpt, 3, model, optimizer, scheduler, reference=lambda: snapshots.swapped("ref"))
+    state = rng.capture()
+    save_checkpoint(ckpt, 3, model, optimizer, scheduler, reference=lambda: snapshots.swapped("ref"))  # a re-save
+    rng.restore(state)
+    expected = (float(torch.rand(1)), random.random(), float(numpy.random.rand()))
+    with torch.no_grad():
+        for p in model[0].parameters():
+            p.add_(1.0)
+    snapshots.take("ref")  # as --ref-load would have set it
+    torch.manual_seed(0), random.seed(0), numpy.random.seed(0)
+    iteration = load_checkpoint(ckpt, model, optimizer, scheduler)
+    restored_rng = restore_rng(ckpt, iteration, rank)
+    drawn = (float(torch.rand(1)), random.random(), float(numpy.random.rand()))
+    snapshots.capture("ref", lambda: load_reference(ckpt, iteration, model))
+    return {
+        "iteration": iteration,
+        "items": sorted(holds(ckpt, iteration)),
+        "model": all(torch.equal(saved[n], p) for n, p in model[0].named_parameters()),
+        "reference": all(torch.equal(reference[n], t) for n, t in snapshots._saved["ref"].items()),
+        "rng": restored_rng and drawn == expected,
+        "leftovers": sorted(n for n in os.listdir(ckpt) if n.endswith(".partial")),
+    }
+
+
+@pytest.mark.timeout(200)
+def test_checkpoint_round_trip_restores_model_reference_and_every_ranks_rng(tmp_path):
+    hf_dir = save_tiny_qwen3(str(tmp_path / "tiny_qwen3"))
+    results = run_ranks(_round_trip, 2, args=(hf_dir, str(tmp_path / "ckpt")), timeout_s=190)
+    for result in results:
+        assert result == {"iteration": 3, "items": ["model", "optimizer", "reference", "rng", "scheduler"],
+                          "model": True, "reference": True, "rng": True, "leftovers": []}, result
