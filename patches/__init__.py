@@ -1,7 +1,7 @@
 """Runtime patches of third-party libraries, one module per library.
 
 `apply_all()` is the single entry point. The THD RoPE patch (no host-device sync per layer)
-applies on every machine; the rest only where a library cannot run as designed (no CUDA), so
+and the MoE router's missing TE name apply on every machine; the rest only where a library cannot run as designed (no CUDA), so
 cluster runs execute upstream code apart from that one function.
 """
 
@@ -13,5 +13,6 @@ def apply_all() -> None:
     from patches import megatron_core
 
     megatron_core.apply_thd_rope()
+    megatron_core.define_missing_te_gemm()
     if not torch.cuda.is_available():
         megatron_core.apply()

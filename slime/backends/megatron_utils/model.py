@@ -31,6 +31,7 @@ from megatron.core.transformer.transformer_block import (  # noqa: E402
 )
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
+from slime.backends.megatron_utils import moe  # noqa: E402
 from slime_plugins.models.cp_attention import ContextParallelAttention  # noqa: E402
 from slime_plugins.models.sp_norm import SequenceParallelNorm  # noqa: E402
 
@@ -140,8 +141,10 @@ def transformer_config_from_hf(hf_config: Any, args: Namespace) -> TransformerCo
     _check_embedding_tying(hf_config, args)
     bf16 = bool(getattr(args, "bf16", False))
     params_dtype = torch.bfloat16 if bf16 else torch.float32
+    moe_fields = moe.moe_config_fields(hf_config, args)
     return TransformerConfig(
         **arch,
+        **moe_fields,
         normalization="RMSNorm",
         gated_linear_unit=True,
         activation_func=F.silu,
@@ -167,8 +170,9 @@ def transformer_config_from_hf(hf_config: Any, args: Namespace) -> TransformerCo
         persist_layer_norm=False,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
-        variable_seq_lengths=True,  # dynamic batches: PP p2p shapes differ per micro-batch
-        moe_token_dispatcher_type="alltoall",  # "allgather" (default) refuses variable lengths
+        # dynamic batches: PP p2p shapes differ per micro-batch (megatron's allgather dispatcher refuses
+        # it; moe.py allows that dispatcher only where no rank pair exchanges shapes)
+        variable_seq_lengths=moe_fields.get("moe_token_dispatcher_type", "alltoall") == "alltoall",
         recompute_granularity=getattr(args, "recompute_granularity", None),
         recompute_method=getattr(args, "recompute_method", None),
         recompute_num_layers=getattr(args, "recompute_num_layers", None),
@@ -207,14 +211,20 @@ def _local_layer_spec(config: TransformerConfig) -> ModuleSpec:
 
 def _layer_spec(args: Namespace, config: TransformerConfig, vp_stage: int | None):
     if _use_transformer_engine(args):
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, \
+            get_gpt_layer_with_transformer_engine_spec
 
+        if config.num_moe_experts:
+            return get_gpt_decoder_block_spec(config, use_transformer_engine=True, vp_stage=vp_stage)
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
     # A block spec so the final norm is ours too (the default one refuses SP).
-    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(
-        layer_specs=[_local_layer_spec(config)] * num_layers, layer_norm=SequenceParallelNorm
-    )
+    dense = _local_layer_spec(config)
+    if config.num_moe_experts:
+        moe.warn_unavailable_kernels(args)
+        layer_specs = moe.moe_layer_specs(dense, moe.with_moe_mlp(dense, config), config, vp_stage)
+    else:
+        layer_specs = [dense] * get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=layer_specs, layer_norm=SequenceParallelNorm)
 
 
 def build_gpt_model(
