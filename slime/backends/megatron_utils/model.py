@@ -117,7 +117,7 @@ def _check_against_args(arch: dict[str, Any], args: Namespace) -> None:
         if not same:
             raise ValueError(f"--{dest.replace('_', '-')}={given} contradicts the HF config ({value})")
     model_name = getattr(args, "model_name", None)
-    if model_name and model_name.lower() != arch["model_type"]:
+    if model_name and model_name.lower().removesuffix("_moe") != arch["model_type"]:
         raise ValueError(f"--model-name {model_name} contradicts the HF config (model_type {arch['model_type']})")
 
 
@@ -141,7 +141,7 @@ def transformer_config_from_hf(hf_config: Any, args: Namespace) -> TransformerCo
     _check_embedding_tying(hf_config, args)
     bf16 = bool(getattr(args, "bf16", False))
     params_dtype = torch.bfloat16 if bf16 else torch.float32
-    moe_fields = moe.moe_config_fields(hf_config, args)
+    moe_fields = {"moe_token_dispatcher_type": "alltoall", **moe.moe_config_fields(hf_config, args)}
     return TransformerConfig(
         **arch,
         **moe_fields,
@@ -172,7 +172,7 @@ def transformer_config_from_hf(hf_config: Any, args: Namespace) -> TransformerCo
         gradient_accumulation_fusion=False,
         # dynamic batches: PP p2p shapes differ per micro-batch (megatron's allgather dispatcher refuses
         # it; moe.py allows that dispatcher only where no rank pair exchanges shapes)
-        variable_seq_lengths=moe_fields.get("moe_token_dispatcher_type", "alltoall") == "alltoall",
+        variable_seq_lengths=moe_fields["moe_token_dispatcher_type"] == "alltoall",
         recompute_granularity=getattr(args, "recompute_granularity", None),
         recompute_method=getattr(args, "recompute_method", None),
         recompute_num_layers=getattr(args, "recompute_num_layers", None),

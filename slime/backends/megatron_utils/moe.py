@@ -53,17 +53,18 @@ def check_moe_args(arch: MoEArchitecture, args: Namespace) -> None:
     for field, dest in _ARCH_TO_FLAG.items():
         given = getattr(args, dest, None)
         value = getattr(arch, field)
-        if dest == "moe_router_topk" and given == 2 and value != 2 and not _passed(args, dest):
-            continue  # the parser default, not the user's choice
         if given is not None and value is not None and given != value:
             raise MoEConfigError(
                 f"--{dest.replace('_', '-')} {given} does not match the HF checkpoint's config ({field}={value}); "
                 f"pass --{dest.replace('_', '-')} {value} or point --hf-checkpoint at a model with {given}")
     freq = getattr(args, "moe_layer_freq", None)
-    if freq is not None and _passed(args, "moe_layer_freq"):
+    if freq is not None:
         if _parse_layer_freq(freq, arch.num_layers) != list(arch.layer_pattern):
             raise MoEConfigError(f"--moe-layer-freq {freq} does not match the HF config's MoE layers "
                                  f"{list(arch.layer_pattern)}; drop the flag or pass that list")
+    if getattr(args, "moe_router_pre_softmax", False) and arch.norm_topk_prob:
+        raise MoEConfigError("--moe-router-pre-softmax keeps the top-k weights unnormalised, the HF config "
+                             "renormalises them (norm_topk_prob=true); drop the flag")
     ep = int(getattr(args, "expert_model_parallel_size", 1) or 1)
     if arch.num_experts % ep:
         raise MoEConfigError(f"--expert-model-parallel-size {ep} does not divide the checkpoint's "
@@ -72,16 +73,13 @@ def check_moe_args(arch: MoEArchitecture, args: Namespace) -> None:
         raise MoEConfigError(f"top-k {arch.topk} is above the expert count {arch.num_experts}")
 
 
-def _passed(args: Namespace, dest: str) -> bool:
-    """Whether the user passed the flag (the parser records explicit dests; tests pass plain namespaces)."""
-    explicit = getattr(args, "explicit_dests", None)
-    return True if explicit is None else dest in explicit
-
-
 def moe_config_fields(hf_config: Any, args: Namespace) -> dict[str, Any]:
     """TransformerConfig fields of an MoE HF config (empty for a dense one)."""
     arch = moe_architecture(hf_config)
     if arch is None:
+        if routing_replay_enabled(args):
+            raise MoEConfigError("--use-routing-replay / --use-rollout-routing-replay replay MoE routes, and the "
+                                 "HF checkpoint is dense; drop the flag or point --hf-checkpoint at an MoE model")
         if getattr(args, "num_experts", None):
             raise MoEConfigError(f"--num-experts {args.num_experts} is set but the HF checkpoint is dense "
                                  f"(model_type {getattr(hf_config, 'model_type', '?')}); drop --num-experts or "
