@@ -16,6 +16,7 @@ import torch
 
 from slime.backends.embedded_engine.sampling import SamplingParams, sample_next_tokens
 from slime.utils.device_memory import sample_device_memory
+from slime_plugins.models.qwen3_moe import fused_engine_target
 
 logger = logging.getLogger(__name__)
 
@@ -262,7 +263,8 @@ class EmbeddedEngine:
         if "weights" in self._released:
             raise EngineReleasedError("weights are released; call /resume_memory_occupation before updating them")
         state = self.model.state_dict()
-        problems = [_check_tensor(name, tensor, state) for name, tensor in named_tensors]
+        targets = {name: checkpoint_target(name, state, self.model.config) for name, _ in named_tensors}
+        problems = [_check_tensor(name, tensor, targets[name]) for name, tensor in named_tensors]
         problems = [p for p in problems if p]
         if problems:
             raise ValueError("weight update rejected: " + "; ".join(problems[:5]))
@@ -272,7 +274,7 @@ class EmbeddedEngine:
             if adopt and param is not None and tensor.dtype == param.dtype and tensor.device == param.device:
                 param.data = tensor
             else:
-                state[name].copy_(tensor.to(state[name].dtype))
+                targets[name].copy_(tensor.to(targets[name].dtype))
         if weight_version is not None:
             self.weight_version = str(weight_version)
         return len(named_tensors)
@@ -288,7 +290,10 @@ class EmbeddedEngine:
     def get_weight(self, name: str) -> torch.Tensor:
         if "weights" in self._released:
             raise EngineReleasedError("weights are released")
-        return self.model.state_dict()[name].detach().clone()
+        target = checkpoint_target(name, self.model.state_dict(), self.model.config)
+        if target is None:
+            raise KeyError(f"unknown parameter {name!r}")
+        return target.detach().clone()
 
     # ----- colocate sleep/wake -----------------------------------------------------------
     def release(self, tags: list[str] | None) -> None:
@@ -369,11 +374,25 @@ def _check_tags(tags: list[str] | None) -> list[str]:
     return tags
 
 
-def _check_tensor(name: str, tensor: torch.Tensor, state: dict[str, torch.Tensor]) -> str | None:
-    if name not in state:
+def checkpoint_target(name: str, state: dict[str, torch.Tensor], config: Any) -> torch.Tensor | None:
+    """The model tensor (or view of one) a checkpoint-named tensor loads into; None if the model has none.
+
+    Pushes speak checkpoint names, as SGLang's loader does; transformers keeps MoE experts fused in memory
+    (slime_plugins/models/qwen3_moe.py says where each expert's rows live)."""
+    if name in state:
+        return state[name]
+    fused = fused_engine_target(name, set(state), getattr(config, "moe_intermediate_size", 0) or 0)
+    if fused is None or fused[0] not in state or fused[1] >= state[fused[0]].shape[0]:
+        return None
+    target, expert, rows = fused
+    return state[target][expert, rows]
+
+
+def _check_tensor(name: str, tensor: torch.Tensor, target: torch.Tensor | None) -> str | None:
+    if target is None:
         return f"unknown parameter {name!r}"
-    if tuple(tensor.shape) != tuple(state[name].shape):
-        return f"{name}: shape {tuple(tensor.shape)} != {tuple(state[name].shape)}"
+    if tuple(tensor.shape) != tuple(target.shape):
+        return f"{name}: shape {tuple(tensor.shape)} != {tuple(target.shape)}"
     return None
 
 

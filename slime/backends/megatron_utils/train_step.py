@@ -44,6 +44,7 @@ from slime.backends.megatron_utils.data import (
     unpack_response_values,
 )
 from slime.backends.megatron_utils.loss import LossConfig, metric_keys, micro_batch_loss, target_log_probs
+from slime.backends.megatron_utils.moe import aux_loss_scale
 from slime_plugins.models.cp_attention import packed_seq_params
 
 PhaseHook = Callable[[str], ContextManager]
@@ -157,7 +158,9 @@ def run_forward_backward(model_chunks: Sequence[Any], packed: list[PackedMicroBa
             return loss * scale, batch.loss_mask.sum().int(), metrics
         return loss * scale, metrics
 
-    _run_schedule(model_chunks, packed, loss_func, forward_only=False, progress=progress)
+    dp = parallel_state.get_data_parallel_world_size()
+    with aux_loss_scale(config, plan.num_micro_batches, dp):
+        _run_schedule(model_chunks, packed, loss_func, forward_only=False, progress=progress)
     return sums
 
 
