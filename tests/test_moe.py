@@ -89,25 +89,25 @@ MOE_LAYOUTS = {
 }
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", sorted(MOE_LAYOUTS))
 def test_moe_layout_matches_single_process(name, moe_hf_dir, moe_rollout):
     """8 ranks, the alltoall dispatcher with uneven per-rank token counts: the single process's numbers."""
     reference = _single_process(moe_hf_dir, moe_rollout, 0.0)
     layout = dict(MOE_LAYOUTS[name], calculate_per_token_loss=True)
-    results = run_ranks(layout_child, 8, args=(layout, moe_hf_dir, moe_rollout, MODES), timeout_s=260)
+    results = run_ranks(layout_child, 8, args=(layout, moe_hf_dir, moe_rollout, MODES), timeout_s=500)
     assert_matches_reference(results, reference, moe_rollout)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_ep1_and_ep4_agree_with_the_aux_loss(moe_hf_dir, moe_rollout):
     """Same DP, same plan: EP only moves experts, so loss and grad norm (aux-loss gradients included) agree."""
-    runs = {}
+    runs, modes = {}, ("per_token",)
     for ep in (1, 4):
         layout = dict(expert_model_parallel_size=ep, calculate_per_token_loss=True, moe_aux_loss_coeff=0.01)
-        runs[ep] = run_ranks(layout_child, 4, args=(layout, moe_hf_dir, moe_rollout, MODES), timeout_s=200)
+        runs[ep] = run_ranks(layout_child, 4, args=(layout, moe_hf_dir, moe_rollout, modes), timeout_s=280)
     without_aux = _single_process(moe_hf_dir, moe_rollout, 0.0)
-    for mode in MODES:
+    for mode in modes:
         ep1, ep4 = runs[1][0]["steps"][mode], runs[4][0]["steps"][mode]
         assert ep4["loss"] == pytest.approx(ep1["loss"], abs=TOL)
         assert ep4["grad_norm"] == pytest.approx(ep1["grad_norm"], rel=TOL, abs=TOL)
@@ -198,3 +198,25 @@ def test_engine_takes_checkpoint_named_experts(tmp_path):
         assert torch.equal(engine.get_weight(name), tensor)
     with pytest.raises(ValueError, match="unknown parameter"):
         engine.update_weights([("model.layers.0.mlp.experts.9.up_proj.weight", changed[0][1])], "v3")
+
+
+# ------------------------------------------------------------------ the fence's view of the all-to-alls
+
+
+def _a2a(rank: int, sent: tuple, received: tuple, seq: int = 1):
+    from slime.distributed.order_proof import SequenceOp
+
+    return SequenceOp(seq=seq, position=seq, phase="actor_train/forward_backward", op="all_to_all_single",
+                      group="ep", ranks=(0, 1), shape=(-1, 64), dtype="float32",
+                      peer=("splits", sent, received))
+
+
+def test_order_proof_pairs_all_to_all_token_counts():
+    """Uneven per-rank counts are the norm (same row shape on both ranks); counts that do not pair are named."""
+    from slime.distributed.order_proof import RankSequence, check_order
+
+    good = {0: RankSequence(0, (_a2a(0, (3, 5), (3, 2)),), ()), 1: RankSequence(1, (_a2a(1, (2, 7), (5, 7)),), ())}
+    assert check_order(good).ok
+    bad = {0: good[0], 1: RankSequence(1, (_a2a(1, (2, 7), (4, 7)),), ())}
+    report = check_order(bad)
+    assert not report.ok and "rank 0 sends 5 rows to rank 1, which expects 4" in report.format()
