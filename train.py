@@ -17,12 +17,12 @@ from __future__ import annotations
 import logging
 import sys
 
-from slime.ray.actor_group import RayTrainGroup, resolve_ledger_dir
+from slime.ray.actor_group import RayTrainGroup, remove_temp_ledger_dir, resolve_ledger_dir
 from slime.ray.deadline import RankWaitError
 from slime.ray.rollout_errors import RolloutError
 from slime.ray.placement import create_placement, init_ray, placement_record
 from slime.ray.rollout_manager import create_rollout_manager
-from slime.utils.arguments import parse_args
+from slime.utils.arguments import ArgumentValidationError, check_launch_inputs, parse_args
 from slime.utils.metrics_logger import MetricsLogger
 
 logger = logging.getLogger("slime.train")
@@ -139,6 +139,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = parse_args(argv)
     try:
+        check_launch_inputs(args)
+    except ArgumentValidationError as exc:
+        print(f"train.py: error: {exc}", file=sys.stderr)
+        return 2
+    try:
         train(args)
     except (RankWaitError, TimeoutError, RolloutError) as exc:
         # The rank's traceback and one table of every rank, then the one line that matters.
@@ -146,6 +151,11 @@ def main(argv: list[str] | None = None) -> int:
             logger.error("\n%s", exc.details)
         logger.error("training stopped: %s (ledger dir %s)", exc, args.ledger_dir)
         return 1
+    except Exception as exc:  # anything else: its traceback, then the same one line
+        logger.exception("unexpected error")
+        logger.error("training stopped: %s: %s (ledger dir %s)", type(exc).__name__, exc, args.ledger_dir)
+        return 1
+    remove_temp_ledger_dir(args)
     return 0
 
 

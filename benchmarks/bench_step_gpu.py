@@ -1,4 +1,4 @@
-"""The fenced training step on GPUs without TransformerEngine, old path vs new path in one run (issue 19).
+"""The fenced training step on GPUs without TransformerEngine, old path vs new path in one run.
 
     python benchmarks/bench_step_gpu.py attention [--device cuda] [--tokens 16384 32768] [--shapes 16:8:128 32:8:128]
     torchrun --nproc-per-node N benchmarks/bench_step_gpu.py step --model qwen3-0.6b [--cycles 3] \\
@@ -10,7 +10,7 @@ Paths, switched in place between cycles of one process (same model, data and all
   new  the mask-free kernels (kernel "causal": SDPA causal / lower-right per sequence or zig-zag
        chunk with native GQA, flash-attn varlen when importable) and the sync-free THD RoPE
 (The old path reads the lengths from the host like the new one: the attention's own per-layer
-`.tolist()` of the code before issue 19, a third sync right after RoPE's two, is not replayed.)
+`.tolist()` of the code before the sync-free RoPE, a third sync right after RoPE's two, is not replayed.)
 
 `attention`: fwd+bwd of one sequence per shape and length, old vs new, at CP1 and as one CP2 rank
 (its two zig-zag chunks against the gathered keys, without the all-gather); time, TFLOP/s (causal

@@ -24,7 +24,7 @@ if ROOT not in sys.path:
 from slime.backends.sglang_utils.http_client import ClientTimeouts, SGLangHTTPClient  # noqa: E402
 from slime.backends.sglang_utils.process import find_free_port, python_module_command, start_server_process  # noqa: E402
 
-TARGET_RATIO = 0.10  # asleep / awake, the colocate target of issue 15
+TARGET_RATIO = 0.10  # asleep / awake, the colocate memory target
 
 
 def parse() -> argparse.Namespace:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Downloads into .whl/ (git-ignored) the cp312 wheels the lent GPU machines lack, with Ray trimmed to
-# what placing actors needs (its full wheel is 79 MB; a device call carries at most 64 MiB).
+# Downloads into .whl/ (git-ignored) the cp312 wheels the GPU machines lack, with Ray trimmed to
+# what placing actors needs (its full wheel is 79 MB; a run there takes at most 64 MiB of files along).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .whl

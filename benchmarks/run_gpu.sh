@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call: the fenced step on NCCL. Usage: benchmarks/run_gpu.sh PHASE... (bench keep equal faults fence)
+# One run: the fenced step on NCCL. Usage: benchmarks/run_gpu.sh PHASE... (bench keep equal faults fence)
 #   bench   ~0.6B model, bf16, sleep/wake/train cycles per layout, process groups re-created every wake
 #   keep    same model, keep-communicators mode (the default): fenced/unfenced A/B cycles, weight-sync cost
 #   equal   tiny model, fp32, per layout; compare with the CPU run of the same flags (benchmarks/RESULTS.md)
@@ -11,7 +11,7 @@
 #      BENCH_FROM (first layout index), BENCH_COUNT (layouts from there), BENCH_TIMEOUT (s per layout),
 #      FAULT_TIMEOUT (--fence-timeout of the fault runs), FAULT_KINDS,
 #      PROFILE (1: keep/bench runs under py-spy from .whl, split by variant with benchmarks/profile_split.py).
-# Logs (and the fault runs' ledger files) end up in $OUT/logs.tgz ($OUT: device tool, else outputs/gpu).
+# Logs (and the fault runs' ledger files) end up in $OUT/logs.tgz ($OUT when set, else outputs/gpu).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-outputs/gpu}

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One device call (<= 9 minutes) for issue 19: attention and fenced-step figures, old vs new path, one run each.
-#   bash benchmarks/run_step_bench_gpu.sh            (device tool: carry .whl; results under $OUT)
+# One run (<= 9 minutes): attention and fenced-step figures, old vs new path, one run each.
+#   bash benchmarks/run_step_bench_gpu.sh            (with .whl/ beside it; results under $OUT)
 # Phases, each under its own deadline inside BUDGET_S (default 530 s):
 #   attention   benchmarks/bench_step_gpu.py attention: CP1 and a CP2 rank, 16k and 32k tokens, 0.6B and 4B heads
 #   step06      qwen3-0.6b step, old vs new, with a sync audit and one profiled cycle
@@ -26,7 +26,7 @@ left() { echo $((BUDGET_S - (SECONDS - START))); }
 
 # megatron-core travels as a wheel (the device image lacks it); installing it must not be skipped silently
 if ! "$PY" -c "import megatron.core" 2>/dev/null; then
-  ls .whl/megatron_core-*.whl >/dev/null 2>&1 || fatal "megatron-core is not importable and .whl/ holds no megatron_core wheel (carry .whl)"
+  ls .whl/megatron_core-*.whl >/dev/null 2>&1 || fatal "megatron-core is not importable and .whl/ holds no megatron_core wheel (benchmarks/fetch_gpu_wheels.sh makes it)"
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl/megatron_core-*.whl || fatal "pip could not install .whl/megatron_core-*.whl"
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-}

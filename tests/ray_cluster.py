@@ -22,8 +22,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from patches.ray import ENV_SWITCH
+
 STARTUP_TIMEOUT_S = 180.0
-NODE_DEFAULTS = {"object_store_memory": 100 * 1024**2}
+# Every node on loopback unless a test names another loopback address (127.0.0.2): no traffic leaves the machine.
+NODE_DEFAULTS = {"object_store_memory": 100 * 1024**2, "node_ip_address": "127.0.0.1"}
 
 
 def second_loopback_address() -> str | None:
@@ -46,12 +49,12 @@ class RayTestCluster:
     @property
     def env(self) -> dict[str, str]:
         """Env for a client that must find this cluster the way `ray start` users' drivers do."""
-        return {"RAY_TMPDIR": self.temp_dir}
+        return {"RAY_TMPDIR": self.temp_dir, ENV_SWITCH: "0"}
 
     def __enter__(self) -> "RayTestCluster":
         # Short on purpose: Ray's socket paths live under it and Unix sockets allow ~107 characters.
         self.temp_dir = tempfile.mkdtemp(prefix="rtc", dir="/tmp")
-        env = {**os.environ, "RAY_TMPDIR": self.temp_dir}
+        env = {**os.environ, **self.env}
         env.pop("RAY_ADDRESS", None)
         with open(self.log_path, "w") as log:  # a file, not a pipe nobody reads once the cluster is up
             self._process = subprocess.Popen([sys.executable, __file__, json.dumps(self.nodes)], env=env,
@@ -88,6 +91,7 @@ class RayTestCluster:
 
 
 def _serve(nodes: list[dict]) -> None:
+    os.environ[ENV_SWITCH] = "0"  # before Ray is imported: loopback addresses stay loopback (patches/ray.py)
     from ray.cluster_utils import Cluster
 
     head, *others = nodes

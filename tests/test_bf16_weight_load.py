@@ -2,7 +2,7 @@
 
 megatron's bf16 optimizer keeps fp32 main params, cloned from the model when it is built (before the HF
 weights are loaded) and copied back into the model after every step. Unless they are refreshed from the
-loaded weights, the first step replaces the HF weights by the random init (issue 15: on the H200 the KL
+loaded weights, the first step replaces the HF weights by the random init (seen on one H200: the KL
 to the reference reached ~5 nats within a few rollouts at lr 1e-5). One gloo rank, a tiny Qwen3.
 """
 from __future__ import annotations

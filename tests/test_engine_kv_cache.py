@@ -1,9 +1,9 @@
 """The embedded engine decodes with its KV cache under both spellings of transformers' cache argument.
 
-transformers renamed forward's `past_key_values` to `cache`; the lent GPUs' image has 5.17 (only
+transformers renamed forward's `past_key_values` to `cache`; the GPU machines' image has 5.17 (only
 `past_key_values`), this venv a later one (`cache`, the old name deprecated). A name the model does not
 take vanishes into its **kwargs: every decode step after the first then saw its new token alone, and
-the log-probs the engine reported were not the policy's (issue 15: a 0.54 trainer/engine log-prob diff
+the log-probs the engine reported were not the policy's (seen: a 0.54 trainer/engine log-prob diff
 on the H200 before any training step). The proof here: the log-probs of what the engine generates equal
 a full-sequence forward's, for the stock model and for one with the older signature.
 """

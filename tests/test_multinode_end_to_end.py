@@ -1,14 +1,12 @@
-"""`python train.py` on a Ray cluster of two nodes (issue 20): where ranks and engines land, and the push.
+"""`python train.py` on a Ray cluster of two nodes: where ranks and engines land, and the push.
 
 The cluster is Ray's own multi-node test cluster on this machine (tests/ray_cluster.py), the second
 node on its own loopback address (127.0.0.2) where the machine allows it. train.py is started the way
 a user starts it on the head after `ray start --head`: no RAY_ADDRESS, it finds the cluster by the
-address file `ray start` leaves. Two layouts, each the smallest that shows its point:
-
-  colocated  `--actor-num-nodes 2 --actor-num-gpus-per-node 1 --colocate`, one logical CPU per node:
-             each node holds one trainer rank and the engine on its bundle.
-  separate   2 trainer ranks and `--rollout-num-gpus 2`, two CPUs per node: the ranks fill one node,
-             the engines the other, so every weight push crosses nodes.
+address file `ray start` leaves. The layout is the smallest that shows the point: 2 trainer ranks and
+`--rollout-num-gpus 2`, two CPUs per node: the ranks fill one node, the engines the other, so every
+weight push crosses nodes. (`--colocate` across nodes is refused at parse time: colocated engines take
+their weights from a rank on their own host; tests/test_placement.py places that layout on fake GPUs.)
 
 An engine on the other node is reachable only at its node's address (it listens there), for
 generation and for the weight push, whose version check covers every engine.
@@ -23,7 +21,6 @@ from ray_cluster import RayTestCluster, second_loopback_address
 from test_end_to_end import read_events, run_train
 
 LAYOUTS = {
-    "colocated": (1, ["--actor-num-nodes", "2", "--actor-num-gpus-per-node", "1", "--colocate"]),
     "separate": (2, ["--actor-num-nodes", "1", "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2"]),
 }
 
@@ -84,10 +81,8 @@ def test_ranks_and_engines_landed_where_the_layout_puts_them(two_node_run):
     ranks, engines = placement["placement/ranks"], placement["placement/engines"]
     rank_nodes, engine_nodes = [r["node_id"] for r in ranks], [e["node_id"] for e in engines]
     assert placement["placement/nodes"] == 2
-    if two_node_run["layout"] == "colocated":  # a rank and its engine on each node
-        assert len(set(rank_nodes)) == 2 and engine_nodes == rank_nodes
-    else:  # the ranks on one node, the engines on the other: every push crosses nodes
-        assert len(set(rank_nodes)) == 1 and len(set(engine_nodes)) == 1 and set(rank_nodes) != set(engine_nodes)
+    # the ranks on one node, the engines on the other: every push crosses nodes
+    assert len(set(rank_nodes)) == 1 and len(set(engine_nodes)) == 1 and set(rank_nodes) != set(engine_nodes)
     for engine in engines:  # each engine listens on, and is reached at, its own node's address
         assert engine["bind_host"] == engine["node_ip"]
         assert engine["url"].startswith(f"http://{engine['node_ip']}:")

@@ -1,4 +1,4 @@
-"""Placement: which bundle, node and GPU every trainer rank and engine gets (issue 15 item 2, issue 20).
+"""Placement: which bundle, node and GPU every trainer rank and engine gets.
 
 Pure tests of the layout arithmetic, the cluster address and the device ids, then one Ray cluster of
 two nodes with four fake GPUs each: the trainer ranks and the engines' actors are created on it as
@@ -6,6 +6,10 @@ train.py creates them, and each reports what Ray gave it, colocated and not.
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
 import types
 
 import pytest
@@ -253,3 +257,25 @@ def test_separate_engines_get_gpus_of_their_own(fake_gpu_cluster, tmp_path):
     node_b = ranks[-1]["node_id"]
     assert engine_gpus == [(node_b, "2"), (node_b, "3")]
     _check_engines_on_their_bundles(layout, actors, server_args)
+
+
+def test_a_private_cluster_and_its_servers_stay_on_loopback():
+    """Without the patch Ray turns 127.0.0.1 into the machine's network address (patches/ray.py)."""
+    script = textwrap.dedent("""
+        import os, types, ray
+        os.environ.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)  # as train.py runs outside the tests
+        from slime.ray.placement import init_ray
+        from slime.ray.cluster import serving_host
+        init_ray(types.SimpleNamespace(actor_num_nodes=1, actor_num_gpus_per_node=1, debug_rollout_only=False,
+                                       debug_train_only=True, rollout_num_gpus=0, rollout_num_gpus_per_engine=1,
+                                       colocate=True))
+        where = ray.remote(lambda: ray.util.get_node_ip_address())
+        print("NODES", sorted({n["NodeManagerAddress"] for n in ray.nodes()}), ray.get(where.remote(), timeout=60),
+              serving_host(False))
+        ray.shutdown()
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
+    out = subprocess.run([sys.executable, "-c", script], env={**env, "RAY_ADDRESS": "local"}, capture_output=True,
+                         text=True, timeout=180)
+    line = next((l for l in out.stdout.splitlines() if l.startswith("NODES")), None)
+    assert line == "NODES ['127.0.0.1'] 127.0.0.1 127.0.0.1", out.stdout + out.stderr[-3000:]

@@ -211,7 +211,7 @@ def test_pass_at_k_values():
 
 @pytest.fixture(scope="module")
 def embedded_engine(tmp_path_factory):
-    """Helper C's embedded engine (tiny Qwen3 + real Qwen tokenizer) served in-process."""
+    """The embedded engine (tiny Qwen3 + real Qwen tokenizer) served in-process."""
     from rollout_testing import AppThread
     from slime.backends.embedded_engine.engine import EmbeddedEngine
     from slime.backends.embedded_engine.server import build_app

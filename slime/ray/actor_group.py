@@ -9,6 +9,7 @@ driver renders, once, from the ranks' ledger files, where every rank is.
 from __future__ import annotations
 
 import logging
+import shutil
 import tempfile
 from typing import Any
 
@@ -26,9 +27,16 @@ def resolve_ledger_dir(args) -> str:
     """--ledger-dir, or a fresh temp dir; printed so a stuck run can be inspected from another shell."""
     if not args.ledger_dir:
         args.ledger_dir = tempfile.mkdtemp(prefix="slime-ledger-")
+        args.ledger_dir_is_temp = True
     logger.info("ledger dir: %s (where is every rank: python -m slime.distributed.hang_report %s)",
                 args.ledger_dir, args.ledger_dir)
     return args.ledger_dir
+
+
+def remove_temp_ledger_dir(args) -> None:
+    """After a run that ended cleanly: the temp ledger dir made for it goes (a failed run keeps it)."""
+    if getattr(args, "ledger_dir_is_temp", False):
+        shutil.rmtree(args.ledger_dir, ignore_errors=True)
 
 
 class RayTrainGroup:

@@ -2,8 +2,9 @@
 
 Users start a cluster with `ray start --head` / `ray start --address` and run `python train.py` on
 the head or `ray job submit -- python train.py` (which sets RAY_ADDRESS); without one, train.py
-starts a private cluster on this machine (slime/ray/placement.py:init_ray). Servers listen on their
-node's address, as upstream's do.
+starts a private cluster on this machine (slime/ray/placement.py:init_ray), on the loopback address.
+A run on one node keeps every server (engines, router, rendezvous) on loopback; only a run that spans
+nodes listens on node addresses (`serving_host`).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ logger = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NOSET_VISIBLE_DEVICES = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+LOOPBACK = "127.0.0.1"
 HOST_IP_ENV = "SLIME_HOST_IP"  # upstream's per-node override of the node's address
 # Env the ranks and engines must see wherever they run (names, or prefixes ending in "_").
 FORWARDED_ENV = ("SLIME_", "NCCL_", "GLOO_", "TORCH_", "HF_", "TRANSFORMERS_OFFLINE", "OMP_NUM_THREADS",
@@ -90,3 +92,8 @@ def advertised_host(bind_host: str | None) -> str:
     if not bind_host or is_wildcard(bind_host):
         return node_address()
     return bind_host
+
+
+def serving_host(spans_nodes: bool) -> str:
+    """Where a server this run starts listens by default: loopback unless peers on other nodes must reach it."""
+    return node_address() if spans_nodes else LOOPBACK

@@ -1,8 +1,8 @@
 """One rollout engine's Ray actor: it runs on the engine's first bundle and starts the engine there.
 
 The engine process (SGLang, or the embedded engine) is a child of this actor, so it runs on the
-bundle's node with the bundle's GPUs, listens on that node's address and is reachable by URL from
-every other node. Generation and weight updates go to that URL over HTTP; the actor only starts,
+bundle's node with the bundle's GPUs and listens on loopback when the whole run is on one node, on
+that node's address (reachable by URL from every other node) when the run spans nodes. Generation and weight updates go to that URL over HTTP; the actor only starts,
 describes, signals and stops the process; `RemoteEngine` is the rollout manager's view of it (what
 the engine fleet needs: exit code, signals to the process tree, restart on a new port).
 """
@@ -16,7 +16,7 @@ from typing import Any
 import ray
 
 from slime.backends.sglang_utils.launcher import EngineHandle, launch_engine
-from slime.ray.cluster import advertised_host, node_address
+from slime.ray.cluster import advertised_host, node_address, serving_host
 from slime.ray.engine_recovery import LocalEngine
 from slime.ray.placement import EngineSlot, visible_device_index
 
@@ -61,7 +61,7 @@ class EngineRayActor:
 
     def start(self, startup_timeout_s: float) -> EngineEndpoint:
         """Start the engine on this node and return once it answers /health."""
-        bind = getattr(self.args, "engine_bind_host", None) or node_address()
+        bind = getattr(self.args, "engine_bind_host", None) or serving_host(_spans_nodes(self.args))
         devices = self.devices()
         for attempt in range(PORT_ATTEMPTS):
             try:
@@ -128,6 +128,11 @@ class RemoteEngine:
 
     def process_state(self) -> str:
         return self._call("process_state", lost="engine actor lost", silent="engine actor not answering")
+
+
+def _spans_nodes(args: Any) -> bool:
+    # Set by create_placement; a run placed by other means is taken to span nodes (node addresses).
+    return getattr(args, "spans_nodes", True)
 
 
 def _free_port(host: str) -> int:

@@ -30,7 +30,9 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from patches.ray import keep_cluster_on_loopback
 from slime.ray.cluster import (
+    LOOPBACK,
     PlacementError,
     cluster_address,
     is_wildcard,
@@ -58,8 +60,10 @@ def init_ray(args) -> None:
     if address is None:
         # Without GPUs every bundle is one logical CPU: raise the count to fit the job.
         needed = total_bundles(args) + 2
+        # On loopback: no traffic of a private single-machine cluster goes to the machine's network address.
+        keep_cluster_on_loopback()
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False,
-                 log_to_driver=True)
+                 log_to_driver=True, _node_ip_address=LOOPBACK)
         return
     require_reachable(address)
     logger.info("joining the Ray cluster at %s", address)
@@ -154,13 +158,17 @@ def plan_layout(infos: Sequence[BundleInfo], *, trainer_ranks: int, num_engines:
     return Layout(actor_bundles=tuple(ordered[:trainer_ranks]), engines=tuple(engines))
 
 
+def node_count(layout: Layout, driver_node_id: str) -> int:
+    """How many nodes the job's processes (driver, ranks, engines) run on."""
+    return len({b.node_id for b in layout.actor_bundles} | {e.node_id for e in layout.engines} | {driver_node_id})
+
+
 def check_engine_bind_host(bind_host: str | None, layout: Layout, driver_node_id: str) -> None:
     """A concrete --engine-bind-host is one node's address: refuse it when the job spans several nodes."""
     if not bind_host or is_wildcard(bind_host):
         return
-    nodes = {b.node_id for b in layout.actor_bundles} | {e.node_id for e in layout.engines} | {driver_node_id}
-    if len(nodes) > 1:
-        raise PlacementError(f"--engine-bind-host {bind_host} is one address, but the job runs on {len(nodes)} nodes: "
+    if (nodes := node_count(layout, driver_node_id)) > 1:
+        raise PlacementError(f"--engine-bind-host {bind_host} is one address, but the job runs on {nodes} nodes: "
                              "leave it unset (each engine listens on its node's address) or use 0.0.0.0")
 
 
@@ -255,7 +263,10 @@ def create_placement(args, *, use_gpu: bool | None = None, timeout_s: float = 30
     infos = _probe(group, count, use_gpu, timeout_s)
     layout = plan_layout(infos, trainer_ranks=trainer_ranks(args), num_engines=num_engines(args),
                          gpus_per_engine=args.rollout_num_gpus_per_engine, colocate=args.colocate)
-    check_engine_bind_host(getattr(args, "engine_bind_host", None), layout, ray.get_runtime_context().get_node_id())
+    driver_node = ray.get_runtime_context().get_node_id()
+    check_engine_bind_host(getattr(args, "engine_bind_host", None), layout, driver_node)
+    # Read by every server the run starts (engines, router, rendezvous): loopback on one node.
+    args.spans_nodes = node_count(layout, driver_node) > 1
     placement = Placement(group=group, use_gpu=use_gpu, layout=layout)
     logger.info("placement of %d bundles over %d node(s):\n  %s", count, len({b.node_id for b in infos}),
                 "\n  ".join(placement.describe()))

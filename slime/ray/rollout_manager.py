@@ -24,7 +24,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from slime.backends.sglang_utils.http_client import SGLangHTTPClient
 from slime.backends.sglang_utils.launcher import pick_rollout_backend
-from slime.ray.cluster import advertised_host, node_address, worker_env
+from slime.ray.cluster import advertised_host, serving_host, worker_env
 from slime.ray.engine_actor import EngineEndpoint, EngineRayActor, RemoteEngine
 from slime.ray.engine_health import HealthConfig
 from slime.ray.engine_recovery import EngineFleet
@@ -92,9 +92,9 @@ class RolloutManager:
         return RemoteEngine(actor, endpoint)
 
     def _launch_router(self):
-        # Upstream binds the router to its node's address; --sglang-router-ip overrides (0.0.0.0: every
-        # interface). The rollout function then reaches it at the address other nodes would use too.
-        self.args.sglang_router_ip = self.args.sglang_router_ip or node_address()
+        # Loopback on one node; upstream's node address when the run spans nodes; --sglang-router-ip
+        # overrides (0.0.0.0: every interface). The rollout function reaches it at the advertised address.
+        self.args.sglang_router_ip = self.args.sglang_router_ip or serving_host(getattr(self.args, "spans_nodes", True))
         router = _retry_port_clash(lambda: launch_router(self.args, [e.url for e in self.engines],
                                                          log_dir=self.log_dir))
         self.args.sglang_router_ip, self.args.sglang_router_port = advertised_host(router.host), router.port

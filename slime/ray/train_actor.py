@@ -9,7 +9,7 @@ import warnings
 
 import ray
 
-from slime.ray.cluster import node_address
+from slime.ray.cluster import node_address, serving_host
 from slime.ray.placement import visible_device_index
 
 # megatron-core announces at import that TE/Apex are absent (expected on the embedded path),
@@ -72,11 +72,12 @@ class TrainRayActor:
                 "gpu_ids": self.gpu_ids, "device": int(os.environ["LOCAL_RANK"]) if self.gpu_ids else None}
 
     def rendezvous_address(self) -> tuple[str, int]:
-        """Rank 0 offers its node's address and a free port there for torch.distributed."""
+        """Rank 0 offers a free port for torch.distributed: on loopback when the run is on one node."""
+        host = serving_host(getattr(self.args, "spans_nodes", True))
         with socket.socket() as s:
-            s.bind(("", 0))
+            s.bind((host, 0))
             port = s.getsockname()[1]
-        return node_address(), port
+        return host, port
 
     @_portable_errors
     def init(self, master_addr: str, master_port: int, engine_urls: list[str]) -> int:

@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 
 from slime.utils import sglang_passthrough
 from slime.utils.deadlines import DeadlineModel, default_group_timeout_minutes
-from slime.utils.misc import module_is_findable, round_up
+from slime.utils.misc import load_function, module_is_findable, round_up
 
 logger = logging.getLogger(__name__)
 
@@ -850,7 +850,8 @@ def _add_fencing_arguments(parser: argparse.ArgumentParser) -> None:
                    help="device of the training ranks (auto: cuda when available)")
     g.add_argument("--metrics-jsonl", type=str, default=None, help="append one JSON line of metrics per event here")
     g.add_argument("--ledger-dir", type=str, default=None,
-                   help="directory for per-rank collective ledgers and stall reports (default: a temp dir)")
+                   help="directory for per-rank collective ledgers and stall reports (default: a temp dir, removed "
+                        "after a run that ends cleanly and kept, with its path printed, after a failure)")
     g.add_argument("--custom-config-path", type=str, default=None,
                    help="YAML mapping of flag overrides (flag or attribute names; unknown keys become attributes "
                         "for plug-ins); applied over the command line")
@@ -938,14 +939,53 @@ class SlimeArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n(run with --help for the list of flags)\n")
 
 
+# Flags a launch cannot do without (checked by check_launch_inputs before Ray starts, not by argparse, so that
+# --help and the parser's own tests work without them).
+REQUIRED_FLAGS: tuple[str, ...] = ("--hf-checkpoint",)
+
+HELP_EPILOG = """\
+This project's own flags (hang-proof step) are in the groups "fencing (this project)" and "rollout faults":
+--fence-timeout, --ledger-dir, --ledger-record-sequence, --distributed-timeout-minutes, --use-fault-tolerance.
+Where every rank is in a running or stopped job: python -m slime.distributed.hang_report LEDGER_DIR
+Whether every rank ran the same collectives in the same order: python -m slime.distributed.order_proof LEDGER_DIR
+Marks: [required] must be given; [refused] stops at parse time with the reason; [no effect] accepted with a
+warning, changes nothing; [always on] asks for what this project always does."""
+
+
+def registry_mark(flag: str) -> str:
+    """How a flag's help line starts: what the registries say of it ('' for an ordinary flag)."""
+    if flag in REQUIRED_FLAGS:
+        return "[required] "
+    for entry in REFUSED_FLAGS:
+        if entry.flag == flag:
+            return "[refused: some values] " if entry.is_active else f"[refused: {entry.reason}] "
+    for entry in NOT_IMPLEMENTED_FLAGS:
+        if entry.flag == flag:
+            return f"[no effect: {entry.reason}] "
+    if flag in ALWAYS_HONOURED_FLAGS:
+        return f"[always on: {ALWAYS_HONOURED_FLAGS[flag]}] "
+    return ""
+
+
 class DefaultsHelpFormatter(argparse.HelpFormatter):
-    """Every flag's help line ends with its default."""
+    """Every flag's help line starts with its registry mark and ends with its default, once."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if action.default is argparse.SUPPRESS or "%(default)" in text or not action.option_strings:
+        if not action.option_strings:
+            return text
+        text = registry_mark(action.option_strings[0]) + text
+        refused_values = [e.reason for e in REFUSED_FLAGS if e.flag == action.option_strings[0] and e.is_active]
+        if refused_values:
+            text += f" (refused values: {'; '.join(refused_values)})"
+        if (action.default is argparse.SUPPRESS or "%(default)" in text or "default" in text.lower()
+                or action.option_strings[0] in REQUIRED_FLAGS):
             return text
         return f"{text} (default: %(default)s)"
+
+    def _format_text(self, text: str) -> str:
+        # The epilog keeps its lines (one command per line); the description is one paragraph.
+        return text + "\n" if text and "\n" in text else super()._format_text(text)
 
 
 def closest_flags(flag: str, parser: argparse.ArgumentParser, n: int = 3) -> list[str]:
@@ -972,6 +1012,7 @@ def build_parser(
         description="slime-compatible RL training (upstream slime + Megatron flags)",
         allow_abbrev=False,  # a typo must be an error, never a silent prefix match
         formatter_class=DefaultsHelpFormatter,
+        epilog=HELP_EPILOG,
     )
     if add_custom_arguments is not None:
         parser = add_custom_arguments(parser) or parser
@@ -1208,9 +1249,42 @@ def _check_paths(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
         if value is None or value == parser.get_default(dest):
             continue
         for path in value if isinstance(value, list) else [value]:
-            if not module_is_findable(path):
-                raise MissingPathError(f"{flag}: cannot find the module of {path!r} (expected 'pkg.module.func' or "
-                                       "'file.py:func')")
+            _check_hook_path(flag, path)
+
+
+def _check_hook_path(flag: str, path: str) -> None:
+    """A hook must resolve to a callable now, not in a Ray actor minutes after start-up."""
+    try:
+        findable = module_is_findable(path)
+    except ValueError as exc:  # not of the form pkg.module.func / file.py:func
+        _fail(f"{flag}: {exc}")
+    if not findable:
+        raise MissingPathError(f"{flag}: cannot find the module of {path!r} (expected 'pkg.module.func' or "
+                               "'file.py:func')")
+    try:
+        hook = load_function(path)
+    except AttributeError as exc:
+        _fail(f"{flag}: {exc}")
+    if not callable(hook):
+        _fail(f"{flag}: {path!r} is a value of type {type(hook).__name__}, not a function or class")
+
+
+# What an HF checkpoint directory must hold for the trainer (config) and the engines and data (tokenizer).
+HF_CONFIG_FILE = "config.json"
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def check_launch_inputs(args: argparse.Namespace) -> None:
+    """What a launch needs before Ray starts, beyond what parse_args checks: the HF checkpoint."""
+    path = args.hf_checkpoint
+    if not path:
+        _fail("--hf-checkpoint DIR is required: the Hugging Face checkpoint (config.json and tokenizer) the "
+              "trainer builds its model from and the engines serve")
+    _require_path("--hf-checkpoint", path, "directory")
+    if not os.path.isfile(os.path.join(path, HF_CONFIG_FILE)):
+        _fail(f"--hf-checkpoint {path}: no {HF_CONFIG_FILE} (is it a Hugging Face checkpoint directory?)")
+    if not any(os.path.isfile(os.path.join(path, name)) for name in HF_TOKENIZER_FILES):
+        _fail(f"--hf-checkpoint {path}: no tokenizer (none of {', '.join(HF_TOKENIZER_FILES)})")
 
 
 def _resolve_modes(args: argparse.Namespace) -> None:
@@ -1224,6 +1298,10 @@ def _resolve_modes(args: argparse.Namespace) -> None:
               "(or a custom --rollout-function-path that needs no engines)")
     if args.offload:
         args.offload_train = args.offload_rollout = True
+    if args.colocate and args.actor_num_nodes > 1:
+        _fail(f"--colocate with --actor-num-nodes {args.actor_num_nodes}: colocated engines take their weights "
+              "from a trainer rank on their own host (CUDA IPC or shared memory), which this project does on one "
+              "node only; across nodes drop --colocate and give the engines their own GPUs (--rollout-num-gpus N)")
     if args.colocate:
         if args.rollout_num_gpus is None:
             args.rollout_num_gpus = args.actor_num_gpus_per_node * args.actor_num_nodes
@@ -1342,7 +1420,7 @@ def _check_rollout_backend(args: argparse.Namespace) -> None:
 
 
 def _check_logprob_mismatch(args: argparse.Namespace) -> None:
-    """Engine vs trainer log-probs (issue 13): both must mean the same distribution."""
+    """Engine vs trainer log-probs: both must mean the same distribution."""
     from slime.backends.embedded_engine.sampling import RETURN_ORIGINAL_LOGPROB_ENV, return_original_logprob
 
     if args.use_rollout_logprobs and args.use_tis:

@@ -21,7 +21,7 @@ positions <= its own. Kernels (`ContextParallelAttention.kernel`):
   (flash / cuDNN kernels on GPU); with flash-attn importable and fp16/bf16 CUDA inputs, one
   varlen call for the whole micro-batch instead.
 - "masked": SDPA with an explicit [tq, tk] boolean mask and GQA by repeat_interleave, the
-  path before issue 19: the reference the causal kernels are tested against, and the "old"
+  path before the causal kernels: the reference the causal kernels are tested against, and the "old"
   side of benchmarks/bench_step_gpu.py.
 """
 

@@ -328,7 +328,7 @@ class EmbeddedEngine:
 
 def cache_keyword(model) -> str:
     """The name under which `model.forward` takes its KV cache: transformers renamed `past_key_values`
-    to `cache` (5.24 has `cache`, the lent GPUs' 5.17 only `past_key_values`). Passing the other name
+    to `cache` (5.24 has `cache`, the GPU machines' 5.17 only `past_key_values`). Passing the other name
     is not an error there: it lands in **kwargs, and every decode step then sees its new token alone."""
     parameters = inspect.signature(model.forward).parameters
     for name in ("cache", "past_key_values"):

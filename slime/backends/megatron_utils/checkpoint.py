@@ -214,7 +214,7 @@ def load_model_weights(path: str, model_chunks: list, optimizer, hf_config: Any,
 
     With --bf16 megatron's optimizer keeps fp32 main params, cloned from the model when it was built
     (random init here) and copied back into the model at every step: weights loaded behind its back
-    would be replaced by that init at the first step (issue 15: a KL to the reference of ~5 nats on
+    would be replaced by that init at the first step (seen: a KL to the reference of ~5 nats on
     the H200 within a few rollouts). Megatron-LM reloads them after a checkpoint load the same way.
     """
     if os.path.exists(os.path.join(path, "config.json")):

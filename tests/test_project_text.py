@@ -1,0 +1,53 @@
+"""The repository speaks of the project alone: no words about how it was built.
+
+A reader of the code, docs and results knows nothing of work sessions, of machines lent for a time,
+of the tools that ran things, or of an internal issue tracker; hardware is named as what it is ("one
+H200"), upstream's bugs by their public numbers ("upstream #1487").
+"""
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+BANNED = {
+    "a work-session number": r"\b[Ss]essions? \d",
+    "an internal issue number (upstream's are written #N)": r"\b[Ii]ssues? \d",
+    "machines lent for a time": r"\b(lent|withheld)\b",
+    "the tool that ran a command": r"\bdevice (tool|calls?)\b",
+    "a machine kind's name (say what the hardware is)": r"nvidia-h200",
+    "carried files": r"\bcarr(y|ied|ying)\b[^\n]{0,12}\.whl",
+    "who built it": r"\b(CEO|lead engineer|[Hh]elper [A-H])\b",
+}
+SELF = Path(__file__).resolve()
+
+
+def tracked_text_files() -> list[Path]:
+    names = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    files = [ROOT / n for n in names]
+    return [f for f in files if f.is_file() and f.resolve() != SELF and f.suffix not in (".png", ".whl", ".gz")]
+
+
+def test_no_file_speaks_of_how_the_project_was_built():
+    found = []
+    for path in tracked_text_files():
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:
+            continue
+        for what, pattern in BANNED.items():
+            for match in re.finditer(pattern, text):
+                line = text.count("\n", 0, match.start()) + 1
+                found.append(f"{path.relative_to(ROOT)}:{line}: {what}: {match.group(0)!r}")
+    assert not found, "\n".join(found[:60]) + (f"\n... and {len(found) - 60} more" if len(found) > 60 else "")
+
+
+def test_the_patterns_catch_what_they_name():
+    samples = ["measured in session 3", "see issue 15", "2 GPUs were not lent", "one device call",
+               "nvidia-h200-x2", "carry .whl/", "Helper C's engine"]
+    for sample in samples:
+        assert any(re.search(p, sample) for p in BANNED.values()), sample
+    for fine in ["upstream #1487", "a weight-update session", "one H200", "two H200s", "issue #2168"]:
+        assert not any(re.search(p, fine) for p in BANNED.values()), fine
