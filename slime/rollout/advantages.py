@@ -9,6 +9,7 @@ The trainer receives a dict of equal-length lists, one entry per sample, in roll
   truncated         list[int]         1 when the engine stopped on the length limit
   sample_indices    list[int]         Sample.index (global id)
   rollout_log_probs list[list[float]] engine log-probs of response tokens (only when every sample has them)
+  rollout_routed_experts list[str]  the engines' routes (base64 int32 [tokens, MoE layers, top-k]; routing replay)
 """
 from __future__ import annotations
 
@@ -115,4 +116,6 @@ def samples_to_train_data(args, samples: Sequence[Sample] | Sequence[Sequence[Sa
     }
     if flat and all(s.rollout_log_probs is not None for s in flat):
         data["rollout_log_probs"] = [list(s.rollout_log_probs) for s in flat]
+    if flat and all(s.rollout_routed_experts is not None for s in flat):
+        data["rollout_routed_experts"] = [s.rollout_routed_experts for s in flat]
     return data

@@ -33,7 +33,7 @@ class Sample:
     loss_mask: list[int] | None = None
     weight_versions: list[str] = field(default_factory=list)
     rollout_log_probs: list[float] | None = None
-    rollout_routed_experts: list[list[int]] | None = None
+    rollout_routed_experts: str | None = None  # base64 int32 [tokens, MoE layers, top-k] (routing replay)
     # True: kept for bookkeeping but contributes no loss
     remove_sample: bool = False
     teacher_log_probs: list[float] | None = None

@@ -130,3 +130,57 @@ def checkpoint_expert_count(names: list[str], arch: MoEArchitecture) -> int | No
     pattern = re.compile(rf"^model\.layers\.{first}\.mlp\.experts\.(\d+)\.")
     indices = {int(m.group(1)) for m in map(pattern.match, names) if m}
     return (max(indices) + 1) if indices else None
+
+
+# ------------------------------------------------------------------ routes the engine took (routing replay)
+
+
+def router_modules(model) -> list:
+    """transformers' MoE routers (model.layers.L.mlp.gate) in layer order: what each MoE layer routed."""
+    return [module for name, module in model.named_modules() if re.fullmatch(r".*layers\.\d+\.mlp\.gate", name)]
+
+
+class RouteCapture:
+    """Forward hooks on the routers of one generation batch: each forward's top-k expert ids, kept per row
+    for the positions the row really fed (left padding dropped)."""
+
+    def __init__(self, model):
+        self._per_layer: list = []
+        self._hooks = [m.register_forward_hook(self._hook) for m in router_modules(model)]
+
+    def _hook(self, module, inputs, output):
+        self._per_layer.append(output[2])  # (router logits, top-k weights, top-k expert ids)
+
+    def take(self, rows: list, shape, mask) -> None:
+        import torch
+
+        batch, width = shape
+        ids = torch.stack(self._per_layer, dim=1).reshape(batch, width, len(self._per_layer), -1)  # [B, S, L, k]
+        self._per_layer = []
+        for b, row in enumerate(rows):
+            row.routes.append(ids[b][mask[b].bool()].to(torch.int32).cpu())
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+
+def encode_routes(row) -> str:
+    """SGLang's meta_info.routed_experts: base64 of int32 [tokens, MoE layers, top-k], one row per token that
+    went through the model (the prompt and every output token but the last), from routed_experts_start_len."""
+    import base64
+
+    import torch
+
+    fed = len(row.request.input_ids) + len(row.output_ids) - 1
+    routes = torch.cat(row.routes)[:fed][row.request.routed_experts_start_len:]
+    return base64.b64encode(routes.contiguous().numpy().tobytes()).decode()
+
+
+def decode_routes(encoded: str, num_layers: int, topk: int):
+    """The inverse of encode_routes: an int32 numpy array [tokens, num_layers, topk]."""
+    import base64
+
+    import numpy as np
+
+    return np.frombuffer(base64.b64decode(encoded), dtype=np.int32).reshape(-1, num_layers, topk)

@@ -16,7 +16,7 @@ import torch
 
 from slime.backends.embedded_engine.sampling import SamplingParams, sample_next_tokens
 from slime.utils.device_memory import sample_device_memory
-from slime_plugins.models.qwen3_moe import fused_engine_target
+from slime_plugins.models.qwen3_moe import RouteCapture, encode_routes, fused_engine_target
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +36,9 @@ class GenerationRequest:
     return_logprob: bool = False
     logprob_start_len: int = -1
     """-1: output log-probs only; k >= 0: also the prompt's tokens from position k (SGLang's meaning)."""
+    return_routed_experts: bool = False
+    """MoE: the experts each token went to, per MoE layer (SGLang's meta_info.routed_experts)."""
+    routed_experts_start_len: int = 0
 
 
 @dataclass
@@ -47,6 +50,7 @@ class _RowState:
     finish_reason: dict[str, Any] | None = None
     trim_chars: int | None = None  # text length kept when a stop string matched
     input_logprobs: list[float | None] | None = None
+    routes: list = field(default_factory=list)  # per forward: [positions, MoE layers, top-k] of this row
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,7 @@ class GenerationResult:
     output_logprobs: list[float] | None
     weight_version: str
     input_logprobs: list[tuple[float | None, int]] | None = None
+    routed_experts: str | None = None
 
     def to_sglang(self) -> dict[str, Any]:
         """The JSON object SGLang's /generate returns for one sequence."""
@@ -73,6 +78,8 @@ class GenerationResult:
         if self.output_logprobs is not None:
             meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(self.output_logprobs, self.output_ids)]
             meta["input_token_logprobs"] = [[lp, tok, None] for lp, tok in self.input_logprobs or ()]
+        if self.routed_experts is not None:
+            meta["routed_experts"] = self.routed_experts
         return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
 
 
@@ -148,6 +155,7 @@ class EmbeddedEngine:
         cache = DynamicCache(config=self.model.config)
         params = [r.request.params for r in rows]
         wants_input = any(r.request.logprob_start_len >= 0 for r in rows)
+        capture = RouteCapture(self.model) if any(r.request.return_routed_experts for r in rows) else None
         first = True
         while True:
             out = self.model(
@@ -158,6 +166,8 @@ class EmbeddedEngine:
                 logits_to_keep=0 if first and wants_input else 1,
                 **{cache_keyword(self.model): cache},
             )
+            if capture is not None:
+                capture.take(rows, input_ids.shape, attention_mask[:, -input_ids.shape[1]:])
             _check_cache_holds(cache, attention_mask.shape[1])
             if first and wants_input:
                 _fill_input_logprobs(rows, out.logits, input_ids)
@@ -167,6 +177,8 @@ class EmbeddedEngine:
                 if row.finish_reason is None:
                     self._append(row, int(tokens[i]), float(logprobs[i]), should_abort)
             if all(r.finish_reason is not None for r in rows):
+                if capture is not None:
+                    capture.close()
                 return
             input_ids = tokens.unsqueeze(1)
             attention_mask = torch.cat([attention_mask, torch.ones_like(input_ids)], dim=1)
@@ -227,6 +239,7 @@ class EmbeddedEngine:
             output_logprobs=list(row.logprobs) if row.request.return_logprob else None,
             weight_version=self.weight_version,
             input_logprobs=self._input_logprobs(row),
+            routed_experts=encode_routes(row) if row.request.return_routed_experts else None,
         )
 
     def _input_logprobs(self, row: _RowState) -> list[tuple[float | None, int]] | None:

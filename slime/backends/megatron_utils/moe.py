@@ -188,3 +188,15 @@ def aux_loss_scale(config: Any, num_micro_batches: int, dp_size: int) -> Iterato
         yield
     finally:
         MoEAuxLossAutoScaler.set_loss_scale = staticmethod(original)
+
+
+def moe_plan_collectives(config: Any) -> tuple[tuple[str, bool], ...]:
+    """The MoE collectives a step runs, for the plan fingerprint: every rank must agree on them."""
+    moe_on = bool(getattr(config, "num_moe_experts", None))
+    return (
+        ("moe_alltoall", moe_on and config.moe_token_dispatcher_type == "alltoall"),
+        ("moe_allgather", moe_on and config.moe_token_dispatcher_type == "allgather"),
+        ("moe_aux_loss", moe_on and bool(config.moe_aux_loss_coeff)),
+        ("moe_expert_bias", moe_on and bool(config.moe_router_enable_expert_bias)),
+        ("routing_replay", moe_on and bool(config.moe_enable_routing_replay)),
+    )
