@@ -220,3 +220,92 @@ def test_order_proof_pairs_all_to_all_token_counts():
     bad = {0: good[0], 1: RankSequence(1, (_a2a(1, (2, 7), (4, 7)),), ())}
     report = check_order(bad)
     assert not report.ok and "rank 0 sends 5 rows to rank 1, which expects 4" in report.format()
+
+
+def test_engine_returns_the_experts_each_token_went_to(tmp_path):
+    """meta_info.routed_experts (SGLang's field): every token the model was fed, per MoE layer, the top-k ids
+    transformers' router chose; left padding of a batch does not shift them."""
+    from transformers import AutoModelForCausalLM
+
+    from slime.backends.embedded_engine.engine import EmbeddedEngine, GenerationRequest
+    from slime.backends.embedded_engine.sampling import SamplingParams
+    from slime.tools.tiny_checkpoint import TinyQwen3Spec, write_tiny_checkpoint
+    from slime_plugins.models.qwen3_moe import decode_routes, router_modules
+
+    path = write_tiny_checkpoint(tmp_path / "m", TinyQwen3Spec(num_experts=8, moe_topk=2, alphabet="0123456789"))
+    engine = EmbeddedEngine(str(path), seed=1)
+    params = SamplingParams.from_request({"max_new_tokens": 4, "temperature": 1.0})
+    requests = [GenerationRequest(rid=str(i), input_ids=prompt, params=params, return_routed_experts=True)
+                for i, prompt in enumerate([(3, 4, 5), (6, 7, 8, 9, 10, 11)])]
+    results = engine.generate_batch(requests)
+    hf = AutoModelForCausalLM.from_pretrained(str(path)).float().eval()
+    seen = []
+    hooks = [m.register_forward_hook(lambda mod, i, out: seen.append(out[2])) for m in router_modules(hf)]
+    for request, result in zip(requests, results):
+        fed = list(request.input_ids) + result.output_ids[:-1]
+        routes = decode_routes(result.to_sglang()["meta_info"]["routed_experts"], num_layers=2, topk=2)
+        seen.clear()
+        with torch.no_grad():
+            hf(torch.tensor([fed]))
+        want = torch.stack(seen, dim=1).numpy()  # [tokens, layers, k]
+        assert routes.shape == (len(fed), 2, 2)
+        assert (routes == want).all()
+    for hook in hooks:
+        hook.remove()
+
+
+def _hf_routes(hf_dir: str, data: dict) -> list[str]:
+    """What an engine would return for each sample: base64 int32 [total - 1, layers, k] from transformers."""
+    import base64
+
+    from transformers import AutoModelForCausalLM
+
+    from slime_plugins.models.qwen3_moe import router_modules
+
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir).float().eval()
+    seen = []
+    hooks = [m.register_forward_hook(lambda mod, i, out: seen.append(out[2])) for m in router_modules(hf)]
+    encoded = []
+    with torch.no_grad():
+        for tokens in data["tokens"]:
+            seen.clear()
+            hf(torch.tensor([tokens[:-1]]))
+            routes = torch.stack(seen, dim=1).to(torch.int32).contiguous()
+            encoded.append(base64.b64encode(routes.numpy().tobytes()).decode())
+    for hook in hooks:
+        hook.remove()
+    return encoded
+
+
+def _replay_child(rank, world, hf_dir, data, layout):
+    import base64
+
+    import numpy as np
+
+    from slime.backends.megatron_utils.train_step import build_plans_for_rank, compute_log_probs
+    from train_step_harness import build_loaded_model, layout_args
+
+    args = layout_args(layout, use_rollout_routing_replay=True)
+    model, _, _ = build_loaded_model(args, hf_dir)
+    (plan,) = build_plans_for_rank(data, args)
+    same = compute_log_probs(model, data, plan, args)
+    shifted = dict(data)  # every token sent to the next expert ids: a different expert path
+    shifted["rollout_routed_experts"] = [
+        base64.b64encode(((np.frombuffer(base64.b64decode(r), dtype=np.int32) + 3) % 8).astype(np.int32).tobytes())
+        .decode() for r in data["rollout_routed_experts"]]
+    return same, compute_log_probs(model, shifted, plan, args)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world, layout", [(1, {}), (4, dict(tensor_model_parallel_size=2, sequence_parallel=True,
+                                                             context_parallel_size=2))], ids=["single", "tp2_sp_cp2"])
+def test_rollout_routes_are_replayed_in_the_log_prob_forward(moe_hf_dir, moe_rollout, world, layout):
+    """The engine's own routes give the engine's log-probs (CP zig-zag and SP chunks line up); other routes
+    change them, so the replay is really used."""
+    data = dict(moe_rollout, rollout_routed_experts=_hf_routes(moe_hf_dir, moe_rollout))
+    results = run_ranks(_replay_child, world, args=(moe_hf_dir, data, layout), timeout_s=260)
+    same, shifted = results[0]
+    want = _hf_log_probs(moe_hf_dir, moe_rollout)
+    for got, ref in zip(same, want):
+        assert got == pytest.approx(ref, abs=1e-5)
+    assert max(abs(a - b) for x, y in zip(shifted, want) for a, b in zip(x, y)) > 1e-2
