@@ -18,9 +18,10 @@ FENCE_S = 8.0
 WATCHDOG_S = 12.0
 
 
-def _run(tmp_path, monkeypatch, spec: str):
+def _run(tmp_path, monkeypatch, spec: str, expert_parallel: int = 1):
     monkeypatch.setenv("SLIME_FAULT_INJECT", spec)
-    return run_ranks_outcomes(workers.fault_run, WORLD, args=(str(tmp_path), FENCE_S, WATCHDOG_S), timeout_s=240)
+    return run_ranks_outcomes(workers.fault_run, WORLD, args=(str(tmp_path), FENCE_S, WATCHDOG_S, expert_parallel),
+                              timeout_s=240)
 
 
 def _error(outcome) -> dict:
@@ -66,3 +67,37 @@ def test_rank_stuck_in_logging(tmp_path, monkeypatch):
         err = _error(outcome)
         assert err["error"] == "FenceTimeoutError" and "fence 'step_end'" in err["message"]
         assert "lagging ranks=[0]" in err["message"], err["message"]
+
+
+# ------------------------------------------------------------------ expert parallelism: TP2 x EP4
+
+
+@pytest.mark.timeout(300)
+def test_ep_rank_stuck_in_communicator_warmup(tmp_path, monkeypatch):
+    """The EP, ETP and expert-DP groups are warmed with the others: a rank stuck there is named at wake."""
+    outcomes = _run(tmp_path, monkeypatch, "stall_comm_init@5#1", expert_parallel=4)
+    stuck = _error(outcomes[5])
+    assert stuck["error"] == "HangError" and "HANG: phase=wake stuck ranks=[5]" in stuck["message"]
+    for outcome in outcomes[:5] + outcomes[6:]:
+        err = _error(outcome)
+        assert "FenceTimeoutError" in err["mro"] and "lagging ranks=[5]" in err["message"], err["message"]
+
+
+@pytest.mark.timeout(300)
+def test_ep_rank_skipping_its_token_all_to_all(tmp_path, monkeypatch):
+    """An EP rank that skips the dispatch all-to-all (uneven token counts): its EP peers block inside it and the
+    watchdog names the phase and the rank; the others time out at the next fence naming it too."""
+    outcomes = _run(tmp_path, monkeypatch, "skip_collective@3#1", expert_parallel=4)
+    hang_line = "HANG: phase=actor_train/forward_backward stuck ranks=[3]"
+    reported = 0
+    for outcome in outcomes:
+        if outcome.status == "exit":  # blocked in native code after the grace period
+            assert outcome.exitcode == HANG_EXIT_CODE, outcome
+            continue
+        err = _error(outcome)
+        assert err["error"] in ("HangError", "FenceTimeoutError"), err
+        assert hang_line in err["message"] or "lagging ranks=[3]" in err["message"], err["message"]
+        reported += 1
+    stacks = [p.read_text().splitlines()[0] for p in tmp_path.glob("stacks_rank*.txt")]
+    assert stacks and all(line.startswith(hang_line) for line in stacks), stacks
+    assert reported >= 1

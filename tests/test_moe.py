@@ -89,14 +89,39 @@ MOE_LAYOUTS = {
 }
 
 
+def _recorded_layout_child(rank, world, ledger_dir, *args):
+    """layout_child with every collective in a ledger that records the whole sequence (the order proof's input)."""
+    from slime.distributed.instrument import instrument_collectives, uninstrument_collectives
+    from slime.distributed.ledger import Ledger
+
+    ledger = Ledger(rank, world, ledger_dir, record_sequence=True)
+    instrument_collectives(ledger)
+    try:
+        with ledger.phase("actor_train"):
+            return layout_child(rank, world, *args)
+    finally:
+        uninstrument_collectives()
+        ledger.close()
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", sorted(MOE_LAYOUTS))
-def test_moe_layout_matches_single_process(name, moe_hf_dir, moe_rollout):
-    """8 ranks, the alltoall dispatcher with uneven per-rank token counts: the single process's numbers."""
+def test_moe_layout_matches_single_process(name, moe_hf_dir, moe_rollout, tmp_path):
+    """8 ranks, the alltoall dispatcher with uneven per-rank token counts: the single process's numbers, and
+    the order proof holds on the recorded step (every all-to-all's token counts pair up across its EP group)."""
+    from slime.distributed.order_proof import check_order, read_sequences
+
     reference = _single_process(moe_hf_dir, moe_rollout, 0.0)
     layout = dict(MOE_LAYOUTS[name], calculate_per_token_loss=True)
-    results = run_ranks(layout_child, 8, args=(layout, moe_hf_dir, moe_rollout, MODES), timeout_s=500)
+    results = run_ranks(_recorded_layout_child, 8, args=(str(tmp_path), layout, moe_hf_dir, moe_rollout, MODES),
+                        timeout_s=500)
     assert_matches_reference(results, reference, moe_rollout)
+    sequences = read_sequences(str(tmp_path))
+    report = check_order(sequences)
+    assert report.ok, report.format()
+    a2a = [op for op in sequences[0].ops if op.op == "all_to_all_single"]
+    assert a2a and all(op.group == "ep" and op.peer[0] == "splits" for op in a2a)
+    assert any(len(set(op.peer[1])) > 1 for op in a2a), "the token counts should differ per peer"
 
 
 @pytest.mark.timeout(600)

@@ -152,19 +152,24 @@ def _wrap_p2p(name: str, original: Callable) -> Callable:
             return original(*args, **kwargs)
         group, shape, dtype = _describe(args, kwargs, group_index)
         entry = ledger.begin_p2p(name, group, shape, dtype, peer_of(args, kwargs, group))
-        _depth.value = 1
-        try:
-            result = original(*args, **kwargs)
-        except BaseException as exc:
-            ledger.end(entry, error_text(exc))
-            raise
-        finally:
-            _depth.value = 0
-        ledger.end(entry)
-        return result
+        return _run_recorded(ledger, entry, original, args, kwargs)
 
     recorded.__slime_original__ = original
     return recorded
+
+
+def _run_recorded(ledger: Ledger, entry: list, original: Callable, args: tuple, kwargs: dict):
+    """Call the op with nested collectives unrecorded; its ledger entry ends with the op (or its error)."""
+    _depth.value = 1
+    try:
+        result = original(*args, **kwargs)
+    except BaseException as exc:
+        ledger.end(entry, error_text(exc))
+        raise
+    finally:
+        _depth.value = 0
+    ledger.end(entry)
+    return result
 
 
 def _a2a_splits(output, input_, output_split_sizes, input_split_sizes, group) -> tuple:
@@ -185,16 +190,8 @@ def _wrap_all_to_all(original: Callable) -> Callable:
             return original(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
         splits = _a2a_splits(output, input, output_split_sizes, input_split_sizes, group)
         entry = ledger.begin_p2p("all_to_all_single", group, (-1, *input.shape[1:]), input.dtype, splits)
-        _depth.value = 1
-        try:
-            result = original(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
-        except BaseException as exc:
-            ledger.end(entry, error_text(exc))
-            raise
-        finally:
-            _depth.value = 0
-        ledger.end(entry)
-        return result
+        return _run_recorded(ledger, entry, original, (output, input, output_split_sizes, input_split_sizes),
+                             dict(group=group, async_op=async_op))
 
     recorded.__slime_original__ = original
     return recorded
