@@ -9,29 +9,14 @@ trainer's in fp32.
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-from test_learning_demo import AGREEMENT, MIN_RISE, NUM_ROLLOUTS, _series
-
-ROOT = Path(__file__).resolve().parents[1]
+from test_learning_demo import AGREEMENT, MIN_RISE, NUM_ROLLOUTS, _series, run_demo_script
 
 
 @pytest.fixture(scope="module")
 def moe_demo(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("demo_moe")
-    env = {**os.environ, "OUT": str(out), "NUM_ROLLOUT": str(NUM_ROLLOUTS), "PY": sys.executable}
-    env.pop("SLIME_FAULT_INJECT", None)
-    proc = subprocess.run(["bash", str(ROOT / "examples" / "run_cpu_demo_moe.sh")], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=840)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {"out": out, "stdout": proc.stdout, "events": events}
+    return run_demo_script("run_cpu_demo_moe.sh", tmp_path_factory.mktemp("demo_moe"), 840)
 
 
 @pytest.mark.timeout(880)
