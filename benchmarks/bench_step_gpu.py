@@ -69,7 +69,7 @@ OOM_EXIT_CODE = 3
 
 @dataclass(frozen=True, kw_only=True)
 class ModelShape:
-    """A dense Qwen3-style decoder (SwiGLU MLP, GQA, RMSNorm, tied embeddings)."""
+    """A Qwen3-style decoder (SwiGLU MLP, GQA, RMSNorm), dense or MoE (every layer routed, top-k experts)."""
 
     layers: int
     hidden: int
@@ -78,11 +78,18 @@ class ModelShape:
     head_dim: int
     ffn_hidden: int
     vocab: int = 151936
+    num_experts: int = 0
+    topk: int = 0
+    moe_ffn_hidden: int = 0
+    tied: bool = True
 
     def matmul_params(self) -> int:
-        """Weights every token multiplies with (projections, MLP, LM head; no embedding lookup, norms)."""
+        """Weights every token multiplies with (projections, MLP or its router and top-k experts: the ACTIVE
+        parameters, LM head; no embedding lookup, norms)."""
         h, d = self.hidden, self.head_dim
-        per_layer = h * (self.heads + 2 * self.kv_heads) * d + self.heads * d * h + 3 * h * self.ffn_hidden
+        mlp = 3 * h * self.moe_ffn_hidden * self.topk + h * self.num_experts if self.num_experts \
+            else 3 * h * self.ffn_hidden
+        per_layer = h * (self.heads + 2 * self.kv_heads) * d + self.heads * d * h + mlp
         return self.layers * per_layer + h * self.vocab
 
     def forward_flops(self, seq_lens: list[int]) -> float:
@@ -95,6 +102,12 @@ MODELS = {
     "qwen3-0.6b": ModelShape(layers=28, hidden=1024, heads=16, kv_heads=8, head_dim=128, ffn_hidden=3072),
     "qwen3-4b": ModelShape(layers=36, hidden=2560, heads=32, kv_heads=8, head_dim=128, ffn_hidden=9728),
     "tiny": ModelShape(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, ffn_hidden=128),
+    # Qwen3-30B-A3B's layer (128 experts, top-8, expert width 768) with 8 of its 48 layers: fits one H200
+    # with Adam state (about 5.6B parameters) at EP1
+    "qwen3-30b-a3b-8l": ModelShape(layers=8, hidden=2048, heads=32, kv_heads=4, head_dim=128, ffn_hidden=6144,
+                                   num_experts=128, topk=8, moe_ffn_hidden=768, tied=False),
+    "tiny-moe": ModelShape(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, ffn_hidden=128,
+                           num_experts=8, topk=2, moe_ffn_hidden=32, tied=False),
 }
 STEP_FORWARDS = 4  # log-prob forward + training forward/backward (backward = 2 forwards)
 
@@ -380,7 +393,8 @@ def write_config_checkpoint(out_dir: str, shape: ModelShape) -> str:
 
     spec = TinyQwen3Spec(layers=shape.layers, hidden=shape.hidden, heads=shape.heads, kv_heads=shape.kv_heads,
                          head_dim=shape.head_dim, ffn_hidden=shape.ffn_hidden, max_position_embeddings=40960,
-                         tie_word_embeddings=True)
+                         tie_word_embeddings=shape.tied, num_experts=shape.num_experts, moe_topk=shape.topk or 2,
+                         moe_ffn_hidden=shape.moe_ffn_hidden or 32)
     tmp = tempfile.mkdtemp(dir=os.path.dirname(os.path.abspath(out_dir)), prefix=".cfg_")
     build_config(spec).save_pretrained(tmp)
     if not os.path.exists(os.path.join(out_dir, "config.json")):

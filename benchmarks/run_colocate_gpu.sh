@@ -4,6 +4,8 @@
 #           cycle, and parameters + optimizer state compared element-wise across one sleep/wake
 #   engine  the embedded engine on CUDA: device memory awake vs released, same greedy outputs after resume
 #   loop    python train.py --colocate: trainer and engine share every GPU, ROLLOUTS rollouts (default 24)
+#   moe-replay  the loop on a Qwen3-MoE-shaped model (32 experts, top-4), bf16, twice: without and with
+#           --use-rollout-routing-replay; train/train_rollout_logprob_abs_diff of each (ROLLOUTS, default 8)
 #   logprobs  the loop's model on one GPU: engine, transformers and megatron log-probs of the same generated
 #           tokens in bf16 and fp32 (benchmarks/logprob_parity.py), which side of the loop's diff is off
 # Prepare .whl/ with benchmarks/fetch_gpu_wheels.sh and copy it along. Results land in $OUT when set, or
@@ -57,6 +59,35 @@ engine)
   timeout ${ENGINE_TIMEOUT:-240} python3 benchmarks/engine_memory.py --model-path $CKPT --device cuda --dtype bfloat16 \
     --results-json "$OUT/engine.json" > "$OUT/engine.log" 2>&1
   echo "engine rc=$?"; grep -h "ENGINE_MEMORY\|Error" "$OUT/engine.log" | cut -c1-1500 ;;
+moe-replay)
+  MOE_MODEL=/tmp/colocate-counting-moe
+  [ -f $MOE_MODEL/config.json ] || python3 -m slime.tools.tiny_checkpoint --out $MOE_MODEL --alphabet 0123456789 \
+    --layers 8 --hidden 1024 --heads 16 --kv-heads 8 --head-dim 64 --num-experts 32 --moe-topk 4 \
+    --moe-ffn-hidden 512 --seed 1234 > /dev/null
+  python3 -m slime.tools.demo_prompts --task counting --n 400 --out /tmp/counting.jsonl > /dev/null
+  for replay in off on; do
+    extra=(); [ $replay = on ] && extra=(--use-rollout-routing-replay)
+    timeout ${MOE_TIMEOUT:-280} python3 train.py --hf-checkpoint $MOE_MODEL --rollout-backend embedded \
+      --prompt-data /tmp/counting.jsonl --input-key prompt --label-key label --rollout-shuffle \
+      --custom-rm-path examples.counting_reward.reward \
+      --actor-num-nodes 1 --actor-num-gpus-per-node "$NGPU" --colocate --rollout-num-gpus-per-engine 1 \
+      ${LAYOUT:-} --use-dynamic-batch-size --max-tokens-per-gpu 8192 --calculate-per-token-loss --use-slime-router \
+      --num-experts 32 --moe-router-topk 4 --moe-token-dispatcher-type alltoall "${extra[@]}" \
+      --num-rollout ${ROLLOUTS:-8} --rollout-batch-size 8 --n-samples-per-prompt 8 --num-steps-per-rollout 2 \
+      --rollout-max-response-len 3 --rollout-temperature 1.0 \
+      --advantage-estimator grpo --use-kl-loss --kl-loss-coef 0.01 --kl-loss-type low_var_kl --entropy-coef 0.001 \
+      --optimizer adam --lr ${LR:-1e-4} --lr-decay-style constant --bf16 \
+      --attention-dropout 0.0 --hidden-dropout 0.0 --fence-timeout 120 --seed 1234 \
+      --metrics-jsonl "$OUT/moe_replay_$replay.jsonl" > "$OUT/moe_replay_$replay.log" 2>&1
+    echo "moe-replay $replay rc=$?"; grep -h "training stopped\|Traceback\|Error" "$OUT/moe_replay_$replay.log" | head -5
+    python3 - "$OUT/moe_replay_$replay.jsonl" "$replay" <<'PY'
+import json, statistics, sys
+diffs = [e["train/train_rollout_logprob_abs_diff"] for e in map(json.loads, open(sys.argv[1]))
+         if e.get("event") == "train" and "train/train_rollout_logprob_abs_diff" in e]
+print(f"MOE_REPLAY {sys.argv[2]}: rollouts {len(diffs)} logprob_abs_diff mean {statistics.mean(diffs):.3e} "
+      f"max {max(diffs):.3e}" if diffs else f"MOE_REPLAY {sys.argv[2]}: no train events")
+PY
+  done ;;
 loop)
   # The learnable counting task (examples/run_cpu_demo.sh) on a Qwen3-0.6B-shaped body (24 layers,
   # hidden 1024, 16/8 heads, FFN 3072) over the demo's character vocabulary, random init, bf16: rewards

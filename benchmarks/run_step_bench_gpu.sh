@@ -4,6 +4,7 @@
 # Phases, each under its own deadline inside BUDGET_S (default 530 s):
 #   attention   benchmarks/bench_step_gpu.py attention: CP1 and a CP2 rank, 16k and 32k tokens, 0.6B and 4B heads
 #   step06      qwen3-0.6b step, old vs new, with a sync audit and one profiled cycle
+#   moe         Qwen3-30B-A3B-shaped MoE step (8 of 48 layers, EP1): TFLOP/s of the active parameters, peak memory
 #   step4b      qwen3-4b step with --max-tokens-per-gpu 32768 and full recompute (the fit check), old vs new;
 #               if it runs out of memory, step4b16k repeats it at 16384 so the 4B figures exist
 # Layout: 1 GPU -> TP1; N > 1 GPUs -> TPN x SP (LAYOUT overrides). Env overrides: BUDGET_S, S06_* and S4B_*
@@ -34,13 +35,14 @@ fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 "$PY" -c "import megatron.core, transformers, safetensors, torch.distributed.run" || fatal "a required package does not import (above)"
 if [ "${DRY_RUN:-0}" = 1 ]; then
-  NGPU=1 M06=tiny M4B=tiny ATTN=(--device cpu --tokens 64 --shapes 4:2:16 --reps 1) SMI=true
+  NGPU=1 M06=tiny M4B=tiny MMOE=tiny-moe ATTN=(--device cpu --tokens 64 --shapes 4:2:16 --reps 1) SMI=true
   export S06_MIN_TOKENS=64 S06_MAX_TOKENS=128 S06_TOKENS_PER_GPU=256 S06_CYCLES=1
   export S4B_MIN_TOKENS=200 S4B_MAX_TOKENS=240 S4B_TOKENS_PER_GPU=256 S4B_CYCLES=1
+  export SMOE_MIN_TOKENS=64 SMOE_MAX_TOKENS=128 SMOE_TOKENS_PER_GPU=256 SMOE_CYCLES=1
 else
   NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count())') || fatal "torch does not start"
   [ "$NGPU" -ge 1 ] || fatal "no GPU visible to torch"
-  M06=qwen3-0.6b M4B=qwen3-4b ATTN=(--tokens ${ATTN_TOKENS:-16384 32768} --shapes 16:8:128 32:8:128) SMI=nvidia-smi
+  M06=qwen3-0.6b M4B=qwen3-4b MMOE=qwen3-30b-a3b-8l ATTN=(--tokens ${ATTN_TOKENS:-16384 32768} --shapes 16:8:128 32:8:128) SMI=nvidia-smi
 fi
 TORCHRUN=("$PY" -m torch.distributed.run --nproc-per-node "$NGPU")
 if [ "$NGPU" -gt 1 ]; then LAYOUT=${LAYOUT:---tensor-model-parallel-size $NGPU --sequence-parallel}; else LAYOUT=${LAYOUT:-}; fi
@@ -80,7 +82,18 @@ step() {  # step NAME CAP_S PREFIX MODEL FLAGS...: one torchrun of the step benc
     --time-budget-s $((limit - 30)) --results-json "$OUT/$name.json" $LAYOUT "$@"
 }
 
-run attention 100 "$PY" benchmarks/bench_step_gpu.py attention "${ATTN[@]}" --results-json "$OUT/attention.json"
+
+# PHASES picks phases (default all): e.g. PHASES=moe runs only the MoE step
+want() { [ -z "${PHASES:-}" ] || [[ " $PHASES " == *" $1 "* ]]; }
+want attention && run attention 100 "$PY" benchmarks/bench_step_gpu.py attention "${ATTN[@]}" --results-json "$OUT/attention.json"
+
+if want moe; then  # Qwen3-30B-A3B-shaped MoE step (8 layers, 128 experts, top-8, EP1), new path only
+  SMOE_NUM_SAMPLES=${SMOE_NUM_SAMPLES:-4} SMOE_MIN_TOKENS=${SMOE_MIN_TOKENS:-6144} SMOE_MAX_TOKENS=${SMOE_MAX_TOKENS:-8192}
+  SMOE_CYCLES=${SMOE_CYCLES:-2}
+  step moe 240 SMOE "$MMOE" --paths new --max-tokens-per-gpu "${SMOE_TOKENS_PER_GPU:-8192}" \
+    --moe-token-dispatcher-type alltoall --moe-router-dtype fp32 --use-distributed-optimizer
+fi
+want step06 || want step4b || { echo "done after $((SECONDS - START))s, status $STATUS" | tee -a "$OUT/summary.txt"; exit "$STATUS"; }
 
 S06_NUM_SAMPLES=${S06_NUM_SAMPLES:-6} S06_MIN_TOKENS=${S06_MIN_TOKENS:-12288} S06_MAX_TOKENS=${S06_MAX_TOKENS:-16384}
 S06_CYCLES=${S06_CYCLES:-3}

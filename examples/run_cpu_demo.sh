@@ -15,8 +15,10 @@ export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the reward plugin is imported as examples.counting_reward
 
 SEED=${SEED:-1234}
-MODEL="$OUT/counting-model-seed$SEED"  # random init: the seed picks the initial weights too
-[ -f "$MODEL/config.json" ] || $PY -m slime.tools.tiny_checkpoint --out "$MODEL" --alphabet 0123456789 --seed "$SEED"
+MODEL="$OUT/${MODEL_NAME:-counting-model}-seed$SEED"  # random init: the seed picks the initial weights too
+# TINY_ARGS: more flags for the tiny checkpoint (examples/run_cpu_demo_moe.sh makes a mixture of experts)
+[ -f "$MODEL/config.json" ] || $PY -m slime.tools.tiny_checkpoint --out "$MODEL" --alphabet 0123456789 --seed "$SEED" \
+  ${TINY_ARGS:-}
 [ -f "$OUT/counting.jsonl" ] || $PY -m slime.tools.demo_prompts --task counting --n 200 --out "$OUT/counting.jsonl"
 rm -f "$OUT/metrics.jsonl"
 

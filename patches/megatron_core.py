@@ -34,6 +34,7 @@ import types
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 _APPLIED = False
 
@@ -80,6 +81,12 @@ _MODULES_TO_LOAD = (
     "megatron.core.dist_checkpointing.strategies.state_dict_saver",
     "megatron.core.dist_checkpointing.strategies.fully_parallel",
     "megatron.core.dist_checkpointing.strategies.async_utils",
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.transformer.moe.router",
+    "megatron.core.transformer.moe.token_dispatcher",
+    "megatron.core.transformer.moe.experts",
+    "megatron.core.transformer.moe.moe_layer",
+    "megatron.core.transformer.moe.shared_experts",
 )
 
 _FACTORIES = (
@@ -292,6 +299,54 @@ def _patch_type_checks() -> None:
             module.clip_grad_by_total_norm_fp32 = clip_grads.clip_grad_by_total_norm_fp32
 
 
+def _patch_moe_split_sizes() -> None:
+    """The alltoall token dispatcher hands its split sizes to all_to_all_single after
+    `maybe_move_tensor_to_cpu(..., as_numpy=True)`, which converts only CUDA tensors; CPU tensors
+    stay tensors, which the binding refuses. Convert CPU ones too (same values)."""
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    original = moe_utils.maybe_move_tensor_to_cpu
+
+    def move_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+        moved = original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+        return moved.numpy() if as_numpy and torch.is_tensor(moved) else moved
+
+    for module in (moe_utils, token_dispatcher):
+        if hasattr(module, "maybe_move_tensor_to_cpu"):
+            module.maybe_move_tensor_to_cpu = move_to_cpu
+
+
+def _patch_uneven_sequence_collectives() -> None:
+    """gloo has no all-gather / reduce-scatter with per-rank sizes (the expert-TP group of the alltoall
+    dispatcher uses them when ETP > 1: each ETP rank routes its own token count). Same results:
+    the gather pads every rank's rows to the largest count, gathers, and drops the padding; the
+    reduce-scatter all-reduces the whole tensor and keeps this rank's rows."""
+    from megatron.core.tensor_parallel import mappings
+
+    gather, reduce_scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+
+    def gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in output_split_sizes]
+        width = max(sizes)
+        padded = input_.new_zeros((width, *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        out = input_.new_empty((width * len(sizes), *input_.shape[1:]))
+        dist.all_gather_into_tensor(out, padded.contiguous(), group=group)
+        return torch.cat([out[r * width: r * width + n] for r, n in enumerate(sizes)])
+
+    def reduce_scatter_along_first_dim(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
+        total = input_.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        return list(torch.split(total, [int(n) for n in input_split_sizes], dim=0))[group.rank()].contiguous()
+
+    mappings._gather_along_first_dim = gather_along_first_dim
+    mappings._reduce_scatter_along_first_dim = reduce_scatter_along_first_dim
+
+
 def _patch_rng() -> None:
     """The tensor-parallel RNG tracker keeps CPU generator states instead of CUDA ones."""
     random = importlib.import_module("megatron.core.tensor_parallel.random")
@@ -418,6 +473,19 @@ def apply_mla_without_te() -> None:
     multi_latent_attention.HAVE_TE = False
 
 
+# ------------------------------------------------------------------ MoE without TransformerEngine (every machine)
+def define_missing_te_gemm() -> None:
+    """megatron-core 0.16's router GEMM tests `te_general_gemm is not None`, a name it binds only when
+    TransformerEngine imports: without TE the router raises NameError. Binding it to None selects the
+    torch.mm branch megatron already has (the result is the same GEMM)."""
+    try:
+        from megatron.core.transformer.moe import moe_utils
+    except ImportError:
+        return
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 # ------------------------------------------------------------------ CPU-only patches
 def apply() -> None:
     """Apply all CPU patches to megatron-core (idempotent).
@@ -438,4 +506,6 @@ def apply() -> None:
     _patch_tied_embedding_sync()
     _patch_rng()
     _patch_rope_cp_slice()
+    _patch_moe_split_sizes()
+    _patch_uneven_sequence_collectives()
     _APPLIED = True

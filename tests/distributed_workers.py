@@ -24,10 +24,14 @@ from slime.distributed import (
 from slime.distributed.fault_inject import apply_metric_key_fault, apply_plan_fault, maybe_stall, should_skip_collective
 
 
-def make_args(*, fence_timeout: float, recreate: bool = False, group_timeout_min: float = 1.0) -> SimpleNamespace:
+def make_args(*, fence_timeout: float, recreate: bool = False, group_timeout_min: float = 1.0,
+              expert_parallel: int = 1) -> SimpleNamespace:
+    """TP2 x CP4, or with expert_parallel > 1 TP2 x EP (CP1, expert-TP 1): the MoE layout."""
     return SimpleNamespace(
         tensor_model_parallel_size=2,
-        context_parallel_size=4,
+        context_parallel_size=4 if expert_parallel == 1 else 1,
+        expert_model_parallel_size=expert_parallel,
+        expert_tensor_parallel_size=1 if expert_parallel > 1 else None,
         pipeline_model_parallel_size=1,
         fence_timeout=fence_timeout,
         distributed_timeout_minutes=group_timeout_min,
@@ -56,7 +60,9 @@ def pseudo_step(rank: int, lifecycle: ProcessGroupLifecycle, watchdog: Watchdog,
         with watchdog.phase("forward_backward"):
             x = torch.full((4,), float(rank))
             dist.all_reduce(x, group=mpu.get_tensor_model_parallel_group())
-            if not should_skip_collective(rank, rollout_id):
+            if mpu.get_expert_model_parallel_world_size() > 1:
+                _token_all_to_all(rank, should_skip_collective(rank, rollout_id))
+            elif not should_skip_collective(rank, rollout_id):
                 dist.all_reduce(x, group=mpu.get_context_parallel_group())
             dist.all_reduce(x, group=mpu.get_data_parallel_group(with_context_parallel=True))
         with watchdog.phase("metrics"):
@@ -71,6 +77,17 @@ def pseudo_step(rank: int, lifecycle: ProcessGroupLifecycle, watchdog: Watchdog,
     return float(x.sum())
 
 
+def _token_all_to_all(rank: int, skip: bool) -> None:
+    """An MoE dispatch: every EP rank sends a different number of token rows to each peer."""
+    group = mpu.get_expert_model_parallel_group()
+    members, me = dist.get_world_size(group), mpu.get_expert_model_parallel_rank()
+    sent = [1 + (me + peer) % 3 for peer in range(members)]
+    received = [1 + (peer + me) % 3 for peer in range(members)]
+    if not skip:
+        out = torch.empty(sum(received), 8)
+        dist.all_to_all_single(out, torch.ones(sum(sent), 8), received, sent, group=group)
+
+
 def clean_steps(rank: int, world: int, ledger_dir: str, steps: int) -> dict:
     ledger, lifecycle, watchdog = setup(rank, world, ledger_dir, make_args(fence_timeout=30), deadline_s=60)
     signatures, totals = [], []
@@ -82,10 +99,12 @@ def clean_steps(rank: int, world: int, ledger_dir: str, steps: int) -> dict:
     return {"signatures": signatures, "totals": totals, "fence_seq": lifecycle.fence.seq}
 
 
-def fault_run(rank: int, world: int, ledger_dir: str, fence_timeout: float, deadline_s: float) -> dict:
+def fault_run(rank: int, world: int, ledger_dir: str, fence_timeout: float, deadline_s: float,
+              expert_parallel: int = 1) -> dict:
     """Clean rollout 0, then sleep/wake and rollout 1 (faults target rollout 1). Returns the error seen."""
     try:
-        _, lifecycle, watchdog = setup(rank, world, ledger_dir, make_args(fence_timeout=fence_timeout), deadline_s=deadline_s)
+        args = make_args(fence_timeout=fence_timeout, expert_parallel=expert_parallel)
+        _, lifecycle, watchdog = setup(rank, world, ledger_dir, args, deadline_s=deadline_s)
         pseudo_step(rank, lifecycle, watchdog, 0)
         lifecycle.sleep(0)
         with watchdog.phase("wake"):

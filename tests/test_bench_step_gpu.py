@@ -49,6 +49,28 @@ def test_matmul_params_are_the_architectures_matmul_weights(bench):
     assert 590e6 < shape.matmul_params() < 600e6  # Qwen3-0.6B: 0.44B in the layers + the 0.16B LM head
 
 
+def test_moe_matmul_params_are_the_active_weights(bench):
+    """MoE: attention, the router and top-k of the experts per token (Qwen3-30B-A3B: ~3.3B active of 30.5B)."""
+    from transformers import AutoModelForCausalLM
+
+    from slime.tools.tiny_checkpoint import TinyQwen3Spec, build_config
+
+    shape = bench.MODELS["qwen3-30b-a3b-8l"]
+    config = build_config(TinyQwen3Spec(layers=shape.layers, hidden=shape.hidden, heads=shape.heads,
+                                        kv_heads=shape.kv_heads, head_dim=shape.head_dim, num_experts=shape.num_experts,
+                                        moe_topk=shape.topk, moe_ffn_hidden=shape.moe_ffn_hidden))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    layers = [p for n, p in model.named_parameters() if ".layers." in n and p.dim() >= 2]
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
+    total = sum(p.numel() for p in layers)
+    active = total - experts + experts * shape.topk // shape.num_experts
+    assert shape.matmul_params() == active + shape.hidden * shape.vocab
+    import dataclasses
+
+    assert 3.0e9 < dataclasses.replace(shape, layers=48).matmul_params() < 3.6e9  # the whole model: "A3B"
+
+
 def test_forward_flops_count_causal_attention_per_sequence(bench):
     shape = bench.ModelShape(layers=2, hidden=8, heads=4, kv_heads=2, head_dim=4, ffn_hidden=16, vocab=32)
     matmul = 2 * (8 * (4 + 4) * 4 + 4 * 4 * 8 + 3 * 8 * 16) + 8 * 32

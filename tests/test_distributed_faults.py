@@ -18,9 +18,10 @@ FENCE_S = 8.0
 WATCHDOG_S = 12.0
 
 
-def _run(tmp_path, monkeypatch, spec: str):
+def _run(tmp_path, monkeypatch, spec: str, expert_parallel: int = 1):
     monkeypatch.setenv("SLIME_FAULT_INJECT", spec)
-    return run_ranks_outcomes(workers.fault_run, WORLD, args=(str(tmp_path), FENCE_S, WATCHDOG_S), timeout_s=240)
+    return run_ranks_outcomes(workers.fault_run, WORLD, args=(str(tmp_path), FENCE_S, WATCHDOG_S, expert_parallel),
+                              timeout_s=240)
 
 
 def _error(outcome) -> dict:
@@ -66,3 +67,40 @@ def test_rank_stuck_in_logging(tmp_path, monkeypatch):
         err = _error(outcome)
         assert err["error"] == "FenceTimeoutError" and "fence 'step_end'" in err["message"]
         assert "lagging ranks=[0]" in err["message"], err["message"]
+
+
+# ------------------------------------------------------------------ expert parallelism: TP2 x EP4
+
+
+@pytest.mark.timeout(300)
+def test_ep_rank_stuck_in_communicator_warmup(tmp_path, monkeypatch):
+    """The EP, ETP and expert-DP groups are warmed with the others: a rank stuck there is named at wake."""
+    outcomes = _run(tmp_path, monkeypatch, "stall_comm_init@5#1", expert_parallel=4)
+    stuck = _error(outcomes[5])
+    assert stuck["error"] == "HangError" and "HANG: phase=wake stuck ranks=[5]" in stuck["message"]
+    for outcome in outcomes[:5] + outcomes[6:]:
+        err = _error(outcome)
+        assert "FenceTimeoutError" in err["mro"] and "lagging ranks=[5]" in err["message"], err["message"]
+
+
+@pytest.mark.timeout(300)
+def test_ep_rank_skipping_its_token_all_to_all(tmp_path, monkeypatch):
+    """An EP rank that skips the dispatch all-to-all (uneven token counts): its EP peers block inside it and the
+    watchdog names the phase and the rank; the others time out at the next fence naming it too."""
+    import re
+
+    outcomes = _run(tmp_path, monkeypatch, "skip_collective@3#1", expert_parallel=4)
+    hang = re.compile(r"HANG: phase=actor_train/forward_backward stuck ranks=\[([\d, ]+)\]")
+
+    def names_rank_3(text: str) -> bool:
+        match = hang.search(text) or re.search(r"lagging ranks=\[([\d, ]+)\]", text)
+        return bool(match) and 3 in [int(r) for r in match.group(1).split(",")]
+
+    for outcome in outcomes:
+        if outcome.status == "exit":  # blocked in native code after the grace period: the HANG line is on file
+            assert outcome.exitcode == HANG_EXIT_CODE, outcome
+            continue
+        err = _error(outcome)
+        assert err["error"] in ("HangError", "FenceTimeoutError") and names_rank_3(err["message"]), err["message"]
+    stacks = [p.read_text().splitlines()[0] for p in tmp_path.glob("stacks_rank*.txt")]
+    assert stacks and all(hang.match(line) and names_rank_3(line) for line in stacks), stacks

@@ -61,8 +61,8 @@ def test_every_accepted_flag_is_read_or_registered():
     for action in parser._actions:
         if not action.option_strings or action.dest == "help":
             continue
-        if any(o in registered or o.startswith("--moe-") for o in action.option_strings):
-            continue  # --moe-* are refused as a family (arguments._moe_refusals)
+        if any(o in registered for o in action.option_strings):
+            continue
         if action.dest.startswith("sglang_") and action.dest not in sglang_passthrough.SLIME_OWN_SGLANG_DESTS:
             continue  # forwarded to SGLang's ServerArgs by sglang_passthrough.resolve_server_args
         if not re.search(rf"\.{action.dest}\b|[\"']{action.dest}[\"']", code):
@@ -125,9 +125,11 @@ def test_upstream_example_script_flags_parse(tmp_path):
 
 REFUSED_CASES = [
     (["--advantage-estimator", "ppo"], "--advantage-estimator ppo is not supported here: ppo needs a critic model"),
-    (["--num-experts", "8"], "--num-experts 8 is not supported here: the model builder is dense-only"),
-    (["--moe-router-topk", "4"], "--moe-router-topk 4 is not supported here: the model builder is dense-only"),
-    (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size 2 is not supported here"),
+    (["--num-experts", "6", "--expert-model-parallel-size", "4", "--actor-num-gpus-per-node", "4"],
+     "--expert-model-parallel-size 4 does not divide --num-experts 6; use a divisor of 6"),
+    (["--expert-model-parallel-size", "2"], "is not divisible by --expert-model-parallel-size 2"),
+    (["--num-experts", "4", "--moe-router-topk", "8"], "--moe-router-topk 8 is above --num-experts 4"),
+    (["--moe-token-dispatcher-type", "flex"], "the flex dispatcher needs DeepEP"),
     (["--optimizer", "sgd"], "only --optimizer adam is implemented"),
     (["--ckpt-format", "torch"], "dist_checkpointing (torch_dist) only"),
     (["--flush-cache-interval", "4"], "a longer interval is not implemented"),

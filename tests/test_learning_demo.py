@@ -23,16 +23,20 @@ MIN_RISE = 0.25
 AGREEMENT = 1e-4
 
 
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("demo")
+def run_demo_script(script: str, out: Path, timeout_s: float) -> dict:
+    """examples/<script> as users run it, NUM_ROLLOUTS rollouts into `out`: its stdout and metrics events."""
     env = {**os.environ, "OUT": str(out), "NUM_ROLLOUT": str(NUM_ROLLOUTS), "PY": sys.executable}
     env.pop("SLIME_FAULT_INJECT", None)
-    proc = subprocess.run(["bash", str(ROOT / "examples" / "run_cpu_demo.sh")], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=780)
+    proc = subprocess.run(["bash", str(ROOT / "examples" / script)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout_s)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {"out": out, "stdout": proc.stdout, "events": events}
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory) -> dict:
+    return run_demo_script("run_cpu_demo.sh", tmp_path_factory.mktemp("demo"), 780)
 
 
 def _series(events: list[dict], kind: str, key: str) -> list[float]:

@@ -7,6 +7,9 @@ distributed_c10d because P2POp and batch_isend_irecv compare ops by identity aga
 module's globals. A few megatron modules bind `dist_all_gather_func` / `dist_reduce_scatter_func`
 at import time; those aliases are re-pointed as well (MEGATRON_ALIAS_MODULES). Nested calls (send -> isend, batch_isend_irecv -> isend) record only the outer op.
 Point-to-point ops also record their peer (global rank), so that a send can be paired with its receive.
+An all-to-all records its per-rank token counts instead of its row count (which differs per rank by
+design under expert parallelism): shape (-1, *row shape) and, in the peer slot,
+("splits", rows sent to each member, rows received from each member); the order proof pairs them.
 """
 from __future__ import annotations
 
@@ -149,16 +152,46 @@ def _wrap_p2p(name: str, original: Callable) -> Callable:
             return original(*args, **kwargs)
         group, shape, dtype = _describe(args, kwargs, group_index)
         entry = ledger.begin_p2p(name, group, shape, dtype, peer_of(args, kwargs, group))
-        _depth.value = 1
-        try:
-            result = original(*args, **kwargs)
-        except BaseException as exc:
-            ledger.end(entry, error_text(exc))
-            raise
-        finally:
-            _depth.value = 0
-        ledger.end(entry)
-        return result
+        return _run_recorded(ledger, entry, original, args, kwargs)
+
+    recorded.__slime_original__ = original
+    return recorded
+
+
+def _run_recorded(ledger: Ledger, entry: list, original: Callable, args: tuple, kwargs: dict):
+    """Call the op with nested collectives unrecorded; its ledger entry ends with the op (or its error)."""
+    _depth.value = 1
+    try:
+        result = original(*args, **kwargs)
+    except BaseException as exc:
+        ledger.end(entry, error_text(exc))
+        raise
+    finally:
+        _depth.value = 0
+    ledger.end(entry)
+    return result
+
+
+def _a2a_splits(output, input_, output_split_sizes, input_split_sizes, group) -> tuple:
+    members = dist.get_world_size(group)
+    even = lambda t: [t.shape[0] // members] * members
+    sent = [int(n) for n in input_split_sizes] if input_split_sizes is not None else even(input_)
+    received = [int(n) for n in output_split_sizes] if output_split_sizes is not None else even(output)
+    return "splits", tuple(sent), tuple(received)
+
+
+def _wrap_all_to_all(original: Callable) -> Callable:
+    """all_to_all_single: the same row shape on every member, each member's token counts beside it."""
+
+    @functools.wraps(original)
+    def recorded(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+        ledger = _active[0]
+        if ledger is None or _depth.value:
+            return original(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+        splits = _a2a_splits(output, input, output_split_sizes, input_split_sizes, group)
+        entry = ledger.begin_p2p("all_to_all_single", group, (-1, *input.shape[1:]), input.dtype, splits)
+        return _run_recorded(ledger, entry, original, (output, input, output_split_sizes, input_split_sizes),
+                             dict(group=group, async_op=async_op))
 
     recorded.__slime_original__ = original
     return recorded
@@ -172,7 +205,10 @@ def instrument_collectives(ledger: Ledger) -> None:
     for name in INSTRUMENTED_OPS:
         original = getattr(dist, name)
         _originals[name] = original
-        wrapped = (_wrap_p2p if name in _P2P_OPS else _wrap)(name, original)
+        if name == "all_to_all_single":
+            wrapped = _wrap_all_to_all(original)
+        else:
+            wrapped = (_wrap_p2p if name in _P2P_OPS else _wrap)(name, original)
         setattr(dist, name, wrapped)
         if name in _ALSO_IN_C10D:
             setattr(c10d, name, wrapped)

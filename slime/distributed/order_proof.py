@@ -6,6 +6,8 @@ Reads the sequence files a run wrote with `--ledger-record-sequence` (one per ra
 and checks, for every process group instance (a name and its global ranks, e.g. cp[1,3,5,7]):
 
 - collectives and fences: every member recorded the same list of (op, shape, dtype), in order;
+- all-to-alls (expert parallelism): besides the same (op, row shape, dtype) in order, the k-th one's
+  token counts pair up: the rows member a sends to member b are the rows b receives from a;
 - point-to-point ops: ring and pipeline peers post sends and receives in different orders and
   directions by design, so they are paired instead: for each ordered pair a -> b of members, the
   (shape, dtype) of a's sends to b equal those of b's receives from a, in order (which is how
@@ -155,6 +157,7 @@ def check_order(sequences: dict[int, RankSequence], *, complete: bool = True) ->
             continue
         collectives = {r: [op for op in per_rank.get(r, []) if op.op not in P2P_OPS] for r in members}
         mismatches += _compare_collectives(label, collectives, complete)
+        mismatches += _compare_all_to_all(label, members, collectives)
         mismatches += _compare_transfers(label, members, per_rank, complete)
     ops = sum(len(s.ops) for s in sequences.values())
     return OrderReport(len(sequences), len(by_group), ops, tuple(mismatches))
@@ -189,6 +192,21 @@ def _compare_collectives(label: str, per_rank: dict[int, list[SequenceOp]], comp
         counts = ", ".join(f"rank {r} {n}" for r, n in lengths.items())
         return [OrderMismatch(label, min(lengths.values()) + 1, short,
                               f"members recorded different numbers of collectives: {counts}")]
+    return []
+
+
+def _compare_all_to_all(label: str, members: tuple[int, ...], per_rank: dict[int, list[SequenceOp]]
+                        ) -> list[OrderMismatch]:
+    """The k-th all-to-all of a group: rows a sends to b (its splits) == rows b receives from a."""
+    calls = {r: [op for op in ops if op.op == "all_to_all_single" and op.peer] for r, ops in per_rank.items()}
+    for index in range(min((len(c) for c in calls.values()), default=0)):
+        at = {r: c[index] for r, c in calls.items()}
+        for a, b in ((a, b) for a in members for b in members if a in at and b in at):
+            sent, received = at[a].peer[1][members.index(b)], at[b].peer[2][members.index(a)]
+            if sent != received:
+                return [OrderMismatch(label, at[a].position, (a, b),
+                                      f"all-to-all #{index + 1} ({at[a].phase}): rank {a} sends {sent} rows to "
+                                      f"rank {b}, which expects {received}")]
     return []
 
 

@@ -10,6 +10,7 @@ The trainer receives a dict of equal-length lists, one entry per sample, in roll
   sample_indices    list[int]         Sample.index (global id)
   rollout_log_probs list[list[float]] engine log-probs of response tokens (only when every sample has them)
   teacher_log_probs list[list[float]] a distillation teacher's log-probs of them (likewise)
+  rollout_routed_experts list[str]  the engines' routes (base64 int32 [tokens, MoE layers, top-k]; routing replay)
 """
 from __future__ import annotations
 
@@ -119,4 +120,6 @@ def samples_to_train_data(args, samples: Sequence[Sample] | Sequence[Sequence[Sa
         data["rollout_log_probs"] = [list(s.rollout_log_probs) for s in flat]
     if flat and all(s.teacher_log_probs is not None for s in flat):  # --use-opd --opd-type sglang
         data["teacher_log_probs"] = [[float(v) for v in s.teacher_log_probs] for s in flat]
+    if flat and all(s.rollout_routed_experts is not None for s in flat):
+        data["rollout_routed_experts"] = [s.rollout_routed_experts for s in flat]
     return data

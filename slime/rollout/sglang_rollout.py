@@ -154,14 +154,28 @@ async def generate(args, sample: Sample, sampling_params: dict[str, Any]) -> Sam
     # rid: engines and the rollout's error reports name the sample an outstanding request belongs to
     payload = {"input_ids": sample.tokens, "sampling_params": params, "return_logprob": True,
                "rid": f"sample{sample.index}-{uuid.uuid4().hex[:8]}"}
+    if getattr(args, "use_rollout_routing_replay", False):
+        payload["return_routed_experts"] = True
     output = await post(generate_url(args), payload, timeout_s=request_timeout(args))
     tokens, logprobs = _new_tokens_and_logprobs(output)
+    if payload.get("return_routed_experts"):
+        sample.rollout_routed_experts = routed_experts_of(output, generate_url(args))
     if logprobs is None:
         raise ValueError(f"{generate_url(args)} returned no meta_info.output_token_logprobs although "
                          "return_logprob was requested")
     sample.append_response_tokens(args, tokens=tokens, log_probs=logprobs, trainable=True,
                                   meta_info=output.get("meta_info") or {}, text=output.get("text", ""))
     return sample
+
+
+def routed_experts_of(output: dict, url: str) -> str:
+    """meta_info.routed_experts (base64 int32 [tokens, MoE layers, top-k], the whole sequence: each call's
+    routes cover what the earlier calls of a multi-turn sample generated too)."""
+    routes = (output.get("meta_info") or {}).get("routed_experts")
+    if not routes:
+        raise ValueError(f"{url} returned no meta_info.routed_experts although --use-rollout-routing-replay asked "
+                         "for them (SGLang: launch the engines with --enable-return-routed-experts)")
+    return routes
 
 
 class GenerateState(metaclass=SingletonMeta):

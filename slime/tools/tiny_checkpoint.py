@@ -1,6 +1,7 @@
-"""Write a tiny, randomly initialised Qwen3 HF checkpoint with a real HF tokenizer.
+"""Write a tiny, randomly initialised Qwen3 (or Qwen3-MoE) HF checkpoint with a real HF tokenizer.
 
     python -m slime.tools.tiny_checkpoint --out DIR [--layers 2 --hidden 64 --heads 4 ...] [--alphabet 0123456789]
+    python -m slime.tools.tiny_checkpoint --out DIR --num-experts 8 --moe-topk 2 --moe-ffn-hidden 32
 
 By default the tokenizer is the real Qwen one and the vocabulary Qwen3's full 151,936 rows (it
 must cover the tokenizer), so the embedding dominates the size; a small hidden size keeps loading
@@ -41,6 +42,10 @@ class TinyQwen3Spec:
     init_std: float = 0.02
     alphabet: str | None = None
     """None: the Qwen tokenizer; else a character tokenizer over these characters."""
+    num_experts: int = 0
+    """> 0: a Qwen3-MoE (every layer routed, softmax top-k renormalised, as Qwen3-30B-A3B)."""
+    moe_topk: int = 2
+    moe_ffn_hidden: int = 32
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,10 +66,18 @@ def vocab_ids(spec: TinyQwen3Spec) -> VocabIds:
 
 
 def build_config(spec: TinyQwen3Spec):
-    from transformers import Qwen3Config
+    from transformers import Qwen3Config, Qwen3MoeConfig
 
     ids = vocab_ids(spec)
-    return Qwen3Config(
+    if spec.num_experts:
+        family, extra = Qwen3MoeConfig, dict(
+            num_experts=spec.num_experts, num_experts_per_tok=spec.moe_topk, moe_intermediate_size=spec.moe_ffn_hidden,
+            norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.0,
+            architectures=["Qwen3MoeForCausalLM"])
+    else:
+        family, extra = Qwen3Config, dict(architectures=["Qwen3ForCausalLM"])
+    return family(
+        **extra,
         vocab_size=ids.size,
         hidden_size=spec.hidden,
         intermediate_size=spec.ffn_hidden,
@@ -81,17 +94,18 @@ def build_config(spec: TinyQwen3Spec):
         eos_token_id=ids.eos[0],
         pad_token_id=ids.pad,
         torch_dtype="float32",
-        architectures=["Qwen3ForCausalLM"],
     )
 
 
 def write_tiny_checkpoint(out_dir: str | Path, spec: TinyQwen3Spec = TinyQwen3Spec()) -> Path:
-    from transformers import GenerationConfig, Qwen3ForCausalLM
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(spec.seed)
-    model = Qwen3ForCausalLM(build_config(spec)).to(torch.float32)
+    model = AutoModelForCausalLM.from_config(build_config(spec)).to(torch.float32)
+    if spec.num_experts:
+        _spread_router(model, spec.init_std)
     model.save_pretrained(str(out), safe_serialization=True)
     ids = vocab_ids(spec)
     GenerationConfig(
@@ -111,6 +125,14 @@ def write_tiny_checkpoint(out_dir: str | Path, spec: TinyQwen3Spec = TinyQwen3Sp
     return out
 
 
+@torch.no_grad()
+def _spread_router(model, std: float) -> None:
+    """transformers initialises the router to zeros (every expert ties); random rows make routing real."""
+    for name, param in model.named_parameters():
+        if name.endswith("mlp.gate.weight"):
+            param.normal_(0.0, std * 20)
+
+
 def _parse(argv: list[str] | None) -> tuple[Path, TinyQwen3Spec]:
     defaults = TinyQwen3Spec()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -124,6 +146,9 @@ def _parse(argv: list[str] | None) -> tuple[Path, TinyQwen3Spec]:
     parser.add_argument("--max-position-embeddings", type=int, default=defaults.max_position_embeddings)
     parser.add_argument("--tie-word-embeddings", action="store_true")
     parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--num-experts", type=int, default=0, help="> 0: a Qwen3-MoE with this many experts")
+    parser.add_argument("--moe-topk", type=int, default=defaults.moe_topk)
+    parser.add_argument("--moe-ffn-hidden", type=int, default=defaults.moe_ffn_hidden)
     parser.add_argument("--alphabet", default=None,
                         help="a character tokenizer over these characters instead of the Qwen tokenizer")
     ns = parser.parse_args(argv)
@@ -138,14 +163,19 @@ def _parse(argv: list[str] | None) -> tuple[Path, TinyQwen3Spec]:
         tie_word_embeddings=ns.tie_word_embeddings,
         seed=ns.seed,
         alphabet=ns.alphabet,
+        num_experts=ns.num_experts,
+        moe_topk=ns.moe_topk,
+        moe_ffn_hidden=ns.moe_ffn_hidden,
     )
+    if spec.num_experts and not 0 < spec.moe_topk <= spec.num_experts:
+        parser.error(f"--moe-topk {spec.moe_topk} must be between 1 and --num-experts {spec.num_experts}")
     return ns.out, spec
 
 
 def main(argv: list[str] | None = None) -> None:
     out, spec = _parse(argv)
     path = write_tiny_checkpoint(out, spec)
-    print(f"wrote tiny Qwen3 checkpoint to {path}")
+    print(f"wrote tiny {'Qwen3-MoE' if spec.num_experts else 'Qwen3'} checkpoint to {path}")
 
 
 if __name__ == "__main__":

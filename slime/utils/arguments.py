@@ -107,6 +107,8 @@ NOT_IMPLEMENTED_FLAGS: tuple[NotImplementedFlag, ...] = (
     *_warned("eval requests are bounded by --eval-max-response-len and --rollout-max-context-len",
              "--eval-max-context-len"),
     *_warned("checkpoints are saved synchronously", "--async-save"),
+    *_warned("replayed routes of a step are held in memory whole; nothing is prefetched",
+             "--routing-replay-prefetch-microbatches"),
     *_warned("a PPO critic option; --advantage-estimator ppo (a critic) is not implemented", "--value-clip",
              "--lambd"),
     *_warned("pass@k is always logged here (rollout/pass@k)", "--log-passrate"),
@@ -173,7 +175,6 @@ ALWAYS_HONOURED_FLAGS: dict[str, str] = {
                                "config's RoPE",
 }
 
-_DENSE_ONLY = "the model builder is dense-only (Qwen3 / Qwen2 / Llama); MoE models are not supported"
 REFUSED_FLAGS: tuple[NotImplementedFlag, ...] = (
     NotImplementedFlag(flag="--advantage-estimator", is_active=lambda v: v in ("ppo", "cispo"),
                        reason="ppo needs a critic model and cispo its own objective, neither is implemented; use grpo, "
@@ -186,15 +187,12 @@ REFUSED_FLAGS: tuple[NotImplementedFlag, ...] = (
     NotImplementedFlag(flag="--use-unbiased-kl", reason="the importance-weighted (unbiased) KL is not implemented"),
     NotImplementedFlag(flag="--use-opsm", reason="off-policy sequence masking is not implemented"),
     NotImplementedFlag(flag="--opsm-delta", reason="off-policy sequence masking is not implemented"),
-    *(NotImplementedFlag(flag=f, reason=f"routing replay needs MoE; {_DENSE_ONLY}")
-      for f in ("--use-routing-replay", "--use-rollout-routing-replay", "--routing-replay-prefetch-microbatches")),
     NotImplementedFlag(flag="--num-critic-only-steps", reason="critic training (ppo) is not implemented"),
     NotImplementedFlag(flag="--megatron-config-path", reason="per-role (critic) Megatron configs are not implemented"),
     NotImplementedFlag(flag="--reset-optimizer-states", reason="resetting optimizer state per rollout is not implemented"),
     NotImplementedFlag(flag="--use-stateless-adam", reason="stateless Adam is not implemented"),
-    NotImplementedFlag(flag="--num-experts", reason=_DENSE_ONLY),
-    NotImplementedFlag(flag="--expert-model-parallel-size", is_active=lambda v: v != 1,
-                       reason=f"expert parallelism needs MoE; {_DENSE_ONLY}"),
+    NotImplementedFlag(flag="--moe-token-dispatcher-type", is_active=lambda v: v == "flex",
+                       reason="the flex dispatcher needs DeepEP (CUDA kernels); use alltoall"),
     NotImplementedFlag(flag="--mtp-num-layers", reason="multi-token prediction layers are not supported"),
     NotImplementedFlag(flag="--enable-mtp-training", reason="multi-token prediction layers are not supported"),
     *(NotImplementedFlag(flag=f, reason="the dense builder has no such layers (Qwen3 / Qwen2 / Llama only)")
@@ -246,12 +244,6 @@ REFUSED_FLAGS: tuple[NotImplementedFlag, ...] = (
 )
 
 
-def _moe_refusals(parser: argparse.ArgumentParser) -> tuple[NotImplementedFlag, ...]:
-    """Every --moe-* flag is refused when set: the builder would ignore it."""
-    return tuple(NotImplementedFlag(flag=option, reason=_DENSE_ONLY)
-                 for option in parser._option_string_actions if option.startswith("--moe-"))
-
-
 def _active(entries: Sequence[NotImplementedFlag], args: argparse.Namespace, parser: argparse.ArgumentParser,
             device: str) -> list[NotImplementedFlag]:
     active = []
@@ -287,7 +279,7 @@ def warn_not_implemented(args: argparse.Namespace, parser: argparse.ArgumentPars
 def refusal_messages(args: argparse.Namespace, parser: argparse.ArgumentParser, device: str) -> list[str]:
     """One line per active refused flag: it would change the maths and is not implemented."""
     messages = []
-    for entry in _active((*REFUSED_FLAGS, *_moe_refusals(parser)), args, parser, device):
+    for entry in _active(REFUSED_FLAGS, args, parser, device):
         value = getattr(args, parser._option_string_actions[entry.flag].dest)
         shown = "" if isinstance(value, bool) else f" {_shown(value)}"
         messages.append(f"{entry.flag}{shown} is not supported here: {entry.reason}")
@@ -582,11 +574,6 @@ def _add_algorithm_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--reset-optimizer-states", action="store_true", default=False,
                    help="clear the optimizer state after every rollout")
     g.add_argument("--use-stateless-adam", action="store_true", default=False, help="Adam without moment estimates")
-    g.add_argument("--use-routing-replay", action="store_true", default=False, help="MoE routing replay in training")
-    g.add_argument("--use-rollout-routing-replay", action="store_true", default=False,
-                   help="MoE routing replay from the rollout engines")
-    g.add_argument("--routing-replay-prefetch-microbatches", type=int, default=1,
-                   help="micro-batches of routing data prefetched")
     g.add_argument("--use-opsm", action="store_true", default=False, help="off-policy sequence masking")
     g.add_argument("--opsm-delta", type=float, default=1e-4, help="threshold of off-policy sequence masking")
     g.add_argument("--num-critic-only-steps", type=int, default=0, help="first rollouts that train the critic only")
@@ -736,11 +723,13 @@ def _add_megatron_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_moe_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("megatron moe", "mixture of experts (refused: the model builder is dense-only)")
+    g = parser.add_argument_group("megatron moe", "mixture of experts (megatron-core's MoE layer; the expert "
+                                  "count, top-k and widths come from the HF config, a flag must agree with it)")
     g.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer")
     g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="MLP width of each expert")
     g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None, help="MLP width of the shared expert")
-    g.add_argument("--moe-router-topk", type=int, default=2, help="experts each token is routed to")
+    g.add_argument("--moe-router-topk", type=int, default=None,
+                   help="experts each token is routed to (default: the HF config's num_experts_per_tok)")
     g.add_argument("--moe-router-load-balancing-type", type=str, default="aux_loss",
                    choices=["aux_loss", "seq_aux_loss", "sinkhorn", "none"], help="expert load-balancing method")
     g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0, help="weight of the load-balancing loss")
@@ -755,11 +744,12 @@ def _add_moe_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-router-enable-expert-bias", action="store_true", default=False,
                    help="auxiliary-loss-free balancing bias")
     g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3, help="update rate of the expert bias")
-    g.add_argument("--moe-token-dispatcher-type", type=str, default="allgather",
+    g.add_argument("--moe-token-dispatcher-type", type=str, default="alltoall",
                    choices=["allgather", "alltoall", "flex"], help="how tokens reach their experts")
     g.add_argument("--moe-grouped-gemm", action="store_true", default=False, help="grouped-GEMM expert kernels")
     g.add_argument("--moe-permute-fusion", action="store_true", default=False, help="fused token permutation")
-    g.add_argument("--moe-layer-freq", type=str, default="1", help="which layers are MoE (int or python list)")
+    g.add_argument("--moe-layer-freq", type=str, default=None,
+                   help="which layers are MoE (int or python list; default: the HF config's)")
     g.add_argument("--moe-expert-capacity-factor", type=float, default=None, help="expert capacity factor")
     g.add_argument("--moe-token-drop-policy", type=str, default="probs", choices=["probs", "position"],
                    help="which tokens an over-full expert drops")
@@ -767,6 +757,12 @@ def _add_moe_arguments(parser: argparse.ArgumentParser) -> None:
                    help="pad expert inputs to capacity")
     g.add_argument("--moe-shared-expert-overlap", action="store_true", default=False,
                    help="overlap the shared expert with dispatch")
+    g.add_argument("--use-routing-replay", action="store_true", default=False,
+                   help="training forwards route each token to the experts the old-policy log-prob pass chose")
+    g.add_argument("--use-rollout-routing-replay", action="store_true", default=False,
+                   help="log-prob and training forwards route each token to the experts the rollout engine chose")
+    g.add_argument("--routing-replay-prefetch-microbatches", type=int, default=1,
+                   help="micro-batches of routing data prefetched (routes are held in memory whole here)")
 
 
 def _add_model_family_arguments(parser: argparse.ArgumentParser) -> None:
@@ -1284,7 +1280,7 @@ def build_parser(
 # --------------------------------------------------------------------------------------------------------------
 # Validation: derived values first, then cross-flag checks. Each check is a short function raising with a fix.
 # --------------------------------------------------------------------------------------------------------------
-MODEL_FAMILIES = ("qwen3", "qwen2", "llama", "deepseek_v3", "glm4")
+MODEL_FAMILIES = ("qwen3", "qwen2", "llama", "qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4")
 
 
 def _fail(message: str) -> None:
@@ -1389,9 +1385,7 @@ def _check_parallel_layout(args: argparse.Namespace) -> None:
             f"{args.actor_num_gpus_per_node}) is not divisible by TP*CP*PP = {tp}*{cp}*{pp} = {model_parallel}; "
             "change the parallel sizes or the actor GPU count"
         )
-    expert_parallel = args.expert_model_parallel_size * args.expert_tensor_parallel_size * pp
-    if world % expert_parallel:
-        _fail(f"actor world size {world} is not divisible by EP*ETP*PP = {expert_parallel}")
+    _check_expert_layout(args, world)
     args.actor_world_size = world
     args.world_size = world
     _derive(args, "data_parallel_size", world // model_parallel,
@@ -1400,6 +1394,20 @@ def _check_parallel_layout(args: argparse.Namespace) -> None:
     if args.sequence_parallel and tp == 1:
         warnings.warn("--sequence-parallel has no effect with --tensor-model-parallel-size 1; disabling it", stacklevel=4)
         args.sequence_parallel = False
+
+
+def _check_expert_layout(args: argparse.Namespace, world: int) -> None:
+    """EP x ETP x PP must tile the world; EP must divide the experts; top-k at most the experts."""
+    ep, etp, pp = args.expert_model_parallel_size, args.expert_tensor_parallel_size, args.pipeline_model_parallel_size
+    if world % (ep * etp * pp):
+        _fail(f"actor world size {world} is not divisible by --expert-model-parallel-size {ep} x "
+              f"--expert-tensor-parallel-size {etp} x --pipeline-model-parallel-size {pp} = {ep * etp * pp}; "
+              "pick EP and ETP whose product with PP divides the actor GPU count")
+    experts, topk = args.num_experts, args.moe_router_topk
+    if experts is not None and experts % ep:
+        _fail(f"--expert-model-parallel-size {ep} does not divide --num-experts {experts}; use a divisor of {experts}")
+    if experts is not None and topk is not None and topk > experts:
+        _fail(f"--moe-router-topk {topk} is above --num-experts {experts}; route each token to at most {experts} experts")
 
 
 def _check_batching(args: argparse.Namespace) -> None:

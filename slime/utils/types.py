@@ -41,7 +41,7 @@ class Sample:
     # top-p replay in CSR form: the kept token ids of every response token, offsets of length response_length + 1
     rollout_top_p_token_ids: list[int] | torch.Tensor | None = None
     rollout_top_p_token_offsets: list[int] | torch.Tensor | None = None
-    rollout_routed_experts: list[list[int]] | None = None
+    rollout_routed_experts: str | None = None  # base64 int32 [tokens, MoE layers, top-k] (routing replay)
     # True: kept for bookkeeping but contributes no loss
     remove_sample: bool = False
     teacher_log_probs: list[float] | None = None

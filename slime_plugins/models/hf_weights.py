@@ -11,6 +11,10 @@ megatron layouts that differ from HF:
 - linear_fc1: TP rank r holds [gate_r; up_r]; the full tensor is the concatenation over r.
 - vocabulary rows padded with zeros to the model's padded vocab size.
 Both local-spec names (input_layernorm) and TE-spec names (linear_qkv.layer_norm_weight) are handled.
+MoE layers (router, routed and shared experts) take their names from slime_plugins/models/qwen3_moe.py;
+routed experts are sharded over expert-parallel ranks (each holds E/EP of them) and over the expert-TP
+group instead of TP: load reads only this rank's experts, the export all-gathers them over EP so every
+exporter yields all experts, in a fixed order (local expert i of EP rank 0, 1, ..., then i+1).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from slime_plugins.models import deepseek_v3, glm4
+from slime_plugins.models import deepseek_v3, glm4, qwen3_moe
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,11 @@ def _qkv(prefix: str, suffix: str, shapes: _Shapes) -> _Mapping:
 
 
 def _gate_up(prefix: str, tp: int) -> _Mapping:
+    return _fused_gate_up((f"{prefix}mlp.gate_proj.weight", f"{prefix}mlp.up_proj.weight"), tp)
+
+
+def _fused_gate_up(names: tuple[str, ...], tp: int) -> _Mapping:
+    """[gate; up] of a SwiGLU MLP as megatron's fc1: TP rank r holds [gate_r; up_r]."""
     def to_megatron(ts):
         gate, up = (t.chunk(tp, dim=0) for t in ts)
         return torch.cat([torch.cat([gr, ur]) for gr, ur in zip(gate, up)])
@@ -103,7 +112,7 @@ def _gate_up(prefix: str, tp: int) -> _Mapping:
         per_rank = [c.chunk(2, dim=0) for c in t.chunk(tp, dim=0)]
         return [torch.cat([gr for gr, _ in per_rank]), torch.cat([ur for _, ur in per_rank])]
 
-    return _Mapping((f"{prefix}mlp.gate_proj.weight", f"{prefix}mlp.up_proj.weight"), to_megatron, to_hf)
+    return _Mapping(names, to_megatron, to_hf)
 
 
 def _row_fused(hf_name: str, parts: _Mapping) -> _Mapping:
@@ -115,7 +124,11 @@ def _row_fused(hf_name: str, parts: _Mapping) -> _Mapping:
 _LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
-def _layer_mapping(suffix: str, prefix: str, shapes: _Shapes, tp: int, hf_config: Any) -> _Mapping:
+def _layer_mapping(suffix: str, prefix: str, shapes: _Shapes, tp: int, hf_config: Any,
+                   global_expert: int | None = None) -> _Mapping:
+    moe_names = qwen3_moe.moe_hf_names(suffix, prefix, global_expert)
+    if moe_names is not None:
+        return _fused_gate_up(moe_names, tp) if len(moe_names) == 2 else _identity(moe_names[0])
     table = {
         "input_layernorm.weight": f"{prefix}input_layernorm.weight",
         "self_attention.linear_qkv.layer_norm_weight": f"{prefix}input_layernorm.weight",
@@ -150,9 +163,50 @@ def _tied(hf_config: Any) -> bool:
     return bool(getattr(hf_config, "tie_word_embeddings", False))
 
 
+@dataclass(frozen=True)
+class _ExpertLayout:
+    """Sizes and this rank's coordinates in the expert-parallel (EP) and expert-TP (ETP) groups."""
+
+    ep: int = 1
+    ep_rank: int = 0
+    etp: int = 1
+    etp_rank: int = 0
+    ep_group: Any = None
+    etp_group: Any = None
+
+
+def _expert_layout() -> _ExpertLayout:
+    from megatron.core import parallel_state as mpu
+
+    try:
+        return _ExpertLayout(mpu.get_expert_model_parallel_world_size(), mpu.get_expert_model_parallel_rank(),
+                             mpu.get_expert_tensor_parallel_world_size(), mpu.get_expert_tensor_parallel_rank(),
+                             mpu.get_expert_model_parallel_group(), mpu.get_expert_tensor_parallel_group())
+    except (AssertionError, RuntimeError):  # expert groups not initialised: a dense model
+        return _ExpertLayout()
+
+
+def _layer_suffix(name: str) -> str:
+    match = _LAYER_NAME.match(name)
+    return match.group(2) if match else ""
+
+
+def _is_expert(name: str) -> bool:
+    return qwen3_moe.is_expert_param(_layer_suffix(name))
+
+
+def _split_size(name: str, tp: int, experts: _ExpertLayout) -> int:
+    """How many ranks split this parameter: ETP for routed experts, TP otherwise."""
+    return experts.etp if _is_expert(name) else tp
+
+
 def _mapping_for(model: torch.nn.Module, name: str, param: torch.Tensor, hf_config: Any,
-                 tp: int) -> _Mapping | None:
-    """The mapping of one megatron parameter, or None if it has no HF counterpart of its own."""
+                 tp: int, ep_rank: int | None = None) -> _Mapping | None:
+    """The mapping of one megatron parameter, or None if it has no HF counterpart of its own.
+
+    Routed experts: the HF expert is that of EP rank `ep_rank` (default: this rank) and local index i."""
+    if _is_expert(name):
+        return _expert_mapping(model, name, hf_config, ep_rank)
     shapes = _shapes(hf_config)
     padded_rows = param.shape[0] * (tp if getattr(param, "tensor_model_parallel", False) else 1)
     if name == "embedding.word_embeddings.weight":
@@ -167,6 +221,17 @@ def _mapping_for(model: torch.nn.Module, name: str, param: torch.Tensor, hf_conf
         raise KeyError(f"no HF mapping for parameter {name!r}")
     global_layer = model.decoder.layers[int(match.group(1))].layer_number - 1
     return _layer_mapping(match.group(2), f"model.layers.{global_layer}.", shapes, tp, hf_config)
+
+
+def _expert_mapping(model: torch.nn.Module, name: str, hf_config: Any, ep_rank: int | None) -> _Mapping:
+    match = _LAYER_NAME.match(name)
+    layer = model.decoder.layers[int(match.group(1))]
+    experts = _expert_layout()
+    local_index, _ = qwen3_moe.local_expert(match.group(2))
+    rank = experts.ep_rank if ep_rank is None else ep_rank
+    global_expert = rank * layer.mlp.experts.num_local_experts + local_index
+    return _layer_mapping(match.group(2), f"model.layers.{layer.layer_number - 1}.", _shapes(hf_config),
+                          experts.etp, hf_config, global_expert)
 
 
 def _tp() -> tuple[int, int, Any]:
@@ -201,6 +266,9 @@ class _SafetensorsReader:
             raise HFCheckpointError(f"--hf-checkpoint {hf_dir}: the index names files that are not there: "
                                     f"{missing_files[:5]}; copy every shard of the checkpoint")
 
+    def names(self) -> list[str]:
+        return list(self._weight_map)
+
     def shape(self, name: str) -> tuple[int, ...] | None:
         """The tensor's shape from the file header (no data read); None when the checkpoint lacks it."""
         if name not in self._weight_map:
@@ -215,15 +283,38 @@ class _SafetensorsReader:
             return f.get_tensor(name)
 
 
+def full_shape(name: str, param: torch.Tensor, tp: int) -> tuple[int, ...]:
+    """The parameter's shape once gathered over the ranks that split it (TP, or ETP for routed experts)."""
+    shape = list(param.shape)
+    split = _split_size(name, tp, _expert_layout())
+    if split > 1 and getattr(param, "tensor_model_parallel", False):
+        shape[param.partition_dim] *= split
+    return tuple(shape)
+
+
+def _ep_ranks(name: str, all_experts: bool) -> list[int | None]:
+    """The EP ranks whose copy of a parameter the export yields: all of them for a routed expert."""
+    return list(range(_expert_layout().ep)) if all_experts and _is_expert(name) else [None]
+
+
+def hf_tensor_shapes(model: torch.nn.Module, hf_config: Any, tp: int, *, all_experts: bool
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(hf name, meta tensor of its full shape and dtype) of every HF tensor of this chunk, no data.
+
+    all_experts: as export_hf_weights yields them (every EP rank's experts, in its order); otherwise only
+    what this rank loads (its own experts). Tied output weights are skipped in export order, as there."""
+    for name, param in model.named_parameters():
+        if all_experts and name == "output_layer.weight" and _tied(hf_config):
+            continue
+        full = torch.empty(full_shape(name, param, tp), dtype=param.dtype, device="meta")
+        for ep_rank in _ep_ranks(name, all_experts):
+            mapping = _mapping_for(model, name, param, hf_config, tp, ep_rank)
+            yield from zip(mapping.hf_names, mapping.to_hf(full))
+
+
 def _expected_hf_shapes(model: torch.nn.Module, hf_config: Any, tp: int) -> Iterator[tuple[str, tuple[int, ...]]]:
     """(hf name, full shape) of every HF tensor this model chunk loads, from meta tensors (no data)."""
-    for name, param in model.named_parameters():
-        shape = list(param.shape)
-        if tp > 1 and getattr(param, "tensor_model_parallel", False):
-            shape[param.partition_dim] *= tp
-        mapping = _mapping_for(model, name, param, hf_config, tp)
-        full = torch.empty(shape, dtype=param.dtype, device="meta")
-        yield from ((n, tuple(t.shape)) for n, t in zip(mapping.hf_names, mapping.to_hf(full)))
+    return ((n, tuple(t.shape)) for n, t in hf_tensor_shapes(model, hf_config, tp, all_experts=False))
 
 
 def check_hf_tensors(model_chunks: list[torch.nn.Module], reader: _SafetensorsReader, hf_config: Any, tp: int) -> None:
@@ -255,7 +346,9 @@ def load_hf_weights(model_chunks: list[torch.nn.Module], hf_dir: str, hf_config:
     init_model_parallel and model construction.
     """
     tp, tp_rank, _ = _tp()
+    experts = _expert_layout()
     reader = _SafetensorsReader(hf_dir)
+    check_moe_checkpoint(reader, hf_config)
     check_hf_tensors(model_chunks, reader, hf_config, tp)
     for chunk in model_chunks:
         model = _unwrap(chunk)
@@ -263,7 +356,8 @@ def load_hf_weights(model_chunks: list[torch.nn.Module], hf_dir: str, hf_config:
             mapping = _mapping_for(model, name, param, hf_config, tp)
             full = mapping.to_megatron([reader.get(n) for n in mapping.hf_names])
             if getattr(param, "tensor_model_parallel", False):
-                full = full.chunk(tp, dim=param.partition_dim)[tp_rank]
+                split, rank = (experts.etp, experts.etp_rank) if _is_expert(name) else (tp, tp_rank)
+                full = full.chunk(split, dim=param.partition_dim)[rank]
             if full.shape != param.shape:
                 raise ValueError(f"{name}: HF gives {tuple(full.shape)}, model has {tuple(param.shape)}")
             param.copy_(full.to(param.dtype))
@@ -291,13 +385,43 @@ def export_hf_weights(model_chunks: list[torch.nn.Module], hf_config: Any,
     """
     read = read_param or (lambda param: param.detach())
     tp, _, tp_group = _tp()
+    experts = _expert_layout()
     for chunk in model_chunks:
         model = _unwrap(chunk)
         for name, param in model.named_parameters():
             if name == "output_layer.weight" and _tied(hf_config):
+                continue
+            if _is_expert(name):
+                yield from _export_expert(model, name, param, read(param), hf_config, experts)
                 continue
             full = read(param)
             if tp > 1 and getattr(param, "tensor_model_parallel", False):
                 full = _gather_tp(full, param.partition_dim, tp, tp_group)
             mapping = _mapping_for(model, name, param, hf_config, tp)
             yield from zip(mapping.hf_names, mapping.to_hf(full))
+
+
+def _export_expert(model: torch.nn.Module, name: str, param: torch.Tensor, value: torch.Tensor, hf_config: Any,
+                   experts: _ExpertLayout) -> Iterator[tuple[str, torch.Tensor]]:
+    """One local expert parameter: gathered over ETP, then over EP (group: ep), yielded for every EP rank."""
+    if experts.etp > 1 and getattr(param, "tensor_model_parallel", False):
+        value = _gather_tp(value, param.partition_dim, experts.etp, experts.etp_group)
+    copies = [value]
+    if experts.ep > 1:
+        copies = [torch.empty_like(value) for _ in range(experts.ep)]
+        dist.all_gather(copies, value.contiguous(), group=experts.ep_group)
+    for ep_rank, full in enumerate(copies):
+        mapping = _mapping_for(model, name, param, hf_config, 0, ep_rank)
+        yield from zip(mapping.hf_names, mapping.to_hf(full))
+
+
+def check_moe_checkpoint(reader: "_SafetensorsReader", hf_config: Any) -> None:
+    """An MoE checkpoint must hold exactly the experts its config (and so --num-experts) says."""
+    arch = qwen3_moe.moe_architecture(hf_config)
+    if arch is None:
+        return
+    found = qwen3_moe.checkpoint_expert_count(reader.names(), arch)
+    if found is not None and found != arch.num_experts:
+        raise HFCheckpointError(
+            f"--hf-checkpoint {reader._dir} holds {found} experts per MoE layer, its config.json (and "
+            f"--num-experts) says {arch.num_experts}; fix num_experts in config.json or use the matching checkpoint")

@@ -16,6 +16,7 @@ import torch
 
 from slime.backends.embedded_engine.sampling import SamplingParams, logprob_temperature, sample_next_tokens
 from slime.utils.device_memory import sample_device_memory
+from slime_plugins.models.qwen3_moe import RouteCapture, encode_routes, fused_engine_target
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,9 @@ class GenerationRequest:
     return_logprob: bool = False
     logprob_start_len: int = -1
     """-1: output log-probs only; k >= 0: also the prompt's tokens from position k (SGLang's meaning)."""
+    return_routed_experts: bool = False
+    """MoE: the experts each token went to, per MoE layer (SGLang's meta_info.routed_experts)."""
+    routed_experts_start_len: int = 0
 
 
 @dataclass
@@ -46,6 +50,7 @@ class _RowState:
     finish_reason: dict[str, Any] | None = None
     trim_chars: int | None = None  # text length kept when a stop string matched
     input_logprobs: list[float | None] | None = None
+    routes: list = field(default_factory=list)  # per forward: [positions, MoE layers, top-k] of this row
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,7 @@ class GenerationResult:
     output_logprobs: list[float] | None
     weight_version: str
     input_logprobs: list[tuple[float | None, int]] | None = None
+    routed_experts: str | None = None
 
     def to_sglang(self) -> dict[str, Any]:
         """The JSON object SGLang's /generate returns for one sequence."""
@@ -72,6 +78,8 @@ class GenerationResult:
         if self.output_logprobs is not None:
             meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(self.output_logprobs, self.output_ids)]
             meta["input_token_logprobs"] = [[lp, tok, None] for lp, tok in self.input_logprobs or ()]
+        if self.routed_experts is not None:
+            meta["routed_experts"] = self.routed_experts
         return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
 
 
@@ -149,6 +157,7 @@ class EmbeddedEngine:
         cache = DynamicCache(config=self.model.config)
         params = [r.request.params for r in rows]
         wants_input = any(r.request.logprob_start_len >= 0 for r in rows)
+        capture = RouteCapture(self.model) if any(r.request.return_routed_experts for r in rows) else None
         first = True
         while True:
             out = self.model(
@@ -159,6 +168,8 @@ class EmbeddedEngine:
                 logits_to_keep=0 if first and wants_input else 1,
                 **{cache_keyword(self.model): cache},
             )
+            if capture is not None:
+                capture.take(rows, input_ids.shape, attention_mask[:, -input_ids.shape[1]:])
             _check_cache_holds(cache, attention_mask.shape[1])
             if first and wants_input:
                 _fill_input_logprobs(rows, out.logits, input_ids)
@@ -169,6 +180,8 @@ class EmbeddedEngine:
                 if row.finish_reason is None:
                     self._append(row, int(tokens[i]), float(logprobs[i]), should_abort)
             if all(r.finish_reason is not None for r in rows):
+                if capture is not None:
+                    capture.close()
                 return
             input_ids = tokens.unsqueeze(1)
             attention_mask = torch.cat([attention_mask, torch.ones_like(input_ids)], dim=1)
@@ -229,6 +242,7 @@ class EmbeddedEngine:
             output_logprobs=list(row.logprobs) if row.request.return_logprob else None,
             weight_version=self.weight_version,
             input_logprobs=self._input_logprobs(row),
+            routed_experts=encode_routes(row) if row.request.return_routed_experts else None,
         )
 
     def _input_logprobs(self, row: _RowState) -> list[tuple[float | None, int]] | None:
@@ -265,7 +279,8 @@ class EmbeddedEngine:
         if "weights" in self._released:
             raise EngineReleasedError("weights are released; call /resume_memory_occupation before updating them")
         state = self.model.state_dict()
-        problems = [_check_tensor(name, tensor, state) for name, tensor in named_tensors]
+        targets = {name: checkpoint_target(name, state, self.model.config) for name, _ in named_tensors}
+        problems = [_check_tensor(name, tensor, targets[name]) for name, tensor in named_tensors]
         problems = [p for p in problems if p]
         if problems:
             raise ValueError("weight update rejected: " + "; ".join(problems[:5]))
@@ -275,7 +290,7 @@ class EmbeddedEngine:
             if adopt and param is not None and tensor.dtype == param.dtype and tensor.device == param.device:
                 param.data = tensor
             else:
-                state[name].copy_(tensor.to(state[name].dtype))
+                targets[name].copy_(tensor.to(targets[name].dtype))
         if weight_version is not None:
             self.weight_version = str(weight_version)
         return len(named_tensors)
@@ -291,7 +306,10 @@ class EmbeddedEngine:
     def get_weight(self, name: str) -> torch.Tensor:
         if "weights" in self._released:
             raise EngineReleasedError("weights are released")
-        return self.model.state_dict()[name].detach().clone()
+        target = checkpoint_target(name, self.model.state_dict(), self.model.config)
+        if target is None:
+            raise KeyError(f"unknown parameter {name!r}")
+        return target.detach().clone()
 
     # ----- colocate sleep/wake -----------------------------------------------------------
     def release(self, tags: list[str] | None) -> None:
@@ -375,11 +393,25 @@ def _check_tags(tags: list[str] | None) -> list[str]:
     return tags
 
 
-def _check_tensor(name: str, tensor: torch.Tensor, state: dict[str, torch.Tensor]) -> str | None:
-    if name not in state:
+def checkpoint_target(name: str, state: dict[str, torch.Tensor], config: Any) -> torch.Tensor | None:
+    """The model tensor (or view of one) a checkpoint-named tensor loads into; None if the model has none.
+
+    Pushes speak checkpoint names, as SGLang's loader does; transformers keeps MoE experts fused in memory
+    (slime_plugins/models/qwen3_moe.py says where each expert's rows live)."""
+    if name in state:
+        return state[name]
+    fused = fused_engine_target(name, set(state), getattr(config, "moe_intermediate_size", 0) or 0)
+    if fused is None or fused[0] not in state or fused[1] >= state[fused[0]].shape[0]:
+        return None
+    target, expert, rows = fused
+    return state[target][expert, rows]
+
+
+def _check_tensor(name: str, tensor: torch.Tensor, target: torch.Tensor | None) -> str | None:
+    if target is None:
         return f"unknown parameter {name!r}"
-    if tuple(tensor.shape) != tuple(state[name].shape):
-        return f"{name}: shape {tuple(tensor.shape)} != {tuple(state[name].shape)}"
+    if tuple(tensor.shape) != tuple(target.shape):
+        return f"{name}: shape {tuple(tensor.shape)} != {tuple(target.shape)}"
     return None
 
 

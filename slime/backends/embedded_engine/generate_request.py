@@ -20,6 +20,7 @@ logger = logging.getLogger(__name__)
 
 HONOURED_KEYS = frozenset({
     "text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len", "return_text_in_logprobs",
+    "return_routed_experts", "routed_experts_start_len",
 })
 # Metadata for logging, tracing, routing and scheduling across many workers: nothing to do on one CPU engine.
 NO_EFFECT_KEYS = frozenset({
@@ -41,10 +42,9 @@ NEUTRAL_ONLY_KEYS: dict[str, Any] = {
     )},
     **{key: False for key in (
         "use_audio_in_video", "return_flat_raw_top_logprobs", "return_flat_raw_output_top_logprobs", "stream",
-        "return_hidden_states", "return_routed_experts", "return_indexer_topk", "background", "require_reasoning",
+        "return_hidden_states", "return_indexer_topk", "background", "require_reasoning",
         "return_bytes", "return_entropy", "return_prompt_token_ids", "return_flat_raw_top_logprobs_b64",
     )},
-    "routed_experts_start_len": 0,
 }
 KNOWN_KEYS = HONOURED_KEYS | NO_EFFECT_KEYS | frozenset(NEUTRAL_ONLY_KEYS)
 
@@ -70,6 +70,8 @@ def build_requests(body: dict[str, Any], tokenize: Callable[[str], list[int]]) -
         raise ValueError(f"rid has {len(rid_list)} entries for {len(prompts)} prompts")
     start = _logprob_start_len(body.get("logprob_start_len"))
     return_logprob = bool(body.get("return_logprob") or False)
+    routes = dict(return_routed_experts=bool(body.get("return_routed_experts") or False),
+                  routed_experts_start_len=int(body.get("routed_experts_start_len") or 0))
     requests = []
     for prompt, rid in zip(prompts, rid_list):
         base = rid or uuid.uuid4().hex
@@ -78,7 +80,7 @@ def build_requests(body: dict[str, Any], tokenize: Callable[[str], list[int]]) -
         for k in range(params.n):
             requests.append(GenerationRequest(
                 rid=base if params.n == 1 else f"{base}-{k}", input_ids=tuple(prompt), params=params,
-                return_logprob=return_logprob, logprob_start_len=start if return_logprob else -1,
+                return_logprob=return_logprob, logprob_start_len=start if return_logprob else -1, **routes,
             ))
     return requests, is_batch or params.n > 1
 

@@ -26,10 +26,12 @@ from typing import Any
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.utils import get_model_config
 
 from slime.backends.megatron_utils.data import plans_from_rollout
 from slime.backends.megatron_utils.loss import LossConfig, metric_keys, trainer_computes_old_log_probs
 from slime.backends.megatron_utils.opd import megatron_teacher
+from slime.backends.megatron_utils.moe import moe_plan_collectives
 from slime.backends.megatron_utils.train_step import StepResult, compute_log_probs, train_one_step
 from slime.distributed import (
     Ledger,
@@ -255,7 +257,8 @@ class MegatronTrainActor:
             "optional_collectives": sorted(name for name, on in (
                 ("kl_loss", cfg.use_kl_loss), ("ref_log_probs", "ref" in self.snapshots),
                 ("teacher_log_probs", "teacher" in self.snapshots),
-                ("old_log_probs", trainer_computes_old_log_probs(self.args))) if on),
+                ("old_log_probs", trainer_computes_old_log_probs(self.args)),
+                *moe_plan_collectives(get_model_config(self.model[0]))) if on),
         }
         self.groups.fence(fence_name, apply_plan_fault(fields, self.rank, rollout_id))
         self.log_prob_plans = log_prob_plans[parallel_state.get_data_parallel_rank()]

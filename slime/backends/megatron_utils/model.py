@@ -32,6 +32,7 @@ from megatron.core.transformer.transformer_block import (  # noqa: E402
 )
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig  # noqa: E402
 
+from slime.backends.megatron_utils import moe  # noqa: E402
 from slime_plugins.models import deepseek_v3, glm4  # noqa: E402
 from slime_plugins.models.local_spec import dense_layer_spec  # noqa: E402
 from slime_plugins.models.sp_norm import SequenceParallelNorm  # noqa: E402
@@ -132,7 +133,7 @@ def _check_against_args(arch: dict[str, Any], args: Namespace, flags: dict[str, 
         if not same:
             raise ValueError(f"--{dest.replace('_', '-')}={given} contradicts the HF config ({value})")
     model_name = getattr(args, "model_name", None)
-    if model_name and model_name.lower() != arch["model_type"]:
+    if model_name and model_name.lower().removesuffix("_moe") != arch["model_type"]:
         raise ValueError(f"--model-name {model_name} contradicts the HF config (model_type {arch['model_type']})")
 
 
@@ -157,9 +158,11 @@ def transformer_config_from_hf(hf_config: Any, args: Namespace) -> TransformerCo
     config_class, family_fields = _family_config(hf_config, args)
     bf16 = bool(getattr(args, "bf16", False))
     params_dtype = torch.bfloat16 if bf16 else torch.float32
+    moe_fields = {"moe_token_dispatcher_type": "alltoall", **moe.moe_config_fields(hf_config, args)}
     return config_class(
         **arch,
         **family_fields,
+        **moe_fields,
         normalization="RMSNorm",
         gated_linear_unit=True,
         activation_func=F.silu,
@@ -185,8 +188,9 @@ def transformer_config_from_hf(hf_config: Any, args: Namespace) -> TransformerCo
         persist_layer_norm=False,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
-        variable_seq_lengths=True,  # dynamic batches: PP p2p shapes differ per micro-batch
-        moe_token_dispatcher_type="alltoall",  # "allgather" (default) refuses variable lengths
+        # dynamic batches: PP p2p shapes differ per micro-batch (megatron's allgather dispatcher refuses
+        # it; moe.py allows that dispatcher only where no rank pair exchanges shapes)
+        variable_seq_lengths=moe_fields["moe_token_dispatcher_type"] == "alltoall",
         recompute_granularity=getattr(args, "recompute_granularity", None),
         recompute_method=getattr(args, "recompute_method", None),
         recompute_num_layers=getattr(args, "recompute_num_layers", None),
@@ -252,19 +256,30 @@ def _plugin_spec(function: Callable[..., Any], args: Namespace, config: Transfor
 def _layer_spec(args: Namespace, hf_config: Any, config: TransformerConfig, vp_stage: int | None):
     function = spec_function(args, hf_config)
     if function is None and _use_transformer_engine(args):
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, \
+            get_gpt_layer_with_transformer_engine_spec
 
+        if config.num_moe_experts:
+            return get_gpt_decoder_block_spec(config, use_transformer_engine=True, vp_stage=vp_stage)
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm,
                                                           multi_latent_attention=config.multi_latent_attention)
-    spec = _local_layer_spec(config) if function is None else _plugin_spec(function, args, config, vp_stage)
-    if isinstance(spec, TransformerBlockSubmodules):
-        return spec
-    if not isinstance(spec, ModuleSpec):
-        raise TypeError(f"--spec {' '.join(args.spec or ())} returned {type(spec).__name__}; expected a megatron "
-                        "ModuleSpec (one layer) or TransformerBlockSubmodules")
-    # A block spec so the final norm is ours too (the default one refuses SP).
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[spec] * num_layers, layer_norm=SequenceParallelNorm)
+    if function is not None:
+        spec = _plugin_spec(function, args, config, vp_stage)
+        if isinstance(spec, TransformerBlockSubmodules):
+            return spec
+        if not isinstance(spec, ModuleSpec):
+            raise TypeError(f"--spec {' '.join(args.spec or ())} returned {type(spec).__name__}; expected a megatron "
+                            "ModuleSpec (one layer) or TransformerBlockSubmodules")
+        layer_specs = [spec] * num_layers
+    elif config.num_moe_experts:
+        dense = _local_layer_spec(config)
+        moe.warn_unavailable_kernels(args)
+        layer_specs = moe.moe_layer_specs(dense, moe.with_moe_mlp(dense, config), config, vp_stage)
+    else:
+        layer_specs = [_local_layer_spec(config)] * num_layers
+    # A block spec so the final norm is ours too (the default one refuses SP).
+    return TransformerBlockSubmodules(layer_specs=layer_specs, layer_norm=SequenceParallelNorm)
 
 
 def build_gpt_model(

@@ -44,6 +44,8 @@ from slime.backends.megatron_utils.data import (
     unpack_response_values,
 )
 from slime.backends.megatron_utils.loss import LossConfig, metric_keys, micro_batch_loss, target_log_probs
+from slime.backends.megatron_utils.moe import aux_loss_scale
+from slime.backends.megatron_utils.routing_replay import RouteReplayer
 from slime_plugins.models.cp_attention import packed_seq_params
 
 PhaseHook = Callable[[str], ContextManager]
@@ -139,7 +141,8 @@ def zero_grads(model_chunks: Sequence[Any], optimizer: Any) -> None:
 
 
 def run_forward_backward(model_chunks: Sequence[Any], packed: list[PackedMicroBatch], plan: MicroBatchPlan,
-                         cfg: LossConfig, progress: ProgressHook | None = None) -> dict[str, torch.Tensor]:
+                         cfg: LossConfig, progress: ProgressHook | None = None,
+                         routes: RouteReplayer | None = None) -> dict[str, torch.Tensor]:
     """Forward+backward over the planned micro-batches; returns this rank's metric sums."""
     config = get_model_config(model_chunks[0])
     scale = megatron_loss_scale(config, plan.num_micro_batches)
@@ -157,7 +160,9 @@ def run_forward_backward(model_chunks: Sequence[Any], packed: list[PackedMicroBa
             return loss * scale, batch.loss_mask.sum().int(), metrics
         return loss * scale, metrics
 
-    _run_schedule(model_chunks, packed, loss_func, forward_only=False, progress=progress)
+    dp = parallel_state.get_data_parallel_world_size()
+    with aux_loss_scale(config, plan.num_micro_batches, dp):
+        _run_schedule(model_chunks, packed, loss_func, forward_only=False, progress=progress, routes=routes)
     return sums
 
 
@@ -220,7 +225,11 @@ def train_one_step(model_chunks: Sequence[Any], optimizer: Any, lr_scheduler: An
     _install_grad_scale(model_chunks, optimizer)
     zero_grads(model_chunks, optimizer)
     with _phase(collective_hook, "forward_backward"):
-        sums = run_forward_backward(model_chunks, packed, plan, cfg, progress)
+        replayer = RouteReplayer(args, model_chunks, data, training=True)
+        try:
+            sums = run_forward_backward(model_chunks, packed, plan, cfg, progress, replayer)
+        finally:
+            replayer.done()
     with _phase(collective_hook, "grad_reduce"):
         finalize_model_grads(list(model_chunks), None)
     with _phase(collective_hook, "metrics"):
@@ -245,10 +254,14 @@ def compute_log_probs(model_chunks: Sequence[Any], data: Mapping[str, Any],
     plans = [plans] if isinstance(plans, MicroBatchPlan) else list(plans)
     cfg = LossConfig.from_args(args)
     out: list[list[float]] = [[] for _ in data["tokens"]]
+    replayer = RouteReplayer(args, model_chunks, data, training=False)
     for plan in plans:
         packed = pack_plan(data, plan, args)
         with _phase(collective_hook, "log_probs_forward"), eval_mode(model_chunks):
-            local = _forward_log_probs(model_chunks, packed, cfg, progress)
+            try:
+                local = _forward_log_probs(model_chunks, packed, cfg, progress, replayer)
+            finally:
+                replayer.done()
         with _phase(collective_hook, "log_probs_gather"):
             values = _gather_log_probs(local, packed)
         for sample, lps in values.items():
@@ -274,7 +287,7 @@ def eval_mode(model_chunks: Sequence[Any]):
 
 
 def _forward_log_probs(model_chunks, packed: list[PackedMicroBatch], cfg: LossConfig,
-                       progress: ProgressHook | None = None) -> list[torch.Tensor]:
+                       progress: ProgressHook | None = None, routes: RouteReplayer | None = None) -> list[torch.Tensor]:
     """Per micro-batch local target log-probs [T_local] (empty list off the last PP stage)."""
     tp_group = parallel_state.get_tensor_model_parallel_group()
     results: list[torch.Tensor] = []
@@ -285,7 +298,7 @@ def _forward_log_probs(model_chunks, packed: list[PackedMicroBatch], cfg: LossCo
         return output.new_zeros(()), {}
 
     with torch.no_grad():
-        _run_schedule(model_chunks, packed, loss_func, forward_only=True, progress=progress)
+        _run_schedule(model_chunks, packed, loss_func, forward_only=True, progress=progress, routes=routes)
     return results
 
 
@@ -320,20 +333,25 @@ def _packed_seq_params(batch: PackedMicroBatch) -> PackedSeqParams:
     return packed_seq_params(batch.cu_seqlens, batch.padded_lengths)
 
 
-def _forward_step(data_iterator, model, *, loss_func, progress: ProgressHook | None):
+def _forward_step(data_iterator, model, *, loss_func, progress: ProgressHook | None, routes: RouteReplayer | None):
     if progress is not None:
         progress()
     batch = next(data_iterator)
+    if routes is not None:
+        routes.before_forward(batch.sample_ids)
     output = model(batch.input_ids, batch.position_ids, None, packed_seq_params=_packed_seq_params(batch))
+    if routes is not None:
+        routes.after_forward(batch.sample_ids)
     return output, partial(loss_func, batch)
 
 
 def _run_schedule(model_chunks, packed: list[PackedMicroBatch], loss_func, *, forward_only: bool,
-                  progress: ProgressHook | None = None) -> None:
+                  progress: ProgressHook | None = None, routes: RouteReplayer | None = None) -> None:
     chunks = list(model_chunks)
     iterators = [iter(packed) for _ in chunks] if len(chunks) > 1 else iter(packed)
     get_forward_backward_func()(
-        forward_step_func=partial(_forward_step, loss_func=loss_func, progress=progress),
+        forward_step_func=partial(_forward_step, loss_func=loss_func, progress=progress,
+                                  routes=routes if routes is not None and routes.active else None),
         data_iterator=iterators,
         model=chunks if len(chunks) > 1 else chunks[0],
         num_microbatches=len(packed),

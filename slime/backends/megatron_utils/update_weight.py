@@ -13,7 +13,8 @@ chunks) and how buckets travel (the transport) are separate, replaceable pieces.
 
 Who does what (megatron parallel_state coordinates):
   exporters  cp_rank 0 and dp_rank 0 of each PP stage, every TP rank: they iterate the export
-             together because it all-gathers each TP-split parameter over the TP group.
+             together because it all-gathers each TP-split parameter over the TP group. With expert
+             parallelism every rank is an exporter: the routed experts are all-gathered over EP.
   senders    the tp_rank 0 exporter of each PP stage: the only ranks that talk HTTP to engines.
   others     DP/CP replicas skip the export entirely. Invariant that makes this safe: the export's
              only collectives are on the TP group, and a TP group lies inside one (dp, cp, pp)
@@ -39,7 +40,7 @@ from slime.backends.sglang_utils.http_client import ClientTimeouts, SGLangHTTPCl
 from slime.distributed.errors import CollectiveDivergenceError, DistributedStepError
 from slime.distributed.fault_inject import apply_weight_push_fault
 from slime.distributed.fingerprint import stable_hash
-from slime_plugins.models.hf_weights import _mapping_for, _tied, _unwrap, export_hf_weights
+from slime_plugins.models.hf_weights import _unwrap, export_hf_weights, hf_tensor_shapes
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2  # upstream's --update-weight-buffer-size default
 
@@ -122,30 +123,15 @@ def pack_buckets(sizes: Iterable[tuple[str, int]], bucket_bytes: int) -> tuple[W
     return tuple(buckets)
 
 
-def _full_shape(param: torch.Tensor, tp_size: int) -> tuple[int, ...]:
-    shape = list(param.shape)
-    if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
-        shape[param.partition_dim] *= tp_size
-    return tuple(shape)
-
-
 def hf_tensor_sizes(model_chunks: Sequence[torch.nn.Module], hf_config: Any, *, tp_size: int
                     ) -> list[tuple[str, int]]:
     """(hf_name, bytes) in export_hf_weights' order, without collectives or copies.
 
     Exact: the mapping's to_hf runs on a meta tensor of the full (TP-gathered) shape, so fused
-    parameters (qkv, gate/up) and vocab padding give the same shapes as the real export.
+    parameters (qkv, gate/up), vocab padding and every EP rank's experts give the real export's shapes.
     """
-    sizes: list[tuple[str, int]] = []
-    for chunk in model_chunks:
-        model = _unwrap(chunk)
-        for name, param in model.named_parameters():
-            if name == "output_layer.weight" and _tied(hf_config):
-                continue  # export_hf_weights skips it too
-            mapping = _mapping_for(model, name, param, hf_config, tp_size)
-            full = torch.empty(_full_shape(param, tp_size), dtype=param.dtype, device="meta")
-            sizes += [(n, t.numel() * t.element_size()) for n, t in zip(mapping.hf_names, mapping.to_hf(full))]
-    return sizes
+    return [(name, t.numel() * t.element_size()) for chunk in model_chunks
+            for name, t in hf_tensor_shapes(_unwrap(chunk), hf_config, tp_size, all_experts=True)]
 
 
 def build_weight_sync_plan(model_chunks: Sequence[torch.nn.Module], hf_config: Any, *, tp_size: int,
@@ -187,11 +173,18 @@ class SyncRole:
     pp_size: int
     tp_rank: int
     tp_size: int
-    exporter: bool  # cp_rank == 0 and dp_rank == 0: iterates the export with its TP group
+    first_replica: bool  # cp_rank == 0 and dp_rank == 0
+    expert_parallel: bool = False  # EP > 1: routed experts are spread over DP replicas
+
+    @property
+    def exporter(self) -> bool:
+        """Iterates the export with its TP group; with EP every rank does (the experts' all-gather spans EP,
+        which crosses DP replicas), so no member of a collective is left out."""
+        return self.first_replica or self.expert_parallel
 
     @property
     def sender(self) -> bool:
-        return self.exporter and self.tp_rank == 0
+        return self.first_replica and self.tp_rank == 0
 
     @property
     def coordinator(self) -> bool:
@@ -209,7 +202,8 @@ class SyncRole:
             pp_size=mpu.get_pipeline_model_parallel_world_size(),
             tp_rank=mpu.get_tensor_model_parallel_rank(),
             tp_size=mpu.get_tensor_model_parallel_world_size(),
-            exporter=mpu.get_context_parallel_rank() == 0 and mpu.get_data_parallel_rank() == 0,
+            first_replica=mpu.get_context_parallel_rank() == 0 and mpu.get_data_parallel_rank() == 0,
+            expert_parallel=mpu.get_expert_model_parallel_world_size() > 1,
         )
 
 

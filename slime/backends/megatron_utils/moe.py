@@ -1,0 +1,202 @@
+"""Mixture-of-experts for the megatron builder: the MoE fields of TransformerConfig, the MoE layer spec,
+the checks of --num-experts / EP / top-k against the HF config, and the aux-loss scale of a step.
+
+The HF side (what an MoE checkpoint holds and how its names map) lives in slime_plugins/models/qwen3_moe.py;
+this module speaks megatron. Router variants (softmax or sigmoid scores, expert bias, shared experts, grouped
+routing) are megatron-core's own: the flags go through unchanged, so a DeepSeek-style layer needs no code here.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import dataclasses
+import warnings
+from argparse import Namespace
+from typing import Any, Iterator
+
+import torch
+
+from slime_plugins.models.qwen3_moe import MoEArchitecture, moe_architecture
+
+
+class MoEConfigError(ValueError):
+    """The MoE flags contradict the HF config or the parallel layout."""
+
+
+# HF architecture field -> (megatron flag dest, TransformerConfig field)
+_ARCH_TO_FLAG = {
+    "num_experts": "num_experts",
+    "topk": "moe_router_topk",
+    "ffn_hidden_size": "moe_ffn_hidden_size",
+    "shared_expert_intermediate_size": "moe_shared_expert_intermediate_size",
+}
+
+
+def _parse_layer_freq(value: Any, num_layers: int) -> list[int]:
+    """--moe-layer-freq: an int k (every k-th layer is MoE) or a python list of 0/1 per layer."""
+    if isinstance(value, (list, tuple)):
+        pattern = [int(v) for v in value]
+    else:
+        parsed = ast.literal_eval(str(value)) if isinstance(value, str) else value
+        if isinstance(parsed, int):
+            pattern = [1 if i % parsed == 0 else 0 for i in range(num_layers)]
+        else:
+            pattern = [int(v) for v in parsed]
+    if len(pattern) != num_layers:
+        raise MoEConfigError(f"--moe-layer-freq {value} gives {len(pattern)} layers, the model has {num_layers}")
+    return pattern
+
+
+def check_moe_args(arch: MoEArchitecture, args: Namespace) -> None:
+    """Flags the user passed must agree with the checkpoint; EP must divide the experts."""
+    for field, dest in _ARCH_TO_FLAG.items():
+        given = getattr(args, dest, None)
+        value = getattr(arch, field)
+        if given is not None and value is not None and given != value:
+            raise MoEConfigError(
+                f"--{dest.replace('_', '-')} {given} does not match the HF checkpoint's config ({field}={value}); "
+                f"pass --{dest.replace('_', '-')} {value} or point --hf-checkpoint at a model with {given}")
+    freq = getattr(args, "moe_layer_freq", None)
+    if freq is not None:
+        if _parse_layer_freq(freq, arch.num_layers) != list(arch.layer_pattern):
+            raise MoEConfigError(f"--moe-layer-freq {freq} does not match the HF config's MoE layers "
+                                 f"{list(arch.layer_pattern)}; drop the flag or pass that list")
+    if getattr(args, "moe_router_pre_softmax", False) and arch.norm_topk_prob:
+        raise MoEConfigError("--moe-router-pre-softmax keeps the top-k weights unnormalised, the HF config "
+                             "renormalises them (norm_topk_prob=true); drop the flag")
+    ep = int(getattr(args, "expert_model_parallel_size", 1) or 1)
+    if arch.num_experts % ep:
+        raise MoEConfigError(f"--expert-model-parallel-size {ep} does not divide the checkpoint's "
+                             f"{arch.num_experts} experts; use a divisor of {arch.num_experts}")
+    if arch.topk > arch.num_experts:
+        raise MoEConfigError(f"top-k {arch.topk} is above the expert count {arch.num_experts}")
+
+
+def moe_config_fields(hf_config: Any, args: Namespace) -> dict[str, Any]:
+    """TransformerConfig fields of an MoE HF config (empty for a dense one)."""
+    arch = moe_architecture(hf_config)
+    if arch is None:
+        if routing_replay_enabled(args):
+            raise MoEConfigError("--use-routing-replay / --use-rollout-routing-replay replay MoE routes, and the "
+                                 "HF checkpoint is dense; drop the flag or point --hf-checkpoint at an MoE model")
+        if getattr(args, "num_experts", None):
+            raise MoEConfigError(f"--num-experts {args.num_experts} is set but the HF checkpoint is dense "
+                                 f"(model_type {getattr(hf_config, 'model_type', '?')}); drop --num-experts or "
+                                 "point --hf-checkpoint at an MoE model")
+        return {}
+    check_moe_args(arch, args)
+    dispatcher = getattr(args, "moe_token_dispatcher_type", None) or "alltoall"
+    if dispatcher == "flex":
+        raise MoEConfigError("--moe-token-dispatcher-type flex needs DeepEP (CUDA); use alltoall or allgather")
+    ep, pp = (int(getattr(args, k, 1) or 1) for k in ("expert_model_parallel_size", "pipeline_model_parallel_size"))
+    if dispatcher == "allgather" and (ep > 1 or pp > 1):
+        raise MoEConfigError("--moe-token-dispatcher-type allgather needs equal token counts on the ranks it "
+                             "gathers over, which dynamic batches do not give under EP > 1 or PP > 1; use "
+                             "--moe-token-dispatcher-type alltoall")
+    return dict(
+        num_moe_experts=arch.num_experts,
+        moe_router_topk=arch.topk,
+        moe_ffn_hidden_size=arch.ffn_hidden_size,
+        moe_layer_freq=list(arch.layer_pattern),
+        # HF Qwen-MoE: softmax over all experts, top-k, then (norm_topk_prob) renormalised over the k;
+        # megatron's softmax-after-top-k is exactly the renormalised form.
+        moe_router_pre_softmax=not arch.norm_topk_prob,
+        moe_router_score_function=getattr(args, "moe_router_score_function", None) or "softmax",
+        moe_router_enable_expert_bias=bool(getattr(args, "moe_router_enable_expert_bias", False)),
+        moe_router_bias_update_rate=getattr(args, "moe_router_bias_update_rate", None) or 1e-3,
+        moe_router_topk_scaling_factor=getattr(args, "moe_router_topk_scaling_factor", None),
+        moe_router_num_groups=getattr(args, "moe_router_num_groups", None),
+        moe_router_group_topk=getattr(args, "moe_router_group_topk", None),
+        moe_router_dtype=getattr(args, "moe_router_dtype", None),
+        moe_router_load_balancing_type=getattr(args, "moe_router_load_balancing_type", None) or "aux_loss",
+        moe_aux_loss_coeff=float(getattr(args, "moe_aux_loss_coeff", None) or 0.0),
+        moe_z_loss_coeff=getattr(args, "moe_z_loss_coeff", None),
+        moe_token_dispatcher_type=dispatcher,
+        moe_grouped_gemm=grouped_gemm_available() and bool(getattr(args, "moe_grouped_gemm", False)),
+        moe_permute_fusion=False,  # the fused kernels are TransformerEngine's; see warn_unavailable_kernels
+        moe_shared_expert_intermediate_size=arch.shared_expert_intermediate_size,
+        moe_shared_expert_gate=arch.shared_expert_gate,
+        moe_shared_expert_overlap=bool(getattr(args, "moe_shared_expert_overlap", False)),
+        moe_expert_capacity_factor=getattr(args, "moe_expert_capacity_factor", None),
+        moe_token_drop_policy=getattr(args, "moe_token_drop_policy", None) or "probs",
+        moe_pad_expert_input_to_capacity=bool(getattr(args, "moe_pad_expert_input_to_capacity", False)),
+        moe_enable_routing_replay=routing_replay_enabled(args),
+        expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None),
+    )
+
+
+def routing_replay_enabled(args: Namespace) -> bool:
+    return bool(getattr(args, "use_routing_replay", False) or getattr(args, "use_rollout_routing_replay", False))
+
+
+def grouped_gemm_available() -> bool:
+    """megatron's grouped expert GEMM needs TransformerEngine (TEGroupedMLP) or the grouped_gemm CUDA package."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def warn_unavailable_kernels(args: Namespace) -> None:
+    """--moe-grouped-gemm / --moe-permute-fusion ask for fused kernels; the maths is the same without them."""
+    if getattr(args, "moe_grouped_gemm", False) and not grouped_gemm_available():
+        warnings.warn("--moe-grouped-gemm: grouped GEMM needs TransformerEngine on CUDA; experts run one "
+                      "GEMM each (SequentialMLP), same results", stacklevel=2)
+    if getattr(args, "moe_permute_fusion", False):
+        warnings.warn("--moe-permute-fusion: the fused permutation kernel is TransformerEngine's and is not "
+                      "used here; tokens are permuted with torch ops, same results", stacklevel=2)
+
+
+def moe_layer_specs(dense_spec, moe_spec, config, vp_stage: int | None) -> list:
+    """One layer spec per local layer: the MoE spec where --moe-layer-freq says so, the dense one elsewhere."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    pattern = config.moe_layer_freq
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    count = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return [moe_spec if pattern[offset + i] else dense_spec for i in range(count)]
+
+
+def with_moe_mlp(spec, config):
+    """`spec` (a local layer spec with our norms) with its MLP replaced by megatron's MoE layer."""
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+
+    moe = get_moe_module_spec(use_te=False, num_experts=config.num_moe_experts,
+                              moe_grouped_gemm=config.moe_grouped_gemm)
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=moe))
+
+
+@contextlib.contextmanager
+def aux_loss_scale(config: Any, num_micro_batches: int, dp_size: int) -> Iterator[None]:
+    """Weight the router's aux loss the same way in both loss normalisations: as megatron does without
+    per-token loss, its mean over the step's micro-batches and DP ranks. (Per-token mode leaves megatron
+    summing it, which would make the aux gradient grow with the micro-batch count of dynamic batching.)"""
+    if getattr(config, "num_moe_experts", None) is None or not config.calculate_per_token_loss:
+        yield
+        return
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    original = MoEAuxLossAutoScaler.set_loss_scale
+    factor = 1.0 / (num_micro_batches * dp_size)
+    MoEAuxLossAutoScaler.set_loss_scale = staticmethod(lambda scale: original(scale * factor))
+    try:
+        yield
+    finally:
+        MoEAuxLossAutoScaler.set_loss_scale = staticmethod(original)
+
+
+def moe_plan_collectives(config: Any) -> tuple[tuple[str, bool], ...]:
+    """The MoE collectives a step runs, for the plan fingerprint: every rank must agree on them."""
+    moe_on = bool(getattr(config, "num_moe_experts", None))
+    return (
+        ("moe_alltoall", moe_on and config.moe_token_dispatcher_type == "alltoall"),
+        ("moe_allgather", moe_on and config.moe_token_dispatcher_type == "allgather"),
+        ("moe_aux_loss", moe_on and bool(config.moe_aux_loss_coeff)),
+        ("moe_expert_bias", moe_on and bool(config.moe_router_enable_expert_bias)),
+        ("routing_replay", moe_on and bool(config.moe_enable_routing_replay)),
+    )
