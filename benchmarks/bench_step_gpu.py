@@ -491,7 +491,7 @@ class StepBench:
 
         ledger_dir = self.args.ledger_dir or os.path.join(tempfile.gettempdir(), f"bench_step_ledger_{self.env.master_port}")
         actor = MegatronTrainActor(self.args, self.env.rank, self.env.world_size, ledger_dir)
-        actor._load_weights = lambda path: None  # weights stay at megatron's random init (see module doc)
+        actor._load_weights = lambda *where: None  # weights stay at megatron's random init (see module doc)
         actor.init(self.env.master_addr, self.env.master_port, engine_urls=[])
         if not attention_modules(actor):
             raise RuntimeError("the model does not use ContextParallelAttention (TransformerEngine spec?): "
