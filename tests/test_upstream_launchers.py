@@ -15,8 +15,6 @@ from arg_testing import no_real_sglang, parse_quiet  # noqa: F401 (fixture)
 from slime.utils.arguments import build_parser
 
 LAUNCHERS = json.loads(Path(__file__).with_name("upstream_launchers.json").read_text())
-# --moe-* flags the MoE builder adds (they merge separately); dropped while this parser lacks them.
-MOE_OWNED = {"--moe-enable-deepep", "--moe-shared-expert-gate"}
 
 
 def _argv(shape: dict, tmp_path: Path) -> list[str]:
@@ -24,8 +22,7 @@ def _argv(shape: dict, tmp_path: Path) -> list[str]:
     (tmp_path / "data.jsonl").write_text("")
     text = f"{LAUNCHERS['common']} {shape['argv']}".format(hf=tmp_path / "hf", data=tmp_path / "data.jsonl",
                                                            dir=tmp_path)
-    known = build_parser()._option_string_actions
-    return [a for a in text.split() if not (a in MOE_OWNED and a not in known)]
+    return text.split()
 
 
 @pytest.mark.parametrize("shape", LAUNCHERS["shapes"], ids=[s["name"] for s in LAUNCHERS["shapes"]])

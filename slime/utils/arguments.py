@@ -203,6 +203,15 @@ REFUSED_FLAGS: tuple[NotImplementedFlag, ...] = (
     *(NotImplementedFlag(flag=f, reason="FP8 training needs TransformerEngine's FP8 layers, which this model builder "
                                         "does not use; drop it to train in bf16 (--bf16) or fp32")
       for f in ("--fp8-format", "--fp8-recipe")),
+    *(NotImplementedFlag(flag=f, reason="weights reach the engines only over CUDA IPC, shared memory or the "
+                                        "distributed group (--update-weight-transport), never through files on disk")
+      for f in ("--update-weight-disk-dir", "--update-weight-disk-keep-files", "--update-weight-local-checkpoint-dir")),
+    *(NotImplementedFlag(flag=f, reason="delta weight updates are not implemented (--update-weight-mode full: every "
+                                        "push sends the full weights)")
+      for f in ("--update-weight-delta-encoding", "--update-weight-delta-checksum")),
+    NotImplementedFlag(flag="--moe-enable-deepep",
+                       reason="DeepEP's dispatcher needs CUDA and the deep_ep package, which this project does not "
+                              "use; use --moe-token-dispatcher-type alltoall (the same routing, all-to-all exchanges)"),
     NotImplementedFlag(flag="--release-train", reason="releasing the train actors needs disk weight sync, not implemented"),
     NotImplementedFlag(flag="--flush-cache-interval", is_active=lambda v: v != 1,
                        reason="the engines' cache is flushed at every weight sync; a longer interval is not implemented"),
@@ -757,6 +766,10 @@ def _add_moe_arguments(parser: argparse.ArgumentParser) -> None:
                    help="pad expert inputs to capacity")
     g.add_argument("--moe-shared-expert-overlap", action="store_true", default=False,
                    help="overlap the shared expert with dispatch")
+    g.add_argument("--moe-shared-expert-gate", action="store_true", default=False,
+                   help="a sigmoid gate on the shared expert's output (must agree with the HF config: Qwen2-MoE has one)")
+    g.add_argument("--moe-enable-deepep", action="store_true", default=False,
+                   help="DeepEP's token dispatcher (megatron's flex dispatcher)")
     g.add_argument("--use-routing-replay", action="store_true", default=False,
                    help="training forwards route each token to the experts the old-policy log-prob pass chose")
     g.add_argument("--use-rollout-routing-replay", action="store_true", default=False,
@@ -1041,6 +1054,11 @@ _UPSTREAM_COMPAT_FLAGS: dict[str, dict[str, Any]] = {
     "--critic-lr": dict(type=float, default=None), "--critic-lr-warmup-iters": dict(type=int, default=None),
     "--rollout-external": dict(action="store_true"), "--ckpt-step": dict(type=int, default=None),
     "--exit-interval": dict(type=int, default=None), "--no-save-rng": dict(action="store_true"),
+    "--update-weight-disk-dir": dict(type=str, default=None),
+    "--update-weight-disk-keep-files": dict(type=int, default=None),
+    "--update-weight-local-checkpoint-dir": dict(type=str, default=None),
+    "--update-weight-delta-encoding": dict(type=str, default=None),
+    "--update-weight-delta-checksum": dict(action="store_true"),
 }
 
 

@@ -62,6 +62,9 @@ def check_moe_args(arch: MoEArchitecture, args: Namespace) -> None:
         if _parse_layer_freq(freq, arch.num_layers) != list(arch.layer_pattern):
             raise MoEConfigError(f"--moe-layer-freq {freq} does not match the HF config's MoE layers "
                                  f"{list(arch.layer_pattern)}; drop the flag or pass that list")
+    if getattr(args, "moe_shared_expert_gate", False) and not arch.shared_expert_gate:
+        raise MoEConfigError("--moe-shared-expert-gate asks for a gated shared expert, the HF checkpoint has none; "
+                             "drop the flag")
     if getattr(args, "moe_router_pre_softmax", False) and arch.norm_topk_prob:
         raise MoEConfigError("--moe-router-pre-softmax keeps the top-k weights unnormalised, the HF config "
                              "renormalises them (norm_topk_prob=true); drop the flag")
