@@ -13,6 +13,7 @@ from slime.backends.megatron_utils import actor as actor_module
 from slime.backends.megatron_utils.actor import MegatronTrainActor, WeightSnapshots, log_prob_plan_args
 from slime.utils import sglang_passthrough
 from slime.utils.arguments import parse_args
+from slime.utils.security import current_key
 
 MINIMAL = ["--rollout-batch-size", "2", "--num-rollout", "1", "--actor-num-gpus-per-node", "1",
            "--train-backend-device", "cpu"]
@@ -136,7 +137,7 @@ def test_train_env_vars_reach_the_rank_process(monkeypatch):
         def __init__(self, *a, **kw):
             pass
 
-        def init(self, *a):
+        def init(self, *a, **kw):
             import os
 
             seen["value"] = os.environ.get("SLIME_TEST_ENV_VAR")
@@ -144,7 +145,7 @@ def test_train_env_vars_reach_the_rank_process(monkeypatch):
 
     monkeypatch.setattr(actor_module, "MegatronTrainActor", FakeMegatronActor)
     monkeypatch.delenv("SLIME_TEST_ENV_VAR", raising=False)
-    rank = train_actor.TrainRayActor(SimpleNamespace(train_env_vars={"SLIME_TEST_ENV_VAR": 3}), 0, 1, "/tmp")
+    rank = train_actor.TrainRayActor(SimpleNamespace(train_env_vars={"SLIME_TEST_ENV_VAR": 3}, api_key=current_key()), 0, 1, "/tmp")
     rank.init("127.0.0.1", 1, [])
     assert seen["value"] == "3"
     monkeypatch.delenv("SLIME_TEST_ENV_VAR", raising=False)
