@@ -186,8 +186,9 @@ def test_killed_run_resumes_to_the_uninterrupted_result(assets, reference, fault
 
     final = NUM_ROLLOUT - 1
     for part in ("", "reference"):  # model + optimizer state, and the refreshed reference model
-        want = checkpoint_tensors(iteration(reference["save"], final) / part, tmp_path / "want" / f"{part}.pt")
-        have = checkpoint_tensors(iteration(save, final) / part, tmp_path / "have" / f"{part}.pt")
+        name = f"{part or 'model'}.pt"
+        want = checkpoint_tensors(iteration(reference["save"], final) / part, tmp_path / "want" / name)
+        have = checkpoint_tensors(iteration(save, final) / part, tmp_path / "have" / name)
         assert sorted(have) == sorted(want)
         different = [k for k in want if not torch.equal(have[k], want[k])]
         assert different == [], f"{fault}: {len(different)} tensors differ, e.g. {different[:3]}"
