@@ -263,7 +263,6 @@ def _layer_spec(args: Namespace, hf_config: Any, config: TransformerConfig, vp_s
             return get_gpt_decoder_block_spec(config, use_transformer_engine=True, vp_stage=vp_stage)
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm,
                                                           multi_latent_attention=config.multi_latent_attention)
-    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     if function is not None:
         spec = _plugin_spec(function, args, config, vp_stage)
         if isinstance(spec, TransformerBlockSubmodules):
@@ -271,13 +270,13 @@ def _layer_spec(args: Namespace, hf_config: Any, config: TransformerConfig, vp_s
         if not isinstance(spec, ModuleSpec):
             raise TypeError(f"--spec {' '.join(args.spec or ())} returned {type(spec).__name__}; expected a megatron "
                             "ModuleSpec (one layer) or TransformerBlockSubmodules")
-        layer_specs = [spec] * num_layers
+        layer_specs = [spec] * get_num_layers_to_build(config, vp_stage=vp_stage)
     elif config.num_moe_experts:
         dense = _local_layer_spec(config)
         moe.warn_unavailable_kernels(args)
         layer_specs = moe.moe_layer_specs(dense, moe.with_moe_mlp(dense, config), config, vp_stage)
     else:
-        layer_specs = [_local_layer_spec(config)] * num_layers
+        layer_specs = [_local_layer_spec(config)] * get_num_layers_to_build(config, vp_stage=vp_stage)
     # A block spec so the final norm is ours too (the default one refuses SP).
     return TransformerBlockSubmodules(layer_specs=layer_specs, layer_norm=SequenceParallelNorm)
 
