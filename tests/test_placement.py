@@ -17,6 +17,7 @@ import pytest
 from slime.backends.sglang_utils.launcher import gpu_id_layout, sglang_server_args_for_engine
 from slime.ray.cluster import PlacementError, cluster_address, worker_env
 from slime.ray.placement import BundleInfo, check_engine_bind_host, order_bundles, plan_layout, visible_device_index
+from slime.utils.security import ApiKey
 
 
 def _bundles(spec: list[tuple[str, str, str | None]]) -> list[BundleInfo]:
@@ -189,7 +190,8 @@ def fake_gpu_cluster():
 def _layout_args(tmp_path, **overrides):
     args = dict(actor_num_nodes=2, actor_num_gpus_per_node=4, rollout_num_gpus=8, rollout_num_gpus_per_engine=2,
                 num_gpus_per_node=FAKE_GPUS_PER_NODE, colocate=True, debug_train_only=False, debug_rollout_only=False,
-                engine_bind_host=None, ledger_dir=str(tmp_path), fence_timeout=60.0, seed=1)
+                engine_bind_host=None, ledger_dir=str(tmp_path), fence_timeout=60.0, seed=1,
+                api_key=ApiKey.generate())  # as parse_args makes it: every actor takes the run's key
     return types.SimpleNamespace(**{**args, **overrides})
 
 
