@@ -283,12 +283,63 @@ def test_weight_update_needs_a_session_and_a_known_format(client, reference_mode
     assert err.value.status == 400
     assert client.begin_weight_update()
     try:
-        with pytest.raises(EngineHTTPError, match="never unpickles"):
+        with pytest.raises(EngineHTTPError, match="default pickled format"):
+            client.update_weights_from_serialized(list(payload.serialized_per_tp_rank), load_format=None)
+        with pytest.raises(EngineHTTPError, match="flattened-bucket payload") as err:
             client.update_weights_from_serialized(list(payload.serialized_per_tp_rank), load_format="flattened_bucket")
+        assert err.value.status == 400
     finally:
         client.end_weight_update()
     with pytest.raises(EngineHTTPError, match="No weight update session"):
         client.end_weight_update()
+
+
+class _RunsCommand:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_flattened_bucket_is_read_through_the_restricted_unpickler(client, reference_model, tmp_path):
+    """SGLang's colocated format: a pickle naming os.system is refused unrun; a bucket of tensors is loaded."""
+    import base64
+    import pickle
+
+    import torch.multiprocessing as mp
+
+    from slime.backends.sglang_utils.flattened_bucket import encode_ipc_payload
+
+    marker = tmp_path / "ran"
+    evil = base64.b64encode(pickle.dumps({"flattened_tensor": _RunsCommand(str(marker)), "metadata": []})).decode()
+    assert client.begin_weight_update()
+    try:
+        with pytest.raises(EngineHTTPError, match=r"refused global (posix|os)\.system") as err:
+            client.update_weights_from_serialized([evil], load_format="flattened_bucket")
+        assert err.value.status == 400 and not marker.exists()
+    finally:
+        client.end_weight_update()
+    name = "model.layers.0.mlp.down_proj.weight"
+    pushed = [(name, torch.randn_like(reference_model.state_dict()[name]))]
+    before = mp.get_sharing_strategy()
+    mp.set_sharing_strategy("file_system")  # CPU storages by file name (CUDA ones travel as IPC handles)
+    try:
+        flat, blobs = encode_ipc_payload(pushed)
+    finally:
+        mp.set_sharing_strategy(before)
+    assert client.begin_weight_update()
+    try:
+        client.update_weights_from_serialized(list(blobs), weight_version="ipc-1", load_format="flattened_bucket")
+    finally:
+        client.end_weight_update()
+    served = torch.tensor(client.get_weights_by_name(name, truncate_size=50))
+    assert torch.allclose(served, pushed[0][1].flatten()[:50], atol=1e-6)
+    assert client.weight_version() == "ipc-1"
+    restore = [(name, reference_model.state_dict()[name].clone())]
+    push(client, restore, "restored")
 
 
 def test_weight_update_changes_outputs_and_equals_pushed(client, reference_model):

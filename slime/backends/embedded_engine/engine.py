@@ -270,12 +270,14 @@ class EmbeddedEngine:
 
     @torch.no_grad()
     def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]], weight_version: str | None, *,
-                       adopt: bool = False) -> int:
+                       adopt: bool = False, empty_cache: bool = False) -> int:
         """Load the named tensors (HF parameter names) into the model; all-or-nothing.
 
         adopt: the tensors are read-only views of a host-shared mapping that outlives this call; a
         parameter of the same dtype and device then uses them as its storage (no copy, one copy of the
-        weights per host however many engines map it). Anything else is copied."""
+        weights per host however many engines map it). Anything else is copied, and on CUDA the copies
+        have finished when this returns (a CUDA-IPC sender reuses its memory once answered).
+        empty_cache: give the allocator's cached blocks back afterwards (SGLang's torch_empty_cache)."""
         if "weights" in self._released:
             raise EngineReleasedError("weights are released; call /resume_memory_occupation before updating them")
         state = self.model.state_dict()
@@ -291,6 +293,10 @@ class EmbeddedEngine:
                 param.data = tensor
             else:
                 targets[name].copy_(tensor.to(targets[name].dtype))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            if empty_cache:
+                torch.cuda.empty_cache()
         if weight_version is not None:
             self.weight_version = str(weight_version)
         return len(named_tensors)

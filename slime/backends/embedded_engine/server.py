@@ -24,6 +24,9 @@ from slime.backends.embedded_engine.engine import EmbeddedEngine, EngineReleased
 from slime.backends.embedded_engine.generate_request import build_requests
 from slime.backends.embedded_engine.sampling import SamplingParams
 from slime.backends.embedded_engine.scheduler import BatchScheduler
+from slime.backends.sglang_utils.flattened_bucket import LOAD_FORMAT as BUCKET_FORMAT
+from slime.backends.sglang_utils.flattened_bucket import decode_payload as decode_bucket
+from slime.backends.sglang_utils.flattened_bucket import visible_device_uuids
 from slime.backends.sglang_utils.named_tensors import deserialize_named_tensors
 from slime.backends.sglang_utils.process import serve_on
 from slime.backends.sglang_utils.shared_payload import LOAD_FORMAT as SHM_FORMAT
@@ -32,10 +35,15 @@ from slime.utils.security import LIVENESS_PATHS, ApiKey, request_limit, require_
 
 logger = logging.getLogger(__name__)
 
-# load_format values of /update_weights_from_tensor this engine reads. It never unpickles, so SGLang's
-# own formats (None, "flattened_bucket": MultiprocessingSerializer) are refused with a clear message.
+# load_format values of /update_weights_from_tensor this engine reads. SGLang's colocated
+# "flattened_bucket" (CUDA-IPC handles in a ForkingPickler pickle) goes through the restricted unpickler
+# (slime/utils/tensor_unpickler.py): tensor-rebuild functions only, any other global refused. SGLang's
+# default format (None: a pickled list of LocalSerializedTensor) is refused.
 SAFETENSORS_FORMAT = "slime_safetensors"
-TENSOR_LOAD_FORMATS = (SAFETENSORS_FORMAT, SHM_FORMAT)
+TENSOR_LOAD_FORMATS = (SAFETENSORS_FORMAT, SHM_FORMAT, BUCKET_FORMAT)
+# UpdateWeightsFromTensorReqInput's fields (SGLang); anything else is a caller's mistake.
+TENSOR_UPDATE_FIELDS = frozenset({"serialized_named_tensors", "load_format", "flush_cache", "abort_all_requests",
+                                  "weight_version", "selector", "torch_empty_cache"})
 DEFAULT_GROUP_TIMEOUT_S = 600.0
 
 SCHEDULER_KEY = web.AppKey("scheduler", BatchScheduler)
@@ -114,7 +122,8 @@ async def server_info(request: web.Request) -> web.Response:
     info = scheduler.engine.model_info()
     running, queued = scheduler.request_ids()
     info.update(paused=scheduler.paused, queued_requests=len(queued), running_requests=len(running),
-                request_ids=running + queued, max_batch_size=scheduler.max_batch_size, memory=scheduler.engine.memory())
+                request_ids=running + queued, max_batch_size=scheduler.max_batch_size, memory=scheduler.engine.memory(),
+                cuda_device_uuids=request.app[DEVICE_UUIDS_KEY])  # which CUDA-IPC senders can reach it
     return web.json_response(info)
 
 
@@ -180,27 +189,43 @@ async def end_weight_update(request: web.Request) -> web.Response:
 def _decode_tensors(load_format: str, blob: str, shared_dir):
     if load_format == SHM_FORMAT:
         return read_shared_bucket(blob, shared_dir)  # only files of the run's own directory
+    if load_format == BUCKET_FORMAT:
+        return decode_bucket(blob)  # views of the sender's memory (CUDA IPC): copied, never kept
     return deserialize_named_tensors(blob)
+
+
+def _check_tensor_update(body: dict[str, Any]) -> None:
+    unknown = sorted(set(body) - TENSOR_UPDATE_FIELDS)
+    if unknown:
+        raise ValueError(f"unknown /update_weights_from_tensor fields {unknown}; SGLang's are "
+                         f"{sorted(TENSOR_UPDATE_FIELDS)}")
+    if body.get("load_format") not in TENSOR_LOAD_FORMATS:
+        raise ValueError(f"load_format {body.get('load_format')!r}: the embedded engine reads {TENSOR_LOAD_FORMATS} "
+                         "(SGLang's default pickled format, a list of LocalSerializedTensor, is refused)")
+    if body.get("selector", "all") not in ("all", "target"):
+        raise ValueError(f"selector {body['selector']!r}: the embedded engine has no draft model ('all' or 'target')")
+    blobs = body.get("serialized_named_tensors")
+    if not isinstance(blobs, list) or len(blobs) != 1 or not isinstance(blobs[0], str):
+        raise ValueError("serialized_named_tensors must be a list with one string (the engine has TP=1)")
 
 
 async def update_weights_from_tensor(request: web.Request) -> web.Response:
     scheduler = request.app[SCHEDULER_KEY]
     body = await _json_body(request)
-    load_format = body.get("load_format")
-    if load_format not in TENSOR_LOAD_FORMATS:
-        raise ValueError(f"load_format {load_format!r}: the embedded engine reads {TENSOR_LOAD_FORMATS} "
-                         "(it never unpickles, so SGLang's pickled formats are refused)")
+    _check_tensor_update(body)
+    load_format = body["load_format"]
     _require_session(request)
-    blobs = body.get("serialized_named_tensors")
-    if not isinstance(blobs, list) or len(blobs) != 1:
-        raise ValueError("serialized_named_tensors must be a list with one entry (the engine has TP=1)")
     if body.get("abort_all_requests"):
         scheduler.abort(abort_all=True)
-    named = await asyncio.get_running_loop().run_in_executor(None, _decode_tensors, load_format, blobs[0],
+    named = await asyncio.get_running_loop().run_in_executor(None, _decode_tensors, load_format,
+                                                             body["serialized_named_tensors"][0],
                                                              request.app[SHARED_DIR_KEY])
     # Shared-memory views stay valid after the sender unlinks the file: the engine adopts them as storage.
-    update = functools.partial(scheduler.engine.update_weights, adopt=load_format == SHM_FORMAT)
+    # CUDA-IPC views belong to the sender, which reuses them once answered: copied (and synchronized).
+    update = functools.partial(scheduler.engine.update_weights, adopt=load_format == SHM_FORMAT,
+                               empty_cache=bool(body.get("torch_empty_cache", False)))
     count = await scheduler.run_exclusive(update, named, body.get("weight_version"))
+    del named  # the last reference to the sender's memory: torch's IPC refcount drops here
     logger.info("updated %d tensors, weight_version=%s", count, scheduler.engine.weight_version)
     return _weight_result(True, f"Updated {count} tensors.")
 
@@ -321,6 +346,7 @@ async def resume_memory_occupation(request: web.Request) -> web.Response:
 
 GROUP_TIMEOUT_KEY = web.AppKey("weight_update_group_timeout_s", float)
 SHARED_DIR_KEY = web.AppKey("shared_bucket_directory", Path)
+DEVICE_UUIDS_KEY = web.AppKey("cuda_device_uuids", list)
 
 
 DEFAULT_MAX_REQUEST_BYTES = request_limit()  # one default weight bucket in base64, plus a margin
@@ -337,6 +363,7 @@ def build_app(engine: EmbeddedEngine, max_batch_size: int = 64,
     app[GROUPS_KEY] = {}
     app[GROUP_TIMEOUT_KEY] = float(group_timeout_s)
     app[SHARED_DIR_KEY] = run_directory(api_key)
+    app[DEVICE_UUIDS_KEY] = visible_device_uuids()
 
     async def lifecycle(app: web.Application):
         scheduler.start()

@@ -4,8 +4,11 @@ Chosen once at start (`choose_transport`), as upstream slime does:
   tensor       colocated engines (`--colocate`): `/update_weights_from_tensor`. On SGLang, a CUDA-IPC
                flattened bucket with ONE serialization per consumer (engine x engine TP rank): torch
                refcounts each serialized CUDA handle once, so a blob shared by several consumers frees
-               the bucket early or leaks it. On the embedded engine, one shared-memory file per bucket
-               that every engine on the host maps (no pickle, no base64).
+               the bucket early or leaks it. On the embedded engine, the same flattened bucket
+               (sglang_utils/flattened_bucket.py, read there by a restricted unpickler) when the bucket
+               is on a GPU the engine sees (its /server_info lists its GPUs' UUIDs): device to device,
+               no host copy. Otherwise (CPU, or a GPU the engine cannot see) one shared-memory file per
+               bucket that every engine on the host maps (no pickle, no base64).
   distributed  engines that do not share the trainer's GPUs or node (`--update-weight-transport nccl`
                without `--colocate`): `/init_weights_update_group` once, then per bucket
                `/update_weights_from_distributed` while the sender broadcasts each tensor over that group
@@ -28,6 +31,7 @@ from urllib.parse import urlparse
 
 import torch
 
+from slime.backends.sglang_utils import flattened_bucket
 from slime.backends.sglang_utils.http_client import ClientTimeouts, EngineHTTPError, SGLangHTTPClient
 from slime.backends.sglang_utils.named_tensors import serialize_named_tensors
 from slime.backends.sglang_utils.shared_payload import LOAD_FORMAT as SHM_LOAD_FORMAT
@@ -126,6 +130,7 @@ class TensorTransport:
         self._token = uuid.uuid4().hex[:12]
         self._checked_local = False
         self._key = current_key()  # names the run's shared-memory directory, which the engines accept
+        self._engine_gpus: list[frozenset[str]] | None = None  # per engine: the GPU UUIDs it sees
 
     def _check_engines_on_this_host(self) -> None:
         """CUDA IPC and shared memory reach only engines of the sender's host."""
@@ -145,10 +150,41 @@ class TensorTransport:
             self.engines.each(lambda client: self._post(client, encode_sglang_payload(tensors, self.engine_tp_size),
                                                         version, flush_cache))
             return
+        by_ipc = self._ipc_reach(tensors)
+        ipc_clients = [client for client, ipc in zip(self.engines.clients, by_ipc) if ipc]
+        shm_clients = [client for client, ipc in zip(self.engines.clients, by_ipc) if not ipc]
+        futures, flat = [], None
+        if ipc_clients:  # device to device: one serialization (one IPC reference) per engine
+            flat, entries = flattened_bucket.flatten(tensors)
+            payloads = {client.base_url: EnginePayload((flattened_bucket.serialize(flat, entries),),
+                                                       flattened_bucket.LOAD_FORMAT) for client in ipc_clients}
+            futures = self.engines.submit_each(
+                lambda client: self._post(client, payloads[client.base_url], version, flush_cache), ipc_clients)
+        try:
+            if shm_clients:
+                self._send_shared(index, tensors, shm_clients, version, flush_cache)
+        finally:
+            for future in futures:  # each bounded by the client's HTTP timeout
+                future.result()
+            del flat  # the engines copied out of it before answering
+
+    def _ipc_reach(self, tensors: NamedTensors) -> list[bool]:
+        """Per engine: can it map this CUDA bucket (it sees the bucket's GPU)?"""
+        device = tensors[0][1].device if tensors else torch.device("cpu")
+        if device.type != "cuda":
+            return [False] * len(self.engines.clients)
+        if self._engine_gpus is None:
+            infos = self.engines.each(lambda client: client.server_info())
+            self._engine_gpus = [frozenset(info.get("cuda_device_uuids") or ()) for info in infos]
+        sender = flattened_bucket.device_uuid(device)
+        return [sender in gpus for gpus in self._engine_gpus]
+
+    def _send_shared(self, index: int, tensors: NamedTensors, clients: list[SGLangHTTPClient], version: str | None,
+                     flush_cache: bool) -> None:
         shared = write_shared_bucket(tensors, make_run_directory(self._key), f"weights-{self._token}-bucket{index}")
         try:  # one file per host, mapped by every engine
             payload = EnginePayload((shared.descriptor,), SHM_LOAD_FORMAT)
-            self.engines.each(lambda client: self._post(client, payload, version, flush_cache))
+            self.engines.each(lambda client: self._post(client, payload, version, flush_cache), clients)
         finally:
             shared.remove()
 
