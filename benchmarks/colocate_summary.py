@@ -73,7 +73,24 @@ def main(path: str) -> int:
     if diffs:
         print(f"train_rollout_logprob_abs_diff: first {diffs[0]:.4g}, last {diffs[-1]:.4g}, "
               f"min {min(diffs):.4g}, max {max(diffs):.4g}")
+    sync_share(rows, rollouts)
     return 0 if rollouts and len(trained) == len(rollouts) == len(synced) else 1
+
+
+def sync_share(rows: dict, rollouts: list[int]) -> None:
+    """Median weight sync (and its export / send split) against the median actor_train."""
+    def median(event: str, key: str) -> float | None:
+        values = sorted(v for r in rollouts if (v := rows[r].get(event, {}).get(key)) is not None)
+        return values[len(values) // 2] if values else None
+
+    sync, train = median("weight_sync", "weight_sync/seconds"), median("train", "perf/actor_train_s")
+    if sync is None or not train:
+        return
+    gather, send = median("weight_sync", "weight_sync/gather_seconds"), median("weight_sync", "weight_sync/send_seconds")
+    nbytes = median("weight_sync", "weight_sync/bytes") or 0.0
+    print(f"weight_sync median {sync:.3f} s (export {gather or 0:.3f} s, send {send or 0:.3f} s, "
+          f"{nbytes / 1e9:.2f} GB, {nbytes / 1e9 / sync:.2f} GB/s) vs actor_train median {train:.3f} s: "
+          f"{sync / train:.1%}")
 
 
 def _fmt(value) -> str:

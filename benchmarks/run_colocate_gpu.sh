@@ -6,6 +6,10 @@
 #   loop    python train.py --colocate: trainer and engine share every GPU, ROLLOUTS rollouts (default 24)
 #   moe-replay  the loop on a Qwen3-MoE-shaped model (32 experts, top-4), bf16, twice: without and with
 #           --use-rollout-routing-replay; train/train_rollout_logprob_abs_diff of each (ROLLOUTS, default 8)
+#   push    the loop's model pushed into one embedded engine on the same GPU, shared-memory file vs CUDA IPC
+#           side by side (benchmarks/bench_weight_push_gpu.py), next to the GPU's copy bandwidth
+#   footprint  a trainer-like process's device memory outside PyTorch's allocator, item by item
+#           (context, cuBLAS, attention, NCCL; benchmarks/footprint_gpu.py)
 #   logprobs  the loop's model on one GPU: engine, transformers and megatron log-probs of the same generated
 #           tokens in bf16 and fp32 (benchmarks/logprob_parity.py), which side of the loop's diff is off
 # Prepare .whl/ with benchmarks/fetch_gpu_wheels.sh and copy it along. Results land in $OUT when set, or
@@ -42,6 +46,14 @@ counting_model() {  # the loop's model: a Qwen3-0.6B-shaped body over the demo's
 }
 
 for phase in "$@"; do case $phase in
+push)
+  counting_model
+  timeout ${PUSH_TIMEOUT:-200} python3 benchmarks/bench_weight_push_gpu.py --checkpoint $MODEL --repeats ${REPEATS:-5} \
+    --json "$OUT/push.json" > "$OUT/push.log" 2>&1
+  echo "push rc=$?"; grep -h "WEIGHT_PUSH\|Error" "$OUT/push.log" | cut -c1-400 ;;
+footprint)
+  timeout ${FOOTPRINT_TIMEOUT:-120} python3 benchmarks/footprint_gpu.py --json "$OUT/footprint.json" > "$OUT/footprint.log" 2>&1
+  echo "footprint rc=$?"; grep -h "FOOTPRINT\|Error" "$OUT/footprint.log" | cut -c1-300 ;;
 logprobs)
   counting_model
   timeout ${LOGPROBS_TIMEOUT:-180} python3 benchmarks/logprob_parity.py --model-path $MODEL --prompts /tmp/counting.jsonl \

@@ -56,3 +56,17 @@ def test_a_failing_begin_is_an_error_not_a_fallback():
                                                          text="busy")
     with pytest.raises(EngineHTTPError, match="HTTP 400"):
         engines.begin_session()
+
+
+def test_cuda_ipc_goes_only_to_engines_that_see_the_senders_gpu():
+    from slime.backends.megatron_utils.weight_transport import ipc_reach
+
+    gpus = [frozenset({"GPU-a"}), frozenset({"GPU-b"}), frozenset({"GPU-a", "GPU-b"}), frozenset()]
+    assert ipc_reach("GPU-a", gpus) == [True, False, True, False]
+    assert ipc_reach(None, gpus) == [False] * 4  # a bucket on the host: shared memory for all
+
+
+def test_host_buckets_never_ask_engines_for_their_gpus():
+    engines, (engine,) = engine_set(True)
+    TensorTransport(engines, "embedded", 1).send(0, [("w", torch.ones(2))], version="1", flush_cache=True)
+    assert "/server_info" not in engine.routes() and engine.calls[0][1]["load_format"] == "slime_shm"

@@ -371,6 +371,7 @@ class MegatronTrainActor:
         if asleep:  # groups go back down only after the sync's closing fence
             with self.watchdog.phase("weight_sync/sleep"):
                 self.groups.sleep()
+                self.memory.release_cached()
         self.ledger.flush()  # on file before the driver may kill this process
         return {**metrics, **{f"weight_sync/{k.split('/')[-1]}": v for k, v in wake.items()}}
 

@@ -119,6 +119,11 @@ class TrainerMemory:
         _reset_peak(self._device)
         return time.perf_counter() - start
 
+    def release_cached(self) -> None:
+        """Give back what the allocator cached while asleep (a weight sync's buckets): the engines take it next."""
+        if self.asleep:
+            _release_cached(self._device)
+
     def read_param(self, param: torch.Tensor) -> torch.Tensor:
         """`param`'s value on the training device: the live tensor when awake, else a copy of its host backup."""
         if not self.asleep:

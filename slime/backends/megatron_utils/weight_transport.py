@@ -116,12 +116,19 @@ class EngineSet:
 
 
 # ----------------------------------------------------------------------------- transports
+def ipc_reach(sender_gpu: str | None, engine_gpus: list[frozenset[str]]) -> list[bool]:
+    """Per engine: can it map a CUDA bucket of the sender's GPU (UUID; None: the bucket is on the host)?
+    Only if that GPU is among those it sees (a process limited by CUDA_VISIBLE_DEVICES cannot)."""
+    return [sender_gpu is not None and sender_gpu in gpus for gpus in engine_gpus]
+
+
 class TensorTransport:
     """Colocated engines: `/update_weights_from_tensor`."""
 
     name = "tensor"
 
-    def __init__(self, engines: EngineSet, engine_kind: str, engine_tp_size: int) -> None:
+    def __init__(self, engines: EngineSet, engine_kind: str, engine_tp_size: int, *, allow_ipc: bool = True) -> None:
+        """allow_ipc=False: embedded engines always get shared-memory files (a benchmark compares the two)."""
         if engine_kind not in ENGINE_KINDS:
             raise ValueError(f"engine kind {engine_kind!r}; expected one of {ENGINE_KINDS}")
         self.engines = engines
@@ -130,6 +137,7 @@ class TensorTransport:
         self._token = uuid.uuid4().hex[:12]
         self._checked_local = False
         self._key = current_key()  # names the run's shared-memory directory, which the engines accept
+        self.allow_ipc = allow_ipc
         self._engine_gpus: list[frozenset[str]] | None = None  # per engine: the GPU UUIDs it sees
 
     def _check_engines_on_this_host(self) -> None:
@@ -169,15 +177,13 @@ class TensorTransport:
             del flat  # the engines copied out of it before answering
 
     def _ipc_reach(self, tensors: NamedTensors) -> list[bool]:
-        """Per engine: can it map this CUDA bucket (it sees the bucket's GPU)?"""
         device = tensors[0][1].device if tensors else torch.device("cpu")
-        if device.type != "cuda":
-            return [False] * len(self.engines.clients)
+        if device.type != "cuda" or not self.allow_ipc:
+            return ipc_reach(None, [frozenset()] * len(self.engines.clients))
         if self._engine_gpus is None:
             infos = self.engines.each(lambda client: client.server_info())
             self._engine_gpus = [frozenset(info.get("cuda_device_uuids") or ()) for info in infos]
-        sender = flattened_bucket.device_uuid(device)
-        return [sender in gpus for gpus in self._engine_gpus]
+        return ipc_reach(flattened_bucket.device_uuid(device), self._engine_gpus)
 
     def _send_shared(self, index: int, tensors: NamedTensors, clients: list[SGLangHTTPClient], version: str | None,
                      flush_cache: bool) -> None:
