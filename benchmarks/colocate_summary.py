@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import sys
 from collections import defaultdict
 
@@ -80,8 +81,8 @@ def main(path: str) -> int:
 def sync_share(rows: dict, rollouts: list[int]) -> None:
     """Median weight sync (and its export / send split) against the median actor_train."""
     def median(event: str, key: str) -> float | None:
-        values = sorted(v for r in rollouts if (v := rows[r].get(event, {}).get(key)) is not None)
-        return values[len(values) // 2] if values else None
+        values = [v for r in rollouts if (v := rows[r].get(event, {}).get(key)) is not None]
+        return statistics.median(values) if values else None
 
     sync, train = median("weight_sync", "weight_sync/seconds"), median("train", "perf/actor_train_s")
     if sync is None or not train:
