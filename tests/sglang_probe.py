@@ -310,7 +310,27 @@ def check_payload(tp_size: int) -> dict[str, Any]:
         for d in decoded
     )
     return {"load_format": engines[0].load_format, "entries": len(blobs), "serialize_calls": len(serialized_calls),
-            "decoded_equal": same, "base64_strings": all(isinstance(b, str) and base64.b64decode(b) for b in blobs)}
+            "decoded_equal": same, "base64_strings": all(isinstance(b, str) and base64.b64decode(b) for b in blobs),
+            "embedded_reads_sglangs": _embedded_reads_sglang_payload(named)}
+
+
+def _embedded_reads_sglang_payload(named) -> bool:
+    """SGLang's own flattened bucket (its classes, its serializer) read by the embedded engine's restricted decoder.
+    CPU storages by file name: SGLang sends CUDA tensors as IPC handles, which need no such setting."""
+    import torch
+    import torch.multiprocessing as mp
+
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+    from slime.backends.sglang_utils.flattened_bucket import decode_payload
+
+    mp.set_sharing_strategy("file_system")
+    bucket = FlattenedTensorBucket(named_tensors=named)
+    blob = MultiprocessingSerializer.serialize({"flattened_tensor": bucket.get_flattened_tensor(),
+                                                "metadata": bucket.get_metadata()}, output_str=True)
+    decoded = decode_payload(blob)
+    return [n for n, _ in decoded] == [n for n, _ in named] and all(
+        t.dtype == e.dtype and torch.equal(t, e) for (_, t), (_, e) in zip(decoded, named))
 
 
 def _decode_flattened(data: dict[str, Any]):

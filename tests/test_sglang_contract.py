@@ -254,6 +254,7 @@ def test_tensor_payload_round_trips_through_sglangs_decoder(report):
     assert payload["entries"] == 2 * ENGINE_TP
     assert payload["serialize_calls"] == payload["entries"], "one serialization per engine and TP rank"
     assert payload["decoded_equal"] and payload["base64_strings"]
+    assert payload["embedded_reads_sglangs"], "the embedded engine's restricted decoder reads SGLang's own bucket"
 
 
 def test_embedded_engine_knows_every_sglang_generate_field(report):
