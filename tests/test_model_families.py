@@ -176,9 +176,10 @@ def dsmoe_assets(tmp_path_factory):
     return str(checkpoint), make_rollout(num_samples=4, seed=2, vocab=vocab, max_len=20)
 
 
-def _dsmoe_child(rank, world, hf_dir, data, layout):
+def _dsmoe_child(rank, world, hf_dir, data, layout, checkpoint_dir):
     from transformers import AutoConfig
 
+    from slime.backends.megatron_utils.checkpoint import load_checkpoint, save_checkpoint
     from slime.backends.megatron_utils.train_step import build_plans_for_rank, compute_log_probs, train_one_step
     from slime_plugins.models.hf_weights import export_hf_weights
     from train_step_harness import build_loaded_model, layout_args
@@ -192,8 +193,15 @@ def _dsmoe_child(rank, world, hf_dir, data, layout):
     data = dict(data, log_probs=before, ref_log_probs=before, rollout_log_probs=before)
     step = train_one_step(model, optimizer, scheduler, data, plan, args)
     after = compute_log_probs(model, data, plan, args)
-    trained = dict(export_hf_weights(model, hf_config))
-    return dict(loaded=loaded, trained=trained, before=before, after=after, loss=step.loss, skipped=step.skipped)
+    trained = {name: tensor.clone() for name, tensor in export_hf_weights(model, hf_config)}
+    biases = [b for chunk in model for n, b in chunk.named_buffers() if n.endswith("mlp.router.expert_bias")]
+    save_checkpoint(checkpoint_dir, 1, model)  # --save / --load keep the bias megatron moved
+    for bias in biases:
+        bias.zero_()
+    load_checkpoint(checkpoint_dir, model)
+    restored = {name: tensor.clone() for name, tensor in export_hf_weights(model, hf_config)}
+    return dict(loaded=loaded, trained=trained, restored=restored, before=before, after=after, skipped=step.skipped,
+                biases=len(biases))
 
 
 def _engine_log_probs(engine, data) -> list[list[float]]:
@@ -209,7 +217,7 @@ def _engine_log_probs(engine, data) -> list[list[float]]:
 
 
 @pytest.mark.timeout(240)
-def test_deepseek_v3_moe_round_trips_trains_and_pushes_under_tp2_sp_ep2(dsmoe_assets):
+def test_deepseek_v3_moe_round_trips_trains_and_pushes_under_tp2_sp_ep2(dsmoe_assets, tmp_path):
     from safetensors.torch import load_file
 
     from slime.backends.embedded_engine.engine import EmbeddedEngine, GenerationRequest
@@ -219,7 +227,7 @@ def test_deepseek_v3_moe_round_trips_trains_and_pushes_under_tp2_sp_ep2(dsmoe_as
     layout = dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=2,
                   expert_tensor_parallel_size=1, calculate_per_token_loss=True, lr=1e-3,
                   moe_router_bias_update_rate=0.05)
-    results = run_ranks(_dsmoe_child, 2, args=(hf_dir, data, layout), timeout_s=220)
+    results = run_ranks(_dsmoe_child, 2, args=(hf_dir, data, layout, str(tmp_path / "ckpt")), timeout_s=220)
     original = load_file(f"{hf_dir}/model.safetensors")
     engine = EmbeddedEngine(hf_dir)
     for result in results:  # every rank exports every expert (EP all-gather), bias included
@@ -228,10 +236,14 @@ def test_deepseek_v3_moe_round_trips_trains_and_pushes_under_tp2_sp_ep2(dsmoe_as
     for got, want in zip(results[0]["before"], _engine_log_probs(engine, data)):
         assert got == pytest.approx(want, abs=1e-5)
     result = results[0]
-    assert not result["skipped"] and result["after"] != result["before"]
+    assert not result["skipped"] and result["after"] != result["before"] and result["biases"] == 2
+    assert all(torch.equal(result["restored"][name], t) for name, t in result["trained"].items())
     bias = "model.layers.1.mlp.gate.e_score_correction_bias"
     assert not torch.equal(result["trained"][bias], original[bias])  # aux-loss-free balancing moved it
-    engine.update_weights(list(result["trained"].items()), "v2")
+    engine.update_weights([(n, t) for n, t in result["trained"].items() if not n.endswith("correction_bias")], "v2")
+    stale = _engine_log_probs(engine, data)  # the old bias routes some tokens elsewhere
+    assert max(abs(a - b) for x, y in zip(stale, result["after"]) for a, b in zip(x, y)) > 1e-3
+    engine.update_weights(list(result["trained"].items()), "v3")
     assert torch.equal(engine.get_weight(bias), result["trained"][bias])
     for got, want in zip(result["after"], _engine_log_probs(engine, data)):
         assert got == pytest.approx(want, abs=1e-5)
