@@ -5,10 +5,15 @@
 - the megatron model gives transformers' logits (fp32, ~1e-7) at TP2, CP2 and TP2 x CP2 and exports the HF
   tensors bit-exactly;
 - the training step (packed THD micro-batches, zig-zag CP, SP) gives the single process's log-probs, loss and
-  grad norm, and those log-probs are transformers'.
+  grad norm, and those log-probs are transformers';
+- DeepSeek-V3's MoE layers (first layer dense, sigmoid router with e_score_correction_bias, group-limited top-k,
+  routed_scaling_factor, an ungated shared expert) at TP2 x SP x EP2: weights round-trip exactly, log-probs are
+  transformers', a step trains and updates the expert bias, and the pushed weights (bias included) give the
+  embedded engine the trainer's log-probs; router settings megatron-core cannot match are refused.
 """
 from __future__ import annotations
 
+import json
 import types
 
 import pytest
@@ -133,8 +138,10 @@ def test_architecture_flags_must_agree_with_the_hf_config():
         transformer_config_from_hf(tiny_qwen3_config(), types.SimpleNamespace(multi_latent_attention=True))
     with pytest.raises(ValueError, match="--rotary-interleaved=True contradicts"):
         transformer_config_from_hf(tiny_qwen3_config(), types.SimpleNamespace(rotary_interleaved=True))
-    with pytest.raises(ValueError, match="DeepSeek-V3's MoE layers are not built here yet"):
-        transformer_config_from_hf(tiny_deepseek_v3_config(first_k_dense_replace=1), types.SimpleNamespace())
+    deepseek_v2 = tiny_deepseek_v3_config(first_k_dense_replace=1)
+    deepseek_v2.model_type = "deepseek_v2"
+    with pytest.raises(ValueError, match="deepseek_v2 MoE layers .* are not mapped"):
+        transformer_config_from_hf(deepseek_v2, types.SimpleNamespace())
 
 
 def test_spec_plugin_signatures_and_result_types():
@@ -152,3 +159,163 @@ def test_spec_plugin_signatures_and_result_types():
         # a one-parameter function is called as fn(args); this one returns a dict, not a spec
         builder._layer_spec(types.SimpleNamespace(spec=["slime_plugins.models.glm4", "layer_names"]),
                             tiny_qwen3_config(), config, None)
+
+
+# ------------------------------------------------------------------ DeepSeek-V3 MoE layers
+
+
+@pytest.fixture(scope="module")
+def dsmoe_assets(tmp_path_factory):
+    from slime.tools.tiny_checkpoint import TinyQwen3Spec, write_tiny_checkpoint
+    from tiny_models import replace_model, save_tiny_deepseek_v3_moe
+    from train_step_harness import make_rollout
+
+    checkpoint = write_tiny_checkpoint(tmp_path_factory.mktemp("dsmoe") / "m", TinyQwen3Spec(alphabet="0123456789"))
+    replace_model(checkpoint, save_tiny_deepseek_v3_moe)
+    vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
+    return str(checkpoint), make_rollout(num_samples=4, seed=2, vocab=vocab, max_len=20)
+
+
+def _dsmoe_child(rank, world, hf_dir, data, layout):
+    from transformers import AutoConfig
+
+    from slime.backends.megatron_utils.train_step import build_plans_for_rank, compute_log_probs, train_one_step
+    from slime_plugins.models.hf_weights import export_hf_weights
+    from train_step_harness import build_loaded_model, layout_args
+
+    args = layout_args(layout)
+    hf_config = AutoConfig.from_pretrained(hf_dir)
+    model, optimizer, scheduler = build_loaded_model(args, hf_dir)
+    loaded = {name: tensor.clone() for name, tensor in export_hf_weights(model, hf_config)}  # views of live weights
+    (plan,) = build_plans_for_rank(data, args)
+    before = compute_log_probs(model, data, plan, args)
+    data = dict(data, log_probs=before, ref_log_probs=before, rollout_log_probs=before)
+    step = train_one_step(model, optimizer, scheduler, data, plan, args)
+    after = compute_log_probs(model, data, plan, args)
+    trained = {name: tensor.clone() for name, tensor in export_hf_weights(model, hf_config)}
+    # --save / --load write and read the model's sharded state dict: the bias megatron moved is in it
+    saved = [key for chunk in model for key in chunk.module.sharded_state_dict() if key.endswith("router.expert_bias")]
+    return dict(loaded=loaded, trained=trained, before=before, after=after, skipped=step.skipped, saved=saved)
+
+
+def _engine_log_probs(engine, data) -> list[list[float]]:
+    """The engine's own input-token log-probs (SGLang's input_token_logprobs) of each sample's response."""
+    from slime.backends.embedded_engine.engine import GenerationRequest
+    from slime.backends.embedded_engine.sampling import SamplingParams
+
+    params = SamplingParams.from_request({"max_new_tokens": 0, "temperature": 1.0})
+    requests = [GenerationRequest(rid=str(i), input_ids=tuple(t), params=params, return_logprob=True,
+                                  logprob_start_len=0) for i, t in enumerate(data["tokens"])]
+    results = engine.generate_batch(requests)
+    return [[lp for lp, _ in r.input_logprobs[-n:]] for r, n in zip(results, data["response_lengths"])]
+
+
+@pytest.mark.timeout(300)
+def test_deepseek_v3_moe_round_trips_trains_and_pushes_under_tp2_sp_ep2(dsmoe_assets):
+    from safetensors.torch import load_file
+
+    from slime.backends.embedded_engine.engine import EmbeddedEngine, GenerationRequest
+    from slime.backends.embedded_engine.sampling import SamplingParams
+
+    hf_dir, data = dsmoe_assets
+    layout = dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=2,
+                  expert_tensor_parallel_size=1, calculate_per_token_loss=True, lr=1e-3,
+                  moe_router_bias_update_rate=0.05)
+    results = run_ranks(_dsmoe_child, 2, args=(hf_dir, data, layout), timeout_s=280)
+    original = load_file(f"{hf_dir}/model.safetensors")
+    engine = EmbeddedEngine(hf_dir)
+    for result in results:  # every rank exports every expert (EP all-gather), bias included
+        assert sorted(result["loaded"]) == sorted(original)
+        assert all(torch.equal(result["loaded"][name], original[name]) for name in original)
+    for got, want in zip(results[0]["before"], _engine_log_probs(engine, data)):
+        assert got == pytest.approx(want, abs=1e-5)
+    result = results[0]
+    assert not result["skipped"] and result["after"] != result["before"]
+    assert result["saved"] == ["decoder.layers.1.mlp.router.expert_bias", "decoder.layers.2.mlp.router.expert_bias"]
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert not torch.equal(result["trained"][bias], original[bias])  # aux-loss-free balancing moved it
+    engine.update_weights([(n, t) for n, t in result["trained"].items() if not n.endswith("correction_bias")], "v2")
+    stale = _engine_log_probs(engine, data)  # the old bias routes some tokens elsewhere
+    assert max(abs(a - b) for x, y in zip(stale, result["after"]) for a, b in zip(x, y)) > 1e-3
+    engine.update_weights(list(result["trained"].items()), "v3")
+    assert torch.equal(engine.get_weight(bias), result["trained"][bias])
+    for got, want in zip(result["after"], _engine_log_probs(engine, data)):
+        assert got == pytest.approx(want, abs=1e-5)
+    params = SamplingParams.from_request({"max_new_tokens": 4, "temperature": 1.0, "ignore_eos": True})
+    (generated,) = engine.generate_batch([GenerationRequest(rid="g", input_ids=(3, 4, 5), params=params)])
+    assert len(generated.output_ids) == 4
+
+
+def _deepseek_v3_config(**overrides):
+    """DeepSeek-V3-671B's MoE fields (no weights): 61 layers, 3 dense, 256 experts in 8 groups, top-8 of 4."""
+    from tiny_models import tiny_deepseek_v3_config
+
+    fields = dict(num_hidden_layers=61, first_k_dense_replace=3, n_routed_experts=256, num_experts_per_tok=8,
+                  moe_intermediate_size=2048, n_shared_experts=1, n_group=8, topk_group=4, routed_scaling_factor=2.5,
+                  norm_topk_prob=True)
+    fields.update(overrides)
+    return tiny_deepseek_v3_config(**fields)
+
+
+def _moe_flags(**flags):
+    return types.SimpleNamespace(**{"expert_model_parallel_size": 1, "pipeline_model_parallel_size": 1, **flags})
+
+
+def test_deepseek_v3_moe_config_maps_and_upstream_flags_must_agree():
+    from slime.backends.megatron_utils.moe import MoEConfigError, moe_config_fields
+
+    upstream = dict(num_experts=256, moe_layer_freq="[0]*3+[1]*58", moe_ffn_hidden_size=2048, moe_router_topk=8,
+                    moe_shared_expert_intermediate_size=2048, moe_router_score_function="sigmoid",
+                    moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=2.5, moe_router_num_groups=8,
+                    moe_router_group_topk=4, moe_router_bias_update_rate=0.0, moe_router_dtype="fp32")
+    with pytest.warns(UserWarning, match="--moe-router-pre-softmax has no effect with the sigmoid router"):
+        fields = moe_config_fields(_deepseek_v3_config(), _moe_flags(**upstream, moe_router_pre_softmax=True))
+    assert fields["moe_layer_freq"] == [0] * 3 + [1] * 58 and fields["num_moe_experts"] == 256
+    assert (fields["moe_router_score_function"], fields["moe_router_enable_expert_bias"],
+            fields["moe_router_pre_softmax"]) == ("sigmoid", True, False)
+    assert (fields["moe_router_num_groups"], fields["moe_router_group_topk"]) == (8, 4)
+    assert fields["moe_router_topk_scaling_factor"] == 2.5 and fields["moe_router_bias_update_rate"] == 0.0
+    assert fields["moe_shared_expert_intermediate_size"] == 2048 and not fields["moe_shared_expert_gate"]
+    # without flags the HF config decides alike
+    assert moe_config_fields(_deepseek_v3_config(), _moe_flags()) | {"moe_router_dtype": "fp32",
+                                                                    "moe_router_bias_update_rate": 0.0} == fields
+    contradictions = [
+        (dict(moe_router_score_function="softmax"), "--moe-router-score-function softmax does not match"),
+        (dict(moe_router_topk_scaling_factor=1.0), "--moe-router-topk-scaling-factor 1.0 does not match"),
+        (dict(moe_router_num_groups=4), "--moe-router-num-groups 4 does not match"),
+        (dict(moe_router_group_topk=2), "--moe-router-group-topk 2 does not match"),
+        (dict(moe_layer_freq="[0]*1+[1]*60"), "--moe-layer-freq [0]*1+[1]*60 does not match"),
+        (dict(moe_shared_expert_intermediate_size=4096), "--moe-shared-expert-intermediate-size 4096 does not"),
+        (dict(moe_shared_expert_gate=True), "the HF checkpoint has none"),
+    ]
+    for flags, message in contradictions:
+        with pytest.raises(MoEConfigError) as info:
+            moe_config_fields(_deepseek_v3_config(), _moe_flags(**flags))
+        assert message in str(info.value)
+
+
+def test_router_settings_megatron_cannot_match_are_refused():
+    from slime.backends.megatron_utils.moe import MoEConfigError, moe_config_fields
+    from tiny_models import tiny_qwen3_config
+
+    refused = [
+        (dict(topk_group=2), "agree only when num_experts_per_tok // topk_group == 2"),
+        (dict(norm_topk_prob=False), "megatron's sigmoid router renormalises the top-k weights exactly when k > 1"),
+        (dict(n_group=3), "the experts must split into n_group equal groups"),
+        (dict(scoring_func="softmax"), "only the sigmoid router with e_score_correction_bias"),
+    ]
+    for overrides, message in refused:
+        with pytest.raises(ValueError, match=message):
+            moe_config_fields(_deepseek_v3_config(**overrides), _moe_flags())
+    # every group selected is plain top-k, whatever the per-group score
+    fields = moe_config_fields(_deepseek_v3_config(n_group=8, topk_group=8), _moe_flags())
+    assert fields["moe_router_num_groups"] is None and fields["moe_router_group_topk"] is None
+    # the Qwen-MoE softmax router has no bias, scale or groups: those flags are refused there
+    qwen = tiny_qwen3_config(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+    qwen.model_type = "qwen3_moe"
+    for flags, message in [(dict(moe_router_enable_expert_bias=True), "the HF model has no tensor for"),
+                           (dict(moe_router_score_function="sigmoid"), "(score_function=softmax)"),
+                           (dict(moe_router_num_groups=2, moe_router_group_topk=1), "(num_groups=1)")]:
+        with pytest.raises(MoEConfigError) as info:
+            moe_config_fields(qwen, _moe_flags(**flags))
+        assert message in str(info.value)

@@ -12,21 +12,11 @@ from pathlib import Path
 import pytest
 
 from test_logprob_agreement import AGREEMENT, run_train, train_flags
-from tiny_models import save_tiny_deepseek_v3, save_tiny_glm4
+from tiny_models import replace_model, save_tiny_deepseek_v3, save_tiny_glm4
 
 NUM_ROLLOUTS = 3
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32,
         "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
-
-
-def _swap_model(checkpoint: Path, save) -> None:
-    """Keep the tiny checkpoint's tokenizer and generation config, replace its model by another family's."""
-    generation = (checkpoint / "generation_config.json").read_text()
-    config = json.loads((checkpoint / "config.json").read_text())
-    ids = dict(vocab_size=config["vocab_size"], pad_token_id=config["pad_token_id"],
-               bos_token_id=config["bos_token_id"], eos_token_id=config["eos_token_id"])
-    save(str(checkpoint), **ids)
-    (checkpoint / "generation_config.json").write_text(generation)
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +29,7 @@ def assets(tmp_path_factory) -> dict[str, Path]:
     for name, save in (("deepseek_v3", lambda path, **ids: save_tiny_deepseek_v3(path, rope_scaling=YARN, **ids)),
                        ("glm4", save_tiny_glm4)):
         checkpoints[name] = write_tiny_checkpoint(root / name, TinyQwen3Spec(alphabet="0123456789"))
-        _swap_model(checkpoints[name], save)
+        replace_model(checkpoints[name], save)
     prompts = write_prompts(root / "counting.jsonl", n=32, seed=0, task="counting")
     return {"root": root, "checkpoints": checkpoints, "prompts": prompts}
 

@@ -63,6 +63,39 @@ def save_tiny_deepseek_v3(path: str, seed: int = 0, **overrides) -> str:
     return _perturb_and_save(DeepseekV3ForCausalLM(tiny_deepseek_v3_config(**overrides)).float(), path)
 
 
+def save_tiny_deepseek_v3_moe(path: str, seed: int = 0, **overrides) -> str:
+    """A tiny DeepSeek-V3 with MoE layers: 3 layers (the first dense), 8 routed experts in 2 groups (one group
+    per token, top-2 in it), one shared expert, routed_scaling_factor 2.5; a spread router and a non-zero
+    e_score_correction_bias, so a wrong router mapping shows up."""
+    import torch
+    from transformers import DeepseekV3ForCausalLM
+
+    fields = dict(num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
+                  n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True)
+    fields.update(overrides)
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(tiny_deepseek_v3_config(**fields)).float()
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            if name.endswith("mlp.gate.weight"):
+                tensor.normal_(0.0, 0.5)
+            if name.endswith("e_score_correction_bias"):
+                tensor.copy_(0.2 * torch.rand_like(tensor))
+    return _perturb_and_save(model, path)
+
+
+def replace_model(checkpoint, save) -> None:
+    """Keep a tiny checkpoint's tokenizer and generation config, replace its model by `save(path, **ids)`'s."""
+    import json
+
+    generation = (checkpoint / "generation_config.json").read_text()
+    config = json.loads((checkpoint / "config.json").read_text())
+    ids = dict(vocab_size=config["vocab_size"], pad_token_id=config["pad_token_id"],
+               bos_token_id=config["bos_token_id"], eos_token_id=config["eos_token_id"])
+    save(str(checkpoint), **ids)
+    (checkpoint / "generation_config.json").write_text(generation)
+
+
 def save_tiny_glm4(path: str, seed: int = 0, **overrides) -> str:
     """Random-init a tiny Glm4ForCausalLM (post norms, q/k/v biases, half-rotary interleaved RoPE) under path."""
     import torch

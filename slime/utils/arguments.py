@@ -743,16 +743,22 @@ def _add_moe_arguments(parser: argparse.ArgumentParser) -> None:
                    choices=["aux_loss", "seq_aux_loss", "sinkhorn", "none"], help="expert load-balancing method")
     g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0, help="weight of the load-balancing loss")
     g.add_argument("--moe-z-loss-coeff", type=float, default=None, help="weight of the router z-loss")
-    g.add_argument("--moe-router-score-function", type=str, default="softmax", choices=["softmax", "sigmoid"],
-                   help="router score function")
+    g.add_argument("--moe-router-score-function", type=str, default=None, choices=["softmax", "sigmoid"],
+                   help="router score function (default: the HF config's: softmax for Qwen-MoE, sigmoid for "
+                        "DeepSeek-V3); must agree with it")
     g.add_argument("--moe-router-pre-softmax", action="store_true", default=False, help="softmax before top-k")
-    g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None, help="scale of the top-k weights")
-    g.add_argument("--moe-router-num-groups", type=int, default=None, help="expert groups of device-limited routing")
-    g.add_argument("--moe-router-group-topk", type=int, default=None, help="expert groups each token may use")
+    g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None,
+                   help="scale of the top-k weights (the HF config's routed_scaling_factor; must agree with it)")
+    g.add_argument("--moe-router-num-groups", type=int, default=None,
+                   help="expert groups of group-limited routing (the HF config's n_group; must agree with it)")
+    g.add_argument("--moe-router-group-topk", type=int, default=None,
+                   help="expert groups each token may use (the HF config's topk_group; must agree with it)")
     g.add_argument("--moe-router-dtype", type=str, default=None, choices=["fp32", "fp64"], help="router precision")
     g.add_argument("--moe-router-enable-expert-bias", action="store_true", default=False,
-                   help="auxiliary-loss-free balancing bias")
-    g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3, help="update rate of the expert bias")
+                   help="auxiliary-loss-free balancing bias (DeepSeek-V3's e_score_correction_bias: on whenever the "
+                        "HF config has it, refused where it has none)")
+    g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3,
+                   help="update rate of the expert bias after every step (0 keeps the checkpoint's bias)")
     g.add_argument("--moe-token-dispatcher-type", type=str, default="alltoall",
                    choices=["allgather", "alltoall", "flex"], help="how tokens reach their experts")
     g.add_argument("--moe-grouped-gemm", action="store_true", default=False, help="grouped-GEMM expert kernels")

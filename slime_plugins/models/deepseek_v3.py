@@ -5,10 +5,14 @@ Three things live here, so the builder, load, save-hf and the weight push read o
   dims, RoPE or YaRN with its mscale terms);
 - `mla_layer_spec(config)`: megatron's local MLA layer spec with this project's SP-capable norms and
   CP/THD-capable core attention (q/k heads of qk_head_dim + qk_pos_emb_head_dim, v heads of v_head_dim);
-- `layer_mapping(suffix, prefix)`: HF <-> megatron names of the attention parameters. megatron's MLA keeps
+- `attention_names(prefix)`: HF <-> megatron names of the attention parameters. megatron's MLA keeps
   HF's layouts (per head [nope | rope] rows in q_b_proj, [nope | v] rows in kv_b_proj, [latent | rope]
   rows in kv_a_proj_with_mqa), and both sides de-interleave the rotary dimensions at run time, so every
-  tensor maps one to one; TP splits are whole rows (generic in hf_weights).
+  tensor maps one to one; TP splits are whole rows (generic in hf_weights);
+- `moe_architecture(hf_config)`: the MoE layers (first_k_dense_replace dense layers, then routed experts
+  behind a sigmoid router with e_score_correction_bias, group-limited top-k, routed_scaling_factor and
+  n_shared_experts ungated shared experts), refusing what megatron-core 0.16's router cannot match exactly.
+  Their names are the Qwen-MoE ones (qwen3_moe.moe_hf_names) with `shared_experts` for the shared expert.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from typing import Any
 import torch
 
 MLA_MODEL_TYPES = ("deepseek_v3", "deepseek_v2", "kimi_k2")
+# DeepseekV3ForCausalLM's MoE layout (Kimi-K2 ships the same architecture)
+MOE_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 
 
 def is_mla(hf_config: Any) -> bool:
@@ -38,11 +44,6 @@ def mla_config_fields(hf_config: Any) -> dict[str, Any]:
         raise ValueError(f"MLA supports default or yarn RoPE, got {rope_type!r}")
     if getattr(hf_config, "attention_bias", False):
         raise ValueError("attention_bias on MLA projections is not supported (DeepSeek-V3 has none)")
-    dense_layers = getattr(hf_config, "first_k_dense_replace", hf_config.num_hidden_layers)
-    if getattr(hf_config, "n_routed_experts", None) and dense_layers < hf_config.num_hidden_layers:
-        raise ValueError(f"the HF config has MoE layers from layer {dense_layers} on (first_k_dense_replace < "
-                         f"num_hidden_layers={hf_config.num_hidden_layers}); DeepSeek-V3's MoE layers are not built "
-                         "here yet, only its attention: use a checkpoint whose layers are all dense")
     fields = dict(
         multi_latent_attention=True,
         q_lora_rank=hf_config.q_lora_rank,
@@ -176,3 +177,83 @@ def attention_names(prefix: str) -> dict[str, str]:
         "self_attention.linear_kv_up_proj.weight": f"{attn}kv_b_proj.weight",
         "self_attention.linear_proj.weight": f"{attn}o_proj.weight",
     }
+
+
+# ------------------------------------------------------------------ the MoE layers
+
+
+def _has_moe_layers(hf_config: Any) -> bool:
+    dense_layers = getattr(hf_config, "first_k_dense_replace", None)
+    dense_layers = hf_config.num_hidden_layers if dense_layers is None else dense_layers
+    return bool(getattr(hf_config, "n_routed_experts", None)) and dense_layers < hf_config.num_hidden_layers
+
+
+def _refuse_unmatched_router(hf_config: Any, topk: int, n_group: int, topk_group: int) -> None:
+    """Router settings whose maths megatron-core 0.16's router (topk_routing_with_score_function) does not
+    reproduce exactly: refused with the reason instead of training a model the engines route differently."""
+    scoring = getattr(hf_config, "scoring_func", "sigmoid")
+    method = getattr(hf_config, "topk_method", "noaux_tc")
+    if scoring != "sigmoid" or method not in (None, "noaux_tc"):
+        raise ValueError(f"DeepSeek-V3 MoE: scoring_func={scoring!r}, topk_method={method!r}; only the sigmoid "
+                         "router with e_score_correction_bias (noaux_tc) is mapped onto megatron's")
+    if (getattr(hf_config, "moe_layer_freq", 1) or 1) != 1:
+        raise ValueError(f"DeepSeek-V3 MoE: moe_layer_freq={hf_config.moe_layer_freq}; transformers' "
+                         "DeepseekV3ForCausalLM makes every layer from first_k_dense_replace on an MoE layer, so "
+                         "only moe_layer_freq=1 means the same model on both sides")
+    if bool(getattr(hf_config, "norm_topk_prob", True)) != (topk > 1):
+        raise ValueError(f"DeepSeek-V3 MoE: norm_topk_prob={hf_config.norm_topk_prob} with num_experts_per_tok="
+                         f"{topk}; megatron's sigmoid router renormalises the top-k weights exactly when k > 1, so "
+                         "only norm_topk_prob = (num_experts_per_tok > 1) can be matched")
+    experts = hf_config.n_routed_experts
+    if n_group > 1 and (experts % n_group or topk_group > n_group):
+        raise ValueError(f"DeepSeek-V3 MoE: n_group={n_group}, topk_group={topk_group} with {experts} experts; "
+                         "the experts must split into n_group equal groups and topk_group <= n_group")
+    if n_group == 1 and topk_group != 1:
+        raise ValueError(f"DeepSeek-V3 MoE: topk_group={topk_group} with n_group=1; a single group has "
+                         "topk_group=1")
+    if n_group > 1 and topk_group < n_group and topk // topk_group != 2:
+        raise ValueError(f"DeepSeek-V3 MoE: n_group={n_group}, topk_group={topk_group}, num_experts_per_tok={topk}: "
+                         "transformers ranks a group by the sum of its top-2 scores, megatron-core by the sum of its "
+                         f"top-(num_experts_per_tok // topk_group) = top-{topk // topk_group}; they agree only when "
+                         "num_experts_per_tok // topk_group == 2 (DeepSeek-V3: 8 // 4)")
+
+
+def moe_architecture(hf_config: Any):
+    """The MoE facts of a DeepSeek-V3-style config (None when every layer is dense).
+
+    HF -> megatron: sigmoid scores, + e_score_correction_bias for the choice only (megatron's expert_bias),
+    group-limited top-k (n_group / topk_group -> moe_router_num_groups / moe_router_group_topk), weights
+    renormalised over the k then scaled by routed_scaling_factor (moe_router_topk_scaling_factor), and
+    n_shared_experts * moe_intermediate_size wide shared experts added without a gate.
+    """
+    from slime_plugins.models.moe_arch import MoEArchitecture
+
+    if not _has_moe_layers(hf_config):
+        return None
+    model_type = getattr(hf_config, "model_type", "")
+    if model_type not in MOE_MODEL_TYPES:
+        raise ValueError(f"{model_type} MoE layers (a softmax router with topk_method "
+                         f"{getattr(hf_config, 'topk_method', None)!r}) are not mapped; only DeepSeek-V3's sigmoid "
+                         "router is: use a deepseek_v3 checkpoint or one whose layers are all dense")
+    topk = hf_config.num_experts_per_tok
+    n_group = int(getattr(hf_config, "n_group", None) or 1)
+    topk_group = int(getattr(hf_config, "topk_group", None) or 1)
+    _refuse_unmatched_router(hf_config, topk, n_group, topk_group)
+    shared = int(getattr(hf_config, "n_shared_experts", None) or 0) * hf_config.moe_intermediate_size
+    layers = hf_config.num_hidden_layers
+    return MoEArchitecture(
+        num_layers=layers,
+        num_experts=hf_config.n_routed_experts,
+        topk=topk,
+        ffn_hidden_size=hf_config.moe_intermediate_size,
+        norm_topk_prob=topk > 1,
+        layer_pattern=tuple(int(i >= hf_config.first_k_dense_replace) for i in range(layers)),
+        shared_expert_intermediate_size=shared or None,
+        shared_expert_gate=False,
+        hf_shared_expert="shared_experts",
+        score_function="sigmoid",
+        expert_bias=True,
+        topk_scaling_factor=float(getattr(hf_config, "routed_scaling_factor", None) or 1.0),
+        num_groups=n_group,
+        group_topk=topk_group,
+    )

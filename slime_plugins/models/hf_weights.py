@@ -15,6 +15,9 @@ MoE layers (router, routed and shared experts) take their names from slime_plugi
 routed experts are sharded over expert-parallel ranks (each holds E/EP of them) and over the expert-TP
 group instead of TP: load reads only this rank's experts, the export all-gathers them over EP so every
 exporter yields all experts, in a fixed order (local expert i of EP rank 0, 1, ..., then i+1).
+The router's expert bias (DeepSeek-V3's e_score_correction_bias) is a buffer, not a parameter: megatron
+updates it outside the optimizer, and it changes routing, so load, save-hf and the push carry it like a
+replicated parameter (`_weights`).
 """
 
 from __future__ import annotations
@@ -126,7 +129,9 @@ _LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 def _layer_mapping(suffix: str, prefix: str, shapes: _Shapes, tp: int, hf_config: Any,
                    global_expert: int | None = None) -> _Mapping:
-    moe_names = qwen3_moe.moe_hf_names(suffix, prefix, global_expert)
+    arch = qwen3_moe.moe_architecture(hf_config)
+    moe_names = qwen3_moe.moe_hf_names(suffix, prefix, global_expert,
+                                       arch.hf_shared_expert if arch else "shared_expert")
     if moe_names is not None:
         return _fused_gate_up(moe_names, tp) if len(moe_names) == 2 else _identity(moe_names[0])
     table = {
@@ -157,6 +162,17 @@ def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     while hasattr(chunk, "module"):  # DDP / Float16Module wrappers
         chunk = chunk.module
     return chunk
+
+
+_EXPERT_BIAS = "mlp.router.expert_bias"
+
+
+def _weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """What maps to HF tensors: every parameter, then the routers' expert-bias buffers (in module order)."""
+    yield from model.named_parameters()
+    for name, buffer in model.named_buffers():
+        if name.endswith(_EXPERT_BIAS) and buffer is not None:
+            yield name, buffer
 
 
 def _tied(hf_config: Any) -> bool:
@@ -303,7 +319,7 @@ def hf_tensor_shapes(model: torch.nn.Module, hf_config: Any, tp: int, *, all_exp
 
     all_experts: as export_hf_weights yields them (every EP rank's experts, in its order); otherwise only
     what this rank loads (its own experts). Tied output weights are skipped in export order, as there."""
-    for name, param in model.named_parameters():
+    for name, param in _weights(model):
         if all_experts and name == "output_layer.weight" and _tied(hf_config):
             continue
         full = torch.empty(full_shape(name, param, tp), dtype=param.dtype, device="meta")
@@ -352,7 +368,7 @@ def load_hf_weights(model_chunks: list[torch.nn.Module], hf_dir: str, hf_config:
     check_hf_tensors(model_chunks, reader, hf_config, tp)
     for chunk in model_chunks:
         model = _unwrap(chunk)
-        for name, param in model.named_parameters():
+        for name, param in _weights(model):
             mapping = _mapping_for(model, name, param, hf_config, tp)
             full = mapping.to_megatron([reader.get(n) for n in mapping.hf_names])
             if getattr(param, "tensor_model_parallel", False):
@@ -388,7 +404,7 @@ def export_hf_weights(model_chunks: list[torch.nn.Module], hf_config: Any,
     experts = _expert_layout()
     for chunk in model_chunks:
         model = _unwrap(chunk)
-        for name, param in model.named_parameters():
+        for name, param in _weights(model):
             if name == "output_layer.weight" and _tied(hf_config):
                 continue
             if _is_expert(name):

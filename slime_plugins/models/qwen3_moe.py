@@ -1,13 +1,16 @@
 """Qwen3-MoE (and Qwen2-MoE, its shared-expert sibling): what the HF config says about the experts, and
-the HF <-> megatron names and layouts of the MoE layer's parameters.
+the HF <-> megatron names and layouts of the MoE layer's parameters (DeepSeek-V3's too: deepseek_v3.py
+describes its router, the names below are shared).
 
 HF checkpoint (safetensors, what the hub ships and what transformers saves):
   model.layers.L.mlp.gate.weight                      [E, H]   router
   model.layers.L.mlp.experts.e.{gate,up,down}_proj.weight       expert e (SwiGLU)
   model.layers.L.mlp.shared_expert.{gate,up,down}_proj.weight   shared expert (Qwen2-MoE)
   model.layers.L.mlp.shared_expert_gate.weight        [1, H]   sigmoid gate of the shared expert
+  model.layers.L.mlp.shared_experts.{gate,up,down}_proj.weight  DeepSeek-V3's shared experts (no gate)
+  model.layers.L.mlp.gate.e_score_correction_bias     [E]      DeepSeek-V3's routing bias (fp32)
 megatron-core (local spec, SequentialMLP):
-  decoder.layers.l.mlp.router.weight
+  decoder.layers.l.mlp.router.weight, .expert_bias (a buffer)
   decoder.layers.l.mlp.experts.local_experts.i.linear_fc{1,2}.weight   (TE grouped: experts.linear_fc1.weight<i>)
   decoder.layers.l.mlp.shared_experts.linear_fc{1,2}.weight, .gate_weight
 Expert i of EP rank r is global expert r * (E / EP) + i; expert weights are split over the expert-TP group
@@ -19,26 +22,18 @@ checkpoint name onto that storage for the embedded engine.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Any
+
+from slime_plugins.models import deepseek_v3
+from slime_plugins.models.moe_arch import MoEArchitecture
 
 MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe")
 
 
-@dataclass(frozen=True)
-class MoEArchitecture:
-    num_layers: int
-    num_experts: int
-    topk: int
-    ffn_hidden_size: int  # width of each routed expert
-    norm_topk_prob: bool
-    layer_pattern: tuple[int, ...]  # 1 = MoE layer, 0 = dense MLP
-    shared_expert_intermediate_size: int | None = None
-    shared_expert_gate: bool = False
-
-
 def moe_architecture(hf_config: Any) -> MoEArchitecture | None:
-    """The MoE facts of an HF config; None for a dense model."""
+    """The MoE facts of an HF config (Qwen-MoE here, DeepSeek-V3 from deepseek_v3.py); None for a dense model."""
+    if deepseek_v3.is_mla(hf_config):
+        return deepseek_v3.moe_architecture(hf_config)
     model_type = getattr(hf_config, "model_type", "")
     num_experts = getattr(hf_config, "num_experts", None) or 0
     if model_type not in MOE_MODEL_TYPES or num_experts <= 0:
@@ -85,17 +80,23 @@ def swiglu_names(prefix: str) -> tuple[str, str, str]:
     return tuple(f"{prefix}{p}_proj.weight" for p in ("gate", "up", "down"))
 
 
-def moe_hf_names(layer_suffix: str, prefix: str, global_expert: int | None) -> tuple[str, ...] | None:
+def moe_hf_names(layer_suffix: str, prefix: str, global_expert: int | None,
+                 shared_expert: str = "shared_expert") -> tuple[str, ...] | None:
     """HF names of one MoE-layer parameter (prefix 'model.layers.L.'); None when it is not an MoE one.
 
     fc1 names come as (gate, up): the caller fuses them with the TP/ETP interleaving of the dense MLP.
+    `shared_expert` is the HF module name of the shared expert (MoEArchitecture.hf_shared_expert).
+    The router's expert bias (a buffer megatron updates outside the optimizer) is DeepSeek-V3's
+    e_score_correction_bias, beside the router weight.
     """
     if layer_suffix == "mlp.router.weight":
         return (f"{prefix}mlp.gate.weight",)
+    if layer_suffix == "mlp.router.expert_bias":
+        return (f"{prefix}mlp.gate.e_score_correction_bias",)
     if layer_suffix == "mlp.shared_experts.gate_weight":
         return (f"{prefix}mlp.shared_expert_gate.weight",)
     if layer_suffix.startswith("mlp.shared_experts."):
-        gate, up, down = swiglu_names(f"{prefix}mlp.shared_expert.")
+        gate, up, down = swiglu_names(f"{prefix}mlp.{shared_expert}.")
         return (gate, up) if layer_suffix.endswith("linear_fc1.weight") else (down,)
     expert = local_expert(layer_suffix)
     if expert is None:

@@ -1,9 +1,11 @@
 """Mixture-of-experts for the megatron builder: the MoE fields of TransformerConfig, the MoE layer spec,
 the checks of --num-experts / EP / top-k against the HF config, and the aux-loss scale of a step.
 
-The HF side (what an MoE checkpoint holds and how its names map) lives in slime_plugins/models/qwen3_moe.py;
-this module speaks megatron. Router variants (softmax or sigmoid scores, expert bias, shared experts, grouped
-routing) are megatron-core's own: the flags go through unchanged, so a DeepSeek-style layer needs no code here.
+The HF side (what an MoE checkpoint holds and how its names map) lives in slime_plugins/models/qwen3_moe.py
+and deepseek_v3.py (one MoEArchitecture each); this module speaks megatron. The router (score function,
+expert bias, top-k scaling, group-limited routing) and the shared expert come from the HF config: a flag
+that says otherwise is refused, since the engines run the HF model. Training-only router knobs (aux-loss
+types and weights, the expert-bias update rate, router dtype) go to megatron unchanged.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from typing import Any, Iterator
 
 import torch
 
-from slime_plugins.models.qwen3_moe import MoEArchitecture, moe_architecture
+from slime_plugins.models.moe_arch import MoEArchitecture
+from slime_plugins.models.qwen3_moe import moe_architecture
 
 
 class MoEConfigError(ValueError):
@@ -30,7 +33,26 @@ _ARCH_TO_FLAG = {
     "topk": "moe_router_topk",
     "ffn_hidden_size": "moe_ffn_hidden_size",
     "shared_expert_intermediate_size": "moe_shared_expert_intermediate_size",
+    "score_function": "moe_router_score_function",
+    "topk_scaling_factor": "moe_router_topk_scaling_factor",
+    "num_groups": "moe_router_num_groups",
+    "group_topk": "moe_router_group_topk",
 }
+
+
+def _eval_layer_freq(node: ast.AST) -> Any:
+    """A python literal, or upstream's list arithmetic ([0]*3+[1]*58): ints, lists, list * int and list + list."""
+    if isinstance(node, ast.Expression):
+        return _eval_layer_freq(node.body)
+    if isinstance(node, ast.Constant) and isinstance(node.value, int):
+        return node.value
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [_eval_layer_freq(e) for e in node.elts]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mult, ast.Add)):
+        left, right = _eval_layer_freq(node.left), _eval_layer_freq(node.right)
+        return left * right if isinstance(node.op, ast.Mult) else left + right
+    raise MoEConfigError(f"--moe-layer-freq: cannot read {ast.unparse(node)!r}; pass an int or a list such as "
+                         "[0]*3+[1]*58")
 
 
 def _parse_layer_freq(value: Any, num_layers: int) -> list[int]:
@@ -38,7 +60,7 @@ def _parse_layer_freq(value: Any, num_layers: int) -> list[int]:
     if isinstance(value, (list, tuple)):
         pattern = [int(v) for v in value]
     else:
-        parsed = ast.literal_eval(str(value)) if isinstance(value, str) else value
+        parsed = _eval_layer_freq(ast.parse(value, mode="eval")) if isinstance(value, str) else value
         if isinstance(parsed, int):
             pattern = [1 if i % parsed == 0 else 0 for i in range(num_layers)]
         else:
@@ -53,7 +75,7 @@ def check_moe_args(arch: MoEArchitecture, args: Namespace) -> None:
     for field, dest in _ARCH_TO_FLAG.items():
         given = getattr(args, dest, None)
         value = getattr(arch, field)
-        if given is not None and value is not None and given != value:
+        if given is not None and not _same(given, value):
             raise MoEConfigError(
                 f"--{dest.replace('_', '-')} {given} does not match the HF checkpoint's config ({field}={value}); "
                 f"pass --{dest.replace('_', '-')} {value} or point --hf-checkpoint at a model with {given}")
@@ -62,10 +84,16 @@ def check_moe_args(arch: MoEArchitecture, args: Namespace) -> None:
         if _parse_layer_freq(freq, arch.num_layers) != list(arch.layer_pattern):
             raise MoEConfigError(f"--moe-layer-freq {freq} does not match the HF config's MoE layers "
                                  f"{list(arch.layer_pattern)}; drop the flag or pass that list")
+    if getattr(args, "moe_router_enable_expert_bias", False) and not arch.expert_bias:
+        raise MoEConfigError("--moe-router-enable-expert-bias adds a routing bias the HF model has no tensor for "
+                             "(the engines would route without it); drop the flag")
     if getattr(args, "moe_shared_expert_gate", False) and not arch.shared_expert_gate:
         raise MoEConfigError("--moe-shared-expert-gate asks for a gated shared expert, the HF checkpoint has none; "
                              "drop the flag")
-    if getattr(args, "moe_router_pre_softmax", False) and arch.norm_topk_prob:
+    if getattr(args, "moe_router_pre_softmax", False) and arch.score_function == "sigmoid":
+        warnings.warn("--moe-router-pre-softmax has no effect with the sigmoid router (megatron-core reads it for "
+                      "softmax scores only); the HF config's routing is used", stacklevel=2)
+    if getattr(args, "moe_router_pre_softmax", False) and arch.score_function == "softmax" and arch.norm_topk_prob:
         raise MoEConfigError("--moe-router-pre-softmax keeps the top-k weights unnormalised, the HF config "
                              "renormalises them (norm_topk_prob=true); drop the flag")
     ep = int(getattr(args, "expert_model_parallel_size", 1) or 1)
@@ -74,6 +102,26 @@ def check_moe_args(arch: MoEArchitecture, args: Namespace) -> None:
                              f"{arch.num_experts} experts; use a divisor of {arch.num_experts}")
     if arch.topk > arch.num_experts:
         raise MoEConfigError(f"top-k {arch.topk} is above the expert count {arch.num_experts}")
+
+
+def _same(given: Any, value: Any) -> bool:
+    if isinstance(value, float) and isinstance(given, (int, float)):
+        return abs(given - value) <= 1e-9 * max(1.0, abs(value))
+    return given == value
+
+
+def _router_fields(arch: MoEArchitecture) -> dict[str, Any]:
+    """megatron's router fields of the HF router. Softmax (Qwen): softmax over all experts, top-k, then
+    (norm_topk_prob) renormalised over the k; megatron's softmax-after-top-k is exactly the renormalised form.
+    Sigmoid (DeepSeek-V3): megatron renormalises the top-k whenever k > 1, as deepseek_v3.py checks."""
+    return dict(
+        moe_router_score_function=arch.score_function,
+        moe_router_pre_softmax=arch.score_function == "softmax" and not arch.norm_topk_prob,
+        moe_router_enable_expert_bias=arch.expert_bias,
+        moe_router_topk_scaling_factor=arch.topk_scaling_factor if arch.topk_scaling_factor != 1.0 else None,
+        moe_router_num_groups=arch.num_groups if arch.grouped else None,
+        moe_router_group_topk=arch.group_topk if arch.grouped else None,
+    )
 
 
 def moe_config_fields(hf_config: Any, args: Namespace) -> dict[str, Any]:
@@ -102,15 +150,8 @@ def moe_config_fields(hf_config: Any, args: Namespace) -> dict[str, Any]:
         moe_router_topk=arch.topk,
         moe_ffn_hidden_size=arch.ffn_hidden_size,
         moe_layer_freq=list(arch.layer_pattern),
-        # HF Qwen-MoE: softmax over all experts, top-k, then (norm_topk_prob) renormalised over the k;
-        # megatron's softmax-after-top-k is exactly the renormalised form.
-        moe_router_pre_softmax=not arch.norm_topk_prob,
-        moe_router_score_function=getattr(args, "moe_router_score_function", None) or "softmax",
-        moe_router_enable_expert_bias=bool(getattr(args, "moe_router_enable_expert_bias", False)),
-        moe_router_bias_update_rate=getattr(args, "moe_router_bias_update_rate", None) or 1e-3,
-        moe_router_topk_scaling_factor=getattr(args, "moe_router_topk_scaling_factor", None),
-        moe_router_num_groups=getattr(args, "moe_router_num_groups", None),
-        moe_router_group_topk=getattr(args, "moe_router_group_topk", None),
+        **_router_fields(arch),
+        moe_router_bias_update_rate=_bias_update_rate(args),
         moe_router_dtype=getattr(args, "moe_router_dtype", None),
         moe_router_load_balancing_type=getattr(args, "moe_router_load_balancing_type", None) or "aux_loss",
         moe_aux_loss_coeff=float(getattr(args, "moe_aux_loss_coeff", None) or 0.0),
@@ -127,6 +168,12 @@ def moe_config_fields(hf_config: Any, args: Namespace) -> dict[str, Any]:
         moe_enable_routing_replay=routing_replay_enabled(args),
         expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None),
     )
+
+
+def _bias_update_rate(args: Namespace) -> float:
+    """--moe-router-bias-update-rate (megatron's default 1e-3 when not given; 0 keeps the HF bias fixed)."""
+    rate = getattr(args, "moe_router_bias_update_rate", None)
+    return 1e-3 if rate is None else float(rate)
 
 
 def routing_replay_enabled(args: Namespace) -> bool:
