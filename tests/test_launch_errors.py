@@ -56,7 +56,8 @@ def test_an_unusable_hf_checkpoint_is_named_before_start(files, says, tmp_path):
 
     path = None if files is None else _hf_dir(tmp_path, files)
     with pytest.raises(ArgumentValidationError, match=says):
-        check_launch_inputs(types.SimpleNamespace(hf_checkpoint=path))
+        check_launch_inputs(types.SimpleNamespace(hf_checkpoint=path, num_experts=None, tensor_model_parallel_size=1,
+                                                  sequence_parallel=False, debug_rollout_only=False))
     if files is None:
         with pytest.raises(ArgumentValidationError, match="does not exist"):
             check_launch_inputs(types.SimpleNamespace(hf_checkpoint=str(tmp_path / "missing")))
@@ -104,3 +105,16 @@ def test_a_clean_run_removes_the_temp_ledger_dir_it_made(launchable, monkeypatch
     own.mkdir()
     assert train.main([*launchable, "--ledger-dir", str(own)]) == 0
     assert own.is_dir()  # a directory the user named is never removed
+
+
+def test_moe_at_tensor_parallel_without_sequence_parallel_is_refused_before_start(tmp_path):
+    import types
+
+    path = _hf_dir(tmp_path, ["config.json", "tokenizer.json"])
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({"num_experts": 8}))
+    args = dict(hf_checkpoint=path, num_experts=None, tensor_model_parallel_size=2, sequence_parallel=False,
+                debug_rollout_only=False)
+    with pytest.raises(ArgumentValidationError, match="add it"):
+        check_launch_inputs(types.SimpleNamespace(**args))
+    check_launch_inputs(types.SimpleNamespace(**{**args, "sequence_parallel": True}))
+    check_launch_inputs(types.SimpleNamespace(**{**args, "tensor_model_parallel_size": 1}))

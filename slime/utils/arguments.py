@@ -1584,6 +1584,25 @@ def check_launch_inputs(args: argparse.Namespace) -> None:
         _fail(f"--hf-checkpoint {path}: no {HF_CONFIG_FILE} (is it a Hugging Face checkpoint directory?)")
     if not any(os.path.isfile(os.path.join(path, name)) for name in HF_TOKENIZER_FILES):
         _fail(f"--hf-checkpoint {path}: no tokenizer (none of {', '.join(HF_TOKENIZER_FILES)})")
+    _check_moe_tensor_parallel(args, os.path.join(path, HF_CONFIG_FILE))
+
+
+MOE_CONFIG_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
+
+
+def _check_moe_tensor_parallel(args: argparse.Namespace, config_path: str) -> None:
+    """megatron-core trains an MoE layer at TP > 1 only with sequence parallelism; say so before Ray starts
+    rather than at the first training forward."""
+    try:
+        with open(config_path) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as exc:
+        _fail(f"--hf-checkpoint: {config_path} is not readable JSON ({exc})")
+    moe = any(int(config.get(key) or 0) > 0 for key in MOE_CONFIG_KEYS) or int(args.num_experts or 0) > 0
+    if moe and args.tensor_model_parallel_size > 1 and not args.sequence_parallel and not args.debug_rollout_only:
+        _fail(f"the checkpoint is an MoE model and --tensor-model-parallel-size is "
+              f"{args.tensor_model_parallel_size}: megatron-core trains MoE layers at TP > 1 only with "
+              "--sequence-parallel; add it (or use --expert-model-parallel-size instead of TP)")
 
 
 def _resolve_modes(args: argparse.Namespace) -> None:
