@@ -21,7 +21,7 @@ $(VENV)/.installed: setup.py Makefile
 	touch $@
 
 test: setup
-	$(PY) -m pytest -q tests $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=30 tests $(PYTEST_ARGS)
 
 demo: setup
 	bash examples/run_cpu_demo.sh
