@@ -36,6 +36,7 @@ import pytest
 import torch
 
 import hook_plugins
+from slime.checkpoint.contents import data_file, rng_file
 
 ROOT = Path(__file__).resolve().parents[1]
 PLUGINS = str(Path(hook_plugins.__file__).resolve())
@@ -177,7 +178,7 @@ class Segment:
     proc: subprocess.CompletedProcess
     events: dict[str, dict[int, dict]]
     latest: int | None  # the tracker's iteration after the run
-    partials: tuple[str, ...]  # unpublished iteration directories after the run
+    files: frozenset[str]  # what --save held after the run (later segments add to it), relative paths
 
 
 @pytest.fixture(scope="module")
@@ -202,11 +203,16 @@ def chain(assets, reference) -> dict:
         metrics = root / f"segment{index}.jsonl"
         argv = [*flags(assets, save, metrics), *(["--load", str(save)] if index else [])]
         proc = run_train(argv, fault=fault)
-        segments.append(Segment(fault, proc, events(metrics), latest(save),
-                                tuple(sorted(p.name for p in save.glob("*.partial")))))
+        segments.append(Segment(fault, proc, events(metrics), latest(save), saved_files(save)))
         if fault is not None and proc.returncode != -signal.SIGKILL:
             break
     return {"save": save, "segments": segments}
+
+
+def saved_files(save: Path) -> frozenset[str]:
+    """The iteration directories, their RNG files and the data-position files under --save."""
+    found = (*save.glob("iter_*"), *save.glob("iter_*/rng/*"), *save.glob("rollout/*"))
+    return frozenset(str(p.relative_to(save)) for p in found)
 
 
 def segment(chain: dict, index: int) -> Segment:
@@ -229,25 +235,25 @@ def assert_same_rollouts(got: dict, expected: dict, rollout_ids, label: str) -> 
                     (label, kind, rollout_id, key)
 
 
-def assert_died_at(seg: Segment, kill: Kill, save: Path) -> None:
+def assert_died_at(seg: Segment, kill: Kill) -> None:
     """The segment was SIGKILLed where `kill` says: what it logged and published stops exactly there."""
-    k = kill.rollout_id
+    k, published = kill.rollout_id, iteration(Path(), kill.rollout_id).name
     assert seg.proc.returncode == -signal.SIGKILL, f"{kill.spec}: exit {seg.proc.returncode}\n{seg.proc.stderr[-3000:]}"
     assert seg.latest == kill.resumes_at - 1, f"{kill.spec}: checkpoint {seg.latest} was the last one published"
     generated, trained, synced = (set(seg.events.get(kind, {})) for kind in ("rollout", "train", "weight_sync"))
     if kill.kind == "kill_during_rollout":  # nothing of rollout k: not even its data position
         assert k not in generated and k - 1 in trained and k - 1 in synced
-        assert not (save / "rollout" / f"global_dataset_state_dict_{k}.pt").exists()
+        assert data_file("", k) not in seg.files
     elif kill.kind == "kill_during_train":  # generated, not trained
         assert k in generated and k not in trained
         assert f"Timer actor_train start (rollout {k})" in seg.proc.stderr
     elif kill.kind == "kill_during_save":  # trained; rank 1's shards on disk, the iteration unpublished
         assert k in trained and k not in synced
-        assert seg.partials == (f"{iteration(save, k).name}.partial",), seg.partials
-        assert not iteration(save, k).exists()
+        assert rng_file(f"{published}.partial", kill.rank) in seg.files and published not in seg.files, \
+            sorted(seg.files)
     else:  # kill_during_weight_sync: trained and published, never pushed
         assert kill.kind == "kill_during_weight_sync"
-        assert k in trained and k not in synced and iteration(save, k).exists()
+        assert k in trained and k not in synced and published in seg.files, sorted(seg.files)
 
 
 def resumed_rollouts(seg: Segment) -> range:
@@ -259,9 +265,9 @@ def resumed_rollouts(seg: Segment) -> range:
 @pytest.mark.timeout(CHAIN_TIMEOUT_S)  # the first test also runs the reference and the whole chain
 @pytest.mark.parametrize("index", range(len(KILLS)), ids=[kill.kind for kill in KILLS])
 def test_killed_run_resumes_to_the_uninterrupted_result(chain, reference, index):
-    kill, save = KILLS[index], chain["save"]
+    kill = KILLS[index]
     killed, resumed = segment(chain, index), segment(chain, index + 1)
-    assert_died_at(killed, kill, save)
+    assert_died_at(killed, kill)
     before = sorted(killed.events.get("train", {}))  # what the killed segment finished is the reference's too
     assert_same_rollouts(killed.events, reference["events"], before, f"before {kill.spec}")
     assert resumed.events["weight_sync"].get(kill.resumes_at - 1), "the resumed run's first push is missing"
@@ -306,7 +312,8 @@ def test_load_without_the_data_position_names_the_file_and_the_flag(assets, chai
     shutil.copy(chain["save"] / "latest_checkpointed_iteration.txt", save)
     argv = flags(assets, save, tmp_path / "metrics.jsonl")
     argv[argv.index("--num-rollout") + 1] = str(NUM_ROLLOUT + 1)
+    argv[argv.index("--rollout-num-gpus") + 1] = "1"  # it stops once the engines are up: one is enough
     proc = run_train([*argv, "--load", str(save)])
     assert proc.returncode == 1, proc.stderr[-3000:]
-    assert f"global_dataset_state_dict_{final}.pt" in proc.stderr and "--allow-fresh-data-position" in proc.stderr, \
+    assert os.path.basename(data_file("", final)) in proc.stderr and "--allow-fresh-data-position" in proc.stderr, \
         proc.stderr[-3000:]
