@@ -217,8 +217,8 @@ def saved_files(save: Path) -> frozenset[str]:
 
 def segment(chain: dict, index: int) -> Segment:
     segments = chain["segments"]
-    assert index < len(segments), (f"segment {index} never ran: segment {len(segments) - 1} "
-                                   f"({segments[-1].fault}) ended with exit {segments[-1].proc.returncode}")
+    assert index < len(segments), (f"segment {index} never ran: segment {len(segments) - 1} ({segments[-1].fault}) "
+                                   f"ended with exit {segments[-1].proc.returncode}\n{segments[-1].proc.stderr[-3000:]}")
     return segments[index]
 
 
