@@ -169,22 +169,6 @@ def _log_time(output: str, marker: str) -> float:
 
 
 @pytest.mark.timeout(600)
-def test_save_then_resume_continues_with_the_next_rollout(assets, seed_run, tmp_path):
-    assert seed_run["proc"].returncode == 0, "the recording run failed"
-    checkpoints, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
-    base = [*common_flags(assets), *ONE_RANK_LAYOUT, "--debug-train-only",
-            "--load-debug-rollout-data", str(seed_run["replay"]), "--fence-timeout", "120",
-            "--metrics-jsonl", str(metrics)]
-    first, _ = run_train([*base, "--num-rollout", "1", "--save", str(checkpoints), "--save-interval", "1"],
-                         timeout_s=300)
-    assert first.returncode == 0, first.stderr[-4000:]
-    assert (checkpoints / "latest_checkpointed_iteration.txt").read_text().strip() == "0"
-    resumed, _ = run_train([*base, "--num-rollout", "2", "--load", str(checkpoints)], timeout_s=300)
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
-    assert [e["rollout_id"] for e in read_events(metrics)["train"]] == [0, 1]
-
-
-@pytest.mark.timeout(600)
 def test_recreated_process_groups_train_after_every_wake(assets, seed_run, tmp_path):
     """Upstream's colocate behaviour: groups destroyed at sleep, re-created and warmed at wake; the
     model and optimizer follow the new groups and the next rollouts train."""

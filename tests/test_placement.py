@@ -281,3 +281,21 @@ def test_a_private_cluster_and_its_servers_stay_on_loopback():
                          text=True, timeout=180)
     line = next((l for l in out.stdout.splitlines() if l.startswith("NODES")), None)
     assert line == "NODES ['127.0.0.1'] 127.0.0.1 127.0.0.1", out.stdout + out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("error, starts", [("The current node timed out during startup. This could happen", 2),
+                                            ("some other failure", 1)])
+def test_a_private_cluster_start_that_timed_out_is_tried_once_more(monkeypatch, error, starts):
+    from slime.ray import placement
+
+    calls = []
+
+    def failing_init(**kwargs):
+        calls.append(kwargs)
+        raise Exception(error)
+
+    monkeypatch.setattr(placement.ray, "init", failing_init)
+    monkeypatch.setattr(placement.ray, "shutdown", lambda: calls.append("shutdown"))
+    with pytest.raises(Exception, match=error):
+        placement.start_private_cluster(num_cpus=4)
+    assert [c for c in calls if c != "shutdown"] == [calls[0]] * starts and calls.count("shutdown") == starts - 1

@@ -112,7 +112,10 @@ def stall_forever(poll_s: float = 0.05) -> None:
 
 
 def maybe_kill_run(kind: str, rank: int, rollout_id: int | None) -> None:
-    """A run-kill fault: SIGKILL every process of this session, this one last."""
+    """A run-kill fault: SIGKILL every process of this session, the driver (the session leader) first and
+    this one last. The driver first: Ray takes processes down with the ones they depend on (a raylet with
+    its agents, a worker with its raylet), so this one may die before it is done, and a driver still alive
+    would see an actor die and exit 1 instead of being killed."""
     if kind not in RUN_KILL_KINDS:
         raise ValueError(f"{kind!r} is not a run-kill fault; known: {RUN_KILL_KINDS}")
     if not fault_active(kind, rank, rollout_id):
@@ -122,6 +125,9 @@ def maybe_kill_run(kind: str, rank: int, rollout_id: int | None) -> None:
     if "train.py" not in leader:  # never a login shell's session
         raise RuntimeError(f"{ENV_VAR}={kind}: the session leader is {leader!r}, not the run's train.py; start "
                            "the run as its own session (setsid)")
+    if session != os.getpid():
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(session, signal.SIGKILL)
     for _ in range(2):  # processes started meanwhile
         for pid in _session_pids(session) - {os.getpid()}:
             with contextlib.suppress(ProcessLookupError, PermissionError):

@@ -62,12 +62,31 @@ def init_ray(args) -> None:
         needed = total_bundles(args) + 2
         # On loopback: no traffic of a private single-machine cluster goes to the machine's network address.
         keep_cluster_on_loopback()
-        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False,
-                 log_to_driver=True, _node_ip_address=LOOPBACK)
+        start_private_cluster(num_cpus=max(os.cpu_count() or 1, needed))
         return
     require_reachable(address)
     logger.info("joining the Ray cluster at %s", address)
     ray.init(address=address, log_to_driver=True)
+
+
+# Ray gives a new node's raylet a fixed 30 s to register with the GCS; on a loaded machine (a CI host
+# whose cores other jobs share) that start can miss it once and succeed when tried again.
+_RAY_START_TIMEOUT = "The current node timed out during startup"
+PRIVATE_CLUSTER_STARTS = 2
+
+
+def start_private_cluster(num_cpus: int) -> None:
+    """A private single-node cluster on loopback; a start that timed out is tried once more."""
+    for attempt in range(1, PRIVATE_CLUSTER_STARTS + 1):
+        try:
+            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True,
+                     _node_ip_address=LOOPBACK)
+            return
+        except Exception as exc:  # Ray raises a bare Exception for this timeout
+            if _RAY_START_TIMEOUT not in str(exc) or attempt == PRIVATE_CLUSTER_STARTS:
+                raise
+            logger.warning("the private Ray cluster did not start (%s); starting it again", exc)
+            ray.shutdown()
 
 
 def visible_device_index(gpu_id: int | str, visible: str | None = None) -> int:
