@@ -312,8 +312,8 @@ def test_load_without_the_data_position_names_the_file_and_the_flag(assets, chai
     shutil.copy(chain["save"] / "latest_checkpointed_iteration.txt", save)
     argv = flags(assets, save, tmp_path / "metrics.jsonl")
     argv[argv.index("--num-rollout") + 1] = str(NUM_ROLLOUT + 1)
-    argv[argv.index("--rollout-num-gpus") + 1] = "1"  # it stops once the engines are up: one is enough
     proc = run_train([*argv, "--load", str(save)])
     assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Started a local Ray instance" not in proc.stderr, "named before Ray starts:\n" + proc.stderr[-3000:]
     assert os.path.basename(data_file("", final)) in proc.stderr and "--allow-fresh-data-position" in proc.stderr, \
         proc.stderr[-3000:]

@@ -56,7 +56,20 @@ def resume_rollout_id(args) -> int:
     from slime.backends.megatron_utils.checkpoint import latest_iteration
 
     last = latest_iteration(args.load) if args.load else None
-    return 0 if last is None or getattr(args, "finetune", False) else last + 1
+    start = 0 if last is None or getattr(args, "finetune", False) else last + 1
+    if start > 0:
+        check_data_position(args, start - 1)
+    return start
+
+
+def check_data_position(args, rollout_id: int) -> None:
+    """The default data source resumes from the position saved after `rollout_id`: a missing file is named
+    before Ray starts, not after the engines are up."""
+    from slime.rollout.data_source import saved_data_position
+    from slime.utils.arguments import DEFAULT_DATA_SOURCE_PATH
+
+    if getattr(args, "data_source_path", DEFAULT_DATA_SOURCE_PATH) == DEFAULT_DATA_SOURCE_PATH:
+        saved_data_position(args, rollout_id)
 
 
 def eval_due(args, rollout_id: int, *, before_train: bool) -> bool:

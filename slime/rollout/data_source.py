@@ -424,19 +424,29 @@ class RolloutDataSource:
         if not getattr(self.args, "load", None) or rollout_id is None:
             return
         path = self.state_path(self.args.load, rollout_id)
-        if os.path.exists(path):
+        if saved_data_position(self.args, rollout_id):
             self.load_state_dict(torch.load(path, weights_only=True))
-        elif getattr(self.args, "allow_fresh_data_position", False):
+        else:
             logger.warning("no data-source state at %s: starting from the first prompt (--allow-fresh-data-position)",
                            path)
-        else:
-            raise FileNotFoundError(
-                f"--load {self.args.load}: no data-source state at {path} (the position in --prompt-data after rollout "
-                f"{rollout_id}, written under --save after every rollout); point --load at the --save directory of "
-                "the run, or pass --allow-fresh-data-position to start from the first prompt")
 
     def __len__(self) -> int:
         return len(self.dataset) if self.dataset is not None else 0
+
+
+def saved_data_position(args, rollout_id: int) -> bool:
+    """Whether --load holds the data state saved after `rollout_id`. Missing: an error naming the file, unless
+    --allow-fresh-data-position accepts starting from the first prompt (then False). The driver asks before
+    Ray starts, the data source again when it loads."""
+    path = data_file(args.load, rollout_id)
+    if os.path.exists(path):
+        return True
+    if getattr(args, "allow_fresh_data_position", False):
+        return False
+    raise FileNotFoundError(
+        f"--load {args.load}: no data-source state at {path} (the position in --prompt-data after rollout "
+        f"{rollout_id}, written under --save after every rollout); point --load at the --save directory of "
+        "the run, or pass --allow-fresh-data-position to start from the first prompt")
 
 
 def pop_first(args, rollout_id: int | None, buffer: list[list[Sample]], num_samples: int) -> list[list[Sample]]:
