@@ -49,15 +49,11 @@ class RouterWorkers:
             self._json("POST", "/add_worker", params={"url": worker_url})
         else:
             self._json("POST", "/workers", json={"url": worker_url})
-        end = time.monotonic() + timeout_s
-        while worker_url not in self.urls():
-            if time.monotonic() > end:
-                raise RouterWorkersError(f"{self.kind} at {self.url} did not list worker {worker_url} "
-                                         f"within {timeout_s:.0f}s of adding it")
-            time.sleep(0.2)
+        self._wait_listed(worker_url, True, timeout_s, "adding")
 
-    def remove(self, worker_url: str) -> None:
-        """Take worker_url out of rotation (no-op when the router does not list it)."""
+    def remove(self, worker_url: str, timeout_s: float = REGISTER_TIMEOUT_S) -> None:
+        """Take worker_url out of rotation (no-op when the router does not list it); returns once the router
+        no longer lists it (sglang-router removes a worker in a background workflow)."""
         worker_url = worker_url.rstrip("/")
         if self.kind == "slime-router":
             self._json("POST", "/remove_worker", params={"url": worker_url})
@@ -65,6 +61,16 @@ class RouterWorkers:
         for worker in self._json("GET", "/workers")["workers"]:
             if worker["url"].rstrip("/") == worker_url:
                 self._json("DELETE", f"/workers/{worker['id']}")
+        self._wait_listed(worker_url, False, timeout_s, "removing")
+
+    def _wait_listed(self, worker_url: str, listed: bool, timeout_s: float, action: str) -> None:
+        end = time.monotonic() + timeout_s
+        while (worker_url in self.urls()) != listed:
+            if time.monotonic() > end:
+                state = "did not list" if listed else "still lists"
+                raise RouterWorkersError(f"{self.kind} at {self.url} {state} worker {worker_url} "
+                                         f"{timeout_s:.0f}s after {action} it")
+            time.sleep(0.2)
 
     def _json(self, method: str, path: str, **kwargs):
         try:
