@@ -1,6 +1,6 @@
 """What a trainer process holds on its GPU outside PyTorch's caching allocator, item by item.
 
-    python benchmarks/footprint_gpu.py [--json out.json]
+    python benchmarks/footprint_gpu.py [--json out.json] [--max-ctas 1]
 
 One fresh process on an otherwise idle GPU takes, in order, what a trainer rank takes: the CUDA context,
 cuBLAS (bf16 and fp32 GEMMs, forward and backward), SDPA attention (cuDNN / flash, fwd+bwd), an NCCL
@@ -55,17 +55,28 @@ def attention() -> None:
     F.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=True).sum().backward()
 
 
-def nccl_world() -> None:
+def nccl_options(max_ctas: int):
+    """The trainer's options for a communicator of one rank (slime/distributed/communicator_config.py)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from slime.distributed.communicator_config import world_group_options
+
+    return world_group_options(1, max_ctas)
+
+
+def nccl_world(max_ctas: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("FOOTPRINT_PORT", "29655"),
                       RANK="0", WORLD_SIZE="1")
-    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0),
+                            pg_options=nccl_options(max_ctas))
     t = torch.ones(1 << 20, device="cuda")
     dist.all_reduce(t)
 
 
-def nccl_groups(count: int) -> None:
+def nccl_groups(count: int, max_ctas: int) -> None:
     for _ in range(count):
-        group = dist.new_group([0], backend="nccl")
+        group = dist.new_group([0], backend="nccl", pg_options=nccl_options(max_ctas))
         t = torch.ones(1 << 20, device="cuda")
         dist.all_reduce(t, group=group)
 
@@ -74,6 +85,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None)
     parser.add_argument("--groups", type=int, default=8, help="extra NCCL groups (megatron makes one per dimension)")
+    parser.add_argument("--max-ctas", type=int, default=0,
+                        help="NCCL channels per communicator, as the trainer sets for groups of one rank "
+                             "(--single-rank-group-max-ctas); 0: NCCL's default")
     opts = parser.parse_args(argv)
     before = smi_used_gib()  # before this process has a context
     torch.cuda.init()
@@ -83,9 +97,9 @@ def main(argv: list[str] | None = None) -> None:
     steps["cublas"] = settle()
     attention()
     steps["attention"] = settle()
-    nccl_world()
+    nccl_world(opts.max_ctas)
     steps["nccl_world"] = settle()
-    nccl_groups(opts.groups)
+    nccl_groups(opts.groups, opts.max_ctas)
     steps[f"nccl_{opts.groups}_groups"] = settle()
     previous = before
     rows = []

@@ -3,13 +3,14 @@
 #   memory  trainer sleep/wake on a ~0.6B bf16 model under torchrun (1 rank per GPU): memory figures per
 #           cycle, and parameters + optimizer state compared element-wise across one sleep/wake
 #   engine  the embedded engine on CUDA: device memory awake vs released, same greedy outputs after resume
-#   loop    python train.py --colocate: trainer and engine share every GPU, ROLLOUTS rollouts (default 24)
+#   loop    python train.py --colocate: trainer and engine share every GPU, ROLLOUTS rollouts (default 24);
+#           LOOP_EXTRA adds flags, LOOP_TAG names its outputs (loop$LOOP_TAG.log, loop${LOOP_TAG}_metrics.jsonl)
 #   moe-replay  the loop on a Qwen3-MoE-shaped model (32 experts, top-4), bf16, twice: without and with
 #           --use-rollout-routing-replay; train/train_rollout_logprob_abs_diff of each (ROLLOUTS, default 8)
 #   push    the loop's model pushed into one embedded engine on the same GPU, shared-memory file vs CUDA IPC
 #           side by side (benchmarks/bench_weight_push_gpu.py), next to the GPU's copy bandwidth
 #   footprint  a trainer-like process's device memory outside PyTorch's allocator, item by item
-#           (context, cuBLAS, attention, NCCL; benchmarks/footprint_gpu.py)
+#           (context, cuBLAS, attention, NCCL; benchmarks/footprint_gpu.py), with NCCL's default channels and with one
 #   logprobs  the loop's model on one GPU: engine, transformers and megatron log-probs of the same generated
 #           tokens in bf16 and fp32 (benchmarks/logprob_parity.py), which side of the loop's diff is off
 # Prepare .whl/ with benchmarks/fetch_gpu_wheels.sh and copy it along. Results land in $OUT when set, or
@@ -52,8 +53,11 @@ push)
     --json "$OUT/push.json" > "$OUT/push.log" 2>&1
   echo "push rc=$?"; grep -h "WEIGHT_PUSH\|Error" "$OUT/push.log" | cut -c1-400 ;;
 footprint)
-  timeout ${FOOTPRINT_TIMEOUT:-120} python3 benchmarks/footprint_gpu.py --json "$OUT/footprint.json" > "$OUT/footprint.log" 2>&1
-  echo "footprint rc=$?"; grep -h "FOOTPRINT\|Error" "$OUT/footprint.log" | cut -c1-300 ;;
+  for ctas in 0 1; do  # NCCL's default channels, then one (the trainer's default for groups of one rank)
+    timeout ${FOOTPRINT_TIMEOUT:-120} python3 benchmarks/footprint_gpu.py --max-ctas $ctas \
+      --json "$OUT/footprint_ctas$ctas.json" > "$OUT/footprint_ctas$ctas.log" 2>&1
+    echo "footprint --max-ctas $ctas rc=$?"; grep -h "FOOTPRINT\|Error" "$OUT/footprint_ctas$ctas.log" | cut -c1-300
+  done ;;
 logprobs)
   counting_model
   timeout ${LOGPROBS_TIMEOUT:-180} python3 benchmarks/logprob_parity.py --model-path $MODEL --prompts /tmp/counting.jsonl \
@@ -115,9 +119,9 @@ loop)
     --rollout-max-response-len 3 --rollout-temperature 1.0 \
     --advantage-estimator grpo --use-kl-loss --kl-loss-coef 0.01 --kl-loss-type low_var_kl --entropy-coef 0.001 \
     --optimizer adam --lr ${LR:-1e-4} --lr-decay-style constant --bf16 \
-    --attention-dropout 0.0 --hidden-dropout 0.0 --fence-timeout 120 --seed 1234 \
-    --metrics-jsonl "$OUT/loop_metrics.jsonl" > "$OUT/loop.log" 2>&1
-  echo "loop rc=$?"; grep -h "training stopped\|Traceback\|Error" "$OUT/loop.log" | head -5
-  python3 benchmarks/colocate_summary.py "$OUT/loop_metrics.jsonl" | tee "$OUT/loop_summary.txt" ;;
+    --attention-dropout 0.0 --hidden-dropout 0.0 --fence-timeout 120 --seed 1234 ${LOOP_EXTRA:-} \
+    --metrics-jsonl "$OUT/loop${LOOP_TAG:-}_metrics.jsonl" > "$OUT/loop${LOOP_TAG:-}.log" 2>&1
+  echo "loop${LOOP_TAG:-} rc=$?"; grep -h "training stopped\|Traceback\|Error" "$OUT/loop${LOOP_TAG:-}.log" | head -5
+  python3 benchmarks/colocate_summary.py "$OUT/loop${LOOP_TAG:-}_metrics.jsonl" | tee "$OUT/loop${LOOP_TAG:-}_summary.txt" ;;
 *) echo "unknown phase $phase"; exit 2 ;;
 esac; done

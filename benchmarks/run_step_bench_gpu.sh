@@ -3,12 +3,13 @@
 #   bash benchmarks/run_step_bench_gpu.sh            (with .whl/ beside it; results under $OUT)
 # Phases, each under its own deadline inside BUDGET_S (default 530 s):
 #   attention   benchmarks/bench_step_gpu.py attention: CP1 and a CP2 rank, 16k and 32k tokens, 0.6B and 4B heads
-#   step06      qwen3-0.6b step, old vs new, with a sync audit and one profiled cycle
+#   step06      qwen3-0.6b step, fused vs new vs old (S06_PATHS), with a sync audit and one profiled cycle
 #   moe         Qwen3-30B-A3B-shaped MoE step (8 of 48 layers, EP1): TFLOP/s of the active parameters, peak memory
-#   step4b      qwen3-4b step with --max-tokens-per-gpu 32768 and full recompute (the fit check), old vs new;
+#   step4b      qwen3-4b step with --max-tokens-per-gpu 32768 and full recompute (the fit check), fused vs new
+#               (S4B_PATHS; S4B_RECOMPUTE replaces the recompute flags);
 #               if it runs out of memory, step4b16k repeats it at 16384 so the 4B figures exist
 # Layout: 1 GPU -> TP1; N > 1 GPUs -> TPN x SP (LAYOUT overrides). Env overrides: BUDGET_S, S06_* and S4B_*
-# (NUM_SAMPLES, MIN_TOKENS, MAX_TOKENS, TOKENS_PER_GPU, CYCLES), ATTN_TOKENS, PY, OUT.
+# (NUM_SAMPLES, MIN_TOKENS, MAX_TOKENS, TOKENS_PER_GPU, CYCLES, CAP: the phase's seconds), ATTN_TOKENS, PY, OUT.
 # Everything measured lands in $OUT: <phase>.log, <phase>.json, env.txt, summary.txt (the RATIO/MEMORY/FIT/SYNC lines).
 # Exit code: 0 when every phase ran, 1 when one failed, 2 when something the run needs is missing.
 # DRY_RUN=1 PY=.venv/bin/python bash benchmarks/run_step_bench_gpu.sh: the same script on CPU at tiny shapes.
@@ -97,15 +98,16 @@ want step06 || want step4b || { echo "done after $((SECONDS - START))s, status $
 
 S06_NUM_SAMPLES=${S06_NUM_SAMPLES:-6} S06_MIN_TOKENS=${S06_MIN_TOKENS:-12288} S06_MAX_TOKENS=${S06_MAX_TOKENS:-16384}
 S06_CYCLES=${S06_CYCLES:-3}
-step step06 170 S06 "$M06" --max-tokens-per-gpu "${S06_TOKENS_PER_GPU:-16384}" --sync-audit --profile
+step step06 "${S06_CAP:-170}" S06 "$M06" --paths ${S06_PATHS:-fused new old} --max-tokens-per-gpu "${S06_TOKENS_PER_GPU:-16384}" \
+  --sync-audit --profile
 
 S4B_NUM_SAMPLES=${S4B_NUM_SAMPLES:-2} S4B_MIN_TOKENS=${S4B_MIN_TOKENS:-24576} S4B_MAX_TOKENS=${S4B_MAX_TOKENS:-30720}
 S4B_CYCLES=${S4B_CYCLES:-2}
-RECOMPUTE="--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
-step step4b 210 S4B "$M4B" --max-tokens-per-gpu "${S4B_TOKENS_PER_GPU:-32768}" $RECOMPUTE
+RECOMPUTE=${S4B_RECOMPUTE:-"--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"}
+step step4b "${S4B_CAP:-210}" S4B "$M4B" --paths ${S4B_PATHS:-fused new} --max-tokens-per-gpu "${S4B_TOKENS_PER_GPU:-32768}" $RECOMPUTE
 if grep -q "^OOM" "$OUT/step4b.log"; then  # out of memory at 32k: the same at 16k, so 4B figures exist
   S4B_MIN_TOKENS=12288 S4B_MAX_TOKENS=16384
-  step step4b16k 170 S4B "$M4B" --max-tokens-per-gpu 16384 $RECOMPUTE
+  step step4b16k 170 S4B "$M4B" --paths ${S4B_PATHS:-fused new} --max-tokens-per-gpu 16384 $RECOMPUTE
 fi
 
 echo "done after $((SECONDS - START))s, status $STATUS" | tee -a "$OUT/summary.txt"

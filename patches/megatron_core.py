@@ -8,6 +8,9 @@ step; benchmarks/RESULTS.md). The replacement computes each token's position on 
 device instead (same positions, same rotation code, bit-identical results), so the host keeps
 queueing kernels ahead of the GPU.
 
+`apply_grad_norm_without_host_sync()` (every machine, where Apex is absent): grad clipping's norm
+without a host-device sync per parameter.
+
 `apply()` (machines without CUDA only) lets megatron-core train on CPU with gloo:
 
 megatron-core assumes CUDA in a handful of places that have nothing to do with the maths:
@@ -35,6 +38,8 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+
+from slime_plugins.models import fused_kernels
 
 _APPLIED = False
 
@@ -435,12 +440,9 @@ def _thd_rope_without_host_sync(t, cu_seqlens, freqs, rotary_interleaved=False, 
     # cu_seqlens[-1] / cp, so the same test needs no device read
     positions = thd_rope_positions(cu_seqlens, t.size(0), cp_size, cp_rank,
                                    batch_offsets=freqs.size(0) == t.size(0) * cp_size)
-    rope_utils = importlib.import_module(_ROPE_MODULES[0])
-    # the rotation itself stays megatron's (rotate-half / interleaved / MLA variants, mscale)
-    return rope_utils._apply_rotary_pos_emb_bshd(
-        t.unsqueeze(1), freqs.index_select(0, positions), rotary_interleaved=rotary_interleaved,
-        multi_latent_attention=multi_latent_attention, mscale=mscale,
-    ).squeeze(1)
+    # the rotation itself stays megatron's (rotate-half / interleaved / MLA variants, mscale), compiled
+    # with the frequency gather under --fused-kernels compile
+    return fused_kernels.rotary_bshd(t, freqs, positions, rotary_interleaved, multi_latent_attention, mscale)
 
 
 def apply_thd_rope(enabled: bool = True) -> None:
@@ -484,6 +486,29 @@ def define_missing_te_gemm() -> None:
         return
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+# ------------------------------------------------------------------ grad norm (every machine)
+def _l2_norm_without_host_sync(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """megatron's local (no-Apex) multi_tensor_l2norm, kept on the device.
+
+    megatron's `local_multi_tensor_l2_norm` turns every tensor's norm into a Python float
+    (`torch.tensor(list of 0-d GPU tensors)`): one host-device sync per parameter at every grad clip
+    (226 per 0.6B step on one H200). Same norms, same fp32 values, same reduction; no sync.
+    """
+    norms = [torch.linalg.vector_norm(t).float() for tensors in tensor_lists for t in tensors]
+    if not norms:
+        return torch.zeros(1, dtype=torch.float), None
+    return torch.linalg.vector_norm(torch.stack(norms)).reshape(1), None
+
+
+def apply_grad_norm_without_host_sync() -> None:
+    """Point megatron's grad clipping at the sync-free norm where it fell back to its local one (idempotent)."""
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads
+
+    if clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm:
+        clip_grads.l2_norm_impl = _l2_norm_without_host_sync
 
 
 # ------------------------------------------------------------------ CPU-only patches

@@ -166,7 +166,8 @@ def _run_step(tmp_path: Path, nproc: int, extra: list[str], env_extra: dict[str,
 
 @pytest.mark.timeout(240)
 def test_step_command_runs_both_paths_on_cp2_with_audit_and_profile(tmp_path):
-    proc, report = _run_step(tmp_path, 2, ["--context-parallel-size", "2", "--lr", "0", "--sync-audit", "--profile",
+    proc, report = _run_step(tmp_path, 2, ["--paths", "new", "old", "--context-parallel-size", "2", "--lr", "0",
+                                           "--sync-audit", "--profile",
                                            "--recompute-granularity", "full", "--recompute-method", "uniform",
                                            "--recompute-num-layers", "1"])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -177,8 +178,8 @@ def test_step_command_runs_both_paths_on_cp2_with_audit_and_profile(tmp_path):
     assert set(summary["paths"]) == {"new", "old"} and "syncs_new" in summary and "profile_new" in summary
     assert all(math.isfinite(c["loss"]) and c["grad_norm"] > 0 and c["tflops_per_gpu"] > 0 for c in cycles)
     in_use = {c["path"]: c["in_use"] for c in cycles}
-    assert in_use == {"new": {"thd_rope": "patched", "kernels": ["causal"]},
-                      "old": {"thd_rope": "megatron", "kernels": ["masked"]}}
+    assert in_use == {"new": {"thd_rope": "patched", "kernels": ["causal"], "fused_kernels": "eager"},
+                      "old": {"thd_rope": "megatron", "kernels": ["masked"], "fused_kernels": "eager"}}
     # lr 0: the weights never change, so the two paths must compute the same step
     new, old = (next(c for c in cycles if c["path"] == p) for p in ("new", "old"))
     assert new["loss"] == pytest.approx(old["loss"], rel=1e-5, abs=1e-7)
@@ -189,7 +190,7 @@ def test_step_command_runs_both_paths_on_cp2_with_audit_and_profile(tmp_path):
 
 @pytest.mark.timeout(200)
 def test_step_command_reports_an_out_of_memory_cycle(tmp_path):
-    proc, report = _run_step(tmp_path, 1, [], {"BENCH_STEP_INJECT_OOM_AT": "2"})
+    proc, report = _run_step(tmp_path, 1, ["--paths", "new", "old"], {"BENCH_STEP_INJECT_OOM_AT": "2"})
     assert proc.returncode != 0
     assert "OOM rank=0" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "FIT step tiny" in proc.stdout and "then OOM in the timed cycle of the new path" in proc.stdout

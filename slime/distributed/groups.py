@@ -18,6 +18,7 @@ from datetime import timedelta
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
+from slime.distributed.communicator_config import megatron_config_file, single_rank_group_kinds
 from slime.distributed.fence import Fence
 from slime.distributed.group_names import forget_group, register_group
 from slime.distributed.ledger import FENCE_GROUP_NAME, Ledger
@@ -43,6 +44,9 @@ class ParallelLayout:
     names phase and ranks, fires first."""
     recreate_process_groups_on_wake: bool = False
     """Destroy model-parallel groups at sleep and re-create them at wake (upstream colocate behaviour)."""
+    single_rank_group_max_ctas: int = 1
+    """NCCL channels of a communicator whose group holds one rank (0: NCCL's default); see
+    slime/distributed/communicator_config.py."""
 
     @classmethod
     def from_args(cls, args) -> "ParallelLayout":
@@ -57,20 +61,32 @@ class ParallelLayout:
             fence_timeout_s=deadlines.no_progress_s,
             group_timeout_s=deadlines.group_timeout,
             recreate_process_groups_on_wake=bool(getattr(args, "recreate_process_groups_on_wake", False)),
+            single_rank_group_max_ctas=int(getattr(args, "single_rank_group_max_ctas", 1)),
         )
+
+
+def _single_rank_kinds(layout: ParallelLayout) -> tuple[str, ...]:
+    """Group kinds to give one channel: NCCL groups of one rank (none on gloo, which has no channels)."""
+    if dist.get_backend() != "nccl":
+        return ()
+    return single_rank_group_kinds(world_size=dist.get_world_size(), tensor=layout.tensor_model_parallel_size,
+                                   pipeline=layout.pipeline_model_parallel_size,
+                                   context=layout.context_parallel_size, expert=layout.expert_model_parallel_size)
 
 
 def create_model_parallel_groups(layout: ParallelLayout) -> None:
     """megatron's parallel_state groups, in its fixed creation order; the one place that creates them."""
-    mpu.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tensor_model_parallel_size,
-        pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
-        context_parallel_size=layout.context_parallel_size,
-        expert_model_parallel_size=layout.expert_model_parallel_size,
-        expert_tensor_parallel_size=layout.expert_tensor_parallel_size,
-        distributed_timeout_minutes=layout.group_timeout_s / 60.0,  # fractions work: tests use seconds
-    )
+    with megatron_config_file(_single_rank_kinds(layout), layout.single_rank_group_max_ctas) as nccl_config:
+        mpu.initialize_model_parallel(
+            tensor_model_parallel_size=layout.tensor_model_parallel_size,
+            pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
+            context_parallel_size=layout.context_parallel_size,
+            expert_model_parallel_size=layout.expert_model_parallel_size,
+            expert_tensor_parallel_size=layout.expert_tensor_parallel_size,
+            distributed_timeout_minutes=layout.group_timeout_s / 60.0,  # fractions work: tests use seconds
+            nccl_communicator_config_path=nccl_config,
+        )
     for name, group in step_groups():
         if name != "world":
             register_group(name, group)

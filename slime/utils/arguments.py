@@ -715,6 +715,10 @@ def _add_megatron_model_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--transformer-impl", type=str, default=None, choices=["local", "transformer_engine"],
                    help="layer spec (default: local, the path measured on GPUs here; transformer_engine is opt-in, "
                         "warned as unmeasured, and needs CUDA and TransformerEngine)")
+    g.add_argument("--fused-kernels", type=str, default="auto", choices=["auto", "compile", "eager"],
+                   help="local spec's RMSNorm, RoPE, SwiGLU and the log-prob/entropy head: compile (torch.compile, "
+                        "one kernel each), eager (unfused, the reference), auto (compile on CUDA with Triton, else "
+                        "eager)")
     g.add_argument("--use-flash-attn", action="store_true", default=False, help="older Megatron flash-attention switch")
     g.add_argument("--attention-output-gate", "--use-gated-attention", dest="attention_output_gate",
                    action="store_true", default=False,
@@ -1098,6 +1102,10 @@ def _add_fencing_arguments(parser: argparse.ArgumentParser) -> None:
                         "checkpoint bytes completing) before the step fails with a report; phases may run longer")
     g.add_argument("--recreate-process-groups-on-wake", action="store_true", default=False,
                    help="destroy and re-create communicators across colocate sleep (default: keep them alive)")
+    g.add_argument("--single-rank-group-max-ctas", type=int, default=1,
+                   help="NCCL channels of a communicator whose group holds one rank (it moves no bytes; NCCL's "
+                        "default channels cost ~0.4 GiB each outside the allocator, kept while asleep); 0: NCCL's "
+                        "default")
     g.add_argument("--train-backend-device", type=str, default="auto", choices=["auto", "cpu", "cuda"],
                    help="device of the training ranks (auto: cuda when available)")
     g.add_argument("--metrics-jsonl", type=str, default=None, help="append one JSON line of metrics per event here")

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from slime_plugins.models import fused_kernels
+
 
 class SequenceParallelNorm(torch.nn.Module):
     """Per-token RMSNorm or LayerNorm (chosen by config.normalization), SP-safe.
@@ -46,10 +48,8 @@ class SequenceParallelNorm(torch.nn.Module):
             param.sequence_parallel = config.sequence_parallel
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        input_dtype = hidden_states.dtype
-        x = hidden_states.float()
         if self.normalization == "RMSNorm":
-            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-            return self.weight * x.to(input_dtype)
-        x = torch.nn.functional.layer_norm(x, x.shape[-1:], eps=self.eps)
+            return fused_kernels.rms_norm(hidden_states, self.weight, self.eps)
+        input_dtype = hidden_states.dtype
+        x = torch.nn.functional.layer_norm(hidden_states.float(), hidden_states.shape[-1:], eps=self.eps)
         return (self.weight * x.to(input_dtype)) + self.bias

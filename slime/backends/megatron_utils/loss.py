@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from slime.backends.megatron_utils import loss_hooks
+from slime.backends.megatron_utils import logprob_head, loss_hooks
 from slime.backends.megatron_utils.data import MicroBatchPlan, PackedMicroBatch
 from slime.backends.megatron_utils.opd import OPD_KL_KEY
 from slime.utils.ppo_utils import (
@@ -37,6 +37,7 @@ from slime.utils.ppo_utils import (
     compute_policy_loss,
     compute_tis_weights,
 )
+from slime_plugins.models import fused_kernels
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -158,7 +159,20 @@ def scaled_logits(logits: torch.Tensor, packed: PackedMicroBatch, cfg: LossConfi
 
 def target_log_probs(logits: torch.Tensor, packed: PackedMicroBatch, cfg: LossConfig, tp_group: Any) -> torch.Tensor:
     """log pi(target token) per local position [T_local] (all-reduces over TP)."""
+    if fused_kernels.active() == "compile":
+        return logprob_head.log_probs_and_entropy(flat_logits(logits, packed), packed.labels, cfg.temperature,
+                                                  tp_group)[0]
     return compute_log_probs(scaled_logits(logits, packed, cfg), packed.labels, tp_group)
+
+
+def log_probs_and_entropy(logits: torch.Tensor, packed: PackedMicroBatch, cfg: LossConfig,
+                          tp_group: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """(target_log_probs, token_entropy): with --fused-kernels compile both from one fused head."""
+    if fused_kernels.active() != "compile":
+        return target_log_probs(logits, packed, cfg, tp_group), token_entropy(logits, packed, cfg, tp_group)
+    log_probs, entropy = logprob_head.log_probs_and_entropy(flat_logits(logits, packed), packed.labels,
+                                                            cfg.temperature, tp_group)
+    return log_probs, entropy if cfg.entropy_coef != 0.0 else entropy.detach()
 
 
 # The entropy metric (no gradient) runs over chunks of this many logits: at once, its fp32
@@ -267,8 +281,7 @@ def micro_batch_loss(logits: torch.Tensor, packed: PackedMicroBatch, plan: Micro
     Padding micro-batches and empty CP slices give an exact 0 that stays connected to
     the model, so backward runs (and its collectives happen) on every rank.
     """
-    log_probs = target_log_probs(logits, packed, cfg, tp_group)
-    entropy = token_entropy(logits, packed, cfg, tp_group)
+    log_probs, entropy = log_probs_and_entropy(logits, packed, cfg, tp_group)
     weights = token_weights(packed, plan, cfg)
     per_token = packed.loss_mask / max(1, plan.step_loss_token_total)
 

@@ -33,7 +33,7 @@ from megatron.core.transformer.transformer_block import (  # noqa: E402
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig  # noqa: E402
 
 from slime.backends.megatron_utils import moe  # noqa: E402
-from slime_plugins.models import deepseek_v3, glm4  # noqa: E402
+from slime_plugins.models import deepseek_v3, fused_kernels, glm4  # noqa: E402
 from slime_plugins.models.local_spec import dense_layer_spec  # noqa: E402
 from slime_plugins.models.sp_norm import SequenceParallelNorm  # noqa: E402
 
@@ -181,8 +181,9 @@ def transformer_config_from_hf(hf_config: Any, args: Namespace) -> TransformerCo
         pipeline_dtype=params_dtype,
         bf16=bf16,
         use_cpu_initialization=not torch.cuda.is_available(),
-        # Fused kernels are CUDA-only; TE provides its own on the cluster path.
-        bias_activation_fusion=False,
+        # megatron's SwiGLU is torch.compile'd (its jit_fuser) with --fused-kernels compile; the other fused
+        # kernels are CUDA-only and TE provides its own on the cluster path.
+        bias_activation_fusion=fused_kernel_impl(args) == "compile",
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         persist_layer_norm=False,
@@ -209,6 +210,11 @@ def _family_config(hf_config: Any, args: Namespace) -> tuple[type, dict[str, Any
     fields = deepseek_v3.mla_config_fields(hf_config)
     _check_against_args(fields, args, deepseek_v3.MLA_FLAGS)
     return MLATransformerConfig, fields
+
+
+def fused_kernel_impl(args: Namespace) -> str:
+    """"compile" or "eager": what --fused-kernels picks on this machine (slime_plugins/models/fused_kernels.py)."""
+    return fused_kernels.resolve(getattr(args, "fused_kernels", "auto"), "cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _use_transformer_engine(args: Namespace) -> bool:
@@ -457,6 +463,7 @@ def build_model_and_optimizer(args: Namespace, hf_config: Any):
     Needs init_model_parallel(args) first. finalize_model_grads is NOT installed on the config:
     the training step calls it once itself (with the per-token denominator when enabled).
     """
+    fused_kernels.configure(fused_kernel_impl(args))
     chunks = _build_model_chunks(args, hf_config)
     freeze_parameters(chunks, getattr(args, "only_train_params_name_list", None),
                       getattr(args, "freeze_params_name_list", None))

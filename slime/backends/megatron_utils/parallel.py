@@ -13,6 +13,7 @@ from argparse import Namespace
 import torch
 import torch.distributed as dist
 
+from slime.distributed.communicator_config import world_group_options
 from slime.utils.deadlines import DeadlineModel
 
 
@@ -57,7 +58,11 @@ def init_distributed(
         # without either, ranks share a host's GPUs in rank order.
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
     rendezvous = {"store": store} if store is not None else {"init_method": f"tcp://{master_addr}:{master_port}"}
-    dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=_timeout(args), **rendezvous)
+    options = None
+    if backend == "nccl":  # a world of one rank: one NCCL channel (slime/distributed/communicator_config.py)
+        options = world_group_options(world_size, int(getattr(args, "single_rank_group_max_ctas", 1)))
+    dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=_timeout(args),
+                            pg_options=options, **rendezvous)
 
 
 def init_model_parallel(args: Namespace) -> None:
