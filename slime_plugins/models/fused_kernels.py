@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 
 FUSED_KERNEL_CHOICES = ("auto", "compile", "eager")
+RECOMPILE_LIMIT = 64
 _state = {"impl": "eager"}
 
 
@@ -44,6 +45,11 @@ def configure(impl: str) -> None:
     """Select "compile" or "eager" for every kernel of this module (and the log-prob head) in this process."""
     if impl not in ("compile", "eager"):
         raise ValueError(f"fused kernel implementation must be 'compile' or 'eager', not {impl!r}")
+    if impl == "compile":
+        # A norm has up to ~8 graphs (hidden and head-dim weights, with and without grad, the views it is
+        # handed): at torch's default limit of 8 the rest would silently run eager.
+        config = torch._dynamo.config
+        config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
     _state["impl"] = impl
 
 
@@ -68,20 +74,32 @@ def compiled_or_eager(fn: Callable) -> Callable:
     return dispatch
 
 
-@compiled_or_eager
+# The compiled functions see contiguous inputs of one rank only: every distinct rank, size-1 dimension or
+# stride pattern would be a graph of its own (a norm's [t, 1, h] hidden states, its [t, heads, d] query and
+# key views of the fused QKV output), and past torch's recompile limit calls fall back to eager.
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF Qwen/Llama RMSNorm: normalise in fp32, cast back to the input's dtype, then scale."""
+    """HF Qwen/Llama RMSNorm over the last dimension: normalise in fp32, cast back to the input's dtype, then scale."""
+    return _rms_norm_rows(x.reshape(-1, x.size(-1)), weight, eps).view(x.shape)
+
+
+@compiled_or_eager
+def _rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     input_dtype = x.dtype
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(input_dtype)
 
 
-@compiled_or_eager
 def rotary_bshd(t: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor, rotary_interleaved: bool,
                 multi_latent_attention: bool, mscale: float) -> torch.Tensor:
     """megatron's rotate-half RoPE on THD tokens `t` [t, h, d]: frequency rows `positions` of `freqs`
     [max_s, 1, 1, rot_dim] (the gather, cos/sin and rotation fused when compiled)."""
+    return _rotary_tokens(t.contiguous(), freqs, positions, rotary_interleaved, multi_latent_attention, mscale)
+
+
+@compiled_or_eager
+def _rotary_tokens(t: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor, rotary_interleaved: bool,
+                   multi_latent_attention: bool, mscale: float) -> torch.Tensor:
     from megatron.core.models.common.embeddings import rope_utils
 
     return rope_utils._apply_rotary_pos_emb_bshd(
