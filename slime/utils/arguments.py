@@ -1104,8 +1104,8 @@ def _add_fencing_arguments(parser: argparse.ArgumentParser) -> None:
                    help="destroy and re-create communicators across colocate sleep (default: keep them alive)")
     g.add_argument("--single-rank-group-max-ctas", type=int, default=1,
                    help="NCCL channels of a communicator whose group holds one rank (it moves no bytes; NCCL's "
-                        "default channels cost ~0.4 GiB each outside the allocator, kept while asleep); 0: NCCL's "
-                        "default")
+                        "usual channels cost ~0.4 GiB each outside the allocator, kept while asleep); 0: as many as "
+                        "NCCL picks")
     g.add_argument("--train-backend-device", type=str, default="auto", choices=["auto", "cpu", "cuda"],
                    help="device of the training ranks (auto: cuda when available)")
     g.add_argument("--metrics-jsonl", type=str, default=None, help="append one JSON line of metrics per event here")
