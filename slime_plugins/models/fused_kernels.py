@@ -1,9 +1,9 @@
 """Compiled elementwise kernels of the local layer spec: RMSNorm and RoPE, and the switch that picks them.
 
 Without TransformerEngine every norm and rotary embedding is a chain of eager kernels, each reading and
-writing the whole [tokens, hidden] activation (fp32 upcasts included): on one H200 these chains cost more
-GPU time than the attention projections. Compiled with torch.compile (Triton on CUDA), each becomes one
-kernel forward and one backward, with the same maths.
+writing the whole [tokens, hidden] activation (fp32 upcasts included). Compiled with torch.compile (Triton
+on CUDA), each becomes one kernel forward and one backward, with the same maths. With the fused head, a
+Qwen3-0.6B-shaped step on one H200 goes from 258 to 364 TFLOP/s (benchmarks/RESULTS.md).
 
 The choice (`--fused-kernels`) is made once at start-up by `configure()` and is the same on every rank:
 - "compile": these functions, megatron's compiled SwiGLU and the fused log-prob/entropy head
@@ -70,7 +70,6 @@ def compiled_or_eager(fn: Callable) -> Callable:
     def dispatch(*args, **kwargs):
         return compiled()(*args, **kwargs) if _state["impl"] == "compile" else fn(*args, **kwargs)
 
-    dispatch.eager = fn
     return dispatch
 
 
