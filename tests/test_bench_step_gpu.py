@@ -123,6 +123,19 @@ def test_summary_lines_give_ratio_memory_per_32k_and_fit(bench):
     assert "no cycle finished; then OOM in the warmup cycle of the old path" in failed
 
 
+def test_summary_ratio_names_each_path_against_the_next(bench):
+    summary = _summary()
+    summary["paths"]["fused"] = {**summary["paths"]["new"], "step_s": 1.0}
+    assert "fused/new speed = 2.00x; new/old speed = 2.00x" in bench.summary_lines(summary)[0]
+
+
+def test_profile_kinds_of_the_kernels_a_step_launches(bench):
+    assert bench.kernel_kind("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26") == "attention"
+    assert bench.kernel_kind("nvjet_sm90_tst_192x208_64x4_1x2_h_bz_coopB_TNT") == "gemm"
+    assert bench.kernel_kind("triton_red_fused__to_copy_amax_mul_0") == "compiled (triton)"
+    assert bench.kernel_kind("void at::native::elementwise_kernel<128, 2>") == "elementwise / other"
+
+
 def test_attention_command_measures_both_paths_and_agrees(bench, tmp_path, capsys):
     out = tmp_path / "attention.json"
     rc = bench.main(["attention", "--device", "cpu", "--tokens", "64", "--shapes", "4:2:16", "--reps", "1",
