@@ -127,13 +127,13 @@ def test_replayed_rollout_gives_same_first_step_on_one_and_eight_ranks(assets, s
         assert eight == pytest.approx(one, rel=1e-3), f"{key}: 1 rank {one}, 8 ranks {eight}"
 
 
+# kind: the phase the error must name. One stall (a rank that skips a collective: the watchdog's table)
+# and one divergence (a rank with another plan: the fence's field table) through train.py and its driver;
+# every kind, these and the communicator-warm-up stall, the logging stall and the extra metric key, also
+# runs on the real step's 8 gloo ranks in tests/test_distributed_faults.py and tests/test_distributed_fence.py.
 FAULTS = {
-    # kind: the phase the error must name
-    "stall_comm_init": r"wake|create_groups",
     "diverge_plan": r"actor_train/plan",
-    "extra_metric_key": r"actor_train/exit",
     "skip_collective": r"actor_train/step\d+/|loss_token_total|forward_backward",
-    "stall_logging": r"actor_train/logging",
 }
 
 
@@ -153,7 +153,7 @@ def test_injected_fault_ends_run_with_named_error(assets, seed_run, kind):
     assert "(ledger dir " in summary[0], summary[0]
     assert "traceback:\nTraceback" in output or " exited: " in summary[0], output[-3000:]
     tables = output.count("rank  verdict  phase")
-    assert tables == (0 if kind in ("diverge_plan", "extra_metric_key") else 1), f"{kind}: {tables} tables"
+    assert tables == (0 if kind == "diverge_plan" else 1), f"{kind}: {tables} tables"
     # From the start of actor_train to the error: within about twice the fence timeout.
     started = _log_time(output, "Timer actor_train start")
     stopped = _log_time(output, "training stopped:")
