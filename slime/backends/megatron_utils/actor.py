@@ -52,6 +52,7 @@ from slime.distributed.fault_inject import (
 )
 from slime.utils.deadlines import DeadlineModel
 from slime.utils.ppo_utils import compute_advantages_and_returns
+from slime_plugins.models import fused_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -258,6 +259,8 @@ class MegatronTrainActor:
                 ("kl_loss", cfg.use_kl_loss), ("ref_log_probs", "ref" in self.snapshots),
                 ("teacher_log_probs", "teacher" in self.snapshots),
                 ("old_log_probs", trainer_computes_old_log_probs(self.args)),
+                # the fused log-prob head all-reduces over TP per chunk, unlike the unfused one: every rank the same
+                ("fused_logprob_head", fused_kernels.active() == "compile"),
                 *moe_plan_collectives(get_model_config(self.model[0]))) if on),
         }
         self.groups.fence(fence_name, apply_plan_fault(fields, self.rank, rollout_id))

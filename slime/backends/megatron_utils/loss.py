@@ -157,11 +157,15 @@ def scaled_logits(logits: torch.Tensor, packed: PackedMicroBatch, cfg: LossConfi
     return flat_logits(logits, packed).float() / cfg.temperature
 
 
+def _fused_head(logits: torch.Tensor, packed: PackedMicroBatch, cfg: LossConfig,
+                tp_group: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    return logprob_head.log_probs_and_entropy(flat_logits(logits, packed), packed.labels, cfg.temperature, tp_group)
+
+
 def target_log_probs(logits: torch.Tensor, packed: PackedMicroBatch, cfg: LossConfig, tp_group: Any) -> torch.Tensor:
     """log pi(target token) per local position [T_local] (all-reduces over TP)."""
     if fused_kernels.active() == "compile":
-        return logprob_head.log_probs_and_entropy(flat_logits(logits, packed), packed.labels, cfg.temperature,
-                                                  tp_group)[0]
+        return _fused_head(logits, packed, cfg, tp_group)[0]
     return compute_log_probs(scaled_logits(logits, packed, cfg), packed.labels, tp_group)
 
 
@@ -170,8 +174,7 @@ def log_probs_and_entropy(logits: torch.Tensor, packed: PackedMicroBatch, cfg: L
     """(target_log_probs, token_entropy): with --fused-kernels compile both from one fused head."""
     if fused_kernels.active() != "compile":
         return target_log_probs(logits, packed, cfg, tp_group), token_entropy(logits, packed, cfg, tp_group)
-    log_probs, entropy = logprob_head.log_probs_and_entropy(flat_logits(logits, packed), packed.labels,
-                                                            cfg.temperature, tp_group)
+    log_probs, entropy = _fused_head(logits, packed, cfg, tp_group)
     return log_probs, entropy if cfg.entropy_coef != 0.0 else entropy.detach()
 
 
