@@ -86,6 +86,35 @@ def test_fence_comparison_finds_the_odd_rank_and_field():
     assert _odd_ranks(skipped, ["phase", "seq"]) == (1,)
 
 
+class _LateWork:
+    """A gloo work whose op finishes just after a slice of wait(timeout) ran out, as c10d's Work does it:
+    the timed wait raises "Operation timed out!" and is_completed() is true by the time it is asked."""
+
+    def __init__(self, op_error: Exception | None = None):
+        self.op_error = op_error
+        self.completed = False
+
+    def wait(self, timeout=None):
+        if timeout is not None and not self.completed:
+            self.completed = True
+            raise RuntimeError("Operation timed out!")
+        if self.op_error is not None:
+            raise self.op_error
+        return True
+
+    def is_completed(self) -> bool:
+        return self.completed
+
+
+def test_fence_wait_accepts_an_op_that_completes_as_its_slice_runs_out():
+    from slime.distributed.fence import Fence
+
+    fence = Fence(object(), rank=0, world_size=2, timeout_s=60.0)
+    fence._wait(_LateWork(), 60.0)  # completed: not mistaken for a failed op
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):  # a failed op keeps its own error
+        fence._wait(_LateWork(RuntimeError("Connection closed by peer")), 60.0)
+
+
 def _snap(rank: int, counts: dict, blocked: str | None = None, ranks=(), op_name="all_reduce", shape=()) -> dict:
     seq = sum(counts.values())
     op = {"seq": seq, "op": op_name, "group": blocked, "ranks": list(ranks), "shape": list(shape), "dtype": "float32",

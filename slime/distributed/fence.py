@@ -91,8 +91,11 @@ class Fence:
                 work.wait(timeout=timedelta(seconds=min(_WAIT_SLICE_S, timeout_s)))
                 return
             except RuntimeError:
-                if work.is_completed():  # the op itself failed (a peer closed, gloo's own timeout)
-                    raise
+                if work.is_completed():
+                    # Either the op failed (a peer closed, gloo's own timeout) or it completed just after
+                    # this slice ran out: a second wait returns at once, or raises the op's own error.
+                    work.wait()
+                    return
             idle = self.progress.idle_s(since=start, window_s=timeout_s)
             if idle > timeout_s:
                 raise TimeoutError(f"no rank made progress for {idle:.0f}s")
