@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from test_end_to_end import _log_time, read_events, run_train
+from train_runs import log_time, read_events, run_train
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -121,5 +121,5 @@ def test_stalled_engine_without_fault_tolerance_ends_at_the_rollout_timeout(asse
     assert re.search(r"\n1\s+http://\S+\s+serving\s+stopped \(SIGSTOP\)", table), table[-3000:]
     assert re.search(r"rid=sample\d+-\w+", table)
     # from the start of the rollout to the error: the deadline and the report, not the request's own 14400 s
-    elapsed = _log_time(output, "training stopped:") - _log_time(output, "rollout 0: generating")
+    elapsed = log_time(output, "training stopped:") - log_time(output, "rollout 0: generating")
     assert elapsed < timeout + 30, f"took {elapsed:.0f}s"

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from ray_cluster import RayTestCluster, second_loopback_address
-from test_end_to_end import read_events, run_train
+from train_runs import read_events, run_train
 
 LAYOUTS = {
     "separate": (2, ["--actor-num-nodes", "1", "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2"]),

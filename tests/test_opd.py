@@ -229,7 +229,7 @@ def opd_flags(assets: dict[str, Path], metrics: Path) -> list[str]:
 
 
 def _reverse_kls(metrics: Path) -> list[float]:
-    from test_end_to_end import read_events
+    from train_runs import read_events
 
     train = sorted(read_events(metrics)["train"], key=lambda e: e["rollout_id"])
     return [e[f"train/{OPD_KL_KEY}"] for e in train]
@@ -250,7 +250,7 @@ def exact_kl(student: Path, teacher: Path, prompts: Path) -> float:
 
 
 def _run_and_check(assets: dict[str, Path], tmp_path: Path, extra: list[str]) -> None:
-    from test_end_to_end import run_train
+    from train_runs import run_train
 
     metrics, saved = tmp_path / "metrics.jsonl", tmp_path / "hf_{rollout_id}"
     proc, _ = run_train([*opd_flags(assets, metrics), "--save", str(tmp_path / "ckpt"), "--save-interval",

@@ -2,26 +2,30 @@
 
 Each run is the seed's layout on the embedded CPU default (slime.tools.record_step_sequence: 8 ranks,
 TP2 x SP x CP4, --colocate, dynamic batches, per-token loss, engines, 2 rollouts of 2 steps with
-sleep/wake and the weight sync). For every process group, all of its members must have recorded the
-same sequence of (op, shape, dtype); the same with --recreate-process-groups-on-wake and with
-TP2 x DP2 x CP2. A rank that skips one collective of the real step (skip_collective) must break the
-proof, naming that rank. The committed docs/step_sequence.md must be what the renderer makes of the
-main run.
+sleep/wake and the weight sync; the main run is the session's seed recording, conftest.py). For every
+process group, all of its members must have recorded the same sequence of (op, shape, dtype); the
+same on TP2 x DP2 x CP2 with --recreate-process-groups-on-wake (one run for both). A rank that skips
+one collective of the real step (skip_collective) must break the proof, naming that rank, and stop
+the run with a named error. The committed docs/step_sequence.md must be what the renderer makes of
+the main run.
 """
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import SEED_RECORDING_TIMEOUT_S
+from train_runs import assert_named_stop
 
 from slime.distributed.order_proof import check_order, read_sequences
 from slime.tools.record_step_sequence import record, train_flags
 from slime.tools.render_step_sequence import render, rollout_windows
 
 ROOT = Path(__file__).resolve().parents[1]
-RUN_TIMEOUT_S = 480
+RUN_TIMEOUT_S = SEED_RECORDING_TIMEOUT_S
 
 
 def _metrics(out: Path) -> dict[str, list[dict]]:
@@ -32,8 +36,7 @@ def _metrics(out: Path) -> dict[str, list[dict]]:
     return events
 
 
-def _clean_run(out: Path, extra: list[str] = ()) -> dict:
-    proc = record(out, list(extra), timeout_s=RUN_TIMEOUT_S)
+def _read_run(proc, out: Path) -> dict:
     assert proc.returncode == 0, proc.stderr[-4000:]
     return {"out": out, "sequences": read_sequences(str(out / "ledger")), "metrics": _metrics(out)}
 
@@ -70,8 +73,8 @@ def _assert_proof_holds(run: dict, *, sizes: dict[str, int]) -> None:
 
 
 @pytest.fixture(scope="module")
-def seed_run(tmp_path_factory) -> dict:
-    return _clean_run(tmp_path_factory.mktemp("order_seed"))
+def seed_run(seed_recording) -> dict:
+    return _read_run(seed_recording["proc"], seed_recording["out"])
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)
@@ -111,26 +114,28 @@ def test_committed_step_sequence_doc_is_the_render_of_a_fresh_run(seed_run):
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)
-def test_every_group_records_one_sequence_with_recreated_process_groups(tmp_path):
-    run = _clean_run(tmp_path, ["--recreate-process-groups-on-wake"])
-    _assert_proof_holds(run, sizes={"world": 8, "tp": 2, "cp": 4, "dp": 1})
-    assert all(e["perf/wake_create_groups_s"] > 0 for e in run["metrics"]["train"][1:])  # re-created, not kept
-
-
-@pytest.mark.timeout(RUN_TIMEOUT_S + 60)
-def test_every_group_records_one_sequence_on_tp2_dp2_cp2(tmp_path):
-    run = _clean_run(tmp_path, ["--context-parallel-size", "2"])
+def test_every_group_records_one_sequence_on_tp2_dp2_cp2_with_recreated_process_groups(tmp_path):
+    """Upstream's colocate behaviour on a layout with DP: groups destroyed at sleep, re-created and warmed at
+    wake; the model and optimizer follow the new groups, the next rollout trains and its weights are pushed."""
+    extra = ["--context-parallel-size", "2", "--recreate-process-groups-on-wake"]
+    run = _read_run(record(tmp_path, extra, timeout_s=RUN_TIMEOUT_S), tmp_path)
     _assert_proof_holds(run, sizes={"world": 8, "tp": 2, "cp": 2, "dp": 2, "dp_cp": 4})
+    train = run["metrics"]["train"]
+    assert all(e["perf/wake_create_groups_s"] > 0 for e in train[1:])  # re-created, not kept
+    assert all(math.isfinite(e["train/loss"]) and e["train/grad_norm"] > 0 for e in train)
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)
 def test_skipped_collective_in_the_real_step_breaks_the_proof(seed_run, tmp_path):
-    """skip_collective@3: rank 3 drops the first collective of its forward/backward. The run fails, and its
-    recorded sequences (as far as each rank got) name rank 3 on its CP group."""
+    """skip_collective@3: rank 3 drops the first collective of its forward/backward. The run stops with a
+    named error and one hang table, and its recorded sequences (as far as each rank got) name rank 3 on
+    its CP group."""
     replay = ["--load-debug-rollout-data", str(seed_run["out"] / "rollout_{rollout_id}.pt"), "--num-rollout", "1"]
-    proc = record(tmp_path, replay, timeout_s=RUN_TIMEOUT_S, fence_timeout=30,
+    fence_timeout = 30
+    proc = record(tmp_path, replay, timeout_s=RUN_TIMEOUT_S, fence_timeout=fence_timeout,
                   env={"SLIME_FAULT_INJECT": "skip_collective@3#0"})
-    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert_named_stop(proc, phase=r"actor_train/step\d+/|loss_token_total|forward_backward", rank=3,
+                      fence_timeout_s=fence_timeout, tables=1)
     report = check_order(read_sequences(str(tmp_path / "ledger")), complete=False)
     assert not report.ok
     assert {r for m in report.mismatches for r in m.ranks} == {3}, report.format()

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import hook_plugins
-from test_end_to_end import read_events, run_train
+from train_runs import read_events, run_train
 
 pytestmark = pytest.mark.timeout(600)
 

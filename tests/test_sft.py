@@ -181,7 +181,7 @@ def test_sft_flags_parse_as_upstreams_sft_job(tmp_path):
 
 @pytest.mark.timeout(600)
 def test_sft_run_of_the_tiny_model_drives_the_loss_down(tmp_path):
-    from test_end_to_end import read_events, run_train
+    from train_runs import read_events, run_train
 
     model = _char_model(tmp_path)
     data = _write_conversations(tmp_path / "sft.jsonl", n=32)
