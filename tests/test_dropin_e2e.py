@@ -21,27 +21,13 @@ import pytest
 import torch
 
 import hook_plugins
+from train_runs import read_events, run_train
 
 ROOT = Path(__file__).resolve().parents[1]
 PLUGINS = str(Path(hook_plugins.__file__).resolve())
 ONE_RANK = ["--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1",
             "--use-slime-router", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "1024",
             "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--fence-timeout", "120", "--seed", "1234"]
-
-
-def run_train(flags: list[str], *, timeout_s: float = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    env.pop("SLIME_FAULT_INJECT", None)
-    return subprocess.run([sys.executable, str(ROOT / "train.py"), *flags], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout_s)
-
-
-def events(path: Path) -> dict[str, list[dict]]:
-    out: dict[str, list[dict]] = {}
-    for line in path.read_text().splitlines():
-        event = json.loads(line)
-        out.setdefault(event["event"], []).append(event)
-    return out
 
 
 def hook(records: list[dict], name: str) -> list[dict]:
@@ -103,9 +89,9 @@ def hooks_run(assets) -> dict:
         "--save-debug-rollout-data", str(root / "rollout_{rollout_id}.pt"),
         "--save-debug-train-data", str(root / "train_{rollout_id}.pt"), "--metrics-jsonl", str(metrics),
     ]
-    proc = run_train(flags)
+    proc, _ = run_train(flags, timeout_s=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
-    return {"root": root, "records": hook_plugins.read_records(log), "events": events(metrics),
+    return {"root": root, "records": hook_plugins.read_records(log), "events": read_events(metrics),
             "rollout": str(root / "rollout_{rollout_id}.pt"), "train": str(root / "train_{rollout_id}.pt")}
 
 
@@ -229,9 +215,9 @@ def sampling_run(assets) -> dict:
         "--loss-type", "custom_loss", "--custom-loss-function-path", p("custom_loss"), "--lr", "1e-4",
         "--save-debug-rollout-data", str(root / "rollout_{rollout_id}.pt"), "--metrics-jsonl", str(metrics),
     ]
-    proc = run_train(flags)
+    proc, _ = run_train(flags, timeout_s=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
-    return {"records": hook_plugins.read_records(log), "events": events(metrics),
+    return {"records": hook_plugins.read_records(log), "events": read_events(metrics),
             "rollout": str(root / "rollout_{rollout_id}.pt")}
 
 
@@ -299,7 +285,7 @@ def multi_turn_run(assets) -> dict:
                            "--save-debug-rollout-data", pattern], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
-    return {"out": out, "events": events(out / "metrics.jsonl"), "rollout": pattern}
+    return {"out": out, "events": read_events(out / "metrics.jsonl"), "rollout": pattern}
 
 
 @pytest.mark.timeout(900)
@@ -342,11 +328,11 @@ def test_a_hanging_rollout_log_hook_stops_the_run_naming_it(assets):
     """The driver's wait covers RolloutManager.generate to its end: a log hook that never returns ends the
     run within its window (--fence-timeout) with an error that names the hook."""
     one_rank = ONE_RANK[:ONE_RANK.index("--fence-timeout")] + ONE_RANK[ONE_RANK.index("--fence-timeout") + 2:]
-    proc = run_train([*data_flags(assets), *one_rank, "--debug-rollout-only", "--num-rollout", "1",
-                      "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4",
-                      "--rm-type", "math",
-                      "--custom-rollout-log-function-path", f"{PLUGINS}:hanging_rollout_log", "--fence-timeout", "15"],
-                     timeout_s=300)
+    proc, _ = run_train([*data_flags(assets), *one_rank, "--debug-rollout-only", "--num-rollout", "1",
+                         "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4",
+                         "--rm-type", "math",
+                         "--custom-rollout-log-function-path", f"{PLUGINS}:hanging_rollout_log", "--fence-timeout", "15"],
+                        timeout_s=300)
     summary = [line for line in (proc.stdout + proc.stderr).splitlines() if "training stopped:" in line]
     assert proc.returncode == 1 and summary, proc.stderr[-3000:]
     assert re.search(r"rollout 0: --custom-rollout-log-function-path \S+:hanging_rollout_log did not return "

@@ -130,7 +130,8 @@ def test_skipped_collective_in_the_real_step_breaks_the_proof(seed_run, tmp_path
     """skip_collective@3: rank 3 drops the first collective of its forward/backward. The run stops with a
     named error and one hang table, and its recorded sequences (as far as each rank got) name rank 3 on
     its CP group."""
-    replay = ["--load-debug-rollout-data", str(seed_run["out"] / "rollout_{rollout_id}.pt"), "--num-rollout", "1"]
+    replay = ["--load-debug-rollout-data", str(seed_run["out"] / "rollout_{rollout_id}.pt"), "--num-rollout", "1",
+              "--debug-train-only"]
     fence_timeout = 30
     proc = record(tmp_path, replay, timeout_s=RUN_TIMEOUT_S, fence_timeout=fence_timeout,
                   env={"SLIME_FAULT_INJECT": "skip_collective@3#0"})

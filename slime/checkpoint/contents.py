@@ -86,3 +86,17 @@ def read_manifest(iteration_path: str) -> frozenset[str]:
     if "items" in manifest:
         return frozenset(manifest["items"])
     return frozenset(name for name in _LEGACY_ITEMS if name != OPTIMIZER or manifest.get("optimizer", True))
+
+
+def latest_iteration(root: str) -> int | None:
+    """The iteration the tracker under `root` names (None without a tracker). The driver reads it before
+    Ray starts, so this module stays free of megatron."""
+    tracker = os.path.join(root, TRACKER)
+    if not os.path.exists(tracker):
+        return None
+    with open(tracker) as f:
+        text = f.read().strip()
+    if not text.isdigit():
+        raise ValueError(f"{tracker} holds {text[:40]!r}, not an iteration number; write the number of a "
+                         f"complete iter_* directory under {root} into it, or delete it to start fresh")
+    return int(text)

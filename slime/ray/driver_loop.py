@@ -53,7 +53,7 @@ def check_alternating_args(args) -> None:
 
 def resume_rollout_id(args) -> int:
     """The rollout after the last checkpoint under --load (0 without one, or with --finetune)."""
-    from slime.backends.megatron_utils.checkpoint import latest_iteration
+    from slime.checkpoint.contents import latest_iteration
 
     last = latest_iteration(args.load) if args.load else None
     start = 0 if last is None or getattr(args, "finetune", False) else last + 1

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 import patches
 from slime.checkpoint import contents, durable, rng
+from slime.checkpoint.contents import latest_iteration
 from slime.distributed.fault_inject import maybe_kill_run
 from slime_plugins.models.hf_weights import export_hf_weights, load_hf_weights
 
@@ -162,18 +163,6 @@ def _tree_bytes(directory: str) -> int:
             with contextlib.suppress(OSError):  # a writer may rename or remove files meanwhile
                 total += os.path.getsize(os.path.join(base, name))
     return total
-
-
-def latest_iteration(root: str) -> Optional[int]:
-    tracker = os.path.join(root, _TRACKER)
-    if not os.path.exists(tracker):
-        return None
-    with open(tracker) as f:
-        text = f.read().strip()
-    if not text.isdigit():
-        raise ValueError(f"{tracker} holds {text[:40]!r}, not an iteration number; write the number of a "
-                         f"complete iter_* directory under {root} into it, or delete it to start fresh")
-    return int(text)
 
 
 @torch.no_grad()  # state copies into (views of) leaf params must not be recorded by autograd
