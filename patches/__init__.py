@@ -6,11 +6,11 @@ name (where TE is absent) apply on every machine; the rest only where a library 
 (no CUDA), so cluster runs execute upstream code apart from those.
 """
 
-import torch
-
 
 def apply_all() -> None:
     """Apply every patch this machine needs. Idempotent; call before building a model."""
+    import torch  # here, not at the top: patches.ray is imported by processes that never load torch
+
     from patches import megatron_core
 
     megatron_core.apply_thd_rope()

@@ -10,6 +10,11 @@ rank that fails or dies; run_ranks_outcomes collects every rank's outcome, failu
 which fault-injection tests need (some ranks raise a named error, others exit with the
 watchdog's code). A rank that does not finish by the deadline raises TimeoutError naming the
 missing ranks. Every child is gone when either returns.
+
+Ranks fork from one server process per test session that has imported torch, megatron-core and the
+trainer's modules (PRELOAD): a freshly spawned rank spends ~10 s of CPU on those imports, which made
+an 8-rank run on 2 cores cost ~40 s before its first line. Each rank gets the caller's environment
+as it is at the call (a test's monkeypatched SLIME_FAULT_INJECT), not the server's.
 """
 
 from __future__ import annotations
@@ -26,6 +31,9 @@ from typing import Any, Callable, Sequence
 
 import torch.multiprocessing as mp
 
+PRELOAD = ("torch", "megatron.core", "slime.backends.megatron_utils.actor", "slime.backends.megatron_utils.model",
+           "slime.backends.embedded_engine.engine")
+
 
 @dataclass(frozen=True)
 class RankOutcome:
@@ -41,7 +49,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _child(fn, rank, world_size, args, port, init_pg, pg_timeout_s, results):
+def _child(fn, rank, world_size, args, port, init_pg, pg_timeout_s, results, env):
+    os.environ.clear()
+    os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
     try:
@@ -69,7 +79,7 @@ def run_ranks(
     timeout_s: float = 120.0,
     init_process_group: bool = True,
     pg_timeout_s: float | None = None,
-    start_method: str = "spawn",
+    start_method: str = "forkserver",
 ) -> list[Any]:
     """Run fn on world_size gloo ranks; return [result of rank 0, rank 1, ...]."""
     pg_timeout = pg_timeout_s if pg_timeout_s is not None else timeout_s
@@ -85,18 +95,20 @@ def run_ranks(
 def run_ranks_outcomes(fn: Callable[..., Any], world_size: int, *, args: Sequence[Any] = (),
                        timeout_s: float = 120.0, pg_timeout_s: float = 60.0) -> list[RankOutcome]:
     """Run fn on world_size gloo ranks; return every rank's outcome, failed and dead ones too."""
-    return _run(fn, world_size, args, timeout_s, True, pg_timeout_s, "spawn", stop_on_failure=False)
+    return _run(fn, world_size, args, timeout_s, True, pg_timeout_s, "forkserver", stop_on_failure=False)
 
 
 def _run(fn, world_size, args, timeout_s, init_pg, pg_timeout_s, start_method, *, stop_on_failure) -> list[RankOutcome]:
     ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(list(PRELOAD))  # takes effect when the session's server starts
     results = ctx.Queue()
     port = free_port()
     procs = [
         # Not daemonic: rank code may start its own processes (dist_checkpointing writers);
         # _stop() kills whatever is left, so nothing outlives the run.
         ctx.Process(target=_child, daemon=False,
-                    args=(fn, rank, world_size, tuple(args), port, init_pg, pg_timeout_s, results))
+                    args=(fn, rank, world_size, tuple(args), port, init_pg, pg_timeout_s, results, dict(os.environ)))
         for rank in range(world_size)
     ]
     for proc in procs:
