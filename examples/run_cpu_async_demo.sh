@@ -9,4 +9,4 @@
 set -euo pipefail
 export SCRIPT=${SCRIPT:-train_async.py} COLOCATE="" OUT=${OUT:-outputs/async-demo}
 exec bash "$(dirname "$0")/run_cpu_demo.sh" \
-  --actor-num-gpus-per-node 4 --rollout-num-gpus 2 --context-parallel-size 2 "$@"
+  --actor-num-gpus-per-node 4 --rollout-num-gpus 2 --rollout-num-gpus-per-engine 1 --context-parallel-size 2 "$@"

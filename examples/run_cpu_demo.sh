@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The loop visibly learns, in the seed's layout (upstream issue #1487) on a CPU machine: 8 CPU ranks
 # as TP2 x SP x CP4 with --colocate, dynamic batches, per-token loss, the project's router and one
-# embedded engine per rank. Task: continue a run of digits ("345" -> "678"), graded digit by digit
+# embedded engine over the 8 ranks' GPUs. Task: continue a run of digits ("345" -> "678"), graded digit by digit
 # by the reward plugin examples/counting_reward.py. Model: a random-init tiny Qwen3 over a
 # 13-token character vocabulary. Writes $OUT/metrics.jsonl and $OUT/curves.png.
 # Extra arguments go to train.py (later flags win), e.g. --kl-loss-coef 0 --entropy-coef 0.
@@ -30,7 +30,7 @@ $PY "${SCRIPT:-train.py}" \
   --tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 1 \
   --context-parallel-size 4 --expert-model-parallel-size 1 --expert-tensor-parallel-size 1 \
   --use-dynamic-batch-size --max-tokens-per-gpu 96 --calculate-per-token-loss \
-  --use-slime-router --rollout-num-gpus-per-engine 1 --sglang-mem-fraction-static 0.7 \
+  --use-slime-router --rollout-num-gpus-per-engine 8 --sglang-mem-fraction-static 0.7 \
   --num-rollout "${NUM_ROLLOUT:-20}" --rollout-batch-size 8 --n-samples-per-prompt 8 --num-steps-per-rollout 2 \
   --rollout-max-response-len 3 --rollout-temperature 1.0 \
   --advantage-estimator grpo --use-kl-loss --kl-loss-coef 0.01 --kl-loss-type low_var_kl \

@@ -1,7 +1,7 @@
 """`python train.py` end to end on the embedded default, as a user runs it.
 
 The session's seed recording (conftest.py: the seed's configuration scaled to CPU, 8 ranks = TP2 x SP x
-CP4, colocate, dynamic batches, per-token loss, the project's router, one embedded engine per rank)
+CP4, colocate, dynamic batches, per-token loss, the project's router, one embedded engine over the 8 GPUs)
 must train every rollout; replays of its first rollout then check layout invariance (1 rank gives
 what the 8 ranks computed) and that a rank with another plan ends the run with a named error instead
 of a hang (the rank that skips a collective is the order proof's fault run, tests/test_order_proof.py).

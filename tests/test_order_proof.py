@@ -4,7 +4,7 @@ Each run is the seed's layout on the embedded CPU default (slime.tools.record_st
 TP2 x SP x CP4, --colocate, dynamic batches, per-token loss, engines, 2 rollouts of 2 steps with
 sleep/wake and the weight sync; the main run is the session's seed recording, conftest.py). For every
 process group, all of its members must have recorded the same sequence of (op, shape, dtype); the
-same on TP2 x DP2 x CP2 with --recreate-process-groups-on-wake (one run for both). A rank that skips
+same on 4 ranks as TP2 x DP2 with --recreate-process-groups-on-wake and two engines (one run for both). A rank that skips
 one collective of the real step (skip_collective) must break the proof, naming that rank, and stop
 the run with a named error. The committed docs/step_sequence.md must be what the renderer makes of
 the main run.
@@ -51,7 +51,7 @@ def _plan_notes(sequences, rank: int = 0) -> list[dict]:
 
 def _assert_proof_holds(run: dict, *, sizes: dict[str, int]) -> None:
     sequences = run["sequences"]
-    assert sorted(sequences) == list(range(8))
+    assert sorted(sequences) == list(range(sizes["world"]))
     report = check_order(sequences)
     assert report.ok, report.format()
     assert {name: _group_sizes(sequences)[name] for name in sizes} == sizes
@@ -114,12 +114,15 @@ def test_committed_step_sequence_doc_is_the_render_of_a_fresh_run(seed_run):
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)
-def test_every_group_records_one_sequence_on_tp2_dp2_cp2_with_recreated_process_groups(tmp_path):
+def test_every_group_records_one_sequence_on_tp2_dp2_with_recreated_process_groups(tmp_path):
     """Upstream's colocate behaviour on a layout with DP: groups destroyed at sleep, re-created and warmed at
-    wake; the model and optimizer follow the new groups, the next rollout trains and its weights are pushed."""
-    extra = ["--context-parallel-size", "2", "--recreate-process-groups-on-wake"]
+    wake; the model and optimizer follow the new groups, the next rollout trains and its weights are pushed
+    to two engines of 2 GPUs each. Each DP rank packs micro-batches of up to 96 tokens (CP1), so the two
+    steps of a rollout still get different micro-batch counts."""
+    extra = ["--actor-num-gpus-per-node", "4", "--context-parallel-size", "1", "--max-tokens-per-gpu", "96",
+             "--rollout-num-gpus-per-engine", "2", "--recreate-process-groups-on-wake"]
     run = _read_run(record(tmp_path, extra, timeout_s=RUN_TIMEOUT_S), tmp_path)
-    _assert_proof_holds(run, sizes={"world": 8, "tp": 2, "cp": 2, "dp": 2, "dp_cp": 4})
+    _assert_proof_holds(run, sizes={"world": 4, "tp": 2, "dp": 2, "dp_cp": 2})
     train = run["metrics"]["train"]
     assert all(e["perf/wake_create_groups_s"] > 0 for e in train[1:])  # re-created, not kept
     assert all(math.isfinite(e["train/loss"]) and e["train/grad_norm"] > 0 for e in train)

@@ -3,7 +3,7 @@
     python -m slime.tools.record_step_sequence --out DIR [--doc docs/step_sequence.md] [-- train.py flags]
 
 Runs `python train.py` on the embedded CPU default with the seed's layout (8 ranks = TP2 x SP x CP4,
---colocate, dynamic batches, per-token loss, one embedded engine per rank, the project's router)
+--colocate, dynamic batches, per-token loss, one embedded engine over the 8 ranks' GPUs, the project's router)
 for 2 rollouts, each of 2 steps, with `--ledger-record-sequence`: DIR/ledger/sequence_rank<N>.jsonl.
 The prompts alternate a short and a long one and each step trains on one prompt's samples, so
 the two steps of a rollout get different micro-batch counts under the token budget, and no
@@ -39,7 +39,8 @@ SEED_LAYOUT = (
     "--context-parallel-size", "4",
     # budget 48 x 4 tokens per micro-batch: one for the short prompt's 4 samples, two for the long one's
     "--use-dynamic-batch-size", "--max-tokens-per-gpu", "48", "--calculate-per-token-loss",
-    "--use-slime-router", "--rollout-num-gpus-per-engine", "1", "--sglang-mem-fraction-static", "0.7",
+    # one engine over the 8 GPUs (SGLang TP 8): every rank's slice of a weight reaches it through one gather
+    "--use-slime-router", "--rollout-num-gpus-per-engine", "8", "--sglang-mem-fraction-static", "0.7",
 )
 
 RUN = (
