@@ -20,6 +20,18 @@ def _exit_on_rank_1(rank: int, world_size: int) -> int:
     return rank * 10
 
 
+def _probe_env(rank: int, world_size: int) -> str | None:
+    return os.environ.get("SLIME_MP_UTILS_PROBE")
+
+
+def test_each_rank_sees_the_callers_environment_as_of_the_call(monkeypatch):
+    """Ranks fork from a server started at the first call; a variable set after that still reaches them."""
+    monkeypatch.delenv("SLIME_MP_UTILS_PROBE", raising=False)
+    assert run_ranks(_probe_env, 1, init_process_group=False, timeout_s=60) == [None]
+    monkeypatch.setenv("SLIME_MP_UTILS_PROBE", "set after the server started")
+    assert run_ranks(_probe_env, 2, init_process_group=False, timeout_s=60) == ["set after the server started"] * 2
+
+
 def test_run_ranks_returns_values_in_rank_order():
     assert run_ranks(_fail_on_rank_1, 1, init_process_group=False, timeout_s=60) == [0]
 
