@@ -17,6 +17,10 @@ from train_runs import assert_named_stop, read_events, run_train
 
 from slime.tools.record_step_sequence import RUN, SEED_LAYOUT
 
+# The plan fault replays the recording on 4 ranks, TP2 x SP x CP2 with the recording's tokens per micro-batch
+# (96 x CP2 = 48 x CP4): the fault reaches the same fence with half the ranks to start.
+FAULT_REPLAY_LAYOUT = ["--actor-num-gpus-per-node", "4", "--context-parallel-size", "2", "--max-tokens-per-gpu", "96",
+                       "--rollout-num-gpus-per-engine", "1"]
 # The recording's budget is 48 tokens per GPU: 48 x CP4 per micro-batch, the same micro-batches on one rank.
 ONE_RANK_LAYOUT = [
     "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1",
@@ -72,11 +76,11 @@ def test_replayed_rollout_on_one_rank_gives_the_eight_rank_steps(seed_recording,
 @pytest.mark.timeout(600)
 def test_rank_with_another_plan_ends_run_with_named_error(seed_recording, tmp_path):
     """diverge_plan@3: rank 3 claims another micro-batch plan. The plan fence stops every rank with the
-    field table (no hang table), naming rank 3 and the phase, through train.py and its driver. Every
-    fault kind also runs on the real step's 8 gloo ranks (tests/test_distributed_faults.py,
-    tests/test_distributed_fence.py)."""
+    field table (no hang table), naming rank 3 and the phase, through train.py and its driver (the recording
+    replayed on 4 ranks, TP2 x SP x CP2). Every fault kind also runs on the real step's 8 gloo ranks
+    (tests/test_distributed_faults.py, tests/test_distributed_fence.py)."""
     fence_timeout = 30
-    proc, _ = run_train(replay_flags(seed_recording, SEED_LAYOUT, tmp_path / "metrics.jsonl",
+    proc, _ = run_train(replay_flags(seed_recording, [*SEED_LAYOUT, *FAULT_REPLAY_LAYOUT], tmp_path / "metrics.jsonl",
                                      fence_timeout=fence_timeout),
                         timeout_s=480, env_extra={"SLIME_FAULT_INJECT": "diverge_plan@3#0"})
     assert_named_stop(proc, phase=r"actor_train/plan", rank=3, fence_timeout_s=fence_timeout, tables=0)

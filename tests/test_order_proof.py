@@ -1,13 +1,13 @@
 """The order proof on the real step: `python train.py` with every rank's whole collective sequence recorded.
 
-Each run is the seed's layout on the embedded CPU default (slime.tools.record_step_sequence: 8 ranks,
-TP2 x SP x CP4, --colocate, dynamic batches, per-token loss, engines, 2 rollouts of 2 steps with
-sleep/wake and the weight sync; the main run is the session's seed recording, conftest.py). For every
-process group, all of its members must have recorded the same sequence of (op, shape, dtype); the
-same on 4 ranks as TP2 x DP2 with --recreate-process-groups-on-wake and two engines (one run for both). A rank that skips
-one collective of the real step (skip_collective) must break the proof, naming that rank, and stop
-the run with a named error. The committed docs/step_sequence.md must be what the renderer makes of
-the main run.
+The main run is the session's seed recording (conftest.py; slime.tools.record_step_sequence: 8 ranks,
+TP2 x SP x CP4, --colocate, dynamic batches, per-token loss, one engine, 2 rollouts of 2 steps with
+sleep/wake and the weight sync). For every process group, all of its members must have recorded the
+same sequence of (op, shape, dtype); the same on 4 ranks as TP2 x DP2 with
+--recreate-process-groups-on-wake and two engines (one run for both). A rank that skips one
+collective of the real step (skip_collective, the recording replayed on 4 ranks as CP4) must break the
+proof, naming that rank, and stop the run with a named error. The committed docs/step_sequence.md
+must be what the renderer makes of the main run.
 """
 from __future__ import annotations
 
@@ -130,11 +130,13 @@ def test_every_group_records_one_sequence_on_tp2_dp2_with_recreated_process_grou
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)
 def test_skipped_collective_in_the_real_step_breaks_the_proof(seed_run, tmp_path):
-    """skip_collective@3: rank 3 drops the first collective of its forward/backward. The run stops with a
-    named error and one hang table, and its recorded sequences (as far as each rank got) name rank 3 on
-    its CP group."""
+    """skip_collective@3: rank 3 drops the first collective of its forward/backward (the recording's first
+    rollout replayed on 4 ranks as CP4: a group of more than two, so the proof can tell which member
+    deviated). The run stops with a named error and one hang table, and its recorded sequences (as far as
+    each rank got) name rank 3 on its CP group."""
     replay = ["--load-debug-rollout-data", str(seed_run["out"] / "rollout_{rollout_id}.pt"), "--num-rollout", "1",
-              "--debug-train-only"]
+              "--debug-train-only", "--actor-num-gpus-per-node", "4", "--tensor-model-parallel-size", "1",
+              "--rollout-num-gpus-per-engine", "1"]
     fence_timeout = 30
     proc = record(tmp_path, replay, timeout_s=RUN_TIMEOUT_S, fence_timeout=fence_timeout,
                   env={"SLIME_FAULT_INJECT": "skip_collective@3#0"})
@@ -143,5 +145,5 @@ def test_skipped_collective_in_the_real_step_breaks_the_proof(seed_run, tmp_path
     report = check_order(read_sequences(str(tmp_path / "ledger")), complete=False)
     assert not report.ok
     assert {r for m in report.mismatches for r in m.ranks} == {3}, report.format()
-    on_cp = [m for m in report.mismatches if m.group == "cp[1,3,5,7]"]
+    on_cp = [m for m in report.mismatches if m.group == "cp[0,1,2,3]"]
     assert on_cp and "actor_train/forward_backward" in on_cp[0].detail, report.format()
