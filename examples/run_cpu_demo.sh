@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The loop visibly learns, in the seed's layout (upstream issue #1487) on a CPU machine: 8 CPU ranks
 # as TP2 x SP x CP4 with --colocate, dynamic batches, per-token loss, the project's router and one
-# embedded engine over the 8 ranks' GPUs. Task: continue a run of digits ("345" -> "678"), graded digit by digit
-# by the reward plugin examples/counting_reward.py. Model: a random-init tiny Qwen3 over a
+# embedded engine over the 8 ranks' GPUs. Task: continue a run of digits ("345" -> "678"), graded digit
+# by digit by the reward plugin examples/counting_reward.py. Model: a random-init tiny Qwen3 over a
 # 13-token character vocabulary. Writes $OUT/metrics.jsonl and $OUT/curves.png.
 # Extra arguments go to train.py (later flags win), e.g. --kl-loss-coef 0 --entropy-coef 0.
 # SCRIPT (default train.py) and COLOCATE (default --colocate) let examples/run_cpu_async_demo.sh reuse it.

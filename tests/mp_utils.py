@@ -79,11 +79,10 @@ def run_ranks(
     timeout_s: float = 120.0,
     init_process_group: bool = True,
     pg_timeout_s: float | None = None,
-    start_method: str = "forkserver",
 ) -> list[Any]:
     """Run fn on world_size gloo ranks; return [result of rank 0, rank 1, ...]."""
     pg_timeout = pg_timeout_s if pg_timeout_s is not None else timeout_s
-    outcomes = _run(fn, world_size, args, timeout_s, init_process_group, pg_timeout, start_method, stop_on_failure=True)
+    outcomes = _run(fn, world_size, args, timeout_s, init_process_group, pg_timeout, stop_on_failure=True)
     for outcome in outcomes:
         if outcome.status == "error":
             raise RuntimeError(f"rank {outcome.rank} failed:\n{outcome.value}")
@@ -95,13 +94,12 @@ def run_ranks(
 def run_ranks_outcomes(fn: Callable[..., Any], world_size: int, *, args: Sequence[Any] = (),
                        timeout_s: float = 120.0, pg_timeout_s: float = 60.0) -> list[RankOutcome]:
     """Run fn on world_size gloo ranks; return every rank's outcome, failed and dead ones too."""
-    return _run(fn, world_size, args, timeout_s, True, pg_timeout_s, "forkserver", stop_on_failure=False)
+    return _run(fn, world_size, args, timeout_s, True, pg_timeout_s, stop_on_failure=False)
 
 
-def _run(fn, world_size, args, timeout_s, init_pg, pg_timeout_s, start_method, *, stop_on_failure) -> list[RankOutcome]:
-    ctx = mp.get_context(start_method)
-    if start_method == "forkserver":
-        ctx.set_forkserver_preload(list(PRELOAD))  # takes effect when the session's server starts
+def _run(fn, world_size, args, timeout_s, init_pg, pg_timeout_s, *, stop_on_failure) -> list[RankOutcome]:
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))  # takes effect when the session's server starts
     results = ctx.Queue()
     port = free_port()
     procs = [

@@ -136,7 +136,7 @@ def test_skipped_collective_in_the_real_step_breaks_the_proof(seed_run, tmp_path
     each rank got) name rank 3 on its CP group."""
     replay = ["--load-debug-rollout-data", str(seed_run["out"] / "rollout_{rollout_id}.pt"), "--num-rollout", "1",
               "--debug-train-only", "--actor-num-gpus-per-node", "4", "--tensor-model-parallel-size", "1",
-              "--rollout-num-gpus-per-engine", "1"]
+              "--rollout-num-gpus-per-engine", "1"]  # no engines run; one may not span more GPUs than 4
     fence_timeout = 30
     proc = record(tmp_path, replay, timeout_s=RUN_TIMEOUT_S, fence_timeout=fence_timeout,
                   env={"SLIME_FAULT_INJECT": "skip_collective@3#0"})

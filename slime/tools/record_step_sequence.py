@@ -39,7 +39,7 @@ SEED_LAYOUT = (
     "--context-parallel-size", "4",
     # budget 48 x 4 tokens per micro-batch: one for the short prompt's 4 samples, two for the long one's
     "--use-dynamic-batch-size", "--max-tokens-per-gpu", "48", "--calculate-per-token-loss",
-    # one engine over the 8 GPUs (SGLang TP 8): every rank's slice of a weight reaches it through one gather
+    # one engine over the 8 GPUs, as SGLang with TP 8 (the ranks' collectives are those of one engine per rank)
     "--use-slime-router", "--rollout-num-gpus-per-engine", "8", "--sglang-mem-fraction-static", "0.7",
 )
 
