@@ -6,8 +6,11 @@ PY := $(VENV)/bin/python
 # On GPU machines: make setup TORCH_SPEC=torch
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+# Two workers: most of an end-to-end run's time is one busy process (an engine, one rank) or a wait
+# (a deadline, a poll), so two of them share two cores; tests/conftest.py says how tests are grouped.
+XDIST := -n 2 --dist loadgroup --no-loadscope-reorder
 
-.PHONY: setup test demo step-sequence clean
+.PHONY: setup test test-fast demo step-sequence clean
 
 setup: $(VENV)/.installed
 
@@ -21,7 +24,11 @@ $(VENV)/.installed: setup.py Makefile
 	touch $@
 
 test: setup
-	$(PY) -m pytest -q --durations=30 tests $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) --durations=30 tests $(PYTEST_ARGS)
+
+# The inner loop: unit tests and the forked-rank tests, no train.py run (a few minutes).
+test-fast: setup
+	$(PY) -m pytest -q $(XDIST) -m "not e2e" --durations=10 tests $(PYTEST_ARGS)
 
 demo: setup
 	bash examples/run_cpu_demo.sh

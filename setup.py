@@ -33,7 +33,8 @@ EXTRAS = {
     "gpu": [f"sglang>={SGLANG_OLDEST},<={SGLANG_NEWEST}", "flash-attn", "transformer-engine[pytorch]",
             "torch-memory-saver"],
     # tensorboard: the --use-tensorboard test; msgspec: SGLang's request types (the contract tests load them).
-    "test": ["pytest>=8", "pytest-timeout>=2.3", "tensorboard>=2.14", "msgspec>=0.18"],
+    # pytest-xdist: `make test` runs on two workers.
+    "test": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "tensorboard>=2.14", "msgspec>=0.18"],
 }
 
 setup(

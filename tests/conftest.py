@@ -15,6 +15,28 @@ import pytest  # noqa: E402 (after the environment above is set)
 
 SEED_RECORDING_TIMEOUT_S = 480
 
+# `make test` runs on two pytest-xdist workers (--dist loadgroup): a file's tests stay on one worker, so a
+# run its module fixture shares happens once. Files named here share a group instead: the seed
+# recording is a session fixture of two files, and the runs of eight ranks (which alone fill two cores)
+# go one after another on one worker. Groups start longest first (measured), the rest in file order.
+SHARED_GROUPS = {
+    "test_end_to_end.py": "eight_ranks", "test_order_proof.py": "eight_ranks", "test_learning_demo.py": "eight_ranks",
+    "test_learning_demo_moe.py": "eight_ranks",
+}
+LONGEST_FIRST = ("eight_ranks", "test_engine_faults_e2e.py", "test_dropin_e2e.py", "test_exact_resume.py",
+                 "test_rollout_stack_e2e.py", "test_train_async_e2e.py", "test_opd.py", "test_model_families_e2e.py",
+                 "test_multinode_end_to_end.py", "test_logprob_agreement.py")
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """Every test gets its worker group, and `unit` unless its file is marked `ranks` or `e2e`."""
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(SHARED_GROUPS.get(item.path.name, item.path.name)))
+        if not (item.get_closest_marker("ranks") or item.get_closest_marker("e2e")):
+            item.add_marker(pytest.mark.unit)
+    rank = {group: i for i, group in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(SHARED_GROUPS.get(item.path.name, item.path.name), len(rank)))
+
 
 @pytest.fixture(scope="session")
 def seed_recording(tmp_path_factory) -> dict:

@@ -92,9 +92,10 @@ def run_ranks(
 
 
 def run_ranks_outcomes(fn: Callable[..., Any], world_size: int, *, args: Sequence[Any] = (),
-                       timeout_s: float = 120.0, pg_timeout_s: float = 60.0) -> list[RankOutcome]:
+                       timeout_s: float = 120.0, pg_timeout_s: float = 60.0,
+                       init_process_group: bool = True) -> list[RankOutcome]:
     """Run fn on world_size gloo ranks; return every rank's outcome, failed and dead ones too."""
-    return _run(fn, world_size, args, timeout_s, True, pg_timeout_s, stop_on_failure=False)
+    return _run(fn, world_size, args, timeout_s, init_process_group, pg_timeout_s, stop_on_failure=False)
 
 
 def _run(fn, world_size, args, timeout_s, init_pg, pg_timeout_s, *, stop_on_failure) -> list[RankOutcome]:

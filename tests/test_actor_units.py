@@ -7,6 +7,8 @@ import torch
 from slime.backends.megatron_utils.actor import WeightSnapshots, repoint_process_groups, share_across_dp
 from tests.mp_utils import run_ranks
 
+pytestmark = pytest.mark.ranks
+
 
 def _share_on_dp2(rank: int, world_size: int):
     from megatron.core import parallel_state

@@ -15,6 +15,8 @@ import pytest
 from mp_utils import run_ranks
 from tiny_models import save_tiny_qwen3
 
+pytestmark = pytest.mark.ranks
+
 DROPPED = "model.layers.1.mlp.down_proj.weight"
 RESHAPED = "model.layers.0.self_attn.k_proj.weight"
 

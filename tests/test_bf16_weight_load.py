@@ -15,6 +15,8 @@ import torch
 from mp_utils import run_ranks
 from tiny_models import save_tiny_qwen3
 
+pytestmark = pytest.mark.ranks
+
 
 def _load_then_step(rank: int, world: int, hf_dir: str) -> dict[str, float]:
     import transformers

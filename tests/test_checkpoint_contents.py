@@ -16,6 +16,8 @@ from train_step_harness import build_loaded_model
 
 from slime.checkpoint import contents, durable, rng
 
+pytestmark = pytest.mark.ranks
+
 
 def test_trainer_save_lists_only_what_it_writes():
     assert contents.TrainerSave(optimizer=True, reference=False).items() == ("model", "optimizer", "scheduler", "rng")

@@ -11,6 +11,8 @@ import torch
 
 from mp_utils import run_ranks
 
+pytestmark = pytest.mark.ranks
+
 HEADS, GROUPS, DIM = 4, 2, 8
 SEQ_LENS = (16, 32, 8)  # padded lengths, divisible by 2*cp for cp=4
 

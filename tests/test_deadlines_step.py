@@ -15,6 +15,8 @@ import pytest
 from mp_utils import run_ranks
 from tiny_models import save_tiny_qwen3
 
+pytestmark = pytest.mark.ranks
+
 WINDOW_S = 1.0
 MICRO_BATCH_S = 0.25
 

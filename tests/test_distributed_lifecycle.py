@@ -6,6 +6,8 @@ import pytest
 import distributed_workers as workers
 from mp_utils import run_ranks_outcomes
 
+pytestmark = pytest.mark.ranks
+
 WORLD = 8
 CYCLES = 20
 

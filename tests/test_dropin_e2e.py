@@ -23,6 +23,8 @@ import torch
 import hook_plugins
 from train_runs import read_events, run_train
 
+pytestmark = pytest.mark.e2e
+
 ROOT = Path(__file__).resolve().parents[1]
 PLUGINS = str(Path(hook_plugins.__file__).resolve())
 ONE_RANK = ["--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1",

@@ -17,6 +17,8 @@ from train_runs import assert_named_stop, read_events, run_train
 
 from slime.tools.record_step_sequence import RUN, SEED_LAYOUT
 
+pytestmark = pytest.mark.e2e
+
 # The plan fault replays the recording on 4 ranks, TP2 x SP x CP2 with the recording's tokens per micro-batch
 # (96 x CP2 = 48 x CP4): the fault reaches the same fence with half the ranks to start. No engines run
 # (--debug-train-only), but an engine may not span more GPUs than the 4 ranks hold.

@@ -18,7 +18,7 @@ import pytest
 
 from train_runs import log_time, read_events, run_train
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 FLAGS = [
     "--input-key", "prompt", "--label-key", "label", "--apply-chat-template", "--rm-type", "math",

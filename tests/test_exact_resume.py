@@ -38,6 +38,8 @@ import torch
 import hook_plugins
 from slime.checkpoint.contents import data_file, rng_file
 
+pytestmark = pytest.mark.e2e
+
 ROOT = Path(__file__).resolve().parents[1]
 PLUGINS = str(Path(hook_plugins.__file__).resolve())
 NUM_ROLLOUT = 4

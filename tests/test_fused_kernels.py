@@ -14,6 +14,8 @@ from slime.backends.megatron_utils import logprob_head
 from slime.utils.ppo_utils import compute_entropy_from_logits, compute_log_probs
 from slime_plugins.models import fused_kernels
 
+pytestmark = pytest.mark.ranks
+
 
 @pytest.fixture
 def impl():

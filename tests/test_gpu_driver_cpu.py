@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.e2e
+
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = ROOT / "benchmarks" / "gpu_fenced_step.py"
 LAYOUT = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--use-dynamic-batch-size",

@@ -12,6 +12,8 @@ from safetensors.torch import load_file
 from mp_utils import run_ranks
 from tiny_models import save_tiny_qwen3, tiny_qwen3_config
 
+pytestmark = pytest.mark.ranks
+
 
 def test_qkv_layout_groups_query_heads_with_their_kv():
     from slime_plugins.models.hf_weights import _qkv, _shapes

@@ -11,6 +11,8 @@ from mp_utils import run_ranks
 from test_train_step import assert_matches_reference, reference_run, rollout, tiny_hf_dir  # noqa: F401 (fixtures)
 from train_step_harness import layout_child
 
+pytestmark = pytest.mark.ranks
+
 LAYOUTS = {
     "tp2_sp_cp4": dict(tensor_model_parallel_size=2, sequence_parallel=True, context_parallel_size=4,
                        calculate_per_token_loss=True),

@@ -13,6 +13,8 @@ import pytest
 
 from test_learning_demo import AGREEMENT, MIN_RISE, NUM_ROLLOUTS, _series, run_demo_script
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture(scope="module")
 def moe_demo(tmp_path_factory) -> dict:

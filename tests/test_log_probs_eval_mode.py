@@ -12,6 +12,8 @@ from mp_utils import run_ranks
 from tiny_models import save_tiny_qwen3
 from train_step_harness import build_loaded_model, layout_args, make_rollout
 
+pytestmark = pytest.mark.ranks
+
 
 @pytest.fixture(scope="module")
 def tiny_hf_dir(tmp_path_factory):

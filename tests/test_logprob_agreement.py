@@ -27,6 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.e2e
+
 ROOT = Path(__file__).resolve().parents[1]
 NUM_ROLLOUTS = 5
 AGREEMENT = 1e-4  # fp32, 2 ranks: measured ~1e-7 (see the CHANGELOG)

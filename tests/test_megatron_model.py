@@ -12,6 +12,8 @@ from mp_utils import run_ranks
 from tiny_models import save_tiny_qwen3
 from train_step_harness import build_loaded_model
 
+pytestmark = pytest.mark.ranks
+
 SEQ_LENS = (13, 29, 7)  # real lengths of the packed sequences
 
 

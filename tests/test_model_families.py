@@ -24,6 +24,8 @@ from test_train_step import assert_matches_reference, rollout  # noqa: F401 (fix
 from tiny_models import save_tiny_deepseek_v3, save_tiny_glm4
 from train_step_harness import layout_child
 
+pytestmark = pytest.mark.ranks
+
 SEQ = 16
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "beta_fast": 32,
         "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}

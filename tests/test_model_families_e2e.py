@@ -14,6 +14,8 @@ import pytest
 from test_logprob_agreement import AGREEMENT, run_train, train_flags
 from tiny_models import replace_model, save_tiny_deepseek_v3, save_tiny_glm4
 
+pytestmark = pytest.mark.e2e
+
 NUM_ROLLOUTS = 3
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32,
         "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}

@@ -15,6 +15,8 @@ from test_train_step import MODES, TOL, assert_matches_reference
 from tiny_models import save_tiny_qwen3_moe
 from train_step_harness import layout_child, make_rollout
 
+pytestmark = pytest.mark.ranks
+
 
 @pytest.fixture(scope="module")
 def moe_hf_dir(tmp_path_factory):

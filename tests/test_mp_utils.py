@@ -7,6 +7,8 @@ import pytest
 
 from mp_utils import run_ranks, run_ranks_outcomes
 
+pytestmark = pytest.mark.ranks
+
 
 def _fail_on_rank_1(rank: int, world_size: int) -> int:
     if rank == 1:

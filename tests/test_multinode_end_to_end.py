@@ -20,6 +20,8 @@ import pytest
 from ray_cluster import RayTestCluster, second_loopback_address
 from train_runs import read_events, run_train
 
+pytestmark = pytest.mark.e2e
+
 LAYOUTS = {
     "separate": (2, ["--actor-num-nodes", "1", "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2"]),
 }

@@ -19,6 +19,8 @@ from slime.rollout import on_policy_distillation as opd_rollout
 from slime.utils.ppo_utils import compute_advantages_and_returns
 from slime.utils.types import Sample
 
+pytestmark = pytest.mark.e2e
+
 MINIMAL = ["--rollout-batch-size", "2", "--num-rollout", "1", "--actor-num-gpus-per-node", "1",
            "--train-backend-device", "cpu"]
 

@@ -24,6 +24,8 @@ from slime.distributed.order_proof import check_order, read_sequences
 from slime.tools.record_step_sequence import record, train_flags
 from slime.tools.render_step_sequence import render, rollout_windows
 
+pytestmark = pytest.mark.e2e
+
 ROOT = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT_S = SEED_RECORDING_TIMEOUT_S
 

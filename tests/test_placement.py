@@ -19,6 +19,8 @@ from slime.ray.cluster import PlacementError, cluster_address, worker_env
 from slime.ray.placement import BundleInfo, check_engine_bind_host, order_bundles, plan_layout, visible_device_index
 from slime.utils.security import ApiKey
 
+pytestmark = pytest.mark.e2e
+
 
 def _bundles(spec: list[tuple[str, str, str | None]]) -> list[BundleInfo]:
     return [BundleInfo(index=i, node_id=node, node_ip=ip, gpu_id=gpu) for i, (node, ip, gpu) in enumerate(spec)]

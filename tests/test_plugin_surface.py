@@ -12,6 +12,8 @@ from slime.rollout import sglang_rollout
 from slime.utils.misc import SingletonMeta
 from slime.utils.types import Sample
 
+pytestmark = pytest.mark.ranks
+
 
 # ------------------------------------------------------------------ generate_and_rm
 

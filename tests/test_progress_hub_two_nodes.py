@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 from ray_cluster import RayTestCluster, second_loopback_address
 
+pytestmark = pytest.mark.e2e
+
 WINDOW_S = 3.0
 SKEW_S = -3600.0
 TESTS = Path(__file__).resolve().parent

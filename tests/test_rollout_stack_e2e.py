@@ -21,7 +21,7 @@ import torch
 import hook_plugins
 from train_runs import read_events, run_train
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 COMMON = [
     "--input-key", "prompt", "--label-key", "label", "--apply-chat-template", "--rm-type", "math",

@@ -14,6 +14,8 @@ from slime.rollout.data_source import RolloutDataSource
 from slime.rollout.sft_rollout import generate_rollout
 from slime.utils.mask_utils import MultiTurnLossMaskGenerator
 
+pytestmark = pytest.mark.e2e
+
 CONVERSATION = [
     {"role": "system", "content": "count on"},
     {"role": "user", "content": "345"},

@@ -24,6 +24,8 @@ import torch
 from slime.distributed.order_proof import check_order, read_sequences
 from slime.ray.async_schedule import OneStepOffPlan
 
+pytestmark = pytest.mark.e2e
+
 ROOT = Path(__file__).resolve().parents[1]
 NUM_ROLLOUTS = 20
 KILLED_IN = 3  # both engines are killed while they generate this rollout (during the training of the one before)

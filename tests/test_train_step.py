@@ -11,6 +11,8 @@ from mp_utils import run_ranks
 from tiny_models import save_tiny_qwen3
 from train_step_harness import layout_child, layout_args, make_rollout
 
+pytestmark = pytest.mark.ranks
+
 TOL = 1e-5
 MODES = ("per_token", "per_sample")
 

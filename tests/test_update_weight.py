@@ -19,6 +19,8 @@ from slime.backends.megatron_utils.weight_transport import choose_transport, enc
 from slime.backends.sglang_utils.named_tensors import deserialize_named_tensors
 from slime.backends.sglang_utils.shared_payload import read_shared_bucket, write_shared_bucket
 
+pytestmark = pytest.mark.ranks
+
 MiB = 1024**2
 
 

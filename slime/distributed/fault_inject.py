@@ -192,7 +192,9 @@ def should_skip_collective(rank: int, rollout_id: int | None) -> bool:
     return fault_active("skip_collective", rank, rollout_id)
 
 
-_SKIPPABLE_OPS = ("all_gather_into_tensor", "all_reduce", "all_gather", "reduce_scatter_tensor", "broadcast")
+# The collectives skip_collective may drop, with the position of their `group` argument when passed positionally.
+_SKIPPABLE_OPS = {"all_gather_into_tensor": 2, "all_reduce": 2, "all_gather": 2, "reduce_scatter_tensor": 3,
+                  "broadcast": 2}
 
 
 class _SkippedWork:
@@ -207,7 +209,8 @@ class _SkippedWork:
 
 @contextlib.contextmanager
 def skipping_one_collective() -> Iterator[None]:
-    """skip_collective: the first collective issued through torch.distributed in the block is dropped.
+    """skip_collective: the first collective issued through torch.distributed in the block, on a group of more
+    than one rank, is dropped (an op on a one-rank group has no peer to miss it, e.g. the TP group at TP1).
 
     The peers then wait in that collective while this rank runs ahead into the next one, which is
     the shape of a real rank-local skip: a mismatch that only a deadline can turn into an error.
@@ -219,7 +222,9 @@ def skipping_one_collective() -> Iterator[None]:
 
     def make(name):
         def maybe_skip(*args, **kwargs):
-            if skipped[0]:
+            position = _SKIPPABLE_OPS[name]
+            group = kwargs.get("group", args[position] if len(args) > position else None)
+            if skipped[0] or dist.get_world_size(group) == 1:
                 return originals[name](*args, **kwargs)
             skipped[0] = True
             return _SkippedWork() if kwargs.get("async_op") else None
