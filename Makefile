@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 # Two workers: most of an end-to-end run's time is one busy process (an engine, one rank) or a wait
 # (a deadline, a poll), so two of them share two cores; tests/conftest.py says how tests are grouped.
-XDIST := -n 2 --dist loadgroup --no-loadscope-reorder
+XDIST := -n 2 --no-loadscope-reorder
 
 .PHONY: setup test test-fast demo step-sequence clean
 

@@ -15,10 +15,10 @@ import pytest  # noqa: E402 (after the environment above is set)
 
 SEED_RECORDING_TIMEOUT_S = 480
 
-# `make test` runs on two pytest-xdist workers (--dist loadgroup): a file's tests stay on one worker, so a
-# run its module fixture shares happens once. Files named here share a group instead: the seed
-# recording is a session fixture of two files, and the runs of eight ranks (which alone fill two cores)
-# go one after another on one worker. Groups start longest first (measured), the rest in file order.
+# `make test` runs on two pytest-xdist workers. A file's tests stay on one worker, so a run its module fixture
+# shares happens once. Files named in SHARED_GROUPS share a worker instead: the seed recording is a session
+# fixture of two files, and the runs of eight ranks (which alone fill two cores) go one after another.
+# Groups start longest first (as measured), the rest in file order.
 SHARED_GROUPS = {
     "test_end_to_end.py": "eight_ranks", "test_order_proof.py": "eight_ranks", "test_learning_demo.py": "eight_ranks",
     "test_learning_demo_moe.py": "eight_ranks",
@@ -28,14 +28,29 @@ LONGEST_FIRST = ("eight_ranks", "test_engine_faults_e2e.py", "test_dropin_e2e.py
                  "test_multinode_end_to_end.py", "test_logprob_agreement.py")
 
 
+def worker_group(nodeid: str) -> str:
+    file = nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
+    return SHARED_GROUPS.get(file, file)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Whole groups to a worker (pytest-xdist's file scheduling, with the shared groups above)."""
+    from xdist.scheduler import LoadFileScheduling
+
+    class GroupScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return worker_group(nodeid)
+
+    return GroupScheduling(config, log)
+
+
 def pytest_collection_modifyitems(items) -> None:
-    """Every test gets its worker group, and `unit` unless its file is marked `ranks` or `e2e`."""
+    """Longest groups first; every test is `unit` unless its file is marked `ranks` or `e2e`."""
     for item in items:
-        item.add_marker(pytest.mark.xdist_group(SHARED_GROUPS.get(item.path.name, item.path.name)))
         if not (item.get_closest_marker("ranks") or item.get_closest_marker("e2e")):
             item.add_marker(pytest.mark.unit)
-    rank = {group: i for i, group in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(SHARED_GROUPS.get(item.path.name, item.path.name), len(rank)))
+    order = {group: i for i, group in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: order.get(worker_group(item.nodeid), len(order)))
 
 
 @pytest.fixture(scope="session")
@@ -45,7 +60,8 @@ def seed_recording(tmp_path_factory) -> dict:
     loss, engines, 2 rollouts of 2 steps). One run per session: the end-to-end tests check what it
     trained and replay its rollouts, the order proof checks its sequences."""
     from slime.tools.record_step_sequence import record
+    from train_runs import train_env
 
     out = tmp_path_factory.mktemp("seed_recording")
-    proc = record(out, [], timeout_s=SEED_RECORDING_TIMEOUT_S)
+    proc = record(out, [], timeout_s=SEED_RECORDING_TIMEOUT_S, env=train_env())
     return {"proc": proc, "out": out, "metrics": out / "metrics.jsonl", "replay": out / "rollout_{rollout_id}.pt"}

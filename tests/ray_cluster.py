@@ -11,6 +11,7 @@ prints `ADDRESS <gcs address>` once every node is up, then holds the cluster unt
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
@@ -88,6 +89,23 @@ class RayTestCluster:
                 self._process.kill()
                 self._process.wait(timeout=10)
         shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+# One single-node cluster per test process (each pytest-xdist worker has its own), sized for the largest run:
+# every train.py run the tests start joins it (tests/train_runs.py: train_env) instead of starting Ray's own
+# processes again. Runs that must own their cluster (a run-kill fault takes the run's whole session down,
+# the two-node runs) do not use it.
+SHARED_NODE = {"num_cpus": 32, "object_store_memory": 2 * 1024**3}
+_shared: RayTestCluster | None = None
+
+
+def shared_cluster_address() -> str:
+    """The address of this test process's shared cluster, started on first use and stopped at exit."""
+    global _shared
+    if _shared is None:
+        _shared = RayTestCluster([SHARED_NODE]).__enter__()
+        atexit.register(_shared.__exit__, None, None, None)
+    return _shared.address
 
 
 def _serve(nodes: list[dict]) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import subprocess
 import sys
@@ -21,7 +20,7 @@ import pytest
 import torch
 
 import hook_plugins
-from train_runs import read_events, run_train
+from train_runs import read_events, run_train, train_env
 
 pytestmark = pytest.mark.e2e
 
@@ -280,8 +279,7 @@ def test_custom_loss_trains(sampling_run):
 @pytest.fixture(scope="module")
 def multi_turn_run(assets) -> dict:
     out = assets["root"] / "multi_turn"
-    env = {**os.environ, "PY": sys.executable, "OUT": str(out), "HF_HUB_OFFLINE": "1"}
-    env.pop("SLIME_FAULT_INJECT", None)
+    env = train_env({"PY": sys.executable, "OUT": str(out)})
     pattern = str(out / "rollout_{rollout_id}.pt")
     proc = subprocess.run(["bash", str(ROOT / "examples/multi_turn/run_multi_turn_cpu.sh"),
                            "--save-debug-rollout-data", pattern], cwd=ROOT, env=env, capture_output=True, text=True,

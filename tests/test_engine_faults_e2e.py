@@ -121,5 +121,6 @@ def test_stalled_engine_without_fault_tolerance_ends_at_the_rollout_timeout(asse
     assert re.search(r"\n1\s+http://\S+\s+serving\s+stopped \(SIGSTOP\)", table), table[-3000:]
     assert re.search(r"rid=sample\d+-\w+", table)
     # from the start of the rollout to the error: the deadline and the report, not the request's own 14400 s
+    # (a bound far from both, so that a loaded machine's slower report cannot fail it)
     elapsed = log_time(output, "training stopped:") - log_time(output, "rollout 0: generating")
-    assert elapsed < timeout + 30, f"took {elapsed:.0f}s"
+    assert elapsed < timeout + 120, f"took {elapsed:.0f}s"

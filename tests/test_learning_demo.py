@@ -10,12 +10,12 @@ and that the curves are written where the script says.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from train_runs import train_env
 
 pytestmark = pytest.mark.e2e
 
@@ -27,8 +27,7 @@ AGREEMENT = 1e-4
 
 def run_demo_script(script: str, out: Path, timeout_s: float) -> dict:
     """examples/<script> as users run it, NUM_ROLLOUTS rollouts into `out`: its stdout and metrics events."""
-    env = {**os.environ, "OUT": str(out), "NUM_ROLLOUT": str(NUM_ROLLOUTS), "PY": sys.executable}
-    env.pop("SLIME_FAULT_INJECT", None)
+    env = train_env({"OUT": str(out), "NUM_ROLLOUT": str(NUM_ROLLOUTS), "PY": sys.executable})
     proc = subprocess.run(["bash", str(ROOT / "examples" / script)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout_s)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

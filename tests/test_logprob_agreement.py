@@ -19,13 +19,13 @@ faulty   the same run with SLIME_FAULT_INJECT=skip_weight_push@0#1,corrupt_weigh
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+import train_runs
 
 pytestmark = pytest.mark.e2e
 
@@ -68,13 +68,8 @@ def train_flags(assets: dict[str, Path], name: str) -> list[str]:
 
 
 def run_train(flags: list[str], faults: str | None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
-    env.pop("SLIME_FAULT_INJECT", None)
-    if faults:
-        env["SLIME_FAULT_INJECT"] = faults
-    return subprocess.run([sys.executable, str(ROOT / "train.py"), *flags], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=480)
+    proc, _ = train_runs.run_train(flags, timeout_s=480, env_extra={"SLIME_FAULT_INJECT": faults} if faults else None)
+    return proc
 
 
 def run_and_read(assets: dict[str, Path], name: str, faults: str | None) -> dict:

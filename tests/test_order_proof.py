@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import SEED_RECORDING_TIMEOUT_S
-from train_runs import assert_named_stop
+from train_runs import assert_named_stop, train_env
 
 from slime.distributed.order_proof import check_order, read_sequences
 from slime.tools.record_step_sequence import record, train_flags
@@ -123,7 +123,7 @@ def test_every_group_records_one_sequence_on_tp2_dp2_with_recreated_process_grou
     steps of a rollout still get different micro-batch counts."""
     extra = ["--actor-num-gpus-per-node", "4", "--context-parallel-size", "1", "--max-tokens-per-gpu", "96",
              "--rollout-num-gpus-per-engine", "2", "--recreate-process-groups-on-wake"]
-    run = _read_run(record(tmp_path, extra, timeout_s=RUN_TIMEOUT_S), tmp_path)
+    run = _read_run(record(tmp_path, extra, timeout_s=RUN_TIMEOUT_S, env=train_env()), tmp_path)
     _assert_proof_holds(run, sizes={"world": 4, "tp": 2, "dp": 2, "dp_cp": 2})
     train = run["metrics"]["train"]
     assert all(e["perf/wake_create_groups_s"] > 0 for e in train[1:])  # re-created, not kept
@@ -141,7 +141,7 @@ def test_skipped_collective_in_the_real_step_breaks_the_proof(seed_run, tmp_path
               "--rollout-num-gpus-per-engine", "1"]  # no engines run; one may not span more GPUs than 4
     fence_timeout = 30
     proc = record(tmp_path, replay, timeout_s=RUN_TIMEOUT_S, fence_timeout=fence_timeout,
-                  env={"SLIME_FAULT_INJECT": "skip_collective@3#0"})
+                  env=train_env({"SLIME_FAULT_INJECT": "skip_collective@3#0"}))
     assert_named_stop(proc, phase=r"actor_train/step\d+/|loss_token_total|forward_backward", rank=3,
                       fence_timeout_s=fence_timeout, tables=1)
     report = check_order(read_sequences(str(tmp_path / "ledger")), complete=False)

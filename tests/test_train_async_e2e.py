@@ -13,7 +13,6 @@ bound holds and no sample mixes versions.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ import torch
 
 from slime.distributed.order_proof import check_order, read_sequences
 from slime.ray.async_schedule import OneStepOffPlan
+from train_runs import train_env
 
 pytestmark = pytest.mark.e2e
 
@@ -35,9 +35,7 @@ RUN_TIMEOUT_S = 600
 
 
 def _run(out: Path, num_rollout: int, extra: list[str], env: dict[str, str] | None = None) -> dict:
-    environ = {**os.environ, "OUT": str(out), "NUM_ROLLOUT": str(num_rollout), "PY": sys.executable, **(env or {})}
-    if not env or "SLIME_FAULT_INJECT" not in env:
-        environ.pop("SLIME_FAULT_INJECT", None)
+    environ = train_env({"OUT": str(out), "NUM_ROLLOUT": str(num_rollout), "PY": sys.executable, **(env or {})})
     flags = ["--ledger-dir", str(out / "ledger"), "--save-debug-rollout-data", str(out / "rollout_{rollout_id}.pt"),
              *extra]
     proc = subprocess.run(["bash", str(ROOT / "examples" / "run_cpu_async_demo.sh"), *flags], cwd=ROOT, env=environ,
