@@ -298,10 +298,25 @@ def test_sglang_passthrough_matches_the_installed_sglang(monkeypatch, capsys):
     sglang_passthrough.server_args_parser.cache_clear()
     real = sglang_passthrough.server_args_parser()
     argv = MINIMAL + ["--sglang-definitely-not-an-sglang-arg", "1"]
+    assert "--sglang-definitely-not-an-sglang-arg" in parse_error(argv, capsys)  # with or without sglang
     if real is None:
-        assert parse_quiet(argv).sglang_server_args == {"definitely_not_an_sglang_arg": 1}
-    else:
-        assert "--sglang-definitely-not-an-sglang-arg" in parse_error(argv, capsys)
+        assert parse_quiet(MINIMAL + ["--sglang-log-level", "warning"]).sglang_server_args == {"log_level": "warning"}
+
+
+def test_a_mistyped_sglang_flag_is_refused_with_the_closest_names_without_sglang(capsys):
+    err = parse_error(MINIMAL + ["--sglang-mem-fracton-static", "0.7", "--sglang-disable-radix-cach"], capsys)
+    assert "--sglang-mem-fracton-static: SGLang has no server argument --mem-fracton-static" in err
+    assert "did you mean --sglang-mem-fraction-static" in err
+    assert "did you mean --sglang-disable-radix-cache" in err
+    assert "checked against SGLang" in err
+
+
+def test_the_sglang_option_list_names_the_supported_releases():
+    from sglang_files import supported_versions
+    from slime.utils.sglang_server_options import SERVER_OPTIONS, VERSIONS
+
+    assert VERSIONS == supported_versions()  # regenerate: python tests/sglang_files.py --write-server-options
+    assert "--mem-fraction-static" in SERVER_OPTIONS and "--model-path" in SERVER_OPTIONS
 
 
 # ---------------------------------------------------------------- accepted-but-unimplemented flags
