@@ -87,7 +87,6 @@ NOT_IMPLEMENTED_FLAGS: tuple[NotImplementedFlag, ...] = (
     *_warned("this wandb option is not wired (project, group and key are)", "--wandb-host", "--wandb-team",
              "--wandb-mode", "--wandb-dir", "--wandb-run-id", "--disable-wandb-random-suffix",
              "--wandb-always-use-train-step"),
-    NotImplementedFlag(flag="--tb-experiment-name", reason="TensorBoard run names are not wired"),
     *_warned("gradients are reduced at a fixed place of the step (finalize_model_grads), never overlapped",
              "--overlap-grad-reduce", "--overlap-param-gather"),
     *_warned("a memory/speed option of upstream's loss code; log-probs are computed in one pass",
@@ -676,15 +675,18 @@ def _add_megatron_model_arguments(parser: argparse.ArgumentParser) -> None:
                    help="key/value heads with --group-query-attention (default: from the HF config)")
     g.add_argument("--kv-channels", type=int, default=None, help="dimension of each attention head")
     g.add_argument("--max-position-embeddings", type=int, default=None, help="longest sequence the model supports")
-    g.add_argument("--position-embedding-type", type=str, default="learned_absolute",
-                   choices=["learned_absolute", "rope", "mrope", "none"], help="kind of position encoding")
+    g.add_argument("--position-embedding-type", type=str, default=None,
+                   choices=["learned_absolute", "rope", "mrope", "none"],
+                   help="kind of position encoding (default: rope, the only one the model builder builds; any "
+                        "other is refused)")
     g.add_argument("--use-rotary-position-embeddings", action="store_true", default=False,
                    help="older spelling of --position-embedding-type rope")
     g.add_argument("--rotary-base", type=int, default=None, help="RoPE base frequency (default: from the HF config)")
     g.add_argument("--rotary-percent", type=float, default=None,
                    help="share of each head's dimensions rotated by RoPE (default: the HF config's)")
-    g.add_argument("--normalization", type=str, default="LayerNorm", choices=["LayerNorm", "RMSNorm"],
-                   help="kind of layer normalisation")
+    g.add_argument("--normalization", type=str, default=None, choices=["LayerNorm", "RMSNorm"],
+                   help="kind of layer normalisation (default: RMSNorm, the only one the model builder builds; "
+                        "LayerNorm is refused)")
     g.add_argument("--norm-epsilon", type=float, default=None, help="epsilon of the norms (default: from the HF config)")
     g.add_argument("--apply-layernorm-1p", action="store_true", default=False,
                    help="norm weights stored as offsets from 1 (zero-centred)")
@@ -987,7 +989,8 @@ def _add_tracking_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--use-tensorboard", action="store_true", default=False, help="log to TensorBoard")
     g.add_argument("--tensorboard-dir", type=str, default=None, help="TensorBoard log directory (Megatron's name)")
     g.add_argument("--tb-project-name", type=str, default=None, help="TensorBoard log directory (upstream's name)")
-    g.add_argument("--tb-experiment-name", type=str, default=None, help="TensorBoard run name")
+    g.add_argument("--tb-experiment-name", type=str, default=None,
+                   help="TensorBoard run name: a sub-directory of the TensorBoard log dir")
 
 
 def _add_debug_arguments(parser: argparse.ArgumentParser) -> None:
@@ -1361,9 +1364,34 @@ def _check_deadlines(args: argparse.Namespace) -> None:
         args.distributed_timeout_minutes = default_group_timeout_minutes(args.fence_timeout)
 
 
-def _resolve_model_defaults(args: argparse.Namespace) -> None:
+# What the model builder always builds (model.py: every supported family's HF config has RMSNorm and RoPE).
+BUILT_NORMALIZATION, BUILT_POSITION_EMBEDDING = "RMSNorm", "rope"
+
+
+def _resolve_architecture_kinds(args: argparse.Namespace) -> None:
+    """--normalization / --position-embedding-type describe the model: a value the builder would not build is
+    refused; left out, they say what it builds (plug-ins read them)."""
     if args.use_rotary_position_embeddings:
-        args.position_embedding_type = "rope"
+        if args.position_embedding_type not in (None, BUILT_POSITION_EMBEDDING):
+            _fail(f"--use-rotary-position-embeddings contradicts --position-embedding-type "
+                  f"{args.position_embedding_type}; drop one")
+        args.position_embedding_type = BUILT_POSITION_EMBEDDING
+    if args.normalization not in (None, BUILT_NORMALIZATION):
+        _fail(f"--normalization {args.normalization}: the model builder builds {BUILT_NORMALIZATION} layers only "
+              f"(the norm of every supported family's HF config); pass --normalization {BUILT_NORMALIZATION} or "
+              "drop the flag")
+    if args.position_embedding_type not in (None, BUILT_POSITION_EMBEDDING):
+        _fail(f"--position-embedding-type {args.position_embedding_type}: the model builder builds rotary position "
+              f"embeddings (RoPE, from the HF config's rope parameters) only; pass --position-embedding-type "
+              f"{BUILT_POSITION_EMBEDDING} or drop the flag")
+    if args.normalization is None:
+        _derive(args, "normalization", BUILT_NORMALIZATION, "what the model builder builds")
+    if args.position_embedding_type is None:
+        _derive(args, "position_embedding_type", BUILT_POSITION_EMBEDDING, "what the model builder builds")
+
+
+def _resolve_model_defaults(args: argparse.Namespace) -> None:
+    _resolve_architecture_kinds(args)
     if args.expert_tensor_parallel_size is None:
         args.expert_tensor_parallel_size = args.tensor_model_parallel_size
     if args.bf16 and args.fp16:
