@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import sys
+import traceback
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -1565,8 +1566,13 @@ def _resolve_eval_datasets(args: argparse.Namespace) -> None:
 def _check_paths(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     if args.hf_checkpoint is not None:
         _require_path("--hf-checkpoint", args.hf_checkpoint, "directory")
+        config_path = os.path.join(args.hf_checkpoint, HF_CONFIG_FILE)
+        if os.path.isfile(config_path):  # its absence is check_launch_inputs' to name
+            _check_hf_config(args, config_path)
     if args.prompt_data is not None and not args.debug_train_only:
         _require_path("--prompt-data", args.prompt_data, "file")
+        if args.data_source_path == DEFAULT_DATA_SOURCE_PATH:
+            _check_prompt_rows(args.prompt_data, "--prompt-data", args.input_key, args.label_key)
     eval_flag = "--eval-config" if args.eval_config else "--eval-prompt-data"
     for spec in args.eval_datasets:
         _require_path(f"{eval_flag} {spec.name}", spec.path, "file")
@@ -1587,6 +1593,17 @@ def _check_paths(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
             _check_hook_path(flag, path)
 
 
+def _check_prompt_rows(path: str, flag: str, input_key: str, label_key: str | None) -> None:
+    """A JSONL prompt file: every line a JSON object holding --input-key (and --label-key when set); the first
+    bad line is named by file and line number. Parquet files are checked when the data source loads them."""
+    from slime.rollout.prompt_rows import check_prompt_rows
+
+    try:
+        check_prompt_rows(path, flag, input_key, label_key)
+    except ValueError as exc:
+        _fail(str(exc))
+
+
 def _check_hook_path(flag: str, path: str) -> None:
     """A hook must resolve to a callable now, not in a Ray actor minutes after start-up."""
     try:
@@ -1600,8 +1617,22 @@ def _check_hook_path(flag: str, path: str) -> None:
         hook = load_function(path)
     except AttributeError as exc:
         _fail(f"{flag}: {exc}")
+    except Exception as exc:  # noqa: BLE001 - whatever the module raised at import: one line, no traceback
+        _fail(f"{flag}: importing the module of {path!r} failed: {import_failure(exc)}")
     if not callable(hook):
         _fail(f"{flag}: {path!r} is a value of type {type(hook).__name__}, not a function or class")
+
+
+def import_failure(exc: BaseException) -> str:
+    """'FILE:LINE: Type: message' of an exception raised while a hook module was imported: the line of the
+    hook's own code (or of what it imported) that raised, not the import machinery's."""
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return f"{exc.filename}:{exc.lineno}: {type(exc).__name__}: {exc.msg}"
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith("<frozen")
+              and os.path.abspath(f.filename) != os.path.abspath(__file__)
+              and not f.filename.endswith(os.path.join("slime", "utils", "misc.py"))]
+    where = f"{frames[-1].filename}:{frames[-1].lineno}: " if frames else ""
+    return f"{where}{type(exc).__name__}: {exc}"
 
 
 # What an HF checkpoint directory must hold for the trainer (config) and the engines and data (tokenizer).
@@ -1609,12 +1640,28 @@ HF_CONFIG_FILE = "config.json"
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
+def launch_missing_flags(args: argparse.Namespace) -> list[str]:
+    """Flags a launch cannot do without, each as 'FLAG is required: why', for those not given."""
+    missing = []
+    if not args.hf_checkpoint:
+        missing.append("--hf-checkpoint DIR is required: the Hugging Face checkpoint (config.json and tokenizer) "
+                       "the trainer builds its model from and the engines serve")
+    reads_prompts = (getattr(args, "data_source_path", DEFAULT_DATA_SOURCE_PATH) == DEFAULT_DATA_SOURCE_PATH
+                     and getattr(args, "rollout_function_path", None) == DEFAULT_ROLLOUT_FUNCTION_PATH
+                     and not getattr(args, "debug_train_only", False))
+    if reads_prompts and not getattr(args, "prompt_data", None):
+        missing.append("--prompt-data FILE is required: the prompts (JSONL or parquet) the default rollout "
+                       "generates from")
+    return missing
+
+
 def check_launch_inputs(args: argparse.Namespace) -> None:
-    """What a launch needs before Ray starts, beyond what parse_args checks: the HF checkpoint."""
+    """What a launch needs before Ray starts, beyond what parse_args checks: the flags only a launch needs
+    (all of them named at once) and the HF checkpoint."""
+    missing = launch_missing_flags(args)
+    if missing:
+        _fail("; ".join(missing))
     path = args.hf_checkpoint
-    if not path:
-        _fail("--hf-checkpoint DIR is required: the Hugging Face checkpoint (config.json and tokenizer) the "
-              "trainer builds its model from and the engines serve")
     _require_path("--hf-checkpoint", path, "directory")
     if not os.path.isfile(os.path.join(path, HF_CONFIG_FILE)):
         _fail(f"--hf-checkpoint {path}: no {HF_CONFIG_FILE} (is it a Hugging Face checkpoint directory?)")
@@ -1624,6 +1671,64 @@ def check_launch_inputs(args: argparse.Namespace) -> None:
 
 
 MOE_CONFIG_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
+
+# HF model_type values the model builder has a family for (docs/model-families.md). Any other checkpoint would be
+# built as a dense Qwen3/Llama and fail later, on the ranks, when its weights do not fit.
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "qwen3_moe", "qwen2_moe", "deepseek_v3", "deepseek_v2", "kimi_k2",
+                         "glm4")
+# Megatron flag dest -> the HF config key that gives the same number (the model is built from the config).
+CONFIG_ARCH_KEYS = {"num_layers": "num_hidden_layers", "hidden_size": "hidden_size",
+                    "num_attention_heads": "num_attention_heads", "ffn_hidden_size": "intermediate_size",
+                    "num_query_groups": "num_key_value_heads"}
+
+
+def _read_hf_config(config_path: str) -> dict:
+    try:
+        with open(config_path) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as exc:
+        _fail(f"--hf-checkpoint: {config_path} is not readable JSON ({exc})")
+    if not isinstance(config, dict):
+        _fail(f"--hf-checkpoint: {config_path} holds a JSON {type(config).__name__}, not an object")
+    return config
+
+
+def _check_hf_config(args: argparse.Namespace, config_path: str) -> None:
+    """The checkpoint's config.json against the model builder and the architecture flags, before Ray starts."""
+    if args.debug_rollout_only:
+        return  # no trainer model is built
+    config = _read_hf_config(config_path)
+    model_type = config.get("model_type")
+    custom_builder = args.spec or args.custom_model_provider_path
+    if model_type is not None and model_type not in SUPPORTED_MODEL_TYPES and not custom_builder:
+        _fail(f"--hf-checkpoint: {config_path} has model_type {model_type!r}, which no model family here builds "
+              f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)}; docs/model-families.md); a --spec or "
+              "--custom-model-provider-path plug-in may build others")
+    heads = config.get("num_attention_heads")
+    mla = model_type in ("deepseek_v3", "deepseek_v2", "kimi_k2") and config.get("kv_lora_rank") is not None
+    arch = {dest: config.get(key) for dest, key in CONFIG_ARCH_KEYS.items()}
+    arch["num_query_groups"] = heads if mla else (config.get("num_key_value_heads") or heads)
+    for dest, value in arch.items():
+        given = getattr(args, dest)
+        if given is not None and value is not None and given != value:
+            _fail(f"{_flag(dest)} {given} contradicts {config_path} ({CONFIG_ARCH_KEYS[dest]} = {value}); the model "
+                  f"is built from the config: drop the flag or pass {_flag(dest)} {value}")
+    tp = args.tensor_model_parallel_size
+    if isinstance(heads, int) and heads % tp:
+        _fail(f"--tensor-model-parallel-size {tp} does not divide the model's {heads} attention heads "
+              f"(num_attention_heads in {config_path}); pick a TP size that divides {heads}")
+    groups = arch["num_query_groups"]
+    if isinstance(groups, int) and groups % tp:
+        _fail(f"--tensor-model-parallel-size {tp} does not divide the model's {groups} key/value heads "
+              f"(num_key_value_heads in {config_path}; megatron-core splits them over TP without replicating); "
+              f"pick a TP size that divides {groups}")
+    layers, pp = config.get("num_hidden_layers"), args.pipeline_model_parallel_size
+    if args.num_layers is None and isinstance(layers, int) and pp > 1:
+        args.num_layers = layers
+        try:
+            _check_pipeline_layers(args)
+        finally:
+            args.num_layers = None
 
 
 def _check_moe_tensor_parallel(args: argparse.Namespace, config_path: str) -> None:
@@ -1858,6 +1963,17 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
     return args
 
 
+def _check_required(args: argparse.Namespace, required: Sequence[argparse.Action]) -> None:
+    """Every flag the run cannot do without, named in one error: the parser's required ones, --num-rollout or
+    --num-epoch, and, when any of those is missing, what the launch will need too (check_launch_inputs)."""
+    missing = [f"{action.option_strings[0]} is required: {action.help}" for action in required
+               if getattr(args, action.dest) is None]
+    if args.num_rollout is None and args.num_epoch is None:
+        missing.append("--num-rollout N (rollout steps) or --num-epoch N is required")
+    if missing:
+        _fail("; ".join([*missing, *launch_missing_flags(args)]))
+
+
 def _config_dest(key: str, parser: argparse.ArgumentParser) -> str | None:
     """The dest a --custom-config-path key names: '--flag-name', 'flag-name' or the attribute 'flag_name'."""
     for option in (key, "--" + key.lstrip("-"), "--" + key.lstrip("-").replace("_", "-")):
@@ -1931,9 +2047,17 @@ def parse_args(
                if a.startswith("--") and a.split("=", 1)[0] not in parser._option_string_actions]
     if unknown:
         parser.error(unknown_flags_report(remaining, unknown, parser))
-    args = parser.parse_args(remaining)
+    required = [action for action in parser._actions if action.required]
+    for action in required:  # checked below with every other missing flag, so that one run names them all
+        action.required = False
+    try:
+        args = parser.parse_args(remaining)
+    finally:
+        for action in required:
+            action.required = True
     try:
         args.custom_config_overrides = apply_custom_config(args, parser)
+        _check_required(args, required)
         try:  # once, in the driver: every server of the run gets it
             args.api_key = resolve_api_key(args.api_key)
         except ValueError as exc:
