@@ -638,7 +638,8 @@ def _check_opd(args: argparse.Namespace) -> None:
 def _add_reward_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("reward model", "rewards of generated samples")
     g.add_argument("--rm-type", type=str, default=None,
-                   help="built-in reward: math, deepscaler, dapo, f1, gpqa, remote_rm (boxed_<type>: boxed answer only)")
+                   help="built-in reward: math, deepscaler, dapo, f1, gpqa, remote_rm, random (0 or 1 at random, a "
+                        "baseline); boxed_<type>: the boxed answer only")
     g.add_argument("--rm-url", type=str, default=None, help="endpoint of --rm-type remote_rm")
     g.add_argument("--reward-key", type=str, default=None, help="key of the reward when the reward is a dict")
     g.add_argument("--eval-reward-key", type=str, default=None, help="--reward-key for eval (default: --reward-key)")
