@@ -40,7 +40,9 @@ def _read_parquet(path: str, flag: str) -> Iterator[tuple[int, dict]]:
 
 
 def missing_key_message(flag: str, where: str, row: dict, key: str, key_flag: str) -> str:
-    return f"{flag}: {where}: {key_flag.removeprefix('--').replace('-', ' ')} {key!r} missing (keys: {sorted(row)}); set {key_flag}"
+    """'--prompt-data: FILE:LINE: input key 'x' missing (keys: [...]); set --input-key'."""
+    what = key_flag.removeprefix("--").replace("-", " ")
+    return f"{flag}: {where}: {what} {key!r} missing (keys: {sorted(row)}); set {key_flag}"
 
 
 def check_prompt_rows(path: str, flag: str, input_key: str, label_key: str | None) -> None:

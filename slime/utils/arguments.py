@@ -717,8 +717,8 @@ def _add_megatron_model_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", type=str, default="auto", choices=ATTENTION_BACKENDS,
                    help="core attention implementation")
     g.add_argument("--transformer-impl", type=str, default=None, choices=["local", "transformer_engine"],
-                   help="layer spec (default: local, the path measured on H200s in benchmarks/RESULTS.md; transformer_engine is opt-in, "
-                        "warned as unmeasured, and needs CUDA and TransformerEngine)")
+                   help="layer spec (default: local, the path measured on H200s in benchmarks/RESULTS.md; "
+                        "transformer_engine is opt-in, warned as unmeasured, and needs CUDA and TransformerEngine)")
     g.add_argument("--fused-kernels", type=str, default="auto", choices=["auto", "compile", "eager"],
                    help="local spec's RMSNorm, RoPE, SwiGLU and the log-prob/entropy head: compile (torch.compile, "
                         "one kernel each), eager (unfused, the reference), auto (compile on CUDA with Triton, else "
