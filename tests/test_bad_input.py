@@ -120,3 +120,13 @@ def test_a_good_prompt_file_and_a_custom_data_source_pass_at_parse_time(tmp_path
     parse_quiet([*PARSE_BASE, "--prompt-data", str(good), "--input-key", "prompt", "--label-key", "label"])
     odd = write_jsonl(tmp_path / "odd.jsonl", [{"question": "a"}])  # a custom data source reads its own keys
     parse_quiet([*PARSE_BASE, "--prompt-data", str(odd), "--data-source-path", "examples.counting_reward.reward"])
+
+
+def test_a_bad_eval_prompt_line_is_named_with_its_dataset(tmp_path, capsys):
+    from arg_testing import parse_error
+
+    train = write_jsonl(tmp_path / "train.jsonl", [{"prompt": "a", "label": "1"}])
+    evals = write_jsonl(tmp_path / "aime.jsonl", [{"prompt": "a", "label": "1"}, {"question": "b", "label": "2"}])
+    err = parse_error([*PARSE_BASE, "--prompt-data", str(train), "--input-key", "prompt", "--label-key", "label",
+                       "--eval-prompt-data", "aime", str(evals)], capsys)
+    assert f"--eval-prompt-data aime: {evals}:2: input key 'prompt' missing" in err

@@ -1577,6 +1577,10 @@ def _check_paths(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
     eval_flag = "--eval-config" if args.eval_config else "--eval-prompt-data"
     for spec in args.eval_datasets:
         _require_path(f"{eval_flag} {spec.name}", spec.path, "file")
+        if args.eval_function_path == DEFAULT_ROLLOUT_FUNCTION_PATH:  # the keys as eval_prompt_specs reads them
+            _check_prompt_rows(spec.path, f"{eval_flag} {spec.name}",
+                               spec.input_key or args.eval_input_key or args.input_key,
+                               spec.label_key or args.eval_label_key or args.label_key)
     if args.load_debug_rollout_data is not None:
         path = args.load_debug_rollout_data
         if "{rollout_id}" in path:  # a per-rollout template: its directory must exist
