@@ -192,7 +192,7 @@ def test_help_marks_refused_no_effect_and_required_flags_and_names_the_tools():
         assert "[refused" in line(entry.flag), entry.flag
     for entry in arguments.NOT_IMPLEMENTED_FLAGS:
         assert f"[no effect: {entry.reason}]" in line(entry.flag), entry.flag
-    assert "[required]" in line("--hf-checkpoint")
+    assert "[required]" in line("--hf-checkpoint") and "[required]" in line("--rollout-batch-size")
     assert "[refused: some values]" in line("--advantage-estimator") and "cispo" in line("--advantage-estimator")
     assert "[" not in line("--fence-timeout").split("--fence-timeout", 1)[1]  # an ordinary flag has no mark
     assert "python -m slime.distributed.hang_report" in flat and "python -m slime.distributed.order_proof" in flat

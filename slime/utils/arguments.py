@@ -1216,9 +1216,10 @@ class SlimeArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n(run with --help for the list of flags)\n")
 
 
-# Flags a launch cannot do without (checked by check_launch_inputs before Ray starts, not by argparse, so that
-# --help and the parser's own tests work without them).
-REQUIRED_FLAGS: tuple[str, ...] = ("--hf-checkpoint",)
+# Flags a run cannot do without, marked [required] in --help: --rollout-batch-size is checked by parse_args,
+# --hf-checkpoint by check_launch_inputs before Ray starts (so that the parser's own tests work without it); a
+# missing one is named together with every other missing flag.
+REQUIRED_FLAGS: tuple[str, ...] = ("--hf-checkpoint", "--rollout-batch-size")
 
 HELP_EPILOG = """\
 This project's own flags (hang-proof step) are in the groups "fencing (this project)" and "rollout faults":
