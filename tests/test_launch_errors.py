@@ -216,3 +216,15 @@ def test_a_hook_module_with_a_syntax_error_names_its_line(tmp_path, capsys):
     hook.write_text("def reward(args, sample):\n    return (\n")
     err = parse_error([*BASE, "--custom-rm-path", f"{hook}:reward"], capsys)
     assert f"{hook}:2: SyntaxError" in err and "Traceback" not in err
+
+
+def test_a_hook_package_whose_init_fails_is_named_not_called_missing(tmp_path, monkeypatch, capsys):
+    package = tmp_path / "brokenpkg_xyz"
+    package.mkdir()
+    (package / "__init__.py").write_text("import another_missing_dependency_xyz\n")
+    (package / "rewards.py").write_text("def reward(args, sample):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    err = parse_error([*BASE, "--custom-rm-path", "brokenpkg_xyz.rewards.reward"], capsys)
+    assert "importing the module of 'brokenpkg_xyz.rewards.reward' failed" in err
+    assert f"{package / '__init__.py'}:1: ModuleNotFoundError" in err and "another_missing_dependency_xyz" in err
+    assert "cannot find the module" not in err and "Traceback" not in err

@@ -1616,6 +1616,8 @@ def _check_hook_path(flag: str, path: str) -> None:
         findable = module_is_findable(path)
     except ValueError as exc:  # not of the form pkg.module.func / file.py:func
         _fail(f"{flag}: {exc}")
+    except Exception as exc:  # noqa: BLE001 - a parent package that raised while it was imported
+        _fail(f"{flag}: importing the module of {path!r} failed: {import_failure(exc)}")
     if not findable:
         raise MissingPathError(f"{flag}: cannot find the module of {path!r} (expected 'pkg.module.func' or "
                                "'file.py:func')")
