@@ -27,7 +27,7 @@ without its wake phase), tokens/s and model TFLOP/s per GPU, peak and static mem
   P_matmul = layers * (h*(hq + 2*hkv)*d + hq*d*h + 3*h*f) + h*V      (projections, SwiGLU, LM head)
   step FLOPs = 4 x forward (log-prob forward + training forward and backward = 2 x forward)
 Weights stay at megatron's random init (no HF weights are loaded: the step's speed does not
-depend on their values, and a 4B checkpoint would cost device time to write and read).
+depend on their values, and a 4B checkpoint would cost minutes to write and read).
 --sync-audit runs one extra cycle per path under torch.cuda.set_sync_debug_mode("warn") and
 counts the host-device synchronisations by source line; --profile runs one extra new-path cycle
 under torch.profiler (top kernels, GPU busy share of the step).

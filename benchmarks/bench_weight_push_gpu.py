@@ -9,7 +9,7 @@ weight-update session, every bucket through `TensorTransport.send`, the version 
   ipc  flattened bucket as a CUDA-IPC handle (`flattened_bucket`): device -> device
 After each IPC push a sample of every tensor is read back from the engine and compared.
 Prints per method the median push seconds and bytes/s, next to this GPU's own copy bandwidth
-(device-to-device, and pinned host <-> device), measured here with CUDA events.
+(device-to-device, and pinned host <-> device), measured in the same process with CUDA events.
 """
 from __future__ import annotations
 

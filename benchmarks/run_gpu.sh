@@ -18,7 +18,7 @@ OUT=${OUT:-outputs/gpu}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 OMP_NUM_THREADS=4
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
-if ls .whl/*.whl >/dev/null 2>&1; then  # megatron-core travels as a wheel (the device image lacks it)
+if ls .whl/*.whl >/dev/null 2>&1; then  # megatron-core travels as a wheel (for a GPU machine without it and without network)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-} PATH=/tmp/site/bin:$PATH
 fi

@@ -26,7 +26,7 @@ BUDGET_S=${BUDGET_S:-530}
 fatal() { echo "FATAL: $*" | tee -a "$OUT/summary.txt"; exit 2; }
 left() { echo $((BUDGET_S - (SECONDS - START))); }
 
-# megatron-core travels as a wheel (the device image lacks it); installing it must not be skipped silently
+# megatron-core travels as a wheel (for a GPU machine without it and without network); installing it must not be skipped silently
 if ! "$PY" -c "import megatron.core" 2>/dev/null; then
   ls .whl/megatron_core-*.whl >/dev/null 2>&1 || fatal "megatron-core is not importable and .whl/ holds no megatron_core wheel (benchmarks/fetch_gpu_wheels.sh makes it)"
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \

@@ -360,7 +360,15 @@ def _version() -> str:
     return __version__
 
 
+def server_options() -> list[str]:
+    """Every option string of SGLang's launch parser (what `--sglang-<name>` may name)."""
+    return sorted(o for o in launch_parser()._option_string_actions if o.startswith("--"))
+
+
 def main() -> None:
+    if sys.argv[1:] == ["--server-options"]:  # tests/sglang_files.py --write-server-options
+        json.dump({"version": _version(), "server_options": server_options()}, sys.stdout)
+        return
     request = json.load(sys.stdin)
     import sglang.srt.managers.io_struct as io
     from sglang.srt.sampling.sampling_params import SamplingParams
@@ -379,6 +387,7 @@ def main() -> None:
         "gate_rejects": {name: gate_problems(body, schema_gate()) if schema_gate() else None
                          for name, body in request.get("gate_checks", {}).items()},
         "payload": check_payload(request["tp_size"]),
+        "server_options": server_options(),
         "stubbed": sorted({name.split(".")[0] for name in STUBBED}),
     }
     json.dump(report, sys.stdout, default=str)

@@ -60,7 +60,7 @@ def test_defaults_follow_upstream():
         "label_key": None, "n_samples_per_prompt": 1, "seed": 1234, "lr": 1e-6, "micro_batch_size": 1,
         "clip_grad": 1.0, "rollout_function_path": "slime.rollout.sglang_rollout.generate_rollout",
         "fence_timeout": 600.0, "rollout_backend": "auto", "recreate_process_groups_on_wake": False,
-        "metrics_jsonl": None, "add_bias_linear": True, "normalization": "LayerNorm", "rotary_base": None,
+        "metrics_jsonl": None, "add_bias_linear": True, "normalization": "RMSNorm", "position_embedding_type": "rope", "rotary_base": None,
         "attention_backend": "auto", "optimizer": "adam", "lr_decay_style": "linear", "weight_decay": 0.01,
         "adam_beta1": 0.9, "adam_beta2": 0.999, "colocate": False, "offload_train": False,
         "rollout_num_gpus_per_engine": 1, "sglang_server_args": {}, "global_batch_size": 2,
@@ -298,10 +298,25 @@ def test_sglang_passthrough_matches_the_installed_sglang(monkeypatch, capsys):
     sglang_passthrough.server_args_parser.cache_clear()
     real = sglang_passthrough.server_args_parser()
     argv = MINIMAL + ["--sglang-definitely-not-an-sglang-arg", "1"]
+    assert "--sglang-definitely-not-an-sglang-arg" in parse_error(argv, capsys)  # with or without sglang
     if real is None:
-        assert parse_quiet(argv).sglang_server_args == {"definitely_not_an_sglang_arg": 1}
-    else:
-        assert "--sglang-definitely-not-an-sglang-arg" in parse_error(argv, capsys)
+        assert parse_quiet(MINIMAL + ["--sglang-log-level", "warning"]).sglang_server_args == {"log_level": "warning"}
+
+
+def test_a_mistyped_sglang_flag_is_refused_with_the_closest_names_without_sglang(capsys):
+    err = parse_error(MINIMAL + ["--sglang-mem-fracton-static", "0.7", "--sglang-disable-radix-cach"], capsys)
+    assert "--sglang-mem-fracton-static: SGLang has no server argument --mem-fracton-static" in err
+    assert "did you mean --sglang-mem-fraction-static" in err
+    assert "did you mean --sglang-disable-radix-cache" in err
+    assert "checked against SGLang" in err
+
+
+def test_the_sglang_option_list_names_the_supported_releases():
+    from sglang_files import supported_versions
+    from slime.utils.sglang_server_options import SERVER_OPTIONS, VERSIONS
+
+    assert VERSIONS == supported_versions()  # regenerate: python tests/sglang_files.py --write-server-options
+    assert "--mem-fraction-static" in SERVER_OPTIONS and "--model-path" in SERVER_OPTIONS
 
 
 # ---------------------------------------------------------------- accepted-but-unimplemented flags
@@ -347,3 +362,24 @@ def test_custom_arguments_hook_adds_flags():
 
     args = arguments.parse_args(MINIMAL + ["--my-extra", "9"], add_custom_arguments=add_custom)
     assert args.my_extra == 9
+
+
+# ---------------------------------------------------------------- flags that describe the model
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--normalization", "LayerNorm"], "--normalization LayerNorm: the model builder builds RMSNorm layers only"),
+    (["--position-embedding-type", "learned_absolute"], "--position-embedding-type learned_absolute: the model "
+                                                        "builder builds rotary position embeddings"),
+    (["--position-embedding-type", "none", "--use-rotary-position-embeddings"],
+     "--use-rotary-position-embeddings contradicts --position-embedding-type none"),
+])
+def test_an_architecture_kind_the_builder_does_not_build_is_refused(argv, says, capsys):
+    assert says in parse_error(MINIMAL + argv, capsys)
+
+
+def test_architecture_kinds_left_out_say_what_the_builder_builds():
+    args = parse_quiet(MINIMAL)
+    assert (args.normalization, args.position_embedding_type) == ("RMSNorm", "rope")
+    args = parse_quiet(MINIMAL + ["--normalization", "RMSNorm", "--use-rotary-position-embeddings"])
+    assert (args.normalization, args.position_embedding_type) == ("RMSNorm", "rope")

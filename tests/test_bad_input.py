@@ -89,3 +89,44 @@ def test_readable_labels_are_graded_as_before():
                                        Sample(response="Answer: 3", label=None)))
     assert dapo["score"] == 0.0  # a dict reward keeps its keys for --reward-key
     assert rm_hub.UnreadableLabels.count == before + 1
+
+
+# ---------------------------------------------------------------- the prompt file, before Ray starts
+
+PARSE_BASE = ["--rollout-batch-size", "2", "--num-rollout", "1", "--actor-num-gpus-per-node", "1",
+              "--train-backend-device", "cpu"]
+
+
+@pytest.mark.parametrize("lines, flags, says", [
+    (['{"input": "a"}', '{"input": "b"', '{"input": "c"}'], [], ":2: malformed JSON line"),
+    (['{"input": "a"}', '["input"]'], [], ":2: expected a JSON object, got list"),
+    (['{"input": "a"}', '', '{"prompt": "b"}'], [], ":3: input key 'input' missing (keys: ['prompt']); set --input-key"),
+    (['{"prompt": "a", "label": 1}', '{"prompt": "b"}'], ["--input-key", "prompt", "--label-key", "label"],
+     ":2: label key 'label' missing (keys: ['prompt']); set --label-key"),
+])
+def test_a_bad_prompt_line_is_named_by_file_and_line_at_parse_time(lines, flags, says, tmp_path, capsys):
+    from arg_testing import parse_error
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    err = parse_error([*PARSE_BASE, "--prompt-data", str(path), *flags], capsys)
+    assert f"--prompt-data: {path}{says}" in err and "Traceback" not in err
+
+
+def test_a_good_prompt_file_and_a_custom_data_source_pass_at_parse_time(tmp_path):
+    from arg_testing import parse_quiet
+
+    good = write_jsonl(tmp_path / "good.jsonl", [{"prompt": "a", "label": "1"}])
+    parse_quiet([*PARSE_BASE, "--prompt-data", str(good), "--input-key", "prompt", "--label-key", "label"])
+    odd = write_jsonl(tmp_path / "odd.jsonl", [{"question": "a"}])  # a custom data source reads its own keys
+    parse_quiet([*PARSE_BASE, "--prompt-data", str(odd), "--data-source-path", "examples.counting_reward.reward"])
+
+
+def test_a_bad_eval_prompt_line_is_named_with_its_dataset(tmp_path, capsys):
+    from arg_testing import parse_error
+
+    train = write_jsonl(tmp_path / "train.jsonl", [{"prompt": "a", "label": "1"}])
+    evals = write_jsonl(tmp_path / "aime.jsonl", [{"prompt": "a", "label": "1"}, {"question": "b", "label": "2"}])
+    err = parse_error([*PARSE_BASE, "--prompt-data", str(train), "--input-key", "prompt", "--label-key", "label",
+                       "--eval-prompt-data", "aime", str(evals)], capsys)
+    assert f"--eval-prompt-data aime: {evals}:2: input key 'prompt' missing" in err

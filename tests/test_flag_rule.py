@@ -29,12 +29,15 @@ TERSE_HELP = {"tp", "pp", "cp", "ep", "mode", "dir", "group", "project", "score"
 # ---------------------------------------------------------------- the flag rule
 
 
-def _code_text() -> str:
+def _code_files() -> list[tuple[Path, str]]:
     files = [*ROOT.glob("slime/**/*.py"), *ROOT.glob("slime_plugins/**/*.py"), *ROOT.glob("patches/**/*.py"),
              ROOT / "train.py"]
+    return [(path, path.read_text()) for path in files]
+
+
+def _code_text() -> str:
     texts = []
-    for path in files:
-        text = path.read_text()
+    for path, text in _code_files():
         if path.name == "arguments.py":  # the declarations themselves do not count as reads
             text = "\n".join(line for line in text.splitlines() if "add_argument(" not in line and "dest=" not in line)
         texts.append(text)
@@ -57,6 +60,24 @@ def test_every_accepted_flag_is_read_or_registered():
         if not re.search(rf"\.{action.dest}\b|[\"']{action.dest}[\"']", code):
             unread.append(action.option_strings[0])
     assert unread == [], f"accepted but never read and not in a registry: {unread}"
+
+
+# Warned "no effect" flags that a function is handed for upstream's signature and ignores (its docstring says so).
+HANDED_BUT_IGNORED = {"--loss-mask-type"}
+
+
+def test_a_flag_warned_as_without_effect_is_read_nowhere():
+    """The converse of the flag rule: a flag that --help calls "no effect" must not be read by the code."""
+    parser = build_parser()
+    code = "\n".join(text for path, text in _code_files() if path.name not in ("arguments.py", "upstream_notes.py"))
+    read = []
+    for entry in arguments.NOT_IMPLEMENTED_FLAGS:
+        if entry.is_active is not None or entry.flag in HANDED_BUT_IGNORED:
+            continue  # an entry with a predicate has a value that does take effect
+        dest = parser._option_string_actions[entry.flag].dest
+        if re.search(rf"\.{dest}\b|[\"']{dest}[\"']", code):
+            read.append(entry.flag)
+    assert read == [], f"registered as no effect but read by the code: {read}"
 
 
 def test_registries_name_real_flags_and_do_not_overlap():
@@ -171,7 +192,7 @@ def test_help_marks_refused_no_effect_and_required_flags_and_names_the_tools():
         assert "[refused" in line(entry.flag), entry.flag
     for entry in arguments.NOT_IMPLEMENTED_FLAGS:
         assert f"[no effect: {entry.reason}]" in line(entry.flag), entry.flag
-    assert "[required]" in line("--hf-checkpoint")
+    assert "[required]" in line("--hf-checkpoint") and "[required]" in line("--rollout-batch-size")
     assert "[refused: some values]" in line("--advantage-estimator") and "cispo" in line("--advantage-estimator")
     assert "[" not in line("--fence-timeout").split("--fence-timeout", 1)[1]  # an ordinary flag has no mark
     assert "python -m slime.distributed.hang_report" in flat and "python -m slime.distributed.order_proof" in flat

@@ -71,7 +71,10 @@ def test_train_py_without_a_checkpoint_exits_2_before_ray(capsys, monkeypatch):
 
 @pytest.fixture
 def launchable(tmp_path):
-    return [*BASE, "--hf-checkpoint", _hf_dir(tmp_path, ["config.json", "tokenizer.json"])]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"input": "1 + 1"}) + "\n")
+    return [*BASE, "--hf-checkpoint", _hf_dir(tmp_path, ["config.json", "tokenizer.json"]), "--prompt-data",
+            str(prompts)]
 
 
 def test_an_unexpected_error_after_start_ends_in_its_traceback_and_one_line(launchable, monkeypatch, caplog):
@@ -118,3 +121,110 @@ def test_moe_at_tensor_parallel_without_sequence_parallel_is_refused_before_star
         check_launch_inputs(types.SimpleNamespace(**args))
     check_launch_inputs(types.SimpleNamespace(**{**args, "sequence_parallel": True}))
     check_launch_inputs(types.SimpleNamespace(**{**args, "tensor_model_parallel_size": 1}))
+
+
+# ---------------------------------------------------------------- every missing flag in one error
+
+
+def test_every_missing_required_flag_is_named_in_one_error(capsys):
+    err = parse_error(["--train-backend-device", "cpu"], capsys)
+    for named in ("--rollout-batch-size is required", "--num-rollout N (rollout steps) or --num-epoch N is required",
+                  "--hf-checkpoint DIR is required", "--prompt-data FILE is required"):
+        assert named in err, named
+    assert err.count("error:") == 1
+
+
+def test_a_launch_names_the_checkpoint_and_the_prompts_together(capsys, monkeypatch):
+    monkeypatch.setattr(train, "train", lambda args: pytest.fail("must not start"))
+    assert train.main(BASE) == 2
+    err = capsys.readouterr().err
+    assert "--hf-checkpoint DIR is required" in err and "--prompt-data FILE is required" in err
+
+
+def test_prompts_are_not_required_where_the_rollout_reads_none():
+    import types
+
+    from slime.utils.arguments import launch_missing_flags
+
+    args = types.SimpleNamespace(hf_checkpoint="/x", prompt_data=None, debug_train_only=False,
+                                 data_source_path="my.source.Source",
+                                 rollout_function_path="slime.rollout.sglang_rollout.generate_rollout")
+    assert launch_missing_flags(args) == []
+
+
+# ---------------------------------------------------------------- the checkpoint's config.json before Ray
+
+
+def _checkpoint(tmp_path, **config) -> str:
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "tokenizer.json").write_text("{}")
+    return str(path)
+
+
+QWEN3 = dict(model_type="qwen3", num_hidden_layers=4, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+             intermediate_size=128)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "minimax_m2", "glm_moe_dsa", "qwen3_5_moe", "qwen3_5"])
+def test_a_model_type_no_family_builds_is_refused_naming_the_supported_ones(model_type, tmp_path, capsys):
+    err = parse_error([*BASE, "--hf-checkpoint", _checkpoint(tmp_path, **{**QWEN3, "model_type": model_type})], capsys)
+    assert f"has model_type {model_type!r}, which no model family here builds" in err
+    assert "supported: qwen3, qwen2, llama, qwen3_moe, qwen2_moe, deepseek_v3" in err
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--num-layers", "8"], "--num-layers 8 contradicts"),
+    (["--hidden-size", "128"], "--hidden-size 128 contradicts"),
+    (["--num-attention-heads", "8"], "--num-attention-heads 8 contradicts"),
+    (["--group-query-attention", "--num-query-groups", "4"], "--num-query-groups 4 contradicts"),
+    (["--tensor-model-parallel-size", "4", "--actor-num-gpus-per-node", "4"],
+     "--tensor-model-parallel-size 4 does not divide the model's 2 key/value heads"),
+    (["--tensor-model-parallel-size", "8", "--actor-num-gpus-per-node", "8"],
+     "--tensor-model-parallel-size 8 does not divide the model's 4 attention heads"),
+    (["--pipeline-model-parallel-size", "3", "--actor-num-gpus-per-node", "3"],
+     "--num-layers 4 does not split over --pipeline-model-parallel-size 3"),
+])
+def test_architecture_flags_are_checked_against_the_config_before_ray(flags, says, tmp_path, capsys):
+    err = parse_error([*BASE, "--hf-checkpoint", _checkpoint(tmp_path, **QWEN3), *flags], capsys)
+    assert says in err
+
+
+def test_a_config_that_agrees_with_the_flags_passes(tmp_path):
+    from arg_testing import parse_quiet
+
+    args = parse_quiet([*BASE, "--hf-checkpoint", _checkpoint(tmp_path, **QWEN3), "--num-layers", "4",
+                        "--tensor-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"])
+    assert args.num_layers == 4
+
+
+# ---------------------------------------------------------------- a hook module that fails at import
+
+
+def test_a_hook_module_that_raises_at_import_is_one_line_naming_the_file(tmp_path, capsys):
+    hook = tmp_path / "my_reward.py"
+    hook.write_text("import os\nimport not_a_real_package_xyz\n\ndef reward(args, sample):\n    return 1.0\n")
+    err = parse_error([*BASE, "--custom-rm-path", f"{hook}:reward"], capsys)
+    assert f"--custom-rm-path: importing the module of '{hook}:reward' failed: {hook}:2: ModuleNotFoundError" in err
+    assert "not_a_real_package_xyz" in err and "Traceback" not in err
+    assert len([line for line in err.splitlines() if "error:" in line]) == 1
+
+
+def test_a_hook_module_with_a_syntax_error_names_its_line(tmp_path, capsys):
+    hook = tmp_path / "broken_hook.py"
+    hook.write_text("def reward(args, sample):\n    return (\n")
+    err = parse_error([*BASE, "--custom-rm-path", f"{hook}:reward"], capsys)
+    assert f"{hook}:2: SyntaxError" in err and "Traceback" not in err
+
+
+def test_a_hook_package_whose_init_fails_is_named_not_called_missing(tmp_path, monkeypatch, capsys):
+    package = tmp_path / "brokenpkg_xyz"
+    package.mkdir()
+    (package / "__init__.py").write_text("import another_missing_dependency_xyz\n")
+    (package / "rewards.py").write_text("def reward(args, sample):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    err = parse_error([*BASE, "--custom-rm-path", "brokenpkg_xyz.rewards.reward"], capsys)
+    assert "importing the module of 'brokenpkg_xyz.rewards.reward' failed" in err
+    assert f"{package / '__init__.py'}:1: ModuleNotFoundError" in err and "another_missing_dependency_xyz" in err
+    assert "cannot find the module" not in err and "Traceback" not in err

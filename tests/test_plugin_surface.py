@@ -121,6 +121,51 @@ def test_rm_hub_names_upstreams_plugins_import():
     assert compute_gpqa_reward("answer: B", "B", metadata={"valid_letters": ["A", "B"]}) == 1.0
 
 
+def test_rm_hub_exposes_upstreams_package_and_math_utils_names():
+    from slime.rollout import rm_hub
+    from slime.rollout.rm_hub import (async_rm, batched_async_rm, compute_gpqa_reward, compute_score_dapo,  # noqa: F401
+                                      extract_boxed_answer, f1_score, get_deepscaler_rule_based_reward, remote_rm)
+    from slime.rollout.rm_hub.math_utils import (extract_answer, grade_answer_mathd, grade_answer_sympy,
+                                                 last_boxed_only_string, mathd_normalize_answer, remove_boxed)
+
+    assert set(rm_hub.__all__) <= set(dir(rm_hub))
+    assert extract_boxed_answer("so \\boxed{\\frac{1}{2}} done") == "\\frac{1}{2}" == extract_answer("\\boxed{\\frac{1}{2}}")
+    assert extract_boxed_answer("no box") is None
+    assert remove_boxed(last_boxed_only_string("a \\boxed{x^{2}} b")) == "x^{2}"
+    assert mathd_normalize_answer("\\text{0.5}") == "\\frac{1}{2}" and mathd_normalize_answer(None) is None
+    assert grade_answer_mathd("\\dfrac12", "0.5") and not grade_answer_mathd(None, "1")
+    assert grade_answer_sympy("50\\%", "50") and grade_answer_sympy("1/4", "0.25") and not grade_answer_sympy("x+1", "2")
+
+
+def test_rm_type_random_is_a_seeded_coin_that_needs_no_label(capsys):
+    from slime.rollout.rm_hub import async_rm
+    from slime.utils.arguments import parse_args
+
+    args = SimpleNamespace(rm_type="random", custom_rm_path=None, seed=1)
+    rewards = [asyncio.run(async_rm(args, Sample(index=i, response=f"r{i}"))) for i in range(64)]
+    assert set(rewards) == {0, 1} and 16 < sum(rewards) < 48
+    again = [asyncio.run(async_rm(args, Sample(index=i, response=f"r{i}"))) for i in range(64)]
+    assert again == rewards  # the same sample gets the same reward (exact resume)
+    parsed = parse_args(["--rollout-batch-size", "2", "--num-rollout", "1", "--actor-num-gpus-per-node", "1",
+                         "--train-backend-device", "cpu", "--rm-type", "random"])
+    assert parsed.rm_type == "random"
+
+
+class _UpstreamState:
+    """A plug-in's own state, as upstream's GenerateState: a semaphore, no rollout_id, no aborted."""
+
+    def __init__(self, args):
+        self.args, self.semaphore = args, asyncio.Semaphore(2)
+
+
+def test_a_state_without_the_optional_fields_still_generates(monkeypatch):
+    monkeypatch.setattr(sglang_rollout, "GenerateState", _UpstreamState)
+    monkeypatch.setattr(sglang_rollout, "load_function", lambda path: {"pkg.global": _global}[path])
+    args = _args(custom_generate_function_path="pkg.global", seed=1)
+    done = asyncio.run(sglang_rollout.generate_and_rm_group(args, [Sample(index=0), Sample(index=1)], {}))
+    assert [s.response for s in done] == ["global", "global"] and all(s.reward == 1.0 for s in done)
+
+
 def test_deepscaler_grades_the_tail_after_the_response_marker():
     from slime.rollout.rm_hub.deepscaler import get_deepscaler_rule_based_reward as reward
 

@@ -192,6 +192,15 @@ def test_every_request_body_fits_sglangs_request_types(report):
         assert entry["problems"] == [], f"{where}: {entry['problems']}"
 
 
+def test_the_committed_server_option_list_is_sglangs(report):
+    """slime/utils/sglang_server_options.py (what --sglang-* names are checked against without sglang) holds
+    exactly this release's launch-parser options. Regenerate: python tests/sglang_files.py --write-server-options"""
+    from slime.utils.sglang_server_options import SERVER_OPTIONS
+
+    committed = sorted(o for o, versions in SERVER_OPTIONS.items() if report["version"] in versions)
+    assert committed == report["server_options"], "run: python tests/sglang_files.py --write-server-options"
+
+
 def test_flush_cache_takes_a_timeout(report):
     assert "timeout" in report["flush_cache_params"]
     flush = [b for b in report["bodies"] if b["route"] == "/flush_cache"]

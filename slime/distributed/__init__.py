@@ -1,6 +1,9 @@
 """Process-group lifecycle, fences, plan fingerprints, ledger, watchdog and fault injection.
 
-The rest of the code asks this package for groups and fences; it never calls new_group or bare barriers.
+The rest of the code asks this package for groups and fences and never calls new_group. One exception
+to "no bare barriers": the checkpoint save (slime/backends/megatron_utils/checkpoint.py) separates rank 0's
+directory work from the other ranks' shard writes with world barriers; the actor runs the whole save inside
+the watchdog's "save" phase, so a rank stuck there still ends the run with the phase named.
 Names are imported from their modules on first use, so that a module used alone (the hang_report
 command, the driver reading ledger files) does not import megatron.
 """

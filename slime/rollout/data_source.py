@@ -17,6 +17,7 @@ from typing import Any, Iterator
 
 import torch
 
+from slime.rollout import prompt_rows
 from slime.rollout.eval_config import EvalDatasetSpec
 from slime.checkpoint import rng
 from slime.checkpoint.contents import DATA_ITEMS, data_file
@@ -176,32 +177,7 @@ def _name_path_pairs(value) -> list[tuple[str, str]]:
 
 def read_rows(spec: PromptFileSpec) -> Iterator[tuple[int, dict]]:
     """(line number, row dict) of a JSONL (or parquet) prompt file."""
-    path = Path(spec.path or "")
-    if not spec.path or not path.is_file():
-        raise FileNotFoundError(f"{spec.flag}: prompt file {spec.path!r} does not exist")
-    if path.suffix == ".parquet":
-        yield from _read_parquet(spec)
-        return
-    with path.open(encoding="utf-8") as handle:
-        for lineno, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{spec.flag}: {path}:{lineno}: malformed JSON line ({exc.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{spec.flag}: {path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-            yield lineno, row
-
-
-def _read_parquet(spec: PromptFileSpec) -> Iterator[tuple[int, dict]]:
-    try:
-        import pandas
-    except ImportError:
-        raise ValueError(f"{spec.flag}: {spec.path} is parquet; install pandas + pyarrow or convert it to JSONL") from None
-    for row_number, row in enumerate(pandas.read_parquet(spec.path).to_dict(orient="records"), start=1):
-        yield row_number, row
+    return prompt_rows.read_rows(spec.path, spec.flag)
 
 
 def _tools(spec: PromptFileSpec, row: dict):
@@ -242,10 +218,9 @@ def _metadata(spec: PromptFileSpec, row: dict, where: str) -> dict:
 def row_to_sample(spec: PromptFileSpec, row: dict, lineno: int, tokenizer) -> Sample:
     """One prompt row -> a Sample holding the prompt text, its tokens, label and metadata."""
     where = f"{spec.flag}: {spec.path}:{lineno}"
-    if spec.input_key not in row:
-        raise ValueError(f"{where}: input key {spec.input_key!r} missing (keys: {sorted(row)}); set --input-key")
-    if spec.label_key is not None and spec.label_key not in row:
-        raise ValueError(f"{where}: label key {spec.label_key!r} missing (keys: {sorted(row)}); set --label-key")
+    for key, key_flag in ((spec.input_key, "--input-key"), (spec.label_key, "--label-key")):
+        if key is not None and key not in row:
+            raise ValueError(prompt_rows.missing_key_message(spec.flag, f"{spec.path}:{lineno}", row, key, key_flag))
     prompt = _prompt(spec, row, where, tokenizer)
     metadata = _metadata(spec, row, where)
     if isinstance(prompt, list) and _tools(spec, row) is not None:

@@ -179,7 +179,10 @@ def routed_experts_of(output: dict, url: str) -> str:
 
 
 class GenerateState(metaclass=SingletonMeta):
-    """Process-wide generation state that users' custom generate functions read (upstream name)."""
+    """Process-wide generation state that users' custom generate functions read (upstream name).
+
+    Plug-ins may stand in their own state (upstream's has no `rollout_id`): the code here needs only
+    `semaphore` and reads `aborted` and `rollout_id` as optional (False / None when absent)."""
 
     def __init__(self, args):
         self.args = args
@@ -242,12 +245,13 @@ async def generate_and_rm(args, sample: Sample, sampling_params: dict, evaluatio
         return sample
     async with state.semaphore:
         # the rollout has enough groups, or a weight push is under way: leave this one for later
-        if state.aborted or generation_gate.is_held():
+        if getattr(state, "aborted", False) or generation_gate.is_held():
             sample.status = Sample.Status.ABORTED
             return sample
-        params = seeded_params(args, sampling_params, state.rollout_id, sample.index, evaluation)
+        rollout_id = getattr(state, "rollout_id", None)
+        params = seeded_params(args, sampling_params, rollout_id, sample.index, evaluation)
         result = await _call_generate(args, sample, params, evaluation)
-    result = await apply_rollout_sample_hooks(args, result, rollout_id=state.rollout_id, evaluation=evaluation)
+    result = await apply_rollout_sample_hooks(args, result, rollout_id=rollout_id, evaluation=evaluation)
     samples = _as_list(result)
     if getattr(args, "group_rm", False) or any(s.status == Sample.Status.ABORTED for s in samples):
         return result
@@ -260,8 +264,7 @@ async def generate_and_rm(args, sample: Sample, sampling_params: dict, evaluatio
 async def generate_and_rm_group(args, group: list[Sample], sampling_params: dict,
                                 evaluation: bool = False) -> list[Sample | list[Sample]]:
     """All samples of one prompt concurrently; with --group-rm the group is rewarded in one call."""
-    state = GenerateState(args)
-    if state.aborted:
+    if getattr(GenerateState(args), "aborted", False):
         return group
     for sample in group:
         if sample.session_id is None:

@@ -47,6 +47,12 @@ parse time with the reason where it would change the maths and is not implemente
   embedded engine behind SGLang's HTTP surface; on CUDA the local layer spec is the default
   (`--transformer-impl transformer_engine` is opt-in).
 - `--colocate` runs on one node; across nodes the engines take their own GPUs.
+- `--sglang-<name>` flags are checked at parse time, also where sglang is not installed: a name that
+  the supported SGLang releases' launch parser lacks is refused with the closest names.
+- Checks upstream leaves to the ranks run before Ray starts: the checkpoint's `model_type` and
+  architecture against the flags and TP, every prompt line's keys, every required flag at once.
+- `--normalization` and `--position-embedding-type` default to what the model is built with
+  (`RMSNorm`, `rope`); another value is refused.
 """
 
 

@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import sys
+import traceback
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -87,7 +88,6 @@ NOT_IMPLEMENTED_FLAGS: tuple[NotImplementedFlag, ...] = (
     *_warned("this wandb option is not wired (project, group and key are)", "--wandb-host", "--wandb-team",
              "--wandb-mode", "--wandb-dir", "--wandb-run-id", "--disable-wandb-random-suffix",
              "--wandb-always-use-train-step"),
-    NotImplementedFlag(flag="--tb-experiment-name", reason="TensorBoard run names are not wired"),
     *_warned("gradients are reduced at a fixed place of the step (finalize_model_grads), never overlapped",
              "--overlap-grad-reduce", "--overlap-param-gather"),
     *_warned("a memory/speed option of upstream's loss code; log-probs are computed in one pass",
@@ -638,7 +638,8 @@ def _check_opd(args: argparse.Namespace) -> None:
 def _add_reward_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("reward model", "rewards of generated samples")
     g.add_argument("--rm-type", type=str, default=None,
-                   help="built-in reward: math, deepscaler, dapo, f1, gpqa, remote_rm (boxed_<type>: boxed answer only)")
+                   help="built-in reward: math, deepscaler, dapo, f1, gpqa, remote_rm, random (0 or 1 at random, a "
+                        "baseline); boxed_<type>: the boxed answer only")
     g.add_argument("--rm-url", type=str, default=None, help="endpoint of --rm-type remote_rm")
     g.add_argument("--reward-key", type=str, default=None, help="key of the reward when the reward is a dict")
     g.add_argument("--eval-reward-key", type=str, default=None, help="--reward-key for eval (default: --reward-key)")
@@ -676,15 +677,18 @@ def _add_megatron_model_arguments(parser: argparse.ArgumentParser) -> None:
                    help="key/value heads with --group-query-attention (default: from the HF config)")
     g.add_argument("--kv-channels", type=int, default=None, help="dimension of each attention head")
     g.add_argument("--max-position-embeddings", type=int, default=None, help="longest sequence the model supports")
-    g.add_argument("--position-embedding-type", type=str, default="learned_absolute",
-                   choices=["learned_absolute", "rope", "mrope", "none"], help="kind of position encoding")
+    g.add_argument("--position-embedding-type", type=str, default=None,
+                   choices=["learned_absolute", "rope", "mrope", "none"],
+                   help="kind of position encoding (default: rope, the only one the model builder builds; any "
+                        "other is refused)")
     g.add_argument("--use-rotary-position-embeddings", action="store_true", default=False,
                    help="older spelling of --position-embedding-type rope")
     g.add_argument("--rotary-base", type=int, default=None, help="RoPE base frequency (default: from the HF config)")
     g.add_argument("--rotary-percent", type=float, default=None,
                    help="share of each head's dimensions rotated by RoPE (default: the HF config's)")
-    g.add_argument("--normalization", type=str, default="LayerNorm", choices=["LayerNorm", "RMSNorm"],
-                   help="kind of layer normalisation")
+    g.add_argument("--normalization", type=str, default=None, choices=["LayerNorm", "RMSNorm"],
+                   help="kind of layer normalisation (default: RMSNorm, the only one the model builder builds; "
+                        "LayerNorm is refused)")
     g.add_argument("--norm-epsilon", type=float, default=None, help="epsilon of the norms (default: from the HF config)")
     g.add_argument("--apply-layernorm-1p", action="store_true", default=False,
                    help="norm weights stored as offsets from 1 (zero-centred)")
@@ -713,8 +717,8 @@ def _add_megatron_model_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", type=str, default="auto", choices=ATTENTION_BACKENDS,
                    help="core attention implementation")
     g.add_argument("--transformer-impl", type=str, default=None, choices=["local", "transformer_engine"],
-                   help="layer spec (default: local, the path measured on GPUs here; transformer_engine is opt-in, "
-                        "warned as unmeasured, and needs CUDA and TransformerEngine)")
+                   help="layer spec (default: local, the path measured on H200s in benchmarks/RESULTS.md; "
+                        "transformer_engine is opt-in, warned as unmeasured, and needs CUDA and TransformerEngine)")
     g.add_argument("--fused-kernels", type=str, default="auto", choices=["auto", "compile", "eager"],
                    help="local spec's RMSNorm, RoPE, SwiGLU and the log-prob/entropy head: compile (torch.compile, "
                         "one kernel each), eager (unfused, the reference), auto (compile on CUDA with Triton, else "
@@ -987,7 +991,8 @@ def _add_tracking_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--use-tensorboard", action="store_true", default=False, help="log to TensorBoard")
     g.add_argument("--tensorboard-dir", type=str, default=None, help="TensorBoard log directory (Megatron's name)")
     g.add_argument("--tb-project-name", type=str, default=None, help="TensorBoard log directory (upstream's name)")
-    g.add_argument("--tb-experiment-name", type=str, default=None, help="TensorBoard run name")
+    g.add_argument("--tb-experiment-name", type=str, default=None,
+                   help="TensorBoard run name: a sub-directory of the TensorBoard log dir")
 
 
 def _add_debug_arguments(parser: argparse.ArgumentParser) -> None:
@@ -1211,9 +1216,10 @@ class SlimeArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n(run with --help for the list of flags)\n")
 
 
-# Flags a launch cannot do without (checked by check_launch_inputs before Ray starts, not by argparse, so that
-# --help and the parser's own tests work without them).
-REQUIRED_FLAGS: tuple[str, ...] = ("--hf-checkpoint",)
+# Flags a run cannot do without, marked [required] in --help: --rollout-batch-size is checked by parse_args,
+# --hf-checkpoint by check_launch_inputs before Ray starts (so that the parser's own tests work without it); a
+# missing one is named together with every other missing flag.
+REQUIRED_FLAGS: tuple[str, ...] = ("--hf-checkpoint", "--rollout-batch-size")
 
 HELP_EPILOG = """\
 This project's own flags (hang-proof step) are in the groups "fencing (this project)" and "rollout faults":
@@ -1361,9 +1367,34 @@ def _check_deadlines(args: argparse.Namespace) -> None:
         args.distributed_timeout_minutes = default_group_timeout_minutes(args.fence_timeout)
 
 
-def _resolve_model_defaults(args: argparse.Namespace) -> None:
+# What the model builder always builds (model.py: every supported family's HF config has RMSNorm and RoPE).
+BUILT_NORMALIZATION, BUILT_POSITION_EMBEDDING = "RMSNorm", "rope"
+
+
+def _resolve_architecture_kinds(args: argparse.Namespace) -> None:
+    """--normalization / --position-embedding-type describe the model: a value the builder would not build is
+    refused; left out, they say what it builds (plug-ins read them)."""
     if args.use_rotary_position_embeddings:
-        args.position_embedding_type = "rope"
+        if args.position_embedding_type not in (None, BUILT_POSITION_EMBEDDING):
+            _fail(f"--use-rotary-position-embeddings contradicts --position-embedding-type "
+                  f"{args.position_embedding_type}; drop one")
+        args.position_embedding_type = BUILT_POSITION_EMBEDDING
+    if args.normalization not in (None, BUILT_NORMALIZATION):
+        _fail(f"--normalization {args.normalization}: the model builder builds {BUILT_NORMALIZATION} layers only "
+              f"(the norm of every supported family's HF config); pass --normalization {BUILT_NORMALIZATION} or "
+              "drop the flag")
+    if args.position_embedding_type not in (None, BUILT_POSITION_EMBEDDING):
+        _fail(f"--position-embedding-type {args.position_embedding_type}: the model builder builds rotary position "
+              f"embeddings (RoPE, from the HF config's rope parameters) only; pass --position-embedding-type "
+              f"{BUILT_POSITION_EMBEDDING} or drop the flag")
+    if args.normalization is None:
+        _derive(args, "normalization", BUILT_NORMALIZATION, "what the model builder builds")
+    if args.position_embedding_type is None:
+        _derive(args, "position_embedding_type", BUILT_POSITION_EMBEDDING, "what the model builder builds")
+
+
+def _resolve_model_defaults(args: argparse.Namespace) -> None:
+    _resolve_architecture_kinds(args)
     if args.expert_tensor_parallel_size is None:
         args.expert_tensor_parallel_size = args.tensor_model_parallel_size
     if args.bf16 and args.fp16:
@@ -1537,11 +1568,20 @@ def _resolve_eval_datasets(args: argparse.Namespace) -> None:
 def _check_paths(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     if args.hf_checkpoint is not None:
         _require_path("--hf-checkpoint", args.hf_checkpoint, "directory")
+        config_path = os.path.join(args.hf_checkpoint, HF_CONFIG_FILE)
+        if os.path.isfile(config_path):  # its absence is check_launch_inputs' to name
+            _check_hf_config(args, config_path)
     if args.prompt_data is not None and not args.debug_train_only:
         _require_path("--prompt-data", args.prompt_data, "file")
+        if args.data_source_path == DEFAULT_DATA_SOURCE_PATH:
+            _check_prompt_rows(args.prompt_data, "--prompt-data", args.input_key, args.label_key)
     eval_flag = "--eval-config" if args.eval_config else "--eval-prompt-data"
     for spec in args.eval_datasets:
         _require_path(f"{eval_flag} {spec.name}", spec.path, "file")
+        if args.eval_function_path == DEFAULT_ROLLOUT_FUNCTION_PATH:  # the keys as eval_prompt_specs reads them
+            _check_prompt_rows(spec.path, f"{eval_flag} {spec.name}",
+                               spec.input_key or args.eval_input_key or args.input_key,
+                               spec.label_key or args.eval_label_key or args.label_key)
     if args.load_debug_rollout_data is not None:
         path = args.load_debug_rollout_data
         if "{rollout_id}" in path:  # a per-rollout template: its directory must exist
@@ -1559,12 +1599,25 @@ def _check_paths(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
             _check_hook_path(flag, path)
 
 
+def _check_prompt_rows(path: str, flag: str, input_key: str, label_key: str | None) -> None:
+    """A JSONL prompt file: every line a JSON object holding --input-key (and --label-key when set); the first
+    bad line is named by file and line number. Parquet files are checked when the data source loads them."""
+    from slime.rollout.prompt_rows import check_prompt_rows
+
+    try:
+        check_prompt_rows(path, flag, input_key, label_key)
+    except ValueError as exc:
+        _fail(str(exc))
+
+
 def _check_hook_path(flag: str, path: str) -> None:
     """A hook must resolve to a callable now, not in a Ray actor minutes after start-up."""
     try:
         findable = module_is_findable(path)
     except ValueError as exc:  # not of the form pkg.module.func / file.py:func
         _fail(f"{flag}: {exc}")
+    except Exception as exc:  # noqa: BLE001 - a parent package that raised while it was imported
+        _fail(f"{flag}: importing the module of {path!r} failed: {import_failure(exc)}")
     if not findable:
         raise MissingPathError(f"{flag}: cannot find the module of {path!r} (expected 'pkg.module.func' or "
                                "'file.py:func')")
@@ -1572,8 +1625,22 @@ def _check_hook_path(flag: str, path: str) -> None:
         hook = load_function(path)
     except AttributeError as exc:
         _fail(f"{flag}: {exc}")
+    except Exception as exc:  # noqa: BLE001 - whatever the module raised at import: one line, no traceback
+        _fail(f"{flag}: importing the module of {path!r} failed: {import_failure(exc)}")
     if not callable(hook):
         _fail(f"{flag}: {path!r} is a value of type {type(hook).__name__}, not a function or class")
+
+
+def import_failure(exc: BaseException) -> str:
+    """'FILE:LINE: Type: message' of an exception raised while a hook module was imported: the line of the
+    hook's own code (or of what it imported) that raised, not the import machinery's."""
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return f"{exc.filename}:{exc.lineno}: {type(exc).__name__}: {exc.msg}"
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith("<frozen")
+              and os.path.abspath(f.filename) != os.path.abspath(__file__)
+              and not f.filename.endswith(os.path.join("slime", "utils", "misc.py"))]
+    where = f"{frames[-1].filename}:{frames[-1].lineno}: " if frames else ""
+    return f"{where}{type(exc).__name__}: {exc}"
 
 
 # What an HF checkpoint directory must hold for the trainer (config) and the engines and data (tokenizer).
@@ -1581,12 +1648,28 @@ HF_CONFIG_FILE = "config.json"
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
+def launch_missing_flags(args: argparse.Namespace) -> list[str]:
+    """Flags a launch cannot do without, each as 'FLAG is required: why', for those not given."""
+    missing = []
+    if not args.hf_checkpoint:
+        missing.append("--hf-checkpoint DIR is required: the Hugging Face checkpoint (config.json and tokenizer) "
+                       "the trainer builds its model from and the engines serve")
+    reads_prompts = (getattr(args, "data_source_path", DEFAULT_DATA_SOURCE_PATH) == DEFAULT_DATA_SOURCE_PATH
+                     and getattr(args, "rollout_function_path", None) == DEFAULT_ROLLOUT_FUNCTION_PATH
+                     and not getattr(args, "debug_train_only", False))
+    if reads_prompts and not getattr(args, "prompt_data", None):
+        missing.append("--prompt-data FILE is required: the prompts (JSONL or parquet) the default rollout "
+                       "generates from")
+    return missing
+
+
 def check_launch_inputs(args: argparse.Namespace) -> None:
-    """What a launch needs before Ray starts, beyond what parse_args checks: the HF checkpoint."""
+    """What a launch needs before Ray starts, beyond what parse_args checks: the flags only a launch needs
+    (all of them named at once) and the HF checkpoint."""
+    missing = launch_missing_flags(args)
+    if missing:
+        _fail("; ".join(missing))
     path = args.hf_checkpoint
-    if not path:
-        _fail("--hf-checkpoint DIR is required: the Hugging Face checkpoint (config.json and tokenizer) the "
-              "trainer builds its model from and the engines serve")
     _require_path("--hf-checkpoint", path, "directory")
     if not os.path.isfile(os.path.join(path, HF_CONFIG_FILE)):
         _fail(f"--hf-checkpoint {path}: no {HF_CONFIG_FILE} (is it a Hugging Face checkpoint directory?)")
@@ -1596,6 +1679,64 @@ def check_launch_inputs(args: argparse.Namespace) -> None:
 
 
 MOE_CONFIG_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
+
+# HF model_type values the model builder has a family for (docs/model-families.md). Any other checkpoint would be
+# built as a dense Qwen3/Llama and fail later, on the ranks, when its weights do not fit.
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "qwen3_moe", "qwen2_moe", "deepseek_v3", "deepseek_v2", "kimi_k2",
+                         "glm4")
+# Megatron flag dest -> the HF config key that gives the same number (the model is built from the config).
+CONFIG_ARCH_KEYS = {"num_layers": "num_hidden_layers", "hidden_size": "hidden_size",
+                    "num_attention_heads": "num_attention_heads", "ffn_hidden_size": "intermediate_size",
+                    "num_query_groups": "num_key_value_heads"}
+
+
+def _read_hf_config(config_path: str) -> dict:
+    try:
+        with open(config_path) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as exc:
+        _fail(f"--hf-checkpoint: {config_path} is not readable JSON ({exc})")
+    if not isinstance(config, dict):
+        _fail(f"--hf-checkpoint: {config_path} holds a JSON {type(config).__name__}, not an object")
+    return config
+
+
+def _check_hf_config(args: argparse.Namespace, config_path: str) -> None:
+    """The checkpoint's config.json against the model builder and the architecture flags, before Ray starts."""
+    if args.debug_rollout_only:
+        return  # no trainer model is built
+    config = _read_hf_config(config_path)
+    model_type = config.get("model_type")
+    custom_builder = args.spec or args.custom_model_provider_path
+    if model_type is not None and model_type not in SUPPORTED_MODEL_TYPES and not custom_builder:
+        _fail(f"--hf-checkpoint: {config_path} has model_type {model_type!r}, which no model family here builds "
+              f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)}; docs/model-families.md); a --spec or "
+              "--custom-model-provider-path plug-in may build others")
+    heads = config.get("num_attention_heads")
+    mla = model_type in ("deepseek_v3", "deepseek_v2", "kimi_k2") and config.get("kv_lora_rank") is not None
+    arch = {dest: config.get(key) for dest, key in CONFIG_ARCH_KEYS.items()}
+    arch["num_query_groups"] = heads if mla else (config.get("num_key_value_heads") or heads)
+    for dest, value in arch.items():
+        given = getattr(args, dest)
+        if given is not None and value is not None and given != value:
+            _fail(f"{_flag(dest)} {given} contradicts {config_path} ({CONFIG_ARCH_KEYS[dest]} = {value}); the model "
+                  f"is built from the config: drop the flag or pass {_flag(dest)} {value}")
+    tp = args.tensor_model_parallel_size
+    if isinstance(heads, int) and heads % tp:
+        _fail(f"--tensor-model-parallel-size {tp} does not divide the model's {heads} attention heads "
+              f"(num_attention_heads in {config_path}); pick a TP size that divides {heads}")
+    groups = arch["num_query_groups"]
+    if isinstance(groups, int) and groups % tp:
+        _fail(f"--tensor-model-parallel-size {tp} does not divide the model's {groups} key/value heads "
+              f"(num_key_value_heads in {config_path}; megatron-core splits them over TP without replicating); "
+              f"pick a TP size that divides {groups}")
+    layers, pp = config.get("num_hidden_layers"), args.pipeline_model_parallel_size
+    if args.num_layers is None and isinstance(layers, int) and pp > 1:
+        args.num_layers = layers
+        try:
+            _check_pipeline_layers(args)
+        finally:
+            args.num_layers = None
 
 
 def _check_moe_tensor_parallel(args: argparse.Namespace, config_path: str) -> None:
@@ -1830,6 +1971,17 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
     return args
 
 
+def _check_required(args: argparse.Namespace, required: Sequence[argparse.Action]) -> None:
+    """Every flag the run cannot do without, named in one error: the parser's required ones, --num-rollout or
+    --num-epoch, and, when any of those is missing, what the launch will need too (check_launch_inputs)."""
+    missing = [f"{action.option_strings[0]} is required: {action.help}" for action in required
+               if getattr(args, action.dest) is None]
+    if args.num_rollout is None and args.num_epoch is None:
+        missing.append("--num-rollout N (rollout steps) or --num-epoch N is required")
+    if missing:
+        _fail("; ".join([*missing, *launch_missing_flags(args)]))
+
+
 def _config_dest(key: str, parser: argparse.ArgumentParser) -> str | None:
     """The dest a --custom-config-path key names: '--flag-name', 'flag-name' or the attribute 'flag_name'."""
     for option in (key, "--" + key.lstrip("-"), "--" + key.lstrip("-").replace("_", "-")):
@@ -1903,9 +2055,17 @@ def parse_args(
                if a.startswith("--") and a.split("=", 1)[0] not in parser._option_string_actions]
     if unknown:
         parser.error(unknown_flags_report(remaining, unknown, parser))
-    args = parser.parse_args(remaining)
+    required = [action for action in parser._actions if action.required]
+    for action in required:  # checked below with every other missing flag, so that one run names them all
+        action.required = False
+    try:
+        args = parser.parse_args(remaining)
+    finally:
+        for action in required:
+            action.required = True
     try:
         args.custom_config_overrides = apply_custom_config(args, parser)
+        _check_required(args, required)
         try:  # once, in the driver: every server of the run gets it
             args.api_key = resolve_api_key(args.api_key)
         except ValueError as exc:

@@ -18,8 +18,9 @@ derives from that window:
                   which are not fenced.
 
 The driver's limits follow the ranks' progress, so they grow with --num-steps-per-rollout and with
-the checkpoint size of a save without a fixed total. Rollout-side waits (generate, eval, health)
-are meant to take their windows from here too.
+the checkpoint size of a save without a fixed total. Rollout-side waits (generate, eval, each request)
+do not come from here: they follow --rollout-timeout, or a window derived from the rollout's size
+(slime/rollout/deadline.py).
 """
 from __future__ import annotations
 

@@ -95,9 +95,14 @@ def module_is_findable(path: str) -> bool:
         return os.path.isfile(module_part)
     try:
         return importlib.util.find_spec(module_part) is not None
-    except (ModuleNotFoundError, ValueError):
-        # find_spec imports parents; a missing parent package means the module is missing too.
+    except ValueError:
         return False
+    except ModuleNotFoundError as exc:
+        # find_spec imports parents; a missing parent package means the module is missing too. A parent that
+        # exists but fails to import a dependency of its own is that parent's error, not a missing module.
+        if exc.name is None or module_part == exc.name or module_part.startswith(exc.name + "."):
+            return False
+        raise
 
 
 class SingletonMeta(type):

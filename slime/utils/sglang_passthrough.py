@@ -1,14 +1,17 @@
 """``--sglang-<server-arg>`` passthrough: pull those flags out of argv and map them onto SGLang's ServerArgs.
 
 When sglang is importable, names and value types come from ``ServerArgs.add_cli_args`` (an unknown name is an
-error naming it). When it is not (the embedded CPU path, where no SGLang server runs), any ``--sglang-*`` flag is
-accepted with scalar typing by shape (int, float, true/false, else str); the cluster path validates them again
-when it builds ServerArgs.
+error naming it). When it is not (the embedded CPU path, where no SGLang server runs), names are checked against
+the launch-parser options of the SGLang releases the project supports (``sglang_server_options.py``, generated
+from SGLang's own files): an unknown one is an error with the closest known names, before Ray starts. Values are
+then typed by shape (int, float, true/false, else str); the cluster path types them again when it builds
+ServerArgs.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import functools
 import logging
 import re
@@ -93,8 +96,8 @@ def server_args_parser() -> argparse.ArgumentParser | None:
     try:
         from sglang.srt.server_args import ServerArgs
     except Exception as exc:  # noqa: BLE001 - sglang on CPU can fail with ImportError, OSError or RuntimeError
-        logger.info("sglang not importable (%s): --sglang-* flags are accepted as given and validated by the "
-                    "cluster path", exc)
+        logger.info("sglang not importable (%s): --sglang-* names are checked against the supported releases' "
+                    "launch parser (sglang_server_options.py), values typed by shape", exc)
         return None
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     ServerArgs.add_cli_args(parser)
@@ -115,7 +118,27 @@ def _coerce_scalar(text: str) -> Any:
     return text
 
 
+def unknown_option_message(flag: str, known: Sequence[str]) -> str:
+    """`flag` (a --sglang-* flag) names no known SGLang server argument: say so, with the closest names."""
+    option = "--" + flag[len(PREFIX):]
+    close = difflib.get_close_matches(option, known, n=3, cutoff=0.6)
+    hint = f"; did you mean {', '.join(PREFIX + c[2:] for c in close)}?" if close else ""
+    return f"{flag}: SGLang has no server argument {option}{hint}"
+
+
+def check_known_options(passthrough: list[tuple[str, list[str]]]) -> None:
+    """Without sglang importable: each passthrough name must be an option of a supported SGLang release."""
+    from slime.utils.sglang_server_options import SERVER_OPTIONS, VERSIONS
+
+    unknown = [flag for flag, _ in passthrough if "--" + flag[len(PREFIX):] not in SERVER_OPTIONS]
+    if unknown:
+        lines = [unknown_option_message(flag, list(SERVER_OPTIONS)) for flag in unknown]
+        raise SGLangArgumentError("; ".join(lines) + f" (checked against SGLang {' and '.join(VERSIONS)}'s "
+                                  "launch parser)")
+
+
 def _untyped_values(passthrough: list[tuple[str, list[str]]]) -> dict[str, Any]:
+    check_known_options(passthrough)
     result: dict[str, Any] = {}
     for flag, values in passthrough:
         name = flag[len(PREFIX):].replace("-", "_")
@@ -140,7 +163,8 @@ def _typed_values(passthrough: list[tuple[str, list[str]]], server_parser: argpa
         option = "--" + flag[len(PREFIX):]
         action = server_parser._option_string_actions.get(option)
         if action is None:
-            raise SGLangArgumentError(f"{flag}: SGLang has no server argument {option} (see sglang's ServerArgs)")
+            known = [o for o in server_parser._option_string_actions if o.startswith("--")]
+            raise SGLangArgumentError(unknown_option_message(flag, known) + " (see sglang's ServerArgs)")
         tokens += [option, *values]
         dests.append(action.dest)
     checker = _RaisingParser(parents=[server_parser], add_help=False, allow_abbrev=False)

@@ -407,7 +407,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--listen-fd", type=int, default=None,
                         help="serve on this inherited listening socket (bound by the launcher: no port race)")
     parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
-                        help="largest request body accepted (one weight bucket plus a margin)")
+                        help="largest request body accepted (one weight bucket in base64, 4/3 of its bytes, plus a margin)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cpu", help="torch device of the model (cpu, cuda, cuda:N)")
     parser.add_argument("--seed", type=int, default=0)

@@ -1,4 +1,4 @@
-"""One trainer rank: the fenced actor_train of ARCHITECTURE.md, phase by phase.
+"""One trainer rank: the fenced actor_train of docs/fenced-step.md, phase by phase.
 
 Every phase runs on every rank, in this order, under a watchdog no-progress window
 (`--fence-timeout`: slime/utils/deadlines.py) and recorded in this rank's ledger:
@@ -10,8 +10,11 @@ Every phase runs on every rank, in this order, under a watchdog no-progress wind
                 -> metrics (one reduce over sorted keys) -> optimizer (decisions on reduced values)
   exit          fence the metric key set, then log off the critical path with a deadline
 
-Nothing between two collectives branches on a rank-local value: plans, skips and metric keys
-are all derived from data every rank holds or from reduced values.
+Inside the step, plans, skips and metric keys are derived from data every rank holds or from reduced
+values. Two branches read rank-local state and rely on every rank seeing the same thing: at start-up,
+whether --load holds a checkpoint (each rank reads the directory; the paths must be shared), and after
+a --rollout-data-postprocess-path hook, whether this rank's loss masks changed (the hook must be
+deterministic: every rank holds the same data).
 """
 from __future__ import annotations
 

@@ -221,7 +221,7 @@ def _use_transformer_engine(args: Namespace) -> bool:
     """The local spec + this project's attention unless TransformerEngine's spec is asked for by name.
 
     The local path is the one measured on GPUs (benchmarks/RESULTS.md); TransformerEngine's spec is opt-in
-    until it has run here, even where TransformerEngine is installed (as in slime's own container).
+    until it has been measured too, even where TransformerEngine is installed (as in slime's own container).
     """
     if getattr(args, "transformer_impl", None) != "transformer_engine":
         return False

@@ -1,4 +1,4 @@
-"""Fenced weight sync, trainer -> rollout engines (phase 7 of ARCHITECTURE.md).
+"""Fenced weight sync, trainer -> rollout engines (phase 6 of docs/fenced-step.md).
 
 Order on EVERY rank, every sync (fences are world-wide, over the gloo fence group):
 

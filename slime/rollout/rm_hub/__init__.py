@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from typing import Any, Callable
 
 import aiohttp
@@ -21,13 +22,15 @@ from .f1 import f1_score
 from .f1 import normalize_answer as normalize_f1_answer
 from .gpqa import _letters, compute_gpqa_reward, label_to_letter
 from .math_dapo_utils import compute_score as compute_score_dapo
-from .math_utils import extract_answer, grade_answer_verl, grade_math_response, normalize_answer
+from .math_utils import extract_answer, extract_boxed_answer, grade_answer_verl, grade_math_response, normalize_answer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["async_rm", "batched_async_rm", "grade_answer_verl"]
+# Upstream's names that plug-ins import from the package itself.
+__all__ = ["async_rm", "batched_async_rm", "remote_rm", "grade_answer_verl", "extract_boxed_answer",
+           "get_deepscaler_rule_based_reward", "compute_score_dapo", "f1_score", "compute_gpqa_reward"]
 
-RM_TYPES = ("math", "deepscaler", "dapo", "f1", "gpqa", "remote_rm")
+RM_TYPES = ("math", "deepscaler", "dapo", "f1", "gpqa", "remote_rm", "random")
 _REMOTE_RM_RETRIES = 3
 _REMOTE_RM_TIMEOUT_S = 120.0
 _LABEL_WARNINGS_SHOWN = 5  # the first few unreadable labels are quoted; then one line per 100
@@ -84,6 +87,12 @@ def _rule_based(rm_type: str, response: str, label, metadata: dict) -> float | i
     return graders[rm_type]()
 
 
+def random_reward(args, sample: Sample) -> int:
+    """`--rm-type random`: 0 or 1 with equal odds, a baseline that learns nothing (upstream's rm type). Drawn
+    from --seed, the sample index and its response, so a resumed run gives the same rewards."""
+    return random.Random(f"{getattr(args, 'seed', 0)}:{sample.index}:{sample.response}").randint(0, 1)
+
+
 async def remote_rm(args, sample: Sample) -> Any:
     """POST {prompt, response, label} to --rm-url; the JSON reply is the reward."""
     url = getattr(args, "rm_url", None)
@@ -120,6 +129,8 @@ async def async_rm(args, sample: Sample, **kwargs) -> Any:
         # "boxed_<type>": grade only the boxed part of the response
         response = extract_answer(response) or ""
         rm_type = rm_type[len("boxed_") :]
+    if rm_type == "random":
+        return random_reward(args, sample)
     problem = label_problem(rm_type, sample.label, metadata) if rm_type in RM_TYPES else None
     if problem is not None:
         UnreadableLabels.record(rm_type, sample, problem)

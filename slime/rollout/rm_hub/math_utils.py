@@ -175,3 +175,32 @@ def _strip_string(string: str) -> str:
         return "\\frac{1}{2}"
     ratio = re.fullmatch(r"(-?\d+)/(-?\d+)", s)
     return f"\\frac{{{ratio.group(1)}}}{{{ratio.group(2)}}}" if ratio else s
+
+
+# ---------------------------------------------------------------- upstream's names for plug-in authors
+
+def extract_boxed_answer(solution: str) -> str | None:
+    """Content of the last `\\boxed{...}` of `solution`, or None (upstream's name; same as extract_answer)."""
+    return extract_answer(solution)
+
+
+def mathd_normalize_answer(answer: str | None) -> str | None:
+    """The MATH-dataset normalisation of one answer (a surrounding `\\text{...}` dropped first); None stays None."""
+    if answer is None:
+        return None
+    text = str(answer).strip()
+    wrapped = re.fullmatch(r"\\text\{(.+?)\}", text)
+    return _strip_string(wrapped.group(1).strip() if wrapped else text)
+
+
+def grade_answer_mathd(given_answer: str | None, ground_truth: str | None) -> bool:
+    """True when both answers are equal after mathd_normalize_answer."""
+    given, truth = mathd_normalize_answer(given_answer), mathd_normalize_answer(ground_truth)
+    return given is not None and truth is not None and given == truth
+
+
+def grade_answer_sympy(given_answer: str | None, ground_truth: str | None) -> bool:
+    """Upstream's name for its lenient grade. Here it is grade_answer: equal normalised strings or equal numbers
+    (fractions, decimals, percents). Symbolic expressions are not evaluated, since parsing a model's output as
+    Python (what a sympy parse does) would run what the model wrote."""
+    return grade_answer(given_answer, ground_truth)
