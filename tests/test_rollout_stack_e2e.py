@@ -3,11 +3,11 @@
 - default path: the real sglang-router (Rust, from the sglang-router package) in front of two embedded
   engines on their own bundles (not colocated), so weights travel SGLang's distributed way: the engines
   join a gloo group with the trainer's sender and receive broadcasts.
+  The same run samples: over-sampling with the DAPO filter (group 0 scores flat and is dropped), partial
+  rollout (the group in flight when the rollout has its groups is aborted on every engine the router
+  lists, buffered and finished by the next rollout under the next weights).
 - `--use-slime-router --colocate`: the project's router, two ranks and two colocated engines, weights
   through the shared-memory tensor payload.
-- sampling behind the real sglang-router: over-sampling with the DAPO filter (group 0 scores flat and is
-  dropped), partial rollout (the group in flight when the rollout has its groups is aborted on every
-  engine the router lists, buffered and finished by the next rollout under the next weights).
 One small run each (2 engines, 2 rollouts); every assertion shares it.
 """
 from __future__ import annotations
@@ -34,18 +34,17 @@ COMMON = [
 PLUGINS = str(Path(hook_plugins.__file__).resolve())
 SEPARATE = ["--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "2"]
 LAYOUTS = {
-    "sglang_router": SEPARATE,
-    "slime_router": ["--actor-num-nodes", "1", "--actor-num-gpus-per-node", "2", "--colocate",
-                     "--use-slime-router"],
     # 4 groups drawn for 2; one request per engine at a time, so the groups generate one after another, and
     # each sample waits 0.5 s before its reward: the last group is mid-generation when the rollout is full
-    "sglang_router_sampling": [
+    "sglang_router": [
         *SEPARATE, "--over-sampling-batch-size", "4", "--sglang-server-concurrency", "1",
         "--dynamic-sampling-filter-path", "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std",
         "--custom-rm-path", f"{PLUGINS}:first_group_flat_rm", "--rollout-sample-hook-path", f"{PLUGINS}:slow_sample_hook",
         "--partial-rollout", "--rollout-max-response-len", "256"],
+    "slime_router": ["--actor-num-nodes", "1", "--actor-num-gpus-per-node", "2", "--colocate",
+                     "--use-slime-router"],
 }
-ROUTER_LOG = {"sglang_router": "sglang-router-", "slime_router": "slime-router-", "sglang_router_sampling": "sglang-router-"}
+ROUTER_LOG = {"sglang_router": "sglang-router-", "slime_router": "slime-router-"}
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +94,7 @@ def test_the_intended_router_served_the_rollouts(run):
     for engine in engines:  # each engine took every push
         text = engine.read_text()
         assert "updated" in text and "weight_version=2" in text, engine.name
-    if run["name"].startswith("sglang_router"):
+    if run["name"] == "sglang_router":
         assert all("joined weight-update group" in e.read_text() for e in engines)
 
 
@@ -116,7 +115,7 @@ def _engine_logs(run) -> list[str]:
     return [p.read_text() for p in sorted((run["out"] / "ledger" / "engine-logs").glob("embedded-engine-*"))]
 
 
-SAMPLING_RUN = pytest.mark.parametrize("run", ["sglang_router_sampling"], indirect=True)
+SAMPLING_RUN = pytest.mark.parametrize("run", ["sglang_router"], indirect=True)
 
 
 @SAMPLING_RUN
