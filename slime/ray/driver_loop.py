@@ -43,12 +43,11 @@ def run_entry(script: str, train: Callable, check: Callable, argv: list[str] | N
 
 def announce_start(args) -> Console:
     """The run's stdout, opened with what the run starts (before Ray: nothing slow has happened yet)."""
-    from slime.ray.placement import num_engines, trainer_ranks, use_gpus
+    from slime.ray.placement import use_gpus
     from slime.utils.progress_lines import start_line
 
     console = Console(args)
-    console.say(start_line(args, trainer_ranks=trainer_ranks(args), engines=num_engines(args),
-                           device="GPU" if use_gpus(args) else "CPU"))
+    console.say(start_line(args, device="GPU" if use_gpus(args) else "CPU"))
     return console
 
 

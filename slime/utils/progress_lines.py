@@ -128,18 +128,23 @@ def parallel_layout(args) -> str:
     return " x ".join(p for p in parts if p) or "one rank"
 
 
-def start_line(args, *, trainer_ranks: int, engines: int, device: str) -> str:
-    """What the run starts, printed before anything slow happens."""
+def start_line(args, *, device: str) -> str:
+    """What the run starts, printed before anything slow happens (from the flags alone)."""
+    ranks = 0 if getattr(args, "debug_rollout_only", False) else (
+        (getattr(args, "actor_num_nodes", 1) or 1) * (getattr(args, "actor_num_gpus_per_node", 1) or 1))
+    per_engine = getattr(args, "rollout_num_gpus_per_engine", 1) or 1
+    engines = 0 if getattr(args, "debug_train_only", False) else (getattr(args, "rollout_num_gpus", 0) or 0) // per_engine
     what = []
-    if trainer_ranks:
-        what.append(f"{count(trainer_ranks, 'trainer rank')} ({parallel_layout(args)})")
+    if ranks:
+        what.append(f"{count(ranks, 'trainer rank')} ({parallel_layout(args)})")
     if engines:
-        what.append(count(engines, "engine") + (f" of {args.rollout_num_gpus_per_engine} GPUs each"
-                                              if device == "GPU" and args.rollout_num_gpus_per_engine > 1 else ""))
+        what.append(count(engines, "engine") + (f" of {per_engine} GPUs each" if device == "GPU" and per_engine > 1
+                                                else ""))
     mode = "colocated" if getattr(args, "colocate", False) else "engines apart"
-    rollouts = f"{args.num_rollout} rollouts" if getattr(args, "num_rollout", None) else "rollouts by --num-epoch"
-    batch = f"{args.rollout_batch_size} prompts x {args.n_samples_per_prompt} samples"
-    return f"starting: {', '.join(what) or 'nothing'}, {mode}, on {device}; {rollouts} of {batch}"
+    rollouts = getattr(args, "num_rollout", None)
+    batch = f"{getattr(args, 'rollout_batch_size', '?')} prompts x {getattr(args, 'n_samples_per_prompt', 1)} samples"
+    return (f"starting: {', '.join(what) or 'nothing'}, {mode}, on {device}; "
+            f"{f'{rollouts} rollouts' if rollouts else 'rollouts by --num-epoch'} of {batch}")
 
 
 class RolloutProgress:
