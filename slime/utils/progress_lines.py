@@ -28,9 +28,15 @@ def event_line(event: Mapping[str, Any]) -> str:
     return f"[{event['event']} {event['rollout_id']}] " + " ".join(f"{k}={v}" for k, v in shown.items())
 
 
+DEVICE_MEMORY_KEYS = ("allocated_gb", "reserved_gb", "process_gb", "context_and_comm_gb")
+"""Endings of the device-memory figures (peak_reserved_gb included): all 0 without a GPU. The bytes a sleeping
+trainer copied to the host and the seconds it took are not device figures."""
+
+
 def has_memory_figures(event: Mapping[str, Any]) -> bool:
-    """Whether a memory event holds any non-zero figure (on CPU every figure is 0)."""
-    return any(isinstance(v, (int, float)) and v != 0 for k, v in event.items() if k.startswith("memory/"))
+    """Whether a memory event holds a non-zero device-memory figure (on CPU they are all 0)."""
+    return any(isinstance(v, (int, float)) and v != 0 for k, v in event.items()
+               if k.startswith("memory/") and k.endswith(DEVICE_MEMORY_KEYS))
 
 
 def peak_memory_gb(event: Mapping[str, Any] | None) -> float:
