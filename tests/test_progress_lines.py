@@ -23,7 +23,8 @@ from slime.utils.progress_lines import (
 CPU_MEMORY = {"event": "memory", "rollout_id": 3, "memory/engine0_awake_peak_reserved_gb": 0.0,
               "memory/trainer_awake_allocated_gb": 0, "memory/trainer_offloaded_gb": 0.0002,  # host copies, not
               "memory/trainer_sleep_s": 0.0046}                                             # device memory
-GPU_MEMORY = {**CPU_MEMORY, "memory/engine0_awake_peak_reserved_gb": 41.25, "memory/trainer_awake_peak_reserved_gb": 30.0}
+GPU_MEMORY = {**CPU_MEMORY, "memory/engine0_awake_peak_reserved_gb": 41.25,
+              "memory/trainer_awake_peak_reserved_gb": 30.0}
 
 
 def _events(rollout_id: int) -> list[dict]:

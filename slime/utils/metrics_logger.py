@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 
 class MetricsLogger:
-    def __init__(self, args, console: "Console | None" = None):
+    def __init__(self, args, console: Console | None = None):
         self.console = console or Console(args)
         self._sinks = [self.console.event, *_open_sinks(args)]
         self._queue: queue.Queue = queue.Queue()

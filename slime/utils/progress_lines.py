@@ -139,7 +139,8 @@ def start_line(args, *, device: str) -> str:
     ranks = 0 if getattr(args, "debug_rollout_only", False) else (
         (getattr(args, "actor_num_nodes", 1) or 1) * (getattr(args, "actor_num_gpus_per_node", 1) or 1))
     per_engine = getattr(args, "rollout_num_gpus_per_engine", 1) or 1
-    engines = 0 if getattr(args, "debug_train_only", False) else (getattr(args, "rollout_num_gpus", 0) or 0) // per_engine
+    engine_gpus = 0 if getattr(args, "debug_train_only", False) else getattr(args, "rollout_num_gpus", 0) or 0
+    engines = engine_gpus // per_engine
     what = []
     if ranks:
         what.append(f"{count(ranks, 'trainer rank')} ({parallel_layout(args)})")
