@@ -49,6 +49,7 @@ def test_missing_events_leave_their_figures_out():
     assert only_rollout == "rollout 0/2  reward 0.406"
     no_diff = {"train": {"train/loss": 0.5}}
     assert rollout_line(1, None, no_diff) == "rollout 1  loss 0.5"
+    assert rollout_line(1, 2, {"train": {"train/loss": "nan"}}) == "rollout 1/2  loss nan"  # a NaN stays visible
 
 
 def test_memory_figures_show_only_when_not_all_zero():

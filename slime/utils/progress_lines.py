@@ -65,6 +65,8 @@ def count(n: int, noun: str) -> str:
 
 
 def _number(value: Any, fmt: str) -> str | None:
+    if value in ("nan", "inf", "-inf"):  # how the events carry a non-finite figure: shown, never dropped
+        return value
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     return format(value, fmt)
