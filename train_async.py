@@ -17,7 +17,15 @@ import sys
 
 from slime.ray.actor_group import RayTrainGroup, resolve_ledger_dir
 from slime.ray.async_schedule import AsyncSchedule, check_async_args
-from slime.ray.driver_loop import eval_due, log_unless_custom, resume_rollout_id, run_entry, save_due
+from slime.ray.driver_loop import (
+    announce_start,
+    eval_due,
+    log_unless_custom,
+    ray_cluster_step,
+    resume_rollout_id,
+    run_entry,
+    save_due,
+)
 from slime.ray.placement import check_disjoint, create_placement, init_ray, placement_record
 from slime.ray.rollout_manager import create_rollout_manager
 from slime.utils.metrics_logger import MetricsLogger
@@ -30,20 +38,28 @@ def train(args) -> None:
     if getattr(args, "start_rollout_id", None) is None:  # --start-rollout-id wins over --load's position
         args.start_rollout_id = resume_rollout_id(args)
     resolve_ledger_dir(args)
-    init_ray(args)
-    placement = create_placement(args)
+    console = announce_start(args)  # stdout: what starts, each slow start-up step, then a line per rollout
+    with ray_cluster_step(console):
+        init_ray(args)
+        placement = create_placement(args)
     check_disjoint(placement.layout)
-    metrics = MetricsLogger(args)
-    rollout = create_rollout_manager(args, placement)
+    metrics = MetricsLogger(args, console)
+    with console.step("engines: starting", "engines ready"):
+        rollout = create_rollout_manager(args, placement)
     if args.num_rollout is None:  # --num-epoch: as many rollouts as the epochs of prompts take
         args.num_rollout = args.num_epoch * rollout.num_prompts() // args.rollout_batch_size
     actors = None
     try:
-        actors = RayTrainGroup(args, placement)
-        metrics.log("placement", args.start_rollout_id, placement_record(actors.where(), rollout.engine_endpoints()))
-        actors.init(rollout.engine_urls())
+        with console.step("trainer ranks: starting their processes", "trainer ranks started"):
+            actors = RayTrainGroup(args, placement)
+            ranks = actors.where()
+        metrics.log("placement", args.start_rollout_id, placement_record(ranks, rollout.engine_endpoints()))
+        with console.step("trainer ranks: building the model, loading the weights", "trainer ranks initialised"):
+            actors.init(rollout.engine_urls())
         schedule = AsyncSchedule(args, rollout, actors, metrics)
-        schedule.push_weights(args.start_rollout_id - 1)  # the engines start from the trainer's weights
+        with console.step("first weight push", "first weight push done"):
+            schedule.push_weights(args.start_rollout_id - 1)  # the engines start from the trainer's weights
+        console.rollouts_begin()
         schedule.start_generation(args.start_rollout_id)
         for rollout_id in range(args.start_rollout_id, args.num_rollout):
             data_ref = schedule.collect(rollout_id)
@@ -56,6 +72,7 @@ def train(args) -> None:
                 schedule.push_weights(rollout_id)
             if eval_due(args, rollout_id, before_train=False):
                 log_unless_custom(metrics, "eval", rollout_id + 1, schedule.evaluate(rollout_id + 1))
+            metrics.rollout_done(rollout_id)
     finally:
         metrics.close()
         rollout.shutdown()

@@ -151,6 +151,9 @@ class Metrics:
     def log(self, kind, step, values):
         self.events.append((kind, step, values))
 
+    def rollout_done(self, rollout_id):
+        self.events.append(("done", rollout_id, {}))
+
     def close(self):
         pass
 
@@ -164,7 +167,7 @@ def run_loop(monkeypatch, rollout_options=None, **flags):
     monkeypatch.setattr(train_async, "create_rollout_manager",
                         lambda args, placement: FakeRollout(log, **(rollout_options or {})))
     monkeypatch.setattr(train_async, "RayTrainGroup", lambda args, placement: FakeTrainers(log))
-    monkeypatch.setattr(train_async, "MetricsLogger", lambda args: metrics.setdefault("logger", Metrics(args)))
+    monkeypatch.setattr(train_async, "MetricsLogger", lambda args, console: metrics.setdefault("logger", Metrics(args)))
     defaults = dict(load=None, num_rollout=3, num_epoch=None, rollout_batch_size=4, debug_rollout_only=False,
                     debug_train_only=False, offload_train=False, offload_rollout=False, colocate=False,
                     rollout_num_gpus=2, update_weights_interval=1, eval_interval=None, eval_prompt_data=None,
@@ -192,6 +195,8 @@ def test_the_next_rollout_generates_while_this_one_trains_and_pushes_wait_for_it
     train_events = {step: values for kind, step, values in log.events if kind == "train"}
     assert [(v["train/rollout_weight_version"], v["train/trainer_weight_version"]) for v in train_events.values()] == [
         (0.0, 0.0), (0.0, 1.0), (1.0, 2.0)]
+    kinds = [(kind, step) for kind, step, _ in log.events if kind in ("train", "weight_sync", "done") and step >= 0]
+    assert kinds == [(kind, r) for r in range(3) for kind in ("train", "weight_sync", "done")]  # a line per rollout
 
 
 def test_with_an_interval_of_two_the_engines_keep_a_version_for_two_rollouts(monkeypatch):

@@ -7,7 +7,7 @@ import logging
 import sys
 from typing import Callable
 
-from slime.utils.metrics_logger import MetricsLogger
+from slime.utils.metrics_logger import Console, MetricsLogger
 
 
 def run_entry(script: str, train: Callable, check: Callable, argv: list[str] | None, logger: logging.Logger) -> int:
@@ -39,6 +39,25 @@ def run_entry(script: str, train: Callable, check: Callable, argv: list[str] | N
         return 1
     remove_temp_ledger_dir(args)
     return 0
+
+
+def announce_start(args) -> Console:
+    """The run's stdout, opened with what the run starts (before Ray: nothing slow has happened yet)."""
+    from slime.ray.placement import use_gpus
+    from slime.utils.progress_lines import start_line
+
+    console = Console(args)
+    console.say(start_line(args, device="GPU" if use_gpus(args) else "CPU"))
+    return console
+
+
+def ray_cluster_step(console: Console):
+    """The start-up step that starts or joins the Ray cluster and places the job's bundles."""
+    from slime.ray.cluster import cluster_address
+
+    address = cluster_address()
+    return console.step(f"Ray cluster: {'joining ' + address if address else 'starting a private one'}, "
+                        "placing the bundles", "Ray cluster ready, bundles placed")
 
 
 def check_alternating_args(args) -> None:

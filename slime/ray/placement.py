@@ -298,8 +298,9 @@ def create_placement(args, *, use_gpu: bool | None = None, timeout_s: float = 30
     # Read by every server the run starts (engines, router, rendezvous): loopback on one node.
     args.spans_nodes = node_count(layout, driver_node) > 1
     placement = Placement(group=group, use_gpu=use_gpu, layout=layout)
-    logger.info("placement of %d bundles over %d node(s):\n  %s", count, len({b.node_id for b in infos}),
-                "\n  ".join(placement.describe()))
+    # every bundle with --verbose; else stdout's placement line sums it up
+    where = ":\n  " + "\n  ".join(placement.describe()) if getattr(args, "verbose", False) else ""
+    logger.info("placement of %d bundles over %d node(s)%s", count, len({b.node_id for b in infos}), where)
     return placement
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import traceback
 import warnings
@@ -16,6 +17,15 @@ from slime.utils.security import use_key
 # once per module per rank; the choice of leaves is logged once by the model provider instead.
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
 warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor. is deprecated")
+
+
+def quiet_library_warnings() -> None:
+    """Ranks other than 0 drop the libraries' Python warnings and log records below ERROR, which Ray would
+    otherwise echo to the driver once per rank (rank 0 still shows each one; --verbose: every rank does).
+    Errors are untouched: a failing rank's traceback travels with its RankError, its logged errors as before."""
+    warnings.filterwarnings("ignore", module=r"(megatron|torch|transformers|transformer_engine)(\.|$)")
+    for name in ("megatron", "torch", "transformers"):
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 class RankError(RuntimeError):
@@ -63,6 +73,8 @@ class TrainRayActor:
         self.actor = None
         self._store = None  # rank 0: the rendezvous store it hosts
         use_key(args.api_key)  # weight pushes reach the engines with the run's key
+        if rank != 0 and not getattr(args, "verbose", False):
+            quiet_library_warnings()
         # On GPU bundles the rank sees the whole node (placement.py says why) and trains on its
         # bundle's GPU; init_distributed makes LOCAL_RANK the current device.
         self.gpu_ids = [str(g) for g in ray.get_gpu_ids()]

@@ -317,9 +317,10 @@ def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = Fals
     kept = result.kept_groups
     _apply_group_hooks(args, kept, result.all_groups, data_source)
     metrics = {**compute_rollout_metrics(args, flatten_groups(kept)), **result.metrics(args)}
-    logger.info("rollout %d: %d samples in %.1fs, raw reward %.3f, truncated %.2f", rollout_id,
-                len(flatten_groups(kept)), time.monotonic() - start, metrics["rollout/raw_reward"],
-                metrics["rollout/truncated_ratio"])
+    say = logger.info if getattr(args, "verbose", False) else logger.debug  # else: the driver's rollout line
+    say("rollout %d: %d samples in %.1fs, raw reward %.3f, truncated %.2f", rollout_id,
+        len(flatten_groups(kept)), time.monotonic() - start, metrics["rollout/raw_reward"],
+        metrics["rollout/truncated_ratio"])
     return RolloutFnTrainOutput(samples=kept, metrics=metrics)
 
 

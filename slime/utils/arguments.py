@@ -1114,6 +1114,10 @@ def _add_fencing_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--train-backend-device", type=str, default="auto", choices=["auto", "cpu", "cuda"],
                    help="device of the training ranks (auto: cuda when available)")
     g.add_argument("--metrics-jsonl", type=str, default=None, help="append one JSON line of metrics per event here")
+    g.add_argument("--verbose", action="store_true", default=False,
+                   help="print every metrics event on stdout as `[kind k] key=value ...`, the placement of every "
+                        "bundle and every rank's Python warnings (default: one line per rollout; every event "
+                        "still goes to --metrics-jsonl, wandb and TensorBoard)")
     g.add_argument("--ledger-dir", type=str, default=None,
                    help="directory for per-rank collective ledgers and stall reports (default: a temp dir, removed "
                         "after a run that ends cleanly and kept, with its path printed, after a failure)")

@@ -3,33 +3,45 @@
 Ranks never log to external services: they return reduced metrics to the driver, which
 hands them to a background thread. A slow or stuck sink cannot hold a training rank
 (upstream cause 2: rank-0-only blocking logging), and `close()` has a deadline.
+
+Every event reaches every sink unchanged; stdout shows them as the run's progress lines
+(slime/utils/progress_lines.py: one line per rollout, or every event with --verbose).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
 import queue
 import threading
+import time
 from typing import Any
 
+from slime.utils import progress_lines
 from slime.utils.security import public_config
 
 logger = logging.getLogger(__name__)
 
 
 class MetricsLogger:
-    def __init__(self, args):
-        self._sinks = _open_sinks(args)
+    def __init__(self, args, console: Console | None = None):
+        self.console = console or Console(args)
+        self._sinks = [self.console.event, *_open_sinks(args)]
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._drain, name="metrics-logger", daemon=True)
         self._thread.start()
+        self.console.queue_to(self._queue)  # its own lines keep their place among the events from now on
 
     def log(self, kind: str, step: int, metrics: dict[str, Any]) -> None:
         """Queue one event; returns at once."""
         event = {"event": kind, "rollout_id": step, **{k: _plain(v) for k, v in sorted(metrics.items())}}
         self._queue.put(event)
+
+    def rollout_done(self, rollout_id: int) -> None:
+        """Every event of the rollout is logged: stdout gets its line (no other sink sees this)."""
+        self._queue.put(_ConsoleCall(self.console.rollout_done, (rollout_id, time.monotonic())))
 
     def close(self, timeout_s: float = 60.0) -> None:
         self._queue.put(None)
@@ -39,11 +51,88 @@ class MetricsLogger:
 
     def _drain(self) -> None:
         while (event := self._queue.get()) is not None:
+            if isinstance(event, _ConsoleCall):
+                event.run()
+                continue
             for sink in self._sinks:
                 try:
                     sink(event)
                 except Exception:  # a broken sink must not stop training
                     logger.exception("metrics sink %s failed", getattr(sink, "__name__", sink))
+
+
+class _ConsoleCall:
+    """A stdout-only item of the queue: a line or a rollout's end, in order with the events."""
+
+    def __init__(self, call, call_args: tuple) -> None:
+        self.call, self.call_args = call, call_args
+
+    def run(self) -> None:
+        try:
+            self.call(*self.call_args)
+        except Exception:  # a broken line must not stop training
+            logger.exception("progress line failed")
+
+
+class Console:
+    """The run's stdout: the start line and start-up steps, then one line per rollout (every event with
+    --verbose). Before a MetricsLogger drains it, lines are printed at once; after, they go through the
+    logger's queue, so that they keep their place among the events."""
+
+    def __init__(self, args, *, out=None) -> None:
+        self.args = args
+        self.verbose = bool(getattr(args, "verbose", False))
+        self._print = out or (lambda line: print(line, flush=True))
+        self._queue: queue.Queue | None = None
+        self.progress = progress_lines.RolloutProgress(started=time.monotonic())
+
+    def queue_to(self, events: queue.Queue) -> None:
+        self._queue = events
+
+    def say(self, line: str) -> None:
+        """Print `line` (in order with the queued events)."""
+        self._in_order(self._print, line)
+
+    def rollouts_begin(self) -> None:
+        """Start-up is over: the first rollout's time counts from now."""
+        self._in_order(self.progress.mark, time.monotonic())
+
+    def _in_order(self, call, *call_args) -> None:
+        if self._queue is None:
+            call(*call_args)
+        else:
+            self._queue.put(_ConsoleCall(call, call_args))
+
+    @contextlib.contextmanager
+    def step(self, begins: str, ends: str):
+        """A slow start-up step: `begins ...` now, `ends (Ns)` when it is over."""
+        self.say(f"{begins} ...")
+        start = time.monotonic()
+        yield
+        self.say(f"{ends} ({progress_lines.duration(time.monotonic() - start)})")
+
+    def event(self, event: dict) -> None:
+        """One metrics event (the drain thread): printed whole with --verbose; else kept for the rollout's
+        line, an eval or placement as a short line of its own, and any other kind whole."""
+        kind = event["event"]
+        if self.verbose:
+            if kind != "memory" or progress_lines.has_memory_figures(event):  # all zero on CPU: not shown
+                self._print(progress_lines.event_line(event))
+        elif kind == "eval":
+            self._print(progress_lines.eval_line(event))
+        elif kind == "placement":
+            self._print(progress_lines.placement_summary(event))
+        elif kind not in progress_lines.ROLLOUT_KINDS:
+            self._print(progress_lines.event_line(event))
+        elif event["rollout_id"] >= (getattr(self.args, "start_rollout_id", 0) or 0):
+            self.progress.add(event)
+        elif kind == "memory" and progress_lines.has_memory_figures(event):  # start-up (the steps have lines)
+            self._print(f"memory {event['rollout_id']}: peak {progress_lines.peak_memory_gb(event):.1f}G")
+
+    def rollout_done(self, rollout_id: int, now: float) -> None:
+        line = self.progress.done(rollout_id, getattr(self.args, "num_rollout", None), now)
+        if not self.verbose:
+            self._print(line)
 
 
 def _plain(value: Any) -> Any:
@@ -55,7 +144,7 @@ def _plain(value: Any) -> Any:
 
 
 def _open_sinks(args) -> list:
-    sinks = [_stdout_sink]
+    sinks = []
     if getattr(args, "metrics_jsonl", None):
         sinks.append(_jsonl_sink(args.metrics_jsonl))
     if getattr(args, "use_wandb", False):
@@ -63,13 +152,6 @@ def _open_sinks(args) -> list:
     if getattr(args, "use_tensorboard", False) or getattr(args, "tensorboard_dir", None):
         sinks.append(_tensorboard_sink(args))
     return sinks
-
-
-def _stdout_sink(event: dict) -> None:
-    shown = {k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in event.items()
-             if k not in ("event", "rollout_id")}
-    print(f"[{event['event']} {event['rollout_id']}] " + " ".join(f"{k}={v}" for k, v in shown.items()),
-          flush=True)
 
 
 def _jsonl_sink(path: str):
