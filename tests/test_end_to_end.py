@@ -2,9 +2,11 @@
 
 The session's seed recording (conftest.py: the seed's configuration scaled to CPU, 8 ranks = TP2 x SP x
 CP4, colocate, dynamic batches, per-token loss, the project's router, one embedded engine over the 8 GPUs)
-must train every rollout; replays of its first rollout then check layout invariance (1 rank gives
-what the 8 ranks computed) and that a rank with another plan ends the run with a named error instead
-of a hang (the rank that skips a collective is the order proof's fault run, tests/test_order_proof.py).
+must train every rollout; a replay of its first rollout then checks that a rank with another plan ends the
+run with a named error instead of a hang (the rank that skips a collective is the order proof's fault run,
+tests/test_order_proof.py). That the seed's layout computes what one process does (loss, grad norm and
+log-probs of the same step, both loss normalisations, 1e-5) is tests/test_layout_invariance.py's, on the
+real megatron step without a run around it.
 """
 from __future__ import annotations
 
@@ -24,12 +26,6 @@ pytestmark = pytest.mark.e2e
 # (--debug-train-only), but an engine may not span more GPUs than the 4 ranks hold.
 FAULT_REPLAY_LAYOUT = ["--actor-num-gpus-per-node", "4", "--context-parallel-size", "2", "--max-tokens-per-gpu", "96",
                        "--rollout-num-gpus-per-engine", "1"]
-# The recording's budget is 48 tokens per GPU: 48 x CP4 per micro-batch, the same micro-batches on one rank.
-ONE_RANK_LAYOUT = [
-    "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1",
-    "--tensor-model-parallel-size", "1", "--context-parallel-size", "1",
-    "--use-dynamic-batch-size", "--max-tokens-per-gpu", "192", "--calculate-per-token-loss",
-]
 
 
 def replay_flags(recording: dict, layout, metrics: Path, *, fence_timeout: int = 120) -> list[str]:
@@ -58,22 +54,6 @@ def test_seed_configuration_trains_every_rollout(seed_recording):
     memory = [e for e in events.get("memory", []) if "memory/trainer_offloaded_gb" in e]
     assert [e["rollout_id"] for e in memory] == [-1, 0, 1]
     assert all(e["memory/trainer_offloaded_gb"] > 0 for e in memory)
-
-
-@pytest.mark.timeout(600)
-def test_replayed_rollout_on_one_rank_gives_the_eight_rank_steps(seed_recording, tmp_path):
-    """Layout invariance: the recording's first rollout, trained again on one rank from the same checkpoint,
-    gives the loss and grad norm its 8 ranks (TP2 x SP x CP4) computed (a replay on 8 ranks equals the
-    recording exactly: same checkpoint, same data, same seed)."""
-    assert seed_recording["proc"].returncode == 0, "the recording run failed"
-    eight = read_events(seed_recording["metrics"])["train"][0]
-    metrics = tmp_path / "one.jsonl"
-    proc, _ = run_train(replay_flags(seed_recording, ONE_RANK_LAYOUT, metrics), timeout_s=540)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    one = read_events(metrics)["train"][0]
-    assert one["train/num_steps"] == eight["train/num_steps"] == 2
-    for key in ("train/loss", "train/grad_norm", "train/kl_loss", "train/entropy_loss"):
-        assert eight[key] == pytest.approx(one[key], rel=1e-3), f"{key}: 1 rank {one[key]}, 8 ranks {eight[key]}"
 
 
 @pytest.mark.timeout(600)
