@@ -37,7 +37,7 @@ def test_phase_several_windows_long_passes_while_it_progresses_and_fails_once_it
     with pytest.raises(HangError, match=r"phase=actor_train/forward_backward .*no progress for 0.5s"):
         with watchdog.phase("actor_train/forward_backward"):
             _busy(10)
-    assert time.monotonic() - stalled_at < 4 * WINDOW_S + 1.0
+    assert time.monotonic() - stalled_at < 8.0  # the stall alone lasts 10 s; a loaded machine's delay is not 6 s
     watchdog.close()
     ledger.close()
 
@@ -179,7 +179,7 @@ def test_driver_waits_as_long_as_ranks_progress_and_fails_one_window_after_they_
     with pytest.raises(deadline.RankDeadlineError, match=r"phase 'save': no rank made progress .* ranks \[0, 1\]") as err:
         deadline.wait_ranks(["r0", "r1"], phase="save", window_s=0.6, progress=lambda: latest[0],
                             describe_hang=lambda: "THE TABLE", poll_s=0.1)
-    assert time.time() - stopped < 2.0
+    assert time.time() - stopped < 10.0  # one 0.6 s window after the last progress, not the 60 s wait
     assert err.value.details.endswith("THE TABLE") and err.value.ranks == (0, 1)
 
 

@@ -60,8 +60,8 @@ def test_seed_configuration_trains_every_rollout(seed_recording):
 def test_rank_with_another_plan_ends_run_with_named_error(seed_recording, tmp_path):
     """diverge_plan@3: rank 3 claims another micro-batch plan. The plan fence stops every rank with the
     field table (no hang table), naming rank 3 and the phase, through train.py and its driver (the recording
-    replayed on 4 ranks, TP2 x SP x CP2). Every fault kind also runs on the real step's 8 gloo ranks
-    (tests/test_distributed_faults.py, tests/test_distributed_fence.py)."""
+    replayed on 4 ranks, TP2 x SP x CP2). Every hang class also runs on the product's own step on forked
+    gloo ranks (tests/test_step_faults.py)."""
     fence_timeout = 30
     proc, _ = run_train(replay_flags(seed_recording, [*SEED_LAYOUT, *FAULT_REPLAY_LAYOUT], tmp_path / "metrics.jsonl",
                                      fence_timeout=fence_timeout),

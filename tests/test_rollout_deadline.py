@@ -163,7 +163,7 @@ def test_guard_deadline_names_the_requests_outstanding(slow_engine):
     with pytest.raises(RolloutTimeoutError) as raised:
         guard.run("generate", 4, lambda: _post(url, {"input_ids": [1] * 5, "rid": "sample9-x"}), budget_s=1.0,
                   weights_version=None)
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < 30  # the 1 s budget and its report, not a hang
     error = raised.value
     assert "rollout 4: generate did not finish within --rollout-timeout 1s; 1 request(s) outstanding" in str(error)
     assert "rid=sample9-x" in error.details and "5 prompt tokens" in error.details
@@ -194,7 +194,7 @@ def test_guard_ends_the_rollout_when_an_engine_dies_without_fault_tolerance(slow
     finally:
         guard.monitor.close()
         engine.stop()
-    assert time.monotonic() - start < 10  # the process watch, not the 60 s deadline
+    assert time.monotonic() - start < 40  # the process watch, not the 60 s deadline
     message = str(raised.value)
     assert "engine 0 at" in message and "process exited with code -9" in message
     assert "--use-fault-tolerance" in message
@@ -247,7 +247,7 @@ def test_a_hanging_log_hook_ends_in_a_named_error_within_its_window():
     with pytest.raises(RolloutStepTimeoutError, match=r"rollout 4: --custom-rollout-log-function-path .*hanging_"
                                                       r"rollout_log did not return within 1s"):
         manager.generate(4)
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 30  # its 1 s window and the report; the hook alone never returns
     poller.join()
     assert status and 0 < status[0] <= 1.0  # the driver's wait had a deadline while the hook hung
     assert manager.rollout_status()["left_s"] is None  # the call is over
