@@ -23,9 +23,9 @@ SHARED_GROUPS = {
     "test_end_to_end.py": "eight_ranks", "test_order_proof.py": "eight_ranks", "test_learning_demo.py": "eight_ranks",
     "test_learning_demo_moe.py": "eight_ranks",
 }
-LONGEST_FIRST = ("eight_ranks", "test_engine_faults_e2e.py", "test_dropin_e2e.py", "test_exact_resume.py",
-                 "test_rollout_stack_e2e.py", "test_train_async_e2e.py", "test_opd.py", "test_model_families_e2e.py",
-                 "test_multinode_end_to_end.py", "test_logprob_agreement.py")
+LONGEST_FIRST = ("eight_ranks", "test_engine_faults_e2e.py", "test_exact_resume.py", "test_dropin_e2e.py",
+                 "test_train_async_e2e.py", "test_rollout_stack_e2e.py", "test_model_families_e2e.py",
+                 "test_logprob_agreement.py", "test_gpu_driver_cpu.py", "test_opd.py", "test_multinode_end_to_end.py")
 
 
 def worker_group(nodeid: str) -> str:
@@ -33,6 +33,7 @@ def worker_group(nodeid: str) -> str:
     return SHARED_GROUPS.get(file, file)
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: a plain `pytest` run without it is fine too
 def pytest_xdist_make_scheduler(config, log):
     """Whole groups to a worker (pytest-xdist's file scheduling, with the shared groups above)."""
     from xdist.scheduler import LoadFileScheduling
