@@ -94,6 +94,20 @@ def test_an_unexpected_error_after_start_ends_in_its_traceback_and_one_line(laun
     assert os.path.isdir(made["dir"])  # kept for the post-mortem
 
 
+def test_a_dead_ray_address_ends_in_one_line_without_a_traceback(launchable, monkeypatch, caplog):
+    """A stale RAY_ADDRESS is the user's to fix: one 'training stopped' line that says how, no traceback."""
+    from slime.ray.placement import init_ray
+
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")  # nothing listens on port 1
+    monkeypatch.setattr(train, "train", lambda args: init_ray(args))
+    with caplog.at_level(logging.INFO):
+        assert train.main(launchable) == 1
+    stopped = [r.getMessage() for r in caplog.records if r.getMessage().startswith("training stopped:")]
+    assert len(stopped) == 1 and "no Ray cluster answers at 127.0.0.1:1" in stopped[0], stopped
+    assert "ray start --head" in stopped[0]
+    assert not any(r.exc_info for r in caplog.records)
+
+
 def test_a_clean_run_removes_the_temp_ledger_dir_it_made(launchable, monkeypatch, tmp_path):
     made = {}
 

@@ -13,6 +13,7 @@ from slime.utils.metrics_logger import Console, MetricsLogger
 def run_entry(script: str, train: Callable, check: Callable, argv: list[str] | None, logger: logging.Logger) -> int:
     """Parse, refuse what `script` cannot run (exit 2), train; a named failure ends with exit 1 and one line."""
     from slime.ray.actor_group import remove_temp_ledger_dir
+    from slime.ray.cluster import PlacementError
     from slime.ray.deadline import RankWaitError
     from slime.ray.rollout_errors import RolloutError
     from slime.utils.arguments import ArgumentValidationError, check_launch_inputs, parse_args
@@ -27,8 +28,9 @@ def run_entry(script: str, train: Callable, check: Callable, argv: list[str] | N
         return 2
     try:
         train(args)
-    except (RankWaitError, TimeoutError, RolloutError) as exc:
-        # The rank's traceback and one table of every rank, then the one line that matters.
+    except (RankWaitError, TimeoutError, RolloutError, PlacementError) as exc:
+        # The rank's traceback and one table of every rank (a placement error: what to change), then the one
+        # line that matters.
         if getattr(exc, "details", ""):
             logger.error("\n%s", exc.details)
         logger.error("training stopped: %s (ledger dir %s)", exc, args.ledger_dir)
