@@ -251,3 +251,32 @@ def test_a_hanging_log_hook_ends_in_a_named_error_within_its_window():
     poller.join()
     assert status and 0 < status[0] <= 1.0  # the driver's wait had a deadline while the hook hung
     assert manager.rollout_status()["left_s"] is None  # the call is over
+
+
+class _UnpicklableError(Exception):
+    """Like an aiohttp error that holds its session: Ray cannot carry it to the driver."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.session = threading.Lock()
+
+
+def test_any_other_error_of_a_rollout_crosses_to_the_driver_as_a_rollout_error():
+    import pickle
+
+    from slime.ray.rollout_errors import RolloutFailedError
+
+    manager = _manager_with_hanging_log(window_s=1.0)
+
+    def engine_answers_500():
+        raise _UnpicklableError("HTTP 500 from http://127.0.0.1:1/generate")
+
+    manager.guard = types.SimpleNamespace(run=lambda *a, **k: engine_answers_500(), left_s=lambda: None)
+    with pytest.raises(RolloutFailedError) as raised:
+        manager.generate(3)
+    with pytest.raises(TypeError):
+        pickle.dumps(_UnpicklableError("x"))  # what Ray would have had to carry
+    carried = pickle.loads(pickle.dumps(raised.value))
+    assert str(carried) == "generate of rollout 3: _UnpicklableError: HTTP 500 from http://127.0.0.1:1/generate"
+    assert "engine_answers_500" in carried.details  # the manager's traceback travels with it
+

@@ -5,6 +5,9 @@ They cross from the rollout manager to the driver through Ray, which keeps their
 """
 from __future__ import annotations
 
+import functools
+import traceback
+
 
 class RolloutError(RuntimeError):
     def __init__(self, message: str, details: str = "") -> None:
@@ -30,3 +33,26 @@ class EngineFailedError(RolloutError):
 
 class EngineRecoveryError(RolloutError):
     """A failed engine could not be restarted, or did not reach the trainer's weights."""
+
+
+class RolloutFailedError(RolloutError):
+    """Anything else a rollout or eval raised (a plug-in's error, an engine's HTTP 500), as "Type: message" and
+    its traceback: Ray cannot carry every exception to the driver (one holding an HTTP session, one of a class
+    the driver never imported arrives as "Failed to deserialize exception")."""
+
+
+def portable_rollout_errors(method):
+    """A rollout manager call `method(self, rollout_id, ...)` that raises RolloutErrors only, each of which
+    crosses Ray intact."""
+
+    @functools.wraps(method)
+    def call(self, rollout_id: int, *args, **kwargs):
+        try:
+            return method(self, rollout_id, *args, **kwargs)
+        except RolloutError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - re-raised as a portable error with the traceback
+            raise RolloutFailedError(f"{method.__name__} of rollout {rollout_id}: {type(exc).__name__}: {exc}",
+                                     traceback.format_exc()) from None
+
+    return call

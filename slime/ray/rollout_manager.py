@@ -31,7 +31,7 @@ from slime.ray.engine_health import HealthConfig
 from slime.ray.engine_recovery import EngineFleet
 from slime.ray.placement import EngineSlot, Placement
 from slime.ray.rollout_guard import RolloutGuard
-from slime.ray.rollout_errors import RolloutTimeoutError
+from slime.ray.rollout_errors import RolloutTimeoutError, portable_rollout_errors
 from slime.ray.rollout_steps import RolloutSteps
 from slime.ray.rollout_wait import EngineTargets, RolloutWatch, get_result, wait_for_rollout
 from slime.rollout import generation_gate
@@ -118,6 +118,7 @@ class RolloutManager:
     def num_prompts(self) -> int:
         return len(self.data_source)
 
+    @portable_rollout_errors
     def generate(self, rollout_id: int, weights_version: str | None = None
                  ) -> tuple[list[ray.ObjectRef], dict[str, Any]]:
         """One rollout as the trainer's batch, and its metrics ({} when a custom log function took over).
@@ -171,6 +172,7 @@ class RolloutManager:
         check_train_data(data, path)
         return data
 
+    @portable_rollout_errors
     def evaluate(self, rollout_id: int, weights_version: str | None = None) -> dict[str, Any]:
         """Eval metrics ({} when --custom-eval-rollout-log-function-path took over the logging)."""
         with self.steps.call():
