@@ -26,7 +26,7 @@ BANNED = {
     "the machine's image (name the hardware and its software)": r"\b(device|GPU|machine's) image\b|\bthe image lacks\b",
     "upstream #1487's job called 'the seed' (a seed is a random seed; say 'upstream #1487's layout')":
         r"\b[Tt]he seed's\b|\bseed('s)? (layout|recording|configuration|config|flags|recipe|hang|symptom)\b"
-        r"|(?<![A-Za-z])(SEED|seed)_(LAYOUT|RECORDING|FLAGS|layout|recording|configuration|recipe|run)\b",
+        r"|(?<![A-Za-z])(SEED|seed)_(LAYOUT|RECORDING|FLAGS|layout|recording|configuration|recipe|run)(?![A-Za-z0-9])",
 }
 SELF = Path(__file__).resolve()
 
