@@ -33,7 +33,7 @@ test-fast: setup
 demo: setup
 	bash examples/run_cpu_demo.sh
 
-# Record the seed's layout with every rank's collective sequence and regenerate docs/step_sequence.md.
+# Record upstream #1487's layout with every rank's collective sequence and regenerate docs/step_sequence.md.
 step-sequence: setup
 	$(PY) -m slime.tools.record_step_sequence --doc docs/step_sequence.md
 

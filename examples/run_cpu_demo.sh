@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The loop visibly learns, in the seed's layout (upstream issue #1487) on a CPU machine: 8 CPU ranks
+# The loop visibly learns, in upstream #1487's layout on a CPU machine: 8 CPU ranks
 # as TP2 x SP x CP4 with --colocate, dynamic batches, per-token loss, the project's router and one
 # embedded engine over the 8 ranks' GPUs. Task: continue a run of digits ("345" -> "678"), graded digit
 # by digit by the reward plugin examples/counting_reward.py. Model: a random-init tiny Qwen3 over a

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Smoke run of the seed's configuration (upstream issue #1487) scaled to a CPU machine: 8 CPU ranks
+# Smoke run of upstream #1487's configuration scaled to a CPU machine: 8 CPU ranks
 # as TP2 x SP x CP4 with --colocate, dynamic batches, per-token loss, the project's router and one
 # embedded engine per rank, a tiny random-weight Qwen3 with the real Qwen tokenizer, 3 rollouts.
 # Over Qwen's 151,936-token vocabulary a random model earns no math reward: this run shows the

@@ -13,10 +13,10 @@ use_key(ApiKey.generate())  # at import: module-scoped fixtures start servers be
 
 import pytest  # noqa: E402 (after the environment above is set)
 
-SEED_RECORDING_TIMEOUT_S = 480
+ISSUE_RECORDING_TIMEOUT_S = 480
 
 # `make test` runs on two pytest-xdist workers. A file's tests stay on one worker, so a run its module fixture
-# shares happens once. Files named in SHARED_GROUPS share a worker instead: the seed recording is a session
+# shares happens once. Files named in SHARED_GROUPS share a worker instead: the #1487 recording is a session
 # fixture of two files, and the runs of eight ranks (which alone fill two cores) go one after another.
 # Groups start longest first (as measured), the rest in file order.
 SHARED_GROUPS = {
@@ -55,14 +55,14 @@ def pytest_collection_modifyitems(items) -> None:
 
 
 @pytest.fixture(scope="session")
-def seed_recording(tmp_path_factory) -> dict:
-    """The seed's configuration through `python train.py`, every rank's collective sequence recorded
+def issue_recording(tmp_path_factory) -> dict:
+    """Upstream #1487's configuration through `python train.py`, every rank's collective sequence recorded
     (slime.tools.record_step_sequence: 8 ranks TP2 x SP x CP4, --colocate, dynamic batches, per-token
     loss, engines, 2 rollouts of 2 steps). One run per session: the end-to-end tests check what it
     trained and replay its rollouts, the order proof checks its sequences."""
     from slime.tools.record_step_sequence import record
     from train_runs import train_env
 
-    out = tmp_path_factory.mktemp("seed_recording")
-    proc = record(out, [], timeout_s=SEED_RECORDING_TIMEOUT_S, env=train_env())
+    out = tmp_path_factory.mktemp("issue_recording")
+    proc = record(out, [], timeout_s=ISSUE_RECORDING_TIMEOUT_S, env=train_env())
     return {"proc": proc, "out": out, "metrics": out / "metrics.jsonl", "replay": out / "rollout_{rollout_id}.pt"}

@@ -23,7 +23,7 @@ from slime.utils.arguments import (
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FLAGS_REFERENCE = Path(__file__).with_name("flags_reference.txt")
 
-SEED_FLAGS = (
+ISSUE_FLAGS = (
     "--tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 1 "
     "--context-parallel-size 4 --expert-model-parallel-size 1 --expert-tensor-parallel-size 1 "
     "--rollout-batch-size 16 --n-samples-per-prompt 64 --rollout-max-response-len 40000 "
@@ -37,8 +37,8 @@ MINIMAL = ["--rollout-batch-size", "2", "--num-rollout", "1", "--actor-num-gpus-
            "--train-backend-device", "cpu"]
 
 
-def test_seed_configuration_parses_with_upstream_meaning():
-    args = parse_quiet(SEED_FLAGS + ["--num-rollout", "3", "--train-backend-device", "cpu"])
+def test_issue_configuration_parses_with_upstream_meaning():
+    args = parse_quiet(ISSUE_FLAGS + ["--num-rollout", "3", "--train-backend-device", "cpu"])
     assert (args.tensor_model_parallel_size, args.context_parallel_size, args.pipeline_model_parallel_size) == (2, 4, 1)
     assert args.sequence_parallel and args.colocate and args.use_dynamic_batch_size and args.calculate_per_token_loss
     assert args.use_slime_router

@@ -12,7 +12,7 @@ def test_a_world_of_one_caps_every_kind():
     assert single_rank_group_kinds(world_size=1, tensor=1, pipeline=1, context=1, expert=1) == ALL_GROUP_KINDS
 
 
-def test_only_kinds_of_one_rank_are_capped_in_the_seed_layout():
+def test_only_kinds_of_one_rank_are_capped_in_the_issue_layout():
     """8 ranks as TP2 x CP4: DP is 1, so DP, PP, EP and the embedding groups hold one rank; TP, CP and their
     products span ranks and keep NCCL's channels."""
     kinds = single_rank_group_kinds(world_size=8, tensor=2, pipeline=1, context=4, expert=1)

@@ -1,10 +1,10 @@
 """`python train.py` end to end on the embedded default, as a user runs it.
 
-The session's seed recording (conftest.py: the seed's configuration scaled to CPU, 8 ranks = TP2 x SP x
+The session's #1487 recording (conftest.py: upstream #1487's configuration scaled to CPU, 8 ranks = TP2 x SP x
 CP4, colocate, dynamic batches, per-token loss, the project's router, one embedded engine over the 8 GPUs)
 must train every rollout; a replay of its first rollout then checks that a rank with another plan ends the
 run with a named error instead of a hang (the rank that skips a collective is the order proof's fault run,
-tests/test_order_proof.py). That the seed's layout computes what one process does (loss, grad norm and
+tests/test_order_proof.py). That upstream #1487's layout computes what one process does (loss, grad norm and
 log-probs of the same step, both loss normalisations, 1e-5) is tests/test_layout_invariance.py's, on the
 real megatron step without a run around it.
 """
@@ -14,10 +14,10 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import SEED_RECORDING_TIMEOUT_S
+from conftest import ISSUE_RECORDING_TIMEOUT_S
 from train_runs import assert_named_stop, read_events, run_train
 
-from slime.tools.record_step_sequence import RUN, SEED_LAYOUT
+from slime.tools.record_step_sequence import RUN, ISSUE_LAYOUT
 
 pytestmark = pytest.mark.e2e
 
@@ -37,11 +37,11 @@ def replay_flags(recording: dict, layout, metrics: Path, *, fence_timeout: int =
             "--metrics-jsonl", str(metrics)]
 
 
-@pytest.mark.timeout(SEED_RECORDING_TIMEOUT_S + 60)
-def test_seed_configuration_trains_every_rollout(seed_recording):
-    proc = seed_recording["proc"]
+@pytest.mark.timeout(ISSUE_RECORDING_TIMEOUT_S + 60)
+def test_issue_configuration_trains_every_rollout(issue_recording):
+    proc = issue_recording["proc"]
     assert proc.returncode == 0, proc.stderr[-4000:]
-    events = read_events(seed_recording["metrics"])
+    events = read_events(issue_recording["metrics"])
     train, sync = events.get("train", []), events.get("weight_sync", [])
     assert [e["rollout_id"] for e in train] == [0, 1]
     for event in train:
@@ -57,13 +57,13 @@ def test_seed_configuration_trains_every_rollout(seed_recording):
 
 
 @pytest.mark.timeout(600)
-def test_rank_with_another_plan_ends_run_with_named_error(seed_recording, tmp_path):
+def test_rank_with_another_plan_ends_run_with_named_error(issue_recording, tmp_path):
     """diverge_plan@3: rank 3 claims another micro-batch plan. The plan fence stops every rank with the
     field table (no hang table), naming rank 3 and the phase, through train.py and its driver (the recording
     replayed on 4 ranks, TP2 x SP x CP2). Every hang class also runs on the product's own step on forked
     gloo ranks (tests/test_step_faults.py)."""
     fence_timeout = 30
-    proc, _ = run_train(replay_flags(seed_recording, [*SEED_LAYOUT, *FAULT_REPLAY_LAYOUT], tmp_path / "metrics.jsonl",
+    proc, _ = run_train(replay_flags(issue_recording, [*ISSUE_LAYOUT, *FAULT_REPLAY_LAYOUT], tmp_path / "metrics.jsonl",
                                      fence_timeout=fence_timeout),
                         timeout_s=480, env_extra={"SLIME_FAULT_INJECT": "diverge_plan@3#0"})
     assert_named_stop(proc, phase=r"actor_train/plan", rank=3, fence_timeout_s=fence_timeout, tables=0)

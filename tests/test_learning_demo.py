@@ -1,4 +1,4 @@
-"""`make demo` learns: examples/run_cpu_demo.sh as users run it (the seed's layout, 8 CPU ranks as TP2 x SP x CP4,
+"""`make demo` learns: examples/run_cpu_demo.sh as users run it (upstream #1487's layout, 8 CPU ranks as TP2 x SP x CP4,
 --colocate, dynamic batch, per-token loss, the router, 20 rollouts of the counting task from random weights).
 
 One run (~100 s on 2 cores) checks that the mean reward of the last 3 rollouts is well above rollout 0's (the
@@ -54,7 +54,7 @@ def test_reward_rises_from_random_weights(demo):
 
 
 @pytest.mark.timeout(800)
-def test_every_weight_sync_of_the_seed_layout_is_confirmed_by_the_log_probs(demo):
+def test_every_weight_sync_of_the_issue_layout_is_confirmed_by_the_log_probs(demo):
     diffs = _series(demo["events"], "train", "train/train_rollout_logprob_abs_diff")
     assert len(diffs) == NUM_ROLLOUTS and all(0.0 <= d <= AGREEMENT for d in diffs), diffs
     assert _series(demo["events"], "weight_sync", "weight_sync/version") == list(range(NUM_ROLLOUTS + 1))

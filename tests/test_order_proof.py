@@ -1,6 +1,6 @@
 """The order proof on the real step: `python train.py` with every rank's whole collective sequence recorded.
 
-The main run is the session's seed recording (conftest.py; slime.tools.record_step_sequence: 8 ranks,
+The main run is the session's #1487 recording (conftest.py; slime.tools.record_step_sequence: 8 ranks,
 TP2 x SP x CP4, --colocate, dynamic batches, per-token loss, one engine, 2 rollouts of 2 steps with
 sleep/wake and the weight sync). For every process group, all of its members must have recorded the
 same sequence of (op, shape, dtype); the same on 4 ranks as TP2 x DP2 with
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SEED_RECORDING_TIMEOUT_S
+from conftest import ISSUE_RECORDING_TIMEOUT_S
 from train_runs import assert_named_stop, train_env
 
 from slime.distributed.order_proof import check_order, read_sequences
@@ -27,7 +27,7 @@ from slime.tools.render_step_sequence import render, rollout_windows
 pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[1]
-RUN_TIMEOUT_S = SEED_RECORDING_TIMEOUT_S
+RUN_TIMEOUT_S = ISSUE_RECORDING_TIMEOUT_S
 
 
 def _metrics(out: Path) -> dict[str, list[dict]]:
@@ -75,27 +75,27 @@ def _assert_proof_holds(run: dict, *, sizes: dict[str, int]) -> None:
 
 
 @pytest.fixture(scope="module")
-def seed_run(seed_recording) -> dict:
-    return _read_run(seed_recording["proc"], seed_recording["out"])
+def issue_run(issue_recording) -> dict:
+    return _read_run(issue_recording["proc"], issue_recording["out"])
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)
-def test_every_group_records_one_sequence_on_the_seed_layout(seed_run):
-    _assert_proof_holds(seed_run, sizes={"world": 8, "tp": 2, "cp": 4, "dp": 1, "dp_cp": 4})
+def test_every_group_records_one_sequence_on_the_issue_layout(issue_run):
+    _assert_proof_holds(issue_run, sizes={"world": 8, "tp": 2, "cp": 4, "dp": 1, "dp_cp": 4})
 
 
 @pytest.mark.timeout(120)
-def test_recorded_plan_has_uneven_steps_and_uneven_cp_slices(seed_run):
-    """The conditions of the seed's hang held in this run: recomputed from the saved rollouts, the plans
+def test_recorded_plan_has_uneven_steps_and_uneven_cp_slices(issue_run):
+    """The conditions of upstream #1487's hang held in this run: recomputed from the saved rollouts, the plans
     equal what every rank claimed at the plan fence, and their CP slices carry unequal loss tokens (some none)."""
     from slime.backends.megatron_utils.data import pack_micro_batch, plans_from_rollout
     from slime.rollout.advantages import samples_to_train_data
     from slime.utils.arguments import parse_args
     from slime.utils.types import Sample
 
-    out = seed_run["out"]
+    out = issue_run["out"]
     args = parse_args(train_flags(out))
-    claimed = _plan_notes(seed_run["sequences"])
+    claimed = _plan_notes(issue_run["sequences"])
     assert [c["rollout_id"] for c in claimed] == [0, 1]
     for rollout_id, plan_fields in enumerate(claimed):
         saved = torch.load(out / f"rollout_{rollout_id}.pt", weights_only=False)
@@ -109,9 +109,9 @@ def test_recorded_plan_has_uneven_steps_and_uneven_cp_slices(seed_run):
 
 
 @pytest.mark.timeout(120)
-def test_committed_step_sequence_doc_is_the_render_of_a_fresh_run(seed_run):
+def test_committed_step_sequence_doc_is_the_render_of_a_fresh_run(issue_run):
     committed = (ROOT / "docs" / "step_sequence.md").read_text()
-    fresh = render(seed_run["sequences"], rollout_index=1, rank=0)
+    fresh = render(issue_run["sequences"], rollout_index=1, rank=0)
     assert fresh == committed, "docs/step_sequence.md is stale: run `make step-sequence` and commit the result"
 
 
@@ -131,12 +131,12 @@ def test_every_group_records_one_sequence_on_tp2_dp2_with_recreated_process_grou
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)
-def test_skipped_collective_in_the_real_step_breaks_the_proof(seed_run, tmp_path):
+def test_skipped_collective_in_the_real_step_breaks_the_proof(issue_run, tmp_path):
     """skip_collective@3: rank 3 drops the first collective of its forward/backward (the recording's first
     rollout replayed on 4 ranks as CP4: a group of more than two, so the proof can tell which member
     deviated). The run stops with a named error and one hang table, and its recorded sequences (as far as
     each rank got) name rank 3 on its CP group."""
-    replay = ["--load-debug-rollout-data", str(seed_run["out"] / "rollout_{rollout_id}.pt"), "--num-rollout", "1",
+    replay = ["--load-debug-rollout-data", str(issue_run["out"] / "rollout_{rollout_id}.pt"), "--num-rollout", "1",
               "--debug-train-only", "--actor-num-gpus-per-node", "4", "--tensor-model-parallel-size", "1",
               "--rollout-num-gpus-per-engine", "1"]  # no engines run; one may not span more GPUs than 4
     fence_timeout = 30

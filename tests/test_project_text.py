@@ -24,6 +24,9 @@ BANNED = {
     "the time the hardware was held for": r"\b(device|GPU) time (was )?(spent|left|budget)|\bdevice time\b",
     "a limit of the tool that ran it": r"\b(per-)?call limit\b",
     "the machine's image (name the hardware and its software)": r"\b(device|GPU|machine's) image\b|\bthe image lacks\b",
+    "upstream #1487's job called 'the seed' (a seed is a random seed; say 'upstream #1487's layout')":
+        r"\b[Tt]he seed's\b|\bseed('s)? (layout|recording|configuration|config|flags|recipe|hang|symptom)\b"
+        r"|(?<![A-Za-z])(SEED|seed)_(LAYOUT|RECORDING|FLAGS|layout|recording|configuration|recipe|run)(?![A-Za-z0-9])",
 }
 SELF = Path(__file__).resolve()
 
@@ -52,12 +55,17 @@ def test_the_patterns_catch_what_they_name():
     samples = ["measured in session 3", "see issue 15", "2 GPUs were not lent", "one device call",
                "nvidia-h200-x2", "carry .whl/", "Helper C's engine", "call 3 (488 s)", "Calls 1 and 2",
                "the last 125 s of device time", "cut by the call limit", "the per-call limit",
-               "no SGLang on the device image", "the image lacks Ray"]
+               "no SGLang on the device image", "the image lacks Ray",
+               "the seed's layout", "The seed's 8-GPU flags", "seed layout", "the seed layout's CPU runs",
+               "seed recording", "the seed's flags", "SEED_LAYOUT", "def seed_recording(tmp_path_factory)",
+               "test_seed_configuration_trains_every_rollout", "seed_run"]
     for sample in samples:
         assert any(re.search(p, sample) for p in BANNED.values()), sample
     for fine in ["upstream #1487", "a weight-update session", "one H200", "two H200s", "issue #2168", "run 3 (488 s)",
                  "calls `.tolist()` on the GPU", "a per-call cost", "device to device 2094 GB/s",
-                 "the 600 s timeout"]:
+                 "the 600 s timeout", "--seed 1234", "a random seed", "the same seed", "sampling seed",
+                 "sampling_seed", "seed_model_parallel(args)", "SEED_RANGE", "test_same_seed_same_weights",
+                 "the seed, not the prompt, fixes the draws", "over three seeds", "ISSUE_LAYOUT"]:
         assert not any(re.search(p, fine) for p in BANNED.values()), fine
 
 

@@ -1,4 +1,4 @@
-"""The cluster recipe a slime user follows (examples/run_qwen3_4b_seed.sh) must fit the model it names.
+"""The cluster recipe a slime user follows (examples/run_qwen3_4b_issue1487.sh) must fit the model it names.
 
 The script is run with a stand-in `python` that records its argv; those flags are then parsed by the
 real parser and checked by the real model builder against Qwen3-4B's own config.json (tied embeddings,
@@ -38,12 +38,12 @@ def recorded_argv(tmp_path: Path) -> list[str]:
     data.write_text(json.dumps({"prompt": "1+1?", "label": "2"}) + "\n")
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "HF": str(hf), "DATA": str(data),
            "OUT": str(tmp_path / "out")}
-    subprocess.run(["bash", str(ROOT / "examples" / "run_qwen3_4b_seed.sh")], env=env, check=True, timeout=60)
+    subprocess.run(["bash", str(ROOT / "examples" / "run_qwen3_4b_issue1487.sh")], env=env, check=True, timeout=60)
     assert (tmp_path / "out").is_dir(), "the recipe must create the directory its metrics go to"
     return record.read_text().splitlines()
 
 
-def test_seed_recipe_parses_and_matches_qwen3_4b(tmp_path):
+def test_issue_recipe_parses_and_matches_qwen3_4b(tmp_path):
     from transformers import AutoConfig
 
     from slime.backends.megatron_utils.model import transformer_config_from_hf

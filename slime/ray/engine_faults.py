@@ -3,7 +3,7 @@ rollout manager into the engine's process tree while rollout <rollout_id> genera
 
   kill_engine@<engine>[#<rollout_id>]   SIGKILL: the engine process exits mid-generation
   stall_engine@<engine>[#<rollout_id>]  SIGSTOP: it stops answering anything, /health included, with its
-                                        connections open (the seed's symptom: nothing moves, nothing fails)
+                                        connections open (upstream #1487's symptom: nothing moves, nothing fails)
 
 "Mid-generation": the signal goes out once the engine reports running requests (the embedded engine's
 /server_info; an engine that does not report them gets it after FIRE_AFTER_S); a fault whose

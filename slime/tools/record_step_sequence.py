@@ -1,8 +1,8 @@
-"""Record the seed's layout with every rank's whole collective sequence; optionally check and render it.
+"""Record upstream #1487's layout with every rank's whole collective sequence; optionally check and render it.
 
     python -m slime.tools.record_step_sequence --out DIR [--doc docs/step_sequence.md] [-- train.py flags]
 
-Runs `python train.py` on the embedded CPU default with the seed's layout (8 ranks = TP2 x SP x CP4,
+Runs `python train.py` on the embedded CPU default with upstream #1487's layout (8 ranks = TP2 x SP x CP4,
 --colocate, dynamic batches, per-token loss, one embedded engine over the 8 ranks' GPUs, the project's router)
 for 2 rollouts, each of 2 steps, with `--ledger-record-sequence`: DIR/ledger/sequence_rank<N>.jsonl.
 The prompts alternate a short and a long one and each step trains on one prompt's samples, so
@@ -33,7 +33,7 @@ PROMPTS = (  # short, long, short, long: one prompt per training step (2 prompts
                "to neighbours. How many loaves are left? Put the final answer in \\boxed{}.", "label": "10"},
 )
 
-SEED_LAYOUT = (
+ISSUE_LAYOUT = (
     "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "8", "--colocate",
     "--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "1",
     "--context-parallel-size", "4",
@@ -66,7 +66,7 @@ def train_flags(out: Path, *, fence_timeout: float = 120) -> list[str]:
     """train.py's flags for a recording into `out` (assets from write_assets)."""
     return [
         "--hf-checkpoint", str(out / "tiny-qwen3"), "--prompt-data", str(out / "prompts.jsonl"),
-        *SEED_LAYOUT, *RUN, "--fence-timeout", str(fence_timeout),
+        *ISSUE_LAYOUT, *RUN, "--fence-timeout", str(fence_timeout),
         "--metrics-jsonl", str(out / "metrics.jsonl"),
         "--save-debug-rollout-data", str(out / "rollout_{rollout_id}.pt"),
         "--ledger-dir", str(out / "ledger"), "--ledger-record-sequence",

@@ -3,7 +3,7 @@
     python -m slime.tools.render_step_sequence LEDGER_DIR --out docs/step_sequence.md [--rollout 1] [--rank 0]
 
 LEDGER_DIR is the --ledger-dir of a run made with --ledger-record-sequence (`make step-sequence`
-records one with the seed's layout and renders it). The page lists the phases of one rollout in
+records one with upstream #1487's layout and renders it). The page lists the phases of one rollout in
 the order they ran (wake, plan, log-probs, each training step, exit, sleep, the weight sync) and,
 per phase, the collectives of every group as one rank recorded them; repeats are folded
 ("(a, b) x2"). The order proof (slime.distributed.order_proof) is run on the same files and its

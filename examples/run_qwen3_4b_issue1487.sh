@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The seed's 8-GPU configuration (upstream issue #1487) on a cluster node with SGLang and
+# Upstream #1487's 8-GPU configuration on a cluster node with SGLang and
 # TransformerEngine installed (README, "Running on a cluster"). HF, DATA and OUT are placeholders.
 # Model flags are Qwen3-4B's own config.json: 36 layers, hidden 2560, 32 query / 8 KV heads of 128,
 # FFN 9728, rope base 1e6, and TIED embeddings (tie_word_embeddings: true), so no
@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 HF=${HF:-/models/Qwen3-4B}
 DATA=${DATA:-/data/dapo-math-17k.jsonl}
-OUT=${OUT:-outputs/seed}
+OUT=${OUT:-outputs/issue1487}
 mkdir -p "$OUT"
 
 MODEL_ARGS=(
