@@ -94,10 +94,8 @@ class RayTestCluster:
 # One single-node cluster per test process (each pytest-xdist worker has its own), sized for the largest run:
 # every train.py run the tests start joins it (tests/train_runs.py: train_env) instead of starting Ray's own
 # processes again. Runs that must own their cluster (a run-kill fault takes the run's whole session down,
-# the two-node runs) do not use it. Ray's idle workers are not prestarted: every actor of a run carries a runtime
-# env, which a prestarted default worker cannot serve, so each would only spend a core-second importing Ray.
-SHARED_NODE = {"num_cpus": 32, "object_store_memory": 2 * 1024**3,
-               "_system_config": {"enable_worker_prestart": False, "prestart_worker_first_driver": False}}
+# the two-node runs) do not use it.
+SHARED_NODE = {"num_cpus": 32, "object_store_memory": 2 * 1024**3}
 _shared: RayTestCluster | None = None
 
 

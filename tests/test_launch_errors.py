@@ -96,10 +96,11 @@ def test_an_unexpected_error_after_start_ends_in_its_traceback_and_one_line(laun
 
 def test_a_dead_ray_address_ends_in_one_line_without_a_traceback(launchable, monkeypatch, caplog):
     """A stale RAY_ADDRESS is the user's to fix: one 'training stopped' line that says how, no traceback."""
-    from slime.ray.placement import init_ray
+    from slime.ray.cluster import cluster_address, require_reachable
 
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")  # nothing listens on port 1
-    monkeypatch.setattr(train, "train", lambda args: init_ray(args))
+    # what init_ray does first when it joins a cluster (this test process may hold a Ray connection already)
+    monkeypatch.setattr(train, "train", lambda args: require_reachable(cluster_address()))
     with caplog.at_level(logging.INFO):
         assert train.main(launchable) == 1
     stopped = [r.getMessage() for r in caplog.records if r.getMessage().startswith("training stopped:")]
