@@ -243,3 +243,32 @@ def test_a_hook_package_whose_init_fails_is_named_not_called_missing(tmp_path, m
     assert "importing the module of 'brokenpkg_xyz.rewards.reward' failed" in err
     assert f"{package / '__init__.py'}:1: ModuleNotFoundError" in err and "another_missing_dependency_xyz" in err
     assert "cannot find the module" not in err and "Traceback" not in err
+
+
+def _actor_died(never_started: bool):
+    from ray.core.generated.common_pb2 import ActorDiedErrorContext
+    from ray.exceptions import ActorDiedError
+
+    return ActorDiedError(ActorDiedErrorContext(class_name="RolloutManager", actor_id=b"\0" * 16,
+                                                never_started=never_started, error_message="references removed"))
+
+
+@pytest.mark.parametrize("deaths, started", [((True,), 2), ((False,), 1), ((True, True), 2)])
+def test_an_actor_ray_cancelled_before_it_ran_is_started_once_more(deaths, started, caplog):
+    from slime.ray.cluster import retry_if_cancelled_before_start
+
+    calls = []
+
+    def start():
+        calls.append(1)
+        if len(calls) <= len(deaths):
+            raise _actor_died(deaths[len(calls) - 1])
+        return "handle"
+
+    if deaths == (True,):
+        assert retry_if_cancelled_before_start(start, "the rollout manager") == "handle"
+        assert "cancelled the rollout manager before it started" in caplog.text
+    else:  # a death after its constructor ran, or a second cancellation, is the run's error
+        with pytest.raises(Exception, match="RolloutManager"):
+            retry_if_cancelled_before_start(start, "the rollout manager")
+    assert len(calls) == started

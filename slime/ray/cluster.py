@@ -12,10 +12,12 @@ import logging
 import os
 import socket
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import ray
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NOSET_VISIBLE_DEVICES = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
@@ -76,6 +78,27 @@ def worker_env(use_gpu: bool) -> dict[str, str]:
     if use_gpu:
         env[NOSET_VISIBLE_DEVICES] = "1"
     return env
+
+
+def cancelled_before_start(err: BaseException) -> bool:
+    """Whether Ray reports an actor as cancelled before its constructor ran (nothing of it ever ran).
+    Ray keeps only the message of the death's cause on the error, so the message is what is read."""
+    return isinstance(err, ray.exceptions.ActorDiedError) and "it was cancelled before it started running" in str(err)
+
+
+def retry_if_cancelled_before_start(start: Callable[[], T], what: str) -> T:
+    """start() once more when Ray cancelled the actor it made before the actor ran.
+
+    Seen on a cluster whose drivers come and go: Ray's control store cancels a new driver's first
+    actor before it runs, as if the driver had dropped it. Nothing of it ran, so starting it again is
+    safe; any other death (its constructor raised, its process died) is the run's error."""
+    try:
+        return start()
+    except ray.exceptions.ActorDiedError as err:
+        if not cancelled_before_start(err):
+            raise
+        logger.warning("Ray cancelled %s before it started; starting it again", what)
+    return start()
 
 
 def node_address() -> str:

@@ -25,7 +25,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from slime.backends.sglang_utils.http_client import SGLangHTTPClient
 from slime.backends.sglang_utils.launcher import pick_rollout_backend
 from slime.distributed.fault_inject import maybe_kill_run
-from slime.ray.cluster import advertised_host, serving_host, worker_env
+from slime.ray.cluster import advertised_host, retry_if_cancelled_before_start, serving_host, worker_env
 from slime.ray.engine_actor import EngineEndpoint, EngineRayActor, RemoteEngine
 from slime.ray.engine_health import HealthConfig
 from slime.ray.engine_recovery import EngineFleet
@@ -425,8 +425,12 @@ def create_rollout_manager(args, placement: Placement) -> RolloutManagerHandle:
     # the data paths parse_args checked there are the ones it reads. Threaded, so the driver can poll
     # a rollout's status while it generates (RolloutManager.rollout_status).
     here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
-    actor = ray.remote(num_cpus=0, max_concurrency=4)(RolloutManager).options(
-        scheduling_strategy=here, runtime_env={"env_vars": worker_env(placement.use_gpu)}).remote(args, placement)
-    handle = RolloutManagerHandle(actor, args)
-    handle.wait_ready()
-    return handle
+    manager = ray.remote(num_cpus=0, max_concurrency=4)(RolloutManager).options(
+        scheduling_strategy=here, runtime_env={"env_vars": worker_env(placement.use_gpu)})
+
+    def start() -> RolloutManagerHandle:
+        handle = RolloutManagerHandle(manager.remote(args, placement), args)
+        handle.wait_ready()
+        return handle
+
+    return retry_if_cancelled_before_start(start, "the rollout manager")
