@@ -39,7 +39,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from slime_plugins.models import fused_kernels
+from slime.models import fused_kernels
 
 _APPLIED = False
 

@@ -32,7 +32,7 @@ import patches
 from slime.checkpoint import contents, durable, rng
 from slime.checkpoint.contents import latest_iteration
 from slime.distributed.fault_inject import maybe_kill_run
-from slime_plugins.models.hf_weights import export_hf_weights, load_hf_weights
+from slime.models.hf_weights import export_hf_weights, load_hf_weights
 
 __all__ = ["save_checkpoint", "load_checkpoint", "load_model_weights", "latest_iteration", "load_hf_weights",
            "export_hf_weights", "save_hf_checkpoint", "load_reference", "restore_rng", "holds"]

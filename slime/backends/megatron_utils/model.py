@@ -1,7 +1,7 @@
 """Build the megatron-core GPT model, its DDP wrapper, optimizer and LR scheduler.
 
 Leaf choice is made once here: megatron's local spec with our SP-capable norm and CP/THD-capable
-core attention (slime_plugins/models), the path measured on CPU and GPUs; TransformerEngine's spec
+core attention (slime/models), the path measured on CPU and GPUs; TransformerEngine's spec
 only with `--transformer-impl transformer_engine`. Everything above this module is the same on both.
 """
 
@@ -33,9 +33,9 @@ from megatron.core.transformer.transformer_block import (  # noqa: E402
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig  # noqa: E402
 
 from slime.backends.megatron_utils import moe  # noqa: E402
-from slime_plugins.models import deepseek_v3, fused_kernels, glm4  # noqa: E402
-from slime_plugins.models.local_spec import dense_layer_spec  # noqa: E402
-from slime_plugins.models.sp_norm import SequenceParallelNorm  # noqa: E402
+from slime.models import deepseek_v3, fused_kernels, glm4  # noqa: E402
+from slime.models.local_spec import dense_layer_spec  # noqa: E402
+from slime.models.sp_norm import SequenceParallelNorm  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -213,7 +213,7 @@ def _family_config(hf_config: Any, args: Namespace) -> tuple[type, dict[str, Any
 
 
 def fused_kernel_impl(args: Namespace) -> str:
-    """"compile" or "eager": what --fused-kernels picks on this machine (slime_plugins/models/fused_kernels.py)."""
+    """"compile" or "eager": what --fused-kernels picks on this machine (slime/models/fused_kernels.py)."""
     return fused_kernels.resolve(getattr(args, "fused_kernels", "auto"), "cuda" if torch.cuda.is_available() else "cpu")
 
 

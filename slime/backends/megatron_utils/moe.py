@@ -1,7 +1,7 @@
 """Mixture-of-experts for the megatron builder: the MoE fields of TransformerConfig, the MoE layer spec,
 the checks of --num-experts / EP / top-k against the HF config, and the aux-loss scale of a step.
 
-The HF side (what an MoE checkpoint holds and how its names map) lives in slime_plugins/models/qwen3_moe.py
+The HF side (what an MoE checkpoint holds and how its names map) lives in slime/models/qwen3_moe.py
 and deepseek_v3.py (one MoEArchitecture each); this module speaks megatron. The router (score function,
 expert bias, top-k scaling, group-limited routing) and the shared expert come from the HF config: a flag
 that says otherwise is refused, since the engines run the HF model. Training-only router knobs (aux-loss
@@ -19,8 +19,8 @@ from typing import Any, Iterator
 
 import torch
 
-from slime_plugins.models.moe_arch import MoEArchitecture
-from slime_plugins.models.qwen3_moe import moe_architecture
+from slime.models.moe_arch import MoEArchitecture
+from slime.models.qwen3_moe import moe_architecture
 
 
 class MoEConfigError(ValueError):

@@ -40,7 +40,7 @@ from slime.backends.sglang_utils.http_client import ClientTimeouts, SGLangHTTPCl
 from slime.distributed.errors import CollectiveDivergenceError, DistributedStepError
 from slime.distributed.fault_inject import apply_weight_push_fault
 from slime.distributed.fingerprint import stable_hash
-from slime_plugins.models.hf_weights import _unwrap, export_hf_weights, hf_tensor_shapes
+from slime.models.hf_weights import _unwrap, export_hf_weights, hf_tensor_shapes
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2  # upstream's --update-weight-buffer-size default
 

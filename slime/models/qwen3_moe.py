@@ -24,8 +24,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from slime_plugins.models import deepseek_v3
-from slime_plugins.models.moe_arch import MoEArchitecture
+from slime.models import deepseek_v3
+from slime.models.moe_arch import MoEArchitecture
 
 MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe")
 

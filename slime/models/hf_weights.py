@@ -11,7 +11,7 @@ megatron layouts that differ from HF:
 - linear_fc1: TP rank r holds [gate_r; up_r]; the full tensor is the concatenation over r.
 - vocabulary rows padded with zeros to the model's padded vocab size.
 Both local-spec names (input_layernorm) and TE-spec names (linear_qkv.layer_norm_weight) are handled.
-MoE layers (router, routed and shared experts) take their names from slime_plugins/models/qwen3_moe.py;
+MoE layers (router, routed and shared experts) take their names from slime/models/qwen3_moe.py;
 routed experts are sharded over expert-parallel ranks (each holds E/EP of them) and over the expert-TP
 group instead of TP: load reads only this rank's experts, the export all-gathers them over EP so every
 exporter yields all experts, in a fixed order (local expert i of EP rank 0, 1, ..., then i+1).
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from slime_plugins.models import deepseek_v3, glm4, qwen3_moe
+from slime.models import deepseek_v3, glm4, qwen3_moe
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from slime_plugins.models.cp_attention import ContextParallelAttention
-from slime_plugins.models.sp_norm import SequenceParallelNorm
+from slime.models.cp_attention import ContextParallelAttention
+from slime.models.sp_norm import SequenceParallelNorm
 
 
 def dense_layer_spec(config: TransformerConfig) -> ModuleSpec:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from slime_plugins.models import fused_kernels
+from slime.models import fused_kernels
 
 
 class SequenceParallelNorm(torch.nn.Module):

@@ -147,8 +147,8 @@ def mla_layer_spec(config: Any, mlp: Any = None):
     replaces the dense MLP spec (an MoE layer's)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from slime_plugins.models.cp_attention import ContextParallelAttention
-    from slime_plugins.models.sp_norm import SequenceParallelNorm
+    from slime.models.cp_attention import ContextParallelAttention
+    from slime.models.sp_norm import SequenceParallelNorm
 
     spec = get_gpt_layer_local_spec(multi_latent_attention=True, qk_layernorm=True, normalization="RMSNorm")
     sub = spec.submodules
@@ -226,7 +226,7 @@ def moe_architecture(hf_config: Any):
     renormalised over the k then scaled by routed_scaling_factor (moe_router_topk_scaling_factor), and
     n_shared_experts * moe_intermediate_size wide shared experts added without a gate.
     """
-    from slime_plugins.models.moe_arch import MoEArchitecture
+    from slime.models.moe_arch import MoEArchitecture
 
     if not _has_moe_layers(hf_config):
         return None

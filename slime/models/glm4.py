@@ -17,8 +17,8 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from slime_plugins.models.local_spec import dense_layer_spec
-from slime_plugins.models.sp_norm import SequenceParallelNorm
+from slime.models.local_spec import dense_layer_spec
+from slime.models.sp_norm import SequenceParallelNorm
 
 GLM4_MODEL_TYPES = ("glm4",)
 
