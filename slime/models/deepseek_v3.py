@@ -1,6 +1,7 @@
-"""DeepSeek-V3 family (transformers' DeepseekV3ForCausalLM): multi-latent attention on megatron-core.
+"""DeepSeek-V3 family (transformers' DeepseekV3ForCausalLM; DeepSeek-V2 and Kimi-K2 share its attention):
+multi-latent attention on megatron-core, registered as one ModelFamily (`DEEPSEEK_V3`, at the end).
 
-Three things live here, so the builder, load, save-hf and the weight push read one description:
+What lives here, so the builder, load, save-hf and the weight push read one description:
 - `mla_config_fields(hf_config)`: the MLATransformerConfig fields of the HF config (latent ranks, head
   dims, RoPE or YaRN with its mscale terms);
 - `mla_layer_spec(config)`: megatron's local MLA layer spec with this project's SP-capable norms and
@@ -21,7 +22,7 @@ import dataclasses
 import functools
 from typing import Any
 
-import torch
+from slime.models.registry import ModelFamily, register
 
 MLA_MODEL_TYPES = ("deepseek_v3", "deepseek_v2", "kimi_k2")
 # DeepseekV3ForCausalLM's MoE layout (Kimi-K2 ships the same architecture)
@@ -30,6 +31,13 @@ MOE_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 
 def is_mla(hf_config: Any) -> bool:
     return getattr(hf_config, "model_type", "") in MLA_MODEL_TYPES
+
+
+def mla_arch_overrides(hf_config: Any) -> dict[str, Any]:
+    """The dense architecture fields MLA sets otherwise: one kv head per query head, q/k heads of
+    qk_nope_head_dim + qk_rope_head_dim."""
+    return dict(num_query_groups=hf_config.num_attention_heads,
+                kv_channels=hf_config.qk_nope_head_dim + hf_config.qk_rope_head_dim)
 
 
 def _rope_params(hf_config: Any) -> dict[str, Any]:
@@ -92,7 +100,10 @@ def _full_latent_forward(linear: Any, config: Any):
         scatter_to_sequence_parallel_region,
     )
 
+    import torch
+
     column_forward = linear.forward
+    sum_grad_over_tp = _SUM_GRAD_OVER_TP()
 
     def forward(hidden_states, *args, **kwargs):
         local, bias = column_forward(hidden_states, *args, **kwargs)
@@ -100,27 +111,36 @@ def _full_latent_forward(linear: Any, config: Any):
         if config.sequence_parallel:
             return scatter_to_sequence_parallel_region(full), bias
         latent, rope = full.split([config.kv_lora_rank, config.qk_pos_emb_head_dim], dim=-1)
-        return torch.cat([latent, _SumGradOverTP.apply(rope)], dim=-1), bias
+        return torch.cat([latent, sum_grad_over_tp.apply(rope)], dim=-1), bias
 
     return forward
 
 
-class _SumGradOverTP(torch.autograd.Function):
-    """Identity forward; backward all-reduces the gradient over the TP group. (megatron's
-    copy_to_tensor_model_parallel_region reduces a contiguous copy of a non-contiguous gradient, such as
-    this slice's, and returns the unreduced original.)"""
+def _sum_grad_over_tp_class():
+    import torch
 
-    @staticmethod
-    def forward(ctx, tensor):
-        return tensor
+    class _SumGradOverTP(torch.autograd.Function):
+        """Identity forward; backward all-reduces the gradient over the TP group. (megatron's
+        copy_to_tensor_model_parallel_region reduces a contiguous copy of a non-contiguous gradient, such as
+        this slice's, and returns the unreduced original.)"""
 
-    @staticmethod
-    def backward(ctx, grad):
-        from megatron.core import parallel_state
+        @staticmethod
+        def forward(ctx, tensor):
+            return tensor
 
-        grad = grad.contiguous()
-        torch.distributed.all_reduce(grad, group=parallel_state.get_tensor_model_parallel_group())
-        return grad
+        @staticmethod
+        def backward(ctx, grad):
+            from megatron.core import parallel_state
+
+            grad = grad.contiguous()
+            torch.distributed.all_reduce(grad, group=parallel_state.get_tensor_model_parallel_group())
+            return grad
+
+    return _SumGradOverTP
+
+
+# a class per process, made on first use (torch is imported only once a model is built)
+_SUM_GRAD_OVER_TP = functools.cache(_sum_grad_over_tp_class)
 
 
 def _mla_attention_class():
@@ -257,3 +277,21 @@ def moe_architecture(hf_config: Any):
         num_groups=n_group,
         group_topk=topk_group,
     )
+
+
+# ------------------------------------------------------------------ the family
+
+# Kimi-K2 ships DeepSeek-V3's architecture; DeepSeek-V2's attention is the same MLA, its MoE layers (a softmax
+# router) are refused by moe_architecture.
+DEEPSEEK_V3 = register(ModelFamily(
+    name="DeepSeek-V3",
+    model_types=MLA_MODEL_TYPES,
+    qk_layernorm=True,  # the latent q/kv norms are megatron's qk_layernorm
+    rope_types=None,  # mla_config_fields reads default or YaRN RoPE
+    arch_overrides=mla_arch_overrides,
+    config_fields=mla_config_fields,
+    config_flags=MLA_FLAGS,
+    layer_spec=mla_layer_spec,
+    moe_architecture=moe_architecture,
+    layer_names=attention_names,
+))

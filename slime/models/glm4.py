@@ -1,4 +1,5 @@
-"""GLM-4 dense (transformers' Glm4ForCausalLM) as a `--spec` plug-in: `--spec slime_plugins.models.glm4 get_glm_spec`.
+"""GLM-4 dense (transformers' Glm4ForCausalLM): the family (`GLM4`, at the end), whose layer spec is also
+upstream's `--spec` plug-in: `--spec slime_plugins.models.glm4 get_glm_spec`.
 
 A GLM-4 layer is a Llama layer (GQA with q/k/v biases, SwiGLU, RMSNorm) with two more norms, each on a
 branch's output before its residual add (HF post_self_attn_layernorm, post_mlp_layernorm), and RoPE on the
@@ -11,14 +12,10 @@ HF stores the MLP's gate and up rows fused (gate_up_proj = [gate; up]).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
-from megatron.core.transformer.attention import SelfAttention
-from megatron.core.transformer.mlp import MLP
-from megatron.core.transformer.spec_utils import ModuleSpec
-
-from slime.models.local_spec import dense_layer_spec
-from slime.models.sp_norm import SequenceParallelNorm
+from slime.models.registry import ModelFamily, register
 
 GLM4_MODEL_TYPES = ("glm4",)
 
@@ -27,45 +24,63 @@ def is_glm4(hf_config: Any) -> bool:
     return getattr(hf_config, "model_type", "") in GLM4_MODEL_TYPES
 
 
-def _post_norm(config: Any) -> SequenceParallelNorm:
+def _post_norm(config: Any):
+    from slime.models.sp_norm import SequenceParallelNorm
+
     return SequenceParallelNorm(config, config.hidden_size, eps=config.layernorm_epsilon)
 
 
-def _normed(norm: SequenceParallelNorm, output_and_bias: tuple, what: str) -> tuple:
+def _normed(norm: Any, output_and_bias: tuple, what: str) -> tuple:
     output, bias = output_and_bias
     if bias is not None:
         raise ValueError(f"GLM-4's {what} has no bias; the post norm would come before it")
     return norm(output), None
 
 
-class PostNormSelfAttention(SelfAttention):
-    """megatron's SelfAttention whose output is normalised (GLM-4's post_self_attn_layernorm)."""
+@functools.cache
+def _post_norm_modules() -> tuple[type, type]:
+    """(PostNormSelfAttention, PostNormMLP), made on first use (megatron is imported only once a model is built)."""
+    from megatron.core.transformer.attention import SelfAttention
+    from megatron.core.transformer.mlp import MLP
 
-    def __init__(self, config, *args, **kwargs):
-        super().__init__(config, *args, **kwargs)
-        self.post_self_attn_layernorm = _post_norm(config)
+    class PostNormSelfAttention(SelfAttention):
+        """megatron's SelfAttention whose output is normalised (GLM-4's post_self_attn_layernorm)."""
 
-    def forward(self, *args, **kwargs):
-        return _normed(self.post_self_attn_layernorm, super().forward(*args, **kwargs), "o_proj")
+        def __init__(self, config, *args, **kwargs):
+            super().__init__(config, *args, **kwargs)
+            self.post_self_attn_layernorm = _post_norm(config)
+
+        def forward(self, *args, **kwargs):
+            return _normed(self.post_self_attn_layernorm, super().forward(*args, **kwargs), "o_proj")
+
+    class PostNormMLP(MLP):
+        """megatron's MLP whose output is normalised (GLM-4's post_mlp_layernorm)."""
+
+        def __init__(self, config, *args, **kwargs):
+            super().__init__(config, *args, **kwargs)
+            self.post_mlp_layernorm = _post_norm(config)
+
+        def forward(self, *args, **kwargs):
+            return _normed(self.post_mlp_layernorm, super().forward(*args, **kwargs), "down_proj")
+
+    return PostNormSelfAttention, PostNormMLP
 
 
-class PostNormMLP(MLP):
-    """megatron's MLP whose output is normalised (GLM-4's post_mlp_layernorm)."""
-
-    def __init__(self, config, *args, **kwargs):
-        super().__init__(config, *args, **kwargs)
-        self.post_mlp_layernorm = _post_norm(config)
-
-    def forward(self, *args, **kwargs):
-        return _normed(self.post_mlp_layernorm, super().forward(*args, **kwargs), "down_proj")
+def __getattr__(name: str) -> type:
+    if name in ("PostNormSelfAttention", "PostNormMLP"):
+        return _post_norm_modules()[name == "PostNormMLP"]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def get_glm_spec(args: Any, config: Any, vp_stage: int | None = None) -> ModuleSpec:
+def get_glm_spec(args: Any, config: Any, vp_stage: int | None = None):
     """The GLM-4 layer spec (upstream's --spec signature): the local dense spec with post norms."""
+    from slime.models.local_spec import dense_layer_spec
+
+    attention, mlp = _post_norm_modules()
     spec = dense_layer_spec(config)
     sub = spec.submodules
-    sub = dataclasses.replace(sub, self_attention=dataclasses.replace(sub.self_attention, module=PostNormSelfAttention),
-                              mlp=dataclasses.replace(sub.mlp, module=PostNormMLP))
+    sub = dataclasses.replace(sub, self_attention=dataclasses.replace(sub.self_attention, module=attention),
+                              mlp=dataclasses.replace(sub.mlp, module=mlp))
     return dataclasses.replace(spec, submodules=sub)
 
 
@@ -79,3 +94,15 @@ def layer_names(prefix: str) -> dict[str, str]:
 
 def fused_gate_up_name(prefix: str) -> str:
     return f"{prefix}mlp.gate_up_proj.weight"
+
+
+GLM4 = register(ModelFamily(
+    name="GLM-4",
+    model_types=GLM4_MODEL_TYPES,
+    qkv_bias=True,
+    rotary_interleaved=True,
+    post_norms=True,
+    default_spec=get_glm_spec,
+    layer_names=layer_names,
+    fused_gate_up=fused_gate_up_name,
+))

@@ -1,4 +1,4 @@
-"""HF (Qwen3/Qwen2/Llama dense) <-> megatron-core GPTModel weights, TP/PP-sharded.
+"""HF <-> megatron-core GPTModel weights, TP/PP-sharded: the mapping machinery every model family shares.
 
 Each megatron parameter maps to one or more HF tensors through a `_Mapping` that converts in
 both directions between the HF tensors and the FULL (unsharded) megatron tensor. TP sharding
@@ -11,6 +11,8 @@ megatron layouts that differ from HF:
 - linear_fc1: TP rank r holds [gate_r; up_r]; the full tensor is the concatenation over r.
 - vocabulary rows padded with zeros to the model's padded vocab size.
 Both local-spec names (input_layernorm) and TE-spec names (linear_qkv.layer_norm_weight) are handled.
+What a family names otherwise (MLA's attention, GLM-4's post norms and fused gate_up) comes from its
+ModelFamily (slime/models/registry.py: layer_names, fused_gate_up).
 MoE layers (router, routed and shared experts) take their names from slime/models/qwen3_moe.py;
 routed experts are sharded over expert-parallel ranks (each holds E/EP of them) and over the expert-TP
 group instead of TP: load reads only this rank's experts, the export all-gathers them over EP so every
@@ -32,7 +34,8 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from slime.models import deepseek_v3, glm4, qwen3_moe
+from slime.models import qwen3_moe
+from slime.models.registry import family_of
 
 
 @dataclass(frozen=True)
@@ -129,7 +132,8 @@ _LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 def _layer_mapping(suffix: str, prefix: str, shapes: _Shapes, tp: int, hf_config: Any,
                    global_expert: int | None = None) -> _Mapping:
-    arch = qwen3_moe.moe_architecture(hf_config)
+    family = family_of(hf_config)
+    arch = family.moe(hf_config)
     moe_names = qwen3_moe.moe_hf_names(suffix, prefix, global_expert,
                                        arch.hf_shared_expert if arch else "shared_expert")
     if moe_names is not None:
@@ -144,17 +148,14 @@ def _layer_mapping(suffix: str, prefix: str, shapes: _Shapes, tp: int, hf_config
         "mlp.linear_fc1.layer_norm_weight": f"{prefix}post_attention_layernorm.weight",
         "mlp.linear_fc2.weight": f"{prefix}mlp.down_proj.weight",
     }
-    if deepseek_v3.is_mla(hf_config):
-        table.update(deepseek_v3.attention_names(prefix))
-    if glm4.is_glm4(hf_config):
-        table.update(glm4.layer_names(prefix))
+    table.update(family.layer_names(prefix))
     if suffix in table:
         return _identity(table[suffix])
     if suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
         return _qkv(prefix, suffix.rsplit(".", 1)[1], shapes)
     if suffix == "mlp.linear_fc1.weight":
         gate_up = _gate_up(prefix, tp)
-        return _row_fused(glm4.fused_gate_up_name(prefix), gate_up) if glm4.is_glm4(hf_config) else gate_up
+        return gate_up if family.fused_gate_up is None else _row_fused(family.fused_gate_up(prefix), gate_up)
     raise KeyError(f"no HF mapping for layer parameter {suffix!r}")
 
 
@@ -433,7 +434,7 @@ def _export_expert(model: torch.nn.Module, name: str, param: torch.Tensor, value
 
 def check_moe_checkpoint(reader: "_SafetensorsReader", hf_config: Any) -> None:
     """An MoE checkpoint must hold exactly the experts its config (and so --num-experts) says."""
-    arch = qwen3_moe.moe_architecture(hf_config)
+    arch = family_of(hf_config).moe(hf_config)
     if arch is None:
         return
     found = qwen3_moe.checkpoint_expert_count(reader.names(), arch)

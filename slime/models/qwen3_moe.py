@@ -1,6 +1,6 @@
-"""Qwen3-MoE (and Qwen2-MoE, its shared-expert sibling): what the HF config says about the experts, and
-the HF <-> megatron names and layouts of the MoE layer's parameters (DeepSeek-V3's too: deepseek_v3.py
-describes its router, the names below are shared).
+"""Qwen3-MoE (and Qwen2-MoE, its shared-expert sibling): the two families, what the HF config says about the
+experts, and the HF <-> megatron names and layouts of the MoE layer's parameters (DeepSeek-V3's too:
+deepseek_v3.py describes its router, the names below are shared).
 
 HF checkpoint (safetensors, what the hub ships and what transformers saves):
   model.layers.L.mlp.gate.weight                      [E, H]   router
@@ -24,19 +24,16 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from slime.models import deepseek_v3
 from slime.models.moe_arch import MoEArchitecture
+from slime.models.registry import ModelFamily, register
 
 MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe")
 
 
 def moe_architecture(hf_config: Any) -> MoEArchitecture | None:
-    """The MoE facts of an HF config (Qwen-MoE here, DeepSeek-V3 from deepseek_v3.py); None for a dense model."""
-    if deepseek_v3.is_mla(hf_config):
-        return deepseek_v3.moe_architecture(hf_config)
-    model_type = getattr(hf_config, "model_type", "")
+    """The MoE facts of a Qwen-MoE HF config; None when it has no experts."""
     num_experts = getattr(hf_config, "num_experts", None) or 0
-    if model_type not in MOE_MODEL_TYPES or num_experts <= 0:
+    if num_experts <= 0:
         return None
     layers = hf_config.num_hidden_layers
     step = getattr(hf_config, "decoder_sparse_step", 1) or 1
@@ -53,6 +50,13 @@ def moe_architecture(hf_config: Any) -> MoEArchitecture | None:
         shared_expert_intermediate_size=shared,
         shared_expert_gate=shared is not None,
     )
+
+
+# Qwen3-MoE: Qwen3's attention (q/k norms); Qwen2-MoE: Qwen2's (q/k/v biases) and a gated shared expert.
+QWEN3_MOE = register(ModelFamily(name="Qwen3-MoE", model_types=("qwen3_moe",), qk_layernorm=True,
+                                 moe_architecture=moe_architecture))
+QWEN2_MOE = register(ModelFamily(name="Qwen2-MoE", model_types=("qwen2_moe",), qkv_bias=True,
+                                 moe_architecture=moe_architecture))
 
 
 _LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")

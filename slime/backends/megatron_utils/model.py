@@ -1,7 +1,8 @@
 """Build the megatron-core GPT model, its DDP wrapper, optimizer and LR scheduler.
 
 Leaf choice is made once here: megatron's local spec with our SP-capable norm and CP/THD-capable
-core attention (slime/models), the path measured on CPU and GPUs; TransformerEngine's spec
+core attention (slime/models; the HF config's family, from slime.models.registry, says what its layers
+and TransformerConfig fields are), the path measured on CPU and GPUs; TransformerEngine's spec
 only with `--transformer-impl transformer_engine`. Everything above this module is the same on both.
 """
 
@@ -33,14 +34,11 @@ from megatron.core.transformer.transformer_block import (  # noqa: E402
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig  # noqa: E402
 
 from slime.backends.megatron_utils import moe  # noqa: E402
-from slime.models import deepseek_v3, fused_kernels, glm4  # noqa: E402
-from slime.models.local_spec import dense_layer_spec  # noqa: E402
+from slime.models import fused_kernels  # noqa: E402
+from slime.models.registry import family_of  # noqa: E402
 from slime.models.sp_norm import SequenceParallelNorm  # noqa: E402
 
 logger = logging.getLogger(__name__)
-
-_QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
-_QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_moe", "glm4")
 
 
 # Logit given to padded vocabulary columns: exp() underflows to exactly 0 next to any real
@@ -83,15 +81,15 @@ def _rope_type(hf_config: Any) -> str:
 
 
 def hf_architecture(hf_config: Any) -> dict[str, Any]:
-    """The architecture facts of a dense HF Qwen3/Qwen2/Llama config, in megatron's terms."""
-    model_type = getattr(hf_config, "model_type", "")
+    """The architecture facts of an HF config, in megatron's terms (its family says what differs from Llama)."""
+    family = family_of(hf_config)
     if getattr(hf_config, "hidden_act", "silu") != "silu":
         raise ValueError(f"only SwiGLU (silu) MLPs are supported, got {hf_config.hidden_act}")
     if getattr(hf_config, "mlp_bias", False):
         raise ValueError("MLP bias is not supported")
-    if getattr(hf_config, "attention_bias", False) and model_type not in _QKV_BIAS_MODEL_TYPES:
+    if getattr(hf_config, "attention_bias", False) and not family.qkv_bias:
         raise ValueError("attention_bias (bias on q/k/v AND o_proj) is not supported")
-    if _rope_type(hf_config) not in ("default", "llama3") and not deepseek_v3.is_mla(hf_config):
+    if family.rope_types is not None and _rope_type(hf_config) not in family.rope_types:
         raise ValueError(f"rope type {_rope_type(hf_config)!r} is not supported")
     heads = hf_config.num_attention_heads
     arch = dict(
@@ -102,13 +100,11 @@ def hf_architecture(hf_config: Any) -> dict[str, Any]:
         num_query_groups=getattr(hf_config, "num_key_value_heads", None) or heads,
         kv_channels=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
         layernorm_epsilon=hf_config.rms_norm_eps,
-        qk_layernorm=model_type in _QK_NORM_MODEL_TYPES,
-        add_qkv_bias=model_type in _QKV_BIAS_MODEL_TYPES,
-        rotary_interleaved=glm4.is_glm4(hf_config),
+        qk_layernorm=family.qk_layernorm,
+        add_qkv_bias=family.qkv_bias,
+        rotary_interleaved=family.rotary_interleaved,
     )
-    if deepseek_v3.is_mla(hf_config):  # latent q/kv norms are megatron's qk_layernorm; one kv head per query head
-        arch.update(num_query_groups=heads, qk_layernorm=True,
-                    kv_channels=hf_config.qk_nope_head_dim + hf_config.qk_rope_head_dim)
+    arch.update(family.arch_overrides(hf_config))
     return arch
 
 
@@ -149,11 +145,12 @@ def _check_embedding_tying(hf_config: Any, args: Namespace) -> None:
 
 
 def transformer_config_from_hf(hf_config: Any, args: Namespace) -> TransformerConfig:
-    """TransformerConfig for a dense Qwen3/Qwen2/Llama HF config, with parallelism and
+    """TransformerConfig for an HF config of a registered family (slime/models), with parallelism and
     training knobs from args. fp32 unless args.bf16 (CPU runs use fp32)."""
     arch = hf_architecture(hf_config)
     _check_against_args({**arch, "rotary_base": _rope_theta(hf_config), "model_type": _family(hf_config),
-                         "rotary_percent": _rotary_percent(hf_config), "post_norms": glm4.is_glm4(hf_config)}, args)
+                         "rotary_percent": _rotary_percent(hf_config),
+                         "post_norms": family_of(hf_config).post_norms}, args)
     _check_embedding_tying(hf_config, args)
     config_class, family_fields = _family_config(hf_config, args)
     bf16 = bool(getattr(args, "bf16", False))
@@ -201,14 +198,15 @@ def transformer_config_from_hf(hf_config: Any, args: Namespace) -> TransformerCo
 
 
 def _family_config(hf_config: Any, args: Namespace) -> tuple[type, dict[str, Any]]:
-    """(config class, extra fields) of the HF config's attention family: MLA or standard."""
-    if not deepseek_v3.is_mla(hf_config):
+    """(config class, extra fields) of the HF config's family: MLATransformerConfig for latent attention."""
+    family = family_of(hf_config)
+    fields = family.config_fields(hf_config)
+    if not fields.get("multi_latent_attention", False):
         if getattr(args, "multi_latent_attention", False):
             raise ValueError(f"--multi-latent-attention contradicts the HF config (model_type "
                              f"{getattr(hf_config, 'model_type', '')}, no latent attention)")
-        return TransformerConfig, {}
-    fields = deepseek_v3.mla_config_fields(hf_config)
-    _check_against_args(fields, args, deepseek_v3.MLA_FLAGS)
+        return TransformerConfig, fields
+    _check_against_args(fields, args, family.config_flags)
     return MLATransformerConfig, fields
 
 
@@ -237,19 +235,13 @@ def _use_transformer_engine(args: Namespace) -> bool:
     return True
 
 
-def _local_layer_spec(config: TransformerConfig) -> ModuleSpec:
-    if config.multi_latent_attention:
-        return deepseek_v3.mla_layer_spec(config)
-    return dense_layer_spec(config)
-
-
 def spec_function(args: Namespace, hf_config: Any) -> Callable[..., Any] | None:
-    """The layer-spec plug-in: --spec MODULE FUNCTION, else the HF family's own (GLM-4), else None."""
+    """The layer-spec plug-in: --spec MODULE FUNCTION, else the HF family's own (GLM-4's), else None."""
     spec = getattr(args, "spec", None)
     if spec:
         module, function = spec
         return getattr(importlib.import_module(module), function)
-    return glm4.get_glm_spec if glm4.is_glm4(hf_config) else None
+    return family_of(hf_config).default_spec
 
 
 def _plugin_spec(function: Callable[..., Any], args: Namespace, config: TransformerConfig, vp_stage: int | None):
@@ -278,11 +270,12 @@ def _layer_spec(args: Namespace, hf_config: Any, config: TransformerConfig, vp_s
                             "ModuleSpec (one layer) or TransformerBlockSubmodules")
         layer_specs = [spec] * get_num_layers_to_build(config, vp_stage=vp_stage)
     elif config.num_moe_experts:
-        dense = _local_layer_spec(config)
+        dense = family_of(hf_config).layer_spec(config)
         moe.warn_unavailable_kernels(args)
         layer_specs = moe.moe_layer_specs(dense, moe.with_moe_mlp(dense, config), config, vp_stage)
     else:
-        layer_specs = [_local_layer_spec(config)] * get_num_layers_to_build(config, vp_stage=vp_stage)
+        dense = family_of(hf_config).layer_spec(config)
+        layer_specs = [dense] * get_num_layers_to_build(config, vp_stage=vp_stage)
     # A block spec so the final norm is ours too (the default one refuses SP).
     return TransformerBlockSubmodules(layer_specs=layer_specs, layer_norm=SequenceParallelNorm)
 

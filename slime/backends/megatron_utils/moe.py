@@ -1,8 +1,8 @@
 """Mixture-of-experts for the megatron builder: the MoE fields of TransformerConfig, the MoE layer spec,
 the checks of --num-experts / EP / top-k against the HF config, and the aux-loss scale of a step.
 
-The HF side (what an MoE checkpoint holds and how its names map) lives in slime/models/qwen3_moe.py
-and deepseek_v3.py (one MoEArchitecture each); this module speaks megatron. The router (score function,
+The HF side (what an MoE checkpoint holds and how its names map) lives with the model families in
+slime/models (each MoE family's ModelFamily.moe gives one MoEArchitecture); this module speaks megatron. The router (score function,
 expert bias, top-k scaling, group-limited routing) and the shared expert come from the HF config: a flag
 that says otherwise is refused, since the engines run the HF model. Training-only router knobs (aux-loss
 types and weights, the expert-bias update rate, router dtype) go to megatron unchanged.
@@ -20,7 +20,7 @@ from typing import Any, Iterator
 import torch
 
 from slime.models.moe_arch import MoEArchitecture
-from slime.models.qwen3_moe import moe_architecture
+from slime.models.registry import family_of
 
 
 class MoEConfigError(ValueError):
@@ -126,7 +126,7 @@ def _router_fields(arch: MoEArchitecture) -> dict[str, Any]:
 
 def moe_config_fields(hf_config: Any, args: Namespace) -> dict[str, Any]:
     """TransformerConfig fields of an MoE HF config (empty for a dense one)."""
-    arch = moe_architecture(hf_config)
+    arch = family_of(hf_config).moe(hf_config)
     if arch is None:
         if routing_replay_enabled(args):
             raise MoEConfigError("--use-routing-replay / --use-rollout-routing-replay replay MoE routes, and the "

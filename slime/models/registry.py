@@ -1,0 +1,137 @@
+"""The model-family registry: an HF config.json's `model_type` -> the one `ModelFamily` that says how to build,
+load, save and push that model. The builder, the HF weight mapping (load, save-hf, the weight push) and the MoE
+config ask `family_of(hf_config)`; none of them names a family.
+
+A family module describes its models with one frozen `ModelFamily` and calls `register` at import; the
+built-in modules are listed in `_BUILTIN_MODULES` and imported on the first look-up. Importing this module
+(and every family module's top level) needs neither torch nor megatron, so argument checking can ask
+`supported_model_types()` cheaply.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
+
+# One module per family; adding a family is its module plus its line here.
+_BUILTIN_MODULES = (
+    "slime.models.qwen",
+    "slime.models.llama",
+    "slime.models.qwen3_moe",
+    "slime.models.deepseek_v3",
+    "slime.models.glm4",
+)
+
+# What a model_type outside the registry is read as (arguments.py lets one through only with a custom model
+# provider, whose weights still load through the HF mapping): the plain Llama-style dense layout.
+_FALLBACK_MODEL_TYPE = "llama"
+
+
+def _dense_layer_spec(config: Any) -> Any:
+    from slime.models.local_spec import dense_layer_spec
+
+    return dense_layer_spec(config)
+
+
+def _no_fields(hf_config: Any) -> dict[str, Any]:
+    return {}
+
+
+def _no_names(prefix: str) -> dict[str, str]:
+    return {}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelFamily:
+    """What one HF model family is in megatron's terms. Every layer is a pre-norm decoder layer with a SwiGLU
+    MLP and RMSNorm (the generic part the builder and hf_weights.py handle); the fields say how this family
+    differs from that."""
+
+    name: str
+    """Shown in messages (e.g. "DeepSeek-V3")."""
+    model_types: tuple[str, ...]
+    """The HF config.json `model_type` values this family builds."""
+
+    # ---- HF config -> TransformerConfig
+    qk_layernorm: bool = False
+    """RMSNorm on each head's q and k (Qwen3's q_norm / k_norm; MLA's latent q/kv norms)."""
+    qkv_bias: bool = False
+    """Bias on the q/k/v projections only (Qwen2, GLM-4): HF's attention_bias is allowed."""
+    rotary_interleaved: bool = False
+    """RoPE on interleaved pairs of dimensions (GLM-4), not on two halves."""
+    post_norms: bool = False
+    """A norm on each branch's output before its residual add (GLM-4): what --post-self-attn-layernorm and
+    --post-mlp-layernorm must agree with."""
+    rope_types: tuple[str, ...] | None = ("default", "llama3")
+    """RoPE types the builder accepts; None: `config_fields` checks the RoPE itself."""
+    arch_overrides: Callable[[Any], dict[str, Any]] = _no_fields
+    """hf_config -> dense architecture fields this family sets otherwise (MLA: one kv head per query head)."""
+    config_fields: Callable[[Any], dict[str, Any]] = _no_fields
+    """hf_config -> further TransformerConfig fields (MLA: latent ranks, head dims, YaRN). With
+    multi_latent_attention=True among them the builder makes an MLATransformerConfig."""
+    config_flags: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    """megatron flag dest -> key of `config_fields`: a flag the user passed must agree with the HF config."""
+
+    # ---- layer spec
+    layer_spec: Callable[..., Any] = _dense_layer_spec
+    """config -> the local (no TransformerEngine) spec of one dense layer; MoE layers replace its MLP."""
+    default_spec: Callable[..., Any] | None = None
+    """The family's own `--spec` function (upstream's signature fn(args, config, vp_stage)), used when the
+    user names none (GLM-4's post-norm layers)."""
+    moe_architecture: Callable[[Any], Any] | None = None
+    """hf_config -> MoEArchitecture of its MoE layers, or None when every layer is dense."""
+
+    # ---- HF <-> megatron parameter names (hf_weights.py does the layouts)
+    layer_names: Callable[[str], dict[str, str]] = _no_names
+    """HF layer prefix ('model.layers.L.') -> {megatron layer suffix: HF name} for the parameters this family
+    adds or names otherwise (taking precedence over the dense table)."""
+    fused_gate_up: Callable[[str], str] | None = None
+    """HF layer prefix -> the name of the MLP's fused [gate; up] tensor, when HF stores them as one."""
+
+    def moe(self, hf_config: Any) -> Any:
+        """The MoEArchitecture of this HF config, or None for a dense model."""
+        return self.moe_architecture(hf_config) if self.moe_architecture is not None else None
+
+
+_FAMILIES: dict[str, ModelFamily] = {}
+_LOADED = False
+
+
+def register(family: ModelFamily) -> ModelFamily:
+    """Make `family` the one that builds its model types (called by the family's module at import)."""
+    for model_type in family.model_types:
+        taken = _FAMILIES.get(model_type)
+        if taken is not None and taken is not family:
+            raise ValueError(f"model_type {model_type!r} is registered twice ({taken.name} and {family.name})")
+        _FAMILIES[model_type] = family
+    return family
+
+
+def _load_builtin() -> None:
+    global _LOADED
+    if not _LOADED:
+        for module in _BUILTIN_MODULES:
+            importlib.import_module(module)
+        _LOADED = True
+
+
+def supported_model_types() -> tuple[str, ...]:
+    """Every HF model_type a registered family builds, in registration order."""
+    _load_builtin()
+    return tuple(_FAMILIES)
+
+
+def family(model_type: str) -> ModelFamily:
+    """The family registered for an HF model_type (KeyError when none is)."""
+    _load_builtin()
+    if model_type not in _FAMILIES:
+        raise KeyError(f"no model family builds model_type {model_type!r}; supported: {', '.join(_FAMILIES)}")
+    return _FAMILIES[model_type]
+
+
+def family_of(hf_config: Any) -> ModelFamily:
+    """The family of an HF config (its model_type); outside the registry, the plain Llama-style dense one."""
+    _load_builtin()
+    return _FAMILIES.get(getattr(hf_config, "model_type", "") or "", _FAMILIES[_FALLBACK_MODEL_TYPE])
