@@ -5,8 +5,8 @@ upstream's import paths as aliases of these modules.
 
 Families: llama.py (llama), qwen.py (qwen3, qwen2), qwen3_moe.py (qwen3_moe, qwen2_moe), deepseek_v3.py
 (deepseek_v3, deepseek_v2, kimi_k2), glm4.py (glm4). Shared: registry.py (ModelFamily and the look-up),
-hf_weights.py (weight mapping, load, export), local_spec.py, cp_attention.py, sp_norm.py, fused_kernels.py,
-moe_arch.py (MoEArchitecture). Importing this package loads neither torch nor megatron.
+hf_weights.py (weight mapping, load, export), moe_hf.py (MoE names, expert storage, routes), moe_arch.py
+(MoEArchitecture), local_spec.py, cp_attention.py, sp_norm.py, fused_kernels.py. Importing this package loads neither torch nor megatron.
 """
 
 from slime.models.registry import ModelFamily, family, family_of, register, supported_model_types

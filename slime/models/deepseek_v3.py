@@ -13,7 +13,7 @@ What lives here, so the builder, load, save-hf and the weight push read one desc
 - `moe_architecture(hf_config)`: the MoE layers (first_k_dense_replace dense layers, then routed experts
   behind a sigmoid router with e_score_correction_bias, group-limited top-k, routed_scaling_factor and
   n_shared_experts ungated shared experts), refusing what megatron-core 0.16's router cannot match exactly.
-  Their names are the Qwen-MoE ones (qwen3_moe.moe_hf_names) with `shared_experts` for the shared expert.
+  Their names are the Qwen-MoE ones (moe_hf.moe_hf_names) with `shared_experts` for the shared expert.
 """
 
 from __future__ import annotations

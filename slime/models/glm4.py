@@ -63,6 +63,8 @@ def _post_norm_modules() -> tuple[type, type]:
         def forward(self, *args, **kwargs):
             return _normed(self.post_mlp_layernorm, super().forward(*args, **kwargs), "down_proj")
 
+    for module in (PostNormSelfAttention, PostNormMLP):
+        module.__qualname__ = module.__name__  # found by name through the module's __getattr__ (pickle, repr)
     return PostNormSelfAttention, PostNormMLP
 
 

@@ -13,7 +13,7 @@ megatron layouts that differ from HF:
 Both local-spec names (input_layernorm) and TE-spec names (linear_qkv.layer_norm_weight) are handled.
 What a family names otherwise (MLA's attention, GLM-4's post norms and fused gate_up) comes from its
 ModelFamily (slime/models/registry.py: layer_names, fused_gate_up).
-MoE layers (router, routed and shared experts) take their names from slime/models/qwen3_moe.py;
+MoE layers (router, routed and shared experts) take their names from the family (ModelFamily.moe_names);
 routed experts are sharded over expert-parallel ranks (each holds E/EP of them) and over the expert-TP
 group instead of TP: load reads only this rank's experts, the export all-gathers them over EP so every
 exporter yields all experts, in a fixed order (local expert i of EP rank 0, 1, ..., then i+1).
@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from slime.models import qwen3_moe
+from slime.models import moe_hf
 from slime.models.registry import family_of
 
 
@@ -133,9 +133,7 @@ _LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 def _layer_mapping(suffix: str, prefix: str, shapes: _Shapes, tp: int, hf_config: Any,
                    global_expert: int | None = None) -> _Mapping:
     family = family_of(hf_config)
-    arch = family.moe(hf_config)
-    moe_names = qwen3_moe.moe_hf_names(suffix, prefix, global_expert,
-                                       arch.hf_shared_expert if arch else "shared_expert")
+    moe_names = family.moe_names(suffix, prefix, global_expert, family.moe(hf_config))
     if moe_names is not None:
         return _fused_gate_up(moe_names, tp) if len(moe_names) == 2 else _identity(moe_names[0])
     table = {
@@ -159,7 +157,7 @@ def _layer_mapping(suffix: str, prefix: str, shapes: _Shapes, tp: int, hf_config
     raise KeyError(f"no HF mapping for layer parameter {suffix!r}")
 
 
-def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+def unwrap_model(chunk: torch.nn.Module) -> torch.nn.Module:
     while hasattr(chunk, "module"):  # DDP / Float16Module wrappers
         chunk = chunk.module
     return chunk
@@ -209,7 +207,7 @@ def _layer_suffix(name: str) -> str:
 
 
 def _is_expert(name: str) -> bool:
-    return qwen3_moe.is_expert_param(_layer_suffix(name))
+    return moe_hf.is_expert_param(_layer_suffix(name))
 
 
 def _split_size(name: str, tp: int, experts: _ExpertLayout) -> int:
@@ -244,7 +242,7 @@ def _expert_mapping(model: torch.nn.Module, name: str, hf_config: Any, ep_rank: 
     match = _LAYER_NAME.match(name)
     layer = model.decoder.layers[int(match.group(1))]
     experts = _expert_layout()
-    local_index, _ = qwen3_moe.local_expert(match.group(2))
+    local_index, _ = moe_hf.local_expert(match.group(2))
     rank = experts.ep_rank if ep_rank is None else ep_rank
     global_expert = rank * layer.mlp.experts.num_local_experts + local_index
     return _layer_mapping(match.group(2), f"model.layers.{layer.layer_number - 1}.", _shapes(hf_config),
@@ -338,7 +336,7 @@ def check_hf_tensors(model_chunks: list[torch.nn.Module], reader: _SafetensorsRe
     """Raise HFCheckpointError listing every missing or mis-shaped tensor, before anything is loaded."""
     missing, misshaped = [], []
     for chunk in model_chunks:
-        for name, expected in _expected_hf_shapes(_unwrap(chunk), hf_config, tp):
+        for name, expected in _expected_hf_shapes(unwrap_model(chunk), hf_config, tp):
             found = reader.shape(name)
             if found is None:
                 missing.append(name)
@@ -368,7 +366,7 @@ def load_hf_weights(model_chunks: list[torch.nn.Module], hf_dir: str, hf_config:
     check_moe_checkpoint(reader, hf_config)
     check_hf_tensors(model_chunks, reader, hf_config, tp)
     for chunk in model_chunks:
-        model = _unwrap(chunk)
+        model = unwrap_model(chunk)
         for name, param in _weights(model):
             mapping = _mapping_for(model, name, param, hf_config, tp)
             full = mapping.to_megatron([reader.get(n) for n in mapping.hf_names])
@@ -404,7 +402,7 @@ def export_hf_weights(model_chunks: list[torch.nn.Module], hf_config: Any,
     tp, _, tp_group = _tp()
     experts = _expert_layout()
     for chunk in model_chunks:
-        model = _unwrap(chunk)
+        model = unwrap_model(chunk)
         for name, param in _weights(model):
             if name == "output_layer.weight" and _tied(hf_config):
                 continue
@@ -437,7 +435,7 @@ def check_moe_checkpoint(reader: "_SafetensorsReader", hf_config: Any) -> None:
     arch = family_of(hf_config).moe(hf_config)
     if arch is None:
         return
-    found = qwen3_moe.checkpoint_expert_count(reader.names(), arch)
+    found = moe_hf.checkpoint_expert_count(reader.names(), arch)
     if found is not None and found != arch.num_experts:
         raise HFCheckpointError(
             f"--hf-checkpoint {reader._dir} holds {found} experts per MoE layer, its config.json (and "

@@ -1,30 +1,31 @@
-"""Qwen3-MoE (and Qwen2-MoE, its shared-expert sibling): the two families, what the HF config says about the
-experts, and the HF <-> megatron names and layouts of the MoE layer's parameters (DeepSeek-V3's too:
-deepseek_v3.py describes its router, the names below are shared).
+"""Qwen3-MoE and Qwen2-MoE (transformers' Qwen3MoeForCausalLM, Qwen2MoeForCausalLM): the two families and what
+their HF config says about the experts.
 
-HF checkpoint (safetensors, what the hub ships and what transformers saves):
-  model.layers.L.mlp.gate.weight                      [E, H]   router
-  model.layers.L.mlp.experts.e.{gate,up,down}_proj.weight       expert e (SwiGLU)
-  model.layers.L.mlp.shared_expert.{gate,up,down}_proj.weight   shared expert (Qwen2-MoE)
-  model.layers.L.mlp.shared_expert_gate.weight        [1, H]   sigmoid gate of the shared expert
-  model.layers.L.mlp.shared_experts.{gate,up,down}_proj.weight  DeepSeek-V3's shared experts (no gate)
-  model.layers.L.mlp.gate.e_score_correction_bias     [E]      DeepSeek-V3's routing bias (fp32)
-megatron-core (local spec, SequentialMLP):
-  decoder.layers.l.mlp.router.weight, .expert_bias (a buffer)
-  decoder.layers.l.mlp.experts.local_experts.i.linear_fc{1,2}.weight   (TE grouped: experts.linear_fc1.weight<i>)
-  decoder.layers.l.mlp.shared_experts.linear_fc{1,2}.weight, .gate_weight
-Expert i of EP rank r is global expert r * (E / EP) + i; expert weights are split over the expert-TP group
-(fc1 as [gate_r; up_r] per ETP rank, like the dense MLP). transformers keeps the experts fused in memory
-(mlp.experts.gate_up_proj [E, 2I, H], mlp.experts.down_proj [E, H, I]): `fused_engine_target` maps a
-checkpoint name onto that storage for the embedded engine.
+Qwen3-MoE is Qwen3's attention (q/k norms) with MoE layers: a softmax router over `num_experts`, top
+`num_experts_per_tok`, renormalised when `norm_topk_prob`; every `decoder_sparse_step`-th layer is an MoE layer
+except those in `mlp_only_layers`. Qwen2-MoE is Qwen2's attention (q/k/v biases) with the same layers plus a
+shared expert behind a sigmoid gate. The HF <-> megatron names of the MoE parameters are the shared ones
+(moe_hf.py); they are re-exported here under their earlier path.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from slime.models.moe_arch import MoEArchitecture
+# the shared MoE names and routes lived here first; imports by this path keep working
+from slime.models.moe_hf import (  # noqa: F401
+    RouteCapture,
+    checkpoint_expert_count,
+    decode_routes,
+    encode_routes,
+    fused_engine_target,
+    is_expert_param,
+    local_expert,
+    moe_hf_names,
+    router_modules,
+    swiglu_names,
+)
 from slime.models.registry import ModelFamily, register
 
 MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe")
@@ -58,134 +59,3 @@ QWEN3_MOE = register(ModelFamily(name="Qwen3-MoE", model_types=("qwen3_moe",), q
 QWEN2_MOE = register(ModelFamily(name="Qwen2-MoE", model_types=("qwen2_moe",), qkv_bias=True,
                                  moe_architecture=moe_architecture))
 
-
-_LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
-_GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc[12])\.weight(\d+)$")
-
-
-def is_expert_param(layer_suffix: str) -> bool:
-    """Routed-expert parameters: sharded over EP x ETP, not over TP."""
-    return layer_suffix.startswith("mlp.experts.")
-
-
-def local_expert(layer_suffix: str) -> tuple[int, str] | None:
-    """(local expert index, 'linear_fc1' | 'linear_fc2') of an expert parameter's layer suffix."""
-    match = _LOCAL_EXPERT.match(layer_suffix)
-    if match:
-        return int(match.group(1)), match.group(2)
-    match = _GROUPED_EXPERT.match(layer_suffix)
-    if match:
-        return int(match.group(2)), match.group(1)
-    return None
-
-
-def swiglu_names(prefix: str) -> tuple[str, str, str]:
-    """(gate, up, down) HF names of a SwiGLU MLP under prefix."""
-    return tuple(f"{prefix}{p}_proj.weight" for p in ("gate", "up", "down"))
-
-
-def moe_hf_names(layer_suffix: str, prefix: str, global_expert: int | None,
-                 shared_expert: str = "shared_expert") -> tuple[str, ...] | None:
-    """HF names of one MoE-layer parameter (prefix 'model.layers.L.'); None when it is not an MoE one.
-
-    fc1 names come as (gate, up): the caller fuses them with the TP/ETP interleaving of the dense MLP.
-    `shared_expert` is the HF module name of the shared expert (MoEArchitecture.hf_shared_expert).
-    The router's expert bias (a buffer megatron updates outside the optimizer) is DeepSeek-V3's
-    e_score_correction_bias, beside the router weight.
-    """
-    if layer_suffix == "mlp.router.weight":
-        return (f"{prefix}mlp.gate.weight",)
-    if layer_suffix == "mlp.router.expert_bias":
-        return (f"{prefix}mlp.gate.e_score_correction_bias",)
-    if layer_suffix == "mlp.shared_experts.gate_weight":
-        return (f"{prefix}mlp.shared_expert_gate.weight",)
-    if layer_suffix.startswith("mlp.shared_experts."):
-        gate, up, down = swiglu_names(f"{prefix}mlp.{shared_expert}.")
-        return (gate, up) if layer_suffix.endswith("linear_fc1.weight") else (down,)
-    expert = local_expert(layer_suffix)
-    if expert is None:
-        return None
-    gate, up, down = swiglu_names(f"{prefix}mlp.experts.{global_expert}.")
-    return (gate, up) if expert[1] == "linear_fc1" else (down,)
-
-
-_CHECKPOINT_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
-
-
-def fused_engine_target(name: str, state_names: set[str], intermediate: int) -> tuple[str, int, slice] | None:
-    """Where a checkpoint expert tensor lives in transformers' fused in-memory experts:
-    (state name, expert index, row slice), or None when the model keeps that name as is."""
-    if name in state_names:
-        return None
-    match = _CHECKPOINT_EXPERT.match(name)
-    if match is None:
-        return None
-    base, expert, proj = match.group(1), int(match.group(2)), match.group(3)
-    if proj == "down":
-        return f"{base}.down_proj", expert, slice(None)
-    rows = slice(0, intermediate) if proj == "gate" else slice(intermediate, 2 * intermediate)
-    return f"{base}.gate_up_proj", expert, rows
-
-
-def checkpoint_expert_count(names: list[str], arch: MoEArchitecture) -> int | None:
-    """Experts per MoE layer that a checkpoint's tensor names hold (the first MoE layer's); None if none."""
-    first = arch.layer_pattern.index(1) if 1 in arch.layer_pattern else None
-    if first is None:
-        return None
-    pattern = re.compile(rf"^model\.layers\.{first}\.mlp\.experts\.(\d+)\.")
-    indices = {int(m.group(1)) for m in map(pattern.match, names) if m}
-    return (max(indices) + 1) if indices else None
-
-
-# ------------------------------------------------------------------ routes the engine took (routing replay)
-
-
-def router_modules(model) -> list:
-    """transformers' MoE routers (model.layers.L.mlp.gate) in layer order: what each MoE layer routed."""
-    return [module for name, module in model.named_modules() if re.fullmatch(r".*layers\.\d+\.mlp\.gate", name)]
-
-
-class RouteCapture:
-    """Forward hooks on the routers of one generation batch: each forward's top-k expert ids, kept per row
-    for the positions the row really fed (left padding dropped)."""
-
-    def __init__(self, model):
-        self._per_layer: list = []
-        self._hooks = [m.register_forward_hook(self._hook) for m in router_modules(model)]
-
-    def _hook(self, module, inputs, output):
-        self._per_layer.append(output[2])  # (router logits, top-k weights, top-k expert ids)
-
-    def take(self, rows: list, shape, mask) -> None:
-        import torch
-
-        batch, width = shape
-        ids = torch.stack(self._per_layer, dim=1).reshape(batch, width, len(self._per_layer), -1)  # [B, S, L, k]
-        self._per_layer = []
-        for b, row in enumerate(rows):
-            row.routes.append(ids[b][mask[b].bool()].to(torch.int32).cpu())
-
-    def close(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
-
-
-def encode_routes(row) -> str:
-    """SGLang's meta_info.routed_experts: base64 of int32 [tokens, MoE layers, top-k], one row per token that
-    went through the model (the prompt and every output token but the last), from routed_experts_start_len."""
-    import base64
-
-    import torch
-
-    fed = len(row.request.input_ids) + len(row.output_ids) - 1
-    routes = torch.cat(row.routes)[:fed][row.request.routed_experts_start_len:]
-    return base64.b64encode(routes.contiguous().numpy().tobytes()).decode()
-
-
-def decode_routes(encoded: str, num_layers: int, topk: int):
-    """The inverse of encode_routes: an int32 numpy array [tokens, num_layers, topk]."""
-    import base64
-
-    import numpy as np
-
-    return np.frombuffer(base64.b64decode(encoded), dtype=np.int32).reshape(-1, num_layers, topk)

@@ -43,6 +43,12 @@ def _no_names(prefix: str) -> dict[str, str]:
     return {}
 
 
+def _shared_moe_names(layer_suffix: str, prefix: str, global_expert: int | None, arch: Any) -> tuple[str, ...] | None:
+    from slime.models.moe_hf import family_moe_names
+
+    return family_moe_names(layer_suffix, prefix, global_expert, arch)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelFamily:
     """What one HF model family is in megatron's terms. Every layer is a pre-norm decoder layer with a SwiGLU
@@ -89,6 +95,10 @@ class ModelFamily:
     adds or names otherwise (taking precedence over the dense table)."""
     fused_gate_up: Callable[[str], str] | None = None
     """HF layer prefix -> the name of the MLP's fused [gate; up] tensor, when HF stores them as one."""
+    moe_names: Callable[[str, str, int | None, Any], tuple[str, ...] | None] = _shared_moe_names
+    """(megatron layer suffix, HF layer prefix, global expert index, MoEArchitecture or None) -> the HF names
+    of an MoE-layer parameter ((gate, up) for an fc1), None when it is not one. Default: the Qwen-MoE and
+    DeepSeek-V3 spelling (moe_hf.py)."""
 
     def moe(self, hf_config: Any) -> Any:
         """The MoEArchitecture of this HF config, or None for a dense model."""

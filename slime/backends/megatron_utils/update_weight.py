@@ -40,7 +40,7 @@ from slime.backends.sglang_utils.http_client import ClientTimeouts, SGLangHTTPCl
 from slime.distributed.errors import CollectiveDivergenceError, DistributedStepError
 from slime.distributed.fault_inject import apply_weight_push_fault
 from slime.distributed.fingerprint import stable_hash
-from slime.models.hf_weights import _unwrap, export_hf_weights, hf_tensor_shapes
+from slime.models.hf_weights import export_hf_weights, hf_tensor_shapes, unwrap_model
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2  # upstream's --update-weight-buffer-size default
 
@@ -131,7 +131,7 @@ def hf_tensor_sizes(model_chunks: Sequence[torch.nn.Module], hf_config: Any, *, 
     parameters (qkv, gate/up), vocab padding and every EP rank's experts give the real export's shapes.
     """
     return [(name, t.numel() * t.element_size()) for chunk in model_chunks
-            for name, t in hf_tensor_shapes(_unwrap(chunk), hf_config, tp_size, all_experts=True)]
+            for name, t in hf_tensor_shapes(unwrap_model(chunk), hf_config, tp_size, all_experts=True)]
 
 
 def build_weight_sync_plan(model_chunks: Sequence[torch.nn.Module], hf_config: Any, *, tp_size: int,
