@@ -133,8 +133,8 @@ def _check_against_args(arch: dict[str, Any], args: Namespace, flags: dict[str, 
         raise ValueError(f"--model-name {model_name} contradicts the HF config (model_type {arch['model_type']})")
 
 
-def _family(hf_config: Any) -> str:
-    """qwen3 / qwen2 / llama: what --model-name names (MoE variants are refused by hf_architecture)."""
+def _model_name(hf_config: Any) -> str:
+    """What --model-name names: the HF model_type without its "_moe" suffix (qwen3 for qwen3_moe)."""
     return getattr(hf_config, "model_type", "").removesuffix("_moe")
 
 
@@ -148,7 +148,7 @@ def transformer_config_from_hf(hf_config: Any, args: Namespace) -> TransformerCo
     """TransformerConfig for an HF config of a registered family (slime/models), with parallelism and
     training knobs from args. fp32 unless args.bf16 (CPU runs use fp32)."""
     arch = hf_architecture(hf_config)
-    _check_against_args({**arch, "rotary_base": _rope_theta(hf_config), "model_type": _family(hf_config),
+    _check_against_args({**arch, "rotary_base": _rope_theta(hf_config), "model_type": _model_name(hf_config),
                          "rotary_percent": _rotary_percent(hf_config),
                          "post_norms": family_of(hf_config).post_norms}, args)
     _check_embedding_tying(hf_config, args)
