@@ -23,7 +23,6 @@ checkpoint name onto that storage for the embedded engine.
 from __future__ import annotations
 
 import re
-from typing import Any
 
 from slime.models.moe_arch import MoEArchitecture
 
