@@ -9,6 +9,7 @@ import difflib
 import logging
 import warnings
 
+from slime.config.engine import RETURN_ORIGINAL_LOGPROB_ENV, pick_rollout_backend, return_original_logprob
 from slime.config.errors import ArgumentValidationError, derive, fail, require_path
 from slime.rollout.eval_config import EvalDatasetSpec, load_eval_config
 
@@ -69,8 +70,6 @@ def check_rollout_backend(args: argparse.Namespace) -> None:
     """Resolve --rollout-backend once at parse time, so a choice that cannot work fails before start-up."""
     if args.debug_train_only:  # no engines
         return
-    from slime.backends.sglang_utils.launcher import pick_rollout_backend
-
     try:
         pick_rollout_backend(args)
     except ValueError as exc:
@@ -79,8 +78,6 @@ def check_rollout_backend(args: argparse.Namespace) -> None:
 
 def check_logprob_mismatch(args: argparse.Namespace) -> None:
     """Engine vs trainer log-probs: both must mean the same distribution."""
-    from slime.backends.embedded_engine.sampling import RETURN_ORIGINAL_LOGPROB_ENV, return_original_logprob
-
     if args.use_rollout_logprobs and args.use_tis:
         fail("--use-rollout-logprobs and --use-tis cannot be combined: TIS corrects the trainer's old policy "
              "towards the engines', which --use-rollout-logprobs already uses; drop one")
