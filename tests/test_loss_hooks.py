@@ -11,6 +11,7 @@ import torch
 
 import hook_plugins
 from slime.backends.megatron_utils.data import pack_micro_batch, plans_from_rollout
+from slime.config import defaults_namespace
 from slime.backends.megatron_utils.loss import LossConfig, metric_keys, micro_batch_loss
 from slime.backends.megatron_utils.loss_hooks import ResponseView, sequence_mean_log_ratio
 from slime.utils.ppo_utils import compute_advantages_and_returns
@@ -136,9 +137,9 @@ def test_gspo_uses_one_ratio_per_sample():
 
 def test_normalize_advantages_whitens_grpo_advantages():
     data = {"loss_masks": [[1, 1], [1, 0, 1]], "rewards": [1.0, -0.5], "response_lengths": [2, 3]}
-    compute_advantages_and_returns(SimpleNamespace(advantage_estimator="grpo", normalize_advantages=False), data)
+    compute_advantages_and_returns(defaults_namespace(advantage_estimator="grpo", normalize_advantages=False), data)
     assert data["advantages"] == [[1.0, 1.0], [-0.5, -0.5, -0.5]]
-    compute_advantages_and_returns(SimpleNamespace(advantage_estimator="grpo", normalize_advantages=True), data)
+    compute_advantages_and_returns(defaults_namespace(advantage_estimator="grpo", normalize_advantages=True), data)
     values = torch.tensor([a for row, m in zip(data["advantages"], data["loss_masks"]) for a, k in zip(row, m) if k])
     assert values.mean().item() == pytest.approx(0.0, abs=1e-6) and values.std(unbiased=False).item() == pytest.approx(1.0, rel=1e-4)
 

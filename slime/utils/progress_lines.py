@@ -15,7 +15,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from slime.config.layout import build_parallel_layout
+from slime.config.defaults import with_defaults
+from slime.config.layout import LAYOUT_FLAGS, build_parallel_layout
 
 # The events one rollout's line is made of; any other kind is printed as its own event line.
 ROLLOUT_KINDS = ("rollout", "train", "weight_sync", "memory")
@@ -133,8 +134,15 @@ def parallel_layout(args) -> str:
     return " x ".join(p for p in parts if p) or "one rank"
 
 
+# The flags the start line reads.
+START_LINE_FLAGS = (*LAYOUT_FLAGS, "debug_rollout_only", "debug_train_only", "rollout_num_gpus",
+                    "rollout_num_gpus_per_engine", "colocate", "num_rollout", "rollout_batch_size",
+                    "n_samples_per_prompt")
+
+
 def start_line(args, *, device: str) -> str:
     """What the run starts, printed before anything slow happens (from the flags alone)."""
+    args = with_defaults(args, START_LINE_FLAGS)  # loop tests drive train.py with args built by hand
     ranks = 0 if args.debug_rollout_only else args.actor_num_nodes * args.actor_num_gpus_per_node
     per_engine = args.rollout_num_gpus_per_engine
     engine_gpus = 0 if args.debug_train_only else args.rollout_num_gpus or 0
@@ -147,7 +155,7 @@ def start_line(args, *, device: str) -> str:
                                                 else ""))
     mode = "colocated" if args.colocate else "engines apart"
     rollouts = args.num_rollout
-    batch = f"{getattr(args, 'rollout_batch_size', '?')} prompts x {getattr(args, 'n_samples_per_prompt', 1)} samples"
+    batch = f"{args.rollout_batch_size} prompts x {args.n_samples_per_prompt} samples"
     return (f"starting: {', '.join(what) or 'nothing'}, {mode}, on {device}; "
             f"{f'{rollouts} rollouts' if rollouts else 'rollouts by --num-epoch'} of {batch}")
 
