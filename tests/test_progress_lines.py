@@ -111,7 +111,7 @@ def test_the_start_line_names_the_layout_from_the_flags():
 
 
 def _logged(tmp_path, verbose: bool) -> tuple[list[str], list[dict]]:
-    args = SimpleNamespace(verbose=verbose, num_rollout=2, start_rollout_id=0, metrics_jsonl=str(tmp_path / "m.jsonl"))
+    args = defaults_namespace(verbose=verbose, num_rollout=2, start_rollout_id=0, metrics_jsonl=str(tmp_path / "m.jsonl"))
     printed: list[str] = []
     console = Console(args, out=printed.append)
     metrics = MetricsLogger(args, console)
