@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from arg_testing import no_real_sglang, parse_error, parse_quiet  # noqa: F401 (fixture)
+from slime.config import registries
 from slime.utils import arguments, sglang_passthrough
 from slime.utils.arguments import (
     EvalDatasetSpec,
@@ -333,7 +334,7 @@ def test_not_implemented_flag_warns_once_naming_it():
 
 def test_not_implemented_registry_respects_device(monkeypatch):
     cuda_only = NotImplementedFlag(flag="--use-distributed-optimizer", reason="test", devices=frozenset({"cuda"}))
-    monkeypatch.setattr(arguments, "NOT_IMPLEMENTED_FLAGS", (cuda_only,))
+    monkeypatch.setattr(registries, "NOT_IMPLEMENTED_FLAGS", (cuda_only,))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         cpu_args = parse_args(MINIMAL + ["--use-distributed-optimizer"])

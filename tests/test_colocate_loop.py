@@ -97,7 +97,7 @@ def run_loop(monkeypatch, **flags) -> list[str]:
                     debug_train_only=False, offload_train=True, offload_rollout=True, eval_interval=None,
                     eval_prompt_data=None, save=None, save_interval=None, metrics_jsonl=None, use_wandb=False,
                     use_tensorboard=False, tensorboard_dir=None, start_rollout_id=None,
-                    ledger_dir=tempfile.gettempdir())
+                    ledger_dir=tempfile.gettempdir(), verbose=False)
     train_module.train(types.SimpleNamespace(**{**defaults, **flags}))
     return log.calls
 

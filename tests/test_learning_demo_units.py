@@ -104,11 +104,12 @@ def test_plot_metrics_writes_every_panel_and_curves(tmp_path):
 def test_tensorboard_logs_the_same_metrics_as_the_jsonl(tmp_path, monkeypatch):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    from slime.config import defaults_namespace
     from slime.utils.metrics_logger import MetricsLogger
 
     monkeypatch.delenv("TENSORBOARD_DIR", raising=False)
-    args = SimpleNamespace(metrics_jsonl=str(tmp_path / "m.jsonl"), use_tensorboard=True,
-                           tensorboard_dir=str(tmp_path / "tb"), tb_experiment_name="run1")
+    args = defaults_namespace(metrics_jsonl=str(tmp_path / "m.jsonl"), use_tensorboard=True,
+                              tensorboard_dir=str(tmp_path / "tb"), tb_experiment_name="run1")
     metrics = MetricsLogger(args)
     for k in range(3):
         metrics.log("train", k, {"train/loss": 0.5 * k, "train/train_rollout_logprob_abs_diff": 1e-6 * k})

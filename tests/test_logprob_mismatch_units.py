@@ -17,6 +17,7 @@ from slime.backends.megatron_utils.loss import (
     micro_batch_loss,
     trainer_computes_old_log_probs,
 )
+from slime.config import defaults_namespace
 from slime.distributed import fault_inject
 from slime.utils.arguments import parse_args
 from slime.utils.ppo_utils import compute_advantages_and_returns
@@ -156,11 +157,11 @@ def test_old_policy_forward_is_skipped_only_for_use_rollout_logprobs_alone():
 def test_reward_shaping_kl_uses_the_engines_log_probs_with_use_rollout_logprobs():
     data = {"loss_masks": [[1, 1]], "rewards": [1.0], "log_probs": [[-1.0, -1.0]], "rollout_log_probs": [[-3.0, -2.0]],
             "ref_log_probs": [[-1.0, -1.0]]}
-    args = SimpleNamespace(advantage_estimator="reinforce_plus_plus_baseline", kl_coef=1.0, kl_loss_type="k1")
+    args = dict(advantage_estimator="reinforce_plus_plus_baseline", kl_coef=1.0, kl_loss_type="k1")
     trainer = dict(data)
-    compute_advantages_and_returns(SimpleNamespace(**vars(args), use_rollout_logprobs=False), trainer)
+    compute_advantages_and_returns(defaults_namespace(**args, use_rollout_logprobs=False), trainer)
     engines = dict(data)
-    compute_advantages_and_returns(SimpleNamespace(**vars(args), use_rollout_logprobs=True), engines)
+    compute_advantages_and_returns(defaults_namespace(**args, use_rollout_logprobs=True), engines)
     assert trainer["returns"] == [[1.0, 1.0]]  # trainer's old policy equals the reference: no shaping
     assert engines["returns"] == [[3.0, 2.0]]  # 1 - (rollout - ref)
 

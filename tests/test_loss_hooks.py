@@ -11,7 +11,8 @@ import torch
 
 import hook_plugins
 from slime.backends.megatron_utils.data import pack_micro_batch, plans_from_rollout
-from slime.backends.megatron_utils.loss import LossConfig, metric_keys, micro_batch_loss
+from slime.config import defaults_namespace
+from slime.backends.megatron_utils.loss import LOSS_FLAGS, LossConfig, metric_keys, micro_batch_loss
 from slime.backends.megatron_utils.loss_hooks import ResponseView, sequence_mean_log_ratio
 from slime.utils.ppo_utils import compute_advantages_and_returns
 
@@ -34,7 +35,8 @@ def _data():
 
 
 def _args(**kw):
-    base = dict(context_parallel_size=1, tensor_model_parallel_size=1, sequence_parallel=False,
+    base = vars(defaults_namespace(only=LOSS_FLAGS))  # the loss flags this helper leaves out
+    base.update(context_parallel_size=1, tensor_model_parallel_size=1, sequence_parallel=False,
                 num_steps_per_rollout=1, use_dynamic_batch_size=True, max_tokens_per_gpu=64, micro_batch_size=1,
                 global_batch_size=3, balance_data=False, calculate_per_token_loss=False, eps_clip=0.2,
                 eps_clip_high=0.28, use_kl_loss=False, use_tis=False, entropy_coef=0.0, rollout_temperature=1.0,
@@ -136,9 +138,9 @@ def test_gspo_uses_one_ratio_per_sample():
 
 def test_normalize_advantages_whitens_grpo_advantages():
     data = {"loss_masks": [[1, 1], [1, 0, 1]], "rewards": [1.0, -0.5], "response_lengths": [2, 3]}
-    compute_advantages_and_returns(SimpleNamespace(advantage_estimator="grpo", normalize_advantages=False), data)
+    compute_advantages_and_returns(defaults_namespace(advantage_estimator="grpo", normalize_advantages=False), data)
     assert data["advantages"] == [[1.0, 1.0], [-0.5, -0.5, -0.5]]
-    compute_advantages_and_returns(SimpleNamespace(advantage_estimator="grpo", normalize_advantages=True), data)
+    compute_advantages_and_returns(defaults_namespace(advantage_estimator="grpo", normalize_advantages=True), data)
     values = torch.tensor([a for row, m in zip(data["advantages"], data["loss_masks"]) for a, k in zip(row, m) if k])
     assert values.mean().item() == pytest.approx(0.0, abs=1e-6) and values.std(unbiased=False).item() == pytest.approx(1.0, rel=1e-4)
 

@@ -1,11 +1,11 @@
 """PPO math against hand-computed values (pure CPU)."""
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
 
+from slime.config import defaults_namespace
 from slime.utils.ppo_utils import (
     compute_advantages_and_returns,
     compute_approx_kl,
@@ -84,7 +84,7 @@ def test_group_normalize_and_advantages():
     assert norm[0] == pytest.approx((1 - 2 / 3) / (std0 + 1e-6))
     assert norm[3:] == pytest.approx([-1.0, 0.0, 1.0], rel=1e-5)
     data = {"rewards": [0.5, -0.5], "loss_masks": [[1, 1], [1, 0, 1]]}
-    compute_advantages_and_returns(SimpleNamespace(advantage_estimator="grpo"), data)
+    compute_advantages_and_returns(defaults_namespace(advantage_estimator="grpo"), data)
     assert data["advantages"] == [[0.5, 0.5], [-0.5, -0.5, -0.5]]
     with pytest.raises(ValueError):
-        compute_advantages_and_returns(SimpleNamespace(advantage_estimator="ppo"), data)
+        compute_advantages_and_returns(defaults_namespace(advantage_estimator="ppo"), data)

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from slime.config import defaults_namespace
 from slime.utils import progress_lines
 from slime.utils.metrics_logger import Console, MetricsLogger
 from slime.utils.progress_lines import (
@@ -97,20 +98,20 @@ def test_placement_is_one_line_and_the_record_is_untouched():
 
 
 def test_the_start_line_names_the_layout_from_the_flags():
-    args = SimpleNamespace(actor_num_nodes=1, actor_num_gpus_per_node=8, tensor_model_parallel_size=2,
-                           sequence_parallel=True, pipeline_model_parallel_size=1, context_parallel_size=4,
-                           expert_model_parallel_size=1, rollout_num_gpus=8, rollout_num_gpus_per_engine=8,
-                           colocate=True, num_rollout=20, rollout_batch_size=8, n_samples_per_prompt=8)
+    args = defaults_namespace(actor_num_nodes=1, actor_num_gpus_per_node=8, tensor_model_parallel_size=2,
+                              sequence_parallel=True, pipeline_model_parallel_size=1, context_parallel_size=4,
+                              expert_model_parallel_size=1, rollout_num_gpus=8, rollout_num_gpus_per_engine=8,
+                              colocate=True, num_rollout=20, rollout_batch_size=8, n_samples_per_prompt=8)
     assert start_line(args, device="CPU") == ("starting: 8 trainer ranks (TP2 x SP x CP4), 1 engine, colocated, "
                                               "on CPU; 20 rollouts of 8 prompts x 8 samples")
-    dp = SimpleNamespace(**{**vars(args), "context_parallel_size": 1, "sequence_parallel": False, "colocate": False,
+    dp = defaults_namespace(**{**vars(args), "context_parallel_size": 1, "sequence_parallel": False, "colocate": False,
                             "rollout_num_gpus": 4, "rollout_num_gpus_per_engine": 2})
     assert start_line(dp, device="GPU").startswith("starting: 8 trainer ranks (TP2 x DP4), 2 engines of 2 GPUs each, "
                                                    "engines apart, on GPU")
 
 
 def _logged(tmp_path, verbose: bool) -> tuple[list[str], list[dict]]:
-    args = SimpleNamespace(verbose=verbose, num_rollout=2, start_rollout_id=0, metrics_jsonl=str(tmp_path / "m.jsonl"))
+    args = defaults_namespace(verbose=verbose, num_rollout=2, start_rollout_id=0, metrics_jsonl=str(tmp_path / "m.jsonl"))
     printed: list[str] = []
     console = Console(args, out=printed.append)
     metrics = MetricsLogger(args, console)

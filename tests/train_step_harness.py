@@ -52,7 +52,11 @@ def build_loaded_model(args, hf_dir: str):
 
 
 def layout_args(layout: dict, **overrides) -> SimpleNamespace:
-    args = dict(
+    from slime.backends.megatron_utils.loss import LOSS_FLAGS
+    from slime.config import defaults_namespace
+
+    args = vars(defaults_namespace(only=LOSS_FLAGS))  # the loss flags this helper leaves out
+    args.update(
         tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
         expert_model_parallel_size=1, sequence_parallel=False, seed=1234, lr=0.0, min_lr=0.0,
         clip_grad=1.0, weight_decay=0.0, calculate_per_token_loss=False, use_dynamic_batch_size=True,

@@ -26,6 +26,7 @@ _EXPORTS = {
     "PlanFingerprint": "fingerprint",
     "plan_fingerprint": "fingerprint",
     "stable_hash": "fingerprint",
+    "GroupSettings": "groups",
     "ParallelLayout": "groups",
     "ProcessGroupLifecycle": "groups",
     "WakeReport": "groups",

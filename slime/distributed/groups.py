@@ -18,6 +18,8 @@ from datetime import timedelta
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
+from slime.config.defaults import with_defaults
+from slime.config.layout import LAYOUT_FLAGS, ParallelLayout, build_parallel_layout
 from slime.distributed.communicator_config import megatron_config_file, single_rank_group_kinds
 from slime.distributed.fence import Fence
 from slime.distributed.group_names import forget_group, register_group
@@ -26,16 +28,17 @@ from slime.distributed.warmup import CommunicatorWarmup, WarmupReport, step_grou
 from slime.utils.deadlines import DeadlineModel
 
 
-@dataclass(frozen=True, kw_only=True)
-class ParallelLayout:
-    """Parallel sizes and lifecycle options, read once from args."""
+# The flags GroupSettings.from_args reads.
+GROUP_FLAGS = (*LAYOUT_FLAGS, "recreate_process_groups_on_wake", "single_rank_group_max_ctas", "fence_timeout",
+               "distributed_timeout_minutes")
 
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    virtual_pipeline_model_parallel_size: int | None = None
-    context_parallel_size: int = 1
-    expert_model_parallel_size: int = 1
-    expert_tensor_parallel_size: int | None = None
+
+@dataclass(frozen=True, kw_only=True)
+class GroupSettings:
+    """What the groups are made of and how they live: the parallel layout and the lifecycle options, read once."""
+
+    parallel: ParallelLayout
+    """Sizes of the TP/PP/CP/EP/ETP groups (slime/config/layout.py), over the running world."""
     fence_timeout_s: float = 600.0
     """No-progress window of each fence, and deadline of each warm-up op."""
     group_timeout_s: float = 1260.0
@@ -49,19 +52,16 @@ class ParallelLayout:
     slime/distributed/communicator_config.py."""
 
     @classmethod
-    def from_args(cls, args) -> "ParallelLayout":
+    def from_args(cls, args) -> "GroupSettings":
+        """The settings of the running world (torch.distributed initialised) from the flags."""
+        args = with_defaults(args, GROUP_FLAGS)  # tests and benchmarks build args by hand
         deadlines = DeadlineModel.from_args(args)
         return cls(
-            tensor_model_parallel_size=args.tensor_model_parallel_size,
-            pipeline_model_parallel_size=getattr(args, "pipeline_model_parallel_size", 1) or 1,
-            virtual_pipeline_model_parallel_size=getattr(args, "virtual_pipeline_model_parallel_size", None),
-            context_parallel_size=getattr(args, "context_parallel_size", 1) or 1,
-            expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1) or 1,
-            expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None),
+            parallel=build_parallel_layout(args, world_size=dist.get_world_size()),
             fence_timeout_s=deadlines.no_progress_s,
             group_timeout_s=deadlines.group_timeout,
-            recreate_process_groups_on_wake=bool(getattr(args, "recreate_process_groups_on_wake", False)),
-            single_rank_group_max_ctas=int(getattr(args, "single_rank_group_max_ctas", 1)),
+            recreate_process_groups_on_wake=args.recreate_process_groups_on_wake,
+            single_rank_group_max_ctas=args.single_rank_group_max_ctas,
         )
 
 
@@ -69,22 +69,22 @@ def _single_rank_kinds(layout: ParallelLayout) -> tuple[str, ...]:
     """Group kinds to give one channel: NCCL groups of one rank (none on gloo, which has no channels)."""
     if dist.get_backend() != "nccl":
         return ()
-    return single_rank_group_kinds(world_size=dist.get_world_size(), tensor=layout.tensor_model_parallel_size,
-                                   pipeline=layout.pipeline_model_parallel_size,
-                                   context=layout.context_parallel_size, expert=layout.expert_model_parallel_size)
+    return single_rank_group_kinds(world_size=dist.get_world_size(), tensor=layout.tp, pipeline=layout.pp,
+                                   context=layout.cp, expert=layout.ep)
 
 
-def create_model_parallel_groups(layout: ParallelLayout) -> None:
+def create_model_parallel_groups(settings: GroupSettings) -> None:
     """megatron's parallel_state groups, in its fixed creation order; the one place that creates them."""
-    with megatron_config_file(_single_rank_kinds(layout), layout.single_rank_group_max_ctas) as nccl_config:
+    layout = settings.parallel
+    with megatron_config_file(_single_rank_kinds(layout), settings.single_rank_group_max_ctas) as nccl_config:
         mpu.initialize_model_parallel(
-            tensor_model_parallel_size=layout.tensor_model_parallel_size,
-            pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
-            virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
-            context_parallel_size=layout.context_parallel_size,
-            expert_model_parallel_size=layout.expert_model_parallel_size,
-            expert_tensor_parallel_size=layout.expert_tensor_parallel_size,
-            distributed_timeout_minutes=layout.group_timeout_s / 60.0,  # fractions work: tests use seconds
+            tensor_model_parallel_size=layout.tp,
+            pipeline_model_parallel_size=layout.pp,
+            virtual_pipeline_model_parallel_size=layout.vpp,
+            context_parallel_size=layout.cp,
+            expert_model_parallel_size=layout.ep,
+            expert_tensor_parallel_size=layout.etp,
+            distributed_timeout_minutes=settings.group_timeout_s / 60.0,  # fractions work: tests use seconds
             nccl_communicator_config_path=nccl_config,
         )
     for name, group in step_groups():
@@ -103,9 +103,9 @@ class WakeReport:
 class ProcessGroupLifecycle:
     """Owns megatron's parallel_state groups plus the persistent gloo fence group of this process."""
 
-    def __init__(self, layout: ParallelLayout, *, ledger: Ledger | None = None):
+    def __init__(self, settings: GroupSettings, *, ledger: Ledger | None = None):
         assert dist.is_initialized(), "torch.distributed must be initialised (with a timeout) first"
-        self.layout = layout
+        self.settings = settings
         self.ledger = ledger
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
@@ -115,7 +115,7 @@ class ProcessGroupLifecycle:
 
     @classmethod
     def from_args(cls, args, *, ledger: Ledger | None = None) -> "ProcessGroupLifecycle":
-        return cls(ParallelLayout.from_args(args), ledger=ledger)
+        return cls(GroupSettings.from_args(args), ledger=ledger)
 
     @property
     def fence(self) -> Fence:
@@ -132,25 +132,25 @@ class ProcessGroupLifecycle:
         if self._fence is None:
             self._fence = self._create_fence_group()
         self._create_model_parallel()
-        return self._fenced_warmup("create", rollout_id, timeout_s or self.layout.fence_timeout_s)
+        return self._fenced_warmup("create", rollout_id, timeout_s or self.settings.fence_timeout_s)
 
     def sleep(self, rollout_id: int | None = None) -> None:
         """Fence, then (re-create mode only) destroy the model-parallel groups. Memory is the owner's
         business (slime/backends/megatron_utils/offload.py): communicators hold no model state."""
         self.fence("sleep", {"rollout_id": rollout_id})
-        if self.layout.recreate_process_groups_on_wake:
+        if self.settings.recreate_process_groups_on_wake:
             self._destroy_model_parallel()
         self._asleep = True
 
     def wake(self, rollout_id: int | None = None) -> WakeReport:
         """Re-create groups in the original order if they were destroyed, fence, warm up, fence."""
-        recreate = self.layout.recreate_process_groups_on_wake and self._asleep
+        recreate = self.settings.recreate_process_groups_on_wake and self._asleep
         old = self._destroyed_groups if recreate else []
         start = time.perf_counter()
         if recreate:
             self._create_model_parallel()
         create_seconds = time.perf_counter() - start
-        warmup = self._fenced_warmup("wake", rollout_id, self.layout.fence_timeout_s)
+        warmup = self._fenced_warmup("wake", rollout_id, self.settings.fence_timeout_s)
         self._asleep = False
         regrouped = _pair_by_name(old, step_groups()) if recreate else ()
         self.metrics = {"perf/wake_create_groups_s": create_seconds, "perf/wake_warmup_s": warmup.seconds}
@@ -159,13 +159,13 @@ class ProcessGroupLifecycle:
     # -- internals ---------------------------------------------------------------------------
     def _create_fence_group(self) -> Fence:
         # gloo's own limit on one wait: above the fence's no-progress window, which may outlast it
-        timeout = timedelta(seconds=self.layout.group_timeout_s)
+        timeout = timedelta(seconds=self.settings.group_timeout_s)
         group = dist.new_group(list(range(self.world_size)), backend="gloo", timeout=timeout)
         register_group(FENCE_GROUP_NAME, group)
-        return Fence(group, rank=self.rank, world_size=self.world_size, timeout_s=self.layout.fence_timeout_s, ledger=self.ledger)
+        return Fence(group, rank=self.rank, world_size=self.world_size, timeout_s=self.settings.fence_timeout_s, ledger=self.ledger)
 
     def _create_model_parallel(self) -> None:
-        create_model_parallel_groups(self.layout)
+        create_model_parallel_groups(self.settings)
 
     def _fenced_warmup(self, phase: str, rollout_id: int | None, timeout_s: float) -> WarmupReport:
         groups = [n for n, _ in step_groups()]

@@ -173,7 +173,7 @@ def generate_rollout_fully_async(args, rollout_id: int, data_source, evaluation:
     start = time.monotonic()
     worker = generator(args, data_source)
     current = run(_engines_version(args))
-    max_staleness = getattr(args, "max_weight_staleness", None)
+    max_staleness = args.max_weight_staleness
     groups, staleness, dropped = worker.take(int(args.rollout_batch_size), current_version=current,
                                              max_staleness=max_staleness, deadline=start + rollout_deadline_s(args))
     groups.sort(key=_index)

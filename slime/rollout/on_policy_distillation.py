@@ -30,7 +30,7 @@ def teacher_payload(args, sample: Sample) -> dict[str, Any]:
         raise ValueError(f"sample {sample.index} has no tokens for the teacher to score")
     return {
         "input_ids": list(sample.tokens),
-        "sampling_params": {"temperature": float(getattr(args, "rollout_temperature", 1.0) or 1.0),
+        "sampling_params": {"temperature": float(args.rollout_temperature or 1.0),
                             "max_new_tokens": 0, "skip_special_tokens": False},
         "return_logprob": True,
         "logprob_start_len": 0,
@@ -51,7 +51,7 @@ def teacher_response_log_probs(reply: dict[str, Any], response_length: int) -> l
 
 async def reward_func(args, sample: Sample, **kwargs) -> float:
     """Teacher log-probs of the response (kept as sample.teacher_log_probs); the reward itself is 0."""
-    url = getattr(args, "rm_url", None)
+    url = args.rm_url
     if not url:
         raise ValueError("on-policy distillation with a teacher engine needs --rm-url http://HOST:PORT/generate")
     timeout_s = float(getattr(args, "rm_timeout", None) or TEACHER_TIMEOUT_S)

@@ -52,9 +52,9 @@ def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = Fals
     if evaluation:
         raise ValueError("slime.rollout.sft_rollout has no eval mode; set --eval-function-path to an eval rollout "
                          "(e.g. slime.rollout.sglang_rollout.generate_rollout) or drop --eval-interval")
-    if not getattr(args, "rollout_global_dataset", True):
+    if not args.rollout_global_dataset:
         raise ValueError("sft_rollout reads the global dataset; remove --disable-rollout-global-dataset")
-    if getattr(args, "n_samples_per_prompt", 1) != 1:
+    if args.n_samples_per_prompt != 1:
         raise ValueError(f"SFT trains on each conversation once: set --n-samples-per-prompt 1 "
                          f"(got {args.n_samples_per_prompt})")
     generator = mask_generator(args)

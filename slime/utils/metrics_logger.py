@@ -81,7 +81,7 @@ class Console:
 
     def __init__(self, args, *, out=None) -> None:
         self.args = args
-        self.verbose = bool(getattr(args, "verbose", False))
+        self.verbose = bool(args.verbose)
         self._print = out or (lambda line: print(line, flush=True))
         self._queue: queue.Queue | None = None
         self.progress = progress_lines.RolloutProgress(started=time.monotonic())
@@ -145,11 +145,11 @@ def _plain(value: Any) -> Any:
 
 def _open_sinks(args) -> list:
     sinks = []
-    if getattr(args, "metrics_jsonl", None):
+    if args.metrics_jsonl:
         sinks.append(_jsonl_sink(args.metrics_jsonl))
-    if getattr(args, "use_wandb", False):
+    if args.use_wandb:
         sinks.append(_wandb_sink(args))
-    if getattr(args, "use_tensorboard", False) or getattr(args, "tensorboard_dir", None):
+    if args.use_tensorboard or args.tensorboard_dir:
         sinks.append(_tensorboard_sink(args))
     return sinks
 
@@ -169,9 +169,9 @@ def _wandb_sink(args):
         import wandb
     except ImportError as exc:
         raise SystemExit("--use-wandb needs the wandb package: pip install wandb") from exc
-    if getattr(args, "wandb_key", None):
+    if args.wandb_key:
         wandb.login(key=args.wandb_key)
-    wandb.init(project=args.wandb_project, group=getattr(args, "wandb_group", None), config=public_config(args))
+    wandb.init(project=args.wandb_project, group=args.wandb_group, config=public_config(args))
 
     def write_wandb(event: dict) -> None:
         wandb.log({k: v for k, v in event.items() if isinstance(v, (int, float))}, step=event["rollout_id"])
@@ -184,8 +184,8 @@ def tensorboard_log_dir(args) -> str:
     tensorboard_log; --tb-experiment-name adds a sub-directory per run."""
     if os.environ.get("TENSORBOARD_DIR"):
         return os.environ["TENSORBOARD_DIR"]
-    base = getattr(args, "tensorboard_dir", None) or "tensorboard_log"
-    experiment = getattr(args, "tb_experiment_name", None)
+    base = args.tensorboard_dir or "tensorboard_log"
+    experiment = args.tb_experiment_name
     return os.path.join(base, experiment) if experiment else base
 
 

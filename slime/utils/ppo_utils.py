@@ -201,17 +201,17 @@ def compute_advantages_and_returns(args: Any, data: dict[str, Any]) -> None:
     KL shaping (reinforce++ families) uses data['log_probs'] (data['rollout_log_probs'] with
     --use-rollout-logprobs) / data['ref_log_probs'] when both are present, with --kl-coef.
     """
-    estimator = getattr(args, "advantage_estimator", "grpo")
+    estimator = args.advantage_estimator
     masks = [torch.tensor(m, dtype=torch.float32) for m in data["loss_masks"]]
     kl = _shaping_kl(args, data, masks)
-    kl_coef = getattr(args, "kl_coef", 0.0) or 0.0
+    kl_coef = args.kl_coef or 0.0
     # --use-opd: the distillation penalty joins the estimator's advantages before any whitening (upstream's order)
     if estimator in ("grpo", "gspo"):
         returns = get_grpo_returns(data["rewards"], kl)
         advantages = opd_penalised(args, data, returns)
-        advantages = _whiten(advantages, masks) if getattr(args, "normalize_advantages", False) else advantages
+        advantages = _whiten(advantages, masks) if args.normalize_advantages else advantages
     elif estimator == "reinforce_plus_plus":
-        returns = get_reinforce_plus_plus_returns(data["rewards"], kl, masks, kl_coef, getattr(args, "gamma", 1.0))
+        returns = get_reinforce_plus_plus_returns(data["rewards"], kl, masks, kl_coef, args.gamma)
         advantages = _whiten(opd_penalised(args, data, returns), masks)
     elif estimator == "reinforce_plus_plus_baseline":
         returns = get_reinforce_plus_plus_baseline_advantages(data["rewards"], kl, masks, kl_coef)
@@ -224,10 +224,10 @@ def compute_advantages_and_returns(args: Any, data: dict[str, Any]) -> None:
 
 def _shaping_kl(args: Any, data: dict[str, Any], masks: list[torch.Tensor]) -> list[torch.Tensor]:
     # The old policy's log-probs: the engines' with --use-rollout-logprobs (as upstream), else the trainer's.
-    policy = data.get("rollout_log_probs" if getattr(args, "use_rollout_logprobs", False) else "log_probs")
+    policy = data.get("rollout_log_probs" if args.use_rollout_logprobs else "log_probs")
     if policy is None or data.get("ref_log_probs") is None:
         return [torch.zeros_like(m) for m in masks]
-    kl_type = getattr(args, "kl_loss_type", "k1") or "k1"
+    kl_type = args.kl_loss_type or "k1"
     return [
         compute_approx_kl(torch.tensor(lp), torch.tensor(ref), kl_type)
         for lp, ref in zip(policy, data["ref_log_probs"])

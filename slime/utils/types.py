@@ -137,7 +137,7 @@ class Sample:
 
     def get_reward_value(self, args) -> float:
         """The scalar reward: `reward[args.reward_key]` when rewards are dicts, else `reward`."""
-        key = getattr(args, "reward_key", None)
+        key = args.reward_key
         if key:
             if not isinstance(self.reward, dict) or key not in self.reward:
                 raise KeyError(f"--reward-key {key!r} not in reward {self.reward!r} of sample {self.index}")

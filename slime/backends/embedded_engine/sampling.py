@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
-# SGLang's switch (sglang/srt/layers/sampler.py): report log-probs before temperature scaling.
-RETURN_ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
+from slime.config.engine import RETURN_ORIGINAL_LOGPROB_ENV, return_original_logprob  # noqa: F401 (the env name: re-exported)
 
 # Accepted by SGLang but without effect here; allowed only at their neutral value so a
 # request never silently samples differently from what it asked for.
@@ -95,11 +93,6 @@ class SamplingParams:
             raise ValueError("top_k must be -1 (disabled) or >= 1")
         if self.n < 1:
             raise ValueError("n must be >= 1")
-
-
-def return_original_logprob() -> bool:
-    """SGLang's reading of SGLANG_RETURN_ORIGINAL_LOGPROB ("1"/"true", any case)."""
-    return os.environ.get(RETURN_ORIGINAL_LOGPROB_ENV, "false").lower() in ("true", "1")
 
 
 def logprob_temperature(p: SamplingParams) -> float:

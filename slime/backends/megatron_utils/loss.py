@@ -40,6 +40,13 @@ from slime.utils.ppo_utils import (
 from slime_plugins.models import fused_kernels
 
 
+# The flags LossConfig.from_args reads.
+LOSS_FLAGS = ("calculate_per_token_loss", "eps_clip", "eps_clip_high", "eps_clip_c", "use_kl_loss", "kl_loss_coef",
+              "kl_loss_type", "entropy_coef", "use_tis", "tis_clip", "tis_clip_low", "rollout_temperature",
+              "use_rollout_logprobs", "get_mismatch_metrics", "advantage_estimator", "use_opd", "loss_type",
+              "custom_loss_function_path", "custom_tis_function_path", "custom_pg_loss_reducer_function_path")
+
+
 @dataclass(frozen=True, kw_only=True)
 class LossConfig:
     """The loss-related flags, read once from ``args``."""
@@ -82,29 +89,29 @@ class LossConfig:
 
     @classmethod
     def from_args(cls, args: Any) -> "LossConfig":
-        eps_clip = float(getattr(args, "eps_clip", 0.2))
-        eps_high = getattr(args, "eps_clip_high", None)
+        eps_clip = float(args.eps_clip)
+        eps_high = args.eps_clip_high
         return cls(
-            calculate_per_token_loss=bool(getattr(args, "calculate_per_token_loss", False)),
+            calculate_per_token_loss=bool(args.calculate_per_token_loss),
             eps_clip=eps_clip,
             eps_clip_high=eps_clip if eps_high is None else float(eps_high),
-            eps_clip_c=getattr(args, "eps_clip_c", None),
-            use_kl_loss=bool(getattr(args, "use_kl_loss", False)),
-            kl_loss_coef=float(getattr(args, "kl_loss_coef", 0.0) or 0.0),
-            kl_loss_type=getattr(args, "kl_loss_type", "k1") or "k1",
-            entropy_coef=float(getattr(args, "entropy_coef", 0.0) or 0.0),
-            use_tis=bool(getattr(args, "use_tis", False)),
-            tis_clip=float(getattr(args, "tis_clip", 2.0)),
-            tis_clip_low=float(getattr(args, "tis_clip_low", 0.0)),
-            temperature=float(getattr(args, "rollout_temperature", 1.0) or 1.0),
-            use_rollout_logprobs=bool(getattr(args, "use_rollout_logprobs", False)),
-            get_mismatch_metrics=bool(getattr(args, "get_mismatch_metrics", False)),
-            sequence_level_ratio=getattr(args, "advantage_estimator", "grpo") == "gspo",
-            use_opd=bool(getattr(args, "use_opd", False)),
-            loss_type=getattr(args, "loss_type", None) or "policy_loss",
-            custom_loss_function_path=getattr(args, "custom_loss_function_path", None),
-            custom_tis_function_path=getattr(args, "custom_tis_function_path", None),
-            custom_pg_loss_reducer_function_path=getattr(args, "custom_pg_loss_reducer_function_path", None),
+            eps_clip_c=args.eps_clip_c,
+            use_kl_loss=bool(args.use_kl_loss),
+            kl_loss_coef=float(args.kl_loss_coef or 0.0),
+            kl_loss_type=args.kl_loss_type or "k1",
+            entropy_coef=float(args.entropy_coef or 0.0),
+            use_tis=bool(args.use_tis),
+            tis_clip=float(args.tis_clip),
+            tis_clip_low=float(args.tis_clip_low),
+            temperature=float(args.rollout_temperature or 1.0),
+            use_rollout_logprobs=bool(args.use_rollout_logprobs),
+            get_mismatch_metrics=bool(args.get_mismatch_metrics),
+            sequence_level_ratio=args.advantage_estimator == "gspo",
+            use_opd=bool(args.use_opd),
+            loss_type=args.loss_type,
+            custom_loss_function_path=args.custom_loss_function_path,
+            custom_tis_function_path=args.custom_tis_function_path,
+            custom_pg_loss_reducer_function_path=args.custom_pg_loss_reducer_function_path,
             args=args,
         )
 
@@ -141,7 +148,7 @@ def metric_keys(cfg: LossConfig) -> tuple[str, ...]:
 def trainer_computes_old_log_probs(args: Any) -> bool:
     """Upstream's rule: --use-rollout-logprobs skips the trainer's old-policy forward, unless
     --get-mismatch-metrics needs it to compare with."""
-    return not getattr(args, "use_rollout_logprobs", False) or bool(getattr(args, "get_mismatch_metrics", False))
+    return not args.use_rollout_logprobs or bool(args.get_mismatch_metrics)
 
 
 def flat_logits(logits: torch.Tensor, packed: PackedMicroBatch) -> torch.Tensor:

@@ -22,9 +22,9 @@ OPD_KL_KEY = "opd_reverse_kl"
 
 def megatron_teacher(args: Any) -> tuple[str, int | None] | None:
     """(checkpoint, iteration) of the teacher the trainer loads, or None (no OPD, or a teacher engine)."""
-    if not getattr(args, "use_opd", False) or getattr(args, "opd_type", None) != "megatron":
+    if not args.use_opd or args.opd_type != "megatron":
         return None
-    return args.opd_teacher_load, getattr(args, "opd_teacher_ckpt_step", None)
+    return args.opd_teacher_load, args.opd_teacher_ckpt_step
 
 
 def opd_penalised(args: Any, data: dict[str, Any], advantages: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -33,9 +33,9 @@ def opd_penalised(args: Any, data: dict[str, Any], advantages: list[torch.Tensor
     A sample without student log-probs here (an empty list: another DP rank computed them) keeps its
     advantages; this rank does not train on it.
     """
-    if not getattr(args, "use_opd", False):
+    if not args.use_opd:
         return advantages
-    student = data.get("rollout_log_probs" if getattr(args, "use_rollout_logprobs", False) else "log_probs")
+    student = data.get("rollout_log_probs" if args.use_rollout_logprobs else "log_probs")
     teacher = data.get("teacher_log_probs")
     if teacher is None:
         source = ("--opd-teacher-load (the trainer's teacher)" if args.opd_type == "megatron" else

@@ -72,10 +72,10 @@ def init_model_parallel(args: Namespace) -> None:
     fence group and the eager warm-up; both go through create_model_parallel_groups.
     """
     import patches
-    from slime.distributed.groups import ParallelLayout, create_model_parallel_groups
+    from slime.distributed.groups import GroupSettings, create_model_parallel_groups
 
     patches.apply_all()
-    create_model_parallel_groups(ParallelLayout.from_args(args))
+    create_model_parallel_groups(GroupSettings.from_args(args))
     seed_model_parallel(args)
 
 

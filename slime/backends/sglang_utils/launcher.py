@@ -6,7 +6,6 @@ Both answer the same HTTP API, so everything after `launch_engine` is backend-ag
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -19,11 +18,12 @@ from slime.backends.sglang_utils.process import (
     start_server_process,
 )
 from slime.backends.sglang_utils.server_args import has_option, render_server_flags
+from slime.config.engine import ROLLOUT_BACKENDS, pick_rollout_backend  # noqa: F401 (pick_rollout_backend: re-exported)
 from slime.utils.ports import find_free_port, retry_port_clash
 from slime.utils.security import current_key, request_limit
 from slime.utils.sglang_passthrough import server_args_parser
 
-BACKENDS = ("sglang", "embedded")
+BACKENDS = ROLLOUT_BACKENDS
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
 
 # SGLang's environment for RL engines, as upstream slime sets it (a value the user exported wins):
@@ -59,26 +59,6 @@ class EngineHandle(ServerHandle):
 
     def client(self) -> SGLangHTTPClient:
         return SGLangHTTPClient(self.url)
-
-
-def pick_rollout_backend(args: Any) -> str:
-    """'sglang' or 'embedded' from args.rollout_backend (auto: sglang iff CUDA and sglang are present)."""
-    choice = getattr(args, "rollout_backend", "auto") or "auto"
-    if choice in BACKENDS:
-        return choice
-    if choice != "auto":
-        raise ValueError(f"--rollout-backend {choice!r}: expected auto, sglang or embedded")
-    import torch
-
-    if not torch.cuda.is_available():
-        return "embedded"
-    if importlib.util.find_spec("sglang") is None:
-        # A GPU cluster without SGLang would otherwise fall back to the transformers engine, which is
-        # orders of magnitude slower, without anyone noticing: make the choice explicit.
-        raise ValueError("--rollout-backend auto: CUDA is available but sglang is not installed. Install SGLang "
-                         "(see README, 'Running on a cluster'), or pass --rollout-backend embedded to generate "
-                         "with the embedded transformers engine on purpose")
-    return "sglang"
 
 
 def gpu_id_layout(gpu_ids: Sequence[int]) -> tuple[int, int]:

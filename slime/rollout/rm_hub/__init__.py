@@ -95,7 +95,7 @@ def random_reward(args, sample: Sample) -> int:
 
 async def remote_rm(args, sample: Sample) -> Any:
     """POST {prompt, response, label} to --rm-url; the JSON reply is the reward."""
-    url = getattr(args, "rm_url", None)
+    url = args.rm_url
     if not url:
         raise ValueError("--rm-type remote_rm needs --rm-url")
     payload = {"prompt": sample.prompt, "response": sample.response, "label": sample.label}
@@ -115,11 +115,11 @@ async def remote_rm(args, sample: Sample) -> Any:
 
 async def async_rm(args, sample: Sample, **kwargs) -> Any:
     """Reward of one sample: per-sample or global custom rm, else the rule named by rm_type."""
-    custom = sample.custom_rm_path or getattr(args, "custom_rm_path", None)
+    custom = sample.custom_rm_path or args.custom_rm_path
     if custom:
         return await load_function(custom)(args, sample, **kwargs)
     metadata = sample.metadata if isinstance(sample.metadata, dict) else {}
-    rm_type = (metadata.get("rm_type") or getattr(args, "rm_type", None) or "").strip()
+    rm_type = (metadata.get("rm_type") or args.rm_type or "").strip()
     if not rm_type:
         raise ValueError("no reward: set --rm-type or --custom-rm-path")
     if rm_type == "remote_rm":
@@ -140,7 +140,7 @@ async def async_rm(args, sample: Sample, **kwargs) -> Any:
 
 async def batched_async_rm(args, samples: list[Sample], **kwargs) -> list[Any]:
     """Rewards of a group; a custom rm (with --group-rm) receives the whole list at once."""
-    custom = getattr(args, "custom_rm_path", None)
+    custom = args.custom_rm_path
     if custom:
         return await load_function(custom)(args, samples, **kwargs)
     return list(await asyncio.gather(*(async_rm(args, sample, **kwargs) for sample in samples)))

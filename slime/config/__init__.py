@@ -1,0 +1,15 @@
+"""The configuration of a run: every flag of ``train.py`` (``flags``), what upstream flags do here
+(``registries``), the pre-Ray checks (``checks``, run in order by ``validate``), ``--help`` (``help``),
+``parse_args`` (``parse``), the launch checks (``launch``), the engine choice (``engine``), the parallel layout
+(``layout``) and arguments without a command line (``defaults``).
+
+``slime.utils.arguments`` re-exports the names upstream slime and its plug-ins import.
+"""
+
+from __future__ import annotations
+
+from slime.config.defaults import defaults_namespace, with_defaults
+from slime.config.layout import LAYOUT_FLAGS, ParallelLayout, build_parallel_layout
+from slime.config.parse import parse_args
+
+__all__ = ["LAYOUT_FLAGS", "ParallelLayout", "build_parallel_layout", "defaults_namespace", "parse_args", "with_defaults"]

@@ -1,0 +1,85 @@
+"""Checks and derived values of the run as a whole: positive sizes, process-group deadlines, modes
+(debug, colocate, offload), the ledger and tracking.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from slime.config.constants import DEFAULT_ROLLOUT_FUNCTION_PATH
+from slime.config.errors import derive, fail, flag_name
+from slime.utils.deadlines import DeadlineModel, default_group_timeout_minutes
+
+
+def check_positive(args: argparse.Namespace) -> None:
+    for dest in ("rollout_batch_size", "n_samples_per_prompt", "actor_num_nodes", "actor_num_gpus_per_node",
+                 "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                 "expert_model_parallel_size", "rollout_num_gpus_per_engine", "micro_batch_size", "log_interval"):
+        if getattr(args, dest) <= 0:
+            fail(f"{flag_name(dest)} must be positive, got {getattr(args, dest)}")
+    if args.fence_timeout <= 0:
+        fail(f"--fence-timeout must be positive seconds, got {args.fence_timeout}")
+    if args.rollout_temperature <= 0:
+        fail("--rollout-temperature must be > 0 (0 is greedy decoding, not a valid RL policy)")
+    if args.max_tokens_per_gpu is not None and args.max_tokens_per_gpu <= 0:
+        fail(f"--max-tokens-per-gpu must be positive, got {args.max_tokens_per_gpu}")
+
+
+def check_deadlines(args: argparse.Namespace) -> None:
+    """Process-group timeouts strictly above every watchdog window (slime/utils/deadlines.py)."""
+    if args.distributed_timeout_minutes is not None and args.distributed_timeout_minutes <= 0:
+        fail(f"--distributed-timeout-minutes must be positive, got {args.distributed_timeout_minutes}")
+    problem = DeadlineModel.from_args(args).group_timeout_error()
+    if problem:
+        fail(problem)
+    if args.distributed_timeout_minutes is None:
+        args.distributed_timeout_minutes = default_group_timeout_minutes(args.fence_timeout)
+
+
+def resolve_modes(args: argparse.Namespace) -> None:
+    if args.debug_train_only and args.debug_rollout_only:
+        fail("--debug-train-only and --debug-rollout-only cannot both be set")
+    if args.load_debug_rollout_data is not None:
+        args.debug_train_only = True
+    if args.debug_train_only and args.load_debug_rollout_data is None \
+            and args.rollout_function_path == DEFAULT_ROLLOUT_FUNCTION_PATH:
+        fail("--debug-train-only starts no engines, so rollouts must come from --load-debug-rollout-data PATH "
+             "(or a custom --rollout-function-path that needs no engines)")
+    if args.offload:
+        args.offload_train = args.offload_rollout = True
+    if args.colocate and args.actor_num_nodes > 1:
+        fail(f"--colocate with --actor-num-nodes {args.actor_num_nodes}: colocated engines take their weights "
+             "from a trainer rank on their own host (CUDA IPC or shared memory), which this project does on one "
+             "node only; across nodes drop --colocate and give the engines their own GPUs (--rollout-num-gpus N)")
+    if args.colocate:
+        if args.rollout_num_gpus is None:
+            args.rollout_num_gpus = args.actor_num_gpus_per_node * args.actor_num_nodes
+        args.offload_train = True if args.offload_train is None else args.offload_train
+        args.offload_rollout = True if args.offload_rollout is None else args.offload_rollout
+    if args.debug_rollout_only:  # no trainer to hand memory to (upstream turns colocation off)
+        args.offload_train = args.offload_rollout = False
+    args.offload_train = bool(args.offload_train)
+    args.offload_rollout = bool(args.offload_rollout)
+    if args.rollout_num_gpus is not None and args.rollout_num_gpus % args.rollout_num_gpus_per_engine:
+        fail(f"--rollout-num-gpus {args.rollout_num_gpus} is not divisible by --rollout-num-gpus-per-engine "
+             f"{args.rollout_num_gpus_per_engine}")
+    args.skip_engines = args.debug_train_only
+    args.use_critic = args.advantage_estimator == "ppo"
+    args.start_rollout_id_given = args.start_rollout_id is not None  # else train.py reads it from --load
+    if args.finetune and args.load is None:
+        fail("--finetune loads the weights of --load DIR; pass --load")
+    if args.dump_details is not None:  # upstream: both debug dumps under one directory
+        derive(args, "save_debug_rollout_data", f"{args.dump_details}/rollout_data/{{rollout_id}}.pt",
+               f"--dump-details {args.dump_details}")
+        derive(args, "save_debug_train_data", f"{args.dump_details}/train_data/{{rollout_id}}.pt",
+               f"--dump-details {args.dump_details}")
+
+
+def check_ledger(args: argparse.Namespace) -> None:
+    if args.ledger_record_sequence and not args.ledger_dir:
+        fail("--ledger-record-sequence needs --ledger-dir DIR (where the sequence files are kept)")
+
+
+def resolve_tracking(args: argparse.Namespace) -> None:
+    if args.tensorboard_dir is None and args.tb_project_name is not None:
+        args.tensorboard_dir = args.tb_project_name  # upstream slime's name for the TensorBoard dir

@@ -1,0 +1,42 @@
+"""This project's own flags: the hang-proof step (fences, ledgers, devices) and the run's API key."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_fencing_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("fencing (this project)", "hang-proof training step")
+    g.add_argument("--fence-timeout", type=float, default=600.0,
+                   help="seconds a rank may go without progress (no collective, micro-batch, weight bucket or "
+                        "checkpoint bytes completing) before the step fails with a report; phases may run longer")
+    g.add_argument("--recreate-process-groups-on-wake", action="store_true", default=False,
+                   help="destroy and re-create communicators across colocate sleep (default: keep them alive)")
+    g.add_argument("--single-rank-group-max-ctas", type=int, default=1,
+                   help="NCCL channels of a communicator whose group holds one rank (it moves no bytes; NCCL's "
+                        "usual channels cost ~0.4 GiB each outside the allocator, kept while asleep); 0: as many as "
+                        "NCCL picks")
+    g.add_argument("--train-backend-device", type=str, default="auto", choices=["auto", "cpu", "cuda"],
+                   help="device of the training ranks (auto: cuda when available)")
+    g.add_argument("--metrics-jsonl", type=str, default=None, help="append one JSON line of metrics per event here")
+    g.add_argument("--verbose", action="store_true", default=False,
+                   help="print every metrics event on stdout as `[kind k] key=value ...`, the placement of every "
+                        "bundle and every rank's Python warnings (default: one line per rollout; every event "
+                        "still goes to --metrics-jsonl, wandb and TensorBoard)")
+    g.add_argument("--ledger-dir", type=str, default=None,
+                   help="directory for per-rank collective ledgers and stall reports (default: a temp dir, removed "
+                        "after a run that ends cleanly and kept, with its path printed, after a failure)")
+    g.add_argument("--custom-config-path", type=str, default=None,
+                   help="YAML mapping of flag overrides (flag or attribute names; unknown keys become attributes "
+                        "for plug-ins); applied over the command line")
+    g.add_argument("--ledger-record-sequence", action="store_true", default=False,
+                   help="also write every rank's whole sequence of fences and collectives to "
+                        "<ledger-dir>/sequence_rank<N>.jsonl (check: python -m slime.distributed.order_proof DIR)")
+
+
+def add_security_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("security", "who may call the run's engines and router (slime/utils/security.py)")
+    g.add_argument("--api-key", type=str, default=None,
+                   help="the run's API key, required as 'Authorization: Bearer <key>' on every route of every engine "
+                        "and router the run starts (SGLang's --api-key is set to it); default: $SLIME_API_KEY, else "
+                        "a random key made at start. Never logged")

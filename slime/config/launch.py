@@ -1,0 +1,127 @@
+"""What a launch needs beyond parsing, checked before Ray starts: the launch-only flags and the HF
+checkpoint (config.json against the model builder and the architecture flags, a tokenizer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from slime.config.checks.model import check_pipeline_layers
+from slime.config.constants import DEFAULT_DATA_SOURCE_PATH, DEFAULT_ROLLOUT_FUNCTION_PATH
+from slime.config.errors import fail, flag_name, require_path
+
+
+# What an HF checkpoint directory must hold for the trainer (config) and the engines and data (tokenizer).
+HF_CONFIG_FILE = "config.json"
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def launch_missing_flags(args: argparse.Namespace) -> list[str]:
+    """Flags a launch cannot do without, each as 'FLAG is required: why', for those not given."""
+    missing = []
+    if not args.hf_checkpoint:
+        missing.append("--hf-checkpoint DIR is required: the Hugging Face checkpoint (config.json and tokenizer) "
+                       "the trainer builds its model from and the engines serve")
+    reads_prompts = (getattr(args, "data_source_path", DEFAULT_DATA_SOURCE_PATH) == DEFAULT_DATA_SOURCE_PATH
+                     and getattr(args, "rollout_function_path", None) == DEFAULT_ROLLOUT_FUNCTION_PATH
+                     and not getattr(args, "debug_train_only", False))
+    if reads_prompts and not getattr(args, "prompt_data", None):
+        missing.append("--prompt-data FILE is required: the prompts (JSONL or parquet) the default rollout "
+                       "generates from")
+    return missing
+
+
+def check_launch_inputs(args: argparse.Namespace) -> None:
+    """What a launch needs before Ray starts, beyond what parse_args checks: the flags only a launch needs
+    (all of them named at once) and the HF checkpoint."""
+    missing = launch_missing_flags(args)
+    if missing:
+        fail("; ".join(missing))
+    path = args.hf_checkpoint
+    require_path("--hf-checkpoint", path, "directory")
+    if not os.path.isfile(os.path.join(path, HF_CONFIG_FILE)):
+        fail(f"--hf-checkpoint {path}: no {HF_CONFIG_FILE} (is it a Hugging Face checkpoint directory?)")
+    if not any(os.path.isfile(os.path.join(path, name)) for name in HF_TOKENIZER_FILES):
+        fail(f"--hf-checkpoint {path}: no tokenizer (none of {', '.join(HF_TOKENIZER_FILES)})")
+    _check_moe_tensor_parallel(args, os.path.join(path, HF_CONFIG_FILE))
+
+
+MOE_CONFIG_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
+
+
+# HF model_type values the model builder has a family for (docs/model-families.md). Any other checkpoint would be
+# built as a dense Qwen3/Llama and fail later, on the ranks, when its weights do not fit.
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "qwen3_moe", "qwen2_moe", "deepseek_v3", "deepseek_v2", "kimi_k2",
+                         "glm4")
+
+
+# Megatron flag dest -> the HF config key that gives the same number (the model is built from the config).
+CONFIG_ARCH_KEYS = {"num_layers": "num_hidden_layers", "hidden_size": "hidden_size",
+                    "num_attention_heads": "num_attention_heads", "ffn_hidden_size": "intermediate_size",
+                    "num_query_groups": "num_key_value_heads"}
+
+
+def _read_hf_config(config_path: str) -> dict:
+    try:
+        with open(config_path) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as exc:
+        fail(f"--hf-checkpoint: {config_path} is not readable JSON ({exc})")
+    if not isinstance(config, dict):
+        fail(f"--hf-checkpoint: {config_path} holds a JSON {type(config).__name__}, not an object")
+    return config
+
+
+def check_hf_config(args: argparse.Namespace, config_path: str) -> None:
+    """The checkpoint's config.json against the model builder and the architecture flags, before Ray starts."""
+    if args.debug_rollout_only:
+        return  # no trainer model is built
+    config = _read_hf_config(config_path)
+    model_type = config.get("model_type")
+    custom_builder = args.spec or args.custom_model_provider_path
+    if model_type is not None and model_type not in SUPPORTED_MODEL_TYPES and not custom_builder:
+        fail(f"--hf-checkpoint: {config_path} has model_type {model_type!r}, which no model family here builds "
+             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)}; docs/model-families.md); a --spec or "
+             "--custom-model-provider-path plug-in may build others")
+    heads = config.get("num_attention_heads")
+    mla = model_type in ("deepseek_v3", "deepseek_v2", "kimi_k2") and config.get("kv_lora_rank") is not None
+    arch = {dest: config.get(key) for dest, key in CONFIG_ARCH_KEYS.items()}
+    arch["num_query_groups"] = heads if mla else (config.get("num_key_value_heads") or heads)
+    for dest, value in arch.items():
+        given = getattr(args, dest)
+        if given is not None and value is not None and given != value:
+            fail(f"{flag_name(dest)} {given} contradicts {config_path} ({CONFIG_ARCH_KEYS[dest]} = {value}); the model "
+                 f"is built from the config: drop the flag or pass {flag_name(dest)} {value}")
+    tp = args.tensor_model_parallel_size
+    if isinstance(heads, int) and heads % tp:
+        fail(f"--tensor-model-parallel-size {tp} does not divide the model's {heads} attention heads "
+             f"(num_attention_heads in {config_path}); pick a TP size that divides {heads}")
+    groups = arch["num_query_groups"]
+    if isinstance(groups, int) and groups % tp:
+        fail(f"--tensor-model-parallel-size {tp} does not divide the model's {groups} key/value heads "
+             f"(num_key_value_heads in {config_path}; megatron-core splits them over TP without replicating); "
+             f"pick a TP size that divides {groups}")
+    layers, pp = config.get("num_hidden_layers"), args.pipeline_model_parallel_size
+    if args.num_layers is None and isinstance(layers, int) and pp > 1:
+        args.num_layers = layers
+        try:
+            check_pipeline_layers(args)
+        finally:
+            args.num_layers = None
+
+
+def _check_moe_tensor_parallel(args: argparse.Namespace, config_path: str) -> None:
+    """megatron-core trains an MoE layer at TP > 1 only with sequence parallelism; say so before Ray starts
+    rather than at the first training forward."""
+    try:
+        with open(config_path) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as exc:
+        fail(f"--hf-checkpoint: {config_path} is not readable JSON ({exc})")
+    moe = any(int(config.get(key) or 0) > 0 for key in MOE_CONFIG_KEYS) or int(args.num_experts or 0) > 0
+    if moe and args.tensor_model_parallel_size > 1 and not args.sequence_parallel and not args.debug_rollout_only:
+        fail(f"the checkpoint is an MoE model and --tensor-model-parallel-size is "
+             f"{args.tensor_model_parallel_size}: megatron-core trains MoE layers at TP > 1 only with "
+             "--sequence-parallel; add it (or use --expert-model-parallel-size instead of TP)")

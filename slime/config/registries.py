@@ -1,0 +1,288 @@
+"""What upstream flags do here: the registries of refused, no-effect and always-on flags.
+
+An entry applies when the user's value makes it active (default: differs from the parser default) and the
+resolved train device is in its ``devices``. Refused flags stop parsing with the reason; no-effect flags are
+accepted with one warning each; always-on flags ask for what this project always does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from slime.config.errors import NotImplementedFlagWarning, fail
+
+
+@dataclass(frozen=True, kw_only=True)
+class NotImplementedFlag:
+    flag: str
+    """The option string as users type it."""
+    reason: str
+    """What is missing and what happens instead."""
+    devices: frozenset[str] = frozenset({"cpu", "cuda"})
+    """Train devices on which the flag is unimplemented."""
+    is_active: Callable[[Any], bool] | None = None
+    """Predicate on the parsed value; None means 'differs from the parser default'."""
+
+
+def _warned(reason: str, *flags: str) -> tuple[NotImplementedFlag, ...]:
+    return tuple(NotImplementedFlag(flag=flag, reason=reason) for flag in flags)
+
+
+NOT_IMPLEMENTED_FLAGS: tuple[NotImplementedFlag, ...] = (
+    NotImplementedFlag(flag="--optimizer-cpu-offload", reason="needs TransformerEngine's hybrid CPU optimizer"),
+    NotImplementedFlag(flag="--overlap-cpu-optimizer-d2h-h2d", reason="only meaningful with --optimizer-cpu-offload"),
+    NotImplementedFlag(
+        flag="--use-precision-aware-optimizer", reason="needs TransformerEngine's FusedAdam; the torch Adam is used"
+    ),
+    NotImplementedFlag(
+        flag="--attention-backend",
+        reason="flash/fused/unfused need TransformerEngine; the local/plugin attention is used",
+        is_active=lambda v: v not in ("auto", "local"),
+    ),
+    NotImplementedFlag(flag="--use-flash-attn", reason="flash-attn is not used; attention follows --attention-backend"),
+    NotImplementedFlag(flag="--check-weight-update-equal", reason="weight-update equality check is not implemented"),
+    *_warned("this wandb option is not wired (project, group and key are)", "--wandb-host", "--wandb-team",
+             "--wandb-mode", "--wandb-dir", "--wandb-run-id", "--disable-wandb-random-suffix",
+             "--wandb-always-use-train-step"),
+    *_warned("gradients are reduced at a fixed place of the step (finalize_model_grads), never overlapped",
+             "--overlap-grad-reduce", "--overlap-param-gather"),
+    *_warned("a memory/speed option of upstream's loss code; log-probs are computed in one pass",
+             "--log-probs-chunk-size", "--recompute-loss-function"),
+    *_warned("FP8 rollout weights are not implemented (weights are sent in the training dtype)",
+             "--force-fp8-ue8m0-scale"),
+    *_warned("Qwen3-Next / Qwen3.5 gated delta-net layers are not implemented (their --spec is refused), so no GDN "
+             "kernel is chosen", "--qwen-gdn-backend"),
+    *_warned("the straw rollout transport is not available (rollouts travel through the Ray object store)",
+             "--rollout-data-dir", "--rollout-storage-profile", "--rollout-storage-declaration",
+             "--rollout-queue-run-id", "--rollout-queue-online-gc", "--rollout-queue-lease-seconds",
+             "--rollout-queue-segment-mib", "--rollout-io-concurrency"),
+    *_warned("retained internal serving / training recovery is not implemented", "--rollout-session-id",
+             "--rollout-cleanup-timeout"),
+    *_warned("FLOPs-balanced micro-batches are not implemented; --balance-data balances tokens",
+             "--balance-by-flops"),
+    *_warned("eval requests are bounded by --eval-max-response-len and --rollout-max-context-len",
+             "--eval-max-context-len"),
+    *_warned("checkpoints are saved synchronously", "--async-save"),
+    *_warned("replayed routes of a step are held in memory whole; nothing is prefetched",
+             "--routing-replay-prefetch-microbatches"),
+    *_warned("a PPO critic option; --advantage-estimator ppo (a critic) is not implemented", "--value-clip",
+             "--lambd"),
+    *_warned("pass@k is always logged here (rollout/pass@k)", "--log-passrate"),
+    *_warned("this rollout logging option is not implemented", "--log-multi-turn", "--log-reward-category",
+             "--log-correct-samples"),
+    *_warned("the trainer logs the entropy of the training pass only", "--use-rollout-entropy"),
+    *_warned("the saved rollout is replayed whole", "--load-debug-rollout-data-subsample"),
+    *_warned("memory snapshots are not implemented", "--memory-snapshot-dir", "--memory-snapshot-num-steps",
+             "--memory-recorder", "--record-memory-history"),
+    *_warned("HTTP requests go directly to the router/engines", "--http-proxy", "--use-distributed-post"),
+    *_warned("read only by upstream's rollout-buffer example plug-ins; nothing here uses it", "--rollout-buffer-url",
+             "--fetch-trajectory-retry-times", "--min-batch-collection-ratio", "--rollout-task-type",
+             "--loss-mask-type", "--data-pad-size-multiplier"),
+    *_warned("TransformerEngine DeepGEMM forwards are not used", "--megatron-deepgemm-forward-layers",
+             "--megatron-deepgemm-forward-modules", "--megatron-deepgemm-moe-forward-layers",
+             "--megatron-deepgemm-moe-forward-modules"),
+    *_warned("multi-token prediction is not supported", "--mtp-loss-scaling-factor"),
+    *_warned("megatron-core's experimental features are not used by this model builder", "--enable-experimental"),
+    *_warned("not wired: GPU runs use the default (non-deterministic) kernels; CPU runs are deterministic",
+             "--deterministic-mode"),
+    *_warned("a non-finite loss always skips the step on every rank together (the fenced step's rule); that "
+             "check cannot be turned off", "--no-check-for-nan-in-loss-and-grad"),
+    *_warned("upstream's CI assertions are not implemented", "--ci-test", "--ci-disable-kl-checker",
+             "--ci-train-rollout-logprob-abs-diff-threshold", "--ci-save-grad-norm", "--ci-load-grad-norm"),
+    *_warned("the vocabulary is padded to --make-vocab-size-divisible-by x TP", "--padded-vocab-size"),
+    *_warned("weights always come from --hf-checkpoint / --load; nothing is randomly initialised",
+             "--init-method-std"),
+    *_warned("--optimizer sgd is not implemented", "--sgd-momentum"),
+    *_warned("every checkpoint holds each rank's RNG state (an exact resume needs it); --no-load-rng skips "
+             "restoring it", "--no-save-rng"),
+    # upstream slime's remaining non-model flags (the "upstream compatibility" group)
+    NotImplementedFlag(flag="--keep-old-actor",
+                       reason="the old-policy pass already runs on the weights that generated the rollout (train.py "
+                              "pushes after every train), so no second copy is kept"),
+    *_warned("torch profiler traces are not written", "--profile-target", "--use-pytorch-profiler",
+             "--profile-step-start", "--profile-step-end", "--profile-ranks", "--profile"),
+    *_warned("a colocated trainer releases and restores its whole memory at sleep; no margin is reserved",
+             "--train-memory-margin-bytes"),
+    *_warned("a sleeping trainer always keeps the host copy of its weights (the weight push reads it)",
+             "--disable-weights-backuper"),
+    NotImplementedFlag(flag="--megatron-to-hf-mode", is_active=lambda v: v != "raw",
+                       reason="the project's own HF <-> megatron name mapping is used, not Megatron-Bridge"),
+    NotImplementedFlag(flag="--qkv-format", is_active=lambda v: v != "thd",
+                       reason="micro-batches are always packed THD sequences"),
+    *_warned("eval runs on the rollout engines", "--eval-num-gpus"),
+    *_warned("this Megatron logging option is not wired; metrics are logged every rollout",
+             "--log-throughput", "--log-timers-to-tensorboard", "--tensorboard-log-interval", "--log-params-norm",
+             "--timing-log-level"),
+    *_warned("every checkpoint under --save is kept", "--save-retain-interval", "--keep-checkpoint-num"),
+)
+
+
+# Flags that ask for what this project always does: accepted, read by nobody, and that is correct.
+ALWAYS_HONOURED_FLAGS: dict[str, str] = {
+    "--swiglu": "the dense builder always builds the HF config's SwiGLU MLP",
+    "--disable-bias-linear": "the dense builder never adds linear biases (Qwen3 / Llama configs have none)",
+    "--attention-softmax-in-fp32": "megatron-core computes the attention softmax in fp32 by default",
+    "--no-masked-softmax-fusion": "fused softmax kernels are always off (they are CUDA-only)",
+    "--no-bias-dropout-fusion": "bias-dropout fusion is always off",
+    "--no-rope-fusion": "RoPE fusion is always off",
+    "--allgather-cp": "context-parallel attention always all-gathers K/V over the CP group",
+    "--train-backend": "megatron-core is the only training backend",
+    "--no-gradient-accumulation-fusion": "gradient-accumulation fusion (a CUDA kernel) is always off",
+    "--no-position-embedding": "no learned absolute position embedding is ever added; positions are the HF "
+                               "config's RoPE",
+}
+
+
+REFUSED_FLAGS: tuple[NotImplementedFlag, ...] = (
+    NotImplementedFlag(flag="--advantage-estimator", is_active=lambda v: v in ("ppo", "cispo"),
+                       reason="ppo needs a critic model and cispo its own objective, neither is implemented; use grpo, "
+                              "gspo, reinforce_plus_plus or reinforce_plus_plus_baseline"),
+    NotImplementedFlag(flag="--optimizer", is_active=lambda v: v != "adam", reason="only --optimizer adam is implemented"),
+    NotImplementedFlag(flag="--pg-loss-type", is_active=lambda v: v == "reinforce",
+                       reason="the REINFORCE objective is not implemented (the PPO-clip objective is)"),
+    NotImplementedFlag(flag="--use-score-centering", reason="score centering is not implemented"),
+    NotImplementedFlag(flag="--score-centering-top-k", reason="score centering is not implemented"),
+    NotImplementedFlag(flag="--use-unbiased-kl", reason="the importance-weighted (unbiased) KL is not implemented"),
+    NotImplementedFlag(flag="--use-opsm", reason="off-policy sequence masking is not implemented"),
+    NotImplementedFlag(flag="--opsm-delta", reason="off-policy sequence masking is not implemented"),
+    NotImplementedFlag(flag="--num-critic-only-steps", reason="critic training (ppo) is not implemented"),
+    NotImplementedFlag(flag="--megatron-config-path", reason="per-role (critic) Megatron configs are not implemented"),
+    NotImplementedFlag(flag="--reset-optimizer-states", reason="resetting optimizer state per rollout is not implemented"),
+    NotImplementedFlag(flag="--use-stateless-adam", reason="stateless Adam is not implemented"),
+    NotImplementedFlag(flag="--moe-token-dispatcher-type", is_active=lambda v: v == "flex",
+                       reason="the flex dispatcher needs DeepEP (CUDA kernels); use alltoall"),
+    NotImplementedFlag(flag="--mtp-num-layers", reason="multi-token prediction layers are not supported"),
+    NotImplementedFlag(flag="--enable-mtp-training", reason="multi-token prediction layers are not supported"),
+    *(NotImplementedFlag(flag=f, reason="the dense builder has no such layers (Qwen3 / Qwen2 / Llama only)")
+      for f in ("--freeze-indexer",)),
+    NotImplementedFlag(flag="--attention-output-gate",
+                       reason="gated attention output (Qwen3-Next / Qwen3.5) is not implemented; no builder here has "
+                              "such layers yet"),
+    *(NotImplementedFlag(flag=f, reason="FP8 training needs TransformerEngine's FP8 layers, which this model builder "
+                                        "does not use; drop it to train in bf16 (--bf16) or fp32")
+      for f in ("--fp8-format", "--fp8-recipe")),
+    *(NotImplementedFlag(flag=f, reason="weights reach the engines only over CUDA IPC, shared memory or the "
+                                        "distributed group (--update-weight-transport), never through files on disk")
+      for f in ("--update-weight-disk-dir", "--update-weight-disk-keep-files", "--update-weight-local-checkpoint-dir")),
+    *(NotImplementedFlag(flag=f, reason="delta weight updates are not implemented (--update-weight-mode full: every "
+                                        "push sends the full weights)")
+      for f in ("--update-weight-delta-encoding", "--update-weight-delta-checksum")),
+    NotImplementedFlag(flag="--moe-enable-deepep",
+                       reason="DeepEP's dispatcher needs CUDA and the deep_ep package, which this project does not "
+                              "use; use --moe-token-dispatcher-type alltoall (the same routing, all-to-all exchanges)"),
+    NotImplementedFlag(flag="--release-train", reason="releasing the train actors needs disk weight sync, not implemented"),
+    NotImplementedFlag(flag="--flush-cache-interval", is_active=lambda v: v != 1,
+                       reason="the engines' cache is flushed at every weight sync; a longer interval is not implemented"),
+    NotImplementedFlag(flag="--rollout-data-transport", is_active=lambda v: v != "object-store",
+                       reason="only the Ray object store carries rollouts here"),
+    NotImplementedFlag(flag="--rollout-external-engine-addrs",
+                       reason="external engines are not supported; the rollout manager launches its own"),
+    NotImplementedFlag(flag="--multimodal-keys", reason="multimodal prompts are not supported"),
+    NotImplementedFlag(flag="--load-forge-rollout-data",
+                       reason="replaying rollouts with live engines is not implemented; --load-debug-rollout-data "
+                              "replays without engines"),
+    NotImplementedFlag(flag="--ckpt-format", is_active=lambda v: v != "torch_dist",
+                       reason="checkpoints are saved and loaded with dist_checkpointing (torch_dist) only"),
+    NotImplementedFlag(flag="--fp16", reason="fp16 training (loss scaling) is not implemented; use --bf16 or fp32"),
+    NotImplementedFlag(flag="--apply-layernorm-1p", reason="the HF Qwen3 / Qwen2 / Llama norms are plain RMSNorm"),
+    # upstream slime's remaining non-model flags (the "upstream compatibility" group)
+    NotImplementedFlag(flag="--sglang-config",
+                       reason="engine groups (prefill / decode / placeholder, per-group overrides) are not implemented; "
+                              "every engine is a regular server of --rollout-num-gpus-per-engine GPUs"),
+    NotImplementedFlag(flag="--prefill-num-servers", reason="prefill/decode disaggregation is not implemented"),
+    NotImplementedFlag(flag="--slime-router-middleware-paths",
+                       reason="upstream's router middlewares are Starlette classes; this project's router is an aiohttp "
+                              "server and cannot mount them (its radix-tree cache middleware is not implemented)"),
+    NotImplementedFlag(flag="--custom-update-weight-post-write-path",
+                       reason="it runs after a disk weight update, and weights never go through disk here "
+                              "(--update-weight-transport disk is not implemented)"),
+    NotImplementedFlag(flag="--true-on-policy-mode",
+                       reason="bit-exact train/rollout numerics (matched kernels on both sides) are not implemented"),
+    NotImplementedFlag(flag="--use-dynamic-global-batch-size",
+                       reason="the global batch is fixed by --global-batch-size / --num-steps-per-rollout"),
+    *(NotImplementedFlag(flag=f, reason="critic training (--advantage-estimator ppo) is not implemented")
+      for f in ("--critic-num-nodes", "--critic-num-gpus-per-node", "--critic-load", "--critic-save", "--critic-lr",
+                "--critic-lr-warmup-iters")),
+    NotImplementedFlag(flag="--rollout-external",
+                       reason="external engines are not supported; the rollout manager launches its own"),
+    NotImplementedFlag(flag="--ckpt-step", reason="--load resumes from its latest iteration; pick one with "
+                                                   "latest_checkpointed_iteration.txt"),
+    NotImplementedFlag(flag="--exit-interval", reason="a run ends after --num-rollout rollouts; set that instead"),
+)
+
+
+def _active(entries: Sequence[NotImplementedFlag], args: argparse.Namespace, parser: argparse.ArgumentParser,
+            device: str) -> list[NotImplementedFlag]:
+    active = []
+    for entry in entries:
+        action = parser._option_string_actions.get(entry.flag)
+        if device not in entry.devices or action is None:
+            continue
+        value = getattr(args, action.dest)
+        is_on = entry.is_active(value) if entry.is_active else value != action.default
+        if is_on:
+            active.append(entry)
+    return active
+
+
+def active_not_implemented_flags(args: argparse.Namespace, parser: argparse.ArgumentParser, device: str) -> list[NotImplementedFlag]:
+    """The registry entries the user actually turned on, for the given train device ('cpu' or 'cuda')."""
+    return _active(NOT_IMPLEMENTED_FLAGS, args, parser, device)
+
+
+def warn_not_implemented(args: argparse.Namespace, parser: argparse.ArgumentParser, device: str) -> list[str]:
+    """One warning per active unimplemented flag; returns the flags (also stored as args.not_implemented_flags)."""
+    flags = []
+    for entry in active_not_implemented_flags(args, parser, device):
+        warnings.warn(
+            f"{entry.flag} is accepted but not implemented here ({entry.reason}); it has no effect",
+            NotImplementedFlagWarning,
+            stacklevel=3,
+        )
+        flags.append(entry.flag)
+    return flags
+
+
+def refusal_messages(args: argparse.Namespace, parser: argparse.ArgumentParser, device: str) -> list[str]:
+    """One line per active refused flag: it would change the maths and is not implemented."""
+    messages = []
+    for entry in _active(REFUSED_FLAGS, args, parser, device):
+        value = getattr(args, parser._option_string_actions[entry.flag].dest)
+        shown = "" if isinstance(value, bool) else f" {_shown(value)}"
+        messages.append(f"{entry.flag}{shown} is not supported here: {entry.reason}")
+    return messages
+
+
+def refuse_unsupported(args: argparse.Namespace, parser: argparse.ArgumentParser, device: str) -> None:
+    """Raise naming every active refused flag at once."""
+    messages = refusal_messages(args, parser, device)
+    if messages:
+        fail("; ".join(messages))
+
+
+def _shown(value: Any) -> str:
+    return " ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+
+
+def resolve_train_device(args: argparse.Namespace) -> str:
+    """'cpu' or 'cuda' from --train-backend-device (auto: cuda when torch sees a GPU)."""
+    if args.train_backend_device != "auto":
+        return args.train_backend_device
+    import torch  # deferred: --help and pure parsing should not pay for torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def registry_help(flag: str) -> str:
+    for entry in REFUSED_FLAGS:
+        if entry.flag == flag:
+            return f"upstream's flag; refused here: {entry.reason}"
+    for entry in NOT_IMPLEMENTED_FLAGS:
+        if entry.flag == flag:
+            return f"upstream's flag; no effect here (warned): {entry.reason}"
+    if flag in ALWAYS_HONOURED_FLAGS:
+        return f"upstream's flag; always true here: {ALWAYS_HONOURED_FLAGS[flag]}"
+    return "upstream's flag (its registry entry says what it does here)"  # registries replaced (tests)

@@ -1,0 +1,52 @@
+"""The order of the pre-Ray checks: derived values first, then cross-flag checks."""
+
+from __future__ import annotations
+
+import argparse
+
+from slime.config.checks.algorithm import check_algorithm, check_opd, check_plugins
+from slime.config.checks.batching import check_batch_split, check_batching, check_context_parallel
+from slime.config.checks.model import check_model_shape, resolve_model_defaults
+from slime.config.checks.paths import check_paths, check_spec
+from slime.config.checks.rollout import (
+    check_logprob_mismatch,
+    check_rollout_faults,
+    check_weight_sync,
+    resolve_eval_datasets,
+    resolve_rollout_defaults,
+)
+from slime.config.checks.run import check_deadlines, check_ledger, check_positive, resolve_modes, resolve_tracking
+from slime.config.layout import check_parallel_layout
+from slime.config.parser import build_parser
+from slime.config.registries import refuse_unsupported
+
+
+def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None,
+                  device: str = "cpu") -> argparse.Namespace:
+    """Fill derived values and check flag combinations in place; raises ArgumentValidationError with the fix."""
+    parser = parser or build_parser()
+    args.derived_values = {}
+    refuse_unsupported(args, parser, device)
+    check_positive(args)
+    check_deadlines(args)
+    resolve_model_defaults(args)
+    resolve_modes(args)
+    resolve_rollout_defaults(args)
+    if not args.debug_rollout_only:
+        check_model_shape(args)
+        check_parallel_layout(args)
+        check_batching(args)
+        check_batch_split(args)
+        check_context_parallel(args)
+    check_algorithm(args)
+    check_logprob_mismatch(args)
+    check_weight_sync(args)
+    check_plugins(args)
+    check_opd(args)
+    check_spec(args)
+    check_ledger(args)
+    check_rollout_faults(args, parser)
+    resolve_tracking(args)
+    resolve_eval_datasets(args)
+    check_paths(args, parser)
+    return args
