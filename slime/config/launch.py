@@ -11,6 +11,7 @@ import os
 from slime.config.checks.model import check_pipeline_layers
 from slime.config.constants import DEFAULT_DATA_SOURCE_PATH, DEFAULT_ROLLOUT_FUNCTION_PATH
 from slime.config.errors import fail, flag_name, require_path
+from slime.models import supported_model_types
 
 
 # What an HF checkpoint directory must hold for the trainer (config) and the engines and data (tokenizer).
@@ -51,10 +52,9 @@ def check_launch_inputs(args: argparse.Namespace) -> None:
 MOE_CONFIG_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
 
 
-# HF model_type values the model builder has a family for (docs/model-families.md). Any other checkpoint would be
-# built as a dense Qwen3/Llama and fail later, on the ranks, when its weights do not fit.
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "qwen3_moe", "qwen2_moe", "deepseek_v3", "deepseek_v2", "kimi_k2",
-                         "glm4")
+# HF model_type values the model builder has a family for (slime/models registers them). Any other checkpoint would
+# be built as a dense Qwen3/Llama and fail later, on the ranks, when its weights do not fit.
+SUPPORTED_MODEL_TYPES = supported_model_types()
 
 
 # Megatron flag dest -> the HF config key that gives the same number (the model is built from the config).
