@@ -21,12 +21,13 @@ def tiny_hf_dir(tmp_path_factory):
 
 
 def _log_probs_child(rank: int, world: int, hf_dir: str, dropout: float) -> dict:
-    from slime.backends.megatron_utils.train_step import build_plans_for_rank, compute_log_probs
+    from train_step_harness import plans_for_this_rank
+    from slime.backends.megatron_utils.train_step import compute_log_probs
 
     args = layout_args({}, hidden_dropout=dropout, attention_dropout=dropout)
     model, _, _ = build_loaded_model(args, hf_dir)
     data = make_rollout(num_samples=4, seed=0)
-    (plan,) = build_plans_for_rank(data, args)
+    (plan,) = plans_for_this_rank(data, args)
     first = compute_log_probs(model, data, plan, args)
     second = compute_log_probs(model, data, plan, args)
     return {"first": first, "second": second, "training_after": all(chunk.training for chunk in model)}

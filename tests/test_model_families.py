@@ -181,7 +181,8 @@ def dsmoe_assets(tmp_path_factory):
 def _dsmoe_child(rank, world, hf_dir, data, layout):
     from transformers import AutoConfig
 
-    from slime.backends.megatron_utils.train_step import build_plans_for_rank, compute_log_probs, train_one_step
+    from train_step_harness import plans_for_this_rank
+    from slime.backends.megatron_utils.train_step import compute_log_probs, train_one_step
     from slime_plugins.models.hf_weights import export_hf_weights
     from train_step_harness import build_loaded_model, layout_args
 
@@ -189,7 +190,7 @@ def _dsmoe_child(rank, world, hf_dir, data, layout):
     hf_config = AutoConfig.from_pretrained(hf_dir)
     model, optimizer, scheduler = build_loaded_model(args, hf_dir)
     loaded = {name: tensor.clone() for name, tensor in export_hf_weights(model, hf_config)}  # views of live weights
-    (plan,) = build_plans_for_rank(data, args)
+    (plan,) = plans_for_this_rank(data, args)
     before = compute_log_probs(model, data, plan, args)
     data = dict(data, log_probs=before, ref_log_probs=before, rollout_log_probs=before)
     step = train_one_step(model, optimizer, scheduler, data, plan, args)

@@ -309,12 +309,13 @@ def _replay_child(rank, world, hf_dir, data, layout):
 
     import numpy as np
 
-    from slime.backends.megatron_utils.train_step import build_plans_for_rank, compute_log_probs
+    from train_step_harness import plans_for_this_rank
+    from slime.backends.megatron_utils.train_step import compute_log_probs
     from train_step_harness import build_loaded_model, layout_args
 
     args = layout_args(layout, use_rollout_routing_replay=True)
     model, _, _ = build_loaded_model(args, hf_dir)
-    (plan,) = build_plans_for_rank(data, args)
+    (plan,) = plans_for_this_rank(data, args)
     same = compute_log_probs(model, data, plan, args)
     shifted = dict(data)  # every token sent to the next expert ids: a different expert path
     shifted["rollout_routed_experts"] = [

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from arg_testing import no_real_sglang, parse_error, parse_quiet  # noqa: F401 (fixture)
-from slime.backends.megatron_utils.opd import OPD_KL_KEY, megatron_teacher, opd_penalised
+from slime.backends.megatron_utils.opd import megatron_teacher
+from slime.utils.ppo_utils import OPD_KL_KEY, opd_penalised
 from slime.rollout import on_policy_distillation as opd_rollout
 from slime.utils.ppo_utils import compute_advantages_and_returns
 from slime.utils.types import Sample

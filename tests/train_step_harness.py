@@ -51,6 +51,16 @@ def build_loaded_model(args, hf_dir: str):
     return model, optimizer, scheduler
 
 
+def plans_for_this_rank(data: dict, args) -> list:
+    """This rank's micro-batch plans for every step of the rollout (its DP rank and size from megatron)."""
+    from megatron.core import parallel_state
+
+    from slime.backends.megatron_utils.data import plans_from_rollout
+
+    return plans_from_rollout(data, args, dp_size=parallel_state.get_data_parallel_world_size(),
+                              dp_rank=parallel_state.get_data_parallel_rank())
+
+
 def layout_args(layout: dict, **overrides) -> SimpleNamespace:
     from slime.backends.megatron_utils.loss import LOSS_FLAGS
     from slime.config import defaults_namespace
@@ -82,7 +92,7 @@ def layout_child(rank: int, world: int, layout: dict, hf_dir: str, data: dict, m
 
     from slime.backends.megatron_utils.model import build_model_and_optimizer
     from slime.backends.megatron_utils.parallel import init_model_parallel
-    from slime.backends.megatron_utils.train_step import build_plans_for_rank, compute_log_probs, train_one_step
+    from slime.backends.megatron_utils.train_step import compute_log_probs, train_one_step
     from slime_plugins.models.hf_weights import load_hf_weights
 
     args = layout_args(layout)
@@ -91,7 +101,7 @@ def layout_child(rank: int, world: int, layout: dict, hf_dir: str, data: dict, m
     model, optimizer, scheduler = build_model_and_optimizer(args, hf_config)
     load_hf_weights(model, hf_dir, hf_config)
     data = copy.deepcopy(data)
-    (plan,) = build_plans_for_rank(data, args)
+    (plan,) = plans_for_this_rank(data, args)
     log_probs = compute_log_probs(model, data, plan, args)
     mine = [row if row else [0.0] * n for row, n in zip(log_probs, data["response_lengths"])]
     data["log_probs"] = _perturbed(mine, 0.3, 0.0)

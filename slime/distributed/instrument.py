@@ -240,8 +240,3 @@ def uninstrument_collectives() -> None:
     _alias_restore.clear()
     _originals.clear()
     _active[0] = None
-
-
-def original_collective(name: str) -> Callable:
-    """The unwrapped function, for fences that record themselves."""
-    return _originals.get(name) or getattr(c10d, name)

@@ -22,6 +22,7 @@ from slime.rollout.eval_config import EvalDatasetSpec
 from slime.checkpoint import rng
 from slime.checkpoint.contents import DATA_ITEMS, data_file
 from slime.checkpoint.durable import write_atomic
+from slime.utils.processing_utils import check_tokenizer_files
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -45,10 +46,6 @@ class PromptFileSpec:
     max_prompt_len: PromptBudget | None = None
 
 
-# A tokenizer directory holds one of these (fast, sentencepiece, or byte-level BPE vocabulary + merges).
-_TOKENIZER_FILES = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"))
-
-
 @functools.lru_cache(maxsize=4)
 def load_tokenizer(path: str):
     """The HF tokenizer of --hf-checkpoint, read from local files only (no hub access)."""
@@ -62,18 +59,6 @@ def load_tokenizer(path: str):
     except (OSError, ValueError) as exc:
         raise ValueError(f"--hf-checkpoint {path}: its tokenizer files cannot be read ({exc}); copy "
                          "tokenizer.json and tokenizer_config.json from the model's HF repository") from exc
-
-
-def check_tokenizer_files(path: str) -> None:
-    """Raise FileNotFoundError naming what is missing when `path` holds no complete tokenizer."""
-    present = set(os.listdir(path))
-    if any(all(name in present for name in names) for names in _TOKENIZER_FILES):
-        return
-    partial = [name for names in _TOKENIZER_FILES for name in names if name in present]
-    found = f" (found {partial}, but not the file it needs next to it)" if partial else ""
-    raise FileNotFoundError(
-        f"--hf-checkpoint {path} has no tokenizer{found}: expected tokenizer.json, or tokenizer.model, or "
-        "vocab.json + merges.txt, next to config.json; copy them from the model's HF repository")
 
 
 def _chat_template_kwargs(args) -> dict:

@@ -12,8 +12,6 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from slime.backends.megatron_utils.opd import opd_penalised
-
 
 # ------------------------------------------------------------------------- KL / loss
 
@@ -241,3 +239,41 @@ def _whiten(values: list[torch.Tensor], masks: list[torch.Tensor], eps: float = 
     mean = (flat * flat_mask).sum() / count
     var = ((flat - mean).pow(2) * flat_mask).sum() / count
     return [(v - mean) * torch.rsqrt(var + eps) * m for v, m in zip(values, masks)]
+
+
+OPD_KL_KEY = "opd_reverse_kl"
+"""Per-token reverse KL of each sample in the rollout data, and the train metric (its loss-token mean)."""
+
+
+def opd_penalised(args: Any, data: dict[str, Any], advantages: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`advantages - opd_kl_coef * (student - teacher)` per sample; stores the reverse KL as data[OPD_KL_KEY].
+
+    A sample without student log-probs here (an empty list: another DP rank computed them) keeps its
+    advantages; this rank does not train on it.
+    """
+    if not args.use_opd:
+        return advantages
+    student = data.get("rollout_log_probs" if args.use_rollout_logprobs else "log_probs")
+    teacher = data.get("teacher_log_probs")
+    if teacher is None:
+        source = ("--opd-teacher-load (the trainer's teacher)" if args.opd_type == "megatron" else
+                  "the teacher engine: --custom-rm-path slime.rollout.on_policy_distillation.reward_func with "
+                  "--rm-url at the teacher's /generate")
+        raise ValueError(f"--use-opd --opd-type {args.opd_type}: the rollout data has no teacher_log_probs; they "
+                         f"come from {source}")
+    if student is None:
+        raise ValueError("--use-opd needs the student's log-probs (the trainer's old-policy pass)")
+    coef = float(args.opd_kl_coef)
+    penalised, kls = [], []
+    for index, (adv, own, theirs) in enumerate(zip(advantages, student, teacher, strict=True)):
+        if len(own) == 0:
+            penalised.append(adv)
+            kls.append([])
+            continue
+        if len(own) != len(theirs):
+            raise ValueError(f"sample {index}: {len(theirs)} teacher log-probs for {len(own)} response tokens")
+        kl = torch.tensor(own, dtype=torch.float32) - torch.tensor(theirs, dtype=torch.float32)
+        penalised.append(adv - coef * kl)
+        kls.append(kl.tolist())
+    data[OPD_KL_KEY] = kls
+    return penalised

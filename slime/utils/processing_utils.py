@@ -14,6 +14,8 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 MEDIA_KWARGS = ("audio_kwargs", "images_kwargs", "videos_kwargs")
+# A tokenizer directory holds one of these (fast, sentencepiece, or byte-level BPE vocabulary + merges).
+_TOKENIZER_FILES = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"))
 
 
 def load_tokenizer(name_or_path: str, **kwargs):
@@ -21,10 +23,20 @@ def load_tokenizer(name_or_path: str, **kwargs):
     from transformers import AutoTokenizer
 
     if os.path.isdir(name_or_path):
-        from slime.rollout.data_source import check_tokenizer_files
-
         check_tokenizer_files(name_or_path)
     return AutoTokenizer.from_pretrained(name_or_path, **kwargs)
+
+
+def check_tokenizer_files(path: str) -> None:
+    """Raise FileNotFoundError naming what is missing when `path` holds no complete tokenizer."""
+    present = set(os.listdir(path))
+    if any(all(name in present for name in names) for names in _TOKENIZER_FILES):
+        return
+    partial = [name for names in _TOKENIZER_FILES for name in names if name in present]
+    found = f" (found {partial}, but not the file it needs next to it)" if partial else ""
+    raise FileNotFoundError(
+        f"--hf-checkpoint {path} has no tokenizer{found}: expected tokenizer.json, or tokenizer.model, or "
+        "vocab.json + merges.txt, next to config.json; copy them from the model's HF repository")
 
 
 def load_processor(name_or_path: str, **kwargs):

@@ -195,8 +195,6 @@ def resolve_server_args(args: argparse.Namespace, passthrough: list[tuple[str, l
             values.setdefault(dest[len("sglang_"):], value)
     _check_not_set_by_slime(values)
     if server_parser is not None:
-        from slime.backends.sglang_utils.server_args import apply_renames
-
         try:
             values = apply_renames(values, server_parser)  # e.g. --sglang-cuda-graph-bs on SGLang >= 0.5.20
         except ValueError as exc:
@@ -207,3 +205,36 @@ def resolve_server_args(args: argparse.Namespace, passthrough: list[tuple[str, l
     for name, value in values.items():
         setattr(args, "sglang_" + name, value)
     return dict(sorted(values.items()))
+
+
+# Old ServerArgs field -> its replacement in newer SGLang (same meaning for what slime passes).
+RENAMED_FIELDS: dict[str, str] = {
+    "cuda_graph_bs": "cuda_graph_bs_decode",  # --cuda-graph-bs is gone since SGLang 0.5.20
+}
+
+
+def actions_by_dest(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """Each field's own option (`--x-y` for x_y), not a deprecated alias that happens to share its dest."""
+    found: dict[str, argparse.Action] = {}
+    for action in parser._actions:
+        if not action.option_strings:
+            continue
+        canonical = "--" + action.dest.replace("_", "-") in action.option_strings
+        if canonical or action.dest not in found:
+            found[action.dest] = action
+    return found
+
+
+def apply_renames(server_args: dict[str, Any], parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """Fields the installed SGLang renamed, under their new name; a clear error where neither exists."""
+    known = actions_by_dest(parser)
+    result: dict[str, Any] = {}
+    for name, value in server_args.items():
+        new = RENAMED_FIELDS.get(name)
+        if name not in known and new is not None:
+            if new not in known:
+                raise ValueError(f"SGLang here has neither --{name.replace('_', '-')} nor --{new.replace('_', '-')}")
+            logger.info("ServerArgs field %s is called %s in this SGLang; passing it as such", name, new)
+            name = new
+        result[name] = value
+    return result

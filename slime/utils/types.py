@@ -212,17 +212,5 @@ _FINISH_TO_STATUS = {
 }
 
 
-@dataclass(frozen=True)
-class ParamInfo:
-    """Describes one parameter for weight transfer (upstream-compatible name)."""
-
-    name: str
-    dtype: torch.dtype
-    shape: torch.Size
-    attrs: dict
-    size: int
-    src_rank: int
-
-
 # The dict-of-lists batch handed from rollout to training (see slime.rollout.advantages).
 RolloutBatch = dict[str, list[Any]]

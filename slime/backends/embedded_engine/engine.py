@@ -16,7 +16,7 @@ import torch
 
 from slime.backends.embedded_engine.sampling import SamplingParams, logprob_temperature, sample_next_tokens
 from slime.utils.device_memory import sample_device_memory
-from slime_plugins.models.qwen3_moe import RouteCapture, encode_routes, fused_engine_target
+from slime.models.moe_hf import RouteCapture, encode_routes, fused_engine_target
 
 logger = logging.getLogger(__name__)
 
@@ -403,7 +403,7 @@ def checkpoint_target(name: str, state: dict[str, torch.Tensor], config: Any) ->
     """The model tensor (or view of one) a checkpoint-named tensor loads into; None if the model has none.
 
     Pushes speak checkpoint names, as SGLang's loader does; transformers keeps MoE experts fused in memory
-    (slime_plugins/models/qwen3_moe.py says where each expert's rows live)."""
+    (slime/models/moe_hf.py says where each expert's rows live)."""
     if name in state:
         return state[name]
     fused = fused_engine_target(name, set(state), getattr(config, "moe_intermediate_size", 0) or 0)

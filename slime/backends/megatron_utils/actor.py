@@ -55,7 +55,7 @@ from slime.distributed.fault_inject import (
 )
 from slime.utils.deadlines import DeadlineModel
 from slime.utils.ppo_utils import compute_advantages_and_returns
-from slime_plugins.models import fused_kernels
+from slime.models import fused_kernels
 
 logger = logging.getLogger(__name__)
 

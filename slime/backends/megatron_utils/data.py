@@ -4,7 +4,7 @@ Everything here is pure (no collectives): every rank computes the same plans fro
 rollout data all ranks share, so the plans can be fingerprinted and compared across
 ranks instead of being trusted. The distributed step (train_step.py) only executes them.
 
-Conventions shared with slime_plugins/models/cp_attention.py:
+Conventions shared with slime/models/cp_attention.py:
 - each sequence is padded to a multiple of ``pad_multiple_for(cp, tp, sp)``;
 - zig-zag: a padded sequence is cut into 2*cp equal chunks, CP rank r holds chunks r
   and 2*cp-1-r (concatenated in that order), which balances causal-attention work;

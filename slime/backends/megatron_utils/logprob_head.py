@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from slime_plugins.models.fused_kernels import compiled_or_eager
+from slime.models.fused_kernels import compiled_or_eager
 
 # Rows per chunk: the eager fallback materialises a few fp32 copies of one chunk; compiled, nothing is
 # materialised and the chunk only bounds the per-row statistics' launch size.

@@ -29,7 +29,7 @@ import torch
 
 from slime.backends.megatron_utils import logprob_head, loss_hooks
 from slime.backends.megatron_utils.data import MicroBatchPlan, PackedMicroBatch
-from slime.backends.megatron_utils.opd import OPD_KL_KEY
+from slime.utils.ppo_utils import OPD_KL_KEY
 from slime.utils.ppo_utils import (
     compute_approx_kl,
     compute_entropy_from_logits,
@@ -37,7 +37,7 @@ from slime.utils.ppo_utils import (
     compute_policy_loss,
     compute_tis_weights,
 )
-from slime_plugins.models import fused_kernels
+from slime.models import fused_kernels
 
 
 # The flags LossConfig.from_args reads.

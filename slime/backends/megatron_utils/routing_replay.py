@@ -20,7 +20,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 
 from slime.backends.megatron_utils.data import pad_multiple_for, round_up, zigzag_slice
-from slime_plugins.models.qwen3_moe import decode_routes
+from slime.models.moe_hf import decode_routes
 
 
 class RoutingReplayError(RuntimeError):

@@ -40,13 +40,12 @@ from slime.backends.megatron_utils.data import (
     MicroBatchPlan,
     PackedMicroBatch,
     pack_micro_batch,
-    plans_from_rollout,
     unpack_response_values,
 )
 from slime.backends.megatron_utils.loss import LossConfig, metric_keys, micro_batch_loss, target_log_probs
 from slime.backends.megatron_utils.moe import aux_loss_scale
 from slime.backends.megatron_utils.routing_replay import RouteReplayer
-from slime_plugins.models.cp_attention import packed_seq_params
+from slime.models.cp_attention import packed_seq_params
 
 PhaseHook = Callable[[str], ContextManager]
 ProgressHook = Callable[[], None]  # called as each micro-batch starts: the previous one completed (deadlines)
@@ -68,15 +67,6 @@ class StepResult:
 
 
 # ------------------------------------------------------------------------- plans
-
-
-def build_plans_for_rank(data: Mapping[str, Any], args: Any) -> list[MicroBatchPlan]:
-    """This rank's plans for every step of the rollout (DP rank/size from parallel_state)."""
-    return plans_from_rollout(
-        data, args,
-        dp_size=parallel_state.get_data_parallel_world_size(),
-        dp_rank=parallel_state.get_data_parallel_rank(),
-    )
 
 
 def pack_plan(data: Mapping[str, Any], plan: MicroBatchPlan, args: Any) -> list[PackedMicroBatch]:

@@ -7,53 +7,19 @@ the way the installed SGLang's parser reads it back:
 - a switch (store_true) renders `--x` when True and nothing when False;
 - a dict, or a list for a single-value option (JSON-typed fields), renders as JSON text;
 - a list for a multi-value option renders one token per item.
-Renamed fields are mapped to the name the installed SGLang has (RENAMED_FIELDS).
+Renamed fields are mapped to the name the installed SGLang has (sglang_passthrough.RENAMED_FIELDS).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
 from typing import Any
 
-logger = logging.getLogger(__name__)
-
-# Old ServerArgs field -> its replacement in newer SGLang (same meaning for what slime passes).
-RENAMED_FIELDS: dict[str, str] = {
-    "cuda_graph_bs": "cuda_graph_bs_decode",  # --cuda-graph-bs is gone since SGLang 0.5.20
-}
-
-
-def actions_by_dest(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
-    """Each field's own option (`--x-y` for x_y), not a deprecated alias that happens to share its dest."""
-    found: dict[str, argparse.Action] = {}
-    for action in parser._actions:
-        if not action.option_strings:
-            continue
-        canonical = "--" + action.dest.replace("_", "-") in action.option_strings
-        if canonical or action.dest not in found:
-            found[action.dest] = action
-    return found
-
+from slime.utils.sglang_passthrough import actions_by_dest, apply_renames
 
 def has_option(parser: argparse.ArgumentParser, option: str) -> bool:
     return any(option in action.option_strings for action in parser._actions)
-
-
-def apply_renames(server_args: dict[str, Any], parser: argparse.ArgumentParser) -> dict[str, Any]:
-    """Fields the installed SGLang renamed, under their new name; a clear error where neither exists."""
-    known = actions_by_dest(parser)
-    result: dict[str, Any] = {}
-    for name, value in server_args.items():
-        new = RENAMED_FIELDS.get(name)
-        if name not in known and new is not None:
-            if new not in known:
-                raise ValueError(f"SGLang here has neither --{name.replace('_', '-')} nor --{new.replace('_', '-')}")
-            logger.info("ServerArgs field %s is called %s in this SGLang; passing it as such", name, new)
-            name = new
-        result[name] = value
-    return result
 
 
 def render_server_flags(server_args: dict[str, Any], parser: argparse.ArgumentParser) -> list[str]:
