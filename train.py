@@ -17,8 +17,8 @@ from __future__ import annotations
 import logging
 import sys
 
-from slime.ray.actor_group import RayTrainGroup, resolve_ledger_dir
-from slime.ray.driver_loop import (
+from slime.ray.driver.trainer_group import RayTrainGroup, resolve_ledger_dir
+from slime.ray.driver.loop import (
     announce_start,
     catch_up,
     check_alternating_args,
@@ -29,8 +29,8 @@ from slime.ray.driver_loop import (
     run_entry,
     save_due,
 )
-from slime.ray.placement import create_placement, init_ray, placement_record
-from slime.ray.rollout_manager import create_rollout_manager
+from slime.ray.driver.placement import create_placement, init_ray, placement_record
+from slime.ray.rollout_manager.manager import create_rollout_manager
 from slime.utils.metrics_logger import MetricsLogger
 
 logger = logging.getLogger("slime.train")

@@ -8,16 +8,16 @@ The loop, in upstream's order (disaggregated: the engines run on GPUs of their o
             -> every --update-weights-interval rollouts: wait for rollout k+1, fenced weight push -> eval
 
 What generates while what trains, when the weights move and which version each rollout is generated
-with is the schedule's (slime/ray/async_schedule.py); each overlapping activity keeps its own deadline.
+with is the schedule's (slime/ray/driver/async_schedule.py); each overlapping activity keeps its own deadline.
 """
 from __future__ import annotations
 
 import logging
 import sys
 
-from slime.ray.actor_group import RayTrainGroup, resolve_ledger_dir
-from slime.ray.async_schedule import AsyncSchedule, check_async_args
-from slime.ray.driver_loop import (
+from slime.ray.driver.trainer_group import RayTrainGroup, resolve_ledger_dir
+from slime.ray.driver.async_schedule import AsyncSchedule, check_async_args
+from slime.ray.driver.loop import (
     announce_start,
     eval_due,
     log_unless_custom,
@@ -26,8 +26,8 @@ from slime.ray.driver_loop import (
     run_entry,
     save_due,
 )
-from slime.ray.placement import check_disjoint, create_placement, init_ray, placement_record
-from slime.ray.rollout_manager import create_rollout_manager
+from slime.ray.driver.placement import check_disjoint, create_placement, init_ray, placement_record
+from slime.ray.rollout_manager.manager import create_rollout_manager
 from slime.utils.metrics_logger import MetricsLogger
 
 logger = logging.getLogger("slime.train_async")

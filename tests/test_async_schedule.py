@@ -1,4 +1,4 @@
-"""train_async.py's schedule (slime/ray/async_schedule.py): the plan as data, the loop's order call by call, and
+"""train_async.py's schedule (slime/ray/driver/async_schedule.py): the plan as data, the loop's order call by call, and
 the refusals. Recorders stand in for the rollout manager and the trainer group (pure loop logic; the real
 components run this order in tests/test_train_async_e2e.py)."""
 from __future__ import annotations
@@ -10,10 +10,10 @@ import pytest
 
 import train_async
 from arg_testing import no_real_sglang, parse_error  # noqa: F401 - the fixture applies to every test here
-from slime.ray.async_schedule import OneStepOffPlan, check_async_args
-from slime.ray.placement import BundleInfo, EngineSlot, Layout, PlacementError, check_disjoint, plan_layout
-from slime.ray.rollout_errors import EngineFailedError
-from slime.ray.rollout_wait import EngineTargets
+from slime.ray.driver.async_schedule import OneStepOffPlan, check_async_args
+from slime.ray.driver.placement import BundleInfo, EngineSlot, Layout, PlacementError, check_disjoint, plan_layout
+from slime.ray.rollout_manager.errors import EngineFailedError
+from slime.ray.driver.rollout_wait import EngineTargets
 from slime.utils.arguments import ArgumentValidationError
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import requests
 
-from slime.ray.engine_recovery import EngineFleet, FleetSlot
+from slime.ray.engines.recovery import EngineFleet, FleetSlot
 from slime.utils.security import auth_headers
 
 logger = logging.getLogger(__name__)

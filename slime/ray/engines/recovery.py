@@ -24,7 +24,7 @@ from typing import Any, Callable, Protocol
 import psutil
 
 from slime.backends.sglang_utils.http_client import ClientTimeouts, SGLangHTTPClient
-from slime.ray.rollout_errors import EngineFailedError, EngineRecoveryError
+from slime.ray.rollout_manager.errors import EngineFailedError, EngineRecoveryError
 from slime.router.workers import RouterWorkers, RouterWorkersError
 
 logger = logging.getLogger(__name__)

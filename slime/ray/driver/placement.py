@@ -31,7 +31,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from patches.ray import keep_cluster_on_loopback
-from slime.ray.cluster import (
+from slime.ray.driver.cluster import (
     LOOPBACK,
     PlacementError,
     cluster_address,

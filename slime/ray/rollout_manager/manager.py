@@ -8,7 +8,7 @@ and turns each rollout into the trainer's batch. The driver talks to it through
 `RolloutManagerHandle`, whose calls all carry a deadline.
 
 Every rollout and eval runs under `RolloutGuard` (--rollout-timeout, engine health, fault
-tolerance: slime/ray/rollout_guard.py); the engines' states live in `EngineFleet`.
+tolerance: slime/ray/rollout_manager/guard.py); the engines' states live in `EngineFleet`.
 """
 from __future__ import annotations
 
@@ -25,15 +25,15 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from slime.backends.sglang_utils.http_client import SGLangHTTPClient
 from slime.backends.sglang_utils.launcher import pick_rollout_backend
 from slime.distributed.fault_inject import maybe_kill_run
-from slime.ray.cluster import advertised_host, retry_if_cancelled_before_start, serving_host, worker_env
-from slime.ray.engine_actor import EngineEndpoint, EngineRayActor, RemoteEngine
-from slime.ray.engine_health import HealthConfig
-from slime.ray.engine_recovery import EngineFleet
-from slime.ray.placement import EngineSlot, Placement
-from slime.ray.rollout_guard import RolloutGuard
-from slime.ray.rollout_errors import RolloutTimeoutError, portable_rollout_errors
-from slime.ray.rollout_steps import RolloutSteps
-from slime.ray.rollout_wait import EngineTargets, RolloutWatch, get_result, wait_for_rollout
+from slime.ray.driver.cluster import advertised_host, retry_if_cancelled_before_start, serving_host, worker_env
+from slime.ray.engines.actor import EngineEndpoint, EngineRayActor, RemoteEngine
+from slime.ray.engines.health import HealthConfig
+from slime.ray.engines.recovery import EngineFleet
+from slime.ray.driver.placement import EngineSlot, Placement
+from slime.ray.rollout_manager.guard import RolloutGuard
+from slime.ray.rollout_manager.errors import RolloutTimeoutError, portable_rollout_errors
+from slime.ray.rollout_manager.steps import RolloutSteps
+from slime.ray.driver.rollout_wait import EngineTargets, RolloutWatch, get_result, wait_for_rollout
 from slime.rollout import generation_gate
 from slime.rollout.advantages import TRAIN_DATA_KEYS, flatten_groups, samples_to_train_data
 from slime.rollout.base_types import call_rollout_fn
@@ -195,7 +195,7 @@ class RolloutManager:
             self._eval_prompt_count = sum(sum(1 for _ in read_rows(spec)) for spec in eval_prompt_specs(self.args).values())
         return self._eval_prompt_count
 
-    # ----- engine fault tolerance (the driver's side: RolloutManagerHandle, slime/ray/rollout_wait.py) -----
+    # ----- engine fault tolerance (the driver's side: RolloutManagerHandle, slime/ray/driver/rollout_wait.py) -----
     def rollout_status(self) -> dict[str, Any]:
         """Polled by the driver while a rollout or eval runs (this actor is threaded): the time left of
         the guarded generation, else of the step around it."""

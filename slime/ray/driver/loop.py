@@ -12,10 +12,10 @@ from slime.utils.metrics_logger import Console, MetricsLogger
 
 def run_entry(script: str, train: Callable, check: Callable, argv: list[str] | None, logger: logging.Logger) -> int:
     """Parse, refuse what `script` cannot run (exit 2), train; a named failure ends with exit 1 and one line."""
-    from slime.ray.actor_group import remove_temp_ledger_dir
-    from slime.ray.cluster import PlacementError
-    from slime.ray.deadline import RankWaitError
-    from slime.ray.rollout_errors import RolloutError
+    from slime.ray.driver.trainer_group import remove_temp_ledger_dir
+    from slime.ray.driver.cluster import PlacementError
+    from slime.ray.driver.rank_wait import RankWaitError
+    from slime.ray.rollout_manager.errors import RolloutError
     from slime.utils.arguments import ArgumentValidationError, check_launch_inputs, parse_args
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -45,7 +45,7 @@ def run_entry(script: str, train: Callable, check: Callable, argv: list[str] | N
 
 def announce_start(args) -> Console:
     """The run's stdout, opened with what the run starts (before Ray: nothing slow has happened yet)."""
-    from slime.ray.placement import use_gpus
+    from slime.ray.driver.placement import use_gpus
     from slime.utils.progress_lines import start_line
 
     console = Console(args)
@@ -55,7 +55,7 @@ def announce_start(args) -> Console:
 
 def ray_cluster_step(console: Console):
     """The start-up step that starts or joins the Ray cluster and places the job's bundles."""
-    from slime.ray.cluster import cluster_address
+    from slime.ray.driver.cluster import cluster_address
 
     address = cluster_address()
     return console.step(f"Ray cluster: {'joining ' + address if address else 'starting a private one'}, "

@@ -2,7 +2,7 @@
 
 Users start a cluster with `ray start --head` / `ray start --address` and run `python train.py` on
 the head or `ray job submit -- python train.py` (which sets RAY_ADDRESS); without one, train.py
-starts a private cluster on this machine (slime/ray/placement.py:init_ray), on the loopback address.
+starts a private cluster on this machine (slime/ray/driver/placement.py:init_ray), on the loopback address.
 A run on one node keeps every server (engines, router, rendezvous) on loopback; only a run that spans
 nodes listens on node addresses (`serving_host`).
 """

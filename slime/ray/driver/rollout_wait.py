@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import ray
 
-from slime.ray.rollout_errors import RolloutError
+from slime.ray.rollout_manager.errors import RolloutError
 
 logger = logging.getLogger(__name__)
 

@@ -22,10 +22,10 @@ import threading
 import time
 from typing import Any, Callable, TypeVar
 
-from slime.ray.engine_faults import inject_engine_faults
-from slime.ray.engine_health import HealthConfig, HealthMonitor, describe_engines
-from slime.ray.engine_recovery import EngineFleet
-from slime.ray.rollout_errors import EngineFailedError, RolloutError, RolloutTimeoutError
+from slime.ray.engines.faults import inject_engine_faults
+from slime.ray.engines.health import HealthConfig, HealthMonitor, describe_engines
+from slime.ray.engines.recovery import EngineFleet
+from slime.ray.rollout_manager.errors import EngineFailedError, RolloutError, RolloutTimeoutError
 from slime.rollout.deadline import REQUEST_GRACE_S, RolloutClock
 from slime.utils.http_utils import HTTPStatusError, OutstandingRequest, outstanding_requests, set_request_bounds
 

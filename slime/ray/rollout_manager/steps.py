@@ -6,15 +6,15 @@ before it they load the function and count the eval prompts; after it they dump 
 compute the metrics. Each such step runs in a worker thread and must return within `window_s`
 (slime/rollout/deadline.py: step_window_s), or RolloutStepTimeoutError names the step and the flag
 behind it. `left_s()` is what the manager's status reports while no guarded rollout runs, so the
-driver's wait (slime/ray/rollout_wait.py) has a deadline from the call's first line to its last.
+driver's wait (slime/ray/driver/rollout_wait.py) has a deadline from the call's first line to its last.
 """
 from __future__ import annotations
 
 import contextlib
 from typing import Any, Callable, Iterator
 
-from slime.ray.rollout_errors import RolloutStepTimeoutError
-from slime.ray.rollout_guard import RolloutWorker
+from slime.ray.rollout_manager.errors import RolloutStepTimeoutError
+from slime.ray.rollout_manager.guard import RolloutWorker
 from slime.rollout.deadline import RolloutClock
 
 
