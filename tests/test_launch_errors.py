@@ -15,6 +15,7 @@ import pytest
 
 import train
 from arg_testing import no_real_sglang, parse_error  # noqa: F401 (fixture)
+from slime.ray.driver.trainer_group import resolve_ledger_dir
 from slime.utils.arguments import ArgumentValidationError, check_launch_inputs
 
 BASE = ["--rollout-batch-size", "2", "--num-rollout", "1", "--actor-num-gpus-per-node", "1",
@@ -81,7 +82,7 @@ def test_an_unexpected_error_after_start_ends_in_its_traceback_and_one_line(laun
     made = {}
 
     def broken(args):
-        train.resolve_ledger_dir(args)
+        resolve_ledger_dir(args)
         made["dir"] = args.ledger_dir
         raise KeyError("reward")
 
@@ -113,7 +114,7 @@ def test_a_clean_run_removes_the_temp_ledger_dir_it_made(launchable, monkeypatch
     made = {}
 
     def fine(args):
-        train.resolve_ledger_dir(args)
+        resolve_ledger_dir(args)
         made["dir"] = args.ledger_dir
 
     monkeypatch.setattr(train, "train", fine)

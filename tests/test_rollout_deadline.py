@@ -23,7 +23,8 @@ from slime.ray.engines.recovery import EngineFleet, LocalEngine
 from slime.ray.rollout_manager.errors import EngineFailedError, RolloutTimeoutError
 from slime.ray.rollout_manager.guard import RolloutGuard
 from slime.ray.driver.rollout_wait import EngineTargets
-from slime.rollout.deadline import RolloutClock, driver_margin_s, rollout_deadline_s, rollout_timeout_s
+from slime.utils.deadlines import RolloutClock, rollout_deadline_s, rollout_timeout_s
+from slime.utils.deadlines import rollout_driver_margin_s as driver_margin_s
 from slime.utils import http_utils
 from slime.utils.arguments import parse_args
 
