@@ -49,7 +49,7 @@ class EngineFailure:
 
 class EngineProcess(Protocol):
     """What the fleet needs of a started engine, wherever its process runs: `LocalEngine` for a child of
-    this process, `slime.ray.engine_actor.RemoteEngine` for one started by its engine actor on its bundle."""
+    this process, `slime.ray.engines.actor.RemoteEngine` for one started by its engine actor on its bundle."""
 
     url: str
 
