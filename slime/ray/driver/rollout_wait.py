@@ -2,9 +2,9 @@
 engines restarted during a rollout to the trainer's weights.
 
 While the manager generates, the driver polls its status every POLL_S (a call that must itself answer
-within ROLLOUT_STATUS_CALL_S, slime/utils/deadlines.py). The deadline is the manager's own (--rollout-timeout, extended by the
-time its engines spent recovering) plus `rollout_driver_margin_s`, so the manager's report, which names
-engines and requests, always arrives first. Engines the manager restarted wait outside the router
+within ROLLOUT_STATUS_CALL_S). The deadline is the manager's own (--rollout-timeout, extended by the
+time its engines spent recovering) plus `rollout_driver_margin_s` (both: slime/utils/deadlines.py), so
+the manager's report, which names engines and requests, always arrives first. Engines the manager restarted wait outside the router
 until the trainer pushed its current weights to them (`EngineTargets.catch_up`), and the next
 regular weight sync is aimed at the new set of engines.
 """

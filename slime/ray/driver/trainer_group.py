@@ -59,7 +59,8 @@ class RayTrainGroup:
         return self._wait([r.where.remote() for r in self._ranks], "placement", self.deadlines.driver_init_window_s)
 
     def init(self, engine_urls: list[str]) -> None:
-        master_addr, master_port = ray.get(self._ranks[0].rendezvous_address.remote(), timeout=TRAINER_RENDEZVOUS_CALL_S)
+        rendezvous = self._ranks[0].rendezvous_address.remote()
+        master_addr, master_port = ray.get(rendezvous, timeout=TRAINER_RENDEZVOUS_CALL_S)
         refs = [r.init.remote(master_addr, master_port, engine_urls) for r in self._ranks]
         starts = self._wait(refs, "init", self.deadlines.driver_init_window_s)
         explicit = getattr(self.args, "start_rollout_id_given", False)  # --start-rollout-id wins over --load
