@@ -19,7 +19,7 @@ import ray
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 NOSET_VISIBLE_DEVICES = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
 LOOPBACK = "127.0.0.1"
 HOST_IP_ENV = "SLIME_HOST_IP"  # upstream's per-node override of the node's address
