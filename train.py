@@ -17,67 +17,28 @@ from __future__ import annotations
 import logging
 import sys
 
-from slime.ray.actor_group import RayTrainGroup, resolve_ledger_dir
-from slime.ray.driver_loop import (
-    announce_start,
-    catch_up,
-    check_alternating_args,
-    eval_due,
-    log_unless_custom,
-    ray_cluster_step,
-    resume_rollout_id,
-    run_entry,
-    save_due,
-)
-from slime.ray.placement import create_placement, init_ray, placement_record
-from slime.ray.rollout_manager import create_rollout_manager
+from slime.ray.driver.loop import catch_up, check_alternating_args, eval_due, log_unless_custom, save_due
+from slime.ray.driver.session import RunSession, run_entry
 from slime.utils.metrics_logger import MetricsLogger
 
 logger = logging.getLogger("slime.train")
 
 
 def train(args) -> None:
-    if getattr(args, "start_rollout_id", None) is None:  # --start-rollout-id wins over --load's position
-        args.start_rollout_id = resume_rollout_id(args)
-    resolve_ledger_dir(args)
-    console = announce_start(args)  # stdout: what starts, each slow start-up step, then a line per rollout
-    with ray_cluster_step(console):
-        init_ray(args)
-        placement = create_placement(args)
-    metrics = MetricsLogger(args, console)
-    with console.step("engines: starting", "engines ready"):
-        rollout = create_rollout_manager(args, placement)
-    if args.num_rollout is None:  # --num-epoch: as many rollouts as the epochs of prompts take
-        args.num_rollout = args.num_epoch * rollout.num_prompts() // args.rollout_batch_size
-    actors = None
-    try:
+    with RunSession(args) as run:  # set-up and teardown: slime/ray/driver/session.py
+        rollout, metrics = run.rollout, run.metrics
         if engines_release_memory(args):  # before the trainer is built: one side owns each GPU
             metrics.log("memory", args.start_rollout_id - 1, rollout.offload())
-        ranks = []
-        if not args.debug_rollout_only:
-            with console.step("trainer ranks: starting their processes", "trainer ranks started"):
-                actors = RayTrainGroup(args, placement)
-                ranks = actors.where()
-        metrics.log("placement", args.start_rollout_id,
-                    placement_record(ranks, rollout.engine_endpoints()))
+        actors = run.start_trainer(build=not args.debug_rollout_only)
         if actors is not None:
-            with console.step("trainer ranks: building the model, loading the weights", "trainer ranks initialised"):
-                actors.init(rollout.engine_urls())
             rollout.attach_trainer(lambda urls, version: catch_up(actors, metrics, urls, version))
             if args.offload_train:
                 metrics.log("memory", args.start_rollout_id - 1, actors.sleep())
             if not args.debug_train_only:
-                with console.step("first weight push", "first weight push done"):
+                with run.first_weight_push():
                     sync_weights(args, args.start_rollout_id - 1, rollout, actors, metrics)
-        console.rollouts_begin()
-        for rollout_id in range(args.start_rollout_id, args.num_rollout):
+        for rollout_id in run.rollouts():
             run_rollout(args, rollout_id, rollout, actors, metrics)
-            metrics.rollout_done(rollout_id)
-    finally:
-        metrics.close()
-        rollout.shutdown()
-        if actors is not None:
-            actors.shutdown()
 
 
 def run_rollout(args, rollout_id: int, rollout, actors, metrics: MetricsLogger) -> None:

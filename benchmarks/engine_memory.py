@@ -22,7 +22,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from slime.backends.sglang_utils.http_client import ClientTimeouts, SGLangHTTPClient  # noqa: E402
-from slime.backends.sglang_utils.process import python_module_command, start_server_process  # noqa: E402
+from slime.utils.server_process import python_module_command, start_server_process  # noqa: E402
 from slime.utils.ports import find_free_port  # noqa: E402
 from slime.utils.security import ApiKey, use_key  # noqa: E402
 

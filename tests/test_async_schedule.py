@@ -1,4 +1,4 @@
-"""train_async.py's schedule (slime/ray/async_schedule.py): the plan as data, the loop's order call by call, and
+"""train_async.py's schedule (slime/ray/driver/async_schedule.py): the plan as data, the loop's order call by call, and
 the refusals. Recorders stand in for the rollout manager and the trainer group (pure loop logic; the real
 components run this order in tests/test_train_async_e2e.py)."""
 from __future__ import annotations
@@ -9,11 +9,12 @@ import types
 import pytest
 
 import train_async
+from slime.ray.driver import session
 from arg_testing import no_real_sglang, parse_error  # noqa: F401 - the fixture applies to every test here
-from slime.ray.async_schedule import OneStepOffPlan, check_async_args
-from slime.ray.placement import BundleInfo, EngineSlot, Layout, PlacementError, check_disjoint, plan_layout
-from slime.ray.rollout_errors import EngineFailedError
-from slime.ray.rollout_wait import EngineTargets
+from slime.ray.driver.async_schedule import OneStepOffPlan, check_async_args
+from slime.ray.driver.placement import BundleInfo, EngineSlot, Layout, PlacementError, check_disjoint, plan_layout
+from slime.ray.rollout_manager.errors import EngineFailedError
+from slime.ray.driver.rollout_wait import EngineTargets
 from slime.utils.arguments import ArgumentValidationError
 
 
@@ -161,13 +162,13 @@ class Metrics:
 def run_loop(monkeypatch, rollout_options=None, **flags):
     log = Log()
     metrics = {}
-    monkeypatch.setattr(train_async, "init_ray", lambda args: None)
-    monkeypatch.setattr(train_async, "create_placement", lambda args: types.SimpleNamespace(layout=Layout(
+    monkeypatch.setattr(session, "init_ray", lambda args: None)
+    monkeypatch.setattr(session, "create_placement", lambda args: types.SimpleNamespace(layout=Layout(
         actor_bundles=(), engines=())))
-    monkeypatch.setattr(train_async, "create_rollout_manager",
+    monkeypatch.setattr(session, "create_rollout_manager",
                         lambda args, placement: FakeRollout(log, **(rollout_options or {})))
-    monkeypatch.setattr(train_async, "RayTrainGroup", lambda args, placement: FakeTrainers(log))
-    monkeypatch.setattr(train_async, "MetricsLogger", lambda args, console: metrics.setdefault("logger", Metrics(args)))
+    monkeypatch.setattr(session, "RayTrainGroup", lambda args, placement: FakeTrainers(log))
+    monkeypatch.setattr(session, "MetricsLogger", lambda args, console: metrics.setdefault("logger", Metrics(args)))
     defaults = dict(load=None, num_rollout=3, num_epoch=None, rollout_batch_size=4, debug_rollout_only=False,
                     debug_train_only=False, offload_train=False, offload_rollout=False, colocate=False,
                     rollout_num_gpus=2, update_weights_interval=1, eval_interval=None, eval_prompt_data=None,

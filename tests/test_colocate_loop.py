@@ -11,6 +11,7 @@ import types
 import pytest
 
 import train as train_module
+from slime.ray.driver import session
 
 
 class Recorder:
@@ -89,10 +90,10 @@ class FakeTrainers:
 
 def run_loop(monkeypatch, **flags) -> list[str]:
     log = Recorder()
-    monkeypatch.setattr(train_module, "init_ray", lambda args: None)
-    monkeypatch.setattr(train_module, "create_placement", lambda args: None)
-    monkeypatch.setattr(train_module, "create_rollout_manager", lambda args, placement: FakeRollout(log))
-    monkeypatch.setattr(train_module, "RayTrainGroup", lambda args, placement: FakeTrainers(log))
+    monkeypatch.setattr(session, "init_ray", lambda args: None)
+    monkeypatch.setattr(session, "create_placement", lambda args: None)
+    monkeypatch.setattr(session, "create_rollout_manager", lambda args, placement: FakeRollout(log))
+    monkeypatch.setattr(session, "RayTrainGroup", lambda args, placement: FakeTrainers(log))
     defaults = dict(load=None, num_rollout=2, num_epoch=None, rollout_batch_size=4, debug_rollout_only=False,
                     debug_train_only=False, offload_train=True, offload_rollout=True, eval_interval=None,
                     eval_prompt_data=None, save=None, save_interval=None, metrics_jsonl=None, use_wandb=False,

@@ -164,7 +164,7 @@ def _ticking(stop: threading.Event) -> list[float]:
 
 
 def test_driver_waits_as_long_as_ranks_progress_and_fails_one_window_after_they_stop(monkeypatch):
-    from slime.ray import deadline
+    from slime.ray.driver import rank_wait as deadline
 
     monkeypatch.setattr(deadline.ray, "wait", _FakeRay(time.time() + 3.0).wait)
     monkeypatch.setattr(deadline.ray, "get", _FakeRay(0).get)
@@ -184,8 +184,8 @@ def test_driver_waits_as_long_as_ranks_progress_and_fails_one_window_after_they_
 
 
 def test_a_failed_rank_keeps_its_traceback_and_the_summary_stays_one_line():
-    from slime.ray.deadline import _failure
-    from slime.ray.train_actor import RankError
+    from slime.ray.driver.rank_wait import _failure
+    from slime.ray.trainer.rank_actor import RankError
 
     class TaskError(Exception):
         cause = RankError("CollectiveDivergenceError: ranks [3] diverge at fence 'actor_train/plan'\nrank | plan",

@@ -129,7 +129,7 @@ def test_dump_details_sets_both_debug_dumps():
 
 
 def test_train_env_vars_reach_the_rank_process(monkeypatch):
-    from slime.ray import train_actor
+    from slime.ray.trainer import rank_actor as train_actor
 
     seen = {}
 

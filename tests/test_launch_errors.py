@@ -15,6 +15,7 @@ import pytest
 
 import train
 from arg_testing import no_real_sglang, parse_error  # noqa: F401 (fixture)
+from slime.ray.driver.trainer_group import resolve_ledger_dir
 from slime.utils.arguments import ArgumentValidationError, check_launch_inputs
 
 BASE = ["--rollout-batch-size", "2", "--num-rollout", "1", "--actor-num-gpus-per-node", "1",
@@ -81,7 +82,7 @@ def test_an_unexpected_error_after_start_ends_in_its_traceback_and_one_line(laun
     made = {}
 
     def broken(args):
-        train.resolve_ledger_dir(args)
+        resolve_ledger_dir(args)
         made["dir"] = args.ledger_dir
         raise KeyError("reward")
 
@@ -96,7 +97,7 @@ def test_an_unexpected_error_after_start_ends_in_its_traceback_and_one_line(laun
 
 def test_a_dead_ray_address_ends_in_one_line_without_a_traceback(launchable, monkeypatch, caplog):
     """A stale RAY_ADDRESS is the user's to fix: one 'training stopped' line that says how, no traceback."""
-    from slime.ray.cluster import cluster_address, require_reachable
+    from slime.ray.driver.cluster import cluster_address, require_reachable
 
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")  # nothing listens on port 1
     # what init_ray does first when it joins a cluster (this test process may hold a Ray connection already)
@@ -113,7 +114,7 @@ def test_a_clean_run_removes_the_temp_ledger_dir_it_made(launchable, monkeypatch
     made = {}
 
     def fine(args):
-        train.resolve_ledger_dir(args)
+        resolve_ledger_dir(args)
         made["dir"] = args.ledger_dir
 
     monkeypatch.setattr(train, "train", fine)
@@ -255,7 +256,7 @@ def _actor_died(never_started: bool):
 
 @pytest.mark.parametrize("deaths, started", [((True,), 2), ((False,), 1), ((True, True), 2)])
 def test_an_actor_ray_cancelled_before_it_ran_is_started_once_more(deaths, started, caplog):
-    from slime.ray.cluster import retry_if_cancelled_before_start
+    from slime.ray.driver.cluster import retry_if_cancelled_before_start
 
     calls = []
 

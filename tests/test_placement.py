@@ -15,8 +15,8 @@ import types
 import pytest
 
 from slime.backends.sglang_utils.launcher import gpu_id_layout, sglang_server_args_for_engine
-from slime.ray.cluster import PlacementError, cluster_address, worker_env
-from slime.ray.placement import BundleInfo, check_engine_bind_host, order_bundles, plan_layout, visible_device_index
+from slime.ray.driver.cluster import PlacementError, cluster_address, worker_env
+from slime.ray.driver.placement import BundleInfo, check_engine_bind_host, order_bundles, plan_layout, visible_device_index
 from slime.utils.security import ApiKey
 
 pytestmark = pytest.mark.e2e
@@ -81,7 +81,7 @@ def test_cpu_bundles_give_engines_no_gpus():
 
 
 def test_bundle_count_per_mode():
-    from slime.ray.placement import total_bundles
+    from slime.ray.driver.placement import total_bundles
 
     def count(**kw):
         base = dict(actor_num_nodes=2, actor_num_gpus_per_node=4, rollout_num_gpus=4, rollout_num_gpus_per_engine=2,
@@ -130,7 +130,7 @@ def test_a_recorded_address_nobody_answers_at_fails_at_once(monkeypatch, tmp_pat
 
     import ray
 
-    from slime.ray.placement import init_ray
+    from slime.ray.driver.placement import init_ray
 
     with socket.socket() as sock:  # a port that was free a moment ago: nothing listens there
         sock.bind(("127.0.0.1", 0))
@@ -202,9 +202,9 @@ def _assignments(args):
     import ray
 
     from slime.backends.sglang_utils.launcher import sglang_server_args_for_engine
-    from slime.ray.actor_group import RayTrainGroup
-    from slime.ray.engine_actor import EngineRayActor
-    from slime.ray.placement import create_placement
+    from slime.ray.driver.trainer_group import RayTrainGroup
+    from slime.ray.engines.actor import EngineRayActor
+    from slime.ray.driver.placement import create_placement
 
     placement = create_placement(args, use_gpu=True, timeout_s=120)
     trainers = RayTrainGroup(args, placement)
@@ -268,8 +268,8 @@ def test_a_private_cluster_and_its_servers_stay_on_loopback():
     script = textwrap.dedent("""
         import os, types, ray
         os.environ.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)  # as train.py runs outside the tests
-        from slime.ray.placement import init_ray
-        from slime.ray.cluster import serving_host
+        from slime.ray.driver.placement import init_ray
+        from slime.ray.driver.cluster import serving_host
         init_ray(types.SimpleNamespace(actor_num_nodes=1, actor_num_gpus_per_node=1, debug_rollout_only=False,
                                        debug_train_only=True, rollout_num_gpus=0, rollout_num_gpus_per_engine=1,
                                        colocate=True))
@@ -288,7 +288,7 @@ def test_a_private_cluster_and_its_servers_stay_on_loopback():
 @pytest.mark.parametrize("error, starts", [("The current node timed out during startup. This could happen", 2),
                                             ("some other failure", 1)])
 def test_a_private_cluster_start_that_timed_out_is_tried_once_more(monkeypatch, error, starts):
-    from slime.ray import placement
+    from slime.ray.driver import placement
 
     calls = []
 

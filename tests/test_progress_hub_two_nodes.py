@@ -2,7 +2,7 @@
 
 Ray's multi-node cluster on this machine (tests/ray_cluster.py), the second node on 127.0.0.2. One
 rank per node, each with a real ledger in its node's own directory, a real watchdog and the hub's
-client; the hub is the Ray actor train.py's driver starts (slime/ray/actor_group.py), on the
+client; the hub is the Ray actor train.py's driver starts (slime/ray/driver/trainer_group.py), on the
 driver's node; the driver waits with `wait_ranks` and renders the hub's table, as RayTrainGroup
 does. The ranks are stand-ins without megatron: what is tested is the channel between nodes.
 
@@ -87,7 +87,7 @@ class HubRank:
     def _raising_rank_error(self):
         import contextlib
 
-        from slime.ray.train_actor import RankError
+        from slime.ray.trainer.rank_actor import RankError
 
         @contextlib.contextmanager
         def portable():
@@ -127,7 +127,7 @@ def two_ranks(tmp_path_factory):
 
 def _wait(two_ranks, refs, phase: str):
     from slime.distributed.progress import hang_table
-    from slime.ray.deadline import wait_ranks
+    from slime.ray.driver.rank_wait import wait_ranks
 
     driver = two_ranks["driver"]
     window = 1.5 * WINDOW_S + 5  # above the ranks' window, as the driver's is (slime/utils/deadlines.py)
@@ -146,7 +146,7 @@ def test_a_long_phase_on_one_node_keeps_the_other_nodes_waiting_rank_alive(two_r
     long = 3.5 * WINDOW_S
     assert _wait(two_ranks, [rank0.checkpoint.remote(long), rank1.wait_at_fence.remote(long)], "save") \
         == ["saved", "passed"]
-    from slime.ray.deadline import RankFailedError
+    from slime.ray.driver.rank_wait import RankFailedError
 
     control = [rank0.checkpoint.remote(2 * WINDOW_S), rank1.wait_at_fence.remote(long, False)]
     with pytest.raises(RankFailedError, match=r"rank 1: HangError: HANG: phase=weight_sync"):
@@ -156,7 +156,7 @@ def test_a_long_phase_on_one_node_keeps_the_other_nodes_waiting_rank_alive(two_r
 
 @pytest.mark.timeout(240)
 def test_a_stalled_rank_is_named_in_the_drivers_one_table_of_both_nodes(two_ranks):
-    from slime.ray.deadline import RankFailedError
+    from slime.ray.driver.rank_wait import RankFailedError
 
     rank0, rank1 = two_ranks["ranks"]
     started = time.monotonic()

@@ -18,12 +18,13 @@ import pytest
 from aiohttp import web
 
 from rollout_testing import AppThread, FakeEngine
-from slime.ray.engine_health import HealthConfig
-from slime.ray.engine_recovery import EngineFleet, LocalEngine
-from slime.ray.rollout_errors import EngineFailedError, RolloutTimeoutError
-from slime.ray.rollout_guard import RolloutGuard
-from slime.ray.rollout_wait import EngineTargets
-from slime.rollout.deadline import RolloutClock, driver_margin_s, rollout_deadline_s, rollout_timeout_s
+from slime.ray.engines.health import HealthConfig
+from slime.ray.engines.recovery import EngineFleet, LocalEngine
+from slime.ray.rollout_manager.errors import EngineFailedError, RolloutTimeoutError
+from slime.ray.rollout_manager.guard import RolloutGuard
+from slime.ray.driver.rollout_wait import EngineTargets
+from slime.utils.deadlines import RolloutClock, rollout_deadline_s, rollout_timeout_s
+from slime.utils.deadlines import rollout_driver_margin_s as driver_margin_s
 from slime.utils import http_utils
 from slime.utils.arguments import parse_args
 
@@ -223,8 +224,8 @@ def test_a_trainer_ahead_of_the_engines_catches_up_with_its_own_version():
 def _manager_with_hanging_log(window_s: float):
     """A RolloutManager whose guarded generation returns at once and whose log hook never returns."""
     import hook_plugins
-    from slime.ray.rollout_manager import RolloutManager
-    from slime.ray.rollout_steps import RolloutSteps
+    from slime.ray.rollout_manager.manager import RolloutManager
+    from slime.ray.rollout_manager.steps import RolloutSteps
 
     args = types.SimpleNamespace(use_fault_tolerance=False, save_debug_rollout_data=None, save=None,
                                  custom_convert_samples_to_train_data_path=None, rollout_timeout=60,
@@ -237,7 +238,7 @@ def _manager_with_hanging_log(window_s: float):
 
 
 def test_a_hanging_log_hook_ends_in_a_named_error_within_its_window():
-    from slime.ray.rollout_errors import RolloutStepTimeoutError
+    from slime.ray.rollout_manager.errors import RolloutStepTimeoutError
 
     manager = _manager_with_hanging_log(window_s=1.0)
     status: list = []
@@ -264,7 +265,7 @@ class _UnpicklableError(Exception):
 def test_any_other_error_of_a_rollout_crosses_to_the_driver_as_a_rollout_error():
     import pickle
 
-    from slime.ray.rollout_errors import RolloutFailedError
+    from slime.ray.rollout_manager.errors import RolloutFailedError
 
     manager = _manager_with_hanging_log(window_s=1.0)
 

@@ -157,7 +157,7 @@ class _Opaque:
 
 
 def test_debug_rollout_data_loads_without_unpickling_code(tmp_path):
-    from slime.ray.rollout_manager import load_debug_rollout
+    from slime.ray.rollout_manager.manager import load_debug_rollout
 
     plain = tmp_path / "plain.pt"
     torch.save({"rollout_id": 0, "samples": [{"tokens": [1, 2], "reward": 1.0, "status": "completed"}]}, plain)
@@ -335,7 +335,7 @@ def test_port_clash_retries_are_bounded_and_only_for_a_lost_port():
 
 def test_rendezvous_port_is_held_from_the_moment_it_is_offered(monkeypatch):
     from slime.backends.megatron_utils.parallel import join_rendezvous
-    from slime.ray.train_actor import TrainRayActor
+    from slime.ray.trainer.rank_actor import TrainRayActor
 
     monkeypatch.setenv("SLIME_HOST_IP", "127.0.0.1")
     rank0 = types.SimpleNamespace(args=parse_quiet(MINIMAL), world_size=2, _store=None)

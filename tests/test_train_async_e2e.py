@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from slime.distributed.order_proof import check_order, read_sequences
-from slime.ray.async_schedule import OneStepOffPlan
+from slime.ray.driver.async_schedule import OneStepOffPlan
 from train_runs import train_env
 
 pytestmark = pytest.mark.e2e

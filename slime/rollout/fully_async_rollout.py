@@ -39,7 +39,7 @@ from typing import Any
 from slime.rollout import generation_gate
 from slime.rollout.advantages import flatten_groups
 from slime.rollout.base_types import RolloutFnTrainOutput
-from slime.rollout.deadline import rollout_deadline_s
+from slime.utils.deadlines import rollout_deadline_s
 from slime.rollout.metrics import compute_rollout_metrics
 from slime.rollout.sampling_loop import engine_urls
 from slime.rollout.sglang_rollout import (

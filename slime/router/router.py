@@ -22,7 +22,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from slime.backends.sglang_utils.process import (
+from slime.utils.server_process import (
     ServerHandle,
     python_module_command,
     serve_on,

@@ -1,9 +1,11 @@
-"""One deadline model for the whole loop: a wait fails when nothing has progressed for its window.
+"""Every deadline of the loop, and its derivation from flags: each wait takes its limit from here.
 
-`--fence-timeout` is not how long a phase may take but how long a rank may go without progress: no
-collective completing, no micro-batch, no weight bucket, no checkpoint bytes written. A healthy
-phase of any length passes; a stall fails one window after the last progress. Every other limit
-derives from that window:
+Three kinds of limits, one rule for each:
+
+Progress windows (the trainer ranks and the driver's wait on them). `--fence-timeout` is not how long
+a phase may take but how long a rank may go without progress: no collective completing, no
+micro-batch, no weight bucket, no checkpoint bytes written. A healthy phase of any length passes; a
+stall fails one window after the last progress (`DeadlineModel`):
 
   rank window     --fence-timeout: the watchdog's phases and the fences. Peers' progress counts (read
                   through the progress hub, from every node): a rank waiting at a fence for peers that
@@ -16,15 +18,40 @@ derives from that window:
   driver          no rank progressed for DRIVER_MARGIN windows + DRIVER_EXTRA_S (the ranks' own named
                   errors arrive first); init adds INIT_ALLOWANCE_S for model build and weight loading,
                   which are not fenced.
+  manager steps   each step of the rollout manager outside generation (user hooks, the data save,
+                  metrics) gets one rank window (`rollout_step_window_s`).
 
 The driver's limits follow the ranks' progress, so they grow with --num-steps-per-rollout and with
-the checkpoint size of a save without a fixed total. Rollout-side waits (generate, eval, each request)
-do not come from here: they follow --rollout-timeout, or a window derived from the rollout's size
-(slime/rollout/deadline.py).
+the checkpoint size of a save without a fixed total.
+
+Rollout budgets (the rollout manager, every request of a rollout, the driver's wait on the manager).
+`--rollout-timeout SECONDS` bounds one whole rollout in the rollout manager: every sampling round,
+every /generate request, reward calls included. Left unset, it scales with the work:
+
+    rollout timeout = 300 s + 0.1 s x max_new_tokens x waves
+    waves           = ceil(samples / (engines x --sglang-server-concurrency))
+    samples         = max(--rollout-batch-size, --over-sampling-batch-size) x --n-samples-per-prompt
+    max_new_tokens  = --rollout-max-response-len (else --rollout-max-context-len, else 4096)
+
+An eval uses the same rule with every eval prompt x --n-samples-per-eval-prompt and
+--eval-max-response-len. 0.1 s per token is several times a loaded GPU engine's decode step; the
+300 s cover start-up, queueing and rewards. A rollout that needs several sampling rounds (dynamic
+sampling) can take longer: set --rollout-timeout for it. Derived from the same rule: each request's
+own timeout never outlives the rollout's deadline (plus REQUEST_GRACE_S, so that the manager reports
+the requests still outstanding before they end), and the driver waits on the manager for the
+deadline plus `rollout_driver_margin_s` (the time the manager needs to probe the engines and raise a
+report), so that the error naming engines and requests fires first. `RolloutClock` is the budget of
+the rollout in progress, which engine recoveries extend.
+
+Fixed limits (control calls that do no work proportional to the job): starting an engine, one call
+that releases, resumes or flushes the engines, the driver's calls on the rollout manager, placement.
+Each is a named function below, named after what waits; the ones built on another say so.
 """
 from __future__ import annotations
 
 import math
+import threading
+import time
 from dataclasses import dataclass
 
 DEFAULT_NO_PROGRESS_S = 600.0
@@ -38,7 +65,8 @@ INIT_ALLOWANCE_S = 600.0
 
 @dataclass(frozen=True, kw_only=True)
 class DeadlineModel:
-    """Every deadline of the loop, from --fence-timeout and --distributed-timeout-minutes."""
+    """The progress windows of the ranks and of the driver's wait on them, from --fence-timeout and
+    --distributed-timeout-minutes."""
 
     no_progress_s: float = DEFAULT_NO_PROGRESS_S
     """A rank (or, seen from a fence, the whole world) that makes no progress this long is hung."""
@@ -94,3 +122,146 @@ class DeadlineModel:
 def default_group_timeout_minutes(no_progress_s: float) -> int:
     longest = FIRST_SETUP_WINDOWS * no_progress_s + FIRST_SETUP_EXTRA_S
     return max(1, math.ceil((longest + GROUP_TIMEOUT_MARGIN_S) / 60.0))
+
+
+def rollout_step_window_s(args) -> float:
+    """The window of each rollout-manager step outside generation (user hooks, the data save, metrics):
+    the loop's no-progress window, --fence-timeout."""
+    return DeadlineModel.from_args(args).no_progress_s
+
+
+# -- rollout budgets ---------------------------------------------------------------------------------
+
+ROLLOUT_BASE_S = 300.0
+SECONDS_PER_TOKEN = 0.1
+DEFAULT_MAX_NEW_TOKENS = 4096
+DEFAULT_CONCURRENCY = 512  # upstream's --sglang-server-concurrency
+REQUEST_GRACE_S = 15.0
+ROLLOUT_DRIVER_EXTRA_S = 60.0
+DEFAULT_HEALTH_CHECK_TIMEOUT_S = 5.0  # --rollout-health-check-timeout's default
+
+
+def rollout_timeout_s(*, samples: int, max_new_tokens: int, engines: int, concurrency: int) -> float:
+    """The default rollout deadline for this much work (the formula of the module docstring)."""
+    waves = math.ceil(max(1, samples) / (max(1, engines) * max(1, concurrency)))
+    return ROLLOUT_BASE_S + SECONDS_PER_TOKEN * max(1, max_new_tokens) * waves
+
+
+def _max_new_tokens(args, evaluation: bool) -> int:
+    value = getattr(args, "eval_max_response_len", None) if evaluation else None
+    for candidate in (value, getattr(args, "rollout_max_response_len", None),
+                      getattr(args, "rollout_max_context_len", None)):
+        if candidate:
+            return int(candidate)
+    return DEFAULT_MAX_NEW_TOKENS
+
+
+def num_engines(args) -> int:
+    if getattr(args, "debug_train_only", False):
+        return 0
+    gpus = getattr(args, "rollout_num_gpus", None) or 1
+    return max(1, gpus // (getattr(args, "rollout_num_gpus_per_engine", None) or 1))
+
+
+def train_samples(args) -> int:
+    prompts = max(args.rollout_batch_size, getattr(args, "over_sampling_batch_size", None) or 0)
+    return prompts * args.n_samples_per_prompt
+
+
+def rollout_deadline_s(args, *, evaluation: bool = False, eval_prompts: int = 0) -> float:
+    """--rollout-timeout, or the default rule for a training rollout (or an eval of `eval_prompts` prompts)."""
+    if getattr(args, "rollout_timeout", None):
+        return float(args.rollout_timeout)
+    samples = (eval_prompts * (getattr(args, "n_samples_per_eval_prompt", None) or 1) if evaluation
+               else train_samples(args))
+    return rollout_timeout_s(samples=samples, max_new_tokens=_max_new_tokens(args, evaluation),
+                             engines=num_engines(args),
+                             concurrency=getattr(args, "sglang_server_concurrency", None) or DEFAULT_CONCURRENCY)
+
+
+def rollout_driver_margin_s(args) -> float:
+    """What the driver adds to the manager's deadline: the manager's report (engine probes) comes first."""
+    return ROLLOUT_DRIVER_EXTRA_S + 2 * float(getattr(args, "rollout_health_check_timeout", None)
+                                              or DEFAULT_HEALTH_CHECK_TIMEOUT_S)
+
+
+
+@dataclass
+class RolloutClock:
+    """The deadline of the rollout in progress (monotonic seconds); `extend` adds time spent recovering
+    engines, which the rollout could not use to generate."""
+
+    deadline: float | None = None
+    budget_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def start(self, budget_s: float) -> None:
+        with self._lock:
+            self.budget_s = budget_s
+            self.deadline = time.monotonic() + budget_s
+
+    def stop(self) -> None:
+        with self._lock:
+            self.deadline = None
+
+    def extend(self, seconds: float) -> None:
+        with self._lock:
+            if self.deadline is not None:
+                self.deadline += seconds
+                self.budget_s += seconds
+
+    def left_s(self) -> float | None:
+        """Seconds until the deadline (negative once past it); None when no rollout runs."""
+        deadline = self.deadline
+        return None if deadline is None else deadline - time.monotonic()
+
+    def expired(self) -> bool:
+        left = self.left_s()
+        return left is not None and left <= 0
+
+
+# -- fixed limits: control calls, named after what waits ---------------------------------------------
+
+ENGINE_STARTUP_S = 900.0
+"""One engine's process: started, listening and healthy (SGLang loads its weights here)."""
+ENGINE_CONTROL_CALL_S = 300.0
+"""One engine-control call of the rollout manager (release or resume memory, flush, the engine list);
+generation is bounded by the rollout's budget, not here."""
+ENGINE_ACTOR_CALL_S = 30.0
+"""A call on an engine's Ray actor (exit code, signal to its process tree), and an HTTP control call the
+engine fleet makes (weight version read-back, abort)."""
+ROLLOUT_STATUS_CALL_S = 60.0
+"""The driver's status poll of a rollout in flight (and the catch-up report that may follow it)."""
+ROLLOUT_MANAGER_SHUTDOWN_S = 60.0
+"""The rollout manager stopping its engines and router; each engine actor's stop, the same."""
+TRAINER_RENDEZVOUS_CALL_S = 120.0
+"""Rank 0 reporting the rendezvous address (master address and port) of the trainer ranks."""
+PLACEMENT_S = 300.0
+"""Ray reserving every bundle of the job, then a probe on each bundle reporting its node and GPU."""
+
+
+def engines_startup_s() -> float:
+    """The rollout manager waiting for every engine's actor to report it started."""
+    return ENGINE_STARTUP_S + 120.0
+
+
+def engine_restart_call_s() -> float:
+    """The rollout manager waiting for one engine's actor to start the engine again (fault tolerance)."""
+    return ENGINE_STARTUP_S + 60.0
+
+
+def rollout_manager_startup_s() -> float:
+    """The driver waiting for the rollout manager to come up with its engines and router."""
+    return ENGINE_STARTUP_S + 180.0
+
+
+def hold_generation_s() -> float:
+    """The driver waiting for a background generator's requests to pause before a weight push."""
+    return ENGINE_CONTROL_CALL_S + 60.0
+
+
+def engines_for_sync_s() -> float:
+    """The driver asking which engines a weight sync must reach (engine restarts in flight finish first)."""
+    return ENGINE_STARTUP_S + ENGINE_CONTROL_CALL_S

@@ -28,7 +28,7 @@ from slime.backends.sglang_utils.flattened_bucket import LOAD_FORMAT as BUCKET_F
 from slime.backends.sglang_utils.flattened_bucket import decode_payload as decode_bucket
 from slime.backends.sglang_utils.flattened_bucket import visible_device_uuids
 from slime.backends.sglang_utils.named_tensors import deserialize_named_tensors
-from slime.backends.sglang_utils.process import serve_on
+from slime.utils.server_process import serve_on
 from slime.backends.sglang_utils.shared_payload import LOAD_FORMAT as SHM_FORMAT
 from slime.backends.sglang_utils.shared_payload import read_shared_bucket, run_directory
 from slime.utils.security import LIVENESS_PATHS, ApiKey, request_limit, require_api_key, server_key

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from slime.backends.sglang_utils.http_client import SGLangHTTPClient
-from slime.backends.sglang_utils.process import (
+from slime.utils.server_process import (
     ServerHandle,
     python_module_command,
     start_bound_server,

@@ -15,9 +15,10 @@ from typing import Any
 import ray
 
 from slime.backends.sglang_utils.launcher import EngineHandle, launch_engine
-from slime.ray.cluster import advertised_host, node_address, serving_host
-from slime.ray.engine_recovery import LocalEngine
-from slime.ray.placement import EngineSlot, visible_device_index
+from slime.ray.driver.cluster import advertised_host, node_address, serving_host
+from slime.ray.engines.recovery import LocalEngine
+from slime.ray.driver.placement import EngineSlot, visible_device_index
+from slime.utils.deadlines import ENGINE_ACTOR_CALL_S
 from slime.utils.security import use_key
 
 logger = logging.getLogger(__name__)
@@ -94,10 +95,10 @@ class EngineRayActor:
 
 
 class RemoteEngine:
-    """The rollout manager's handle on an engine its `EngineRayActor` started (slime.ray.engine_recovery's
+    """The rollout manager's handle on an engine its `EngineRayActor` started (slime.ray.engines.recovery's
     EngineProcess). An engine actor that is gone (its node died) reads as an exited engine."""
 
-    def __init__(self, actor: Any, endpoint: EngineEndpoint, control_timeout_s: float = 30.0) -> None:
+    def __init__(self, actor: Any, endpoint: EngineEndpoint, control_timeout_s: float = ENGINE_ACTOR_CALL_S) -> None:
         self.actor = actor
         self.endpoint = endpoint
         self.url = endpoint.url

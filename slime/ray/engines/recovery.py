@@ -24,8 +24,9 @@ from typing import Any, Callable, Protocol
 import psutil
 
 from slime.backends.sglang_utils.http_client import ClientTimeouts, SGLangHTTPClient
-from slime.ray.rollout_errors import EngineFailedError, EngineRecoveryError
+from slime.ray.rollout_manager.errors import EngineFailedError, EngineRecoveryError
 from slime.router.workers import RouterWorkers, RouterWorkersError
+from slime.utils.deadlines import ENGINE_ACTOR_CALL_S
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ class EngineFailure:
 
 class EngineProcess(Protocol):
     """What the fleet needs of a started engine, wherever its process runs: `LocalEngine` for a child of
-    this process, `slime.ray.engine_actor.RemoteEngine` for one started by its engine actor on its bundle."""
+    this process, `slime.ray.engines.actor.RemoteEngine` for one started by its engine actor on its bundle."""
 
     url: str
 
@@ -129,7 +130,7 @@ class LocalEngine:
 class EngineFleet:
     def __init__(self, engines: list[EngineProcess], *, relaunch: Callable[[int], EngineProcess],
                  router: RouterWorkers | None,
-                 fault_tolerant: bool, control_timeout_s: float = 30.0) -> None:
+                 fault_tolerant: bool, control_timeout_s: float = ENGINE_ACTOR_CALL_S) -> None:
         self.slots = [FleetSlot(rank, handle) for rank, handle in enumerate(engines)]
         self.relaunch = relaunch
         self.router = router

@@ -1,6 +1,6 @@
 """One rollout (or eval) of the rollout manager under its deadline, with the engines watched.
 
-`RolloutGuard.run` starts the rollout's clock (slime/rollout/deadline.py), bounds every HTTP request
+`RolloutGuard.run` starts the rollout's clock (its budget: slime/utils/deadlines.py), bounds every HTTP request
 of this process by it, resumes the health monitor, injects the test-only engine faults, and runs the
 rollout function in a worker thread while it watches three things:
 
@@ -22,11 +22,11 @@ import threading
 import time
 from typing import Any, Callable, TypeVar
 
-from slime.ray.engine_faults import inject_engine_faults
-from slime.ray.engine_health import HealthConfig, HealthMonitor, describe_engines
-from slime.ray.engine_recovery import EngineFleet
-from slime.ray.rollout_errors import EngineFailedError, RolloutError, RolloutTimeoutError
-from slime.rollout.deadline import REQUEST_GRACE_S, RolloutClock
+from slime.ray.engines.faults import inject_engine_faults
+from slime.ray.engines.health import HealthConfig, HealthMonitor, describe_engines
+from slime.ray.engines.recovery import EngineFleet
+from slime.ray.rollout_manager.errors import EngineFailedError, RolloutError, RolloutTimeoutError
+from slime.utils.deadlines import REQUEST_GRACE_S, RolloutClock
 from slime.utils.http_utils import HTTPStatusError, OutstandingRequest, outstanding_requests, set_request_bounds
 
 logger = logging.getLogger(__name__)

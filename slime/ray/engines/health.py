@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import requests
 
-from slime.ray.engine_recovery import EngineFleet, FleetSlot
+from slime.ray.engines.recovery import EngineFleet, FleetSlot
+from slime.utils.deadlines import DEFAULT_HEALTH_CHECK_TIMEOUT_S
 from slime.utils.security import auth_headers
 
 logger = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ class HealthConfig:
     """--use-fault-tolerance: probe engines and restart failed ones."""
     interval_s: float = 10.0
     """--rollout-health-check-interval: seconds between two looks at every engine."""
-    timeout_s: float = 5.0
+    timeout_s: float = DEFAULT_HEALTH_CHECK_TIMEOUT_S
     """--rollout-health-check-timeout: /health_generate must answer within this."""
     first_wait_s: float = 300.0
     """--rollout-health-check-first-wait: delay before the first probe (model compilation)."""
@@ -41,7 +42,7 @@ class HealthConfig:
     def from_args(cls, args) -> "HealthConfig":
         return cls(fault_tolerant=bool(getattr(args, "use_fault_tolerance", False)),
                    interval_s=float(getattr(args, "rollout_health_check_interval", 10.0)),
-                   timeout_s=float(getattr(args, "rollout_health_check_timeout", 5.0)),
+                   timeout_s=float(getattr(args, "rollout_health_check_timeout", DEFAULT_HEALTH_CHECK_TIMEOUT_S)),
                    first_wait_s=float(getattr(args, "rollout_health_check_first_wait", 300.0)))
 
 

@@ -5,10 +5,10 @@ checked). It starts one engine per `--rollout-num-gpus-per-engine` devices (real
 on GPUs, the embedded engine elsewhere: both answer the same HTTP API), each through an
 `EngineRayActor` on the engine's own bundles, so on their node and GPUs; puts a router in front;
 and turns each rollout into the trainer's batch. The driver talks to it through
-`RolloutManagerHandle`, whose calls all carry a deadline.
+`RolloutManagerHandle` (slime/ray/driver/rollout_handle.py), whose calls all carry a deadline.
 
 Every rollout and eval runs under `RolloutGuard` (--rollout-timeout, engine health, fault
-tolerance: slime/ray/rollout_guard.py); the engines' states live in `EngineFleet`.
+tolerance: slime/ray/rollout_manager/guard.py); the engines' states live in `EngineFleet`.
 """
 from __future__ import annotations
 
@@ -20,29 +20,35 @@ from typing import Any, Iterable, Sequence
 
 import ray
 import torch
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from slime.backends.sglang_utils.http_client import SGLangHTTPClient
 from slime.backends.sglang_utils.launcher import pick_rollout_backend
 from slime.distributed.fault_inject import maybe_kill_run
-from slime.ray.cluster import advertised_host, retry_if_cancelled_before_start, serving_host, worker_env
-from slime.ray.engine_actor import EngineEndpoint, EngineRayActor, RemoteEngine
-from slime.ray.engine_health import HealthConfig
-from slime.ray.engine_recovery import EngineFleet
-from slime.ray.placement import EngineSlot, Placement
-from slime.ray.rollout_guard import RolloutGuard
-from slime.ray.rollout_errors import RolloutTimeoutError, portable_rollout_errors
-from slime.ray.rollout_steps import RolloutSteps
-from slime.ray.rollout_wait import EngineTargets, RolloutWatch, get_result, wait_for_rollout
+from slime.ray.driver.cluster import advertised_host, serving_host
+from slime.ray.engines.actor import EngineEndpoint, EngineRayActor, RemoteEngine
+from slime.ray.engines.health import HealthConfig
+from slime.ray.engines.recovery import EngineFleet
+from slime.ray.driver.placement import EngineSlot, Placement
+from slime.ray.rollout_manager.guard import RolloutGuard
+from slime.ray.rollout_manager.errors import RolloutTimeoutError, portable_rollout_errors
+from slime.ray.rollout_manager.steps import RolloutSteps
 from slime.rollout import generation_gate
 from slime.rollout.advantages import TRAIN_DATA_KEYS, flatten_groups, samples_to_train_data
 from slime.rollout.base_types import call_rollout_fn
 from slime.rollout.data_source import eval_prompt_specs, read_rows
-from slime.rollout.deadline import driver_margin_s, rollout_deadline_s, step_window_s
 from slime.rollout.metrics import compute_rollout_metrics
 from slime.rollout.staleness import version_metrics
 from slime.router.router import launch_router
 from slime.router.workers import RouterWorkers
+from slime.utils.deadlines import (
+    ENGINE_CONTROL_CALL_S,
+    ENGINE_STARTUP_S,
+    ROLLOUT_MANAGER_SHUTDOWN_S,
+    engine_restart_call_s,
+    engines_startup_s,
+    rollout_deadline_s,
+    rollout_step_window_s,
+)
 from slime.utils.http_utils import outstanding_requests
 from slime.utils.misc import load_function
 from slime.utils.security import use_key
@@ -50,10 +56,6 @@ from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
 
-# Engine-control calls (release/resume memory, flush) are quick; generation is bounded by the
-# per-request HTTP timeout of the rollout function, not here.
-CONTROL_TIMEOUT_S = 300.0
-STARTUP_TIMEOUT_S = 900.0
 HOLD_POLL_S = 0.1
 
 
@@ -74,7 +76,7 @@ class RolloutManager:
                                  relaunch=self._restart_engine, fault_tolerant=args.use_fault_tolerance,
                                  router=RouterWorkers(kind=self.router.kind, url=self.router.url) if self.router else None)
         self.guard = RolloutGuard(HealthConfig.from_args(args), self.fleet)
-        self.steps = RolloutSteps(step_window_s(args))
+        self.steps = RolloutSteps(rollout_step_window_s(args))
         self._rollout_fn = load_function(args.rollout_function_path)
         if args.start_rollout_id > 0:  # resume after the rollout whose data state was saved; last, so that
             self.data_source.load(args.start_rollout_id - 1)  # the restored RNG is this process's at rollout start
@@ -87,9 +89,9 @@ class RolloutManager:
         remote = ray.remote(EngineRayActor)
         self._engine_actors = [remote.options(**placement.engine_options(slot.rank)).remote(
             self.args, slot, self.backend, self.log_dir) for slot in slots]
-        refs = [actor.start.remote(STARTUP_TIMEOUT_S) for actor in self._engine_actors]
+        refs = [actor.start.remote(ENGINE_STARTUP_S) for actor in self._engine_actors]
         try:  # each engine bounds its own start-up; this bounds Ray scheduling the actors as well
-            return wait_engines(refs, slots, timeout_s=STARTUP_TIMEOUT_S + 120)
+            return wait_engines(refs, slots, timeout_s=engines_startup_s())
         except Exception:
             self._stop_engines()
             raise
@@ -97,7 +99,7 @@ class RolloutManager:
     def _restart_engine(self, rank: int) -> RemoteEngine:
         """A failed engine, again on its own bundle, on a new port (EngineFleet's relaunch)."""
         actor = self._engine_actors[rank]
-        endpoint = ray.get(actor.restart.remote(STARTUP_TIMEOUT_S), timeout=STARTUP_TIMEOUT_S + 60)
+        endpoint = ray.get(actor.restart.remote(ENGINE_STARTUP_S), timeout=engine_restart_call_s())
         self.engines[rank] = endpoint
         return RemoteEngine(actor, endpoint)
 
@@ -195,7 +197,7 @@ class RolloutManager:
             self._eval_prompt_count = sum(sum(1 for _ in read_rows(spec)) for spec in eval_prompt_specs(self.args).values())
         return self._eval_prompt_count
 
-    # ----- engine fault tolerance (the driver's side: RolloutManagerHandle, slime/ray/rollout_wait.py) -----
+    # ----- engine fault tolerance (the driver's side: slime/ray/driver/rollout_handle.py, rollout_wait.py) -----
     def rollout_status(self) -> dict[str, Any]:
         """Polled by the driver while a rollout or eval runs (this actor is threaded): the time left of
         the guarded generation, else of the step around it."""
@@ -208,12 +210,12 @@ class RolloutManager:
     def engines_for_sync(self) -> list[str]:
         """The engines a weight sync must reach: restarts still running are waited for first."""
         self.fleet.check_processes()
-        self.fleet.wait_restarts(STARTUP_TIMEOUT_S)
+        self.fleet.wait_restarts(ENGINE_STARTUP_S)
         if self.fleet.fatal is not None:
             raise self.fleet.fatal
         return self.fleet.urls()
 
-    def hold_generation(self, timeout_s: float = CONTROL_TIMEOUT_S) -> dict[str, float]:
+    def hold_generation(self, timeout_s: float = ENGINE_CONTROL_CALL_S) -> dict[str, float]:
         """Before a weight push while generation may go on (train_async.py): no new request starts, the
         engines abort what they run, and this returns once every request of this process came back."""
         generation_gate.hold()
@@ -258,7 +260,7 @@ class RolloutManager:
             self.router.stop()
         self._stop_engines()
 
-    def _stop_engines(self, timeout_s: float = 60.0) -> None:
+    def _stop_engines(self, timeout_s: float = ROLLOUT_MANAGER_SHUTDOWN_S) -> None:
         stops = [actor.stop.remote() for actor in self._engine_actors]
         ray.wait(stops, num_returns=len(stops), timeout=timeout_s)
         for actor in self._engine_actors:
@@ -337,100 +339,3 @@ def check_train_data(data: Any, origin: str) -> None:
     lengths = {k: len(data[k]) for k in TRAIN_DATA_KEYS}
     if len(set(lengths.values())) != 1:
         raise ValueError(f"{origin} returned lists of different lengths: {lengths}")
-
-
-class RolloutManagerHandle:
-    """Driver-side proxy: each call waits on the Ray actor with a deadline."""
-
-    def __init__(self, actor, args):
-        self._actor = actor
-        self._margin_s = driver_margin_s(args)
-        self.targets = EngineTargets()
-        """What the trainer's pushes reach; `targets.push` is set once a trainer exists."""
-
-    def _get(self, ref, what: str, timeout_s: float | None):
-        return get_result(ref, timeout_s=timeout_s, what=what)
-
-    def wait_ready(self) -> None:
-        self._get(self._actor.engine_urls.remote(), "start engines", STARTUP_TIMEOUT_S + 180)
-
-    def engine_urls(self) -> list[str]:
-        return self._get(self._actor.engine_urls.remote(), "engine_urls", CONTROL_TIMEOUT_S)
-
-    def engine_endpoints(self) -> list[EngineEndpoint]:
-        return self._get(self._actor.engine_endpoints.remote(), "engine_endpoints", CONTROL_TIMEOUT_S)
-
-    def num_prompts(self) -> int:
-        return self._get(self._actor.num_prompts.remote(), "num_prompts", CONTROL_TIMEOUT_S)
-
-    def generate(self, rollout_id: int) -> tuple[ray.ObjectRef, dict[str, Any]]:
-        return self.collect(self.start_generate(rollout_id))
-
-    def start_generate(self, rollout_id: int) -> RolloutWatch:
-        """Start a rollout without waiting for it (train_async.py trains meanwhile)."""
-        logger.info("rollout %d: generating", rollout_id)
-        ref = self._actor.generate.remote(rollout_id, self._version())
-        return RolloutWatch(self._actor, ref, what="generate", margin_s=self._margin_s, targets=self.targets)
-
-    @staticmethod
-    def collect(watch: RolloutWatch) -> tuple[ray.ObjectRef, dict[str, Any]]:
-        refs, metrics = watch.result()
-        return refs[0], metrics
-
-    def hold_generation(self) -> dict[str, float]:
-        return self._get(self._actor.hold_generation.remote(), "hold generation", CONTROL_TIMEOUT_S + 60)
-
-    def release_generation(self) -> None:
-        self._get(self._actor.release_generation.remote(), "release generation", CONTROL_TIMEOUT_S)
-
-    def evaluate(self, rollout_id: int) -> dict[str, Any]:
-        ref = self._actor.evaluate.remote(rollout_id, self._version())
-        return wait_for_rollout(self._actor, ref, what="eval", margin_s=self._margin_s, targets=self.targets)
-
-    def attach_trainer(self, push) -> None:
-        """push(engine_urls, version) -> metrics: how restarted engines get the trainer's current weights."""
-        self.targets.push = push
-        self.targets.urls = tuple(self.engine_urls())  # what the trainer was built aiming at
-
-    def _version(self) -> str | None:
-        return None if self.targets.version is None else str(self.targets.version)
-
-    def engines_for_sync(self) -> list[str] | None:
-        """The engine list to aim the next weight sync at when it changed since the last push, else None."""
-        current = self._get(self._actor.engines_for_sync.remote(), "engines for the weight sync",
-                            STARTUP_TIMEOUT_S + CONTROL_TIMEOUT_S)
-        return self.targets.for_sync(current)
-
-    def weights_pushed(self, urls: list[str] | None, version: int) -> None:
-        """A sync reached every engine: restarted ones that waited for weights may serve now."""
-        self.targets.pushed(urls if urls is not None else list(self.targets.urls), version)
-        self._get(self._actor.engines_caught_up.remote(list(self.targets.urls), str(version)),
-                  "engines caught up", CONTROL_TIMEOUT_S)
-
-    def offload(self) -> dict[str, float]:
-        return self._get(self._actor.offload.remote(), "offload engines", CONTROL_TIMEOUT_S)
-
-    def onload(self, tags: tuple[str, ...] | None) -> None:
-        self._get(self._actor.onload.remote(tags), f"onload engines {tags or 'all'}", CONTROL_TIMEOUT_S)
-
-    def shutdown(self) -> None:
-        try:
-            self._get(self._actor.shutdown.remote(), "shutdown", 60)
-        finally:
-            ray.kill(self._actor, no_restart=True)
-
-
-def create_rollout_manager(args, placement: Placement) -> RolloutManagerHandle:
-    # The manager drives HTTP and the router; it reserves no device. It runs on the driver's node:
-    # the data paths parse_args checked there are the ones it reads. Threaded, so the driver can poll
-    # a rollout's status while it generates (RolloutManager.rollout_status).
-    here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
-    manager = ray.remote(num_cpus=0, max_concurrency=4)(RolloutManager).options(
-        scheduling_strategy=here, runtime_env={"env_vars": worker_env(placement.use_gpu)})
-
-    def start() -> RolloutManagerHandle:
-        handle = RolloutManagerHandle(manager.remote(args, placement), args)
-        handle.wait_ready()
-        return handle
-
-    return retry_if_cancelled_before_start(start, "the rollout manager")

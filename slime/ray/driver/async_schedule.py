@@ -14,7 +14,7 @@ aborted and redone, or continued with --partial-rollout; slime/rollout/generatio
 `OneStepOffPlan` is that timeline as data (pure, unit-tested); `AsyncSchedule` runs it. Each of the two
 activities that overlap keeps its own deadline: the trainer's phases the ranks' progress window
 (slime/utils/deadlines.py, through RayTrainGroup), the rollout in flight its manager's deadline
-(--rollout-timeout, extended by engine recoveries) plus the driver's margin (slime/ray/rollout_wait.py).
+(--rollout-timeout, extended by engine recoveries) plus the driver's margin (slime/ray/driver/rollout_wait.py).
 While the trainer trains, the rollout is polled every second: a rollout that fails or passes its deadline
 stops the run at once, and engines that fault tolerance restarted meanwhile get the trainer's weights as
 soon as the trainer is free (its version then, recorded by every sample they generate).
@@ -26,8 +26,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from slime.ray.driver_loop import catch_up, log_unless_custom
-from slime.ray.rollout_wait import RolloutWatch
+from slime.ray.driver.loop import catch_up, log_unless_custom
+from slime.ray.driver.rollout_wait import RolloutWatch
 from slime.utils.arguments import ArgumentValidationError
 from slime.utils.metrics_logger import MetricsLogger
 

@@ -23,7 +23,7 @@ import requests
 from slime.utils.ports import listening_socket
 from slime.utils.security import auth_headers
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass

@@ -4,18 +4,18 @@
 before it they load the function and count the eval prompts; after it they dump the rollout
 (--save-debug-rollout-data), save the data position, convert the samples, call the log hooks and
 compute the metrics. Each such step runs in a worker thread and must return within `window_s`
-(slime/rollout/deadline.py: step_window_s), or RolloutStepTimeoutError names the step and the flag
+(slime/utils/deadlines.py: rollout_step_window_s), or RolloutStepTimeoutError names the step and the flag
 behind it. `left_s()` is what the manager's status reports while no guarded rollout runs, so the
-driver's wait (slime/ray/rollout_wait.py) has a deadline from the call's first line to its last.
+driver's wait (slime/ray/driver/rollout_wait.py) has a deadline from the call's first line to its last.
 """
 from __future__ import annotations
 
 import contextlib
 from typing import Any, Callable, Iterator
 
-from slime.ray.rollout_errors import RolloutStepTimeoutError
-from slime.ray.rollout_guard import RolloutWorker
-from slime.rollout.deadline import RolloutClock
+from slime.ray.rollout_manager.errors import RolloutStepTimeoutError
+from slime.ray.rollout_manager.guard import RolloutWorker
+from slime.utils.deadlines import RolloutClock
 
 
 class RolloutSteps:

@@ -2,7 +2,7 @@
 
 Users start a cluster with `ray start --head` / `ray start --address` and run `python train.py` on
 the head or `ray job submit -- python train.py` (which sets RAY_ADDRESS); without one, train.py
-starts a private cluster on this machine (slime/ray/placement.py:init_ray), on the loopback address.
+starts a private cluster on this machine (slime/ray/driver/placement.py:init_ray), on the loopback address.
 A run on one node keeps every server (engines, router, rendezvous) on loopback; only a run that spans
 nodes listens on node addresses (`serving_host`).
 """
@@ -19,7 +19,7 @@ import ray
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 NOSET_VISIBLE_DEVICES = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
 LOOPBACK = "127.0.0.1"
 HOST_IP_ENV = "SLIME_HOST_IP"  # upstream's per-node override of the node's address

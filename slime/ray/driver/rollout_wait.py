@@ -2,9 +2,9 @@
 engines restarted during a rollout to the trainer's weights.
 
 While the manager generates, the driver polls its status every POLL_S (a call that must itself answer
-within STATUS_TIMEOUT_S). The deadline is the manager's own (--rollout-timeout, extended by the
-time its engines spent recovering) plus `driver_margin_s`, so the manager's report, which names
-engines and requests, always arrives first. Engines the manager restarted wait outside the router
+within ROLLOUT_STATUS_CALL_S). The deadline is the manager's own (--rollout-timeout, extended by the
+time its engines spent recovering) plus `rollout_driver_margin_s` (both: slime/utils/deadlines.py), so
+the manager's report, which names engines and requests, always arrives first. Engines the manager restarted wait outside the router
 until the trainer pushed its current weights to them (`EngineTargets.catch_up`), and the next
 regular weight sync is aimed at the new set of engines.
 """
@@ -16,12 +16,12 @@ from typing import Any, Callable
 
 import ray
 
-from slime.ray.rollout_errors import RolloutError
+from slime.ray.rollout_manager.errors import RolloutError
+from slime.utils.deadlines import ROLLOUT_STATUS_CALL_S
 
 logger = logging.getLogger(__name__)
 
 POLL_S = 1.0
-STATUS_TIMEOUT_S = 60.0
 
 
 @dataclass
@@ -77,13 +77,13 @@ class RolloutWatch:
         if done:
             get_result(self.ref)  # a failed rollout raises now, not when its result is asked for
             return True
-        status = get_result(self.actor.rollout_status.remote(), timeout_s=STATUS_TIMEOUT_S, what="rollout status")
+        status = get_result(self.actor.rollout_status.remote(), timeout_s=ROLLOUT_STATUS_CALL_S, what="rollout status")
         self.waiting_for_weights = list(status["needs_weights"])
         if self.waiting_for_weights and can_push:
             version = self.targets.catch_up(self.waiting_for_weights)
             get_result(self.actor.engines_caught_up.remote(self.waiting_for_weights,
                                                            None if version is None else str(version)),
-                       timeout_s=STATUS_TIMEOUT_S, what="engines caught up")
+                       timeout_s=ROLLOUT_STATUS_CALL_S, what="engines caught up")
             self.waiting_for_weights = []
         left = status["left_s"]
         if left is not None and left + self.margin_s < 0:

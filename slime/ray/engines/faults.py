@@ -19,7 +19,7 @@ import time
 import requests
 
 from slime.distributed.fault_inject import ENGINE_FAULT_KINDS, fault_active
-from slime.ray.engine_recovery import EngineFleet, FleetSlot
+from slime.ray.engines.recovery import EngineFleet, FleetSlot
 from slime.utils.security import auth_headers
 
 logger = logging.getLogger(__name__)

@@ -31,7 +31,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from patches.ray import keep_cluster_on_loopback
-from slime.ray.cluster import (
+from slime.ray.driver.cluster import (
     LOOPBACK,
     PlacementError,
     cluster_address,
@@ -40,6 +40,7 @@ from slime.ray.cluster import (
     require_reachable,
     worker_env,
 )
+from slime.utils.deadlines import PLACEMENT_S
 
 logger = logging.getLogger(__name__)
 
@@ -279,7 +280,7 @@ def use_gpus(args) -> bool:
     return getattr(args, "train_backend_device", "auto") != "cpu" and torch.cuda.is_available()
 
 
-def create_placement(args, *, use_gpu: bool | None = None, timeout_s: float = 300.0) -> Placement:
+def create_placement(args, *, use_gpu: bool | None = None, timeout_s: float = PLACEMENT_S) -> Placement:
     """Reserve every bundle of the job in one placement group, probe them, assign them."""
     use_gpu = use_gpus(args) if use_gpu is None else use_gpu
     count = total_bundles(args)

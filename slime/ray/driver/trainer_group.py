@@ -17,11 +17,11 @@ from typing import Any, Callable
 import ray
 
 from slime.distributed.progress_hub import HubClient, RayHub, start_hub
-from slime.ray.cluster import worker_env
-from slime.ray.deadline import wait_ranks
-from slime.ray.placement import Placement, actor_world_size
-from slime.ray.train_actor import TrainRayActor
-from slime.utils.deadlines import DeadlineModel
+from slime.ray.driver.cluster import worker_env
+from slime.ray.driver.rank_wait import wait_ranks
+from slime.ray.driver.placement import Placement, actor_world_size
+from slime.ray.trainer.rank_actor import TrainRayActor
+from slime.utils.deadlines import TRAINER_RENDEZVOUS_CALL_S, DeadlineModel
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,8 @@ class RayTrainGroup:
         return self._wait([r.where.remote() for r in self._ranks], "placement", self.deadlines.driver_init_window_s)
 
     def init(self, engine_urls: list[str]) -> None:
-        master_addr, master_port = ray.get(self._ranks[0].rendezvous_address.remote(), timeout=120)
+        rendezvous = self._ranks[0].rendezvous_address.remote()
+        master_addr, master_port = ray.get(rendezvous, timeout=TRAINER_RENDEZVOUS_CALL_S)
         refs = [r.init.remote(master_addr, master_port, engine_urls) for r in self._ranks]
         starts = self._wait(refs, "init", self.deadlines.driver_init_window_s)
         explicit = getattr(self.args, "start_rollout_id_given", False)  # --start-rollout-id wins over --load

@@ -1,0 +1,43 @@
+"""What the two loops share inside a run (train.py alternates, train_async.py overlaps): when eval and save
+are due, events a logging hook may take over, and how engines restarted during a rollout get the trainer's
+current weights. How a run starts and ends is the session's (slime/ray/driver/session.py)."""
+from __future__ import annotations
+
+from slime.utils.metrics_logger import MetricsLogger
+
+
+def check_alternating_args(args) -> None:
+    """train.py pushes after every rollout: a longer interval is train_async.py's."""
+    from slime.utils.arguments import ArgumentValidationError
+
+    if getattr(args, "update_weights_interval", 1) != 1:
+        raise ArgumentValidationError(f"--update-weights-interval {args.update_weights_interval} is train_async.py's: "
+                                      "train.py pushes the weights after every rollout (drop the flag, or run "
+                                      "train_async.py)")
+
+
+def eval_due(args, rollout_id: int, *, before_train: bool) -> bool:
+    if not args.eval_interval or not args.eval_prompt_data or args.debug_train_only:
+        return False
+    if before_train:
+        return rollout_id == 0 and not getattr(args, "skip_eval_before_train", False)
+    return (rollout_id + 1) % args.eval_interval == 0 or rollout_id + 1 == args.num_rollout
+
+
+def save_due(args, rollout_id: int) -> bool:
+    if not args.save or not args.save_interval:
+        return False
+    return (rollout_id + 1) % args.save_interval == 0 or rollout_id + 1 == args.num_rollout
+
+
+def log_unless_custom(metrics: MetricsLogger, kind: str, rollout_id: int, values: dict) -> None:
+    # {}: a --custom-(eval-)rollout-log-function-path returned True and did the logging itself
+    if values:
+        metrics.log(kind, rollout_id, values)
+
+
+def catch_up(actors, metrics: MetricsLogger, engine_urls: list[str], version: int) -> dict:
+    """--use-fault-tolerance: engines restarted during a rollout get the trainer's weights, as `version`."""
+    result = actors.update_weights(version - 1, engine_urls=engine_urls)
+    metrics.log("engine_catch_up", version - 1, result)
+    return result

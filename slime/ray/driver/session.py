@@ -1,0 +1,175 @@
+"""The run session: what train.py and train_async.py share around their loop.
+
+Set-up, in this order (each slow step is one start-up line on stdout):
+
+  resume position   --start-rollout-id, else the rollout after --load's last checkpoint (its saved data
+                    position is checked before Ray starts)
+  ledger dir        --ledger-dir, else a temporary one (removed after a clean run)
+  console           the run's stdout, opened with what the run starts
+  Ray               start or join the cluster, place every bundle of the job (the entry point may refuse
+                    a layout it cannot run: train_async.py needs the engines on GPUs of their own)
+  metrics logger    every sink of the run's metrics events
+  rollout manager   its engines and router, started and ready; --num-epoch fixes --num-rollout from the
+                    number of prompts
+  trainer ranks     started, placed (the "placement" event), built and loaded (`start_trainer`)
+  first push        the console step around the entry point's first weight push (`first_weight_push`)
+
+Teardown (`__exit__`, whether the loop ended or raised): the metrics logger drains, the rollout manager
+stops its engines and router, the trainer ranks stop. `run_entry` is the process around it: parse, refuse
+what the script cannot run (exit 2), train, and report a failure as its details and one line (exit 1).
+
+The entry points keep the schedule: which rollout generates while which trains, when the weights move.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Callable, Iterator
+
+from slime.ray.driver.cluster import PlacementError, cluster_address
+from slime.ray.driver.placement import Layout, create_placement, init_ray, placement_record, use_gpus
+from slime.ray.driver.rank_wait import RankWaitError
+from slime.ray.driver.rollout_handle import create_rollout_manager
+from slime.ray.driver.trainer_group import RayTrainGroup, remove_temp_ledger_dir, resolve_ledger_dir
+from slime.ray.rollout_manager.errors import RolloutError
+from slime.utils.metrics_logger import Console, MetricsLogger
+
+
+class RunSession:
+    """One run of the driver, from its first start-up line to the last component stopped:
+
+        with RunSession(args) as run:
+            actors = run.start_trainer()
+            ...
+            for rollout_id in run.rollouts():
+                ...
+    """
+
+    def __init__(self, args, *, check_layout: Callable[[Layout], None] | None = None) -> None:
+        self.args = args
+        self.check_layout = check_layout
+        """What the entry point cannot run on, checked once the bundles are placed (it may raise)."""
+        self.console: Console | None = None
+        self.placement = None
+        self.metrics: MetricsLogger | None = None
+        self.rollout = None
+        """The rollout manager's proxy (slime/ray/driver/rollout_handle.py)."""
+        self.actors: RayTrainGroup | None = None
+        """The trainer ranks' proxy, once `start_trainer` started them."""
+
+    def __enter__(self) -> "RunSession":
+        args = self.args
+        if getattr(args, "start_rollout_id", None) is None:  # --start-rollout-id wins over --load's position
+            args.start_rollout_id = resume_rollout_id(args)
+        resolve_ledger_dir(args)
+        self.console = announce_start(args)  # stdout: what starts, each slow start-up step, then a line per rollout
+        with ray_cluster_step(self.console):
+            init_ray(args)
+            self.placement = create_placement(args)
+        if self.check_layout is not None:
+            self.check_layout(self.placement.layout)
+        self.metrics = MetricsLogger(args, self.console)
+        with self.console.step("engines: starting", "engines ready"):
+            self.rollout = create_rollout_manager(args, self.placement)
+        if args.num_rollout is None:  # --num-epoch: as many rollouts as the epochs of prompts take
+            args.num_rollout = args.num_epoch * self.rollout.num_prompts() // args.rollout_batch_size
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.metrics.close()
+        self.rollout.shutdown()
+        if self.actors is not None:
+            self.actors.shutdown()
+
+    def start_trainer(self, *, build: bool = True) -> RayTrainGroup | None:
+        """The trainer ranks: started on their bundles, placed (the "placement" event, engines included),
+        built and loaded. build=False (--debug-rollout-only): no trainer, the placement event still."""
+        args, console = self.args, self.console
+        ranks = []
+        if build:
+            with console.step("trainer ranks: starting their processes", "trainer ranks started"):
+                self.actors = RayTrainGroup(args, self.placement)
+                ranks = self.actors.where()
+        self.metrics.log("placement", args.start_rollout_id, placement_record(ranks, self.rollout.engine_endpoints()))
+        if self.actors is not None:
+            with console.step("trainer ranks: building the model, loading the weights", "trainer ranks initialised"):
+                self.actors.init(self.rollout.engine_urls())
+        return self.actors
+
+    def first_weight_push(self):
+        """The start-up step around the first weight push (the engines get the trainer's weights)."""
+        return self.console.step("first weight push", "first weight push done")
+
+    def rollouts(self) -> Iterator[int]:
+        """The run's rollout ids; start-up is over at the first, and each one's line is printed once the
+        loop's body for it returned."""
+        self.console.rollouts_begin()
+        for rollout_id in range(self.args.start_rollout_id, self.args.num_rollout):
+            yield rollout_id
+            self.metrics.rollout_done(rollout_id)
+
+
+def run_entry(script: str, train: Callable, check: Callable, argv: list[str] | None, logger: logging.Logger) -> int:
+    """Parse, refuse what `script` cannot run (exit 2), train; a named failure ends with exit 1 and one line."""
+    from slime.utils.arguments import ArgumentValidationError, check_launch_inputs, parse_args
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    args = parse_args(argv)
+    try:
+        check(args)  # what this script cannot run, first: no file is read for a job refused anyway
+        check_launch_inputs(args)
+    except ArgumentValidationError as exc:
+        print(f"{script}: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        train(args)
+    except (RankWaitError, TimeoutError, RolloutError, PlacementError) as exc:
+        # The rank's traceback and one table of every rank (a placement error: what to change), then the one
+        # line that matters.
+        if getattr(exc, "details", ""):
+            logger.error("\n%s", exc.details)
+        logger.error("training stopped: %s (ledger dir %s)", exc, args.ledger_dir)
+        return 1
+    except Exception as exc:  # anything else: its traceback, then the same one line
+        logger.exception("unexpected error")
+        logger.error("training stopped: %s: %s (ledger dir %s)", type(exc).__name__, exc, args.ledger_dir)
+        return 1
+    remove_temp_ledger_dir(args)
+    return 0
+
+
+def announce_start(args) -> Console:
+    """The run's stdout, opened with what the run starts (before Ray: nothing slow has happened yet)."""
+    from slime.utils.progress_lines import start_line
+
+    console = Console(args)
+    console.say(start_line(args, device="GPU" if use_gpus(args) else "CPU"))
+    return console
+
+
+def ray_cluster_step(console: Console):
+    """The start-up step that starts or joins the Ray cluster and places the job's bundles."""
+    address = cluster_address()
+    return console.step(f"Ray cluster: {'joining ' + address if address else 'starting a private one'}, "
+                        "placing the bundles", "Ray cluster ready, bundles placed")
+
+
+def resume_rollout_id(args) -> int:
+    """The rollout after the last checkpoint under --load (0 without one, or with --finetune)."""
+    from slime.checkpoint.contents import latest_iteration
+
+    last = latest_iteration(args.load) if args.load else None
+    start = 0 if last is None or getattr(args, "finetune", False) else last + 1
+    if start > 0:
+        check_data_position(args, start - 1)
+    return start
+
+
+def check_data_position(args, rollout_id: int) -> None:
+    """The default data source resumes from the position saved after `rollout_id`: a missing file is named
+    before Ray starts, not after the engines are up."""
+    from slime.rollout.data_source import saved_data_position
+    from slime.utils.arguments import DEFAULT_DATA_SOURCE_PATH
+
+    if getattr(args, "data_source_path", DEFAULT_DATA_SOURCE_PATH) == DEFAULT_DATA_SOURCE_PATH:
+        saved_data_position(args, rollout_id)
