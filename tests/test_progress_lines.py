@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from slime.config import defaults_namespace
+from slime.ray.driver.session import start_line
 from slime.utils import progress_lines
 from slime.utils.metrics_logger import Console, MetricsLogger
 from slime.utils.progress_lines import (
@@ -18,7 +19,6 @@ from slime.utils.progress_lines import (
     has_memory_figures,
     placement_summary,
     rollout_line,
-    start_line,
 )
 
 CPU_MEMORY = {"event": "memory", "rollout_id": 3, "memory/engine0_awake_peak_reserved_gb": 0.0,

@@ -3,13 +3,13 @@
 ``parse_args`` (``parse``), the launch checks (``launch``), the engine choice (``engine``), the parallel layout
 (``layout``) and arguments without a command line (``defaults``).
 
-``slime.utils.arguments`` re-exports the names upstream slime and its plug-ins import.
+``slime.utils.arguments`` re-exports the names upstream slime and its plug-ins import (``parse_args`` among them);
+this package's own namespace holds only what the rooms below the checks read: the layout and the defaults.
 """
 
 from __future__ import annotations
 
 from slime.config.defaults import defaults_namespace, with_defaults
 from slime.config.layout import LAYOUT_FLAGS, ParallelLayout, build_parallel_layout
-from slime.config.parse import parse_args
 
-__all__ = ["LAYOUT_FLAGS", "ParallelLayout", "build_parallel_layout", "defaults_namespace", "parse_args", "with_defaults"]
+__all__ = ["LAYOUT_FLAGS", "ParallelLayout", "build_parallel_layout", "defaults_namespace", "with_defaults"]

@@ -3,7 +3,7 @@
 SLIME_FAULT_INJECT=<kind>@<rank>[#<rollout_id>][,<kind>@<rank>...] is parsed once per process.
 Without '#<rollout_id>' the fault fires in every rollout. Unset or empty: no fault ever fires.
 For the engine faults (ENGINE_FAULT_KINDS) '<rank>' is the rollout engine's index; the rollout manager
-injects them (slime/ray/engine_faults.py) while that rollout generates. The run-kill faults
+injects them (slime/ray/engines/faults.py) while that rollout generates. The run-kill faults
 (RUN_KILL_KINDS: a crash at a known point, for the resume tests) SIGKILL every process of the run
 (driver, Ray, ranks, rollout manager, engines) when that phase of that rollout starts on that rank;
 for kill_during_rollout '<rank>' is 0 (the rollout manager). They need the run started as its own

@@ -22,7 +22,7 @@ version when it is taken minus that. `--max-weight-staleness N` drops groups sta
 `rollout/staleness/dropped_groups`); every taken group's staleness is logged (`rollout/staleness/max`,
 `rollout/staleness/mean`), with `rollout/staleness/multi_version_frac` (samples continued across a push).
 
-Deadlines: a call waits at most the rollout's deadline (slime/rollout/deadline.py; the rollout manager's
+Deadlines: a call waits at most the rollout's deadline (slime/utils/deadlines.py; the rollout manager's
 guard watches it too); every request keeps its own timeout, also between calls, when no rollout runs.
 A group whose generation failed fails the next call, naming the error.
 """

@@ -1,4 +1,4 @@
-"""What a run prints on stdout: pure functions from metrics events (and the run's flags) to short lines.
+"""What a run prints on stdout: pure functions from metrics events to short lines (the start line: slime/ray/driver/session.py).
 
 By default a run prints what it is starting, one short line per slow start-up step, and then one line per
 rollout once the rollout's events are in:
@@ -14,9 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
-
-from slime.config.defaults import with_defaults
-from slime.config.layout import LAYOUT_FLAGS, build_parallel_layout
 
 # The events one rollout's line is made of; any other kind is printed as its own event line.
 ROLLOUT_KINDS = ("rollout", "train", "weight_sync", "memory")
@@ -123,41 +120,6 @@ def placement_summary(event: Mapping[str, Any]) -> str:
     if urls:
         text += f"; engines at {', '.join(urls[:2])}{', ...' if len(urls) > 2 else ''}"
     return text
-
-
-def parallel_layout(args) -> str:
-    """'TP2 x SP x CP4' from the parallelism flags (sizes of 1 left out; DP when more than one)."""
-    layout = build_parallel_layout(args)
-    parts = [f"TP{layout.tp}" if layout.tp > 1 else "", "SP" if layout.sequence_parallel else "",
-             f"PP{layout.pp}" if layout.pp > 1 else "", f"CP{layout.cp}" if layout.cp > 1 else "",
-             f"DP{layout.dp}" if layout.dp > 1 else "", f"EP{layout.ep}" if layout.ep > 1 else ""]
-    return " x ".join(p for p in parts if p) or "one rank"
-
-
-# The flags the start line reads.
-START_LINE_FLAGS = (*LAYOUT_FLAGS, "debug_rollout_only", "debug_train_only", "rollout_num_gpus",
-                    "rollout_num_gpus_per_engine", "colocate", "num_rollout", "rollout_batch_size",
-                    "n_samples_per_prompt")
-
-
-def start_line(args, *, device: str) -> str:
-    """What the run starts, printed before anything slow happens (from the flags alone)."""
-    args = with_defaults(args, START_LINE_FLAGS)  # loop tests drive train.py with args built by hand
-    ranks = 0 if args.debug_rollout_only else args.actor_num_nodes * args.actor_num_gpus_per_node
-    per_engine = args.rollout_num_gpus_per_engine
-    engine_gpus = 0 if args.debug_train_only else args.rollout_num_gpus or 0
-    engines = engine_gpus // per_engine
-    what = []
-    if ranks:
-        what.append(f"{count(ranks, 'trainer rank')} ({parallel_layout(args)})")
-    if engines:
-        what.append(count(engines, "engine") + (f" of {per_engine} GPUs each" if device == "GPU" and per_engine > 1
-                                                else ""))
-    mode = "colocated" if args.colocate else "engines apart"
-    rollouts = args.num_rollout
-    batch = f"{args.rollout_batch_size} prompts x {args.n_samples_per_prompt} samples"
-    return (f"starting: {', '.join(what) or 'nothing'}, {mode}, on {device}; "
-            f"{f'{rollouts} rollouts' if rollouts else 'rollouts by --num-epoch'} of {batch}")
 
 
 class RolloutProgress:

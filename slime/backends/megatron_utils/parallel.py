@@ -54,7 +54,7 @@ def init_distributed(
         raise RuntimeError("torch.distributed is already initialized")
     backend = backend or (getattr(args, "distributed_backend", None) or "nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
-        # LOCAL_RANK: the device of the rank's Ray bundle (slime/ray/placement.py), or torchrun's;
+        # LOCAL_RANK: the device of the rank's Ray bundle (slime/ray/driver/placement.py), or torchrun's;
         # without either, ranks share a host's GPUs in rank order.
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
     rendezvous = {"store": store} if store is not None else {"init_method": f"tcp://{master_addr}:{master_port}"}

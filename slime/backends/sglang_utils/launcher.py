@@ -73,7 +73,7 @@ def sglang_server_args_for_engine(args: Any, engine_rank: int, gpu_ids: Sequence
                                   parser: argparse.ArgumentParser | None = None) -> dict[str, Any]:
     """ServerArgs fields for one engine: slime-derived ones, then the user's --sglang-* passthrough.
 
-    gpu_ids: the CUDA device indices of the engine's Ray bundles (see slime/ray/placement.py);
+    gpu_ids: the CUDA device indices of the engine's Ray bundles (see slime/ray/driver/placement.py);
     without them, engines are assumed to fill each node's GPUs in rank order. `parser` (SGLang's
     launch parser) lets fields that only some SGLang versions have be set where they exist.
     """

@@ -76,7 +76,7 @@ def add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--update-weight-transport", type=str, default="nccl", choices=["nccl", "disk"],
                    help="nccl: CUDA-IPC tensors to colocated engines, a broadcast group (NCCL; gloo on CPU) to "
                         "others; disk is not implemented (refused)")
-    # train_async.py (slime/ray/async_schedule.py): how often the engines get new weights, how stale a
+    # train_async.py (slime/ray/driver/async_schedule.py): how often the engines get new weights, how stale a
     # fully-async sample may be.
     g.add_argument("--update-weights-interval", type=positive_int, default=1,
                    help="train_async.py: push the trained weights to the engines every N rollouts")

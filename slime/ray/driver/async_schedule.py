@@ -28,7 +28,7 @@ from typing import Any
 
 from slime.ray.driver.loop import catch_up, log_unless_custom
 from slime.ray.driver.rollout_wait import RolloutWatch
-from slime.utils.arguments import ArgumentValidationError
+from slime.config.errors import ArgumentValidationError
 from slime.utils.metrics_logger import MetricsLogger
 
 logger = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ from slime.utils.metrics_logger import MetricsLogger
 
 def check_alternating_args(args) -> None:
     """train.py pushes after every rollout: a longer interval is train_async.py's."""
-    from slime.utils.arguments import ArgumentValidationError
+    from slime.config.errors import ArgumentValidationError
 
     if getattr(args, "update_weights_interval", 1) != 1:
         raise ArgumentValidationError(f"--update-weights-interval {args.update_weights_interval} is train_async.py's: "

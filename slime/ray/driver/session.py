@@ -26,6 +26,8 @@ import logging
 import sys
 from typing import Callable, Iterator
 
+from slime.config.defaults import with_defaults
+from slime.config.layout import LAYOUT_FLAGS, build_parallel_layout
 from slime.ray.driver.cluster import PlacementError, cluster_address
 from slime.ray.driver.placement import Layout, create_placement, init_ray, placement_record, use_gpus
 from slime.ray.driver.rank_wait import RankWaitError
@@ -33,6 +35,7 @@ from slime.ray.driver.rollout_handle import create_rollout_manager
 from slime.ray.driver.trainer_group import RayTrainGroup, remove_temp_ledger_dir, resolve_ledger_dir
 from slime.ray.rollout_manager.errors import RolloutError
 from slime.utils.metrics_logger import Console, MetricsLogger
+from slime.utils.progress_lines import count
 
 
 class RunSession:
@@ -111,7 +114,9 @@ class RunSession:
 
 def run_entry(script: str, train: Callable, check: Callable, argv: list[str] | None, logger: logging.Logger) -> int:
     """Parse, refuse what `script` cannot run (exit 2), train; a named failure ends with exit 1 and one line."""
-    from slime.utils.arguments import ArgumentValidationError, check_launch_inputs, parse_args
+    from slime.config.errors import ArgumentValidationError
+    from slime.config.launch import check_launch_inputs
+    from slime.config.parse import parse_args
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = parse_args(argv)
@@ -140,11 +145,44 @@ def run_entry(script: str, train: Callable, check: Callable, argv: list[str] | N
 
 def announce_start(args) -> Console:
     """The run's stdout, opened with what the run starts (before Ray: nothing slow has happened yet)."""
-    from slime.utils.progress_lines import start_line
-
     console = Console(args)
     console.say(start_line(args, device="GPU" if use_gpus(args) else "CPU"))
     return console
+
+
+def parallel_layout(args) -> str:
+    """'TP2 x SP x CP4' from the parallelism flags (sizes of 1 left out; DP when more than one)."""
+    layout = build_parallel_layout(args)
+    parts = [f"TP{layout.tp}" if layout.tp > 1 else "", "SP" if layout.sequence_parallel else "",
+             f"PP{layout.pp}" if layout.pp > 1 else "", f"CP{layout.cp}" if layout.cp > 1 else "",
+             f"DP{layout.dp}" if layout.dp > 1 else "", f"EP{layout.ep}" if layout.ep > 1 else ""]
+    return " x ".join(p for p in parts if p) or "one rank"
+
+
+# The flags the start line reads.
+START_LINE_FLAGS = (*LAYOUT_FLAGS, "debug_rollout_only", "debug_train_only", "rollout_num_gpus",
+                    "rollout_num_gpus_per_engine", "colocate", "num_rollout", "rollout_batch_size",
+                    "n_samples_per_prompt")
+
+
+def start_line(args, *, device: str) -> str:
+    """What the run starts, printed before anything slow happens (from the flags alone)."""
+    args = with_defaults(args, START_LINE_FLAGS)  # loop tests drive train.py with args built by hand
+    ranks = 0 if args.debug_rollout_only else args.actor_num_nodes * args.actor_num_gpus_per_node
+    per_engine = args.rollout_num_gpus_per_engine
+    engine_gpus = 0 if args.debug_train_only else args.rollout_num_gpus or 0
+    engines = engine_gpus // per_engine
+    what = []
+    if ranks:
+        what.append(f"{count(ranks, 'trainer rank')} ({parallel_layout(args)})")
+    if engines:
+        what.append(count(engines, "engine") + (f" of {per_engine} GPUs each" if device == "GPU" and per_engine > 1
+                                                else ""))
+    mode = "colocated" if args.colocate else "engines apart"
+    rollouts = args.num_rollout
+    batch = f"{args.rollout_batch_size} prompts x {args.n_samples_per_prompt} samples"
+    return (f"starting: {', '.join(what) or 'nothing'}, {mode}, on {device}; "
+            f"{f'{rollouts} rollouts' if rollouts else 'rollouts by --num-epoch'} of {batch}")
 
 
 def ray_cluster_step(console: Console):
@@ -169,7 +207,7 @@ def check_data_position(args, rollout_id: int) -> None:
     """The default data source resumes from the position saved after `rollout_id`: a missing file is named
     before Ray starts, not after the engines are up."""
     from slime.rollout.data_source import saved_data_position
-    from slime.utils.arguments import DEFAULT_DATA_SOURCE_PATH
+    from slime.config.constants import DEFAULT_DATA_SOURCE_PATH
 
     if getattr(args, "data_source_path", DEFAULT_DATA_SOURCE_PATH) == DEFAULT_DATA_SOURCE_PATH:
         saved_data_position(args, rollout_id)

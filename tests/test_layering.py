@@ -1,0 +1,89 @@
+"""The house's rooms and the direction of its imports (docs/architecture.md, "Rooms").
+
+A room may import the rooms listed before it in ROOMS, never one after it: the parse-time checks, the trainer
+and the rollout side build on the models, and the models on nothing of theirs. Every import counts, one inside
+a function too. And no module takes a private name from another package.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# Lowest first; each room is a set of module prefixes, and a module belongs to its longest matching prefix.
+ROOMS = [
+    ("slime",),  # the package itself (empty)
+    ("slime.utils",),
+    ("slime.config",),  # the flags, their defaults and the parallel layout: read by every room above
+    ("slime.distributed",),
+    ("slime.checkpoint",),
+    ("slime.models",),
+    ("patches",),
+    ("slime.router",),
+    ("slime.rollout",),
+    ("slime.backends",),
+    # the parse-time checks ask the rooms below whether a run's inputs are usable, before Ray starts
+    ("slime.config.checks", "slime.config.validate", "slime.config.launch", "slime.config.parse"),
+    ("slime.ray",),
+    ("slime.utils.arguments",),  # upstream's import path of the parser: re-exports the config room
+    ("slime_plugins",),  # upstream's plug-in paths: aliases of slime.models modules
+    ("slime.tools",),
+]
+RANK = {prefix: rank for rank, prefixes in enumerate(ROOMS) for prefix in prefixes}
+
+
+def _room(module: str) -> str | None:
+    matches = [p for p in RANK if module == p or module.startswith(p + ".")]
+    return max(matches, key=len) if matches else None
+
+
+def _modules():
+    for top in ("slime", "slime_plugins", "patches"):
+        for path in sorted((REPO / top).rglob("*.py")):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            yield ".".join(parts[:-1] if parts[-1] == "__init__" else parts), path
+
+
+def _imports(path: Path):
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name, ()
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            yield node.lineno, node.module, tuple(a.name for a in node.names)
+
+
+def test_every_module_is_in_a_room():
+    assert [m for m, _ in _modules() if _room(m) is None] == []
+
+
+def test_no_room_imports_a_room_above_it():
+    upward = []
+    for module, path in _modules():
+        here = _room(module)
+        for line, target, _ in _imports(path):
+            there = _room(target)
+            if there is not None and RANK[there] > RANK[here]:
+                upward.append(f"{path.relative_to(REPO)}:{line} ({here}) imports {target} ({there})")
+    assert upward == []
+
+
+def test_no_private_name_crosses_packages():
+    crossing = []
+    for module, path in _modules():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        for line, target, names in _imports(path):
+            if _room(target) is None or target == package or target.startswith(package + "."):
+                continue
+            crossing += [f"{path.relative_to(REPO)}:{line} imports {n} from {target}" for n in names
+                         if n.startswith("_") and not n.startswith("__")]
+    assert crossing == []
+
+
+def test_the_rules_see_an_upward_import_and_a_private_name(tmp_path):
+    """The checks above find what they look for: an import of a higher room and a private name."""
+    path = tmp_path / "probe.py"
+    path.write_text("from slime.ray.driver import session\nfrom slime.rollout.data_source import _hidden\n")
+    imports = list(_imports(path))
+    assert [RANK[_room(t)] > RANK[_room("slime.models.qwen")] for _, t, _ in imports] == [True, True]
+    assert [n for _, _, names in imports for n in names if n.startswith("_")] == ["_hidden"]
