@@ -150,7 +150,9 @@ def _write_conversations(path: Path, n: int) -> Path:
 
 
 def _args(model: Path, data: Path) -> SimpleNamespace:
-    return SimpleNamespace(hf_checkpoint=str(model), prompt_data=str(data), input_key="messages", label_key=None,
+    from slime.config import defaults_namespace
+
+    return defaults_namespace(hf_checkpoint=str(model), prompt_data=str(data), input_key="messages", label_key=None,
                            metadata_key="metadata", tool_key="tools", apply_chat_template=False,
                            apply_chat_template_kwargs=None, rollout_max_context_len=None, rollout_max_prompt_len=None,
                            rollout_batch_size=3, n_samples_per_prompt=1, rollout_seed=1, rollout_shuffle=False,
