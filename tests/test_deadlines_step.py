@@ -25,14 +25,15 @@ def _child(rank, world, hf_dir, ledger_dir):
     import copy
     import time
 
-    from slime.backends.megatron_utils.train_step import build_plans_for_rank, compute_log_probs, train_one_step
+    from train_step_harness import plans_for_this_rank
+    from slime.backends.megatron_utils.train_step import compute_log_probs, train_one_step
     from slime.distributed import HangError, Ledger, Watchdog
     from train_step_harness import build_loaded_model, layout_args, make_rollout
 
     args = layout_args({}, max_tokens_per_gpu=24, fence_timeout=WINDOW_S)
     model, optimizer, scheduler = build_loaded_model(args, hf_dir)
     data = make_rollout(num_samples=16, seed=3)
-    (plan,) = build_plans_for_rank(data, args)
+    (plan,) = plans_for_this_rank(data, args)
     log_probs = compute_log_probs(model, data, plan, args)
     for key in ("log_probs", "ref_log_probs", "rollout_log_probs"):
         data[key] = copy.deepcopy(log_probs)

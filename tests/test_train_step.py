@@ -100,7 +100,8 @@ def _train_twice_child(rank, world, hf_dir, data):
 
     from slime.backends.megatron_utils.model import build_model_and_optimizer
     from slime.backends.megatron_utils.parallel import init_model_parallel
-    from slime.backends.megatron_utils.train_step import build_plans_for_rank, compute_log_probs, train_one_step
+    from train_step_harness import plans_for_this_rank
+    from slime.backends.megatron_utils.train_step import compute_log_probs, train_one_step
     from slime_plugins.models.hf_weights import load_hf_weights
 
     args = layout_args({}, lr=1e-2)
@@ -108,7 +109,7 @@ def _train_twice_child(rank, world, hf_dir, data):
     hf_config = AutoConfig.from_pretrained(hf_dir)
     model, optimizer, scheduler = build_model_and_optimizer(args, hf_config)
     load_hf_weights(model, hf_dir, hf_config)
-    (plan,) = build_plans_for_rank(data, args)
+    (plan,) = plans_for_this_rank(data, args)
     phases = []
 
     def hook(name):
@@ -121,7 +122,7 @@ def _train_twice_child(rank, world, hf_dir, data):
     first = train_one_step(model, optimizer, scheduler, data, plan, args, collective_hook=hook)
     after = compute_log_probs(model, data, plan, args)
     no_loss = dict(data, loss_masks=[[0] * len(m) for m in data["loss_masks"]])
-    (empty_plan,) = build_plans_for_rank(no_loss, args)
+    (empty_plan,) = plans_for_this_rank(no_loss, args)
     skipped = train_one_step(model, optimizer, scheduler, no_loss, empty_plan, args)
     return dict(first=first, skipped=skipped, phases=phases, before=before, after=after)
 

@@ -50,7 +50,8 @@ def _offload_child(rank: int, world: int, hf_dir: str, sleep_between: bool, dist
     from slime.backends.megatron_utils.model import build_model_and_optimizer
     from slime.backends.megatron_utils.offload import TrainerMemory
     from slime.backends.megatron_utils.parallel import init_model_parallel
-    from slime.backends.megatron_utils.train_step import build_plans_for_rank, compute_log_probs, train_one_step
+    from train_step_harness import plans_for_this_rank
+    from slime.backends.megatron_utils.train_step import compute_log_probs, train_one_step
     from slime_plugins.models.hf_weights import load_hf_weights
 
     args = layout_args({}, lr=1e-3, use_distributed_optimizer=distributed_optimizer, use_tis=False, use_kl_loss=False)
@@ -59,7 +60,7 @@ def _offload_child(rank: int, world: int, hf_dir: str, sleep_between: bool, dist
     model, optimizer, scheduler = build_model_and_optimizer(args, hf_config)
     load_hf_weights(model, hf_dir, hf_config)
     data = make_rollout(num_samples=6, seed=0)
-    (plan,) = build_plans_for_rank(data, args)
+    (plan,) = plans_for_this_rank(data, args)
     data["log_probs"] = compute_log_probs(model, data, plan, args)
     memory = TrainerMemory(model, optimizer)  # built before the optimizer has state, as the actor builds it
     first = train_one_step(model, optimizer, scheduler, copy.deepcopy(data), plan, args)
