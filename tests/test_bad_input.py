@@ -11,6 +11,7 @@ import pytest
 
 from rollout_testing import write_jsonl, write_tokenizer
 from slime.rollout import rm_hub
+from slime.config import defaults_namespace
 from slime.rollout.data_source import RolloutDataSource, load_tokenizer
 from slime.utils.types import Sample
 
@@ -26,7 +27,7 @@ def _args(tokenizer_dir, prompt_path, **kw):
                 rollout_shuffle=False, seed=1, rollout_seed=None, n_samples_per_prompt=1, rollout_max_prompt_len=None,
                 rollout_max_context_len=None, save=None, load=None)
     base.update(kw)
-    return SimpleNamespace(**base)
+    return defaults_namespace(**base)
 
 
 def test_an_empty_prompt_file_says_what_a_line_should_hold(tokenizer_dir, tmp_path):

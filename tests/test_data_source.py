@@ -1,9 +1,9 @@
 """Prompt loading, chat template, grouping, epochs, shuffling, state, and bad-input errors."""
-from types import SimpleNamespace
 
 import pytest
 
 from rollout_testing import write_jsonl, write_tokenizer
+from slime.config import defaults_namespace
 from slime.rollout.data_source import (
     RolloutDataSource,
     RolloutDataSourceWithBuffer,
@@ -27,7 +27,7 @@ def make_args(tokenizer_dir, prompt_path, **kw):
         save=None, load=None,
     )
     base.update(kw)
-    return SimpleNamespace(**base)
+    return defaults_namespace(**base)
 
 
 def test_groups_have_copies_with_indices(tokenizer_dir, tmp_path):

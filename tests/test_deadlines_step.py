@@ -26,7 +26,6 @@ def _child(rank, world, hf_dir, ledger_dir):
     import time
 
     from train_step_harness import plans_for_this_rank
-
     from slime.backends.megatron_utils.train_step import compute_log_probs, train_one_step
     from slime.distributed import HangError, Ledger, Watchdog
     from train_step_harness import build_loaded_model, layout_args, make_rollout

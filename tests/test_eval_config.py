@@ -59,6 +59,7 @@ def test_eval_config_replaces_eval_prompt_data(tmp_path, capsys):
 def test_eval_rollout_uses_each_datasets_own_settings(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
+    from slime.config import defaults_namespace
     from slime.rollout import sglang_rollout
 
     tok = str(write_tokenizer(tmp_path / "tok", max_position_embeddings=64))
@@ -67,11 +68,13 @@ def test_eval_rollout_uses_each_datasets_own_settings(tmp_path, monkeypatch):
     datasets = (EvalDatasetSpec("a", str(a), rm_type="math", temperature=0.3),
                 EvalDatasetSpec("g", str(g), rm_type="gpqa", input_key="question", label_key="answer",
                                 n_samples_per_eval_prompt=3, max_response_len=7))
-    args = SimpleNamespace(hf_checkpoint=tok, eval_datasets=datasets, eval_config="cfg.yaml", input_key="input",
-                           label_key="label", n_samples_per_eval_prompt=2, rollout_temperature=1.0,
-                           rollout_max_response_len=16, eval_reward_key=None, reward_key=None, metadata_key="metadata",
-                           tool_key="tools", apply_chat_template=False, apply_chat_template_kwargs=None,
-                           rollout_max_context_len=None, rollout_max_prompt_len=None)
+    # top_p/top_k None: the sampling params these args always gave (the parser's defaults would add them)
+    args = defaults_namespace(hf_checkpoint=tok, eval_datasets=datasets, eval_config="cfg.yaml", input_key="input",
+                              label_key="label", n_samples_per_eval_prompt=2, rollout_temperature=1.0,
+                              rollout_max_response_len=16, eval_reward_key=None, reward_key=None,
+                              metadata_key="metadata", tool_key="tools", apply_chat_template=False,
+                              apply_chat_template_kwargs=None, rollout_max_context_len=None,
+                              rollout_max_prompt_len=None, rollout_top_p=None, rollout_top_k=None)
     seen = {}
 
     async def fake_generate_groups(args, groups, params, desc, evaluation=False):

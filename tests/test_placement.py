@@ -15,6 +15,7 @@ import types
 import pytest
 
 from slime.backends.sglang_utils.launcher import gpu_id_layout, sglang_server_args_for_engine
+from slime.config import defaults_namespace
 from slime.ray.driver.cluster import PlacementError, cluster_address, worker_env
 from slime.ray.driver.placement import BundleInfo, check_engine_bind_host, order_bundles, plan_layout, visible_device_index
 from slime.utils.security import ApiKey
@@ -194,7 +195,7 @@ def _layout_args(tmp_path, **overrides):
                 num_gpus_per_node=FAKE_GPUS_PER_NODE, colocate=True, debug_train_only=False, debug_rollout_only=False,
                 engine_bind_host=None, ledger_dir=str(tmp_path), fence_timeout=60.0, seed=1,
                 api_key=ApiKey.generate())  # as parse_args makes it: every actor takes the run's key
-    return types.SimpleNamespace(**{**args, **overrides})
+    return defaults_namespace(**{**args, **overrides})
 
 
 def _assignments(args):

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from slime.config import defaults_namespace
 from slime.rollout import sglang_rollout
 from slime.utils.misc import SingletonMeta
 from slime.utils.types import Sample
@@ -28,7 +29,7 @@ class _State:
 def _args(**kw):
     base = dict(partial_rollout=False, mask_offpolicy_in_partial_rollout=False, group_rm=False,
                 custom_generate_function_path=None, custom_rm_path=None, rollout_sample_hook_path=[])
-    return SimpleNamespace(**{**base, **kw})
+    return defaults_namespace(**{**base, **kw})
 
 
 async def _named(tag, args, sample, sampling_params, evaluation=False):
@@ -93,7 +94,9 @@ def test_generate_state_carries_the_rollout_id(tmp_path):
     save_char_tokenizer(tmp_path, "0123456789")
     SingletonMeta.reset(sglang_rollout.GenerateState)
     try:
-        state = sglang_rollout.GenerateState(SimpleNamespace(hf_checkpoint=str(tmp_path), rollout_temperature=1.0))
+        # top_p/top_k None: the sampling params these args always gave (the parser's defaults would add them)
+        state = sglang_rollout.GenerateState(defaults_namespace(hf_checkpoint=str(tmp_path), rollout_temperature=1.0,
+                                                                rollout_top_p=None, rollout_top_k=None))
         assert state.rollout_id is None
         state.reset(7)
         assert sglang_rollout.GenerateState(None).rollout_id == 7 and not state.aborted

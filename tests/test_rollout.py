@@ -7,6 +7,7 @@ import pytest
 
 from rollout_testing import engine, fresh_generate_state, tokenizer_dir  # noqa: F401 (fixtures)
 from rollout_testing import FakeEngine, free_port, write_jsonl
+from slime.config import defaults_namespace
 from slime.rollout.advantages import group_normalize, samples_to_train_data
 from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput, call_rollout_fn
 from slime.rollout.data_source import RolloutDataSource, load_tokenizer
@@ -32,10 +33,10 @@ def make_args(tokenizer_dir, prompt_path, port, **kw):
         rollout_stop=None, rollout_stop_token_ids=None, rollout_skip_special_tokens=False,
         sglang_router_ip="127.0.0.1", sglang_router_port=port, rm_type="math", custom_rm_path=None, reward_key=None,
         group_rm=False, custom_generate_function_path=None, advantage_estimator="grpo", rewards_normalization=True,
-        grpo_std_normalization=True, save=None, load=None,
+        grpo_std_normalization=True, save=None, load=None, sglang_router_request_timeout_secs=None,
     )
     base.update(kw)
-    return SimpleNamespace(**base)
+    return defaults_namespace(**base)
 
 
 def test_generate_fills_response_fields_and_sends_sglang_payload(tokenizer_dir, tmp_path, engine):
@@ -187,8 +188,8 @@ def test_train_data_estimators_and_masks():
     samples = _rewarded([1.0, 0.0, 0.0, 0.0], 2)
     samples[1].remove_sample = True
     samples[2].loss_mask = [0, 1]
-    args = SimpleNamespace(reward_key=None, advantage_estimator="reinforce_plus_plus_baseline", n_samples_per_prompt=2,
-                           rewards_normalization=True, grpo_std_normalization=True)
+    args = defaults_namespace(reward_key=None, advantage_estimator="reinforce_plus_plus_baseline",
+                              n_samples_per_prompt=2, rewards_normalization=True, grpo_std_normalization=True)
     data = samples_to_train_data(args, samples)
     assert data["rewards"] == [0.5, -0.5, 0.0, 0.0]  # mean-centred only
     assert data["loss_masks"] == [[1, 1], [0, 0], [0, 1], [1, 1]]

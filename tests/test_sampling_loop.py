@@ -10,6 +10,7 @@ import pytest
 import hook_plugins
 from rollout_testing import engine, fresh_generate_state, tokenizer_dir  # noqa: F401 (fixtures)
 from rollout_testing import write_jsonl
+from slime.config import defaults_namespace
 from slime.rollout.data_source import RolloutDataSourceWithBuffer, pop_first, pop_stalest
 from slime.rollout.filter_hub.base_types import DynamicFilterOutput, call_dynamic_filter, should_drop_dynamic_filter_output
 from slime.rollout.filter_hub.dynamic_sampling_filters import (
@@ -37,10 +38,10 @@ def make_args(tokenizer_dir, tmp_path, port, **kw):
         custom_rm_path=f"{PLUGINS}:index_parity_rm", reward_key=None, group_rm=False,
         custom_generate_function_path=None, advantage_estimator="grpo", rewards_normalization=True,
         grpo_std_normalization=True, save=None, load=None, hook_log=str(tmp_path / "hooks.jsonl"),
-        sglang_server_concurrency=64,
+        sglang_server_concurrency=64, sglang_router_request_timeout_secs=None,
     )
     base.update(kw)
-    return SimpleNamespace(**base)
+    return defaults_namespace(**base)
 
 
 def _records(args, hook):

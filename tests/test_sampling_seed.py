@@ -6,6 +6,7 @@ import asyncio
 from types import SimpleNamespace
 
 from rollout_testing import fresh_generate_state, tokenizer_dir  # noqa: F401 (fixtures)
+from slime.config import defaults_namespace
 from slime.rollout.sampling_seed import SEED_RANGE, sample_seed, seeded_params
 from slime.utils.types import Sample
 
@@ -37,9 +38,10 @@ def test_params_keep_a_set_seed_and_samples_without_index_go_unseeded():
 def test_generate_and_rm_sends_each_sample_its_seed(tokenizer_dir):
     from slime.rollout.sglang_rollout import GenerateState, generate_and_rm
 
-    args = SimpleNamespace(seed=42, hf_checkpoint=tokenizer_dir, custom_generate_function_path=f"{__name__}.recording_generate",
-                           sglang_server_concurrency=4, rollout_num_gpus=1, rollout_num_gpus_per_engine=1,
-                           partial_rollout=False, group_rm=False, rollout_temperature=1.0)
+    args = defaults_namespace(seed=42, hf_checkpoint=tokenizer_dir,
+                              custom_generate_function_path=f"{__name__}.recording_generate",
+                              sglang_server_concurrency=4, rollout_num_gpus=1, rollout_num_gpus_per_engine=1,
+                              partial_rollout=False, group_rm=False, rollout_temperature=1.0)
     GenerateState(args).reset(rollout_id=6)
     SEEN.clear()
     for index in (0, 1):

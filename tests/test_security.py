@@ -18,6 +18,7 @@ from arg_testing import no_real_sglang, parse_quiet  # noqa: F401 (fixture)
 from rollout_testing import AppThread
 from slime.backends.embedded_engine.engine import EmbeddedEngine
 from slime.backends.embedded_engine.server import build_app
+from slime.config import defaults_namespace
 from slime.backends.sglang_utils.shared_payload import (
     LOAD_FORMAT as SHM_FORMAT,
 )
@@ -294,8 +295,8 @@ def test_routers_start_although_their_first_ports_are_taken(use_slime_router, la
     ports = iter([busy_port, busy_port])  # sglang-router: its first two picks are taken, the third is free
     free = router.find_free_port
     monkeypatch.setattr(router, "find_free_port", lambda host="127.0.0.1": next(ports, None) or free(host))
-    args = types.SimpleNamespace(use_slime_router=use_slime_router, sglang_router_ip="127.0.0.1",
-                                 sglang_router_port=None)
+    args = defaults_namespace(use_slime_router=use_slime_router, sglang_router_ip="127.0.0.1",
+                              sglang_router_port=None, sglang_router_request_timeout_secs=None)
     handle = router.launch_router(args, [launched_engine.url], startup_timeout_s=60, log_dir=str(tmp_path))
     generate = {"text": "hi", "sampling_params": {"max_new_tokens": 1}}
     try:

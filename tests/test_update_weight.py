@@ -102,12 +102,14 @@ def _sync_on_ranks(rank, world, layout, hf_dir, engine_url, ledger_dir, rollout_
     from slime.backends.megatron_utils.model import build_gpt_model
     from slime.backends.megatron_utils.parallel import init_model_parallel
     from slime.backends.sglang_utils.http_client import SGLangHTTPClient
+    from slime.config import with_defaults
     from slime.distributed import CollectiveDivergenceError, Fence, Ledger, Watchdog
     from slime_plugins.models.hf_weights import export_hf_weights, load_hf_weights
 
     tp = world if layout == "tp2" else 1
-    args = types.SimpleNamespace(tensor_model_parallel_size=tp, seed=5, fence_timeout=60.0, colocate=colocate,
-                                 update_weight_buffer_size=BUCKET_BYTES, rollout_num_gpus_per_engine=1)
+    args = with_defaults(types.SimpleNamespace(tensor_model_parallel_size=tp, seed=5, fence_timeout=60.0,
+                                               colocate=colocate, update_weight_buffer_size=BUCKET_BYTES,
+                                               rollout_num_gpus_per_engine=1), ("update_weight_transport",))
     init_model_parallel(args)
     hf_config = transformers.AutoConfig.from_pretrained(hf_dir)
     model = build_gpt_model(args, hf_config)

@@ -63,9 +63,11 @@ def plans_for_this_rank(data: dict, args) -> list:
 
 def layout_args(layout: dict, **overrides) -> SimpleNamespace:
     from slime.backends.megatron_utils.loss import LOSS_FLAGS
+    from slime.backends.megatron_utils.moe import MOE_FLAGS
     from slime.config import defaults_namespace
 
-    args = vars(defaults_namespace(only=LOSS_FLAGS))  # the loss flags this helper leaves out
+    # the loss and MoE flags (routing replay among them) this helper leaves out
+    args = vars(defaults_namespace(only=(*LOSS_FLAGS, *MOE_FLAGS)))
     args.update(
         tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
         expert_model_parallel_size=1, sequence_parallel=False, seed=1234, lr=0.0, min_lr=0.0,

@@ -71,16 +71,16 @@ def group_normalize(rewards: Sequence[float], groups: Sequence[int], *, divide_b
 
 def post_process_rewards(args, samples: list[Sample]) -> tuple[list[float], list[float]]:
     """(raw rewards, rewards for training); --custom-reward-post-process-path overrides."""
-    hook = getattr(args, "custom_reward_post_process_path", None)
+    hook = args.custom_reward_post_process_path
     if hook:
         from slime.utils.misc import load_function
 
         return load_function(hook)(args, samples)
     raw = [float(s.get_reward_value(args)) for s in samples]
-    estimator = getattr(args, "advantage_estimator", "grpo")
-    if estimator not in GROUP_NORMALISED_ESTIMATORS or not getattr(args, "rewards_normalization", True):
+    estimator = args.advantage_estimator
+    if estimator not in GROUP_NORMALISED_ESTIMATORS or not args.rewards_normalization:
         return raw, list(raw)
-    divide = estimator in STD_NORMALISED_ESTIMATORS and getattr(args, "grpo_std_normalization", True)
+    divide = estimator in STD_NORMALISED_ESTIMATORS and args.grpo_std_normalization
     groups = group_ids(samples, args.n_samples_per_prompt)
     return raw, group_normalize(raw, groups, divide_by_std=divide)
 

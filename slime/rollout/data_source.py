@@ -62,7 +62,7 @@ def load_tokenizer(path: str):
 
 
 def _chat_template_kwargs(args) -> dict:
-    value = getattr(args, "apply_chat_template_kwargs", None) or {}
+    value = args.apply_chat_template_kwargs or {}
     return json.loads(value) if isinstance(value, str) else dict(value)
 
 
@@ -78,17 +78,17 @@ def context_budget(args) -> PromptBudget | None:
     """The tightest of: --rollout-max-prompt-len (else the context minus one token to generate) and,
     with dynamic batching, the training token budget of a micro-batch minus one response token."""
     budgets = []
-    if getattr(args, "rollout_max_prompt_len", None):
+    if args.rollout_max_prompt_len:
         budgets.append(PromptBudget(int(args.rollout_max_prompt_len), "--rollout-max-prompt-len"))
     else:
-        context = getattr(args, "rollout_max_context_len", None)
+        context = args.rollout_max_context_len
         if context:
             budgets.append(PromptBudget(int(context) - 1, f"--rollout-max-context-len {context} less one token"))
-        elif _model_context(getattr(args, "hf_checkpoint", None)):
+        elif _model_context(args.hf_checkpoint):
             context = _model_context(args.hf_checkpoint)
             budgets.append(PromptBudget(int(context) - 1, f"the model's context ({context}) less one token"))
-    if getattr(args, "use_dynamic_batch_size", False) and getattr(args, "max_tokens_per_gpu", None):
-        cp = int(getattr(args, "context_parallel_size", 1) or 1)
+    if args.use_dynamic_batch_size and args.max_tokens_per_gpu:
+        cp = int(args.context_parallel_size or 1)
         budgets.append(PromptBudget(int(args.max_tokens_per_gpu) * cp - 1,
                                     f"the training token budget (--max-tokens-per-gpu {args.max_tokens_per_gpu} x "
                                     f"CP {cp}) less one response token"))
@@ -106,11 +106,11 @@ def train_prompt_spec(args) -> PromptFileSpec:
     return PromptFileSpec(
         path=args.prompt_data,
         flag="--prompt-data",
-        input_key=getattr(args, "input_key", None) or "input",
-        label_key=getattr(args, "label_key", None),
-        metadata_key=getattr(args, "metadata_key", "metadata"),
-        tool_key=getattr(args, "tool_key", "tools"),
-        apply_chat_template=bool(getattr(args, "apply_chat_template", False)),
+        input_key=args.input_key or "input",
+        label_key=args.label_key,
+        metadata_key=args.metadata_key,
+        tool_key=args.tool_key,
+        apply_chat_template=bool(args.apply_chat_template),
         chat_template_kwargs=_chat_template_kwargs(args),
         max_prompt_len=context_budget(args),
     )
@@ -121,13 +121,13 @@ def eval_datasets(args) -> tuple[EvalDatasetSpec, ...]:
     resolved = getattr(args, "eval_datasets", None)
     if resolved:
         return tuple(resolved)
-    return tuple(EvalDatasetSpec(name, path) for name, path in _name_path_pairs(getattr(args, "eval_prompt_data", None)))
+    return tuple(EvalDatasetSpec(name, path) for name, path in _name_path_pairs(args.eval_prompt_data))
 
 
 def eval_prompt_specs(args) -> dict[str, PromptFileSpec]:
     """{name: spec} of every eval dataset; its keys default to the --eval-* ones, then to training's."""
     base = _eval_spec_fields(args)
-    flag = "--eval-config" if getattr(args, "eval_config", None) else "--eval-prompt-data"
+    flag = "--eval-config" if args.eval_config else "--eval-prompt-data"
     specs = {}
     for dataset in eval_datasets(args):
         keys = {key: getattr(dataset, key) for key in ("input_key", "label_key", "tool_key", "metadata_key")
@@ -138,13 +138,13 @@ def eval_prompt_specs(args) -> dict[str, PromptFileSpec]:
 
 def _eval_spec_fields(args) -> dict[str, Any]:
     return dict(
-        input_key=getattr(args, "eval_input_key", None) or getattr(args, "input_key", None) or "input",
-        label_key=getattr(args, "eval_label_key", None) or getattr(args, "label_key", None),
-        metadata_key=getattr(args, "metadata_key", "metadata"),
-        tool_key=getattr(args, "eval_tool_key", None) or getattr(args, "tool_key", "tools"),
-        apply_chat_template=bool(getattr(args, "apply_chat_template", False)),
+        input_key=args.eval_input_key or args.input_key or "input",
+        label_key=args.eval_label_key or args.label_key,
+        metadata_key=args.metadata_key,
+        tool_key=args.eval_tool_key or args.tool_key,
+        apply_chat_template=bool(args.apply_chat_template),
         chat_template_kwargs=_chat_template_kwargs(args),
-        max_prompt_len=getattr(args, "eval_max_prompt_len", None) or context_budget(args),
+        max_prompt_len=args.eval_max_prompt_len or context_budget(args),
     )
 
 
@@ -279,12 +279,12 @@ class RolloutDataSource:
         self.metadata: dict = {}
         self.dataset: PromptDataset | None = None
         # --disable-rollout-global-dataset: the rollout function brings its own prompts
-        if getattr(args, "prompt_data", None) is not None and getattr(args, "rollout_global_dataset", True):
+        if args.prompt_data is not None and args.rollout_global_dataset:
             tokenizer = load_tokenizer(args.hf_checkpoint)
             self.dataset = PromptDataset(train_prompt_spec(args), tokenizer)
-        seed = getattr(args, "rollout_seed", None)
-        self._seed = int(seed if seed is not None else getattr(args, "seed", 0))
-        self._shuffle = bool(getattr(args, "rollout_shuffle", False))
+        seed = args.rollout_seed
+        self._seed = int(seed if seed is not None else args.seed)
+        self._shuffle = bool(args.rollout_shuffle)
         self._order: tuple[int, list[int]] | None = None  # (epoch, order) cache
 
     def _epoch_order(self) -> list[int]:
@@ -373,7 +373,7 @@ class RolloutDataSource:
 
     def save(self, rollout_id: int) -> None:
         """Write the data state under --save (atomically, fsynced), so --load resumes with the next prompts."""
-        if not getattr(self.args, "save", None):
+        if not self.args.save:
             return
         state = self.state_dict()
         write_atomic(self.state_path(self.args.save, rollout_id), lambda handle: torch.save(state, handle))
@@ -381,7 +381,7 @@ class RolloutDataSource:
     def load(self, rollout_id: int | None = None) -> None:
         """The state saved after rollout `rollout_id` under --load; a missing file is an error unless
         --allow-fresh-data-position accepts starting from the first prompt."""
-        if not getattr(self.args, "load", None) or rollout_id is None:
+        if not self.args.load or rollout_id is None:
             return
         path = self.state_path(self.args.load, rollout_id)
         if saved_data_position(self.args, rollout_id):
@@ -401,7 +401,7 @@ def saved_data_position(args, rollout_id: int) -> bool:
     path = data_file(args.load, rollout_id)
     if os.path.exists(path):
         return True
-    if getattr(args, "allow_fresh_data_position", False):
+    if args.allow_fresh_data_position:
         return False
     raise FileNotFoundError(
         f"--load {args.load}: no data-source state at {path} (the position in --prompt-data after rollout "
@@ -436,13 +436,13 @@ class RolloutDataSourceWithBuffer(RolloutDataSource):
         super().__init__(args)
         self.buffer: list[list[Sample]] = []
         self.rollout_id: int | None = None  # set by the rollout manager before each rollout
-        path = getattr(args, "buffer_filter_path", None)
+        path = args.buffer_filter_path
         if path:
             from slime.utils.misc import load_function
 
             self.buffer_filter = load_function(path)
         else:
-            self.buffer_filter = pop_stalest if getattr(args, "buffer_sort_by_staleness", False) else pop_first
+            self.buffer_filter = pop_stalest if args.buffer_sort_by_staleness else pop_first
 
     def get_samples(self, num_prompts: int) -> list[list[Sample]]:
         taken = self.buffer_filter(self.args, self.rollout_id, self.buffer, num_prompts) if self.buffer else []

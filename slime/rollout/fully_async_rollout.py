@@ -111,7 +111,7 @@ class FullyAsyncGenerator:
         if not any(s.status == Sample.Status.ABORTED for s in flatten_groups(group)):
             self.ready.append(group)
             return
-        if getattr(self.args, "partial_rollout", False) and all(isinstance(s, Sample) for s in group):
+        if self.args.partial_rollout and all(isinstance(s, Sample) for s in group):
             self.data_source.add_samples([group])  # continues from its tokens
             self.requeued["continued"] += 1
         else:

@@ -49,12 +49,12 @@ class SamplingResult:
     def metrics(self, args) -> dict[str, float]:
         """The sampling metrics of the features that are on (dynamic filter, over-sampling, partial rollout)."""
         out: dict[str, float] = {}
-        if getattr(args, "dynamic_sampling_filter_path", None):
+        if args.dynamic_sampling_filter_path:
             out.update(self.drops.metrics())
-        if getattr(args, "dynamic_sampling_filter_path", None) or getattr(args, "over_sampling_batch_size", None):
+        if args.dynamic_sampling_filter_path or args.over_sampling_batch_size:
             out.update({"rollout/sampling/drawn_groups": float(self.drawn_groups),
                         "rollout/sampling/rounds": float(self.rounds)})
-        if getattr(args, "partial_rollout", False):
+        if args.partial_rollout:
             aborted = flatten_groups(self.aborted_groups)
             out.update({"rollout/partial/buffered_groups": float(len(self.aborted_groups)),
                         "rollout/partial/buffered_tokens": float(sum(s.response_length for s in aborted))})
@@ -76,8 +76,8 @@ class SamplingLoop:
         self.generate_group = generate_group
         self.state = state
         self.target = int(args.rollout_batch_size)
-        self.batch = int(getattr(args, "over_sampling_batch_size", None) or self.target)
-        path = getattr(args, "dynamic_sampling_filter_path", None)
+        self.batch = int(args.over_sampling_batch_size or self.target)
+        path = args.dynamic_sampling_filter_path
         self.filter = load_function(path) if path else None
 
     async def run(self, draw: Callable[[int], list[list[Sample]]], params: dict) -> SamplingResult:
@@ -132,7 +132,7 @@ class SamplingLoop:
         self.state.aborted = True
         if not pending:
             return []
-        if not getattr(self.args, "partial_rollout", False):
+        if not self.args.partial_rollout:
             await _cancel(pending)
             await abort_engines(self.args)  # nobody waits for those requests any more
             return []

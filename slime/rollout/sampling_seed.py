@@ -24,4 +24,4 @@ def seeded_params(args, params: dict[str, Any], rollout_id: int | None, sample_i
     """params with this sample's sampling_seed (unchanged when the sample has no index or a seed is set)."""
     if sample_index is None or params.get("sampling_seed") is not None:
         return params
-    return {**params, "sampling_seed": sample_seed(getattr(args, "seed", 1234), rollout_id, sample_index, evaluation)}
+    return {**params, "sampling_seed": sample_seed(args.seed, rollout_id, sample_index, evaluation)}

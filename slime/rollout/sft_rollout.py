@@ -28,7 +28,7 @@ def mask_generator(args) -> MultiTurnLossMaskGenerator:
     key = args.hf_checkpoint
     if key not in _generators:
         _generators[key] = MultiTurnLossMaskGenerator(
-            load_tokenizer(args.hf_checkpoint), tokenizer_type=getattr(args, "loss_mask_type", None),
+            load_tokenizer(args.hf_checkpoint), tokenizer_type=args.loss_mask_type,
             chat_template_kwargs=train_prompt_spec(args).chat_template_kwargs)
     return _generators[key]
 
@@ -62,7 +62,7 @@ def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = Fals
     for group in groups:
         for sample in group:
             conversation_sample(generator, sample)
-    if rollout_id == getattr(args, "start_rollout_id", 0) and groups:
+    if rollout_id == args.start_rollout_id and groups:
         first = groups[0][0]
         logger.info("sft rollout %d: %d conversations; the first has %d tokens, %d trained of its %d response tokens",
                     rollout_id, len(groups), len(first.tokens), sum(first.loss_mask), first.response_length)

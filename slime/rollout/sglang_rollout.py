@@ -92,18 +92,18 @@ _SAMPLING_FLAGS = {
 
 def _pick(args, name: str, evaluation: bool):
     rollout_dest, eval_dest = _SAMPLING_FLAGS[name]
-    value = getattr(args, eval_dest, None) if evaluation else None
-    return value if value is not None else getattr(args, rollout_dest, None)
+    value = getattr(args, eval_dest) if evaluation else None
+    return value if value is not None else getattr(args, rollout_dest)
 
 
 def sampling_params(args, evaluation: bool = False) -> dict[str, Any]:
     """SGLang sampling_params from --rollout-* flags (--eval-* overrides when evaluating)."""
     params = {
         **{name: _pick(args, name, evaluation) for name in _SAMPLING_FLAGS},
-        "min_new_tokens": getattr(args, "eval_min_new_tokens", None) if evaluation else None,
-        "stop": getattr(args, "rollout_stop", None),
-        "stop_token_ids": getattr(args, "rollout_stop_token_ids", None),
-        "skip_special_tokens": getattr(args, "rollout_skip_special_tokens", False),
+        "min_new_tokens": args.eval_min_new_tokens if evaluation else None,
+        "stop": args.rollout_stop,
+        "stop_token_ids": args.rollout_stop_token_ids,
+        "skip_special_tokens": args.rollout_skip_special_tokens,
         # keep the stop string in the text: the tokens we train on contain it
         "no_stop_trim": True,
         # spaces_between_special_tokens is left at SGLang's default: fast (Rust) tokenizers ignore it
@@ -125,7 +125,7 @@ def _budget(args, sample: Sample, params: dict) -> int | None:
     limits = []
     if params.get("max_new_tokens") is not None:
         limits.append(int(params["max_new_tokens"]) - sample.response_length)
-    context = getattr(args, "rollout_max_context_len", None)
+    context = args.rollout_max_context_len
     if context:
         limits.append(int(context) - len(sample.tokens))
     return min(limits) if limits else None
@@ -154,7 +154,7 @@ async def generate(args, sample: Sample, sampling_params: dict[str, Any]) -> Sam
     # rid: engines and the rollout's error reports name the sample an outstanding request belongs to
     payload = {"input_ids": sample.tokens, "sampling_params": params, "return_logprob": True,
                "rid": f"sample{sample.index}-{uuid.uuid4().hex[:8]}"}
-    if getattr(args, "use_rollout_routing_replay", False):
+    if args.use_rollout_routing_replay:
         payload["return_routed_experts"] = True
     output = await post(generate_url(args), payload, timeout_s=request_timeout(args))
     tokens, logprobs = _new_tokens_and_logprobs(output)
@@ -214,7 +214,7 @@ async def gather_or_cancel(coros) -> list:
 
 async def _call_generate(args, sample: Sample, params: dict, evaluation: bool) -> Sample | list[Sample]:
     # a function set on the sample wins over --custom-generate-function-path (upstream's order)
-    path = sample.generate_function_path or getattr(args, "custom_generate_function_path", None)
+    path = sample.generate_function_path or args.custom_generate_function_path
     fn = load_function(path) if path else generate
     # upstream passes `evaluation` only to functions that declare it
     if "evaluation" in inspect.signature(fn).parameters:
@@ -238,7 +238,7 @@ async def generate_and_rm(args, sample: Sample, sampling_params: dict, evaluatio
     are; aborted ones are returned unrewarded. With --group-rm the reward is given per group instead.
     """
     state = GenerateState(args)
-    if getattr(args, "partial_rollout", False) and getattr(args, "mask_offpolicy_in_partial_rollout", False) \
+    if args.partial_rollout and args.mask_offpolicy_in_partial_rollout \
             and sample.response_length > 0:
         sample.loss_mask = [0] * sample.response_length  # tokens of an earlier policy: not trained on
     if sample.status in (Sample.Status.COMPLETED, Sample.Status.TRUNCATED):
@@ -253,7 +253,7 @@ async def generate_and_rm(args, sample: Sample, sampling_params: dict, evaluatio
         result = await _call_generate(args, sample, params, evaluation)
     result = await apply_rollout_sample_hooks(args, result, rollout_id=rollout_id, evaluation=evaluation)
     samples = _as_list(result)
-    if getattr(args, "group_rm", False) or any(s.status == Sample.Status.ABORTED for s in samples):
+    if args.group_rm or any(s.status == Sample.Status.ABORTED for s in samples):
         return result
     for s in samples:
         if s.reward is None:  # a custom generate function may have rewarded it already
@@ -271,15 +271,15 @@ async def generate_and_rm_group(args, group: list[Sample], sampling_params: dict
             sample.session_id = uuid.uuid4().hex
     done = await gather_or_cancel(generate_and_rm(args, s, dict(sampling_params), evaluation) for s in group)
     flat = flatten_groups(done)
-    if getattr(args, "group_rm", False) and not any(s.status == Sample.Status.ABORTED for s in flat):
+    if args.group_rm and not any(s.status == Sample.Status.ABORTED for s in flat):
         for sample, reward in zip(flat, await batched_async_rm(args, flat), strict=True):
             sample.reward = reward
     return done
 
 
 def concurrency(args) -> int:
-    per_engine = getattr(args, "sglang_server_concurrency", None) or DEFAULT_SERVER_CONCURRENCY
-    engines = max(1, (getattr(args, "rollout_num_gpus", None) or 1) // (getattr(args, "rollout_num_gpus_per_engine", None) or 1))
+    per_engine = args.sglang_server_concurrency or DEFAULT_SERVER_CONCURRENCY
+    engines = max(1, (args.rollout_num_gpus or 1) // (args.rollout_num_gpus_per_engine or 1))
     return per_engine * engines
 
 
@@ -317,7 +317,7 @@ def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = Fals
     kept = result.kept_groups
     _apply_group_hooks(args, kept, result.all_groups, data_source)
     metrics = {**compute_rollout_metrics(args, flatten_groups(kept)), **result.metrics(args)}
-    say = logger.info if getattr(args, "verbose", False) else logger.debug  # else: the driver's rollout line
+    say = logger.info if args.verbose else logger.debug  # else: the driver's rollout line
     say("rollout %d: %d samples in %.1fs, raw reward %.3f, truncated %.2f", rollout_id,
         len(flatten_groups(kept)), time.monotonic() - start, metrics["rollout/raw_reward"],
         metrics["rollout/truncated_ratio"])
@@ -326,9 +326,9 @@ def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = Fals
 
 def _apply_group_hooks(args, kept: list[list[Sample]], every_group: list[list[Sample]], data_source) -> None:
     """--rollout-sample-filter-path (may set remove_sample), then --rollout-all-samples-process-path."""
-    if getattr(args, "rollout_sample_filter_path", None):
+    if args.rollout_sample_filter_path:
         load_function(args.rollout_sample_filter_path)(args, kept)
-    if getattr(args, "rollout_all_samples_process_path", None):
+    if args.rollout_all_samples_process_path:
         load_function(args.rollout_all_samples_process_path)(args, every_group, data_source)
 
 
@@ -343,7 +343,7 @@ def _eval_dataset(args, spec: PromptFileSpec) -> PromptDataset:
 
 
 def _eval_groups(args, dataset: PromptDataset, config: EvalDatasetSpec) -> list[list[Sample]]:
-    n = config.n_samples_per_eval_prompt or getattr(args, "n_samples_per_eval_prompt", None) or 1
+    n = config.n_samples_per_eval_prompt or args.n_samples_per_eval_prompt or 1
     groups = []
     for group_index, prompt in enumerate(dataset.samples):
         group = [copy.deepcopy(prompt) for _ in range(n)]
@@ -355,7 +355,7 @@ def _eval_groups(args, dataset: PromptDataset, config: EvalDatasetSpec) -> list[
 
 
 def _eval_reward(args, sample: Sample) -> float:
-    key = getattr(args, "eval_reward_key", None) or getattr(args, "reward_key", None)
+    key = args.eval_reward_key or args.reward_key
     return float(sample.reward[key] if key else sample.reward)
 
 

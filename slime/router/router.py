@@ -200,13 +200,13 @@ def router_command(args: Any, host: str, port: int, worker_urls: list[str],
                    listen_fd: int | None = None) -> tuple[str, list[str]]:
     """The router's command line. The slime router reads the run's key from its environment; sglang-router
     takes it in argv (`--api-key`: sent to the workers)."""
-    timeout = str(int(getattr(args, "sglang_router_request_timeout_secs", None) or 3600))
-    if getattr(args, "use_slime_router", False):
+    timeout = str(int(args.sglang_router_request_timeout_secs or 3600))
+    if args.use_slime_router:
         flags = ["--host", host, "--port", str(port), "--request-timeout-secs", timeout]
         flags += ["--listen-fd", str(listen_fd)] if listen_fd is not None else []
         flags += ["--worker-urls", *worker_urls] if worker_urls else []
         return "slime-router", python_module_command("slime.router.router", flags)
-    policy = getattr(args, "sglang_router_policy", None) or "round_robin"
+    policy = args.sglang_router_policy or "round_robin"
     flags = ["--host", host, "--port", str(port), "--policy", policy, "--request-timeout-secs", timeout]
     key = current_key()
     flags += ["--api-key", key.reveal()] if key is not None else []
@@ -223,9 +223,9 @@ def launch_router(
     The slime router is handed its socket already bound; sglang-router, which cannot take one, is started
     again on a fresh port if another process took its port first (a port the user set is kept).
     """
-    host = getattr(args, "sglang_router_ip", None) or "127.0.0.1"
-    given = int(getattr(args, "sglang_router_port", None) or 0)
-    if getattr(args, "use_slime_router", False):
+    host = args.sglang_router_ip or "127.0.0.1"
+    given = int(args.sglang_router_port or 0)
+    if args.use_slime_router:
         server, port = start_bound_server(
             "slime-router", lambda p, fd: router_command(args, host, p, worker_urls, listen_fd=fd)[1],
             host=host, port=given, log_dir=log_dir)

@@ -34,7 +34,7 @@ class RouterWorkers:
     @classmethod
     def for_args(cls, args) -> "RouterWorkers":
         """The router the rollout sends to (--sglang-router-ip/--sglang-router-port; --use-slime-router: ours)."""
-        kind = "slime-router" if getattr(args, "use_slime_router", False) else "sglang-router"
+        kind = "slime-router" if args.use_slime_router else "sglang-router"
         return cls(kind=kind, url=f"http://{args.sglang_router_ip}:{args.sglang_router_port}")
 
     def urls(self) -> list[str]:

@@ -55,6 +55,8 @@ import time
 from dataclasses import dataclass
 
 DEFAULT_NO_PROGRESS_S = 600.0
+# The flags DeadlineModel.from_args reads.
+DEADLINE_FLAGS = ("distributed_timeout_minutes", "fence_timeout")
 FIRST_SETUP_WINDOWS = 2
 FIRST_SETUP_EXTRA_S = 10.0
 GROUP_TIMEOUT_MARGIN_S = 30.0
@@ -75,8 +77,8 @@ class DeadlineModel:
 
     @classmethod
     def from_args(cls, args) -> "DeadlineModel":
-        minutes = getattr(args, "distributed_timeout_minutes", None)
-        return cls(no_progress_s=float(getattr(args, "fence_timeout", None) or DEFAULT_NO_PROGRESS_S),
+        minutes = args.distributed_timeout_minutes
+        return cls(no_progress_s=float(args.fence_timeout or DEFAULT_NO_PROGRESS_S),
                    group_timeout_s=60.0 * float(minutes) if minutes else None)
 
     @property
@@ -148,41 +150,39 @@ def rollout_timeout_s(*, samples: int, max_new_tokens: int, engines: int, concur
 
 
 def _max_new_tokens(args, evaluation: bool) -> int:
-    value = getattr(args, "eval_max_response_len", None) if evaluation else None
-    for candidate in (value, getattr(args, "rollout_max_response_len", None),
-                      getattr(args, "rollout_max_context_len", None)):
+    value = args.eval_max_response_len if evaluation else None
+    for candidate in (value, args.rollout_max_response_len, args.rollout_max_context_len):
         if candidate:
             return int(candidate)
     return DEFAULT_MAX_NEW_TOKENS
 
 
 def num_engines(args) -> int:
-    if getattr(args, "debug_train_only", False):
+    if args.debug_train_only:
         return 0
-    gpus = getattr(args, "rollout_num_gpus", None) or 1
-    return max(1, gpus // (getattr(args, "rollout_num_gpus_per_engine", None) or 1))
+    gpus = args.rollout_num_gpus or 1
+    return max(1, gpus // (args.rollout_num_gpus_per_engine or 1))
 
 
 def train_samples(args) -> int:
-    prompts = max(args.rollout_batch_size, getattr(args, "over_sampling_batch_size", None) or 0)
+    prompts = max(args.rollout_batch_size, args.over_sampling_batch_size or 0)
     return prompts * args.n_samples_per_prompt
 
 
 def rollout_deadline_s(args, *, evaluation: bool = False, eval_prompts: int = 0) -> float:
     """--rollout-timeout, or the default rule for a training rollout (or an eval of `eval_prompts` prompts)."""
-    if getattr(args, "rollout_timeout", None):
+    if args.rollout_timeout:
         return float(args.rollout_timeout)
-    samples = (eval_prompts * (getattr(args, "n_samples_per_eval_prompt", None) or 1) if evaluation
+    samples = (eval_prompts * (args.n_samples_per_eval_prompt or 1) if evaluation
                else train_samples(args))
     return rollout_timeout_s(samples=samples, max_new_tokens=_max_new_tokens(args, evaluation),
                              engines=num_engines(args),
-                             concurrency=getattr(args, "sglang_server_concurrency", None) or DEFAULT_CONCURRENCY)
+                             concurrency=args.sglang_server_concurrency or DEFAULT_CONCURRENCY)
 
 
 def rollout_driver_margin_s(args) -> float:
     """What the driver adds to the manager's deadline: the manager's report (engine probes) comes first."""
-    return ROLLOUT_DRIVER_EXTRA_S + 2 * float(getattr(args, "rollout_health_check_timeout", None)
-                                              or DEFAULT_HEALTH_CHECK_TIMEOUT_S)
+    return ROLLOUT_DRIVER_EXTRA_S + 2 * float(args.rollout_health_check_timeout or DEFAULT_HEALTH_CHECK_TIMEOUT_S)
 
 
 

@@ -397,7 +397,7 @@ class MegatronTrainActor:
 
 def log_prob_plan_args(args):
     """args whose token budget is --log-probs-max-tokens-per-gpu (args itself when that is the training budget)."""
-    budget = getattr(args, "log_probs_max_tokens_per_gpu", None)
+    budget = args.log_probs_max_tokens_per_gpu
     if not args.use_dynamic_batch_size or budget in (None, args.max_tokens_per_gpu):
         return args
     return argparse.Namespace(**{**vars(args), "max_tokens_per_gpu": budget})

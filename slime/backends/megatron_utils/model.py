@@ -34,6 +34,7 @@ from megatron.core.transformer.transformer_block import (  # noqa: E402
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig  # noqa: E402
 
 from slime.backends.megatron_utils import moe  # noqa: E402
+from slime.config import with_defaults  # noqa: E402
 from slime.models import fused_kernels  # noqa: E402
 from slime.models.registry import family_of  # noqa: E402
 from slime.models.sp_norm import SequenceParallelNorm  # noqa: E402
@@ -120,6 +121,16 @@ _ARCH_FLAGS = {
 }
 
 
+# The flags this module reads as args.flag. Tests and benchmarks build models with args built by hand, so the
+# entry points complete those with the parser's defaults (the _arg reads keep their own defaults).
+MODEL_FLAGS = ("model_name", "untie_embeddings_and_output_weights", "bf16", "sequence_parallel",
+               "calculate_per_token_loss", "recompute_granularity", "recompute_method", "recompute_num_layers",
+               "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "multi_latent_attention",
+               "fused_kernels", "transformer_impl", "spec", "custom_model_provider_path",
+               "accumulate_allreduce_grads_in_fp32", "use_distributed_optimizer", "only_train_params_name_list",
+               "freeze_params_name_list")
+
+
 def _check_against_args(arch: dict[str, Any], args: Namespace, flags: dict[str, str] = _ARCH_FLAGS) -> None:
     for dest, key in flags.items():
         given, value = getattr(args, dest, None), arch.get(key)
@@ -128,7 +139,7 @@ def _check_against_args(arch: dict[str, Any], args: Namespace, flags: dict[str, 
         same = abs(given - value) <= 1e-12 if isinstance(value, float) else given == value
         if not same:
             raise ValueError(f"--{dest.replace('_', '-')}={given} contradicts the HF config ({value})")
-    model_name = getattr(args, "model_name", None)
+    model_name = args.model_name
     if model_name and model_name.lower().removesuffix("_moe") != arch["model_type"]:
         raise ValueError(f"--model-name {model_name} contradicts the HF config (model_type {arch['model_type']})")
 
@@ -139,7 +150,7 @@ def _model_name(hf_config: Any) -> str:
 
 
 def _check_embedding_tying(hf_config: Any, args: Namespace) -> None:
-    if getattr(args, "untie_embeddings_and_output_weights", False) and getattr(hf_config, "tie_word_embeddings", False):
+    if args.untie_embeddings_and_output_weights and getattr(hf_config, "tie_word_embeddings", False):
         raise ValueError("--untie-embeddings-and-output-weights contradicts the HF config "
                          "(tie_word_embeddings=True)")
 
@@ -147,13 +158,14 @@ def _check_embedding_tying(hf_config: Any, args: Namespace) -> None:
 def transformer_config_from_hf(hf_config: Any, args: Namespace) -> TransformerConfig:
     """TransformerConfig for an HF config of a registered family (slime/models), with parallelism and
     training knobs from args. fp32 unless args.bf16 (CPU runs use fp32)."""
+    args = with_defaults(args, MODEL_FLAGS)
     arch = hf_architecture(hf_config)
     _check_against_args({**arch, "rotary_base": _rope_theta(hf_config), "model_type": _model_name(hf_config),
                          "rotary_percent": _rotary_percent(hf_config),
                          "post_norms": family_of(hf_config).post_norms}, args)
     _check_embedding_tying(hf_config, args)
     config_class, family_fields = _family_config(hf_config, args)
-    bf16 = bool(getattr(args, "bf16", False))
+    bf16 = bool(args.bf16)
     params_dtype = torch.bfloat16 if bf16 else torch.float32
     moe_fields = {"moe_token_dispatcher_type": "alltoall", **moe.moe_config_fields(hf_config, args)}
     return config_class(
@@ -168,9 +180,9 @@ def transformer_config_from_hf(hf_config: Any, args: Namespace) -> TransformerCo
         pipeline_model_parallel_size=_arg(args, "pipeline_model_parallel_size", 1),
         virtual_pipeline_model_parallel_size=getattr(args, "virtual_pipeline_model_parallel_size", None),
         context_parallel_size=_arg(args, "context_parallel_size", 1),
-        sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
+        sequence_parallel=bool(args.sequence_parallel),
         expert_model_parallel_size=_arg(args, "expert_model_parallel_size", 1),
-        calculate_per_token_loss=bool(getattr(args, "calculate_per_token_loss", False)),
+        calculate_per_token_loss=bool(args.calculate_per_token_loss),
         hidden_dropout=_arg(args, "hidden_dropout", 0.0),
         attention_dropout=_arg(args, "attention_dropout", getattr(hf_config, "attention_dropout", 0.0)),
         init_method_std=getattr(hf_config, "initializer_range", 0.02),
@@ -189,11 +201,11 @@ def transformer_config_from_hf(hf_config: Any, args: Namespace) -> TransformerCo
         # dynamic batches: PP p2p shapes differ per micro-batch (megatron's allgather dispatcher refuses
         # it; moe.py allows that dispatcher only where no rank pair exchanges shapes)
         variable_seq_lengths=moe_fields["moe_token_dispatcher_type"] == "alltoall",
-        recompute_granularity=getattr(args, "recompute_granularity", None),
-        recompute_method=getattr(args, "recompute_method", None),
-        recompute_num_layers=getattr(args, "recompute_num_layers", None),
-        num_layers_in_first_pipeline_stage=getattr(args, "decoder_first_pipeline_num_layers", None),
-        num_layers_in_last_pipeline_stage=getattr(args, "decoder_last_pipeline_num_layers", None),
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
+        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
     )
 
 
@@ -202,7 +214,7 @@ def _family_config(hf_config: Any, args: Namespace) -> tuple[type, dict[str, Any
     family = family_of(hf_config)
     fields = family.config_fields(hf_config)
     if not fields.get("multi_latent_attention", False):
-        if getattr(args, "multi_latent_attention", False):
+        if args.multi_latent_attention:
             raise ValueError(f"--multi-latent-attention contradicts the HF config (model_type "
                              f"{getattr(hf_config, 'model_type', '')}, no latent attention)")
         return TransformerConfig, fields
@@ -212,7 +224,8 @@ def _family_config(hf_config: Any, args: Namespace) -> tuple[type, dict[str, Any
 
 def fused_kernel_impl(args: Namespace) -> str:
     """"compile" or "eager": what --fused-kernels picks on this machine (slime/models/fused_kernels.py)."""
-    return fused_kernels.resolve(getattr(args, "fused_kernels", "auto"), "cuda" if torch.cuda.is_available() else "cpu")
+    choice = with_defaults(args, ("fused_kernels",)).fused_kernels
+    return fused_kernels.resolve(choice, "cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _use_transformer_engine(args: Namespace) -> bool:
@@ -221,7 +234,7 @@ def _use_transformer_engine(args: Namespace) -> bool:
     The local path is the one measured on GPUs (benchmarks/RESULTS.md); TransformerEngine's spec is opt-in
     until it has been measured too, even where TransformerEngine is installed (as in slime's own container).
     """
-    if getattr(args, "transformer_impl", None) != "transformer_engine":
+    if with_defaults(args, ("transformer_impl",)).transformer_impl != "transformer_engine":
         return False
     if not torch.cuda.is_available():
         raise RuntimeError("--transformer-impl transformer_engine needs CUDA; leave it unset on CPU (local spec)")
@@ -237,7 +250,7 @@ def _use_transformer_engine(args: Namespace) -> bool:
 
 def spec_function(args: Namespace, hf_config: Any) -> Callable[..., Any] | None:
     """The layer-spec plug-in: --spec MODULE FUNCTION, else the HF family's own (GLM-4's), else None."""
-    spec = getattr(args, "spec", None)
+    spec = with_defaults(args, ("spec",)).spec
     if spec:
         module, function = spec
         return getattr(importlib.import_module(module), function)
@@ -344,7 +357,7 @@ def model_provider_context() -> tuple[Namespace, Any]:
 
 def _model_provider(args: Namespace, hf_config: Any):
     """`provider(pre_process, post_process, vp_stage)`: --custom-model-provider-path, else build_gpt_model."""
-    path = getattr(args, "custom_model_provider_path", None)
+    path = with_defaults(args, ("custom_model_provider_path",)).custom_model_provider_path
     if path:
         from slime.utils.misc import load_function
 
@@ -370,9 +383,9 @@ def _build_model_chunks(args: Namespace, hf_config: Any) -> list[GPTModel]:
 
 def _wrap_ddp(args: Namespace, chunks: list[GPTModel]) -> list[DistributedDataParallel]:
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=bool(getattr(args, "accumulate_allreduce_grads_in_fp32", False)),
+        grad_reduce_in_fp32=bool(args.accumulate_allreduce_grads_in_fp32),
         overlap_grad_reduce=False,  # grads are reduced in finalize_model_grads, at a known place
-        use_distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
+        use_distributed_optimizer=bool(args.use_distributed_optimizer),
         check_for_nan_in_grad=False,
     )
     wrapped = []
@@ -402,7 +415,7 @@ def _optimizer_config(args: Namespace, config: TransformerConfig) -> OptimizerCo
         clip_grad=_arg(args, "clip_grad", 1.0),
         bf16=config.bf16,
         params_dtype=config.params_dtype,
-        use_distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
+        use_distributed_optimizer=bool(args.use_distributed_optimizer),
     )
 
 
@@ -456,10 +469,10 @@ def build_model_and_optimizer(args: Namespace, hf_config: Any):
     Needs init_model_parallel(args) first. finalize_model_grads is NOT installed on the config:
     the training step calls it once itself (with the per-token denominator when enabled).
     """
-    fused_kernels.configure(fused_kernel_impl(args))
+    flags = with_defaults(args, MODEL_FLAGS)  # args itself goes to the model providers
+    fused_kernels.configure(fused_kernel_impl(flags))
     chunks = _build_model_chunks(args, hf_config)
-    freeze_parameters(chunks, getattr(args, "only_train_params_name_list", None),
-                      getattr(args, "freeze_params_name_list", None))
-    model = _wrap_ddp(args, chunks)
-    optimizer = get_megatron_optimizer(_optimizer_config(args, chunks[0].config), model)
-    return model, optimizer, _lr_scheduler(args, optimizer)
+    freeze_parameters(chunks, flags.only_train_params_name_list, flags.freeze_params_name_list)
+    model = _wrap_ddp(flags, chunks)
+    optimizer = get_megatron_optimizer(_optimizer_config(flags, chunks[0].config), model)
+    return model, optimizer, _lr_scheduler(flags, optimizer)

@@ -19,6 +19,7 @@ from typing import Any, Iterator
 
 import torch
 
+from slime.config import with_defaults
 from slime.models.moe_arch import MoEArchitecture
 from slime.models.registry import family_of
 
@@ -38,6 +39,15 @@ _ARCH_TO_FLAG = {
     "num_groups": "moe_router_num_groups",
     "group_topk": "moe_router_group_topk",
 }
+
+# The flags this module reads as args.flag; its entry points complete args built by hand (tests, benchmarks)
+# with the parser's defaults for these.
+MOE_FLAGS = (*_ARCH_TO_FLAG.values(), "moe_layer_freq", "moe_router_enable_expert_bias", "moe_shared_expert_gate",
+             "moe_router_pre_softmax", "expert_model_parallel_size", "pipeline_model_parallel_size",
+             "moe_token_dispatcher_type", "moe_router_dtype", "moe_router_load_balancing_type", "moe_aux_loss_coeff",
+             "moe_z_loss_coeff", "moe_grouped_gemm", "moe_shared_expert_overlap", "moe_expert_capacity_factor",
+             "moe_token_drop_policy", "moe_pad_expert_input_to_capacity", "expert_tensor_parallel_size",
+             "moe_router_bias_update_rate", "use_routing_replay", "use_rollout_routing_replay", "moe_permute_fusion")
 
 
 def _eval_layer_freq(node: ast.AST) -> Any:
@@ -73,30 +83,30 @@ def _parse_layer_freq(value: Any, num_layers: int) -> list[int]:
 def check_moe_args(arch: MoEArchitecture, args: Namespace) -> None:
     """Flags the user passed must agree with the checkpoint; EP must divide the experts."""
     for field, dest in _ARCH_TO_FLAG.items():
-        given = getattr(args, dest, None)
+        given = getattr(args, dest)
         value = getattr(arch, field)
         if given is not None and not _same(given, value):
             raise MoEConfigError(
                 f"--{dest.replace('_', '-')} {given} does not match the HF checkpoint's config ({field}={value}); "
                 f"pass --{dest.replace('_', '-')} {value} or point --hf-checkpoint at a model with {given}")
-    freq = getattr(args, "moe_layer_freq", None)
+    freq = args.moe_layer_freq
     if freq is not None:
         if _parse_layer_freq(freq, arch.num_layers) != list(arch.layer_pattern):
             raise MoEConfigError(f"--moe-layer-freq {freq} does not match the HF config's MoE layers "
                                  f"{list(arch.layer_pattern)}; drop the flag or pass that list")
-    if getattr(args, "moe_router_enable_expert_bias", False) and not arch.expert_bias:
+    if args.moe_router_enable_expert_bias and not arch.expert_bias:
         raise MoEConfigError("--moe-router-enable-expert-bias adds a routing bias the HF model has no tensor for "
                              "(the engines would route without it); drop the flag")
-    if getattr(args, "moe_shared_expert_gate", False) and not arch.shared_expert_gate:
+    if args.moe_shared_expert_gate and not arch.shared_expert_gate:
         raise MoEConfigError("--moe-shared-expert-gate asks for a gated shared expert, the HF checkpoint has none; "
                              "drop the flag")
-    if getattr(args, "moe_router_pre_softmax", False) and arch.score_function == "sigmoid":
+    if args.moe_router_pre_softmax and arch.score_function == "sigmoid":
         warnings.warn("--moe-router-pre-softmax has no effect with the sigmoid router (megatron-core reads it for "
                       "softmax scores only); the HF config's routing is used", stacklevel=2)
-    if getattr(args, "moe_router_pre_softmax", False) and arch.score_function == "softmax" and arch.norm_topk_prob:
+    if args.moe_router_pre_softmax and arch.score_function == "softmax" and arch.norm_topk_prob:
         raise MoEConfigError("--moe-router-pre-softmax keeps the top-k weights unnormalised, the HF config "
                              "renormalises them (norm_topk_prob=true); drop the flag")
-    ep = int(getattr(args, "expert_model_parallel_size", 1) or 1)
+    ep = int(args.expert_model_parallel_size or 1)
     if arch.num_experts % ep:
         raise MoEConfigError(f"--expert-model-parallel-size {ep} does not divide the checkpoint's "
                              f"{arch.num_experts} experts; use a divisor of {arch.num_experts}")
@@ -126,21 +136,22 @@ def _router_fields(arch: MoEArchitecture) -> dict[str, Any]:
 
 def moe_config_fields(hf_config: Any, args: Namespace) -> dict[str, Any]:
     """TransformerConfig fields of an MoE HF config (empty for a dense one)."""
+    args = with_defaults(args, MOE_FLAGS)  # the model builder also takes args built by hand (tests, benchmarks)
     arch = family_of(hf_config).moe(hf_config)
     if arch is None:
         if routing_replay_enabled(args):
             raise MoEConfigError("--use-routing-replay / --use-rollout-routing-replay replay MoE routes, and the "
                                  "HF checkpoint is dense; drop the flag or point --hf-checkpoint at an MoE model")
-        if getattr(args, "num_experts", None):
+        if args.num_experts:
             raise MoEConfigError(f"--num-experts {args.num_experts} is set but the HF checkpoint is dense "
                                  f"(model_type {getattr(hf_config, 'model_type', '?')}); drop --num-experts or "
                                  "point --hf-checkpoint at an MoE model")
         return {}
     check_moe_args(arch, args)
-    dispatcher = getattr(args, "moe_token_dispatcher_type", None) or "alltoall"
+    dispatcher = args.moe_token_dispatcher_type or "alltoall"
     if dispatcher == "flex":
         raise MoEConfigError("--moe-token-dispatcher-type flex needs DeepEP (CUDA); use alltoall or allgather")
-    ep, pp = (int(getattr(args, k, 1) or 1) for k in ("expert_model_parallel_size", "pipeline_model_parallel_size"))
+    ep, pp = int(args.expert_model_parallel_size or 1), int(args.pipeline_model_parallel_size or 1)
     if dispatcher == "allgather" and (ep > 1 or pp > 1):
         raise MoEConfigError("--moe-token-dispatcher-type allgather needs equal token counts on the ranks it "
                              "gathers over, which dynamic batches do not give under EP > 1 or PP > 1; use "
@@ -152,32 +163,32 @@ def moe_config_fields(hf_config: Any, args: Namespace) -> dict[str, Any]:
         moe_layer_freq=list(arch.layer_pattern),
         **_router_fields(arch),
         moe_router_bias_update_rate=_bias_update_rate(args),
-        moe_router_dtype=getattr(args, "moe_router_dtype", None),
-        moe_router_load_balancing_type=getattr(args, "moe_router_load_balancing_type", None) or "aux_loss",
-        moe_aux_loss_coeff=float(getattr(args, "moe_aux_loss_coeff", None) or 0.0),
-        moe_z_loss_coeff=getattr(args, "moe_z_loss_coeff", None),
+        moe_router_dtype=args.moe_router_dtype,
+        moe_router_load_balancing_type=args.moe_router_load_balancing_type or "aux_loss",
+        moe_aux_loss_coeff=float(args.moe_aux_loss_coeff or 0.0),
+        moe_z_loss_coeff=args.moe_z_loss_coeff,
         moe_token_dispatcher_type=dispatcher,
-        moe_grouped_gemm=grouped_gemm_available() and bool(getattr(args, "moe_grouped_gemm", False)),
+        moe_grouped_gemm=grouped_gemm_available() and bool(args.moe_grouped_gemm),
         moe_permute_fusion=False,  # the fused kernels are TransformerEngine's; see warn_unavailable_kernels
         moe_shared_expert_intermediate_size=arch.shared_expert_intermediate_size,
         moe_shared_expert_gate=arch.shared_expert_gate,
-        moe_shared_expert_overlap=bool(getattr(args, "moe_shared_expert_overlap", False)),
-        moe_expert_capacity_factor=getattr(args, "moe_expert_capacity_factor", None),
-        moe_token_drop_policy=getattr(args, "moe_token_drop_policy", None) or "probs",
-        moe_pad_expert_input_to_capacity=bool(getattr(args, "moe_pad_expert_input_to_capacity", False)),
+        moe_shared_expert_overlap=bool(args.moe_shared_expert_overlap),
+        moe_expert_capacity_factor=args.moe_expert_capacity_factor,
+        moe_token_drop_policy=args.moe_token_drop_policy or "probs",
+        moe_pad_expert_input_to_capacity=bool(args.moe_pad_expert_input_to_capacity),
         moe_enable_routing_replay=routing_replay_enabled(args),
-        expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None),
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
     )
 
 
 def _bias_update_rate(args: Namespace) -> float:
     """--moe-router-bias-update-rate (megatron's default 1e-3 when not given; 0 keeps the HF bias fixed)."""
-    rate = getattr(args, "moe_router_bias_update_rate", None)
+    rate = args.moe_router_bias_update_rate
     return 1e-3 if rate is None else float(rate)
 
 
 def routing_replay_enabled(args: Namespace) -> bool:
-    return bool(getattr(args, "use_routing_replay", False) or getattr(args, "use_rollout_routing_replay", False))
+    return bool(args.use_routing_replay or args.use_rollout_routing_replay)
 
 
 def grouped_gemm_available() -> bool:
@@ -193,10 +204,11 @@ def grouped_gemm_available() -> bool:
 
 def warn_unavailable_kernels(args: Namespace) -> None:
     """--moe-grouped-gemm / --moe-permute-fusion ask for fused kernels; the maths is the same without them."""
-    if getattr(args, "moe_grouped_gemm", False) and not grouped_gemm_available():
+    args = with_defaults(args, ("moe_grouped_gemm", "moe_permute_fusion"))
+    if args.moe_grouped_gemm and not grouped_gemm_available():
         warnings.warn("--moe-grouped-gemm: grouped GEMM needs TransformerEngine on CUDA; experts run one "
                       "GEMM each (SequentialMLP), same results", stacklevel=2)
-    if getattr(args, "moe_permute_fusion", False):
+    if args.moe_permute_fusion:
         warnings.warn("--moe-permute-fusion: the fused permutation kernel is TransformerEngine's and is not "
                       "used here; tokens are permuted with torch ops, same results", stacklevel=2)
 

@@ -13,13 +13,18 @@ from argparse import Namespace
 import torch
 import torch.distributed as dist
 
+from slime.config import with_defaults
 from slime.distributed.communicator_config import world_group_options
-from slime.utils.deadlines import DeadlineModel
+from slime.utils.deadlines import DEADLINE_FLAGS, DeadlineModel
+
+# The flags this module reads; tests and benchmarks bring ranks up with args built by hand, so its entry points
+# complete them with the parser's defaults.
+PARALLEL_FLAGS = (*DEADLINE_FLAGS, "distributed_backend", "single_rank_group_max_ctas", "seed")
 
 
 def _timeout(args: Namespace) -> datetime.timedelta:
     """The world group's timeout: the process-group timeout, above every watchdog window."""
-    return datetime.timedelta(seconds=DeadlineModel.from_args(args).group_timeout)
+    return datetime.timedelta(seconds=DeadlineModel.from_args(with_defaults(args, DEADLINE_FLAGS)).group_timeout)
 
 
 def host_rendezvous(args: Namespace, world_size: int, host: str) -> dist.TCPStore:
@@ -52,7 +57,8 @@ def init_distributed(
     """
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialized")
-    backend = backend or (getattr(args, "distributed_backend", None) or "nccl" if torch.cuda.is_available() else "gloo")
+    args = with_defaults(args, PARALLEL_FLAGS)
+    backend = backend or (args.distributed_backend or "nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         # LOCAL_RANK: the device of the rank's Ray bundle (slime/ray/driver/placement.py), or torchrun's;
         # without either, ranks share a host's GPUs in rank order.
@@ -60,7 +66,7 @@ def init_distributed(
     rendezvous = {"store": store} if store is not None else {"init_method": f"tcp://{master_addr}:{master_port}"}
     options = None
     if backend == "nccl":  # a world of one rank: one NCCL channel (slime/distributed/communicator_config.py)
-        options = world_group_options(world_size, int(getattr(args, "single_rank_group_max_ctas", 1)))
+        options = world_group_options(world_size, int(args.single_rank_group_max_ctas))
     dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=_timeout(args),
                             pg_options=options, **rendezvous)
 
@@ -88,4 +94,4 @@ def seed_model_parallel(args: Namespace) -> None:
     """
     from megatron.core import tensor_parallel
 
-    tensor_parallel.model_parallel_cuda_manual_seed(getattr(args, "seed", 1234))
+    tensor_parallel.model_parallel_cuda_manual_seed(with_defaults(args, ("seed",)).seed)

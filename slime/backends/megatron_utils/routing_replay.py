@@ -28,9 +28,9 @@ class RoutingReplayError(RuntimeError):
 
 
 def replay_mode(args: Any) -> str | None:
-    if getattr(args, "use_rollout_routing_replay", False):
+    if args.use_rollout_routing_replay:
         return "rollout"
-    if getattr(args, "use_routing_replay", False):
+    if args.use_routing_replay:
         return "recorded"
     return None
 
@@ -106,7 +106,7 @@ class RouteReplayer:
         self.layout = dict(cp_size=mpu.get_context_parallel_world_size(), cp_rank=mpu.get_context_parallel_rank(),
                            tp_size=mpu.get_tensor_model_parallel_world_size(),
                            tp_rank=mpu.get_tensor_model_parallel_rank(),
-                           sequence_parallel=bool(getattr(args, "sequence_parallel", False)))
+                           sequence_parallel=bool(args.sequence_parallel))
         if self.mode == "recorded" and not training:
             RouteReplayer._recorded.clear()  # a new old-policy pass: the previous rollout's routes are stale
 

@@ -236,9 +236,9 @@ class WeightSync:
             raise ValueError(f"engine kind {self.engine_kind!r}; expected one of {ENGINE_KINDS}")
         self.transport_kind = transport or choose_transport(args)
         self.weight_source = weight_source
-        self.engine_tp_size = int(getattr(args, "rollout_num_gpus_per_engine", 1) or 1)
-        self.bucket_bytes = int(getattr(args, "update_weight_buffer_size", None) or DEFAULT_BUCKET_BYTES)
-        self.timeout_s = float(getattr(args, "fence_timeout", None) or 600.0)
+        self.engine_tp_size = int(args.rollout_num_gpus_per_engine or 1)
+        self.bucket_bytes = int(args.update_weight_buffer_size or DEFAULT_BUCKET_BYTES)
+        self.timeout_s = float(args.fence_timeout or 600.0)
         # An engine call never outlives the watchdog deadline of the phase it runs in.
         self.timeouts = timeouts or ClientTimeouts(control=min(30.0, self.timeout_s), generate=self.timeout_s,
                                                    weight_update=self.timeout_s, memory=self.timeout_s)

@@ -48,9 +48,9 @@ WEIGHT_UPDATE_GROUP = "slime_weight_update"
 
 def choose_transport(args: Any) -> str:
     """'tensor' for colocated engines, 'distributed' for engines elsewhere (upstream's choice)."""
-    if getattr(args, "update_weight_transport", "nccl") != "nccl":
+    if args.update_weight_transport != "nccl":
         raise ValueError(f"--update-weight-transport {args.update_weight_transport!r} is not implemented; use nccl")
-    return "tensor" if getattr(args, "colocate", False) else "distributed"
+    return "tensor" if args.colocate else "distributed"
 
 
 # ----------------------------------------------------------------------------- payloads

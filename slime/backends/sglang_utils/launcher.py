@@ -18,6 +18,7 @@ from slime.utils.server_process import (
     start_server_process,
 )
 from slime.backends.sglang_utils.server_args import has_option, render_server_flags
+from slime.config import with_defaults
 from slime.config.engine import ROLLOUT_BACKENDS, pick_rollout_backend  # noqa: F401 (pick_rollout_backend: re-exported)
 from slime.utils.ports import find_free_port, retry_port_clash
 from slime.utils.security import current_key, request_limit
@@ -69,6 +70,13 @@ def gpu_id_layout(gpu_ids: Sequence[int]) -> tuple[int, int]:
     return gpu_ids[0], step
 
 
+# The flags this module reads. Tests and benchmarks launch engines with args built by hand, so the entry points
+# complete them with the parser's defaults.
+LAUNCH_FLAGS = ("rollout_num_gpus_per_engine", "num_gpus_per_node", "seed", "offload_rollout",
+                "sglang_mem_fraction_static", "update_weight_buffer_size", "bf16", "fence_timeout",
+                "train_backend_device")
+
+
 def sglang_server_args_for_engine(args: Any, engine_rank: int, gpu_ids: Sequence[int] | None = None, *,
                                   parser: argparse.ArgumentParser | None = None) -> dict[str, Any]:
     """ServerArgs fields for one engine: slime-derived ones, then the user's --sglang-* passthrough.
@@ -77,24 +85,25 @@ def sglang_server_args_for_engine(args: Any, engine_rank: int, gpu_ids: Sequence
     without them, engines are assumed to fill each node's GPUs in rank order. `parser` (SGLang's
     launch parser) lets fields that only some SGLang versions have be set where they exist.
     """
-    gpus_per_engine = int(getattr(args, "rollout_num_gpus_per_engine", 1))
-    gpus_per_node = int(getattr(args, "num_gpus_per_node", 8))
+    args = with_defaults(args, LAUNCH_FLAGS)
+    gpus_per_engine = int(args.rollout_num_gpus_per_engine)
+    gpus_per_node = int(args.num_gpus_per_node)
     base, step = gpu_id_layout(gpu_ids) if gpu_ids else ((engine_rank * gpus_per_engine) % gpus_per_node, 1)
     derived: dict[str, Any] = {
         "tp_size": gpus_per_engine,
         "base_gpu_id": base,
         "trust_remote_code": True,
-        "random_seed": int(getattr(args, "seed", 1234)) + engine_rank,
+        "random_seed": int(args.seed) + engine_rank,
         "skip_server_warmup": True,
     }
     if step != 1:
         derived["gpu_id_step"] = step
-    memory_saver = bool(getattr(args, "offload_rollout", False))
+    memory_saver = bool(args.offload_rollout)
     if memory_saver:
         derived["enable_memory_saver"] = True
         if parser is not None and has_option(parser, "--cuda-graph-backend-prefill"):
             derived["cuda_graph_backend_prefill"] = "disabled"  # prefill graphs are not memory-saver aware
-    if getattr(args, "sglang_mem_fraction_static", None) is not None:
+    if args.sglang_mem_fraction_static is not None:
         derived["mem_fraction_static"] = args.sglang_mem_fraction_static
     passthrough = dict(getattr(args, "sglang_server_args", None) or {})  # validated by parse_args
     return {**derived, **passthrough}
@@ -121,25 +130,26 @@ def build_embedded_command(args: Any, engine_rank: int, host: str, port: int, mo
                            gpu_ids: Sequence[int] | None = None, *, listen_fd: int | None = None) -> list[str]:
     """The embedded engine's command; `listen_fd`: a listening socket it inherits (then `port` is that
     socket's). Its key comes from the environment ($SLIME_API_KEY), never from argv."""
+    args = with_defaults(args, LAUNCH_FLAGS)
     flags = ["--model-path", model_path, "--host", host, "--port", str(port)]
     flags += ["--listen-fd", str(listen_fd)] if listen_fd is not None else []
-    flags += ["--max-request-bytes", str(request_limit(getattr(args, "update_weight_buffer_size", None)))]
-    flags += ["--seed", str(int(getattr(args, "seed", 1234)) + engine_rank)]
-    flags += ["--dtype", "bfloat16" if getattr(args, "bf16", False) else "float32"]  # the trainer's precision
+    flags += ["--max-request-bytes", str(request_limit(args.update_weight_buffer_size))]
+    flags += ["--seed", str(int(args.seed) + engine_rank)]
+    flags += ["--dtype", "bfloat16" if args.bf16 else "float32"]  # the trainer's precision
     if _on_gpus(args):  # the embedded engine on CUDA: its GPU
         gpu = sglang_server_args_for_engine(args, engine_rank, gpu_ids)["base_gpu_id"]
         flags += ["--device", f"cuda:{gpu}"]
     threads = getattr(args, "embedded_engine_num_threads", None)
     if threads:
         flags += ["--num-threads", str(threads)]
-    flags += ["--weight-update-timeout", str(float(getattr(args, "fence_timeout", None) or 600.0))]
+    flags += ["--weight-update-timeout", str(float(args.fence_timeout or 600.0))]
     return python_module_command("slime.backends.embedded_engine.server", flags)
 
 
 def _on_gpus(args: Any) -> bool:
     import torch
 
-    return getattr(args, "train_backend_device", "auto") != "cpu" and torch.cuda.is_available()
+    return args.train_backend_device != "cpu" and torch.cuda.is_available()
 
 
 def launch_engine(

@@ -10,7 +10,7 @@ def check_alternating_args(args) -> None:
     """train.py pushes after every rollout: a longer interval is train_async.py's."""
     from slime.config.errors import ArgumentValidationError
 
-    if getattr(args, "update_weights_interval", 1) != 1:
+    if args.update_weights_interval != 1:
         raise ArgumentValidationError(f"--update-weights-interval {args.update_weights_interval} is train_async.py's: "
                                       "train.py pushes the weights after every rollout (drop the flag, or run "
                                       "train_async.py)")
@@ -20,7 +20,7 @@ def eval_due(args, rollout_id: int, *, before_train: bool) -> bool:
     if not args.eval_interval or not args.eval_prompt_data or args.debug_train_only:
         return False
     if before_train:
-        return rollout_id == 0 and not getattr(args, "skip_eval_before_train", False)
+        return rollout_id == 0 and not args.skip_eval_before_train
     return (rollout_id + 1) % args.eval_interval == 0 or rollout_id + 1 == args.num_rollout
 
 

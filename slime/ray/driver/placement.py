@@ -277,7 +277,7 @@ def probe_bundle() -> tuple[str, str, str | None]:
 def use_gpus(args) -> bool:
     import torch
 
-    return getattr(args, "train_backend_device", "auto") != "cpu" and torch.cuda.is_available()
+    return args.train_backend_device != "cpu" and torch.cuda.is_available()
 
 
 def create_placement(args, *, use_gpu: bool | None = None, timeout_s: float = PLACEMENT_S) -> Placement:
@@ -295,12 +295,12 @@ def create_placement(args, *, use_gpu: bool | None = None, timeout_s: float = PL
     layout = plan_layout(infos, trainer_ranks=trainer_ranks(args), num_engines=num_engines(args),
                          gpus_per_engine=args.rollout_num_gpus_per_engine, colocate=args.colocate)
     driver_node = ray.get_runtime_context().get_node_id()
-    check_engine_bind_host(getattr(args, "engine_bind_host", None), layout, driver_node)
+    check_engine_bind_host(args.engine_bind_host, layout, driver_node)
     # Read by every server the run starts (engines, router, rendezvous): loopback on one node.
     args.spans_nodes = node_count(layout, driver_node) > 1
     placement = Placement(group=group, use_gpu=use_gpu, layout=layout)
     # every bundle with --verbose; else stdout's placement line sums it up
-    where = ":\n  " + "\n  ".join(placement.describe()) if getattr(args, "verbose", False) else ""
+    where = ":\n  " + "\n  ".join(placement.describe()) if args.verbose else ""
     logger.info("placement of %d bundles over %d node(s)%s", count, len({b.node_id for b in infos}), where)
     return placement
 

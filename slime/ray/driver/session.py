@@ -62,7 +62,7 @@ class RunSession:
 
     def __enter__(self) -> "RunSession":
         args = self.args
-        if getattr(args, "start_rollout_id", None) is None:  # --start-rollout-id wins over --load's position
+        if args.start_rollout_id is None:  # --start-rollout-id wins over --load's position
             args.start_rollout_id = resume_rollout_id(args)
         resolve_ledger_dir(args)
         self.console = announce_start(args)  # stdout: what starts, each slow start-up step, then a line per rollout
@@ -197,7 +197,7 @@ def resume_rollout_id(args) -> int:
     from slime.checkpoint.contents import latest_iteration
 
     last = latest_iteration(args.load) if args.load else None
-    start = 0 if last is None or getattr(args, "finetune", False) else last + 1
+    start = 0 if last is None or args.finetune else last + 1
     if start > 0:
         check_data_position(args, start - 1)
     return start
@@ -209,5 +209,5 @@ def check_data_position(args, rollout_id: int) -> None:
     from slime.rollout.data_source import saved_data_position
     from slime.config.constants import DEFAULT_DATA_SOURCE_PATH
 
-    if getattr(args, "data_source_path", DEFAULT_DATA_SOURCE_PATH) == DEFAULT_DATA_SOURCE_PATH:
+    if args.data_source_path == DEFAULT_DATA_SOURCE_PATH:
         saved_data_position(args, rollout_id)

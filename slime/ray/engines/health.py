@@ -40,10 +40,10 @@ class HealthConfig:
 
     @classmethod
     def from_args(cls, args) -> "HealthConfig":
-        return cls(fault_tolerant=bool(getattr(args, "use_fault_tolerance", False)),
-                   interval_s=float(getattr(args, "rollout_health_check_interval", 10.0)),
-                   timeout_s=float(getattr(args, "rollout_health_check_timeout", DEFAULT_HEALTH_CHECK_TIMEOUT_S)),
-                   first_wait_s=float(getattr(args, "rollout_health_check_first_wait", 300.0)))
+        return cls(fault_tolerant=bool(args.use_fault_tolerance),
+                   interval_s=float(args.rollout_health_check_interval),
+                   timeout_s=float(args.rollout_health_check_timeout),
+                   first_wait_s=float(args.rollout_health_check_first_wait))
 
 
 def probe_health(url: str, timeout_s: float, path: str = "/health_generate") -> str | None:

@@ -73,7 +73,7 @@ class TrainRayActor:
         self.actor = None
         self._store = None  # rank 0: the rendezvous store it hosts
         use_key(args.api_key)  # weight pushes reach the engines with the run's key
-        if rank != 0 and not getattr(args, "verbose", False):
+        if rank != 0 and not args.verbose:
             quiet_library_warnings()
         # On GPU bundles the rank sees the whole node (placement.py says why) and trains on its
         # bundle's GPU; init_distributed makes LOCAL_RANK the current device.
