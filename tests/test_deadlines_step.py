@@ -25,10 +25,9 @@ def _child(rank, world, hf_dir, ledger_dir):
     import copy
     import time
 
-    from train_step_harness import plans_for_this_rank
     from slime.backends.megatron_utils.train_step import compute_log_probs, train_one_step
     from slime.distributed import HangError, Ledger, Watchdog
-    from train_step_harness import build_loaded_model, layout_args, make_rollout
+    from train_step_harness import build_loaded_model, layout_args, make_rollout, plans_for_this_rank
 
     args = layout_args({}, max_tokens_per_gpu=24, fence_timeout=WINDOW_S)
     model, optimizer, scheduler = build_loaded_model(args, hf_dir)
