@@ -166,25 +166,52 @@ def test_spec_plugin_signatures_and_result_types():
 # ------------------------------------------------------------------ DeepSeek-V3 MoE layers
 
 
+# The sigmoid-router MoE families: a tiny checkpoint of each by transformers' own class, with the tokenizer of the
+# project's tiny checkpoint (the embedded engine serves it).
+MOE_CHECKPOINTS = {"deepseek_v3": "save_tiny_deepseek_v3_moe", "glm4_moe": "save_tiny_glm4_moe",
+                   "glm4_moe_lite": "save_tiny_glm4_moe_lite", "minimax_m2": "save_tiny_minimax_m2"}
+MOE_ARCHITECTURES = {"deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
+                     "glm4_moe_lite": "Glm4MoeLiteForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM"}
+MOE_LAYOUTS = {
+    "tp2_sp_ep2": dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=2),
+    "tp2_sp_cp2_ep2": dict(tensor_model_parallel_size=2, sequence_parallel=True, context_parallel_size=2,
+                           expert_model_parallel_size=2),
+}
+MOE_TRAINING = dict(expert_tensor_parallel_size=1, calculate_per_token_loss=True, lr=1e-3,
+                    moe_router_bias_update_rate=0.05)
+
+
 @pytest.fixture(scope="module")
-def dsmoe_assets(tmp_path_factory):
+def moe_assets(tmp_path_factory):
+    """family -> (checkpoint dir, rollout), made on first use."""
+    import tiny_models
     from slime.tools.tiny_checkpoint import TinyQwen3Spec, write_tiny_checkpoint
-    from tiny_models import replace_model, save_tiny_deepseek_v3_moe
+    from tiny_models import replace_model
     from train_step_harness import make_rollout
 
-    checkpoint = write_tiny_checkpoint(tmp_path_factory.mktemp("dsmoe") / "m", TinyQwen3Spec(alphabet="0123456789"))
-    replace_model(checkpoint, save_tiny_deepseek_v3_moe)
-    vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
-    return str(checkpoint), make_rollout(num_samples=4, seed=2, vocab=vocab, max_len=20)
+    made = {}
+
+    def assets(family):
+        if family not in made:
+            checkpoint = write_tiny_checkpoint(tmp_path_factory.mktemp(family) / "m", TinyQwen3Spec(alphabet="0123456789"))
+            replace_model(checkpoint, getattr(tiny_models, MOE_CHECKPOINTS[family]))
+            vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
+            made[family] = str(checkpoint), make_rollout(num_samples=4, seed=2, vocab=vocab, max_len=20)
+        return made[family]
+
+    return assets
 
 
-def _dsmoe_child(rank, world, hf_dir, data, layout):
+def _moe_child(rank, world, ledger_dir, hf_dir, data, layout):
+    """Load, log-probs, one training step, log-probs again and the export, with every collective of the step in
+    a ledger that records the whole sequence (the order proof's input)."""
     from transformers import AutoConfig
 
-    from train_step_harness import plans_for_this_rank
     from slime.backends.megatron_utils.train_step import compute_log_probs, train_one_step
+    from slime.distributed.instrument import instrument_collectives, uninstrument_collectives
+    from slime.distributed.ledger import Ledger
     from slime_plugins.models.hf_weights import export_hf_weights
-    from train_step_harness import build_loaded_model, layout_args
+    from train_step_harness import build_loaded_model, layout_args, plans_for_this_rank
 
     args = layout_args(layout)
     hf_config = AutoConfig.from_pretrained(hf_dir)
@@ -193,12 +220,20 @@ def _dsmoe_child(rank, world, hf_dir, data, layout):
     (plan,) = plans_for_this_rank(data, args)
     before = compute_log_probs(model, data, plan, args)
     data = dict(data, log_probs=before, ref_log_probs=before, rollout_log_probs=before)
-    step = train_one_step(model, optimizer, scheduler, data, plan, args)
+    ledger = Ledger(rank, world, ledger_dir, record_sequence=True)
+    instrument_collectives(ledger)
+    try:
+        with ledger.phase("actor_train"):
+            step = train_one_step(model, optimizer, scheduler, data, plan, args)
+    finally:
+        uninstrument_collectives()
+        ledger.close()
     after = compute_log_probs(model, data, plan, args)
     trained = {name: tensor.clone() for name, tensor in export_hf_weights(model, hf_config)}
     # --save / --load write and read the model's sharded state dict: the bias megatron moved is in it
     saved = [key for chunk in model for key in chunk.module.sharded_state_dict() if key.endswith("router.expert_bias")]
-    return dict(loaded=loaded, trained=trained, before=before, after=after, skipped=step.skipped, saved=saved)
+    return dict(loaded=loaded, trained=trained, before=before, after=after, skipped=step.skipped, saved=saved,
+                loss=step.loss, grad_norm=step.grad_norm)
 
 
 def _engine_log_probs(engine, data) -> list[list[float]]:
@@ -213,30 +248,58 @@ def _engine_log_probs(engine, data) -> list[list[float]]:
     return [[lp for lp, _ in r.input_logprobs[-n:]] for r, n in zip(results, data["response_lengths"])]
 
 
+def _bias_names(hf_dir):
+    """(megatron expert-bias buffers, the first MoE layer's HF routing-bias name) of a checkpoint."""
+    from transformers import AutoConfig
+
+    from slime.models import family_of
+    from slime.models.moe_hf import family_moe_names
+
+    hf_config = AutoConfig.from_pretrained(hf_dir)
+    arch = family_of(hf_config).moe(hf_config)
+    layers = [i for i, moe in enumerate(arch.layer_pattern) if moe]
+    (bias,) = family_moe_names("mlp.router.expert_bias", f"model.layers.{layers[0]}.", None, arch)
+    return [f"decoder.layers.{i}.mlp.router.expert_bias" for i in layers], bias
+
+
 @pytest.mark.timeout(300)
-def test_deepseek_v3_moe_round_trips_trains_and_pushes_under_tp2_sp_ep2(dsmoe_assets):
+@pytest.mark.parametrize("family, layout", [("deepseek_v3", "tp2_sp_ep2"), ("glm4_moe", "tp2_sp_cp2_ep2"),
+                                            ("glm4_moe_lite", "tp2_sp_ep2"), ("minimax_m2", "tp2_sp_ep2")])
+def test_moe_family_round_trips_trains_and_pushes_under_ep(moe_assets, family, layout, tmp_path):
+    """HF -> megatron -> HF bit-exact under TP2 x SP x EP2 (x CP2), the engine's (transformers') log-probs, one
+    fenced step whose recorded collectives pass the order proof and that moves the routing bias, and a push that
+    gives the engine the trainer's new log-probs. For the newer families the step equals the single process's."""
     from safetensors.torch import load_file
 
     from slime.backends.embedded_engine.engine import EmbeddedEngine, GenerationRequest
     from slime.backends.embedded_engine.sampling import SamplingParams
+    from slime.distributed.order_proof import check_order, read_sequences
 
-    hf_dir, data = dsmoe_assets
-    layout = dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=2,
-                  expert_tensor_parallel_size=1, calculate_per_token_loss=True, lr=1e-3,
-                  moe_router_bias_update_rate=0.05)
-    results = run_ranks(_dsmoe_child, 2, args=(hf_dir, data, layout), timeout_s=280)
+    hf_dir, data = moe_assets(family)
+    layout = dict(MOE_LAYOUTS[layout], **MOE_TRAINING)
+    world = layout["tensor_model_parallel_size"] * layout.get("context_parallel_size", 1)
+    results = run_ranks(_moe_child, world, args=(str(tmp_path), hf_dir, data, layout), timeout_s=280)
+    report = check_order(read_sequences(str(tmp_path)))
+    assert report.ok, report.format()
     original = load_file(f"{hf_dir}/model.safetensors")
     engine = EmbeddedEngine(hf_dir)
+    assert type(engine.model).__name__ == MOE_ARCHITECTURES[family]
     for result in results:  # every rank exports every expert (EP all-gather), bias included
         assert sorted(result["loaded"]) == sorted(original)
         assert all(torch.equal(result["loaded"][name], original[name]) for name in original)
     for got, want in zip(results[0]["before"], _engine_log_probs(engine, data)):
         assert got == pytest.approx(want, abs=1e-5)
     result = results[0]
+    saved, bias = _bias_names(hf_dir)
     assert not result["skipped"] and result["after"] != result["before"]
-    assert result["saved"] == ["decoder.layers.1.mlp.router.expert_bias", "decoder.layers.2.mlp.router.expert_bias"]
-    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert result["saved"] == saved
     assert not torch.equal(result["trained"][bias], original[bias])  # aux-loss-free balancing moved it
+    if family != "deepseek_v3":  # the single process's step (DeepSeek-V3's layouts: test_train_step_matches_...)
+        (single,) = run_ranks(_moe_child, 1, args=(str(tmp_path / "single"), hf_dir, data, MOE_TRAINING),
+                              timeout_s=200)
+        assert result["loss"] == pytest.approx(single["loss"], abs=1e-5)
+        assert result["grad_norm"] == pytest.approx(single["grad_norm"], rel=1e-4)
+        assert torch.equal(result["trained"][bias], single["trained"][bias])  # the same token counts per expert
     engine.update_weights([(n, t) for n, t in result["trained"].items() if not n.endswith("correction_bias")], "v2")
     stale = _engine_log_probs(engine, data)  # the old bias routes some tokens elsewhere
     assert max(abs(a - b) for x, y in zip(stale, result["after"]) for a, b in zip(x, y)) > 1e-3
