@@ -385,3 +385,65 @@ def test_router_settings_megatron_cannot_match_are_refused():
         with pytest.raises(MoEConfigError) as info:
             moe_config_fields(qwen, _moe_flags(**flags))
         assert message in str(info.value)
+
+
+def test_glm_and_minimax_configs_map_and_upstream_flags_must_agree():
+    """GLM-4.5-Air's, GLM-4.7-Flash's and MiniMax-M2's MoE and attention fields (configs only, no weights) against
+    upstream's launcher flags: agreeing flags pass, each contradiction or unmatched router setting is refused."""
+    from transformers import Glm4MoeConfig, Glm4MoeLiteConfig, MiniMaxM2Config
+
+    from slime.backends.megatron_utils.model import transformer_config_from_hf
+    from slime.backends.megatron_utils.moe import MoEConfigError, moe_config_fields
+
+    glm45 = Glm4MoeConfig(num_hidden_layers=46, n_routed_experts=128, num_experts_per_tok=8, moe_intermediate_size=1408,
+                          first_k_dense_replace=1, attention_bias=True, routed_scaling_factor=1.0)
+    fields = moe_config_fields(glm45, _moe_flags(num_experts=128, moe_layer_freq="[0]*1+[1]*45", moe_router_topk=8,
+                                                 moe_shared_expert_intermediate_size=1408,
+                                                 moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True))
+    assert fields["moe_layer_freq"] == [0] + [1] * 45 and fields["moe_router_topk_scaling_factor"] is None
+    config = transformer_config_from_hf(glm45, types.SimpleNamespace(add_qkv_bias=True, rotary_percent=0.5))
+    assert config.add_qkv_bias and not config.qk_layernorm and not config.rotary_interleaved
+    with pytest.raises(ValueError, match="--rotary-percent=1.0 contradicts the HF config"):
+        transformer_config_from_hf(glm45, types.SimpleNamespace(rotary_percent=1.0))
+    with pytest.raises(ValueError, match="--qk-layernorm=True contradicts"):
+        transformer_config_from_hf(glm45, types.SimpleNamespace(qk_layernorm=True))
+    with pytest.raises(MoEConfigError, match="--moe-layer-freq .* does not match"):
+        moe_config_fields(glm45, _moe_flags(moe_layer_freq="[1]*46"))
+    with pytest.raises(ValueError, match="set n_group to a divisor of 128"):
+        moe_config_fields(Glm4MoeConfig(n_routed_experts=128, n_group=6, topk_group=1), _moe_flags())
+
+    lite = Glm4MoeLiteConfig(num_hidden_layers=47)  # GLM-4.7-Flash's shape
+    with pytest.warns(UserWarning, match="--add-qkv-bias has no effect with multi-latent attention"):
+        config = transformer_config_from_hf(lite, types.SimpleNamespace(
+            multi_latent_attention=True, add_qkv_bias=True, q_lora_rank=768, kv_lora_rank=512, qk_head_dim=192,
+            qk_pos_emb_head_dim=64, v_head_dim=256, qk_layernorm=True, num_experts=64, moe_router_topk=4,
+            moe_layer_freq="[0]*1+[1]*46", moe_shared_expert_intermediate_size=1536, moe_ffn_hidden_size=1536,
+            expert_model_parallel_size=1, pipeline_model_parallel_size=1))
+    assert config.multi_latent_attention and config.moe_router_topk_scaling_factor == pytest.approx(1.8)
+    with pytest.raises(ValueError, match="--v-head-dim=128 contradicts"):
+        transformer_config_from_hf(lite, types.SimpleNamespace(v_head_dim=128))
+
+    minimax = MiniMaxM2Config(num_hidden_layers=62, rotary_dim=64)
+    fields = moe_config_fields(minimax, _moe_flags(num_experts=256, moe_layer_freq="[1]*62", moe_router_topk=8,
+                                                   moe_ffn_hidden_size=1536, moe_router_enable_expert_bias=True))
+    assert (fields["num_moe_experts"], fields["moe_router_enable_expert_bias"]) == (256, True)
+    assert fields["moe_shared_expert_intermediate_size"] is None and fields["moe_router_num_groups"] is None
+    for flags, message in [(dict(moe_shared_expert_intermediate_size=1536), "does not match"),
+                           (dict(moe_router_topk_scaling_factor=2.5), "does not match"),
+                           (dict(expert_model_parallel_size=3), "does not divide the checkpoint's 256 experts")]:
+        with pytest.raises(MoEConfigError, match=message):
+            moe_config_fields(minimax, _moe_flags(**flags))
+    with pytest.raises(ValueError, match="renormalises the top-k weights exactly when k > 1"):
+        moe_config_fields(MiniMaxM2Config(num_experts_per_tok=1), _moe_flags())
+    config = transformer_config_from_hf(minimax, types.SimpleNamespace(qk_layernorm=True, rotary_percent=0.5))
+    assert config.qk_layernorm and config.kv_channels == 128
+    # upstream's --spec names the family's own spec: MoE layers with the whole-projection q/k norms
+    from slime.backends.megatron_utils.model import spec_function
+    from slime.models import minimax_m2
+
+    function = spec_function(types.SimpleNamespace(spec=["slime_plugins.models.minimax_m2", "get_minimax_m2_spec"]),
+                             minimax)
+    assert function is minimax_m2.get_minimax_m2_spec
+    attention = function(None, config, None).submodules.self_attention.submodules
+    assert attention.q_layernorm.module is minimax_m2.FullWidthRMSNorm
+    assert attention.k_layernorm.params == {"heads": "key"}
