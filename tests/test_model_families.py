@@ -287,8 +287,9 @@ def test_moe_family_round_trips_trains_and_pushes_under_ep(moe_assets, family, l
     for result in results:  # every rank exports every expert (EP all-gather), bias included
         assert sorted(result["loaded"]) == sorted(original)
         assert all(torch.equal(result["loaded"][name], original[name]) for name in original)
+    tolerance = 1e-5 if family == "deepseek_v3" else 1e-6
     for got, want in zip(results[0]["before"], _engine_log_probs(engine, data)):
-        assert got == pytest.approx(want, abs=1e-5)
+        assert got == pytest.approx(want, abs=tolerance)
     result = results[0]
     saved, bias = _bias_names(hf_dir)
     assert not result["skipped"] and result["after"] != result["before"]
@@ -306,7 +307,7 @@ def test_moe_family_round_trips_trains_and_pushes_under_ep(moe_assets, family, l
     engine.update_weights(list(result["trained"].items()), "v3")
     assert torch.equal(engine.get_weight(bias), result["trained"][bias])
     for got, want in zip(result["after"], _engine_log_probs(engine, data)):
-        assert got == pytest.approx(want, abs=1e-5)
+        assert got == pytest.approx(want, abs=tolerance)
     params = SamplingParams.from_request({"max_new_tokens": 4, "temperature": 1.0, "ignore_eos": True})
     (generated,) = engine.generate_batch([GenerationRequest(rid="g", input_ids=(3, 4, 5), params=params)])
     assert len(generated.output_ids) == 4
