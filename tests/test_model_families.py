@@ -176,6 +176,9 @@ MOE_LAYOUTS = {
     "tp2_sp_ep2": dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=2),
     "tp2_sp_cp2_ep2": dict(tensor_model_parallel_size=2, sequence_parallel=True, context_parallel_size=2,
                            expert_model_parallel_size=2),
+    # upstream's plug-in path for MiniMax-M2 (the single-process reference is built without it)
+    "tp2_sp_ep2_spec": dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=2,
+                            spec=["slime_plugins.models.minimax_m2", "get_minimax_m2_spec"]),
 }
 MOE_TRAINING = dict(expert_tensor_parallel_size=1, calculate_per_token_loss=True, lr=1e-3,
                     moe_router_bias_update_rate=0.05)
@@ -231,9 +234,12 @@ def _moe_child(rank, world, ledger_dir, hf_dir, data, layout):
     after = compute_log_probs(model, data, plan, args)
     trained = {name: tensor.clone() for name, tensor in export_hf_weights(model, hf_config)}
     # --save / --load write and read the model's sharded state dict: the bias megatron moved is in it
-    saved = [key for chunk in model for key in chunk.module.sharded_state_dict() if key.endswith("router.expert_bias")]
+    sharded = model[0].module.sharded_state_dict()
+    saved = [key for key in sharded if key.endswith("router.expert_bias")]
+    q_norm = sharded.get("decoder.layers.0.self_attention.q_layernorm.weight")  # (local, global) shapes
     return dict(loaded=loaded, trained=trained, before=before, after=after, skipped=step.skipped, saved=saved,
-                loss=step.loss, grad_norm=step.grad_norm)
+                loss=step.loss, grad_norm=step.grad_norm,
+                q_norm=q_norm and (tuple(q_norm.local_shape), tuple(q_norm.global_shape)))
 
 
 def _engine_log_probs(engine, data) -> list[list[float]]:
@@ -264,7 +270,7 @@ def _bias_names(hf_dir):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("family, layout", [("deepseek_v3", "tp2_sp_ep2"), ("glm4_moe", "tp2_sp_cp2_ep2"),
-                                            ("glm4_moe_lite", "tp2_sp_ep2"), ("minimax_m2", "tp2_sp_ep2")])
+                                            ("glm4_moe_lite", "tp2_sp_ep2"), ("minimax_m2", "tp2_sp_ep2_spec")])
 def test_moe_family_round_trips_trains_and_pushes_under_ep(moe_assets, family, layout, tmp_path):
     """HF -> megatron -> HF bit-exact under TP2 x SP x EP2 (x CP2), the engine's (transformers') log-probs, one
     fenced step whose recorded collectives pass the order proof and that moves the routing bias, and a push that
@@ -294,6 +300,8 @@ def test_moe_family_round_trips_trains_and_pushes_under_ep(moe_assets, family, l
     saved, bias = _bias_names(hf_dir)
     assert not result["skipped"] and result["after"] != result["before"]
     assert result["saved"] == saved
+    if family == "minimax_m2":  # its whole-projection q norm is saved split over TP, like the projection rows
+        assert result["q_norm"] == ((32,), (64,))
     assert not torch.equal(result["trained"][bias], original[bias])  # aux-loss-free balancing moved it
     if family != "deepseek_v3":  # the single process's step (DeepSeek-V3's layouts: test_train_step_matches_...)
         (single,) = run_ranks(_moe_child, 1, args=(str(tmp_path / "single"), hf_dir, data, MOE_TRAINING),
