@@ -96,9 +96,33 @@ class MegatronTrainActor:
         seed_model_parallel(self.args)
         call_hook(self.args.custom_megatron_init_path, self.args)  # after megatron's groups and RNG exist
         self.hf_config = AutoConfig.from_pretrained(self.args.hf_checkpoint, trust_remote_code=True)
-        start = self._build_model()
+        # model build and loads make no ledger progress: the longest rank window (slime/utils/deadlines.py)
+        with self.watchdog.phase("init/load", deadline_s=self.deadlines.first_setup_s):
+            self._fence_load_views()
+            start = self._build_model()
         self.weight_sync = WeightSync(self.args, self.hf_config, engine_urls)
         return start
+
+    def _weight_sources(self) -> dict[str, tuple[str, int | None]]:
+        """Every (path, iteration) _build_model may read, by role."""
+        sources = {"hf_checkpoint": (self.args.hf_checkpoint, self.args.ref_ckpt_step)}
+        if self.args.use_kl_loss or self.args.kl_coef:
+            sources["reference"] = (self.args.ref_load or self.args.hf_checkpoint, self.args.ref_ckpt_step)
+        teacher = megatron_teacher(self.args)
+        if teacher is not None:
+            sources["teacher"] = teacher
+        if self.args.load:
+            sources["load"] = (self.args.load, None)
+        return sources
+
+    def _fence_load_views(self) -> None:
+        """Before any collective load, every rank shows what it sees of each weights source (which iteration
+        the tracker names, what it holds): a rank with another view (a node's stale or missing copy) is named
+        by a CollectiveDivergenceError instead of entering other collectives than its peers."""
+        from slime.checkpoint.contents import load_view
+
+        views = {role: load_view(path, iteration) for role, (path, iteration) in self._weight_sources().items()}
+        self.groups.fence("init/load_view", views, timeout_s=self.deadlines.first_setup_s)
 
     def _build_model(self) -> int:
         from slime.backends.megatron_utils.checkpoint import latest_iteration
