@@ -421,11 +421,12 @@ class MegatronTrainActor:
         with self.watchdog.phase("save"):  # progress: collectives and checkpoint bytes written
             optimizer = None if self.args.no_save_optim else self.optimizer
             reference = (lambda: self.snapshots.swapped("ref")) if self._reference_moves() else None
+            barrier = lambda name: self.groups.fence(f"save/{name}", {"iteration": rollout_id})  # noqa: E731
             save_checkpoint(self.args.save, rollout_id, self.model, optimizer, self.lr_scheduler,
-                            progress=self.ledger.note_progress, reference=reference)
+                            progress=self.ledger.note_progress, reference=reference, barrier=barrier)
             if self.args.save_hf:
                 save_hf_checkpoint(self.args.save_hf.format(rollout_id=rollout_id), self.model, self.hf_config,
-                                   self.args.hf_checkpoint)
+                                   self.args.hf_checkpoint, barrier=barrier)
 
 
 def log_prob_plan_args(args):
