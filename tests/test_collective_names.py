@@ -74,7 +74,7 @@ def test_object_broadcast_and_uneven_expert_gathers_are_recorded_as_on_gpu(tmp_p
         assert result["gathered"] == expected_rows  # the stand-in computes what megatron's gather does
         assert result["scattered"] == [[2.0] * 4] * SIZES[rank]
         broadcast, *expert = result["cpu"]
-        assert broadcast[:2] == ("broadcast_object_list", "pp")
+        assert broadcast[:4] == ("broadcast_object_list", "pp", (), "object")  # the same whichever rank holds it
         assert [op[0] for op in expert] == ["all_gather", "reduce_scatter"]
         assert expert == result["gpu"], "the CPU stand-ins must record the GPU path's ops"
         assert all(op[1] == "etp" and op[2] == (2, -1, 4) and op[4] == ("sizes", SIZES) for op in expert)

@@ -57,6 +57,8 @@ INSTRUMENTED_OPS = (
     "reduce",
 )
 _SPLIT_LIST_ARG = {"all_gather": 0, "reduce_scatter": 1}  # the per-member tensor list of the list forms
+# objects differ per member (the source's value, None elsewhere): recorded without a shape
+_OBJECT_OPS = frozenset({"broadcast_object_list", "gather_object", "scatter_object_list"})
 _ALSO_IN_C10D = ("isend", "irecv")  # identity-checked inside distributed_c10d
 _PEER_PARAMS = {"isend": ("dst", "group_dst"), "send": ("dst", "group_dst"),
                 "irecv": ("src", "group_src"), "recv": ("src", "group_src")}
@@ -149,6 +151,7 @@ def type_name(op: Callable) -> str:
 def _wrap(name: str, original: Callable) -> Callable:
     params = list(inspect.signature(original).parameters)
     group_index = params.index("group") if "group" in params else None
+    objects = name in _OBJECT_OPS
 
     @functools.wraps(original)
     def recorded(*args, **kwargs):  # the hot path: no context manager, see ledger.py
@@ -156,7 +159,10 @@ def _wrap(name: str, original: Callable) -> Callable:
         if ledger is None or _depth.value:
             return original(*args, **kwargs)
         first = args[0] if args else None
-        if isinstance(first, torch.Tensor):  # the common case inline; the ledger formats shape/dtype when read
+        if objects:
+            group = args[group_index] if group_index is not None and len(args) > group_index else kwargs.get("group")
+            entry = ledger.begin(name, group, (), "object")
+        elif isinstance(first, torch.Tensor):  # the common case inline; the ledger formats shape/dtype when read
             group = args[group_index] if group_index is not None and len(args) > group_index else kwargs.get("group")
             entry = ledger.begin(name, group, first.shape, first.dtype)
         else:
