@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import itertools
 import logging
 import threading
 import time
@@ -84,7 +85,9 @@ class FullyAsyncGenerator:
         self.in_flight = 0
         self.error: BaseException | None = None
         self.requeued = {"redone": 0, "continued": 0}
-        self.drawn: dict[int, list[Sample]] = {}  # id(group as generated) -> the group as drawn, until taken
+        self.drawn: dict[int, list[Sample]] = {}  # key -> the group as drawn, from its draw until it is taken
+        self._ready_keys: deque[int] = deque()  # the key of each group in `ready`, in the same order
+        self._keys = itertools.count()
         self._stop = False
         self._lock = _source_lock(data_source)
         track = getattr(data_source, "track_outstanding", None)
@@ -99,20 +102,26 @@ class FullyAsyncGenerator:
         """Take over what a stopped generator held: its finished groups wait here, the ones it had in flight
         are generated again from their prompts."""
         with self._lock:
-            finished = {id(group) for group in previous.ready}
-            self.ready.extend(previous.ready)
-            self.drawn.update({key: group for key, group in previous.drawn.items() if key in finished})
-            in_flight = [group for key, group in previous.drawn.items() if key not in finished]
-            if in_flight:
-                self.data_source.add_samples(in_flight)
+            for group, key in zip(previous.ready, previous._ready_keys):
+                self._add_ready(group, previous.drawn.pop(key, None))
+            if previous.drawn:  # in flight, or failed
+                self.data_source.add_samples(list(previous.drawn.values()))
             previous.ready.clear()
+            previous._ready_keys.clear()
             previous.drawn.clear()
+
+    def _add_ready(self, group: list, drawn: list[Sample] | None, *, first: bool = False) -> None:
+        key = next(self._keys)
+        if drawn is not None:
+            self.drawn[key] = drawn
+        (self.ready.appendleft if first else self.ready.append)(group)
+        (self._ready_keys.appendleft if first else self._ready_keys.append)(key)
 
     def stop(self) -> None:
         self._stop = True
 
     async def _run(self) -> None:
-        tasks: dict[asyncio.Task, list[Sample]] = {}  # task -> the group as drawn
+        tasks: dict[asyncio.Task, int] = {}  # task -> its key in self.drawn
         params = sampling_params(self.args)
         GenerateState(self.args)  # the semaphore is made on this loop
         while not self._stop:
@@ -120,9 +129,9 @@ class FullyAsyncGenerator:
                 with self._lock:  # drawn and registered in one step: a save sees both or neither
                     drawn = self.data_source.get_samples(1)
                     for group in drawn:
-                        task = asyncio.ensure_future(generate_and_rm_group(self.args, group, dict(params)))
-                        tasks[task] = copy.deepcopy(group)
-                        self.drawn[id(task)] = tasks[task]
+                        key = next(self._keys)
+                        self.drawn[key] = copy.deepcopy(group)
+                        tasks[asyncio.ensure_future(generate_and_rm_group(self.args, group, dict(params)))] = key
                         self.in_flight += 1
                 if not drawn:
                     break
@@ -134,16 +143,15 @@ class FullyAsyncGenerator:
                 with self._lock:
                     self._file(task, tasks.pop(task))
 
-    def _file(self, task: asyncio.Task, drawn: list[Sample]) -> None:
+    def _file(self, task: asyncio.Task, key: int) -> None:
         self.in_flight -= 1
-        if task.exception() is not None:
+        if task.exception() is not None:  # its prompt stays outstanding
             self.error = self.error or task.exception()
             return
         group = task.result()
-        del self.drawn[id(task)]
+        drawn = self.drawn.pop(key)
         if not any(s.status == Sample.Status.ABORTED for s in flatten_groups(group)):
-            self.drawn[id(group)] = drawn  # outstanding until taken
-            self.ready.append(group)
+            self._add_ready(group, drawn)  # outstanding until taken
             return
         if self.args.partial_rollout and all(isinstance(s, Sample) for s in group):
             self.data_source.add_samples([group])  # continues from its tokens
@@ -161,8 +169,7 @@ class FullyAsyncGenerator:
     def _pop_ready(self) -> tuple[list, list[Sample] | None]:
         """The oldest finished group and its drawn copy, no longer outstanding (the trainer has it now)."""
         with self._lock:
-            group = self.ready.popleft()
-            return group, self.drawn.pop(id(group), None)
+            return self.ready.popleft(), self.drawn.pop(self._ready_keys.popleft(), None)
 
     def take(self, count: int, *, current_version: int | None, max_staleness: int | None,
              deadline: float) -> tuple[list[list], list[int], int]:
@@ -194,9 +201,7 @@ class FullyAsyncGenerator:
         """A take that fails leaves what it had taken waiting, first in line, outstanding again."""
         with self._lock:
             for group, drawn in reversed(kept):
-                self.ready.appendleft(group)
-                if drawn is not None:
-                    self.drawn[id(group)] = drawn
+                self._add_ready(group, drawn, first=True)
 
     def _raise_failure(self) -> None:
         failure = self._failure()
