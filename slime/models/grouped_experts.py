@@ -8,8 +8,9 @@ experts at once (`torch._grouped_mm` on CUDA for bf16 on Hopper and later), and 
 weights are applied to all experts' rows in one elementwise pass. Elsewhere (CPU, fp32) the GEMMs loop over the
 experts of the same layout with the sequential path's own formulas, so the numbers are the same bit for bit.
 
-The experts' weights are stacked into [E, out, in] for each GEMM and stacked again in the backward rather than
-kept: the step holds no more memory than the sequential path (one layer's stack at a time).
+Each GEMM reads the experts' weights as one [E, out, in] tensor: a view of megatron's DDP buffer, where the
+experts are registered last-first so that DDP (which lays parameters out in reverse) puts them in expert order,
+evenly spaced; a stacked copy (taken again in the backward, never kept) where they are not.
 """
 
 from __future__ import annotations
@@ -31,18 +32,33 @@ def _loop_forward(x: torch.Tensor, counts: list[int], weights: list[torch.Tensor
     return torch.cat(parts) if parts else x.new_zeros(0, weights[0].shape[0])
 
 
+def stacked_weights(weights: list[torch.Tensor]) -> torch.Tensor:
+    """[E, out, in]: a view when the experts' weights lie evenly spaced, in expert order, in one buffer (as
+    megatron's DDP places them, see GroupedExperts), else a stacked copy."""
+    first, count = weights[0], len(weights)
+    size = first.element_size()
+    step = weights[1].data_ptr() - first.data_ptr() if count > 1 else 0
+    evenly = (count > 1 and step >= first.numel() * size and step % size == 0
+              and all(w.is_contiguous() and w.shape == first.shape and w.dtype == first.dtype
+                      and w.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+                      and w.data_ptr() - first.data_ptr() == i * step for i, w in enumerate(weights)))
+    if not evenly:
+        return torch.stack(weights)
+    return torch.as_strided(first.detach(), (count, *first.shape), (step // size, first.shape[1], 1))
+
+
 class _GroupedLinear(torch.autograd.Function):
     """y[rows of e] = x[rows of e] @ W_e^T for every expert e, rows sorted by expert. Saves x and the
-    parameters only (never their stack)."""
+    parameters only (never a stacked copy)."""
 
     @staticmethod
     def forward(ctx, x, tokens_per_expert, use_grouped_mm, *weights):
         ctx.grouped = grouped_mm_usable(x) if use_grouped_mm is None else use_grouped_mm
-        ctx.empty = None
         if ctx.grouped:
             offsets = tokens_per_expert.to(x.device, non_blocking=True).cumsum(0, dtype=torch.int32)
-            ctx.empty = (tokens_per_expert == 0).to(x.device, non_blocking=True)
-            y = torch._grouped_mm(x, torch.stack(weights).transpose(1, 2), offs=offsets)
+            empty = tokens_per_expert == 0  # on the host as the dispatcher gives it: no device sync
+            ctx.empty = empty.nonzero().flatten().tolist() if not empty.is_cuda else empty
+            y = torch._grouped_mm(x, stacked_weights(weights).transpose(1, 2), offs=offsets)
             ctx.save_for_backward(x, offsets, *weights)
         else:
             ctx.counts = tokens_per_expert.tolist()
@@ -55,11 +71,9 @@ class _GroupedLinear(torch.autograd.Function):
         grad = grad.contiguous()  # grouped_mm refuses an output gradient with zero strides (an expanded one)
         if ctx.grouped:
             x, offsets, *weights = ctx.saved_tensors
-            stacked = torch.stack(weights)  # [E, out, in]
-            grad_x = torch._grouped_mm(grad, stacked, offs=offsets)
-            del stacked
+            grad_x = torch._grouped_mm(grad, stacked_weights(weights), offs=offsets)
             grad_w = torch._grouped_mm(grad.t(), x, offs=offsets)  # [E, out, in]
-            grad_w.masked_fill_(ctx.empty.view(-1, 1, 1), 0)  # an expert without rows gets a zero gradient
+            _zero_experts(grad_w, ctx.empty)  # an expert without rows gets a zero gradient
             return grad_x, None, None, *grad_w.unbind(0)
         x, *weights = ctx.saved_tensors
         grad_x, grad_w = [], []
@@ -69,11 +83,28 @@ class _GroupedLinear(torch.autograd.Function):
         return (torch.cat(grad_x) if grad_x else torch.zeros_like(x)), None, None, *grad_w
 
 
+def _zero_experts(grad_w: torch.Tensor, empty: list[int] | torch.Tensor) -> None:
+    if isinstance(empty, list):
+        for expert in empty:
+            grad_w[expert].zero_()
+    else:
+        grad_w.masked_fill_(empty.view(-1, 1, 1), 0)
+
+
 def grouped_linear(x: torch.Tensor, tokens_per_expert: torch.Tensor, weights: list[torch.Tensor],
                    use_grouped_mm: bool | None = None) -> torch.Tensor:
     """Each expert's rows of `x` (sorted by expert, `tokens_per_expert` rows each) times its weight^T; with
     torch's grouped GEMM where usable (None) or as asked, else expert by expert."""
     return _GroupedLinear.apply(x, tokens_per_expert, use_grouped_mm, *weights)
+
+
+class _LastFirstModuleList(torch.nn.ModuleList):
+    """Experts indexed and iterated in expert order but registered last-first: megatron's DDP lays the
+    parameters out in reverse registration order, so the experts' weights land in its buffer in expert order,
+    evenly spaced (stacked_weights then reads them without a copy). Names and indices are unchanged."""
+
+    def __iter__(self):
+        return (self._modules[str(i)] for i in range(len(self)))
 
 
 class GroupedExperts(SequentialMLP):
@@ -84,6 +115,13 @@ class GroupedExperts(SequentialMLP):
     """
 
     grouped: bool = True
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        experts = list(self.local_experts)
+        self.local_experts = _LastFirstModuleList()
+        for index in reversed(range(len(experts))):
+            self.local_experts.add_module(str(index), experts[index])
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
         if not self.grouped or not self._supported():
