@@ -91,7 +91,7 @@ want() { [ -z "${PHASES:-}" ] || [[ " $PHASES " == *" $1 "* ]]; }
 want attention && run attention 100 "$PY" benchmarks/bench_step_gpu.py attention "${ATTN[@]}" --results-json "$OUT/attention.json"
 
 if want moe; then  # Qwen3-30B-A3B-shaped MoE step (8 layers, 128 experts, top-8, EP1): grouped vs sequential experts
-  [ "${DRY_RUN:-0}" = 1 ] || run moecheck 60 "$PY" benchmarks/check_grouped_experts_gpu.py
+  [ "${DRY_RUN:-0}" = 1 ] || [ "${MOE_CHECK:-1}" = 0 ] || run moecheck 60 "$PY" benchmarks/check_grouped_experts_gpu.py
   SMOE_NUM_SAMPLES=${SMOE_NUM_SAMPLES:-4} SMOE_MIN_TOKENS=${SMOE_MIN_TOKENS:-6144} SMOE_MAX_TOKENS=${SMOE_MAX_TOKENS:-8192}
   SMOE_CYCLES=${SMOE_CYCLES:-2}
   # --lr 0: every cycle trains the same weights, so PARITY compares the two paths' loss and grad norm
