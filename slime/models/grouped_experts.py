@@ -36,15 +36,18 @@ def stacked_weights(weights: list[torch.Tensor]) -> torch.Tensor:
     """[E, out, in]: a view when the experts' weights lie evenly spaced, in expert order, in one buffer (as
     megatron's DDP places them, see GroupedExperts), else a stacked copy."""
     first, count = weights[0], len(weights)
-    size = first.element_size()
-    step = weights[1].data_ptr() - first.data_ptr() if count > 1 else 0
-    evenly = (count > 1 and step >= first.numel() * size and step % size == 0
-              and all(w.is_contiguous() and w.shape == first.shape and w.dtype == first.dtype
-                      and w.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
-                      and w.data_ptr() - first.data_ptr() == i * step for i, w in enumerate(weights)))
+    size, shape = first.element_size(), first.shape
+    start = first.data_ptr()
+    step = weights[1].data_ptr() - start if count > 1 else 0
+    storage = first.untyped_storage()
+    # addresses inside first's storage belong to it (allocations never overlap), so one range check suffices
+    inside = start + (count - 1) * step + first.numel() * size <= storage.data_ptr() + storage.nbytes()
+    evenly = (count > 1 and step >= first.numel() * size and step % size == 0 and inside
+              and all(w.data_ptr() - start == i * step and w.shape == shape and w.dtype == first.dtype
+                      and w.is_contiguous() for i, w in enumerate(weights)))
     if not evenly:
         return torch.stack(weights)
-    return torch.as_strided(first.detach(), (count, *first.shape), (step // size, first.shape[1], 1))
+    return torch.as_strided(first.detach(), (count, *shape), (step // size, shape[1], 1))
 
 
 class _GroupedLinear(torch.autograd.Function):
