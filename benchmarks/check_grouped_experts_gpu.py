@@ -1,7 +1,6 @@
 """GPU check of the grouped experts' GEMMs (slime/models/grouped_experts.py) at a Qwen3-30B-A3B expert layer
 (128 experts, hidden 2048, expert width 768, top-8), bf16: torch._grouped_mm against the expert-by-expert loop
-over the same layout (outputs and every gradient, experts without tokens included), with the weights read in place
-from one DDP-like buffer and as separate tensors (stacked), then each timed fwd+bwd.
+over the same layout (outputs and every gradient, experts without tokens included), then both timed fwd+bwd.
 
     python benchmarks/check_grouped_experts_gpu.py [--tokens 8192]
 Prints GROUPED_CHECK lines (max relative difference per tensor; TFLOP/s of each path).
@@ -17,7 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from slime.models.grouped_experts import grouped_linear, stacked_weights  # noqa: E402
+from slime.models.grouped_experts import grouped_linear  # noqa: E402
 
 
 def expert_mlp(x, counts, probs, w1, w2, grouped: bool):
@@ -42,22 +41,11 @@ def main() -> None:
     counts = torch.bincount(expert_of_row, minlength=a.experts)
     x0 = torch.randn(rows, a.hidden, device=dev, dtype=dt)
     probs0 = torch.rand(rows, device=dev, dtype=torch.float32)
-    s1, s2 = 2 * a.ffn * a.hidden, a.hidden * a.ffn
-    # as megatron's DDP lays them out (GroupedExperts): per expert fc2 then fc1, in expert order, in one buffer
-    buffer = (0.02 * torch.randn(a.experts * (s1 + s2), device=dev)).to(dt)
-    in_buffer = ([torch.nn.Parameter(buffer[e * (s1 + s2) + s2:(e + 1) * (s1 + s2)].view(2 * a.ffn, a.hidden))
-                  for e in range(a.experts)],
-                 [torch.nn.Parameter(buffer[e * (s1 + s2):e * (s1 + s2) + s2].view(a.hidden, a.ffn))
-                  for e in range(a.experts)])
-    separate = ([torch.nn.Parameter(w.detach().clone()) for w in in_buffer[0]],
-                [torch.nn.Parameter(w.detach().clone()) for w in in_buffer[1]])
+    w1 = [torch.nn.Parameter((0.02 * torch.randn(2 * a.ffn, a.hidden, device=dev)).to(dt)) for _ in range(a.experts)]
+    w2 = [torch.nn.Parameter((0.02 * torch.randn(a.hidden, a.ffn, device=dev)).to(dt)) for _ in range(a.experts)]
     gout = torch.randn(rows, a.hidden, device=dev, dtype=dt)
-    print(f"GROUPED_CHECK weights read in place from the buffer: "
-          f"{stacked_weights(in_buffer[0])._base is not None and stacked_weights(in_buffer[1])._base is not None}; "
-          f"separate tensors stacked: {stacked_weights(separate[0])._base is None}", flush=True)
 
-    def run(grouped: bool, weights=in_buffer):
-        w1, w2 = weights
+    def run(grouped: bool):
         x, probs = x0.clone().requires_grad_(), probs0.clone().requires_grad_()
         out = expert_mlp(x, counts, probs, w1, w2, grouped)
         grads = torch.autograd.grad(out, [x, probs, *w1, *w2], gout)
@@ -65,9 +53,6 @@ def main() -> None:
 
     out_g, grads_g = run(True)
     out_l, grads_l = run(False)
-    out_s, grads_s = run(True, separate)
-    print(f"GROUPED_CHECK stacked copy vs in place: output equal {torch.equal(out_s, out_g)}, gradients equal "
-          f"{all(torch.equal(p, q) for p, q in zip(grads_s, grads_g))}", flush=True)
 
     def rel(a_, b_):
         return float((a_.float() - b_.float()).norm() / b_.float().norm().clamp_min(1e-30))
@@ -84,15 +69,14 @@ def main() -> None:
           f"empty experts' weight grads all zero: {empty_zero}", flush=True)
 
     flops = 3 * 2 * rows * (a.hidden * 2 * a.ffn + a.ffn * a.hidden)
-    for name, grouped, weights in (("grouped_mm, weights in place", True, in_buffer),
-                                   ("grouped_mm, weights stacked", True, separate), ("loop", False, in_buffer)):
+    for name, grouped in (("grouped_mm", True), ("loop", False)):
         for _ in range(2):
-            run(grouped, weights)
+            run(grouped)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         n, start = 5, time.perf_counter()
         for _ in range(n):
-            run(grouped, weights)
+            run(grouped)
         torch.cuda.synchronize()
         s = (time.perf_counter() - start) / n
         print(f"GROUPED_CHECK {name}: expert MLP fwd+bwd {s * 1e3:.2f} ms, "

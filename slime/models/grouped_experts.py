@@ -8,9 +8,11 @@ experts at once (`torch._grouped_mm` on CUDA for bf16 on Hopper and later), and 
 weights are applied to all experts' rows in one elementwise pass. Elsewhere (CPU, fp32) the GEMMs loop over the
 experts of the same layout with the sequential path's own formulas, so the numbers are the same bit for bit.
 
-Each GEMM reads the experts' weights as one [E, out, in] tensor: a view of megatron's DDP buffer, where the
-experts are registered last-first so that DDP (which lays parameters out in reverse) puts them in expert order,
-evenly spaced; a stacked copy (taken again in the backward, never kept) where they are not.
+Each GEMM reads the experts' weights stacked into one [E, out, in] copy, taken again in the backward rather than
+kept, so the step holds no more memory than the sequential path. (Reading them in place from megatron's DDP buffer
+would need the experts registered in another order, which moves them in that buffer: the distributed optimizer's
+dp_reshardable checkpoints follow the buffer, so a checkpoint crossing --moe-grouped-gemm settings would load
+optimizer state into the wrong experts.)
 """
 
 from __future__ import annotations
@@ -32,27 +34,9 @@ def _loop_forward(x: torch.Tensor, counts: list[int], weights: list[torch.Tensor
     return torch.cat(parts) if parts else x.new_zeros(0, weights[0].shape[0])
 
 
-def stacked_weights(weights: list[torch.Tensor]) -> torch.Tensor:
-    """[E, out, in]: a view when the experts' weights lie evenly spaced, in expert order, in one buffer (as
-    megatron's DDP places them, see GroupedExperts), else a stacked copy."""
-    first, count = weights[0], len(weights)
-    size, shape = first.element_size(), first.shape
-    start = first.data_ptr()
-    step = weights[1].data_ptr() - start if count > 1 else 0
-    storage = first.untyped_storage()
-    # addresses inside first's storage belong to it (allocations never overlap), so one range check suffices
-    inside = start + (count - 1) * step + first.numel() * size <= storage.data_ptr() + storage.nbytes()
-    evenly = (count > 1 and step >= first.numel() * size and step % size == 0 and inside
-              and all(w.data_ptr() - start == i * step and w.shape == shape and w.dtype == first.dtype
-                      and w.is_contiguous() for i, w in enumerate(weights)))
-    if not evenly:
-        return torch.stack(weights)
-    return torch.as_strided(first.detach(), (count, *shape), (step // size, shape[1], 1))
-
-
 class _GroupedLinear(torch.autograd.Function):
     """y[rows of e] = x[rows of e] @ W_e^T for every expert e, rows sorted by expert. Saves x and the
-    parameters only (never a stacked copy)."""
+    parameters only (never their stack)."""
 
     @staticmethod
     def forward(ctx, x, tokens_per_expert, use_grouped_mm, *weights):
@@ -61,7 +45,7 @@ class _GroupedLinear(torch.autograd.Function):
             offsets = tokens_per_expert.to(x.device, non_blocking=True).cumsum(0, dtype=torch.int32)
             empty = tokens_per_expert == 0  # on the host as the dispatcher gives it: no device sync
             ctx.empty = empty.nonzero().flatten().tolist() if not empty.is_cuda else empty
-            y = torch._grouped_mm(x, stacked_weights(weights).transpose(1, 2), offs=offsets)
+            y = torch._grouped_mm(x, torch.stack(weights).transpose(1, 2), offs=offsets)
             ctx.save_for_backward(x, offsets, *weights)
         else:
             ctx.counts = tokens_per_expert.tolist()
@@ -74,7 +58,7 @@ class _GroupedLinear(torch.autograd.Function):
         grad = grad.contiguous()  # grouped_mm refuses an output gradient with zero strides (an expanded one)
         if ctx.grouped:
             x, offsets, *weights = ctx.saved_tensors
-            grad_x = torch._grouped_mm(grad, stacked_weights(weights), offs=offsets)
+            grad_x = torch._grouped_mm(grad, torch.stack(weights), offs=offsets)
             grad_w = torch._grouped_mm(grad.t(), x, offs=offsets)  # [E, out, in]
             _zero_experts(grad_w, ctx.empty)  # an expert without rows gets a zero gradient
             return grad_x, None, None, *grad_w.unbind(0)
@@ -101,15 +85,6 @@ def grouped_linear(x: torch.Tensor, tokens_per_expert: torch.Tensor, weights: li
     return _GroupedLinear.apply(x, tokens_per_expert, use_grouped_mm, *weights)
 
 
-class _LastFirstModuleList(torch.nn.ModuleList):
-    """Experts indexed and iterated in expert order but registered last-first: megatron's DDP lays the
-    parameters out in reverse registration order, so the experts' weights land in its buffer in expert order,
-    evenly spaced (stacked_weights then reads them without a copy). Names and indices are unchanged."""
-
-    def __iter__(self):
-        return (self._modules[str(i)] for i in range(len(self)))
-
-
 class GroupedExperts(SequentialMLP):
     """SequentialMLP's experts and parameters, run as grouped GEMMs over the expert-sorted tokens.
 
@@ -118,13 +93,6 @@ class GroupedExperts(SequentialMLP):
     """
 
     grouped: bool = True
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        experts = list(self.local_experts)
-        self.local_experts = _LastFirstModuleList()
-        for index in reversed(range(len(experts))):
-            self.local_experts.add_module(str(index), experts[index])
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
         if not self.grouped or not self._supported():
