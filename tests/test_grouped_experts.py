@@ -167,3 +167,10 @@ def test_deepep_request_falls_back_to_alltoall_with_one_warning(monkeypatch):
     texts = [str(w.message) for w in caught]
     assert len(texts) == 1 and "alltoall dispatcher instead" in texts[0]
     assert moe.token_dispatcher(_args(moe_token_dispatcher_type="allgather")) == "allgather"
+    from transformers import Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2)
+    with warnings.catch_warnings(record=True):
+        fields = moe.moe_config_fields(config, _args(moe_token_dispatcher_type="flex", moe_enable_deepep=True))
+    assert fields["moe_token_dispatcher_type"] == "alltoall"

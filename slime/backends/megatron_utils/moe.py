@@ -195,10 +195,15 @@ def deep_ep_available() -> bool:
 _warned_no_deepep = False
 
 
+def _first_rank() -> bool:
+    """One warning per run, not per rank: the ranks decide alike."""
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+
+
 def token_dispatcher(args: Namespace) -> str:
     """--moe-token-dispatcher-type, with upstream's DeepEP request (flex / --moe-enable-deepep) served by megatron's
     flex dispatcher where DeepEP is installed, else by alltoall: the routing is the same whichever transport
-    moves the tokens, so the run goes on (one warning per process)."""
+    moves the tokens, so the run goes on (one warning, from the first rank)."""
     global _warned_no_deepep
     dispatcher = args.moe_token_dispatcher_type or "alltoall"
     if dispatcher != "flex" and not args.moe_enable_deepep:
@@ -207,7 +212,7 @@ def token_dispatcher(args: Namespace) -> str:
         warnings.warn("DeepEP dispatcher (flex): its exchanges run in DeepEP's own buffers, which the fence's "
                       "ledger does not record", stacklevel=2)
         return "flex"
-    if not _warned_no_deepep:
+    if not _warned_no_deepep and _first_rank():
         _warned_no_deepep = True
         warnings.warn("=" * 20 + " --moe-token-dispatcher-type flex / --moe-enable-deepep asked for DeepEP, and "
                       f"{'deep_ep is not installed' if torch.cuda.is_available() else 'DeepEP needs CUDA'}: the "
