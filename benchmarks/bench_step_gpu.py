@@ -64,8 +64,9 @@ warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor. is depreca
 
 import torch  # noqa: E402
 
-PATHS = ("fused", "new", "old")
-KERNEL_OF_PATH = {"fused": "causal", "new": "causal", "old": "masked"}
+PATHS = ("fused", "new", "old", "grouped", "sequential")
+KERNEL_OF_PATH = {"fused": "causal", "new": "causal", "old": "masked", "grouped": "causal", "sequential": "causal"}
+EXPERT_PATHS = ("grouped", "sequential")  # the new path with MoE experts as grouped GEMMs / SequentialMLP's loop
 ATTENTION_PATHS = ("new", "old")  # the attention phase compares the two kernels
 OOM_EXIT_CODE = 3
 
@@ -433,8 +434,15 @@ def use_path(actor, path: str) -> int:
     from megatron.core.transformer.mlp import MLP
 
     from patches import megatron_core
+    from slime.models.grouped_experts import GroupedExperts
     from slime_plugins.models import fused_kernels
 
+    experts = [m for chunk in actor.model for m in chunk.modules() if isinstance(m, GroupedExperts)]
+    if path in EXPERT_PATHS and not experts:
+        raise RuntimeError(f"--paths {path} compares MoE experts; the model has no GroupedExperts (dense model, "
+                           "or --no-moe-grouped-gemm)")
+    for module in experts:
+        module.grouped = path != "sequential"
     megatron_core.apply_thd_rope(enabled=path != "old")
     fused_kernels.configure("compile" if path == "fused" else "eager")
     for module in (m for chunk in actor.model for m in chunk.modules() if isinstance(m, MLP)):
@@ -652,6 +660,7 @@ class StepBench:
             by_path[path] = {"cycles": len(timed), "step_s": med("step_s"), "tflops_per_gpu": med("tflops_per_gpu"),
                              "tokens_per_s_per_gpu": med("tokens_per_s_per_gpu"),
                              "peak_gib": max(c["peak_gib"] for c in timed), "static_gib": med("static_gib"),
+                             "loss": timed[0]["loss"], "grad_norm": timed[0]["grad_norm"],
                              "only_warmup": all(c["kind"] == "warmup" for c in timed)}
         return {**self.layout(), "paths": by_path, **self.extras}
 
@@ -683,6 +692,13 @@ def summary_lines(s: dict) -> list[str]:
     verdict = "; ".join(f"{p} fits" for p in paths) or "no cycle finished"
     if s.get("failure"):
         verdict += f"; then {s['failure']}"
+    if len(paths) > 1:  # with --lr 0 every cycle trains the same weights: the paths differ by their numerics only
+        ref = next(iter(paths.values()))
+        lines.append(f"PARITY step {name}: " + "; ".join(
+            f"{p} loss {m['loss']:.6g} grad norm {m['grad_norm']:.6g} (rel diff to the first "
+            f"{abs(m['loss'] - ref['loss']) / max(abs(ref['loss']), 1e-30):.1e} / "
+            f"{abs(m['grad_norm'] - ref['grad_norm']) / max(abs(ref['grad_norm']), 1e-30):.1e})"
+            for p, m in paths.items()))
     lines.append(f"FIT step {name}: {verdict}; peak {max((m['peak_gib'] for m in paths.values()), default=0):.1f}"
                  f" GiB of {s['device_memory_gib']:.1f} GiB")
     return lines
@@ -690,6 +706,9 @@ def summary_lines(s: dict) -> list[str]:
 
 KERNEL_KINDS = (  # (kind, lower-case name fragments), first match wins
     ("attention", ("fmha", "flash", "sdpa", "attention")),
+    ("expert grouped GEMM", ("grouped", "group_gemm", "groupproblem", "ptr_array", "ptrarray")),
+    ("router top-k / sort", ("topk", "sort", "radix")),
+    ("index / gather / scatter (MoE permute)", ("index", "scatter", "gather", "masked_select", "nonzero")),
     ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "matmul")),
     ("compiled (triton)", ("triton",)),
     ("nccl", ("nccl",)),

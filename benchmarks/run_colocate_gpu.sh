@@ -6,7 +6,8 @@
 #   loop    python train.py --colocate: trainer and engine share every GPU, ROLLOUTS rollouts (default 24);
 #           LOOP_EXTRA adds flags, LOOP_TAG names its outputs (loop$LOOP_TAG.log, loop${LOOP_TAG}_metrics.jsonl)
 #   moe-replay  the loop on a Qwen3-MoE-shaped model (32 experts, top-4), bf16, twice: without and with
-#           --use-rollout-routing-replay; train/train_rollout_logprob_abs_diff of each (ROLLOUTS, default 8)
+#           --use-rollout-routing-replay; train/train_rollout_logprob_abs_diff of each (ROLLOUTS, default 8);
+#           MOE_EXTRA adds flags (e.g. --no-moe-grouped-gemm), MOE_TAG names its outputs, MOE_REPLAYS picks "off on"
 #   push    the loop's model pushed into one embedded engine on the same GPU, shared-memory file vs CUDA IPC
 #           side by side (benchmarks/bench_weight_push_gpu.py), next to the GPU's copy bandwidth
 #   footprint  a trainer-like process's device memory outside PyTorch's allocator, item by item
@@ -81,27 +82,31 @@ moe-replay)
     --layers 8 --hidden 1024 --heads 16 --kv-heads 8 --head-dim 64 --num-experts 32 --moe-topk 4 \
     --moe-ffn-hidden 512 --seed 1234 > /dev/null
   python3 -m slime.tools.demo_prompts --task counting --n 400 --out /tmp/counting.jsonl > /dev/null
-  for replay in off on; do
+  for replay in ${MOE_REPLAYS:-off on}; do
+    tag=${replay}${MOE_TAG:-}
     extra=(); [ $replay = on ] && extra=(--use-rollout-routing-replay)
     timeout ${MOE_TIMEOUT:-280} python3 train.py --hf-checkpoint $MOE_MODEL --rollout-backend embedded \
       --prompt-data /tmp/counting.jsonl --input-key prompt --label-key label --rollout-shuffle \
       --custom-rm-path examples.counting_reward.reward \
       --actor-num-nodes 1 --actor-num-gpus-per-node "$NGPU" --colocate --rollout-num-gpus-per-engine 1 \
       ${LAYOUT:-} --use-dynamic-batch-size --max-tokens-per-gpu 8192 --calculate-per-token-loss --use-slime-router \
-      --num-experts 32 --moe-router-topk 4 --moe-token-dispatcher-type alltoall "${extra[@]}" \
+      --num-experts 32 --moe-router-topk 4 --moe-token-dispatcher-type alltoall "${extra[@]}" ${MOE_EXTRA:-} \
       --num-rollout ${ROLLOUTS:-8} --rollout-batch-size 8 --n-samples-per-prompt 8 --num-steps-per-rollout 2 \
       --rollout-max-response-len 3 --rollout-temperature 1.0 \
       --advantage-estimator grpo --use-kl-loss --kl-loss-coef 0.01 --kl-loss-type low_var_kl --entropy-coef 0.001 \
       --optimizer adam --lr ${LR:-1e-4} --lr-decay-style constant --bf16 \
       --attention-dropout 0.0 --hidden-dropout 0.0 --fence-timeout 120 --seed 1234 \
-      --metrics-jsonl "$OUT/moe_replay_$replay.jsonl" > "$OUT/moe_replay_$replay.log" 2>&1
-    echo "moe-replay $replay rc=$?"; grep -h "training stopped\|Traceback\|Error" "$OUT/moe_replay_$replay.log" | head -5
-    python3 - "$OUT/moe_replay_$replay.jsonl" "$replay" <<'PY'
+      --metrics-jsonl "$OUT/moe_replay_$tag.jsonl" > "$OUT/moe_replay_$tag.log" 2>&1
+    echo "moe-replay $tag rc=$?"; grep -h "training stopped\|Traceback\|Error" "$OUT/moe_replay_$tag.log" | head -5
+    python3 - "$OUT/moe_replay_$tag.jsonl" "$tag" <<'PY'
 import json, statistics, sys
 diffs = [e["train/train_rollout_logprob_abs_diff"] for e in map(json.loads, open(sys.argv[1]))
          if e.get("event") == "train" and "train/train_rollout_logprob_abs_diff" in e]
+train_s = [e["perf/actor_train_s"] for e in map(json.loads, open(sys.argv[1]))
+           if e.get("event") == "train" and "perf/actor_train_s" in e]
 print(f"MOE_REPLAY {sys.argv[2]}: rollouts {len(diffs)} logprob_abs_diff mean {statistics.mean(diffs):.3e} "
-      f"max {max(diffs):.3e}" if diffs else f"MOE_REPLAY {sys.argv[2]}: no train events")
+      f"max {max(diffs):.3e}; actor_train median {statistics.median(train_s) if train_s else float('nan'):.3f} s"
+      if diffs else f"MOE_REPLAY {sys.argv[2]}: no train events")
 PY
   done ;;
 loop)

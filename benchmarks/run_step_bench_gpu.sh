@@ -4,7 +4,9 @@
 # Phases, each under its own deadline inside BUDGET_S (default 530 s):
 #   attention   benchmarks/bench_step_gpu.py attention: CP1 and a CP2 rank, 16k and 32k tokens, 0.6B and 4B heads
 #   step06      qwen3-0.6b step, fused vs new vs old (S06_PATHS), with a sync audit and one profiled cycle
-#   moe         Qwen3-30B-A3B-shaped MoE step (8 of 48 layers, EP1): TFLOP/s of the active parameters, peak memory
+#   moe         Qwen3-30B-A3B-shaped MoE step (8 of 48 layers, EP1), grouped vs sequential experts (SMOE_PATHS):
+#               TFLOP/s of the active parameters, peak memory, loss / grad-norm parity, a profiled grouped cycle;
+#               before it, benchmarks/check_grouped_experts_gpu.py (grouped_mm vs loop at one expert layer)
 #   step4b      qwen3-4b step with --max-tokens-per-gpu 32768 and full recompute (the fit check), fused vs new
 #               (S4B_PATHS; S4B_RECOMPUTE replaces the recompute flags);
 #               if it runs out of memory, step4b16k repeats it at 16384 so the 4B figures exist
@@ -59,7 +61,7 @@ explain_failure() {
   [ "$rc" -eq 124 ] && why="timed out (exit 124)"; [ "$rc" -eq 137 ] && why="killed (exit 137: out of time or memory)"
   echo "FAILED $name: $why; the last lines of $log:"; tail -n 15 "$log" | cut -c1-300 | sed 's/^/  | /'
 }
-summarize() { grep -h "^RATIO\|^MEMORY\|^FIT\|^SYNC\|^PROFILE\|^OOM\|^FAILED\|^MISMATCH\|^STOPPED" "$OUT/$1.log" | cut -c1-900 | tee -a "$OUT/summary.txt"; }
+summarize() { grep -h "^RATIO\|^MEMORY\|^FIT\|^PARITY\|^GROUPED_CHECK\|^SYNC\|^PROFILE\|^OOM\|^FAILED\|^MISMATCH\|^STOPPED" "$OUT/$1.log" | cut -c1-900 | tee -a "$OUT/summary.txt"; }
 # run NAME CAP_S CMD...: the command under min(CAP_S, time left - 10 s), its output in $OUT/NAME.log
 run() {
   local name=$1 cap=$2; shift 2
@@ -88,11 +90,14 @@ step() {  # step NAME CAP_S PREFIX MODEL FLAGS...: one torchrun of the step benc
 want() { [ -z "${PHASES:-}" ] || [[ " $PHASES " == *" $1 "* ]]; }
 want attention && run attention 100 "$PY" benchmarks/bench_step_gpu.py attention "${ATTN[@]}" --results-json "$OUT/attention.json"
 
-if want moe; then  # Qwen3-30B-A3B-shaped MoE step (8 layers, 128 experts, top-8, EP1), new path only
+if want moe; then  # Qwen3-30B-A3B-shaped MoE step (8 layers, 128 experts, top-8, EP1): grouped vs sequential experts
+  [ "${DRY_RUN:-0}" = 1 ] || [ "${MOE_CHECK:-1}" = 0 ] || run moecheck 60 "$PY" benchmarks/check_grouped_experts_gpu.py
   SMOE_NUM_SAMPLES=${SMOE_NUM_SAMPLES:-4} SMOE_MIN_TOKENS=${SMOE_MIN_TOKENS:-6144} SMOE_MAX_TOKENS=${SMOE_MAX_TOKENS:-8192}
   SMOE_CYCLES=${SMOE_CYCLES:-2}
-  step moe 240 SMOE "$MMOE" --paths new --max-tokens-per-gpu "${SMOE_TOKENS_PER_GPU:-8192}" \
-    --moe-token-dispatcher-type alltoall --moe-router-dtype fp32 --use-distributed-optimizer
+  # --lr 0: every cycle trains the same weights, so PARITY compares the two paths' loss and grad norm
+  step moe "${SMOE_CAP:-300}" SMOE "$MMOE" --paths ${SMOE_PATHS:-grouped sequential} --profile --lr 0 --moe-grouped-gemm \
+    --max-tokens-per-gpu "${SMOE_TOKENS_PER_GPU:-8192}" --moe-token-dispatcher-type alltoall --moe-router-dtype fp32 \
+    --use-distributed-optimizer
 fi
 want step06 || want step4b || { echo "done after $((SECONDS - START))s, status $STATUS" | tee -a "$OUT/summary.txt"; exit "$STATUS"; }
 

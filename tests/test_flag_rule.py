@@ -145,7 +145,6 @@ REFUSED_CASES = [
      "--expert-model-parallel-size 4 does not divide --num-experts 6; use a divisor of 6"),
     (["--expert-model-parallel-size", "2"], "is not divisible by --expert-model-parallel-size 2"),
     (["--num-experts", "4", "--moe-router-topk", "8"], "--moe-router-topk 8 is above --num-experts 4"),
-    (["--moe-token-dispatcher-type", "flex"], "the flex dispatcher needs DeepEP"),
     (["--optimizer", "sgd"], "only --optimizer adam is implemented"),
     (["--ckpt-format", "torch"], "dist_checkpointing (torch_dist) only"),
     (["--flush-cache-interval", "4"], "a longer interval is not implemented"),

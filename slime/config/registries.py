@@ -152,8 +152,6 @@ REFUSED_FLAGS: tuple[NotImplementedFlag, ...] = (
     NotImplementedFlag(flag="--megatron-config-path", reason="per-role (critic) Megatron configs are not implemented"),
     NotImplementedFlag(flag="--reset-optimizer-states", reason="resetting optimizer state per rollout is not implemented"),
     NotImplementedFlag(flag="--use-stateless-adam", reason="stateless Adam is not implemented"),
-    NotImplementedFlag(flag="--moe-token-dispatcher-type", is_active=lambda v: v == "flex",
-                       reason="the flex dispatcher needs DeepEP (CUDA kernels); use alltoall"),
     NotImplementedFlag(flag="--mtp-num-layers", reason="multi-token prediction layers are not supported"),
     NotImplementedFlag(flag="--enable-mtp-training", reason="multi-token prediction layers are not supported"),
     *(NotImplementedFlag(flag=f, reason="the dense builder has no such layers (Qwen3 / Qwen2 / Llama only)")
@@ -170,9 +168,6 @@ REFUSED_FLAGS: tuple[NotImplementedFlag, ...] = (
     *(NotImplementedFlag(flag=f, reason="delta weight updates are not implemented (--update-weight-mode full: every "
                                         "push sends the full weights)")
       for f in ("--update-weight-delta-encoding", "--update-weight-delta-checksum")),
-    NotImplementedFlag(flag="--moe-enable-deepep",
-                       reason="DeepEP's dispatcher needs CUDA and the deep_ep package, which this project does not "
-                              "use; use --moe-token-dispatcher-type alltoall (the same routing, all-to-all exchanges)"),
     NotImplementedFlag(flag="--release-train", reason="releasing the train actors needs disk weight sync, not implemented"),
     NotImplementedFlag(flag="--flush-cache-interval", is_active=lambda v: v != 1,
                        reason="the engines' cache is flushed at every weight sync; a longer interval is not implemented"),

@@ -297,7 +297,8 @@ def _layer_spec(args: Namespace, hf_config: Any, config: TransformerConfig, vp_s
     elif config.num_moe_experts:
         dense = family_of(hf_config).layer_spec(config)
         moe.warn_unavailable_kernels(args)
-        layer_specs = moe.moe_layer_specs(dense, moe.with_moe_mlp(dense, config), config, vp_stage)
+        layer_specs = moe.moe_layer_specs(dense, moe.with_moe_mlp(dense, config, moe.grouped_experts_enabled(args)),
+                                           config, vp_stage)
     else:
         dense = family_of(hf_config).layer_spec(config)
         layer_specs = [dense] * get_num_layers_to_build(config, vp_stage=vp_stage)

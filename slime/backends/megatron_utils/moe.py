@@ -47,7 +47,8 @@ MOE_FLAGS = (*_ARCH_TO_FLAG.values(), "moe_layer_freq", "moe_router_enable_exper
              "moe_token_dispatcher_type", "moe_router_dtype", "moe_router_load_balancing_type", "moe_aux_loss_coeff",
              "moe_z_loss_coeff", "moe_grouped_gemm", "moe_shared_expert_overlap", "moe_expert_capacity_factor",
              "moe_token_drop_policy", "moe_pad_expert_input_to_capacity", "expert_tensor_parallel_size",
-             "moe_router_bias_update_rate", "use_routing_replay", "use_rollout_routing_replay", "moe_permute_fusion")
+             "moe_router_bias_update_rate", "use_routing_replay", "use_rollout_routing_replay", "moe_permute_fusion",
+             "moe_enable_deepep")
 
 
 def _eval_layer_freq(node: ast.AST) -> Any:
@@ -148,9 +149,7 @@ def moe_config_fields(hf_config: Any, args: Namespace) -> dict[str, Any]:
                                  "point --hf-checkpoint at an MoE model")
         return {}
     check_moe_args(arch, args)
-    dispatcher = args.moe_token_dispatcher_type or "alltoall"
-    if dispatcher == "flex":
-        raise MoEConfigError("--moe-token-dispatcher-type flex needs DeepEP (CUDA); use alltoall or allgather")
+    dispatcher = token_dispatcher(args)
     ep, pp = int(args.expert_model_parallel_size or 1), int(args.pipeline_model_parallel_size or 1)
     if dispatcher == "allgather" and (ep > 1 or pp > 1):
         raise MoEConfigError("--moe-token-dispatcher-type allgather needs equal token counts on the ranks it "
@@ -168,6 +167,7 @@ def moe_config_fields(hf_config: Any, args: Namespace) -> dict[str, Any]:
         moe_aux_loss_coeff=float(args.moe_aux_loss_coeff or 0.0),
         moe_z_loss_coeff=args.moe_z_loss_coeff,
         moe_token_dispatcher_type=dispatcher,
+        moe_flex_dispatcher_backend="deepep",  # read by megatron only with the flex dispatcher
         moe_grouped_gemm=grouped_gemm_available() and bool(args.moe_grouped_gemm),
         moe_permute_fusion=False,  # the fused kernels are TransformerEngine's; see warn_unavailable_kernels
         moe_shared_expert_intermediate_size=arch.shared_expert_intermediate_size,
@@ -181,6 +181,46 @@ def moe_config_fields(hf_config: Any, args: Namespace) -> dict[str, Any]:
     )
 
 
+def deep_ep_available() -> bool:
+    """DeepEP's kernels: CUDA and the deep_ep package."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import deep_ep  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+_warned_no_deepep = False
+
+
+def _first_rank() -> bool:
+    """One warning per run, not per rank: the ranks decide alike."""
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+
+
+def token_dispatcher(args: Namespace) -> str:
+    """--moe-token-dispatcher-type, with upstream's DeepEP request (flex / --moe-enable-deepep) served by megatron's
+    flex dispatcher where DeepEP is installed, else by alltoall: the routing is the same whichever transport
+    moves the tokens, so the run goes on (one warning, from the first rank)."""
+    global _warned_no_deepep
+    dispatcher = args.moe_token_dispatcher_type or "alltoall"
+    if dispatcher != "flex" and not args.moe_enable_deepep:
+        return dispatcher
+    if deep_ep_available():
+        warnings.warn("DeepEP dispatcher (flex): its exchanges run in DeepEP's own buffers, which the fence's "
+                      "ledger does not record", stacklevel=2)
+        return "flex"
+    if not _warned_no_deepep and _first_rank():
+        _warned_no_deepep = True
+        warnings.warn("=" * 20 + " --moe-token-dispatcher-type flex / --moe-enable-deepep asked for DeepEP, and "
+                      f"{'deep_ep is not installed' if torch.cuda.is_available() else 'DeepEP needs CUDA'}: the "
+                      "tokens move with the alltoall dispatcher instead (the same routing and results; all-to-all "
+                      "exchanges over the EP group) " + "=" * 20, stacklevel=2)
+    return "alltoall"
+
+
 def _bias_update_rate(args: Namespace) -> float:
     """--moe-router-bias-update-rate (megatron's default 1e-3 when not given; 0 keeps the HF bias fixed)."""
     rate = args.moe_router_bias_update_rate
@@ -192,7 +232,7 @@ def routing_replay_enabled(args: Namespace) -> bool:
 
 
 def grouped_gemm_available() -> bool:
-    """megatron's grouped expert GEMM needs TransformerEngine (TEGroupedMLP) or the grouped_gemm CUDA package."""
+    """megatron's own grouped expert GEMM (TE spec) needs TransformerEngine on CUDA."""
     if not torch.cuda.is_available():
         return False
     try:
@@ -202,15 +242,22 @@ def grouped_gemm_available() -> bool:
     return True
 
 
+def grouped_experts_enabled(args: Namespace) -> bool:
+    """--moe-grouped-gemm: the project's grouped experts (slime/models/grouped_experts.py) in the local spec.
+    Default: on CUDA. --no-moe-grouped-gemm keeps megatron's SequentialMLP (the same parameters and numbers)."""
+    args = with_defaults(args, ("moe_grouped_gemm",))
+    if args.moe_grouped_gemm is None:
+        return torch.cuda.is_available()
+    return bool(args.moe_grouped_gemm)
+
+
 def warn_unavailable_kernels(args: Namespace) -> None:
-    """--moe-grouped-gemm / --moe-permute-fusion ask for fused kernels; the maths is the same without them."""
-    args = with_defaults(args, ("moe_grouped_gemm", "moe_permute_fusion"))
-    if args.moe_grouped_gemm and not grouped_gemm_available():
-        warnings.warn("--moe-grouped-gemm: grouped GEMM needs TransformerEngine on CUDA; experts run one "
-                      "GEMM each (SequentialMLP), same results", stacklevel=2)
+    """--moe-permute-fusion asks for TransformerEngine's fused permutation; the maths is the same without it."""
+    args = with_defaults(args, ("moe_permute_fusion",))
     if args.moe_permute_fusion:
-        warnings.warn("--moe-permute-fusion: the fused permutation kernel is TransformerEngine's and is not "
-                      "used here; tokens are permuted with torch ops, same results", stacklevel=2)
+        warnings.warn("--moe-permute-fusion: TransformerEngine's fused permutation kernels are not used; the "
+                      "dispatcher permutes the tokens by expert once per layer with torch ops, and the grouped "
+                      "experts apply the routing weights inside their activation; same results", stacklevel=2)
 
 
 def moe_layer_specs(dense_spec, moe_spec, config, vp_stage: int | None) -> list:
@@ -224,12 +271,17 @@ def moe_layer_specs(dense_spec, moe_spec, config, vp_stage: int | None) -> list:
     return [moe_spec if pattern[offset + i] else dense_spec for i in range(count)]
 
 
-def with_moe_mlp(spec, config):
-    """`spec` (a local layer spec with our norms) with its MLP replaced by megatron's MoE layer."""
+def with_moe_mlp(spec, config, grouped: bool = False):
+    """`spec` (a local layer spec with our norms) with its MLP replaced by megatron's MoE layer, whose experts
+    are megatron's SequentialMLP or, with `grouped`, the project's GroupedExperts (same parameters)."""
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 
-    moe = get_moe_module_spec(use_te=False, num_experts=config.num_moe_experts,
-                              moe_grouped_gemm=config.moe_grouped_gemm)
+    from slime.models.grouped_experts import GroupedExperts
+
+    moe = get_moe_module_spec(use_te=False, num_experts=config.num_moe_experts, moe_grouped_gemm=False)
+    if grouped:
+        experts = dataclasses.replace(moe.submodules.experts, module=GroupedExperts)
+        moe = dataclasses.replace(moe, submodules=dataclasses.replace(moe.submodules, experts=experts))
     return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=moe))
 
 
@@ -258,6 +310,7 @@ def moe_plan_collectives(config: Any) -> tuple[tuple[str, bool], ...]:
     return (
         ("moe_alltoall", moe_on and config.moe_token_dispatcher_type == "alltoall"),
         ("moe_allgather", moe_on and config.moe_token_dispatcher_type == "allgather"),
+        ("moe_flex", moe_on and config.moe_token_dispatcher_type == "flex"),
         ("moe_aux_loss", moe_on and bool(config.moe_aux_loss_coeff)),
         ("moe_expert_bias", moe_on and bool(config.moe_router_enable_expert_bias)),
         ("routing_replay", moe_on and bool(config.moe_enable_routing_replay)),

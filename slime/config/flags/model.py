@@ -112,9 +112,17 @@ def add_moe_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3,
                    help="update rate of the expert bias after every step (0 keeps the checkpoint's bias)")
     g.add_argument("--moe-token-dispatcher-type", type=str, default="alltoall",
-                   choices=["allgather", "alltoall", "flex"], help="how tokens reach their experts")
-    g.add_argument("--moe-grouped-gemm", action="store_true", default=False, help="grouped-GEMM expert kernels")
-    g.add_argument("--moe-permute-fusion", action="store_true", default=False, help="fused token permutation")
+                   choices=["allgather", "alltoall", "flex"],
+                   help="how tokens reach their experts (flex: DeepEP where deep_ep is installed on CUDA, otherwise "
+                        "alltoall with one warning; the routing is the same)")
+    g.add_argument("--moe-grouped-gemm", action=argparse.BooleanOptionalAction, default=None,
+                   help="grouped experts: tokens sorted by expert once, every expert's GEMM in one grouped GEMM "
+                        "(torch._grouped_mm for bf16 on Hopper+, else a loop over the same layout; the same "
+                        "parameters and numbers as --no-moe-grouped-gemm, megatron's SequentialMLP). Default: on CUDA")
+    g.add_argument("--moe-permute-fusion", action="store_true", default=False,
+                   help="TransformerEngine's fused token permutation: not used here (a warning says so); tokens are "
+                        "permuted once per layer with torch ops and the routing weights applied in the experts' "
+                        "activation, same results")
     g.add_argument("--moe-layer-freq", type=str, default=None,
                    help="which layers are MoE (int or python list; default: the HF config's)")
     g.add_argument("--moe-expert-capacity-factor", type=float, default=None, help="expert capacity factor")
@@ -127,7 +135,8 @@ def add_moe_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-shared-expert-gate", action="store_true", default=False,
                    help="a sigmoid gate on the shared expert's output (must agree with the HF config: Qwen2-MoE has one)")
     g.add_argument("--moe-enable-deepep", action="store_true", default=False,
-                   help="DeepEP's token dispatcher (megatron's flex dispatcher)")
+                   help="DeepEP's token dispatcher (megatron's flex dispatcher) where deep_ep is installed on CUDA; "
+                        "otherwise alltoall with one warning (the routing is the same)")
     g.add_argument("--use-routing-replay", action="store_true", default=False,
                    help="training forwards route each token to the experts the old-policy log-prob pass chose")
     g.add_argument("--use-rollout-routing-replay", action="store_true", default=False,

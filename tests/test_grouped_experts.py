@@ -1,0 +1,176 @@
+"""Grouped experts (slime/models/grouped_experts.py) against megatron's SequentialMLP: the same parameters, the
+same numbers on CPU (where the grouped GEMM falls back to a loop over the same expert-sorted layout); the flags
+that pick them and the DeepEP fallback."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+from mp_utils import run_ranks
+from tiny_models import save_tiny_qwen3_moe
+from train_step_harness import make_rollout
+
+pytestmark = pytest.mark.ranks
+
+
+def _experts_of(model):
+    from slime.models.grouped_experts import GroupedExperts
+
+    return [m for chunk in model for m in chunk.modules() if isinstance(m, GroupedExperts)]
+
+
+def _step(model, optimizer, scheduler, data, args):
+    """Old log-probs, then one training step (lr 0: the weights stay) on a copy of `data`."""
+    from slime.backends.megatron_utils.train_step import compute_log_probs, train_one_step
+    from train_step_harness import plans_for_this_rank
+
+    data = copy.deepcopy(data)
+    (plan,) = plans_for_this_rank(data, args)
+    log_probs = compute_log_probs(model, data, plan, args)
+    rows = [row if row else [0.0] * n for row, n in zip(log_probs, data["response_lengths"])]
+    data["log_probs"] = [[v + 0.05 * (j % 3) for j, v in enumerate(row)] for row in rows]
+    data["ref_log_probs"] = [[v - 0.1 for v in row] for row in rows]
+    data["rollout_log_probs"] = [[v + 0.02 for v in row] for row in rows]
+    result = train_one_step(model, optimizer, scheduler, data, plan, args)
+    return log_probs, result.loss, result.grad_norm
+
+
+def _expert_grads(experts, x, counts, probs, out_grad):
+    """Output and every gradient (input, routing weights, expert weights) of one experts module."""
+    module = experts[0]
+    x, probs = x.detach().requires_grad_(), probs.detach().requires_grad_()
+    out, _ = module(x, counts, probs)
+    return [out.detach(), *torch.autograd.grad(out, [x, probs, *module.parameters()], out_grad)]
+
+
+def _hf_round_trip_error(model, hf_dir):
+    """The HF export of the grouped experts' model against the checkpoint it loaded (names and values)."""
+    import os
+
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from slime_plugins.models.hf_weights import export_hf_weights
+
+    exported = dict(export_hf_weights(model, AutoConfig.from_pretrained(hf_dir)))
+    original = load_file(os.path.join(hf_dir, "model.safetensors"))
+    assert sorted(exported) == sorted(original)
+    return max(float((t - original[n]).abs().max()) for n, t in exported.items())
+
+
+def _grouped_vs_sequential_child(rank, world, hf_dir, data):
+    from train_step_harness import build_loaded_model, layout_args
+
+    args = layout_args(dict(expert_model_parallel_size=world, moe_grouped_gemm=True, calculate_per_token_loss=True,
+                            use_distributed_optimizer=True))
+    model, optimizer, scheduler = build_loaded_model(args, hf_dir)
+    experts = _experts_of(model)
+    assert len(experts) == 2 and experts[0].num_local_experts == 8 // world
+    # SequentialMLP's parameter order, so DDP's buffer (and the optimizer checkpoints that follow it) is the same
+    order = [name for name, _ in experts[0].named_parameters()]
+    in_order = order == [f"local_experts.{i}.linear_fc{j}.weight" for i in range(8 // world) for j in (1, 2)]
+    round_trip = _hf_round_trip_error(model, hf_dir)
+    seen = []
+    experts[0].register_forward_pre_hook(lambda mod, inputs: seen.append(inputs) if not seen else None)
+    runs = {}
+    for grouped in (True, False):
+        for module in experts:
+            module.grouped = grouped
+        runs[grouped] = _step(model, optimizer, scheduler, data, args)
+    x, counts, probs = (t.detach() for t in seen[0])
+    n = x.shape[0]
+    uneven = torch.tensor([n // 3, 0, n - n // 3 - 1, 1][: experts[0].num_local_experts - 1] + [0])  # empty experts
+    uneven[-2] += n - int(uneven.sum())
+    grads = {}
+    for grouped in (True, False):
+        experts[0].grouped = grouped
+        torch.manual_seed(0)
+        out_grad = torch.randn(n, x.shape[1])
+        grads[grouped] = [_expert_grads(experts, x, c, probs, out_grad) for c in (counts, uneven)]
+    diffs = [[(a - b).abs().max().item() for a, b in zip(g, s)] for g, s in zip(grads[True], grads[False])]
+    (lp_g, loss_g, gn_g), (lp_s, loss_s, gn_s) = runs[True], runs[False]
+    return dict(in_order=in_order, round_trip=round_trip, log_probs=lp_g == lp_s, loss=(loss_g, loss_s), grad_norm=(gn_g, gn_s), module_diffs=diffs,
+                counts=counts.tolist(), uneven=uneven.tolist())
+
+
+@pytest.mark.timeout(180)
+def test_grouped_experts_give_the_sequential_numbers_on_cpu_under_ep2(tmp_path):
+    """EP2 on two gloo ranks: log-probs, loss and grad norm of a step, and the experts' output and gradients
+    (dispatched tokens, and a split with experts that get no token) are the sequential path's, bit for bit."""
+    hf_dir = save_tiny_qwen3_moe(str(tmp_path / "moe"))
+    results = run_ranks(_grouped_vs_sequential_child, 2, args=(hf_dir, make_rollout(num_samples=4, seed=5)),
+                        timeout_s=150)
+    for r in results:
+        assert r["log_probs"], "log-probs differ between the grouped and the sequential experts"
+        assert r["loss"][0] == r["loss"][1] and r["grad_norm"][0] == r["grad_norm"][1], r
+        assert r["grad_norm"][0] > 0
+        assert r["in_order"] and r["round_trip"] == 0.0, r
+        assert 0 in r["uneven"] and max(max(d) for d in r["module_diffs"]) == 0.0, r["module_diffs"]
+
+
+# ------------------------------------------------------------------ flags
+
+
+def _args(**overrides):
+    from slime.backends.megatron_utils.moe import MOE_FLAGS
+    from slime.config import defaults_namespace
+
+    args = defaults_namespace(only=MOE_FLAGS)
+    for key, value in overrides.items():
+        setattr(args, key, value)
+    return args
+
+
+def test_grouped_gemm_flag_default_follows_cuda(monkeypatch):
+    from slime.backends.megatron_utils import moe
+    from slime.utils.arguments import build_parser
+
+    parser = build_parser()
+    assert parser.get_default("moe_grouped_gemm") is None
+    for cuda in (True, False):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
+        assert moe.grouped_experts_enabled(_args()) is cuda  # default: on CUDA only
+        assert moe.grouped_experts_enabled(_args(moe_grouped_gemm=True)) is True
+        assert moe.grouped_experts_enabled(_args(moe_grouped_gemm=False)) is False
+
+
+def test_grouped_flag_picks_the_experts_module():
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from slime.backends.megatron_utils.moe import with_moe_mlp
+    from slime.models.grouped_experts import GroupedExperts
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    class Config:
+        num_moe_experts = 4
+
+    dense = get_gpt_layer_local_spec()
+    chosen = {g: with_moe_mlp(dense, Config(), g).submodules.mlp.submodules.experts.module for g in (True, False)}
+    assert chosen == {True: GroupedExperts, False: SequentialMLP}
+
+
+def test_deepep_request_falls_back_to_alltoall_with_one_warning(monkeypatch):
+    from slime.backends.megatron_utils import moe
+
+    monkeypatch.setitem(__import__("sys").modules, "deep_ep", None)  # not importable
+    monkeypatch.setattr(moe, "_warned_no_deepep", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        picked = [moe.token_dispatcher(_args(moe_token_dispatcher_type="flex", moe_enable_deepep=True)),
+                  moe.token_dispatcher(_args(moe_token_dispatcher_type="alltoall", moe_enable_deepep=True)),
+                  moe.token_dispatcher(_args(moe_token_dispatcher_type="flex"))]
+    assert picked == ["alltoall"] * 3
+    texts = [str(w.message) for w in caught]
+    assert len(texts) == 1 and "alltoall dispatcher instead" in texts[0]
+    assert moe.token_dispatcher(_args(moe_token_dispatcher_type="allgather")) == "allgather"
+    from transformers import Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2)
+    with warnings.catch_warnings(record=True):
+        fields = moe.moe_config_fields(config, _args(moe_token_dispatcher_type="flex", moe_enable_deepep=True))
+    assert fields["moe_token_dispatcher_type"] == "alltoall"
