@@ -84,21 +84,26 @@ def _vocab(hf_name: str, shapes: _Shapes, padded_rows: int) -> _Mapping:
     return _Mapping((hf_name,), to_megatron, lambda t: [t[: shapes.vocab_size]])
 
 
-def _qkv(prefix: str, suffix: str, shapes: _Shapes) -> _Mapping:
+def _qkv(prefix: str, suffix: str, shapes: _Shapes, gated: bool = False) -> _Mapping:
+    """HF q/k/v -> megatron's per-group rows. `gated` (attention output gate): HF q_proj holds [q_h; gate_h] per
+    head, megatron [q heads of g | gate heads of g | k_g | v_g] per group."""
     g, hpg, d = shapes.num_groups, shapes.heads_per_group, shapes.head_dim
+    q_parts = 2 if gated else 1
 
     def to_megatron(ts):
         q, k, v = ts
         rest = q.shape[1:]
-        grouped = torch.cat([q.reshape(g, hpg * d, *rest), k.reshape(g, d, *rest),
-                             v.reshape(g, d, *rest)], dim=1)
-        return grouped.reshape(g * (hpg + 2) * d, *rest)
+        per_head = q.reshape(g, hpg, q_parts, d, *rest)
+        qs = [per_head[:, :, i].reshape(g, hpg * d, *rest) for i in range(q_parts)]
+        grouped = torch.cat([*qs, k.reshape(g, d, *rest), v.reshape(g, d, *rest)], dim=1)
+        return grouped.reshape(g * (q_parts * hpg + 2) * d, *rest)
 
     def to_hf(t):
         rest = t.shape[1:]
-        grouped = t.reshape(g, (hpg + 2) * d, *rest)
-        q, k, v = grouped.split([hpg * d, d, d], dim=1)
-        return [q.reshape(g * hpg * d, *rest), k.reshape(g * d, *rest), v.reshape(g * d, *rest)]
+        grouped = t.reshape(g, (q_parts * hpg + 2) * d, *rest)
+        *qs, k, v = grouped.split([hpg * d] * q_parts + [d, d], dim=1)
+        q = torch.stack([x.reshape(g, hpg, d, *rest) for x in qs], dim=2)
+        return [q.reshape(g * hpg * q_parts * d, *rest), k.reshape(g * d, *rest), v.reshape(g * d, *rest)]
 
     names = tuple(f"{prefix}self_attn.{p}_proj.{suffix}" for p in ("q", "k", "v"))
     return _Mapping(names, to_megatron, to_hf)
@@ -149,8 +154,11 @@ def _layer_mapping(suffix: str, prefix: str, shapes: _Shapes, tp: int, hf_config
     table.update(family.layer_names(prefix))
     if suffix in table:
         return _identity(table[suffix])
+    layouts = family.layer_layouts(prefix, hf_config)
+    if suffix in layouts:
+        return _Mapping(*layouts[suffix])
     if suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
-        return _qkv(prefix, suffix.rsplit(".", 1)[1], shapes)
+        return _qkv(prefix, suffix.rsplit(".", 1)[1], shapes, family.attention_output_gate)
     if suffix == "mlp.linear_fc1.weight":
         gate_up = _gate_up(prefix, tp)
         return gate_up if family.fused_gate_up is None else _row_fused(family.fused_gate_up(prefix), gate_up)

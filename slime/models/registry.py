@@ -22,6 +22,7 @@ _BUILTIN_MODULES = (
     "slime.models.qwen3_moe",
     "slime.models.deepseek_v3",
     "slime.models.glm4",
+    "slime.models.qwen3_5",
 )
 
 # What a model_type outside the registry is read as (arguments.py lets one through only with a custom model
@@ -40,6 +41,10 @@ def _no_fields(hf_config: Any) -> dict[str, Any]:
 
 
 def _no_names(prefix: str) -> dict[str, str]:
+    return {}
+
+
+def _no_layouts(prefix: str, hf_config: Any) -> dict[str, tuple]:
     return {}
 
 
@@ -70,6 +75,11 @@ class ModelFamily:
     post_norms: bool = False
     """A norm on each branch's output before its residual add (GLM-4): what --post-self-attn-layernorm and
     --post-mlp-layernorm must agree with."""
+    attention_output_gate: bool = False
+    """A per-head sigmoid gate on the attention output before o_proj (HF q_proj rows per head: [q_h; gate_h]):
+    what --attention-output-gate must agree with."""
+    zero_centered_norms: bool = False
+    """Every RMSNorm scales by 1 + weight (HF Qwen3-Next / Qwen3.5): what --apply-layernorm-1p must agree with."""
     rope_types: tuple[str, ...] | None = ("default", "llama3")
     """RoPE types the builder accepts; None: `config_fields` checks the RoPE itself."""
     arch_overrides: Callable[[Any], dict[str, Any]] = _no_fields
@@ -83,6 +93,11 @@ class ModelFamily:
     # ---- layer spec
     layer_spec: Callable[..., Any] = _dense_layer_spec
     """config -> the local (no TransformerEngine) spec of one dense layer; MoE layers replace its MLP."""
+    layer_kinds: Callable[[Any], tuple[str, ...]] | None = None
+    """hf_config -> the kind of every layer's token mixer (hybrid stacks: Qwen3-Next's "linear_attention" /
+    "full_attention"); None: every layer is `layer_spec`'s. Each pipeline stage builds its own layers' specs."""
+    kind_layer_spec: Callable[[Any, str], Any] | None = None
+    """(config, layer kind) -> the local spec of a dense layer of that kind (MoE layers replace its MLP)."""
     default_spec: Callable[..., Any] | None = None
     """The family's own `--spec` function (upstream's signature fn(args, config, vp_stage)), used when the
     user names none (GLM-4's post-norm layers)."""
@@ -93,12 +108,22 @@ class ModelFamily:
     layer_names: Callable[[str], dict[str, str]] = _no_names
     """HF layer prefix ('model.layers.L.') -> {megatron layer suffix: HF name} for the parameters this family
     adds or names otherwise (taking precedence over the dense table)."""
+    layer_layouts: Callable[[str, Any], dict[str, tuple]] = _no_layouts
+    """(HF layer prefix, hf_config) -> {megatron layer suffix: (HF names, to_megatron, to_hf)} for parameters
+    whose layout differs from HF's beyond a rename: to_megatron takes the HF tensors (a list) and gives the full
+    megatron tensor, to_hf the inverse (a list, in HF-name order)."""
     fused_gate_up: Callable[[str], str] | None = None
     """HF layer prefix -> the name of the MLP's fused [gate; up] tensor, when HF stores them as one."""
     moe_names: Callable[[str, str, int | None, Any], tuple[str, ...] | None] = _shared_moe_names
     """(megatron layer suffix, HF layer prefix, global expert index, MoEArchitecture or None) -> the HF names
     of an MoE-layer parameter ((gate, up) for an fc1), None when it is not one. Default: the Qwen-MoE and
     DeepSeek-V3 spelling (moe_hf.py)."""
+
+    def layer_spec_at(self, config: Any, hf_config: Any, layer: int) -> Any:
+        """The local spec of global layer `layer` before any MoE replacement."""
+        if self.layer_kinds is None:
+            return self.layer_spec(config)
+        return self.kind_layer_spec(config, self.layer_kinds(hf_config)[layer])
 
     def moe(self, hf_config: Any) -> Any:
         """The MoEArchitecture of this HF config, or None for a dense model."""
