@@ -83,3 +83,21 @@ def test_logits_match_transformers_and_export_is_exact(hybrid_dirs, kind, tp, cp
         exported = result["exported"]
         assert sorted(exported) == sorted(original)
         assert all(torch.equal(exported[name], original[name]) for name in original)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
+def test_train_step_matches_between_tp1_and_tp2_sp_cp2(hybrid_dirs, kind):
+    """A packed batch of 6 sequences (dynamic batching, several micro-batches): TP1 x CP1 and TP2 x SP x CP2 give
+    the same log-probs, loss and grad norm (fp32), with DeltaNet heads over TP and its recurrence across CP."""
+    from test_train_step import assert_matches_reference
+    from train_step_harness import layout_child, make_rollout
+
+    data = make_rollout(num_samples=6, seed=0)
+    modes = ("per_token", "per_sample")
+    (reference,) = run_ranks(layout_child, 1, args=(dict(calculate_per_token_loss=True), hybrid_dirs[kind], data,
+                                                    modes), timeout_s=120)
+    layout = dict(tensor_model_parallel_size=2, sequence_parallel=True, context_parallel_size=2,
+                  calculate_per_token_loss=True)
+    results = run_ranks(layout_child, 4, args=(layout, hybrid_dirs[kind], data, modes), timeout_s=220)
+    assert_matches_reference(results, reference, data)
