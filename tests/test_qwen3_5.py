@@ -101,3 +101,71 @@ def test_train_step_matches_between_tp1_and_tp2_sp_cp2(hybrid_dirs, kind):
                   calculate_per_token_loss=True)
     results = run_ranks(layout_child, 4, args=(layout, hybrid_dirs[kind], data, modes), timeout_s=220)
     assert_matches_reference(results, reference, data)
+
+
+def _composite_child(rank, world, hf_dir, out_dir):
+    import transformers
+
+    from slime.backends.megatron_utils.checkpoint import save_hf_checkpoint
+    from slime.backends.megatron_utils.model import build_gpt_model
+    from slime.backends.megatron_utils.parallel import init_model_parallel
+    from slime.models.registry import language_model_config
+    from slime_plugins.models.hf_weights import export_hf_weights, load_hf_weights
+
+    args = types.SimpleNamespace(tensor_model_parallel_size=1, context_parallel_size=1,
+                                 pipeline_model_parallel_size=1, seed=5, attention_dropout=0.0, hidden_dropout=0.0)
+    init_model_parallel(args)
+    hf_config = language_model_config(transformers.AutoConfig.from_pretrained(hf_dir))
+    model = build_gpt_model(args, hf_config).eval()
+    load_hf_weights([model], hf_dir, hf_config)
+    tokens = torch.randint(0, hf_config.vocab_size, (1, SEQ), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(tokens, torch.arange(SEQ).unsqueeze(0), None)[0]
+    save_hf_checkpoint(out_dir, [model], hf_config, hf_dir)
+    return dict(logits=logits, model_type=hf_config.model_type, exported=dict(export_hf_weights([model], hf_config)))
+
+
+@pytest.mark.timeout(240)
+def test_composite_checkpoint_trains_its_text_model_saves_it_whole_and_pushes_to_the_engine(tmp_path):
+    """A Qwen3_5ForConditionalGeneration checkpoint: the text model is built from text_config and gives the
+    engine's model's logits (transformers serves it as Qwen3_5ForCausalLM); --save-hf writes back every tensor,
+    the vision tower's carried through, bit-exactly; a push under the checkpoint's names reaches the engine."""
+    import transformers
+    from safetensors.torch import load_file
+
+    from slime.backends.embedded_engine.engine import checkpoint_target
+    from tiny_models import save_tiny_qwen3_5_composite
+
+    hf_dir, other = (save_tiny_qwen3_5_composite(str(tmp_path / name), seed=seed)
+                     for name, seed in (("composite", 0), ("other", 1)))
+    (result,) = run_ranks(_composite_child, 1, args=(hf_dir, str(tmp_path / "saved")), timeout_s=200)
+    assert result["model_type"] == "qwen3_5_text"
+    original = load_file(f"{hf_dir}/model.safetensors")
+    assert any(name.startswith("model.visual.") for name in original)
+    assert not any(name.startswith("model.visual.") for name in result["exported"])
+    saved = load_file(str(tmp_path / "saved" / "model.safetensors"))
+    assert sorted(saved) == sorted(original)
+    assert all(torch.equal(saved[name], original[name]) for name in original)
+
+    engine = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    assert type(engine).__name__ == "Qwen3_5ForCausalLM"
+    tokens = torch.randint(0, engine.config.vocab_size, (1, SEQ), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (result["logits"] - engine(tokens).logits[0]).abs().max().item() < 1e-5
+    # the push: the other checkpoint's text weights, by the names the trainer exports
+    pushed = load_file(f"{other}/model.safetensors")
+    state = engine.state_dict()
+    with torch.no_grad():
+        for name in result["exported"]:
+            checkpoint_target(name, state, engine.config).copy_(pushed[name])
+        want = transformers.AutoModelForCausalLM.from_pretrained(other, dtype=torch.float32).eval()(tokens).logits
+        assert torch.equal(engine(tokens).logits, want)
+
+
+def test_a_sample_with_images_is_refused_before_any_engine_sees_it():
+    from slime.rollout.sglang_rollout import refuse_multimodal
+    from slime.utils.types import Sample
+
+    refuse_multimodal(Sample(index=3, prompt="123"))  # text passes
+    with pytest.raises(ValueError, match="sample 3 carries multimodal inputs \\(images\\).*vision tower is not built"):
+        refuse_multimodal(Sample(index=3, prompt="123", multimodal_inputs={"images": ["x.png"]}))

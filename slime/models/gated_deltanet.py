@@ -106,7 +106,7 @@ class GatedDeltaNet(MegatronModule):
         projected, _ = self.in_proj(hidden_states)  # [s, b, groups * group_width]
         s, b = projected.shape[:2]
         tokens = projected.transpose(0, 1).reshape(b * s, self.groups, self.group_width)
-        dk, dv, r = self.key_dim, self.value_dim, self.ratio
+        dv, r = self.value_dim, self.ratio
         mixed, z, beta_logit, a = tokens.split([self.conv_width, r * dv, r, r], dim=-1)
         lengths = self._full_lengths(packed_seq_params, s, b)
         core = self._mix(torch.cat([mixed.flatten(1), beta_logit.flatten(1), a.flatten(1)], dim=-1), lengths)

@@ -201,7 +201,9 @@ _COMMON = dict(qk_layernorm=True, attention_output_gate=True, zero_centered_norm
                kind_layer_spec=kind_layer_spec, config_fields=config_fields, config_flags=CONFIG_FLAGS,
                arch_overrides=arch_overrides, moe_architecture=moe_architecture, layer_names=layer_names)
 
+# the released Qwen3.5 checkpoints are composite (Qwen3_5ForConditionalGeneration): trained text-only
 QWEN3_5 = register(ModelFamily(name="Qwen3.5", model_types=("qwen3_5_text", "qwen3_5_moe_text"),
-                               layer_layouts=_layouts(fused=False), **_COMMON))
+                               composite_types=("qwen3_5", "qwen3_5_moe"), layer_layouts=_layouts(fused=False),
+                               **_COMMON))
 QWEN3_NEXT = register(ModelFamily(name="Qwen3-Next", model_types=("qwen3_next",), layer_layouts=_layouts(fused=True),
                                   **_COMMON))

@@ -64,6 +64,9 @@ class ModelFamily:
     """Shown in messages (e.g. "DeepSeek-V3")."""
     model_types: tuple[str, ...]
     """The HF config.json `model_type` values this family builds."""
+    composite_types: tuple[str, ...] = ()
+    """model_types of vision + text checkpoints (config.text_config, weights under `model.language_model.`) whose
+    text model this family trains: the vision tower is not built (`language_model_config`)."""
 
     # ---- HF config -> TransformerConfig
     qk_layernorm: bool = False
@@ -136,7 +139,7 @@ _LOADED = False
 
 def register(family: ModelFamily) -> ModelFamily:
     """Make `family` the one that builds its model types (called by the family's module at import)."""
-    for model_type in family.model_types:
+    for model_type in (*family.model_types, *family.composite_types):
         taken = _FAMILIES.get(model_type)
         if taken is not None and taken is not family:
             raise ValueError(f"model_type {model_type!r} is registered twice ({taken.name} and {family.name})")
@@ -164,6 +167,24 @@ def family(model_type: str) -> ModelFamily:
     if model_type not in _FAMILIES:
         raise KeyError(f"no model family builds model_type {model_type!r}; supported: {', '.join(_FAMILIES)}")
     return _FAMILIES[model_type]
+
+
+# A composite checkpoint's text weights: `model.language_model.X` for the text model's `model.X`.
+COMPOSITE_TEXT_PREFIX = "model.language_model."
+TEXT_PREFIX_ATTRIBUTE = "slime_text_weight_prefix"
+"""Set on the text config `language_model_config` returns: where its weights sit in the checkpoint."""
+
+
+def language_model_config(hf_config: Any) -> Any:
+    """The HF config the trainer builds: a composite (vision + text) checkpoint's text_config, marked with the
+    prefix of its weights in the checkpoint (hf_weights.py reads it); any other config as it is."""
+    _load_builtin()
+    family = _FAMILIES.get(getattr(hf_config, "model_type", "") or "")
+    if family is None or hf_config.model_type not in family.composite_types:
+        return hf_config
+    text = hf_config.text_config
+    setattr(text, TEXT_PREFIX_ATTRIBUTE, COMPOSITE_TEXT_PREFIX)
+    return text
 
 
 def family_of(hf_config: Any) -> ModelFamily:
