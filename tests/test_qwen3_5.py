@@ -1,12 +1,13 @@
 """Qwen3.5 and Qwen3-Next (gated DeltaNet / gated attention hybrids), dense and MoE, against transformers.
 
 - the megatron model (both layer kinds, zero-centred norms, partial RoPE, output-gated attention; MoE with a gated
-  shared expert) gives transformers' logits in fp32 for qwen3_5_text, qwen3_5_moe_text and qwen3_next, at TP1
-  and under TP2 x CP2 (DeltaNet heads split over TP, its recurrence across CP ranks), and exports every HF
-  tensor bit-exactly;
-- the training step on a packed batch of several sequences gives the same log-probs, loss and grad norm at
-  TP1 x CP1 and TP2 x SP x CP2;
-- bad input (an unknown layer kind, head counts TP does not divide) is refused naming the fix.
+  shared expert) gives transformers' logits and the gradient of every HF tensor in fp32 for qwen3_5_text,
+  qwen3_5_moe_text and qwen3_next at TP1, and for qwen3_5_text under TP2 x CP2 (DeltaNet heads split over TP,
+  its recurrence across CP ranks), and exports every HF tensor bit-exactly;
+- the training step on a packed batch of several sequences gives the single process's log-probs, loss and grad
+  norm at TP2 x SP x CP2 (Qwen3.5; Qwen3-Next with EP2 too) and PP2;
+- a composite (vision + text) checkpoint trains its text model, saves back whole, takes a push; images are refused.
+Bad input before Ray: tests/test_launch_errors.py::test_hybrid_layer_stacks_are_checked_before_ray.
 """
 from __future__ import annotations
 
@@ -33,8 +34,9 @@ def hybrid_dirs(tmp_path_factory):
 
 
 def _forward_and_export(rank, world, hf_dir, tp, cp):
+    import torch.distributed as dist
     import transformers
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state, tensor_parallel
 
     from slime.backends.megatron_utils.model import build_gpt_model
     from slime.backends.megatron_utils.parallel import init_model_parallel
@@ -47,34 +49,54 @@ def _forward_and_export(rank, world, hf_dir, tp, cp):
     hf_config = transformers.AutoConfig.from_pretrained(hf_dir)
     model = build_gpt_model(args, hf_config).eval()
     load_hf_weights([model], hf_dir, hf_config)
-    tokens = torch.randint(0, hf_config.vocab_size, (1, SEQ), generator=torch.Generator().manual_seed(0))
+    tokens, targets = _tokens(hf_config.vocab_size)
     positions = torch.arange(SEQ)
     if cp > 1:
         positions = zigzag_positions(SEQ, cp, parallel_state.get_context_parallel_rank())
-    with torch.no_grad():
-        logits = model(tokens[:, positions], positions.unsqueeze(0), None)[0]
-    return dict(logits=logits, positions=positions, tp_rank=parallel_state.get_tensor_model_parallel_rank(),
-                exported=dict(export_hf_weights([model], hf_config)))
+    logits = model(tokens[:, positions], positions.unsqueeze(0), None)
+    kept = logits[0].detach().clone()  # the cross-entropy works in place
+    loss = tensor_parallel.vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous(),
+                                                        targets[:, positions].t().contiguous()).sum()
+    loss.backward()
+    for name, param in model.named_parameters():  # each CP rank holds the gradient of its own tokens' loss
+        dist.all_reduce(param.grad, group=parallel_state.get_context_parallel_group())
+        if "q_layernorm" in name or "k_layernorm" in name:  # summed over TP by megatron's finalize_model_grads
+            dist.all_reduce(param.grad, group=parallel_state.get_tensor_model_parallel_group())
+    return dict(logits=kept, positions=positions, tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+                exported=dict(export_hf_weights([model], hf_config)),
+                grads=dict(export_hf_weights([model], hf_config, read_param=lambda param: param.grad)))
 
 
-def _hf_logits(hf_dir, architecture):
+def _tokens(vocab_size):
+    tokens = torch.randint(0, vocab_size, (1, SEQ + 1), generator=torch.Generator().manual_seed(0))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _hf_logits_and_grads(hf_dir, architecture):
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     assert type(model).__name__ == architecture
-    tokens = torch.randint(0, model.config.vocab_size, (1, SEQ), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        return model(tokens).logits[0]
+    tokens, targets = _tokens(model.config.vocab_size)
+    logits = model(tokens).logits[0]
+    torch.nn.functional.cross_entropy(logits, targets[0], reduction="sum").backward()
+    grads = {name: param.grad for name, param in model.named_parameters()}
+    # checkpoint names (experts one by one) onto transformers' fused expert tensors, as the engine maps a push
+    from slime.backends.embedded_engine.engine import checkpoint_target
+
+    return logits.detach(), lambda name: checkpoint_target(name, grads, model.config)
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("kind, tp, cp", [("qwen3_5", 1, 1), ("qwen3_5_moe", 1, 1), ("qwen3_next", 1, 1),
                                           ("qwen3_5", 2, 2)])
-def test_logits_match_transformers_and_export_is_exact(hybrid_dirs, kind, tp, cp):
+def test_logits_and_grads_match_transformers_and_export_is_exact(hybrid_dirs, kind, tp, cp):
+    """Logits and the gradient of every HF tensor (a summed cross-entropy) equal transformers'; the export gives
+    back the checkpoint."""
     from safetensors.torch import load_file
 
     hf_dir = hybrid_dirs[kind]
-    reference = _hf_logits(hf_dir, SAVERS[kind][1])
+    reference, reference_grads = _hf_logits_and_grads(hf_dir, SAVERS[kind][1])
     original = load_file(f"{hf_dir}/model.safetensors")
     for result in run_ranks(_forward_and_export, tp * cp, args=(hf_dir, tp, cp), timeout_s=220):
         width = result["logits"].shape[-1]
@@ -83,19 +105,25 @@ def test_logits_match_transformers_and_export_is_exact(hybrid_dirs, kind, tp, cp
         exported = result["exported"]
         assert sorted(exported) == sorted(original)
         assert all(torch.equal(exported[name], original[name]) for name in original)
+        for name, grad in result["grads"].items():
+            assert (grad - reference_grads(name)).abs().max().item() < 1e-5, name
 
 
 LAYOUTS = {"tp2_sp_cp2": dict(tensor_model_parallel_size=2, sequence_parallel=True, context_parallel_size=2),
+           # the experts over the 2 ranks of DP x CP
+           "tp2_sp_cp2_ep2": dict(tensor_model_parallel_size=2, sequence_parallel=True, context_parallel_size=2,
+                                  expert_model_parallel_size=2, expert_tensor_parallel_size=1),
            "pp2": dict(pipeline_model_parallel_size=2)}
 _REFERENCES = {}
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("kind, name", [("qwen3_5", "tp2_sp_cp2"), ("qwen3_next", "tp2_sp_cp2"), ("qwen3_5", "pp2")])
+@pytest.mark.parametrize("kind, name", [("qwen3_5", "tp2_sp_cp2"), ("qwen3_next", "tp2_sp_cp2_ep2"),
+                                        ("qwen3_5", "pp2")])
 def test_train_step_matches_the_single_process(hybrid_dirs, kind, name):
     """A packed batch of 6 sequences (dynamic batching, several micro-batches): TP1 x CP1 and TP2 x SP x CP2 (or
-    PP2, each stage building its own layers of both kinds) give the same log-probs, loss and grad norm (fp32),
-    with DeltaNet heads over TP and its recurrence across CP."""
+    PP2, each stage building its own layers of both kinds; Qwen3-Next's experts also over EP2) give the same
+    log-probs, loss and grad norm (fp32), with DeltaNet heads over TP and its recurrence across CP."""
     from test_train_step import assert_matches_reference
     from train_step_harness import layout_child, make_rollout
 
