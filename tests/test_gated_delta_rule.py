@@ -196,3 +196,10 @@ def test_cpu_tensors_run_the_eager_rule(monkeypatch):
     monkeypatch.setattr(gdr, "KERNEL_OVERRIDE", "compiled")
     with pytest.raises(ValueError, match="needs CUDA"):
         gdr.active_kernel(torch.device("cpu"))
+
+
+def test_no_tokens_pass_the_state_through():
+    q, k, v, g, beta, state = _inputs([0, 0])
+    out, final = gdr.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state, output_final_state=True,
+                                            cu_seqlens=_cu([0, 0]))
+    assert out.shape == (1, 0, 3, 24) and torch.equal(final, state)

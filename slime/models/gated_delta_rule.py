@@ -114,8 +114,10 @@ class ChunkLayout:
         return self.offsets[-1] + self.active[-1] if self.active else 0
 
 
-def plan_chunks(lengths: list[int], chunk_size: int, device: torch.device) -> ChunkLayout:
-    """The step-major chunk layout of sequences of these lengths packed back to back."""
+@functools.lru_cache(maxsize=16)
+def plan_chunks(lengths: tuple[int, ...], chunk_size: int, device: torch.device) -> ChunkLayout:
+    """The step-major chunk layout of sequences of these lengths packed back to back (cached: every layer of a
+    micro-batch has the same packing)."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     starts = [0]
@@ -207,7 +209,8 @@ def _scan_states(m: Tensor, b: Tensor, state: Tensor, layout: ChunkLayout) -> tu
 
 
 def _as_packed(q: Tensor, cu_seqlens: Tensor | None) -> tuple[list[int], int]:
-    """The sequence lengths of the [B, T] token grid (one host read of cu_seqlens when given)."""
+    """The sequence lengths of the [B, T] token grid (one host read of cu_seqlens when given: a CPU copy of
+    cu_seqlens spares CUDA callers the device sync)."""
     batch, total = q.shape[:2]
     if cu_seqlens is None:
         return [total] * batch, batch
@@ -228,6 +231,12 @@ def _check_shapes(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> N
                          f"{tuple(beta.shape)}")
 
 
+def _no_tokens(v, initial_state, state_shape, acc, output_final_state):
+    final = (torch.zeros(state_shape, dtype=acc, device=v.device) if initial_state is None
+             else initial_state.to(acc))
+    return v.new_zeros(v.shape), (final if output_final_state else None)
+
+
 def _torch_rule(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size,
                 terms=chunk_terms, outputs=chunk_outputs):
     """The project's chunked rule; `terms` and `outputs` are the compiled functions on CUDA."""
@@ -236,7 +245,9 @@ def _torch_rule(q, k, v, g, beta, scale, initial_state, output_final_state, cu_s
     batch, seq_len, heads, dim_k = q.shape
     dim_v = v.shape[-1]
     acc = torch.promote_types(v.dtype, torch.float32)  # bf16/fp16 inputs accumulate in fp32
-    layout = plan_chunks(lengths, chunk_size, q.device)
+    layout = plan_chunks(tuple(lengths), chunk_size, q.device)
+    if layout.num_chunks == 0:  # no tokens at all: the states pass through
+        return _no_tokens(v, initial_state, (num_seqs, heads, dim_k, dim_v), acc, output_final_state)
     flat = lambda x: x.reshape(batch * seq_len, *x.shape[2:])  # noqa: E731
     qc, kc, vc = (_to_chunks(flat(x), layout, acc) for x in (q, k, v))
     qc = qc * scale
@@ -402,6 +413,8 @@ def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
     if choice.name == "fla":
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_rule
 
+        if cu_seqlens is not None:
+            cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.long)
         out, final = fla_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                               output_final_state=output_final_state, cu_seqlens=cu_seqlens)
         return out, (final.float() if final is not None else None)

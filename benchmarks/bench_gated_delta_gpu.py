@@ -1,0 +1,196 @@
+"""The gated delta rule on one GPU: the eager torch chunked rule, its compiled form and fla's Triton kernel.
+
+    python benchmarks/bench_gated_delta_gpu.py [--tokens 8192 --seqs 4 --heads 32 --dim 128 --iters 10]
+
+One Qwen3.5-4B-shaped DeltaNet layer's kernel call: B=1, `--tokens` packed as `--seqs` equal sequences
+(cu_seqlens), `--heads` value heads, Dk = Dv = `--dim`. For each implementation (slime/models/gated_delta_rule.py,
+forced through KERNEL_OVERRIDE): the first call's seconds (the compile for "compiled"), the median forward and
+forward+backward milliseconds in bf16 (q, k, v, beta bf16; g fp32, as the layer passes them), the peak memory,
+and the max abs difference of the output and final state from the fp64 token-by-token recurrence, for fp32
+and for bf16 inputs; then the max abs differences between implementations (outputs and gradients).
+fla's backward is tried; where it refuses (Hopper with Triton < 3.7.1) its message is printed.
+`--device cpu` runs the eager rule alone on a small shape: a logic check of this script.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from slime.models import gated_delta_rule as gdr
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--seqs", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--impls", default="torch,compiled,fla")
+    return parser.parse_args(argv)
+
+
+def make_inputs(args, dtype: torch.dtype, seed: int = 0) -> dict:
+    """Layer-like inputs: l2-normalised q, k; g = -softplus(.) as the layer's decay; beta = sigmoid(.)."""
+    gen = torch.Generator(device=args.device).manual_seed(seed)
+    shape = (1, args.tokens, args.heads)
+
+    def randn(*s):
+        return torch.randn(*s, generator=gen, device=args.device, dtype=torch.float32)
+
+    q = gdr.l2norm(randn(*shape, args.dim))
+    k = gdr.l2norm(randn(*shape, args.dim))
+    v = randn(*shape, args.dim)
+    g = -F.softplus(randn(*shape) - 2.0)
+    beta = randn(*shape).sigmoid()
+    state = randn(args.seqs, args.heads, args.dim, args.dim) * 0.1
+    bounds = torch.linspace(0, args.tokens, args.seqs + 1).round().long()
+    out = dict(q=q.to(dtype), k=k.to(dtype), v=v.to(dtype), g=g, beta=beta.to(dtype), initial_state=state)
+    out["cu_seqlens"] = bounds.to(device=args.device, dtype=torch.int32)
+    return out
+
+
+def call(impl: str, inputs: dict, grad: bool = False):
+    gdr.KERNEL_OVERRIDE = impl
+    args = {k: (v.detach().requires_grad_() if grad and k not in ("cu_seqlens",) else v) for k, v in inputs.items()}
+    out, final = gdr.chunk_gated_delta_rule(args["q"], args["k"], args["v"], args["g"], args["beta"],
+                                            initial_state=args["initial_state"], output_final_state=True,
+                                            cu_seqlens=args["cu_seqlens"])
+    if not grad:
+        return out, final, None
+    gen = torch.Generator(device=out.device).manual_seed(7)
+    loss = (out.float() * torch.randn(out.shape, generator=gen, device=out.device)).sum() + final.sum()
+    names = ["q", "k", "v", "g", "beta", "initial_state"]
+    grads = torch.autograd.grad(loss, [args[n] for n in names])
+    return out, final, dict(zip(names, grads))
+
+
+def timed_ms(fn, iters: int, device: str) -> float:
+    times = []
+    for _ in range(iters):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def diff(a, b) -> float:
+    return (a.double() - b.double()).abs().max().item()
+
+
+def short(err: BaseException) -> str:
+    return f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+
+
+def measure(impl: str, args, truth, bf16: dict, fp32: dict) -> dict:
+    row = {"impl": impl}
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    t0 = time.perf_counter()
+    try:
+        call(impl, bf16)
+        sync()
+    except Exception as err:  # noqa: BLE001 - a benchmark reports what an implementation refuses
+        row["error"] = short(err)
+        return row
+    row["first_call_s"] = time.perf_counter() - t0
+    with torch.no_grad():
+        row["fwd_ms"] = timed_ms(lambda: call(impl, bf16), args.iters, args.device)
+    for name, inputs in (("fp32", fp32), ("bf16", bf16)):
+        try:
+            with torch.no_grad():
+                out, final, _ = call(impl, inputs)
+            row[f"{name}_out_err"], row[f"{name}_state_err"] = diff(out, truth[0]), diff(final, truth[1])
+            row[f"{name}_out"], row[f"{name}_final"] = out, final
+        except Exception as err:  # noqa: BLE001
+            row[f"{name}_error"] = short(err)
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        t0 = time.perf_counter()
+        row["grads_bf16"] = call(impl, bf16, grad=True)[2]
+        row["grads_fp32"] = call(impl, fp32, grad=True)[2]
+        sync()
+        row["first_bwd_s"] = time.perf_counter() - t0
+        row["fwd_bwd_ms"] = timed_ms(lambda: call(impl, bf16, grad=True), args.iters, args.device)
+        if args.device == "cuda":
+            row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    except Exception as err:  # noqa: BLE001
+        row["bwd_error"] = short(err)
+    if impl == "compiled":  # another packing of the same token count: dynamic shapes, no recompile expected
+        other = dict(bf16, cu_seqlens=torch.tensor([0, 100, 3000, args.tokens - 700, args.tokens],
+                                                   dtype=torch.int32, device=args.device))
+        other["initial_state"] = bf16["initial_state"][:1].expand(4, -1, -1, -1).contiguous()
+        t0 = time.perf_counter()
+        call(impl, other, grad=True)
+        sync()
+        row["new_packing_s"] = time.perf_counter() - t0
+    return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    impls = ["torch"] if args.device == "cpu" else args.impls.split(",")
+    fp32, bf16 = make_inputs(args, torch.float32), make_inputs(args, torch.bfloat16)
+    if args.device == "cuda":
+        import triton
+
+        print(f"device {torch.cuda.get_device_name()} capability {torch.cuda.get_device_capability()} "
+              f"torch {torch.__version__} triton {triton.__version__}")
+        gdr.KERNEL_OVERRIDE = None
+        print(f"auto choice: {gdr.active_kernel(torch.device('cuda'))}")
+    print(f"shape: B=1 T={args.tokens} as {args.seqs} sequences, H={args.heads}, Dk=Dv={args.dim}")
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        truth = gdr.recurrent_gated_delta_rule(*(fp32[n].double() for n in ("q", "k", "v", "g", "beta")),
+                                               initial_state=fp32["initial_state"].double(),
+                                               output_final_state=True, cu_seqlens=fp32["cu_seqlens"])
+    print(f"fp64 token-by-token reference: {time.perf_counter() - t0:.1f} s")
+    rows = [measure(impl, args, truth, bf16, fp32) for impl in impls]
+    print(f"\n{'impl':9} {'first s':>8} {'fwd ms':>8} {'fwd+bwd ms':>10} {'peak GiB':>8} "
+          f"{'fp32 out err':>12} {'fp32 state':>10} {'bf16 out err':>12} {'bf16 state':>10}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['impl']:9} {r['error']}")
+            continue
+        cells = [f"{r.get('first_call_s', float('nan')):8.2f}", f"{r['fwd_ms']:8.2f}",
+                 f"{r.get('fwd_bwd_ms', float('nan')):10.2f}", f"{r.get('peak_gib', float('nan')):8.2f}"]
+        cells += [f"{r.get(k, float('nan')):12.2e}" if "out" in k else f"{r.get(k, float('nan')):10.2e}"
+                  for k in ("fp32_out_err", "fp32_state_err", "bf16_out_err", "bf16_state_err")]
+        print(f"{r['impl']:9} " + " ".join(cells))
+        for key in ("fp32_error", "bf16_error", "bwd_error"):
+            if key in r:
+                print(f"{'':9} {key}: {r[key]}")
+        if "first_bwd_s" in r:
+            print(f"{'':9} first fwd+bwd calls: {r['first_bwd_s']:.2f} s"
+                  + (f"; a new packing's first fwd+bwd: {r['new_packing_s']:.2f} s" if "new_packing_s" in r else ""))
+    print("\nbetween implementations (max abs diff):")
+    done = [r for r in rows if "error" not in r]
+    for i, a in enumerate(done):
+        for b in done[i + 1:]:
+            parts = []
+            for dt in ("fp32", "bf16"):
+                if f"{dt}_out" in a and f"{dt}_out" in b:
+                    parts.append(f"{dt} out {diff(a[f'{dt}_out'], b[f'{dt}_out']):.2e} "
+                                 f"state {diff(a[f'{dt}_final'], b[f'{dt}_final']):.2e}")
+                if a.get(f"grads_{dt}") and b.get(f"grads_{dt}"):
+                    worst = max(diff(a[f"grads_{dt}"][n], b[f"grads_{dt}"][n]) for n in a[f"grads_{dt}"])
+                    scale = max(b[f"grads_{dt}"][n].abs().max().item() for n in b[f"grads_{dt}"])
+                    parts.append(f"{dt} grads {worst:.2e} (largest grad {scale:.1f})")
+            print(f"  {a['impl']} vs {b['impl']}: " + "; ".join(parts))
+
+
+if __name__ == "__main__":
+    main()
