@@ -143,8 +143,15 @@ def test_causal_conv1d_restarts_at_each_sequence_and_equals_transformers():
     x = torch.randn(1, sum(lengths), channels, generator=gen)
     weight, bias = torch.randn(channels, width, generator=gen), torch.randn(channels, generator=gen)
     cu = _cu(lengths)
+    leaves = [t.requires_grad_() for t in (x, weight, bias)]
     packed = gdr.causal_conv1d(x, weight, bias, cu_seqlens=cu)
-    assert _max_diff(packed, _conv_per_sequence(x, weight, bias, cu)) <= TOL
+    reference = _conv_per_sequence(x, weight, bias, cu)
+    assert _max_diff(packed, reference) <= TOL
+    mix = torch.randn(packed.shape, generator=gen)
+    for ours, theirs in zip(torch.autograd.grad((packed * mix).sum(), leaves),
+                            torch.autograd.grad((reference * mix).sum(), leaves)):
+        assert _max_diff(ours, theirs) <= 1e-5
+    packed, x, weight, bias = (t.detach() for t in (packed, x, weight, bias))
     # Without cu_seqlens the stream is one sequence: transformers' torch path, with and without activation.
     batch = torch.randn(2, 7, channels, generator=gen)
     for activation in ("silu", None):
