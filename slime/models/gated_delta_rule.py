@@ -395,6 +395,9 @@ def active_kernel(device: torch.device) -> KernelChoice:
 @functools.lru_cache(maxsize=None)
 def _compiled() -> tuple:
     """chunk_terms and chunk_outputs compiled for CUDA (built on first use; never on CPU)."""
+    # One graph per dtype and grad mode (the chunk count is dynamic): stay clear of the default limit of 8.
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, 32)
     opts = dict(dynamic=True, fullgraph=True)
     return torch.compile(chunk_terms, **opts), torch.compile(chunk_outputs, **opts)
 
