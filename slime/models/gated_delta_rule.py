@@ -416,10 +416,13 @@ def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
     if choice.name == "fla":
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_rule
 
+        extra = {"chunk_size": chunk_size} if chunk_size in (16, 32, 64) else {}  # fla's sizes; same maths
         if cu_seqlens is not None:
+            if not cu_seqlens.is_cuda:  # fla reads a host copy instead of syncing with the device
+                extra["cu_seqlens_cpu"] = cu_seqlens.long()
             cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.long)
         out, final = fla_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                              output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+                              output_final_state=output_final_state, cu_seqlens=cu_seqlens, **extra)
         return out, (final.float() if final is not None else None)
     terms, outputs = _compiled() if choice.name == "compiled" and q.is_cuda else (chunk_terms, chunk_outputs)
     return _torch_rule(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size,
