@@ -124,6 +124,8 @@ def test_bad_shapes_are_refused_naming_the_fix():
         gdr.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=_cu([10, 10]))
     with pytest.raises(ValueError, match="initial_state must be"):
         gdr.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state[:1])
+    with pytest.raises(ValueError, match="power of two"):
+        gdr.chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=48)
     with pytest.raises(ValueError, match="repeated to the value heads"):
         gdr.chunk_gated_delta_rule(q[:, :, :1], k, v, g, beta)
 
