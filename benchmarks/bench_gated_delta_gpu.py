@@ -8,7 +8,9 @@ forced through KERNEL_OVERRIDE): the first call's seconds (the compile for "comp
 forward+backward milliseconds in bf16 (q, k, v, beta bf16; g fp32, as the layer passes them), the peak memory,
 and the max abs difference of the output and final state from the fp64 token-by-token recurrence, for fp32
 and for bf16 inputs; then the max abs differences between implementations (outputs and gradients).
-fla's backward is tried; where it refuses (Hopper with Triton < 3.7.1) its message is printed.
+fla's backward is tried; where it refuses (Hopper with Triton < 3.7.1) its message is printed, and the row
+"fla-unguarded" lifts that refusal to show what the refused backward would cost and how far its gradients are
+from the eager rule's (a measurement only: the project never runs it).
 `--device cpu` runs the eager rule alone on a small shape: a logic check of this script.
 """
 from __future__ import annotations
@@ -23,6 +25,16 @@ import torch.nn.functional as F
 from slime.models import gated_delta_rule as gdr
 
 
+# fla with its Hopper/Triton refusal lifted: how fast (and how wrong) the backward it refuses would be. Benchmark only.
+UNGUARDED = "fla-unguarded"
+
+
+def lift_fla_guard() -> None:
+    import fla.ops.common.chunk_o as chunk_o
+
+    chunk_o.TRITON_ABOVE_3_7_1 = True
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=8192)
@@ -31,7 +43,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--impls", default="torch,compiled,fla")
+    parser.add_argument("--impls", default=f"torch,compiled,fla,{UNGUARDED}")
     return parser.parse_args(argv)
 
 
@@ -56,7 +68,7 @@ def make_inputs(args, dtype: torch.dtype, seed: int = 0) -> dict:
 
 
 def call(impl: str, inputs: dict, grad: bool = False):
-    gdr.KERNEL_OVERRIDE = impl
+    gdr.KERNEL_OVERRIDE = "fla" if impl == UNGUARDED else impl
     args = {k: (v.detach().requires_grad_() if grad and k not in ("cu_seqlens",) else v) for k, v in inputs.items()}
     out, final = gdr.chunk_gated_delta_rule(args["q"], args["k"], args["v"], args["g"], args["beta"],
                                             initial_state=args["initial_state"], output_final_state=True,
@@ -97,6 +109,8 @@ def short(err: BaseException) -> str:
 
 def measure(impl: str, args, truth, bf16: dict, fp32: dict) -> dict:
     row = {"impl": impl}
+    if impl == UNGUARDED:
+        lift_fla_guard()
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     t0 = time.perf_counter()
     try:
@@ -181,38 +195,47 @@ def main(argv: list[str] | None = None) -> None:
                                                output_final_state=True, cu_seqlens=fp32["cu_seqlens"])
     print(f"fp64 token-by-token reference: {time.perf_counter() - t0:.1f} s")
     conv_check(args, fp32)
-    rows = [measure(impl, args, truth, bf16, fp32) for impl in impls]
-    print(f"\n{'impl':9} {'first s':>8} {'fwd ms':>8} {'fwd+bwd ms':>10} {'peak GiB':>8} "
+    print(f"\n{'impl':13} {'first s':>8} {'fwd ms':>8} {'fwd+bwd ms':>10} {'peak GiB':>8} "
           f"{'fp32 out err':>12} {'fp32 state':>10} {'bf16 out err':>12} {'bf16 state':>10}")
-    for r in rows:
-        if "error" in r:
-            print(f"{r['impl']:9} {r['error']}")
-            continue
-        cells = [f"{r.get('first_call_s', float('nan')):8.2f}", f"{r['fwd_ms']:8.2f}",
-                 f"{r.get('fwd_bwd_ms', float('nan')):10.2f}", f"{r.get('peak_gib', float('nan')):8.2f}"]
-        cells += [f"{r.get(k, float('nan')):12.2e}" if "out" in k else f"{r.get(k, float('nan')):10.2e}"
-                  for k in ("fp32_out_err", "fp32_state_err", "bf16_out_err", "bf16_state_err")]
-        print(f"{r['impl']:9} " + " ".join(cells))
-        for key in ("fp32_error", "bf16_error", "bwd_error"):
-            if key in r:
-                print(f"{'':9} {key}: {r[key]}")
-        if "first_bwd_s" in r:
-            print(f"{'':9} first fwd+bwd calls: {r['first_bwd_s']:.2f} s"
-                  + (f"; a new packing's first fwd+bwd: {r['new_packing_s']:.2f} s" if "new_packing_s" in r else ""))
-    print("\nbetween implementations (max abs diff):")
+    rows = []
+    for impl in impls:  # each row printed as soon as it is measured
+        rows.append(measure(impl, args, truth, bf16, fp32))
+        print_row(rows[-1])
+    print("\nbetween implementations (max abs diff; gradients of the bf16 call, per input, over its largest):")
     done = [r for r in rows if "error" not in r]
     for i, a in enumerate(done):
         for b in done[i + 1:]:
-            parts = []
-            for dt in ("fp32", "bf16"):  # gradients in bf16 only: one compile fewer
-                if f"{dt}_out" in a and f"{dt}_out" in b:
-                    parts.append(f"{dt} out {diff(a[f'{dt}_out'], b[f'{dt}_out']):.2e} "
-                                 f"state {diff(a[f'{dt}_final'], b[f'{dt}_final']):.2e}")
-                if a.get(f"grads_{dt}") and b.get(f"grads_{dt}"):
-                    worst = max(diff(a[f"grads_{dt}"][n], b[f"grads_{dt}"][n]) for n in a[f"grads_{dt}"])
-                    scale = max(b[f"grads_{dt}"][n].abs().max().item() for n in b[f"grads_{dt}"])
-                    parts.append(f"{dt} grads {worst:.2e} (largest grad {scale:.1f})")
-            print(f"  {a['impl']} vs {b['impl']}: " + "; ".join(parts))
+            print(f"  {a['impl']} vs {b['impl']}: {compare(a, b)}")
+
+
+def print_row(r: dict) -> None:
+    if "error" in r:
+        print(f"{r['impl']:13} {r['error']}")
+        return
+    cells = [f"{r.get('first_call_s', float('nan')):8.2f}", f"{r['fwd_ms']:8.2f}",
+             f"{r.get('fwd_bwd_ms', float('nan')):10.2f}", f"{r.get('peak_gib', float('nan')):8.2f}"]
+    cells += [f"{r.get(k, float('nan')):12.2e}" if "out" in k else f"{r.get(k, float('nan')):10.2e}"
+              for k in ("fp32_out_err", "fp32_state_err", "bf16_out_err", "bf16_state_err")]
+    print(f"{r['impl']:13} " + " ".join(cells))
+    for key in ("fp32_error", "bf16_error", "bwd_error"):
+        if key in r:
+            print(f"{'':13} {key}: {r[key]}")
+    if "first_bwd_s" in r:
+        print(f"{'':13} first fwd+bwd call: {r['first_bwd_s']:.2f} s"
+              + (f"; a new packing's first fwd+bwd: {r['new_packing_s']:.2f} s" if "new_packing_s" in r else ""),
+              flush=True)
+
+
+def compare(a: dict, b: dict) -> str:
+    parts = []
+    for dt in ("fp32", "bf16"):
+        if f"{dt}_out" in a and f"{dt}_out" in b:
+            parts.append(f"{dt} out {diff(a[f'{dt}_out'], b[f'{dt}_out']):.2e} "
+                         f"state {diff(a[f'{dt}_final'], b[f'{dt}_final']):.2e}")
+    if a.get("grads_bf16") and b.get("grads_bf16"):
+        ga, gb = a["grads_bf16"], b["grads_bf16"]
+        parts.append("grads " + " ".join(f"{n} {diff(ga[n], gb[n]):.1e}/{gb[n].abs().max().item():.1e}" for n in ga))
+    return "; ".join(parts)
 
 
 if __name__ == "__main__":
