@@ -124,6 +124,8 @@ def test_bad_shapes_are_refused_naming_the_fix():
         gdr.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=_cu([10, 10]))
     with pytest.raises(ValueError, match="initial_state must be"):
         gdr.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state[:1])
+    with pytest.raises(ValueError, match="power of two"):
+        gdr.chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=48)
     with pytest.raises(ValueError, match="repeated to the value heads"):
         gdr.chunk_gated_delta_rule(q[:, :, :1], k, v, g, beta)
 
@@ -143,8 +145,15 @@ def test_causal_conv1d_restarts_at_each_sequence_and_equals_transformers():
     x = torch.randn(1, sum(lengths), channels, generator=gen)
     weight, bias = torch.randn(channels, width, generator=gen), torch.randn(channels, generator=gen)
     cu = _cu(lengths)
+    leaves = [t.requires_grad_() for t in (x, weight, bias)]
     packed = gdr.causal_conv1d(x, weight, bias, cu_seqlens=cu)
-    assert _max_diff(packed, _conv_per_sequence(x, weight, bias, cu)) <= TOL
+    reference = _conv_per_sequence(x, weight, bias, cu)
+    assert _max_diff(packed, reference) <= TOL
+    mix = torch.randn(packed.shape, generator=gen)
+    for ours, theirs in zip(torch.autograd.grad((packed * mix).sum(), leaves),
+                            torch.autograd.grad((reference * mix).sum(), leaves)):
+        assert _max_diff(ours, theirs) <= 1e-5
+    packed, x, weight, bias = (t.detach() for t in (packed, x, weight, bias))
     # Without cu_seqlens the stream is one sequence: transformers' torch path, with and without activation.
     batch = torch.randn(2, 7, channels, generator=gen)
     for activation in ("silu", None):
@@ -196,3 +205,10 @@ def test_cpu_tensors_run_the_eager_rule(monkeypatch):
     monkeypatch.setattr(gdr, "KERNEL_OVERRIDE", "compiled")
     with pytest.raises(ValueError, match="needs CUDA"):
         gdr.active_kernel(torch.device("cpu"))
+
+
+def test_no_tokens_pass_the_state_through():
+    q, k, v, g, beta, state = _inputs([0, 0])
+    out, final = gdr.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state, output_final_state=True,
+                                            cu_seqlens=_cu([0, 0]))
+    assert out.shape == (1, 0, 3, 24) and torch.equal(final, state)

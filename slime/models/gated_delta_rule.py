@@ -5,15 +5,15 @@ The linear-attention layers of Qwen3-Next / Qwen3.5 keep, per value head, a stat
     S_t = a_t S_{t-1} + beta_t k_t (v_t - a_t S_{t-1}^T k_t)^T,   a_t = exp(g_t),   o_t = S_t^T (scale q_t)
 
 (transformers' `torch_recurrent_gated_delta_rule` semantics). The chunked form used here, per chunk of C tokens
-with G_t = sum of g over the chunk up to t, D_ts = exp(G_t - G_s) for s <= t and state S_0 entering the chunk:
+with G_t = sum of g over the chunk up to t, D_ts = exp(G_t - G_s) for s <= t and state S entering the chunk:
 
-    the deltas u_t = beta_t (v_t - a_t S_{t-1}^T k_t) solve (I + A) U = beta V - beta e^G K S_0,
-        A_ts = beta_t D_ts k_t.k_s (s < t): one unit-lower-triangular solve gives U = Wv - Wk S_0;
-    O      = P Wv + (e^G Q - P Wk) S_0,           P_ts = D_ts q_t.k_s (s <= t)
-    S_C    = (e^{G_C} I - Kd^T Wk) S_0 + Kd^T Wv,  Kd_t = e^{G_C - G_t} k_t
+    the deltas u_t = beta_t (v_t - a_t S_{t-1}^T k_t) solve (I + A) U = beta V - beta e^G K S,
+        A_ts = beta_t D_ts k_t.k_s (s < t): with T = (I + A)^-1, U = Wv - Wk S, Wv = T beta V, Wk = T beta e^G K;
+    O      = P Wv + (e^G Q - P Wk) S,        P_ts = D_ts q_t.k_s (s <= t)
+    S_next = e^{G_C} S + Kd^T U,             Kd_t = e^{G_C - G_t} k_t
 
-Everything but the state recurrence S_{j+1} = M_j S_j + B_j across chunks is computed for all chunks at once,
-so the sequential part is one small matmul per chunk step. Packed sequences (`cu_seqlens`) are cut into chunks
+Everything but the state recurrence across chunks (two C x Dk x Dv matmuls per chunk) is computed for all
+chunks at once, and the outputs from the states afterwards. Packed sequences (`cu_seqlens`) are cut into chunks
 that never cross a sequence start; chunks are laid out step-major (every sequence's j-th chunk together, longest
 sequences first) so that step j of the recurrence reads one contiguous slice and finished sequences drop out.
 
@@ -114,10 +114,12 @@ class ChunkLayout:
         return self.offsets[-1] + self.active[-1] if self.active else 0
 
 
-def plan_chunks(lengths: list[int], chunk_size: int, device: torch.device) -> ChunkLayout:
-    """The step-major chunk layout of sequences of these lengths packed back to back."""
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+@functools.lru_cache(maxsize=16)
+def plan_chunks(lengths: tuple[int, ...], chunk_size: int, device: torch.device) -> ChunkLayout:
+    """The step-major chunk layout of sequences of these lengths packed back to back (cached: every layer of a
+    micro-batch has the same packing)."""
+    if chunk_size < 1 or chunk_size & (chunk_size - 1):
+        raise ValueError(f"chunk_size must be a power of two (64 is the default), got {chunk_size}")
     starts = [0]
     for n in lengths:
         starts.append(starts[-1] + n)
@@ -155,12 +157,31 @@ def _to_chunks(x: Tensor, layout: ChunkLayout, dtype: torch.dtype) -> Tensor:
 # ------------------------------------------------------------------------------------------ the chunked maths
 
 
+def unit_lower_inverse(lower: Tensor) -> Tensor:
+    """The inverse of unit lower-triangular matrices [..., C, C] (C a power of two), by doubling diagonal blocks:
+    inv [[A, 0], [B, D]] = [[inv A, 0], [-inv D B inv A, inv D]]. Matmuls only (batched triangular solves are
+    slow on CPU and GPU alike), and the same algebra as forward substitution, so no series that could cancel."""
+    size, batch = lower.shape[-1], lower.shape[:-2]
+    inv = torch.ones(*batch, size, 1, 1, dtype=lower.dtype, device=lower.device)  # the 1 x 1 diagonal blocks
+    half = 1
+    while half < size:
+        pairs = size // (2 * half)
+        blocks = lower.reshape(*batch, pairs, 2 * half, pairs, 2 * half).diagonal(dim1=-4, dim2=-2)
+        below = blocks[..., half:, :half, :].movedim(-1, -3)  # [..., pairs, half, half]
+        first, second = inv[..., 0::2, :, :], inv[..., 1::2, :, :]
+        top = torch.cat([first, torch.zeros_like(first)], dim=-1)
+        inv = torch.cat([top, torch.cat([-(second @ below @ first), second], dim=-1)], dim=-2)
+        half *= 2
+    return inv.reshape(*batch, size, size)
+
+
 def chunk_terms(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
-                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Per chunk, all at once: (O_intra [.., C, Dv], Qeff [.., C, Dk], M [.., Dk, Dk], B [.., Dk, Dv]).
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Per chunk, all at once: (O_intra, Qeff, Wv, Wk, Kd^T, e^{G_C}).
 
     Inputs are [.., C, D] (q already scaled) and [.., C] for g and beta. With S the state entering the chunk,
-    the chunk's output is O_intra + Qeff S and the state leaving it M S + B.
+    the chunk's deltas are U = Wv - Wk S, its output O_intra + Qeff S and the state leaving it
+    e^{G_C} S + Kd^T U.
     """
     size = g.shape[-1]
     cum = g.cumsum(-1)
@@ -171,17 +192,13 @@ def chunk_terms(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
     system = strict.tril(-1) + torch.eye(size, dtype=g.dtype, device=g.device)
     gate = cum.exp()[..., None]
     rhs = torch.cat([beta[..., None] * v, (beta[..., None] * gate) * k], dim=-1)
-    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    solved = unit_lower_inverse(system) @ rhs
     w_v, w_k = solved.split([v.shape[-1], k.shape[-1]], dim=-1)
     attend = (q @ k.transpose(-1, -2)) * decay
     o_intra = attend @ w_v
     q_eff = q * gate - attend @ w_k
-    k_decayed = k * (cum[..., -1:] - cum).exp()[..., None]
-    k_t = k_decayed.transpose(-1, -2)
-    eye_k = torch.eye(k.shape[-1], dtype=g.dtype, device=g.device)
-    m = cum[..., -1, None, None].exp() * eye_k - k_t @ w_k
-    b = k_t @ w_v
-    return o_intra, q_eff, m, b
+    k_decayed_t = (k * (cum[..., -1:] - cum).exp()[..., None]).transpose(-1, -2)
+    return o_intra, q_eff, w_v, w_k, k_decayed_t, cum[..., -1, None, None].exp()
 
 
 def chunk_outputs(o_intra: Tensor, q_eff: Tensor, states: Tensor) -> Tensor:
@@ -189,16 +206,23 @@ def chunk_outputs(o_intra: Tensor, q_eff: Tensor, states: Tensor) -> Tensor:
     return o_intra + q_eff @ states
 
 
-def _scan_states(m: Tensor, b: Tensor, state: Tensor, layout: ChunkLayout) -> tuple[Tensor, Tensor]:
-    """(the state entering every chunk [num_chunks, H, Dk, Dv], the final states in `layout.order`)."""
+def _scan_states(w_v: Tensor, w_k: Tensor, k_decayed_t: Tensor, chunk_decay: Tensor, state: Tensor,
+                 layout: ChunkLayout) -> tuple[Tensor, Tensor]:
+    """(the state entering every chunk [num_chunks, H, Dk, Dv], the final states in `layout.order`).
+
+    Two small matmuls per step (C x Dk x Dv each), the only sequential part of the rule.
+    """
     entering, finished = [], []
     for start, count in zip(layout.offsets, layout.active):
         if count < state.shape[0]:  # the shortest sequences are done: keep their final state, drop them
             finished.append(state[count:])
             state = state[:count]
         entering.append(state)
-        state = torch.baddbmm(b[start:start + count].flatten(0, 1), m[start:start + count].flatten(0, 1),
-                              state.flatten(0, 1)).view_as(state)
+        step = slice(start, start + count)
+        flat_state = state.flatten(0, 1)
+        deltas = torch.baddbmm(w_v[step].flatten(0, 1), w_k[step].flatten(0, 1), flat_state, alpha=-1)
+        decayed = (state * chunk_decay[step]).flatten(0, 1)
+        state = torch.baddbmm(decayed, k_decayed_t[step].flatten(0, 1), deltas).view_as(state)
     finished.append(state)
     return torch.cat(entering), torch.cat(finished[::-1])
 
@@ -207,7 +231,8 @@ def _scan_states(m: Tensor, b: Tensor, state: Tensor, layout: ChunkLayout) -> tu
 
 
 def _as_packed(q: Tensor, cu_seqlens: Tensor | None) -> tuple[list[int], int]:
-    """The sequence lengths of the [B, T] token grid (one host read of cu_seqlens when given)."""
+    """The sequence lengths of the [B, T] token grid (one host read of cu_seqlens when given: a CPU copy of
+    cu_seqlens spares CUDA callers the device sync)."""
     batch, total = q.shape[:2]
     if cu_seqlens is None:
         return [total] * batch, batch
@@ -228,6 +253,12 @@ def _check_shapes(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> N
                          f"{tuple(beta.shape)}")
 
 
+def _no_tokens(v, initial_state, state_shape, acc, output_final_state):
+    final = (torch.zeros(state_shape, dtype=acc, device=v.device) if initial_state is None
+             else initial_state.to(acc))
+    return v.new_zeros(v.shape), (final if output_final_state else None)
+
+
 def _torch_rule(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size,
                 terms=chunk_terms, outputs=chunk_outputs):
     """The project's chunked rule; `terms` and `outputs` are the compiled functions on CUDA."""
@@ -236,12 +267,14 @@ def _torch_rule(q, k, v, g, beta, scale, initial_state, output_final_state, cu_s
     batch, seq_len, heads, dim_k = q.shape
     dim_v = v.shape[-1]
     acc = torch.promote_types(v.dtype, torch.float32)  # bf16/fp16 inputs accumulate in fp32
-    layout = plan_chunks(lengths, chunk_size, q.device)
+    layout = plan_chunks(tuple(lengths), chunk_size, q.device)
+    if layout.num_chunks == 0:  # no tokens at all: the states pass through
+        return _no_tokens(v, initial_state, (num_seqs, heads, dim_k, dim_v), acc, output_final_state)
     flat = lambda x: x.reshape(batch * seq_len, *x.shape[2:])  # noqa: E731
     qc, kc, vc = (_to_chunks(flat(x), layout, acc) for x in (q, k, v))
     qc = qc * scale
     gc, bc = (_to_chunks(flat(x), layout, acc) for x in (g, beta))
-    o_intra, q_eff, m, b = terms(qc, kc, vc, gc, bc)
+    o_intra, q_eff, *recurrence = terms(qc, kc, vc, gc, bc)
     if initial_state is None:
         state = torch.zeros(num_seqs, heads, dim_k, dim_v, dtype=acc, device=q.device)
     else:
@@ -249,7 +282,7 @@ def _torch_rule(q, k, v, g, beta, scale, initial_state, output_final_state, cu_s
             raise ValueError(f"initial_state must be [N, H, Dk, Dv] = {(num_seqs, heads, dim_k, dim_v)}, got "
                              f"{tuple(initial_state.shape)}")
         state = initial_state.to(acc).index_select(0, layout.order)
-    entering, final_sorted = _scan_states(m, b, state, layout)
+    entering, final_sorted = _scan_states(*recurrence, state, layout)
     out = outputs(o_intra, q_eff, entering)  # [num_chunks, H, C, Dv]
     out = out.transpose(1, 2).reshape(-1, heads, dim_v).index_select(0, layout.slot_of_token)
     out = out.reshape(batch, seq_len, heads, dim_v).to(v.dtype)
@@ -384,6 +417,9 @@ def active_kernel(device: torch.device) -> KernelChoice:
 @functools.lru_cache(maxsize=None)
 def _compiled() -> tuple:
     """chunk_terms and chunk_outputs compiled for CUDA (built on first use; never on CPU)."""
+    # One graph per dtype and grad mode (the chunk count is dynamic): stay clear of the default limit of 8.
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, 32)
     opts = dict(dynamic=True, fullgraph=True)
     return torch.compile(chunk_terms, **opts), torch.compile(chunk_outputs, **opts)
 
@@ -402,8 +438,13 @@ def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
     if choice.name == "fla":
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_rule
 
+        extra = {"chunk_size": chunk_size} if chunk_size in (16, 32, 64) else {}  # fla's sizes; same maths
+        if cu_seqlens is not None:
+            if not cu_seqlens.is_cuda:  # fla reads a host copy instead of syncing with the device
+                extra["cu_seqlens_cpu"] = cu_seqlens.long()
+            cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.long)
         out, final = fla_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                              output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+                              output_final_state=output_final_state, cu_seqlens=cu_seqlens, **extra)
         return out, (final.float() if final is not None else None)
     terms, outputs = _compiled() if choice.name == "compiled" and q.is_cuda else (chunk_terms, chunk_outputs)
     return _torch_rule(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size,
