@@ -5,7 +5,7 @@
   qwen3_5_moe_text and qwen3_next at TP1, and for qwen3_5_text under TP2 x CP2 (DeltaNet heads split over TP,
   its recurrence across CP ranks), and exports every HF tensor bit-exactly;
 - the training step on a packed batch of several sequences gives the single process's log-probs, loss and grad
-  norm at TP2 x SP x CP2 (Qwen3.5; Qwen3-Next with EP2 too) and PP2;
+  norm at TP2 x SP x CP2 x EP2 (Qwen3-Next: both layer kinds and the MoE) and PP2 (Qwen3.5);
 - a composite (vision + text) checkpoint trains its text model, saves back whole, takes a push; images are refused.
 Bad input before Ray: tests/test_launch_errors.py::test_hybrid_layer_stacks_are_checked_before_ray.
 """
@@ -109,21 +109,21 @@ def test_logits_and_grads_match_transformers_and_export_is_exact(hybrid_dirs, ki
             assert (grad - reference_grads(name)).abs().max().item() < 1e-5, name
 
 
-LAYOUTS = {"tp2_sp_cp2": dict(tensor_model_parallel_size=2, sequence_parallel=True, context_parallel_size=2),
-           # the experts over the 2 ranks of DP x CP
-           "tp2_sp_cp2_ep2": dict(tensor_model_parallel_size=2, sequence_parallel=True, context_parallel_size=2,
-                                  expert_model_parallel_size=2, expert_tensor_parallel_size=1),
-           "pp2": dict(pipeline_model_parallel_size=2)}
+LAYOUTS = {
+    # the experts over the 2 ranks of DP x CP
+    "tp2_sp_cp2_ep2": dict(tensor_model_parallel_size=2, sequence_parallel=True, context_parallel_size=2,
+                           expert_model_parallel_size=2, expert_tensor_parallel_size=1),
+    "pp2": dict(pipeline_model_parallel_size=2),
+}
 _REFERENCES = {}
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("kind, name", [("qwen3_5", "tp2_sp_cp2"), ("qwen3_next", "tp2_sp_cp2_ep2"),
-                                        ("qwen3_5", "pp2")])
+@pytest.mark.parametrize("kind, name", [("qwen3_next", "tp2_sp_cp2_ep2"), ("qwen3_5", "pp2")])
 def test_train_step_matches_the_single_process(hybrid_dirs, kind, name):
-    """A packed batch of 6 sequences (dynamic batching, several micro-batches): TP1 x CP1 and TP2 x SP x CP2 (or
-    PP2, each stage building its own layers of both kinds; Qwen3-Next's experts also over EP2) give the same
-    log-probs, loss and grad norm (fp32), with DeltaNet heads over TP and its recurrence across CP."""
+    """A packed batch of 6 sequences (dynamic batching, several micro-batches): TP1 x CP1 and TP2 x SP x CP2 with
+    the experts over EP2 (or PP2, each stage building its own layers of both kinds) give the same log-probs, loss
+    and grad norm (fp32), with DeltaNet heads over TP and its recurrence across CP."""
     from test_train_step import assert_matches_reference
     from train_step_harness import layout_child, make_rollout
 
