@@ -85,16 +85,15 @@ class GatedDeltaNet(MegatronModule):
         self.in_proj = tensor_parallel.ColumnParallelLinear(
             config.hidden_size, key_heads * self.group_width, config=config,
             init_method=config.init_method, bias=False, gather_output=False, skip_bias_add=True)
-        dtype = config.params_dtype
-        self.conv1d_weight = torch.nn.Parameter(torch.empty(self.groups * self.conv_width, 1, config.linear_conv_kernel_dim,
-                                                            dtype=dtype))
+        dtype, kernel = config.params_dtype, config.linear_conv_kernel_dim
+        self.conv1d_weight = torch.nn.Parameter(torch.empty(self.groups * self.conv_width, 1, kernel, dtype=dtype))
         self.A_log = torch.nn.Parameter(torch.empty(self.value_heads, dtype=dtype))
         self.dt_bias = torch.nn.Parameter(torch.ones(self.value_heads, dtype=dtype))
         for param in (self.conv1d_weight, self.A_log, self.dt_bias):
             tensor_parallel.set_tensor_model_parallel_attributes(param, True, 0, 1)
         with torch.no_grad():
             torch.nn.init.normal_(self.conv1d_weight, std=config.init_method_std)
-            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1.0, 16.0).log())
+            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(0.01, 16.0).log())
         self.norm_weight = torch.nn.Parameter(torch.ones(dv, dtype=dtype))
         self.out_proj = tensor_parallel.RowParallelLinear(
             value_heads * dv, config.hidden_size, config=config, init_method=config.output_layer_init_method,
