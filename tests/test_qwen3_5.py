@@ -162,9 +162,12 @@ def _composite_child(rank, world, hf_dir, out_dir):
 
 
 @pytest.mark.timeout(240)
-def test_composite_checkpoint_trains_its_text_model_saves_it_whole_and_pushes_to_the_engine(tmp_path):
-    """A Qwen3_5ForConditionalGeneration checkpoint: the text model is built from text_config and gives the
-    engine's model's logits (transformers serves it as Qwen3_5ForCausalLM); --save-hf writes back every tensor,
+@pytest.mark.parametrize("moe, text_type, engine_class", [(False, "qwen3_5_text", "Qwen3_5ForCausalLM"),
+                                                          (True, "qwen3_5_moe_text", "Qwen3_5MoeForCausalLM")])
+def test_composite_checkpoint_trains_its_text_model_saves_it_whole_and_pushes_to_the_engine(tmp_path, moe, text_type,
+                                                                                             engine_class):
+    """A Qwen3_5(Moe)ForConditionalGeneration checkpoint: the text model is built from text_config and gives the
+    engine's model's logits (transformers serves it as Qwen3_5(Moe)ForCausalLM); --save-hf writes back every tensor,
     the vision tower's carried through, bit-exactly; a push under the checkpoint's names reaches the engine."""
     import transformers
     from safetensors.torch import load_file
@@ -172,10 +175,10 @@ def test_composite_checkpoint_trains_its_text_model_saves_it_whole_and_pushes_to
     from slime.backends.embedded_engine.engine import checkpoint_target
     from tiny_models import save_tiny_qwen3_5_composite
 
-    hf_dir, other = (save_tiny_qwen3_5_composite(str(tmp_path / name), seed=seed)
+    hf_dir, other = (save_tiny_qwen3_5_composite(str(tmp_path / name), seed=seed, moe=moe)
                      for name, seed in (("composite", 0), ("other", 1)))
     (result,) = run_ranks(_composite_child, 1, args=(hf_dir, str(tmp_path / "saved")), timeout_s=200)
-    assert result["model_type"] == "qwen3_5_text"
+    assert result["model_type"] == text_type
     original = load_file(f"{hf_dir}/model.safetensors")
     assert any(name.startswith("model.visual.") for name in original)
     assert not any(name.startswith("model.visual.") for name in result["exported"])
@@ -184,7 +187,7 @@ def test_composite_checkpoint_trains_its_text_model_saves_it_whole_and_pushes_to
     assert all(torch.equal(saved[name], original[name]) for name in original)
 
     engine = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    assert type(engine).__name__ == "Qwen3_5ForCausalLM"
+    assert type(engine).__name__ == engine_class
     tokens = torch.randint(0, engine.config.vocab_size, (1, SEQ), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (result["logits"] - engine(tokens).logits[0]).abs().max().item() < 1e-5

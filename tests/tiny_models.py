@@ -196,14 +196,19 @@ def save_tiny_qwen3_next(path: str, seed: int = 0, **overrides) -> str:
     return _save_hybrid(Qwen3NextForCausalLM(Qwen3NextConfig(**fields)).float(), path)
 
 
-def save_tiny_qwen3_5_composite(path: str, seed: int = 0, **overrides) -> str:
-    """A tiny Qwen3_5ForConditionalGeneration (model_type qwen3_5): the tiny Qwen3.5 text model (text_config,
-    weights under model.language_model.) beside a one-block vision tower (model.visual.)."""
+def save_tiny_qwen3_5_composite(path: str, seed: int = 0, moe: bool = False, **overrides) -> str:
+    """A tiny Qwen3_5ForConditionalGeneration (model_type qwen3_5; Qwen3_5MoeForConditionalGeneration, qwen3_5_moe,
+    with `moe`): the tiny Qwen3.5 text model (text_config, weights under model.language_model.) beside a one-block
+    vision tower (model.visual.)."""
     import torch
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    import transformers
 
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
                   spatial_merge_size=2, temporal_patch_size=2)
+    text = _hybrid_fields(**({**_MOE_FIELDS, **overrides} if moe else overrides))
+    if moe:
+        text.pop("intermediate_size")
+    kind = "Qwen3_5Moe" if moe else "Qwen3_5"
+    config = getattr(transformers, f"{kind}Config")(text_config=text, vision_config=vision)
     torch.manual_seed(seed)
-    config = Qwen3_5Config(text_config=_hybrid_fields(**overrides), vision_config=vision)
-    return _save_hybrid(Qwen3_5ForConditionalGeneration(config).float(), path)
+    return _save_hybrid(getattr(transformers, f"{kind}ForConditionalGeneration")(config).float(), path)
