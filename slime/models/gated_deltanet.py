@@ -92,7 +92,7 @@ class GatedDeltaNet(MegatronModule):
         for param in (self.conv1d_weight, self.A_log, self.dt_bias):
             tensor_parallel.set_tensor_model_parallel_attributes(param, True, 0, 1)
         with torch.no_grad():
-            torch.nn.init.normal_(self.conv1d_weight, std=config.init_method_std)
+            config.init_method(self.conv1d_weight)
             self.A_log.copy_(torch.empty_like(self.A_log).uniform_(0.01, 16.0).log())
         self.norm_weight = torch.nn.Parameter(torch.ones(dv, dtype=dtype))
         self.out_proj = tensor_parallel.RowParallelLinear(
