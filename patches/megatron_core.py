@@ -325,8 +325,12 @@ def _patch_uneven_sequence_collectives() -> None:
     """gloo has no all-gather / reduce-scatter with per-rank sizes (the expert-TP group of the alltoall
     dispatcher uses them when ETP > 1: each ETP rank routes its own token count). Same results:
     the gather pads every rank's rows to the largest count, gathers, and drops the padding; the
-    reduce-scatter all-reduces the whole tensor and keeps this rank's rows."""
+    reduce-scatter all-reduces the whole tensor and keeps this rank's rows. Each records, in the ledger,
+    the list-form op it replaces (slime/distributed/instrument.py: recorded_as), so the order proof checks
+    the sequence a GPU run records."""
     from megatron.core.tensor_parallel import mappings
+
+    from slime.distributed.instrument import recorded_as, split_record
 
     gather, reduce_scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
 
@@ -338,15 +342,21 @@ def _patch_uneven_sequence_collectives() -> None:
         padded = input_.new_zeros((width, *input_.shape[1:]))
         padded[: input_.shape[0]] = input_
         out = input_.new_empty((width * len(sizes), *input_.shape[1:]))
-        dist.all_gather_into_tensor(out, padded.contiguous(), group=group)
+        with recorded_as("all_gather", group, *_split_record(sizes, input_)):
+            dist.all_gather_into_tensor(out, padded.contiguous(), group=group)
         return torch.cat([out[r * width: r * width + n] for r, n in enumerate(sizes)])
 
     def reduce_scatter_along_first_dim(input_, group, input_split_sizes=None, use_global_buffer=False):
         if input_split_sizes is None or group.size() == 1:
             return reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
         total = input_.contiguous().clone()
-        dist.all_reduce(total, group=group)
+        with recorded_as("reduce_scatter", group, *_split_record(input_split_sizes, input_)):
+            dist.all_reduce(total, group=group)
         return list(torch.split(total, [int(n) for n in input_split_sizes], dim=0))[group.rank()].contiguous()
+
+    def _split_record(sizes, input_: torch.Tensor) -> tuple:
+        shape, peer = split_record(sizes, tuple(input_.shape[1:]))
+        return shape, str(input_.dtype).removeprefix("torch."), peer
 
     mappings._gather_along_first_dim = gather_along_first_dim
     mappings._reduce_scatter_along_first_dim = reduce_scatter_along_first_dim

@@ -256,3 +256,23 @@ async def response_parity_rm(args, sample):
     differently)."""
     response = sample.tokens[len(sample.tokens) - sample.response_length:]
     return float(sum(response) % 2)
+
+
+def rank_local_postprocess(args, rollout_id, rollout_data):
+    """--rollout-data-postprocess-path that reads rank-local state: rank 1 masks one more token in rollout 0."""
+    if rollout_id == 0 and _rank() == 1:
+        rollout_data["loss_masks"][0][0] = 0
+
+
+_ADVANTAGE_CALLS = [0]
+
+
+def rank_local_advantages(args, rollout_data):
+    """--custom-advantage-function-path: the default advantages; on rank 1 its second call (rollout 1)
+    scales one sample's."""
+    from slime.utils.ppo_utils import compute_advantages_and_returns
+
+    compute_advantages_and_returns(args, rollout_data)
+    _ADVANTAGE_CALLS[0] += 1
+    if _ADVANTAGE_CALLS[0] == 2 and _rank() == 1:
+        rollout_data["advantages"][0] = [2.0 * a for a in rollout_data["advantages"][0]]

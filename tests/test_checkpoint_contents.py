@@ -103,7 +103,14 @@ def _round_trip(rank, world, hf_dir, ckpt):
     saved = {n: p.detach().clone() for n, p in model[0].named_parameters()}
     reference = {n: t.clone() for n, t in snapshots._saved["ref"].items()}
     torch.manual_seed(17 + rank), random.seed(17 + rank), numpy.random.seed(17 + rank)
-    save_checkpoint(ckpt, 3, model, optimizer, scheduler, reference=lambda: snapshots.swapped("ref"))
+    waits, ticks = [], []
+
+    def barrier(name: str) -> None:  # the trainer passes its fence here
+        waits.append(name)
+        torch.distributed.barrier()
+
+    save_checkpoint(ckpt, 3, model, optimizer, scheduler, reference=lambda: snapshots.swapped("ref"),
+                    barrier=barrier, progress=lambda: ticks.append(rank))
     state = rng.capture()
     save_checkpoint(ckpt, 3, model, optimizer, scheduler, reference=lambda: snapshots.swapped("ref"))  # a re-save
     rng.restore(state)
@@ -124,6 +131,8 @@ def _round_trip(rank, world, hf_dir, ckpt):
         "reference": all(torch.equal(reference[n], t) for n, t in snapshots._saved["ref"].items()),
         "rng": restored_rng and drawn == expected,
         "leftovers": sorted(n for n in os.listdir(ckpt) if n.endswith(".partial")),
+        "waits": waits,
+        "ticks": len(ticks),
     }
 
 
@@ -131,6 +140,13 @@ def _round_trip(rank, world, hf_dir, ckpt):
 def test_checkpoint_round_trip_restores_model_reference_and_every_ranks_rng(tmp_path):
     hf_dir = save_tiny_qwen3(str(tmp_path / "tiny_qwen3"))
     results = run_ranks(_round_trip, 2, args=(hf_dir, str(tmp_path / "ckpt")), timeout_s=190)
+    ticks = [result.pop("ticks") for result in results]
+    # rank 0 fsyncs every file of the iteration before publishing it: each counts as progress for its peers
+    files = sum(len(names) for _, _, names in os.walk(tmp_path / "ckpt" / "iter_0000003"))
+    assert ticks[0] >= files > 0, (ticks, files)
     for result in results:
+        # every wait of the save goes through the caller's barrier (the trainer's fence), none bare
+        assert result.pop("waits") == ["directory_made", "model_saved", "reference_directory_made",
+                                       "shards_written", "published"], result
         assert result == {"iteration": 3, "items": ["model", "optimizer", "reference", "rng", "scheduler"],
                           "model": True, "reference": True, "rng": True, "leftovers": []}, result

@@ -7,6 +7,8 @@ import asyncio
 import time
 import types
 
+import torch
+
 import pytest
 
 from slime.rollout import fully_async_rollout as fa
@@ -134,3 +136,97 @@ def test_version_metrics_name_the_oldest_version_of_each_sample():
         "rollout/weight_version_min": 3.0, "rollout/weight_version_max": 4.0,
         "rollout/staleness/multi_version_frac": 1 / 3}
     assert version_metrics([unpushed]) == {}  # an engine that never got a push reports no version
+
+
+# ----- the saved data state, the generator's own failure ------------------------------------------------------
+PROMPTS = [{"prompt": f"what is {i} + 1 ?", "label": str(i + 1)} for i in range(40)]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    from rollout_testing import write_tokenizer
+
+    return str(write_tokenizer(tmp_path_factory.mktemp("tok"), max_position_embeddings=64))
+
+
+def _source(tokenizer_dir, prompts, **flags):
+    from slime.config import defaults_namespace
+    from slime.rollout.data_source import RolloutDataSourceWithBuffer
+
+    args = defaults_namespace(prompt_data=str(prompts), hf_checkpoint=tokenizer_dir, input_key="prompt",
+                              label_key="label", rollout_shuffle=True, seed=7, n_samples_per_prompt=2,
+                              rollout_batch_size=2, sglang_server_concurrency=4, rollout_num_gpus=2,
+                              rollout_num_gpus_per_engine=1, partial_rollout=False, **flags)
+    return args, RolloutDataSourceWithBuffer(args)
+
+
+def _labels(groups) -> list[str]:
+    return [group[0]["label"] if isinstance(group[0], dict) else group[0].label for group in groups]
+
+
+def test_a_run_killed_mid_generation_resumes_losing_and_repeating_no_prompt(worker, tokenizer_dir, tmp_path):
+    """Rollout 0 is taken and the data state saved while groups are in flight and waiting; the run is then killed
+    (every object dropped) during rollout 1. The resumed run trains rollouts 1-3: no prompt is trained twice, and
+    every prompt the data position passed is trained or still outstanding at the end."""
+    from rollout_testing import write_jsonl
+
+    prompts = write_jsonl(tmp_path / "p.jsonl", PROMPTS)
+    slow = lambda group: time.sleep(0.02) or [_generated(s, 0) for s in group]  # noqa: E731
+    args, source = _source(tokenizer_dir, prompts, save=str(tmp_path / "ckpt"))
+    w = worker(args, source, slow)
+    trained = _labels(_take(w, 2)[0])
+    time.sleep(0.1)  # the generator refills: groups in flight and finished, not taken
+    source.save(0)
+    saved = torch.load(source.state_path(str(tmp_path / "ckpt"), 0), weights_only=True)
+    assert len(saved["outstanding"]) >= 2, saved["outstanding"]  # what the generator held is in the state
+    _take(w, 2)  # rollout 1 of the killed run: never trained, never saved
+    w.stop()
+
+    args, resumed = _source(tokenizer_dir, prompts, load=str(tmp_path / "ckpt"))
+    resumed.load(0)
+    w = worker(args, resumed, slow)
+    for _ in range(3):
+        trained += _labels(_take(w, 2)[0])
+    w.stop()
+    time.sleep(0.1)
+    with resumed.lock:
+        outstanding = _labels(resumed.state_dict()["outstanding"]) + _labels(resumed.buffer)
+    order = resumed._epoch_order()[:resumed.sample_offset]
+    passed = [PROMPTS[i]["label"] for i in order]
+    assert len(trained) == len(set(trained)) == 8, trained
+    assert sorted(trained + outstanding) == sorted(passed), (trained, outstanding, passed)
+
+
+def test_the_generators_own_failure_fails_the_call_at_once_with_its_traceback(worker):
+    """get_samples raises inside the generator's loop: the waiting call fails at once (not at its deadline) with
+    the traceback, keeps the groups it had taken waiting, and a new generator takes them over."""
+    class Failing(Source):
+        def get_samples(self, n):
+            if self.drawn == 2:
+                raise KeyError("prompt row vanished")
+            return super().get_samples(n)
+
+    source = Failing()
+    w = worker(_args(), source, lambda group: [_generated(s, 0) for s in group])
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="the generator failed: KeyError") as raised:
+        w.take(4, current_version=None, max_staleness=None, deadline=time.monotonic() + 60)
+    assert time.monotonic() - start < 5
+    assert "Traceback" in str(raised.value) and "in get_samples" in str(raised.value)
+    assert len(w.ready) == 2 and len(w.drawn) == 2  # the two finished groups still wait, still outstanding
+    source.drawn = 3  # the source recovered
+    successor = worker(_args(), source, lambda group: [_generated(s, 0) for s in group])
+    successor.adopt(w)
+    taken, _, _ = successor.take(2, current_version=None, max_staleness=None, deadline=time.monotonic() + 10)
+    assert sorted(g[0].prompt for g in taken) == ["p1", "p2"]  # finished in either order
+
+
+def test_the_generator_draws_under_the_data_sources_lock(worker, tokenizer_dir, tmp_path):
+    from rollout_testing import write_jsonl
+
+    args, source = _source(tokenizer_dir, write_jsonl(tmp_path / "p.jsonl", PROMPTS))
+    with source.lock:  # as the manager's save holds it
+        w = worker(args, source, lambda group: [_generated(s, 0) for s in group])
+        time.sleep(0.3)
+        assert w.in_flight == 0 and not w.ready and source.sample_offset == 0
+    assert len(_take(w, 2)[0]) == 2

@@ -183,7 +183,7 @@ QWEN3 = dict(model_type="qwen3", num_hidden_layers=4, hidden_size=64, num_attent
              intermediate_size=128)
 
 
-@pytest.mark.parametrize("model_type", ["qwen9_hyper", "minimax_m2", "glm_moe_dsa", "qwen9_hyper_moe", "qwen9"])
+@pytest.mark.parametrize("model_type", ["qwen9_hyper", "made_up_moe", "glm_moe_dsa", "qwen9_hyper_moe", "qwen9"])
 def test_a_model_type_no_family_builds_is_refused_naming_the_supported_ones(model_type, tmp_path, capsys):
     err = parse_error([*BASE, "--hf-checkpoint", _checkpoint(tmp_path, **{**QWEN3, "model_type": model_type})], capsys)
     assert f"has model_type {model_type!r}, which no model family here builds" in err
@@ -226,6 +226,24 @@ HYBRID = dict(model_type="qwen3_5_text", num_hidden_layers=2, hidden_size=64, nu
 ])
 def test_hybrid_layer_stacks_are_checked_before_ray(config, flags, says, tmp_path, capsys):
     err = parse_error([*BASE, "--hf-checkpoint", _checkpoint(tmp_path, **{**HYBRID, **config}), *flags], capsys)
+    assert says in err
+
+
+GLM4_MOE = dict(QWEN3, model_type="glm4_moe", n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1)
+
+
+@pytest.mark.parametrize("config, flags, says", [
+    (GLM4_MOE, ["--expert-model-parallel-size", "3", "--actor-num-gpus-per-node", "3", "--rollout-batch-size", "3"],
+     "--expert-model-parallel-size 3 does not divide the model's 8 experts (n_routed_experts"),
+    (dict(GLM4_MOE, n_group=3), [], "set n_group to a divisor of 8 and topk_group to at most n_group"),
+    (dict(GLM4_MOE, topk_group=4), [], "topk_group=4 with n_routed_experts=8: the experts must split"),
+    (dict(QWEN3, model_type="minimax_m2", num_local_experts=6), ["--expert-model-parallel-size", "4",
+                                                                  "--actor-num-gpus-per-node", "4",
+                                                                  "--rollout-batch-size", "4"],
+     "does not divide the model's 6 experts (num_local_experts"),
+])
+def test_experts_that_do_not_split_are_refused_before_ray(config, flags, says, tmp_path, capsys):
+    err = parse_error([*BASE, "--hf-checkpoint", _checkpoint(tmp_path, **config), *flags], capsys)
     assert says in err
 
 

@@ -166,25 +166,55 @@ def test_spec_plugin_signatures_and_result_types():
 # ------------------------------------------------------------------ DeepSeek-V3 MoE layers
 
 
+# The sigmoid-router MoE families: a tiny checkpoint of each by transformers' own class, with the tokenizer of the
+# project's tiny checkpoint (the embedded engine serves it).
+MOE_CHECKPOINTS = {"deepseek_v3": "save_tiny_deepseek_v3_moe", "glm4_moe": "save_tiny_glm4_moe",
+                   "glm4_moe_lite": "save_tiny_glm4_moe_lite", "minimax_m2": "save_tiny_minimax_m2"}
+MOE_ARCHITECTURES = {"deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
+                     "glm4_moe_lite": "Glm4MoeLiteForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM"}
+MOE_LAYOUTS = {
+    "tp2_sp_ep2": dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=2),
+    "tp2_sp_cp2_ep2": dict(tensor_model_parallel_size=2, sequence_parallel=True, context_parallel_size=2,
+                           expert_model_parallel_size=2),
+    # upstream's plug-in path for MiniMax-M2 (the single-process reference is built without it)
+    "tp2_sp_ep2_spec": dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=2,
+                            spec=["slime_plugins.models.minimax_m2", "get_minimax_m2_spec"]),
+}
+MOE_TRAINING = dict(expert_tensor_parallel_size=1, calculate_per_token_loss=True, lr=1e-3,
+                    moe_router_bias_update_rate=0.05)
+
+
 @pytest.fixture(scope="module")
-def dsmoe_assets(tmp_path_factory):
+def moe_assets(tmp_path_factory):
+    """family -> (checkpoint dir, rollout), made on first use."""
+    import tiny_models
     from slime.tools.tiny_checkpoint import TinyQwen3Spec, write_tiny_checkpoint
-    from tiny_models import replace_model, save_tiny_deepseek_v3_moe
+    from tiny_models import replace_model
     from train_step_harness import make_rollout
 
-    checkpoint = write_tiny_checkpoint(tmp_path_factory.mktemp("dsmoe") / "m", TinyQwen3Spec(alphabet="0123456789"))
-    replace_model(checkpoint, save_tiny_deepseek_v3_moe)
-    vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
-    return str(checkpoint), make_rollout(num_samples=4, seed=2, vocab=vocab, max_len=20)
+    made = {}
+
+    def assets(family):
+        if family not in made:
+            checkpoint = write_tiny_checkpoint(tmp_path_factory.mktemp(family) / "m", TinyQwen3Spec(alphabet="0123456789"))
+            replace_model(checkpoint, getattr(tiny_models, MOE_CHECKPOINTS[family]))
+            vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
+            made[family] = str(checkpoint), make_rollout(num_samples=4, seed=2, vocab=vocab, max_len=20)
+        return made[family]
+
+    return assets
 
 
-def _dsmoe_child(rank, world, hf_dir, data, layout):
+def _moe_child(rank, world, ledger_dir, hf_dir, data, layout):
+    """Load, log-probs, one training step, log-probs again and the export, with every collective of the step in
+    a ledger that records the whole sequence (the order proof's input)."""
     from transformers import AutoConfig
 
-    from train_step_harness import plans_for_this_rank
     from slime.backends.megatron_utils.train_step import compute_log_probs, train_one_step
+    from slime.distributed.instrument import instrument_collectives, uninstrument_collectives
+    from slime.distributed.ledger import Ledger
     from slime_plugins.models.hf_weights import export_hf_weights
-    from train_step_harness import build_loaded_model, layout_args
+    from train_step_harness import build_loaded_model, layout_args, plans_for_this_rank
 
     args = layout_args(layout)
     hf_config = AutoConfig.from_pretrained(hf_dir)
@@ -193,12 +223,23 @@ def _dsmoe_child(rank, world, hf_dir, data, layout):
     (plan,) = plans_for_this_rank(data, args)
     before = compute_log_probs(model, data, plan, args)
     data = dict(data, log_probs=before, ref_log_probs=before, rollout_log_probs=before)
-    step = train_one_step(model, optimizer, scheduler, data, plan, args)
+    ledger = Ledger(rank, world, ledger_dir, record_sequence=True)
+    instrument_collectives(ledger)
+    try:
+        with ledger.phase("actor_train"):
+            step = train_one_step(model, optimizer, scheduler, data, plan, args)
+    finally:
+        uninstrument_collectives()
+        ledger.close()
     after = compute_log_probs(model, data, plan, args)
     trained = {name: tensor.clone() for name, tensor in export_hf_weights(model, hf_config)}
     # --save / --load write and read the model's sharded state dict: the bias megatron moved is in it
-    saved = [key for chunk in model for key in chunk.module.sharded_state_dict() if key.endswith("router.expert_bias")]
-    return dict(loaded=loaded, trained=trained, before=before, after=after, skipped=step.skipped, saved=saved)
+    sharded = model[0].module.sharded_state_dict()
+    saved = [key for key in sharded if key.endswith("router.expert_bias")]
+    q_norm = sharded.get("decoder.layers.0.self_attention.q_layernorm.weight")  # (local, global) shapes
+    return dict(loaded=loaded, trained=trained, before=before, after=after, skipped=step.skipped, saved=saved,
+                loss=step.loss, grad_norm=step.grad_norm,
+                q_norm=q_norm and (tuple(q_norm.local_shape), tuple(q_norm.global_shape)))
 
 
 def _engine_log_probs(engine, data) -> list[list[float]]:
@@ -213,37 +254,68 @@ def _engine_log_probs(engine, data) -> list[list[float]]:
     return [[lp for lp, _ in r.input_logprobs[-n:]] for r, n in zip(results, data["response_lengths"])]
 
 
+def _bias_names(hf_dir):
+    """(megatron expert-bias buffers, the first MoE layer's HF routing-bias name) of a checkpoint."""
+    from transformers import AutoConfig
+
+    from slime.models import family_of
+    from slime.models.moe_hf import family_moe_names
+
+    hf_config = AutoConfig.from_pretrained(hf_dir)
+    arch = family_of(hf_config).moe(hf_config)
+    layers = [i for i, moe in enumerate(arch.layer_pattern) if moe]
+    (bias,) = family_moe_names("mlp.router.expert_bias", f"model.layers.{layers[0]}.", None, arch)
+    return [f"decoder.layers.{i}.mlp.router.expert_bias" for i in layers], bias
+
+
 @pytest.mark.timeout(300)
-def test_deepseek_v3_moe_round_trips_trains_and_pushes_under_tp2_sp_ep2(dsmoe_assets):
+@pytest.mark.parametrize("family, layout", [("deepseek_v3", "tp2_sp_ep2"), ("glm4_moe", "tp2_sp_cp2_ep2"),
+                                            ("glm4_moe_lite", "tp2_sp_ep2"), ("minimax_m2", "tp2_sp_ep2_spec")])
+def test_moe_family_round_trips_trains_and_pushes_under_ep(moe_assets, family, layout, tmp_path):
+    """HF -> megatron -> HF bit-exact under TP2 x SP x EP2 (x CP2), the engine's (transformers') log-probs, one
+    fenced step whose recorded collectives pass the order proof and that moves the routing bias, and a push that
+    gives the engine the trainer's new log-probs. For the newer families the step equals the single process's."""
     from safetensors.torch import load_file
 
     from slime.backends.embedded_engine.engine import EmbeddedEngine, GenerationRequest
     from slime.backends.embedded_engine.sampling import SamplingParams
+    from slime.distributed.order_proof import check_order, read_sequences
 
-    hf_dir, data = dsmoe_assets
-    layout = dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=2,
-                  expert_tensor_parallel_size=1, calculate_per_token_loss=True, lr=1e-3,
-                  moe_router_bias_update_rate=0.05)
-    results = run_ranks(_dsmoe_child, 2, args=(hf_dir, data, layout), timeout_s=280)
+    hf_dir, data = moe_assets(family)
+    layout = dict(MOE_LAYOUTS[layout], **MOE_TRAINING)
+    world = layout["tensor_model_parallel_size"] * layout.get("context_parallel_size", 1)
+    results = run_ranks(_moe_child, world, args=(str(tmp_path), hf_dir, data, layout), timeout_s=280)
+    report = check_order(read_sequences(str(tmp_path)))
+    assert report.ok, report.format()
     original = load_file(f"{hf_dir}/model.safetensors")
     engine = EmbeddedEngine(hf_dir)
+    assert type(engine.model).__name__ == MOE_ARCHITECTURES[family]
     for result in results:  # every rank exports every expert (EP all-gather), bias included
         assert sorted(result["loaded"]) == sorted(original)
         assert all(torch.equal(result["loaded"][name], original[name]) for name in original)
+    tolerance = 1e-5 if family == "deepseek_v3" else 1e-6
     for got, want in zip(results[0]["before"], _engine_log_probs(engine, data)):
-        assert got == pytest.approx(want, abs=1e-5)
+        assert got == pytest.approx(want, abs=tolerance)
     result = results[0]
+    saved, bias = _bias_names(hf_dir)
     assert not result["skipped"] and result["after"] != result["before"]
-    assert result["saved"] == ["decoder.layers.1.mlp.router.expert_bias", "decoder.layers.2.mlp.router.expert_bias"]
-    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert result["saved"] == saved
+    if family == "minimax_m2":  # its whole-projection q norm is saved split over TP, like the projection rows
+        assert result["q_norm"] == ((32,), (64,))
     assert not torch.equal(result["trained"][bias], original[bias])  # aux-loss-free balancing moved it
+    if family != "deepseek_v3":  # the single process's step (DeepSeek-V3's layouts: test_train_step_matches_...)
+        (single,) = run_ranks(_moe_child, 1, args=(str(tmp_path / "single"), hf_dir, data, MOE_TRAINING),
+                              timeout_s=200)
+        assert result["loss"] == pytest.approx(single["loss"], abs=1e-5)
+        assert result["grad_norm"] == pytest.approx(single["grad_norm"], rel=1e-4)
+        assert torch.equal(result["trained"][bias], single["trained"][bias])  # the same token counts per expert
     engine.update_weights([(n, t) for n, t in result["trained"].items() if not n.endswith("correction_bias")], "v2")
     stale = _engine_log_probs(engine, data)  # the old bias routes some tokens elsewhere
     assert max(abs(a - b) for x, y in zip(stale, result["after"]) for a, b in zip(x, y)) > 1e-3
     engine.update_weights(list(result["trained"].items()), "v3")
     assert torch.equal(engine.get_weight(bias), result["trained"][bias])
     for got, want in zip(result["after"], _engine_log_probs(engine, data)):
-        assert got == pytest.approx(want, abs=1e-5)
+        assert got == pytest.approx(want, abs=tolerance)
     params = SamplingParams.from_request({"max_new_tokens": 4, "temperature": 1.0, "ignore_eos": True})
     (generated,) = engine.generate_batch([GenerationRequest(rid="g", input_ids=(3, 4, 5), params=params)])
     assert len(generated.output_ids) == 4
@@ -322,3 +394,65 @@ def test_router_settings_megatron_cannot_match_are_refused():
         with pytest.raises(MoEConfigError) as info:
             moe_config_fields(qwen, _moe_flags(**flags))
         assert message in str(info.value)
+
+
+def test_glm_and_minimax_configs_map_and_upstream_flags_must_agree():
+    """GLM-4.5-Air's, GLM-4.7-Flash's and MiniMax-M2's MoE and attention fields (configs only, no weights) against
+    upstream's launcher flags: agreeing flags pass, each contradiction or unmatched router setting is refused."""
+    from transformers import Glm4MoeConfig, Glm4MoeLiteConfig, MiniMaxM2Config
+
+    from slime.backends.megatron_utils.model import transformer_config_from_hf
+    from slime.backends.megatron_utils.moe import MoEConfigError, moe_config_fields
+
+    glm45 = Glm4MoeConfig(num_hidden_layers=46, n_routed_experts=128, num_experts_per_tok=8, moe_intermediate_size=1408,
+                          first_k_dense_replace=1, attention_bias=True, routed_scaling_factor=1.0)
+    fields = moe_config_fields(glm45, _moe_flags(num_experts=128, moe_layer_freq="[0]*1+[1]*45", moe_router_topk=8,
+                                                 moe_shared_expert_intermediate_size=1408,
+                                                 moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True))
+    assert fields["moe_layer_freq"] == [0] + [1] * 45 and fields["moe_router_topk_scaling_factor"] is None
+    config = transformer_config_from_hf(glm45, types.SimpleNamespace(add_qkv_bias=True, rotary_percent=0.5))
+    assert config.add_qkv_bias and not config.qk_layernorm and not config.rotary_interleaved
+    with pytest.raises(ValueError, match="--rotary-percent=1.0 contradicts the HF config"):
+        transformer_config_from_hf(glm45, types.SimpleNamespace(rotary_percent=1.0))
+    with pytest.raises(ValueError, match="--qk-layernorm=True contradicts"):
+        transformer_config_from_hf(glm45, types.SimpleNamespace(qk_layernorm=True))
+    with pytest.raises(MoEConfigError, match="--moe-layer-freq .* does not match"):
+        moe_config_fields(glm45, _moe_flags(moe_layer_freq="[1]*46"))
+    with pytest.raises(ValueError, match="set n_group to a divisor of 128"):
+        moe_config_fields(Glm4MoeConfig(n_routed_experts=128, n_group=6, topk_group=1), _moe_flags())
+
+    lite = Glm4MoeLiteConfig(num_hidden_layers=47)  # GLM-4.7-Flash's shape
+    with pytest.warns(UserWarning, match="--add-qkv-bias has no effect with multi-latent attention"):
+        config = transformer_config_from_hf(lite, types.SimpleNamespace(
+            multi_latent_attention=True, add_qkv_bias=True, q_lora_rank=768, kv_lora_rank=512, qk_head_dim=192,
+            qk_pos_emb_head_dim=64, v_head_dim=256, qk_layernorm=True, num_experts=64, moe_router_topk=4,
+            moe_layer_freq="[0]*1+[1]*46", moe_shared_expert_intermediate_size=1536, moe_ffn_hidden_size=1536,
+            expert_model_parallel_size=1, pipeline_model_parallel_size=1))
+    assert config.multi_latent_attention and config.moe_router_topk_scaling_factor == pytest.approx(1.8)
+    with pytest.raises(ValueError, match="--v-head-dim=128 contradicts"):
+        transformer_config_from_hf(lite, types.SimpleNamespace(v_head_dim=128))
+
+    minimax = MiniMaxM2Config(num_hidden_layers=62, rotary_dim=64)
+    fields = moe_config_fields(minimax, _moe_flags(num_experts=256, moe_layer_freq="[1]*62", moe_router_topk=8,
+                                                   moe_ffn_hidden_size=1536, moe_router_enable_expert_bias=True))
+    assert (fields["num_moe_experts"], fields["moe_router_enable_expert_bias"]) == (256, True)
+    assert fields["moe_shared_expert_intermediate_size"] is None and fields["moe_router_num_groups"] is None
+    for flags, message in [(dict(moe_shared_expert_intermediate_size=1536), "does not match"),
+                           (dict(moe_router_topk_scaling_factor=2.5), "does not match"),
+                           (dict(expert_model_parallel_size=3), "does not divide the checkpoint's 256 experts")]:
+        with pytest.raises(MoEConfigError, match=message):
+            moe_config_fields(minimax, _moe_flags(**flags))
+    with pytest.raises(ValueError, match="renormalises the top-k weights exactly when k > 1"):
+        moe_config_fields(MiniMaxM2Config(num_experts_per_tok=1), _moe_flags())
+    config = transformer_config_from_hf(minimax, types.SimpleNamespace(qk_layernorm=True, rotary_percent=0.5))
+    assert config.qk_layernorm and config.kv_channels == 128
+    # upstream's --spec names the family's own spec: MoE layers with the whole-projection q/k norms
+    from slime.backends.megatron_utils.model import spec_function
+    from slime.models import minimax_m2
+
+    function = spec_function(types.SimpleNamespace(spec=["slime_plugins.models.minimax_m2", "get_minimax_m2_spec"]),
+                             minimax)
+    assert function is minimax_m2.get_minimax_m2_spec
+    attention = function(None, config, None).submodules.self_attention.submodules
+    assert attention.q_layernorm.module is minimax_m2.FullWidthRMSNorm
+    assert attention.k_layernorm.params == {"heads": "key"}

@@ -121,6 +121,8 @@ def test_moe_layout_matches_single_process(name, moe_hf_dir, moe_rollout, tmp_pa
     sequences = read_sequences(str(tmp_path))
     report = check_order(sequences)
     assert report.ok, report.format()
+    unnamed = {(op.op, op.phase) for sequence in sequences.values() for op in sequence.ops if op.group == "unnamed"}
+    assert not unnamed, f"ops on groups without a name: {sorted(unnamed)}"
     a2a = [op for op in sequences[0].ops if op.op == "all_to_all_single"]
     assert a2a and all(op.group == "ep" and op.peer[0] == "splits" for op in a2a)
     assert any(len(set(op.peer[1])) > 1 for op in a2a), "the token counts should differ per peer"

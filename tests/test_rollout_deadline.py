@@ -221,6 +221,22 @@ def test_a_trainer_ahead_of_the_engines_catches_up_with_its_own_version():
     assert targets.catch_up(["b2"]) == 5 and pushes == [(["b2"], 5)]
 
 
+def test_driver_fails_a_manager_call_that_reports_no_deadline_for_too_long():
+    from slime.ray.driver.rollout_wait import ManagerDeadline
+    from slime.utils.deadlines import unreported_deadline_s
+
+    deadline = ManagerDeadline("generate", margin_s=10.0)
+    limit = unreported_deadline_s(10.0)
+    assert deadline.check(None, 100.0) is None  # the call has not started its clock yet
+    assert deadline.check(None, 100.0 + limit - 1) is None
+    assert deadline.check(5.0, 100.0 + limit + 1) is None  # a reported deadline resets the silence
+    assert deadline.check(None, 200.0) is None
+    message = deadline.check(None, 200.0 + limit + 1)
+    assert message is not None and "'generate' reported no deadline for" in message
+    assert "passed its deadline by 11s" in ManagerDeadline("eval", margin_s=10.0).check(-11.0, 0.0)
+    assert ManagerDeadline("eval", margin_s=10.0).check(-9.0, 0.0) is None
+
+
 def _manager_with_hanging_log(window_s: float):
     """A RolloutManager whose guarded generation returns at once and whose log hook never returns."""
     import hook_plugins

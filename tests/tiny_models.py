@@ -212,3 +212,74 @@ def save_tiny_qwen3_5_composite(path: str, seed: int = 0, moe: bool = False, **o
     config = getattr(transformers, f"{kind}Config")(text_config=text, vision_config=vision)
     torch.manual_seed(seed)
     return _save_hybrid(getattr(transformers, f"{kind}ForConditionalGeneration")(config).float(), path)
+
+
+def _spread_router(model, seed: int):
+    """A spread router and a non-zero routing bias, so a wrong router mapping shows up."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            if name.endswith("mlp.gate.weight"):
+                tensor.copy_(0.5 * torch.randn(tensor.shape, generator=generator))
+            if name.endswith("e_score_correction_bias"):
+                tensor.copy_(0.2 * torch.rand(tensor.shape, generator=generator))
+    return model
+
+
+def save_tiny_glm4_moe(path: str, seed: int = 0, **overrides) -> str:
+    """A tiny Glm4MoeForCausalLM (GLM-4.5): 3 layers (the first dense), q/k/v biases, q/k norms, half-rotary RoPE,
+    8 routed experts in 2 groups (one per token, top-2 in it), one shared expert, routed_scaling_factor 2.5."""
+    import torch
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    fields = dict(vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=True, use_qk_norm=True,
+                  first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=2,
+                  topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, pad_token_id=0)
+    fields.update(overrides)
+    torch.manual_seed(seed)
+    model = _spread_router(Glm4MoeForCausalLM(Glm4MoeConfig(**fields)).float(), seed)
+    return _perturb_and_save(model, path, also=("bias",))
+
+
+def save_tiny_glm4_moe_lite(path: str, seed: int = 0, **overrides) -> str:
+    """A tiny Glm4MoeLiteForCausalLM (GLM-4.7-Flash): multi-latent attention, 3 layers (the first dense), 8 routed
+    experts top-2, one shared expert, routed_scaling_factor 1.8."""
+    import torch
+    from transformers import Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM
+
+    fields = dict(vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=24, qk_nope_head_dim=16,
+                  qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                  routed_scaling_factor=1.8, max_position_embeddings=512, rms_norm_eps=1e-6,
+                  tie_word_embeddings=False, pad_token_id=0)
+    fields.update(overrides)
+    torch.manual_seed(seed)
+    model = _spread_router(Glm4MoeLiteForCausalLM(Glm4MoeLiteConfig(**fields)).float(), seed)
+    return _perturb_and_save(model, path)
+
+
+def save_tiny_minimax_m2(path: str, seed: int = 0, **overrides) -> str:
+    """A tiny MiniMaxM2ForCausalLM: 2 layers, GQA with whole-projection q/k norms, rotary_dim = head_dim / 2,
+    8 experts top-2 behind the sigmoid router with a routing bias, no shared expert."""
+    import torch
+    from transformers import MiniMaxM2Config, MiniMaxM2ForCausalLM
+
+    fields = dict(vocab_size=512, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, rotary_dim=8, max_position_embeddings=512, rms_norm_eps=1e-6,
+                  tie_word_embeddings=False, num_local_experts=8, num_experts_per_tok=2, pad_token_id=0,
+                  bos_token_id=1, eos_token_id=2)
+    fields.update(overrides)
+    torch.manual_seed(seed)
+    model = MiniMaxM2ForCausalLM(MiniMaxM2Config(**fields)).float()
+    with torch.no_grad():  # the bias is a buffer on the block, not on the gate
+        generator = torch.Generator().manual_seed(seed)
+        for name, tensor in model.state_dict().items():
+            if name.endswith("mlp.gate.weight"):
+                tensor.copy_(0.5 * torch.randn(tensor.shape, generator=generator))
+            if name.endswith("e_score_correction_bias"):
+                tensor.copy_(0.2 * torch.rand(tensor.shape, generator=generator))
+    return _perturb_and_save(model, path)

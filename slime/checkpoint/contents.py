@@ -100,3 +100,25 @@ def latest_iteration(root: str) -> int | None:
         raise ValueError(f"{tracker} holds {text[:40]!r}, not an iteration number; write the number of a "
                          f"complete iter_* directory under {root} into it, or delete it to start fresh")
     return int(text)
+
+
+def load_view(root: str, iteration: int | None = None) -> dict:
+    """What this process sees of a weights source before a collective load: the kind (HF or megatron), the
+    iteration the tracker names, what that iteration holds. Every rank must see the same (ranks that decide
+    differently whether and what to load meet in different collectives); an unreadable tracker is part of
+    the view, so that it is fenced like the rest and raised by the load itself on every rank."""
+    if os.path.exists(os.path.join(root, "config.json")):
+        weights = (".safetensors", ".bin", ".index.json")  # the files a load reads (not side files a node may add)
+        return {"kind": "hf", "files": sorted(f for f in os.listdir(root) if f.endswith(weights))}
+    try:
+        iteration = latest_iteration(root) if iteration is None else iteration
+    except (OSError, ValueError) as exc:
+        return {"kind": "megatron", "error": f"{type(exc).__name__}: {exc}"}
+    if iteration is None:
+        return {"kind": "megatron", "iteration": None, "exists": os.path.isdir(root)}
+    path = iteration_dir(root, iteration)
+    if not os.path.isdir(path):
+        return {"kind": "megatron", "iteration": iteration, "exists": False}
+    rng_dir = os.path.join(path, RNG_DIR)
+    return {"kind": "megatron", "iteration": iteration, "exists": True, "items": sorted(read_manifest(path)),
+            "rng_files": len(os.listdir(rng_dir)) if os.path.isdir(rng_dir) else 0}

@@ -25,11 +25,13 @@ def fsync_path(path: str) -> None:
         os.close(fd)
 
 
-def fsync_tree(root: str) -> None:
-    """Every file under root, then every directory bottom-up, root included."""
+def fsync_tree(root: str, progress: Callable[[], None] | None = None) -> None:
+    """Every file under root, then every directory bottom-up, root included; progress() after each."""
     for base, _, files in os.walk(root, topdown=False):
         for name in files:
             fsync_path(os.path.join(base, name))
+            if progress is not None:
+                progress()
         fsync_path(base)
 
 
@@ -51,11 +53,12 @@ def write_text_atomic(path: str, text: str) -> None:
     write_atomic(path, lambda handle: handle.write(text.encode()))
 
 
-def publish_dir(partial: str, path: str) -> None:
+def publish_dir(partial: str, path: str, progress: Callable[[], None] | None = None) -> None:
     """Put the finished directory `partial` in place as `path`. An existing `path` is swapped out in one
-    atomic exchange (it is never missing) and removed after; the parent directory is fsynced."""
+    atomic exchange (it is never missing) and removed after; the parent directory is fsynced.
+    `progress()` is called after each file is fsynced (peers waiting for this work see it move)."""
     parent = os.path.dirname(os.path.abspath(path))
-    fsync_tree(partial)
+    fsync_tree(partial, progress)
     if os.path.exists(path):
         exchange(partial, path)  # `partial` now names the older directory
         fsync_path(parent)

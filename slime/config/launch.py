@@ -92,7 +92,7 @@ def check_hf_config(args: argparse.Namespace, config_path: str) -> None:
     if model_type in SUPPORTED_MODEL_TYPES:
         _check_layer_kinds(config, config_path, args.tensor_model_parallel_size)
     heads = config.get("num_attention_heads")
-    mla = model_type in ("deepseek_v3", "deepseek_v2", "kimi_k2") and config.get("kv_lora_rank") is not None
+    mla = model_type in ("deepseek_v3", "deepseek_v2", "kimi_k2", "glm4_moe_lite") and config.get("kv_lora_rank") is not None
     arch = {dest: config.get(key) for dest, key in CONFIG_ARCH_KEYS.items()}
     arch["num_query_groups"] = heads if mla else (config.get("num_key_value_heads") or heads)
     for dest, value in arch.items():
@@ -109,6 +109,7 @@ def check_hf_config(args: argparse.Namespace, config_path: str) -> None:
         fail(f"--tensor-model-parallel-size {tp} does not divide the model's {groups} key/value heads "
              f"(num_key_value_heads in {config_path}; megatron-core splits them over TP without replicating); "
              f"pick a TP size that divides {groups}")
+    _check_expert_split(args, config, config_path)
     layers, pp = config.get("num_hidden_layers"), args.pipeline_model_parallel_size
     if args.num_layers is None and isinstance(layers, int) and pp > 1:
         args.num_layers = layers
@@ -132,6 +133,24 @@ def _check_layer_kinds(config: dict, config_path: str, tp: int) -> None:
         if isinstance(heads, int) and heads % tp:
             fail(f"--tensor-model-parallel-size {tp} does not divide the model's {heads} linear-attention heads "
                  f"({key} in {config_path}); pick a TP size that divides {heads}")
+
+
+def _check_expert_split(args: argparse.Namespace, config: dict, config_path: str) -> None:
+    """The routed experts must split over EP, and into the config's expert groups (n_group / topk_group)."""
+    key = next((k for k in MOE_CONFIG_KEYS if isinstance(config.get(k), int) and config[k] > 0), None)
+    if key is None:
+        return
+    experts, ep = config[key], args.expert_model_parallel_size or 1
+    if experts % ep:
+        fail(f"--expert-model-parallel-size {ep} does not divide the model's {experts} experts ({key} in "
+             f"{config_path}); pick an EP size that divides {experts}")
+    n_group, topk_group = config.get("n_group") or 1, config.get("topk_group") or 1
+    if not isinstance(n_group, int) or not isinstance(topk_group, int):
+        return
+    if experts % n_group or topk_group > n_group:
+        fail(f"{config_path}: n_group={n_group}, topk_group={topk_group} with {key}={experts}: the experts must split "
+             f"into n_group equal groups and topk_group <= n_group; set n_group to a divisor of {experts} and "
+             "topk_group to at most n_group")
 
 
 def _check_moe_tensor_parallel(args: argparse.Namespace, config_path: str) -> None:

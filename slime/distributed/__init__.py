@@ -1,9 +1,7 @@
 """Process-group lifecycle, fences, plan fingerprints, ledger, watchdog and fault injection.
 
-The rest of the code asks this package for groups and fences and never calls new_group. One exception
-to "no bare barriers": the checkpoint save (slime/backends/megatron_utils/checkpoint.py) separates rank 0's
-directory work from the other ranks' shard writes with world barriers; the actor runs the whole save inside
-the watchdog's "save" phase, so a rank stuck there still ends the run with the phase named.
+The rest of the code asks this package for groups and fences and never calls new_group or a bare barrier
+(the checkpoint save waits for rank 0's directory work at the trainer's fences, `save/<step>`).
 Names are imported from their modules on first use, so that a module used alone (the hang_report
 command, the driver reading ledger files) does not import megatron.
 """

@@ -10,9 +10,14 @@ Point-to-point ops also record their peer (global rank), so that a send can be p
 An all-to-all records its per-rank token counts instead of its row count (which differs per rank by
 design under expert parallelism): shape (-1, *row shape) and, in the peer slot,
 ("splits", rows sent to each member, rows received from each member); the order proof pairs them.
+The list forms of all_gather / reduce_scatter with rows that differ per member (megatron's expert-TP
+gathers) record (members, -1, *row shape) and ("sizes", rows per member): the same on every member.
+A stand-in for a collective (patches/megatron_core.py on gloo) records what it replaces with `recorded_as`,
+so the CPU sequence is the one a GPU run records.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import inspect
@@ -42,7 +47,18 @@ INSTRUMENTED_OPS = (
     "batch_isend_irecv",
     "all_to_all_single",
     "all_gather_object",
+    # module-level calls inside: distributed_c10d's own broadcast/gather/scatter, which the wrappers above miss
+    "broadcast_object_list",
+    "gather_object",
+    "scatter_object_list",
+    "reduce_scatter",
+    "gather",
+    "scatter",
+    "reduce",
 )
+_SPLIT_LIST_ARG = {"all_gather": 0, "reduce_scatter": 1}  # the per-member tensor list of the list forms
+# objects differ per member (the source's value, None elsewhere): recorded without a shape
+_OBJECT_OPS = frozenset({"broadcast_object_list", "gather_object", "scatter_object_list"})
 _ALSO_IN_C10D = ("isend", "irecv")  # identity-checked inside distributed_c10d
 _PEER_PARAMS = {"isend": ("dst", "group_dst"), "send": ("dst", "group_dst"),
                 "irecv": ("src", "group_src"), "recv": ("src", "group_src")}
@@ -88,6 +104,46 @@ def _describe(args: tuple, kwargs: dict, group_index: int | None) -> tuple[objec
     return group, (), ""
 
 
+def split_record(sizes, row_shape: tuple) -> tuple[tuple, tuple | None]:
+    """(shape, peer) recorded for a list-form collective with `sizes` rows per member."""
+    sizes = tuple(int(n) for n in sizes)
+    if len(set(sizes)) <= 1:
+        return (len(sizes), *sizes[:1], *row_shape), None
+    return (len(sizes), -1, *row_shape), ("sizes", sizes)
+
+
+def _describe_split(name: str, args: tuple, kwargs: dict, group_index: int | None):
+    """(group, shape, dtype, peer) of all_gather(list, t) / reduce_scatter(t, list)."""
+    group = kwargs.get("group")
+    if group is None and group_index is not None and len(args) > group_index:
+        group = args[group_index]
+    index = _SPLIT_LIST_ARG[name]
+    tensors = args[index] if len(args) > index else kwargs.get(("tensor_list", "input_list")[index])
+    if not tensors or not tensors[0].dim():
+        return group, (len(tensors or ()),), str(tensors[0].dtype).removeprefix("torch.") if tensors else "", None
+    shape, peer = split_record([t.shape[0] if t.dim() else 1 for t in tensors], tuple(tensors[0].shape[1:]))
+    return group, shape, str(tensors[0].dtype).removeprefix("torch."), peer
+
+
+@contextlib.contextmanager
+def recorded_as(op: str, group: object | None, shape: tuple, dtype: object, peer: tuple | None = None):
+    """Record the collectives inside as the one op they stand in for."""
+    ledger = _active[0]
+    if ledger is None or _depth.value:
+        yield
+        return
+    entry = ledger.begin_p2p(op, group, shape, dtype, peer)
+    _depth.value = 1
+    try:
+        yield
+    except BaseException as exc:
+        _depth.value = 0
+        ledger.end(entry, error_text(exc))
+        raise
+    _depth.value = 0
+    ledger.end(entry)
+
+
 def type_name(op: Callable) -> str:
     return getattr(op, "__name__", str(op))
 
@@ -95,6 +151,7 @@ def type_name(op: Callable) -> str:
 def _wrap(name: str, original: Callable) -> Callable:
     params = list(inspect.signature(original).parameters)
     group_index = params.index("group") if "group" in params else None
+    objects = name in _OBJECT_OPS
 
     @functools.wraps(original)
     def recorded(*args, **kwargs):  # the hot path: no context manager, see ledger.py
@@ -102,7 +159,10 @@ def _wrap(name: str, original: Callable) -> Callable:
         if ledger is None or _depth.value:
             return original(*args, **kwargs)
         first = args[0] if args else None
-        if isinstance(first, torch.Tensor):  # the common case inline; the ledger formats shape/dtype when read
+        if objects:
+            group = args[group_index] if group_index is not None and len(args) > group_index else kwargs.get("group")
+            entry = ledger.begin(name, group, (), "object")
+        elif isinstance(first, torch.Tensor):  # the common case inline; the ledger formats shape/dtype when read
             group = args[group_index] if group_index is not None and len(args) > group_index else kwargs.get("group")
             entry = ledger.begin(name, group, first.shape, first.dtype)
         else:
@@ -117,6 +177,23 @@ def _wrap(name: str, original: Callable) -> Callable:
             _depth.value = 0
         ledger.end(entry)
         return result
+
+    recorded.__slime_original__ = original
+    return recorded
+
+
+def _wrap_split(name: str, original: Callable) -> Callable:
+    """Like _wrap, for the list forms whose members' rows may differ (split_record)."""
+    params = list(inspect.signature(original).parameters)
+    group_index = params.index("group") if "group" in params else None
+
+    @functools.wraps(original)
+    def recorded(*args, **kwargs):
+        ledger = _active[0]
+        if ledger is None or _depth.value:
+            return original(*args, **kwargs)
+        entry = ledger.begin_p2p(name, *_describe_split(name, args, kwargs, group_index))
+        return _run_recorded(ledger, entry, original, args, kwargs)
 
     recorded.__slime_original__ = original
     return recorded
@@ -207,6 +284,8 @@ def instrument_collectives(ledger: Ledger) -> None:
         _originals[name] = original
         if name == "all_to_all_single":
             wrapped = _wrap_all_to_all(original)
+        elif name in _SPLIT_LIST_ARG:
+            wrapped = _wrap_split(name, original)
         else:
             wrapped = (_wrap_p2p if name in _P2P_OPS else _wrap)(name, original)
         setattr(dist, name, wrapped)

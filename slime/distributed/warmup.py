@@ -40,7 +40,13 @@ GROUP_GETTERS: tuple[tuple[str, Callable[[], object]], ...] = (
     ("ep", mpu.get_expert_model_parallel_group),
     ("etp", mpu.get_expert_tensor_parallel_group),
     ("edp", mpu.get_expert_data_parallel_group),
+    # the MoE dispatcher's token counts and routing maps (megatron's pg_collection.tp_ep), the experts' grad norm
+    ("tp_ep", mpu.get_expert_tensor_and_model_parallel_group),
+    ("tp_ep_pp", mpu.get_expert_tensor_model_pipeline_parallel_group),
 )
+# Warmed only under expert parallelism: a dense model never uses them, and on NCCL each warmed group of
+# several ranks holds a communicator's memory (docs/debugging.md: an MoE model at EP 1 creates them at first use).
+EXPERT_ONLY_GROUPS = frozenset({"tp_ep", "tp_ep_pp"})
 
 
 def step_groups() -> list[tuple[str, object]]:
@@ -54,6 +60,12 @@ def step_groups() -> list[tuple[str, object]]:
         if group is not None and not isinstance(group, list):
             groups.append((name, group))
     return groups
+
+
+def warmed_groups() -> list[tuple[str, object]]:
+    """The groups the warm-up touches, in order: every step group, the experts' compound ones under EP > 1."""
+    experts = mpu.get_expert_model_parallel_world_size() > 1
+    return [(name, group) for name, group in step_groups() if experts or name not in EXPERT_ONLY_GROUPS]
 
 
 @dataclass(frozen=True)
@@ -84,7 +96,7 @@ class CommunicatorWarmup:
     def run(self) -> WarmupReport:
         start = time.perf_counter()
         ops: list[str] = []
-        for name, group in step_groups():
+        for name, group in warmed_groups():
             self._wait(f"all_reduce {group_label(group)}", group, [dist.all_reduce(self._probe(), group=group, async_op=True)])
             ops.append(f"all_reduce {group_label(group)}")
         maybe_stall("stall_comm_init", self.rank, self.rollout_id)  # reproduces a rank stuck in comm setup

@@ -23,6 +23,7 @@ import functools
 from typing import Any
 
 from slime.models.registry import ModelFamily, register
+from slime.models.sigmoid_router import deepseek_style_moe, first_k_dense, sigmoid_router_architecture
 
 MLA_MODEL_TYPES = ("deepseek_v3", "deepseek_v2", "kimi_k2")
 # DeepseekV3ForCausalLM's MoE layout (Kimi-K2 ships the same architecture)
@@ -203,14 +204,12 @@ def attention_names(prefix: str) -> dict[str, str]:
 
 
 def _has_moe_layers(hf_config: Any) -> bool:
-    dense_layers = getattr(hf_config, "first_k_dense_replace", None)
-    dense_layers = hf_config.num_hidden_layers if dense_layers is None else dense_layers
-    return bool(getattr(hf_config, "n_routed_experts", None)) and dense_layers < hf_config.num_hidden_layers
+    return bool(getattr(hf_config, "n_routed_experts", None)) and 1 in first_k_dense(hf_config)
 
 
-def _refuse_unmatched_router(hf_config: Any, topk: int, n_group: int, topk_group: int) -> None:
-    """Router settings whose maths megatron-core 0.16's router (topk_routing_with_score_function) does not
-    reproduce exactly: refused with the reason instead of training a model the engines route differently."""
+def _refuse_unmatched_router(hf_config: Any) -> None:
+    """DeepSeek-V3 config settings outside the sigmoid router that megatron-core 0.16 reproduces (the rest of
+    the router's limits are sigmoid_router's)."""
     scoring = getattr(hf_config, "scoring_func", "sigmoid")
     method = getattr(hf_config, "topk_method", "noaux_tc")
     if scoring != "sigmoid" or method not in (None, "noaux_tc"):
@@ -220,22 +219,6 @@ def _refuse_unmatched_router(hf_config: Any, topk: int, n_group: int, topk_group
         raise ValueError(f"DeepSeek-V3 MoE: moe_layer_freq={hf_config.moe_layer_freq}; transformers' "
                          "DeepseekV3ForCausalLM makes every layer from first_k_dense_replace on an MoE layer, so "
                          "only moe_layer_freq=1 means the same model on both sides")
-    if bool(getattr(hf_config, "norm_topk_prob", True)) != (topk > 1):
-        raise ValueError(f"DeepSeek-V3 MoE: norm_topk_prob={hf_config.norm_topk_prob} with num_experts_per_tok="
-                         f"{topk}; megatron's sigmoid router renormalises the top-k weights exactly when k > 1, so "
-                         "only norm_topk_prob = (num_experts_per_tok > 1) can be matched")
-    experts = hf_config.n_routed_experts
-    if n_group > 1 and (experts % n_group or topk_group > n_group):
-        raise ValueError(f"DeepSeek-V3 MoE: n_group={n_group}, topk_group={topk_group} with {experts} experts; "
-                         "the experts must split into n_group equal groups and topk_group <= n_group")
-    if n_group == 1 and topk_group != 1:
-        raise ValueError(f"DeepSeek-V3 MoE: topk_group={topk_group} with n_group=1; a single group has "
-                         "topk_group=1")
-    if n_group > 1 and topk_group < n_group and topk // topk_group != 2:
-        raise ValueError(f"DeepSeek-V3 MoE: n_group={n_group}, topk_group={topk_group}, num_experts_per_tok={topk}: "
-                         "transformers ranks a group by the sum of its top-2 scores, megatron-core by the sum of its "
-                         f"top-(num_experts_per_tok // topk_group) = top-{topk // topk_group}; they agree only when "
-                         "num_experts_per_tok // topk_group == 2 (DeepSeek-V3: 8 // 4)")
 
 
 def moe_architecture(hf_config: Any):
@@ -244,10 +227,8 @@ def moe_architecture(hf_config: Any):
     HF -> megatron: sigmoid scores, + e_score_correction_bias for the choice only (megatron's expert_bias),
     group-limited top-k (n_group / topk_group -> moe_router_num_groups / moe_router_group_topk), weights
     renormalised over the k then scaled by routed_scaling_factor (moe_router_topk_scaling_factor), and
-    n_shared_experts * moe_intermediate_size wide shared experts added without a gate.
+    n_shared_experts * moe_intermediate_size wide shared experts added without a gate (sigmoid_router.py).
     """
-    from slime.models.moe_arch import MoEArchitecture
-
     if not _has_moe_layers(hf_config):
         return None
     model_type = getattr(hf_config, "model_type", "")
@@ -255,28 +236,8 @@ def moe_architecture(hf_config: Any):
         raise ValueError(f"{model_type} MoE layers (a softmax router with topk_method "
                          f"{getattr(hf_config, 'topk_method', None)!r}) are not mapped; only DeepSeek-V3's sigmoid "
                          "router is: use a deepseek_v3 checkpoint or one whose layers are all dense")
-    topk = hf_config.num_experts_per_tok
-    n_group = int(getattr(hf_config, "n_group", None) or 1)
-    topk_group = int(getattr(hf_config, "topk_group", None) or 1)
-    _refuse_unmatched_router(hf_config, topk, n_group, topk_group)
-    shared = int(getattr(hf_config, "n_shared_experts", None) or 0) * hf_config.moe_intermediate_size
-    layers = hf_config.num_hidden_layers
-    return MoEArchitecture(
-        num_layers=layers,
-        num_experts=hf_config.n_routed_experts,
-        topk=topk,
-        ffn_hidden_size=hf_config.moe_intermediate_size,
-        norm_topk_prob=topk > 1,
-        layer_pattern=tuple(int(i >= hf_config.first_k_dense_replace) for i in range(layers)),
-        shared_expert_intermediate_size=shared or None,
-        shared_expert_gate=False,
-        hf_shared_expert="shared_experts",
-        score_function="sigmoid",
-        expert_bias=True,
-        topk_scaling_factor=float(getattr(hf_config, "routed_scaling_factor", None) or 1.0),
-        num_groups=n_group,
-        group_topk=topk_group,
-    )
+    _refuse_unmatched_router(hf_config)
+    return sigmoid_router_architecture(deepseek_style_moe(hf_config, "DeepSeek-V3 MoE", first_k_dense(hf_config)))
 
 
 # ------------------------------------------------------------------ the family

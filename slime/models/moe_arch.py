@@ -1,5 +1,6 @@
 """What an HF MoE config says about its experts and router, in one frozen description that every MoE family
-(qwen3_moe.py, deepseek_v3.py) fills and the megatron side (slime/backends/megatron_utils/moe.py) reads."""
+(qwen3_moe.py, deepseek_v3.py, glm4_moe.py, minimax_m2.py) fills and the megatron side
+(slime/backends/megatron_utils/moe.py) reads; the hf_* fields say how the checkpoint spells the MoE block."""
 
 from __future__ import annotations
 
@@ -22,6 +23,12 @@ class MoEArchitecture:
     """A sigmoid gate scales the shared expert's output (Qwen2-MoE; DeepSeek has none)."""
     hf_shared_expert: str = "shared_expert"
     """The HF module name of the shared expert under `mlp.` (Qwen2-MoE: shared_expert, DeepSeek: shared_experts)."""
+    hf_block: str = "mlp"
+    """The checkpoint's module name of the MoE block in a layer (MiniMax-M2: block_sparse_moe)."""
+    hf_expert_projs: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    """The checkpoint's (gate, up, down) names of a routed expert's projections (MiniMax-M2: w1, w3, w2)."""
+    hf_expert_bias: str = "gate.e_score_correction_bias"
+    """Where the routing bias sits under the MoE block (DeepSeek-V3, GLM: on the gate; MiniMax-M2: on the block)."""
     score_function: str = "softmax"
     """Router scores: softmax (Qwen) or sigmoid (DeepSeek-V3)."""
     expert_bias: bool = False

@@ -9,7 +9,9 @@ HF checkpoint (safetensors, what the hub ships and what transformers saves):
   model.layers.L.mlp.shared_expert.{gate,up,down}_proj.weight   shared expert (Qwen2-MoE)
   model.layers.L.mlp.shared_expert_gate.weight        [1, H]   sigmoid gate of the shared expert
   model.layers.L.mlp.shared_experts.{gate,up,down}_proj.weight  DeepSeek-V3's shared experts (no gate)
-  model.layers.L.mlp.gate.e_score_correction_bias     [E]      DeepSeek-V3's routing bias (fp32)
+  model.layers.L.mlp.gate.e_score_correction_bias     [E]      DeepSeek-V3's and GLM's routing bias (fp32)
+  MiniMax-M2: model.layers.L.block_sparse_moe.{gate.weight, e_score_correction_bias, experts.e.w{1,3,2}.weight}
+  (MoEArchitecture.hf_block / hf_expert_bias / hf_expert_projs say which spelling a family has)
 megatron-core (local spec, SequentialMLP):
   decoder.layers.l.mlp.router.weight, .expert_bias (a buffer)
   decoder.layers.l.mlp.experts.local_experts.i.linear_fc{1,2}.weight   (TE grouped: experts.linear_fc1.weight<i>)
@@ -52,52 +54,68 @@ def swiglu_names(prefix: str) -> tuple[str, str, str]:
 
 
 def moe_hf_names(layer_suffix: str, prefix: str, global_expert: int | None,
-                 shared_expert: str = "shared_expert") -> tuple[str, ...] | None:
+                 shared_expert: str = "shared_expert", arch: MoEArchitecture | None = None) -> tuple[str, ...] | None:
     """HF names of one MoE-layer parameter (prefix 'model.layers.L.'); None when it is not an MoE one.
 
     fc1 names come as (gate, up): the caller fuses them with the TP/ETP interleaving of the dense MLP.
-    `shared_expert` is the HF module name of the shared expert (MoEArchitecture.hf_shared_expert).
-    The router's expert bias (a buffer megatron updates outside the optimizer) is DeepSeek-V3's
-    e_score_correction_bias, beside the router weight.
+    `shared_expert` is the HF module name of the shared expert (MoEArchitecture.hf_shared_expert); `arch`
+    says how the checkpoint spells the block, the experts' projections and the routing bias (default: the
+    Qwen-MoE / DeepSeek-V3 spelling). The router's expert bias (a buffer megatron updates outside the
+    optimizer) is the checkpoint's e_score_correction_bias.
     """
+    block = f"{prefix}{arch.hf_block if arch else 'mlp'}."
     if layer_suffix == "mlp.router.weight":
-        return (f"{prefix}mlp.gate.weight",)
+        return (f"{block}gate.weight",)
     if layer_suffix == "mlp.router.expert_bias":
-        return (f"{prefix}mlp.gate.e_score_correction_bias",)
+        return (f"{block}{arch.hf_expert_bias if arch else 'gate.e_score_correction_bias'}",)
     if layer_suffix == "mlp.shared_experts.gate_weight":
-        return (f"{prefix}mlp.shared_expert_gate.weight",)
+        return (f"{block}shared_expert_gate.weight",)
     if layer_suffix.startswith("mlp.shared_experts."):
-        gate, up, down = swiglu_names(f"{prefix}mlp.{shared_expert}.")
+        gate, up, down = swiglu_names(f"{block}{shared_expert}.")
         return (gate, up) if layer_suffix.endswith("linear_fc1.weight") else (down,)
     expert = local_expert(layer_suffix)
     if expert is None:
         return None
-    gate, up, down = swiglu_names(f"{prefix}mlp.experts.{global_expert}.")
+    projs = arch.hf_expert_projs if arch else ("gate_proj", "up_proj", "down_proj")
+    gate, up, down = (f"{block}experts.{global_expert}.{p}.weight" for p in projs)
     return (gate, up) if expert[1] == "linear_fc1" else (down,)
 
 
 def family_moe_names(layer_suffix: str, prefix: str, global_expert: int | None,
                      arch: MoEArchitecture | None) -> tuple[str, ...] | None:
-    """ModelFamily.moe_names of the families spelling their MoE layers as Qwen-MoE and DeepSeek-V3 do."""
-    return moe_hf_names(layer_suffix, prefix, global_expert, arch.hf_shared_expert if arch else "shared_expert")
+    """ModelFamily.moe_names: the names moe_hf_names gives for the family's MoEArchitecture."""
+    return moe_hf_names(layer_suffix, prefix, global_expert, arch.hf_shared_expert if arch else "shared_expert", arch)
 
 
-_CHECKPOINT_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+_CHECKPOINT_EXPERT = re.compile(r"^(.*)\.experts\.(\d+)\.(\w+)\.weight$")
 
 
-def fused_engine_target(name: str, state_names: set[str], intermediate: int) -> tuple[str, int, slice] | None:
-    """Where a checkpoint expert tensor lives in transformers' fused in-memory experts:
-    (state name, expert index, row slice), or None when the model keeps that name as is."""
-    if name in state_names:
+def _in_memory_name(name: str, arch: MoEArchitecture | None) -> str:
+    """transformers' in-memory name of a checkpoint tensor outside the experts: its MoE block is `mlp`."""
+    if arch is None or arch.hf_block == "mlp":
+        return name
+    return name.replace(f".{arch.hf_block}.", ".mlp.", 1)
+
+
+def fused_engine_target(name: str, state_names: set[str], arch: MoEArchitecture | None
+                        ) -> tuple[str, int | None, slice] | None:
+    """Where a checkpoint tensor lives in transformers' in-memory model when not under its own name:
+    (state name, expert index or None, row slice) -- a routed expert's rows of the fused experts, or a
+    renamed block's tensor (expert index None) -- or None when the model keeps that name as is."""
+    if name in state_names or arch is None:
         return None
-    match = _CHECKPOINT_EXPERT.match(name)
-    if match is None:
+    renamed = _in_memory_name(name, arch)
+    if renamed in state_names:
+        return renamed, None, slice(None)
+    match = _CHECKPOINT_EXPERT.match(renamed)
+    if match is None or match.group(3) not in arch.hf_expert_projs:
         return None
-    base, expert, proj = match.group(1), int(match.group(2)), match.group(3)
-    if proj == "down":
-        return f"{base}.down_proj", expert, slice(None)
-    rows = slice(0, intermediate) if proj == "gate" else slice(intermediate, 2 * intermediate)
-    return f"{base}.gate_up_proj", expert, rows
+    base, expert, proj = match.group(1), int(match.group(2)), arch.hf_expert_projs.index(match.group(3))
+    if proj == 2:
+        return f"{base}.experts.down_proj", expert, slice(None)
+    width = arch.ffn_hidden_size
+    rows = slice(0, width) if proj == 0 else slice(width, 2 * width)
+    return f"{base}.experts.gate_up_proj", expert, rows
 
 
 def checkpoint_expert_count(names: list[str], arch: MoEArchitecture) -> int | None:
@@ -105,7 +123,7 @@ def checkpoint_expert_count(names: list[str], arch: MoEArchitecture) -> int | No
     first = arch.layer_pattern.index(1) if 1 in arch.layer_pattern else None
     if first is None:
         return None
-    pattern = re.compile(rf"^model\.layers\.{first}\.mlp\.experts\.(\d+)\.")
+    pattern = re.compile(rf"^model\.layers\.{first}\.{re.escape(arch.hf_block)}\.experts\.(\d+)\.")
     indices = {int(m.group(1)) for m in map(pattern.match, names) if m}
     return (max(indices) + 1) if indices else None
 

@@ -23,6 +23,8 @@ _BUILTIN_MODULES = (
     "slime.models.deepseek_v3",
     "slime.models.glm4",
     "slime.models.qwen3_5",
+    "slime.models.glm4_moe",
+    "slime.models.minimax_m2",
 )
 
 # What a model_type outside the registry is read as (arguments.py lets one through only with a custom model

@@ -11,9 +11,10 @@ import json
 import logging
 import os
 import random
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -268,10 +269,18 @@ def epoch_order(num_prompts: int, epoch: int, seed: int, shuffle: bool) -> list[
 
 
 class RolloutDataSource:
-    """Hands out `num_prompts` groups of `n_samples_per_prompt` Samples; wraps around epochs."""
+    """Hands out `num_prompts` groups of `n_samples_per_prompt` Samples; wraps around epochs.
+
+    A background generator (slime/rollout/fully_async_rollout.py) draws on the rollout loop's thread while the
+    manager's thread saves: both hold `lock`. The groups such a generator drew but the trainer has not trained
+    yet (`track_outstanding`) are saved with the position and handed out first after a resume, as drawn.
+    """
 
     def __init__(self, args):
         self.args = args
+        self.lock = threading.RLock()
+        self._outstanding: Callable[[], list[list[Sample]]] = list
+        self._returned: list[list[Sample]] = []  # outstanding groups of the saved run, handed out first
         self.epoch_id = 0
         self.sample_offset = 0  # position inside the current epoch's order
         self.sample_group_index = 0
@@ -307,8 +316,18 @@ class RolloutDataSource:
             self.sample_offset += take
         return prompts
 
+    def track_outstanding(self, groups: Callable[[], list[list[Sample]]]) -> None:
+        """`groups()` (called under `lock`): the groups drawn from here that are not trained yet, as drawn."""
+        self._outstanding = groups
+
     def get_samples(self, num_prompts: int) -> list[list[Sample]]:
         """`num_prompts` groups, each n_samples_per_prompt fresh copies with group_index / index set."""
+        with self.lock:
+            groups = self._returned[:num_prompts]
+            del self._returned[:num_prompts]
+            return groups + self._fresh_groups(num_prompts - len(groups))
+
+    def _fresh_groups(self, num_prompts: int) -> list[list[Sample]]:
         groups = []
         for prompt in self._next_prompts(num_prompts):
             group = []
@@ -326,17 +345,21 @@ class RolloutDataSource:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything the next rollout's prompts depend on (slime/checkpoint/contents.py, DATA_ITEMS): the
-        position, the epoch's shuffle order, the partial-rollout buffer and this process's RNG."""
-        return {
-            "epoch_id": self.epoch_id,
-            "sample_offset": self.sample_offset,
-            "sample_group_index": self.sample_group_index,
-            "sample_index": self.sample_index,
-            "metadata": self.metadata,
-            "epoch_order": list(self._epoch_order()) if self.dataset is not None else [],
-            "buffer": self._buffer_state(),
-            "rng": rng.capture(tracker=False),
-        }
+        position, the epoch's shuffle order, the partial-rollout buffer, the groups drawn but not trained yet
+        and this process's RNG; taken at one instant (under `lock`)."""
+        with self.lock:
+            outstanding = [*self._returned, *self._outstanding()]
+            return {
+                "epoch_id": self.epoch_id,
+                "sample_offset": self.sample_offset,
+                "sample_group_index": self.sample_group_index,
+                "sample_index": self.sample_index,
+                "metadata": self.metadata,
+                "epoch_order": list(self._epoch_order()) if self.dataset is not None else [],
+                "buffer": self._buffer_state(),
+                "outstanding": [[sample.to_dict() for sample in group] for group in outstanding],
+                "rng": rng.capture(tracker=False),
+            }
 
     def _buffer_state(self) -> list[list[dict]]:
         return []
@@ -352,6 +375,7 @@ class RolloutDataSource:
         if state.get("epoch_order") and self.dataset is not None:
             self._order = (self.epoch_id, self._checked_order(state["epoch_order"]))
         self._load_buffer(state.get("buffer") or [])
+        self._returned = [[Sample.from_dict(sample) for sample in group] for group in state.get("outstanding") or []]
         if state.get("rng") is not None:
             rng.restore(state["rng"])
 
@@ -445,16 +469,20 @@ class RolloutDataSourceWithBuffer(RolloutDataSource):
             self.buffer_filter = pop_stalest if args.buffer_sort_by_staleness else pop_first
 
     def get_samples(self, num_prompts: int) -> list[list[Sample]]:
-        taken = self.buffer_filter(self.args, self.rollout_id, self.buffer, num_prompts) if self.buffer else []
-        if len(taken) > num_prompts:
-            raise ValueError(f"--buffer-filter-path returned {len(taken)} groups, more than the {num_prompts} asked for")
-        return list(taken) + super().get_samples(num_prompts - len(taken))
+        with self.lock:
+            taken = self.buffer_filter(self.args, self.rollout_id, self.buffer, num_prompts) if self.buffer else []
+            if len(taken) > num_prompts:
+                raise ValueError(f"--buffer-filter-path returned {len(taken)} groups, more than the {num_prompts} "
+                                 "asked for")
+            return list(taken) + super().get_samples(num_prompts - len(taken))
 
     def add_samples(self, samples: list[list[Sample]]) -> None:
-        for group in samples:
-            if len(group) != self.args.n_samples_per_prompt:
-                raise ValueError(f"group of {len(group)} samples, expected --n-samples-per-prompt {self.args.n_samples_per_prompt}")
-            self.buffer.append(group)
+        with self.lock:
+            for group in samples:
+                if len(group) != self.args.n_samples_per_prompt:
+                    raise ValueError(f"group of {len(group)} samples, expected --n-samples-per-prompt "
+                                     f"{self.args.n_samples_per_prompt}")
+                self.buffer.append(group)
 
     def get_buffer_length(self) -> int:
         return len(self.buffer)

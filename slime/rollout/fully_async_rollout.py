@@ -22,17 +22,26 @@ version when it is taken minus that. `--max-weight-staleness N` drops groups sta
 `rollout/staleness/dropped_groups`); every taken group's staleness is logged (`rollout/staleness/max`,
 `rollout/staleness/mean`), with `rollout/staleness/multi_version_frac` (samples continued across a push).
 
+Saved state: every group drawn and not yet taken (in flight or finished-and-waiting) is registered with the
+data source as outstanding, as it was drawn; the data source saves it with its position, both under its lock,
+so a run killed at any moment and resumed with --load generates those prompts again: none is lost, none is
+trained twice (slime/rollout/data_source.py).
+
 Deadlines: a call waits at most the rollout's deadline (slime/utils/deadlines.py; the rollout manager's
 guard watches it too); every request keeps its own timeout, also between calls, when no rollout runs.
-A group whose generation failed fails the next call, naming the error.
+A group whose generation failed fails the next call, naming the error; a generator that failed itself fails
+the call at once with its traceback. Groups a failing call had already taken stay waiting for the next one,
+and a generator started after a failed one takes over what it held.
 """
 from __future__ import annotations
 
 import asyncio
 import copy
+import itertools
 import logging
 import threading
 import time
+import traceback
 from collections import deque
 from typing import Any
 
@@ -76,40 +85,73 @@ class FullyAsyncGenerator:
         self.in_flight = 0
         self.error: BaseException | None = None
         self.requeued = {"redone": 0, "continued": 0}
+        self.drawn: dict[int, list[Sample]] = {}  # key -> the group as drawn, from its draw until it is taken
+        self._ready_keys: deque[int] = deque()  # the key of each group in `ready`, in the same order
+        self._keys = itertools.count()
         self._stop = False
+        self._lock = _source_lock(data_source)
+        track = getattr(data_source, "track_outstanding", None)
+        if track is not None:
+            track(lambda: [self.drawn[key] for key in sorted(self.drawn, key=lambda k: _index(self.drawn[k]))])
+        else:
+            logger.warning("%s has no track_outstanding(): groups drawn by the fully-async generator and not yet "
+                           "trained are not in its saved state, so a resumed run skips them", type(data_source).__name__)
         self._future = spawn(self._run())
+
+    def adopt(self, previous: "FullyAsyncGenerator") -> None:
+        """Take over what a stopped generator held: its finished groups wait here, the ones it had in flight
+        are generated again from their prompts."""
+        with self._lock:
+            for group, key in zip(previous.ready, previous._ready_keys):
+                self._add_ready(group, previous.drawn.pop(key, None))
+            if previous.drawn:  # in flight, or failed
+                self.data_source.add_samples(list(previous.drawn.values()))
+            previous.ready.clear()
+            previous._ready_keys.clear()
+            previous.drawn.clear()
+
+    def _add_ready(self, group: list, drawn: list[Sample] | None, *, first: bool = False) -> None:
+        key = next(self._keys)
+        if drawn is not None:
+            self.drawn[key] = drawn
+        (self.ready.appendleft if first else self.ready.append)(group)
+        (self._ready_keys.appendleft if first else self._ready_keys.append)(key)
 
     def stop(self) -> None:
         self._stop = True
 
     async def _run(self) -> None:
-        tasks: dict[asyncio.Task, list[Sample]] = {}  # task -> the group as drawn
+        tasks: dict[asyncio.Task, int] = {}  # task -> its key in self.drawn
         params = sampling_params(self.args)
         GenerateState(self.args)  # the semaphore is made on this loop
         while not self._stop:
             while not generation_gate.is_held() and self.in_flight + len(self.ready) < self.capacity:
-                drawn = self.data_source.get_samples(1)
+                with self._lock:  # drawn and registered in one step: a save sees both or neither
+                    drawn = self.data_source.get_samples(1)
+                    for group in drawn:
+                        key = next(self._keys)
+                        self.drawn[key] = copy.deepcopy(group)
+                        tasks[asyncio.ensure_future(generate_and_rm_group(self.args, group, dict(params)))] = key
+                        self.in_flight += 1
                 if not drawn:
                     break
-                for group in drawn:
-                    task = asyncio.ensure_future(generate_and_rm_group(self.args, group, dict(params)))
-                    tasks[task] = copy.deepcopy(group)
-                    self.in_flight += 1
             if not tasks:
                 await asyncio.sleep(POLL_S)
                 continue
             done, _ = await asyncio.wait(list(tasks), timeout=POLL_S, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
-                self._file(task, tasks.pop(task))
+                with self._lock:
+                    self._file(task, tasks.pop(task))
 
-    def _file(self, task: asyncio.Task, drawn: list[Sample]) -> None:
+    def _file(self, task: asyncio.Task, key: int) -> None:
         self.in_flight -= 1
-        if task.exception() is not None:
+        if task.exception() is not None:  # its prompt stays outstanding
             self.error = self.error or task.exception()
             return
         group = task.result()
+        drawn = self.drawn.pop(key)
         if not any(s.status == Sample.Status.ABORTED for s in flatten_groups(group)):
-            self.ready.append(group)
+            self._add_ready(group, drawn)  # outstanding until taken
             return
         if self.args.partial_rollout and all(isinstance(s, Sample) for s in group):
             self.data_source.add_samples([group])  # continues from its tokens
@@ -118,39 +160,75 @@ class FullyAsyncGenerator:
             self.data_source.add_samples([drawn])  # generated again from its prompt
             self.requeued["redone"] += 1
 
+    def _failure(self) -> BaseException | None:
+        """The generator's own error (its loop ended) or a group's; None while it runs."""
+        if self._future.done() and self._future.exception() is not None:
+            return self._future.exception()
+        return self.error
+
+    def _pop_ready(self) -> tuple[list, list[Sample] | None]:
+        """The oldest finished group and its drawn copy, no longer outstanding (the trainer has it now)."""
+        with self._lock:
+            return self.ready.popleft(), self.drawn.pop(self._ready_keys.popleft(), None)
+
     def take(self, count: int, *, current_version: int | None, max_staleness: int | None,
              deadline: float) -> tuple[list[list], list[int], int]:
         """`count` finished groups within their staleness bound: (groups, their staleness, groups dropped)."""
         kept, staleness, dropped = [], [], 0
-        while len(kept) < count:
-            if self.error is not None:
-                raise RuntimeError(f"fully-async rollout: a group's generation failed: "
-                                   f"{type(self.error).__name__}: {self.error}") from self.error
-            if not self.ready:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"fully-async rollout: {len(kept)} of {count} groups within the rollout's "
-                                       f"deadline ({self.in_flight} in flight)")
-                time.sleep(POLL_S)
-                continue
-            group = self.ready.popleft()
-            version = group_version(flatten_groups(group))
-            stale = 0 if current_version is None or version is None else current_version - version
-            if max_staleness is not None and stale > max_staleness:
-                dropped += 1
-                continue
-            kept.append(group)
-            staleness.append(stale)
-        return kept, staleness, dropped
+        try:
+            while len(kept) < count:
+                self._raise_failure()
+                if not self.ready:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"fully-async rollout: {len(kept)} of {count} groups within the rollout's "
+                                           f"deadline ({self.in_flight} in flight)")
+                    time.sleep(POLL_S)
+                    continue
+                group, drawn = self._pop_ready()
+                version = group_version(flatten_groups(group))
+                stale = 0 if current_version is None or version is None else current_version - version
+                if max_staleness is not None and stale > max_staleness:
+                    dropped += 1
+                    continue
+                kept.append((group, drawn))
+                staleness.append(stale)
+        except BaseException:
+            self._put_back(kept)
+            raise
+        return [group for group, _ in kept], staleness, dropped
+
+    def _put_back(self, kept: list[tuple[list, list[Sample] | None]]) -> None:
+        """A take that fails leaves what it had taken waiting, first in line, outstanding again."""
+        with self._lock:
+            for group, drawn in reversed(kept):
+                self._add_ready(group, drawn, first=True)
+
+    def _raise_failure(self) -> None:
+        failure = self._failure()
+        if failure is None:
+            return
+        where = "a group's generation" if failure is self.error else "the generator"
+        trace = "".join(traceback.format_exception(failure))
+        raise RuntimeError(f"fully-async rollout: {where} failed: {type(failure).__name__}: {failure}\n"
+                           f"{trace}") from failure
 
 
 def generator(args, data_source) -> FullyAsyncGenerator:
-    """The process's generator, started on first use."""
+    """The process's generator, started on first use (again after one that ended, taking over its groups)."""
     global _generator
     with _generator_lock:
         if _generator is None or _generator._future.done():
             logger.info("starting the fully-async rollout generator")
-            _generator = FullyAsyncGenerator(args, data_source)
+            previous, _generator = _generator, FullyAsyncGenerator(args, data_source)
+            if previous is not None:
+                _generator.adopt(previous)
         return _generator
+
+
+def _source_lock(data_source):
+    """The data source's lock (slime/rollout/data_source.py); a custom source without one gets its own."""
+    lock = getattr(data_source, "lock", None)
+    return lock if lock is not None else threading.RLock()
 
 
 async def _engines_version(args) -> int | None:

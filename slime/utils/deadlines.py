@@ -180,6 +180,12 @@ def rollout_deadline_s(args, *, evaluation: bool = False, eval_prompts: int = 0)
                              concurrency=args.sglang_server_concurrency or DEFAULT_CONCURRENCY)
 
 
+def unreported_deadline_s(margin_s: float) -> float:
+    """How long the driver waits on a manager call that reports no deadline (not started yet, or between its
+    steps): the driver's margin, twice over. Past it the call is failed as unbounded."""
+    return 2 * margin_s
+
+
 def rollout_driver_margin_s(args) -> float:
     """What the driver adds to the manager's deadline: the manager's report (engine probes) comes first."""
     return ROLLOUT_DRIVER_EXTRA_S + 2 * float(args.rollout_health_check_timeout or DEFAULT_HEALTH_CHECK_TIMEOUT_S)
@@ -240,6 +246,8 @@ TRAINER_RENDEZVOUS_CALL_S = 120.0
 """Rank 0 reporting the rendezvous address (master address and port) of the trainer ranks."""
 PLACEMENT_S = 300.0
 """Ray reserving every bundle of the job, then a probe on each bundle reporting its node and GPU."""
+WANDB_INIT_S = 300.0
+"""`wandb.init` on the driver (login, run creation on the server); WANDB_MODE=offline needs no server."""
 
 
 def engines_startup_s() -> float:

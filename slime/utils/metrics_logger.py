@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 from slime.utils import progress_lines
+from slime.utils.deadlines import WANDB_INIT_S
 from slime.utils.security import public_config
 
 logger = logging.getLogger(__name__)
@@ -154,6 +155,26 @@ def _open_sinks(args) -> list:
     return sinks
 
 
+def within_deadline(fn, timeout_s: float, what: str, fix: str) -> None:
+    """fn() in a daemon thread; its error re-raised here, or SystemExit naming `what` and `fix` at the deadline."""
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            fn()
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            outcome.append(exc)
+
+    worker = threading.Thread(target=run, name="deadline-call", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if not outcome:
+        raise SystemExit(f"{what} did not return within {timeout_s:.0f}s: {fix}")
+    if outcome[0] is not None:
+        raise outcome[0]
+
+
 def _jsonl_sink(path: str):
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     handle = open(path, "a", buffering=1)
@@ -169,9 +190,13 @@ def _wandb_sink(args):
         import wandb
     except ImportError as exc:
         raise SystemExit("--use-wandb needs the wandb package: pip install wandb") from exc
-    if args.wandb_key:
-        wandb.login(key=args.wandb_key)
-    wandb.init(project=args.wandb_project, group=args.wandb_group, config=public_config(args))
+    def start() -> None:
+        if args.wandb_key:
+            wandb.login(key=args.wandb_key)
+        wandb.init(project=args.wandb_project, group=args.wandb_group, config=public_config(args))
+
+    within_deadline(start, WANDB_INIT_S, "--use-wandb: wandb.init (login and run creation)",
+                    "check the network to the wandb server, or run with WANDB_MODE=offline")
 
     def write_wandb(event: dict) -> None:
         wandb.log({k: v for k, v in event.items() if isinstance(v, (int, float))}, step=event["rollout_id"])

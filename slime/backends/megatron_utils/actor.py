@@ -11,10 +11,9 @@ Every phase runs on every rank, in this order, under a watchdog no-progress wind
   exit          fence the metric key set, then log off the critical path with a deadline
 
 Inside the step, plans, skips and metric keys are derived from data every rank holds or from reduced
-values. Two branches read rank-local state and rely on every rank seeing the same thing: at start-up,
-whether --load holds a checkpoint (each rank reads the directory; the paths must be shared), and after
-a --rollout-data-postprocess-path hook, whether this rank's loss masks changed (the hook must be
-deterministic: every rank holds the same data).
+values. Two branches follow what each rank sees and are fenced first: at start-up, whether --load holds a
+checkpoint and what it holds (each rank reads the directory), and after a --rollout-data-postprocess-path
+or --custom-advantage-function-path hook, what the hook changed (hook_fence.py).
 """
 from __future__ import annotations
 
@@ -32,6 +31,7 @@ from megatron.core import parallel_state
 from megatron.core.utils import get_model_config
 
 from slime.backends.megatron_utils.data import plans_from_rollout
+from slime.backends.megatron_utils.hook_fence import PER_DP_RANK_KEYS, run_fenced_hook
 from slime.backends.megatron_utils.loss import LossConfig, metric_keys, trainer_computes_old_log_probs
 from slime.backends.megatron_utils.opd import megatron_teacher
 from slime.backends.megatron_utils.moe import moe_plan_collectives
@@ -99,9 +99,33 @@ class MegatronTrainActor:
         # a composite (vision + text) checkpoint trains its text model only
         self.hf_config = language_model_config(AutoConfig.from_pretrained(self.args.hf_checkpoint,
                                                                           trust_remote_code=True))
-        start = self._build_model()
+        # model build and loads make no ledger progress: the longest rank window (slime/utils/deadlines.py)
+        with self.watchdog.phase("init/load", deadline_s=self.deadlines.first_setup_s):
+            self._fence_load_views()
+            start = self._build_model()
         self.weight_sync = WeightSync(self.args, self.hf_config, engine_urls)
         return start
+
+    def _weight_sources(self) -> dict[str, tuple[str, int | None]]:
+        """Every (path, iteration) _build_model may read, by role."""
+        sources = {"hf_checkpoint": (self.args.hf_checkpoint, self.args.ref_ckpt_step)}
+        if self.args.use_kl_loss or self.args.kl_coef:
+            sources["reference"] = (self.args.ref_load or self.args.hf_checkpoint, self.args.ref_ckpt_step)
+        teacher = megatron_teacher(self.args)
+        if teacher is not None:
+            sources["teacher"] = teacher
+        if self.args.load:
+            sources["load"] = (self.args.load, None)
+        return sources
+
+    def _fence_load_views(self) -> None:
+        """Before any collective load, every rank shows what it sees of each weights source (which iteration
+        the tracker names, what it holds): a rank with another view (a node's stale or missing copy) is named
+        by a CollectiveDivergenceError instead of entering other collectives than its peers."""
+        from slime.checkpoint.contents import load_view
+
+        views = {role: load_view(path, iteration) for role, (path, iteration) in self._weight_sources().items()}
+        self.groups.fence("init/load_view", views, timeout_s=self.deadlines.first_setup_s)
 
     def _build_model(self) -> int:
         from slime.backends.megatron_utils.checkpoint import latest_iteration
@@ -190,7 +214,7 @@ class MegatronTrainActor:
         maybe_kill_run("kill_during_train", self.rank, rollout_id)
         with self.watchdog.phase("actor_train/log_probs"):
             self._fill_log_probs(data, self.log_prob_plans)
-            self._advantages(data)
+            self._advantages(rollout_id, data)
         with self.watchdog.phase("actor_train/postprocess"):
             plans = self._postprocess(rollout_id, data, plans)
             self._save_train_data(rollout_id, data)
@@ -203,13 +227,21 @@ class MegatronTrainActor:
         self.ledger.flush()  # on file before the driver may kill this process
         return metrics
 
-    def _advantages(self, data: dict) -> None:
+    def _advantages(self, rollout_id: int, data: dict) -> None:
         if not self.args.compute_advantages_and_returns:  # --disable-compute-advantages-and-returns
             return
-        if self.args.custom_advantage_function_path:  # fn(args, rollout_data) fills advantages, returns
-            call_hook(self.args.custom_advantage_function_path, self.args, data)
+        path = self.args.custom_advantage_function_path  # fn(args, rollout_data) fills advantages, returns
+        if path:
+            run_fenced_hook(self.groups.fence, "actor_train/custom_advantages", rollout_id, data,
+                            lambda: call_hook(path, self.args, data), local_keys=self._dp_local_keys())
         else:
             compute_advantages_and_returns(self.args, data)
+
+    def _dp_local_keys(self) -> tuple[str, ...]:
+        """Batch keys whose values differ between DP replicas by design (each computed its own samples')."""
+        shared = (parallel_state.get_data_parallel_world_size() == 1
+                  or self.args.advantage_estimator in WHOLE_ROLLOUT_ESTIMATORS)
+        return () if shared else PER_DP_RANK_KEYS
 
     def _save_train_data(self, rollout_id: int, data: dict) -> None:
         """--save-debug-train-data: the whole train batch (every rank holds it), written by rank 0."""
@@ -225,15 +257,16 @@ class MegatronTrainActor:
             self.snapshots.take("ref")
 
     def _postprocess(self, rollout_id: int, data: dict, plans):
-        """--rollout-data-postprocess-path `fn(args, rollout_id, rollout_data)` on every rank (it must be
-        deterministic: every rank holds the same data). Changed loss masks change the loss-token totals,
-        so the plans are rebuilt and fenced again."""
+        """--rollout-data-postprocess-path `fn(args, rollout_id, rollout_data)` on every rank, then one fence on
+        what it changed (slime/backends/megatron_utils/hook_fence.py), so every rank takes the next branch
+        together. Changed loss masks change the loss-token totals: the plans are rebuilt and fenced again."""
         path = self.args.rollout_data_postprocess_path
         if not path:
             return plans
-        before = [int(sum(m)) for m in data["loss_masks"]]
-        call_hook(path, self.args, rollout_id, data)
-        if [int(sum(m)) for m in data["loss_masks"]] == before:
+        changed = run_fenced_hook(self.groups.fence, "actor_train/postprocess", rollout_id, data,
+                                  lambda: call_hook(path, self.args, rollout_id, data),
+                                  local_keys=self._dp_local_keys())
+        if "loss_masks" not in changed:
             return plans
         return self._fenced_plans(rollout_id, data, fence_name="actor_train/plan_postprocess")
 
@@ -391,11 +424,12 @@ class MegatronTrainActor:
         with self.watchdog.phase("save"):  # progress: collectives and checkpoint bytes written
             optimizer = None if self.args.no_save_optim else self.optimizer
             reference = (lambda: self.snapshots.swapped("ref")) if self._reference_moves() else None
+            barrier = lambda name: self.groups.fence(f"save/{name}", {"iteration": rollout_id})  # noqa: E731
             save_checkpoint(self.args.save, rollout_id, self.model, optimizer, self.lr_scheduler,
-                            progress=self.ledger.note_progress, reference=reference)
+                            progress=self.ledger.note_progress, reference=reference, barrier=barrier)
             if self.args.save_hf:
                 save_hf_checkpoint(self.args.save_hf.format(rollout_id=rollout_id), self.model, self.hf_config,
-                                   self.args.hf_checkpoint)
+                                   self.args.hf_checkpoint, barrier=barrier)
 
 
 def log_prob_plan_args(args):

@@ -80,14 +80,23 @@ def _full_sharded_state_dict(model_chunks, optimizer, lr_scheduler, is_loading: 
     return state
 
 
+def world_barrier(name: str) -> None:
+    """The barrier of callers without a fence (tests, tools): the default group's, bounded by its timeout."""
+    dist.barrier()
+
+
 def save_checkpoint(root: str, iteration: int, model_chunks: list, optimizer=None, lr_scheduler=None, *,
                     progress: Callable[[], None] | None = None,
-                    reference: Callable[[], contextlib.AbstractContextManager] | None = None) -> str:
+                    reference: Callable[[], contextlib.AbstractContextManager] | None = None,
+                    barrier: Callable[[str], None] = world_barrier) -> str:
     """Save model (+ optimizer, scheduler), every rank's RNG and (`reference`) the reference model as
     iteration `iteration` under root, atomically and durably. All ranks call.
 
-    `progress()` is called whenever the bytes written grow (the save's progress for the deadlines).
+    `progress()` is called whenever the bytes written grow, and after each file rank 0 fsyncs (the save's
+    progress for the deadlines).
     `reference()`: a context in which the model holds the reference weights (saved under reference/).
+    `barrier(name)`: where every rank waits for rank 0's directory work or for every rank's shards; the
+    trainer passes its fence, which waits while some rank progresses and names the ranks it waits for.
     """
     patches.apply_all()  # dist_checkpointing modules imported since start get the CPU patch too
     from megatron.core import dist_checkpointing
@@ -98,31 +107,31 @@ def save_checkpoint(root: str, iteration: int, model_chunks: list, optimizer=Non
     if dist.get_rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)  # a failed earlier attempt
         os.makedirs(partial)
-    dist.barrier()
+    barrier("directory_made")
     state = _full_sharded_state_dict(model_chunks, optimizer, lr_scheduler, is_loading=False)
     state["iteration"] = iteration
     with _progress_while_growing(partial, progress):
         dist_checkpointing.save(state, partial)
         if reference is not None:  # every rank passes one or none (--ref-update-interval)
-            _save_reference(partial, model_chunks, reference)
+            _save_reference(partial, model_chunks, reference, barrier)
     durable.write_atomic(contents.rng_file(partial, dist.get_rank()), lambda f: torch.save(rng.capture(), f))
     maybe_kill_run("kill_during_save", dist.get_rank(), iteration)
-    dist.barrier()  # every rank's shards are complete
+    barrier("shards_written")  # every rank's shards are complete
     if dist.get_rank() == 0:
         contents.write_manifest(partial, plan.items())
-        durable.publish_dir(partial, path)  # fsyncs every shard first
+        durable.publish_dir(partial, path, progress)  # fsyncs every shard first
         _write_tracker(root, iteration)
-    dist.barrier()
+    barrier("published")
     return path
 
 
-def _save_reference(partial: str, model_chunks: list, reference) -> None:
+def _save_reference(partial: str, model_chunks: list, reference, barrier: Callable[[str], None]) -> None:
     from megatron.core import dist_checkpointing
 
-    dist.barrier()  # the model's save is done: its directory may now hold the reference's
+    barrier("model_saved")  # the model's save is done: its directory may now hold the reference's
     if dist.get_rank() == 0:
         os.makedirs(contents.reference_dir(partial))
-    dist.barrier()
+    barrier("reference_directory_made")
     with reference():
         dist_checkpointing.save(_model_sharded_state_dict(model_chunks), contents.reference_dir(partial))
 
@@ -249,7 +258,8 @@ def restore_rng(root: str, iteration: int, rank: int) -> bool:
 
 
 @torch.no_grad()
-def save_hf_checkpoint(path: str, model_chunks: list, hf_config: Any, hf_source_dir: str | None) -> str:
+def save_hf_checkpoint(path: str, model_chunks: list, hf_config: Any, hf_source_dir: str | None, *,
+                       barrier: Callable[[str], None] = world_barrier) -> str:
     """--save-hf: the model as HF safetensors (one file per pipeline stage, with an index when PP > 1),
     plus the config and tokenizer files of --hf-checkpoint. Every rank calls (TP gathers inside export);
     the first TP/DP/CP rank of each PP stage writes."""
@@ -272,7 +282,7 @@ def save_hf_checkpoint(path: str, model_chunks: list, hf_config: Any, hf_source_
     dist.all_gather_object(names, (shard, sorted(tensors)) if writer else None)
     if dist.get_rank() == 0:
         _write_hf_side_files(path, [n for n in names if n is not None], pp, hf_source_dir)
-    dist.barrier()
+    barrier("hf_published")
     return path
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
+import warnings
 from argparse import Namespace
 from typing import Any, Callable
 
@@ -153,6 +154,17 @@ def _check_flags(arch: dict[str, Any], args: Namespace, flags: dict[str, str]) -
             raise ValueError(f"--{dest.replace('_', '-')}={given} contradicts the HF config ({value})")
 
 
+def _qkv_bias_to_check(hf_config: Any, arch: dict[str, Any], args: Namespace) -> bool | None:
+    """What --add-qkv-bias must agree with; None under multi-latent attention, where megatron reads no such
+    flag (upstream's GLM-4.7-Flash launcher passes it), so it is accepted with a warning."""
+    if not family_of(hf_config).config_fields(hf_config).get("multi_latent_attention", False):
+        return arch["add_qkv_bias"]
+    if getattr(args, "add_qkv_bias", False):
+        warnings.warn("--add-qkv-bias has no effect with multi-latent attention: megatron-core's MLA projections "
+                      "take no q/k/v bias, and the HF config has none (attention_bias=false is checked)", stacklevel=3)
+    return None
+
+
 def _model_name(hf_config: Any) -> str:
     """What --model-name names: the HF model_type without its "_text" and "_moe" suffixes (qwen3 for qwen3_moe,
     qwen3_5 for qwen3_5_moe_text)."""
@@ -171,8 +183,8 @@ def transformer_config_from_hf(hf_config: Any, args: Namespace) -> TransformerCo
     args = with_defaults(args, MODEL_FLAGS)
     arch = hf_architecture(hf_config)
     _check_against_args({**arch, "rotary_base": _rope_theta(hf_config), "model_type": _model_name(hf_config),
-                         "rotary_percent": _rotary_percent(hf_config),
-                         "post_norms": family_of(hf_config).post_norms}, args)
+                         "rotary_percent": _rotary_percent(hf_config), "post_norms": family_of(hf_config).post_norms,
+                         "add_qkv_bias": _qkv_bias_to_check(hf_config, arch, args)}, args)
     _check_embedding_tying(hf_config, args)
     config_class, family_fields = _family_config(hf_config, args)
     bf16 = bool(args.bf16)

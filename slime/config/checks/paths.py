@@ -55,7 +55,6 @@ UNSUPPORTED_SPEC_MODULES: dict[str, str] = {
     "slime_plugins.models.qwen3_next": "Qwen3-Next gated delta-net and gated-attention layers are not implemented",
     "slime_plugins.models.glm5": "GLM-5's sparse (DSA indexer) attention layers are not implemented",
     "slime_plugins.models.glm5.glm5": "GLM-5's sparse (DSA indexer) attention layers are not implemented",
-    "slime_plugins.models.minimax_m2": "MiniMax-M2's layers are not implemented",
 }
 
 
@@ -66,8 +65,8 @@ def check_spec(args: argparse.Namespace) -> None:
     module, function = args.spec
     if module in UNSUPPORTED_SPEC_MODULES:
         fail(f"--spec {module} {function} is not supported here: {UNSUPPORTED_SPEC_MODULES[module]}; the layer "
-             "specs here are the built-in ones (dense, MoE, MLA from the HF config) and slime_plugins.models.glm4 "
-             "get_glm_spec")
+             "specs here are the built-in ones (dense, MoE, MLA from the HF config), slime_plugins.models.glm4 "
+             "get_glm_spec and slime_plugins.models.minimax_m2 get_minimax_m2_spec")
     check_hook_path("--spec", f"{module}.{function}")
 
 

@@ -11,13 +11,14 @@ regular weight sync is aimed at the new set of engines.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import ray
 
 from slime.ray.rollout_manager.errors import RolloutError
-from slime.utils.deadlines import ROLLOUT_STATUS_CALL_S
+from slime.utils.deadlines import ROLLOUT_STATUS_CALL_S, unreported_deadline_s
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,33 @@ class EngineTargets:
         return version
 
 
+@dataclass
+class ManagerDeadline:
+    """The driver's limit on a manager call from the time left it reports: past the manager's deadline by
+    margin_s, or reporting no deadline at all (the call not started, a step without its clock) for longer
+    than unreported_deadline_s(margin_s)."""
+
+    what: str
+    margin_s: float
+    unreported_since: float | None = None
+
+    def check(self, left_s: float | None, now: float) -> str | None:
+        """The error to raise for this report, or None."""
+        if left_s is not None:
+            self.unreported_since = None
+            if left_s + self.margin_s < 0:
+                return (f"rollout manager: '{self.what}' passed its deadline by {-left_s:.0f}s without "
+                        f"reporting (driver margin {self.margin_s:.0f}s)")
+            return None
+        if self.unreported_since is None:
+            self.unreported_since = now
+        silent = now - self.unreported_since
+        if silent > unreported_deadline_s(self.margin_s):
+            return (f"rollout manager: '{self.what}' reported no deadline for {silent:.0f}s (the call never started "
+                    f"its clock: the manager is busy elsewhere or stuck outside its steps)")
+        return None
+
+
 class RolloutWatch:
     """One manager call (generate or eval) in flight, watched without blocking the driver.
 
@@ -70,6 +98,7 @@ class RolloutWatch:
         self.targets = targets
         self.waiting_for_weights: list[str] = []
         """Restarted engines seen by a poll that could not catch them up."""
+        self.deadline = ManagerDeadline(what, margin_s)
 
     def poll(self, timeout_s: float = POLL_S, *, can_push: bool = True) -> bool:
         """True once the call has ended (its error, if any, raises here)."""
@@ -85,11 +114,10 @@ class RolloutWatch:
                                                            None if version is None else str(version)),
                        timeout_s=ROLLOUT_STATUS_CALL_S, what="engines caught up")
             self.waiting_for_weights = []
-        left = status["left_s"]
-        if left is not None and left + self.margin_s < 0:
+        error = self.deadline.check(status["left_s"], time.monotonic())
+        if error is not None:
             ray.cancel(self.ref, force=False)
-            raise TimeoutError(f"rollout manager: '{self.what}' passed its deadline by {-left:.0f}s without "
-                               f"reporting (driver margin {self.margin_s:.0f}s)")
+            raise TimeoutError(error)
         return False
 
     def result(self) -> Any:

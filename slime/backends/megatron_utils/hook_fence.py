@@ -1,0 +1,69 @@
+"""User hooks that rewrite the rollout batch on every rank, fenced on what they changed.
+
+--rollout-data-postprocess-path and --custom-advantage-function-path run on every rank, each on its own
+copy of the batch. What follows assumes every rank holds the same result: changed loss masks re-plan the
+step (a rank that re-plans while a peer does not meets the peer in another collective), advantages feed
+the loss. A hook that reads rank-local state (its own random generator, the clock, a file one node sees)
+breaks that silently. So whenever such a hook is set, every rank fences the keys the hook changed and a
+digest of their new values, before anything depends on them: a rank whose hook did something else ends
+the step with a CollectiveDivergenceError that names it and the keys.
+
+Keys that hold per-DP-rank values (the log-probs a DP rank computed for its own samples and what derives
+from them) differ between DP replicas by design; the caller names them (`local_keys`) and they stay out.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Callable, Iterable, Mapping
+
+import torch
+
+from slime.distributed.fingerprint import DIGEST_CHARS, stable_hash
+from slime.utils.ppo_utils import OPD_KL_KEY
+
+Fence = Callable[[str, Mapping[str, object]], None]
+
+# The keys of the batch that hold per-DP-rank values when DP > 1 (slime/backends/megatron_utils/actor.py
+# fills them for this DP rank's samples only; advantages and returns may derive from them).
+PER_DP_RANK_KEYS = ("log_probs", "ref_log_probs", "teacher_log_probs", "advantages", "returns", OPD_KL_KEY)
+
+
+def value_digest(value: object) -> str:
+    """Digest of one batch entry; per-sample lists of numbers go through their bytes (a batch holds millions)."""
+    if isinstance(value, list) and value and all(isinstance(row, list) for row in value):
+        try:
+            return _rows_digest(value)
+        except (TypeError, ValueError, RuntimeError):  # not numbers: the generic encoding
+            pass
+    return stable_hash(value)
+
+
+def _rows_digest(rows: list[list]) -> str:
+    lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64)
+    flat = [x for r in rows for x in r]
+    if any(isinstance(x, bool) or not isinstance(x, (int, float)) for x in flat):
+        raise TypeError("not numbers")
+    values = torch.tensor(flat, dtype=torch.float64)  # exact: a float is a double, token ids are far below 2**53
+    digest = hashlib.sha256(lengths.numpy().tobytes())
+    digest.update(values.numpy().tobytes())
+    return digest.hexdigest()[:DIGEST_CHARS]
+
+
+def batch_digests(data: Mapping[str, object], local_keys: Iterable[str] = ()) -> dict[str, str]:
+    skip = set(local_keys)
+    return {key: value_digest(value) for key, value in sorted(data.items()) if key not in skip}
+
+
+def run_fenced_hook(fence: Fence, phase: str, rollout_id: int, data: dict, hook: Callable[[], None], *,
+                    local_keys: Iterable[str] = ()) -> frozenset[str]:
+    """Run `hook()` (it edits `data` in place), then fence what it changed on every rank; the changed keys."""
+    local_keys = tuple(local_keys)
+    before = batch_digests(data, local_keys)
+    hook()
+    after = batch_digests(data, local_keys)
+    changed = {key: digest for key, digest in after.items() if before.get(key) != digest}
+    removed = sorted(set(before) - set(after))
+    fields: dict[str, object] = {"rollout_id": rollout_id, "changed_keys": sorted(changed), "removed_keys": removed}
+    fields.update({f"value/{key}": digest for key, digest in changed.items()})
+    fence(phase, fields)
+    return frozenset(changed) | frozenset(removed)
