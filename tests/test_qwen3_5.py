@@ -33,7 +33,7 @@ def hybrid_dirs(tmp_path_factory):
     return {kind: save(str(root / kind)) for kind, (save, _) in SAVERS.items()}
 
 
-def _forward_and_export(rank, world, hf_dir, tp, cp):
+def _forward_and_export(rank, world, hf_dir, tp, cp, spec=None):
     import torch.distributed as dist
     import transformers
     from megatron.core import parallel_state, tensor_parallel
@@ -43,7 +43,7 @@ def _forward_and_export(rank, world, hf_dir, tp, cp):
     from slime_plugins.models.cp_attention import zigzag_positions
     from slime_plugins.models.hf_weights import export_hf_weights, load_hf_weights
 
-    args = types.SimpleNamespace(tensor_model_parallel_size=tp, context_parallel_size=cp,
+    args = types.SimpleNamespace(tensor_model_parallel_size=tp, context_parallel_size=cp, spec=spec,
                                  pipeline_model_parallel_size=1, seed=5, attention_dropout=0.0, hidden_dropout=0.0)
     init_model_parallel(args)
     hf_config = transformers.AutoConfig.from_pretrained(hf_dir)
@@ -88,9 +88,11 @@ def _hf_logits_and_grads(hf_dir, architecture):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("kind, tp, cp", [("qwen3_5", 1, 1), ("qwen3_5_moe", 1, 1), ("qwen3_next", 1, 1),
-                                          ("qwen3_5", 2, 2)])
-def test_logits_and_grads_match_transformers_and_export_is_exact(hybrid_dirs, kind, tp, cp):
+@pytest.mark.parametrize("kind, tp, cp, spec", [
+    ("qwen3_5", 1, 1, None), ("qwen3_5_moe", 1, 1, None), ("qwen3_next", 1, 1, None), ("qwen3_5", 2, 2, None),
+    ("qwen3_next", 1, 1, ("slime.models.qwen3_5", "get_qwen3_5_spec")),  # upstream's --spec plug-in signature
+])
+def test_logits_and_grads_match_transformers_and_export_is_exact(hybrid_dirs, kind, tp, cp, spec):
     """Logits and the gradient of every HF tensor (a summed cross-entropy) equal transformers'; the export gives
     back the checkpoint."""
     from safetensors.torch import load_file
@@ -98,7 +100,7 @@ def test_logits_and_grads_match_transformers_and_export_is_exact(hybrid_dirs, ki
     hf_dir = hybrid_dirs[kind]
     reference, reference_grads = _hf_logits_and_grads(hf_dir, SAVERS[kind][1])
     original = load_file(f"{hf_dir}/model.safetensors")
-    for result in run_ranks(_forward_and_export, tp * cp, args=(hf_dir, tp, cp), timeout_s=220):
+    for result in run_ranks(_forward_and_export, tp * cp, args=(hf_dir, tp, cp, spec), timeout_s=220):
         width = result["logits"].shape[-1]
         want = reference[result["positions"]][:, result["tp_rank"] * width:(result["tp_rank"] + 1) * width]
         assert (result["logits"] - want).abs().max().item() < 1e-5

@@ -54,6 +54,31 @@ def kind_layer_spec(config: Any, kind: str):
     return dataclasses.replace(spec, submodules=sub)
 
 
+def get_qwen3_5_spec(args: Any, config: Any, vp_stage: int | None = None):
+    """Upstream's `--spec` plug-in signature (what `slime_plugins.models.qwen3_5 get_qwen3_5_spec` and the
+    Qwen3-Next one name): this pipeline stage's layers, each by its kind in config.linear_attention_freq and with
+    megatron's MoE layer where config.moe_layer_freq says so, and the project's final norm; the same layers the
+    builder makes from the family without --spec."""
+    import dataclasses
+
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from slime.models.sp_norm import SequenceParallelNorm
+
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    specs = []
+    for layer in range(offset, offset + get_num_layers_to_build(config, vp_stage=vp_stage)):
+        spec = kind_layer_spec(config, LAYER_KINDS[0] if config.linear_attention_freq[layer] else LAYER_KINDS[1])
+        if config.num_moe_experts and config.moe_layer_freq[layer]:
+            moe = get_moe_module_spec(use_te=False, num_experts=config.num_moe_experts,
+                                      moe_grouped_gemm=config.moe_grouped_gemm)
+            spec = dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=moe))
+        specs.append(spec)
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=SequenceParallelNorm)
+
+
 def config_fields(hf_config: Any) -> dict[str, Any]:
     """The DeltaNet sizes in megatron-core's TransformerConfig fields (its linear_attention_freq: 1 = DeltaNet)."""
     return dict(
