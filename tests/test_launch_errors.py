@@ -183,7 +183,7 @@ QWEN3 = dict(model_type="qwen3", num_hidden_layers=4, hidden_size=64, num_attent
              intermediate_size=128)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_next", "made_up_moe", "glm_moe_dsa", "qwen3_5_moe", "qwen3_5"])
+@pytest.mark.parametrize("model_type", ["qwen9_hyper", "made_up_moe", "glm_moe_dsa", "qwen9_hyper_moe", "qwen9"])
 def test_a_model_type_no_family_builds_is_refused_naming_the_supported_ones(model_type, tmp_path, capsys):
     err = parse_error([*BASE, "--hf-checkpoint", _checkpoint(tmp_path, **{**QWEN3, "model_type": model_type})], capsys)
     assert f"has model_type {model_type!r}, which no model family here builds" in err
@@ -204,6 +204,28 @@ def test_a_model_type_no_family_builds_is_refused_naming_the_supported_ones(mode
 ])
 def test_architecture_flags_are_checked_against_the_config_before_ray(flags, says, tmp_path, capsys):
     err = parse_error([*BASE, "--hf-checkpoint", _checkpoint(tmp_path, **QWEN3), *flags], capsys)
+    assert says in err
+
+
+HYBRID = dict(model_type="qwen3_5_text", num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+              num_key_value_heads=2, intermediate_size=128, layer_types=["linear_attention", "full_attention"],
+              linear_num_key_heads=2, linear_num_value_heads=6)
+
+
+@pytest.mark.parametrize("config, flags, says", [
+    (dict(layer_types=["linear_attention", "sliding_attention"]), [],
+     "layer_types has ['sliding_attention'], which no layer here builds; the supported kinds are"),
+    (dict(layer_types=["linear_attention"]), [], "layer_types lists 1 layers, num_hidden_layers is 2"),
+    (dict(linear_num_key_heads=3), ["--tensor-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"],
+     "--tensor-model-parallel-size 2 does not divide the model's 3 linear-attention heads"),
+    (dict(num_key_value_heads=1), ["--tensor-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"],
+     "--tensor-model-parallel-size 2 does not divide the model's 1 key/value heads"),
+    # a composite (vision + text) checkpoint is checked by its text model
+    (dict(model_type="qwen3_5", text_config={**HYBRID, "layer_types": ["mamba", "full_attention"]}), [],
+     "layer_types has ['mamba']"),
+])
+def test_hybrid_layer_stacks_are_checked_before_ray(config, flags, says, tmp_path, capsys):
+    err = parse_error([*BASE, "--hf-checkpoint", _checkpoint(tmp_path, **{**HYBRID, **config}), *flags], capsys)
     assert says in err
 
 

@@ -134,6 +134,86 @@ def save_tiny_qwen3_moe(path: str, seed: int = 0, **overrides) -> str:
     return path
 
 
+def _hybrid_fields(**overrides) -> dict:
+    """Sizes shared by the tiny Qwen3-Next / Qwen3.5 checkpoints: both layer kinds, 2 key heads serving 4 value
+    heads in the DeltaNet layers, GQA 4/2 with partial RoPE in the full-attention ones."""
+    fields = dict(
+        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=4, max_position_embeddings=512,
+        rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    )
+    fields.update(overrides)
+    return fields
+
+
+_MOE_FIELDS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                   router_aux_loss_coef=0.0)
+
+
+def _save_hybrid(model, path: str) -> str:
+    """Non-trivial norms, DeltaNet decays and a spread router, so a wrong mapping shows up; then save."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("A_log", "dt_bias")):
+                param.add_(0.3 * torch.randn_like(param))
+            if name.endswith("mlp.gate.weight"):
+                param.normal_(0.0, 0.5)
+    return _perturb_and_save(model, path)
+
+
+def save_tiny_qwen3_5(path: str, seed: int = 0, **overrides) -> str:
+    """A tiny random-init Qwen3_5ForCausalLM (model_type qwen3_5_text): DeltaNet and gated attention layers."""
+    import torch
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    torch.manual_seed(seed)
+    return _save_hybrid(Qwen3_5ForCausalLM(Qwen3_5TextConfig(**_hybrid_fields(**overrides))).float(), path)
+
+
+def save_tiny_qwen3_5_moe(path: str, seed: int = 0, **overrides) -> str:
+    """A tiny Qwen3_5MoeForCausalLM (qwen3_5_moe_text): every MLP routed (4 experts, top-2) + a gated shared one."""
+    import torch
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    fields = _hybrid_fields(**{**_MOE_FIELDS, **overrides})
+    fields.pop("intermediate_size")
+    torch.manual_seed(seed)
+    return _save_hybrid(Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**fields)).float(), path)
+
+
+def save_tiny_qwen3_next(path: str, seed: int = 0, **overrides) -> str:
+    """A tiny Qwen3NextForCausalLM: fused DeltaNet projections, the first layer's MLP dense, the others MoE."""
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    fields = _hybrid_fields(**{**_MOE_FIELDS, "mlp_only_layers": [0], "norm_topk_prob": True, **overrides})
+    torch.manual_seed(seed)
+    return _save_hybrid(Qwen3NextForCausalLM(Qwen3NextConfig(**fields)).float(), path)
+
+
+def save_tiny_qwen3_5_composite(path: str, seed: int = 0, moe: bool = False, **overrides) -> str:
+    """A tiny Qwen3_5ForConditionalGeneration (model_type qwen3_5; Qwen3_5MoeForConditionalGeneration, qwen3_5_moe,
+    with `moe`): the tiny Qwen3.5 text model (text_config, weights under model.language_model.) beside a one-block
+    vision tower (model.visual.)."""
+    import torch
+    import transformers
+
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                  spatial_merge_size=2, temporal_patch_size=2)
+    text = _hybrid_fields(**({**_MOE_FIELDS, **overrides} if moe else overrides))
+    if moe:
+        text.pop("intermediate_size")
+    kind = "Qwen3_5Moe" if moe else "Qwen3_5"
+    config = getattr(transformers, f"{kind}Config")(text_config=text, vision_config=vision)
+    torch.manual_seed(seed)
+    return _save_hybrid(getattr(transformers, f"{kind}ForConditionalGeneration")(config).float(), path)
+
+
 def _spread_router(model, seed: int):
     """A spread router and a non-zero routing bias, so a wrong router mapping shows up."""
     import torch

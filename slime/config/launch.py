@@ -7,10 +7,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from types import SimpleNamespace
 
 from slime.config.checks.model import check_pipeline_layers
 from slime.config.constants import DEFAULT_DATA_SOURCE_PATH, DEFAULT_ROLLOUT_FUNCTION_PATH
 from slime.config.errors import fail, flag_name, require_path
+from slime.models import family as model_family
 from slime.models import supported_model_types
 
 
@@ -85,6 +87,10 @@ def check_hf_config(args: argparse.Namespace, config_path: str) -> None:
         fail(f"--hf-checkpoint: {config_path} has model_type {model_type!r}, which no model family here builds "
              f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)}; docs/model-families.md); a --spec or "
              "--custom-model-provider-path plug-in may build others")
+    if model_type in SUPPORTED_MODEL_TYPES and isinstance(config.get("text_config"), dict):
+        config = config["text_config"]  # a vision + text checkpoint: its text model is what is trained
+    if model_type in SUPPORTED_MODEL_TYPES:
+        _check_layer_kinds(config, config_path, args.tensor_model_parallel_size)
     heads = config.get("num_attention_heads")
     mla = model_type in ("deepseek_v3", "deepseek_v2", "kimi_k2", "glm4_moe_lite") and config.get("kv_lora_rank") is not None
     arch = {dest: config.get(key) for dest, key in CONFIG_ARCH_KEYS.items()}
@@ -111,6 +117,22 @@ def check_hf_config(args: argparse.Namespace, config_path: str) -> None:
             check_pipeline_layers(args)
         finally:
             args.num_layers = None
+
+
+def _check_layer_kinds(config: dict, config_path: str, tp: int) -> None:
+    """A hybrid stack (layer_types): every kind one the family builds, the linear-attention heads split by TP."""
+    family = model_family(config.get("model_type"))
+    if family.layer_kinds is None:
+        return
+    try:
+        family.layer_kinds(SimpleNamespace(**config))
+    except ValueError as exc:
+        fail(f"--hf-checkpoint: {config_path}: {exc}")
+    for key in ("linear_num_key_heads", "linear_num_value_heads"):
+        heads = config.get(key)
+        if isinstance(heads, int) and heads % tp:
+            fail(f"--tensor-model-parallel-size {tp} does not divide the model's {heads} linear-attention heads "
+                 f"({key} in {config_path}); pick a TP size that divides {heads}")
 
 
 def _check_expert_split(args: argparse.Namespace, config: dict, config_path: str) -> None:

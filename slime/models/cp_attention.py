@@ -274,6 +274,12 @@ class _AllGatherSequence(torch.autograd.Function):
         return out, None
 
 
+def all_gather_sequence(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """This rank's tokens [t, ...] gathered rank-major over the CP `group` [cp * t, ...], differentiable (the
+    backward reduce-scatters the grads): the one CP collective of the layers that need whole sequences."""
+    return _AllGatherSequence.apply(tensor, group)
+
+
 class ContextParallelAttention(MegatronModule):
     """Core attention (after QKV projection and RoPE) supporting CP, THD packing and GQA."""
 
@@ -340,7 +346,7 @@ class ContextParallelAttention(MegatronModule):
     def _attend_packed(self, q, k, v, lengths, group, cp_size, cp_rank) -> torch.Tensor:
         if group is not None:
             # One collective for K and V together; identical on every CP rank of the group.
-            kv = _AllGatherSequence.apply(torch.cat([k, v], dim=-1), group)
+            kv = all_gather_sequence(torch.cat([k, v], dim=-1), group)
             k, v = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
         plan = attention_plan(tuple(lengths), cp_size, cp_rank, q.device)
         dropout_p = self.attention_dropout if self.training else 0.0

@@ -89,6 +89,18 @@ def _rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return weight * h.to(input_dtype)
 
 
+def rms_norm_zero_centered(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF Qwen3-Next / Qwen3.5 RMSNorm (zero-centred weight): normalise and scale by 1 + weight in fp32, then cast."""
+    return _rms_norm_zero_centered_rows(x.reshape(-1, x.size(-1)), weight, eps).view(x.shape)
+
+
+@compiled_or_eager
+def _rms_norm_zero_centered_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + weight.float())).to(x.dtype)
+
+
 def rotary_bshd(t: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor, rotary_interleaved: bool,
                 multi_latent_attention: bool, mscale: float) -> torch.Tensor:
     """megatron's rotate-half RoPE on THD tokens `t` [t, h, d]: frequency rows `positions` of `freqs`

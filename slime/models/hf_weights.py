@@ -25,6 +25,7 @@ replicated parameter (`_weights`).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -35,7 +36,9 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from slime.models import moe_hf
-from slime.models.registry import family_of
+from slime.models.registry import TEXT_PREFIX_ATTRIBUTE, family_of
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -84,21 +87,26 @@ def _vocab(hf_name: str, shapes: _Shapes, padded_rows: int) -> _Mapping:
     return _Mapping((hf_name,), to_megatron, lambda t: [t[: shapes.vocab_size]])
 
 
-def _qkv(prefix: str, suffix: str, shapes: _Shapes) -> _Mapping:
+def _qkv(prefix: str, suffix: str, shapes: _Shapes, gated: bool = False) -> _Mapping:
+    """HF q/k/v -> megatron's per-group rows. `gated` (attention output gate): HF q_proj holds [q_h; gate_h] per
+    head, megatron [q heads of g | gate heads of g | k_g | v_g] per group."""
     g, hpg, d = shapes.num_groups, shapes.heads_per_group, shapes.head_dim
+    q_parts = 2 if gated else 1
 
     def to_megatron(ts):
         q, k, v = ts
         rest = q.shape[1:]
-        grouped = torch.cat([q.reshape(g, hpg * d, *rest), k.reshape(g, d, *rest),
-                             v.reshape(g, d, *rest)], dim=1)
-        return grouped.reshape(g * (hpg + 2) * d, *rest)
+        per_head = q.reshape(g, hpg, q_parts, d, *rest)
+        qs = [per_head[:, :, i].reshape(g, hpg * d, *rest) for i in range(q_parts)]
+        grouped = torch.cat([*qs, k.reshape(g, d, *rest), v.reshape(g, d, *rest)], dim=1)
+        return grouped.reshape(g * (q_parts * hpg + 2) * d, *rest)
 
     def to_hf(t):
         rest = t.shape[1:]
-        grouped = t.reshape(g, (hpg + 2) * d, *rest)
-        q, k, v = grouped.split([hpg * d, d, d], dim=1)
-        return [q.reshape(g * hpg * d, *rest), k.reshape(g * d, *rest), v.reshape(g * d, *rest)]
+        grouped = t.reshape(g, (q_parts * hpg + 2) * d, *rest)
+        *qs, k, v = grouped.split([hpg * d] * q_parts + [d, d], dim=1)
+        q = torch.stack([x.reshape(g, hpg, d, *rest) for x in qs], dim=2)
+        return [q.reshape(g * hpg * q_parts * d, *rest), k.reshape(g * d, *rest), v.reshape(g * d, *rest)]
 
     names = tuple(f"{prefix}self_attn.{p}_proj.{suffix}" for p in ("q", "k", "v"))
     return _Mapping(names, to_megatron, to_hf)
@@ -149,8 +157,11 @@ def _layer_mapping(suffix: str, prefix: str, shapes: _Shapes, tp: int, hf_config
     table.update(family.layer_names(prefix))
     if suffix in table:
         return _identity(table[suffix])
+    layouts = family.layer_layouts(prefix, hf_config)
+    if suffix in layouts:
+        return _Mapping(*layouts[suffix])
     if suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
-        return _qkv(prefix, suffix.rsplit(".", 1)[1], shapes)
+        return _qkv(prefix, suffix.rsplit(".", 1)[1], shapes, family.attention_output_gate)
     if suffix == "mlp.linear_fc1.weight":
         gate_up = _gate_up(prefix, tp)
         return gate_up if family.fused_gate_up is None else _row_fused(family.fused_gate_up(prefix), gate_up)
@@ -172,6 +183,11 @@ def _weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     for name, buffer in model.named_buffers():
         if name.endswith(_EXPERT_BIAS) and buffer is not None:
             yield name, buffer
+
+
+def _text_prefix(hf_config: Any) -> str:
+    """Where the text model's weights sit: `model.`, or a composite checkpoint's `model.language_model.`."""
+    return getattr(hf_config, TEXT_PREFIX_ATTRIBUTE, "model.")
 
 
 def _tied(hf_config: Any) -> bool:
@@ -222,20 +238,20 @@ def _mapping_for(model: torch.nn.Module, name: str, param: torch.Tensor, hf_conf
     Routed experts: the HF expert is that of EP rank `ep_rank` (default: this rank) and local index i."""
     if _is_expert(name):
         return _expert_mapping(model, name, hf_config, ep_rank)
-    shapes = _shapes(hf_config)
+    shapes, text = _shapes(hf_config), _text_prefix(hf_config)
     padded_rows = param.shape[0] * (tp if getattr(param, "tensor_model_parallel", False) else 1)
     if name == "embedding.word_embeddings.weight":
-        return _vocab("model.embed_tokens.weight", shapes, padded_rows)
+        return _vocab(f"{text}embed_tokens.weight", shapes, padded_rows)
     if name == "output_layer.weight":
-        return _vocab("model.embed_tokens.weight" if _tied(hf_config) else "lm_head.weight",
+        return _vocab(f"{text}embed_tokens.weight" if _tied(hf_config) else "lm_head.weight",
                       shapes, padded_rows)
     if name == "decoder.final_layernorm.weight":
-        return _identity("model.norm.weight")
+        return _identity(f"{text}norm.weight")
     match = _LAYER_NAME.match(name)
     if match is None:
         raise KeyError(f"no HF mapping for parameter {name!r}")
     global_layer = model.decoder.layers[int(match.group(1))].layer_number - 1
-    return _layer_mapping(match.group(2), f"model.layers.{global_layer}.", shapes, tp, hf_config)
+    return _layer_mapping(match.group(2), f"{text}layers.{global_layer}.", shapes, tp, hf_config)
 
 
 def _expert_mapping(model: torch.nn.Module, name: str, hf_config: Any, ep_rank: int | None) -> _Mapping:
@@ -245,8 +261,8 @@ def _expert_mapping(model: torch.nn.Module, name: str, hf_config: Any, ep_rank: 
     local_index, _ = moe_hf.local_expert(match.group(2))
     rank = experts.ep_rank if ep_rank is None else ep_rank
     global_expert = rank * layer.mlp.experts.num_local_experts + local_index
-    return _layer_mapping(match.group(2), f"model.layers.{layer.layer_number - 1}.", _shapes(hf_config),
-                          experts.etp, hf_config, global_expert)
+    return _layer_mapping(match.group(2), f"{_text_prefix(hf_config)}layers.{layer.layer_number - 1}.",
+                          _shapes(hf_config), experts.etp, hf_config, global_expert)
 
 
 def _tp() -> tuple[int, int, Any]:
@@ -363,6 +379,11 @@ def load_hf_weights(model_chunks: list[torch.nn.Module], hf_dir: str, hf_config:
     tp, tp_rank, _ = _tp()
     experts = _expert_layout()
     reader = _SafetensorsReader(hf_dir)
+    untrained = untrained_tensor_names(reader.names(), hf_config)
+    if untrained:
+        logger.info("--hf-checkpoint %s: the text model is trained alone; %d tensors outside it (the vision tower: "
+                    "%s ...) are not built, and --save-hf carries them through unchanged", hf_dir, len(untrained),
+                    untrained[0])
     check_moe_checkpoint(reader, hf_config)
     check_hf_tensors(model_chunks, reader, hf_config, tp)
     for chunk in model_chunks:
@@ -428,6 +449,22 @@ def _export_expert(model: torch.nn.Module, name: str, param: torch.Tensor, value
     for ep_rank, full in enumerate(copies):
         mapping = _mapping_for(model, name, param, hf_config, 0, ep_rank)
         yield from zip(mapping.hf_names, mapping.to_hf(full))
+
+
+def untrained_tensor_names(names: list[str], hf_config: Any) -> list[str]:
+    """A composite (vision + text) checkpoint's tensors outside its text model; none for a text checkpoint."""
+    text = _text_prefix(hf_config)
+    if text == "model.":
+        return []
+    return sorted(n for n in names if not n.startswith(text) and n != "lm_head.weight")
+
+
+def carried_tensors(hf_dir: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors --save-hf copies unchanged from --hf-checkpoint (a composite's vision tower), so the saved
+    checkpoint is complete."""
+    reader = _SafetensorsReader(hf_dir)
+    for name in untrained_tensor_names(reader.names(), hf_config):
+        yield name, reader.get(name)
 
 
 def check_moe_checkpoint(reader: "_SafetensorsReader", hf_config: Any) -> None:

@@ -22,6 +22,7 @@ _BUILTIN_MODULES = (
     "slime.models.qwen3_moe",
     "slime.models.deepseek_v3",
     "slime.models.glm4",
+    "slime.models.qwen3_5",
     "slime.models.glm4_moe",
     "slime.models.minimax_m2",
 )
@@ -45,6 +46,10 @@ def _no_names(prefix: str) -> dict[str, str]:
     return {}
 
 
+def _no_layouts(prefix: str, hf_config: Any) -> dict[str, tuple]:
+    return {}
+
+
 def _shared_moe_names(layer_suffix: str, prefix: str, global_expert: int | None, arch: Any) -> tuple[str, ...] | None:
     from slime.models.moe_hf import family_moe_names
 
@@ -61,6 +66,9 @@ class ModelFamily:
     """Shown in messages (e.g. "DeepSeek-V3")."""
     model_types: tuple[str, ...]
     """The HF config.json `model_type` values this family builds."""
+    composite_types: tuple[str, ...] = ()
+    """model_types of vision + text checkpoints (config.text_config, weights under `model.language_model.`) whose
+    text model this family trains: the vision tower is not built (`language_model_config`)."""
 
     # ---- HF config -> TransformerConfig
     qk_layernorm: bool = False
@@ -72,6 +80,11 @@ class ModelFamily:
     post_norms: bool = False
     """A norm on each branch's output before its residual add (GLM-4): what --post-self-attn-layernorm and
     --post-mlp-layernorm must agree with."""
+    attention_output_gate: bool = False
+    """A per-head sigmoid gate on the attention output before o_proj (HF q_proj rows per head: [q_h; gate_h]):
+    what --attention-output-gate must agree with."""
+    zero_centered_norms: bool = False
+    """Every RMSNorm scales by 1 + weight (HF Qwen3-Next / Qwen3.5): what --apply-layernorm-1p must agree with."""
     rope_types: tuple[str, ...] | None = ("default", "llama3")
     """RoPE types the builder accepts; None: `config_fields` checks the RoPE itself."""
     arch_overrides: Callable[[Any], dict[str, Any]] = _no_fields
@@ -85,6 +98,11 @@ class ModelFamily:
     # ---- layer spec
     layer_spec: Callable[..., Any] = _dense_layer_spec
     """config -> the local (no TransformerEngine) spec of one dense layer; MoE layers replace its MLP."""
+    layer_kinds: Callable[[Any], tuple[str, ...]] | None = None
+    """hf_config -> the kind of every layer's token mixer (hybrid stacks: Qwen3-Next's "linear_attention" /
+    "full_attention"); None: every layer is `layer_spec`'s. Each pipeline stage builds its own layers' specs."""
+    kind_layer_spec: Callable[[Any, str], Any] | None = None
+    """(config, layer kind) -> the local spec of a dense layer of that kind (MoE layers replace its MLP)."""
     default_spec: Callable[..., Any] | None = None
     """The family's own `--spec` function (upstream's signature fn(args, config, vp_stage)), used when the
     user names none (GLM-4's post-norm layers)."""
@@ -95,12 +113,22 @@ class ModelFamily:
     layer_names: Callable[[str], dict[str, str]] = _no_names
     """HF layer prefix ('model.layers.L.') -> {megatron layer suffix: HF name} for the parameters this family
     adds or names otherwise (taking precedence over the dense table)."""
+    layer_layouts: Callable[[str, Any], dict[str, tuple]] = _no_layouts
+    """(HF layer prefix, hf_config) -> {megatron layer suffix: (HF names, to_megatron, to_hf)} for parameters
+    whose layout differs from HF's beyond a rename: to_megatron takes the HF tensors (a list) and gives the full
+    megatron tensor, to_hf the inverse (a list, in HF-name order)."""
     fused_gate_up: Callable[[str], str] | None = None
     """HF layer prefix -> the name of the MLP's fused [gate; up] tensor, when HF stores them as one."""
     moe_names: Callable[[str, str, int | None, Any], tuple[str, ...] | None] = _shared_moe_names
     """(megatron layer suffix, HF layer prefix, global expert index, MoEArchitecture or None) -> the HF names
     of an MoE-layer parameter ((gate, up) for an fc1), None when it is not one. Default: the Qwen-MoE and
     DeepSeek-V3 spelling (moe_hf.py)."""
+
+    def layer_spec_at(self, config: Any, hf_config: Any, layer: int) -> Any:
+        """The local spec of global layer `layer` before any MoE replacement."""
+        if self.layer_kinds is None:
+            return self.layer_spec(config)
+        return self.kind_layer_spec(config, self.layer_kinds(hf_config)[layer])
 
     def moe(self, hf_config: Any) -> Any:
         """The MoEArchitecture of this HF config, or None for a dense model."""
@@ -113,7 +141,7 @@ _LOADED = False
 
 def register(family: ModelFamily) -> ModelFamily:
     """Make `family` the one that builds its model types (called by the family's module at import)."""
-    for model_type in family.model_types:
+    for model_type in (*family.model_types, *family.composite_types):
         taken = _FAMILIES.get(model_type)
         if taken is not None and taken is not family:
             raise ValueError(f"model_type {model_type!r} is registered twice ({taken.name} and {family.name})")
@@ -141,6 +169,24 @@ def family(model_type: str) -> ModelFamily:
     if model_type not in _FAMILIES:
         raise KeyError(f"no model family builds model_type {model_type!r}; supported: {', '.join(_FAMILIES)}")
     return _FAMILIES[model_type]
+
+
+# A composite checkpoint's text weights: `model.language_model.X` for the text model's `model.X`.
+COMPOSITE_TEXT_PREFIX = "model.language_model."
+TEXT_PREFIX_ATTRIBUTE = "slime_text_weight_prefix"
+"""Set on the text config `language_model_config` returns: where its weights sit in the checkpoint."""
+
+
+def language_model_config(hf_config: Any) -> Any:
+    """The HF config the trainer builds: a composite (vision + text) checkpoint's text_config, marked with the
+    prefix of its weights in the checkpoint (hf_weights.py reads it); any other config as it is."""
+    _load_builtin()
+    family = _FAMILIES.get(getattr(hf_config, "model_type", "") or "")
+    if family is None or hf_config.model_type not in family.composite_types:
+        return hf_config
+    text = hf_config.text_config
+    setattr(text, TEXT_PREFIX_ATTRIBUTE, COMPOSITE_TEXT_PREFIX)
+    return text
 
 
 def family_of(hf_config: Any) -> ModelFamily:

@@ -17,7 +17,8 @@ from slime.models import fused_kernels
 class SequenceParallelNorm(torch.nn.Module):
     """Per-token RMSNorm or LayerNorm (chosen by config.normalization), SP-safe.
 
-    Math follows HF Qwen/Llama RMSNorm: normalise in fp32, cast back, then scale.
+    Math follows HF Qwen/Llama RMSNorm: normalise in fp32, cast back, then scale; zero-centred
+    (config.layernorm_zero_centered_gamma, HF Qwen3-Next / Qwen3.5): scale by 1 + weight in fp32, then cast.
     """
 
     def __init__(
@@ -30,14 +31,16 @@ class SequenceParallelNorm(torch.nn.Module):
         normalization: str | None = None,
     ):
         super().__init__()
-        if config.layernorm_zero_centered_gamma or zero_centered_gamma:
-            raise ValueError("zero-centered gamma is not supported by SequenceParallelNorm")
+        self.zero_centered = bool(config.layernorm_zero_centered_gamma or zero_centered_gamma)
         self.normalization = normalization or config.normalization
         if self.normalization not in ("RMSNorm", "LayerNorm"):
             raise ValueError(f"unsupported normalization {self.normalization!r}")
+        if self.zero_centered and self.normalization != "RMSNorm":
+            raise ValueError("zero-centred gamma (--apply-layernorm-1p) is implemented for RMSNorm only")
         self.eps = eps
         dtype = config.params_dtype
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=dtype))
+        # zero-centred (Qwen3-Next / Qwen3.5): the scale is 1 + weight, the weight starts at 0
+        self.weight = torch.nn.Parameter((torch.zeros if self.zero_centered else torch.ones)(hidden_size, dtype=dtype))
         self.bias = (
             torch.nn.Parameter(torch.zeros(hidden_size, dtype=dtype))
             if self.normalization == "LayerNorm"
@@ -48,6 +51,8 @@ class SequenceParallelNorm(torch.nn.Module):
             param.sequence_parallel = config.sequence_parallel
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.zero_centered:
+            return fused_kernels.rms_norm_zero_centered(hidden_states, self.weight, self.eps)
         if self.normalization == "RMSNorm":
             return fused_kernels.rms_norm(hidden_states, self.weight, self.eps)
         input_dtype = hidden_states.dtype

@@ -131,6 +131,17 @@ def _budget(args, sample: Sample, params: dict) -> int | None:
     return min(limits) if limits else None
 
 
+def refuse_multimodal(sample: Sample) -> None:
+    """Images, videos or audio cannot reach the model: the trainer builds text models only (of a vision + text
+    checkpoint such as Qwen3.5's, the text model: its vision tower is not built), so the engine's and the
+    trainer's log-probs would be of different inputs."""
+    media = {**(sample.multimodal_inputs or {}), **(sample.multimodal_train_inputs or {})}
+    if any(value is not None for value in media.values()):
+        raise ValueError(f"sample {sample.index} carries multimodal inputs ({', '.join(sorted(media))}); the trainer "
+                         "builds the text model only (a vision + text checkpoint's vision tower is not built), so "
+                         "samples must be text: drop the media from the prompts")
+
+
 async def generate(args, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
     """One /generate call: appends the response tokens, text and log-probs (loss mask 1); sets status.
 
@@ -138,6 +149,7 @@ async def generate(args, sample: Sample, sampling_params: dict[str, Any]) -> Sam
     """
     if sample.status not in (Sample.Status.PENDING, Sample.Status.ABORTED):
         raise ValueError(f"sample {sample.index} is {sample.status.value}; only pending or aborted samples generate")
+    refuse_multimodal(sample)
     if not sample.tokens:
         if not isinstance(sample.prompt, str):
             raise ValueError(f"sample {sample.index}: the prompt is a list of chat messages; pass --apply-chat-template "
@@ -243,6 +255,7 @@ async def generate_and_rm(args, sample: Sample, sampling_params: dict, evaluatio
         sample.loss_mask = [0] * sample.response_length  # tokens of an earlier policy: not trained on
     if sample.status in (Sample.Status.COMPLETED, Sample.Status.TRUNCATED):
         return sample
+    refuse_multimodal(sample)  # before any engine sees it, whichever generate function runs
     async with state.semaphore:
         # the rollout has enough groups, or a weight push is under way: leave this one for later
         if getattr(state, "aborted", False) or generation_gate.is_held():

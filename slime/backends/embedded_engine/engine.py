@@ -17,7 +17,7 @@ import torch
 from slime.backends.embedded_engine.sampling import SamplingParams, logprob_temperature, sample_next_tokens
 from slime.utils.device_memory import sample_device_memory
 from slime.models.moe_hf import RouteCapture, encode_routes, fused_engine_target
-from slime.models.registry import family_of
+from slime.models.registry import COMPOSITE_TEXT_PREFIX, family_of
 
 logger = logging.getLogger(__name__)
 
@@ -404,9 +404,13 @@ def checkpoint_target(name: str, state: dict[str, torch.Tensor], config: Any) ->
     """The model tensor (or view of one) a checkpoint-named tensor loads into; None if the model has none.
 
     Pushes speak checkpoint names, as SGLang's loader does; transformers keeps MoE experts fused in memory
-    (slime/models/moe_hf.py says where each expert's rows live, and MiniMax-M2's block_sparse_moe is `mlp`)."""
+    (slime/models/moe_hf.py says where each expert's rows live, and MiniMax-M2's block_sparse_moe is `mlp`), and
+    serves a composite (vision + text) checkpoint through its text model (AutoModelForCausalLM), whose names lack
+    `language_model.`."""
     if name in state:
         return state[name]
+    if name.startswith(COMPOSITE_TEXT_PREFIX):  # a composite checkpoint's text weights; the engine runs the text model
+        return checkpoint_target("model." + name[len(COMPOSITE_TEXT_PREFIX):], state, config)
     fused = fused_engine_target(name, set(state), family_of(config).moe(config))
     if fused is None or fused[0] not in state:
         return None

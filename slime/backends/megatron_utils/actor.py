@@ -56,6 +56,7 @@ from slime.distributed.fault_inject import (
 from slime.utils.deadlines import DeadlineModel
 from slime.utils.ppo_utils import compute_advantages_and_returns
 from slime.models import fused_kernels
+from slime.models.registry import language_model_config
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +96,9 @@ class MegatronTrainActor:
             self.groups.create(timeout_s=self.deadlines.first_setup_op_s)
         seed_model_parallel(self.args)
         call_hook(self.args.custom_megatron_init_path, self.args)  # after megatron's groups and RNG exist
-        self.hf_config = AutoConfig.from_pretrained(self.args.hf_checkpoint, trust_remote_code=True)
+        # a composite (vision + text) checkpoint trains its text model only
+        self.hf_config = language_model_config(AutoConfig.from_pretrained(self.args.hf_checkpoint,
+                                                                          trust_remote_code=True))
         # model build and loads make no ledger progress: the longest rank window (slime/utils/deadlines.py)
         with self.watchdog.phase("init/load", deadline_s=self.deadlines.first_setup_s):
             self._fence_load_views()

@@ -32,7 +32,7 @@ import patches
 from slime.checkpoint import contents, durable, rng
 from slime.checkpoint.contents import latest_iteration
 from slime.distributed.fault_inject import maybe_kill_run
-from slime.models.hf_weights import export_hf_weights, load_hf_weights
+from slime.models.hf_weights import carried_tensors, export_hf_weights, load_hf_weights
 
 __all__ = ["save_checkpoint", "load_checkpoint", "load_model_weights", "latest_iteration", "load_hf_weights",
            "export_hf_weights", "save_hf_checkpoint", "load_reference", "restore_rng", "holds"]
@@ -269,6 +269,8 @@ def save_hf_checkpoint(path: str, model_chunks: list, hf_config: Any, hf_source_
     # clone: split tensors (q/k/v, gate/up) are views of one parameter, which safetensors refuses
     tensors = {name: t.detach().cpu().clone() for name, t in export_hf_weights(model_chunks, hf_config)}
     pp, stage = parallel_state.get_pipeline_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_rank()
+    if stage == 0 and hf_source_dir:  # what the trainer does not build (a composite's vision tower), unchanged
+        tensors.update(carried_tensors(hf_source_dir, hf_config))
     writer = (parallel_state.get_tensor_model_parallel_rank() == 0 and parallel_state.get_data_parallel_rank() == 0
               and parallel_state.get_context_parallel_rank() == 0)
     shard = "model.safetensors" if pp == 1 else f"model-{stage + 1:05d}-of-{pp:05d}.safetensors"

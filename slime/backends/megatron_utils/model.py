@@ -33,6 +33,7 @@ from megatron.core.transformer.transformer_block import (  # noqa: E402
     get_num_layers_to_build,
 )
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig  # noqa: E402
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset  # noqa: E402
 
 from slime.backends.megatron_utils import moe  # noqa: E402
 from slime.config import with_defaults  # noqa: E402
@@ -97,7 +98,7 @@ def hf_architecture(hf_config: Any) -> dict[str, Any]:
     arch = dict(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
-        ffn_hidden_size=hf_config.intermediate_size,
+        ffn_hidden_size=getattr(hf_config, "intermediate_size", None),
         num_attention_heads=heads,
         num_query_groups=getattr(hf_config, "num_key_value_heads", None) or heads,
         kv_channels=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
@@ -105,6 +106,8 @@ def hf_architecture(hf_config: Any) -> dict[str, Any]:
         qk_layernorm=family.qk_layernorm,
         add_qkv_bias=family.qkv_bias,
         rotary_interleaved=family.rotary_interleaved,
+        attention_output_gate=family.attention_output_gate,
+        layernorm_zero_centered_gamma=family.zero_centered_norms,
     )
     arch.update(family.arch_overrides(hf_config))
     return arch
@@ -118,7 +121,8 @@ _ARCH_FLAGS = {
     "kv_channels": "kv_channels", "norm_epsilon": "layernorm_epsilon", "qk_layernorm": "qk_layernorm",
     "add_qkv_bias": "add_qkv_bias", "rotary_base": "rotary_base", "rotary_percent": "rotary_percent",
     "rotary_interleaved": "rotary_interleaved", "post_self_attn_layernorm": "post_norms",
-    "post_mlp_layernorm": "post_norms",
+    "post_mlp_layernorm": "post_norms", "attention_output_gate": "attention_output_gate",
+    "apply_layernorm_1p": "layernorm_zero_centered_gamma",
 }
 
 
@@ -133,6 +137,14 @@ MODEL_FLAGS = ("model_name", "untie_embeddings_and_output_weights", "bf16", "seq
 
 
 def _check_against_args(arch: dict[str, Any], args: Namespace, flags: dict[str, str] = _ARCH_FLAGS) -> None:
+    _check_flags(arch, args, flags)
+    model_name = args.model_name
+    if model_name and model_name.lower().removesuffix("_moe") != arch["model_type"]:
+        raise ValueError(f"--model-name {model_name} contradicts the HF config (model_type {arch['model_type']})")
+
+
+def _check_flags(arch: dict[str, Any], args: Namespace, flags: dict[str, str]) -> None:
+    """Every flag of `flags` (dest -> key of arch) the user passed must equal the HF config's value."""
     for dest, key in flags.items():
         given, value = getattr(args, dest, None), arch.get(key)
         if given is None or value is None or (isinstance(given, bool) and not given):
@@ -140,9 +152,6 @@ def _check_against_args(arch: dict[str, Any], args: Namespace, flags: dict[str, 
         same = abs(given - value) <= 1e-12 if isinstance(value, float) else given == value
         if not same:
             raise ValueError(f"--{dest.replace('_', '-')}={given} contradicts the HF config ({value})")
-    model_name = args.model_name
-    if model_name and model_name.lower().removesuffix("_moe") != arch["model_type"]:
-        raise ValueError(f"--model-name {model_name} contradicts the HF config (model_type {arch['model_type']})")
 
 
 def _qkv_bias_to_check(hf_config: Any, arch: dict[str, Any], args: Namespace) -> bool | None:
@@ -157,8 +166,9 @@ def _qkv_bias_to_check(hf_config: Any, arch: dict[str, Any], args: Namespace) ->
 
 
 def _model_name(hf_config: Any) -> str:
-    """What --model-name names: the HF model_type without its "_moe" suffix (qwen3 for qwen3_moe)."""
-    return getattr(hf_config, "model_type", "").removesuffix("_moe")
+    """What --model-name names: the HF model_type without its "_text" and "_moe" suffixes (qwen3 for qwen3_moe,
+    qwen3_5 for qwen3_5_moe_text)."""
+    return getattr(hf_config, "model_type", "").removesuffix("_text").removesuffix("_moe")
 
 
 def _check_embedding_tying(hf_config: Any, args: Namespace) -> None:
@@ -225,12 +235,12 @@ def _family_config(hf_config: Any, args: Namespace) -> tuple[type, dict[str, Any
     """(config class, extra fields) of the HF config's family: MLATransformerConfig for latent attention."""
     family = family_of(hf_config)
     fields = family.config_fields(hf_config)
+    _check_flags(fields, args, family.config_flags)
     if not fields.get("multi_latent_attention", False):
         if args.multi_latent_attention:
             raise ValueError(f"--multi-latent-attention contradicts the HF config (model_type "
                              f"{getattr(hf_config, 'model_type', '')}, no latent attention)")
         return TransformerConfig, fields
-    _check_against_args(fields, args, family.config_flags)
     return MLATransformerConfig, fields
 
 
@@ -294,6 +304,8 @@ def _layer_spec(args: Namespace, hf_config: Any, config: TransformerConfig, vp_s
             raise TypeError(f"--spec {' '.join(args.spec or ())} returned {type(spec).__name__}; expected a megatron "
                             "ModuleSpec (one layer) or TransformerBlockSubmodules")
         layer_specs = [spec] * get_num_layers_to_build(config, vp_stage=vp_stage)
+    elif family_of(hf_config).layer_kinds is not None:
+        layer_specs = _hybrid_layer_specs(args, hf_config, config, vp_stage)
     elif config.num_moe_experts:
         dense = family_of(hf_config).layer_spec(config)
         moe.warn_unavailable_kernels(args)
@@ -304,6 +316,20 @@ def _layer_spec(args: Namespace, hf_config: Any, config: TransformerConfig, vp_s
         layer_specs = [dense] * get_num_layers_to_build(config, vp_stage=vp_stage)
     # A block spec so the final norm is ours too (the default one refuses SP).
     return TransformerBlockSubmodules(layer_specs=layer_specs, layer_norm=SequenceParallelNorm)
+
+
+def _hybrid_layer_specs(args: Namespace, hf_config: Any, config: TransformerConfig, vp_stage: int | None) -> list:
+    """This stage's layer specs of a family whose layers differ (ModelFamily.layer_kinds), MoE MLPs where
+    the MoE layer pattern says so."""
+    family = family_of(hf_config)
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    layers = range(offset, offset + get_num_layers_to_build(config, vp_stage=vp_stage))
+    specs = [family.layer_spec_at(config, hf_config, layer) for layer in layers]
+    if not config.num_moe_experts:
+        return specs
+    moe.warn_unavailable_kernels(args)
+    return [moe.with_moe_mlp(spec, config) if config.moe_layer_freq[layer] else spec
+            for spec, layer in zip(specs, layers)]
 
 
 def build_gpt_model(
