@@ -141,7 +141,7 @@ def test_grouped_gemm_flag_default_follows_cuda(monkeypatch):
 def test_grouped_flag_picks_the_experts_module():
     from megatron.core.transformer.moe.experts import SequentialMLP
 
-    from slime.backends.megatron_utils.moe import with_moe_mlp
+    from slime.models.local_spec import with_moe_mlp
     from slime.models.grouped_experts import GroupedExperts
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 

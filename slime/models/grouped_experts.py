@@ -22,6 +22,12 @@ import torch.nn.functional as F
 from megatron.core.transformer.moe.experts import SequentialMLP
 
 
+def grouped_experts_chosen(choice: bool | None) -> bool:
+    """--moe-grouped-gemm: the grouped experts in the local spec. Default (None): on CUDA. False keeps megatron's
+    SequentialMLP (the same parameters and numbers)."""
+    return torch.cuda.is_available() if choice is None else bool(choice)
+
+
 def grouped_mm_usable(x: torch.Tensor) -> bool:
     """torch's grouped GEMM serves bf16 on Hopper (sm90) and later GPUs; elsewhere the experts loop."""
     return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")

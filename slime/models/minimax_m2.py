@@ -136,16 +136,21 @@ def layer_spec(config: Any):
 
 
 def get_minimax_m2_spec(args: Any, config: Any, vp_stage: int | None = None):
-    """The MiniMax-M2 layer spec (upstream's --spec signature): every layer with megatron's MoE layer."""
-    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    """The MiniMax-M2 layer spec (upstream's --spec signature): every layer with megatron's MoE layer, its
+    experts grouped as --moe-grouped-gemm says."""
+    from slime.models.grouped_experts import grouped_experts_chosen
+    from slime.models.local_spec import with_moe_mlp
 
     if not config.num_moe_experts:
         raise ValueError("--spec slime_plugins.models.minimax_m2 get_minimax_m2_spec builds MoE layers; the HF "
                          "config has no experts (num_local_experts): drop --spec for a dense checkpoint")
-    spec = layer_spec(config)
-    moe = get_moe_module_spec(use_te=False, num_experts=config.num_moe_experts,
-                              moe_grouped_gemm=config.moe_grouped_gemm)
-    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=moe))
+    return with_moe_mlp(layer_spec(config), config, grouped_experts_chosen(_grouped_choice(args)))
+
+
+def _grouped_choice(args: Any) -> bool | None:
+    from slime.config import with_defaults
+
+    return with_defaults(args, ("moe_grouped_gemm",)).moe_grouped_gemm
 
 
 MINIMAX_M2 = register(ModelFamily(

@@ -59,22 +59,21 @@ def get_qwen3_5_spec(args: Any, config: Any, vp_stage: int | None = None):
     Qwen3-Next one name): this pipeline stage's layers, each by its kind in config.linear_attention_freq and with
     megatron's MoE layer where config.moe_layer_freq says so, and the project's final norm; the same layers the
     builder makes from the family without --spec."""
-    import dataclasses
-
-    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
+    from slime.config import with_defaults
+    from slime.models.grouped_experts import grouped_experts_chosen
+    from slime.models.local_spec import with_moe_mlp
     from slime.models.sp_norm import SequenceParallelNorm
 
+    grouped = grouped_experts_chosen(with_defaults(args, ("moe_grouped_gemm",)).moe_grouped_gemm)
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     specs = []
     for layer in range(offset, offset + get_num_layers_to_build(config, vp_stage=vp_stage)):
         spec = kind_layer_spec(config, LAYER_KINDS[0] if config.linear_attention_freq[layer] else LAYER_KINDS[1])
         if config.num_moe_experts and config.moe_layer_freq[layer]:
-            moe = get_moe_module_spec(use_te=False, num_experts=config.num_moe_experts,
-                                      moe_grouped_gemm=config.moe_grouped_gemm)
-            spec = dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=moe))
+            spec = with_moe_mlp(spec, config, grouped)
         specs.append(spec)
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=SequenceParallelNorm)
 

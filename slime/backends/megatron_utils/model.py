@@ -38,6 +38,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from slime.backends.megatron_utils import moe  # noqa: E402
 from slime.config import with_defaults  # noqa: E402
 from slime.models import fused_kernels  # noqa: E402
+from slime.models.local_spec import with_moe_mlp  # noqa: E402
 from slime.models.registry import family_of  # noqa: E402
 from slime.models.sp_norm import SequenceParallelNorm  # noqa: E402
 
@@ -309,7 +310,7 @@ def _layer_spec(args: Namespace, hf_config: Any, config: TransformerConfig, vp_s
     elif config.num_moe_experts:
         dense = family_of(hf_config).layer_spec(config)
         moe.warn_unavailable_kernels(args)
-        layer_specs = moe.moe_layer_specs(dense, moe.with_moe_mlp(dense, config, moe.grouped_experts_enabled(args)),
+        layer_specs = moe.moe_layer_specs(dense, with_moe_mlp(dense, config, moe.grouped_experts_enabled(args)),
                                            config, vp_stage)
     else:
         dense = family_of(hf_config).layer_spec(config)
@@ -328,7 +329,8 @@ def _hybrid_layer_specs(args: Namespace, hf_config: Any, config: TransformerConf
     if not config.num_moe_experts:
         return specs
     moe.warn_unavailable_kernels(args)
-    return [moe.with_moe_mlp(spec, config) if config.moe_layer_freq[layer] else spec
+    grouped = moe.grouped_experts_enabled(args)
+    return [with_moe_mlp(spec, config, grouped) if config.moe_layer_freq[layer] else spec
             for spec, layer in zip(specs, layers)]
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import dataclasses
 import warnings
 from argparse import Namespace
 from typing import Any, Iterator
@@ -243,12 +242,10 @@ def grouped_gemm_available() -> bool:
 
 
 def grouped_experts_enabled(args: Namespace) -> bool:
-    """--moe-grouped-gemm: the project's grouped experts (slime/models/grouped_experts.py) in the local spec.
-    Default: on CUDA. --no-moe-grouped-gemm keeps megatron's SequentialMLP (the same parameters and numbers)."""
-    args = with_defaults(args, ("moe_grouped_gemm",))
-    if args.moe_grouped_gemm is None:
-        return torch.cuda.is_available()
-    return bool(args.moe_grouped_gemm)
+    """--moe-grouped-gemm: the project's grouped experts (slime/models/grouped_experts.py) in the local spec."""
+    from slime.models.grouped_experts import grouped_experts_chosen
+
+    return grouped_experts_chosen(with_defaults(args, ("moe_grouped_gemm",)).moe_grouped_gemm)
 
 
 def warn_unavailable_kernels(args: Namespace) -> None:
@@ -269,20 +266,6 @@ def moe_layer_specs(dense_spec, moe_spec, config, vp_stage: int | None) -> list:
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     count = get_num_layers_to_build(config, vp_stage=vp_stage)
     return [moe_spec if pattern[offset + i] else dense_spec for i in range(count)]
-
-
-def with_moe_mlp(spec, config, grouped: bool = False):
-    """`spec` (a local layer spec with our norms) with its MLP replaced by megatron's MoE layer, whose experts
-    are megatron's SequentialMLP or, with `grouped`, the project's GroupedExperts (same parameters)."""
-    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
-
-    from slime.models.grouped_experts import GroupedExperts
-
-    moe = get_moe_module_spec(use_te=False, num_experts=config.num_moe_experts, moe_grouped_gemm=False)
-    if grouped:
-        experts = dataclasses.replace(moe.submodules.experts, module=GroupedExperts)
-        moe = dataclasses.replace(moe, submodules=dataclasses.replace(moe.submodules, experts=experts))
-    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=moe))
 
 
 @contextlib.contextmanager
