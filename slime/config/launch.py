@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 
+from slime.config.checks.linear_attention import check_linear_attention
 from slime.config.checks.model import check_pipeline_layers
 from slime.config.constants import DEFAULT_DATA_SOURCE_PATH, DEFAULT_ROLLOUT_FUNCTION_PATH
 from slime.config.errors import fail, flag_name, require_path
@@ -74,12 +75,19 @@ def _read_hf_config(config_path: str) -> dict:
     return config
 
 
+def built_part(config: dict) -> dict:
+    """The config of the model the trainer builds: a composite (vision + text) checkpoint's text_config, trained
+    text-only; any other checkpoint's whole config."""
+    text = config.get("text_config")
+    return text if isinstance(text, dict) else config
+
+
 def check_hf_config(args: argparse.Namespace, config_path: str) -> None:
     """The checkpoint's config.json against the model builder and the architecture flags, before Ray starts."""
     if args.debug_rollout_only:
         return  # no trainer model is built
-    config = _read_hf_config(config_path)
-    model_type = config.get("model_type")
+    whole = _read_hf_config(config_path)
+    model_type, config = whole.get("model_type"), built_part(whole)
     custom_builder = args.spec or args.custom_model_provider_path
     if model_type is not None and model_type not in SUPPORTED_MODEL_TYPES and not custom_builder:
         fail(f"--hf-checkpoint: {config_path} has model_type {model_type!r}, which no model family here builds "
@@ -103,6 +111,7 @@ def check_hf_config(args: argparse.Namespace, config_path: str) -> None:
         fail(f"--tensor-model-parallel-size {tp} does not divide the model's {groups} key/value heads "
              f"(num_key_value_heads in {config_path}; megatron-core splits them over TP without replicating); "
              f"pick a TP size that divides {groups}")
+    check_linear_attention(args, config, config_path)
     layers, pp = config.get("num_hidden_layers"), args.pipeline_model_parallel_size
     if args.num_layers is None and isinstance(layers, int) and pp > 1:
         args.num_layers = layers
@@ -120,6 +129,7 @@ def _check_moe_tensor_parallel(args: argparse.Namespace, config_path: str) -> No
             config = json.load(f)
     except (OSError, ValueError) as exc:
         fail(f"--hf-checkpoint: {config_path} is not readable JSON ({exc})")
+    config = built_part(config)
     moe = any(int(config.get(key) or 0) > 0 for key in MOE_CONFIG_KEYS) or int(args.num_experts or 0) > 0
     if moe and args.tensor_model_parallel_size > 1 and not args.sequence_parallel and not args.debug_rollout_only:
         fail(f"the checkpoint is an MoE model and --tensor-model-parallel-size is "
