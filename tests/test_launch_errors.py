@@ -217,7 +217,7 @@ HYBRID = dict(model_type="qwen3_5_text", num_hidden_layers=2, hidden_size=64, nu
      "layer_types has ['sliding_attention'], which no layer here builds; the supported kinds are"),
     (dict(layer_types=["linear_attention"]), [], "layer_types lists 1 layers, num_hidden_layers is 2"),
     (dict(linear_num_key_heads=3), ["--tensor-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"],
-     "--tensor-model-parallel-size 2 does not divide the model's 3 linear-attention heads"),
+     "--tensor-model-parallel-size 2 does not divide the model's 3 linear-attention key heads"),
     (dict(num_key_value_heads=1), ["--tensor-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"],
      "--tensor-model-parallel-size 2 does not divide the model's 1 key/value heads"),
     # a composite (vision + text) checkpoint is checked by its text model

@@ -9,6 +9,7 @@ import json
 import os
 from types import SimpleNamespace
 
+from slime.config.checks.linear_attention import check_linear_attention
 from slime.config.checks.model import check_pipeline_layers
 from slime.config.constants import DEFAULT_DATA_SOURCE_PATH, DEFAULT_ROLLOUT_FUNCTION_PATH
 from slime.config.errors import fail, flag_name, require_path
@@ -76,21 +77,27 @@ def _read_hf_config(config_path: str) -> dict:
     return config
 
 
+def built_part(config: dict) -> dict:
+    """The config of the model the trainer builds: a composite (vision + text) checkpoint's text_config, trained
+    text-only; any other checkpoint's whole config."""
+    text = config.get("text_config")
+    return text if isinstance(text, dict) else config
+
+
 def check_hf_config(args: argparse.Namespace, config_path: str) -> None:
     """The checkpoint's config.json against the model builder and the architecture flags, before Ray starts."""
     if args.debug_rollout_only:
         return  # no trainer model is built
-    config = _read_hf_config(config_path)
-    model_type = config.get("model_type")
+    whole = _read_hf_config(config_path)
+    model_type, config = whole.get("model_type"), built_part(whole)
     custom_builder = args.spec or args.custom_model_provider_path
     if model_type is not None and model_type not in SUPPORTED_MODEL_TYPES and not custom_builder:
         fail(f"--hf-checkpoint: {config_path} has model_type {model_type!r}, which no model family here builds "
              f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)}; docs/model-families.md); a --spec or "
              "--custom-model-provider-path plug-in may build others")
-    if model_type in SUPPORTED_MODEL_TYPES and isinstance(config.get("text_config"), dict):
-        config = config["text_config"]  # a vision + text checkpoint: its text model is what is trained
     if model_type in SUPPORTED_MODEL_TYPES:
-        _check_layer_kinds(config, config_path, args.tensor_model_parallel_size)
+        _check_layer_kinds(config, config_path)
+        _check_family_flags(args, model_family(config.get("model_type", model_type)), config_path)
     heads = config.get("num_attention_heads")
     mla = model_type in ("deepseek_v3", "deepseek_v2", "kimi_k2", "glm4_moe_lite") and config.get("kv_lora_rank") is not None
     arch = {dest: config.get(key) for dest, key in CONFIG_ARCH_KEYS.items()}
@@ -110,6 +117,7 @@ def check_hf_config(args: argparse.Namespace, config_path: str) -> None:
              f"(num_key_value_heads in {config_path}; megatron-core splits them over TP without replicating); "
              f"pick a TP size that divides {groups}")
     _check_expert_split(args, config, config_path)
+    check_linear_attention(args, config, config_path)
     layers, pp = config.get("num_hidden_layers"), args.pipeline_model_parallel_size
     if args.num_layers is None and isinstance(layers, int) and pp > 1:
         args.num_layers = layers
@@ -119,8 +127,8 @@ def check_hf_config(args: argparse.Namespace, config_path: str) -> None:
             args.num_layers = None
 
 
-def _check_layer_kinds(config: dict, config_path: str, tp: int) -> None:
-    """A hybrid stack (layer_types): every kind one the family builds, the linear-attention heads split by TP."""
+def _check_layer_kinds(config: dict, config_path: str) -> None:
+    """A hybrid stack (layer_types): one kind per layer, every one a kind the family builds."""
     family = model_family(config.get("model_type"))
     if family.layer_kinds is None:
         return
@@ -128,11 +136,18 @@ def _check_layer_kinds(config: dict, config_path: str, tp: int) -> None:
         family.layer_kinds(SimpleNamespace(**config))
     except ValueError as exc:
         fail(f"--hf-checkpoint: {config_path}: {exc}")
-    for key in ("linear_num_key_heads", "linear_num_value_heads"):
-        heads = config.get(key)
-        if isinstance(heads, int) and heads % tp:
-            fail(f"--tensor-model-parallel-size {tp} does not divide the model's {heads} linear-attention heads "
-                 f"({key} in {config_path}); pick a TP size that divides {heads}")
+
+
+# store_true flag dest -> the ModelFamily field that says whether the family's layers have it
+FAMILY_FLAGS = {"attention_output_gate": "attention_output_gate", "apply_layernorm_1p": "zero_centered_norms"}
+
+
+def _check_family_flags(args: argparse.Namespace, family, config_path: str) -> None:
+    """A layer-kind flag the checkpoint's family does not have (a gated attention output, zero-centred norms)."""
+    for dest, field in FAMILY_FLAGS.items():
+        if getattr(args, dest) and not getattr(family, field):
+            fail(f"{flag_name(dest)} contradicts {config_path}: {family.name} layers have no such thing; the model is "
+                 "built from the config: drop the flag")
 
 
 def _check_expert_split(args: argparse.Namespace, config: dict, config_path: str) -> None:
@@ -161,6 +176,7 @@ def _check_moe_tensor_parallel(args: argparse.Namespace, config_path: str) -> No
             config = json.load(f)
     except (OSError, ValueError) as exc:
         fail(f"--hf-checkpoint: {config_path} is not readable JSON ({exc})")
+    config = built_part(config)
     moe = any(int(config.get(key) or 0) > 0 for key in MOE_CONFIG_KEYS) or int(args.num_experts or 0) > 0
     if moe and args.tensor_model_parallel_size > 1 and not args.sequence_parallel and not args.debug_rollout_only:
         fail(f"the checkpoint is an MoE model and --tensor-model-parallel-size is "

@@ -53,8 +53,9 @@ NOT_IMPLEMENTED_FLAGS: tuple[NotImplementedFlag, ...] = (
              "--log-probs-chunk-size", "--recompute-loss-function"),
     *_warned("FP8 rollout weights are not implemented (weights are sent in the training dtype)",
              "--force-fp8-ue8m0-scale"),
-    *_warned("Qwen3-Next / Qwen3.5 gated delta-net layers are not implemented (their --spec is refused), so no GDN "
-             "kernel is chosen", "--qwen-gdn-backend"),
+    *_warned("FlashQLA kernels are not available here; the gated delta rule runs flash-linear-attention's kernel "
+             "where it is installed and trusted, else the project's compiled or eager torch path (docs/gpu.md)",
+             "--qwen-gdn-backend"),
     *_warned("the straw rollout transport is not available (rollouts travel through the Ray object store)",
              "--rollout-data-dir", "--rollout-storage-profile", "--rollout-storage-declaration",
              "--rollout-queue-run-id", "--rollout-queue-online-gc", "--rollout-queue-lease-seconds",
@@ -156,9 +157,6 @@ REFUSED_FLAGS: tuple[NotImplementedFlag, ...] = (
     NotImplementedFlag(flag="--enable-mtp-training", reason="multi-token prediction layers are not supported"),
     *(NotImplementedFlag(flag=f, reason="the dense builder has no such layers (Qwen3 / Qwen2 / Llama only)")
       for f in ("--freeze-indexer",)),
-    NotImplementedFlag(flag="--attention-output-gate",
-                       reason="gated attention output (Qwen3-Next / Qwen3.5) is not implemented; no builder here has "
-                              "such layers yet"),
     *(NotImplementedFlag(flag=f, reason="FP8 training needs TransformerEngine's FP8 layers, which this model builder "
                                         "does not use; drop it to train in bf16 (--bf16) or fp32")
       for f in ("--fp8-format", "--fp8-recipe")),
@@ -182,7 +180,6 @@ REFUSED_FLAGS: tuple[NotImplementedFlag, ...] = (
     NotImplementedFlag(flag="--ckpt-format", is_active=lambda v: v != "torch_dist",
                        reason="checkpoints are saved and loaded with dist_checkpointing (torch_dist) only"),
     NotImplementedFlag(flag="--fp16", reason="fp16 training (loss scaling) is not implemented; use --bf16 or fp32"),
-    NotImplementedFlag(flag="--apply-layernorm-1p", reason="the HF Qwen3 / Qwen2 / Llama norms are plain RMSNorm"),
     # upstream slime's remaining non-model flags (the "upstream compatibility" group)
     NotImplementedFlag(flag="--sglang-config",
                        reason="engine groups (prefill / decode / placeholder, per-group overrides) are not implemented; "

@@ -78,6 +78,20 @@ def get_qwen3_5_spec(args: Any, config: Any, vp_stage: int | None = None):
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=SequenceParallelNorm)
 
 
+# upstream's Qwen3-Next plug-in name: the same hybrid stack
+get_qwen3_next_spec = get_qwen3_5_spec
+
+
+def get_qwen3_5_vl_model_provider(args: Any, config: Any, vp_stage: int | None = None):
+    """Upstream's Qwen3.5-VL plug-in name. Its vision tower is not built here: the composite checkpoint's text
+    model is trained (the same layers as get_qwen3_5_spec), and a prompt with images is refused at rollout."""
+    import warnings
+
+    warnings.warn("--spec slime_plugins.models.qwen3_5_vl: the vision tower is not built; the text model of the "
+                  "checkpoint is trained and prompts with images, video or audio are refused", stacklevel=2)
+    return get_qwen3_5_spec(args, config, vp_stage)
+
+
 def config_fields(hf_config: Any) -> dict[str, Any]:
     """The DeltaNet sizes in megatron-core's TransformerConfig fields (its linear_attention_freq: 1 = DeltaNet)."""
     return dict(

@@ -50,9 +50,6 @@ def check_paths(args: argparse.Namespace, parser: argparse.ArgumentParser) -> No
 
 # Upstream's layer-spec plug-ins whose layers this project does not have (a --spec naming one is refused).
 UNSUPPORTED_SPEC_MODULES: dict[str, str] = {
-    "slime_plugins.models.qwen3_5": "Qwen3.5 gated delta-net and gated-attention layers are not implemented",
-    "slime_plugins.models.qwen3_5_vl": "Qwen3.5-VL (vision and gated delta-net layers) is not implemented",
-    "slime_plugins.models.qwen3_next": "Qwen3-Next gated delta-net and gated-attention layers are not implemented",
     "slime_plugins.models.glm5": "GLM-5's sparse (DSA indexer) attention layers are not implemented",
     "slime_plugins.models.glm5.glm5": "GLM-5's sparse (DSA indexer) attention layers are not implemented",
 }
@@ -65,8 +62,8 @@ def check_spec(args: argparse.Namespace) -> None:
     module, function = args.spec
     if module in UNSUPPORTED_SPEC_MODULES:
         fail(f"--spec {module} {function} is not supported here: {UNSUPPORTED_SPEC_MODULES[module]}; the layer "
-             "specs here are the built-in ones (dense, MoE, MLA from the HF config), slime_plugins.models.glm4 "
-             "get_glm_spec and slime_plugins.models.minimax_m2 get_minimax_m2_spec")
+             "specs here are the built-in ones (dense, MoE, MLA, hybrid from the HF config) and those of "
+             "slime_plugins.models.{glm4, minimax_m2, qwen3_5, qwen3_next, qwen3_5_vl} (docs/model-families.md)")
     check_hook_path("--spec", f"{module}.{function}")
 
 

@@ -81,6 +81,23 @@ def add_megatron_model_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-mtp-training", action="store_true", default=False, help="train the MTP layers")
     g.add_argument("--bf16", action="store_true", default=False, help="bf16 parameters and compute (default fp32)")
     g.add_argument("--fp16", action="store_true", default=False, help="fp16 parameters and compute")
+    add_linear_attention_arguments(parser)
+
+
+def add_linear_attention_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("megatron linear attention", "gated delta-net layers of Qwen3.5 / Qwen3-Next "
+                                  "(the layer pattern and head shapes come from the HF config's layer_types and "
+                                  "linear_*; a flag given must agree with it)")
+    g.add_argument("--experimental-attention-variant", type=str, default=None, choices=["gated_delta_net", "dsa"],
+                   help="megatron's name for the hybrid layers' attention variant (must agree with the HF config)")
+    g.add_argument("--linear-attention-freq", type=str, default=None,
+                   help="which layers are linear attention: every N-th layer is full attention (an int N), or a "
+                        "python list of 1 (linear) / 0 (full) per layer; must agree with the HF layer_types")
+    g.add_argument("--linear-conv-kernel-dim", type=int, default=None, help="width of the delta-net's causal conv")
+    g.add_argument("--linear-key-head-dim", type=int, default=None, help="key/query head dimension of the delta net")
+    g.add_argument("--linear-value-head-dim", type=int, default=None, help="value head dimension of the delta net")
+    g.add_argument("--linear-num-key-heads", type=int, default=None, help="key/query heads of the delta net")
+    g.add_argument("--linear-num-value-heads", type=int, default=None, help="value heads of the delta net")
 
 
 def add_moe_arguments(parser: argparse.ArgumentParser) -> None:
