@@ -448,11 +448,12 @@ def test_glm_and_minimax_configs_map_and_upstream_flags_must_agree():
     assert config.qk_layernorm and config.kv_channels == 128
     # upstream's --spec names the family's own spec: MoE layers with the whole-projection q/k norms
     from slime.backends.megatron_utils.model import spec_function
+    from slime.config import defaults_namespace
     from slime.models import minimax_m2
 
     function = spec_function(types.SimpleNamespace(spec=["slime_plugins.models.minimax_m2", "get_minimax_m2_spec"]),
                              minimax)
     assert function is minimax_m2.get_minimax_m2_spec
-    attention = function(None, config, None).submodules.self_attention.submodules
+    attention = function(defaults_namespace(), config, None).submodules.self_attention.submodules
     assert attention.q_layernorm.module is minimax_m2.FullWidthRMSNorm
     assert attention.k_layernorm.params == {"heads": "key"}
