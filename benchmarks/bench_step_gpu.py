@@ -86,20 +86,37 @@ class ModelShape:
     topk: int = 0
     moe_ffn_hidden: int = 0
     tied: bool = True
+    full_attention_every: int = 0
+    """> 0: a Qwen3.5-style hybrid, every N-th layer gated full attention, the others gated DeltaNet."""
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_head_dim: int = 0
+
+    @property
+    def full_layers(self) -> int:
+        return self.layers // self.full_attention_every if self.full_attention_every else self.layers
 
     def matmul_params(self) -> int:
         """Weights every token multiplies with (projections, MLP or its router and top-k experts: the ACTIVE
-        parameters, LM head; no embedding lookup, norms)."""
+        parameters, LM head; no embedding lookup, norms). A hybrid's full-attention q_proj also gives the gate."""
         h, d = self.hidden, self.head_dim
         mlp = 3 * h * self.moe_ffn_hidden * self.topk + h * self.num_experts if self.num_experts \
             else 3 * h * self.ffn_hidden
-        per_layer = h * (self.heads + 2 * self.kv_heads) * d + self.heads * d * h + mlp
-        return self.layers * per_layer + h * self.vocab
+        gate = 1 if self.full_attention_every else 0
+        attention = h * ((1 + gate) * self.heads + 2 * self.kv_heads) * d + self.heads * d * h
+        hk, hv, dl = self.linear_key_heads, self.linear_value_heads, self.linear_head_dim
+        delta_net = h * (2 * hk * dl + 2 * hv * dl + 2 * hv) + hv * dl * h
+        linear_layers = self.layers - self.full_layers
+        return self.layers * mlp + self.full_layers * attention + linear_layers * delta_net + h * self.vocab
 
     def forward_flops(self, seq_lens: list[int]) -> float:
-        """Model FLOPs of one forward over sequences of these lengths (causal attention)."""
-        attention = sum(2 * self.layers * self.heads * self.head_dim * n * n for n in seq_lens)
-        return 2.0 * self.matmul_params() * sum(seq_lens) + attention
+        """Model FLOPs of one forward over sequences of these lengths: causal attention in the full-attention
+        layers; in a DeltaNet layer, per token and value head, the chunked rule's intra-chunk products
+        (2 x 64 x 2 x head dim) and the state's update and read (6 x head dim^2)."""
+        attention = sum(2 * self.full_layers * self.heads * self.head_dim * n * n for n in seq_lens)
+        dl = self.linear_head_dim
+        delta_rule = (self.layers - self.full_layers) * self.linear_value_heads * (4 * 64 * dl + 6 * dl * dl)
+        return (2.0 * self.matmul_params() + delta_rule) * sum(seq_lens) + attention
 
 
 MODELS = {
@@ -110,6 +127,12 @@ MODELS = {
     # with Adam state (about 5.6B parameters) at EP1
     "qwen3-30b-a3b-8l": ModelShape(layers=8, hidden=2048, heads=32, kv_heads=4, head_dim=128, ffn_hidden=6144,
                                    num_experts=128, topk=8, moe_ffn_hidden=768, tied=False),
+    # a Qwen3.5-4B-sized hybrid (3 DeltaNet : 1 gated attention, the released 4B's widths) with 16 of 32 layers
+    "qwen3.5-4b-16l": ModelShape(layers=16, hidden=2560, heads=16, kv_heads=4, head_dim=256, ffn_hidden=9216,
+                                 vocab=248320, full_attention_every=4, linear_key_heads=16, linear_value_heads=32,
+                                 linear_head_dim=128),
+    "tiny-hybrid": ModelShape(layers=4, hidden=64, heads=4, kv_heads=2, head_dim=16, ffn_hidden=128, vocab=1024,
+                              full_attention_every=4, linear_key_heads=2, linear_value_heads=4, linear_head_dim=16),
     "tiny-moe": ModelShape(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, ffn_hidden=128,
                            num_experts=8, topk=2, moe_ffn_hidden=32, tied=False),
 }
@@ -394,16 +417,37 @@ def parse_step(argv: list[str]) -> tuple[StepOptions, list[str]]:
                        time_budget_s=ns.time_budget_s, results_json=ns.results_json, checkpoint_dir=ckpt), rest
 
 
+def hybrid_config(shape: ModelShape):
+    """transformers' Qwen3.5 text config of a hybrid shape."""
+    from transformers import Qwen3_5TextConfig
+
+    kinds = ["full_attention" if (i + 1) % shape.full_attention_every == 0 else "linear_attention"
+             for i in range(shape.layers)]
+    return Qwen3_5TextConfig(
+        vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.ffn_hidden,
+        num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim, layer_types=kinds, linear_num_key_heads=shape.linear_key_heads,
+        linear_num_value_heads=shape.linear_value_heads, linear_key_head_dim=shape.linear_head_dim,
+        linear_value_head_dim=shape.linear_head_dim, linear_conv_kernel_dim=4, max_position_embeddings=40960,
+        tie_word_embeddings=shape.tied, architectures=["Qwen3_5ForCausalLM"])
+
+
 def write_config_checkpoint(out_dir: str, shape: ModelShape) -> str:
     """An HF directory holding only config.json (weights stay at megatron's init)."""
     from slime.tools.tiny_checkpoint import TinyQwen3Spec, build_config
 
+    if shape.full_attention_every:
+        return _publish_config(out_dir, hybrid_config(shape))
     spec = TinyQwen3Spec(layers=shape.layers, hidden=shape.hidden, heads=shape.heads, kv_heads=shape.kv_heads,
                          head_dim=shape.head_dim, ffn_hidden=shape.ffn_hidden, max_position_embeddings=40960,
                          tie_word_embeddings=shape.tied, num_experts=shape.num_experts, moe_topk=shape.topk or 2,
                          moe_ffn_hidden=shape.moe_ffn_hidden or 32)
+    return _publish_config(out_dir, build_config(spec))
+
+
+def _publish_config(out_dir: str, config) -> str:
     tmp = tempfile.mkdtemp(dir=os.path.dirname(os.path.abspath(out_dir)), prefix=".cfg_")
-    build_config(spec).save_pretrained(tmp)
+    config.save_pretrained(tmp)
     if not os.path.exists(os.path.join(out_dir, "config.json")):
         os.replace(tmp, out_dir)  # atomic: another local rank may have written it first
     return out_dir
