@@ -20,6 +20,7 @@ from types import MappingProxyType
 from typing import Any
 
 from slime.models.moe_arch import MoEArchitecture
+from slime.models.qwen3_moe import moe_architecture as qwen_moe_architecture
 from slime.models.registry import ModelFamily, register
 
 LAYER_KINDS = ("linear_attention", "full_attention")
@@ -118,26 +119,9 @@ def arch_overrides(hf_config: Any) -> dict[str, Any]:
 
 
 def moe_architecture(hf_config: Any) -> MoEArchitecture | None:
-    """Routed experts and a gated shared expert: every layer (Qwen3.5-MoE), or as decoder_sparse_step and
-    mlp_only_layers say (Qwen3-Next)."""
-    num_experts = getattr(hf_config, "num_experts", None) or 0
-    if num_experts <= 0:
-        return None
-    layers = hf_config.num_hidden_layers
-    step = getattr(hf_config, "decoder_sparse_step", 1) or 1
-    dense_only = set(getattr(hf_config, "mlp_only_layers", None) or ())
-    shared = getattr(hf_config, "shared_expert_intermediate_size", None) or None
-    return MoEArchitecture(
-        num_layers=layers,
-        num_experts=num_experts,
-        topk=hf_config.num_experts_per_tok,
-        ffn_hidden_size=hf_config.moe_intermediate_size,
-        # Qwen3.5-MoE always renormalises (its config has no norm_topk_prob)
-        norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", True)),
-        layer_pattern=tuple(int(i not in dense_only and (i + 1) % step == 0) for i in range(layers)),
-        shared_expert_intermediate_size=shared,
-        shared_expert_gate=shared is not None,
-    )
+    """Qwen-MoE's routed experts and gated shared expert: every layer (Qwen3.5-MoE, whose config has no
+    norm_topk_prob and always renormalises), or as decoder_sparse_step and mlp_only_layers say (Qwen3-Next)."""
+    return qwen_moe_architecture(hf_config, renormalise_by_default=True)
 
 
 def layer_names(prefix: str) -> dict[str, str]:

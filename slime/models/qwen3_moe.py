@@ -31,8 +31,10 @@ from slime.models.registry import ModelFamily, register
 MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe")
 
 
-def moe_architecture(hf_config: Any) -> MoEArchitecture | None:
-    """The MoE facts of a Qwen-MoE HF config; None when it has no experts."""
+def moe_architecture(hf_config: Any, renormalise_by_default: bool = False) -> MoEArchitecture | None:
+    """The MoE facts of a Qwen-MoE HF config (routed experts every decoder_sparse_step layers but mlp_only_layers,
+    a gated shared expert where the config has one); None when it has no experts. `renormalise_by_default`: the
+    top-k weights' renormalisation when the config has no norm_topk_prob (Qwen3.5-MoE always renormalises)."""
     num_experts = getattr(hf_config, "num_experts", None) or 0
     if num_experts <= 0:
         return None
@@ -46,7 +48,7 @@ def moe_architecture(hf_config: Any) -> MoEArchitecture | None:
         num_experts=num_experts,
         topk=hf_config.num_experts_per_tok,
         ffn_hidden_size=hf_config.moe_intermediate_size,
-        norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", False)),
+        norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", renormalise_by_default)),
         layer_pattern=pattern,
         shared_expert_intermediate_size=shared,
         shared_expert_gate=shared is not None,

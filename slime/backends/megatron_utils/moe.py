@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import importlib
 import warnings
 from argparse import Namespace
 from typing import Any, Iterator
@@ -180,15 +181,20 @@ def moe_config_fields(hf_config: Any, args: Namespace) -> dict[str, Any]:
     )
 
 
-def deep_ep_available() -> bool:
-    """DeepEP's kernels: CUDA and the deep_ep package."""
+def _cuda_with(package: str) -> bool:
+    """CUDA and an importable `package`."""
     if not torch.cuda.is_available():
         return False
     try:
-        import deep_ep  # noqa: F401
+        importlib.import_module(package)
     except ImportError:
         return False
     return True
+
+
+def deep_ep_available() -> bool:
+    """DeepEP's kernels: CUDA and the deep_ep package."""
+    return _cuda_with("deep_ep")
 
 
 _warned_no_deepep = False
@@ -232,13 +238,7 @@ def routing_replay_enabled(args: Namespace) -> bool:
 
 def grouped_gemm_available() -> bool:
     """megatron's own grouped expert GEMM (TE spec) needs TransformerEngine on CUDA."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return _cuda_with("transformer_engine")
 
 
 def grouped_experts_enabled(args: Namespace) -> bool:
