@@ -109,15 +109,16 @@ def test_sync_sites_count_synchronising_warnings_by_line(bench):
 
 def _summary(**extra):
     path = dict(cycles=2, step_s=2.0, tflops_per_gpu=300.0, tokens_per_s_per_gpu=1000.0, peak_gib=40.0,
-                static_gib=10.0, only_warmup=False)
+                static_gib=10.0, only_warmup=False, loss=0.5, grad_norm=2.0)
     return {"model": "qwen3-4b", "world": 1, "tp": 1, "cp": 1, "max_tokens_per_gpu": 16384,
             "recompute": ["full", "uniform", 1], "tokens": 60000, "samples": 4, "device_memory_gib": 139.8,
-            "paths": {"new": path, "old": {**path, "step_s": 4.0, "peak_gib": 50.0}}, **extra}
+            "paths": {"new": path, "old": {**path, "step_s": 4.0, "peak_gib": 50.0, "grad_norm": 2.002}}, **extra}
 
 
 def test_summary_lines_give_ratio_memory_per_32k_and_fit(bench):
-    ratio, memory, fit = bench.summary_lines(_summary())
+    ratio, memory, parity, fit = bench.summary_lines(_summary())
     assert ratio.startswith("RATIO step qwen3-4b") and "new/old speed = 2.00x" in ratio
+    assert "old loss 0.5 grad norm 2.002 (rel diff to the first 0.0e+00 / 1.0e-03)" in parity
     assert "new peak 40.0 GiB (static 10.0, above static 30.0 = 60.0 per 32k tokens)" in memory
     assert fit.endswith("new fits; old fits; peak 50.0 GiB of 139.8 GiB")
     failed = bench.summary_lines({**_summary(failure="OOM in the warmup cycle of the old path: x"),
