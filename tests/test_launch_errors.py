@@ -294,8 +294,9 @@ def _actor_died(never_started: bool):
                                                 never_started=never_started, error_message="references removed"))
 
 
-@pytest.mark.parametrize("deaths, started", [((True,), 2), ((False,), 1), ((True, True), 2)])
-def test_an_actor_ray_cancelled_before_it_ran_is_started_once_more(deaths, started, caplog):
+@pytest.mark.parametrize("deaths, started", [((True,), 2), ((True, True), 3), ((False,), 1), ((True, False), 2),
+                                             ((True, True, True), 3)])
+def test_an_actor_ray_cancelled_before_it_ran_is_started_again(deaths, started, caplog):
     from slime.ray.driver.cluster import retry_if_cancelled_before_start
 
     calls = []
@@ -306,10 +307,11 @@ def test_an_actor_ray_cancelled_before_it_ran_is_started_once_more(deaths, start
             raise _actor_died(deaths[len(calls) - 1])
         return "handle"
 
-    if deaths == (True,):
-        assert retry_if_cancelled_before_start(start, "the rollout manager") == "handle"
-        assert "cancelled the rollout manager before it started" in caplog.text
-    else:  # a death after its constructor ran, or a second cancellation, is the run's error
+    pauses = (0.0, 0.0)  # the product pauses 2 s, then 5 s
+    if all(deaths) and len(deaths) <= len(pauses):
+        assert retry_if_cancelled_before_start(start, "the rollout manager", pauses) == "handle"
+        assert caplog.text.count("cancelled the rollout manager before it started") == len(deaths)
+    else:  # a death after its constructor ran, or a cancellation of the last start, is the run's error
         with pytest.raises(Exception, match="RolloutManager"):
-            retry_if_cancelled_before_start(start, "the rollout manager")
+            retry_if_cancelled_before_start(start, "the rollout manager", pauses)
     assert len(calls) == started

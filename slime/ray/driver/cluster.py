@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from pathlib import Path
 from typing import Callable, TypeVar
 
@@ -86,18 +87,26 @@ def cancelled_before_start(err: BaseException) -> bool:
     return isinstance(err, ray.exceptions.ActorDiedError) and "it was cancelled before it started running" in str(err)
 
 
-def retry_if_cancelled_before_start(start: Callable[[], T], what: str) -> T:
-    """start() once more when Ray cancelled the actor it made before the actor ran.
+# Ray's cancellations of an actor that never ran: how many starts in all, and the pause before each new one.
+CANCELLED_START_PAUSES_S = (2.0, 5.0)
+
+
+def retry_if_cancelled_before_start(start: Callable[[], T], what: str,
+                                    pauses_s: tuple[float, ...] = CANCELLED_START_PAUSES_S) -> T:
+    """start() again, after a pause, while Ray cancels the actor it made before the actor ran.
 
     Seen on a cluster whose drivers come and go: Ray's control store cancels a new driver's first
-    actor before it runs, as if the driver had dropped it. Nothing of it ran, so starting it again is
-    safe; any other death (its constructor raised, its process died) is the run's error."""
-    try:
-        return start()
-    except ray.exceptions.ActorDiedError as err:
-        if not cancelled_before_start(err):
-            raise
-        logger.warning("Ray cancelled %s before it started; starting it again", what)
+    actor before it runs, as if the driver had dropped it, and a start at once can meet the same fate.
+    Nothing of it ran, so starting it again is safe; any other death (its constructor raised, its process
+    died), or a cancellation of the last start, is the run's error."""
+    for pause_s in pauses_s:
+        try:
+            return start()
+        except ray.exceptions.ActorDiedError as err:
+            if not cancelled_before_start(err):
+                raise
+            logger.warning("Ray cancelled %s before it started; starting it again in %.0fs", what, pause_s)
+        time.sleep(pause_s)
     return start()
 
 
