@@ -96,35 +96,15 @@ class RayTestCluster:
 # processes again. Runs that must own their cluster (a run-kill fault takes the run's whole session down,
 # the two-node runs) do not use it.
 SHARED_NODE = {"num_cpus": 32, "object_store_memory": 2 * 1024**3}
-# A fresh shared cluster at the first run of a test module once the current one has served this many runs.
-# Seen in CI: late in the suite, a cluster that had served a worker's runs for 15+ minutes had Ray cancel a new
-# driver's first actor before it ran, on every start of that driver (ActorDiedError, "never started"); whatever
-# a cluster accumulates then reaches only a few modules' runs. Only between modules, never under a running test.
-SHARED_CLUSTER_RUNS = 4
 _shared: RayTestCluster | None = None
-_served = 0
-_module = ""
-
-
-def _stop_shared() -> None:
-    if _shared is not None:
-        _shared.__exit__(None, None, None)
-
-
-atexit.register(_stop_shared)
 
 
 def shared_cluster_address() -> str:
-    """The address of this test process's shared cluster, started on first use (and again at a new test
-    module once it has served SHARED_CLUSTER_RUNS runs), stopped at exit."""
-    global _shared, _served, _module
-    module = os.environ.get("PYTEST_CURRENT_TEST", "").split("::")[0]
-    if _shared is not None and module != _module and _served >= SHARED_CLUSTER_RUNS:
-        _stop_shared()
-        _shared = None
+    """The address of this test process's shared cluster, started on first use and stopped at exit."""
+    global _shared
     if _shared is None:
-        _shared, _served = RayTestCluster([SHARED_NODE]).__enter__(), 0
-    _served, _module = _served + 1, module
+        _shared = RayTestCluster([SHARED_NODE]).__enter__()
+        atexit.register(_shared.__exit__, None, None, None)
     return _shared.address
 
 
