@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from test_learning_demo import MIN_RISE, NUM_ROLLOUTS, _series
 from tiny_models import replace_model, save_tiny_qwen3_5, save_tiny_qwen3_5_moe
-from train_runs import train_env
+from train_runs import PRIVATE_CLUSTER, train_env
 
 pytestmark = pytest.mark.e2e
 
@@ -37,7 +37,8 @@ def _run(script: str, model_name: str, save, out: Path, extra: tuple[str, ...]) 
 
     model = write_tiny_checkpoint(out / f"{model_name}-seed{SEED}", TinyQwen3Spec(alphabet="0123456789", seed=SEED))
     replace_model(model, lambda path, **ids: save(path, seed=SEED, **{**SIZES, **ids}))
-    env = train_env({"OUT": str(out), "NUM_ROLLOUT": str(NUM_ROLLOUTS), "PY": sys.executable, "SEED": str(SEED)})
+    env = train_env({"OUT": str(out), "NUM_ROLLOUT": str(NUM_ROLLOUTS), "PY": sys.executable, "SEED": str(SEED),
+                     **PRIVATE_CLUSTER})
     proc = subprocess.run(["bash", str(ROOT / "examples" / script), *extra], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=560)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -185,12 +185,12 @@ def test_sft_flags_parse_as_upstreams_sft_job(tmp_path):
 
 @pytest.mark.timeout(600)
 def test_sft_run_of_the_tiny_model_drives_the_loss_down(tmp_path):
-    from train_runs import read_events, run_train
+    from train_runs import PRIVATE_CLUSTER, read_events, run_train
 
     model = _char_model(tmp_path)
     data = _write_conversations(tmp_path / "sft.jsonl", n=32)
     metrics = tmp_path / "metrics.jsonl"
-    proc, _ = run_train(sft_flags(model, data, metrics, num_rollout=12), timeout_s=540)
+    proc, _ = run_train(sft_flags(model, data, metrics, num_rollout=12), timeout_s=540, env_extra=PRIVATE_CLUSTER)
     assert proc.returncode == 0, proc.stderr[-4000:]
     losses = [e["train/loss"] for e in sorted(read_events(metrics)["train"], key=lambda e: e["rollout_id"])]
     assert len(losses) == 12 and all(math.isfinite(v) for v in losses)
