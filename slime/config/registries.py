@@ -118,6 +118,8 @@ NOT_IMPLEMENTED_FLAGS: tuple[NotImplementedFlag, ...] = (
              "--log-throughput", "--log-timers-to-tensorboard", "--tensorboard-log-interval", "--log-params-norm",
              "--timing-log-level"),
     *_warned("every checkpoint under --save is kept", "--save-retain-interval", "--keep-checkpoint-num"),
+    *_warned("a delta is applied to the weights the engine holds in memory (over the broadcast group): no "
+             "host-local checkpoint is kept", "--update-weight-local-checkpoint-dir"),
 )
 
 
@@ -162,10 +164,14 @@ REFUSED_FLAGS: tuple[NotImplementedFlag, ...] = (
       for f in ("--fp8-format", "--fp8-recipe")),
     *(NotImplementedFlag(flag=f, reason="weights reach the engines only over CUDA IPC, shared memory or the "
                                         "distributed group (--update-weight-transport), never through files on disk")
-      for f in ("--update-weight-disk-dir", "--update-weight-disk-keep-files", "--update-weight-local-checkpoint-dir")),
-    *(NotImplementedFlag(flag=f, reason="delta weight updates are not implemented (--update-weight-mode full: every "
-                                        "push sends the full weights)")
-      for f in ("--update-weight-delta-encoding", "--update-weight-delta-checksum")),
+      for f in ("--update-weight-disk-dir", "--update-weight-disk-keep-files")),
+    NotImplementedFlag(flag="--update-weight-transport", is_active=lambda v: v == "disk",
+                       reason="weights reach the engines only over CUDA IPC, shared memory or the distributed group, "
+                              "never through files on disk; --update-weight-transport nccl (the default) carries "
+                              "--update-weight-mode delta too"),
+    NotImplementedFlag(flag="--update-weight-mode", is_active=lambda v: v == "sparse",
+                       reason="sparse weight updates are not implemented; --update-weight-mode delta sends only the "
+                              "changed positions"),
     NotImplementedFlag(flag="--release-train", reason="releasing the train actors needs disk weight sync, not implemented"),
     NotImplementedFlag(flag="--flush-cache-interval", is_active=lambda v: v != 1,
                        reason="the engines' cache is flushed at every weight sync; a longer interval is not implemented"),

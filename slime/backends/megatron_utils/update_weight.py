@@ -35,7 +35,13 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from slime.backends.megatron_utils.weight_transport import ENGINE_KINDS, EngineSet, build_transport, choose_transport
+from slime.backends.megatron_utils.weight_transport import (
+    ENGINE_KINDS,
+    EngineSet,
+    build_transport,
+    choose_transport,
+    delta_options,
+)
 from slime.backends.sglang_utils.http_client import ClientTimeouts, SGLangHTTPClient
 from slime.distributed.errors import CollectiveDivergenceError, DistributedStepError
 from slime.distributed.fault_inject import apply_weight_push_fault
@@ -236,6 +242,7 @@ class WeightSync:
             raise ValueError(f"engine kind {self.engine_kind!r}; expected one of {ENGINE_KINDS}")
         self.transport_kind = transport or choose_transport(args)
         self.weight_source = weight_source
+        self.delta = delta_options(args)
         self.engine_tp_size = int(args.rollout_num_gpus_per_engine or 1)
         self.bucket_bytes = int(args.update_weight_buffer_size or DEFAULT_BUCKET_BYTES)
         self.timeout_s = float(args.fence_timeout or 600.0)
@@ -255,7 +262,7 @@ class WeightSync:
         if self._transport is None:
             self._transport = build_transport(self.transport_kind, self.engines, engine_kind=self.engine_kind,
                                               engine_tp_size=self.engine_tp_size, timeout_s=self.timeout_s,
-                                              device=device, pp_rank=pp_rank)
+                                              device=device, pp_rank=pp_rank, delta=self.delta)
         return self._transport
 
     def sync(self, model_chunks: Sequence[torch.nn.Module], rollout_id: int, *, fence: Callable[..., None],
@@ -346,7 +353,8 @@ class WeightSync:
             # The version moves (and the cache flushes) with the last bucket only: an engine whose push
             # broke off midway keeps reporting the old version, so the version check catches it.
             device = tensors[0][1].device if tensors else torch.device("cpu")
-            self.transport(device, plan.pp_rank).send(bucket.index, tensors, version=version if last else None, flush_cache=last)
+            sent = self.transport(device, plan.pp_rank).send(bucket.index, tensors, version=version if last else None,
+                                                             flush_cache=last)
         except Exception as exc:
             error = f"{type(exc).__name__}: {str(exc)[:200]}"
             raise
@@ -354,7 +362,7 @@ class WeightSync:
             if entry is not None:
                 ledger.end(entry, error)
             result.send_seconds += time.perf_counter() - start
-        result.bytes_sent += bucket.nbytes
+        result.bytes_sent += sent if isinstance(sent, int) else bucket.nbytes  # a delta transport counts its own
         result.buckets_sent += 1
 
     def _verify_and_resume(self, version: str) -> None:

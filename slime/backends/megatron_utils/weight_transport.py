@@ -246,6 +246,12 @@ class DistributedTransport:
             join.result()  # each bounded by its HTTP timeout
         self._group = group
 
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        """One tensor from the sender to every engine TP rank (the group formed on first use)."""
+        if self._group is None:
+            self.connect()
+        self._group.broadcast(tensor.detach().contiguous(), 0)
+
     def send(self, index: int, tensors: NamedTensors, *, version: str | None, flush_cache: bool) -> None:
         if self._group is None:
             self.connect()
@@ -275,12 +281,36 @@ class DistributedTransport:
             group.close()
 
 
+@dataclass(frozen=True)
+class DeltaOptions:
+    """`--update-weight-mode delta`: how deltas are encoded and checked (sglang_utils/weight_delta.py)."""
+
+    encoding: str
+    checksum: str
+
+
+def delta_options(args: Any) -> DeltaOptions | None:
+    if getattr(args, "update_weight_mode", "full") != "delta":
+        return None
+    return DeltaOptions(args.update_weight_delta_encoding or "xor", args.update_weight_delta_checksum or "xxh3-128")
+
+
 def build_transport(kind: str, engines: EngineSet, *, engine_kind: str, engine_tp_size: int, timeout_s: float,
-                    device: torch.device | None = None, pp_rank: int = 0):
+                    device: torch.device | None = None, pp_rank: int = 0, delta: DeltaOptions | None = None):
     if kind == "tensor":
+        if delta is not None:
+            raise ValueError("--update-weight-mode delta is for separate engines; colocated engines take tensors")
         return TensorTransport(engines, engine_kind, engine_tp_size)
     if kind == "distributed":
         on_gpu = device is not None and device.type == "cuda"
-        return DistributedTransport(engines, engine_tp_size, backend="nccl" if on_gpu else "gloo",
-                                    timeout_s=timeout_s, group_name=f"{WEIGHT_UPDATE_GROUP}_pp{pp_rank}")
+        transport = DistributedTransport(engines, engine_tp_size, backend="nccl" if on_gpu else "gloo",
+                                         timeout_s=timeout_s, group_name=f"{WEIGHT_UPDATE_GROUP}_pp{pp_rank}")
+        if delta is None:
+            return transport
+        if engine_kind != "embedded":
+            raise ValueError("--update-weight-mode delta needs engines that apply deltas (the embedded engine); "
+                             "SGLang engines take full pushes: drop --update-weight-mode delta")
+        from slime.backends.megatron_utils.delta_transport import DeltaTransport
+
+        return DeltaTransport(transport, encoding=delta.encoding, checksum=delta.checksum)
     raise ValueError(f"unknown weight transport {kind!r}; expected one of {TRANSPORTS}")
