@@ -285,11 +285,11 @@ class EmbeddedEngine:
             dtype, changed = _torch_dtype(spec["dtype"]), int(spec["changed"])
             numel = math.prod(int(d) for d in spec["shape"])
             positions = torch.empty(changed, dtype=weight_delta.index_dtype(numel), device=device)
-            values = torch.empty(changed, dtype=weight_delta.value_dtype(dtype), device=device)
+            values = torch.empty(changed * dtype.itemsize, dtype=torch.uint8, device=device)
             if changed:
                 group.broadcast(positions, 0)
                 group.broadcast(values, 0)
-            received.append((spec, dtype, positions, values))
+            received.append((spec, dtype, positions, values.view(weight_delta.value_dtype(dtype))))
         updated, mismatched = [], []
         for spec, dtype, positions, values in received:
             current = self.get_weight(spec["name"]).to(dtype)

@@ -68,10 +68,10 @@ class DeltaTransport:
         replies = self.engines.submit_each(lambda client: client.update_weights_from_distributed(
             names=names, dtypes=[], shapes=[], group_name=self.inner.group_name, weight_version=version,
             flush_cache=flush_cache, delta=spec))
-        for d in deltas:  # the engines receive in this order (weight_delta: positions, then values)
+        for d in deltas:  # the engines receive in this order (weight_delta: positions, then the values' bytes)
             if d.positions.numel():
                 self.inner.broadcast(d.positions)
-                self.inner.broadcast(d.values)
+                self.inner.broadcast(d.values.view(torch.uint8))  # as bytes: gloo has no int16
         refusals = []
         for client, reply in zip(self.engines.clients, replies):
             try:
