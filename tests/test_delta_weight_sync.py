@@ -196,3 +196,27 @@ def test_delta_pushes_leave_the_engine_where_full_pushes_do(checkpoint, engine, 
         full.close()
         engines.close()
         client.close()
+
+
+def test_the_weight_sync_pushes_deltas_only_to_separate_embedded_engines():
+    from slime.backends.megatron_utils.delta_transport import DeltaTransport
+    from slime.backends.megatron_utils.update_weight import WeightSync
+    from slime.backends.megatron_utils.weight_transport import DeltaOptions, EngineSet, build_transport
+    from slime.config import with_defaults
+
+    args = with_defaults(types.SimpleNamespace(colocate=False, update_weight_mode="delta",
+                                               update_weight_delta_checksum="adler32", rollout_num_gpus_per_engine=1),
+                         ("update_weight_transport", "update_weight_delta_encoding", "fence_timeout",
+                          "update_weight_buffer_size"))
+    sync = WeightSync(args, None, ["http://127.0.0.1:1"], engine_kind="embedded")
+    transport = sync.transport(torch.device("cpu"), 0)
+    assert isinstance(transport, DeltaTransport) and (transport.encoding, transport.checksum) == ("xor", "adler32")
+    sync.close()
+    engines = EngineSet(("http://127.0.0.1:1",), None)
+    with pytest.raises(ValueError, match="for separate engines"):
+        build_transport("tensor", engines, engine_kind="embedded", engine_tp_size=1, timeout_s=1,
+                        delta=DeltaOptions("xor", "adler32"))
+    with pytest.raises(ValueError, match="SGLang engines take full pushes"):
+        build_transport("distributed", engines, engine_kind="sglang", engine_tp_size=1, timeout_s=1,
+                        delta=DeltaOptions("xor", "adler32"))
+    engines.close()
