@@ -118,3 +118,49 @@ class NodeRelay:
 
     def close(self) -> None:
         self._closed.set()
+
+
+# -- on Ray: one relay actor per node, shared by the node's ranks ------------------------------------
+RELAY_MIN_WORLD = 512  # below this the hub answers every rank itself (1,024 direct callers: ~40% of a core)
+
+
+class RelayActor:
+    """The Ray actor of a node's relay: the hub's methods, forwarded through one NodeRelay."""
+
+    def __init__(self, hub_handle, hub_name: str, node: str):
+        from slime.distributed.progress_hub import RayHub
+
+        self.relay = NodeRelay(RayHub(hub_handle, hub_name), node[:12])
+
+    def _call(self, method: str, *args: Any) -> Any:
+        return self.relay.call(method, *args, timeout_s=self.relay.call_timeout_s)
+
+    def beat(self, heartbeat: dict | None, rank: int | None) -> dict:
+        return self._call("beat", heartbeat, rank)
+
+    def table(self) -> str:
+        return self._call("table")
+
+    def suspects(self) -> tuple[int, ...]:
+        return self._call("suspects")
+
+    def report(self, rank: int, line: str) -> None:
+        self._call("report", rank, line)
+
+    def verdicts(self) -> list[str]:
+        return self._call("verdicts")
+
+
+def node_relay(hub: tuple, *, runtime_env: dict | None = None) -> tuple:
+    """(handle, name) of this node's relay in front of `hub` (the hub's (handle, name)), started by the
+    first rank of the node that asks. It lives as long as that rank's process (a run ends with any rank's)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    hub_handle, hub_name = hub
+    node = ray.get_runtime_context().get_node_id()
+    handle = ray.remote(RelayActor).options(
+        name=f"progress-relay-{hub_handle._actor_id.hex()[:12]}-{node[:12]}", get_if_exists=True, num_cpus=0,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False), max_restarts=0,
+        max_concurrency=4, runtime_env=runtime_env).remote(hub_handle, hub_name, node)
+    return handle, f"{hub_name} via the relay of node {node[:12]}"
