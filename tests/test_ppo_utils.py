@@ -9,6 +9,7 @@ from slime.config import defaults_namespace
 from slime.utils.ppo_utils import (
     compute_advantages_and_returns,
     compute_approx_kl,
+    compute_cispo_loss,
     compute_entropy_from_logits,
     compute_log_probs,
     compute_policy_loss,
@@ -88,3 +89,25 @@ def test_group_normalize_and_advantages():
     assert data["advantages"] == [[0.5, 0.5], [-0.5, -0.5, -0.5]]
     with pytest.raises(ValueError):
         compute_advantages_and_returns(defaults_namespace(advantage_estimator="ppo"), data)
+
+
+def test_cispo_loss_hand_values_and_gradient():
+    # ratio = pi/pi_old: 1.5 (weight clipped to 1 + 0.28), 0.5 (clipped to 1 - 0.2), 1.0, 1.1 (inside)
+    log_probs = torch.tensor([-0.5, -1.0, -2.0, -0.2], requires_grad=True)
+    ratios = [1.5, 0.5, 1.0, 1.1]
+    old = torch.tensor([lp - math.log(r) for lp, r in zip([-0.5, -1.0, -2.0, -0.2], ratios)])
+    adv = torch.tensor([1.0, -1.0, 2.0, -0.5])
+    loss, clipfrac = compute_cispo_loss(old - log_probs, log_probs, adv, eps_clip=0.2, eps_clip_high=0.28)
+    # -w * A * log pi with w = 1.28, 0.8, 1.0, 1.1
+    assert loss.tolist() == pytest.approx([0.64, -0.8, 4.0, -0.11], rel=1e-5)
+    assert clipfrac.tolist() == [1.0, 1.0, 0.0, 0.0]
+    loss.sum().backward()
+    # the weight is a constant: d loss / d log pi = -w * A, also where the weight was clipped
+    # (PPO's clipped surrogate gives those two tokens no gradient)
+    assert log_probs.grad.tolist() == pytest.approx([-1.28, 0.8, -2.0, 0.55], rel=1e-5)
+
+
+def test_cispo_advantages_are_grpo_returns():
+    data = {"rewards": [0.5, -0.5], "loss_masks": [[1, 1], [1, 0, 1]]}
+    compute_advantages_and_returns(defaults_namespace(advantage_estimator="cispo"), data)
+    assert data["advantages"] == [[0.5, 0.5], [-0.5, -0.5, -0.5]]

@@ -138,9 +138,9 @@ ALWAYS_HONOURED_FLAGS: dict[str, str] = {
 
 
 REFUSED_FLAGS: tuple[NotImplementedFlag, ...] = (
-    NotImplementedFlag(flag="--advantage-estimator", is_active=lambda v: v in ("ppo", "cispo"),
-                       reason="ppo needs a critic model and cispo its own objective, neither is implemented; use grpo, "
-                              "gspo, reinforce_plus_plus or reinforce_plus_plus_baseline"),
+    NotImplementedFlag(flag="--advantage-estimator", is_active=lambda v: v == "ppo",
+                       reason="ppo needs a critic model, which is not implemented; use grpo, gspo, cispo, "
+                              "reinforce_plus_plus or reinforce_plus_plus_baseline"),
     NotImplementedFlag(flag="--optimizer", is_active=lambda v: v != "adam", reason="only --optimizer adam is implemented"),
     NotImplementedFlag(flag="--pg-loss-type", is_active=lambda v: v == "reinforce",
                        reason="the REINFORCE objective is not implemented (the PPO-clip objective is)"),

@@ -59,6 +59,24 @@ def compute_policy_loss(
     return pg_losses, clipfrac
 
 
+def compute_cispo_loss(
+    ppo_kl: torch.Tensor,
+    log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    eps_clip: float,
+    eps_clip_high: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CISPO (MiniMax-M1): -sg(clip(ratio, 1 - eps_clip, 1 + eps_clip_high)) * A * log pi per token.
+
+    The clipped importance weight carries no gradient, so every token keeps its log-prob's
+    gradient (scaled by the weight) instead of being cut off as PPO's clip does; ``ppo_kl``
+    = old_log_probs - log_probs. Returns (pg_losses, clipfrac: 1.0 where the weight was clipped).
+    """
+    ratio = torch.exp(-ppo_kl.detach())
+    weight = ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip_high)
+    return -weight * advantages * log_probs, (weight != ratio).float()
+
+
 def compute_tis_weights(
     old_log_probs: torch.Tensor,
     rollout_log_probs: torch.Tensor,
@@ -204,7 +222,7 @@ def compute_advantages_and_returns(args: Any, data: dict[str, Any]) -> None:
     kl = _shaping_kl(args, data, masks)
     kl_coef = args.kl_coef or 0.0
     # --use-opd: the distillation penalty joins the estimator's advantages before any whitening (upstream's order)
-    if estimator in ("grpo", "gspo"):
+    if estimator in ("grpo", "gspo", "cispo"):
         returns = get_grpo_returns(data["rewards"], kl)
         advantages = opd_penalised(args, data, returns)
         advantages = _whiten(advantages, masks) if args.normalize_advantages else advantages
