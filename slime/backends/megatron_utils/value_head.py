@@ -48,3 +48,51 @@ def attach_value_head(model: Any, weight: torch.Tensor | None = None) -> Any:
     # a value head shares nothing with the input embedding, whatever the checkpoint ties
     model.share_embeddings_and_output_weights = False
     return model
+
+
+def value_model_provider(pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None) -> Any:
+    """A model provider (build_model_and_optimizer's hook) of the critic: the actor's GPTModel, value head on the
+    last stage, built before the DDP wrap and the optimizer so the head trains with the rest."""
+    from slime.backends.megatron_utils.model import build_gpt_model, model_provider_context
+
+    args, hf_config = model_provider_context()
+    model = build_gpt_model(args, hf_config, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
+    return attach_value_head(model) if post_process else model
+
+
+def hf_value_head(hf_dir: str) -> torch.Tensor | None:
+    """`score.weight` of an HF token-classification checkpoint; None for a language-model checkpoint."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    for path in sorted(Path(hf_dir).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as handle:
+            if HF_VALUE_HEAD_KEY in handle.keys():
+                return handle.get_tensor(HF_VALUE_HEAD_KEY)
+    return None
+
+
+@torch.no_grad()
+def load_value_model(model_chunks: list[Any], hf_dir: str, hf_config: Any) -> bool:
+    """The backbone from `hf_dir` (the actor's checkpoint or a token-classification one), the value head from
+    its `score.weight` when it has one, else the head stays zero. Returns whether the head was loaded."""
+    from megatron.core.utils import unwrap_model
+
+    from slime.models.hf_weights import load_hf_weights
+
+    heads = [unwrap_model(chunk) for chunk in model_chunks]
+    heads = [(model, model.output_layer) for model in heads if isinstance(getattr(model, "output_layer", None),
+                                                                           ValueHead)]
+    for model, _ in heads:  # the loader maps the vocabulary head; the value head is not one
+        model.output_layer = torch.nn.Identity()
+    try:
+        load_hf_weights(model_chunks, hf_dir, hf_config)
+    finally:
+        for model, head in heads:
+            model.output_layer = head
+    weight = hf_value_head(hf_dir)
+    if weight is not None:
+        for _, head in heads:
+            head.weight.copy_(weight.reshape(head.weight.shape).to(head.weight.dtype))
+    return weight is not None

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from slime.backends.megatron_utils.data import MicroBatchPlan, PackedMicroBatch
+from slime.backends.megatron_utils.train_step import StepObjective, compute_log_probs
 from slime.utils.ppo_utils import compute_value_loss
 
 VALUE_METRIC_KEYS = ("value_clipfrac", "value_loss", "values")
@@ -62,3 +63,22 @@ def value_micro_batch_loss(output: torch.Tensor, packed: PackedMicroBatch, plan:
     metrics = {"value_loss": loss.detach(), "value_clipfrac": (clipfrac * weights).sum(),
                "values": (values.detach() * weights).sum()}
     return loss, metrics
+
+
+def value_objective(args: Any) -> StepObjective:
+    """The critic's step objective for train_step.train_one_step."""
+    cfg = ValueLossConfig.from_args(args)
+    return StepObjective(keys=tuple(sorted(("loss", *VALUE_METRIC_KEYS))),
+                         micro_batch_loss=lambda output, batch, plan: _with_loss_key(
+                             *value_micro_batch_loss(output, batch, plan, cfg)))
+
+
+def _with_loss_key(loss: torch.Tensor, metrics: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
+    # the step reports (and decides the optimizer's skip on) the reduced "loss"
+    return loss, metrics | {"loss": metrics["value_loss"]}
+
+
+def compute_values(model_chunks: Any, data: Any, plans: Any, args: Any, **hooks: Any) -> list[list[float]]:
+    """The critic's values of every response token of the plans' samples (forward only; samples outside
+    this DP rank's plans get []), gathered over CP as the log-probs are."""
+    return compute_log_probs(model_chunks, data, plans, args, scores=flat_values, **hooks)
