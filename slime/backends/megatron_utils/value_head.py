@@ -81,9 +81,9 @@ def load_value_model(model_chunks: list[Any], hf_dir: str, hf_config: Any) -> bo
 
     from slime.models.hf_weights import load_hf_weights
 
-    heads = [unwrap_model(chunk) for chunk in model_chunks]
-    heads = [(model, model.output_layer) for model in heads if isinstance(getattr(model, "output_layer", None),
-                                                                           ValueHead)]
+    models = [unwrap_model(chunk) for chunk in model_chunks]
+    heads = [(model, model.output_layer) for model in models
+             if isinstance(getattr(model, "output_layer", None), ValueHead)]
     for model, _ in heads:  # the loader maps the vocabulary head; the value head is not one
         model.output_layer = torch.nn.Identity()
     try:
