@@ -29,7 +29,7 @@ def _critic_child(rank, world, hf_dir, data):
     from slime.backends.megatron_utils.value_loss import compute_values, value_objective
 
     args = layout_args(LAYOUT, custom_model_provider_path="slime.backends.megatron_utils.value_head.value_model_provider",
-                       lr=3e-3, value_clip=100.0, clip_grad=10.0)
+                       lr=3e-4, value_clip=100.0, clip_grad=10.0)
     init_model_parallel(args)
     hf_config = AutoConfig.from_pretrained(hf_dir)
     model, optimizer, scheduler = build_model_and_optimizer(args, hf_config)
@@ -73,4 +73,5 @@ def test_critic_values_and_value_loss_steps_at_tp2_sp_cp2(critic_checkpoint):
         assert result["values"] == results[0]["values"]
         assert result["losses"] == results[0]["losses"]  # one reduced loss for all 4 ranks
     losses = results[0]["losses"]
-    assert losses[-1] < 0.5 * losses[0], losses  # the critic's steps fit the returns
+    # the critic's steps fit the returns, every step (measured 9.4, 5.3, 2.3, 0.57)
+    assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < 0.2 * losses[0], losses
