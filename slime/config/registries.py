@@ -69,8 +69,11 @@ NOT_IMPLEMENTED_FLAGS: tuple[NotImplementedFlag, ...] = (
     *_warned("checkpoints are saved synchronously", "--async-save"),
     *_warned("replayed routes of a step are held in memory whole; nothing is prefetched",
              "--routing-replay-prefetch-microbatches"),
-    *_warned("a PPO critic option; --advantage-estimator ppo (a critic) is not implemented", "--value-clip",
-             "--lambd"),
+    # read by the critic's loss and GAE (value_loss.py, ppo_utils.py), which only the refused ppo estimator runs
+    NotImplementedFlag(flag="--value-clip", is_active=lambda v: v != 0.2,
+                       reason="used by --advantage-estimator ppo only, which is refused (no critic trainer group)"),
+    NotImplementedFlag(flag="--lambd", is_active=lambda v: v != 1.0,
+                       reason="used by --advantage-estimator ppo only, which is refused (no critic trainer group)"),
     *_warned("pass@k is always logged here (rollout/pass@k)", "--log-passrate"),
     *_warned("this rollout logging option is not implemented", "--log-multi-turn", "--log-reward-category",
              "--log-correct-samples"),
@@ -140,9 +143,9 @@ ALWAYS_HONOURED_FLAGS: dict[str, str] = {
 
 
 REFUSED_FLAGS: tuple[NotImplementedFlag, ...] = (
-    NotImplementedFlag(flag="--advantage-estimator", is_active=lambda v: v in ("ppo", "cispo"),
-                       reason="ppo needs a critic model and cispo its own objective, neither is implemented; use grpo, "
-                              "gspo, reinforce_plus_plus or reinforce_plus_plus_baseline"),
+    NotImplementedFlag(flag="--advantage-estimator", is_active=lambda v: v == "ppo",
+                       reason="ppo needs a critic model, which is not implemented; use grpo, gspo, cispo, "
+                              "reinforce_plus_plus or reinforce_plus_plus_baseline"),
     NotImplementedFlag(flag="--optimizer", is_active=lambda v: v != "adam", reason="only --optimizer adam is implemented"),
     NotImplementedFlag(flag="--pg-loss-type", is_active=lambda v: v == "reinforce",
                        reason="the REINFORCE objective is not implemented (the PPO-clip objective is)"),
