@@ -25,6 +25,7 @@ _BUILTIN_MODULES = (
     "slime.models.qwen3_5",
     "slime.models.glm4_moe",
     "slime.models.minimax_m2",
+    "slime.models.glm_moe_dsa",
 )
 
 # What a model_type outside the registry is read as (arguments.py lets one through only with a custom model
