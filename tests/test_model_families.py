@@ -169,9 +169,11 @@ def test_spec_plugin_signatures_and_result_types():
 # The sigmoid-router MoE families: a tiny checkpoint of each by transformers' own class, with the tokenizer of the
 # project's tiny checkpoint (the embedded engine serves it).
 MOE_CHECKPOINTS = {"deepseek_v3": "save_tiny_deepseek_v3_moe", "glm4_moe": "save_tiny_glm4_moe",
-                   "glm4_moe_lite": "save_tiny_glm4_moe_lite", "minimax_m2": "save_tiny_minimax_m2"}
+                   "glm4_moe_lite": "save_tiny_glm4_moe_lite", "minimax_m2": "save_tiny_minimax_m2",
+                   "glm_moe_dsa": "save_tiny_glm_moe_dsa"}
 MOE_ARCHITECTURES = {"deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
-                     "glm4_moe_lite": "Glm4MoeLiteForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM"}
+                     "glm4_moe_lite": "Glm4MoeLiteForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM",
+                     "glm_moe_dsa": "GlmMoeDsaForCausalLM"}
 MOE_LAYOUTS = {
     "tp2_sp_ep2": dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=2),
     "tp2_sp_cp2_ep2": dict(tensor_model_parallel_size=2, sequence_parallel=True, context_parallel_size=2,
@@ -179,6 +181,9 @@ MOE_LAYOUTS = {
     # upstream's plug-in path for MiniMax-M2 (the single-process reference is built without it)
     "tp2_sp_ep2_spec": dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=2,
                             spec=["slime_plugins.models.minimax_m2", "get_minimax_m2_spec"]),
+    # upstream's plug-in path for GLM-5, with CP (its indexer keys all-gathered like the K/V)
+    "tp2_sp_cp2_ep2_spec": dict(tensor_model_parallel_size=2, sequence_parallel=True, context_parallel_size=2,
+                                expert_model_parallel_size=2, spec=["slime_plugins.models.glm5.glm5", "get_glm5_spec"]),
 }
 MOE_TRAINING = dict(expert_tensor_parallel_size=1, calculate_per_token_loss=True, lr=1e-3,
                     moe_router_bias_update_rate=0.05)
@@ -270,7 +275,8 @@ def _bias_names(hf_dir):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("family, layout", [("deepseek_v3", "tp2_sp_ep2"), ("glm4_moe", "tp2_sp_cp2_ep2"),
-                                            ("glm4_moe_lite", "tp2_sp_ep2"), ("minimax_m2", "tp2_sp_ep2_spec")])
+                                            ("glm4_moe_lite", "tp2_sp_ep2"), ("minimax_m2", "tp2_sp_ep2_spec"),
+                                            ("glm_moe_dsa", "tp2_sp_cp2_ep2_spec")])
 def test_moe_family_round_trips_trains_and_pushes_under_ep(moe_assets, family, layout, tmp_path):
     """HF -> megatron -> HF bit-exact under TP2 x SP x EP2 (x CP2), the engine's (transformers') log-probs, one
     fenced step whose recorded collectives pass the order proof and that moves the routing bias, and a push that
