@@ -463,3 +463,56 @@ def test_glm_and_minimax_configs_map_and_upstream_flags_must_agree():
     attention = function(defaults_namespace(), config, None).submodules.self_attention.submodules
     assert attention.q_layernorm.module is minimax_m2.FullWidthRMSNorm
     assert attention.k_layernorm.params == {"heads": "key"}
+
+
+def test_glm5_config_maps_upstream_flags_and_refuses_what_is_not_built(tmp_path):
+    """GLM-5-744B's config (no weights) against upstream's launcher flags; the indexer's top-k is clamped to the
+    sequence at run time (transformers and megatron-core do the same); the settings not built here are refused,
+    before Ray starts where config.json says so."""
+    from transformers import GlmMoeDsaConfig
+
+    from slime.backends.megatron_utils.model import transformer_config_from_hf
+    from slime.backends.megatron_utils.moe import moe_config_fields
+    from slime.config import defaults_namespace
+    from slime.config.checks.linear_attention import check_linear_attention
+    from slime.config.errors import ArgumentValidationError
+    from slime.config.launch import check_hf_config
+    from slime.models.sparse_attention import LightningIndexer
+
+    glm5 = GlmMoeDsaConfig()  # GLM-5's released shape: 78 layers, 3 dense, 256 experts top-8
+    config = transformer_config_from_hf(glm5, types.SimpleNamespace(
+        multi_latent_attention=True, q_lora_rank=2048, kv_lora_rank=512, qk_head_dim=192, qk_pos_emb_head_dim=64,
+        v_head_dim=256, qk_layernorm=True, num_experts=256, moe_router_topk=8, moe_layer_freq="[0]*3+[1]*75",
+        moe_shared_expert_intermediate_size=2048, moe_ffn_hidden_size=2048, moe_router_topk_scaling_factor=2.5,
+        expert_model_parallel_size=1, pipeline_model_parallel_size=1))
+    assert (config.dsa_indexer_topk, config.dsa_indexer_n_heads, config.dsa_indexer_head_dim) == (2048, 32, 128)
+    assert config.multi_latent_attention and config.experimental_attention_variant is None
+    with pytest.raises(ValueError, match="--qk-head-dim=256 contradicts"):
+        transformer_config_from_hf(glm5, types.SimpleNamespace(qk_head_dim=256))
+    with pytest.raises(ValueError, match="set n_group to a divisor of 256"):
+        moe_config_fields(GlmMoeDsaConfig(n_group=3, topk_group=1), _moe_flags())
+    with pytest.raises(ValueError, match="YaRN RoPE is not mapped"):
+        transformer_config_from_hf(GlmMoeDsaConfig(rope_parameters=dict(YARN, rope_theta=10000.0)),
+                                   types.SimpleNamespace())
+    shared = GlmMoeDsaConfig(num_hidden_layers=4, index_topk_pattern="FSFS")
+    with pytest.raises(ValueError, match=r"marks layers \[1, 3\] 'shared'"):
+        transformer_config_from_hf(shared, types.SimpleNamespace())
+    (tmp_path / "config.json").write_text(shared.to_json_string())
+    args = defaults_namespace()
+    with pytest.raises(ArgumentValidationError, match="cross-layer sharing"):
+        check_hf_config(args, str(tmp_path / "config.json"))
+    # megatron's name for the attention variant agrees with GLM-5's config and contradicts any other
+    args.experimental_attention_variant = "dsa"
+    check_linear_attention(args, glm5.to_dict(), "config.json")
+    with pytest.raises(ArgumentValidationError, match="has no DeepSeek sparse attention indexer"):
+        check_linear_attention(args, {"model_type": "qwen3"}, "config.json")
+
+    # index_topk above the sequence: every causal key is kept (the top-k clamped to the keys there are)
+    indexer = LightningIndexer(types.SimpleNamespace(
+        dsa_indexer_n_heads=2, dsa_indexer_head_dim=8, dsa_indexer_topk=64, qk_pos_emb_head_dim=4,
+        rotary_base=10000.0, q_lora_rank=8, hidden_size=8, params_dtype=torch.float32))
+    q, weights, k = indexer.queries_and_keys(torch.randn(5, 8), torch.randn(5, 8), torch.arange(5))
+    assert torch.equal(indexer.select(q, weights, k, torch.arange(5)), torch.ones(5, 5, dtype=torch.bool).tril())
+    assert not any(p.requires_grad for p in indexer.parameters())  # transformers' indexer has no gradient
+    indexer.topk = 2
+    assert indexer.select(q, weights, k, torch.arange(5)).sum(-1).tolist() == [1, 2, 2, 2, 2]

@@ -40,7 +40,8 @@ def glm_moe_dsa_architecture(hf_config: Any):
     return sigmoid_router_architecture(deepseek_style_moe(hf_config, "GLM-5 MoE", pattern))
 
 
-def _check_indexer(hf_config: Any) -> None:
+def check_indexer(hf_config: Any) -> None:
+    """The indexer settings built here (also checked before Ray starts)."""
     kinds = list(getattr(hf_config, "indexer_types", None) or ["full"] * hf_config.num_hidden_layers)
     if set(kinds) != {"full"}:
         shared = [i for i, kind in enumerate(kinds) if kind != "full"]
@@ -62,7 +63,7 @@ def glm_moe_dsa_config_fields(hf_config: Any) -> dict[str, Any]:
     if fields["rope_type"] != "rope":
         raise ValueError("GLM-5: YaRN RoPE is not mapped onto the indexer's rotary embedding; use a config with "
                          "default RoPE (rope_parameters.rope_type 'default')")
-    _check_indexer(hf_config)
+    check_indexer(hf_config)
     return dict(fields, dsa_indexer_topk=int(hf_config.index_topk), dsa_indexer_n_heads=int(hf_config.index_n_heads),
                 dsa_indexer_head_dim=int(hf_config.index_head_dim))
 
@@ -115,4 +116,5 @@ GLM_MOE_DSA = register(ModelFamily(
     layer_spec=dsa_layer_spec,
     moe_architecture=glm_moe_dsa_architecture,
     layer_names=dsa_names,
+    check_config=check_indexer,
 ))

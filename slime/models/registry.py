@@ -107,6 +107,9 @@ class ModelFamily:
     default_spec: Callable[..., Any] | None = None
     """The family's own `--spec` function (upstream's signature fn(args, config, vp_stage)), used when the
     user names none (GLM-4's post-norm layers)."""
+    check_config: Callable[[Any], None] | None = None
+    """hf_config (config.json's fields) -> None, or ValueError naming the fix: what the family refuses, checked
+    before Ray starts (GLM-5's indexer settings)."""
     moe_architecture: Callable[[Any], Any] | None = None
     """hf_config -> MoEArchitecture of its MoE layers, or None when every layer is dense."""
 
