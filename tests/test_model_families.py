@@ -516,3 +516,65 @@ def test_glm5_config_maps_upstream_flags_and_refuses_what_is_not_built(tmp_path)
     assert not any(p.requires_grad for p in indexer.parameters())  # transformers' indexer has no gradient
     indexer.topk = 2
     assert indexer.select(q, weights, k, torch.arange(5)).sum(-1).tolist() == [1, 2, 2, 2, 2]
+
+
+# ------------------------------------------------------------------ PP and routing replay of the sigmoid routers
+
+
+def _pp_replay_child(rank, world, hf_dir, data, layout):
+    """Log-probs with the given routes replayed and with every route shifted, then one training step that
+    replays them too."""
+    import base64
+
+    import numpy as np
+
+    from slime.backends.megatron_utils.train_step import compute_log_probs, train_one_step
+    from slime_plugins.models.hf_weights import unwrap_model
+    from train_step_harness import build_loaded_model, layout_args, plans_for_this_rank
+
+    args = layout_args(layout, use_rollout_routing_replay=True)
+    model, optimizer, scheduler = build_loaded_model(args, hf_dir)
+    (plan,) = plans_for_this_rank(data, args)
+    replayed = compute_log_probs(model, data, plan, args)
+    shifted = dict(data, rollout_routed_experts=[  # every token through other experts
+        base64.b64encode(((np.frombuffer(base64.b64decode(r), dtype=np.int32) + 3) % 8).astype(np.int32).tobytes())
+        .decode() for r in data["rollout_routed_experts"]])
+    shifted = compute_log_probs(model, shifted, plan, args)
+    step = train_one_step(model, optimizer, scheduler, data, plan, args)
+    layers = len(unwrap_model(model[0]).decoder.layers)  # this stage's
+    return dict(replayed=replayed, shifted=shifted, loss=step.loss, grad_norm=step.grad_norm, skipped=step.skipped,
+                layers=layers)
+
+
+def _pp_stages(family: str) -> tuple[int, int]:
+    """Layers of each of the two stages (the tiny MiniMax-M2 has 2 layers, the others 3)."""
+    return (1, 1) if family == "minimax_m2" else (2, 1)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", ["glm4_moe", "glm4_moe_lite", "minimax_m2", "glm_moe_dsa"])
+def test_sigmoid_router_family_replays_routes_and_trains_at_pp2(moe_assets, family):
+    """transformers' own routes replayed (--use-rollout-routing-replay) give transformers' log-probs, shifted routes
+    do not; at PP2 (each stage its own dense / MoE layers) the replayed log-probs, the loss and the grad norm of a
+    step that replays them equal the single process's."""
+    from test_moe import _hf_log_probs, _hf_routes
+    from test_train_step import merged_log_probs
+
+    hf_dir, data = moe_assets(family)
+    want = _hf_log_probs(hf_dir, data)
+    data = dict(data, rollout_routed_experts=_hf_routes(hf_dir, data), log_probs=want, ref_log_probs=want,
+                rollout_log_probs=want)
+    (single,) = run_ranks(_pp_replay_child, 1, args=(hf_dir, data, MOE_TRAINING), timeout_s=200)
+    for got, ref in zip(single["replayed"], want):
+        assert got == pytest.approx(ref, abs=1e-5)
+    assert max(abs(a - b) for x, y in zip(single["shifted"], want) for a, b in zip(x, y)) > 1e-2
+    stages = _pp_stages(family)
+    layout = dict(pipeline_model_parallel_size=2, decoder_last_pipeline_num_layers=stages[1], **MOE_TRAINING)
+    results = run_ranks(_pp_replay_child, 2, args=(hf_dir, data, layout), timeout_s=250)
+    assert tuple(r["layers"] for r in results) == stages
+    for got, ref in zip(merged_log_probs([dict(log_probs=r["replayed"]) for r in results], len(want)), want):
+        assert got == pytest.approx(ref, abs=1e-5)
+    assert not single["skipped"] and single["grad_norm"] > 0
+    for result in results:
+        assert result["loss"] == pytest.approx(single["loss"], abs=1e-5)
+        assert result["grad_norm"] == pytest.approx(single["grad_norm"], rel=1e-4)
