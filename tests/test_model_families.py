@@ -21,7 +21,7 @@ import torch
 
 from mp_utils import run_ranks
 from test_train_step import assert_matches_reference, rollout  # noqa: F401 (fixture)
-from tiny_models import save_tiny_deepseek_v3, save_tiny_glm4
+from tiny_models import save_tiny_deepseek_v3, save_tiny_glm4, save_tiny_glm_moe_dsa
 from train_step_harness import layout_child
 
 pytestmark = pytest.mark.ranks
@@ -31,7 +31,8 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
         "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
 
 
-ARCHITECTURES = {"rope": "DeepseekV3ForCausalLM", "yarn": "DeepseekV3ForCausalLM", "glm4": "Glm4ForCausalLM"}
+ARCHITECTURES = {"rope": "DeepseekV3ForCausalLM", "yarn": "DeepseekV3ForCausalLM", "glm4": "Glm4ForCausalLM",
+                 "glm5": "GlmMoeDsaForCausalLM"}
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,9 @@ def family_dirs(tmp_path_factory):
     return {"rope": save_tiny_deepseek_v3(str(root / "rope")),
             # no query compression (q_proj instead of q_a/q_b), YaRN RoPE
             "yarn": save_tiny_deepseek_v3(str(root / "yarn"), seed=1, q_lora_rank=None, rope_scaling=YARN),
-            "glm4": save_tiny_glm4(str(root / "glm4"))}
+            "glm4": save_tiny_glm4(str(root / "glm4")),
+            # DeepSeek sparse attention: 6 of the 16 keys at most
+            "glm5": save_tiny_glm_moe_dsa(str(root / "glm5"))}
 
 
 def _forward_and_export(rank, world, hf_dir, tp, cp):
@@ -79,7 +82,8 @@ def _hf_logits(hf_dir, architecture):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("kind, tp, cp", [("rope", 2, 1), ("rope", 1, 2), ("yarn", 2, 2), ("glm4", 2, 2)])
+@pytest.mark.parametrize("kind, tp, cp", [("rope", 2, 1), ("rope", 1, 2), ("yarn", 2, 2), ("glm4", 2, 2),
+                                          ("glm5", 2, 2)])
 def test_logits_match_transformers_and_export_is_exact(family_dirs, kind, tp, cp):
     from safetensors.torch import load_file
 
@@ -183,7 +187,8 @@ MOE_LAYOUTS = {
                             spec=["slime_plugins.models.minimax_m2", "get_minimax_m2_spec"]),
     # upstream's plug-in path for GLM-5, with CP (its indexer keys all-gathered like the K/V)
     "tp2_sp_cp2_ep2_spec": dict(tensor_model_parallel_size=2, sequence_parallel=True, context_parallel_size=2,
-                                expert_model_parallel_size=2, spec=["slime_plugins.models.glm5.glm5", "get_glm5_spec"]),
+                                expert_model_parallel_size=2,
+                                spec=["slime_plugins.models.glm5.glm5", "get_glm5_spec"]),
 }
 MOE_TRAINING = dict(expert_tensor_parallel_size=1, calculate_per_token_loss=True, lr=1e-3,
                     moe_router_bias_update_rate=0.05)

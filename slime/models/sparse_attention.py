@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,8 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 from slime.models.cp_attention import AttentionPlan, ContextParallelAttention, all_gather_sequence, attention_plan
+
+logger = logging.getLogger(__name__)
 
 
 class LightningIndexer(torch.nn.Module):
@@ -146,6 +149,14 @@ def sparse_latent_attention(base: type) -> type:
     """`base` (an MLASelfAttention) handing its normalised input and q latent to the sparse core attention."""
 
     class SparseLatentSelfAttention(base):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            if self.checkpoint_core_attention:
+                # a recomputed core attention would run without the indexer's inputs (handed over per forward)
+                logger.warning("--recompute-granularity selective: GLM-5's sparse core attention is not recomputed "
+                               "(its indexer's inputs are not checkpointed); --recompute-granularity full is")
+                self.checkpoint_core_attention = False
+
         def get_query_key_value_tensors(self, hidden_states, *args, **kwargs):
             query, key, value, q_latent, kv_latent = super().get_query_key_value_tensors(hidden_states, *args,
                                                                                        **kwargs)
