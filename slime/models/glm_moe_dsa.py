@@ -117,4 +117,5 @@ GLM_MOE_DSA = register(ModelFamily(
     moe_architecture=glm_moe_dsa_architecture,
     layer_names=dsa_names,
     check_config=check_indexer,
+    transformer_engine_spec=False,  # TransformerEngine's MLA spec has no indexer
 ))

@@ -107,6 +107,9 @@ class ModelFamily:
     default_spec: Callable[..., Any] | None = None
     """The family's own `--spec` function (upstream's signature fn(args, config, vp_stage)), used when the
     user names none (GLM-4's post-norm layers)."""
+    transformer_engine_spec: bool = True
+    """Whether megatron's TransformerEngine layer spec (--transformer-impl transformer_engine) builds these layers;
+    False: the family's local spec is built whatever that flag says (GLM-5's sparse attention)."""
     check_config: Callable[[Any], None] | None = None
     """hf_config (config.json's fields) -> None, or ValueError naming the fix: what the family refuses, checked
     before Ray starts (GLM-5's indexer settings)."""
