@@ -583,3 +583,56 @@ def test_sigmoid_router_family_replays_routes_and_trains_at_pp2(moe_assets, fami
     for result in results:
         assert result["loss"] == pytest.approx(single["loss"], abs=1e-5)
         assert result["grad_norm"] == pytest.approx(single["grad_norm"], rel=1e-4)
+
+
+def _gradients_child(rank, world, hf_dir):
+    """The HF-named gradients of the summed next-token log-probs of one sequence (the gradient put in place of
+    each weight, then exported as the weights are)."""
+    import transformers
+
+    from slime.backends.megatron_utils.model import build_gpt_model
+    from slime.backends.megatron_utils.parallel import init_model_parallel
+    from slime_plugins.models.hf_weights import export_hf_weights, load_hf_weights
+
+    args = types.SimpleNamespace(tensor_model_parallel_size=1, context_parallel_size=1,
+                                 pipeline_model_parallel_size=1, seed=5, attention_dropout=0.0, hidden_dropout=0.0)
+    init_model_parallel(args)
+    hf_config = transformers.AutoConfig.from_pretrained(hf_dir)
+    model = build_gpt_model(args, hf_config)
+    load_hf_weights([model], hf_dir, hf_config)
+    tokens = torch.randint(0, hf_config.vocab_size, (1, SEQ), generator=torch.Generator().manual_seed(0))
+    logits = model(tokens, torch.arange(SEQ).unsqueeze(0), None)[0].float()
+    logits.log_softmax(-1)[:-1].gather(-1, tokens[0, 1:, None]).sum().backward()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(param.grad if param.grad is not None else torch.full_like(param, float("nan")))
+    return {name: tensor.clone() for name, tensor in export_hf_weights([model], hf_config)}
+
+
+@pytest.mark.timeout(120)
+def test_glm5_gradients_match_transformers(family_dirs):
+    """The backward through the sparse attention (and the MoE) is transformers': every gradient equal in fp32; the
+    indexer has none on either side."""
+    import transformers
+
+    hf_dir = family_dirs["glm5"]
+    (grads,) = run_ranks(_gradients_child, 1, args=(hf_dir,), timeout_s=100)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    tokens = torch.randint(0, hf.config.vocab_size, (1, SEQ), generator=torch.Generator().manual_seed(0))
+    hf(tokens).logits[0].log_softmax(-1)[:-1].gather(-1, tokens[0, 1:, None]).sum().backward()
+    compared = 0
+    for name, param in hf.named_parameters():
+        if ".indexer." in name:
+            assert param.grad is None and grads[name].isnan().all()
+        elif name.endswith("mlp.experts.gate_up_proj") or name.endswith("mlp.experts.down_proj"):
+            # fused in transformers' memory ([gate; up] rows per expert), one tensor per projection in checkpoints
+            prefix, fused = name.rsplit(".", 1)
+            parts = ("gate_proj", "up_proj") if fused == "gate_up_proj" else ("down_proj",)
+            for expert, grad in enumerate(param.grad):
+                want = torch.cat([grads[f"{prefix}.{expert}.{part}.weight"] for part in parts])
+                assert (want - grad).abs().max().item() < 1e-5, (name, expert)
+            compared += 1
+        else:
+            assert (grads[name] - param.grad).abs().max().item() < 1e-5, name
+            compared += 1
+    assert compared == sum(".indexer." not in name for name, _ in hf.named_parameters())
