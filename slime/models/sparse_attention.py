@@ -77,8 +77,11 @@ class LightningIndexer(torch.nn.Module):
         """[tq, L] boolean: the causal keys among the top-k scored ones for each query of one sequence."""
         key_pos = torch.arange(keys.shape[0], device=keys.device)
         causal = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)
-        scores = F.relu(torch.einsum("thd,ld->thl", q.float(), keys.float()) * self.dim ** -0.5)
-        scores = torch.einsum("th,thl->tl", weights, scores).masked_fill(~causal, float("-inf"))
+        scaled_keys = keys.float().t() * self.dim ** -0.5
+        scores = torch.zeros(causal.shape, dtype=torch.float, device=keys.device)
+        for head in range(self.heads):  # head by head: [tq, L] at a time, not [tq, H, L]
+            scores += weights[:, head, None] * F.relu(q[:, head].float() @ scaled_keys)
+        scores = scores.masked_fill(~causal, float("-inf"))
         top = scores.topk(min(self.topk, keys.shape[0]), dim=-1).indices
         chosen = torch.zeros_like(causal).scatter_(-1, top, True)
         return causal & chosen
