@@ -1,5 +1,6 @@
 """Pipeline parallelism with the weight push to separate engines: 4 forked ranks as PP2 x TP2 (gloo) push to two
-embedded engines over the distributed transport.
+embedded engines of 2 GPUs each (`--rollout-num-gpus-per-engine 2`: one process, one rank of each group) over the
+distributed transport.
 
 Each stage has its own weight-update group (every engine joins both). An engine joins one group and receives
 one broadcast at a time, so the stages go one after another in one global order, stage 0 first: the groups'
@@ -42,7 +43,7 @@ def _pp_push(rank, world, hf_dir, urls, stopped_pid, ledger_dir):
     from slime_plugins.models.hf_weights import export_hf_weights, load_hf_weights
 
     args = with_defaults(types.SimpleNamespace(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, seed=5,
-                                               fence_timeout=FENCE_S, colocate=False, rollout_num_gpus_per_engine=1,
+                                               fence_timeout=FENCE_S, colocate=False, rollout_num_gpus_per_engine=2,
                                                update_weight_buffer_size=64 * 1024), ("update_weight_transport",))
     init_model_parallel(args)
     hf_config = transformers.AutoConfig.from_pretrained(hf_dir)
@@ -119,7 +120,7 @@ def engines(checkpoint, tmp_path_factory):
     yield handles
     for handle in handles:
         os.kill(handle.server.process.pid, signal.SIGCONT)
-        handle.stop()
+        handle.stop(grace_s=2.0)  # engine 0 may still wait inside the abandoned join
 
 
 @pytest.mark.timeout(120)

@@ -250,7 +250,9 @@ class WeightSync:
             raise ValueError(f"engine kind {self.engine_kind!r}; expected one of {ENGINE_KINDS}")
         self.transport_kind = transport or choose_transport(args)
         self.weight_source = weight_source
-        self.engine_tp_size = int(args.rollout_num_gpus_per_engine or 1)
+        # Ranks per engine in a weight-update group: SGLang's TP ranks; the embedded engine is one process
+        # whatever its GPU count (its TP is not sharded).
+        self.engine_tp_size = 1 if self.engine_kind == "embedded" else int(args.rollout_num_gpus_per_engine or 1)
         self.bucket_bytes = int(args.update_weight_buffer_size or DEFAULT_BUCKET_BYTES)
         self.timeout_s = float(args.fence_timeout or 600.0)
         # A weight-update group's creation and each broadcast: half a window, so that the stalled stage's
