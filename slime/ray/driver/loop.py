@@ -54,12 +54,13 @@ def train_rollout(args, rollout_id: int, data_ref, actors, critic=None,
                   on_poll: Callable[[], None] | None = None) -> dict:
     """One rollout's training. ppo (`critic` given): the critic values the rollout, its values join the data of
     both roles (the actor's GAE advantages, the critic's returns), the critic steps, then the actor."""
+    poll = {"on_poll": on_poll} if on_poll is not None else {}
     if critic is None:
-        return actors.train(rollout_id, data_ref, on_poll=on_poll)
+        return actors.train(rollout_id, data_ref, **poll)
     import ray
 
-    values_ref = ray.put({"values": critic.values(rollout_id, data_ref, on_poll=on_poll)})
-    metrics = critic.train(rollout_id, data_ref, on_poll=on_poll, extra_refs=(values_ref,))
+    values_ref = ray.put({"values": critic.values(rollout_id, data_ref, **poll)})
+    metrics = critic.train(rollout_id, data_ref, extra_refs=(values_ref,), **poll)
     if actor_trains(args, rollout_id):
-        metrics.update(actors.train(rollout_id, data_ref, on_poll=on_poll, extra_refs=(values_ref,)))
+        metrics.update(actors.train(rollout_id, data_ref, extra_refs=(values_ref,), **poll))
     return metrics
