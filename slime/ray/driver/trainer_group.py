@@ -77,8 +77,8 @@ class RayTrainGroup:
         explicit = getattr(self.args, "start_rollout_id_given", False)  # --start-rollout-id wins over --load
         if len(set(starts)) != 1 or (not explicit and set(starts) != {self.args.start_rollout_id}):
             raise RuntimeError(f"{self.role} ranks resumed at rollouts {sorted(set(starts))}, the driver at "
-                               f"{self.args.start_rollout_id}: is --load readable the same way by every rank (the critic: "
-                               "--critic-load or <--load>/critic holds its checkpoint)?")
+                               f"{self.args.start_rollout_id}: is --load readable the same way by every rank "
+                               "(the critic: --critic-load or <--load>/critic holds its checkpoint)?")
 
     def train(self, rollout_id: int, data_ref: ray.ObjectRef, on_poll: Callable[[], None] | None = None,
               extra_refs: tuple = ()) -> dict[str, Any]:
