@@ -1,7 +1,8 @@
-"""train.py's and train_async.py's loops with a critic (--advantage-estimator ppo), checked call by call with recorders standing in for
-the rollout manager and both trainer groups: the critic values each rollout before either role trains, its values
-reach the critic's and the actor's step, --num-critic-only-steps trains the critic only (the actor sleeps, no
-weight push, the engines keep their weights) and both roles save and sleep."""
+"""train.py's and train_async.py's loops with a critic (--advantage-estimator ppo), checked call by call with
+recorders standing in for the rollout manager and both trainer groups: the critic values each rollout before either
+role trains, its values reach the critic's and the actor's step, --num-critic-only-steps trains the critic only
+(train.py: the actor sleeps, no weight push, the engines keep their weights; train_async.py: its pushes go on) and
+both roles save and sleep."""
 from __future__ import annotations
 
 import tempfile
