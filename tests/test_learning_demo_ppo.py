@@ -2,11 +2,12 @@
 (4 actor ranks and 4 critic ranks on the same bundles, --colocate, 20 rollouts of the counting task from random
 weights; the critic starts from the actor's checkpoint with a zero head, --num-critic-only-steps 2).
 
-One run (~70-80 s on 2 cores; measured +0.33 over rollout 0, the critic's value loss from 0.6 at rollout 1 to 0.03,
-the engines' and the trainer's log-probs within 1.4e-7) checks that the mean reward of the last 3 rollouts is well above rollout 0's (target +0.3, asked +0.25
-against sampling noise, as the GRPO demo's test does), that the critic trained every rollout and the actor only
-after the critic-only rollouts (no weight push then), that the engines' and the trainer's log-probs agree after
-every weight push, and that the order proof holds for both roles' recorded collectives.
+One run (~70-80 s on 2 cores; measured +0.33 over rollout 0, the critic's value loss from 0.6 at rollout 1 to
+0.03, the engines' and the trainer's log-probs within 1.4e-7) checks that the mean reward of the last 3 rollouts is
+well above rollout 0's (target +0.3, asked +0.25 against sampling noise, as the GRPO demo's test does), that the
+critic trained every rollout and the actor only after the critic-only rollouts (no weight push then), that the
+engines' and the trainer's log-probs agree after every weight push, and that the order proof holds for both roles'
+recorded collectives.
 """
 from __future__ import annotations
 
