@@ -17,7 +17,8 @@ from __future__ import annotations
 import logging
 import sys
 
-from slime.ray.driver.loop import catch_up, check_alternating_args, eval_due, log_unless_custom, save_due
+from slime.ray.driver.loop import (actor_trains, catch_up, check_alternating_args, eval_due, log_unless_custom,
+                                   save_due, train_rollout)
 from slime.ray.driver.session import RunSession, run_entry
 from slime.utils.metrics_logger import MetricsLogger
 
@@ -34,14 +35,17 @@ def train(args) -> None:
             rollout.attach_trainer(lambda urls, version: catch_up(actors, metrics, urls, version))
             if args.offload_train:
                 metrics.log("memory", args.start_rollout_id - 1, actors.sleep())
+                if run.critic is not None:
+                    metrics.log("memory", args.start_rollout_id - 1,
+                                {f"critic/{k}": v for k, v in run.critic.sleep().items()})
             if not args.debug_train_only:
                 with run.first_weight_push():
                     sync_weights(args, args.start_rollout_id - 1, rollout, actors, metrics)
         for rollout_id in run.rollouts():
-            run_rollout(args, rollout_id, rollout, actors, metrics)
+            run_rollout(args, rollout_id, rollout, actors, metrics, critic=run.critic)
 
 
-def run_rollout(args, rollout_id: int, rollout, actors, metrics: MetricsLogger) -> None:
+def run_rollout(args, rollout_id: int, rollout, actors, metrics: MetricsLogger, critic=None) -> None:
     if eval_due(args, rollout_id, before_train=True):
         log_unless_custom(metrics, "eval", rollout_id, rollout.evaluate(rollout_id))
     data_ref, rollout_metrics = rollout.generate(rollout_id)
@@ -50,14 +54,20 @@ def run_rollout(args, rollout_id: int, rollout, actors, metrics: MetricsLogger) 
         return
     memory = rollout.offload() if engines_release_memory(args) else {}
     logger.info("Timer actor_train start (rollout %d)", rollout_id)
-    metrics.log("train", rollout_id, actors.train(rollout_id, data_ref))
+    metrics.log("train", rollout_id, train_rollout(args, rollout_id, data_ref, actors, critic))
+    trainers = (actors, critic) if critic is not None else (actors,)
     if save_due(args, rollout_id):
-        actors.save(rollout_id)
-    if args.offload_train:
-        memory.update(actors.sleep())
+        for group in trainers:
+            group.save(rollout_id)
+    if args.offload_train:  # the groups that trained wake; the actor sleeps through --num-critic-only-steps
+        for group in trainers if actor_trains(args, rollout_id) else (critic,):
+            memory.update({f"{group.role}/{k}" if group is critic else k: v for k, v in group.sleep().items()})
     if memory:
         metrics.log("memory", rollout_id, memory)
-    sync_weights(args, rollout_id, rollout, actors, metrics)
+    if actor_trains(args, rollout_id):
+        sync_weights(args, rollout_id, rollout, actors, metrics)
+    elif engines_release_memory(args):  # --num-critic-only-steps: the engines keep their weights
+        rollout.onload(None)
     if eval_due(args, rollout_id, before_train=False):
         log_unless_custom(metrics, "eval", rollout_id + 1, rollout.evaluate(rollout_id + 1))
 

@@ -27,7 +27,7 @@ def train(args) -> None:
     check_async_args(args)
     with RunSession(args, check_layout=check_disjoint) as run:  # set-up and teardown: slime/ray/driver/session.py
         actors = run.start_trainer()
-        schedule = AsyncSchedule(args, run.rollout, actors, run.metrics)
+        schedule = AsyncSchedule(args, run.rollout, actors, run.metrics, critic=run.critic)
         with run.first_weight_push():
             schedule.push_weights(args.start_rollout_id - 1)  # the engines start from the trainer's weights
         schedule.start_generation(args.start_rollout_id)
@@ -37,7 +37,9 @@ def train(args) -> None:
                 schedule.start_generation(rollout_id + 1)
             schedule.train(rollout_id, data_ref)
             if save_due(args, rollout_id):
-                actors.save(rollout_id)
+                for group in (actors, run.critic):
+                    if group is not None:
+                        group.save(rollout_id)
             if schedule.push_due(rollout_id):
                 schedule.push_weights(rollout_id)
             if eval_due(args, rollout_id, before_train=False):

@@ -1,7 +1,8 @@
 """The critic on 4 gloo ranks as TP2 x SP x CP2, through the trainer's own step machinery: the value model built by
 its provider (value head before the DDP wrap), loaded from an HF token-classification checkpoint, gives transformers'
 values on every response token (CP zig-zag slices gathered as the log-probs are); then critic steps with the
-clipped value loss (train_one_step with the critic's objective) drive the values towards the returns."""
+clipped value loss (train_one_step with the critic's objective) drive the values towards the returns; the trained
+critic saved and loaded into a fresh one gives the same values and the same next step."""
 from __future__ import annotations
 
 import copy
@@ -19,7 +20,7 @@ LAYOUT = dict(tensor_model_parallel_size=2, sequence_parallel=True, context_para
 STEPS = 4
 
 
-def _critic_child(rank, world, hf_dir, data):
+def _critic_child(rank, world, hf_dir, data, ckpt_dir):
     from transformers import AutoConfig
 
     from slime.backends.megatron_utils.model import build_model_and_optimizer
@@ -42,7 +43,26 @@ def _critic_child(rank, world, hf_dir, data):
     losses = [train_one_step(model, optimizer, scheduler, data, plan, args, objective=value_objective(args)).metrics
               for _ in range(STEPS)]
     return dict(values=values, head_loaded=head_loaded, losses=[m["value_loss"] for m in losses],
-                keys=sorted(losses[0]))
+                keys=sorted(losses[0]), **_round_trip(args, hf_config, model, optimizer, scheduler, data, plan,
+                                                      ckpt_dir))
+
+
+def _round_trip(args, hf_config, model, optimizer, scheduler, data, plan, ckpt_dir):
+    """The trained critic saved (weights, head, optimizer) and loaded into a fresh one: the same values, and the
+    same next step."""
+    from slime.backends.megatron_utils.checkpoint import load_checkpoint, save_checkpoint
+    from slime.backends.megatron_utils.model import build_model_and_optimizer
+    from slime.backends.megatron_utils.train_step import train_one_step
+    from slime.backends.megatron_utils.value_loss import compute_values, value_objective
+
+    save_checkpoint(ckpt_dir, 7, model, optimizer, scheduler)
+    saved_values = compute_values(model, data, plan, args)
+    fresh, fresh_optimizer, fresh_scheduler = build_model_and_optimizer(args, hf_config)
+    iteration = load_checkpoint(ckpt_dir, fresh, fresh_optimizer, fresh_scheduler)
+    loaded_values = compute_values(fresh, data, plan, args)
+    steps = [train_one_step(m, o, s, data, plan, args, objective=value_objective(args)).metrics["value_loss"]
+             for m, o, s in ((model, optimizer, scheduler), (fresh, fresh_optimizer, fresh_scheduler))]
+    return dict(iteration=iteration, saved_values=saved_values, loaded_values=loaded_values, next_steps=steps)
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +78,10 @@ def critic_checkpoint(tmp_path_factory):
 
 
 @pytest.mark.timeout(300)
-def test_critic_values_and_value_loss_steps_at_tp2_sp_cp2(critic_checkpoint):
+def test_critic_values_and_value_loss_steps_at_tp2_sp_cp2(critic_checkpoint, tmp_path):
     hf_dir, reference = critic_checkpoint
     data = make_rollout(num_samples=6, vocab=reference.config.vocab_size)
-    results = run_ranks(_critic_child, 4, args=(hf_dir, data), timeout_s=240)
+    results = run_ranks(_critic_child, 4, args=(hf_dir, data, str(tmp_path / "critic")), timeout_s=240)
     with torch.no_grad():
         for i, (tokens, response) in enumerate(zip(data["tokens"], data["response_lengths"])):
             expected = reference(torch.tensor([tokens])).logits[0, :, 0]
@@ -75,3 +95,9 @@ def test_critic_values_and_value_loss_steps_at_tp2_sp_cp2(critic_checkpoint):
     losses = results[0]["losses"]
     # the critic's steps fit the returns, every step (measured 9.4, 5.3, 2.3, 0.57)
     assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < 0.2 * losses[0], losses
+
+    # saved and loaded critic state is identical: the values, and the next step (weights + Adam state)
+    for result in results:
+        assert result["iteration"] == 7
+        assert result["loaded_values"] == result["saved_values"]
+        assert result["next_steps"][1] == result["next_steps"][0]

@@ -50,6 +50,8 @@ def check_launch_inputs(args: argparse.Namespace) -> None:
     if not any(os.path.isfile(os.path.join(path, name)) for name in HF_TOKENIZER_FILES):
         fail(f"--hf-checkpoint {path}: no tokenizer (none of {', '.join(HF_TOKENIZER_FILES)})")
     _check_moe_tensor_parallel(args, os.path.join(path, HF_CONFIG_FILE))
+    if args.advantage_estimator == "ppo" and not args.debug_rollout_only:
+        check_critic_checkpoint(args)
 
 
 MOE_CONFIG_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
@@ -64,6 +66,37 @@ SUPPORTED_MODEL_TYPES = supported_model_types()
 CONFIG_ARCH_KEYS = {"num_layers": "num_hidden_layers", "hidden_size": "hidden_size",
                     "num_attention_heads": "num_attention_heads", "ffn_hidden_size": "intermediate_size",
                     "num_query_groups": "num_key_value_heads"}
+
+
+# HF config keys where the critic's checkpoint must match the actor's: the value model is the actor's
+# architecture (the same model builder, parallel layout and packed batches) with a scalar head.
+CRITIC_ARCH_KEYS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
+                    "intermediate_size", "vocab_size", "model_type")
+
+
+def check_critic_checkpoint(args: argparse.Namespace) -> None:
+    """--advantage-estimator ppo: the critic has weights to start from (--critic-load, or its checkpoint under
+    --load), and an HF --critic-load has the actor's architecture."""
+    from slime.backends.megatron_utils.critic_role import critic_resume_dir
+
+    if critic_resume_dir(args) is not None:
+        return  # a critic checkpoint saved by a ppo run of this architecture
+    if args.critic_load is None:
+        fail(f"--advantage-estimator ppo: --load {args.load} holds no critic checkpoint (critic/); pass --critic-load "
+             "DIR (an HF checkpoint of the actor's architecture, e.g. the --hf-checkpoint itself)")
+    require_path("--critic-load", args.critic_load, "directory")
+    config_path = os.path.join(args.critic_load, HF_CONFIG_FILE)
+    if not os.path.isfile(config_path):
+        fail(f"--critic-load {args.critic_load}: neither a critic checkpoint (no tracker file) nor an HF checkpoint "
+             f"(no {HF_CONFIG_FILE})")
+    critic = built_part(_read_hf_config(config_path))
+    actor = built_part(_read_hf_config(os.path.join(args.hf_checkpoint, HF_CONFIG_FILE)))
+    differ = [f"{key} {critic.get(key)} (actor {actor.get(key)})" for key in CRITIC_ARCH_KEYS
+              if critic.get(key) != actor.get(key)]
+    if differ:
+        fail(f"--critic-load {args.critic_load}: the critic is the actor's architecture with a value head, but its "
+             f"config differs from --hf-checkpoint's: {', '.join(differ)}; pass a critic checkpoint of the actor's "
+             "shape (the --hf-checkpoint itself starts one with a zero head)")
 
 
 def _read_hf_config(config_path: str) -> dict:

@@ -69,11 +69,6 @@ NOT_IMPLEMENTED_FLAGS: tuple[NotImplementedFlag, ...] = (
     *_warned("checkpoints are saved synchronously", "--async-save"),
     *_warned("replayed routes of a step are held in memory whole; nothing is prefetched",
              "--routing-replay-prefetch-microbatches"),
-    # read by the critic's loss and GAE (value_loss.py, ppo_utils.py), which only the refused ppo estimator runs
-    NotImplementedFlag(flag="--value-clip", is_active=lambda v: v != 0.2,
-                       reason="used by --advantage-estimator ppo only, which is refused (no critic trainer group)"),
-    NotImplementedFlag(flag="--lambd", is_active=lambda v: v != 1.0,
-                       reason="used by --advantage-estimator ppo only, which is refused (no critic trainer group)"),
     *_warned("pass@k is always logged here (rollout/pass@k)", "--log-passrate"),
     *_warned("this rollout logging option is not implemented", "--log-multi-turn", "--log-reward-category",
              "--log-correct-samples"),
@@ -143,9 +138,6 @@ ALWAYS_HONOURED_FLAGS: dict[str, str] = {
 
 
 REFUSED_FLAGS: tuple[NotImplementedFlag, ...] = (
-    NotImplementedFlag(flag="--advantage-estimator", is_active=lambda v: v == "ppo",
-                       reason="ppo needs a critic model, which is not implemented; use grpo, gspo, cispo, "
-                              "reinforce_plus_plus or reinforce_plus_plus_baseline"),
     NotImplementedFlag(flag="--optimizer", is_active=lambda v: v != "adam", reason="only --optimizer adam is implemented"),
     NotImplementedFlag(flag="--pg-loss-type", is_active=lambda v: v == "reinforce",
                        reason="the REINFORCE objective is not implemented (the PPO-clip objective is)"),
@@ -154,8 +146,9 @@ REFUSED_FLAGS: tuple[NotImplementedFlag, ...] = (
     NotImplementedFlag(flag="--use-unbiased-kl", reason="the importance-weighted (unbiased) KL is not implemented"),
     NotImplementedFlag(flag="--use-opsm", reason="off-policy sequence masking is not implemented"),
     NotImplementedFlag(flag="--opsm-delta", reason="off-policy sequence masking is not implemented"),
-    NotImplementedFlag(flag="--num-critic-only-steps", reason="critic training (ppo) is not implemented"),
-    NotImplementedFlag(flag="--megatron-config-path", reason="per-role (critic) Megatron configs are not implemented"),
+    NotImplementedFlag(flag="--megatron-config-path",
+                       reason="per-role Megatron configs are not implemented: the critic runs the actor's "
+                              "architecture and parallel layout on the actor's bundles (--critic-lr sets its rate)"),
     NotImplementedFlag(flag="--reset-optimizer-states", reason="resetting optimizer state per rollout is not implemented"),
     NotImplementedFlag(flag="--use-stateless-adam", reason="stateless Adam is not implemented"),
     NotImplementedFlag(flag="--mtp-num-layers", reason="multi-token prediction layers are not supported"),
@@ -204,9 +197,6 @@ REFUSED_FLAGS: tuple[NotImplementedFlag, ...] = (
                        reason="bit-exact train/rollout numerics (matched kernels on both sides) are not implemented"),
     NotImplementedFlag(flag="--use-dynamic-global-batch-size",
                        reason="the global batch is fixed by --global-batch-size / --num-steps-per-rollout"),
-    *(NotImplementedFlag(flag=f, reason="critic training (--advantage-estimator ppo) is not implemented")
-      for f in ("--critic-num-nodes", "--critic-num-gpus-per-node", "--critic-load", "--critic-save", "--critic-lr",
-                "--critic-lr-warmup-iters")),
     NotImplementedFlag(flag="--rollout-external",
                        reason="external engines are not supported; the rollout manager launches its own"),
     NotImplementedFlag(flag="--ckpt-step", reason="--load resumes from its latest iteration; pick one with "

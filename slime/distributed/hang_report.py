@@ -304,9 +304,15 @@ def main(argv: list[str] | None = None) -> int:
     world_size = args.world_size or ledger_world_size(args.ledger_dir)
     if not world_size:
         parser.error(f"no rank<N>.json under {args.ledger_dir}: the ranks have not started, or pass --world-size")
-    print(render_hang_report(args.ledger_dir, world_size))
-    for line in watchdog_verdicts(args.ledger_dir):
-        print(line)
+    from slime.distributed.roles import role_dirs
+
+    roles = role_dirs(args.ledger_dir)
+    for role, path in roles:  # the actor's ranks, then the critic's (<DIR>/critic) when the run has one
+        if len(roles) > 1:
+            print(f"{role} ranks:")
+        print(render_hang_report(path, world_size if path == args.ledger_dir else ledger_world_size(path)))
+        for line in watchdog_verdicts(path):
+            print(line)
     return 0
 
 

@@ -30,6 +30,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from slime.distributed.group_names import format_label
+from slime.distributed.roles import role_dirs
 
 _P2P_SEND = frozenset({"isend", "send"})
 _P2P_RECV = frozenset({"irecv", "recv"})
@@ -278,13 +279,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--incomplete", action="store_true",
                         help="the run failed: compare only what every member of a group reached")
     args = parser.parse_args(argv)
-    sequences = read_sequences(args.ledger_dir)
-    if not sequences:
+    roles = [(role, read_sequences(path)) for role, path in role_dirs(args.ledger_dir)]
+    if not roles[0][1]:
         parser.error(f"no sequence_rank<N>.jsonl in {args.ledger_dir!r}: run train.py with "
                      "--ledger-record-sequence --ledger-dir DIR")
-    report = check_order(sequences, complete=not args.incomplete)
-    print(report.format())
-    return 0 if report.ok else 1
+    ok = True
+    for role, sequences in roles:  # each role's ranks have their own groups (the critic's: <DIR>/critic)
+        report = check_order(sequences, complete=not args.incomplete)
+        print(report.format() if len(roles) == 1 else f"{role}: {report.format()}")
+        ok = ok and report.ok
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

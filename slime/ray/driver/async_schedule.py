@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from slime.ray.driver.loop import catch_up, log_unless_custom
+from slime.ray.driver.loop import catch_up, log_unless_custom, train_rollout
 from slime.ray.driver.rollout_wait import RolloutWatch
 from slime.config.errors import ArgumentValidationError
 from slime.utils.metrics_logger import MetricsLogger
@@ -108,8 +108,10 @@ class AsyncSchedule:
     """Runs `OneStepOffPlan` on the rollout manager and the trainer group; train_async.py calls it in
     upstream's order (see the module docstring)."""
 
-    def __init__(self, args, rollout, actors, metrics: MetricsLogger) -> None:
+    def __init__(self, args, rollout, actors, metrics: MetricsLogger, critic=None) -> None:
         self.args = args
+        self.critic = critic
+        """The critic's ranks (--advantage-estimator ppo), or None."""
         self.plan = OneStepOffPlan(start_rollout_id=args.start_rollout_id, num_rollout=args.num_rollout,
                                    update_weights_interval=args.update_weights_interval)
         self.steps = {step.rollout_id: step for step in self.plan.steps()}
@@ -173,7 +175,10 @@ class AsyncSchedule:
         step = self.steps[rollout_id]
         logger.info("Timer actor_train start (rollout %d, generated with version %d, trainer at %d)", rollout_id,
                     step.generated_with, self.trainer_version)
-        result = self.actors.train(rollout_id, data_ref, on_poll=self._watch_generation)
+        # ppo: the critic's values and step first (--num-critic-only-steps: the actor's weights stay, and the
+        # pushes of the schedule carry them unchanged)
+        result = train_rollout(self.args, rollout_id, data_ref, self.actors, self.critic,
+                               on_poll=self._watch_generation)
         self.trainer_version = rollout_id + 1
         generated_with = self._generated_with.pop(rollout_id, step.generated_with)
         # train_rollout_logprob_abs_diff compares the engines' log-probs of `generated_with` with the trainer's

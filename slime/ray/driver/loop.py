@@ -3,6 +3,8 @@ are due, events a logging hook may take over, and how engines restarted during a
 current weights. How a run starts and ends is the session's (slime/ray/driver/session.py)."""
 from __future__ import annotations
 
+from typing import Callable
+
 from slime.utils.metrics_logger import MetricsLogger
 
 
@@ -41,3 +43,24 @@ def catch_up(actors, metrics: MetricsLogger, engine_urls: list[str], version: in
     result = actors.update_weights(version - 1, engine_urls=engine_urls)
     metrics.log("engine_catch_up", version - 1, result)
     return result
+
+
+def actor_trains(args, rollout_id: int) -> bool:
+    """--num-critic-only-steps N: the first N rollouts train the critic only (the actor and its weights stay)."""
+    return rollout_id >= (getattr(args, "num_critic_only_steps", 0) or 0)
+
+
+def train_rollout(args, rollout_id: int, data_ref, actors, critic=None,
+                  on_poll: Callable[[], None] | None = None) -> dict:
+    """One rollout's training. ppo (`critic` given): the critic values the rollout, its values join the data of
+    both roles (the actor's GAE advantages, the critic's returns), the critic steps, then the actor."""
+    poll = {"on_poll": on_poll} if on_poll is not None else {}
+    if critic is None:
+        return actors.train(rollout_id, data_ref, **poll)
+    import ray
+
+    values_ref = ray.put({"values": critic.values(rollout_id, data_ref, **poll)})
+    metrics = critic.train(rollout_id, data_ref, extra_refs=(values_ref,), **poll)
+    if actor_trains(args, rollout_id):
+        metrics.update(actors.train(rollout_id, data_ref, extra_refs=(values_ref,), **poll))
+    return metrics

@@ -59,6 +59,8 @@ class RunSession:
         """The rollout manager's proxy (slime/ray/driver/rollout_handle.py)."""
         self.actors: RayTrainGroup | None = None
         """The trainer ranks' proxy, once `start_trainer` started them."""
+        self.critic: RayTrainGroup | None = None
+        """The critic's ranks (--advantage-estimator ppo), on the actor's bundles."""
 
     def __enter__(self) -> "RunSession":
         args = self.args
@@ -81,8 +83,9 @@ class RunSession:
     def __exit__(self, *exc_info) -> None:
         self.metrics.close()
         self.rollout.shutdown()
-        if self.actors is not None:
-            self.actors.shutdown()
+        for group in (self.actors, self.critic):
+            if group is not None:
+                group.shutdown()
 
     def start_trainer(self, *, build: bool = True) -> RayTrainGroup | None:
         """The trainer ranks: started on their bundles, placed (the "placement" event, engines included),
@@ -93,10 +96,15 @@ class RunSession:
             with console.step("trainer ranks: starting their processes", "trainer ranks started"):
                 self.actors = RayTrainGroup(args, self.placement)
                 ranks = self.actors.where()
+                if getattr(args, "use_critic", False):
+                    self.critic = RayTrainGroup(args, self.placement, role="critic")
+                    ranks += [{**r, "role": "critic"} for r in self.critic.where()]
         self.metrics.log("placement", args.start_rollout_id, placement_record(ranks, self.rollout.engine_endpoints()))
         if self.actors is not None:
             with console.step("trainer ranks: building the model, loading the weights", "trainer ranks initialised"):
                 self.actors.init(self.rollout.engine_urls())
+                if self.critic is not None:
+                    self.critic.init([])  # the critic's weights never reach the engines
         return self.actors
 
     def first_weight_push(self):

@@ -10,6 +10,7 @@ hub's table of where every rank is.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import tempfile
 from typing import Any, Callable
@@ -43,16 +44,26 @@ def remove_temp_ledger_dir(args) -> None:
 
 
 class RayTrainGroup:
-    def __init__(self, args, placement: Placement):
-        self.args = args
+    """The ranks of one role: the actor's, or the critic's (--advantage-estimator ppo), colocated on the actor's
+    bundles with their own flags (critic.critic_args), ledger directory (<ledger dir>/critic) and progress hub."""
+
+    def __init__(self, args, placement: Placement, role: str = "actor"):
+        self.role = role
         self.world_size = actor_world_size(args)
         self.ledger_dir = args.ledger_dir or resolve_ledger_dir(args)
+        if role == "critic":
+            from slime.backends.megatron_utils.critic_role import critic_args
+
+            args = critic_args(args)
+            self.ledger_dir = os.path.join(self.ledger_dir, role)
+            os.makedirs(self.ledger_dir, exist_ok=True)
+        self.args = args
         self.deadlines = DeadlineModel.from_args(args)
         self.hub = start_hub(self.world_size, runtime_env={"env_vars": worker_env(use_gpu=False)})
         self.progress = HubClient(RayHub(*self.hub))  # the driver's view: asks only
         remote = ray.remote(TrainRayActor)
         self._ranks = [remote.options(**placement.trainer_options(rank)).remote(
-            args, rank, self.world_size, self.ledger_dir, self.hub) for rank in range(self.world_size)]
+            args, rank, self.world_size, self.ledger_dir, self.hub, role) for rank in range(self.world_size)]
 
     def where(self) -> list[dict]:
         """Each rank's own account of its node and GPU, in rank order."""
@@ -65,16 +76,23 @@ class RayTrainGroup:
         starts = self._wait(refs, "init", self.deadlines.driver_init_window_s)
         explicit = getattr(self.args, "start_rollout_id_given", False)  # --start-rollout-id wins over --load
         if len(set(starts)) != 1 or (not explicit and set(starts) != {self.args.start_rollout_id}):
-            raise RuntimeError(f"ranks resumed at rollouts {sorted(set(starts))}, the driver at "
-                               f"{self.args.start_rollout_id}: is --load readable the same way by every rank?")
+            raise RuntimeError(f"{self.role} ranks resumed at rollouts {sorted(set(starts))}, the driver at "
+                               f"{self.args.start_rollout_id}: is --load readable the same way by every rank "
+                               "(the critic: --critic-load or <--load>/critic holds its checkpoint)?")
 
-    def train(self, rollout_id: int, data_ref: ray.ObjectRef, on_poll: Callable[[], None] | None = None
-              ) -> dict[str, Any]:
-        """`on_poll`: watches what runs meanwhile (train_async.py: the next rollout's generation)."""
-        # The data ref is passed inside a list so Ray does not resolve it in the call path:
-        # each rank fetches it itself, under its own deadline.
-        refs = [r.train.remote(rollout_id, [data_ref]) for r in self._ranks]
-        return self._wait(refs, "actor_train", on_poll=on_poll)[0]
+    def train(self, rollout_id: int, data_ref: ray.ObjectRef, on_poll: Callable[[], None] | None = None,
+              extra_refs: tuple = ()) -> dict[str, Any]:
+        """`on_poll`: watches what runs meanwhile (train_async.py: the next rollout's generation);
+        `extra_refs`: fields added to the rollout (the critic's values)."""
+        # The data refs are passed inside a list so Ray does not resolve them in the call path:
+        # each rank fetches them itself, under its own deadline.
+        refs = [r.train.remote(rollout_id, [data_ref, *extra_refs]) for r in self._ranks]
+        return self._wait(refs, f"{self.role}_train", on_poll=on_poll)[0]
+
+    def values(self, rollout_id: int, data_ref: ray.ObjectRef, on_poll: Callable[[], None] | None = None) -> list:
+        """The critic's values of every response token of the rollout."""
+        refs = [r.values.remote(rollout_id, [data_ref]) for r in self._ranks]
+        return self._wait(refs, "critic_values", on_poll=on_poll)[0]
 
     def update_weights(self, rollout_id: int, engine_urls: list[str] | None = None) -> dict[str, Any]:
         """Push the weights of rollout `rollout_id` (version rollout_id + 1); `engine_urls` re-aims the
@@ -84,11 +102,14 @@ class RayTrainGroup:
 
     def sleep(self) -> dict[str, float]:
         """Every rank frees its model and optimizer memory; the figures are the largest over the ranks."""
-        per_rank = self._wait([r.sleep.remote() for r in self._ranks], "sleep")
+        per_rank = self._wait([r.sleep.remote() for r in self._ranks], self._phase("sleep"))
         return {key: max(m[key] for m in per_rank) for key in sorted(per_rank[0])}
 
     def save(self, rollout_id: int) -> None:
-        self._wait([r.save.remote(rollout_id) for r in self._ranks], "save")
+        self._wait([r.save.remote(rollout_id) for r in self._ranks], self._phase("save"))
+
+    def _phase(self, name: str) -> str:
+        return name if self.role == "actor" else f"{self.role}_{name}"
 
     def shutdown(self) -> None:
         for rank in self._ranks:

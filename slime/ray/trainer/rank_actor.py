@@ -64,8 +64,10 @@ def _portable_errors(method):
 
 
 class TrainRayActor:
-    def __init__(self, args, rank: int, world_size: int, ledger_dir: str, hub: tuple | None = None):
+    def __init__(self, args, rank: int, world_size: int, ledger_dir: str, hub: tuple | None = None,
+                 role: str = "actor"):
         self.args = args
+        self.role = role  # "actor", or "critic" (--advantage-estimator ppo: slime/backends/megatron_utils/critic.py)
         self.rank = rank
         self.world_size = world_size
         self.ledger_dir = ledger_dir
@@ -103,19 +105,32 @@ class TrainRayActor:
 
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         from slime.backends.megatron_utils.actor import MegatronTrainActor
+        from slime.backends.megatron_utils.critic import CriticTrainActor
 
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         os.environ.update({k: str(v) for k, v in (self.args.train_env_vars or {}).items()})  # --train-env-vars
         from slime.backends.megatron_utils.parallel import join_rendezvous
 
         store = self._store if self.rank == 0 else join_rendezvous(self.args, master_addr, master_port, self.world_size)
-        self.actor = MegatronTrainActor(self.args, self.rank, self.world_size, self.ledger_dir, hub=self.hub)
+        trainer = CriticTrainActor if self.role == "critic" else MegatronTrainActor
+        self.actor = trainer(self.args, self.rank, self.world_size, self.ledger_dir, hub=self.hub)
         return self.actor.init(master_addr, master_port, engine_urls, store=store)
 
     @_portable_errors
     def train(self, rollout_id: int, data_ref: list) -> dict:
-        data = ray.get(data_ref[0], timeout=self.args.fence_timeout)
-        return self.actor.train(rollout_id, data)
+        return self.actor.train(rollout_id, self._fetch(data_ref))
+
+    @_portable_errors
+    def values(self, rollout_id: int, data_ref: list) -> list:
+        """The critic's values of the rollout's response tokens."""
+        return self.actor.values(rollout_id, self._fetch(data_ref))
+
+    def _fetch(self, data_refs: list) -> dict:
+        """The rollout (the first ref), with the fields the later refs add (the critic's values)."""
+        data = ray.get(data_refs[0], timeout=self.args.fence_timeout)
+        for ref in data_refs[1:]:
+            data.update(ray.get(ref, timeout=self.args.fence_timeout))
+        return data
 
     @_portable_errors
     def update_weights(self, rollout_id: int, engine_urls: list[str] | None = None) -> dict:

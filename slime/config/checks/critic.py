@@ -1,0 +1,42 @@
+"""The critic's flags (--advantage-estimator ppo), checked before Ray starts: what the critic needs, and what
+its ranks cannot run (they are colocated on the actor's bundles with the actor's layout)."""
+from __future__ import annotations
+
+import argparse
+
+from slime.config.errors import fail
+
+CRITIC_ONLY_FLAGS = ("critic_load", "critic_save", "critic_lr", "critic_lr_warmup_iters", "critic_num_nodes",
+                     "critic_num_gpus_per_node")
+
+
+def check_critic(args: argparse.Namespace) -> None:
+    if args.advantage_estimator != "ppo":
+        used = [f"--{name.replace('_', '-')}" for name in CRITIC_ONLY_FLAGS if getattr(args, name) is not None]
+        if args.num_critic_only_steps:
+            used.append("--num-critic-only-steps")
+        if used:
+            fail(f"{', '.join(used)} configure the critic, which only --advantage-estimator ppo trains; drop them "
+                 "or pass --advantage-estimator ppo")
+        return
+    if args.critic_load is None and args.load is None:
+        fail("--advantage-estimator ppo trains a critic: pass --critic-load DIR (an HF checkpoint of the actor's "
+             "architecture, e.g. the --hf-checkpoint itself, or a critic checkpoint saved by a ppo run)")
+    for flag, critic, actor in (("--critic-num-nodes", args.critic_num_nodes, args.actor_num_nodes),
+                                ("--critic-num-gpus-per-node", args.critic_num_gpus_per_node,
+                                 args.actor_num_gpus_per_node)):
+        if critic is not None and critic != actor:
+            fail(f"{flag} {critic}: the critic's ranks are colocated with the actor's, on its bundles and with its "
+                 f"parallel layout ({actor}); drop the flag or set it to the actor's")
+    if args.kl_coef:
+        fail("--kl-coef (a KL reward term) with --advantage-estimator ppo is not implemented: the critic's returns "
+             "are computed without the actor's reference log-probs; use --use-kl-loss --kl-loss-coef instead")
+    if args.num_critic_only_steps < 0:
+        fail(f"--num-critic-only-steps {args.num_critic_only_steps} must be >= 0")
+    if args.num_critic_only_steps and args.save_interval and args.save_interval <= args.num_critic_only_steps:
+        fail(f"--save-interval {args.save_interval} saves during the first --num-critic-only-steps "
+             f"{args.num_critic_only_steps} rollouts, which do not train (nor wake) the actor; set --save-interval "
+             "above --num-critic-only-steps")
+    if args.num_rollout is not None and args.num_critic_only_steps >= args.num_rollout:
+        fail(f"--num-critic-only-steps {args.num_critic_only_steps} leaves no rollout of --num-rollout "
+             f"{args.num_rollout} to train the actor")

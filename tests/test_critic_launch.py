@@ -1,0 +1,96 @@
+"""The critic's flags and checkpoint, checked before Ray starts (--advantage-estimator ppo): a critic source is
+required and named, a critic checkpoint of another architecture than the actor's is refused naming what differs,
+and critic flags without ppo, a critic layout other than the actor's or a KL reward term are refused."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from arg_testing import parse_error, parse_quiet
+from slime.backends.megatron_utils.critic_role import critic_args, critic_resume_dir, critic_save_dir
+from slime.utils.arguments import ArgumentValidationError, check_launch_inputs
+
+BASE = ["--rollout-batch-size", "2", "--num-rollout", "3", "--actor-num-gpus-per-node", "1",
+        "--train-backend-device", "cpu"]
+QWEN3 = dict(model_type="qwen3", num_hidden_layers=4, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+             intermediate_size=128, vocab_size=32)
+
+
+def _checkpoint(path, **config) -> str:
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "tokenizer.json").write_text("{}")
+    return str(path)
+
+
+def _ppo(tmp_path, *flags):
+    (tmp_path / "prompts.jsonl").write_text('{"input": "1"}\n')
+    return [*BASE, "--hf-checkpoint", _checkpoint(tmp_path / "actor", **QWEN3), "--advantage-estimator", "ppo",
+            "--prompt-data", str(tmp_path / "prompts.jsonl"), *flags]
+
+
+def test_ppo_without_a_critic_source_names_critic_load(tmp_path, capsys):
+    err = parse_error(_ppo(tmp_path), capsys)
+    assert "pass --critic-load DIR" in err
+
+
+def test_a_load_without_a_critic_checkpoint_names_critic_load(tmp_path):
+    args = parse_quiet(_ppo(tmp_path, "--load", str(tmp_path / "run")))
+    with pytest.raises(ArgumentValidationError, match="holds no critic checkpoint .*pass --critic-load"):
+        check_launch_inputs(args)
+
+
+@pytest.mark.parametrize("change, says", [
+    (dict(hidden_size=128), "hidden_size 128 (actor 64)"),
+    (dict(num_hidden_layers=2), "num_hidden_layers 2 (actor 4)"),
+    (dict(num_attention_heads=8, num_key_value_heads=4), "num_attention_heads 8 (actor 4), num_key_value_heads 4"),
+    (dict(vocab_size=48), "vocab_size 48 (actor 32)"),
+])
+def test_a_critic_of_another_architecture_is_refused_before_ray(change, says, tmp_path):
+    critic = _checkpoint(tmp_path / "critic", **{**QWEN3, **change})
+    args = parse_quiet(_ppo(tmp_path, "--critic-load", critic))
+    with pytest.raises(ArgumentValidationError, match="--critic-load .* differs from --hf-checkpoint's") as info:
+        check_launch_inputs(args)
+    assert says in str(info.value)
+
+
+def test_a_critic_of_the_actors_architecture_passes_and_gets_its_own_flags(tmp_path):
+    critic = _checkpoint(tmp_path / "critic", **QWEN3, num_labels=1)
+    args = parse_quiet(_ppo(tmp_path, "--critic-load", critic, "--critic-lr", "0.5", "--save", str(tmp_path / "s")))
+    check_launch_inputs(args)
+    role = critic_args(args)
+    assert role.lr == 0.5 and args.lr != 0.5
+    assert role.save == str(tmp_path / "s" / "critic") == critic_save_dir(args)
+    assert role.load is None and critic_resume_dir(args) is None  # an HF critic: loaded, not resumed
+    assert role.custom_model_provider_path.endswith("value_model_provider") and not role.use_kl_loss
+
+
+def test_a_saved_critic_under_load_is_resumed(tmp_path):
+    (tmp_path / "run" / "critic").mkdir(parents=True)
+    (tmp_path / "run" / "critic" / "latest_checkpointed_iteration.txt").write_text("3")
+    args = parse_quiet(_ppo(tmp_path, "--load", str(tmp_path / "run")))
+    check_launch_inputs(args)
+    assert critic_args(args).load == str(tmp_path / "run" / "critic")
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--critic-lr", "1e-3"], "--critic-lr configure the critic, which only --advantage-estimator ppo trains"),
+    (["--num-critic-only-steps", "2"], "--num-critic-only-steps configure the critic"),
+])
+def test_critic_flags_without_ppo_are_refused(flags, says, tmp_path, capsys):
+    err = parse_error([*BASE, "--hf-checkpoint", _checkpoint(tmp_path / "actor", **QWEN3), *flags], capsys)
+    assert says in err
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--critic-num-gpus-per-node", "2"], "--critic-num-gpus-per-node 2: the critic's ranks are colocated"),
+    (["--kl-coef", "0.1"], "--kl-coef (a KL reward term) with --advantage-estimator ppo is not implemented"),
+    (["--num-critic-only-steps", "3"], "leaves no rollout of --num-rollout 3 to train the actor"),
+    (["--num-critic-only-steps", "1", "--save", "s", "--save-interval", "1"],
+     "--save-interval 1 saves during the first --num-critic-only-steps 1 rollouts"),
+    (["--megatron-config-path", "roles.yaml"], "per-role Megatron configs are not implemented"),
+])
+def test_what_the_critic_cannot_run_is_refused(flags, says, tmp_path, capsys):
+    err = parse_error(_ppo(tmp_path, "--critic-load", "x", *flags), capsys)
+    assert says in err
