@@ -499,12 +499,26 @@ def test_glm5_config_maps_upstream_flags_and_refuses_what_is_not_built(tmp_path)
     with pytest.raises(ValueError, match="YaRN RoPE is not mapped"):
         transformer_config_from_hf(GlmMoeDsaConfig(rope_parameters=dict(YARN, rope_theta=10000.0)),
                                    types.SimpleNamespace())
-    shared = GlmMoeDsaConfig(num_hidden_layers=4, index_topk_pattern="FSFS")
-    with pytest.raises(ValueError, match=r"marks layers \[1, 3\] 'shared'"):
-        transformer_config_from_hf(shared, types.SimpleNamespace())
+    # GLM-5.2's shared indexer layers: each built in its source's pipeline stage and recompute group
+    shared = GlmMoeDsaConfig(num_hidden_layers=6, index_topk_pattern="FSSFFS")
     (tmp_path / "config.json").write_text(shared.to_json_string())
     args = defaults_namespace()
-    with pytest.raises(ArgumentValidationError, match="cross-layer sharing"):
+    check_hf_config(args, str(tmp_path / "config.json"))
+    args.pipeline_model_parallel_size = 2  # stages 0-2 and 3-5: layer 5 reuses layer 4's choice
+    check_hf_config(args, str(tmp_path / "config.json"))
+    args.pipeline_model_parallel_size, args.decoder_first_pipeline_num_layers = 2, 2  # layer 2's source 0: away
+    with pytest.raises(ArgumentValidationError, match=r"shared indexer layer 2 reuses layer 0's .* pipeline stage"):
+        check_hf_config(args, str(tmp_path / "config.json"))
+    args.pipeline_model_parallel_size, args.decoder_first_pipeline_num_layers = 1, None
+    args.recompute_granularity, args.recompute_method, args.recompute_num_layers = "full", "uniform", 3
+    check_hf_config(args, str(tmp_path / "config.json"))
+    args.recompute_num_layers = 2  # layers 2-3: layer 2 recomputed without layer 0
+    with pytest.raises(ArgumentValidationError, match="recompute-granularity full group"):
+        check_hf_config(args, str(tmp_path / "config.json"))
+    args.recompute_granularity = None
+    (tmp_path / "config.json").write_text(GlmMoeDsaConfig(num_hidden_layers=2, indexer_types=["shared", "full"])
+                                          .to_json_string())
+    with pytest.raises(ArgumentValidationError, match="starts with 'shared'"):
         check_hf_config(args, str(tmp_path / "config.json"))
     # megatron's name for the attention variant agrees with GLM-5's config and contradicts any other
     args.experimental_attention_variant = "dsa"

@@ -18,6 +18,12 @@ megatron-core 0.16's `experimental_attention_variant/dsa.py` is not used: it ref
 has no packed (THD) path, applies a Hadamard rotation transformers does not, and lays the rope dimensions
 after the others (GLM-5's indexer puts them first). Here the indexer's keys are all-gathered over CP like
 the attention's K/V (upstream's `--allgather-cp`), so each query scores every key of its sequence.
+
+GLM-5.2's "shared" layers (config.json's `indexer_types`) have no indexer: they attend over the keys the last
+"full" layer before them chose, as transformers hands `prev_topk_indices` from layer to layer. Here the full
+layer leaves its choice (per query of this rank's CP chunk) in a relay the next shared layers read; the layers
+of one forward run in order, so the relay holds the right choice as long as a shared layer and its source are
+built in the same pipeline chunk and recomputed together (checked before Ray starts: glm_moe_dsa.py).
 """
 
 from __future__ import annotations
@@ -87,6 +93,28 @@ class LightningIndexer(torch.nn.Module):
         return causal & chosen
 
 
+class _SelectionRelay:
+    """The last full indexer layer's choice ([tq, L] masks per sequence) and the plan it was made for."""
+
+    def __init__(self) -> None:
+        self.plan: AttentionPlan | None = None
+        self.allowed: list[torch.Tensor] = []
+
+    def put(self, plan: AttentionPlan, allowed: list[torch.Tensor]) -> None:
+        self.plan, self.allowed = plan, allowed
+
+    def take(self, plan: AttentionPlan) -> list[torch.Tensor]:
+        if self.plan is not plan:
+            raise RuntimeError("a shared DSA layer ran without the choice of a full indexer layer for these sequences "
+                               "before it (indexer_types must start with 'full'; a shared layer's source must be in "
+                               "its pipeline stage)")
+        return self.allowed
+
+
+# one per process: a forward runs its layers one after the other (see the module's docstring)
+_RELAY = _SelectionRelay()
+
+
 def _tokens_first(t: torch.Tensor) -> torch.Tensor:
     """[s, b, d] -> [b * s, d] (the fold of ContextParallelAttention); a packed [t, d] / [t, 1, d] -> [t, d]."""
     return t if t.dim() == 2 else t.transpose(0, 1).reshape(-1, t.shape[-1])
@@ -135,8 +163,22 @@ class SparseContextParallelAttention(ContextParallelAttention):
                                    device=k.device)
             dist.all_gather_into_tensor(gathered, k.contiguous(), group=group)
             k = gathered.index_select(0, plan.key_order)
-        return [self.indexer.select(q[seq.local], weights[seq.local], k[seq.keys], pos)
-                for seq, pos in zip(plan.sequences, plan.query_positions)]
+        allowed = [self.indexer.select(q[seq.local], weights[seq.local], k[seq.keys], pos)
+                   for seq, pos in zip(plan.sequences, plan.query_positions)]
+        _RELAY.put(plan, allowed)
+        return allowed
+
+
+class SharedSelectionAttention(SparseContextParallelAttention):
+    """A "shared" DSA layer (GLM-5.2): no indexer of its own; the keys the last full layer chose."""
+
+    def __init__(self, config, *args, **kwargs):
+        ContextParallelAttention.__init__(self, config, *args, **kwargs)
+        self.indexer_inputs = None
+
+    def _allowed(self, plan: AttentionPlan, group) -> list[torch.Tensor]:
+        self.indexer_inputs = None
+        return _RELAY.take(plan)
 
 
 def _masked(q, k, v, allowed, scale: float, dropout_p: float) -> torch.Tensor:
@@ -169,9 +211,11 @@ def sparse_latent_attention(base: type) -> type:
     return SparseLatentSelfAttention
 
 
-def with_sparse_attention(spec):
-    """A local MLA layer spec (deepseek_v3.mla_layer_spec) with DSA's attention modules."""
+def with_sparse_attention(spec, shared: bool = False):
+    """A local MLA layer spec (deepseek_v3.mla_layer_spec) with DSA's attention modules; `shared`: a layer
+    reusing the last full layer's choice (no indexer)."""
     attention = spec.submodules.self_attention
-    sub = dataclasses.replace(attention.submodules, core_attention=SparseContextParallelAttention)
+    core = SharedSelectionAttention if shared else SparseContextParallelAttention
+    sub = dataclasses.replace(attention.submodules, core_attention=core)
     attention = dataclasses.replace(attention, module=sparse_latent_attention(attention.module), submodules=sub)
     return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=attention))

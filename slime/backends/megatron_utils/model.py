@@ -191,7 +191,7 @@ def transformer_config_from_hf(hf_config: Any, args: Namespace) -> TransformerCo
     bf16 = bool(args.bf16)
     params_dtype = torch.bfloat16 if bf16 else torch.float32
     moe_fields = {"moe_token_dispatcher_type": "alltoall", **moe.moe_config_fields(hf_config, args)}
-    return config_class(
+    config = config_class(
         **arch,
         **family_fields,
         **moe_fields,
@@ -230,6 +230,10 @@ def transformer_config_from_hf(hf_config: Any, args: Namespace) -> TransformerCo
         num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
         num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
     )
+    # every layer's kind, for a --spec plug-in that builds them by kind (no TransformerConfig field says it)
+    family = family_of(hf_config)
+    config.hf_layer_kinds = family.layer_kinds(hf_config) if family.layer_kinds is not None else None
+    return config
 
 
 def _family_config(hf_config: Any, args: Namespace) -> tuple[type, dict[str, Any]]:
