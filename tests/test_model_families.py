@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import math
 import types
 
 import pytest
@@ -650,3 +651,66 @@ def test_glm5_gradients_match_transformers(family_dirs):
             assert (grads[name] - param.grad).abs().max().item() < 1e-5, name
             compared += 1
     assert compared == sum(".indexer." not in name for name, _ in hf.named_parameters())
+
+
+# ------------------------------------------------------------------ the DSA indexer's KL loss (megatron-core's)
+
+
+def test_indexer_kl_loss_equals_a_plain_computation():
+    """--dsa-indexer-loss-coeff's KL: the heads' summed attention probabilities, renormalised, against the indexer's
+    softmax over the causal keys (or the kept ones), meaned over queries; the gradient reaches the scores only."""
+    from slime.models.indexer_loss import indexer_kl
+
+    torch.manual_seed(0)
+    q, k = torch.randn(3, 2, 4), torch.randn(5, 2, 4)  # queries at positions 2-4 of a 5-key sequence
+    scores = torch.randn(3, 5, requires_grad=True)
+    causal = torch.arange(5)[None, :] <= torch.arange(2, 5)[:, None]
+    kept = causal & (torch.rand(3, 5) > 0.3) | torch.eye(5, dtype=torch.bool)[2:]
+    for mask in (causal, kept):
+        loss = indexer_kl([scores[:1], scores[1:]], [q[:1], q[1:]], [k, k], [mask[:1], mask[1:]], 0.5, None)
+        want = 0.0
+        for t in range(3):
+            keys = mask[t].nonzero().flatten().tolist()
+            probs = [[math.exp(0.5 * float(q[t, h] @ k[s, h])) for s in keys] for h in range(2)]
+            target = [sum(p[i] / sum(p) for p in probs) / 2 for i in range(len(keys))]
+            norm = sum(math.exp(float(scores[t, s])) for s in keys)
+            want += sum(p * (math.log(p) - (float(scores[t, s]) - math.log(norm))) for p, s in zip(target, keys)) / 3
+        assert loss.item() == pytest.approx(want, abs=1e-5)
+    loss.backward()
+    assert scores.grad.abs().sum() > 0 and not q.requires_grad
+
+
+def _indexer_loss_child(rank, world, hf_dir, data, coeff):
+    """The indexer's weights before and after one step with --dsa-indexer-loss-coeff `coeff`, and the step's
+    metrics."""
+    from slime.backends.megatron_utils.train_step import train_one_step
+    from train_step_harness import build_loaded_model, layout_args, plans_for_this_rank
+
+    args = layout_args(MOE_TRAINING, dsa_indexer_loss_coeff=coeff, dsa_indexer_use_sparse_loss=False)
+    model, optimizer, scheduler = build_loaded_model(args, hf_dir)
+    indexer = lambda: {n: p.detach().clone() for n, p in model[0].named_parameters() if ".indexer." in n}  # noqa: E731
+    before = indexer()
+    (plan,) = plans_for_this_rank(data, args)
+    step = train_one_step(model, optimizer, scheduler, data, plan, args)
+    return dict(before=before, after=indexer(), metrics=step.metrics, skipped=step.skipped)
+
+
+@pytest.mark.timeout(200)
+def test_indexer_loss_trains_the_indexer_only_when_asked(moe_assets):
+    """With --dsa-indexer-loss-coeff the full layers' indexers move and the step logs `indexer_loss`; without it
+    they stay as loaded (transformers' frozen indexer) and no such metric is logged."""
+    from test_moe import _hf_log_probs
+
+    hf_dir, data = moe_assets("glm_moe_dsa")
+    want = _hf_log_probs(hf_dir, data)
+    data = dict(data, log_probs=want, ref_log_probs=want, rollout_log_probs=want)
+    for coeff in (1.0, None):
+        (result,) = run_ranks(_indexer_loss_child, 1, args=(hf_dir, data, coeff), timeout_s=90)
+        assert not result["skipped"]
+        assert sorted(result["before"]) and all(".layers.1." not in n for n in result["before"])  # layer 1: shared
+        moved = [n for n in result["before"] if not torch.equal(result["before"][n], result["after"][n])]
+        if coeff:
+            assert sorted(moved) == sorted(result["before"])  # every indexer parameter of the full layers
+            assert result["metrics"]["indexer_loss"] > 0
+        else:
+            assert moved == [] and "indexer_loss" not in result["metrics"]

@@ -10,8 +10,8 @@ keeps the `index_topk` best keys per query; the attention then runs over the cau
                                                                qk_rope_head_dim dimensions of q and k.
 
 The choice is not differentiable and, as in transformers' GlmMoeDsaForCausalLM (the reference), the indexer
-gets no gradient: its parameters are frozen (megatron-core's DSA trains them only through its optional KL
-loss, `dsa_indexer_loss_coeff`, which transformers does not have). A sequence shorter than `index_topk`
+gets no gradient by default: its parameters are frozen. --dsa-indexer-loss-coeff (megatron-core's KL loss, which
+transformers does not have; indexer_loss.py) trains them towards the main attention. A sequence shorter than `index_topk`
 keeps every causal key (the top-k is clamped at run time, as transformers and megatron-core do).
 
 megatron-core 0.16's `experimental_attention_variant/dsa.py` is not used: it refuses context parallelism,
@@ -33,11 +33,11 @@ import functools
 import logging
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
+from slime.models import indexer_loss
 from slime.models.cp_attention import AttentionPlan, ContextParallelAttention, all_gather_sequence, attention_plan
 
 logger = logging.getLogger(__name__)
@@ -56,9 +56,10 @@ class LightningIndexer(torch.nn.Module):
         self.k_norm = torch.nn.LayerNorm(dim, eps=1e-6)
         self.weights_proj = torch.nn.Linear(config.hidden_size, heads, bias=False)
         dtype = config.params_dtype
+        trained = bool(getattr(config, "dsa_indexer_loss_coeff", None))
         for param in self.parameters():
             param.data = param.data.to(dtype)
-            param.requires_grad_(False)
+            param.requires_grad_(trained)
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """RoPE on interleaved pairs of the first rope_dim dimensions, the rotated pairs laid out as
@@ -79,18 +80,24 @@ class LightningIndexer(torch.nn.Module):
         weights = self.weights_proj(x).float() * self.heads ** -0.5
         return q, weights, k
 
-    def select(self, q, weights, keys, query_pos) -> torch.Tensor:
-        """[tq, L] boolean: the causal keys among the top-k scored ones for each query of one sequence."""
+    def scores(self, q, weights, keys, query_pos) -> tuple[torch.Tensor, torch.Tensor]:
+        """([tq, L] scores, [tq, L] causal mask) of the queries of one sequence against its keys."""
         key_pos = torch.arange(keys.shape[0], device=keys.device)
         causal = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)
         scaled_keys = keys.float().t() * self.dim ** -0.5
         scores = torch.zeros(causal.shape, dtype=torch.float, device=keys.device)
         for head in range(self.heads):  # head by head: [tq, L] at a time, not [tq, H, L]
-            scores += weights[:, head, None] * F.relu(q[:, head].float() @ scaled_keys)
-        scores = scores.masked_fill(~causal, float("-inf"))
-        top = scores.topk(min(self.topk, keys.shape[0]), dim=-1).indices
-        chosen = torch.zeros_like(causal).scatter_(-1, top, True)
-        return causal & chosen
+            scores = scores + weights[:, head, None] * F.relu(q[:, head].float() @ scaled_keys)
+        return scores, causal
+
+    def choose(self, scores: torch.Tensor, causal: torch.Tensor) -> torch.Tensor:
+        """[tq, L] boolean: the causal keys among the top-k scored ones."""
+        top = scores.detach().masked_fill(~causal, float("-inf")).topk(min(self.topk, causal.shape[-1]), dim=-1).indices
+        return causal & torch.zeros_like(causal).scatter_(-1, top, True)
+
+    def select(self, q, weights, keys, query_pos) -> torch.Tensor:
+        """[tq, L] boolean: the causal keys among the top-k scored ones for each query of one sequence."""
+        return self.choose(*self.scores(q, weights, keys, query_pos))
 
 
 class _SelectionRelay:
@@ -131,10 +138,12 @@ class SparseContextParallelAttention(ContextParallelAttention):
         super().__init__(config, *args, **kwargs)
         self.indexer = LightningIndexer(config)
         self.indexer_inputs = None
+        self.indexer_scores = None  # ([tq, L] scores, causal masks) per sequence, for the KL loss while it trains
 
     def _attend_packed(self, q, k, v, lengths, group, cp_size, cp_rank) -> torch.Tensor:
         plan = attention_plan(tuple(lengths), cp_size, cp_rank, q.device)
-        with torch.no_grad():
+        self.indexer_scores = None
+        with torch.set_grad_enabled(self._trains_indexer()):
             allowed = self._allowed(plan, group)
         if group is not None:
             kv = all_gather_sequence(torch.cat([k, v], dim=-1), group)
@@ -146,25 +155,38 @@ class SparseContextParallelAttention(ContextParallelAttention):
         with self._dropout_rng():
             for seq, mask in zip(plan.sequences, allowed):
                 outputs.append(_masked(q[seq.local], k[seq.keys], v[seq.keys], mask, self.softmax_scale, dropout_p))
-        return torch.cat(outputs)
+        out = torch.cat(outputs)
+        if self.indexer_scores is None:
+            return out
+        (scores, causal), self.indexer_scores = self.indexer_scores, None
+        counted = allowed if getattr(self.config, "dsa_indexer_use_sparse_loss", False) else causal
+        loss = indexer_loss.indexer_kl(scores, [q[seq.local] for seq in plan.sequences],
+                                       [k[seq.keys] for seq in plan.sequences], counted, self.softmax_scale,
+                                       parallel_state.get_tensor_model_parallel_group())
+        return indexer_loss.attach(out, loss * self.config.dsa_indexer_loss_coeff)
+
+    def _trains_indexer(self) -> bool:
+        """The indexer's KL loss runs: training with a gradient, --dsa-indexer-loss-coeff set."""
+        return bool(getattr(self.config, "dsa_indexer_loss_coeff", None)) and self.training and \
+            torch.is_grad_enabled()
 
     def _allowed(self, plan: AttentionPlan, group) -> list[torch.Tensor]:
         if self.indexer_inputs is None:
             raise RuntimeError("sparse attention ran without the indexer's inputs (SparseLatentSelfAttention sets "
                                "them); build GLM-5 layers with glm_moe_dsa.dsa_layer_spec")
-        x, q_latent = self.indexer_inputs
+        x, q_latent = (t.detach() for t in self.indexer_inputs)  # the KL loss trains the indexer only
         self.indexer_inputs = None
         if self.config.sequence_parallel and parallel_state.get_tensor_model_parallel_world_size() > 1:
             x, q_latent = gather_from_sequence_parallel_region(x), gather_from_sequence_parallel_region(q_latent)
         positions = torch.cat(plan.query_positions)
         q, weights, k = self.indexer.queries_and_keys(_tokens_first(x), _tokens_first(q_latent), positions)
-        if group is not None:  # the indexer's keys of the whole sequence, as the attention's K/V
-            gathered = torch.empty((dist.get_world_size(group) * k.shape[0], k.shape[1]), dtype=k.dtype,
-                                   device=k.device)
-            dist.all_gather_into_tensor(gathered, k.contiguous(), group=group)
-            k = gathered.index_select(0, plan.key_order)
-        allowed = [self.indexer.select(q[seq.local], weights[seq.local], k[seq.keys], pos)
-                   for seq, pos in zip(plan.sequences, plan.query_positions)]
+        if group is not None:  # the indexer's keys of the whole sequence, as the attention's K/V (differentiable)
+            k = all_gather_sequence(k.contiguous(), group).index_select(0, plan.key_order)
+        scored = [self.indexer.scores(q[seq.local], weights[seq.local], k[seq.keys], pos)
+                  for seq, pos in zip(plan.sequences, plan.query_positions)]
+        allowed = [self.indexer.choose(scores, causal) for scores, causal in scored]
+        if torch.is_grad_enabled():  # the KL loss's inputs (_attend_packed)
+            self.indexer_scores = [scores for scores, _ in scored], [causal for _, causal in scored]
         _RELAY.put(plan, allowed)
         return allowed
 
@@ -175,6 +197,7 @@ class SharedSelectionAttention(SparseContextParallelAttention):
     def __init__(self, config, *args, **kwargs):
         ContextParallelAttention.__init__(self, config, *args, **kwargs)
         self.indexer_inputs = None
+        self.indexer_scores = None
 
     def _allowed(self, plan: AttentionPlan, group) -> list[torch.Tensor]:
         self.indexer_inputs = None

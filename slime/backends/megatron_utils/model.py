@@ -134,7 +134,7 @@ MODEL_FLAGS = ("model_name", "untie_embeddings_and_output_weights", "bf16", "seq
                "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "multi_latent_attention",
                "fused_kernels", "transformer_impl", "spec", "custom_model_provider_path",
                "accumulate_allreduce_grads_in_fp32", "use_distributed_optimizer", "only_train_params_name_list",
-               "freeze_params_name_list")
+               "freeze_params_name_list", "dsa_indexer_loss_coeff", "dsa_indexer_use_sparse_loss")
 
 
 def _check_against_args(arch: dict[str, Any], args: Namespace, flags: dict[str, str] = _ARCH_FLAGS) -> None:
@@ -191,6 +191,9 @@ def transformer_config_from_hf(hf_config: Any, args: Namespace) -> TransformerCo
     bf16 = bool(args.bf16)
     params_dtype = torch.bfloat16 if bf16 else torch.float32
     moe_fields = {"moe_token_dispatcher_type": "alltoall", **moe.moe_config_fields(hf_config, args)}
+    if family_fields.get("dsa_indexer_topk"):  # the indexer's KL loss (megatron-core's fields)
+        family_fields = dict(family_fields, dsa_indexer_loss_coeff=float(args.dsa_indexer_loss_coeff or 0.0),
+                             dsa_indexer_use_sparse_loss=bool(args.dsa_indexer_use_sparse_loss))
     config = config_class(
         **arch,
         **family_fields,
