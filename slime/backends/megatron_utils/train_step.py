@@ -167,7 +167,10 @@ def _indexer_loss_scale(config: Any, num_micro_batches: int, dp: int) -> None:
     gradient reduction averages over DP x CP unless the loss is per token."""
     weight = 1.0 / (num_micro_batches * dp)
     cp = parallel_state.get_context_parallel_world_size()
-    indexer_loss.set_step_scale(weight, weight if config.calculate_per_token_loss else weight * dp * cp)
+    gradient = weight if config.calculate_per_token_loss else weight * dp * cp
+    if config.grad_scale_func is not None:  # the fp16 loss scale the main backward starts from
+        gradient *= float(config.grad_scale_func(torch.ones(1, device=_comm_device())))
+    indexer_loss.set_step_scale(weight, gradient)
 
 
 def reduce_step_metrics(sums: Mapping[str, torch.Tensor], keys: Sequence[str]) -> dict[str, float]:
