@@ -687,23 +687,37 @@ def test_indexer_kl_loss_equals_a_plain_computation():
     assert scores.grad.abs().sum() > 0 and not q.requires_grad
 
 
-def _indexer_loss_child(rank, world, hf_dir, data, coeff):
+def _indexer_loss_child(rank, world, hf_dir, data, coeff, layout=None, ledger_dir=None):
     """The indexer's weights before and after one step with --dsa-indexer-loss-coeff `coeff`, and the step's
-    metrics."""
+    metrics; with `ledger_dir`, the step's collectives in a ledger (the order proof's input)."""
+    import contextlib
+
     from slime.backends.megatron_utils.train_step import train_one_step
+    from slime.distributed.instrument import instrument_collectives, uninstrument_collectives
+    from slime.distributed.ledger import Ledger
     from train_step_harness import build_loaded_model, layout_args, plans_for_this_rank
 
-    args = layout_args(MOE_TRAINING, dsa_indexer_loss_coeff=coeff, dsa_indexer_use_sparse_loss=False)
+    args = layout_args(dict(layout or {}, **MOE_TRAINING), dsa_indexer_loss_coeff=coeff,
+                       dsa_indexer_use_sparse_loss=layout is not None)
     model, optimizer, scheduler = build_loaded_model(args, hf_dir)
     indexer = lambda: {n: p.detach().clone() for n, p in model[0].named_parameters() if ".indexer." in n}  # noqa: E731
     before = indexer()
     (plan,) = plans_for_this_rank(data, args)
-    step = train_one_step(model, optimizer, scheduler, data, plan, args)
+    ledger = Ledger(rank, world, ledger_dir, record_sequence=True) if ledger_dir else None
+    if ledger:
+        instrument_collectives(ledger)
+    try:
+        with ledger.phase("actor_train") if ledger else contextlib.nullcontext():
+            step = train_one_step(model, optimizer, scheduler, data, plan, args)
+    finally:
+        if ledger:
+            uninstrument_collectives()
+            ledger.close()
     return dict(before=before, after=indexer(), metrics=step.metrics, skipped=step.skipped)
 
 
 @pytest.mark.timeout(200)
-def test_indexer_loss_trains_the_indexer_only_when_asked(moe_assets):
+def test_indexer_loss_trains_the_indexer_only_when_asked(moe_assets, tmp_path):
     """With --dsa-indexer-loss-coeff the full layers' indexers move and the step logs `indexer_loss`; without it
     they stay as loaded (transformers' frozen indexer) and no such metric is logged."""
     from test_moe import _hf_log_probs
@@ -721,3 +735,15 @@ def test_indexer_loss_trains_the_indexer_only_when_asked(moe_assets):
             assert result["metrics"]["indexer_loss"] > 0
         else:
             assert moved == [] and "indexer_loss" not in result["metrics"]
+    # TP2 x SP x CP2 x EP2 with the sparse loss: the heads' sum over TP and the keys' gradient over CP run in the
+    # ledger's order proof, every rank logs the same reduced loss and moves its (TP-replicated) indexer alike
+    from slime.distributed.order_proof import check_order, read_sequences
+
+    results = run_ranks(_indexer_loss_child, 4, args=(hf_dir, data, 1.0, MOE_LAYOUTS["tp2_sp_cp2_ep2"],
+                                                      str(tmp_path)), timeout_s=120)
+    report = check_order(read_sequences(str(tmp_path)))
+    assert report.ok, report.format()
+    assert len({r["metrics"]["indexer_loss"] for r in results}) == 1 and results[0]["metrics"]["indexer_loss"] > 0
+    for result in results:
+        assert all(not torch.equal(result["before"][n], result["after"][n]) for n in result["before"])
+        assert all(torch.equal(result["after"][n], results[0]["after"][n]) for n in result["after"])
