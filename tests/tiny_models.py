@@ -286,9 +286,10 @@ def save_tiny_minimax_m2(path: str, seed: int = 0, **overrides) -> str:
 
 
 def save_tiny_glm_moe_dsa(path: str, seed: int = 0, **overrides) -> str:
-    """A tiny GlmMoeDsaForCausalLM (GLM-5): multi-latent attention with the DSA indexer keeping 6 keys per query
-    (below the test sequences' lengths, so the attention is sparse), 3 layers (the first dense), 8 routed experts
-    top-2, one shared expert, routed_scaling_factor 2.5."""
+    """A tiny GlmMoeDsaForCausalLM (GLM-5 / 5.2): multi-latent attention with the DSA indexer keeping 6 keys per
+    query (below the test sequences' lengths, so the attention is sparse), 3 layers (the first dense; the third a
+    GLM-5.2 "shared" indexer layer reusing the second's choice), 8 routed experts top-2, one shared expert,
+    routed_scaling_factor 2.5."""
     import torch
     from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 
@@ -296,7 +297,7 @@ def save_tiny_glm_moe_dsa(path: str, seed: int = 0, **overrides) -> str:
                   num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=24, qk_nope_head_dim=16,
                   qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
                   first_k_dense_replace=1, routed_scaling_factor=2.5, index_topk=6, index_head_dim=16,
-                  index_n_heads=4, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                  index_n_heads=4, indexer_types=["full", "full", "shared"], max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
                   pad_token_id=0)
     fields.update(overrides)
     torch.manual_seed(seed)

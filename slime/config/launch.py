@@ -130,6 +130,7 @@ def check_hf_config(args: argparse.Namespace, config_path: str) -> None:
              "--custom-model-provider-path plug-in may build others")
     if model_type in SUPPORTED_MODEL_TYPES:
         _check_layer_kinds(config, config_path)
+        _check_family_layout(args, config, config_path)
         _check_family_flags(args, model_family(config.get("model_type", model_type)), config_path)
     heads = config.get("num_attention_heads")
     mla = (model_type in ("deepseek_v3", "deepseek_v2", "kimi_k2", "glm4_moe_lite", "glm_moe_dsa")
@@ -174,6 +175,17 @@ def _check_layer_kinds(config: dict, config_path: str) -> None:
         return
     try:
         family.layer_kinds(SimpleNamespace(**config))
+    except ValueError as exc:
+        fail(f"--hf-checkpoint: {config_path}: {exc}")
+
+
+def _check_family_layout(args: argparse.Namespace, config: dict, config_path: str) -> None:
+    """The pipeline split and recompute grouping against what the family's layers need (ModelFamily.check_layout)."""
+    family = model_family(config.get("model_type"))
+    if family.check_layout is None:
+        return
+    try:
+        family.check_layout(SimpleNamespace(**config), args)
     except ValueError as exc:
         fail(f"--hf-checkpoint: {config_path}: {exc}")
 

@@ -7,8 +7,12 @@ The HF names are GLM-4.7-Flash's (MLA: deepseek_v3.attention_names; the MoE bloc
 indexer's `self_attn.indexer.{wq_b, wk, k_norm, weights_proj}`, which megatron holds, frozen and replicated
 over TP, as `self_attention.core_attention.indexer.*`.
 
-Refused with the fix named: YaRN or partial RoPE (the indexer's RoPE here is the default one), and "shared"
-indexer layers (GLM-5.2's cross-layer top-k sharing, `indexer_types`), which reuse another layer's choice.
+GLM-5.2's "shared" indexer layers (`indexer_types`) are a layer kind: no indexer (so no indexer weights either
+way), the keys the last "full" layer before them chose (sparse_attention.py). The choice is not sent between
+pipeline stages: a split or a --recompute-granularity full grouping that separates a shared layer from its source
+is refused before Ray starts, naming the fix.
+
+Refused with the fix named: YaRN or partial RoPE (the indexer's RoPE here is the default one).
 """
 
 from __future__ import annotations
@@ -40,14 +44,32 @@ def glm_moe_dsa_architecture(hf_config: Any):
     return sigmoid_router_architecture(deepseek_style_moe(hf_config, "GLM-5 MoE", pattern))
 
 
+def indexer_kinds(hf_config: Any) -> tuple[str, ...]:
+    """Each layer's indexer: "full" (its own) or "shared" (the last full layer's choice, GLM-5.2)."""
+    kinds = tuple(getattr(hf_config, "indexer_types", None) or ("full",) * hf_config.num_hidden_layers)
+    if len(kinds) != hf_config.num_hidden_layers or set(kinds) - {"full", "shared"}:
+        raise ValueError(f"GLM-5: indexer_types {list(kinds)} must give 'full' or 'shared' for each of the "
+                         f"{hf_config.num_hidden_layers} layers; fix config.json")
+    if kinds[0] != "full":
+        raise ValueError("GLM-5: indexer_types starts with 'shared', but a shared layer reuses the choice of a full "
+                         "layer before it; fix config.json")
+    return kinds
+
+
+def shared_sources(hf_config: Any) -> dict[int, int]:
+    """shared layer -> the full layer whose choice it reuses (the last one before it)."""
+    sources, last = {}, 0
+    for layer, kind in enumerate(indexer_kinds(hf_config)):
+        if kind == "full":
+            last = layer
+        else:
+            sources[layer] = last
+    return sources
+
+
 def check_indexer(hf_config: Any) -> None:
     """The indexer settings built here (also checked before Ray starts)."""
-    kinds = list(getattr(hf_config, "indexer_types", None) or ["full"] * hf_config.num_hidden_layers)
-    if set(kinds) != {"full"}:
-        shared = [i for i, kind in enumerate(kinds) if kind != "full"]
-        raise ValueError(f"GLM-5: indexer_types marks layers {shared} 'shared' (they reuse an earlier layer's top-k "
-                         "keys, GLM-5.2's cross-layer sharing), which is not implemented; only checkpoints whose "
-                         "every layer runs its own indexer ('full') train here")
+    indexer_kinds(hf_config)
     for key in ("index_topk", "index_n_heads", "index_head_dim"):
         if int(getattr(hf_config, key, 0) or 0) < 1:
             raise ValueError(f"GLM-5: {key}={getattr(hf_config, key, None)} in config.json; it must be a positive int")
@@ -75,6 +97,60 @@ def dsa_layer_spec(config: Any, mlp: Any = None):
     return with_sparse_attention(mla_layer_spec(config, mlp))
 
 
+def dsa_kind_layer_spec(config: Any, kind: str):
+    """A full layer (its own indexer) or a shared one (the last full layer's choice)."""
+    from slime.models.sparse_attention import with_sparse_attention
+
+    return with_sparse_attention(mla_layer_spec(config), shared=kind == "shared")
+
+
+def _pipeline_chunks(args: Any, layers: int) -> list[range]:
+    """The layers of each model chunk (pipeline stage, or virtual stage under --virtual-pipeline-...)."""
+    pp = getattr(args, "pipeline_model_parallel_size", None) or 1
+    vp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
+    first = getattr(args, "decoder_first_pipeline_num_layers", None)
+    last = getattr(args, "decoder_last_pipeline_num_layers", None)
+    if vp > 1 and (first is not None or last is not None):
+        raise ValueError("GLM-5.2's shared indexer layers with a virtual pipeline and --decoder-first/last-pipeline-"
+                         "num-layers: the chunk boundaries are not checked here; drop one of the two")
+    middle = pp - (first is not None) - (last is not None)
+    sizes = ([first] if first is not None else []) + [(layers - (first or 0) - (last or 0)) // max(middle, 1)] * middle
+    sizes += [last] if last is not None else []
+    if vp > 1:
+        sizes = [layers // (pp * vp)] * (pp * vp)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [range(start, start + size) for start, size in zip(starts, sizes)]
+
+
+def _recompute_groups(args: Any, chunk: range) -> list[range]:
+    """The layers of a pipeline chunk that --recompute-granularity full re-runs together."""
+    if getattr(args, "recompute_granularity", None) != "full":
+        return [chunk]
+    count = getattr(args, "recompute_num_layers", None) or 1
+    if getattr(args, "recompute_method", None) == "block":  # the first `count` layers alone, the rest not at all
+        alone = [range(layer, layer + 1) for layer in chunk[:count]]
+        return alone + ([chunk[count:]] if len(chunk) > count else [])
+    return [chunk[i:i + count] for i in range(0, len(chunk), count)]
+
+
+def check_indexer_layout(hf_config: Any, args: Any) -> None:
+    """Each shared layer built (and recomputed) with its source layer: the choice is not sent between stages."""
+    sources = shared_sources(hf_config)
+    if not sources:
+        return
+    for chunk in _pipeline_chunks(args, hf_config.num_hidden_layers):
+        for group in _recompute_groups(args, chunk):
+            for layer in group:
+                if layer in sources and sources[layer] not in group:
+                    where = "pipeline stage" if group == chunk else "--recompute-granularity full group"
+                    raise ValueError(
+                        f"GLM-5.2: shared indexer layer {layer} reuses layer {sources[layer]}'s top-k keys, which "
+                        f"is built in another {where} (layers {group.start}-{group.stop - 1}); choose "
+                        "--decoder-first/last-pipeline-num-layers or --pipeline-model-parallel-size so that each "
+                        "stage starts with a full layer, and --recompute-method uniform with --recompute-num-layers "
+                        "grouping each shared layer with its source (or --recompute-granularity selective)")
+
+
 def dsa_names(prefix: str) -> dict[str, str]:
     """MLA's names and the indexer's."""
     indexer = f"{prefix}self_attn.indexer."
@@ -85,8 +161,9 @@ def dsa_names(prefix: str) -> dict[str, str]:
 
 
 def get_glm5_spec(args: Any, config: Any, vp_stage: int | None = None):
-    """Upstream's `--spec slime_plugins.models.glm5.glm5 get_glm5_spec`: this pipeline stage's GLM-5 layers,
-    with megatron's MoE layer where config.moe_layer_freq says so (the layers built without --spec too)."""
+    """Upstream's `--spec slime_plugins.models.glm5.glm5 get_glm5_spec`: this pipeline stage's GLM-5 layers, each
+    by its indexer kind (config.hf_layer_kinds), with megatron's MoE layer where config.moe_layer_freq says so (the
+    layers built without --spec too)."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
@@ -97,11 +174,12 @@ def get_glm5_spec(args: Any, config: Any, vp_stage: int | None = None):
 
     grouped = grouped_experts_chosen(with_defaults(args, ("moe_grouped_gemm",)).moe_grouped_gemm)
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
-    dense = dsa_layer_spec(config)
+    kinds = {kind: dsa_kind_layer_spec(config, kind) for kind in ("full", "shared")}
     specs = []
     for layer in range(offset, offset + get_num_layers_to_build(config, vp_stage=vp_stage)):
+        spec = kinds[config.hf_layer_kinds[layer]]
         moe = config.num_moe_experts and config.moe_layer_freq[layer]
-        specs.append(with_moe_mlp(dense, config, grouped) if moe else dense)
+        specs.append(with_moe_mlp(spec, config, grouped) if moe else spec)
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=SequenceParallelNorm)
 
 
@@ -114,8 +192,11 @@ GLM_MOE_DSA = register(ModelFamily(
     config_fields=glm_moe_dsa_config_fields,
     config_flags=DSA_FLAGS,
     layer_spec=dsa_layer_spec,
+    layer_kinds=indexer_kinds,
+    kind_layer_spec=dsa_kind_layer_spec,
     moe_architecture=glm_moe_dsa_architecture,
     layer_names=dsa_names,
     check_config=check_indexer,
+    check_layout=check_indexer_layout,
     transformer_engine_spec=False,  # TransformerEngine's MLA spec has no indexer
 ))

@@ -113,6 +113,9 @@ class ModelFamily:
     check_config: Callable[[Any], None] | None = None
     """hf_config (config.json's fields) -> None, or ValueError naming the fix: what the family refuses, checked
     before Ray starts (GLM-5's indexer settings)."""
+    check_layout: Callable[[Any, Any], None] | None = None
+    """(hf_config, args) -> None, or ValueError naming the fix: a pipeline split or recompute grouping the
+    family's layers cannot run under (GLM-5.2's shared indexer layers), checked before Ray starts."""
     moe_architecture: Callable[[Any], Any] | None = None
     """hf_config -> MoEArchitecture of its MoE layers, or None when every layer is dense."""
 

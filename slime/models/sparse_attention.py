@@ -10,14 +10,20 @@ keeps the `index_topk` best keys per query; the attention then runs over the cau
                                                                qk_rope_head_dim dimensions of q and k.
 
 The choice is not differentiable and, as in transformers' GlmMoeDsaForCausalLM (the reference), the indexer
-gets no gradient: its parameters are frozen (megatron-core's DSA trains them only through its optional KL
-loss, `dsa_indexer_loss_coeff`, which transformers does not have). A sequence shorter than `index_topk`
+gets no gradient by default: its parameters are frozen. --dsa-indexer-loss-coeff (megatron-core's KL loss, which
+transformers does not have; indexer_loss.py) trains them towards the main attention. A sequence shorter than `index_topk`
 keeps every causal key (the top-k is clamped at run time, as transformers and megatron-core do).
 
 megatron-core 0.16's `experimental_attention_variant/dsa.py` is not used: it refuses context parallelism,
 has no packed (THD) path, applies a Hadamard rotation transformers does not, and lays the rope dimensions
 after the others (GLM-5's indexer puts them first). Here the indexer's keys are all-gathered over CP like
 the attention's K/V (upstream's `--allgather-cp`), so each query scores every key of its sequence.
+
+GLM-5.2's "shared" layers (config.json's `indexer_types`) have no indexer: they attend over the keys the last
+"full" layer before them chose, as transformers hands `prev_topk_indices` from layer to layer. Here the full
+layer leaves its choice (per query of this rank's CP chunk) in a relay the next shared layers read; the layers
+of one forward run in order, so the relay holds the right choice as long as a shared layer and its source are
+built in the same pipeline chunk and recomputed together (checked before Ray starts: glm_moe_dsa.py).
 """
 
 from __future__ import annotations
@@ -27,11 +33,11 @@ import functools
 import logging
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
+from slime.models import indexer_loss
 from slime.models.cp_attention import AttentionPlan, ContextParallelAttention, all_gather_sequence, attention_plan
 
 logger = logging.getLogger(__name__)
@@ -50,9 +56,10 @@ class LightningIndexer(torch.nn.Module):
         self.k_norm = torch.nn.LayerNorm(dim, eps=1e-6)
         self.weights_proj = torch.nn.Linear(config.hidden_size, heads, bias=False)
         dtype = config.params_dtype
+        trained = bool(getattr(config, "dsa_indexer_loss_coeff", None))
         for param in self.parameters():
             param.data = param.data.to(dtype)
-            param.requires_grad_(False)
+            param.requires_grad_(trained)
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """RoPE on interleaved pairs of the first rope_dim dimensions, the rotated pairs laid out as
@@ -73,18 +80,46 @@ class LightningIndexer(torch.nn.Module):
         weights = self.weights_proj(x).float() * self.heads ** -0.5
         return q, weights, k
 
-    def select(self, q, weights, keys, query_pos) -> torch.Tensor:
-        """[tq, L] boolean: the causal keys among the top-k scored ones for each query of one sequence."""
+    def scores(self, q, weights, keys, query_pos) -> tuple[torch.Tensor, torch.Tensor]:
+        """([tq, L] scores, [tq, L] causal mask) of the queries of one sequence against its keys."""
         key_pos = torch.arange(keys.shape[0], device=keys.device)
         causal = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)
         scaled_keys = keys.float().t() * self.dim ** -0.5
         scores = torch.zeros(causal.shape, dtype=torch.float, device=keys.device)
         for head in range(self.heads):  # head by head: [tq, L] at a time, not [tq, H, L]
-            scores += weights[:, head, None] * F.relu(q[:, head].float() @ scaled_keys)
-        scores = scores.masked_fill(~causal, float("-inf"))
-        top = scores.topk(min(self.topk, keys.shape[0]), dim=-1).indices
-        chosen = torch.zeros_like(causal).scatter_(-1, top, True)
-        return causal & chosen
+            scores = scores + weights[:, head, None] * F.relu(q[:, head].float() @ scaled_keys)
+        return scores, causal
+
+    def choose(self, scores: torch.Tensor, causal: torch.Tensor) -> torch.Tensor:
+        """[tq, L] boolean: the causal keys among the top-k scored ones."""
+        top = scores.detach().masked_fill(~causal, float("-inf")).topk(min(self.topk, causal.shape[-1]), dim=-1).indices
+        return causal & torch.zeros_like(causal).scatter_(-1, top, True)
+
+    def select(self, q, weights, keys, query_pos) -> torch.Tensor:
+        """[tq, L] boolean: the causal keys among the top-k scored ones for each query of one sequence."""
+        return self.choose(*self.scores(q, weights, keys, query_pos))
+
+
+class _SelectionRelay:
+    """The last full indexer layer's choice ([tq, L] masks per sequence) and the plan it was made for."""
+
+    def __init__(self) -> None:
+        self.plan: AttentionPlan | None = None
+        self.allowed: list[torch.Tensor] = []
+
+    def put(self, plan: AttentionPlan, allowed: list[torch.Tensor]) -> None:
+        self.plan, self.allowed = plan, allowed
+
+    def take(self, plan: AttentionPlan) -> list[torch.Tensor]:
+        if self.plan is not plan:
+            raise RuntimeError("a shared DSA layer ran without the choice of a full indexer layer for these sequences "
+                               "before it (indexer_types must start with 'full'; a shared layer's source must be in "
+                               "its pipeline stage)")
+        return self.allowed
+
+
+# one per process: a forward runs its layers one after the other (see the module's docstring)
+_RELAY = _SelectionRelay()
 
 
 def _tokens_first(t: torch.Tensor) -> torch.Tensor:
@@ -103,10 +138,12 @@ class SparseContextParallelAttention(ContextParallelAttention):
         super().__init__(config, *args, **kwargs)
         self.indexer = LightningIndexer(config)
         self.indexer_inputs = None
+        self.indexer_scores = None  # ([tq, L] scores, causal masks) per sequence, for the KL loss while it trains
 
     def _attend_packed(self, q, k, v, lengths, group, cp_size, cp_rank) -> torch.Tensor:
         plan = attention_plan(tuple(lengths), cp_size, cp_rank, q.device)
-        with torch.no_grad():
+        self.indexer_scores = None
+        with torch.set_grad_enabled(self._trains_indexer()):
             allowed = self._allowed(plan, group)
         if group is not None:
             kv = all_gather_sequence(torch.cat([k, v], dim=-1), group)
@@ -118,25 +155,53 @@ class SparseContextParallelAttention(ContextParallelAttention):
         with self._dropout_rng():
             for seq, mask in zip(plan.sequences, allowed):
                 outputs.append(_masked(q[seq.local], k[seq.keys], v[seq.keys], mask, self.softmax_scale, dropout_p))
-        return torch.cat(outputs)
+        out = torch.cat(outputs)
+        if self.indexer_scores is None:
+            return out
+        (scores, causal), self.indexer_scores = self.indexer_scores, None
+        counted = allowed if getattr(self.config, "dsa_indexer_use_sparse_loss", False) else causal
+        loss = indexer_loss.indexer_kl(scores, [q[seq.local] for seq in plan.sequences],
+                                       [k[seq.keys] for seq in plan.sequences], counted, self.softmax_scale,
+                                       parallel_state.get_tensor_model_parallel_group())
+        return indexer_loss.attach(out, loss * self.config.dsa_indexer_loss_coeff)
+
+    def _trains_indexer(self) -> bool:
+        """The indexer's KL loss runs: training with a gradient, --dsa-indexer-loss-coeff set."""
+        return bool(getattr(self.config, "dsa_indexer_loss_coeff", None)) and self.training and \
+            torch.is_grad_enabled()
 
     def _allowed(self, plan: AttentionPlan, group) -> list[torch.Tensor]:
         if self.indexer_inputs is None:
             raise RuntimeError("sparse attention ran without the indexer's inputs (SparseLatentSelfAttention sets "
                                "them); build GLM-5 layers with glm_moe_dsa.dsa_layer_spec")
-        x, q_latent = self.indexer_inputs
+        x, q_latent = (t.detach() for t in self.indexer_inputs)  # the KL loss trains the indexer only
         self.indexer_inputs = None
         if self.config.sequence_parallel and parallel_state.get_tensor_model_parallel_world_size() > 1:
             x, q_latent = gather_from_sequence_parallel_region(x), gather_from_sequence_parallel_region(q_latent)
         positions = torch.cat(plan.query_positions)
         q, weights, k = self.indexer.queries_and_keys(_tokens_first(x), _tokens_first(q_latent), positions)
-        if group is not None:  # the indexer's keys of the whole sequence, as the attention's K/V
-            gathered = torch.empty((dist.get_world_size(group) * k.shape[0], k.shape[1]), dtype=k.dtype,
-                                   device=k.device)
-            dist.all_gather_into_tensor(gathered, k.contiguous(), group=group)
-            k = gathered.index_select(0, plan.key_order)
-        return [self.indexer.select(q[seq.local], weights[seq.local], k[seq.keys], pos)
-                for seq, pos in zip(plan.sequences, plan.query_positions)]
+        if group is not None:  # the indexer's keys of the whole sequence, as the attention's K/V (differentiable)
+            k = all_gather_sequence(k.contiguous(), group).index_select(0, plan.key_order)
+        scored = [self.indexer.scores(q[seq.local], weights[seq.local], k[seq.keys], pos)
+                  for seq, pos in zip(plan.sequences, plan.query_positions)]
+        allowed = [self.indexer.choose(scores, causal) for scores, causal in scored]
+        if torch.is_grad_enabled():  # the KL loss's inputs (_attend_packed)
+            self.indexer_scores = [scores for scores, _ in scored], [causal for _, causal in scored]
+        _RELAY.put(plan, allowed)
+        return allowed
+
+
+class SharedSelectionAttention(SparseContextParallelAttention):
+    """A "shared" DSA layer (GLM-5.2): no indexer of its own; the keys the last full layer chose."""
+
+    def __init__(self, config, *args, **kwargs):
+        ContextParallelAttention.__init__(self, config, *args, **kwargs)
+        self.indexer_inputs = None
+        self.indexer_scores = None
+
+    def _allowed(self, plan: AttentionPlan, group) -> list[torch.Tensor]:
+        self.indexer_inputs = None
+        return _RELAY.take(plan)
 
 
 def _masked(q, k, v, allowed, scale: float, dropout_p: float) -> torch.Tensor:
@@ -169,9 +234,11 @@ def sparse_latent_attention(base: type) -> type:
     return SparseLatentSelfAttention
 
 
-def with_sparse_attention(spec):
-    """A local MLA layer spec (deepseek_v3.mla_layer_spec) with DSA's attention modules."""
+def with_sparse_attention(spec, shared: bool = False):
+    """A local MLA layer spec (deepseek_v3.mla_layer_spec) with DSA's attention modules; `shared`: a layer
+    reusing the last full layer's choice (no indexer)."""
     attention = spec.submodules.self_attention
-    sub = dataclasses.replace(attention.submodules, core_attention=SparseContextParallelAttention)
+    core = SharedSelectionAttention if shared else SparseContextParallelAttention
+    sub = dataclasses.replace(attention.submodules, core_attention=core)
     attention = dataclasses.replace(attention, module=sparse_latent_attention(attention.module), submodules=sub)
     return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=attention))

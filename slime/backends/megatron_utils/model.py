@@ -134,7 +134,7 @@ MODEL_FLAGS = ("model_name", "untie_embeddings_and_output_weights", "bf16", "seq
                "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "multi_latent_attention",
                "fused_kernels", "transformer_impl", "spec", "custom_model_provider_path",
                "accumulate_allreduce_grads_in_fp32", "use_distributed_optimizer", "only_train_params_name_list",
-               "freeze_params_name_list")
+               "freeze_params_name_list", "dsa_indexer_loss_coeff", "dsa_indexer_use_sparse_loss")
 
 
 def _check_against_args(arch: dict[str, Any], args: Namespace, flags: dict[str, str] = _ARCH_FLAGS) -> None:
@@ -191,7 +191,10 @@ def transformer_config_from_hf(hf_config: Any, args: Namespace) -> TransformerCo
     bf16 = bool(args.bf16)
     params_dtype = torch.bfloat16 if bf16 else torch.float32
     moe_fields = {"moe_token_dispatcher_type": "alltoall", **moe.moe_config_fields(hf_config, args)}
-    return config_class(
+    if family_fields.get("dsa_indexer_topk"):  # the indexer's KL loss (megatron-core's fields)
+        family_fields = dict(family_fields, dsa_indexer_loss_coeff=float(args.dsa_indexer_loss_coeff or 0.0),
+                             dsa_indexer_use_sparse_loss=bool(args.dsa_indexer_use_sparse_loss))
+    config = config_class(
         **arch,
         **family_fields,
         **moe_fields,
@@ -230,6 +233,10 @@ def transformer_config_from_hf(hf_config: Any, args: Namespace) -> TransformerCo
         num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
         num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
     )
+    # every layer's kind, for a --spec plug-in that builds them by kind (no TransformerConfig field says it)
+    family = family_of(hf_config)
+    config.hf_layer_kinds = family.layer_kinds(hf_config) if family.layer_kinds is not None else None
+    return config
 
 
 def _family_config(hf_config: Any, args: Namespace) -> tuple[type, dict[str, Any]]:

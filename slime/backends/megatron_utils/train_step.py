@@ -44,6 +44,7 @@ from slime.backends.megatron_utils.data import (
 )
 from slime.backends.megatron_utils.loss import LossConfig, metric_keys, micro_batch_loss, target_log_probs
 from slime.backends.megatron_utils.moe import aux_loss_scale
+from slime.models import indexer_loss
 from slime.backends.megatron_utils.routing_replay import RouteReplayer
 from slime.models.cp_attention import packed_seq_params
 
@@ -185,9 +186,25 @@ def run_forward_backward(model_chunks: Sequence[Any], packed: list[PackedMicroBa
         return loss * scale, metrics
 
     dp = parallel_state.get_data_parallel_world_size()
+    trains_indexer = bool(getattr(config, "dsa_indexer_loss_coeff", None))
+    if trains_indexer:
+        _indexer_loss_scale(config, plan.num_micro_batches, dp)
     with aux_loss_scale(config, plan.num_micro_batches, dp):
         _run_schedule(model_chunks, packed, loss_func, forward_only=False, progress=progress, routes=routes)
+    if trains_indexer:  # reduced with the other metrics (one all_reduce, reduce_step_metrics)
+        sums["indexer_loss"] = torch.tensor(indexer_loss.take_logged(), dtype=torch.float64, device=_comm_device())
     return sums
+
+
+def _indexer_loss_scale(config: Any, num_micro_batches: int, dp: int) -> None:
+    """Each micro-batch's DSA indexer loss weighs 1 / (micro-batches x DP), as the router's aux loss: megatron's
+    gradient reduction averages over DP x CP unless the loss is per token."""
+    weight = 1.0 / (num_micro_batches * dp)
+    cp = parallel_state.get_context_parallel_world_size()
+    gradient = weight if config.calculate_per_token_loss else weight * dp * cp
+    if config.grad_scale_func is not None:  # the fp16 loss scale the main backward starts from
+        gradient *= float(config.grad_scale_func(torch.ones(1, device=_comm_device())))
+    indexer_loss.set_step_scale(weight, gradient)
 
 
 def reduce_step_metrics(sums: Mapping[str, torch.Tensor], keys: Sequence[str]) -> dict[str, float]:
