@@ -1,0 +1,150 @@
+"""Multi-token prediction: checkpoints that carry MTP layers (MiMo's and DeepSeek-V3's spellings) load and save
+bit-exactly with them, the main model's log-probs equal transformers' (which drops the MTP layers) and are unchanged
+by them, the weight push leaves them out, --mtp-num-layers alone carries them untrained, and --enable-mtp-training
+trains them beside the main loss with the same step at TP2 x SP as on one rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from mp_utils import run_ranks
+from tiny_models import save_tiny_deepseek_v3_mtp, save_tiny_mimo
+from train_step_harness import layout_args, make_rollout
+
+MTP_FLAGS = {"plain": {}, "carried": dict(mtp_num_layers=1),
+             "trained": dict(mtp_num_layers=1, enable_mtp_training=True, mtp_loss_scaling_factor=0.3)}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mtp")
+    return {"mimo": save_tiny_mimo(str(root / "mimo")), "deepseek_v3": save_tiny_deepseek_v3_mtp(str(root / "dsv3"))}
+
+
+def _hf_config(hf_dir: str):
+    import transformers
+
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        if json.load(f)["model_type"] == "mimo":  # no MiMo class in transformers: its config is Qwen2's
+            return transformers.Qwen2Config.from_pretrained(hf_dir)
+    return transformers.AutoConfig.from_pretrained(hf_dir)
+
+
+def _reference_log_probs(hf_dir: str, data: dict) -> list[list[float]]:
+    """transformers' log-probs of the response tokens (MiMo's main model is Qwen2's; both drop the MTP layers)."""
+    import transformers
+
+    config = _hf_config(hf_dir)
+    cls = transformers.Qwen2ForCausalLM if config.model_type == "mimo" else transformers.AutoModelForCausalLM
+    model = cls.from_pretrained(hf_dir, config=config, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for tokens, response in zip(data["tokens"], data["response_lengths"]):
+            logits = model(torch.tensor([tokens])).logits[0].float().log_softmax(-1)
+            first = len(tokens) - response
+            out.append([logits[j - 1, tokens[j]].item() for j in range(first, len(tokens))])
+    return out
+
+
+def _build(args, hf_dir):
+    from slime.backends.megatron_utils.model import build_model_and_optimizer
+    from slime.models.hf_weights import load_hf_weights
+
+    hf_config = _hf_config(hf_dir)
+    model, optimizer, scheduler = build_model_and_optimizer(args, hf_config)
+    load_hf_weights(model, hf_dir, hf_config)
+    return model, optimizer, scheduler, hf_config
+
+
+def _mtp_params(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model[0].module.named_parameters() if n.startswith("mtp.")}
+
+
+def _child(rank, world, hf_dir, data, layout, steps):
+    """Per MTP mode: log-probs after the load, the exports (with and without MTP), `steps` training steps."""
+    import copy
+
+    from slime.backends.megatron_utils.parallel import init_model_parallel
+    from slime.backends.megatron_utils.train_step import compute_log_probs, train_one_step
+    from slime.models.hf_weights import export_hf_weights
+    from train_step_harness import plans_for_this_rank
+
+    init_model_parallel(layout_args(layout))
+    out = {}
+    for mode, flags in MTP_FLAGS.items():
+        args = layout_args(layout, lr=1e-2, **flags)
+        model, optimizer, scheduler, hf_config = _build(args, hf_dir)
+        (plan,) = plans_for_this_rank(data, args)
+        run = copy.deepcopy(data)
+        before = compute_log_probs(model, run, plan, args)
+        run.update(log_probs=before, ref_log_probs=before, rollout_log_probs=before)
+        result = dict(log_probs=before, pushed=[n for n, _ in export_hf_weights(model, hf_config, mtp=False)])
+        if mode == "trained":
+            result["saved"] = {n: t.clone() for n, t in export_hf_weights(model, hf_config)}
+        mtp_before = _mtp_params(model)
+        result["steps"] = [train_one_step(model, optimizer, scheduler, run, plan, args) for _ in range(steps)]
+        result["mtp_changed"] = sorted(n for n, p in _mtp_params(model).items() if not torch.equal(p, mtp_before[n]))
+        result["mtp_count"] = len(mtp_before)
+        out[mode] = result
+    return out
+
+
+def _is_mtp(name: str) -> bool:
+    return ".mtp_layers." in name or name.startswith("model.layers.3.")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", ["deepseek_v3", "mimo"])
+def test_mtp_checkpoint_round_trips_and_main_model_matches_transformers(checkpoints, family):
+    from safetensors.torch import load_file
+
+    hf_dir = checkpoints[family]
+    data = make_rollout(num_samples=3, seed=4, vocab=512, max_len=16)
+    (out,) = run_ranks(_child, 1, args=(hf_dir, data, {}, 1), timeout_s=240)
+    original = load_file(os.path.join(hf_dir, "model.safetensors"))
+    saved = out["trained"]["saved"]
+    assert sorted(saved) == sorted(original) and any(_is_mtp(n) for n in original)
+    for name, tensor in original.items():
+        assert torch.equal(saved[name], tensor), name
+    assert sorted(out["trained"]["pushed"]) == sorted(n for n in original if not _is_mtp(n))
+    reference = _reference_log_probs(hf_dir, data)
+    for mode in MTP_FLAGS:  # the MTP layers change nothing the engines or the old-policy pass see
+        got = out[mode]["log_probs"]
+        assert max(abs(a - b) for r, g in zip(reference, got) for a, b in zip(r, g)) < 1e-5, mode
+    step = out["trained"]["steps"][0]
+    assert step.metrics["mtp_loss"] > 0 and not step.skipped
+    assert out["trained"]["mtp_changed"]
+
+
+def _close(a: float, b: float, tol: float = 1e-5) -> bool:
+    return abs(a - b) <= tol * max(1.0, abs(a), abs(b))
+
+
+@pytest.mark.timeout(300)
+def test_mtp_trains_beside_the_main_loss_alike_at_tp2_sp_and_one_rank(checkpoints):
+    hf_dir = checkpoints["mimo"]
+    data = make_rollout(num_samples=4, seed=5, vocab=512, max_len=20)
+    (single,) = run_ranks(_child, 1, args=(hf_dir, data, {}, 3), timeout_s=240)
+    tp = run_ranks(_child, 2, args=(hf_dir, data, dict(tensor_model_parallel_size=2, sequence_parallel=True), 3),
+                   timeout_s=240)
+    for out in (single, *tp):
+        plain, carried, trained = (out[m]["steps"] for m in MTP_FLAGS)
+        # --mtp-num-layers alone: the layers are loaded and saved, not run nor trained: the same step as without
+        assert [(s.loss, s.grad_norm) for s in carried] == [(s.loss, s.grad_norm) for s in plain]
+        assert out["carried"]["mtp_changed"] == [] and out["carried"]["mtp_count"] > 0
+        # trained: the MTP loss adds to the main one, and falls as its layers learn
+        assert "mtp_loss" not in plain[0].metrics
+        assert _close(trained[0].metrics["pg_loss"], plain[0].metrics["pg_loss"])
+        assert _close(trained[0].loss - trained[0].metrics["mtp_loss"], plain[0].loss)
+        losses = [s.metrics["mtp_loss"] for s in trained]
+        assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], losses
+        assert len(out["trained"]["mtp_changed"]) == out["trained"]["mtp_count"]
+    for mode in MTP_FLAGS:
+        for a, b in zip(single[mode]["steps"], tp[0][mode]["steps"]):
+            assert _close(a.loss, b.loss) and _close(a.grad_norm, b.grad_norm, 1e-4), (mode, a, b)
+            assert all(_close(a.metrics[k], b.metrics[k]) for k in a.metrics if k != "train_rollout_logprob_abs_diff")
