@@ -148,3 +148,58 @@ def test_mtp_trains_beside_the_main_loss_alike_at_tp2_sp_and_one_rank(checkpoint
         for a, b in zip(single[mode]["steps"], tp[0][mode]["steps"]):
             assert _close(a.loss, b.loss) and _close(a.grad_norm, b.grad_norm, 1e-4), (mode, a, b)
             assert all(_close(a.metrics[k], b.metrics[k]) for k in a.metrics if k != "train_rollout_logprob_abs_diff")
+
+
+BASE = ["--rollout-batch-size", "2", "--num-rollout", "1", "--actor-num-gpus-per-node", "2",
+        "--train-backend-device", "cpu"]
+TINY = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
+
+
+@pytest.mark.parametrize("config, flags, says", [
+    (dict(model_type="deepseek_v3"), ["--enable-mtp-training"], "pass --mtp-num-layers N"),
+    (dict(model_type="deepseek_v3", num_nextn_predict_layers=1), ["--mtp-num-layers", "1",
+                                                                  "--context-parallel-size", "2"],
+     "--mtp-num-layers 1 with --context-parallel-size 2 is not supported here"),
+    (dict(model_type="qwen3"), ["--mtp-num-layers", "1"], "Qwen3 checkpoints carry no multi-token-prediction"),
+    (dict(model_type="deepseek_v3", num_nextn_predict_layers=0), ["--mtp-num-layers", "1"],
+     "config.json has no MTP layers"),
+    (dict(model_type="mimo", num_nextn_predict_layers=1), ["--mtp-num-layers", "2"],
+     "--mtp-num-layers 2 contradicts the checkpoint, which carries 1 MTP layer(s); pass --mtp-num-layers 1"),
+])
+def test_mtp_flags_are_checked_against_the_checkpoint_before_ray_starts(config, flags, says, tmp_path, capsys):
+    from arg_testing import parse_error
+
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({**TINY, **config}))
+    (path / "tokenizer.json").write_text("{}")
+    assert says in parse_error([*BASE, "--hf-checkpoint", str(path), *flags], capsys)
+
+
+def test_a_checkpoint_without_the_mtp_tensors_names_them(checkpoints, tmp_path):
+    """A config that claims an MTP layer over weights that lack it (transformers' own classes save none)."""
+    from safetensors.torch import load_file, save_file
+
+    from slime.models.hf_weights import HFCheckpointError
+
+    hf_dir = tmp_path / "mimo"
+    hf_dir.mkdir()
+    for name in ("config.json",):
+        (hf_dir / name).write_text((open(os.path.join(checkpoints["mimo"], name))).read())
+    tensors = load_file(os.path.join(checkpoints["mimo"], "model.safetensors"))
+    save_file({k: v for k, v in tensors.items() if ".mtp_layers." not in k}, str(hf_dir / "model.safetensors"))
+    (single,) = run_ranks(_load_only, 1, args=(str(hf_dir),), timeout_s=120)
+    assert single.startswith(HFCheckpointError.__name__) and "model.mtp_layers.0." in single
+    assert "holds no weights for its multi-token-prediction layers" in single and "drop --mtp-num-layers" in single
+
+
+def _load_only(rank, world, hf_dir):
+    from slime.backends.megatron_utils.parallel import init_model_parallel
+
+    args = layout_args({}, **MTP_FLAGS["carried"])
+    init_model_parallel(args)
+    try:
+        _build(args, hf_dir)
+    except Exception as exc:  # noqa: BLE001 (the message is what is checked)
+        return f"{type(exc).__name__}: {exc}"
+    return "loaded"

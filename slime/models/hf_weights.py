@@ -405,8 +405,9 @@ def _expected_hf_shapes(model: torch.nn.Module, hf_config: Any, tp: int) -> Iter
 
 def check_hf_tensors(model_chunks: list[torch.nn.Module], reader: _SafetensorsReader, hf_config: Any, tp: int) -> None:
     """Raise HFCheckpointError listing every missing or mis-shaped tensor, before anything is loaded."""
-    missing, misshaped = [], []
+    missing, misshaped, main = [], [], set()
     for chunk in model_chunks:
+        main.update(n for n, _ in hf_tensor_shapes(unwrap_model(chunk), hf_config, tp, all_experts=False, mtp=False))
         for name, expected in _expected_hf_shapes(unwrap_model(chunk), hf_config, tp):
             found = reader.shape(name)
             if found is None:
@@ -415,6 +416,11 @@ def check_hf_tensors(model_chunks: list[torch.nn.Module], reader: _SafetensorsRe
                 misshaped.append(f"{name}: file {found}, config expects {expected}")
     if not missing and not misshaped:
         return
+    if missing and not misshaped and not main.intersection(missing):
+        raise HFCheckpointError(
+            f"--hf-checkpoint {reader._dir} holds no weights for its multi-token-prediction layers ({len(missing)} "
+            f"missing: {missing[:3]} ...; transformers' own classes drop them when saving): drop --mtp-num-layers "
+            "and --enable-mtp-training, or use the released checkpoint that carries them")
     parts = [f"{len(missing)} missing ({missing[:4]}{' ...' if len(missing) > 4 else ''})"] if missing else []
     parts += [f"{len(misshaped)} mis-shaped ({'; '.join(misshaped[:3])}{' ...' if len(misshaped) > 3 else ''})"] \
         if misshaped else []
