@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mp_utils import run_ranks
-from tiny_models import save_tiny_deepseek_v3_mtp, save_tiny_mimo
+from tiny_models import save_tiny_deepseek_v3_mtp, save_tiny_mimo, save_tiny_qwen3_next_mtp
 from train_step_harness import layout_args, make_rollout
 
 MTP_FLAGS = {"plain": {}, "carried": dict(mtp_num_layers=1),
@@ -23,7 +23,8 @@ MTP_FLAGS = {"plain": {}, "carried": dict(mtp_num_layers=1),
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("mtp")
-    return {"mimo": save_tiny_mimo(str(root / "mimo")), "deepseek_v3": save_tiny_deepseek_v3_mtp(str(root / "dsv3"))}
+    return {"mimo": save_tiny_mimo(str(root / "mimo")), "deepseek_v3": save_tiny_deepseek_v3_mtp(str(root / "dsv3")),
+            "qwen3_next": save_tiny_qwen3_next_mtp(str(root / "qwen3_next"))}
 
 
 def _hf_config(hf_dir: str):
@@ -49,6 +50,42 @@ def _reference_log_probs(hf_dir: str, data: dict) -> list[list[float]]:
             first = len(tokens) - response
             out.append([logits[j - 1, tokens[j]].item() for j in range(first, len(tokens))])
     return out
+
+
+def _mimo_mtp_reference(hf_dir: str, data: dict, scale: float) -> float:
+    """The MTP loss of one step from transformers' own Qwen2 parts, wired as MiMo's modeling_mimo.py wires its MTP
+    layer: input_proj([hidden_layernorm(h_t); token_layernorm(embed(x_t+1))]), a Qwen2 decoder layer, final_layernorm,
+    the shared lm_head; its cross-entropy on token t+2 weighted as the main loss weighs that token (per sample)."""
+    from safetensors.torch import load_file
+    from transformers.models.qwen2 import modeling_qwen2 as qwen2
+
+    config = _hf_config(hf_dir)
+    config._attn_implementation = "eager"
+    main = qwen2.Qwen2ForCausalLM.from_pretrained(hf_dir, config=config, dtype=torch.float32).eval()
+    weights = {k.removeprefix("model.mtp_layers.0."): v for k, v in
+               load_file(os.path.join(hf_dir, "model.safetensors")).items() if k.startswith("model.mtp_layers.0.")}
+    layer = qwen2.Qwen2DecoderLayer(config, layer_idx=0).float().eval()
+    layer.load_state_dict({k: v for k, v in weights.items() if k.startswith(("self_attn.", "mlp.", "input_layernorm", "post_"))})
+    norms = {}
+    for name in ("token_layernorm", "hidden_layernorm", "final_layernorm"):
+        norms[name] = qwen2.Qwen2RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        norms[name].weight.data.copy_(weights[name + ".weight"])
+    total = 0.0
+    with torch.no_grad():
+        for tokens, response, mask in zip(data["tokens"], data["response_lengths"], data["loss_masks"]):
+            ids = torch.tensor([tokens])
+            hidden = main.model(ids).last_hidden_state[:, :-1]  # h_t for t < T-1, after the final norm
+            merged = torch.cat([norms["hidden_layernorm"](hidden), norms["token_layernorm"](main.model.embed_tokens(ids[:, 1:]))], -1)
+            x = merged @ weights["input_proj.weight"].T
+            positions = torch.arange(x.size(1)).unsqueeze(0)
+            causal = torch.full((x.size(1), x.size(1)), float("-inf")).triu(1)[None, None]
+            x = layer(x, attention_mask=causal, position_ids=positions,
+                      position_embeddings=main.model.rotary_emb(x, positions))
+            log_probs = main.lm_head(norms["final_layernorm"](x)).log_softmax(-1)[0]
+            first = len(tokens) - response
+            for j in range(max(first, 2), len(tokens)):  # x_j predicted at t = j - 2
+                total -= log_probs[j - 2, tokens[j]].item() * mask[j - first] / sum(mask)
+    return scale * total / len(data["tokens"])
 
 
 def _build(args, hf_dir):
@@ -94,12 +131,12 @@ def _child(rank, world, hf_dir, data, layout, steps):
     return out
 
 
-def _is_mtp(name: str) -> bool:
-    return ".mtp_layers." in name or name.startswith("model.layers.3.")
+# where each family's checkpoint keeps its MTP layer
+MTP_PREFIXES = {"deepseek_v3": "model.layers.3.", "mimo": "model.mtp_layers.", "qwen3_next": "mtp."}
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("family", ["deepseek_v3", "mimo"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "mimo", "qwen3_next"])
 def test_mtp_checkpoint_round_trips_and_main_model_matches_transformers(checkpoints, family):
     from safetensors.torch import load_file
 
@@ -108,10 +145,11 @@ def test_mtp_checkpoint_round_trips_and_main_model_matches_transformers(checkpoi
     (out,) = run_ranks(_child, 1, args=(hf_dir, data, {}, 1), timeout_s=240)
     original = load_file(os.path.join(hf_dir, "model.safetensors"))
     saved = out["trained"]["saved"]
-    assert sorted(saved) == sorted(original) and any(_is_mtp(n) for n in original)
+    is_mtp = lambda name: name.startswith(MTP_PREFIXES[family])  # noqa: E731
+    assert sorted(saved) == sorted(original) and any(is_mtp(n) for n in original)
     for name, tensor in original.items():
         assert torch.equal(saved[name], tensor), name
-    assert sorted(out["trained"]["pushed"]) == sorted(n for n in original if not _is_mtp(n))
+    assert sorted(out["trained"]["pushed"]) == sorted(n for n in original if not is_mtp(n))
     reference = _reference_log_probs(hf_dir, data)
     for mode in MTP_FLAGS:  # the MTP layers change nothing the engines or the old-policy pass see
         got = out[mode]["log_probs"]
@@ -119,6 +157,9 @@ def test_mtp_checkpoint_round_trips_and_main_model_matches_transformers(checkpoi
     step = out["trained"]["steps"][0]
     assert step.metrics["mtp_loss"] > 0 and not step.skipped
     assert out["trained"]["mtp_changed"]
+    if family == "mimo":  # the MTP loss itself, against transformers' parts wired as MiMo wires them
+        reference = _mimo_mtp_reference(hf_dir, data, MTP_FLAGS["trained"]["mtp_loss_scaling_factor"])
+        assert _close(step.metrics["mtp_loss"], reference), (step.metrics["mtp_loss"], reference)
 
 
 def _close(a: float, b: float, tol: float = 1e-5) -> bool:

@@ -349,3 +349,15 @@ def save_tiny_deepseek_v3_mtp(path: str, seed: int = 0, **overrides) -> str:
                                       p + "embed_tokens.weight": "model.embed_tokens.weight",
                                       p + "shared_head.head.weight": "lm_head.weight"},
                            dict(num_hidden_layers=3, num_nextn_predict_layers=1), seed)
+
+
+def save_tiny_qwen3_next_mtp(path: str, seed: int = 0) -> str:
+    """The tiny Qwen3-Next (4 decoder layers) with one MTP layer as the released checkpoints spell it: a gated
+    full-attention MoE layer under mtp.layers.0, behind mtp.fc and its two norms, with mtp.norm after it."""
+    kinds = ["linear_attention", "full_attention", "linear_attention", "full_attention", "full_attention"]
+    save_tiny_qwen3_next(path, seed, num_hidden_layers=5, layer_types=kinds)
+    hidden = _hybrid_fields()["hidden_size"]
+    return _with_mtp_layer(path, {"model.layers.4.": "mtp.layers.0."},
+                           {"mtp.fc.weight": (hidden, 2 * hidden), "mtp.pre_fc_norm_embedding.weight": (hidden,),
+                            "mtp.pre_fc_norm_hidden.weight": (hidden,), "mtp.norm.weight": (hidden,)},
+                           dict(num_hidden_layers=4, mtp_num_hidden_layers=1), seed)
