@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mp_utils import run_ranks
-from tiny_models import save_tiny_deepseek_v3_mtp, save_tiny_mimo, save_tiny_qwen3_next_mtp
+from tiny_models import save_tiny_after_decoder_mtp, save_tiny_mimo, save_tiny_qwen3_next_mtp
 from train_step_harness import layout_args, make_rollout
 
 MTP_FLAGS = {"plain": {}, "carried": dict(mtp_num_layers=1),
@@ -23,7 +23,8 @@ MTP_FLAGS = {"plain": {}, "carried": dict(mtp_num_layers=1),
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("mtp")
-    return {"mimo": save_tiny_mimo(str(root / "mimo")), "deepseek_v3": save_tiny_deepseek_v3_mtp(str(root / "dsv3")),
+    return {"mimo": save_tiny_mimo(str(root / "mimo")), "deepseek_v3": save_tiny_after_decoder_mtp(str(root / "dsv3"), "deepseek_v3"),
+            "glm4_moe_lite": save_tiny_after_decoder_mtp(str(root / "glm47"), "glm4_moe_lite"),
             "qwen3_next": save_tiny_qwen3_next_mtp(str(root / "qwen3_next"))}
 
 
@@ -132,11 +133,11 @@ def _child(rank, world, hf_dir, data, layout, steps):
 
 
 # where each family's checkpoint keeps its MTP layer
-MTP_PREFIXES = {"deepseek_v3": "model.layers.3.", "mimo": "model.mtp_layers.", "qwen3_next": "mtp."}
+MTP_PREFIXES = {"deepseek_v3": "model.layers.3.", "glm4_moe_lite": "model.layers.3.", "mimo": "model.mtp_layers.", "qwen3_next": "mtp."}
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("family", ["deepseek_v3", "mimo", "qwen3_next"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe_lite", "mimo", "qwen3_next"])
 def test_mtp_checkpoint_round_trips_and_main_model_matches_transformers(checkpoints, family):
     from safetensors.torch import load_file
 
@@ -201,6 +202,9 @@ TINY = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_
     (dict(model_type="deepseek_v3", num_nextn_predict_layers=1), ["--mtp-num-layers", "1",
                                                                   "--context-parallel-size", "2"],
      "--mtp-num-layers 1 with --context-parallel-size 2 is not supported here"),
+    (dict(model_type="deepseek_v3", num_nextn_predict_layers=1), ["--mtp-num-layers", "1",
+                                                                  "--use-rollout-routing-replay"],
+     "--mtp-num-layers 1 with --use-rollout-routing-replay is not supported here"),
     (dict(model_type="qwen3"), ["--mtp-num-layers", "1"], "Qwen3 checkpoints carry no multi-token-prediction"),
     (dict(model_type="deepseek_v3", num_nextn_predict_layers=0), ["--mtp-num-layers", "1"],
      "config.json has no MTP layers"),

@@ -339,11 +339,15 @@ def save_tiny_mimo(path: str, seed: int = 0, **overrides) -> str:
                            dict(model_type="mimo", num_hidden_layers=main, num_nextn_predict_layers=1), seed)
 
 
-def save_tiny_deepseek_v3_mtp(path: str, seed: int = 0, **overrides) -> str:
-    """The tiny DeepSeek-V3 MoE (3 decoder layers) with one MTP layer as the released checkpoints spell it: decoder
-    layer 3 (an MoE layer) with enorm, hnorm, eh_proj, shared_head.norm and its copies of the embedding and head."""
-    save_tiny_deepseek_v3_moe(path, seed, num_hidden_layers=4, **overrides)
-    p, hidden = "model.layers.3.", tiny_deepseek_v3_config().hidden_size
+def save_tiny_after_decoder_mtp(path: str, family: str, seed: int = 0) -> str:
+    """The tiny DeepSeek-V3 MoE or GLM-4.7-Flash (3 decoder layers) with one MTP layer as the released checkpoints
+    spell it: decoder layer 3 (an MoE layer) with enorm, hnorm, eh_proj, shared_head.norm and its copies of the
+    embedding and output layer."""
+    if family == "deepseek_v3":
+        save_tiny_deepseek_v3_moe(path, seed, num_hidden_layers=4)
+    else:
+        save_tiny_glm4_moe_lite(path, seed, num_hidden_layers=4, mlp_layer_types=["dense"] + ["sparse"] * 3)
+    p, hidden = "model.layers.3.", 64
     return _with_mtp_layer(path, {}, {p + "enorm.weight": (hidden,), p + "hnorm.weight": (hidden,),
                                       p + "eh_proj.weight": (hidden, 2 * hidden), p + "shared_head.norm.weight": (hidden,),
                                       p + "embed_tokens.weight": "model.embed_tokens.weight",

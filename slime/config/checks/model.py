@@ -58,6 +58,10 @@ def check_mtp(args: argparse.Namespace) -> None:
         return
     if layers < 1:
         fail(f"--mtp-num-layers {layers} must be >= 1 (drop it for none)")
+    for dest in ("use_routing_replay", "use_rollout_routing_replay"):
+        if getattr(args, dest, False):
+            fail(f"--mtp-num-layers {layers} with {flag_name(dest)} is not supported here: the replayed routes cover "
+                 "the decoder's MoE layers, not the MTP layers' routers; drop one of them")
     for dest, size in (("context_parallel_size", args.context_parallel_size),
                        ("pipeline_model_parallel_size", args.pipeline_model_parallel_size)):
         if size > 1:
