@@ -103,8 +103,9 @@ def _mtp_params(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model[0].module.named_parameters() if n.startswith("mtp.")}
 
 
-def _child(rank, world, hf_dir, data, layout, steps):
-    """Per MTP mode: log-probs after the load, the exports (with and without MTP), `steps` training steps."""
+def _child(rank, world, hf_dir, data, layout, steps, ledger_dir=None):
+    """Per MTP mode: log-probs after the load, the exports (with and without MTP), `steps` training steps (the
+    trained mode's first one with its collectives in a ledger under `ledger_dir`, if given)."""
     import copy
 
     from slime.backends.megatron_utils.parallel import init_model_parallel
@@ -125,11 +126,28 @@ def _child(rank, world, hf_dir, data, layout, steps):
         if mode == "trained":
             result["saved"] = {n: t.clone() for n, t in export_hf_weights(model, hf_config)}
         mtp_before = _mtp_params(model)
-        result["steps"] = [train_one_step(model, optimizer, scheduler, run, plan, args) for _ in range(steps)]
+        step = lambda: train_one_step(model, optimizer, scheduler, run, plan, args)  # noqa: E731
+        first = _in_ledger(step, rank, world, ledger_dir) if mode == "trained" and ledger_dir else step()
+        result["steps"] = [first] + [step() for _ in range(steps - 1)]
         result["mtp_changed"] = sorted(n for n, p in _mtp_params(model).items() if not torch.equal(p, mtp_before[n]))
         result["mtp_count"] = len(mtp_before)
         out[mode] = result
     return out
+
+
+def _in_ledger(step, rank, world, ledger_dir):
+    """`step()` with every collective recorded in a ledger that keeps the whole sequence (the order proof's input)."""
+    from slime.distributed.instrument import instrument_collectives, uninstrument_collectives
+    from slime.distributed.ledger import Ledger
+
+    ledger = Ledger(rank, world, ledger_dir, record_sequence=True)
+    instrument_collectives(ledger)
+    try:
+        with ledger.phase("actor_train"):
+            return step()
+    finally:
+        uninstrument_collectives()
+        ledger.close()
 
 
 # where each family's checkpoint keeps its MTP layer
@@ -137,13 +155,23 @@ MTP_PREFIXES = {"deepseek_v3": "model.layers.3.", "glm4_moe_lite": "model.layers
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe_lite", "mimo", "qwen3_next"])
-def test_mtp_checkpoint_round_trips_and_main_model_matches_transformers(checkpoints, family):
+@pytest.mark.parametrize("family, layout", [
+    ("deepseek_v3", dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=2,
+                         expert_tensor_parallel_size=1)),
+    ("glm4_moe_lite", {}), ("mimo", {}), ("qwen3_next", {})])
+def test_mtp_checkpoint_round_trips_and_main_model_matches_transformers(checkpoints, family, layout, tmp_path):
+    """Every rank exports every tensor (the MTP layer's experts too, all-gathered over EP), bit-exactly; the step's
+    collectives, MTP loss included, pass the fence's order proof."""
     from safetensors.torch import load_file
+
+    from slime.distributed.order_proof import check_order, read_sequences
 
     hf_dir = checkpoints[family]
     data = make_rollout(num_samples=3, seed=4, vocab=512, max_len=16)
-    (out,) = run_ranks(_child, 1, args=(hf_dir, data, {}, 1), timeout_s=240)
+    world = layout.get("tensor_model_parallel_size", 1)
+    out, *_ = run_ranks(_child, world, args=(hf_dir, data, layout, 1, str(tmp_path)), timeout_s=240)
+    report = check_order(read_sequences(str(tmp_path)))
+    assert report.ok and report.ranks == world and report.ops > 0, report.format()
     original = load_file(os.path.join(hf_dir, "model.safetensors"))
     saved = out["trained"]["saved"]
     is_mtp = lambda name: name.startswith(MTP_PREFIXES[family])  # noqa: E731
