@@ -189,6 +189,7 @@ VALIDATION_CASES = [
     (["--bf16", "--fp16"], "--fp16 is not supported"),
     (["--save-interval", "5"], "--save-interval needs --save"),
     (["--advantage-estimator", "reinforce_plus_plus"], "requires --normalize-advantages"),
+    (["--advantage-estimator", "cispo", "--eps-clip-c", "3"], "CISPO does not use; drop it"),
     (["--kl-coef", "0.1", "--kl-loss-coef", "0.1"], "cannot both be non-zero"),
     (["--fence-timeout", "0"], "--fence-timeout must be positive"),
     (["--rollout-temperature", "0"], "--rollout-temperature must be > 0"),

@@ -1,7 +1,7 @@
 """What fails before Ray starts fails at parse time, with the fix; what fails after ends in one line.
 
 A misspelled hook, a hook path without a module, a missing or incomplete --hf-checkpoint and
---colocate across nodes are refused before any process starts; any error of a started run ends
+--colocate across nodes with an engine or a model replica larger than a node are refused before any process starts; any error of a started run ends
 in its traceback and one `training stopped:` line; a run that ends cleanly removes the temp ledger
 directory it made, a failed one keeps it.
 """
@@ -14,7 +14,7 @@ import os
 import pytest
 
 import train
-from arg_testing import no_real_sglang, parse_error  # noqa: F401 (fixture)
+from arg_testing import no_real_sglang, parse_error, parse_quiet  # noqa: F401 (fixture)
 from slime.ray.driver.trainer_group import resolve_ledger_dir
 from slime.utils.arguments import ArgumentValidationError, check_launch_inputs
 
@@ -34,9 +34,26 @@ def test_a_hook_that_does_not_resolve_to_a_callable_is_refused_at_parse_time(pat
     assert "Traceback" not in err
 
 
-def test_colocate_across_nodes_is_refused_with_what_to_use_instead(capsys):
-    err = parse_error([*BASE, "--actor-num-nodes", "2", "--colocate"], capsys)
-    assert "--colocate with --actor-num-nodes 2" in err and "--rollout-num-gpus" in err
+@pytest.mark.parametrize("flags, says", [
+    (["--rollout-num-gpus-per-engine", "8"], "an engine of --rollout-num-gpus-per-engine 8 GPUs does not fit within "
+                                             "one node's 4"),
+    (["--actor-num-gpus-per-node", "6", "--rollout-num-gpus-per-engine", "4"], "does not fit within one node's 6"),
+    (["--rollout-num-gpus", "4"], "--rollout-num-gpus 4 must be the trainer's 8 GPUs"),
+    (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size 2 and --expert-model-parallel-size 1 "
+                                              "must be 1"),
+    (["--tensor-model-parallel-size", "8"], "TP x CP = 8 must divide 4"),
+])
+def test_colocate_across_nodes_refuses_engines_or_replicas_that_leave_a_node(flags, says, capsys):
+    base = [*BASE, "--actor-num-nodes", "2", "--actor-num-gpus-per-node", "4", "--colocate"]
+    err = parse_error([*base, *flags], capsys)
+    assert "--colocate over --actor-num-nodes 2 x --actor-num-gpus-per-node" in err and says in err
+
+
+def test_colocate_across_nodes_with_engines_within_a_node_parses():
+    args = parse_quiet([*BASE, "--actor-num-nodes", "2", "--actor-num-gpus-per-node", "4", "--colocate",
+                       "--tensor-model-parallel-size", "2", "--context-parallel-size", "2",
+                       "--rollout-num-gpus-per-engine", "4"])
+    assert args.rollout_num_gpus == 8 and args.colocate and args.offload_train
 
 
 def _hf_dir(tmp_path, files):

@@ -25,10 +25,11 @@ MIN_RISE = 0.25
 AGREEMENT = 1e-4
 
 
-def run_demo_script(script: str, out: Path, timeout_s: float) -> dict:
-    """examples/<script> as users run it, NUM_ROLLOUTS rollouts into `out`: its stdout and metrics events."""
+def run_demo_script(script: str, out: Path, timeout_s: float, extra: tuple[str, ...] = ()) -> dict:
+    """examples/<script> as users run it, NUM_ROLLOUTS rollouts into `out` (`extra`: more train.py flags, later
+    flags win): its stdout and metrics events."""
     env = train_env({"OUT": str(out), "NUM_ROLLOUT": str(NUM_ROLLOUTS), "PY": sys.executable})
-    proc = subprocess.run(["bash", str(ROOT / "examples" / script)], cwd=ROOT, env=env,
+    proc = subprocess.run(["bash", str(ROOT / "examples" / script), *extra], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout_s)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

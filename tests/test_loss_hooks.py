@@ -175,3 +175,18 @@ def test_policy_loss_forwards_eps_clip_c(monkeypatch):
     assert seen["eps_clip_c"] == 3.0 and seen["eps_clip"] == 0.2 and seen["eps_clip_high"] == 0.28
     _, plain = _loss(_args(), packed, plan, logits)
     assert dual["pg_loss"].item() < plain["pg_loss"].item()
+
+
+def test_cispo_step_loss_is_the_clipped_weight_times_advantage_times_log_prob():
+    args = _args(advantage_estimator="cispo")
+    packed, plan, logits = _batch(args)
+    loss, metrics = _loss(args, packed, plan, logits)
+    mask = packed.loss_mask
+    lp = torch.log_softmax(logits.detach(), -1).gather(-1, packed.labels.unsqueeze(-1)).squeeze(-1) * mask
+    weight = torch.exp(lp - packed.old_log_probs * mask).clamp(0.8, 1.28)
+    per_sample = mask * packed.sample_weight / plan.step_sample_count
+    expected = (-weight * packed.advantages * lp * per_sample).sum()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+    assert metrics["pg_loss"].item() == pytest.approx(expected.item(), rel=1e-5)
+    grpo, _ = _loss(_args(), packed, plan, logits)
+    assert grpo.item() != pytest.approx(loss.item())

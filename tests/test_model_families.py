@@ -21,7 +21,7 @@ import torch
 
 from mp_utils import run_ranks
 from test_train_step import assert_matches_reference, rollout  # noqa: F401 (fixture)
-from tiny_models import save_tiny_deepseek_v3, save_tiny_glm4
+from tiny_models import save_tiny_deepseek_v3, save_tiny_glm4, save_tiny_glm_moe_dsa
 from train_step_harness import layout_child
 
 pytestmark = pytest.mark.ranks
@@ -31,7 +31,8 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
         "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
 
 
-ARCHITECTURES = {"rope": "DeepseekV3ForCausalLM", "yarn": "DeepseekV3ForCausalLM", "glm4": "Glm4ForCausalLM"}
+ARCHITECTURES = {"rope": "DeepseekV3ForCausalLM", "yarn": "DeepseekV3ForCausalLM", "glm4": "Glm4ForCausalLM",
+                 "glm5": "GlmMoeDsaForCausalLM"}
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,9 @@ def family_dirs(tmp_path_factory):
     return {"rope": save_tiny_deepseek_v3(str(root / "rope")),
             # no query compression (q_proj instead of q_a/q_b), YaRN RoPE
             "yarn": save_tiny_deepseek_v3(str(root / "yarn"), seed=1, q_lora_rank=None, rope_scaling=YARN),
-            "glm4": save_tiny_glm4(str(root / "glm4"))}
+            "glm4": save_tiny_glm4(str(root / "glm4")),
+            # DeepSeek sparse attention: 6 of the 16 keys at most
+            "glm5": save_tiny_glm_moe_dsa(str(root / "glm5"))}
 
 
 def _forward_and_export(rank, world, hf_dir, tp, cp):
@@ -79,7 +82,8 @@ def _hf_logits(hf_dir, architecture):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("kind, tp, cp", [("rope", 2, 1), ("rope", 1, 2), ("yarn", 2, 2), ("glm4", 2, 2)])
+@pytest.mark.parametrize("kind, tp, cp", [("rope", 2, 1), ("rope", 1, 2), ("yarn", 2, 2), ("glm4", 2, 2),
+                                          ("glm5", 2, 2)])
 def test_logits_match_transformers_and_export_is_exact(family_dirs, kind, tp, cp):
     from safetensors.torch import load_file
 
@@ -169,9 +173,11 @@ def test_spec_plugin_signatures_and_result_types():
 # The sigmoid-router MoE families: a tiny checkpoint of each by transformers' own class, with the tokenizer of the
 # project's tiny checkpoint (the embedded engine serves it).
 MOE_CHECKPOINTS = {"deepseek_v3": "save_tiny_deepseek_v3_moe", "glm4_moe": "save_tiny_glm4_moe",
-                   "glm4_moe_lite": "save_tiny_glm4_moe_lite", "minimax_m2": "save_tiny_minimax_m2"}
+                   "glm4_moe_lite": "save_tiny_glm4_moe_lite", "minimax_m2": "save_tiny_minimax_m2",
+                   "glm_moe_dsa": "save_tiny_glm_moe_dsa"}
 MOE_ARCHITECTURES = {"deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
-                     "glm4_moe_lite": "Glm4MoeLiteForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM"}
+                     "glm4_moe_lite": "Glm4MoeLiteForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM",
+                     "glm_moe_dsa": "GlmMoeDsaForCausalLM"}
 MOE_LAYOUTS = {
     "tp2_sp_ep2": dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=2),
     "tp2_sp_cp2_ep2": dict(tensor_model_parallel_size=2, sequence_parallel=True, context_parallel_size=2,
@@ -179,6 +185,10 @@ MOE_LAYOUTS = {
     # upstream's plug-in path for MiniMax-M2 (the single-process reference is built without it)
     "tp2_sp_ep2_spec": dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=2,
                             spec=["slime_plugins.models.minimax_m2", "get_minimax_m2_spec"]),
+    # upstream's plug-in path for GLM-5, with CP (its indexer keys all-gathered like the K/V)
+    "tp2_sp_cp2_ep2_spec": dict(tensor_model_parallel_size=2, sequence_parallel=True, context_parallel_size=2,
+                                expert_model_parallel_size=2,
+                                spec=["slime_plugins.models.glm5.glm5", "get_glm5_spec"]),
 }
 MOE_TRAINING = dict(expert_tensor_parallel_size=1, calculate_per_token_loss=True, lr=1e-3,
                     moe_router_bias_update_rate=0.05)
@@ -270,7 +280,8 @@ def _bias_names(hf_dir):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("family, layout", [("deepseek_v3", "tp2_sp_ep2"), ("glm4_moe", "tp2_sp_cp2_ep2"),
-                                            ("glm4_moe_lite", "tp2_sp_ep2"), ("minimax_m2", "tp2_sp_ep2_spec")])
+                                            ("glm4_moe_lite", "tp2_sp_ep2"), ("minimax_m2", "tp2_sp_ep2_spec"),
+                                            ("glm_moe_dsa", "tp2_sp_cp2_ep2_spec")])
 def test_moe_family_round_trips_trains_and_pushes_under_ep(moe_assets, family, layout, tmp_path):
     """HF -> megatron -> HF bit-exact under TP2 x SP x EP2 (x CP2), the engine's (transformers') log-probs, one
     fenced step whose recorded collectives pass the order proof and that moves the routing bias, and a push that
@@ -457,3 +468,171 @@ def test_glm_and_minimax_configs_map_and_upstream_flags_must_agree():
     attention = function(defaults_namespace(), config, None).submodules.self_attention.submodules
     assert attention.q_layernorm.module is minimax_m2.FullWidthRMSNorm
     assert attention.k_layernorm.params == {"heads": "key"}
+
+
+def test_glm5_config_maps_upstream_flags_and_refuses_what_is_not_built(tmp_path):
+    """GLM-5-744B's config (no weights) against upstream's launcher flags; the indexer's top-k is clamped to the
+    sequence at run time (transformers and megatron-core do the same); the settings not built here are refused,
+    before Ray starts where config.json says so."""
+    from transformers import GlmMoeDsaConfig
+
+    from slime.backends.megatron_utils.model import transformer_config_from_hf
+    from slime.backends.megatron_utils.moe import moe_config_fields
+    from slime.config import defaults_namespace
+    from slime.config.checks.linear_attention import check_linear_attention
+    from slime.config.errors import ArgumentValidationError
+    from slime.config.launch import check_hf_config
+    from slime.models.sparse_attention import LightningIndexer
+
+    glm5 = GlmMoeDsaConfig()  # GLM-5's released shape: 78 layers, 3 dense, 256 experts top-8
+    config = transformer_config_from_hf(glm5, types.SimpleNamespace(
+        multi_latent_attention=True, q_lora_rank=2048, kv_lora_rank=512, qk_head_dim=192, qk_pos_emb_head_dim=64,
+        v_head_dim=256, qk_layernorm=True, num_experts=256, moe_router_topk=8, moe_layer_freq="[0]*3+[1]*75",
+        moe_shared_expert_intermediate_size=2048, moe_ffn_hidden_size=2048, moe_router_topk_scaling_factor=2.5,
+        expert_model_parallel_size=1, pipeline_model_parallel_size=1))
+    assert (config.dsa_indexer_topk, config.dsa_indexer_n_heads, config.dsa_indexer_head_dim) == (2048, 32, 128)
+    assert config.multi_latent_attention and config.experimental_attention_variant is None
+    with pytest.raises(ValueError, match="--qk-head-dim=256 contradicts"):
+        transformer_config_from_hf(glm5, types.SimpleNamespace(qk_head_dim=256))
+    with pytest.raises(ValueError, match="set n_group to a divisor of 256"):
+        moe_config_fields(GlmMoeDsaConfig(n_group=3, topk_group=1), _moe_flags())
+    with pytest.raises(ValueError, match="YaRN RoPE is not mapped"):
+        transformer_config_from_hf(GlmMoeDsaConfig(rope_parameters=dict(YARN, rope_theta=10000.0)),
+                                   types.SimpleNamespace())
+    shared = GlmMoeDsaConfig(num_hidden_layers=4, index_topk_pattern="FSFS")
+    with pytest.raises(ValueError, match=r"marks layers \[1, 3\] 'shared'"):
+        transformer_config_from_hf(shared, types.SimpleNamespace())
+    (tmp_path / "config.json").write_text(shared.to_json_string())
+    args = defaults_namespace()
+    with pytest.raises(ArgumentValidationError, match="cross-layer sharing"):
+        check_hf_config(args, str(tmp_path / "config.json"))
+    # megatron's name for the attention variant agrees with GLM-5's config and contradicts any other
+    args.experimental_attention_variant = "dsa"
+    check_linear_attention(args, glm5.to_dict(), "config.json")
+    with pytest.raises(ArgumentValidationError, match="has no DeepSeek sparse attention indexer"):
+        check_linear_attention(args, {"model_type": "qwen3"}, "config.json")
+
+    # index_topk above the sequence: every causal key is kept (the top-k clamped to the keys there are)
+    indexer = LightningIndexer(types.SimpleNamespace(
+        dsa_indexer_n_heads=2, dsa_indexer_head_dim=8, dsa_indexer_topk=64, qk_pos_emb_head_dim=4,
+        rotary_base=10000.0, q_lora_rank=8, hidden_size=8, params_dtype=torch.float32))
+    q, weights, k = indexer.queries_and_keys(torch.randn(5, 8), torch.randn(5, 8), torch.arange(5))
+    assert torch.equal(indexer.select(q, weights, k, torch.arange(5)), torch.ones(5, 5, dtype=torch.bool).tril())
+    assert not any(p.requires_grad for p in indexer.parameters())  # transformers' indexer has no gradient
+    indexer.topk = 2
+    assert indexer.select(q, weights, k, torch.arange(5)).sum(-1).tolist() == [1, 2, 2, 2, 2]
+
+
+# ------------------------------------------------------------------ PP and routing replay of the sigmoid routers
+
+
+def _pp_replay_child(rank, world, hf_dir, data, layout):
+    """Log-probs with the given routes replayed and with every route shifted, then one training step that
+    replays them too."""
+    import base64
+
+    import numpy as np
+
+    from slime.backends.megatron_utils.train_step import compute_log_probs, train_one_step
+    from slime_plugins.models.hf_weights import unwrap_model
+    from train_step_harness import build_loaded_model, layout_args, plans_for_this_rank
+
+    args = layout_args(layout, use_rollout_routing_replay=True)
+    model, optimizer, scheduler = build_loaded_model(args, hf_dir)
+    (plan,) = plans_for_this_rank(data, args)
+    replayed = compute_log_probs(model, data, plan, args)
+    shifted = dict(data, rollout_routed_experts=[  # every token through other experts
+        base64.b64encode(((np.frombuffer(base64.b64decode(r), dtype=np.int32) + 3) % 8).astype(np.int32).tobytes())
+        .decode() for r in data["rollout_routed_experts"]])
+    shifted = compute_log_probs(model, shifted, plan, args)
+    step = train_one_step(model, optimizer, scheduler, data, plan, args)
+    layers = len(unwrap_model(model[0]).decoder.layers)  # this stage's
+    return dict(replayed=replayed, shifted=shifted, loss=step.loss, grad_norm=step.grad_norm, skipped=step.skipped,
+                layers=layers)
+
+
+def _pp_stages(family: str) -> tuple[int, int]:
+    """Layers of each of the two stages (the tiny MiniMax-M2 has 2 layers, the others 3)."""
+    return (1, 1) if family == "minimax_m2" else (2, 1)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", ["glm4_moe", "glm4_moe_lite", "minimax_m2", "glm_moe_dsa"])
+def test_sigmoid_router_family_replays_routes_and_trains_at_pp2(moe_assets, family):
+    """transformers' own routes replayed (--use-rollout-routing-replay) give transformers' log-probs, shifted routes
+    do not; at PP2 (each stage its own dense / MoE layers) the replayed log-probs, the loss and the grad norm of a
+    step that replays them equal the single process's."""
+    from test_moe import _hf_log_probs, _hf_routes
+    from test_train_step import merged_log_probs
+
+    hf_dir, data = moe_assets(family)
+    want = _hf_log_probs(hf_dir, data)
+    data = dict(data, rollout_routed_experts=_hf_routes(hf_dir, data), log_probs=want, ref_log_probs=want,
+                rollout_log_probs=want)
+    (single,) = run_ranks(_pp_replay_child, 1, args=(hf_dir, data, MOE_TRAINING), timeout_s=200)
+    for got, ref in zip(single["replayed"], want):
+        assert got == pytest.approx(ref, abs=1e-5)
+    assert max(abs(a - b) for x, y in zip(single["shifted"], want) for a, b in zip(x, y)) > 1e-2
+    stages = _pp_stages(family)
+    layout = dict(pipeline_model_parallel_size=2, decoder_last_pipeline_num_layers=stages[1], **MOE_TRAINING)
+    results = run_ranks(_pp_replay_child, 2, args=(hf_dir, data, layout), timeout_s=250)
+    assert tuple(r["layers"] for r in results) == stages
+    for got, ref in zip(merged_log_probs([dict(log_probs=r["replayed"]) for r in results], len(want)), want):
+        assert got == pytest.approx(ref, abs=1e-5)
+    assert not single["skipped"] and single["grad_norm"] > 0
+    for result in results:
+        assert result["loss"] == pytest.approx(single["loss"], abs=1e-5)
+        assert result["grad_norm"] == pytest.approx(single["grad_norm"], rel=1e-4)
+
+
+def _gradients_child(rank, world, hf_dir):
+    """The HF-named gradients of the summed next-token log-probs of one sequence (the gradient put in place of
+    each weight, then exported as the weights are)."""
+    import transformers
+
+    from slime.backends.megatron_utils.model import build_gpt_model
+    from slime.backends.megatron_utils.parallel import init_model_parallel
+    from slime_plugins.models.hf_weights import export_hf_weights, load_hf_weights
+
+    args = types.SimpleNamespace(tensor_model_parallel_size=1, context_parallel_size=1,
+                                 pipeline_model_parallel_size=1, seed=5, attention_dropout=0.0, hidden_dropout=0.0)
+    init_model_parallel(args)
+    hf_config = transformers.AutoConfig.from_pretrained(hf_dir)
+    model = build_gpt_model(args, hf_config)
+    load_hf_weights([model], hf_dir, hf_config)
+    tokens = torch.randint(0, hf_config.vocab_size, (1, SEQ), generator=torch.Generator().manual_seed(0))
+    logits = model(tokens, torch.arange(SEQ).unsqueeze(0), None)[0].float()
+    logits.log_softmax(-1)[:-1].gather(-1, tokens[0, 1:, None]).sum().backward()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(param.grad if param.grad is not None else torch.full_like(param, float("nan")))
+    return {name: tensor.clone() for name, tensor in export_hf_weights([model], hf_config)}
+
+
+@pytest.mark.timeout(120)
+def test_glm5_gradients_match_transformers(family_dirs):
+    """The backward through the sparse attention (and the MoE) is transformers': every gradient equal in fp32; the
+    indexer has none on either side."""
+    import transformers
+
+    hf_dir = family_dirs["glm5"]
+    (grads,) = run_ranks(_gradients_child, 1, args=(hf_dir,), timeout_s=100)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    tokens = torch.randint(0, hf.config.vocab_size, (1, SEQ), generator=torch.Generator().manual_seed(0))
+    hf(tokens).logits[0].log_softmax(-1)[:-1].gather(-1, tokens[0, 1:, None]).sum().backward()
+    compared = 0
+    for name, param in hf.named_parameters():
+        if ".indexer." in name:
+            assert param.grad is None and grads[name].isnan().all()
+        elif name.endswith("mlp.experts.gate_up_proj") or name.endswith("mlp.experts.down_proj"):
+            # fused in transformers' memory ([gate; up] rows per expert), one tensor per projection in checkpoints
+            prefix, fused = name.rsplit(".", 1)
+            parts = ("gate_proj", "up_proj") if fused == "gate_up_proj" else ("down_proj",)
+            for expert, grad in enumerate(param.grad):
+                want = torch.cat([grads[f"{prefix}.{expert}.{part}.weight"] for part in parts])
+                assert (want - grad).abs().max().item() < 1e-5, (name, expert)
+            compared += 1
+        else:
+            assert (grads[name] - param.grad).abs().max().item() < 1e-5, name
+            compared += 1
+    assert compared == sum(".indexer." not in name for name, _ in hf.named_parameters())

@@ -5,20 +5,26 @@ node on its own loopback address (127.0.0.2) where the machine allows it. train.
 a user starts it on the head after `ray start --head`: no RAY_ADDRESS, it finds the cluster by the
 address file `ray start` leaves. The layout is the smallest that shows the point: 2 trainer ranks and
 `--rollout-num-gpus 2`, two CPUs per node: the ranks fill one node, the engines the other, so every
-weight push crosses nodes. (`--colocate` across nodes is refused at parse time: colocated engines take
-their weights from a rank on their own host; tests/test_placement.py places that layout on fake GPUs.)
+weight push crosses nodes.
 
 An engine on the other node is reachable only at its node's address (it listens there), for
 generation and for the weight push, whose version check covers every engine.
+
+The colocated run is examples/run_cpu_demo.sh spread over the two nodes: 8 CPU ranks (4 a node) as
+TP2 x SP x CP2 x DP2, `--colocate`, one engine of 4 per node fed by its own node's ranks through shared
+memory; it learns the counting task and its recorded collectives pass the order proof.
 """
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from ray_cluster import RayTestCluster, second_loopback_address
-from train_runs import read_events, run_train
+from train_runs import ROOT, read_events, run_train, train_env
 
 pytestmark = pytest.mark.e2e
 
@@ -91,3 +97,72 @@ def test_ranks_and_engines_landed_where_the_layout_puts_them(two_node_run):
     if two_node_run["second_ip"]:
         node_ips = {r["node_ip"] for r in ranks} | {e["node_ip"] for e in engines}
         assert two_node_run["second_ip"] in node_ips and len(node_ips) == 2
+
+
+# ----------------------------------------------------------------------------- colocated across the two nodes
+COLOCATED_ROLLOUTS = 14
+MIN_RISE = 0.2  # the one-node demo rises +0.40 to +0.45 over 20 rollouts (tests/test_learning_demo.py)
+COLOCATED_FLAGS = ["--actor-num-nodes", "2", "--actor-num-gpus-per-node", "4", "--context-parallel-size", "2",
+                   "--rollout-num-gpus-per-engine", "4", "--ledger-record-sequence"]
+
+
+@pytest.fixture(scope="module")
+def colocated_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("colocated-two-node")
+    second_ip = second_loopback_address()
+    nodes = [{"num_cpus": 4}, {"num_cpus": 4, **({"node_ip_address": second_ip} if second_ip else {})}]
+    with RayTestCluster(nodes) as cluster:
+        env = train_env({**cluster.env, "RAY_ADDRESS": "", "OUT": str(out), "NUM_ROLLOUT": str(COLOCATED_ROLLOUTS),
+                         "PY": sys.executable})
+        proc = subprocess.run(["bash", str(ROOT / "examples" / "run_cpu_demo.sh"), *COLOCATED_FLAGS,
+                               "--ledger-dir", str(out / "ledger")],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    events: dict[str, list[dict]] = {}
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        event = json.loads(line)
+        events.setdefault(event["event"], []).append(event)
+    return {"out": out, "events": events, "second_ip": second_ip}
+
+
+def _series(events: dict, kind: str, key: str) -> list[float]:
+    return [e[key] for e in sorted(events[kind], key=lambda e: e["rollout_id"])]
+
+
+@pytest.mark.timeout(720)
+def test_colocated_over_two_nodes_each_engine_on_its_node(colocated_run):
+    placement = colocated_run["events"]["placement"][0]
+    ranks, engines = placement["placement/ranks"], placement["placement/engines"]
+    assert placement["placement/nodes"] == 2 and len(ranks) == 8 and len(engines) == 2
+    rank_nodes = [r["node_id"] for r in ranks]
+    assert rank_nodes[:4] == [rank_nodes[0]] * 4 and rank_nodes[4:] == [rank_nodes[4]] * 4
+    assert [e["node_id"] for e in engines] == [rank_nodes[0], rank_nodes[4]]  # one engine per node
+    if colocated_run["second_ip"]:
+        assert engines[1]["url"].startswith(f"http://{colocated_run['second_ip']}:")
+
+
+@pytest.mark.timeout(720)
+def test_colocated_over_two_nodes_learns_and_every_engine_follows(colocated_run):
+    events = colocated_run["events"]
+    rewards = _series(events, "rollout", "rollout/raw_reward")
+    assert len(rewards) == COLOCATED_ROLLOUTS
+    rise = sum(rewards[-3:]) / 3 - rewards[0]
+    assert rise >= MIN_RISE, f"rewards {[round(r, 3) for r in rewards]}"
+    # every sync's version check reads both engines; the log-probs agree, so each node's engine got the weights
+    assert _series(events, "weight_sync", "weight_sync/version") == list(range(COLOCATED_ROLLOUTS + 1))
+    diffs = _series(events, "train", "train/train_rollout_logprob_abs_diff")
+    assert all(0.0 <= d <= 1e-4 for d in diffs), diffs
+
+
+@pytest.mark.timeout(720)
+def test_colocated_over_two_nodes_order_proof_holds(colocated_run):
+    from slime.distributed.order_proof import check_order, read_sequences
+
+    sequences = read_sequences(str(colocated_run["out"] / "ledger"))
+    assert len(sequences) == 8
+    report = check_order(sequences)
+    assert report.ok, report.format()
+    # one sender per node (its first replica's TP rank 0) pushes every sync to its node's engine
+    senders = {rank for rank, seq in sequences.items() if any(op.op.startswith("weight_sync/send_bucket")
+                                                               for op in seq.ops)}
+    assert senders == {0, 4}

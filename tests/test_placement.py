@@ -17,7 +17,14 @@ import pytest
 from slime.backends.sglang_utils.launcher import gpu_id_layout, sglang_server_args_for_engine
 from slime.config import defaults_namespace
 from slime.ray.driver.cluster import PlacementError, cluster_address, worker_env
-from slime.ray.driver.placement import BundleInfo, check_engine_bind_host, order_bundles, plan_layout, visible_device_index
+from slime.ray.driver.placement import (
+    BundleInfo,
+    check_colocated_nodes,
+    check_engine_bind_host,
+    order_bundles,
+    plan_layout,
+    visible_device_index,
+)
 from slime.utils.security import ApiKey
 
 pytestmark = pytest.mark.e2e
@@ -54,6 +61,23 @@ def test_colocated_engines_take_the_trainer_ranks_gpus():
     by_bundle = {b.index: (b.node_id, b.gpu_id) for b in infos}
     for engine in layout.engines:  # the actor runs on the engine's first GPU's bundle
         assert by_bundle[engine.bundles[0]] == (engine.node_id, engine.gpu_ids[0])
+
+
+def test_colocated_across_nodes_needs_a_node_per_block_of_ranks_at_its_own_address():
+    def layout(spec):
+        return plan_layout(_bundles(spec), trainer_ranks=len(spec), num_engines=2, gpus_per_engine=len(spec) // 2,
+                           colocate=True)
+
+    even = [(n, ip, None) for n, ip in (("a", "10.0.0.1"), ("b", "10.0.0.2")) for _ in range(4)]
+    check_colocated_nodes(layout(even), gpus_per_node=4)
+    # Ray packed 5 ranks on one node: node b's engine would be fed by a rank of node a
+    uneven = [("a", "10.0.0.1", None)] * 5 + [("b", "10.0.0.2", None)] * 3
+    with pytest.raises(PlacementError, match="needs 4 trainer ranks on each node"):
+        check_colocated_nodes(plan_layout(_bundles(uneven), trainer_ranks=8, num_engines=8, gpus_per_engine=1,
+                                          colocate=True), gpus_per_node=4)
+    shared = [(n, "10.0.0.1", None) for n in "ab" for _ in range(4)]
+    with pytest.raises(PlacementError, match="SLIME_HOST_IP"):
+        check_colocated_nodes(layout(shared), gpus_per_node=4)
 
 
 def test_separate_engines_come_after_the_trainer_ranks():

@@ -9,10 +9,12 @@ from slime.config import defaults_namespace
 from slime.utils.ppo_utils import (
     compute_advantages_and_returns,
     compute_approx_kl,
+    compute_cispo_loss,
     compute_entropy_from_logits,
     compute_log_probs,
     compute_policy_loss,
     compute_tis_weights,
+    compute_value_loss,
     get_advantages_and_returns,
     get_grpo_returns,
     get_reinforce_plus_plus_returns,
@@ -86,5 +88,53 @@ def test_group_normalize_and_advantages():
     data = {"rewards": [0.5, -0.5], "loss_masks": [[1, 1], [1, 0, 1]]}
     compute_advantages_and_returns(defaults_namespace(advantage_estimator="grpo"), data)
     assert data["advantages"] == [[0.5, 0.5], [-0.5, -0.5, -0.5]]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="critic's values"):
         compute_advantages_and_returns(defaults_namespace(advantage_estimator="ppo"), data)
+
+
+def test_cispo_loss_hand_values_and_gradient():
+    # ratio = pi/pi_old: 1.5 (weight clipped to 1 + 0.28), 0.5 (clipped to 1 - 0.2), 1.0, 1.1 (inside)
+    log_probs = torch.tensor([-0.5, -1.0, -2.0, -0.2], requires_grad=True)
+    ratios = [1.5, 0.5, 1.0, 1.1]
+    old = torch.tensor([lp - math.log(r) for lp, r in zip([-0.5, -1.0, -2.0, -0.2], ratios)])
+    adv = torch.tensor([1.0, -1.0, 2.0, -0.5])
+    loss, clipfrac = compute_cispo_loss(old - log_probs, log_probs, adv, eps_clip=0.2, eps_clip_high=0.28)
+    # -w * A * log pi with w = 1.28, 0.8, 1.0, 1.1
+    assert loss.tolist() == pytest.approx([0.64, -0.8, 4.0, -0.11], rel=1e-5)
+    assert clipfrac.tolist() == [1.0, 1.0, 0.0, 0.0]
+    loss.sum().backward()
+    # the weight is a constant: d loss / d log pi = -w * A, also where the weight was clipped
+    # (PPO's clipped surrogate gives those two tokens no gradient)
+    assert log_probs.grad.tolist() == pytest.approx([-1.28, 0.8, -2.0, 0.55], rel=1e-5)
+
+
+def test_cispo_advantages_are_grpo_returns():
+    data = {"rewards": [0.5, -0.5], "loss_masks": [[1, 1], [1, 0, 1]]}
+    compute_advantages_and_returns(defaults_namespace(advantage_estimator="cispo"), data)
+    assert data["advantages"] == [[0.5, 0.5], [-0.5, -0.5, -0.5]]
+
+
+def test_value_loss_is_clipped_around_the_rollouts_values():
+    values = torch.tensor([1.0, 0.0, 0.5], requires_grad=True)
+    old, returns = torch.tensor([0.5, 0.5, 0.5]), torch.tensor([2.0, 0.0, 0.0])
+    losses, clipfrac = compute_value_loss(values, old, returns, value_clip=0.2)
+    # (V - R)^2 = [1, 0, 0.25]; clipped V = [0.7, 0.3, 0.5] -> [1.69, 0.09, 0.25]; the larger counts
+    assert losses.tolist() == pytest.approx([1.69, 0.09, 0.25])
+    assert clipfrac.tolist() == [1.0, 1.0, 0.0]
+    losses.sum().backward()
+    # the two clipped tokens sit on the clamped branch: no gradient; the third: 2 * (0.5 - 0)
+    assert values.grad.tolist() == pytest.approx([0.0, 0.0, 1.0])
+
+
+def test_ppo_advantages_are_gae_over_the_critics_values():
+    # token rewards: -kl_coef * kl, the reward added on the last token: [-0.1, 1 - 0.2]
+    data = {"rewards": [1.0], "loss_masks": [[1, 1]], "values": [[0.5, 0.25]],
+            "log_probs": [[-1.0, -2.0]], "ref_log_probs": [[-1.2, -2.4]]}
+    args = defaults_namespace(advantage_estimator="ppo", kl_coef=0.5, kl_loss_type="k1", gamma=1.0, lambd=1.0)
+    compute_advantages_and_returns(args, data)
+    # gamma = lambd = 1: returns are the reverse sums of the token rewards, advantages returns - values
+    assert data["returns"][0] == pytest.approx([0.7, 0.8])
+    assert data["advantages"][0] == pytest.approx([0.7 - 0.5, 0.8 - 0.25])
+    data["values"] = [[0.5]]
+    with pytest.raises(ValueError, match="one per response token"):
+        compute_advantages_and_returns(args, data)

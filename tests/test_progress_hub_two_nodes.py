@@ -11,6 +11,7 @@ does. The ranks are stand-ins without megatron: what is tested is the channel be
             Control: the same wait, judged from rank 1's ledger directory alone, trips.
   stalled   rank 0 stops making progress; both ranks trip about one window later, and the
             driver's one table, from the hub, shows both nodes' ranks with rank 0 to blame.
+Both run twice: the ranks calling the hub, and calling their node's relay, which forwards to it.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ TESTS = Path(__file__).resolve().parent
 class HubRank:
     """One rank without megatron: its ledger in its node's own directory, a watchdog, the hub's client."""
 
-    def __init__(self, rank: int, world: int, ledger_dir: str, hub: tuple, skew_s: float = 0.0):
+    def __init__(self, rank: int, world: int, ledger_dir: str, hub: tuple, skew_s: float = 0.0, relay: bool = False):
         if skew_s:  # this node's wall clock (every time the process reads) is off by skew_s
             import slime.distributed.ledger as ledger_module
 
@@ -40,7 +41,10 @@ class HubRank:
             ledger_module._now = time.time
         from slime.distributed import Ledger, Watchdog
         from slime.distributed.progress_hub import HubClient, RayHub
+        from slime.distributed.progress_relay import node_relay
 
+        if relay:  # through its node's relay, as ranks of a large world are
+            hub = node_relay(hub)
         self.rank = rank
         self.ledger = Ledger(rank, world, ledger_dir, flush_interval_s=0.1)
         self.client = HubClient(RayHub(*hub), self.ledger)
@@ -99,9 +103,10 @@ class HubRank:
         return portable()
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    """Two nodes, the hub on the driver's, one rank per node, each node's ledger directory its own."""
+@pytest.fixture(scope="module", params=[False, True], ids=["direct", "node-relays"])
+def two_ranks(request, tmp_path_factory):
+    """Two nodes, the hub on the driver's, one rank per node, each node's ledger directory its own; the
+    ranks reach the hub directly, or through their node's relay (slime/distributed/progress_relay.py)."""
     import ray
 
     from slime.distributed.progress_hub import HubClient, RayHub, start_hub
@@ -117,7 +122,9 @@ def two_ranks(tmp_path_factory):
             hub = start_hub(2, runtime_env=env)
             ray.get(hub[0].stats.remote(), timeout=120)  # up before the ranks count on it
             remote = ray.remote(HubRank).options(num_cpus=1, runtime_env=env)
-            ranks = [remote.remote(0, 2, str(root / "node1"), hub, SKEW_S), remote.remote(1, 2, str(root / "node2"), hub)]
+            relay = request.param
+            ranks = [remote.remote(0, 2, str(root / "node1"), hub, SKEW_S, relay),
+                     remote.remote(1, 2, str(root / "node2"), hub, 0.0, relay)]
             driver = HubClient(RayHub(*hub))
             yield {"ranks": ranks, "driver": driver, "where": ray.get([r.where.remote() for r in ranks], timeout=120)}
             driver.close()

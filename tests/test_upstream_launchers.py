@@ -1,5 +1,5 @@
 """Upstream slime's launcher shapes parse here, or stop with the registry's reason (or, for a shape whose layout
-needs more ranks than the suite has, its named layout error): never at "unrecognized".
+this project refuses, e.g. an engine over several nodes, its named layout error): never at "unrecognized".
 
 tests/upstream_launchers.json holds this project's own expansion of the flag sets upstream's scripts/*.sh and
 examples/**/*.sh pass (model, parallel, MoE/MLA, FP8, MTP, spec plug-ins), with local paths and small batches.
@@ -34,7 +34,7 @@ def test_upstream_launcher_shape_parses_or_is_refused_with_its_reason(shape, tmp
         assert exc.code == 2
         err = capsys.readouterr().err
         assert "unrecognized arguments" not in err, err
-        if shape.get("stops_at"):  # a multi-node layout that the suite's 8 ranks cannot hold: a layout error
+        if shape.get("stops_at"):  # a multi-node layout with upstream's node counts that is refused by name
             assert shape["stops_at"] in err, err
             return
         assert shape["may_refuse"], f"{shape['name']} must parse: {err}"

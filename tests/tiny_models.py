@@ -285,6 +285,29 @@ def save_tiny_minimax_m2(path: str, seed: int = 0, **overrides) -> str:
     return _perturb_and_save(model, path)
 
 
+def save_tiny_glm_moe_dsa(path: str, seed: int = 0, **overrides) -> str:
+    """A tiny GlmMoeDsaForCausalLM (GLM-5): multi-latent attention with the DSA indexer keeping 6 keys per query
+    (below the test sequences' lengths, so the attention is sparse), 3 layers (the first dense), 8 routed experts
+    top-2, one shared expert, routed_scaling_factor 2.5."""
+    import torch
+    from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+
+    fields = dict(vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=24, qk_nope_head_dim=16,
+                  qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                  first_k_dense_replace=1, routed_scaling_factor=2.5, index_topk=6, index_head_dim=16,
+                  index_n_heads=4, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                  pad_token_id=0)
+    fields.update(overrides)
+    torch.manual_seed(seed)
+    model = _spread_router(GlmMoeDsaForCausalLM(GlmMoeDsaConfig(**fields)).float(), seed)
+    with torch.no_grad():  # indexer scores of order one, so its choice is not decided by rounding
+        for name, param in model.named_parameters():
+            if ".indexer." in name and not name.endswith("k_norm.weight") and not name.endswith("k_norm.bias"):
+                param.normal_(0.0, 0.3)
+    return _perturb_and_save(model, path)
+
+
 def _with_mtp_layer(path: str, rename: dict[str, str], extra: dict[str, tuple[int, ...] | str], config: dict,
                     seed: int) -> str:
     """Turn the last decoder layer of a saved checkpoint into its MTP layer: tensors whose name starts with a key of

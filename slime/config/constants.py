@@ -52,3 +52,6 @@ FUNCTION_PATH_FLAGS: tuple[str, ...] = (
 
 # What the model builder always builds (model.py: every supported family's HF config has RMSNorm and RoPE).
 BUILT_NORMALIZATION, BUILT_POSITION_EMBEDDING = "RMSNorm", "rope"
+
+# --update-weight-delta-encoding (upstream's names): how a changed position travels (sglang_utils/weight_delta.py).
+DELTA_ENCODINGS = ("xor", "overwrite")

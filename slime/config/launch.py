@@ -105,7 +105,8 @@ def check_hf_config(args: argparse.Namespace, config_path: str) -> None:
         except ValueError as exc:
             fail(f"--hf-checkpoint {config_path}: {exc}")
     heads = config.get("num_attention_heads")
-    mla = model_type in ("deepseek_v3", "deepseek_v2", "kimi_k2", "glm4_moe_lite") and config.get("kv_lora_rank") is not None
+    mla = (model_type in ("deepseek_v3", "deepseek_v2", "kimi_k2", "glm4_moe_lite", "glm_moe_dsa")
+           and config.get("kv_lora_rank") is not None)
     arch = {dest: config.get(key) for dest, key in CONFIG_ARCH_KEYS.items()}
     arch["num_query_groups"] = heads if mla else (config.get("num_key_value_heads") or heads)
     for dest, value in arch.items():
@@ -134,8 +135,14 @@ def check_hf_config(args: argparse.Namespace, config_path: str) -> None:
 
 
 def _check_layer_kinds(config: dict, config_path: str) -> None:
-    """A hybrid stack (layer_types): one kind per layer, every one a kind the family builds."""
+    """A hybrid stack (layer_types): one kind per layer, every one a kind the family builds; a sparse-attention
+    indexer (GLM-5) that the family builds."""
     family = model_family(config.get("model_type"))
+    if family.check_config is not None:
+        try:
+            family.check_config(SimpleNamespace(**config))
+        except ValueError as exc:
+            fail(f"--hf-checkpoint: {config_path}: {exc}")
     if family.layer_kinds is None:
         return
     try:

@@ -69,8 +69,11 @@ NOT_IMPLEMENTED_FLAGS: tuple[NotImplementedFlag, ...] = (
     *_warned("checkpoints are saved synchronously", "--async-save"),
     *_warned("replayed routes of a step are held in memory whole; nothing is prefetched",
              "--routing-replay-prefetch-microbatches"),
-    *_warned("a PPO critic option; --advantage-estimator ppo (a critic) is not implemented", "--value-clip",
-             "--lambd"),
+    # read by the critic's loss and GAE (value_loss.py, ppo_utils.py), which only the refused ppo estimator runs
+    NotImplementedFlag(flag="--value-clip", is_active=lambda v: v != 0.2,
+                       reason="used by --advantage-estimator ppo only, which is refused (no critic trainer group)"),
+    NotImplementedFlag(flag="--lambd", is_active=lambda v: v != 1.0,
+                       reason="used by --advantage-estimator ppo only, which is refused (no critic trainer group)"),
     *_warned("pass@k is always logged here (rollout/pass@k)", "--log-passrate"),
     *_warned("this rollout logging option is not implemented", "--log-multi-turn", "--log-reward-category",
              "--log-correct-samples"),
@@ -117,6 +120,8 @@ NOT_IMPLEMENTED_FLAGS: tuple[NotImplementedFlag, ...] = (
              "--log-throughput", "--log-timers-to-tensorboard", "--tensorboard-log-interval", "--log-params-norm",
              "--timing-log-level"),
     *_warned("every checkpoint under --save is kept", "--save-retain-interval", "--keep-checkpoint-num"),
+    *_warned("a delta is applied to the weights the engine holds in memory (over the broadcast group): no "
+             "host-local checkpoint is kept", "--update-weight-local-checkpoint-dir"),
 )
 
 
@@ -137,9 +142,9 @@ ALWAYS_HONOURED_FLAGS: dict[str, str] = {
 
 
 REFUSED_FLAGS: tuple[NotImplementedFlag, ...] = (
-    NotImplementedFlag(flag="--advantage-estimator", is_active=lambda v: v in ("ppo", "cispo"),
-                       reason="ppo needs a critic model and cispo its own objective, neither is implemented; use grpo, "
-                              "gspo, reinforce_plus_plus or reinforce_plus_plus_baseline"),
+    NotImplementedFlag(flag="--advantage-estimator", is_active=lambda v: v == "ppo",
+                       reason="ppo needs a critic model, which is not implemented; use grpo, gspo, cispo, "
+                              "reinforce_plus_plus or reinforce_plus_plus_baseline"),
     NotImplementedFlag(flag="--optimizer", is_active=lambda v: v != "adam", reason="only --optimizer adam is implemented"),
     NotImplementedFlag(flag="--pg-loss-type", is_active=lambda v: v == "reinforce",
                        reason="the REINFORCE objective is not implemented (the PPO-clip objective is)"),
@@ -159,10 +164,14 @@ REFUSED_FLAGS: tuple[NotImplementedFlag, ...] = (
       for f in ("--fp8-format", "--fp8-recipe")),
     *(NotImplementedFlag(flag=f, reason="weights reach the engines only over CUDA IPC, shared memory or the "
                                         "distributed group (--update-weight-transport), never through files on disk")
-      for f in ("--update-weight-disk-dir", "--update-weight-disk-keep-files", "--update-weight-local-checkpoint-dir")),
-    *(NotImplementedFlag(flag=f, reason="delta weight updates are not implemented (--update-weight-mode full: every "
-                                        "push sends the full weights)")
-      for f in ("--update-weight-delta-encoding", "--update-weight-delta-checksum")),
+      for f in ("--update-weight-disk-dir", "--update-weight-disk-keep-files")),
+    NotImplementedFlag(flag="--update-weight-transport", is_active=lambda v: v == "disk",
+                       reason="weights reach the engines only over CUDA IPC, shared memory or the distributed group, "
+                              "never through files on disk; --update-weight-transport nccl (the default) carries "
+                              "--update-weight-mode delta too"),
+    NotImplementedFlag(flag="--update-weight-mode", is_active=lambda v: v == "sparse",
+                       reason="sparse weight updates are not implemented; --update-weight-mode delta sends only the "
+                              "changed positions"),
     NotImplementedFlag(flag="--release-train", reason="releasing the train actors needs disk weight sync, not implemented"),
     NotImplementedFlag(flag="--flush-cache-interval", is_active=lambda v: v != 1,
                        reason="the engines' cache is flushed at every weight sync; a longer interval is not implemented"),

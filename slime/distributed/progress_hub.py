@@ -18,11 +18,15 @@ and each client keeps at most MAX_PENDING_CALLS in flight. A rank that has heard
 hub for a whole window raises HubUnreachableError naming the hub and itself: the hub's failure is
 never taken for the peers' silence, and never silently replaced by a weaker rule.
 
+At thousands of ranks, one relay per node (slime/distributed/progress_relay.py) forwards its ranks'
+heartbeats in one call per interval (`beat_node`), so the hub hears one caller per node.
+
 The ledger files stay the durable record (`python -m slime.distributed.hang_report DIR`); the live
 table of every node is rendered at the hub (`HubClient.table`).
 """
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -95,7 +99,17 @@ class HubState:
             self._keep(heartbeat, now)
         return self.aggregate(rank, now)
 
+    def beat_node(self, heartbeats: list[dict], ranks: list[int]) -> list[dict]:
+        """A node relay's call (slime/distributed/progress_relay.py): keep its ranks' heartbeats, answer
+        the aggregate of each of `ranks`."""
+        now = self.clock()
+        for heartbeat in heartbeats:
+            self._keep(heartbeat, now)
+        return [self.aggregate(rank, now) for rank in ranks]
+
     def _keep(self, wire: dict, now: float) -> None:
+        if wire.get("labels"):  # one copy of each label however many ranks send it (a world's is long)
+            wire = {**wire, "labels": [sys.intern(label) for label in wire["labels"]]}
         labels = self._labels[wire["rank"]] = wire.get("labels") or self._labels.get(wire["rank"], [])
         beat = {**wire, "counts": dict(zip(labels, wire["counts"])),
                 "recent": [[op, labels[i], shape, dtype] for op, i, shape, dtype in wire["recent"]]}
@@ -190,6 +204,10 @@ class ProgressHub:
     def beat(self, heartbeat: dict | None, rank: int | None) -> dict:
         self.calls += 1
         return self.state.beat(heartbeat, rank)
+
+    def beat_node(self, heartbeats: list[dict], ranks: list[int]) -> list[dict]:
+        self.calls += 1
+        return self.state.beat_node(heartbeats, ranks)
 
     def table(self) -> str:
         return self.state.table()

@@ -25,6 +25,7 @@ _BUILTIN_MODULES = (
     "slime.models.qwen3_5",
     "slime.models.glm4_moe",
     "slime.models.minimax_m2",
+    "slime.models.glm_moe_dsa",
     "slime.models.mimo",
 )
 
@@ -107,6 +108,12 @@ class ModelFamily:
     default_spec: Callable[..., Any] | None = None
     """The family's own `--spec` function (upstream's signature fn(args, config, vp_stage)), used when the
     user names none (GLM-4's post-norm layers)."""
+    transformer_engine_spec: bool = True
+    """Whether megatron's TransformerEngine layer spec (--transformer-impl transformer_engine) builds these layers;
+    False: the family's local spec is built whatever that flag says (GLM-5's sparse attention)."""
+    check_config: Callable[[Any], None] | None = None
+    """hf_config (config.json's fields) -> None, or ValueError naming the fix: what the family refuses, checked
+    before Ray starts (GLM-5's indexer settings)."""
     moe_architecture: Callable[[Any], Any] | None = None
     """hf_config -> MoEArchitecture of its MoE layers, or None when every layer is dense."""
 

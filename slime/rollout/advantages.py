@@ -4,7 +4,7 @@ The trainer receives a dict of equal-length lists, one entry per sample, in roll
   tokens            list[list[int]]   prompt + response token ids
   response_lengths  list[int]
   loss_masks        list[list[int]]   one entry per response token (all 0 for removed samples)
-  rewards           list[float]       post-processed (group-normalised for grpo/gspo/rf++ baseline)
+  rewards           list[float]       post-processed (group-normalised for grpo/gspo/cispo/rf++ baseline)
   raw_reward        list[float]       the graders' scalar reward
   truncated         list[int]         1 when the engine stopped on the length limit
   sample_indices    list[int]         Sample.index (global id)
@@ -24,9 +24,9 @@ from slime.utils.types import Sample
 TRAIN_DATA_KEYS = ("tokens", "response_lengths", "rewards", "raw_reward", "truncated", "sample_indices", "loss_masks")
 
 # estimators whose rewards are centred within each prompt's group
-GROUP_NORMALISED_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus_baseline")
+GROUP_NORMALISED_ESTIMATORS = ("grpo", "gspo", "cispo", "reinforce_plus_plus_baseline")
 # of those, the ones that also divide by the group's std (unless --disable-grpo-std-normalization)
-STD_NORMALISED_ESTIMATORS = ("grpo", "gspo")
+STD_NORMALISED_ESTIMATORS = ("grpo", "gspo", "cispo")
 STD_EPS = 1e-6
 
 

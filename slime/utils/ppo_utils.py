@@ -59,6 +59,41 @@ def compute_policy_loss(
     return pg_losses, clipfrac
 
 
+def compute_cispo_loss(
+    ppo_kl: torch.Tensor,
+    log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    eps_clip: float,
+    eps_clip_high: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CISPO (MiniMax-M1): -sg(clip(ratio, 1 - eps_clip, 1 + eps_clip_high)) * A * log pi per token.
+
+    The clipped importance weight carries no gradient, so every token keeps its log-prob's
+    gradient (scaled by the weight) instead of being cut off as PPO's clip does; ``ppo_kl``
+    = old_log_probs - log_probs. Returns (pg_losses, clipfrac: 1.0 where the weight was clipped).
+    """
+    ratio = torch.exp(-ppo_kl.detach())
+    weight = ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip_high)
+    return -weight * advantages * log_probs, (weight != ratio).float()
+
+
+def compute_value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    value_clip: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The critic's clipped value loss per token (upstream's --value-clip).
+
+    max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2): a value may not gain by moving more than
+    ``value_clip`` from the one the rollout's advantages were computed with. Returns (losses, clipfrac:
+    1.0 where |V - V_old| > c).
+    """
+    clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)
+    losses = torch.maximum((values - returns).pow(2), (clipped - returns).pow(2))
+    return losses, ((values - old_values).abs() > value_clip).float()
+
+
 def compute_tis_weights(
     old_log_probs: torch.Tensor,
     rollout_log_probs: torch.Tensor,
@@ -176,6 +211,39 @@ def get_advantages_and_returns(
     return advantages, advantages + values.float()
 
 
+def get_ppo_token_rewards(rewards: Sequence[float], kl: Sequence[torch.Tensor], kl_coef: float) -> list[torch.Tensor]:
+    """PPO's per-token rewards: -kl_coef * kl on every response token, the sample's reward on its last."""
+    token_rewards = []
+    for reward, k in zip(rewards, kl):
+        r = -kl_coef * k.float()
+        if len(r):
+            r[-1] += float(reward)
+        token_rewards.append(r)
+    return token_rewards
+
+
+def get_ppo_advantages_and_returns(
+    rewards: Sequence[float],
+    kl: Sequence[torch.Tensor],
+    values: Sequence[Sequence[float]],
+    kl_coef: float,
+    gamma: float,
+    lambd: float,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """GAE (--gamma, --lambd) over each response with the critic's values of the rollout."""
+    advantages, returns = [], []
+    for token_rewards, value in zip(get_ppo_token_rewards(rewards, kl, kl_coef), values):
+        value = torch.as_tensor(value, dtype=torch.float32)
+        if value.numel() != token_rewards.numel():
+            raise ValueError(f"the critic gave {value.numel()} values for a response of {token_rewards.numel()} "
+                             "tokens; values are one per response token")
+        adv, ret = get_advantages_and_returns(len(token_rewards), len(token_rewards), value, token_rewards,
+                                              gamma, lambd)
+        advantages.append(adv)
+        returns.append(ret)
+    return advantages, returns
+
+
 def group_normalize_rewards(
     rewards: Sequence[float], group_size: int, *, std_normalization: bool = True, eps: float = 1e-6
 ) -> list[float]:
@@ -204,7 +272,7 @@ def compute_advantages_and_returns(args: Any, data: dict[str, Any]) -> None:
     kl = _shaping_kl(args, data, masks)
     kl_coef = args.kl_coef or 0.0
     # --use-opd: the distillation penalty joins the estimator's advantages before any whitening (upstream's order)
-    if estimator in ("grpo", "gspo"):
+    if estimator in ("grpo", "gspo", "cispo"):
         returns = get_grpo_returns(data["rewards"], kl)
         advantages = opd_penalised(args, data, returns)
         advantages = _whiten(advantages, masks) if args.normalize_advantages else advantages
@@ -214,8 +282,15 @@ def compute_advantages_and_returns(args: Any, data: dict[str, Any]) -> None:
     elif estimator == "reinforce_plus_plus_baseline":
         returns = get_reinforce_plus_plus_baseline_advantages(data["rewards"], kl, masks, kl_coef)
         advantages = _whiten(opd_penalised(args, data, returns), masks)
+    elif estimator == "ppo":
+        if data.get("values") is None:
+            raise ValueError("--advantage-estimator ppo needs the critic's values ('values') in the rollout data")
+        advantages, returns = get_ppo_advantages_and_returns(data["rewards"], kl, data["values"], kl_coef,
+                                                             args.gamma, args.lambd)
+        advantages = opd_penalised(args, data, advantages)
+        advantages = _whiten(advantages, masks) if args.normalize_advantages else advantages
     else:
-        raise ValueError(f"advantage estimator {estimator!r} needs a critic, which this trainer does not have")
+        raise ValueError(f"unknown advantage estimator {estimator!r}")
     data["advantages"] = [a.tolist() for a in advantages]
     data["returns"] = [r.tolist() for r in returns]
 

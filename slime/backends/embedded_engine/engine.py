@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from slime.backends.sglang_utils import weight_delta
 from slime.backends.embedded_engine.sampling import SamplingParams, logprob_temperature, sample_next_tokens
 from slime.utils.device_memory import sample_device_memory
 from slime.models.moe_hf import RouteCapture, encode_routes, fused_engine_target
@@ -268,6 +270,40 @@ class EmbeddedEngine:
             group.broadcast(tensor, 0)
             received.append((name, tensor))
         return self.update_weights(received, weight_version)
+
+    @torch.no_grad()
+    def receive_broadcast_delta(self, group, specs: list[dict], encoding: str, checksum: str,
+                                weight_version: str | None) -> tuple[int, list[str]]:
+        """A delta push (sglang_utils/weight_delta.py): receive every changed tensor's positions and values
+        from rank 0 in order, apply them to copies, check each result's digest; load only if all match.
+        Returns (tensors loaded, names whose digest differs: then nothing was loaded)."""
+        if "weights" in self._released:
+            raise EngineReleasedError("weights are released; call /resume_memory_occupation before updating them")
+        device = self.device if group.spec.backend == "nccl" else torch.device("cpu")
+        received = []
+        for spec in specs:  # every broadcast is consumed, whatever the verdict: the group stays in step
+            dtype, changed = _torch_dtype(spec["dtype"]), int(spec["changed"])
+            numel = math.prod(int(d) for d in spec["shape"])
+            positions = torch.empty(changed, dtype=weight_delta.index_dtype(numel), device=device)
+            values = torch.empty(changed * dtype.itemsize, dtype=torch.uint8, device=device)
+            if changed:
+                group.broadcast(positions, 0)
+                group.broadcast(values, 0)
+            received.append((spec, dtype, positions, values.view(weight_delta.value_dtype(dtype))))
+        updated, mismatched = [], []
+        for spec, dtype, positions, values in received:
+            current = self.get_weight(spec["name"]).to(dtype)
+            if list(current.shape) != [int(d) for d in spec["shape"]]:
+                raise ValueError(f"delta for {spec['name']!r} of shape {spec['shape']}, the engine's is "
+                                 f"{list(current.shape)}")
+            new = weight_delta.apply(current, positions, values, encoding) if len(positions) else current
+            if weight_delta.digest(new, checksum) != spec["digest"]:
+                mismatched.append(spec["name"])
+            elif len(positions):
+                updated.append((spec["name"], new))
+        if mismatched:
+            return 0, mismatched
+        return self.update_weights(updated, weight_version), []
 
     @torch.no_grad()
     def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]], weight_version: str | None, *,

@@ -28,6 +28,8 @@ from slime.backends.sglang_utils.flattened_bucket import LOAD_FORMAT as BUCKET_F
 from slime.backends.sglang_utils.flattened_bucket import decode_payload as decode_bucket
 from slime.backends.sglang_utils.flattened_bucket import visible_device_uuids
 from slime.backends.sglang_utils.named_tensors import deserialize_named_tensors
+from slime.backends.sglang_utils.weight_delta import LOAD_FORMAT as DELTA_FORMAT
+from slime.backends.sglang_utils.weight_delta import MISMATCH as DELTA_MISMATCH
 from slime.utils.server_process import serve_on
 from slime.backends.sglang_utils.shared_payload import LOAD_FORMAT as SHM_FORMAT
 from slime.backends.sglang_utils.shared_payload import read_shared_bucket, run_directory
@@ -277,7 +279,7 @@ async def _join_on_engine_thread(request: web.Request, spec, rank: int):
 async def update_weights_from_distributed(request: web.Request) -> web.Response:
     scheduler = request.app[SCHEDULER_KEY]
     body = await _json_body(request)
-    if body.get("load_format") is not None:
+    if body.get("load_format") not in (None, DELTA_FORMAT):
         raise ValueError(f"load_format {body['load_format']!r} is not supported for distributed updates here")
     _require_session(request)
     group_name = body.get("group_name", "weight_update_group")
@@ -286,9 +288,26 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
         raise ValueError(f"no weight-update group {group_name!r}: POST /init_weights_update_group first")
     if body.get("abort_all_requests"):
         scheduler.abort(abort_all=True)
+    if body.get("load_format") == DELTA_FORMAT:
+        return await _apply_delta(scheduler, group, group_name, body)
     count = await scheduler.run_exclusive(scheduler.engine.receive_broadcast_weights, group, body["names"],
                                           body["dtypes"], body["shapes"], body.get("weight_version"))
     logger.info("updated %d tensors from group %s, weight_version=%s", count, group_name,
+                scheduler.engine.weight_version)
+    return _weight_result(True, f"Updated {count} tensors.")
+
+
+async def _apply_delta(scheduler, group, group_name: str, body: dict) -> web.Response:
+    """A delta push: loaded only when every tensor's digest matches, else refused (the sender pushes in full)."""
+    delta = body["delta"]
+    count, mismatched = await scheduler.run_exclusive(
+        scheduler.engine.receive_broadcast_delta, group, delta["tensors"], delta["encoding"], delta["checksum"],
+        body.get("weight_version"))
+    if mismatched:
+        logger.warning("delta from group %s refused: %d tensors differ from the sender's baseline (%s)",
+                       group_name, len(mismatched), ", ".join(mismatched[:3]))
+        return _weight_result(False, f"{DELTA_MISMATCH}: {len(mismatched)} tensors, e.g. {mismatched[:3]}")
+    logger.info("applied a delta to %d tensors from group %s, weight_version=%s", count, group_name,
                 scheduler.engine.weight_version)
     return _weight_result(True, f"Updated {count} tensors.")
 

@@ -45,6 +45,7 @@ from slime.distributed import (
 )
 from slime.distributed.errors import DistributedStepError
 from slime.distributed.progress_hub import HubClient, RayHub
+from slime.distributed.progress_relay import RELAY_MIN_WORLD, node_relay
 from slime.distributed.fault_inject import (
     apply_metric_key_fault,
     apply_plan_fault,
@@ -74,6 +75,8 @@ class MegatronTrainActor:
         self.timeout_s = self.deadlines.no_progress_s
         self.ledger = Ledger(rank, world_size, ledger_dir, record_sequence=bool(args.ledger_record_sequence))
         if hub is not None:  # peers' progress from the driver's hub, on every node (no shared filesystem)
+            if world_size >= RELAY_MIN_WORLD:  # the hub hears one caller per node, not per rank
+                hub = node_relay(hub)
             self.ledger.hub = HubClient(RayHub(*hub), self.ledger)
         self.watchdog = Watchdog(self.timeout_s, ledger_dir, rank, world_size, ledger=self.ledger)
         self.asleep = False

@@ -32,6 +32,8 @@ PER_TOKEN_KEYS: dict[str, str] = {
     "advantages": "advantages",
     "rollout_log_probs": "rollout_log_probs",
     "opd_reverse_kl": "opd_reverse_kl",
+    "values": "old_values",
+    "returns": "returns",
 }
 
 PAD_TOKEN_ID = 0
@@ -329,6 +331,10 @@ class PackedMicroBatch:
     rollout_log_probs: torch.Tensor | None
     opd_reverse_kl: torch.Tensor | None
     """--use-opd: student - teacher log-prob per token (a metric; the penalty is in the advantages)."""
+    old_values: torch.Tensor | None
+    """The critic's values of the rollout (ppo): the centre of the value clip."""
+    returns: torch.Tensor | None
+    """The critic's targets (ppo: GAE advantages + values)."""
     sample_ids: tuple[int, ...]
     """Sample position per packed sequence (PADDING_SAMPLE_ID for the dummy sequence)."""
     total_lengths: tuple[int, ...]

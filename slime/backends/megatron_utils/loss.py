@@ -32,6 +32,7 @@ from slime.backends.megatron_utils.data import MicroBatchPlan, PackedMicroBatch
 from slime.utils.ppo_utils import OPD_KL_KEY
 from slime.utils.ppo_utils import (
     compute_approx_kl,
+    compute_cispo_loss,
     compute_entropy_from_logits,
     compute_log_probs,
     compute_policy_loss,
@@ -73,6 +74,8 @@ class LossConfig:
     """Also report the TIS ratio statistics and ois (--get-mismatch-metrics); the loss is unchanged."""
     sequence_level_ratio: bool = False
     """GSPO: one importance ratio per sample (the mean token log-ratio), clipped per sample."""
+    cispo: bool = False
+    """CISPO: the clipped importance weight (no gradient) times the advantage scales d log pi."""
     use_opd: bool = False
     """On-policy distillation: report the rollout's reverse KL to the teacher (opd_reverse_kl)."""
     loss_type: str = "policy_loss"
@@ -111,6 +114,7 @@ class LossConfig:
             use_rollout_logprobs=bool(args.use_rollout_logprobs),
             get_mismatch_metrics=bool(args.get_mismatch_metrics),
             sequence_level_ratio=args.advantage_estimator == "gspo",
+            cispo=args.advantage_estimator == "cispo",
             use_opd=bool(args.use_opd),
             loss_type=args.loss_type,
             custom_loss_function_path=args.custom_loss_function_path,
@@ -256,8 +260,12 @@ def policy_token_terms(log_probs: torch.Tensor, entropy: torch.Tensor, packed: P
     # Masked positions get log-ratio 0 so exp() cannot overflow on prompt tokens.
     ppo_kl = (old - log_probs) * mask
     ratio_kl = loss_hooks.sequence_mean_log_ratio(ppo_kl, packed) if cfg.sequence_level_ratio else ppo_kl
-    pg_loss, clipfrac = compute_policy_loss(ratio_kl, packed.advantages, eps_clip=cfg.eps_clip,
-                                            eps_clip_high=cfg.eps_clip_high, eps_clip_c=cfg.eps_clip_c)
+    if cfg.cispo:
+        pg_loss, clipfrac = compute_cispo_loss(ratio_kl, log_probs * mask, packed.advantages, eps_clip=cfg.eps_clip,
+                                               eps_clip_high=cfg.eps_clip_high)
+    else:
+        pg_loss, clipfrac = compute_policy_loss(ratio_kl, packed.advantages, eps_clip=cfg.eps_clip,
+                                                eps_clip_high=cfg.eps_clip_high, eps_clip_c=cfg.eps_clip_c)
     terms = {"ppo_kl": ppo_kl, "pg_clipfrac": clipfrac, "entropy_loss": entropy,
              LOGPROB_DIFF_KEY: rollout_logprob_abs_diff(log_probs, packed)}
     if cfg.use_opd:

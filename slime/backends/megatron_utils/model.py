@@ -295,7 +295,12 @@ def _plugin_spec(function: Callable[..., Any], args: Namespace, config: Transfor
 
 def _layer_spec(args: Namespace, hf_config: Any, config: TransformerConfig, vp_stage: int | None):
     function = spec_function(args, hf_config)
-    if function is None and _use_transformer_engine(args):
+    transformer_engine = function is None and _use_transformer_engine(args)
+    if transformer_engine and not family_of(hf_config).transformer_engine_spec:
+        logger.warning("--transformer-impl transformer_engine: TransformerEngine's layer spec does not build %s "
+                       "layers; the local spec is built", family_of(hf_config).name)
+        transformer_engine = False
+    if transformer_engine:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, \
             get_gpt_layer_with_transformer_engine_spec
 

@@ -69,6 +69,42 @@ class StepResult:
 # ------------------------------------------------------------------------- plans
 
 
+# micro-batch loss: (model output, packed batch, plan) -> (this rank's loss, detached metric sums)
+MicroBatchLoss = Callable[[torch.Tensor, PackedMicroBatch, MicroBatchPlan], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+# per-position scores of a forward-only pass: (model output, packed batch) -> [T_local]
+PositionScores = Callable[[torch.Tensor, PackedMicroBatch], torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepObjective:
+    """What a training step minimises: the actor's policy loss or the critic's value loss (value_loss.py).
+
+    The step's collectives do not depend on it; only the loss and the metric keys do.
+    """
+
+    keys: tuple[str, ...]
+    """The metric keys fixed by the flags (equal on every rank)."""
+    micro_batch_loss: MicroBatchLoss
+    plugin_metrics: bool = False
+    """A plug-in may add metric keys: the ranks agree on them before reducing."""
+
+
+def policy_objective(args: Any) -> StepObjective:
+    """The actor's objective: the policy loss of --loss-type with its flags (loss.py)."""
+    cfg = LossConfig.from_args(args)
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    return StepObjective(keys=metric_keys(cfg), plugin_metrics=cfg.has_plugin_metrics,
+                         micro_batch_loss=lambda output, batch, plan: micro_batch_loss(output, batch, plan, cfg,
+                                                                                       tp_group))
+
+
+def policy_log_probs(args: Any) -> PositionScores:
+    """The actor's forward-only score: log pi(target token) (all-reduces over TP)."""
+    cfg = LossConfig.from_args(args)
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    return lambda output, batch: target_log_probs(output, batch, cfg, tp_group)
+
+
 def pack_plan(data: Mapping[str, Any], plan: MicroBatchPlan, args: Any) -> list[PackedMicroBatch]:
     """Pack every micro-batch of ``plan`` for this CP rank, on the compute device (no collective)."""
     cp_rank = parallel_state.get_context_parallel_rank()
@@ -131,17 +167,15 @@ def zero_grads(model_chunks: Sequence[Any], optimizer: Any) -> None:
 
 
 def run_forward_backward(model_chunks: Sequence[Any], packed: list[PackedMicroBatch], plan: MicroBatchPlan,
-                         cfg: LossConfig, progress: ProgressHook | None = None,
+                         objective: StepObjective, progress: ProgressHook | None = None,
                          routes: RouteReplayer | None = None) -> dict[str, torch.Tensor]:
     """Forward+backward over the planned micro-batches; returns this rank's metric sums."""
     config = get_model_config(model_chunks[0])
     scale = megatron_loss_scale(config, plan.num_micro_batches)
-    keys = metric_keys(cfg)
-    sums = {key: torch.zeros((), dtype=torch.float64, device=_comm_device()) for key in keys}
-    tp_group = parallel_state.get_tensor_model_parallel_group()
+    sums = {key: torch.zeros((), dtype=torch.float64, device=_comm_device()) for key in objective.keys}
 
     def loss_func(batch: PackedMicroBatch, output: torch.Tensor):
-        loss, metrics = micro_batch_loss(output, batch, plan, cfg, tp_group)
+        loss, metrics = objective.micro_batch_loss(output, batch, plan)
         for key, value in metrics.items():  # plug-ins (custom loss / TIS) may add keys
             if key not in sums:
                 sums[key] = torch.zeros((), dtype=torch.float64, device=_comm_device())
@@ -203,10 +237,13 @@ def optimizer_step(optimizer: Any, lr_scheduler: Any, reduced_loss: float) -> tu
 
 def train_one_step(model_chunks: Sequence[Any], optimizer: Any, lr_scheduler: Any, data: Mapping[str, Any],
                    plan: MicroBatchPlan, args: Any, *, collective_hook: PhaseHook | None = None,
-                   progress: ProgressHook | None = None) -> StepResult:
-    """Run one planned training step; ``collective_hook(phase)`` wraps each phase (fences, ledger)."""
-    cfg = LossConfig.from_args(args)
-    keys = metric_keys(cfg)
+                   progress: ProgressHook | None = None, objective: StepObjective | None = None) -> StepResult:
+    """Run one planned training step; ``collective_hook(phase)`` wraps each phase (fences, ledger).
+
+    ``objective``: the actor's policy loss unless given (the critic passes its value loss).
+    """
+    objective = policy_objective(args) if objective is None else objective
+    keys = objective.keys
     packed = pack_plan(data, plan, args)
     with _phase(collective_hook, "loss_token_total"):
         total = reduce_loss_token_total(plan)
@@ -217,13 +254,13 @@ def train_one_step(model_chunks: Sequence[Any], optimizer: Any, lr_scheduler: An
     with _phase(collective_hook, "forward_backward"):
         replayer = RouteReplayer(args, model_chunks, data, training=True)
         try:
-            sums = run_forward_backward(model_chunks, packed, plan, cfg, progress, replayer)
+            sums = run_forward_backward(model_chunks, packed, plan, objective, progress, replayer)
         finally:
             replayer.done()
     with _phase(collective_hook, "grad_reduce"):
         finalize_model_grads(list(model_chunks), None)
     with _phase(collective_hook, "metrics"):
-        if cfg.has_plugin_metrics:
+        if objective.plugin_metrics:
             agree_on_metric_keys(sorted(sums))
         metrics = reduce_step_metrics(sums, sorted(sums))
     with _phase(collective_hook, "optimizer"):
@@ -234,22 +271,23 @@ def train_one_step(model_chunks: Sequence[Any], optimizer: Any, lr_scheduler: An
 def compute_log_probs(model_chunks: Sequence[Any], data: Mapping[str, Any],
                       plans: MicroBatchPlan | Sequence[MicroBatchPlan], args: Any,
                       *, collective_hook: PhaseHook | None = None,
-                      progress: ProgressHook | None = None) -> list[list[float]]:
+                      progress: ProgressHook | None = None, scores: PositionScores | None = None) -> list[list[float]]:
     """Forward-only log-probs of every response token of the plans' samples.
 
     Returns one list per rollout sample (same indexing as ``data``); samples outside this
     DP rank's plans get []. Identical on every rank of the DP group (CP all-gather, PP
-    broadcast). Use for the old policy (actor) and the reference model.
+    broadcast). Use for the old policy (actor) and the reference model; ``scores`` replaces the
+    log-probs by another per-position score (the critic's values).
     """
     plans = [plans] if isinstance(plans, MicroBatchPlan) else list(plans)
-    cfg = LossConfig.from_args(args)
+    scores = policy_log_probs(args) if scores is None else scores
     out: list[list[float]] = [[] for _ in data["tokens"]]
     replayer = RouteReplayer(args, model_chunks, data, training=False)
     for plan in plans:
         packed = pack_plan(data, plan, args)
         with _phase(collective_hook, "log_probs_forward"), eval_mode(model_chunks):
             try:
-                local = _forward_log_probs(model_chunks, packed, cfg, progress, replayer)
+                local = _forward_scores(model_chunks, packed, scores, progress, replayer)
             finally:
                 replayer.done()
         with _phase(collective_hook, "log_probs_gather"):
@@ -276,15 +314,13 @@ def eval_mode(model_chunks: Sequence[Any]):
 # ------------------------------------------------------------------- internals
 
 
-def _forward_log_probs(model_chunks, packed: list[PackedMicroBatch], cfg: LossConfig,
-                       progress: ProgressHook | None = None, routes: RouteReplayer | None = None) -> list[torch.Tensor]:
-    """Per micro-batch local target log-probs [T_local] (empty list off the last PP stage)."""
-    tp_group = parallel_state.get_tensor_model_parallel_group()
+def _forward_scores(model_chunks, packed: list[PackedMicroBatch], scores: PositionScores,
+                    progress: ProgressHook | None = None, routes: RouteReplayer | None = None) -> list[torch.Tensor]:
+    """Per micro-batch local scores [T_local] (empty list off the last PP stage)."""
     results: list[torch.Tensor] = []
 
     def loss_func(batch: PackedMicroBatch, output: torch.Tensor):
-        log_probs = target_log_probs(output, batch, cfg, tp_group).detach()
-        results.append(log_probs)
+        results.append(scores(output, batch).detach())
         return output.new_zeros(()), {}
 
     with torch.no_grad():

@@ -5,7 +5,13 @@ Order on EVERY rank, every sync (fences are world-wide, over the gloo fence grou
   plan    build the bucket plan (pure, from the local model) and fence its fingerprint
   pause   the coordinator (world rank 0) pauses and flushes every engine; fence
   push    exporters stream the weight source, check it against the plan; senders open a weight-update
-          session, hand each full bucket to the transport (weight_transport.py), close the session; fence
+          session, hand each full bucket to the transport (weight_transport.py), close the session; fence.
+          Separate engines under PP: one stage after another, in one global order (stage 0 first) and
+          fenced after each, because an engine joins one weight-update group and receives one broadcast
+          at a time: two stages creating their groups (or broadcasting) at once, each holding some
+          engines while waiting for the others, is a cyclic wait. Each stage's group is created in its
+          turn at the first sync, recorded in the ledger, with a deadline (half the fence window, so the
+          named error of the stalled stage's sender arrives before any window expires).
   resume  the coordinator checks every engine's weight_version, continues generation; fence
 
 Where the HF tensors come from (`weight_source`, by default export_hf_weights over the model
@@ -16,6 +22,10 @@ Who does what (megatron parallel_state coordinates):
              together because it all-gathers each TP-split parameter over the TP group. With expert
              parallelism every rank is an exporter: the routed experts are all-gathered over EP.
   senders    the tp_rank 0 exporter of each PP stage: the only ranks that talk HTTP to engines.
+  per node   `--colocate` across nodes: engines take tensors only from their own node, so the first
+             replica of EVERY node exports (cp_rank 0, dp_rank a multiple of the node's replica count;
+             config/checks/run.py makes each node hold whole replicas) and its sender feeds the engines
+             whose URL is at its node's address. The coordinator still pauses, checks and resumes all.
   others     DP/CP replicas skip the export entirely. Invariant that makes this safe: the export's
              only collectives are on the TP group, and a TP group lies inside one (dp, cp, pp)
              coordinate, so a replica that skips is never a member of a collective an exporter runs.
@@ -30,12 +40,19 @@ from __future__ import annotations
 
 import contextlib
 import time
+from urllib.parse import urlparse
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from slime.backends.megatron_utils.weight_transport import ENGINE_KINDS, EngineSet, build_transport, choose_transport
+from slime.backends.megatron_utils.weight_transport import (
+    ENGINE_KINDS,
+    EngineSet,
+    build_transport,
+    choose_transport,
+    delta_options,
+)
 from slime.backends.sglang_utils.http_client import ClientTimeouts, SGLangHTTPClient
 from slime.distributed.errors import CollectiveDivergenceError, DistributedStepError
 from slime.distributed.fault_inject import apply_weight_push_fault
@@ -175,7 +192,7 @@ class SyncRole:
     pp_size: int
     tp_rank: int
     tp_size: int
-    first_replica: bool  # cp_rank == 0 and dp_rank == 0
+    first_replica: bool  # cp_rank == 0 and dp_rank == 0 (per node: the node's first dp_rank)
     expert_parallel: bool = False  # EP > 1: routed experts are spread over DP replicas
 
     @property
@@ -194,17 +211,20 @@ class SyncRole:
         return self.world_rank == 0
 
     @classmethod
-    def current(cls) -> "SyncRole":
+    def current(cls, replicas_per_node: int | None = None) -> "SyncRole":
+        """replicas_per_node: DP replicas per node when every node feeds its own engines, else None."""
         import torch.distributed as dist
         from megatron.core import parallel_state as mpu
 
+        dp_rank = mpu.get_data_parallel_rank()
+        first_dp = dp_rank % replicas_per_node == 0 if replicas_per_node else dp_rank == 0
         return cls(
             world_rank=dist.get_rank(),
             pp_rank=mpu.get_pipeline_model_parallel_rank(),
             pp_size=mpu.get_pipeline_model_parallel_world_size(),
             tp_rank=mpu.get_tensor_model_parallel_rank(),
             tp_size=mpu.get_tensor_model_parallel_world_size(),
-            first_replica=mpu.get_context_parallel_rank() == 0 and mpu.get_data_parallel_rank() == 0,
+            first_replica=mpu.get_context_parallel_rank() == 0 and first_dp,
             expert_parallel=mpu.get_expert_model_parallel_world_size() > 1,
         )
 
@@ -238,14 +258,23 @@ class WeightSync:
             raise ValueError(f"engine kind {self.engine_kind!r}; expected one of {ENGINE_KINDS}")
         self.transport_kind = transport or choose_transport(args)
         self.weight_source = weight_source
-        self.engine_tp_size = int(args.rollout_num_gpus_per_engine or 1)
+        self.delta = delta_options(args)
+        # Ranks per engine in a weight-update group: SGLang's TP ranks; the embedded engine is one process
+        # whatever its GPU count (its TP is not sharded).
+        self.engine_tp_size = 1 if self.engine_kind == "embedded" else int(args.rollout_num_gpus_per_engine or 1)
         self.bucket_bytes = int(args.update_weight_buffer_size or DEFAULT_BUCKET_BYTES)
         self.timeout_s = float(args.fence_timeout or 600.0)
+        # A weight-update group's creation and each broadcast: half a window, so that the stalled stage's
+        # sender names it (WeightGroupStallError) before its peers' windows expire at the fences.
+        self.group_deadline_s = self.timeout_s / 2
         # An engine call never outlives the watchdog deadline of the phase it runs in.
         self.timeouts = timeouts or ClientTimeouts(control=min(30.0, self.timeout_s), generate=self.timeout_s,
                                                    weight_update=self.timeout_s, memory=self.timeout_s)
         self._engines: EngineSet | None = None
         self._transport = None
+        self.replicas_per_node = node_replica_count(args)
+        self.node_host = getattr(args, "node_host", None)  # this rank's node address (its Ray actor sets it)
+        self._node_engines: EngineSet | None = None
 
     @property
     def engines(self) -> EngineSet:
@@ -253,11 +282,21 @@ class WeightSync:
             self._engines = EngineSet(self.engine_urls, self.timeouts)
         return self._engines
 
+    @property
+    def push_engines(self) -> EngineSet:
+        """The engines this rank's sender feeds: all of them, or per node those at this node's address."""
+        if self.replicas_per_node is None:
+            return self.engines
+        if self._node_engines is None:
+            urls = engines_of_node(self.engine_urls, self.node_host)
+            self._node_engines = EngineSet(urls, self.timeouts)
+        return self._node_engines
+
     def transport(self, device: torch.device, pp_rank: int):
         if self._transport is None:
-            self._transport = build_transport(self.transport_kind, self.engines, engine_kind=self.engine_kind,
-                                              engine_tp_size=self.engine_tp_size, timeout_s=self.timeout_s,
-                                              device=device, pp_rank=pp_rank)
+            self._transport = build_transport(self.transport_kind, self.push_engines, engine_kind=self.engine_kind,
+                                              engine_tp_size=self.engine_tp_size, timeout_s=self.group_deadline_s,
+                                              device=device, pp_rank=pp_rank, delta=self.delta)
         return self._transport
 
     def sync(self, model_chunks: Sequence[torch.nn.Module], rollout_id: int, *, fence: Callable[..., None],
@@ -268,7 +307,7 @@ class WeightSync:
         `read_param` gives a parameter's current value (a sleeping trainer serves it from its host copy)."""
         start = time.perf_counter()
         version = str(rollout_id + 1)
-        role = SyncRole.current()
+        role = SyncRole.current(self.replicas_per_node)
         phase = _phase_factory(watchdog)
         ledger = getattr(fence, "ledger", None)
 
@@ -282,8 +321,12 @@ class WeightSync:
         # Every bucket and TP gather is progress: ranks that only wait at the closing fence wait as
         # long as the exporters keep making it (slime/utils/deadlines.py).
         with phase("weight_sync/push"):
-            result = (self._push(model_chunks, plan, role, version, phase, ledger, read_param) if role.exporter
-                      else _PushResult())
+            if self.stages_in_order(role):
+                result = self._push_stages_in_order(model_chunks, plan, role, version, phase, ledger, read_param,
+                                                    fence, rollout_id)
+            else:
+                result = (self._push(model_chunks, plan, role, version, phase, ledger, read_param)
+                          if role.exporter else _PushResult())
             _fence_outcome(fence, "weight_sync/pushed", rollout_id, result.error)
         with phase("weight_sync/resume"):
             error = _attempt(lambda: self._verify_and_resume(version)) if role.coordinator else None
@@ -315,7 +358,7 @@ class WeightSync:
         result = _PushResult()
         exported = iter(self.weight_source(model_chunks, self.hf_config, read_param))
         planned = iter_planned_buckets(plan, exported)
-        result.error = _attempt(self.engines.begin_session) if role.sender else None
+        result.error = _attempt(self.push_engines.begin_session) if role.sender else None
         session = role.sender and result.error is None
         try:
             for index in range(len(plan.buckets) + 1):  # +1: the plan checks the export has ended
@@ -333,9 +376,50 @@ class WeightSync:
                         ledger.note_progress()  # a bucket exported (and sent): progress on every exporter
         finally:
             if session:  # close what was opened, even after a failed bucket
-                error = _attempt(self.engines.end_session)
+                error = _attempt(self.push_engines.end_session)
                 result.error = result.error or error
         return result
+
+    def stages_in_order(self, role: SyncRole) -> bool:
+        return self.transport_kind == "distributed" and role.pp_size > 1
+
+    def _push_stages_in_order(self, model_chunks, plan: WeightSyncPlan, role: SyncRole, version: str, phase,
+                              ledger, read_param, fence, rollout_id: int) -> _PushResult:
+        """Stage 0's push, fenced, then stage 1's, ...; each stage's group formed in its turn (first sync)."""
+        result = _PushResult()
+        for stage in range(role.pp_size):
+            mine = role.pp_rank == stage
+            with phase(f"pp{stage}"):
+                if mine and role.sender:
+                    device = next(iter(model_chunks[0].parameters())).device
+                    error = _attempt(lambda: self._connect(device, stage, ledger))
+                    result.error = result.error or error
+                if mine and role.exporter and result.error is None:
+                    result = self._push(model_chunks, plan, role, version, phase, ledger, read_param)
+                elif mine and role.exporter:
+                    self._drain_export(model_chunks, read_param)  # the TP peers run the export's gathers
+                _fence_outcome(fence, f"weight_sync/pushed_pp{stage}", rollout_id, result.error if mine else None)
+        return result
+
+    def _connect(self, device: torch.device, stage: int, ledger) -> None:
+        transport = self.transport(device, stage)
+        if transport.connected:
+            return
+        entry = ledger.begin_named(f"weight_sync/connect_pp{stage}", "http_engines", (ledger.rank,),
+                                   (len(self.engine_urls),), "engines") if ledger else None
+        error = None
+        try:
+            transport.connect()
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {str(exc)[:200]}"
+            raise
+        finally:
+            if entry is not None:
+                ledger.end(entry, error)
+
+    def _drain_export(self, model_chunks, read_param) -> None:
+        for _ in self.weight_source(model_chunks, self.hf_config, read_param):
+            pass
 
     def _send_bucket(self, bucket: WeightBucket, tensors: NamedTensors, version: str, plan: WeightSyncPlan,
                      ledger, result: _PushResult) -> None:
@@ -348,7 +432,8 @@ class WeightSync:
             # The version moves (and the cache flushes) with the last bucket only: an engine whose push
             # broke off midway keeps reporting the old version, so the version check catches it.
             device = tensors[0][1].device if tensors else torch.device("cpu")
-            self.transport(device, plan.pp_rank).send(bucket.index, tensors, version=version if last else None, flush_cache=last)
+            sent = self.transport(device, plan.pp_rank).send(bucket.index, tensors, version=version if last else None,
+                                                             flush_cache=last)
         except Exception as exc:
             error = f"{type(exc).__name__}: {str(exc)[:200]}"
             raise
@@ -356,7 +441,7 @@ class WeightSync:
             if entry is not None:
                 ledger.end(entry, error)
             result.send_seconds += time.perf_counter() - start
-        result.bytes_sent += bucket.nbytes
+        result.bytes_sent += sent if isinstance(sent, int) else bucket.nbytes  # a delta transport counts its own
         result.buckets_sent += 1
 
     def _verify_and_resume(self, version: str) -> None:
@@ -390,6 +475,9 @@ class WeightSync:
         if self._engines is not None:
             self._engines.close()
             self._engines = None
+        if self._node_engines is not None:
+            self._node_engines.close()
+            self._node_engines = None
 
     def retarget(self, engine_urls: Sequence[str]) -> None:
         """Aim the next syncs at these engines (some were restarted elsewhere): connections are rebuilt."""
@@ -398,6 +486,25 @@ class WeightSync:
 
 
 # ----------------------------------------------------------------------------- helpers
+def node_replica_count(args: Any) -> int | None:
+    """DP replicas on each node when `--colocate` spans nodes (each node feeds its own engines), else None."""
+    if not (getattr(args, "colocate", False) and getattr(args, "actor_num_nodes", 1) > 1):
+        return None
+    replica = args.tensor_model_parallel_size * args.context_parallel_size * args.pipeline_model_parallel_size
+    return args.actor_num_gpus_per_node // replica
+
+
+def engines_of_node(engine_urls: Sequence[str], node_host: str | None) -> tuple[str, ...]:
+    """The engines listening at this node's address: an engine's URL carries its node's address."""
+    if not node_host:
+        raise ValueError("colocated across nodes, a sender must know its node's address to find its engines")
+    mine = tuple(url for url in engine_urls if urlparse(url).hostname == node_host.strip("[]"))
+    if not mine:
+        raise ValueError(f"no engine listens at this node's address {node_host} (engines: {list(engine_urls)}); "
+                         "colocated engines must run on every node that holds trainer ranks")
+    return mine
+
+
 def _phase_factory(watchdog: Any) -> Callable[..., Any]:
     def phase(name: str, deadline_s: float | None = None):
         if watchdog is None:

@@ -12,7 +12,9 @@ Chosen once at start (`choose_transport`), as upstream slime does:
   distributed  engines that do not share the trainer's GPUs or node (`--update-weight-transport nccl`
                without `--colocate`): `/init_weights_update_group` once, then per bucket
                `/update_weights_from_distributed` while the sender broadcasts each tensor over that group
-               (NCCL on GPUs, gloo for the embedded engine on CPU: the same protocol).
+               (NCCL on GPUs, gloo for the embedded engine on CPU: the same protocol). One group per PP
+               stage; the group's creation and each broadcast have a deadline, and a stall there ends as a
+               WeightGroupStallError naming the stage and the engines that did not answer.
 Every push sits inside a weight-update session (`/begin_weight_update` ... `/end_weight_update`) on
 engines that have one (SGLang >= 0.5.21, the embedded engine); an engine answering 404 needs none.
 
@@ -44,6 +46,10 @@ NamedTensors = list[tuple[str, torch.Tensor]]
 ENGINE_KINDS = ("embedded", "sglang")
 TRANSPORTS = ("tensor", "distributed")
 WEIGHT_UPDATE_GROUP = "slime_weight_update"
+
+
+class WeightGroupStallError(RuntimeError):
+    """A PP stage's weight-update group was not formed, or a broadcast on it not received, within its deadline."""
 
 
 def choose_transport(args: Any) -> str:
@@ -213,13 +219,29 @@ class DistributedTransport:
     name = "distributed"
 
     def __init__(self, engines: EngineSet, engine_tp_size: int, *, backend: str, timeout_s: float,
-                 group_name: str = WEIGHT_UPDATE_GROUP) -> None:
+                 group_name: str = WEIGHT_UPDATE_GROUP, stage: int = 0) -> None:
+        """timeout_s: the deadline of the group's creation and of each broadcast on it."""
         self.engines = engines
         self.engine_tp_size = engine_tp_size
         self.backend = backend
         self.timeout_s = timeout_s
         self.group_name = group_name
+        self.stage = stage
         self._group = None
+
+    @property
+    def connected(self) -> bool:
+        return self._group is not None
+
+    def _stalled(self, what: str, calls: list[Future], cause: BaseException) -> WeightGroupStallError:
+        """Name the engines: those whose call did not end, split by whether they still answer /health (an
+        engine waiting inside the group for a stalled peer does; the stalled one does not)."""
+        late = [url for url, call in zip(self.engines.urls, calls) if not call.done() or call.exception() is not None]
+        silent = [url for url in late if not _answers_health(url)]
+        return WeightGroupStallError(
+            f"PP stage {self.stage}: {what} on weight-update group {self.group_name!r} did not complete within "
+            f"{self.timeout_s:g}s; engine(s) not answering: {silent}, engine(s) whose call did not end: {late} "
+            f"({type(cause).__name__}: {str(cause)[:160]})")
 
     def connect(self) -> None:
         """Form the group once: every engine joins over HTTP while the sender hosts the rendezvous."""
@@ -241,10 +263,19 @@ class DistributedTransport:
         joins = self.engines.submit_each(lambda client: client.init_weights_update_group(
             master_address=spec.master_address, master_port=spec.master_port, rank_offset=rank_offsets[client.base_url],
             world_size=spec.world_size, group_name=spec.group_name, backend=spec.backend))
-        group = open_external_group(spec, 0, store=store)
-        for join in joins:
-            join.result()  # each bounded by its HTTP timeout
+        try:
+            group = open_external_group(spec, 0, store=store)  # bounded by spec.timeout_s
+            for join in joins:
+                join.result(timeout=self.timeout_s)
+        except Exception as exc:
+            raise self._stalled("the creation", joins, exc) from exc
         self._group = group
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        """One tensor from the sender to every engine TP rank (the group formed on first use)."""
+        if self._group is None:
+            self.connect()
+        self._group.broadcast(tensor.detach().contiguous(), 0)
 
     def send(self, index: int, tensors: NamedTensors, *, version: str | None, flush_cache: bool) -> None:
         if self._group is None:
@@ -255,10 +286,13 @@ class DistributedTransport:
         replies = self.engines.submit_each(lambda client: client.update_weights_from_distributed(
             names=names, dtypes=dtypes, shapes=shapes, group_name=self.group_name, weight_version=version,
             flush_cache=flush_cache))
-        for _, tensor in tensors:  # the engines receive in this order
-            self._group.broadcast(tensor.detach().contiguous(), 0)
-        for reply in replies:
-            reply.result()
+        try:
+            for _, tensor in tensors:  # the engines receive in this order; each bounded by the group's timeout
+                self._group.broadcast(tensor.detach().contiguous(), 0)
+            for reply in replies:
+                reply.result(timeout=self.timeout_s)
+        except Exception as exc:
+            raise self._stalled(f"the broadcast of bucket {index}", replies, exc) from exc
 
     def close(self) -> None:
         if self._group is None:
@@ -275,12 +309,48 @@ class DistributedTransport:
             group.close()
 
 
+@dataclass(frozen=True)
+class DeltaOptions:
+    """`--update-weight-mode delta`: how deltas are encoded and checked (sglang_utils/weight_delta.py)."""
+
+    encoding: str
+    checksum: str
+
+
+def delta_options(args: Any) -> DeltaOptions | None:
+    if getattr(args, "update_weight_mode", "full") != "delta":
+        return None
+    return DeltaOptions(args.update_weight_delta_encoding or "xor", args.update_weight_delta_checksum or "xxh3-128")
+
+
+HEALTH_PROBE_S = 2.0
+
+
+def _answers_health(url: str) -> bool:
+    client = SGLangHTTPClient(url, ClientTimeouts(control=HEALTH_PROBE_S))
+    try:
+        return client.health()
+    finally:
+        client.close()
+
+
 def build_transport(kind: str, engines: EngineSet, *, engine_kind: str, engine_tp_size: int, timeout_s: float,
-                    device: torch.device | None = None, pp_rank: int = 0):
+                    device: torch.device | None = None, pp_rank: int = 0, delta: DeltaOptions | None = None):
     if kind == "tensor":
+        if delta is not None:
+            raise ValueError("--update-weight-mode delta is for separate engines; colocated engines take tensors")
         return TensorTransport(engines, engine_kind, engine_tp_size)
     if kind == "distributed":
         on_gpu = device is not None and device.type == "cuda"
-        return DistributedTransport(engines, engine_tp_size, backend="nccl" if on_gpu else "gloo",
-                                    timeout_s=timeout_s, group_name=f"{WEIGHT_UPDATE_GROUP}_pp{pp_rank}")
+        transport = DistributedTransport(engines, engine_tp_size, backend="nccl" if on_gpu else "gloo",
+                                         timeout_s=timeout_s, group_name=f"{WEIGHT_UPDATE_GROUP}_pp{pp_rank}",
+                                         stage=pp_rank)
+        if delta is None:
+            return transport
+        if engine_kind != "embedded":
+            raise ValueError("--update-weight-mode delta needs engines that apply deltas (the embedded engine); "
+                             "SGLang engines take full pushes: drop --update-weight-mode delta")
+        from slime.backends.megatron_utils.delta_transport import DeltaTransport
+
+        return DeltaTransport(transport, encoding=delta.encoding, checksum=delta.checksum)
     raise ValueError(f"unknown weight transport {kind!r}; expected one of {TRANSPORTS}")

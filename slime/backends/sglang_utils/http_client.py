@@ -13,6 +13,7 @@ from typing import Any
 
 import requests
 
+from slime.backends.sglang_utils.weight_delta import LOAD_FORMAT as DELTA_FORMAT
 from slime.utils.security import ApiKey, current_key
 
 
@@ -181,9 +182,11 @@ class SGLangHTTPClient:
 
     def update_weights_from_distributed(
         self, *, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
-        weight_version: str | None = None, flush_cache: bool = True,
+        weight_version: str | None = None, flush_cache: bool = True, delta: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """Receive these tensors, in this order, from broadcasts on the group; returns once loaded."""
+        """Receive these tensors, in this order, from broadcasts on the group; returns once loaded.
+
+        `delta` (the embedded engine): the broadcasts carry a delta (sglang_utils/weight_delta.py)."""
         payload = {
             "names": names,
             "dtypes": dtypes,
@@ -192,6 +195,8 @@ class SGLangHTTPClient:
             "flush_cache": flush_cache,
             "weight_version": weight_version,
         }
+        if delta is not None:
+            payload.update(load_format=DELTA_FORMAT, delta=delta)
         return self._json("POST", "/update_weights_from_distributed", self.timeouts.weight_update, payload)
 
     def destroy_weights_update_group(self, group_name: str) -> None:

@@ -13,6 +13,9 @@ def check_algorithm(args: argparse.Namespace) -> None:
     if args.advantage_estimator in ("reinforce_plus_plus", "reinforce_plus_plus_baseline") \
             and not args.normalize_advantages:
         fail(f"--advantage-estimator {args.advantage_estimator} requires --normalize-advantages")
+    if args.advantage_estimator == "cispo" and args.eps_clip_c is not None:
+        fail("--eps-clip-c (dual clip) bounds PPO's surrogate, which CISPO does not use; drop it (CISPO clips its "
+             "importance weight with --eps-clip / --eps-clip-high)")
     if args.save_interval is not None and args.save is None:
         fail("--save-interval needs --save DIR")
     if args.save_hf and not (args.save and args.save_interval):

@@ -47,8 +47,13 @@ def check_linear_attention(args: argparse.Namespace, config: dict, config_path: 
     pattern = layer_pattern(config)
     hybrid = pattern is not None and any(pattern)
     if not hybrid:
+        dsa = args.experimental_attention_variant == "dsa"
+        if dsa and not config.get("index_topk"):
+            fail(f"--experimental-attention-variant dsa contradicts {config_path}: it has no DeepSeek sparse "
+                 "attention indexer (index_topk); drop the flag")
         given = [flag_name(dest) for dest in ("experimental_attention_variant", "linear_attention_freq",
-                                               *LINEAR_SHAPE_KEYS) if getattr(args, dest) is not None]
+                                               *LINEAR_SHAPE_KEYS)
+                 if getattr(args, dest) is not None and not (dsa and dest == "experimental_attention_variant")]
         if given:
             fail(f"{', '.join(given)} describe gated delta-net (linear attention) layers, but {config_path} has none; "
                  "drop them")

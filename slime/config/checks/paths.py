@@ -49,10 +49,7 @@ def check_paths(args: argparse.Namespace, parser: argparse.ArgumentParser) -> No
 
 
 # Upstream's layer-spec plug-ins whose layers this project does not have (a --spec naming one is refused).
-UNSUPPORTED_SPEC_MODULES: dict[str, str] = {
-    "slime_plugins.models.glm5": "GLM-5's sparse (DSA indexer) attention layers are not implemented",
-    "slime_plugins.models.glm5.glm5": "GLM-5's sparse (DSA indexer) attention layers are not implemented",
-}
+UNSUPPORTED_SPEC_MODULES: dict[str, str] = {}
 
 
 def check_spec(args: argparse.Namespace) -> None:
@@ -63,7 +60,8 @@ def check_spec(args: argparse.Namespace) -> None:
     if module in UNSUPPORTED_SPEC_MODULES:
         fail(f"--spec {module} {function} is not supported here: {UNSUPPORTED_SPEC_MODULES[module]}; the layer "
              "specs here are the built-in ones (dense, MoE, MLA, hybrid from the HF config) and those of "
-             "slime_plugins.models.{glm4, minimax_m2, qwen3_5, qwen3_next, qwen3_5_vl} (docs/model-families.md)")
+             "slime_plugins.models.{glm4, glm5.glm5, minimax_m2, qwen3_5, qwen3_next, qwen3_5_vl} "
+             "(docs/model-families.md)")
     check_hook_path("--spec", f"{module}.{function}")
 
 

@@ -12,6 +12,7 @@ import warnings
 from slime.config.engine import RETURN_ORIGINAL_LOGPROB_ENV, pick_rollout_backend, return_original_logprob
 from slime.config.errors import ArgumentValidationError, derive, fail, require_path
 from slime.rollout.eval_config import EvalDatasetSpec, load_eval_config
+from slime.utils.checksums import missing_package
 
 logger = logging.getLogger(__name__)
 
@@ -93,11 +94,27 @@ def check_logprob_mismatch(args: argparse.Namespace) -> None:
 
 
 def check_weight_sync(args: argparse.Namespace) -> None:
-    if args.update_weight_mode != "full":
-        fail(f"--update-weight-mode {args.update_weight_mode} is not implemented; drop it (full weights are sent)")
+    if args.update_weight_mode not in ("full", "delta"):
+        fail(f"--update-weight-mode {args.update_weight_mode} is not implemented; use full or delta")
     if args.update_weight_transport != "nccl":
         fail(f"--update-weight-transport {args.update_weight_transport} is not implemented; drop it (engines "
              "get tensors when colocated and a broadcast group otherwise)")
+    if args.update_weight_mode == "delta":
+        check_delta_sync(args)
+
+
+def check_delta_sync(args: argparse.Namespace) -> None:
+    """Deltas go to separate engines that apply them (the embedded engine), checked by an installed digest."""
+    if args.colocate:
+        fail("--update-weight-mode delta is for separate engines; colocated engines take the tensors on their own "
+             "GPUs: drop --update-weight-mode delta or --colocate")
+    if pick_rollout_backend(args) != "embedded":
+        fail("--update-weight-mode delta needs engines that apply deltas (--rollout-backend embedded); SGLang "
+             "engines take full pushes: drop --update-weight-mode delta")
+    missing = missing_package(args.update_weight_delta_checksum)
+    if missing:
+        fail(f"--update-weight-delta-checksum {args.update_weight_delta_checksum} is not supported here without "
+             f"the {missing} package: pip install {missing}, or pass --update-weight-delta-checksum adler32")
 
 
 def resolve_eval_datasets(args: argparse.Namespace) -> None:

@@ -47,10 +47,6 @@ def resolve_modes(args: argparse.Namespace) -> None:
              "(or a custom --rollout-function-path that needs no engines)")
     if args.offload:
         args.offload_train = args.offload_rollout = True
-    if args.colocate and args.actor_num_nodes > 1:
-        fail(f"--colocate with --actor-num-nodes {args.actor_num_nodes}: colocated engines take their weights "
-             "from a trainer rank on their own host (CUDA IPC or shared memory), which this project does on one "
-             "node only; across nodes drop --colocate and give the engines their own GPUs (--rollout-num-gpus N)")
     if args.colocate:
         if args.rollout_num_gpus is None:
             args.rollout_num_gpus = args.actor_num_gpus_per_node * args.actor_num_nodes
@@ -63,6 +59,8 @@ def resolve_modes(args: argparse.Namespace) -> None:
     if args.rollout_num_gpus is not None and args.rollout_num_gpus % args.rollout_num_gpus_per_engine:
         fail(f"--rollout-num-gpus {args.rollout_num_gpus} is not divisible by --rollout-num-gpus-per-engine "
              f"{args.rollout_num_gpus_per_engine}")
+    if args.colocate and args.actor_num_nodes > 1 and not args.debug_rollout_only:
+        check_colocate_across_nodes(args)
     args.skip_engines = args.debug_train_only
     args.use_critic = args.advantage_estimator == "ppo"
     args.start_rollout_id_given = args.start_rollout_id is not None  # else train.py reads it from --load
@@ -73,6 +71,28 @@ def resolve_modes(args: argparse.Namespace) -> None:
                f"--dump-details {args.dump_details}")
         derive(args, "save_debug_train_data", f"{args.dump_details}/train_data/{{rollout_id}}.pt",
                f"--dump-details {args.dump_details}")
+
+
+def check_colocate_across_nodes(args: argparse.Namespace) -> None:
+    """Colocated engines take their weights from trainer ranks of their own node (CUDA IPC or shared
+    memory), so every engine lies within one node and every node holds whole model replicas (the
+    ranks that export the weights its engines need)."""
+    per_node, per_engine = args.actor_num_gpus_per_node, args.rollout_num_gpus_per_engine
+    where = f"--colocate over --actor-num-nodes {args.actor_num_nodes} x --actor-num-gpus-per-node {per_node}"
+    if per_node % per_engine:
+        fail(f"{where}: an engine of --rollout-num-gpus-per-engine {per_engine} GPUs does not fit within one "
+             f"node's {per_node} (colocated engines are fed by their own node's trainer ranks; an SGLang engine over "
+             f"several nodes is not supported); use a divisor of {per_node}")
+    total = per_node * args.actor_num_nodes
+    if args.rollout_num_gpus != total:
+        fail(f"{where}: --rollout-num-gpus {args.rollout_num_gpus} must be the trainer's {total} GPUs (every "
+             "node's engines are fed by that node's ranks); leave it unset")
+    pp, ep = args.pipeline_model_parallel_size, args.expert_model_parallel_size
+    replica = args.tensor_model_parallel_size * args.context_parallel_size
+    if pp > 1 or ep > 1 or per_node % replica:
+        fail(f"{where}: each node must hold whole model replicas, so that its ranks export every weight its "
+             f"engines need: --pipeline-model-parallel-size {pp} and --expert-model-parallel-size {ep} must be 1 "
+             f"and TP x CP = {replica} must divide {per_node}; drop --colocate to push to separate engines")
 
 
 def check_ledger(args: argparse.Namespace) -> None:

@@ -10,7 +10,8 @@ from slime.config.constants import ADVANTAGE_ESTIMATORS, KL_LOSS_TYPES, LOSS_TYP
 def add_algorithm_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("algorithm", "RL objective")
     g.add_argument("--advantage-estimator", type=str, default="grpo", choices=ADVANTAGE_ESTIMATORS,
-                   help="how rewards become advantages (gspo: GRPO advantages with a sequence-level ratio)")
+                   help="how rewards become advantages (gspo: GRPO advantages with a sequence-level ratio; cispo: GRPO "
+                        "advantages, the clipped importance weight times the log-prob gradient)")
     g.add_argument("--pg-loss-type", type=str, default=None, choices=["ppo", "reinforce"],
                    help="policy-gradient objective (default: the PPO-clip objective)")
     g.add_argument("--use-score-centering", action="store_true", default=False,
@@ -26,8 +27,8 @@ def add_algorithm_arguments(parser: argparse.ArgumentParser) -> None:
                    help="do not compute advantages/returns (SFT or a custom loss that needs none)")
     g.add_argument("--custom-advantage-function-path", type=str, default=None,
                    help="fn(args, rollout_data) filling rollout_data['advantages'] and ['returns'] in place")
-    g.add_argument("--eps-clip", type=float, default=0.2, help="PPO ratio clip below 1 (1 - eps)")
-    g.add_argument("--eps-clip-high", type=float, default=None, help="PPO ratio clip above 1 (default: --eps-clip)")
+    g.add_argument("--eps-clip", type=float, default=0.2, help="PPO ratio clip below 1 (1 - eps); CISPO's weight clip below 1")
+    g.add_argument("--eps-clip-high", type=float, default=None, help="PPO ratio clip above 1 (default: --eps-clip); CISPO's weight clip above 1")
     g.add_argument("--eps-clip-c", type=float, default=None, help="dual-clip bound on negative-advantage losses (> 1)")
     g.add_argument("--value-clip", type=float, default=0.2, help="clip of the critic's value loss (ppo)")
     g.add_argument("--kl-coef", type=float, default=0.0, help="KL-to-reference penalty folded into the rewards")

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import argparse
 
-from slime.config.constants import DEFAULT_ROLLOUT_FUNCTION_PATH
+from slime.config.constants import DEFAULT_ROLLOUT_FUNCTION_PATH, DELTA_ENCODINGS
 from slime.config.flags.types import non_negative_int, positive_int
+from slime.utils.checksums import CHECKSUMS
 
 
 def add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,7 +74,15 @@ def add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
                    help="bytes per weight-sync bucket")
     # Weight-sync transport (upstream's names): colocated engines get tensors, others the broadcast group.
     g.add_argument("--update-weight-mode", type=str, default="full", choices=["full", "delta", "sparse"],
-                   help="what a sync sends: full weights (delta and sparse are not implemented: refused)")
+                   help="what a sync sends: full weights, or (separate engines) only what changed since the "
+                        "engines' weights, checked by --update-weight-delta-checksum and pushed in full where it "
+                        "does not match (sparse is not implemented: refused)")
+    g.add_argument("--update-weight-delta-encoding", type=str, default="xor", choices=list(DELTA_ENCODINGS),
+                   help="--update-weight-mode delta: per changed position, xor (old XOR new bits: smallest, applied "
+                        "exactly once) or overwrite (the new bits: idempotent)")
+    g.add_argument("--update-weight-delta-checksum", type=str, default="xxh3-128", choices=list(CHECKSUMS),
+                   help="--update-weight-mode delta: the digest each engine checks a delta's result against "
+                        "(xxh3-128 needs the xxhash package, blake3 the blake3 package; adler32 needs none)")
     g.add_argument("--update-weight-transport", type=str, default="nccl", choices=["nccl", "disk"],
                    help="nccl: CUDA-IPC tensors to colocated engines, a broadcast group (NCCL; gloo on CPU) to "
                         "others; disk is not implemented (refused)")

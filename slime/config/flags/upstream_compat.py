@@ -35,8 +35,6 @@ UPSTREAM_COMPAT_FLAGS: dict[str, dict[str, Any]] = {
     "--update-weight-disk-dir": dict(type=str, default=None),
     "--update-weight-disk-keep-files": dict(type=int, default=None),
     "--update-weight-local-checkpoint-dir": dict(type=str, default=None),
-    "--update-weight-delta-encoding": dict(type=str, default=None),
-    "--update-weight-delta-checksum": dict(action="store_true"),
 }
 
 

@@ -189,6 +189,23 @@ def check_disjoint(layout: Layout) -> None:
                              "with --rollout-num-gpus")
 
 
+def check_colocated_nodes(layout: Layout, gpus_per_node: int) -> None:
+    """Colocated across nodes: node n holds trainer ranks n*G .. n*G+G-1 (the ranks that feed its engines) at
+    an address of its own (each engine's weights come from the node at its URL's address)."""
+    bundles = layout.actor_bundles
+    blocks = [bundles[i:i + gpus_per_node] for i in range(0, len(bundles), gpus_per_node)]
+    for n, block in enumerate(blocks):
+        if len({b.node_id for b in block}) != 1 or any(b.node_id == blocks[n - 1][0].node_id for b in block if n):
+            listed = [f"{r}:{b.node_ip}" for r, b in enumerate(bundles)]
+            raise PlacementError(f"--colocate across nodes needs {gpus_per_node} trainer ranks on each node "
+                                 f"(--actor-num-gpus-per-node), but Ray placed them as {listed}; give every node "
+                                 f"exactly {gpus_per_node} GPUs (or CPUs) for the job")
+    addresses = [block[0].node_ip for block in blocks]
+    if len(set(addresses)) != len(addresses):
+        raise PlacementError(f"--colocate across nodes routes each engine's weights by its node's address, but "
+                             f"nodes share addresses {addresses}: set SLIME_HOST_IP on each node before `ray start`")
+
+
 def node_count(layout: Layout, driver_node_id: str) -> int:
     """How many nodes the job's processes (driver, ranks, engines) run on."""
     return len({b.node_id for b in layout.actor_bundles} | {e.node_id for e in layout.engines} | {driver_node_id})
@@ -294,6 +311,8 @@ def create_placement(args, *, use_gpu: bool | None = None, timeout_s: float = PL
     infos = _probe(group, count, use_gpu, timeout_s)
     layout = plan_layout(infos, trainer_ranks=trainer_ranks(args), num_engines=num_engines(args),
                          gpus_per_engine=args.rollout_num_gpus_per_engine, colocate=args.colocate)
+    if args.colocate and args.actor_num_nodes > 1 and not args.debug_rollout_only:
+        check_colocated_nodes(layout, args.actor_num_gpus_per_node)
     driver_node = ray.get_runtime_context().get_node_id()
     check_engine_bind_host(args.engine_bind_host, layout, driver_node)
     # Read by every server the run starts (engines, router, rendezvous): loopback on one node.

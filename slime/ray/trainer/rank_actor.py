@@ -73,6 +73,7 @@ class TrainRayActor:
         self.actor = None
         self._store = None  # rank 0: the rendezvous store it hosts
         use_key(args.api_key)  # weight pushes reach the engines with the run's key
+        args.node_host = node_address()  # colocated across nodes, the push feeds the engines at this address
         if rank != 0 and not args.verbose:
             quiet_library_warnings()
         # On GPU bundles the rank sees the whole node (placement.py says why) and trains on its

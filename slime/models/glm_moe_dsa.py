@@ -1,0 +1,121 @@
+"""GLM-5 / GLM-5.2 (transformers' GlmMoeDsaForCausalLM, `glm_moe_dsa`): DeepSeek-V3's multi-latent attention
+with DeepSeek sparse attention (a lightning indexer keeps the `index_topk` best keys per query;
+sparse_attention.py), and GLM-4.5's MoE (the sigmoid router with the expert-score correction bias, shared
+experts, dense layers where `mlp_layer_types` says "dense"; sigmoid_router.py).
+
+The HF names are GLM-4.7-Flash's (MLA: deepseek_v3.attention_names; the MoE block: DeepSeek-V3's) plus the
+indexer's `self_attn.indexer.{wq_b, wk, k_norm, weights_proj}`, which megatron holds, frozen and replicated
+over TP, as `self_attention.core_attention.indexer.*`.
+
+Refused with the fix named: YaRN or partial RoPE (the indexer's RoPE here is the default one), and "shared"
+indexer layers (GLM-5.2's cross-layer top-k sharing, `indexer_types`), which reuse another layer's choice.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from slime.models.deepseek_v3 import MLA_FLAGS, attention_names, mla_arch_overrides, mla_layer_spec
+from slime.models.glm4_moe import glm4_moe_lite_config_fields
+from slime.models.registry import ModelFamily, register
+from slime.models.sigmoid_router import deepseek_style_moe, sigmoid_router_architecture
+
+# megatron flag dest -> TransformerConfig field: the MLA flags, checked against the HF config
+DSA_FLAGS = dict(MLA_FLAGS)
+
+
+def _mlp_pattern(hf_config: Any) -> tuple[int, ...]:
+    kinds = list(getattr(hf_config, "mlp_layer_types", None) or ())
+    if len(kinds) != hf_config.num_hidden_layers or set(kinds) - {"dense", "sparse"}:
+        raise ValueError(f"GLM-5: mlp_layer_types {kinds} must give 'dense' or 'sparse' for each of the "
+                         f"{hf_config.num_hidden_layers} layers; fix config.json")
+    return tuple(int(kind == "sparse") for kind in kinds)
+
+
+def glm_moe_dsa_architecture(hf_config: Any):
+    """GLM-5's MoE layers: those `mlp_layer_types` calls sparse, behind DeepSeek-V3's sigmoid router."""
+    pattern = _mlp_pattern(hf_config)
+    if not getattr(hf_config, "n_routed_experts", None) or 1 not in pattern:
+        return None
+    return sigmoid_router_architecture(deepseek_style_moe(hf_config, "GLM-5 MoE", pattern))
+
+
+def check_indexer(hf_config: Any) -> None:
+    """The indexer settings built here (also checked before Ray starts)."""
+    kinds = list(getattr(hf_config, "indexer_types", None) or ["full"] * hf_config.num_hidden_layers)
+    if set(kinds) != {"full"}:
+        shared = [i for i, kind in enumerate(kinds) if kind != "full"]
+        raise ValueError(f"GLM-5: indexer_types marks layers {shared} 'shared' (they reuse an earlier layer's top-k "
+                         "keys, GLM-5.2's cross-layer sharing), which is not implemented; only checkpoints whose "
+                         "every layer runs its own indexer ('full') train here")
+    for key in ("index_topk", "index_n_heads", "index_head_dim"):
+        if int(getattr(hf_config, key, 0) or 0) < 1:
+            raise ValueError(f"GLM-5: {key}={getattr(hf_config, key, None)} in config.json; it must be a positive int")
+    if hf_config.index_head_dim < hf_config.qk_rope_head_dim:
+        raise ValueError(f"GLM-5: index_head_dim={hf_config.index_head_dim} is below qk_rope_head_dim="
+                         f"{hf_config.qk_rope_head_dim}, the indexer's rotary dimensions; fix config.json")
+
+
+def glm_moe_dsa_config_fields(hf_config: Any) -> dict[str, Any]:
+    """MLA's fields (GLM-4.7-Flash's RoPE checks) plus the indexer's shape (megatron's dsa_indexer_* fields;
+    experimental_attention_variant stays unset: megatron-core's DSA module is not the one built)."""
+    fields = glm4_moe_lite_config_fields(hf_config)
+    if fields["rope_type"] != "rope":
+        raise ValueError("GLM-5: YaRN RoPE is not mapped onto the indexer's rotary embedding; use a config with "
+                         "default RoPE (rope_parameters.rope_type 'default')")
+    check_indexer(hf_config)
+    return dict(fields, dsa_indexer_topk=int(hf_config.index_topk), dsa_indexer_n_heads=int(hf_config.index_n_heads),
+                dsa_indexer_head_dim=int(hf_config.index_head_dim))
+
+
+def dsa_layer_spec(config: Any, mlp: Any = None):
+    """The local MLA layer spec with the sparse core attention (the MoE layers replace its MLP)."""
+    from slime.models.sparse_attention import with_sparse_attention
+
+    return with_sparse_attention(mla_layer_spec(config, mlp))
+
+
+def dsa_names(prefix: str) -> dict[str, str]:
+    """MLA's names and the indexer's."""
+    indexer = f"{prefix}self_attn.indexer."
+    core = "self_attention.core_attention.indexer."
+    names = {f"{core}{part}": f"{indexer}{part}"
+             for part in ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight")}
+    return dict(attention_names(prefix), **names)
+
+
+def get_glm5_spec(args: Any, config: Any, vp_stage: int | None = None):
+    """Upstream's `--spec slime_plugins.models.glm5.glm5 get_glm5_spec`: this pipeline stage's GLM-5 layers,
+    with megatron's MoE layer where config.moe_layer_freq says so (the layers built without --spec too)."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from slime.config import with_defaults
+    from slime.models.grouped_experts import grouped_experts_chosen
+    from slime.models.local_spec import with_moe_mlp
+    from slime.models.sp_norm import SequenceParallelNorm
+
+    grouped = grouped_experts_chosen(with_defaults(args, ("moe_grouped_gemm",)).moe_grouped_gemm)
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    dense = dsa_layer_spec(config)
+    specs = []
+    for layer in range(offset, offset + get_num_layers_to_build(config, vp_stage=vp_stage)):
+        moe = config.num_moe_experts and config.moe_layer_freq[layer]
+        specs.append(with_moe_mlp(dense, config, grouped) if moe else dense)
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=SequenceParallelNorm)
+
+
+GLM_MOE_DSA = register(ModelFamily(
+    name="GLM-5",
+    model_types=("glm_moe_dsa",),
+    qk_layernorm=True,  # the latent q/kv norms are megatron's qk_layernorm
+    rope_types=None,  # glm_moe_dsa_config_fields checks the RoPE
+    arch_overrides=mla_arch_overrides,
+    config_fields=glm_moe_dsa_config_fields,
+    config_flags=DSA_FLAGS,
+    layer_spec=dsa_layer_spec,
+    moe_architecture=glm_moe_dsa_architecture,
+    layer_names=dsa_names,
+    check_config=check_indexer,
+    transformer_engine_spec=False,  # TransformerEngine's MLA spec has no indexer
+))
