@@ -307,3 +307,85 @@ def save_tiny_glm_moe_dsa(path: str, seed: int = 0, **overrides) -> str:
             if ".indexer." in name and not name.endswith("k_norm.weight") and not name.endswith("k_norm.bias"):
                 param.normal_(0.0, 0.3)
     return _perturb_and_save(model, path)
+
+
+def _with_mtp_layer(path: str, rename: dict[str, str], extra: dict[str, tuple[int, ...] | str], config: dict,
+                    seed: int) -> str:
+    """Turn the last decoder layer of a saved checkpoint into its MTP layer: tensors whose name starts with a key of
+    `rename` get that prefix replaced; `extra` adds tensors (a shape: random, a name: a copy of that tensor);
+    `config` updates config.json (num_hidden_layers one less, the MTP count)."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    for old, new in rename.items():
+        tensors = {(new + k[len(old):] if k.startswith(old) else k): v for k, v in tensors.items()}
+    generator = torch.Generator().manual_seed(seed)
+    for name, spec in extra.items():
+        if isinstance(spec, str):
+            tensors[name] = tensors[spec].clone()
+        elif len(spec) == 1:  # a norm: around 1, so a wrong mapping shows up
+            tensors[name] = 1.0 + 0.1 * torch.randn(spec, generator=generator)
+        else:
+            tensors[name] = 0.1 * torch.randn(spec, generator=generator)
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    config_path = os.path.join(path, "config.json")
+    with open(config_path) as f:
+        whole = json.load(f)
+    whole.update(config)
+    for key in ("layer_types", "mlp_layer_types"):  # per-layer lists: the main layers only
+        if isinstance(whole.get(key), list):
+            whole[key] = whole[key][: whole["num_hidden_layers"]]
+    with open(config_path, "w") as f:
+        json.dump(whole, f, indent=2)
+    return path
+
+
+def save_tiny_mimo(path: str, seed: int = 0, **overrides) -> str:
+    """A MiMo-shaped checkpoint (model_type "mimo": Qwen2's decoder) with one MTP layer under model.mtp_layers.0,
+    spelt as the released MiMo-7B checkpoints (transformers has no MiMo class: its main model is Qwen2's)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    fields = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                  rope_theta=10000.0)
+    fields.update(overrides)
+    torch.manual_seed(seed)
+    _perturb_and_save(Qwen2ForCausalLM(Qwen2Config(**fields)).float(), path, also=("bias",))
+    main, hidden = fields["num_hidden_layers"] - 1, fields["hidden_size"]
+    p = "model.mtp_layers.0."
+    return _with_mtp_layer(path, {f"model.layers.{main}.": p},
+                           {p + "token_layernorm.weight": (hidden,), p + "hidden_layernorm.weight": (hidden,),
+                            p + "input_proj.weight": (hidden, 2 * hidden), p + "final_layernorm.weight": (hidden,)},
+                           dict(model_type="mimo", num_hidden_layers=main, num_nextn_predict_layers=1), seed)
+
+
+def save_tiny_after_decoder_mtp(path: str, family: str, seed: int = 0) -> str:
+    """The tiny DeepSeek-V3 MoE or GLM-4.7-Flash (3 decoder layers) with one MTP layer as the released checkpoints
+    spell it: decoder layer 3 (an MoE layer) with enorm, hnorm, eh_proj, shared_head.norm and its copies of the
+    embedding and output layer."""
+    if family == "deepseek_v3":
+        save_tiny_deepseek_v3_moe(path, seed, num_hidden_layers=4)
+    else:
+        save_tiny_glm4_moe_lite(path, seed, num_hidden_layers=4, mlp_layer_types=["dense"] + ["sparse"] * 3)
+    p, hidden = "model.layers.3.", 64
+    return _with_mtp_layer(path, {}, {p + "enorm.weight": (hidden,), p + "hnorm.weight": (hidden,),
+                                      p + "eh_proj.weight": (hidden, 2 * hidden), p + "shared_head.norm.weight": (hidden,),
+                                      p + "embed_tokens.weight": "model.embed_tokens.weight",
+                                      p + "shared_head.head.weight": "lm_head.weight"},
+                           dict(num_hidden_layers=3, num_nextn_predict_layers=1), seed)
+
+
+def save_tiny_qwen3_next_mtp(path: str, seed: int = 0) -> str:
+    """The tiny Qwen3-Next (4 decoder layers) with one MTP layer as the released checkpoints spell it: a gated
+    full-attention MoE layer under mtp.layers.0, behind mtp.fc and its two norms, with mtp.norm after it."""
+    kinds = ["linear_attention", "full_attention", "linear_attention", "full_attention", "full_attention"]
+    save_tiny_qwen3_next(path, seed, num_hidden_layers=5, layer_types=kinds)
+    hidden = _hybrid_fields()["hidden_size"]
+    return _with_mtp_layer(path, {"model.layers.4.": "mtp.layers.0."},
+                           {"mtp.fc.weight": (hidden, 2 * hidden), "mtp.pre_fc_norm_embedding.weight": (hidden,),
+                            "mtp.pre_fc_norm_hidden.weight": (hidden,), "mtp.norm.weight": (hidden,)},
+                           dict(num_hidden_layers=4, mtp_num_hidden_layers=1), seed)

@@ -14,7 +14,7 @@ LOSS_TYPES = ("policy_loss", "sft_loss", "custom_loss")
 
 
 MODEL_FAMILIES = ("qwen3", "qwen2", "llama", "qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4", "glm4_moe", "glm4_moe_lite",
-                  "minimax_m2", "qwen3_5", "qwen3_next")
+                  "minimax_m2", "qwen3_5", "qwen3_next", "mimo")
 
 
 # Flags a run cannot do without, marked [required] in --help: --rollout-batch-size is checked by parse_args,

@@ -15,6 +15,7 @@ from slime.config.constants import DEFAULT_DATA_SOURCE_PATH, DEFAULT_ROLLOUT_FUN
 from slime.config.errors import fail, flag_name, require_path
 from slime.models import family as model_family
 from slime.models import supported_model_types
+from slime.models.mtp import check_mtp_layers
 
 
 # What an HF checkpoint directory must hold for the trainer (config) and the engines and data (tokenizer).
@@ -131,7 +132,12 @@ def check_hf_config(args: argparse.Namespace, config_path: str) -> None:
     if model_type in SUPPORTED_MODEL_TYPES:
         _check_layer_kinds(config, config_path)
         _check_family_layout(args, config, config_path)
-        _check_family_flags(args, model_family(config.get("model_type", model_type)), config_path)
+        family = model_family(config.get("model_type", model_type))
+        _check_family_flags(args, family, config_path)
+        try:
+            check_mtp_layers(args.mtp_num_layers, config, family.name, family.mtp_names is not None)
+        except ValueError as exc:
+            fail(f"--hf-checkpoint {config_path}: {exc}")
     heads = config.get("num_attention_heads")
     mla = (model_type in ("deepseek_v3", "deepseek_v2", "kimi_k2", "glm4_moe_lite", "glm_moe_dsa")
            and config.get("kv_lora_rank") is not None)

@@ -83,7 +83,6 @@ NOT_IMPLEMENTED_FLAGS: tuple[NotImplementedFlag, ...] = (
     *_warned("TransformerEngine DeepGEMM forwards are not used", "--megatron-deepgemm-forward-layers",
              "--megatron-deepgemm-forward-modules", "--megatron-deepgemm-moe-forward-layers",
              "--megatron-deepgemm-moe-forward-modules"),
-    *_warned("multi-token prediction is not supported", "--mtp-loss-scaling-factor"),
     *_warned("megatron-core's experimental features are not used by this model builder", "--enable-experimental"),
     *_warned("not wired: GPU runs use the default (non-deterministic) kernels; CPU runs are deterministic",
              "--deterministic-mode"),
@@ -151,8 +150,6 @@ REFUSED_FLAGS: tuple[NotImplementedFlag, ...] = (
                               "architecture and parallel layout on the actor's bundles (--critic-lr sets its rate)"),
     NotImplementedFlag(flag="--reset-optimizer-states", reason="resetting optimizer state per rollout is not implemented"),
     NotImplementedFlag(flag="--use-stateless-adam", reason="stateless Adam is not implemented"),
-    NotImplementedFlag(flag="--mtp-num-layers", reason="multi-token prediction layers are not supported"),
-    NotImplementedFlag(flag="--enable-mtp-training", reason="multi-token prediction layers are not supported"),
     *(NotImplementedFlag(flag=f, reason="the dense builder has no such layers (Qwen3 / Qwen2 / Llama only)")
       for f in ("--freeze-indexer",)),
     *(NotImplementedFlag(flag=f, reason="FP8 training needs TransformerEngine's FP8 layers, which this model builder "

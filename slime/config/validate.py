@@ -7,7 +7,7 @@ import argparse
 from slime.config.checks.algorithm import check_algorithm, check_opd, check_plugins
 from slime.config.checks.critic import check_critic
 from slime.config.checks.batching import check_batch_split, check_batching, check_context_parallel
-from slime.config.checks.model import check_model_shape, resolve_model_defaults
+from slime.config.checks.model import check_model_shape, check_mtp, resolve_model_defaults
 from slime.config.checks.paths import check_paths, check_spec
 from slime.config.checks.rollout import (
     check_logprob_mismatch,
@@ -35,6 +35,7 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
     resolve_rollout_defaults(args)
     if not args.debug_rollout_only:
         check_model_shape(args)
+        check_mtp(args)
         check_parallel_layout(args)
         check_batching(args)
         check_batch_split(args)

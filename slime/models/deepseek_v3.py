@@ -22,6 +22,7 @@ import dataclasses
 import functools
 from typing import Any
 
+from slime.models.mtp import after_decoder_names
 from slime.models.registry import ModelFamily, register
 from slime.models.sigmoid_router import deepseek_style_moe, first_k_dense, sigmoid_router_architecture
 
@@ -255,4 +256,5 @@ DEEPSEEK_V3 = register(ModelFamily(
     layer_spec=mla_layer_spec,
     moe_architecture=moe_architecture,
     layer_names=attention_names,
+    mtp_names=after_decoder_names,
 ))

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from slime.models.deepseek_v3 import MLA_FLAGS, attention_names, mla_arch_overrides, mla_config_fields, mla_layer_spec
+from slime.models.mtp import after_decoder_names
 from slime.models.registry import ModelFamily, register
 from slime.models.sigmoid_router import deepseek_style_moe, first_k_dense, sigmoid_router_architecture
 
@@ -49,6 +50,7 @@ GLM4_MOE = register(ModelFamily(
     qkv_bias=True,  # on q/k/v only, when attention_bias (glm4_moe_arch_overrides)
     arch_overrides=glm4_moe_arch_overrides,
     moe_architecture=glm4_moe_architecture,
+    mtp_names=after_decoder_names,
 ))
 
 
@@ -96,4 +98,5 @@ GLM4_MOE_LITE = register(ModelFamily(
     layer_spec=mla_layer_spec,
     moe_architecture=glm4_moe_lite_architecture,
     layer_names=attention_names,
+    mtp_names=after_decoder_names,
 ))

@@ -17,6 +17,9 @@ MoE layers (router, routed and shared experts) take their names from the family 
 routed experts are sharded over expert-parallel ranks (each holds E/EP of them) and over the expert-TP
 group instead of TP: load reads only this rank's experts, the export all-gathers them over EP so every
 exporter yields all experts, in a fixed order (local expert i of EP rank 0, 1, ..., then i+1).
+Multi-token-prediction layers (`mtp.layers.k.`, slime/models/mtp.py) map through the family's `mtp_names`: their
+transformer layer with the decoder-layer table under the checkpoint's prefix for it. `mtp=False` (the weight push:
+the engines do not run them) leaves them out of the export.
 The router's expert bias (DeepSeek-V3's e_score_correction_bias) is a buffer, not a parameter: megatron
 updates it outside the optimizer, and it changes routing, so load, save-hf and the push carry it like a
 replicated parameter (`_weights`).
@@ -136,6 +139,8 @@ def _row_fused(hf_name: str, parts: _Mapping) -> _Mapping:
 
 
 _LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_MTP_LAYER_NAME = re.compile(r"^mtp\.layers\.(\d+)\.transformer_layer\.(.+)$")
+_MTP_PART_NAME = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
 
 
 def _layer_mapping(suffix: str, prefix: str, shapes: _Shapes, tp: int, hf_config: Any,
@@ -177,12 +182,17 @@ def unwrap_model(chunk: torch.nn.Module) -> torch.nn.Module:
 _EXPERT_BIAS = "mlp.router.expert_bias"
 
 
-def _weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """What maps to HF tensors: every parameter, then the routers' expert-bias buffers (in module order)."""
-    yield from model.named_parameters()
-    for name, buffer in model.named_buffers():
-        if name.endswith(_EXPERT_BIAS) and buffer is not None:
-            yield name, buffer
+def _weights(model: torch.nn.Module, mtp: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """What maps to HF tensors: every parameter, then the routers' expert-bias buffers (in module order); the MTP
+    layers' only with `mtp`."""
+    for name, tensor in (*model.named_parameters(), *model.named_buffers()):
+        is_weight = isinstance(tensor, torch.nn.Parameter) or (name.endswith(_EXPERT_BIAS) and tensor is not None)
+        if is_weight and (mtp or not name.startswith("mtp.")):
+            yield name, tensor
+
+
+def _has_mtp(model: torch.nn.Module) -> bool:
+    return getattr(model, "mtp", None) is not None
 
 
 def _text_prefix(hf_config: Any) -> str:
@@ -218,8 +228,51 @@ def _expert_layout() -> _ExpertLayout:
 
 
 def _layer_suffix(name: str) -> str:
-    match = _LAYER_NAME.match(name)
+    match = _LAYER_NAME.match(name) or _MTP_LAYER_NAME.match(name)
     return match.group(2) if match else ""
+
+
+def _layer_and_prefix(model: torch.nn.Module, name: str, hf_config: Any) -> tuple[torch.nn.Module, str, str]:
+    """(the transformer layer holding parameter `name`, its suffix there, the layer's HF prefix)."""
+    match = _LAYER_NAME.match(name)
+    if match is not None:
+        layer = model.decoder.layers[int(match.group(1))]
+        return layer, match.group(2), f"{_text_prefix(hf_config)}layers.{layer.layer_number - 1}."
+    match = _MTP_LAYER_NAME.match(name)
+    index = int(match.group(1))
+    names = family_of(hf_config).mtp_names(hf_config, index)
+    return model.mtp.layers[index].transformer_layer, match.group(2), names.layer_prefix
+
+
+def _mtp_part(name: str, hf_config: Any) -> _Mapping:
+    """An MTP layer's own norm or projection (not its transformer layer)."""
+    match = _MTP_PART_NAME.match(name)
+    names = family_of(hf_config).mtp_names(hf_config, int(match.group(1)))
+    hf_name = names.parts.get(match.group(2))
+    if hf_name is None:
+        raise KeyError(f"no HF mapping for MTP parameter {name!r}")
+    if match.group(2) != "eh_proj.weight" or not names.hidden_first:
+        return _identity(hf_name)
+    # HF projects [hidden; embedding], megatron [embedding; hidden]: the column halves swap
+    swap = lambda t: torch.cat(t.chunk(2, dim=1)[::-1], dim=1)  # noqa: E731
+    return _Mapping((hf_name,), lambda ts: swap(ts[0]), lambda t: [swap(t)])
+
+
+def _with_copies(mapping: _Mapping, copies: tuple[str, ...]) -> _Mapping:
+    """`mapping` also written to `copies` (DeepSeek-V3's MTP layer keeps its own embedding and output layer, equal
+    to the shared ones); the load reads the first name only."""
+    if not copies:
+        return mapping
+    n = len(mapping.hf_names)
+    return _Mapping((*mapping.hf_names, *copies), lambda ts: mapping.to_megatron(ts[:n]),
+                    lambda t: (lambda hf: hf + [hf[0].clone() for _ in copies])(mapping.to_hf(t)))
+
+
+def _mtp_copies(model: torch.nn.Module, hf_config: Any, attribute: str, mtp: bool) -> tuple[str, ...]:
+    if not (mtp and _has_mtp(model)):
+        return ()
+    names = [getattr(family_of(hf_config).mtp_names(hf_config, k), attribute) for k in range(len(model.mtp.layers))]
+    return tuple(n for n in names if n)
 
 
 def _is_expert(name: str) -> bool:
@@ -232,37 +285,38 @@ def _split_size(name: str, tp: int, experts: _ExpertLayout) -> int:
 
 
 def _mapping_for(model: torch.nn.Module, name: str, param: torch.Tensor, hf_config: Any,
-                 tp: int, ep_rank: int | None = None) -> _Mapping | None:
+                 tp: int, ep_rank: int | None = None, mtp: bool = True) -> _Mapping | None:
     """The mapping of one megatron parameter, or None if it has no HF counterpart of its own.
 
-    Routed experts: the HF expert is that of EP rank `ep_rank` (default: this rank) and local index i."""
+    Routed experts: the HF expert is that of EP rank `ep_rank` (default: this rank) and local index i.
+    `mtp`: the embedding and output layer are also written to the MTP layers' copies of them, if any."""
     if _is_expert(name):
         return _expert_mapping(model, name, hf_config, ep_rank)
     shapes, text = _shapes(hf_config), _text_prefix(hf_config)
     padded_rows = param.shape[0] * (tp if getattr(param, "tensor_model_parallel", False) else 1)
     if name == "embedding.word_embeddings.weight":
-        return _vocab(f"{text}embed_tokens.weight", shapes, padded_rows)
+        return _with_copies(_vocab(f"{text}embed_tokens.weight", shapes, padded_rows),
+                            _mtp_copies(model, hf_config, "embedding_copy", mtp))
     if name == "output_layer.weight":
-        return _vocab(f"{text}embed_tokens.weight" if _tied(hf_config) else "lm_head.weight",
-                      shapes, padded_rows)
+        return _with_copies(_vocab(f"{text}embed_tokens.weight" if _tied(hf_config) else "lm_head.weight",
+                                   shapes, padded_rows), _mtp_copies(model, hf_config, "output_copy", mtp))
     if name == "decoder.final_layernorm.weight":
         return _identity(f"{text}norm.weight")
-    match = _LAYER_NAME.match(name)
-    if match is None:
+    if _LAYER_NAME.match(name) is None and _MTP_LAYER_NAME.match(name) is None:
+        if _MTP_PART_NAME.match(name) is not None:
+            return _mtp_part(name, hf_config)
         raise KeyError(f"no HF mapping for parameter {name!r}")
-    global_layer = model.decoder.layers[int(match.group(1))].layer_number - 1
-    return _layer_mapping(match.group(2), f"{text}layers.{global_layer}.", shapes, tp, hf_config)
+    _, suffix, prefix = _layer_and_prefix(model, name, hf_config)
+    return _layer_mapping(suffix, prefix, shapes, tp, hf_config)
 
 
 def _expert_mapping(model: torch.nn.Module, name: str, hf_config: Any, ep_rank: int | None) -> _Mapping:
-    match = _LAYER_NAME.match(name)
-    layer = model.decoder.layers[int(match.group(1))]
+    layer, suffix, prefix = _layer_and_prefix(model, name, hf_config)
     experts = _expert_layout()
-    local_index, _ = moe_hf.local_expert(match.group(2))
+    local_index, _ = moe_hf.local_expert(suffix)
     rank = experts.ep_rank if ep_rank is None else ep_rank
     global_expert = rank * layer.mlp.experts.num_local_experts + local_index
-    return _layer_mapping(match.group(2), f"{_text_prefix(hf_config)}layers.{layer.layer_number - 1}.",
-                          _shapes(hf_config), experts.etp, hf_config, global_expert)
+    return _layer_mapping(suffix, prefix, _shapes(hf_config), experts.etp, hf_config, global_expert)
 
 
 def _tp() -> tuple[int, int, Any]:
@@ -328,18 +382,19 @@ def _ep_ranks(name: str, all_experts: bool) -> list[int | None]:
     return list(range(_expert_layout().ep)) if all_experts and _is_expert(name) else [None]
 
 
-def hf_tensor_shapes(model: torch.nn.Module, hf_config: Any, tp: int, *, all_experts: bool
+def hf_tensor_shapes(model: torch.nn.Module, hf_config: Any, tp: int, *, all_experts: bool, mtp: bool = True
                      ) -> Iterator[tuple[str, torch.Tensor]]:
     """(hf name, meta tensor of its full shape and dtype) of every HF tensor of this chunk, no data.
 
     all_experts: as export_hf_weights yields them (every EP rank's experts, in its order); otherwise only
-    what this rank loads (its own experts). Tied output weights are skipped in export order, as there."""
-    for name, param in _weights(model):
+    what this rank loads (its own experts). Tied output weights are skipped in export order, as there; `mtp` as
+    there."""
+    for name, param in _weights(model, mtp):
         if all_experts and name == "output_layer.weight" and _tied(hf_config):
             continue
         full = torch.empty(full_shape(name, param, tp), dtype=param.dtype, device="meta")
         for ep_rank in _ep_ranks(name, all_experts):
-            mapping = _mapping_for(model, name, param, hf_config, tp, ep_rank)
+            mapping = _mapping_for(model, name, param, hf_config, tp, ep_rank, mtp)
             yield from zip(mapping.hf_names, mapping.to_hf(full))
 
 
@@ -350,8 +405,9 @@ def _expected_hf_shapes(model: torch.nn.Module, hf_config: Any, tp: int) -> Iter
 
 def check_hf_tensors(model_chunks: list[torch.nn.Module], reader: _SafetensorsReader, hf_config: Any, tp: int) -> None:
     """Raise HFCheckpointError listing every missing or mis-shaped tensor, before anything is loaded."""
-    missing, misshaped = [], []
+    missing, misshaped, main = [], [], set()
     for chunk in model_chunks:
+        main.update(n for n, _ in hf_tensor_shapes(unwrap_model(chunk), hf_config, tp, all_experts=False, mtp=False))
         for name, expected in _expected_hf_shapes(unwrap_model(chunk), hf_config, tp):
             found = reader.shape(name)
             if found is None:
@@ -360,6 +416,11 @@ def check_hf_tensors(model_chunks: list[torch.nn.Module], reader: _SafetensorsRe
                 misshaped.append(f"{name}: file {found}, config expects {expected}")
     if not missing and not misshaped:
         return
+    if missing and not misshaped and not main.intersection(missing):
+        raise HFCheckpointError(
+            f"--hf-checkpoint {reader._dir} holds no weights for its multi-token-prediction layers ({len(missing)} "
+            f"missing: {missing[:3]} ...; transformers' own classes drop them when saving): drop --mtp-num-layers "
+            "and --enable-mtp-training, or use the released checkpoint that carries them")
     parts = [f"{len(missing)} missing ({missing[:4]}{' ...' if len(missing) > 4 else ''})"] if missing else []
     parts += [f"{len(misshaped)} mis-shaped ({'; '.join(misshaped[:3])}{' ...' if len(misshaped) > 3 else ''})"] \
         if misshaped else []
@@ -408,7 +469,7 @@ def _gather_tp(shard: torch.Tensor, partition_dim: int, tp: int, group: Any) -> 
 
 @torch.no_grad()
 def export_hf_weights(model_chunks: list[torch.nn.Module], hf_config: Any,
-                      read_param: Callable[[torch.Tensor], torch.Tensor] | None = None
+                      read_param: Callable[[torch.Tensor], torch.Tensor] | None = None, mtp: bool = True
                       ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (hf_name, full tensor) for this PP stage's parameters, in a fixed order.
 
@@ -417,14 +478,15 @@ def export_hf_weights(model_chunks: list[torch.nn.Module], hf_config: Any,
     iterate it to the end together (one all_gather over the TP group per TP-split parameter);
     ranks of different DP/CP replicas or PP stages are independent. With tied embeddings the
     last stage's output_layer copy is skipped (HF ties lm_head to embed_tokens). `read_param` gives
-    a parameter's value (default: the live tensor; a sleeping trainer serves its host copy).
+    a parameter's value (default: the live tensor; a sleeping trainer serves its host copy). `mtp=False` leaves
+    the multi-token-prediction layers (and their copies of the embedding and output layer) out.
     """
     read = read_param or (lambda param: param.detach())
     tp, _, tp_group = _tp()
     experts = _expert_layout()
     for chunk in model_chunks:
         model = unwrap_model(chunk)
-        for name, param in _weights(model):
+        for name, param in _weights(model, mtp):
             if name == "output_layer.weight" and _tied(hf_config):
                 continue
             if _is_expert(name):
@@ -433,7 +495,7 @@ def export_hf_weights(model_chunks: list[torch.nn.Module], hf_config: Any,
             full = read(param)
             if tp > 1 and getattr(param, "tensor_model_parallel", False):
                 full = _gather_tp(full, param.partition_dim, tp, tp_group)
-            mapping = _mapping_for(model, name, param, hf_config, tp)
+            mapping = _mapping_for(model, name, param, hf_config, tp, mtp=mtp)
             yield from zip(mapping.hf_names, mapping.to_hf(full))
 
 

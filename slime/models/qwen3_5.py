@@ -21,6 +21,7 @@ from typing import Any
 
 from slime.models.moe_arch import MoEArchitecture
 from slime.models.qwen3_moe import moe_architecture as qwen_moe_architecture
+from slime.models.mtp import qwen3_next_names
 from slime.models.registry import ModelFamily, register
 
 LAYER_KINDS = ("linear_attention", "full_attention")
@@ -228,4 +229,4 @@ QWEN3_5 = register(ModelFamily(name="Qwen3.5", model_types=("qwen3_5_text", "qwe
                                composite_types=("qwen3_5", "qwen3_5_moe"), layer_layouts=_layouts(fused=False),
                                **_COMMON))
 QWEN3_NEXT = register(ModelFamily(name="Qwen3-Next", model_types=("qwen3_next",), layer_layouts=_layouts(fused=True),
-                                  **_COMMON))
+                                  mtp_names=qwen3_next_names, **_COMMON))

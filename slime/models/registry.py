@@ -26,6 +26,7 @@ _BUILTIN_MODULES = (
     "slime.models.glm4_moe",
     "slime.models.minimax_m2",
     "slime.models.glm_moe_dsa",
+    "slime.models.mimo",
 )
 
 # What a model_type outside the registry is read as (arguments.py lets one through only with a custom model
@@ -133,6 +134,10 @@ class ModelFamily:
     """(megatron layer suffix, HF layer prefix, global expert index, MoEArchitecture or None) -> the HF names
     of an MoE-layer parameter ((gate, up) for an fc1), None when it is not one. Default: the Qwen-MoE and
     DeepSeek-V3 spelling (moe_hf.py)."""
+
+    mtp_names: Callable[[Any, int], Any] | None = None
+    """(hf_config, MTP layer index) -> `mtp.MTPLayerNames`, how the checkpoint spells its multi-token-prediction
+    layers; None: the family has none this builder maps."""
 
     def layer_spec_at(self, config: Any, hf_config: Any, layer: int) -> Any:
         """The local spec of global layer `layer` before any MoE replacement."""

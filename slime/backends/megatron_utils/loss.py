@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from slime.backends.megatron_utils import logprob_head, loss_hooks
+from slime.backends.megatron_utils import logprob_head, loss_hooks, mtp_loss
 from slime.backends.megatron_utils.data import MicroBatchPlan, PackedMicroBatch
 from slime.utils.ppo_utils import OPD_KL_KEY
 from slime.utils.ppo_utils import (
@@ -45,7 +45,8 @@ from slime.models import fused_kernels
 LOSS_FLAGS = ("calculate_per_token_loss", "eps_clip", "eps_clip_high", "eps_clip_c", "use_kl_loss", "kl_loss_coef",
               "kl_loss_type", "entropy_coef", "use_tis", "tis_clip", "tis_clip_low", "rollout_temperature",
               "use_rollout_logprobs", "get_mismatch_metrics", "advantage_estimator", "use_opd", "loss_type",
-              "custom_loss_function_path", "custom_tis_function_path", "custom_pg_loss_reducer_function_path")
+              "custom_loss_function_path", "custom_tis_function_path", "custom_pg_loss_reducer_function_path",
+              "mtp_num_layers", "enable_mtp_training", "mtp_loss_scaling_factor")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,6 +83,9 @@ class LossConfig:
     custom_tis_function_path: str | None = None
     """Replaces the vanilla TIS weights when --use-tis is on."""
     custom_pg_loss_reducer_function_path: str | None = None
+    mtp_depths: int = 0
+    """Multi-token-prediction layers trained beside the main loss (--enable-mtp-training); 0: none."""
+    mtp_loss_scaling_factor: float = 0.2
     args: Any = field(default=None, compare=False, repr=False)
     """The parsed flags, handed to the loss plug-ins."""
 
@@ -116,6 +120,8 @@ class LossConfig:
             custom_loss_function_path=args.custom_loss_function_path,
             custom_tis_function_path=args.custom_tis_function_path,
             custom_pg_loss_reducer_function_path=args.custom_pg_loss_reducer_function_path,
+            mtp_depths=int(args.mtp_num_layers or 0) if args.enable_mtp_training else 0,
+            mtp_loss_scaling_factor=float(args.mtp_loss_scaling_factor),
             args=args,
         )
 
@@ -135,9 +141,10 @@ def metric_keys(cfg: LossConfig) -> tuple[str, ...]:
     The log-prob diff is always reported; it is NaN when the rollout carries no engine log-probs
     (a custom generate function that returns none), so the key set never depends on data.
     """
+    mtp = (mtp_loss.MTP_LOSS_KEY,) if cfg.mtp_depths else ()
     if cfg.loss_type in ("custom_loss", "sft_loss"):
-        return tuple(sorted(("loss", LOGPROB_DIFF_KEY)))
-    keys = ["loss", "pg_loss", "pg_clipfrac", "ppo_kl", "entropy_loss", LOGPROB_DIFF_KEY]
+        return tuple(sorted(("loss", LOGPROB_DIFF_KEY, *mtp)))
+    keys = ["loss", "pg_loss", "pg_clipfrac", "ppo_kl", "entropy_loss", LOGPROB_DIFF_KEY, *mtp]
     if cfg.use_kl_loss:
         keys.append("kl_loss")
     if cfg.use_opd:
@@ -292,13 +299,26 @@ def policy_token_terms(log_probs: torch.Tensor, entropy: torch.Tensor, packed: P
     return terms | {"pg_loss": pg_loss, "loss": loss}
 
 
-def micro_batch_loss(logits: torch.Tensor, packed: PackedMicroBatch, plan: MicroBatchPlan, cfg: LossConfig,
+def micro_batch_loss(output: torch.Tensor, packed: PackedMicroBatch, plan: MicroBatchPlan, cfg: LossConfig,
                      tp_group: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """This rank's contribution to the step loss, and to each metric (detached sums).
 
     Padding micro-batches and empty CP slices give an exact 0 that stays connected to
-    the model, so backward runs (and its collectives happen) on every rank.
+    the model, so backward runs (and its collectives happen) on every rank. With MTP trained, the output also
+    holds the MTP depths' logits (mtp_model.py): their loss (mtp_loss.py) is added, weighted as the main loss is.
     """
+    logits, depth_logits = mtp_loss.split_output(output, cfg.mtp_depths)
+    loss, metrics = _main_loss(logits, packed, plan, cfg, tp_group)
+    if not depth_logits:
+        return loss, metrics
+    term = mtp_loss.mtp_loss(depth_logits, packed, token_weights(packed, plan, cfg), cfg.mtp_loss_scaling_factor,
+                             tp_group)
+    # `loss` reports what is minimised (a non-finite MTP loss skips the step too)
+    return loss + term, metrics | {mtp_loss.MTP_LOSS_KEY: term.detach(), "loss": metrics["loss"] + term.detach()}
+
+
+def _main_loss(logits: torch.Tensor, packed: PackedMicroBatch, plan: MicroBatchPlan, cfg: LossConfig,
+               tp_group: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     log_probs, entropy = log_probs_and_entropy(logits, packed, cfg, tp_group)
     weights = token_weights(packed, plan, cfg)
     per_token = packed.loss_mask / max(1, plan.step_loss_token_total)

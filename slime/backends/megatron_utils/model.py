@@ -39,6 +39,8 @@ from slime.backends.megatron_utils import moe  # noqa: E402
 from slime.config import with_defaults  # noqa: E402
 from slime.models import fused_kernels  # noqa: E402
 from slime.models.local_spec import with_moe_mlp  # noqa: E402
+from slime.models.mtp import check_mtp_layers  # noqa: E402
+from slime.models.mtp_model import MTPGPTModel, mtp_block_spec  # noqa: E402
 from slime.models.registry import family_of  # noqa: E402
 from slime.models.sp_norm import SequenceParallelNorm  # noqa: E402
 
@@ -134,7 +136,8 @@ MODEL_FLAGS = ("model_name", "untie_embeddings_and_output_weights", "bf16", "seq
                "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "multi_latent_attention",
                "fused_kernels", "transformer_impl", "spec", "custom_model_provider_path",
                "accumulate_allreduce_grads_in_fp32", "use_distributed_optimizer", "only_train_params_name_list",
-               "freeze_params_name_list", "dsa_indexer_loss_coeff", "dsa_indexer_use_sparse_loss")
+               "freeze_params_name_list", "dsa_indexer_loss_coeff", "dsa_indexer_use_sparse_loss",
+               "mtp_num_layers", "enable_mtp_training", "mtp_loss_scaling_factor")
 
 
 def _check_against_args(arch: dict[str, Any], args: Namespace, flags: dict[str, str] = _ARCH_FLAGS) -> None:
@@ -187,6 +190,8 @@ def transformer_config_from_hf(hf_config: Any, args: Namespace) -> TransformerCo
                          "rotary_percent": _rotary_percent(hf_config), "post_norms": family_of(hf_config).post_norms,
                          "add_qkv_bias": _qkv_bias_to_check(hf_config, arch, args)}, args)
     _check_embedding_tying(hf_config, args)
+    family = family_of(hf_config)
+    check_mtp_layers(args.mtp_num_layers, hf_config, family.name, family.mtp_names is not None)
     config_class, family_fields = _family_config(hf_config, args)
     bf16 = bool(args.bf16)
     params_dtype = torch.bfloat16 if bf16 else torch.float32
@@ -232,6 +237,8 @@ def transformer_config_from_hf(hf_config: Any, args: Namespace) -> TransformerCo
         recompute_num_layers=args.recompute_num_layers,
         num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
         num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
+        mtp_num_layers=args.mtp_num_layers or None,
+        mtp_loss_scaling_factor=_arg(args, "mtp_loss_scaling_factor", 0.1),
     )
     # every layer's kind, for a --spec plug-in that builds them by kind (no TransformerConfig field says it)
     family = family_of(hf_config)
@@ -346,6 +353,14 @@ def _hybrid_layer_specs(args: Namespace, hf_config: Any, config: TransformerConf
             for spec, layer in zip(specs, layers)]
 
 
+def _mtp_layer_spec(args: Namespace, hf_config: Any, config: TransformerConfig) -> ModuleSpec:
+    """The transformer layer of an MTP layer: the family's full-attention layer, with the MoE MLP in an MoE model
+    (DeepSeek-V3's, GLM's and Qwen3-Next's MTP layers are MoE layers)."""
+    family = family_of(hf_config)
+    spec = family.kind_layer_spec(config, "full_attention") if family.layer_kinds else family.layer_spec(config)
+    return with_moe_mlp(spec, config, moe.grouped_experts_enabled(args)) if config.num_moe_experts else spec
+
+
 def build_gpt_model(
     args: Namespace, hf_config: Any, pre_process: bool = True, post_process: bool = True,
     vp_stage: int | None = None,
@@ -358,7 +373,13 @@ def build_gpt_model(
     config = transformer_config_from_hf(hf_config, args)
     rope_scaling = _rope_type(hf_config) == "llama3"
     rope_params = getattr(hf_config, "rope_parameters", None) or {}
-    model = GPTModel(
+    model_class, mtp_fields = GPTModel, {}
+    if config.mtp_num_layers:
+        model_class = MTPGPTModel
+        mtp_fields = dict(mtp_block_spec=mtp_block_spec(_mtp_layer_spec(args, hf_config, config), config.mtp_num_layers),
+                          train_mtp=bool(with_defaults(args, MODEL_FLAGS).enable_mtp_training))
+    model = model_class(
+        **mtp_fields,
         config=config,
         transformer_layer_spec=_layer_spec(args, hf_config, config, vp_stage),
         vocab_size=model_vocab_size(args, hf_config),

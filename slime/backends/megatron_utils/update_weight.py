@@ -71,8 +71,9 @@ WeightSource = Callable[[Sequence[torch.nn.Module], Any, "ParamReader | None"], 
 def export_model_weights(model_chunks: Sequence[torch.nn.Module], hf_config: Any, read_param: ParamReader | None = None
                          ) -> Iterable[tuple[str, torch.Tensor]]:
     """The default weight source: HF tensors gathered over TP from the model chunks' parameters, each read
-    through `read_param` (a sleeping trainer serves them from its host copy)."""
-    return export_hf_weights(list(model_chunks), hf_config, read_param=read_param)
+    through `read_param` (a sleeping trainer serves them from its host copy). The engines do not run the
+    multi-token-prediction layers: those stay out of the push."""
+    return export_hf_weights(list(model_chunks), hf_config, read_param=read_param, mtp=False)
 
 
 class WeightSyncPlanError(RuntimeError):
@@ -148,7 +149,8 @@ def hf_tensor_sizes(model_chunks: Sequence[torch.nn.Module], hf_config: Any, *, 
     parameters (qkv, gate/up), vocab padding and every EP rank's experts give the real export's shapes.
     """
     return [(name, t.numel() * t.element_size()) for chunk in model_chunks
-            for name, t in hf_tensor_shapes(unwrap_model(chunk), hf_config, tp_size, all_experts=True)]
+            for name, t in hf_tensor_shapes(unwrap_model(chunk), hf_config, tp_size, all_experts=True,
+                                                mtp=False)]
 
 
 def build_weight_sync_plan(model_chunks: Sequence[torch.nn.Module], hf_config: Any, *, tp_size: int,

@@ -46,6 +46,30 @@ def resolve_model_defaults(args: argparse.Namespace) -> None:
         fail(f"--model-name {args.model_name} is not supported; the model builder converts {', '.join(MODEL_FAMILIES)}")
 
 
+def check_mtp(args: argparse.Namespace) -> None:
+    """Multi-token prediction: --enable-mtp-training trains the layers --mtp-num-layers builds, on one pipeline
+    stage and without context parallelism (megatron's MTP shifts tokens across CP ranks, and syncs the embedding
+    between the first and last stage, with messages the fenced step does not record)."""
+    layers = args.mtp_num_layers
+    if args.enable_mtp_training and not layers:
+        fail("--enable-mtp-training trains the multi-token-prediction layers --mtp-num-layers builds; pass "
+             "--mtp-num-layers N (the checkpoint's num_nextn_predict_layers)")
+    if layers is None:
+        return
+    if layers < 1:
+        fail(f"--mtp-num-layers {layers} must be >= 1 (drop it for none)")
+    for dest in ("use_routing_replay", "use_rollout_routing_replay"):
+        if getattr(args, dest, False):
+            fail(f"--mtp-num-layers {layers} with {flag_name(dest)} is not supported here: the replayed routes cover "
+                 "the decoder's MoE layers, not the MTP layers' routers; drop one of them")
+    for dest, size in (("context_parallel_size", args.context_parallel_size),
+                       ("pipeline_model_parallel_size", args.pipeline_model_parallel_size)):
+        if size > 1:
+            fail(f"--mtp-num-layers {layers} with {flag_name(dest)} {size} is not supported here: megatron's MTP "
+                 "block exchanges tokens or embeddings across those ranks outside the fenced step's ledger; train "
+                 f"MTP with {flag_name(dest)} 1 (TP, SP, EP and DP work) or drop --mtp-num-layers")
+
+
 def check_model_shape(args: argparse.Namespace) -> None:
     tp = args.tensor_model_parallel_size
     if args.num_attention_heads is not None and args.num_attention_heads % tp:

@@ -76,9 +76,10 @@ def add_megatron_model_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--freeze-indexer", action="store_true", default=False, help="freeze DSA indexer parameters")
     g.add_argument("--allgather-cp", action="store_true", default=False,
                    help="context-parallel attention by all-gathering K/V (what this project always does)")
-    g.add_argument("--mtp-num-layers", type=int, default=None, help="multi-token-prediction layers")
-    g.add_argument("--mtp-loss-scaling-factor", type=float, default=0.2, help="weight of the multi-token loss")
-    g.add_argument("--enable-mtp-training", action="store_true", default=False, help="train the MTP layers")
+    g.add_argument("--mtp-num-layers", type=int, default=None, help="multi-token-prediction layers the checkpoint carries (its num_nextn_predict_layers): built, "
+                        "loaded and saved; trained only with --enable-mtp-training; never pushed to the engines")
+    g.add_argument("--mtp-loss-scaling-factor", type=float, default=0.2, help="weight of the MTP loss (divided over the MTP layers) beside the main loss")
+    g.add_argument("--enable-mtp-training", action="store_true", default=False, help="train the --mtp-num-layers layers with the MTP loss beside the main loss")
     g.add_argument("--bf16", action="store_true", default=False, help="bf16 parameters and compute (default fp32)")
     g.add_argument("--fp16", action="store_true", default=False, help="fp16 parameters and compute")
     add_linear_attention_arguments(parser)
