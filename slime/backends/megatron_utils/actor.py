@@ -46,9 +46,11 @@ from slime.distributed import (
 from slime.distributed.errors import DistributedStepError
 from slime.distributed.progress_hub import HubClient, RayHub
 from slime.distributed.fault_inject import (
+    RANK_FAULT_KINDS,
     apply_metric_key_fault,
     apply_plan_fault,
     fault_active,
+    maybe_fail_rank,
     maybe_kill_run,
     skipping_one_collective,
     stall_forever,
@@ -213,6 +215,8 @@ class MegatronTrainActor:
             plans = self._fenced_plans(rollout_id, data)
         maybe_kill_run("kill_during_train", self.rank, rollout_id)
         with self.watchdog.phase("actor_train/log_probs"):
+            for kind in RANK_FAULT_KINDS:
+                maybe_fail_rank(kind, self.rank, rollout_id, getattr(self.args, "restart_count", 0))
             self._fill_log_probs(data, self.log_prob_plans)
             self._advantages(rollout_id, data)
         with self.watchdog.phase("actor_train/postprocess"):
