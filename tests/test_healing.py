@@ -53,7 +53,7 @@ def test_no_checkpoint_or_one_outside_the_window_is_a_named_refusal():
 
 def run_args(tmp_path, max_restarts: int) -> argparse.Namespace:
     return argparse.Namespace(max_restarts=max_restarts, restart_window_rollouts=None, save=str(tmp_path),
-                              load=None, finetune=True, start_rollout_id=0, start_rollout_id_given=True)
+                              ledger_dir=None, load=None, finetune=True, start_rollout_id=0, start_rollout_id_given=True)
 
 
 def publish(tmp_path, iteration: int) -> None:
@@ -113,3 +113,13 @@ def test_restarts_are_typed_records():
     restart = Restart(number=1, failure=failure(1), checkpoint=0)
     with pytest.raises(AttributeError):
         restart.number = 2  # frozen
+
+
+def test_the_failed_attempt_s_ledger_files_move_aside(tmp_path):
+    from slime.ray.driver.healing import archive_ledger
+
+    for name in ("rank0.json", "stacks_rank1.txt", "fault_fired_kill_rank_during_train_0_1"):
+        (tmp_path / name).write_text(name)
+    archive_ledger(str(tmp_path), 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["attempt1", "fault_fired_kill_rank_during_train_0_1"]
+    assert (tmp_path / "attempt1" / "stacks_rank1.txt").read_text() == "stacks_rank1.txt"

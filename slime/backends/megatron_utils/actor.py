@@ -74,6 +74,7 @@ class MegatronTrainActor:
         self.world_size = world_size
         self.deadlines = DeadlineModel.from_args(args)
         self.timeout_s = self.deadlines.no_progress_s
+        self.ledger_dir = ledger_dir
         self.ledger = Ledger(rank, world_size, ledger_dir, record_sequence=bool(args.ledger_record_sequence))
         if hub is not None:  # peers' progress from the driver's hub, on every node (no shared filesystem)
             self.ledger.hub = HubClient(RayHub(*hub), self.ledger)
@@ -216,7 +217,7 @@ class MegatronTrainActor:
         maybe_kill_run("kill_during_train", self.rank, rollout_id)
         with self.watchdog.phase("actor_train/log_probs"):
             for kind in RANK_FAULT_KINDS:
-                maybe_fail_rank(kind, self.rank, rollout_id, getattr(self.args, "restart_count", 0))
+                maybe_fail_rank(kind, self.rank, rollout_id, self.ledger_dir)
             self._fill_log_probs(data, self.log_prob_plans)
             self._advantages(rollout_id, data)
         with self.watchdog.phase("actor_train/postprocess"):

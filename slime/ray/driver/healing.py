@@ -17,6 +17,7 @@ Each restart is one log line (cause, ranks, the checkpoint it went back to) and 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -121,13 +122,28 @@ def note_failure(exc: BaseException, rollout_id: int, rank_nodes: list[str]) -> 
 
 
 def prepare_resume(args, restart: Restart) -> None:
-    """The next attempt resumes from --save's last checkpoint, as `--load <save>` would."""
+    """The next attempt resumes from --save's last checkpoint, as `--load <save>` would; the failed attempt's
+    ledger files move aside, so that no stale verdict explains a later failure."""
+    archive_ledger(args.ledger_dir, restart.number)
     args.load = args.save
     args.finetune = False  # the run's own checkpoint: optimizer, RNG and data position included
     args.start_rollout_id = None  # the session sets it from the checkpoint and checks the data position
     args.start_rollout_id_given = False
     args.restart_count = restart.number
     args.restart_checkpoint = restart.checkpoint
+
+
+def archive_ledger(ledger_dir: str | None, number: int) -> None:
+    """The ledger dir's files (ledgers, stacks, sequences) move to `attempt<number>/` under it; the fault-injection
+    markers of tests (`fault_fired_*`) stay, so that each fires once per run."""
+    if not ledger_dir or not os.path.isdir(ledger_dir):
+        return
+    target = os.path.join(ledger_dir, f"attempt{number}")
+    os.makedirs(target, exist_ok=True)
+    for name in os.listdir(ledger_dir):
+        path = os.path.join(ledger_dir, name)
+        if os.path.isfile(path) and not name.startswith("fault_fired_"):
+            os.replace(path, os.path.join(target, name))
 
 
 def train_with_healing(train: Callable[[object], None], args, *, multi_node: bool = False) -> None:
