@@ -165,7 +165,7 @@ def run_loop(monkeypatch, rollout_options=None, **flags):
     metrics = {}
     monkeypatch.setattr(session, "init_ray", lambda args: None)
     monkeypatch.setattr(session, "create_placement", lambda args: types.SimpleNamespace(layout=Layout(
-        actor_bundles=(), engines=())))
+        actor_bundles=(), engines=()), remove=lambda: None))
     monkeypatch.setattr(session, "create_rollout_manager",
                         lambda args, placement: FakeRollout(log, **(rollout_options or {})))
     monkeypatch.setattr(session, "RayTrainGroup", lambda args, placement: FakeTrainers(log))
