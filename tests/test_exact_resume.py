@@ -340,6 +340,8 @@ def healed(assets) -> dict:
     proc = run_train([*argv, "--max-restarts", "2", "--restart-window-rollouts", "1"], fault=HEAL_FAULTS,
                      timeout_s=HEAL_TIMEOUT_S)
     print(f"healed run: {time.monotonic() - started:.0f}s")
+    (root / "stdout.txt").write_text(proc.stdout)  # its timeline, for a look after the test
+    (root / "stderr.txt").write_text(proc.stderr)
     return {"save": save, "proc": proc, "events": events(metrics)}
 
 

@@ -92,14 +92,17 @@ class RunSession:
         if exc is not None:
             note_failure(exc, self.args.start_rollout_id if self.rollout_id is None else self.rollout_id,
                          self.rank_nodes)
-        if self.metrics is not None:
-            self.metrics.close()
-        if self.rollout is not None:
-            self.rollout.shutdown()
-        if self.actors is not None:
-            self.actors.shutdown()
-        if self.placement is not None:  # the bundles go back: a restart (healing.py) places the job anew
-            self.placement.remove()
+        steps = [self.metrics and self.metrics.close, self.rollout and self.rollout.shutdown,
+                 self.actors and self.actors.shutdown,
+                 self.placement and self.placement.remove]  # last: a restart (healing.py) places the job anew
+        for step in filter(None, steps):
+            if exc is None:
+                step()
+                continue
+            try:  # after a failure, what is already broken must not hide it
+                step()
+            except Exception:  # noqa: BLE001 - logged; the failure that ended the run is the one raised
+                logging.getLogger(__name__).exception("teardown after a failure: %s failed", step.__qualname__)
 
     def start_trainer(self, *, build: bool = True) -> RayTrainGroup | None:
         """The trainer ranks: started on their bundles, placed (the "placement" event, engines included),
