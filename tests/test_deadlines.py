@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+import types
 
 import pytest
 
@@ -207,3 +208,27 @@ def test_a_failed_rank_keeps_its_traceback_and_the_summary_stays_one_line():
 
     carried = pickle.loads(pickle.dumps(TaskError.cause))
     assert str(carried) == TaskError.cause.message and carried.traceback_text == TaskError.cause.traceback_text
+
+
+def test_a_rank_whose_fence_timed_out_blames_the_peers_it_found_lagging():
+    """--max-restarts counts the failing ranks: a rank that timed out waiting names the rank that hung."""
+    import pickle
+
+    from slime.distributed.errors import FenceTimeoutError
+    from slime.ray.driver.rank_wait import _failure
+    from slime.ray.trainer.rank_actor import RankError, TrainRayActor
+
+    class Waiting:  # a rank whose weight push's fence found rank 1 lagging
+        def update_weights(self, rollout_id, engine_urls):
+            raise FenceTimeoutError("fence 'weight_sync' timed out", phase="weight_sync", lagging_ranks=(1,))
+
+    with pytest.raises(RankError) as raised:  # the actor's wrapper makes it portable
+        TrainRayActor.update_weights(types.SimpleNamespace(actor=Waiting()), 0)
+    carried = pickle.loads(pickle.dumps(raised.value))
+    assert carried.lagging == (1,) and carried.stalled
+
+    class TaskError(Exception):
+        cause = carried
+
+    failure = _failure("actor_train", 0, TaskError(), [], lambda: "THE TABLE", None)
+    assert failure.ranks == (0,) and failure.blamed == (1,)

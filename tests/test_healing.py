@@ -123,3 +123,13 @@ def test_the_failed_attempt_s_ledger_files_move_aside(tmp_path):
     archive_ledger(str(tmp_path), 1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["attempt1", "fault_fired_kill_rank_during_train_0_1"]
     assert (tmp_path / "attempt1" / "stacks_rank1.txt").read_text() == "stacks_rank1.txt"
+
+
+def test_a_failure_blames_the_lagging_rank_and_its_node():
+    from slime.ray.driver.healing import failure_of, note_failure
+
+    error = RankFailedError("phase 'actor_train' failed on rank 0: FenceTimeoutError: ...", phase="actor_train",
+                            ranks=(0,), blamed=(1,))
+    note_failure(error, 3, ["10.0.0.1", "10.0.0.2"])
+    failure = failure_of(error, 0)
+    assert (failure.ranks, failure.nodes, failure.rollout_id) == ((1,), ("10.0.0.2",), 3)

@@ -61,7 +61,8 @@ class Failure:
     rollout_id: int
     """The rollout in progress (the first rollout of the attempt when it failed at start-up)."""
     ranks: tuple[int, ...] = ()
-    """The trainer ranks the error names (none for an engine or rollout failure)."""
+    """The trainer ranks at fault (a fence timeout blames the ranks it found lagging; none for an engine or
+    rollout failure)."""
     nodes: tuple[str, ...] = ()
     """Their nodes' addresses."""
 
@@ -110,15 +111,19 @@ def failure_of(exc: BaseException, start_rollout_id: int) -> Failure:
     """The failure the session noted on `exc` (`note_failure`), or one from the error alone."""
     return Failure(cause=str(exc).partition("\n")[0][:300], error=type(exc).__name__,
                    rollout_id=getattr(exc, "failed_rollout_id", start_rollout_id),
-                   ranks=tuple(getattr(exc, "ranks", ()) or ()), nodes=tuple(getattr(exc, "failed_nodes", ())))
+                   ranks=_blamed(exc), nodes=tuple(getattr(exc, "failed_nodes", ())))
+
+
+def _blamed(exc: BaseException) -> tuple[int, ...]:
+    """The ranks at fault: a rank whose fence timed out blames the peers it found lagging (RankWaitError.blamed)."""
+    return tuple(getattr(exc, "blamed", None) or getattr(exc, "ranks", ()) or ())
 
 
 def note_failure(exc: BaseException, rollout_id: int, rank_nodes: list[str]) -> None:
     """The session notes on a healable error which rollout it ended and the nodes of the ranks it names."""
     if isinstance(exc, HEALABLE_ERRORS):
         exc.failed_rollout_id = rollout_id
-        exc.failed_nodes = tuple(sorted({rank_nodes[r] for r in getattr(exc, "ranks", ()) or ()
-                                         if r < len(rank_nodes)}))
+        exc.failed_nodes = tuple(sorted({rank_nodes[r] for r in _blamed(exc) if r < len(rank_nodes)}))
 
 
 def prepare_resume(args, restart: Restart) -> None:

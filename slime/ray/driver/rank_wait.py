@@ -19,11 +19,14 @@ import ray
 class RankWaitError(RuntimeError):
     """A phase ended without every rank's result."""
 
-    def __init__(self, summary: str, *, phase: str, ranks: Sequence[int], details: str = ""):
+    def __init__(self, summary: str, *, phase: str, ranks: Sequence[int], details: str = "",
+                 blamed: Sequence[int] = ()):
         super().__init__(summary)
         self.phase = phase
         self.ranks = tuple(ranks)
         self.details = details
+        self.blamed = tuple(blamed) or self.ranks
+        """The ranks at fault: those a failing rank's fence found lagging, else `ranks`."""
 
 
 class RankDeadlineError(RankWaitError):
@@ -102,11 +105,18 @@ def _failure(phase: str, rank: int, exc: Exception, others: list[str], describe_
     first, _, rest = message.partition("\n")
     own = f"rank {rank} traceback:\n{traceback_text.rstrip()}" if traceback_text else rest
     return RankFailedError(f"phase '{phase}' failed on rank {rank}: {first}", phase=phase, ranks=(rank,),
-                           details=_join(own, also, _table(describe_hang) if stalled else ""))
+                           details=_join(own, also, _table(describe_hang) if stalled else ""),
+                           blamed=_lagging(exc))
 
 
 def _join(*parts: str) -> str:
     return "\n".join(part for part in parts if part)
+
+
+def _lagging(exc: BaseException) -> tuple[int, ...]:
+    """The peers the failing rank's fence found lagging (a rank's error carries them: RankError)."""
+    cause = getattr(exc, "cause", None) or exc.__cause__
+    return tuple(getattr(cause, "lagging", ()) or ())
 
 
 def _cause(exc: BaseException) -> tuple[str, str, bool]:
