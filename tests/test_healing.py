@@ -46,14 +46,16 @@ def test_no_checkpoint_or_one_outside_the_window_is_a_named_refusal():
     with pytest.raises(HealingRefusedError, match="no complete checkpoint"):
         plan_restart(HealingPolicy(max_restarts=1), (), failure(0, ranks=[0]), None, multi_node=False)
     window = HealingPolicy(max_restarts=1, window_rollouts=2)
-    with pytest.raises(HealingRefusedError, match="3 rollouts before the failed rollout 7.*--restart-window-rollouts 2"):
+    with pytest.raises(HealingRefusedError,
+                       match="3 rollouts before the failed rollout 7.*--restart-window-rollouts 2"):
         plan_restart(window, (), failure(7), 3, multi_node=False)
     assert plan_restart(window, (), failure(7), 4, multi_node=False).checkpoint == 4  # 2 rollouts lost: within
 
 
 def run_args(tmp_path, max_restarts: int) -> argparse.Namespace:
     return argparse.Namespace(max_restarts=max_restarts, restart_window_rollouts=None, save=str(tmp_path),
-                              ledger_dir=None, load=None, finetune=True, start_rollout_id=0, start_rollout_id_given=True)
+                              ledger_dir=None, load=None, finetune=True, start_rollout_id=0,
+                              start_rollout_id_given=True)
 
 
 def publish(tmp_path, iteration: int) -> None:

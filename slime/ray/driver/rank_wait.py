@@ -68,8 +68,11 @@ def wait_ranks(refs: Sequence[ray.ObjectRef], *, phase: str, window_s: float,
             try:
                 ray.get(ref)
             except Exception as exc:  # the first failing rank names the problem
-                others = _other_failures([r for r in refs if r is not ref], index)
-                raise _failure(phase, index[ref], exc, others, describe_hang, describe_exit) from exc
+                others, exited = _other_failures([r for r in refs if r is not ref], index)
+                failure = _failure(phase, index[ref], exc, others, describe_hang, describe_exit)
+                if exited and not isinstance(exc, ray.exceptions.RayActorError):  # those that lost a peer: not at fault
+                    failure.blamed = tuple(exited)
+                raise failure from exc
     return ray.get(list(refs))
 
 
@@ -77,21 +80,24 @@ def _table(describe_hang: Callable[[], str] | None) -> str:
     return f"where every rank is:\n{describe_hang()}" if describe_hang else ""
 
 
-def _other_failures(refs: list, index: dict, grace_s: float = 2.0) -> list[str]:
-    """One line per other rank that failed too (ranks that meet at a fence fail together). Getting
-    them also keeps Ray from printing each one as an unhandled error."""
+def _other_failures(refs: list, index: dict, grace_s: float = 2.0) -> tuple[list[str], list[int]]:
+    """One line per other rank that failed too (ranks that meet at a fence fail together), and the ranks whose
+    process ended. Getting them also keeps Ray from printing each one as an unhandled error."""
     if not refs:
-        return []
+        return [], []
     done, _ = ray.wait(refs, num_returns=len(refs), timeout=grace_s)
     alike: dict[str, list[tuple[int, str]]] = {}  # messages that differ only in the reporting rank
+    exited = []
     for ref in done:
         try:
             ray.get(ref)
         except Exception as exc:  # noqa: BLE001 - reported, not raised: the first failure is
+            if isinstance(exc, ray.exceptions.RayActorError):
+                exited.append(index[ref])
             message = _cause(exc)[0].partition("\n")[0][:200]
             alike.setdefault(re.sub(r"\brank \d+\b", "rank N", message), []).append((index[ref], message))
     groups = sorted(sorted(group) for group in alike.values())
-    return [f"ranks {[rank for rank, _ in group]}: {group[0][1]}" for group in groups]
+    return [f"ranks {[rank for rank, _ in group]}: {group[0][1]}" for group in groups], sorted(exited)
 
 
 def _failure(phase: str, rank: int, exc: Exception, others: list[str], describe_hang, describe_exit
