@@ -92,9 +92,10 @@ class _HeldDumpWatchdog(Watchdog):
 def test_a_phase_ending_between_trip_and_injection_leaves_no_stray_hang_error(tmp_path):
     ledger = Ledger(0, 1, str(tmp_path))
     watchdog = _HeldDumpWatchdog(WINDOW_S, str(tmp_path), 0, 1, ledger=ledger, grace_s=1.0)
-    with pytest.raises(HangError, match="phase=logging"):  # it was declared hung: the error lands here
+    with pytest.raises(HangError, match="phase=logging") as raised:  # it was declared hung: the error lands here
         with watchdog.phase("logging"):
             assert watchdog.decided.wait(10)
+    assert raised.value.lagging_ranks == (0,)
     watchdog.release.set()
     _busy(2.0)  # unrelated code: an error injected after the phase ended would land here
     watchdog.close()
