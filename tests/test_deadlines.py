@@ -233,3 +233,27 @@ def test_a_rank_whose_fence_timed_out_blames_the_peers_it_found_lagging():
 
     failure = _failure("actor_train", 0, TaskError(), [], lambda: "THE TABLE", None)
     assert failure.ranks == (0,) and failure.blamed == (1,)
+
+
+def test_a_rank_whose_process_ended_is_blamed_before_the_peer_that_lost_it(monkeypatch):
+    """The peer's error (its collective lost a member) may reach the driver first: the exited rank is at fault."""
+    import ray
+
+    from slime.ray.driver import rank_wait as deadline
+
+    class PeerLost(Exception):
+        pass
+
+    class Ray:
+        exceptions = ray.exceptions
+
+        def wait(self, pending, num_returns, timeout):
+            return list(pending), []
+
+        def get(self, ref):
+            raise PeerLost("connection closed by peer") if ref == "r0" else ray.exceptions.RayActorError()
+
+    monkeypatch.setattr(deadline, "ray", Ray())
+    with pytest.raises(deadline.RankFailedError, match="failed on rank 0") as raised:
+        deadline.wait_ranks(["r0", "r1"], phase="actor_train", window_s=30.0)
+    assert raised.value.ranks == (0,) and raised.value.blamed == (1,)
