@@ -69,6 +69,14 @@ class RunSession:
         """Each trainer rank's node address, once placed."""
 
     def __enter__(self) -> "RunSession":
+        try:
+            self._start()
+        except BaseException as exc:  # what started is stopped: a restart (healing.py) starts it all again
+            self.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+        return self
+
+    def _start(self) -> None:
         args = self.args
         if args.start_rollout_id is None:  # --start-rollout-id wins over --load's position
             args.start_rollout_id = resume_rollout_id(args)
@@ -86,7 +94,6 @@ class RunSession:
             self.rollout = create_rollout_manager(args, self.placement)
         if args.num_rollout is None:  # --num-epoch: as many rollouts as the epochs of prompts take
             args.num_rollout = args.num_epoch * self.rollout.num_prompts() // args.rollout_batch_size
-        return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc is not None:
