@@ -71,7 +71,9 @@ class FakeWatch:
 
 
 class FakeRollout:
-    def __init__(self, log: Log, *, fail_rollout=None, restart_in=None):
+    def __init__(self, log: Log, *, fail_rollout=None, restart_in=None, fail_start=False):
+        if fail_start:
+            raise EngineFailedError("engine 0 did not start")
         self.log = log
         self.targets = EngineTargets()
         self.version = None
@@ -160,12 +162,12 @@ class Metrics:
         pass
 
 
-def run_loop(monkeypatch, rollout_options=None, **flags):
-    log = Log()
+def run_loop(monkeypatch, rollout_options=None, log=None, **flags):
+    log = Log() if log is None else log
     metrics = {}
     monkeypatch.setattr(session, "init_ray", lambda args: None)
     monkeypatch.setattr(session, "create_placement", lambda args: types.SimpleNamespace(layout=Layout(
-        actor_bundles=(), engines=())))
+        actor_bundles=(), engines=()), remove=lambda: log.append("bundles released")))
     monkeypatch.setattr(session, "create_rollout_manager",
                         lambda args, placement: FakeRollout(log, **(rollout_options or {})))
     monkeypatch.setattr(session, "RayTrainGroup", lambda args, placement: FakeTrainers(log))
@@ -192,7 +194,7 @@ def test_the_next_rollout_generates_while_this_one_trains_and_pushes_wait_for_it
         "generate 2 starts at version 1", "train 1 on data1", "generate 2 done",
         "hold", "push version 2", "release",
         "train 2 on data2", "hold", "push version 3", "release",
-        "engines stop", "trainer stop",
+        "engines stop", "trainer stop", "bundles released",  # last: a restart places the job anew
     ]
     train_events = {step: values for kind, step, values in log.events if kind == "train"}
     assert [(v["train/rollout_weight_version"], v["train/trainer_weight_version"]) for v in train_events.values()] == [
@@ -212,6 +214,14 @@ def test_with_an_interval_of_two_the_engines_keep_a_version_for_two_rollouts(mon
 def test_a_rollout_that_fails_while_the_trainer_trains_stops_the_run_at_once(monkeypatch):
     with pytest.raises(EngineFailedError, match="rollout 1"):
         run_loop(monkeypatch, rollout_options={"fail_rollout": 1})
+
+
+def test_a_failed_start_gives_back_what_it_took(monkeypatch):
+    """A session that fails while starting stops what it started (--max-restarts then starts it all again)."""
+    log = Log()
+    with pytest.raises(EngineFailedError, match="did not start"):
+        run_loop(monkeypatch, rollout_options={"fail_start": True}, log=log)
+    assert log == ["bundles released"]  # placed, no engine started, no trainer built
 
 
 def test_an_engine_restarted_during_training_is_caught_up_once_the_trainer_is_free(monkeypatch):

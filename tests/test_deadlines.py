@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+import types
 
 import pytest
 
@@ -91,9 +92,10 @@ class _HeldDumpWatchdog(Watchdog):
 def test_a_phase_ending_between_trip_and_injection_leaves_no_stray_hang_error(tmp_path):
     ledger = Ledger(0, 1, str(tmp_path))
     watchdog = _HeldDumpWatchdog(WINDOW_S, str(tmp_path), 0, 1, ledger=ledger, grace_s=1.0)
-    with pytest.raises(HangError, match="phase=logging"):  # it was declared hung: the error lands here
+    with pytest.raises(HangError, match="phase=logging") as raised:  # it was declared hung: the error lands here
         with watchdog.phase("logging"):
             assert watchdog.decided.wait(10)
+    assert raised.value.lagging_ranks == (0,)
     watchdog.release.set()
     _busy(2.0)  # unrelated code: an error injected after the phase ended would land here
     watchdog.close()
@@ -207,3 +209,51 @@ def test_a_failed_rank_keeps_its_traceback_and_the_summary_stays_one_line():
 
     carried = pickle.loads(pickle.dumps(TaskError.cause))
     assert str(carried) == TaskError.cause.message and carried.traceback_text == TaskError.cause.traceback_text
+
+
+def test_a_rank_whose_fence_timed_out_blames_the_peers_it_found_lagging():
+    """--max-restarts counts the failing ranks: a rank that timed out waiting names the rank that hung."""
+    import pickle
+
+    from slime.distributed.errors import FenceTimeoutError
+    from slime.ray.driver.rank_wait import _failure
+    from slime.ray.trainer.rank_actor import RankError, TrainRayActor
+
+    class Waiting:  # a rank whose weight push's fence found rank 1 lagging
+        def update_weights(self, rollout_id, engine_urls):
+            raise FenceTimeoutError("fence 'weight_sync' timed out", phase="weight_sync", lagging_ranks=(1,))
+
+    with pytest.raises(RankError) as raised:  # the actor's wrapper makes it portable
+        TrainRayActor.update_weights(types.SimpleNamespace(actor=Waiting()), 0)
+    carried = pickle.loads(pickle.dumps(raised.value))
+    assert carried.lagging == (1,) and carried.stalled
+
+    class TaskError(Exception):
+        cause = carried
+
+    failure = _failure("actor_train", 0, TaskError(), [], lambda: "THE TABLE", None)
+    assert failure.ranks == (0,) and failure.blamed == (1,)
+
+
+def test_a_rank_whose_process_ended_is_blamed_before_the_peer_that_lost_it(monkeypatch):
+    """The peer's error (its collective lost a member) may reach the driver first: the exited rank is at fault."""
+    import ray
+
+    from slime.ray.driver import rank_wait as deadline
+
+    class PeerLost(Exception):
+        pass
+
+    class Ray:
+        exceptions = ray.exceptions
+
+        def wait(self, pending, num_returns, timeout):
+            return list(pending), []
+
+        def get(self, ref):
+            raise PeerLost("connection closed by peer") if ref == "r0" else ray.exceptions.RayActorError()
+
+    monkeypatch.setattr(deadline, "ray", Ray())
+    with pytest.raises(deadline.RankFailedError, match="failed on rank 0") as raised:
+        deadline.wait_ranks(["r0", "r1"], phase="actor_train", window_s=30.0)
+    assert raised.value.ranks == (0,) and raised.value.blamed == (1,)

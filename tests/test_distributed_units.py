@@ -215,11 +215,12 @@ def test_watchdog_raises_hang_error_in_stalled_thread(tmp_path):
     ledger = Ledger(0, 1, str(tmp_path))
     watchdog = Watchdog(0.5, str(tmp_path), 0, 1, ledger=ledger, grace_s=2.0)
     start = time.monotonic()
-    with pytest.raises(HangError, match=r"HANG: phase=actor_train/logging stuck ranks=\[0\]"):
+    with pytest.raises(HangError, match=r"HANG: phase=actor_train/logging stuck ranks=\[0\]") as raised:
         with ledger.phase("actor_train"), watchdog.phase("logging"):
             while time.monotonic() - start < 10:
                 time.sleep(0.01)
     assert time.monotonic() - start < 5
+    assert raised.value.lagging_ranks == (0,)  # the ranks blamed, as fields: what a restart counts
     assert "HANG: phase=actor_train/logging" in (tmp_path / "stacks_rank0.txt").read_text()
     watchdog.close()
     ledger.close()

@@ -114,7 +114,8 @@ def flags(assets, save: Path, metrics: Path) -> list[str]:
     ]
 
 
-def run_train(argv: list[str], *, fault: str | None = None) -> subprocess.CompletedProcess:
+def run_train(argv: list[str], *, fault: str | None = None, timeout_s: float = RUN_TIMEOUT_S
+              ) -> subprocess.CompletedProcess:
     """train.py as its own session (the run-kill faults SIGKILL that session); whatever of the run
     outlives the driver is killed before this returns."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
@@ -124,7 +125,7 @@ def run_train(argv: list[str], *, fault: str | None = None) -> subprocess.Comple
     proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *argv], cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
-        out, err = proc.communicate(timeout=RUN_TIMEOUT_S)
+        out, err = proc.communicate(timeout=timeout_s)
     finally:
         _kill_session(proc.pid)
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
@@ -319,3 +320,48 @@ def test_load_without_the_data_position_names_the_file_and_the_flag(assets, chai
     assert "Started a local Ray instance" not in proc.stderr, "named before Ray starts:\n" + proc.stderr[-3000:]
     assert os.path.basename(data_file("", final)) in proc.stderr and "--allow-fresh-data-position" in proc.stderr, \
         proc.stderr[-3000:]
+
+
+# --max-restarts: one run, two named failures healed in it, each once (slime/distributed/fault_inject.py,
+# RANK_FAULT_KINDS): rank 0's process dies in rollout 1's actor_train (-> back to checkpoint 0), then rank 1
+# blocks in rollout 2's actor_train until its watchdog ends it (-> back to checkpoint 1).
+HEAL_FAULTS = "kill_rank_during_train@0#1,stall_rank_during_train@1#2"
+HEAL_FENCE_TIMEOUT_S = 20  # how long the stalled rank blocks before its watchdog names it
+HEAL_TIMEOUT_S = 3 * RUN_TIMEOUT_S
+
+
+@pytest.fixture(scope="module")
+def healed(assets) -> dict:
+    root = assets["root"] / "healed"
+    save, metrics = root / "ckpt", root / "metrics.jsonl"
+    argv = flags(assets, save, metrics)
+    argv[argv.index("--fence-timeout") + 1] = str(HEAL_FENCE_TIMEOUT_S)
+    started = time.monotonic()
+    proc = run_train([*argv, "--max-restarts", "2", "--restart-window-rollouts", "1"], fault=HEAL_FAULTS,
+                     timeout_s=HEAL_TIMEOUT_S)
+    print(f"healed run: {time.monotonic() - started:.0f}s")
+    (root / "stdout.txt").write_text(proc.stdout)  # its timeline, for a look after the test
+    (root / "stderr.txt").write_text(proc.stderr)
+    return {"save": save, "proc": proc, "events": events(metrics)}
+
+
+@pytest.mark.timeout(HEAL_TIMEOUT_S + RUN_TIMEOUT_S + 120)  # the reference run and the healed one
+def test_a_healed_run_ends_as_the_uninterrupted_run(healed, reference, tmp_path):
+    proc = healed["proc"]
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    restarts = [line for line in proc.stderr.splitlines() if "restart " in line and " of 2: " in line]
+    assert len(restarts) == 2, proc.stderr[-5000:]
+    assert "ranks [0], rollout 1); going back to checkpoint 0, resuming at rollout 1" in restarts[0], restarts
+    assert "rollout 2); going back to checkpoint 1, resuming at rollout 2" in restarts[1], restarts
+    assert "1" in restarts[1].partition("(ranks ")[2].partition("]")[0], restarts  # the stalled rank is named
+    logged = healed["events"]["restart"]
+    assert {r: (e["run/restarts"], e["run/restart_checkpoint"]) for r, e in logged.items()} == {1: (1, 0), 2: (2, 1)}
+    # every rollout's last account (a failed attempt's partial one is replaced) is the reference's
+    assert_same_rollouts(healed["events"], reference["events"], range(NUM_ROLLOUT), "healed")
+    final = NUM_ROLLOUT - 1
+    for part in ("", "reference"):
+        name = f"{part or 'model'}.pt"
+        want = checkpoint_tensors(iteration(reference["save"], final) / part, tmp_path / "want" / name)
+        have = checkpoint_tensors(iteration(healed["save"], final) / part, tmp_path / "have" / name)
+        assert sorted(have) == sorted(want)
+        assert [k for k in want if not torch.equal(have[k], want[k])] == [], part or "model"

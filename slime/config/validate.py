@@ -16,7 +16,8 @@ from slime.config.checks.rollout import (
     resolve_eval_datasets,
     resolve_rollout_defaults,
 )
-from slime.config.checks.run import check_deadlines, check_ledger, check_positive, resolve_modes, resolve_tracking
+from slime.config.checks.run import (check_deadlines, check_healing, check_ledger, check_positive, resolve_modes,
+                                     resolve_tracking)
 from slime.config.layout import check_parallel_layout
 from slime.config.parser import build_parser
 from slime.config.registries import refuse_unsupported
@@ -30,6 +31,7 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
     refuse_unsupported(args, parser, device)
     check_positive(args)
     check_deadlines(args)
+    check_healing(args)
     resolve_model_defaults(args)
     resolve_modes(args)
     resolve_rollout_defaults(args)

@@ -9,6 +9,8 @@ injects them (slime/ray/engines/faults.py) while that rollout generates. The run
 for kill_during_rollout '<rank>' is 0 (the rollout manager). They need the run started as its own
 session (`setsid python train.py ...`): Ray puts each worker in a process group of its own, so the
 session is what holds the whole run.
+The rank faults (RANK_FAULT_KINDS) end one trainer rank only, once per run: what a run restarted by
+--max-restarts (slime/ray/driver/healing.py) recovers from.
 The faults are injected where the real bug would be (warm-up, plan, metrics, forward/backward, logging,
 the weight push), never inside the fences that are supposed to catch them.
 """
@@ -41,9 +43,13 @@ FAULT_KINDS = frozenset(
         "kill_during_train",  # actor_train's first phase has finished on the rank
         "kill_during_weight_sync",  # the rank starts pushing weights
         "kill_during_save",  # the rank's shards are written, the checkpoint is not yet published
+        # One rank fails, once per run (what --max-restarts recovers from):
+        "kill_rank_during_train",  # the rank's process exits in actor_train's log-prob phase
+        "stall_rank_during_train",  # the rank blocks in actor_train's log-prob phase (its watchdog ends it)
     }
 )
 ENGINE_FAULT_KINDS = ("kill_engine", "stall_engine")
+RANK_FAULT_KINDS = ("kill_rank_during_train", "stall_rank_during_train")
 RUN_KILL_KINDS = ("kill_during_rollout", "kill_during_train", "kill_during_weight_sync", "kill_during_save")
 
 CORRUPTION_STD = 0.05  # noise added by corrupt_weight_push (the tiny models' weights are ~0.02-1)
@@ -150,6 +156,24 @@ def _cmdline(pid: int) -> str:
             return handle.read().replace(b"\0", b" ").decode(errors="replace").strip()
     except OSError:
         return ""
+
+
+def maybe_fail_rank(kind: str, rank: int, rollout_id: int | None, marker_dir: str) -> None:
+    """A rank fault (RANK_FAULT_KINDS): this rank's process exits, or blocks until its watchdog ends it. Once per
+    run: a marker file in `marker_dir` (the run's ledger dir) keeps a run restarted by --max-restarts from
+    failing again at the same point."""
+    if kind not in RANK_FAULT_KINDS:
+        raise ValueError(f"{kind!r} is not a rank fault; known: {RANK_FAULT_KINDS}")
+    if not fault_active(kind, rank, rollout_id):
+        return
+    try:
+        os.close(os.open(os.path.join(marker_dir, f"fault_fired_{kind}_{rank}_{rollout_id}"),
+                         os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:  # fired in an earlier attempt of this run
+        return
+    if kind == "kill_rank_during_train":
+        os.kill(os.getpid(), signal.SIGKILL)
+    stall_forever()
 
 
 def maybe_stall(kind: str, rank: int, rollout_id: int | None = None) -> None:

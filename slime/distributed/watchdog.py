@@ -44,6 +44,7 @@ class _Armed:
     delivered: bool = False  # it landed (set when the exception is instantiated in the thread)
     path: str = ""  # the ledger's phase path when the watchdog decided
     summary: str = ""
+    stuck: tuple[int, ...] = ()  # the ranks the trip blames (HangError.lagging_ranks: a restart counts them)
     error_type: type[Exception] = HangError
 
 
@@ -87,7 +88,9 @@ class Watchdog:
             finally:
                 self._disarm(armed)
             if armed.tripped:  # declared hung, then finished: the error belongs here, nowhere later
-                raise armed.error_type(armed.summary or f"HANG: phase={name} made no progress for {window:g}s")
+                error = armed.error_type(armed.summary or f"HANG: phase={name} made no progress for {window:g}s")
+                error.lagging_ranks = armed.stuck
+                raise error
 
     def close(self) -> None:
         self._closed = True
@@ -136,6 +139,7 @@ class Watchdog:
             self.ledger.flush()
         if armed.error_type is HangError:
             stuck = list(suspects(self.ledger, self.world_size, self.ledger_dir)) or [self.rank]
+            armed.stuck = tuple(stuck)
             armed.summary = (f"HANG: phase={armed.path} stuck ranks={stuck} (rank {self.rank}, "
                              f"no progress for {armed.window_s:g}s)")
         self._dump(armed.summary)
@@ -145,7 +149,8 @@ class Watchdog:
             if armed not in self._armed:
                 return  # the phase ended meanwhile and raises at its exit
             armed.injected = True
-            _raise_in_thread(armed.thread_id, armed.error_type, armed.summary, lambda: setattr(armed, "delivered", True))
+            _raise_in_thread(armed.thread_id, armed.error_type, armed.summary, lambda: setattr(armed, "delivered", True),
+                             lagging_ranks=armed.stuck)
         if self._landed(armed, self.grace_s):
             return
         sys.stderr.write(f"{armed.summary}; thread blocked in native code, exiting with code {HANG_EXIT_CODE}\n")
@@ -184,14 +189,15 @@ def _clear_async_error(thread_id: int) -> None:
     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), None)
 
 
-def _raise_in_thread(thread_id: int, error_type: type[Exception], message: str, on_delivery) -> None:
+def _raise_in_thread(thread_id: int, error_type: type[Exception], message: str, on_delivery, **fields) -> None:
     """Deliver error_type(message) asynchronously; it lands at the thread's next Python bytecode.
 
     CPython instantiates the exception in that thread when it lands (at the first handler or
-    frame exit), which is when `on_delivery` runs.
+    frame exit), which is when `on_delivery` runs; `fields` become the error's attributes.
     """
     def init(self) -> None:
         error_type.__init__(self, message)
+        self.__dict__.update(fields)
         on_delivery()
 
     delivered = type(error_type.__name__, (error_type,), {"__init__": init})

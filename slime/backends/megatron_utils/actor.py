@@ -47,9 +47,11 @@ from slime.distributed.errors import DistributedStepError
 from slime.distributed.progress_hub import HubClient, RayHub
 from slime.distributed.progress_relay import RELAY_MIN_WORLD, node_relay
 from slime.distributed.fault_inject import (
+    RANK_FAULT_KINDS,
     apply_metric_key_fault,
     apply_plan_fault,
     fault_active,
+    maybe_fail_rank,
     maybe_kill_run,
     skipping_one_collective,
     stall_forever,
@@ -73,6 +75,7 @@ class MegatronTrainActor:
         self.world_size = world_size
         self.deadlines = DeadlineModel.from_args(args)
         self.timeout_s = self.deadlines.no_progress_s
+        self.ledger_dir = ledger_dir
         self.ledger = Ledger(rank, world_size, ledger_dir, record_sequence=bool(args.ledger_record_sequence))
         if hub is not None:  # peers' progress from the driver's hub, on every node (no shared filesystem)
             if world_size >= RELAY_MIN_WORLD:  # the hub hears one caller per node, not per rank
@@ -216,6 +219,8 @@ class MegatronTrainActor:
             plans = self._fenced_plans(rollout_id, data)
         maybe_kill_run("kill_during_train", self.rank, rollout_id)
         with self.watchdog.phase("actor_train/log_probs"):
+            for kind in RANK_FAULT_KINDS:
+                maybe_fail_rank(kind, self.rank, rollout_id, self.ledger_dir)
             self._fill_log_probs(data, self.log_prob_plans)
             self._advantages(rollout_id, data)
         with self.watchdog.phase("actor_train/postprocess"):

@@ -36,6 +36,17 @@ def check_deadlines(args: argparse.Namespace) -> None:
         args.distributed_timeout_minutes = default_group_timeout_minutes(args.fence_timeout)
 
 
+def check_healing(args: argparse.Namespace) -> None:
+    """--max-restarts goes back to a checkpoint of the run's own: without saves there is none."""
+    if args.max_restarts < 0:
+        fail(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if args.restart_window_rollouts is not None and args.restart_window_rollouts < 0:
+        fail(f"--restart-window-rollouts must be >= 0, got {args.restart_window_rollouts}")
+    if args.max_restarts and not (args.save and args.save_interval):
+        fail(f"--max-restarts {args.max_restarts} restarts from the run's last checkpoint: add --save DIR and "
+             "--save-interval N (or drop --max-restarts)")
+
+
 def resolve_modes(args: argparse.Namespace) -> None:
     if args.debug_train_only and args.debug_rollout_only:
         fail("--debug-train-only and --debug-rollout-only cannot both be set")

@@ -10,6 +10,13 @@ def add_fencing_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--fence-timeout", type=float, default=600.0,
                    help="seconds a rank may go without progress (no collective, micro-batch, weight bucket or "
                         "checkpoint bytes completing) before the step fails with a report; phases may run longer")
+    g.add_argument("--max-restarts", type=int, default=0,
+                   help="restarts of the trainer ranks and engines from the last complete checkpoint after a named "
+                        "failure (a hang, a rank or engine lost, a stalled weight sync); needs --save and "
+                        "--save-interval. 0: a named failure ends the run")
+    g.add_argument("--restart-window-rollouts", type=int, default=None,
+                   help="a restart may lose at most this many rollouts of work (the failed rollout excluded); a "
+                        "failure with no complete checkpoint that recent ends the run (default: any checkpoint)")
     g.add_argument("--recreate-process-groups-on-wake", action="store_true", default=False,
                    help="destroy and re-create communicators across colocate sleep (default: keep them alive)")
     g.add_argument("--single-rank-group-max-ctas", type=int, default=1,

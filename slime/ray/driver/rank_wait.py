@@ -19,11 +19,14 @@ import ray
 class RankWaitError(RuntimeError):
     """A phase ended without every rank's result."""
 
-    def __init__(self, summary: str, *, phase: str, ranks: Sequence[int], details: str = ""):
+    def __init__(self, summary: str, *, phase: str, ranks: Sequence[int], details: str = "",
+                 blamed: Sequence[int] = ()):
         super().__init__(summary)
         self.phase = phase
         self.ranks = tuple(ranks)
         self.details = details
+        self.blamed = tuple(blamed) or self.ranks
+        """The ranks at fault: those a failing rank's fence found lagging, else `ranks`."""
 
 
 class RankDeadlineError(RankWaitError):
@@ -65,8 +68,11 @@ def wait_ranks(refs: Sequence[ray.ObjectRef], *, phase: str, window_s: float,
             try:
                 ray.get(ref)
             except Exception as exc:  # the first failing rank names the problem
-                others = _other_failures([r for r in refs if r is not ref], index)
-                raise _failure(phase, index[ref], exc, others, describe_hang, describe_exit) from exc
+                others, exited = _other_failures([r for r in refs if r is not ref], index)
+                failure = _failure(phase, index[ref], exc, others, describe_hang, describe_exit)
+                if exited and not isinstance(exc, ray.exceptions.RayActorError):  # those that lost a peer: not at fault
+                    failure.blamed = tuple(exited)
+                raise failure from exc
     return ray.get(list(refs))
 
 
@@ -74,21 +80,24 @@ def _table(describe_hang: Callable[[], str] | None) -> str:
     return f"where every rank is:\n{describe_hang()}" if describe_hang else ""
 
 
-def _other_failures(refs: list, index: dict, grace_s: float = 2.0) -> list[str]:
-    """One line per other rank that failed too (ranks that meet at a fence fail together). Getting
-    them also keeps Ray from printing each one as an unhandled error."""
+def _other_failures(refs: list, index: dict, grace_s: float = 2.0) -> tuple[list[str], list[int]]:
+    """One line per other rank that failed too (ranks that meet at a fence fail together), and the ranks whose
+    process ended. Getting them also keeps Ray from printing each one as an unhandled error."""
     if not refs:
-        return []
+        return [], []
     done, _ = ray.wait(refs, num_returns=len(refs), timeout=grace_s)
     alike: dict[str, list[tuple[int, str]]] = {}  # messages that differ only in the reporting rank
+    exited = []
     for ref in done:
         try:
             ray.get(ref)
         except Exception as exc:  # noqa: BLE001 - reported, not raised: the first failure is
+            if isinstance(exc, ray.exceptions.RayActorError):
+                exited.append(index[ref])
             message = _cause(exc)[0].partition("\n")[0][:200]
             alike.setdefault(re.sub(r"\brank \d+\b", "rank N", message), []).append((index[ref], message))
     groups = sorted(sorted(group) for group in alike.values())
-    return [f"ranks {[rank for rank, _ in group]}: {group[0][1]}" for group in groups]
+    return [f"ranks {[rank for rank, _ in group]}: {group[0][1]}" for group in groups], sorted(exited)
 
 
 def _failure(phase: str, rank: int, exc: Exception, others: list[str], describe_hang, describe_exit
@@ -102,11 +111,18 @@ def _failure(phase: str, rank: int, exc: Exception, others: list[str], describe_
     first, _, rest = message.partition("\n")
     own = f"rank {rank} traceback:\n{traceback_text.rstrip()}" if traceback_text else rest
     return RankFailedError(f"phase '{phase}' failed on rank {rank}: {first}", phase=phase, ranks=(rank,),
-                           details=_join(own, also, _table(describe_hang) if stalled else ""))
+                           details=_join(own, also, _table(describe_hang) if stalled else ""),
+                           blamed=_lagging(exc))
 
 
 def _join(*parts: str) -> str:
     return "\n".join(part for part in parts if part)
+
+
+def _lagging(exc: BaseException) -> tuple[int, ...]:
+    """The peers the failing rank's fence found lagging (a rank's error carries them: RankError)."""
+    cause = getattr(exc, "cause", None) or exc.__cause__
+    return tuple(getattr(cause, "lagging", ()) or ())
 
 
 def _cause(exc: BaseException) -> tuple[str, str, bool]:

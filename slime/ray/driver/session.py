@@ -15,8 +15,10 @@ Set-up, in this order (each slow step is one start-up line on stdout):
   first push        the console step around the entry point's first weight push (`first_weight_push`)
 
 Teardown (`__exit__`, whether the loop ended or raised): the metrics logger drains, the rollout manager
-stops its engines and router, the trainer ranks stop. `run_entry` is the process around it: parse, refuse
-what the script cannot run (exit 2), train, and report a failure as its details and one line (exit 1).
+stops its engines and router, the trainer ranks stop, the bundles go back. `run_entry` is the process around
+it: parse, refuse what the script cannot run (exit 2), train (with --max-restarts, a named failure starts a new
+session from the last complete checkpoint: slime/ray/driver/healing.py), and report a failure as its details
+and one line (exit 1).
 
 The entry points keep the schedule: which rollout generates while which trains, when the weights move.
 """
@@ -29,6 +31,8 @@ from typing import Callable, Iterator
 from slime.config.defaults import with_defaults
 from slime.config.layout import LAYOUT_FLAGS, build_parallel_layout
 from slime.ray.driver.cluster import PlacementError, cluster_address
+from slime.ray.driver.healing import (HealingRefusedError, RepeatedFailureError, note_failure, restart_metrics,
+                                      train_with_healing)
 from slime.ray.driver.placement import Layout, create_placement, init_ray, placement_record, use_gpus
 from slime.ray.driver.rank_wait import RankWaitError
 from slime.ray.driver.rollout_handle import create_rollout_manager
@@ -61,8 +65,20 @@ class RunSession:
         """The trainer ranks' proxy, once `start_trainer` started them."""
         self.critic: RayTrainGroup | None = None
         """The critic's ranks (--advantage-estimator ppo), on the actor's bundles."""
+        self.rollout_id: int | None = None
+        """The rollout in progress (None before the loop): what a failure is noted with (healing.py)."""
+        self.rank_nodes: list[str] = []
+        """Each trainer rank's node address, once placed."""
 
     def __enter__(self) -> "RunSession":
+        try:
+            self._start()
+        except BaseException as exc:  # what started is stopped: a restart (healing.py) starts it all again
+            self.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+        return self
+
+    def _start(self) -> None:
         args = self.args
         if args.start_rollout_id is None:  # --start-rollout-id wins over --load's position
             args.start_rollout_id = resume_rollout_id(args)
@@ -74,18 +90,28 @@ class RunSession:
         if self.check_layout is not None:
             self.check_layout(self.placement.layout)
         self.metrics = MetricsLogger(args, self.console)
+        if (restart := restart_metrics(args)) is not None:  # --max-restarts: this session is a restart
+            self.metrics.log("restart", args.start_rollout_id, restart)
         with self.console.step("engines: starting", "engines ready"):
             self.rollout = create_rollout_manager(args, self.placement)
         if args.num_rollout is None:  # --num-epoch: as many rollouts as the epochs of prompts take
             args.num_rollout = args.num_epoch * self.rollout.num_prompts() // args.rollout_batch_size
-        return self
 
-    def __exit__(self, *exc_info) -> None:
-        self.metrics.close()
-        self.rollout.shutdown()
-        for group in (self.actors, self.critic):
-            if group is not None:
-                group.shutdown()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc is not None:
+            note_failure(exc, self.args.start_rollout_id if self.rollout_id is None else self.rollout_id,
+                         self.rank_nodes)
+        steps = [self.metrics and self.metrics.close, self.rollout and self.rollout.shutdown,
+                 self.actors and self.actors.shutdown, self.critic and self.critic.shutdown,
+                 self.placement and self.placement.remove]  # last: a restart (healing.py) places the job anew
+        for step in filter(None, steps):
+            if exc is None:
+                step()
+                continue
+            try:  # after a failure, what is already broken must not hide it
+                step()
+            except Exception:  # noqa: BLE001 - logged; the failure that ended the run is the one raised
+                logging.getLogger(__name__).exception("teardown after a failure: %s failed", step.__qualname__)
 
     def start_trainer(self, *, build: bool = True) -> RayTrainGroup | None:
         """The trainer ranks: started on their bundles, placed (the "placement" event, engines included),
@@ -96,6 +122,7 @@ class RunSession:
             with console.step("trainer ranks: starting their processes", "trainer ranks started"):
                 self.actors = RayTrainGroup(args, self.placement)
                 ranks = self.actors.where()
+                self.rank_nodes = [rank["node_ip"] for rank in ranks]
                 if getattr(args, "use_critic", False):
                     self.critic = RayTrainGroup(args, self.placement, role="critic")
                     ranks += [{**r, "role": "critic"} for r in self.critic.where()]
@@ -116,6 +143,7 @@ class RunSession:
         loop's body for it returned."""
         self.console.rollouts_begin()
         for rollout_id in range(self.args.start_rollout_id, self.args.num_rollout):
+            self.rollout_id = rollout_id
             yield rollout_id
             self.metrics.rollout_done(rollout_id)
 
@@ -135,7 +163,10 @@ def run_entry(script: str, train: Callable, check: Callable, argv: list[str] | N
         print(f"{script}: error: {exc}", file=sys.stderr)
         return 2
     try:
-        train(args)
+        train_with_healing(train, args, multi_node=args.actor_num_nodes > 1)  # --max-restarts: healing.py
+    except (HealingRefusedError, RepeatedFailureError) as exc:
+        logger.error("training stopped: %s (ledger dir %s)", exc, args.ledger_dir)
+        return 1
     except (RankWaitError, TimeoutError, RolloutError, PlacementError) as exc:
         # The rank's traceback and one table of every rank (a placement error: what to change), then the one
         # line that matters.

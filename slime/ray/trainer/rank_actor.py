@@ -31,14 +31,15 @@ def quiet_library_warnings() -> None:
 class RankError(RuntimeError):
     """A rank's failure as plain values, so that Ray can always carry it to the driver (exceptions
     with keyword-only fields, or raised by the watchdog into a thread, do not survive Ray's
-    deserialisation): "Type: message", the rank's whole traceback, and whether it is a stall (the
-    driver then shows where every rank is)."""
+    deserialisation): "Type: message", the rank's whole traceback, whether it is a stall (the
+    driver then shows where every rank is), and the peers a fence timeout found lagging (the ranks to blame)."""
 
-    def __init__(self, message: str, traceback_text: str = "", stalled: bool = False):
-        super().__init__(message, traceback_text, stalled)
+    def __init__(self, message: str, traceback_text: str = "", stalled: bool = False, lagging: tuple = ()):
+        super().__init__(message, traceback_text, stalled, lagging)
         self.message = message
         self.traceback_text = traceback_text
         self.stalled = stalled
+        self.lagging = tuple(lagging)
 
     def __str__(self) -> str:
         return self.message
@@ -58,7 +59,8 @@ def _portable_errors(method):
         try:
             return method(self, *args, **kwargs)
         except Exception as exc:
-            raise RankError(f"{type(exc).__name__}: {exc}", traceback.format_exc(), _is_stall(exc)) from None
+            raise RankError(f"{type(exc).__name__}: {exc}", traceback.format_exc(), _is_stall(exc),
+                            tuple(getattr(exc, "lagging_ranks", ()) or ())) from None
 
     return call
 
