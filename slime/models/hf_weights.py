@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from slime.models import moe_hf
+from slime.models import lora, moe_hf
 from slime.models.registry import TEXT_PREFIX_ATTRIBUTE, family_of
 
 logger = logging.getLogger(__name__)
@@ -178,8 +178,9 @@ _EXPERT_BIAS = "mlp.router.expert_bias"
 
 
 def _weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """What maps to HF tensors: every parameter, then the routers' expert-bias buffers (in module order)."""
-    yield from model.named_parameters()
+    """What maps to HF tensors: every parameter but LoRA factors (merged into their layer's weight at export),
+    then the routers' expert-bias buffers (in module order)."""
+    yield from ((name, param) for name, param in model.named_parameters() if not lora.is_adapter_param(name))
     for name, buffer in model.named_buffers():
         if name.endswith(_EXPERT_BIAS) and buffer is not None:
             yield name, buffer
@@ -328,14 +329,17 @@ def _ep_ranks(name: str, all_experts: bool) -> list[int | None]:
     return list(range(_expert_layout().ep)) if all_experts and _is_expert(name) else [None]
 
 
-def hf_tensor_shapes(model: torch.nn.Module, hf_config: Any, tp: int, *, all_experts: bool
-                     ) -> Iterator[tuple[str, torch.Tensor]]:
+def hf_tensor_shapes(model: torch.nn.Module, hf_config: Any, tp: int, *, all_experts: bool,
+                     select: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(hf name, meta tensor of its full shape and dtype) of every HF tensor of this chunk, no data.
 
     all_experts: as export_hf_weights yields them (every EP rank's experts, in its order); otherwise only
-    what this rank loads (its own experts). Tied output weights are skipped in export order, as there."""
+    what this rank loads (its own experts). Tied output weights are skipped in export order, as there.
+    select: as export_hf_weights'."""
     for name, param in _weights(model):
         if all_experts and name == "output_layer.weight" and _tied(hf_config):
+            continue
+        if select is not None and not select(name):
             continue
         full = torch.empty(full_shape(name, param, tp), dtype=param.dtype, device="meta")
         for ep_rank in _ep_ranks(name, all_experts):
@@ -408,8 +412,8 @@ def _gather_tp(shard: torch.Tensor, partition_dim: int, tp: int, group: Any) -> 
 
 @torch.no_grad()
 def export_hf_weights(model_chunks: list[torch.nn.Module], hf_config: Any,
-                      read_param: Callable[[torch.Tensor], torch.Tensor] | None = None
-                      ) -> Iterator[tuple[str, torch.Tensor]]:
+                      read_param: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                      select: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (hf_name, full tensor) for this PP stage's parameters, in a fixed order.
 
     Order: model chunks in order, then each chunk's named_parameters() order (identical on all
@@ -417,7 +421,9 @@ def export_hf_weights(model_chunks: list[torch.nn.Module], hf_config: Any,
     iterate it to the end together (one all_gather over the TP group per TP-split parameter);
     ranks of different DP/CP replicas or PP stages are independent. With tied embeddings the
     last stage's output_layer copy is skipped (HF ties lm_head to embed_tokens). `read_param` gives
-    a parameter's value (default: the live tensor; a sleeping trainer serves its host copy).
+    a parameter's value (default: the live tensor; a sleeping trainer serves its host copy). A layer with a
+    LoRA adapter yields its merged weight W + alpha/r * B @ A. `select` (megatron name -> bool) keeps a subset,
+    the same on every rank.
     """
     read = read_param or (lambda param: param.detach())
     tp, _, tp_group = _tp()
@@ -427,14 +433,24 @@ def export_hf_weights(model_chunks: list[torch.nn.Module], hf_config: Any,
         for name, param in _weights(model):
             if name == "output_layer.weight" and _tied(hf_config):
                 continue
+            if select is not None and not select(name):
+                continue
             if _is_expert(name):
                 yield from _export_expert(model, name, param, read(param), hf_config, experts)
                 continue
-            full = read(param)
+            full = _merged(model, name, read(param), read)
             if tp > 1 and getattr(param, "tensor_model_parallel", False):
                 full = _gather_tp(full, param.partition_dim, tp, tp_group)
             mapping = _mapping_for(model, name, param, hf_config, tp)
             yield from zip(mapping.hf_names, mapping.to_hf(full))
+
+
+def _merged(model: torch.nn.Module, name: str, value: torch.Tensor, read: Callable[[torch.Tensor], torch.Tensor]
+            ) -> torch.Tensor:
+    """This rank's shard of a weight with its LoRA update merged in (the value itself if it has no adapter)."""
+    owner, _, leaf = name.rpartition(".")
+    adapter = getattr(model.get_submodule(owner), lora.ADAPTER, None) if leaf == "weight" else None
+    return value + adapter.delta(read) if isinstance(adapter, lora.LoraAdapter) else value
 
 
 def _export_expert(model: torch.nn.Module, name: str, param: torch.Tensor, value: torch.Tensor, hf_config: Any,

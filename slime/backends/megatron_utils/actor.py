@@ -56,6 +56,7 @@ from slime.distributed.fault_inject import (
 from slime.utils.deadlines import DeadlineModel
 from slime.utils.ppo_utils import compute_advantages_and_returns
 from slime.models import fused_kernels
+from slime.models.lora import adapted_weight_names
 from slime.models.registry import language_model_config
 
 logger = logging.getLogger(__name__)
@@ -103,7 +104,8 @@ class MegatronTrainActor:
         with self.watchdog.phase("init/load", deadline_s=self.deadlines.first_setup_s):
             self._fence_load_views()
             start = self._build_model()
-        self.weight_sync = WeightSync(self.args, self.hf_config, engine_urls)
+        self.weight_sync = WeightSync(self.args, self.hf_config, engine_urls,
+                                      select=adapted_weight_names(self.model) if getattr(self.args, "enable_lora", False) else None)
         return start
 
     def _weight_sources(self) -> dict[str, tuple[str, int | None]]:

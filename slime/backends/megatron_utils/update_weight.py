@@ -51,11 +51,12 @@ ParamReader = Callable[[torch.Tensor], torch.Tensor]
 WeightSource = Callable[[Sequence[torch.nn.Module], Any, "ParamReader | None"], Iterable[tuple[str, torch.Tensor]]]
 
 
-def export_model_weights(model_chunks: Sequence[torch.nn.Module], hf_config: Any, read_param: ParamReader | None = None
-                         ) -> Iterable[tuple[str, torch.Tensor]]:
+def export_model_weights(model_chunks: Sequence[torch.nn.Module], hf_config: Any, read_param: ParamReader | None = None,
+                         select: Callable[[str], bool] | None = None) -> Iterable[tuple[str, torch.Tensor]]:
     """The default weight source: HF tensors gathered over TP from the model chunks' parameters, each read
-    through `read_param` (a sleeping trainer serves them from its host copy)."""
-    return export_hf_weights(list(model_chunks), hf_config, read_param=read_param)
+    through `read_param` (a sleeping trainer serves them from its host copy); `select` keeps a subset by megatron
+    name (a source passed to WeightSync with a `select` must take it too)."""
+    return export_hf_weights(list(model_chunks), hf_config, read_param=read_param, select=select)
 
 
 class WeightSyncPlanError(RuntimeError):
@@ -123,21 +124,22 @@ def pack_buckets(sizes: Iterable[tuple[str, int]], bucket_bytes: int) -> tuple[W
     return tuple(buckets)
 
 
-def hf_tensor_sizes(model_chunks: Sequence[torch.nn.Module], hf_config: Any, *, tp_size: int
-                    ) -> list[tuple[str, int]]:
+def hf_tensor_sizes(model_chunks: Sequence[torch.nn.Module], hf_config: Any, *, tp_size: int,
+                    select: Callable[[str], bool] | None = None) -> list[tuple[str, int]]:
     """(hf_name, bytes) in export_hf_weights' order, without collectives or copies.
 
     Exact: the mapping's to_hf runs on a meta tensor of the full (TP-gathered) shape, so fused
     parameters (qkv, gate/up), vocab padding and every EP rank's experts give the real export's shapes.
     """
     return [(name, t.numel() * t.element_size()) for chunk in model_chunks
-            for name, t in hf_tensor_shapes(unwrap_model(chunk), hf_config, tp_size, all_experts=True)]
+            for name, t in hf_tensor_shapes(unwrap_model(chunk), hf_config, tp_size, all_experts=True, select=select)]
 
 
 def build_weight_sync_plan(model_chunks: Sequence[torch.nn.Module], hf_config: Any, *, tp_size: int,
-                           bucket_bytes: int, pp_rank: int = 0) -> WeightSyncPlan:
+                           bucket_bytes: int, pp_rank: int = 0, select: Callable[[str], bool] | None = None
+                           ) -> WeightSyncPlan:
     """The bucket plan of this PP stage. Pure: same inputs, same plan, on every rank of the stage."""
-    buckets = pack_buckets(hf_tensor_sizes(model_chunks, hf_config, tp_size=tp_size), bucket_bytes)
+    buckets = pack_buckets(hf_tensor_sizes(model_chunks, hf_config, tp_size=tp_size, select=select), bucket_bytes)
     return WeightSyncPlan(buckets, sum(b.nbytes for b in buckets), pp_rank)
 
 
@@ -226,7 +228,11 @@ class WeightSync:
 
     def __init__(self, args: Any, hf_config: Any, engine_urls: Sequence[str], *, engine_kind: str | None = None,
                  timeouts: ClientTimeouts | None = None, transport: str | None = None,
-                 weight_source: WeightSource = export_model_weights) -> None:
+                 weight_source: WeightSource = export_model_weights, select: Callable[[str], bool] | None = None
+                 ) -> None:
+        """`select` (megatron name -> bool): what a push after the first sends (LoRA: only the adapted layers,
+        the rest is the frozen base the engines already hold); the first push, and the first after a retarget,
+        send every weight."""
         from slime.backends.sglang_utils.launcher import pick_rollout_backend
 
         self.hf_config = hf_config
@@ -244,6 +250,8 @@ class WeightSync:
                                                    weight_update=self.timeout_s, memory=self.timeout_s)
         self._engines: EngineSet | None = None
         self._transport = None
+        self.select = select
+        self._full_push_due = True
 
     @property
     def engines(self) -> EngineSet:
@@ -270,9 +278,10 @@ class WeightSync:
         phase = _phase_factory(watchdog)
         ledger = getattr(fence, "ledger", None)
 
+        select = None if self._full_push_due else self.select
         with phase("weight_sync/plan"):
             plan = build_weight_sync_plan(model_chunks, self.hf_config, tp_size=role.tp_size,
-                                          bucket_bytes=self.bucket_bytes, pp_rank=role.pp_rank)
+                                          bucket_bytes=self.bucket_bytes, pp_rank=role.pp_rank, select=select)
             fence("weight_sync/plan", self._plan_fields(plan, role, rollout_id))
         with phase("weight_sync/pause"):
             error = _attempt(self._pause_engines) if role.coordinator else None
@@ -280,12 +289,13 @@ class WeightSync:
         # Every bucket and TP gather is progress: ranks that only wait at the closing fence wait as
         # long as the exporters keep making it (slime/utils/deadlines.py).
         with phase("weight_sync/push"):
-            result = (self._push(model_chunks, plan, role, version, phase, ledger, read_param) if role.exporter
-                      else _PushResult())
+            result = (self._push(model_chunks, plan, role, version, phase, ledger, read_param, select)
+                      if role.exporter else _PushResult())
             _fence_outcome(fence, "weight_sync/pushed", rollout_id, result.error)
         with phase("weight_sync/resume"):
             error = _attempt(lambda: self._verify_and_resume(version)) if role.coordinator else None
             _fence_outcome(fence, "weight_sync/done", rollout_id, error)
+        self._full_push_due = False
         return self._metrics(result, version, time.perf_counter() - start)
 
     # -- phases --------------------------------------------------------------------------
@@ -308,10 +318,11 @@ class WeightSync:
         self._each_engine(lambda client: (client.pause_generation(), client.flush_cache(self.timeouts.control)))
 
     def _push(self, model_chunks, plan: WeightSyncPlan, role: SyncRole, version: str, phase, ledger,
-              read_param) -> _PushResult:
+              read_param, select) -> _PushResult:
         """Iterate the export to its end (TP collectives) whatever happens; send while nothing failed."""
         result = _PushResult()
-        exported = iter(self.weight_source(model_chunks, self.hf_config, read_param))
+        exported = iter(self.weight_source(model_chunks, self.hf_config, read_param) if select is None
+                        else self.weight_source(model_chunks, self.hf_config, read_param, select=select))
         planned = iter_planned_buckets(plan, exported)
         result.error = _attempt(self.engines.begin_session) if role.sender else None
         session = role.sender and result.error is None
@@ -393,6 +404,7 @@ class WeightSync:
         """Aim the next syncs at these engines (some were restarted elsewhere): connections are rebuilt."""
         self.close()
         self.engine_urls = tuple(engine_urls)
+        self._full_push_due = True
 
 
 # ----------------------------------------------------------------------------- helpers
