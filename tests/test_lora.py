@@ -1,6 +1,7 @@
 """LoRA (slime/models/lora.py) on the tensor-parallel linear layers: TP2 (with and without SP) gives TP1's
 log-probs, loss, gradients and merged weights; the optimizer holds the adapters only; the merged export is what
-the trainer computes (a transformers model loaded with it gives the trainer's log-probs)."""
+the trainer computes (a transformers model loaded with it gives the trainer's log-probs); adapters resume
+exactly; the push after the first sends the adapted layers only; bad LoRA flags fail before Ray starts."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import copy
 import pytest
 import torch
 
+from arg_testing import no_real_sglang, parse_error, parse_quiet  # noqa: F401 (fixture)
 from mp_utils import run_ranks
 from tiny_models import save_tiny_qwen3
 from train_step_harness import make_rollout
@@ -41,7 +43,33 @@ def _full_factors(model):
     return factors
 
 
-def _lora_child(rank, world, layout, hf_dir, data):
+def _resumes_exactly(model, optimizer, scheduler, data, plan, args, ckpt):
+    """Save, take a step, load, take the step again: the same loss and adapters, bit for bit."""
+    from slime.backends.megatron_utils.checkpoint import load_checkpoint, save_checkpoint
+    from slime.backends.megatron_utils.train_step import train_one_step
+
+    save_checkpoint(ckpt, 2, model, optimizer, scheduler)
+    first = train_one_step(model, optimizer, scheduler, data, plan, args).loss, _full_factors(model)
+    load_checkpoint(ckpt, model, optimizer, scheduler)
+    again = train_one_step(model, optimizer, scheduler, data, plan, args).loss, _full_factors(model)
+    return first[0] == again[0] and all(torch.equal(a, b) for name in first[1]
+                                        for a, b in zip(first[1][name], again[1][name]))
+
+
+def _push_subset(model, hf_config, tp):
+    """The plan and the export of a push after the first: the adapted layers' (merged) weights only."""
+    from slime.backends.megatron_utils.update_weight import build_weight_sync_plan
+    from slime.models.hf_weights import export_hf_weights
+    from slime.models.lora import adapted_weight_names
+
+    select = adapted_weight_names(model)
+    full = build_weight_sync_plan(model, hf_config, tp_size=tp, bucket_bytes=1 << 16)
+    part = build_weight_sync_plan(model, hf_config, tp_size=tp, bucket_bytes=1 << 16, select=select)
+    sent = [name for name, _ in export_hf_weights(model, hf_config, select=select)]
+    return dict(full=full.names(), part=part.names(), sent=sent, fraction=part.total_bytes / full.total_bytes)
+
+
+def _lora_child(rank, world, layout, hf_dir, data, ckpt):
     from slime.backends.megatron_utils.train_step import compute_log_probs, train_one_step
     from slime_plugins.models.hf_weights import export_hf_weights
     from train_step_harness import build_loaded_model, layout_args, plans_for_this_rank
@@ -67,7 +95,9 @@ def _lora_child(rank, world, layout, hf_dir, data):
                   and not torch.equal(p.detach(), base_before[n])]
     exported = {n: t.clone() for n, t in export_hf_weights(model, AutoConfig.from_pretrained(hf_dir))}
     after = compute_log_probs(model, data, plan, args)
-    return dict(log_probs=log_probs, after=after, first_loss=first.loss, loss=result.loss, grad_norm=result.grad_norm,
+    push = _push_subset(model, AutoConfig.from_pretrained(hf_dir), world)
+    resumed = _resumes_exactly(model, optimizer, scheduler, data, plan, args, ckpt)
+    return dict(push=push, resumed=resumed, log_probs=log_probs, after=after, first_loss=first.loss, loss=result.loss, grad_norm=result.grad_norm,
                 factors=_full_factors(model), exported=exported if rank == 0 else None, trainable=trainable,
                 in_optimizer=in_optimizer, base_moved=base_moved)
 
@@ -92,21 +122,24 @@ def _hf_log_probs(hf_dir, exported, data):
 def test_lora_tp2_sp_equals_tp1_and_merged_export_is_the_trainers_model(tmp_path):
     """TP1, TP2 and TP2 x SP, two steps from the initial adapters: the same log-probs, losses, grad norms,
     updated adapters (A and B gathered) and merged weights; only the adapters are trainable and in the optimizer, the base does not move; the
-    merged HF export loaded into transformers gives the trainer's log-probs after the step."""
+    merged HF export loaded into transformers gives the trainer's log-probs after the step; a checkpoint
+    saved and loaded gives the next step bit for bit."""
     hf_dir = save_tiny_qwen3(str(tmp_path / "qwen3"))
     data = make_rollout(num_samples=4, seed=3)
     layouts = {"tp1": ({}, 1), "tp2": (dict(tensor_model_parallel_size=2), 2),
                "tp2_sp": (dict(tensor_model_parallel_size=2, sequence_parallel=True), 2)}
-    runs = {key: run_ranks(_lora_child, world, args=(layout, hf_dir, data), timeout_s=240)
+    runs = {key: run_ranks(_lora_child, world, args=(layout, hf_dir, data, str(tmp_path / key)), timeout_s=240)
             for key, (layout, world) in layouts.items()}
     ref = runs["tp1"][0]
     assert len(ref["trainable"]) == 2 * 4 * 2 and all(".lora.lora_" in n for n in ref["trainable"])
     assert ref["in_optimizer"] == len(ref["trainable"]) and ref["base_moved"] == []
+    assert ref["resumed"], "--save/--load did not restore the adapters and their optimizer state"
     assert ref["grad_norm"] > 0 and ref["after"] != ref["log_probs"], "the adapters did not learn"
     assert ref["first_loss"] != ref["loss"]
     for key in ("tp2", "tp2_sp"):
         for r in runs[key]:
             assert r["in_optimizer"] == len(r["trainable"]) and r["base_moved"] == []
+            assert r["resumed"], f"{key}: --save/--load did not restore the adapters and their optimizer state"
             assert abs(r["loss"] - ref["loss"]) < 1e-5 and abs(r["grad_norm"] - ref["grad_norm"]) < 1e-5, key
             for got, want in zip(r["log_probs"] + r["after"], ref["log_probs"] + ref["after"]):
                 assert torch.allclose(torch.tensor(got), torch.tensor(want), atol=1e-4), key
@@ -117,6 +150,31 @@ def test_lora_tp2_sp_equals_tp1_and_merged_export_is_the_trainers_model(tmp_path
         exported = runs[key][0]["exported"]
         assert sorted(exported) == sorted(ref["exported"])
         assert max(float((exported[n] - t).abs().max()) for n, t in ref["exported"].items()) < 2e-5, key
+    for key, results in runs.items():
+        push = results[0]["push"]
+        adapted = {n for n in push["full"] if n.split(".")[-2] in ("q_proj", "k_proj", "v_proj", "o_proj",
+                                                                    "gate_proj", "up_proj", "down_proj")}
+        assert push["part"] == push["sent"] and set(push["part"]) == adapted and len(adapted) == 2 * 7, key
+        assert 0 < push["fraction"] < 1, push["fraction"]
     hf = _hf_log_probs(hf_dir, ref["exported"], data)
     for got, want in zip(hf, ref["after"]):
         assert torch.allclose(torch.tensor(got), torch.tensor(want[-len(got):]), atol=1e-4)
+
+
+# ------------------------------------------------------------------ flags, before Ray starts
+
+
+def test_lora_flags_are_checked_before_ray(tmp_path, capsys):
+    hf_dir = save_tiny_qwen3(str(tmp_path / "qwen3"))  # hidden 64, heads 4 x 16, ffn 128
+    (tmp_path / "p.jsonl").write_text('{"prompt": "1"}\n')
+    minimal = ["--rollout-batch-size", "2", "--num-rollout", "1", "--actor-num-gpus-per-node", "1",
+               "--train-backend-device", "cpu", "--hf-checkpoint", hf_dir, "--prompt-data", str(tmp_path / "p.jsonl")]
+    err = parse_error(minimal + ["--enable-lora", "--lora-target-modules", "linear_qkv", "q_proj"], capsys)
+    assert "--lora-target-modules q_proj names no module" in err and "linear_qkv holds q/k/v_proj" in err
+    assert "--lora-rank 0: the adapter rank must be positive" in parse_error(
+        minimal + ["--enable-lora", "--lora-rank", "0"], capsys)
+    err = parse_error(minimal + ["--enable-lora", "--lora-rank", "65", "--lora-target-modules", "linear_fc1",
+                                 "linear_proj"], capsys)
+    assert "--lora-rank 65 is above the width of linear_fc1 (64" in err
+    assert parse_quiet(minimal + ["--enable-lora", "--lora-rank", "64"]).lora_rank == 64
+    assert not parse_quiet(minimal + ["--lora-rank", "1000"]).enable_lora  # LoRA off: its flags are not checked
