@@ -95,10 +95,10 @@ def _lora_child(rank, world, layout, hf_dir, data, ckpt):
                   and not torch.equal(p.detach(), base_before[n])]
     exported = {n: t.clone() for n, t in export_hf_weights(model, AutoConfig.from_pretrained(hf_dir))}
     after = compute_log_probs(model, data, plan, args)
-    push = _push_subset(model, AutoConfig.from_pretrained(hf_dir), world)
+    push, factors = _push_subset(model, AutoConfig.from_pretrained(hf_dir), world), _full_factors(model)
     resumed = _resumes_exactly(model, optimizer, scheduler, data, plan, args, ckpt)
     return dict(push=push, resumed=resumed, log_probs=log_probs, after=after, first_loss=first.loss, loss=result.loss, grad_norm=result.grad_norm,
-                factors=_full_factors(model), exported=exported if rank == 0 else None, trainable=trainable,
+                factors=factors, exported=exported if rank == 0 else None, trainable=trainable,
                 in_optimizer=in_optimizer, base_moved=base_moved)
 
 
@@ -154,7 +154,7 @@ def test_lora_tp2_sp_equals_tp1_and_merged_export_is_the_trainers_model(tmp_path
         push = results[0]["push"]
         adapted = {n for n in push["full"] if n.split(".")[-2] in ("q_proj", "k_proj", "v_proj", "o_proj",
                                                                     "gate_proj", "up_proj", "down_proj")}
-        assert push["part"] == push["sent"] and set(push["part"]) == adapted and len(adapted) == 2 * 7, key
+        assert list(push["part"]) == push["sent"] and set(push["part"]) == adapted and len(adapted) == 2 * 7, key
         assert 0 < push["fraction"] < 1, push["fraction"]
     hf = _hf_log_probs(hf_dir, ref["exported"], data)
     for got, want in zip(hf, ref["after"]):
@@ -166,7 +166,7 @@ def test_lora_tp2_sp_equals_tp1_and_merged_export_is_the_trainers_model(tmp_path
 
 def test_lora_flags_are_checked_before_ray(tmp_path, capsys):
     hf_dir = save_tiny_qwen3(str(tmp_path / "qwen3"))  # hidden 64, heads 4 x 16, ffn 128
-    (tmp_path / "p.jsonl").write_text('{"prompt": "1"}\n')
+    (tmp_path / "p.jsonl").write_text('{"input": "1"}\n')
     minimal = ["--rollout-batch-size", "2", "--num-rollout", "1", "--actor-num-gpus-per-node", "1",
                "--train-backend-device", "cpu", "--hf-checkpoint", hf_dir, "--prompt-data", str(tmp_path / "p.jsonl")]
     err = parse_error(minimal + ["--enable-lora", "--lora-target-modules", "linear_qkv", "q_proj"], capsys)
