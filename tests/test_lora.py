@@ -95,6 +95,10 @@ def _lora_child(rank, world, layout, hf_dir, data, ckpt):
                   and not torch.equal(p.detach(), base_before[n])]
     exported = {n: t.clone() for n, t in export_hf_weights(model, AutoConfig.from_pretrained(hf_dir))}
     after = compute_log_probs(model, data, plan, args)
+    from slime.backends.megatron_utils.checkpoint import save_hf_checkpoint
+    from slime.backends.megatron_utils.model import lora_config
+
+    save_hf_checkpoint(ckpt + "_hf", model, AutoConfig.from_pretrained(hf_dir), hf_dir, lora_config=lora_config(args))
     push, factors = _push_subset(model, AutoConfig.from_pretrained(hf_dir), world), _full_factors(model)
     resumed = _resumes_exactly(model, optimizer, scheduler, data, plan, args, ckpt)
     return dict(push=push, resumed=resumed, log_probs=log_probs, after=after, first_loss=first.loss, loss=result.loss, grad_norm=result.grad_norm,
@@ -116,6 +120,29 @@ def _hf_log_probs(hf_dir, exported, data):
             lp = torch.log_softmax(logits[:-1], dim=-1).gather(1, torch.tensor(tokens[1:])[:, None])[:, 0]
             out.append(lp[-n:].tolist())
     return out
+
+
+def _check_peft_adapter(saved, hf_dir, merged):
+    import json
+
+    from safetensors.torch import load_file
+
+    config = json.loads((saved / "lora_adapter" / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == LORA["lora_rank"]
+    assert sorted(config["target_modules"]) == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                       "up_proj", "down_proj"])
+    adapter = load_file(str(saved / "lora_adapter" / "adapter_model.safetensors"))
+    base = load_file(f"{hf_dir}/model.safetensors")
+    assert len(adapter) == 2 * 2 * 7
+    scale = LORA["lora_alpha"] / LORA["lora_rank"]
+    for name, a in adapter.items():
+        if ".lora_A." not in name:
+            continue
+        module = name.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+        b = adapter[name.replace("lora_A", "lora_B")]
+        weight = f"{module}.weight"
+        assert torch.allclose(base[weight] + scale * b @ a, merged[weight], atol=1e-5), weight
+    assert (saved / "model.safetensors").exists() and not (saved / "adapter_config.json").exists()
 
 
 @pytest.mark.timeout(300)
@@ -156,6 +183,8 @@ def test_lora_tp2_sp_equals_tp1_and_merged_export_is_the_trainers_model(tmp_path
                                                                     "gate_proj", "up_proj", "down_proj")}
         assert list(push["part"]) == push["sent"] and set(push["part"]) == adapted and len(adapted) == 2 * 7, key
         assert 0 < push["fraction"] < 1, push["fraction"]
+    for key in runs:  # the PEFT adapter: PEFT's names and config; base + alpha/r * B @ A is the merged export
+        _check_peft_adapter(tmp_path / f"{key}_hf", hf_dir, ref["exported"])
     hf = _hf_log_probs(hf_dir, ref["exported"], data)
     for got, want in zip(hf, ref["after"]):
         assert torch.allclose(torch.tensor(got), torch.tensor(want[-len(got):]), atol=1e-4)

@@ -493,3 +493,26 @@ def check_moe_checkpoint(reader: "_SafetensorsReader", hf_config: Any) -> None:
         raise HFCheckpointError(
             f"--hf-checkpoint {reader._dir} holds {found} experts per MoE layer, its config.json (and "
             f"--num-experts) says {arch.num_experts}; fix num_experts in config.json or use the matching checkpoint")
+
+
+PEFT_PREFIX = "base_model.model."
+
+
+@torch.no_grad()
+def export_peft_adapter(model_chunks: list[torch.nn.Module], hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """(PEFT name, full tensor) of every LoRA factor of this PP stage, as PEFT saves a LoRA adapter of the HF model:
+    `base_model.model.<hf module>.lora_A.weight` [r, in] and `.lora_B.weight` [out, r]. A fused layer (q/k/v,
+    gate/up) gives each HF module the shared A and its rows of B (the weight's own mapping splits B).
+    Every rank of a TP group iterates it together (split factors are gathered)."""
+    tp, _, tp_group = _tp()
+    for chunk in model_chunks:
+        model = unwrap_model(chunk)
+        for layer_name, layer in lora.adapted_layers(model):
+            a, b = (_gather_tp(p.detach(), p.partition_dim, tp, tp_group)
+                    if tp > 1 and getattr(p, "tensor_model_parallel", False) else p.detach()
+                    for p in (layer.lora.lora_A, layer.lora.lora_B))
+            mapping = _mapping_for(model, f"{layer_name}.weight", layer.weight, hf_config, tp)
+            for hf_name, b_part in zip(mapping.hf_names, mapping.to_hf(b)):
+                module = PEFT_PREFIX + hf_name.removesuffix(".weight")
+                yield f"{module}.lora_A.weight", a
+                yield f"{module}.lora_B.weight", b_part

@@ -419,6 +419,11 @@ class MegatronTrainActor:
         self.ledger.flush()  # on file before the driver may kill this process
         return {**metrics, **{f"weight_sync/{k.split('/')[-1]}": v for k, v in wake.items()}}
 
+    def _lora_config(self):
+        from slime.backends.megatron_utils.model import lora_config
+
+        return lora_config(self.args) if getattr(self.args, "enable_lora", False) else None
+
     def save(self, rollout_id: int) -> None:
         """--save (without the optimizer state under --no-save-optim), and --save-hf as HF safetensors."""
         from slime.backends.megatron_utils.checkpoint import save_checkpoint, save_hf_checkpoint
@@ -431,7 +436,7 @@ class MegatronTrainActor:
                             progress=self.ledger.note_progress, reference=reference, barrier=barrier)
             if self.args.save_hf:
                 save_hf_checkpoint(self.args.save_hf.format(rollout_id=rollout_id), self.model, self.hf_config,
-                                   self.args.hf_checkpoint, barrier=barrier)
+                                   self.args.hf_checkpoint, barrier=barrier, lora_config=self._lora_config())
 
 
 def log_prob_plan_args(args):
