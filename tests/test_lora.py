@@ -145,11 +145,27 @@ def _check_peft_adapter(saved, hf_dir, merged):
     assert (saved / "model.safetensors").exists() and not (saved / "adapter_config.json").exists()
 
 
+def _peft_logits_error(hf_dir, saved) -> tuple[float, float]:
+    """PEFT loads the adapter onto the base: its logits against the merged model's (and the base's, which differ)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    def load(path):
+        return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+    ids = torch.randint(1, 512, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        merged, base = load(saved)(ids).logits, load(hf_dir)(ids).logits
+        adapted = PeftModel.from_pretrained(load(hf_dir), str(saved / "lora_adapter")).eval()(ids).logits
+    return float((adapted - merged).abs().max()), float((base - merged).abs().max())
+
+
 @pytest.mark.timeout(300)
 def test_lora_tp2_sp_equals_tp1_and_merged_export_is_the_trainers_model(tmp_path):
     """TP1, TP2 and TP2 x SP, two steps from the initial adapters: the same log-probs, losses, grad norms,
     updated adapters (A and B gathered) and merged weights; only the adapters are trainable and in the optimizer, the base does not move; the
-    merged HF export loaded into transformers gives the trainer's log-probs after the step; a checkpoint
+    merged HF export loaded into transformers gives the trainer's log-probs after the step, and PEFT's load of the
+    exported adapter gives the merged model's logits; a checkpoint
     saved and loaded gives the next step bit for bit."""
     hf_dir = save_tiny_qwen3(str(tmp_path / "qwen3"))
     data = make_rollout(num_samples=4, seed=3)
@@ -185,6 +201,8 @@ def test_lora_tp2_sp_equals_tp1_and_merged_export_is_the_trainers_model(tmp_path
         assert 0 < push["fraction"] < 1, push["fraction"]
     for key in runs:  # the PEFT adapter: PEFT's names and config; base + alpha/r * B @ A is the merged export
         _check_peft_adapter(tmp_path / f"{key}_hf", hf_dir, ref["exported"])
+    peft_error, base_error = _peft_logits_error(hf_dir, tmp_path / "tp2_sp_hf")
+    assert peft_error < 1e-4 < base_error, (peft_error, base_error)
     hf = _hf_log_probs(hf_dir, ref["exported"], data)
     for got, want in zip(hf, ref["after"]):
         assert torch.allclose(torch.tensor(got), torch.tensor(want[-len(got):]), atol=1e-4)
