@@ -33,8 +33,9 @@ EXTRAS = {
     "gpu": [f"sglang>={SGLANG_OLDEST},<={SGLANG_NEWEST}", "flash-attn", "transformer-engine[pytorch]",
             "torch-memory-saver"],
     # tensorboard: the --use-tensorboard test; msgspec: SGLang's request types (the contract tests load them).
-    # pytest-xdist: `make test` runs on two workers.
-    "test": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "tensorboard>=2.14", "msgspec>=0.18"],
+    # pytest-xdist: `make test` runs on two workers. peft: the LoRA test loads the --save-hf adapter with it.
+    "test": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "tensorboard>=2.14", "msgspec>=0.18",
+             "peft>=0.17"],
 }
 
 setup(

@@ -6,6 +6,7 @@ import argparse
 
 from slime.config.checks.algorithm import check_algorithm, check_opd, check_plugins
 from slime.config.checks.critic import check_critic
+from slime.config.checks.lora import check_lora_flags
 from slime.config.checks.batching import check_batch_split, check_batching, check_context_parallel
 from slime.config.checks.model import check_model_shape, check_mtp, resolve_model_defaults
 from slime.config.checks.paths import check_paths, check_spec
@@ -47,6 +48,7 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
     check_logprob_mismatch(args)
     check_weight_sync(args)
     check_plugins(args)
+    check_lora_flags(args)
     check_opd(args)
     check_spec(args)
     check_ledger(args)

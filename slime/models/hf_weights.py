@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from slime.models import moe_hf
+from slime.models import lora, moe_hf
 from slime.models.registry import TEXT_PREFIX_ATTRIBUTE, family_of
 
 logger = logging.getLogger(__name__)
@@ -183,10 +183,11 @@ _EXPERT_BIAS = "mlp.router.expert_bias"
 
 
 def _weights(model: torch.nn.Module, mtp: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """What maps to HF tensors: every parameter, then the routers' expert-bias buffers (in module order); the MTP
-    layers' only with `mtp`."""
+    """What maps to HF tensors: every parameter but LoRA factors (merged into their layer's weight at export),
+    then the routers' expert-bias buffers (in module order); the MTP layers' only with `mtp`."""
     for name, tensor in (*model.named_parameters(), *model.named_buffers()):
-        is_weight = isinstance(tensor, torch.nn.Parameter) or (name.endswith(_EXPERT_BIAS) and tensor is not None)
+        is_weight = ((isinstance(tensor, torch.nn.Parameter) and not lora.is_adapter_param(name))
+                     or (name.endswith(_EXPERT_BIAS) and tensor is not None))
         if is_weight and (mtp or not name.startswith("mtp.")):
             yield name, tensor
 
@@ -382,15 +383,17 @@ def _ep_ranks(name: str, all_experts: bool) -> list[int | None]:
     return list(range(_expert_layout().ep)) if all_experts and _is_expert(name) else [None]
 
 
-def hf_tensor_shapes(model: torch.nn.Module, hf_config: Any, tp: int, *, all_experts: bool, mtp: bool = True
-                     ) -> Iterator[tuple[str, torch.Tensor]]:
+def hf_tensor_shapes(model: torch.nn.Module, hf_config: Any, tp: int, *, all_experts: bool, mtp: bool = True,
+                     select: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(hf name, meta tensor of its full shape and dtype) of every HF tensor of this chunk, no data.
 
     all_experts: as export_hf_weights yields them (every EP rank's experts, in its order); otherwise only
-    what this rank loads (its own experts). Tied output weights are skipped in export order, as there; `mtp` as
-    there."""
+    what this rank loads (its own experts). Tied output weights are skipped in export order, as there; `mtp` and
+    `select` as there."""
     for name, param in _weights(model, mtp):
         if all_experts and name == "output_layer.weight" and _tied(hf_config):
+            continue
+        if select is not None and not select(name):
             continue
         full = torch.empty(full_shape(name, param, tp), dtype=param.dtype, device="meta")
         for ep_rank in _ep_ranks(name, all_experts):
@@ -469,8 +472,8 @@ def _gather_tp(shard: torch.Tensor, partition_dim: int, tp: int, group: Any) -> 
 
 @torch.no_grad()
 def export_hf_weights(model_chunks: list[torch.nn.Module], hf_config: Any,
-                      read_param: Callable[[torch.Tensor], torch.Tensor] | None = None, mtp: bool = True
-                      ) -> Iterator[tuple[str, torch.Tensor]]:
+                      read_param: Callable[[torch.Tensor], torch.Tensor] | None = None, mtp: bool = True,
+                      select: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (hf_name, full tensor) for this PP stage's parameters, in a fixed order.
 
     Order: model chunks in order, then each chunk's named_parameters() order (identical on all
@@ -479,7 +482,9 @@ def export_hf_weights(model_chunks: list[torch.nn.Module], hf_config: Any,
     ranks of different DP/CP replicas or PP stages are independent. With tied embeddings the
     last stage's output_layer copy is skipped (HF ties lm_head to embed_tokens). `read_param` gives
     a parameter's value (default: the live tensor; a sleeping trainer serves its host copy). `mtp=False` leaves
-    the multi-token-prediction layers (and their copies of the embedding and output layer) out.
+    the multi-token-prediction layers (and their copies of the embedding and output layer) out. A layer with a
+    LoRA adapter yields its merged weight W + alpha/r * B @ A. `select` (megatron name -> bool) keeps a subset,
+    the same on every rank.
     """
     read = read_param or (lambda param: param.detach())
     tp, _, tp_group = _tp()
@@ -489,14 +494,24 @@ def export_hf_weights(model_chunks: list[torch.nn.Module], hf_config: Any,
         for name, param in _weights(model, mtp):
             if name == "output_layer.weight" and _tied(hf_config):
                 continue
+            if select is not None and not select(name):
+                continue
             if _is_expert(name):
                 yield from _export_expert(model, name, param, read(param), hf_config, experts)
                 continue
-            full = read(param)
+            full = _merged(model, name, read(param), read)
             if tp > 1 and getattr(param, "tensor_model_parallel", False):
                 full = _gather_tp(full, param.partition_dim, tp, tp_group)
             mapping = _mapping_for(model, name, param, hf_config, tp, mtp=mtp)
             yield from zip(mapping.hf_names, mapping.to_hf(full))
+
+
+def _merged(model: torch.nn.Module, name: str, value: torch.Tensor, read: Callable[[torch.Tensor], torch.Tensor]
+            ) -> torch.Tensor:
+    """This rank's shard of a weight with its LoRA update merged in (the value itself if it has no adapter)."""
+    owner, _, leaf = name.rpartition(".")
+    adapter = getattr(model.get_submodule(owner), lora.ADAPTER, None) if leaf == "weight" else None
+    return value + adapter.delta(read) if isinstance(adapter, lora.LoraAdapter) else value
 
 
 def _export_expert(model: torch.nn.Module, name: str, param: torch.Tensor, value: torch.Tensor, hf_config: Any,
@@ -539,3 +554,26 @@ def check_moe_checkpoint(reader: "_SafetensorsReader", hf_config: Any) -> None:
         raise HFCheckpointError(
             f"--hf-checkpoint {reader._dir} holds {found} experts per MoE layer, its config.json (and "
             f"--num-experts) says {arch.num_experts}; fix num_experts in config.json or use the matching checkpoint")
+
+
+PEFT_PREFIX = "base_model.model."
+
+
+@torch.no_grad()
+def export_peft_adapter(model_chunks: list[torch.nn.Module], hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """(PEFT name, full tensor) of every LoRA factor of this PP stage, as PEFT saves a LoRA adapter of the HF model:
+    `base_model.model.<hf module>.lora_A.weight` [r, in] and `.lora_B.weight` [out, r]. A fused layer (q/k/v,
+    gate/up) gives each HF module the shared A and its rows of B (the weight's own mapping splits B).
+    Every rank of a TP group iterates it together (split factors are gathered)."""
+    tp, _, tp_group = _tp()
+    for chunk in model_chunks:
+        model = unwrap_model(chunk)
+        for layer_name, layer in lora.adapted_layers(model):
+            a, b = (_gather_tp(p.detach(), p.partition_dim, tp, tp_group)
+                    if tp > 1 and getattr(p, "tensor_model_parallel", False) else p.detach()
+                    for p in (layer.lora.lora_A, layer.lora.lora_B))
+            mapping = _mapping_for(model, f"{layer_name}.weight", layer.weight, hf_config, tp)
+            for hf_name, b_part in zip(mapping.hf_names, mapping.to_hf(b)):
+                module = PEFT_PREFIX + hf_name.removesuffix(".weight")
+                yield f"{module}.lora_A.weight", a
+                yield f"{module}.lora_B.weight", b_part

@@ -59,6 +59,7 @@ from slime.distributed.fault_inject import (
 from slime.utils.deadlines import DeadlineModel
 from slime.utils.ppo_utils import compute_advantages_and_returns
 from slime.models import fused_kernels
+from slime.models.lora import adapted_weight_names
 from slime.models.registry import language_model_config
 
 logger = logging.getLogger(__name__)
@@ -109,7 +110,8 @@ class MegatronTrainActor:
         with self.watchdog.phase("init/load", deadline_s=self.deadlines.first_setup_s):
             self._fence_load_views()
             start = self._build_model()
-        self.weight_sync = WeightSync(self.args, self.hf_config, engine_urls)
+        self.weight_sync = WeightSync(self.args, self.hf_config, engine_urls,
+                                      select=adapted_weight_names(self.model) if getattr(self.args, "enable_lora", False) else None)
         return start
 
     def _weight_sources(self) -> dict[str, tuple[str, int | None]]:
@@ -425,6 +427,11 @@ class MegatronTrainActor:
         self.ledger.flush()  # on file before the driver may kill this process
         return {**metrics, **{f"weight_sync/{k.split('/')[-1]}": v for k, v in wake.items()}}
 
+    def _lora_config(self):
+        from slime.backends.megatron_utils.model import lora_config
+
+        return lora_config(self.args) if getattr(self.args, "enable_lora", False) else None
+
     def save(self, rollout_id: int) -> None:
         """--save (without the optimizer state under --no-save-optim), and --save-hf as HF safetensors."""
         from slime.backends.megatron_utils.checkpoint import save_checkpoint, save_hf_checkpoint
@@ -437,7 +444,7 @@ class MegatronTrainActor:
                             progress=self.ledger.note_progress, reference=reference, barrier=barrier)
             if self.args.save_hf:
                 save_hf_checkpoint(self.args.save_hf.format(rollout_id=rollout_id), self.model, self.hf_config,
-                                   self.args.hf_checkpoint, barrier=barrier)
+                                   self.args.hf_checkpoint, barrier=barrier, lora_config=self._lora_config())
 
 
 def log_prob_plan_args(args):

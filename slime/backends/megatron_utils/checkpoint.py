@@ -259,7 +259,7 @@ def restore_rng(root: str, iteration: int, rank: int) -> bool:
 
 @torch.no_grad()
 def save_hf_checkpoint(path: str, model_chunks: list, hf_config: Any, hf_source_dir: str | None, *,
-                       barrier: Callable[[str], None] = world_barrier) -> str:
+                       barrier: Callable[[str], None] = world_barrier, lora_config: Any = None) -> str:
     """--save-hf: the model as HF safetensors (one file per pipeline stage, with an index when PP > 1),
     plus the config and tokenizer files of --hf-checkpoint. Every rank calls (TP gathers inside export);
     the first TP/DP/CP rank of each PP stage writes."""
@@ -282,8 +282,41 @@ def save_hf_checkpoint(path: str, model_chunks: list, hf_config: Any, hf_source_
     dist.all_gather_object(names, (shard, sorted(tensors)) if writer else None)
     if dist.get_rank() == 0:
         _write_hf_side_files(path, [n for n in names if n is not None], pp, hf_source_dir)
+    if lora_config is not None:
+        save_peft_adapter(os.path.join(path, PEFT_ADAPTER_DIR), model_chunks, hf_config, lora_config, writer,
+                          base_model=hf_source_dir)
     barrier("hf_published")
     return path
+
+
+PEFT_ADAPTER_DIR = "lora_adapter"
+"""Where --save-hf puts the LoRA adapter in PEFT's format (beside the merged model, which stays a plain HF
+checkpoint: an adapter_config.json at its top would make transformers load it as an adapter)."""
+
+
+def save_peft_adapter(path: str, model_chunks: list, hf_config: Any, lora_config: Any, writer: bool,
+                      base_model: str | None) -> None:
+    """adapter_model.safetensors + adapter_config.json, as PEFT writes a LoRA adapter (single PP stage)."""
+    from megatron.core import parallel_state
+    from safetensors.torch import save_file
+
+    from slime.models.hf_weights import export_peft_adapter
+
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        raise NotImplementedError("the PEFT adapter export is written for one pipeline stage; the merged model "
+                                  "under --save-hf holds the adapters at any PP size")
+    tensors = {name: t.cpu().clone().contiguous() for name, t in export_peft_adapter(model_chunks, hf_config)}
+    if not writer:
+        return
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
+    modules = sorted({name.split(".")[-3] for name in tensors})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+              "r": lora_config.rank, "lora_alpha": lora_config.alpha, "lora_dropout": lora_config.dropout,
+              "target_modules": modules, "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
+              "use_rslora": False, "init_lora_weights": True}
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(config, f, indent=1)
 
 
 def _write_hf_side_files(path: str, shards: list, pp: int, hf_source_dir: str | None) -> None:

@@ -39,6 +39,7 @@ from slime.backends.megatron_utils import moe  # noqa: E402
 from slime.config import with_defaults  # noqa: E402
 from slime.models import fused_kernels  # noqa: E402
 from slime.models.local_spec import with_moe_mlp  # noqa: E402
+from slime.models.lora import LoraConfig, apply_lora  # noqa: E402
 from slime.models.mtp import check_mtp_layers  # noqa: E402
 from slime.models.mtp_model import MTPGPTModel, mtp_block_spec  # noqa: E402
 from slime.models.registry import family_of  # noqa: E402
@@ -137,7 +138,8 @@ MODEL_FLAGS = ("model_name", "untie_embeddings_and_output_weights", "bf16", "seq
                "fused_kernels", "transformer_impl", "spec", "custom_model_provider_path",
                "accumulate_allreduce_grads_in_fp32", "use_distributed_optimizer", "only_train_params_name_list",
                "freeze_params_name_list", "dsa_indexer_loss_coeff", "dsa_indexer_use_sparse_loss",
-               "mtp_num_layers", "enable_mtp_training", "mtp_loss_scaling_factor")
+               "mtp_num_layers", "enable_mtp_training", "mtp_loss_scaling_factor", "enable_lora",
+               "lora_target_modules", "lora_rank", "lora_alpha", "lora_dropout", "seed")
 
 
 def _check_against_args(arch: dict[str, Any], args: Namespace, flags: dict[str, str] = _ARCH_FLAGS) -> None:
@@ -537,6 +539,11 @@ def freeze_parameters(chunks: list[GPTModel], only_train: list[str] | None, free
     return frozen
 
 
+def lora_config(args: Namespace) -> LoraConfig:
+    return LoraConfig(targets=tuple(args.lora_target_modules), rank=args.lora_rank, alpha=args.lora_alpha,
+                      dropout=args.lora_dropout, seed=args.seed)
+
+
 def build_model_and_optimizer(args: Namespace, hf_config: Any):
     """(DDP model chunks, megatron optimizer, LR scheduler) for this rank.
 
@@ -547,6 +554,9 @@ def build_model_and_optimizer(args: Namespace, hf_config: Any):
     fused_kernels.configure(fused_kernel_impl(flags))
     chunks = _build_model_chunks(args, hf_config)
     freeze_parameters(chunks, flags.only_train_params_name_list, flags.freeze_params_name_list)
+    if flags.enable_lora:  # after the freeze lists: LoRA freezes the whole base itself
+        for chunk in chunks:
+            apply_lora(chunk, lora_config(flags))
     model = _wrap_ddp(flags, chunks)
     optimizer = get_megatron_optimizer(_optimizer_config(flags, chunks[0].config), model)
     return model, optimizer, _lr_scheduler(flags, optimizer)

@@ -68,12 +68,13 @@ ParamReader = Callable[[torch.Tensor], torch.Tensor]
 WeightSource = Callable[[Sequence[torch.nn.Module], Any, "ParamReader | None"], Iterable[tuple[str, torch.Tensor]]]
 
 
-def export_model_weights(model_chunks: Sequence[torch.nn.Module], hf_config: Any, read_param: ParamReader | None = None
-                         ) -> Iterable[tuple[str, torch.Tensor]]:
+def export_model_weights(model_chunks: Sequence[torch.nn.Module], hf_config: Any, read_param: ParamReader | None = None,
+                         select: Callable[[str], bool] | None = None) -> Iterable[tuple[str, torch.Tensor]]:
     """The default weight source: HF tensors gathered over TP from the model chunks' parameters, each read
-    through `read_param` (a sleeping trainer serves them from its host copy). The engines do not run the
+    through `read_param` (a sleeping trainer serves them from its host copy); `select` keeps a subset by megatron
+    name (a source passed to WeightSync with a `select` must take it too). The engines do not run the
     multi-token-prediction layers: those stay out of the push."""
-    return export_hf_weights(list(model_chunks), hf_config, read_param=read_param, mtp=False)
+    return export_hf_weights(list(model_chunks), hf_config, read_param=read_param, mtp=False, select=select)
 
 
 class WeightSyncPlanError(RuntimeError):
@@ -141,8 +142,8 @@ def pack_buckets(sizes: Iterable[tuple[str, int]], bucket_bytes: int) -> tuple[W
     return tuple(buckets)
 
 
-def hf_tensor_sizes(model_chunks: Sequence[torch.nn.Module], hf_config: Any, *, tp_size: int
-                    ) -> list[tuple[str, int]]:
+def hf_tensor_sizes(model_chunks: Sequence[torch.nn.Module], hf_config: Any, *, tp_size: int,
+                    select: Callable[[str], bool] | None = None) -> list[tuple[str, int]]:
     """(hf_name, bytes) in export_hf_weights' order, without collectives or copies.
 
     Exact: the mapping's to_hf runs on a meta tensor of the full (TP-gathered) shape, so fused
@@ -150,13 +151,14 @@ def hf_tensor_sizes(model_chunks: Sequence[torch.nn.Module], hf_config: Any, *, 
     """
     return [(name, t.numel() * t.element_size()) for chunk in model_chunks
             for name, t in hf_tensor_shapes(unwrap_model(chunk), hf_config, tp_size, all_experts=True,
-                                                mtp=False)]
+                                            mtp=False, select=select)]
 
 
 def build_weight_sync_plan(model_chunks: Sequence[torch.nn.Module], hf_config: Any, *, tp_size: int,
-                           bucket_bytes: int, pp_rank: int = 0) -> WeightSyncPlan:
+                           bucket_bytes: int, pp_rank: int = 0, select: Callable[[str], bool] | None = None
+                           ) -> WeightSyncPlan:
     """The bucket plan of this PP stage. Pure: same inputs, same plan, on every rank of the stage."""
-    buckets = pack_buckets(hf_tensor_sizes(model_chunks, hf_config, tp_size=tp_size), bucket_bytes)
+    buckets = pack_buckets(hf_tensor_sizes(model_chunks, hf_config, tp_size=tp_size, select=select), bucket_bytes)
     return WeightSyncPlan(buckets, sum(b.nbytes for b in buckets), pp_rank)
 
 
@@ -248,7 +250,11 @@ class WeightSync:
 
     def __init__(self, args: Any, hf_config: Any, engine_urls: Sequence[str], *, engine_kind: str | None = None,
                  timeouts: ClientTimeouts | None = None, transport: str | None = None,
-                 weight_source: WeightSource = export_model_weights) -> None:
+                 weight_source: WeightSource = export_model_weights, select: Callable[[str], bool] | None = None
+                 ) -> None:
+        """`select` (megatron name -> bool): what a push after the first sends (LoRA: only the adapted layers,
+        the rest is the frozen base the engines already hold); the first push, and the first after a retarget,
+        send every weight."""
         from slime.backends.sglang_utils.launcher import pick_rollout_backend
 
         self.hf_config = hf_config
@@ -275,6 +281,8 @@ class WeightSync:
         self.replicas_per_node = node_replica_count(args)
         self.node_host = getattr(args, "node_host", None)  # this rank's node address (its Ray actor sets it)
         self._node_engines: EngineSet | None = None
+        self.select = select
+        self._full_push_due = True
 
     @property
     def engines(self) -> EngineSet:
@@ -311,9 +319,10 @@ class WeightSync:
         phase = _phase_factory(watchdog)
         ledger = getattr(fence, "ledger", None)
 
+        select = None if self._full_push_due else self.select
         with phase("weight_sync/plan"):
             plan = build_weight_sync_plan(model_chunks, self.hf_config, tp_size=role.tp_size,
-                                          bucket_bytes=self.bucket_bytes, pp_rank=role.pp_rank)
+                                          bucket_bytes=self.bucket_bytes, pp_rank=role.pp_rank, select=select)
             fence("weight_sync/plan", self._plan_fields(plan, role, rollout_id))
         with phase("weight_sync/pause"):
             error = _attempt(self._pause_engines) if role.coordinator else None
@@ -323,14 +332,15 @@ class WeightSync:
         with phase("weight_sync/push"):
             if self.stages_in_order(role):
                 result = self._push_stages_in_order(model_chunks, plan, role, version, phase, ledger, read_param,
-                                                    fence, rollout_id)
+                                                    select, fence, rollout_id)
             else:
-                result = (self._push(model_chunks, plan, role, version, phase, ledger, read_param)
+                result = (self._push(model_chunks, plan, role, version, phase, ledger, read_param, select)
                           if role.exporter else _PushResult())
             _fence_outcome(fence, "weight_sync/pushed", rollout_id, result.error)
         with phase("weight_sync/resume"):
             error = _attempt(lambda: self._verify_and_resume(version)) if role.coordinator else None
             _fence_outcome(fence, "weight_sync/done", rollout_id, error)
+        self._full_push_due = False
         return self._metrics(result, version, time.perf_counter() - start)
 
     # -- phases --------------------------------------------------------------------------
@@ -353,10 +363,10 @@ class WeightSync:
         self._each_engine(lambda client: (client.pause_generation(), client.flush_cache(self.timeouts.control)))
 
     def _push(self, model_chunks, plan: WeightSyncPlan, role: SyncRole, version: str, phase, ledger,
-              read_param) -> _PushResult:
+              read_param, select) -> _PushResult:
         """Iterate the export to its end (TP collectives) whatever happens; send while nothing failed."""
         result = _PushResult()
-        exported = iter(self.weight_source(model_chunks, self.hf_config, read_param))
+        exported = iter(self._export(model_chunks, read_param, select))
         planned = iter_planned_buckets(plan, exported)
         result.error = _attempt(self.push_engines.begin_session) if role.sender else None
         session = role.sender and result.error is None
@@ -384,7 +394,7 @@ class WeightSync:
         return self.transport_kind == "distributed" and role.pp_size > 1
 
     def _push_stages_in_order(self, model_chunks, plan: WeightSyncPlan, role: SyncRole, version: str, phase,
-                              ledger, read_param, fence, rollout_id: int) -> _PushResult:
+                              ledger, read_param, select, fence, rollout_id: int) -> _PushResult:
         """Stage 0's push, fenced, then stage 1's, ...; each stage's group formed in its turn (first sync)."""
         result = _PushResult()
         for stage in range(role.pp_size):
@@ -395,9 +405,10 @@ class WeightSync:
                     error = _attempt(lambda: self._connect(device, stage, ledger))
                     result.error = result.error or error
                 if mine and role.exporter and result.error is None:
-                    result = self._push(model_chunks, plan, role, version, phase, ledger, read_param)
+                    result = self._push(model_chunks, plan, role, version, phase, ledger, read_param, select)
                 elif mine and role.exporter:
-                    self._drain_export(model_chunks, read_param)  # the TP peers run the export's gathers
+                    for _ in self._export(model_chunks, read_param, select):  # the TP peers run its gathers
+                        pass
                 _fence_outcome(fence, f"weight_sync/pushed_pp{stage}", rollout_id, result.error if mine else None)
         return result
 
@@ -417,9 +428,11 @@ class WeightSync:
             if entry is not None:
                 ledger.end(entry, error)
 
-    def _drain_export(self, model_chunks, read_param) -> None:
-        for _ in self.weight_source(model_chunks, self.hf_config, read_param):
-            pass
+    def _export(self, model_chunks, read_param, select):
+        """The weight source's tensors; `select` only where set (a custom source need not take it)."""
+        if select is None:
+            return self.weight_source(model_chunks, self.hf_config, read_param)
+        return self.weight_source(model_chunks, self.hf_config, read_param, select=select)
 
     def _send_bucket(self, bucket: WeightBucket, tensors: NamedTensors, version: str, plan: WeightSyncPlan,
                      ledger, result: _PushResult) -> None:
@@ -483,6 +496,7 @@ class WeightSync:
         """Aim the next syncs at these engines (some were restarted elsewhere): connections are rebuilt."""
         self.close()
         self.engine_urls = tuple(engine_urls)
+        self._full_push_due = True
 
 
 # ----------------------------------------------------------------------------- helpers

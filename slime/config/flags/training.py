@@ -47,6 +47,22 @@ def add_megatron_training_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log-probs-chunk-size", type=int, default=-1,
                    help="tokens per chunk of the log-prob computation (-1: one chunk)")
     g.add_argument("--seed", type=int, default=1234, help="seed of weight init, dropout and sampling")
+    add_lora_arguments(parser)
+
+
+LORA_TARGET_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("LoRA", "low-rank adapters on the tensor-parallel linear layers; the base is frozen")
+    g.add_argument("--enable-lora", action="store_true", default=False,
+                   help="train LoRA adapters only (the base weights are frozen and hold no optimizer state); the "
+                        "engines are served the merged weights W + alpha/rank * B @ A")
+    g.add_argument("--lora-target-modules", type=str, nargs="+", default=list(LORA_TARGET_MODULES),
+                   help=f"megatron linear layers that get an adapter (of {', '.join(LORA_TARGET_MODULES)})")
+    g.add_argument("--lora-rank", type=int, default=32, help="rank r of each adapter")
+    g.add_argument("--lora-alpha", type=float, default=32.0, help="adapter scale numerator: the update is alpha/r * B @ A")
+    g.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapter's input (training only)")
 
 
 def add_custom_megatron_arguments(parser: argparse.ArgumentParser) -> None:

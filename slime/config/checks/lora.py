@@ -1,0 +1,50 @@
+"""Checks of the LoRA flags against the HF config, before Ray starts: every target names a linear layer the model
+builder builds, and the rank fits each target layer's width."""
+
+from __future__ import annotations
+
+import argparse
+
+from slime.config.errors import fail
+from slime.config.flags.training import LORA_TARGET_MODULES
+
+
+def check_lora_flags(args: argparse.Namespace) -> None:
+    if not args.enable_lora:
+        return
+    if args.lora_rank <= 0:
+        fail(f"--lora-rank {args.lora_rank}: the adapter rank must be positive")
+    if not 0.0 <= args.lora_dropout < 1.0:
+        fail(f"--lora-dropout {args.lora_dropout}: a dropout probability in [0, 1)")
+    unknown = [t for t in args.lora_target_modules if t not in LORA_TARGET_MODULES]
+    if unknown:
+        fail(f"--lora-target-modules {' '.join(unknown)} names no module LoRA adapts; pick from "
+             f"{' '.join(LORA_TARGET_MODULES)} (megatron-core's names: linear_qkv holds q/k/v_proj, linear_fc1 "
+             "gate/up_proj, linear_proj o_proj, linear_fc2 down_proj)")
+
+
+def lora_layer_widths(config: dict) -> dict[str, int]:
+    """min(in, out) of each target layer of a dense HF config (the widest rank an adapter can use)."""
+    hidden = config.get("hidden_size")
+    heads = config.get("num_attention_heads")
+    head_dim = config.get("head_dim") or (hidden // heads if hidden and heads else None)
+    kv = config.get("num_key_value_heads") or heads
+    ffn = config.get("intermediate_size")
+    if not all(isinstance(v, int) for v in (hidden, heads, head_dim, kv, ffn)):
+        return {}
+    return {"linear_qkv": min(hidden, (heads + 2 * kv) * head_dim), "linear_proj": min(heads * head_dim, hidden),
+            "linear_fc1": min(hidden, 2 * ffn), "linear_fc2": min(ffn, hidden)}
+
+
+def check_lora_against_config(args: argparse.Namespace, config: dict, config_path: str) -> None:
+    if not args.enable_lora:
+        return
+    if config.get("kv_lora_rank") is not None and "linear_qkv" in args.lora_target_modules:
+        fail(f"--lora-target-modules linear_qkv names no module of {config_path}: its multi-latent attention has "
+             "no fused qkv layer; adapt linear_proj linear_fc1 linear_fc2")
+    widths = lora_layer_widths(config)
+    for target in args.lora_target_modules:
+        width = widths.get(target)
+        if width is not None and args.lora_rank > width:
+            fail(f"--lora-rank {args.lora_rank} is above the width of {target} ({width}, the smaller of its input "
+                 f"and output sizes in {config_path}); pick --lora-rank <= {width}")

@@ -1,0 +1,227 @@
+"""LoRA (slime/models/lora.py) on the tensor-parallel linear layers: TP2 (with and without SP) gives TP1's
+log-probs, loss, gradients and merged weights; the optimizer holds the adapters only; the merged export is what
+the trainer computes (a transformers model loaded with it gives the trainer's log-probs); adapters resume
+exactly; the push after the first sends the adapted layers only; bad LoRA flags fail before Ray starts."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from arg_testing import no_real_sglang, parse_error, parse_quiet  # noqa: F401 (fixture)
+from mp_utils import run_ranks
+from tiny_models import save_tiny_qwen3
+from train_step_harness import make_rollout
+
+pytestmark = pytest.mark.ranks
+
+LORA = dict(enable_lora=True, lora_target_modules=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
+            lora_rank=4, lora_alpha=8.0, lora_dropout=0.0, lr=0.05)
+
+
+def _full_factors(model):
+    """name -> (full A, full B) of every adapter, gathered over TP (the split factor's partition dim)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from slime.models.lora import adapted_layers
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    factors = {}
+    for name, layer in adapted_layers(model[0].module):
+        full = []
+        for param in (layer.lora.lora_A, layer.lora.lora_B):
+            value = param.detach()
+            if tp > 1 and getattr(param, "tensor_model_parallel", False):
+                shards = [torch.empty_like(value) for _ in range(tp)]
+                dist.all_gather(shards, value.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+                value = torch.cat(shards, dim=param.partition_dim)
+            full.append(value.clone())
+        factors[name] = tuple(full)
+    return factors
+
+
+def _resumes_exactly(model, optimizer, scheduler, data, plan, args, ckpt):
+    """Save, take a step, load, take the step again: the same loss and adapters, bit for bit."""
+    from slime.backends.megatron_utils.checkpoint import load_checkpoint, save_checkpoint
+    from slime.backends.megatron_utils.train_step import train_one_step
+
+    save_checkpoint(ckpt, 2, model, optimizer, scheduler)
+    first = train_one_step(model, optimizer, scheduler, data, plan, args).loss, _full_factors(model)
+    load_checkpoint(ckpt, model, optimizer, scheduler)
+    again = train_one_step(model, optimizer, scheduler, data, plan, args).loss, _full_factors(model)
+    return first[0] == again[0] and all(torch.equal(a, b) for name in first[1]
+                                        for a, b in zip(first[1][name], again[1][name]))
+
+
+def _push_subset(model, hf_config, tp):
+    """The plan and the export of a push after the first: the adapted layers' (merged) weights only."""
+    from slime.backends.megatron_utils.update_weight import build_weight_sync_plan
+    from slime.models.hf_weights import export_hf_weights
+    from slime.models.lora import adapted_weight_names
+
+    select = adapted_weight_names(model)
+    full = build_weight_sync_plan(model, hf_config, tp_size=tp, bucket_bytes=1 << 16)
+    part = build_weight_sync_plan(model, hf_config, tp_size=tp, bucket_bytes=1 << 16, select=select)
+    sent = [name for name, _ in export_hf_weights(model, hf_config, select=select)]
+    return dict(full=full.names(), part=part.names(), sent=sent, fraction=part.total_bytes / full.total_bytes)
+
+
+def _lora_child(rank, world, layout, hf_dir, data, ckpt):
+    from slime.backends.megatron_utils.train_step import compute_log_probs, train_one_step
+    from slime_plugins.models.hf_weights import export_hf_weights
+    from train_step_harness import build_loaded_model, layout_args, plans_for_this_rank
+    from transformers import AutoConfig
+
+    args = layout_args({**layout, **LORA})
+    model, optimizer, scheduler = build_loaded_model(args, hf_dir)
+    trainable = [n for n, p in model[0].module.named_parameters() if p.requires_grad]
+    in_optimizer = sum(len(g["params"]) for opt in getattr(optimizer, "chained_optimizers", [optimizer])
+                       for g in opt.optimizer.param_groups)
+    data = copy.deepcopy(data)
+    (plan,) = plans_for_this_rank(data, args)
+    log_probs = compute_log_probs(model, data, plan, args)
+    rows = [row if row else [0.0] * n for row, n in zip(log_probs, data["response_lengths"])]
+    data["log_probs"] = [[v + 0.05 * (j % 3) for j, v in enumerate(row)] for row in rows]
+    data["ref_log_probs"] = [[v - 0.1 for v in row] for row in rows]
+    data["rollout_log_probs"] = [[v + 0.02 for v in row] for row in rows]
+    base_before = {n: p.detach().clone() for n, p in model[0].module.named_parameters() if not p.requires_grad}
+    # B starts at zero (so A gets no gradient): the second step is the one where both factors learn
+    first = train_one_step(model, optimizer, scheduler, data, plan, args)
+    result = train_one_step(model, optimizer, scheduler, data, plan, args)
+    base_moved = [n for n, p in model[0].module.named_parameters() if not p.requires_grad
+                  and not torch.equal(p.detach(), base_before[n])]
+    exported = {n: t.clone() for n, t in export_hf_weights(model, AutoConfig.from_pretrained(hf_dir))}
+    after = compute_log_probs(model, data, plan, args)
+    from slime.backends.megatron_utils.checkpoint import save_hf_checkpoint
+    from slime.backends.megatron_utils.model import lora_config
+
+    save_hf_checkpoint(ckpt + "_hf", model, AutoConfig.from_pretrained(hf_dir), hf_dir, lora_config=lora_config(args))
+    push, factors = _push_subset(model, AutoConfig.from_pretrained(hf_dir), world), _full_factors(model)
+    resumed = _resumes_exactly(model, optimizer, scheduler, data, plan, args, ckpt)
+    return dict(push=push, resumed=resumed, log_probs=log_probs, after=after, first_loss=first.loss, loss=result.loss, grad_norm=result.grad_norm,
+                factors=factors, exported=exported if rank == 0 else None, trainable=trainable,
+                in_optimizer=in_optimizer, base_moved=base_moved)
+
+
+def _hf_log_probs(hf_dir, exported, data):
+    """Log-probs of the responses under a transformers model holding the exported (merged) weights."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    missing, unexpected = model.load_state_dict(exported, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"} - set(exported), (missing, unexpected)
+    out = []
+    with torch.no_grad():
+        for tokens, n in zip(data["tokens"], data["response_lengths"]):
+            logits = model(torch.tensor([tokens])).logits[0].float()
+            lp = torch.log_softmax(logits[:-1], dim=-1).gather(1, torch.tensor(tokens[1:])[:, None])[:, 0]
+            out.append(lp[-n:].tolist())
+    return out
+
+
+def _check_peft_adapter(saved, hf_dir, merged):
+    import json
+
+    from safetensors.torch import load_file
+
+    config = json.loads((saved / "lora_adapter" / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == LORA["lora_rank"]
+    assert sorted(config["target_modules"]) == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                       "up_proj", "down_proj"])
+    adapter = load_file(str(saved / "lora_adapter" / "adapter_model.safetensors"))
+    base = load_file(f"{hf_dir}/model.safetensors")
+    assert len(adapter) == 2 * 2 * 7
+    scale = LORA["lora_alpha"] / LORA["lora_rank"]
+    for name, a in adapter.items():
+        if ".lora_A." not in name:
+            continue
+        module = name.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+        b = adapter[name.replace("lora_A", "lora_B")]
+        weight = f"{module}.weight"
+        assert torch.allclose(base[weight] + scale * b @ a, merged[weight], atol=1e-5), weight
+    assert (saved / "model.safetensors").exists() and not (saved / "adapter_config.json").exists()
+
+
+def _peft_logits_error(hf_dir, saved) -> tuple[float, float]:
+    """PEFT loads the adapter onto the base: its logits against the merged model's (and the base's, which differ)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    def load(path):
+        return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+    ids = torch.randint(1, 512, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        merged, base = load(saved)(ids).logits, load(hf_dir)(ids).logits
+        adapted = PeftModel.from_pretrained(load(hf_dir), str(saved / "lora_adapter")).eval()(ids).logits
+    return float((adapted - merged).abs().max()), float((base - merged).abs().max())
+
+
+@pytest.mark.timeout(300)
+def test_lora_tp2_sp_equals_tp1_and_merged_export_is_the_trainers_model(tmp_path):
+    """TP1, TP2 and TP2 x SP, two steps from the initial adapters: the same log-probs, losses, grad norms,
+    updated adapters (A and B gathered) and merged weights; only the adapters are trainable and in the optimizer, the base does not move; the
+    merged HF export loaded into transformers gives the trainer's log-probs after the step, and PEFT's load of the
+    exported adapter gives the merged model's logits; a checkpoint
+    saved and loaded gives the next step bit for bit."""
+    hf_dir = save_tiny_qwen3(str(tmp_path / "qwen3"))
+    data = make_rollout(num_samples=4, seed=3)
+    layouts = {"tp1": ({}, 1), "tp2": (dict(tensor_model_parallel_size=2), 2),
+               "tp2_sp": (dict(tensor_model_parallel_size=2, sequence_parallel=True), 2)}
+    runs = {key: run_ranks(_lora_child, world, args=(layout, hf_dir, data, str(tmp_path / key)), timeout_s=240)
+            for key, (layout, world) in layouts.items()}
+    ref = runs["tp1"][0]
+    assert len(ref["trainable"]) == 2 * 4 * 2 and all(".lora.lora_" in n for n in ref["trainable"])
+    assert ref["in_optimizer"] == len(ref["trainable"]) and ref["base_moved"] == []
+    assert ref["resumed"], "--save/--load did not restore the adapters and their optimizer state"
+    assert ref["grad_norm"] > 0 and ref["after"] != ref["log_probs"], "the adapters did not learn"
+    assert ref["first_loss"] != ref["loss"]
+    for key in ("tp2", "tp2_sp"):
+        for r in runs[key]:
+            assert r["in_optimizer"] == len(r["trainable"]) and r["base_moved"] == []
+            assert r["resumed"], f"{key}: --save/--load did not restore the adapters and their optimizer state"
+            assert abs(r["loss"] - ref["loss"]) < 1e-5 and abs(r["grad_norm"] - ref["grad_norm"]) < 1e-5, key
+            for got, want in zip(r["log_probs"] + r["after"], ref["log_probs"] + ref["after"]):
+                assert torch.allclose(torch.tensor(got), torch.tensor(want), atol=1e-4), key
+            for name, (a, b) in ref["factors"].items():
+                assert torch.allclose(r["factors"][name][0], a, atol=2e-5), (key, name, "A")
+                if "linear_fc1" not in name:  # a TP shard of fc1 holds [gate_r; up_r]: the merged export checks it
+                    assert torch.allclose(r["factors"][name][1], b, atol=2e-5), (key, name, "B")
+        exported = runs[key][0]["exported"]
+        assert sorted(exported) == sorted(ref["exported"])
+        assert max(float((exported[n] - t).abs().max()) for n, t in ref["exported"].items()) < 2e-5, key
+    for key, results in runs.items():
+        push = results[0]["push"]
+        adapted = {n for n in push["full"] if n.split(".")[-2] in ("q_proj", "k_proj", "v_proj", "o_proj",
+                                                                    "gate_proj", "up_proj", "down_proj")}
+        assert list(push["part"]) == push["sent"] and set(push["part"]) == adapted and len(adapted) == 2 * 7, key
+        assert 0 < push["fraction"] < 1, push["fraction"]
+    for key in runs:  # the PEFT adapter: PEFT's names and config; base + alpha/r * B @ A is the merged export
+        _check_peft_adapter(tmp_path / f"{key}_hf", hf_dir, ref["exported"])
+    peft_error, base_error = _peft_logits_error(hf_dir, tmp_path / "tp2_sp_hf")
+    assert peft_error < 1e-4 < base_error, (peft_error, base_error)
+    hf = _hf_log_probs(hf_dir, ref["exported"], data)
+    for got, want in zip(hf, ref["after"]):
+        assert torch.allclose(torch.tensor(got), torch.tensor(want[-len(got):]), atol=1e-4)
+
+
+# ------------------------------------------------------------------ flags, before Ray starts
+
+
+def test_lora_flags_are_checked_before_ray(tmp_path, capsys):
+    hf_dir = save_tiny_qwen3(str(tmp_path / "qwen3"))  # hidden 64, heads 4 x 16, ffn 128
+    (tmp_path / "p.jsonl").write_text('{"input": "1"}\n')
+    minimal = ["--rollout-batch-size", "2", "--num-rollout", "1", "--actor-num-gpus-per-node", "1",
+               "--train-backend-device", "cpu", "--hf-checkpoint", hf_dir, "--prompt-data", str(tmp_path / "p.jsonl")]
+    err = parse_error(minimal + ["--enable-lora", "--lora-target-modules", "linear_qkv", "q_proj"], capsys)
+    assert "--lora-target-modules q_proj names no module" in err and "linear_qkv holds q/k/v_proj" in err
+    assert "--lora-rank 0: the adapter rank must be positive" in parse_error(
+        minimal + ["--enable-lora", "--lora-rank", "0"], capsys)
+    err = parse_error(minimal + ["--enable-lora", "--lora-rank", "65", "--lora-target-modules", "linear_fc1",
+                                 "linear_proj"], capsys)
+    assert "--lora-rank 65 is above the width of linear_fc1 (64" in err
+    assert parse_quiet(minimal + ["--enable-lora", "--lora-rank", "64"]).lora_rank == 64
+    assert not parse_quiet(minimal + ["--lora-rank", "1000"]).enable_lora  # LoRA off: its flags are not checked
