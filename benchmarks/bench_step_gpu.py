@@ -67,7 +67,7 @@ import torch  # noqa: E402
 PATHS = ("fused", "new", "old", "grouped", "sequential")
 KERNEL_OF_PATH = {"fused": "causal", "new": "causal", "old": "masked", "grouped": "causal", "sequential": "causal"}
 EXPERT_PATHS = ("grouped", "sequential")  # the new path with MoE experts as grouped GEMMs / SequentialMLP's loop
-ATTENTION_PATHS = ("new", "old")  # the attention phase compares the two kernels
+ATTENTION_PATHS = ("new", "old", "split")  # the attention phase compares the kernels ("split": CP chunks by lse)
 OOM_EXIT_CODE = 3
 
 
@@ -296,7 +296,8 @@ class AttentionCase:
         self.grad = make(seq_len // cp_size, heads)
         self.plan = cp_attention.attention_plan((seq_len,), cp_size, 0, device)
         self.scale = head_dim ** -0.5
-        self.kernels = {"new": cp_attention.attend_causal, "old": cp_attention.attend_masked}
+        self.kernels = {"new": cp_attention.attend_causal, "old": cp_attention.attend_masked,
+                        "split": cp_attention.attend_split}
 
     def run(self, path: str) -> tuple[torch.Tensor, ...]:
         for x in (self.q, self.k, self.v):
@@ -355,6 +356,10 @@ def bench_attention_case(seq_len: int, shape: tuple[int, int, int], cp_size: int
         new, old = case.run("new"), case.run("old")
         result["rel_error"] = {name: _relative_error(a, b) for name, a, b in zip(("out", "dq", "dk", "dv"), new, old)}
         result["speedup"] = result["new"]["tflops"] / result["old"]["tflops"]
+        if "error" not in result["split"]:
+            split = case.run("split")
+            result["split_rel_error"] = {name: _relative_error(a, b) for name, a, b in
+                                         zip(("out", "dq", "dk", "dv"), split, old)}
     result["new_path_syncs"] = _new_path_syncs(case, device)
     result["new_path_kernels"] = _attention_kernels(case)
     del case
@@ -372,7 +377,8 @@ def attention_line(r: dict) -> str:
                      f"{path} {m['tflops']:.0f} TFLOP/s {m['ms']:.2f} ms peak {m['peak_gib']:.2f} GiB")
     ratio = f"new/old = {r['speedup']:.2f}x; " if "speedup" in r else ""
     err = max(r["rel_error"].values()) if "rel_error" in r else float("nan")
-    return (f"RATIO attention {name}: {ratio}{'; '.join(parts)}; max rel diff {err:.1e}; "
+    split_err = max(r["split_rel_error"].values()) if "split_rel_error" in r else float("nan")
+    return (f"RATIO attention {name}: {ratio}{'; '.join(parts)}; max rel diff {err:.1e} (split {split_err:.1e}); "
             f"new-path syncs {sum(r['new_path_syncs'].values())}; kernels {r['new_path_kernels'][:3]}")
 
 
@@ -397,7 +403,8 @@ def run_attention(argv: list[str]) -> int:
                 r = bench_attention_case(seq_len, shape, cp_size, opts, device, dtype)
                 results.append(r)
                 print(attention_line(r), flush=True)
-                if "rel_error" not in r or max(r["rel_error"].values()) > ATTENTION_TOLERANCE[opts.dtype]:
+                errors = [*r.get("rel_error", {}).values(), *r.get("split_rel_error", {}).values()]
+                if "rel_error" not in r or max(errors) > ATTENTION_TOLERANCE[opts.dtype]:
                     failures.append(f"MISMATCH or failure: {attention_line(r)}")
                 if r["new_path_syncs"]:
                     failures.append(f"SYNC in the new attention path: {r['new_path_syncs']}")
