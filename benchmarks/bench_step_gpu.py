@@ -44,7 +44,6 @@ import contextlib
 import copy
 import gc
 import json
-import math
 import os
 import statistics
 import sys
