@@ -44,7 +44,6 @@ import contextlib
 import copy
 import gc
 import json
-import math
 import os
 import statistics
 import sys
@@ -67,13 +66,15 @@ import torch  # noqa: E402
 PATHS = ("fused", "new", "old", "grouped", "sequential")
 KERNEL_OF_PATH = {"fused": "causal", "new": "causal", "old": "masked", "grouped": "causal", "sequential": "causal"}
 EXPERT_PATHS = ("grouped", "sequential")  # the new path with MoE experts as grouped GEMMs / SequentialMLP's loop
-ATTENTION_PATHS = ("new", "old")  # the attention phase compares the two kernels
+ATTENTION_PATHS = ("new", "old", "split")  # the attention phase compares the kernels ("split": CP chunks by lse)
 OOM_EXIT_CODE = 3
 
 
 @dataclass(frozen=True, kw_only=True)
 class ModelShape:
-    """A Qwen3-style decoder (SwiGLU MLP, GQA, RMSNorm), dense or MoE (every layer routed, top-k experts)."""
+    """A Qwen3-style decoder (SwiGLU MLP, GQA, RMSNorm), dense or MoE (every layer routed, top-k experts); or,
+    with `kv_lora_rank`, a GLM-4.7-Flash-style one (multi-latent attention, the first `dense_layers` MLPs dense,
+    the others routed plus `shared_experts`)."""
 
     layers: int
     hidden: int
@@ -91,6 +92,13 @@ class ModelShape:
     linear_key_heads: int = 0
     linear_value_heads: int = 0
     linear_head_dim: int = 0
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    """> 0: multi-latent attention; head_dim is then the no-RoPE query/key width (qk_nope_head_dim)."""
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    shared_experts: int = 0
+    dense_layers: int = 0
 
     @property
     def full_layers(self) -> int:
@@ -100,20 +108,37 @@ class ModelShape:
         """Weights every token multiplies with (projections, MLP or its router and top-k experts: the ACTIVE
         parameters, LM head; no embedding lookup, norms). A hybrid's full-attention q_proj also gives the gate."""
         h, d = self.hidden, self.head_dim
-        mlp = 3 * h * self.moe_ffn_hidden * self.topk + h * self.num_experts if self.num_experts \
-            else 3 * h * self.ffn_hidden
+        routed = 3 * h * self.moe_ffn_hidden * (self.topk + self.shared_experts) + h * self.num_experts
+        dense = 3 * h * self.ffn_hidden
+        mlp = (self.layers - self.dense_layers) * routed + self.dense_layers * dense if self.num_experts \
+            else self.layers * dense
         gate = 1 if self.full_attention_every else 0
-        attention = h * ((1 + gate) * self.heads + 2 * self.kv_heads) * d + self.heads * d * h
+        attention = self._latent_attention() if self.kv_lora_rank else \
+            h * ((1 + gate) * self.heads + 2 * self.kv_heads) * d + self.heads * d * h
         hk, hv, dl = self.linear_key_heads, self.linear_value_heads, self.linear_head_dim
         delta_net = h * (2 * hk * dl + 2 * hv * dl + 2 * hv) + hv * dl * h
         linear_layers = self.layers - self.full_layers
-        return self.layers * mlp + self.full_layers * attention + linear_layers * delta_net + h * self.vocab
+        return mlp + self.full_layers * attention + linear_layers * delta_net + h * self.vocab
+
+    def _latent_attention(self) -> int:
+        """MLA's projections: q down/up, the joint kv down (latent + shared RoPE key), kv up, output."""
+        h, n, rope = self.hidden, self.heads, self.qk_rope_head_dim
+        q = h * self.q_lora_rank + self.q_lora_rank * n * (self.head_dim + rope)
+        kv = h * (self.kv_lora_rank + rope) + self.kv_lora_rank * n * (self.head_dim + self.v_head_dim)
+        return q + kv + n * self.v_head_dim * h
+
+    @property
+    def attention_width(self) -> float:
+        """Half of (query-key width + value width): 2 x this x heads x L^2 is causal attention's forward."""
+        if not self.kv_lora_rank:
+            return self.head_dim
+        return (self.head_dim + self.qk_rope_head_dim + self.v_head_dim) / 2
 
     def forward_flops(self, seq_lens: list[int]) -> float:
         """Model FLOPs of one forward over sequences of these lengths: causal attention in the full-attention
         layers; in a DeltaNet layer, per token and value head, the chunked rule's intra-chunk products
         (2 x 64 x 2 x head dim) and the state's update and read (6 x head dim^2)."""
-        attention = sum(2 * self.full_layers * self.heads * self.head_dim * n * n for n in seq_lens)
+        attention = sum(2 * self.full_layers * self.heads * self.attention_width * n * n for n in seq_lens)
         dl = self.linear_head_dim
         delta_rule = (self.layers - self.full_layers) * self.linear_value_heads * (4 * 64 * dl + 6 * dl * dl)
         return (2.0 * self.matmul_params() + delta_rule) * sum(seq_lens) + attention
@@ -133,6 +158,16 @@ MODELS = {
                                  linear_head_dim=128),
     "tiny-hybrid": ModelShape(layers=4, hidden=64, heads=4, kv_heads=2, head_dim=16, ffn_hidden=128, vocab=1024,
                               full_attention_every=4, linear_key_heads=2, linear_value_heads=4, linear_head_dim=16),
+    # GLM-4.7-Flash's layers (MLA, 64 experts top-4 behind the sigmoid router, one shared expert, the first MLP
+    # dense) with 8 of its 47 layers: about the same parameters as the Qwen3-30B-A3B 8-layer shape
+    "glm-4.7-flash-8l": ModelShape(layers=8, hidden=2048, heads=20, kv_heads=20, head_dim=192, ffn_hidden=10240,
+                                   vocab=154880, num_experts=64, topk=4, moe_ffn_hidden=1536, tied=False,
+                                   q_lora_rank=768, kv_lora_rank=512, qk_rope_head_dim=64, v_head_dim=256,
+                                   shared_experts=1, dense_layers=1),
+    "tiny-glm-moe-lite": ModelShape(layers=3, hidden=64, heads=4, kv_heads=4, head_dim=16, ffn_hidden=96, vocab=512,
+                                    num_experts=8, topk=2, moe_ffn_hidden=32, tied=False, q_lora_rank=32,
+                                    kv_lora_rank=24, qk_rope_head_dim=8, v_head_dim=12, shared_experts=1,
+                                    dense_layers=1),
     "tiny-moe": ModelShape(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, ffn_hidden=128,
                            num_experts=8, topk=2, moe_ffn_hidden=32, tied=False),
 }
@@ -260,7 +295,8 @@ class AttentionCase:
         self.grad = make(seq_len // cp_size, heads)
         self.plan = cp_attention.attention_plan((seq_len,), cp_size, 0, device)
         self.scale = head_dim ** -0.5
-        self.kernels = {"new": cp_attention.attend_causal, "old": cp_attention.attend_masked}
+        self.kernels = {"new": cp_attention.attend_causal, "old": cp_attention.attend_masked,
+                        "split": cp_attention.attend_split}
 
     def run(self, path: str) -> tuple[torch.Tensor, ...]:
         for x in (self.q, self.k, self.v):
@@ -319,6 +355,10 @@ def bench_attention_case(seq_len: int, shape: tuple[int, int, int], cp_size: int
         new, old = case.run("new"), case.run("old")
         result["rel_error"] = {name: _relative_error(a, b) for name, a, b in zip(("out", "dq", "dk", "dv"), new, old)}
         result["speedup"] = result["new"]["tflops"] / result["old"]["tflops"]
+        if "error" not in result["split"]:
+            split = case.run("split")
+            result["split_rel_error"] = {name: _relative_error(a, b) for name, a, b in
+                                         zip(("out", "dq", "dk", "dv"), split, old)}
     result["new_path_syncs"] = _new_path_syncs(case, device)
     result["new_path_kernels"] = _attention_kernels(case)
     del case
@@ -336,7 +376,8 @@ def attention_line(r: dict) -> str:
                      f"{path} {m['tflops']:.0f} TFLOP/s {m['ms']:.2f} ms peak {m['peak_gib']:.2f} GiB")
     ratio = f"new/old = {r['speedup']:.2f}x; " if "speedup" in r else ""
     err = max(r["rel_error"].values()) if "rel_error" in r else float("nan")
-    return (f"RATIO attention {name}: {ratio}{'; '.join(parts)}; max rel diff {err:.1e}; "
+    split_err = max(r["split_rel_error"].values()) if "split_rel_error" in r else float("nan")
+    return (f"RATIO attention {name}: {ratio}{'; '.join(parts)}; max rel diff {err:.1e} (split {split_err:.1e}); "
             f"new-path syncs {sum(r['new_path_syncs'].values())}; kernels {r['new_path_kernels'][:3]}")
 
 
@@ -361,7 +402,8 @@ def run_attention(argv: list[str]) -> int:
                 r = bench_attention_case(seq_len, shape, cp_size, opts, device, dtype)
                 results.append(r)
                 print(attention_line(r), flush=True)
-                if "rel_error" not in r or max(r["rel_error"].values()) > ATTENTION_TOLERANCE[opts.dtype]:
+                errors = [*r.get("rel_error", {}).values(), *r.get("split_rel_error", {}).values()]
+                if "rel_error" not in r or max(errors) > ATTENTION_TOLERANCE[opts.dtype]:
                     failures.append(f"MISMATCH or failure: {attention_line(r)}")
                 if r["new_path_syncs"]:
                     failures.append(f"SYNC in the new attention path: {r['new_path_syncs']}")
@@ -432,12 +474,29 @@ def hybrid_config(shape: ModelShape):
         tie_word_embeddings=shape.tied, architectures=["Qwen3_5ForCausalLM"])
 
 
+def latent_moe_config(shape: ModelShape):
+    """transformers' GLM-4.7-Flash config of a multi-latent-attention MoE shape (its other fields: the release's)."""
+    from transformers import Glm4MoeLiteConfig
+
+    kinds = ["dense" if i < shape.dense_layers else "sparse" for i in range(shape.layers)]
+    return Glm4MoeLiteConfig(
+        vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.ffn_hidden,
+        moe_intermediate_size=shape.moe_ffn_hidden, num_hidden_layers=shape.layers, mlp_layer_types=kinds,
+        num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, n_routed_experts=shape.num_experts,
+        num_experts_per_tok=shape.topk, n_shared_experts=shape.shared_experts, q_lora_rank=shape.q_lora_rank,
+        kv_lora_rank=shape.kv_lora_rank, qk_nope_head_dim=shape.head_dim, qk_rope_head_dim=shape.qk_rope_head_dim,
+        v_head_dim=shape.v_head_dim, max_position_embeddings=40960, tie_word_embeddings=shape.tied,
+        pad_token_id=0, architectures=["Glm4MoeLiteForCausalLM"])
+
+
 def write_config_checkpoint(out_dir: str, shape: ModelShape) -> str:
     """An HF directory holding only config.json (weights stay at megatron's init)."""
     from slime.tools.tiny_checkpoint import TinyQwen3Spec, build_config
 
     if shape.full_attention_every:
         return _publish_config(out_dir, hybrid_config(shape))
+    if shape.kv_lora_rank:
+        return _publish_config(out_dir, latent_moe_config(shape))
     spec = TinyQwen3Spec(layers=shape.layers, hidden=shape.hidden, heads=shape.heads, kv_heads=shape.kv_heads,
                          head_dim=shape.head_dim, ffn_hidden=shape.ffn_hidden, max_position_embeddings=40960,
                          tie_word_embeddings=shape.tied, num_experts=shape.num_experts, moe_topk=shape.topk or 2,

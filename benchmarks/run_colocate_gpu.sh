@@ -8,6 +8,9 @@
 #   moe-replay  the loop on a Qwen3-MoE-shaped model (32 experts, top-4), bf16, twice: without and with
 #           --use-rollout-routing-replay; train/train_rollout_logprob_abs_diff of each (ROLLOUTS, default 8);
 #           MOE_EXTRA adds flags (e.g. --no-moe-grouped-gemm), MOE_TAG names its outputs, MOE_REPLAYS picks "off on"
+#   loop-qwen3.5  the loop on a Qwen3.5-shaped hybrid written by transformers' Qwen3_5ForCausalLM (Qwen3.5-0.8B's
+#           widths, 3 gated DeltaNet : 1 gated attention, QWEN35_LAYERS layers, default 24; the demo's characters),
+#           ROLLOUTS rollouts (default 8); outputs loop_qwen3.5*
 #   push    the loop's model pushed into one embedded engine on the same GPU, shared-memory file vs CUDA IPC
 #           side by side (benchmarks/bench_weight_push_gpu.py), next to the GPU's copy bandwidth
 #   footprint  a trainer-like process's device memory outside PyTorch's allocator, item by item
@@ -47,7 +50,59 @@ counting_model() {  # the loop's model: a Qwen3-0.6B-shaped body over the demo's
   python3 -m slime.tools.demo_prompts --task counting --n 400 --out /tmp/counting.jsonl > /dev/null
 }
 
+# The learnable counting task (examples/run_cpu_demo.sh) on $MODEL (by default a Qwen3-0.6B-shaped body: 24 layers,
+# hidden 1024, 16/8 heads, FFN 3072) over the demo's character vocabulary, random init, bf16: rewards
+# vary inside groups from rollout 0, so every step moves the weights and a push that lost them
+# would show in train/train_rollout_logprob_abs_diff.
+run_loop() {
+  timeout ${LOOP_TIMEOUT:-480} python3 train.py --hf-checkpoint $MODEL --rollout-backend embedded \
+    --prompt-data /tmp/counting.jsonl --input-key prompt --label-key label --rollout-shuffle \
+    --custom-rm-path examples.counting_reward.reward \
+    --actor-num-nodes 1 --actor-num-gpus-per-node "$NGPU" --colocate --rollout-num-gpus-per-engine 1 \
+    ${LAYOUT:-} --use-dynamic-batch-size --max-tokens-per-gpu 8192 --calculate-per-token-loss --use-slime-router \
+    --num-rollout ${ROLLOUTS:-24} --rollout-batch-size 8 --n-samples-per-prompt 8 --num-steps-per-rollout 2 \
+    --rollout-max-response-len 3 --rollout-temperature 1.0 \
+    --advantage-estimator grpo --use-kl-loss --kl-loss-coef 0.01 --kl-loss-type low_var_kl --entropy-coef 0.001 \
+    --optimizer adam --lr ${LR:-1e-4} --lr-decay-style constant --bf16 \
+    --attention-dropout 0.0 --hidden-dropout 0.0 --fence-timeout 120 --seed 1234 ${LOOP_EXTRA:-} \
+    --metrics-jsonl "$OUT/loop${LOOP_TAG:-}_metrics.jsonl" > "$OUT/loop${LOOP_TAG:-}.log" 2>&1
+  echo "loop${LOOP_TAG:-} rc=$?"; grep -h "training stopped\|Traceback\|Error" "$OUT/loop${LOOP_TAG:-}.log" | head -5
+  python3 benchmarks/colocate_summary.py "$OUT/loop${LOOP_TAG:-}_metrics.jsonl" | tee "$OUT/loop${LOOP_TAG:-}_summary.txt"
+}
+
+QWEN35=/tmp/colocate-counting-qwen3.5
+qwen35_model() {  # the counting task's tokenizer and ids, the body a random-init Qwen3_5ForCausalLM
+  [ -f $QWEN35/config.json ] && return
+  python3 -m slime.tools.tiny_checkpoint --out $QWEN35 --alphabet 0123456789 --seed 1234 > /dev/null
+  QWEN35_LAYERS=${QWEN35_LAYERS:-24} python3 - $QWEN35 <<'PY'
+import json, os, sys
+from pathlib import Path
+import torch
+from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+out = Path(sys.argv[1])
+ids = json.loads((out / "config.json").read_text())
+generation = (out / "generation_config.json").read_text()
+layers = int(os.environ["QWEN35_LAYERS"])
+config = Qwen3_5TextConfig(
+    vocab_size=ids["vocab_size"], pad_token_id=ids["pad_token_id"], bos_token_id=ids["bos_token_id"],
+    eos_token_id=ids["eos_token_id"], hidden_size=1024, intermediate_size=3584, num_hidden_layers=layers,
+    layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],
+    num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
+    linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=4096,
+    tie_word_embeddings=True, architectures=["Qwen3_5ForCausalLM"])
+torch.manual_seed(1234)
+model = Qwen3_5ForCausalLM(config)
+model.save_pretrained(out)
+(out / "generation_config.json").write_text(generation)
+print(f"Qwen3.5 counting model: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, {layers} layers")
+PY
+}
+
 for phase in "$@"; do case $phase in
+loop-qwen3.5)
+  qwen35_model || exit 1
+  python3 -m slime.tools.demo_prompts --task counting --n 400 --out /tmp/counting.jsonl > /dev/null
+  MODEL=$QWEN35 LOOP_TAG=_qwen3.5 ROLLOUTS=${ROLLOUTS:-8} run_loop ;;
 push)
   counting_model
   timeout ${PUSH_TIMEOUT:-200} python3 benchmarks/bench_weight_push_gpu.py --checkpoint $MODEL --repeats ${REPEATS:-5} \
@@ -110,23 +165,7 @@ print(f"MOE_REPLAY {sys.argv[2]}: rollouts {len(diffs)} logprob_abs_diff mean {s
 PY
   done ;;
 loop)
-  # The learnable counting task (examples/run_cpu_demo.sh) on a Qwen3-0.6B-shaped body (24 layers,
-  # hidden 1024, 16/8 heads, FFN 3072) over the demo's character vocabulary, random init, bf16: rewards
-  # vary inside groups from rollout 0, so every step moves the weights and a push that lost them
-  # would show in train/train_rollout_logprob_abs_diff.
   counting_model
-  timeout ${LOOP_TIMEOUT:-480} python3 train.py --hf-checkpoint $MODEL --rollout-backend embedded \
-    --prompt-data /tmp/counting.jsonl --input-key prompt --label-key label --rollout-shuffle \
-    --custom-rm-path examples.counting_reward.reward \
-    --actor-num-nodes 1 --actor-num-gpus-per-node "$NGPU" --colocate --rollout-num-gpus-per-engine 1 \
-    ${LAYOUT:-} --use-dynamic-batch-size --max-tokens-per-gpu 8192 --calculate-per-token-loss --use-slime-router \
-    --num-rollout ${ROLLOUTS:-24} --rollout-batch-size 8 --n-samples-per-prompt 8 --num-steps-per-rollout 2 \
-    --rollout-max-response-len 3 --rollout-temperature 1.0 \
-    --advantage-estimator grpo --use-kl-loss --kl-loss-coef 0.01 --kl-loss-type low_var_kl --entropy-coef 0.001 \
-    --optimizer adam --lr ${LR:-1e-4} --lr-decay-style constant --bf16 \
-    --attention-dropout 0.0 --hidden-dropout 0.0 --fence-timeout 120 --seed 1234 ${LOOP_EXTRA:-} \
-    --metrics-jsonl "$OUT/loop${LOOP_TAG:-}_metrics.jsonl" > "$OUT/loop${LOOP_TAG:-}.log" 2>&1
-  echo "loop${LOOP_TAG:-} rc=$?"; grep -h "training stopped\|Traceback\|Error" "$OUT/loop${LOOP_TAG:-}.log" | head -5
-  python3 benchmarks/colocate_summary.py "$OUT/loop${LOOP_TAG:-}_metrics.jsonl" | tee "$OUT/loop${LOOP_TAG:-}_summary.txt" ;;
+  run_loop ;;
 *) echo "unknown phase $phase"; exit 2 ;;
 esac; done

@@ -7,6 +7,10 @@
 #   moe         Qwen3-30B-A3B-shaped MoE step (8 of 48 layers, EP1), grouped vs sequential experts (SMOE_PATHS):
 #               TFLOP/s of the active parameters, peak memory, loss / grad-norm parity, a profiled grouped cycle;
 #               before it, benchmarks/check_grouped_experts_gpu.py (grouped_mm vs loop at one expert layer)
+#   glm         GLM-4.7-Flash-shaped MoE step (8 of 47 layers: MLA, 64 experts top-4 sigmoid router + shared expert,
+#               the first MLP dense; EP1), grouped experts (GLM_PATHS adds sequential), a profiled cycle
+#   compile     the fused path's first step (0.6B) in two fresh processes sharing one empty inductor cache dir
+#               (TORCHINDUCTOR_CACHE_DIR): cold, then warm; COMPILE lines
 #   step4b      qwen3-4b step with --max-tokens-per-gpu 32768 and full recompute (the fit check), fused vs new
 #               (S4B_PATHS; S4B_RECOMPUTE replaces the recompute flags);
 #               if it runs out of memory, step4b16k repeats it at 16384 so the 4B figures exist
@@ -38,14 +42,16 @@ fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 "$PY" -c "import megatron.core, transformers, safetensors, torch.distributed.run" || fatal "a required package does not import (above)"
 if [ "${DRY_RUN:-0}" = 1 ]; then
-  NGPU=1 M06=tiny M4B=tiny MMOE=tiny-moe ATTN=(--device cpu --tokens 64 --shapes 4:2:16 --reps 1) SMI=true
+  NGPU=1 M06=tiny M4B=tiny MMOE=tiny-moe MGLM=tiny-glm-moe-lite ATTN=(--device cpu --tokens 64 --shapes 4:2:16 --reps 1) SMI=true
   export S06_MIN_TOKENS=64 S06_MAX_TOKENS=128 S06_TOKENS_PER_GPU=256 S06_CYCLES=1
   export S4B_MIN_TOKENS=200 S4B_MAX_TOKENS=240 S4B_TOKENS_PER_GPU=256 S4B_CYCLES=1
   export SMOE_MIN_TOKENS=64 SMOE_MAX_TOKENS=128 SMOE_TOKENS_PER_GPU=256 SMOE_CYCLES=1
+  export GLM_MIN_TOKENS=64 GLM_MAX_TOKENS=128 GLM_TOKENS_PER_GPU=256 GLM_CYCLES=1
+  export CMP_MIN_TOKENS=64 CMP_MAX_TOKENS=128 CMP_TOKENS_PER_GPU=256
 else
   NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count())') || fatal "torch does not start"
   [ "$NGPU" -ge 1 ] || fatal "no GPU visible to torch"
-  M06=qwen3-0.6b M4B=qwen3-4b MMOE=qwen3-30b-a3b-8l ATTN=(--tokens ${ATTN_TOKENS:-16384 32768} --shapes 16:8:128 32:8:128) SMI=nvidia-smi
+  M06=qwen3-0.6b M4B=qwen3-4b MMOE=qwen3-30b-a3b-8l MGLM=glm-4.7-flash-8l ATTN=(--tokens ${ATTN_TOKENS:-16384 32768} --shapes 16:8:128 32:8:128) SMI=nvidia-smi
 fi
 TORCHRUN=("$PY" -m torch.distributed.run --nproc-per-node "$NGPU")
 if [ "$NGPU" -gt 1 ]; then LAYOUT=${LAYOUT:---tensor-model-parallel-size $NGPU --sequence-parallel}; else LAYOUT=${LAYOUT:-}; fi
@@ -88,7 +94,7 @@ step() {  # step NAME CAP_S PREFIX MODEL FLAGS...: one torchrun of the step benc
 
 # PHASES picks phases (default all): e.g. PHASES=moe runs only the MoE step
 want() { [ -z "${PHASES:-}" ] || [[ " $PHASES " == *" $1 "* ]]; }
-want attention && run attention 100 "$PY" benchmarks/bench_step_gpu.py attention "${ATTN[@]}" --results-json "$OUT/attention.json"
+want attention && run attention "${ATTN_CAP:-100}" "$PY" benchmarks/bench_step_gpu.py attention "${ATTN[@]}" --results-json "$OUT/attention.json"
 
 if want moe; then  # Qwen3-30B-A3B-shaped MoE step (8 layers, 128 experts, top-8, EP1): grouped vs sequential experts
   [ "${DRY_RUN:-0}" = 1 ] || [ "${MOE_CHECK:-1}" = 0 ] || run moecheck 60 "$PY" benchmarks/check_grouped_experts_gpu.py
@@ -98,6 +104,36 @@ if want moe; then  # Qwen3-30B-A3B-shaped MoE step (8 layers, 128 experts, top-8
   step moe "${SMOE_CAP:-300}" SMOE "$MMOE" --paths ${SMOE_PATHS:-grouped sequential} --profile --lr 0 --moe-grouped-gemm \
     --max-tokens-per-gpu "${SMOE_TOKENS_PER_GPU:-8192}" --moe-token-dispatcher-type alltoall --moe-router-dtype fp32 \
     --use-distributed-optimizer
+fi
+if want glm; then  # GLM-4.7-Flash-shaped MoE step (8 layers: MLA, 64 experts top-4 + shared expert, EP1)
+  GLM_NUM_SAMPLES=${GLM_NUM_SAMPLES:-4} GLM_MIN_TOKENS=${GLM_MIN_TOKENS:-6144} GLM_MAX_TOKENS=${GLM_MAX_TOKENS:-8192}
+  GLM_CYCLES=${GLM_CYCLES:-2}
+  step glm "${GLM_CAP:-200}" GLM "$MGLM" --paths ${GLM_PATHS:-grouped} --profile --lr 0 --moe-grouped-gemm \
+    --max-tokens-per-gpu "${GLM_TOKENS_PER_GPU:-8192}" --moe-token-dispatcher-type alltoall --moe-router-dtype fp32 \
+    --use-distributed-optimizer
+fi
+
+if want compile; then  # the fused path's first step in a fresh process: an empty compile cache, then the same cache
+  CACHE=$(mktemp -d /tmp/inductor_cache.XXXX)
+  CMP_NUM_SAMPLES=${CMP_NUM_SAMPLES:-4} CMP_MIN_TOKENS=${CMP_MIN_TOKENS:-12288} CMP_MAX_TOKENS=${CMP_MAX_TOKENS:-16384}
+  CMP_CYCLES=1
+  for kind in cold warm; do
+    t0=$SECONDS
+    export TORCHINDUCTOR_CACHE_DIR=$CACHE
+    step "compile_$kind" "${CMP_CAP:-150}" CMP "$M06" --paths fused \
+      --max-tokens-per-gpu "${CMP_TOKENS_PER_GPU:-16384}"
+    "$PY" - "$OUT/compile_$kind.json" "$kind" $((SECONDS - t0)) "$CACHE" <<'PY' | tee -a "$OUT/summary.txt"
+import json, subprocess, sys
+path, kind, process_s, cache = sys.argv[1:]
+cycles = json.load(open(path))["cycles"]
+first = next(c for c in cycles if c["kind"] == "warmup")
+steady = [c["step_s"] for c in cycles if c["kind"] == "timed"]
+size = subprocess.run(["du", "-sh", cache], capture_output=True, text=True).stdout.split()[0]
+print(f"COMPILE {kind}: first fused step {first['wall_s']:.1f} s, steady step {steady[0] if steady else float('nan'):.2f} s, "
+      f"whole process {process_s} s (start-up, first step, one more); cache {cache} {size}")
+PY
+  done
+  unset TORCHINDUCTOR_CACHE_DIR
 fi
 want step06 || want step4b || { echo "done after $((SECONDS - START))s, status $STATUS" | tee -a "$OUT/summary.txt"; exit "$STATUS"; }
 

@@ -73,6 +73,24 @@ def test_moe_matmul_params_are_the_active_weights(bench):
     assert 3.0e9 < dataclasses.replace(shape, layers=48).matmul_params() < 3.6e9  # the whole model: "A3B"
 
 
+def test_latent_moe_matmul_params_are_the_active_weights(bench):
+    """GLM-4.7-Flash's shape: MLA projections, the first MLP dense, then the router, top-k routed experts and the
+    shared expert per token (the whole 47-layer model: ~3.3B active in the layers + the 0.3B LM head)."""
+    import dataclasses
+
+    from transformers import AutoModelForCausalLM
+
+    for name in ("glm-4.7-flash-8l", "tiny-glm-moe-lite"):
+        shape = bench.MODELS[name]
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(bench.latent_moe_config(shape))
+        weights = {n: p.numel() for n, p in model.named_parameters() if ".layers." in n and p.dim() >= 2}
+        experts = sum(v for n, v in weights.items() if ".mlp.experts." in n)
+        active = sum(weights.values()) - experts + experts * shape.topk // shape.num_experts
+        assert shape.matmul_params() == active + shape.hidden * shape.vocab, name
+    assert 3.0e9 < dataclasses.replace(bench.MODELS["glm-4.7-flash-8l"], layers=47).matmul_params() < 3.7e9
+
+
 def test_forward_flops_count_causal_attention_per_sequence(bench):
     shape = bench.ModelShape(layers=2, hidden=8, heads=4, kv_heads=2, head_dim=4, ffn_hidden=16, vocab=32)
     matmul = 2 * (8 * (4 + 4) * 4 + 4 * 4 * 8 + 3 * 8 * 16) + 8 * 32

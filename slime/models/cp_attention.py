@@ -20,6 +20,9 @@ positions <= its own. Kernels (`ContextParallelAttention.kernel`):
   lower-right, i.e. the chunk's last query sees the whole prefix. SDPA with native GQA
   (flash / cuDNN kernels on GPU); with flash-attn importable and fp16/bf16 CUDA inputs, one
   varlen call for the whole micro-batch instead.
+- "split": "causal" with each chunk shorter than its key prefix (a CP rank's later chunk) computed as two
+  flash calls merged by their log-sum-exp (slime/models/prefix_attention.py) where torch's flash kernels
+  serve the inputs (CUDA fp16/bf16, no dropout); SDPA's lower-right mask has no flash kernel.
 - "masked": SDPA with an explicit [tq, tk] boolean mask and GQA by repeat_interleave, the
   path before the causal kernels: the reference the causal kernels are tested against, and the "old"
   side of benchmarks/bench_step_gpu.py.
@@ -43,12 +46,14 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch.nn.attention.bias import causal_lower_right
 
+from slime.models.prefix_attention import flash_usable, prefix_attention
+
 try:
     from flash_attn import flash_attn_varlen_func
 except ImportError:  # optional: SDPA's own flash / cuDNN kernels are used instead
     flash_attn_varlen_func = None
 
-KERNELS = ("causal", "masked")
+KERNELS = ("causal", "split", "masked")
 
 
 def zigzag_positions(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
@@ -211,18 +216,29 @@ def _in_global_order(k, v, plan: AttentionPlan):
     return k.index_select(0, plan.key_order), v.index_select(0, plan.key_order)
 
 
-def attend_causal(q, k, v, plan: AttentionPlan, *, scale: float, dropout_p: float) -> torch.Tensor:
-    """The "causal" kernel: q [t_local, hq, d], k/v gathered over CP (rank-major) -> [t_local, hq, d]."""
+def attend_causal(q, k, v, plan: AttentionPlan, *, scale: float, dropout_p: float,
+                  split: bool = False) -> torch.Tensor:
+    """The "causal" kernel: q [t_local, hq, d], k/v gathered over CP (rank-major) -> [t_local, hq, d]. With
+    `split`, a chunk shorter than its key prefix goes through prefix_attention where flash serves it."""
     if flash_attn_varlen_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         return attend_flash_varlen(q, k, v, plan, scale=scale, dropout_p=dropout_p)
     k, v = _in_global_order(k, v, plan)
+    split = split and dropout_p == 0.0 and flash_usable(q)
     outputs = []
     for seq in plan.sequences:
         keys, values = k[seq.keys], v[seq.keys]
         for queries, prefix in seq.query_chunks:
+            if split and prefix > queries.stop - queries.start:
+                outputs.append(prefix_attention(q[queries], keys[:prefix], values[:prefix], scale=scale))
+                continue
             outputs.append(causal_chunk_attention(q[queries], keys[:prefix], values[:prefix],
                                                   scale=scale, dropout_p=dropout_p))
     return torch.cat(outputs)
+
+
+def attend_split(q, k, v, plan: AttentionPlan, *, scale: float, dropout_p: float) -> torch.Tensor:
+    """The "split" kernel: attend_causal with the later CP chunks as two merged flash calls."""
+    return attend_causal(q, k, v, plan, scale=scale, dropout_p=dropout_p, split=True)
 
 
 def attend_flash_varlen(q, k, v, plan: AttentionPlan, *, scale: float, dropout_p: float) -> torch.Tensor:
@@ -247,7 +263,7 @@ def attend_masked(q, k, v, plan: AttentionPlan, *, scale: float, dropout_p: floa
     return torch.cat(outputs)
 
 
-_KERNEL_FUNCTIONS = {"causal": attend_causal, "masked": attend_masked}
+_KERNEL_FUNCTIONS = {"causal": attend_causal, "split": attend_split, "masked": attend_masked}
 
 
 # ------------------------------------------------------------------------------ module
