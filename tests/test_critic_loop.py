@@ -105,7 +105,8 @@ def test_train_async_hands_the_critics_values_to_both_roles_while_the_next_rollo
     log = Log()
     monkeypatch.setattr(session, "init_ray", lambda args: None)
     monkeypatch.setattr(session, "create_placement",
-                        lambda args: types.SimpleNamespace(layout=Layout(actor_bundles=(), engines=())))
+                        lambda args: types.SimpleNamespace(layout=Layout(actor_bundles=(), engines=()),
+                                                           remove=lambda: None))
     monkeypatch.setattr(session, "create_rollout_manager", lambda args, placement: AsyncRollout(log))
     monkeypatch.setattr(session, "RayTrainGroup",
                         lambda args, placement, role="actor": AsyncGroup(types.SimpleNamespace(calls=log), role))

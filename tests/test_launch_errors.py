@@ -149,7 +149,7 @@ def test_moe_at_tensor_parallel_without_sequence_parallel_is_refused_before_star
     path = _hf_dir(tmp_path, ["config.json", "tokenizer.json"])
     (tmp_path / "hf" / "config.json").write_text(json.dumps({"num_experts": 8}))
     args = dict(hf_checkpoint=path, num_experts=None, tensor_model_parallel_size=2, sequence_parallel=False,
-                debug_rollout_only=False)
+                debug_rollout_only=False, advantage_estimator="grpo")
     with pytest.raises(ArgumentValidationError, match="add it"):
         check_launch_inputs(types.SimpleNamespace(**args))
     check_launch_inputs(types.SimpleNamespace(**{**args, "sequence_parallel": True}))

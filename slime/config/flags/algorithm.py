@@ -72,6 +72,16 @@ def add_algorithm_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--use-opsm", action="store_true", default=False, help="off-policy sequence masking")
     g.add_argument("--opsm-delta", type=float, default=1e-4, help="threshold of off-policy sequence masking")
     g.add_argument("--num-critic-only-steps", type=int, default=0, help="first rollouts that train the critic only")
+    g.add_argument("--critic-load", type=str, default=None,
+                   help="the critic's start (ppo): an HF checkpoint of the actor's architecture, or a saved critic")
+    g.add_argument("--critic-save", type=str, default=None, help="where --save writes the critic (default: <save>/critic)")
+    g.add_argument("--critic-lr", type=float, default=None, help="the critic's learning rate (default: --lr)")
+    g.add_argument("--critic-lr-warmup-iters", type=int, default=None,
+                   help="the critic's warm-up steps (default: --lr-warmup-iters)")
+    g.add_argument("--critic-num-nodes", type=int, default=None,
+                   help="the critic's nodes: the actor's (the critic shares the actor's bundles)")
+    g.add_argument("--critic-num-gpus-per-node", type=int, default=None,
+                   help="the critic's GPUs per node: the actor's (the critic shares the actor's bundles)")
     g.add_argument("--megatron-config-path", type=str, default=None, help="YAML of per-role (actor/critic) overrides")
     g.add_argument("--calculate-per-token-loss", action="store_true", default=False,
                    help="normalise the loss by the step's loss-token total instead of per sample")
