@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 import uuid
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, Awaitable, TypeVar
 
 from tqdm import tqdm
 
