@@ -342,6 +342,11 @@ class PackedMicroBatch:
     padded_lengths: tuple[int, ...]
     cp_size: int
     is_padding: bool
+    mtp_tokens: torch.Tensor | None = None
+    """--enable-mtp-training with D layers: [D + 1, T_local], row j the token j + 1 places after the position's own
+    (row 0 is `labels`), 0 past its padded sequence: MTP depth k embeds row k - 1 and predicts row k."""
+    mtp_loss_mask: torch.Tensor | None = None
+    """[D, T_local]: row k - 1 the loss mask of the position k places later in the sequence (0 past its end)."""
 
     @property
     def local_lengths(self) -> tuple[int, ...]:
@@ -356,11 +361,17 @@ def pack_micro_batch(
     cp_rank: int,
     tp_size: int,
     sequence_parallel: bool,
+    mtp_depths: int = 0,
 ) -> PackedMicroBatch:
-    """Pack ``sample_ids`` (empty: a padding micro-batch) and take CP rank's zig-zag slice."""
+    """Pack ``sample_ids`` (empty: a padding micro-batch) and take CP rank's zig-zag slice.
+
+    ``mtp_depths``: also the MTP layers' shifted tokens and loss masks, shifted on the whole sequence before the
+    slice, so a CP rank has the tokens of positions another rank holds without exchanging them.
+    """
     multiple = pad_multiple_for(cp_size, tp_size, sequence_parallel)
     seqs = [_aligned_sequence(data, i, multiple) for i in sample_ids] or [_dummy_sequence(data, multiple)]
-    fields = {k: torch.cat([zigzag_slice(s[k], cp_size, cp_rank) for s in seqs])
+    seqs = [s | _mtp_shifts(s, mtp_depths) for s in seqs] if mtp_depths else seqs
+    fields = {k: torch.cat([zigzag_slice(s[k], cp_size, cp_rank, dim=-1) for s in seqs], dim=-1)
               for k in seqs[0] if isinstance(seqs[0][k], torch.Tensor)}
     padded = tuple(s["padded_length"] for s in seqs)
     cu = torch.tensor([0, *torch.tensor(padded).cumsum(0).tolist()], dtype=torch.int32)
@@ -379,7 +390,20 @@ def pack_micro_batch(
         padded_lengths=padded,
         cp_size=cp_size,
         is_padding=not sample_ids,
+        mtp_tokens=fields.get("mtp_tokens"),
+        mtp_loss_mask=fields.get("mtp_loss_mask"),
     )
+
+
+def _shifted(values: torch.Tensor, k: int) -> torch.Tensor:
+    """values[t + k] of one padded sequence, 0 past its end."""
+    return torch.cat([values[k:], values.new_zeros(min(k, values.numel()))])
+
+
+def _mtp_shifts(seq: Mapping[str, Any], depths: int) -> dict[str, torch.Tensor]:
+    """The MTP layers' inputs and targets of one whole padded sequence (pack_micro_batch slices them)."""
+    return {"mtp_tokens": torch.stack([_shifted(seq["labels"], k) for k in range(depths + 1)]),
+            "mtp_loss_mask": torch.stack([_shifted(seq["loss_mask"], k) for k in range(1, depths + 1)])}
 
 
 def _aligned_sequence(data: Mapping[str, Any], i: int, multiple: int) -> dict[str, Any]:

@@ -88,6 +88,8 @@ class StepObjective:
     micro_batch_loss: MicroBatchLoss
     plugin_metrics: bool = False
     """A plug-in may add metric keys: the ranks agree on them before reducing."""
+    mtp_depths: int = 0
+    """MTP layers the loss trains: the packed batches carry their shifted tokens (data.pack_micro_batch)."""
 
 
 def policy_objective(args: Any) -> StepObjective:
@@ -96,7 +98,8 @@ def policy_objective(args: Any) -> StepObjective:
     tp_group = parallel_state.get_tensor_model_parallel_group()
     return StepObjective(keys=metric_keys(cfg), plugin_metrics=cfg.has_plugin_metrics,
                          micro_batch_loss=lambda output, batch, plan: micro_batch_loss(output, batch, plan, cfg,
-                                                                                       tp_group))
+                                                                                       tp_group),
+                         mtp_depths=cfg.mtp_depths)
 
 
 def policy_log_probs(args: Any) -> PositionScores:
@@ -106,12 +109,12 @@ def policy_log_probs(args: Any) -> PositionScores:
     return lambda output, batch: target_log_probs(output, batch, cfg, tp_group)
 
 
-def pack_plan(data: Mapping[str, Any], plan: MicroBatchPlan, args: Any) -> list[PackedMicroBatch]:
+def pack_plan(data: Mapping[str, Any], plan: MicroBatchPlan, args: Any, mtp_depths: int = 0) -> list[PackedMicroBatch]:
     """Pack every micro-batch of ``plan`` for this CP rank, on the compute device (no collective)."""
     cp_rank = parallel_state.get_context_parallel_rank()
     packed = [
-        pack_micro_batch(data, mb, cp_size=plan.cp_size, cp_rank=cp_rank,
-                         tp_size=args.tensor_model_parallel_size, sequence_parallel=args.sequence_parallel)
+        pack_micro_batch(data, mb, cp_size=plan.cp_size, cp_rank=cp_rank, tp_size=args.tensor_model_parallel_size,
+                         sequence_parallel=args.sequence_parallel, mtp_depths=mtp_depths)
         for mb in plan.micro_batches
     ]
     return [_to_device(p, _comm_device()) for p in packed] if torch.cuda.is_available() else packed
@@ -261,7 +264,7 @@ def train_one_step(model_chunks: Sequence[Any], optimizer: Any, lr_scheduler: An
     """
     objective = policy_objective(args) if objective is None else objective
     keys = objective.keys
-    packed = pack_plan(data, plan, args)
+    packed = pack_plan(data, plan, args, objective.mtp_depths)
     with _phase(collective_hook, "loss_token_total"):
         total = reduce_loss_token_total(plan)
     if total == 0:
@@ -382,7 +385,9 @@ def _forward_step(data_iterator, model, *, loss_func, progress: ProgressHook | N
     batch = next(data_iterator)
     if routes is not None:
         routes.before_forward(batch.sample_ids)
-    output = model(batch.input_ids, batch.position_ids, None, packed_seq_params=_packed_seq_params(batch))
+    # the MTP layers' shifted ids travel with the batch only where the loss trains them
+    mtp = {} if batch.mtp_tokens is None else {"mtp_input_ids": batch.mtp_tokens[:-1]}
+    output = model(batch.input_ids, batch.position_ids, None, packed_seq_params=_packed_seq_params(batch), **mtp)
     if routes is not None:
         routes.after_forward(batch.sample_ids)
     return output, partial(loss_func, batch)
