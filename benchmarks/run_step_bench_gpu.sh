@@ -9,7 +9,8 @@
 #               TFLOP/s of the active parameters, peak memory, loss / grad-norm parity, a profiled grouped cycle;
 #               before it, benchmarks/check_grouped_experts_gpu.py (grouped_mm vs loop at one expert layer)
 #   moefused    the same MoE step on the fused path (--fused-kernels compile: norms, RoPE, the experts' weighted
-#               SwiGLU, the log-prob head compiled), its first cycle the compile
+#               SwiGLU, the log-prob head compiled), its first cycle the compile (101 s on one H200: give SMF_CAP
+#               >= 300 for timed cycles)
 #   glm         GLM-4.7-Flash-shaped MoE step (8 of 47 layers: MLA, 64 experts top-4 sigmoid router + shared expert,
 #               the first MLP dense; EP1), grouped experts (GLM_PATHS adds sequential), a profiled cycle
 #   compile     the fused path's first step (0.6B) in two fresh processes sharing one empty inductor cache dir

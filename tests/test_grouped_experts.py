@@ -189,9 +189,13 @@ def _launch_savings_child(rank, world, hf_dir, data):
     from slime.backends.megatron_utils.offload import torch_optimizers
     from train_step_harness import build_loaded_model, layout_args
 
+    from slime.backends.megatron_utils import model as model_module
+
     args = layout_args(dict(moe_grouped_gemm=True, calculate_per_token_loss=True, use_distributed_optimizer=True),
                        lr=1e-3, weight_decay=0.1, clip_grad=1e-3)  # a clip that scales, an update that moves
+    model_module.fused_adam_chosen = lambda device: True  # as on a GPU: the model's set-up picks the fused kernel
     model, optimizer, scheduler = build_loaded_model(args, hf_dir)
+    built_with = adam_kernel_in_use(optimizer)
     experts = _experts_of(model)
     params = [p for chunk in model for p in chunk.parameters()]
     start = [p.detach().clone() for p in params]
@@ -229,7 +233,7 @@ def _launch_savings_child(rank, world, hf_dir, data):
     moved = max(float((w - p0).abs().max()) for w, p0 in zip(runs[False]["weights"], start))
     diff = max(float((a - b).abs().max()) for a, b in zip(runs[True]["weights"], runs[False]["weights"]))
     same = {k: runs[True][k] == runs[False][k] for k in ("log_probs", "loss", "grad_norm")}
-    return dict(same=same, moved=moved, weight_diff=diff, grad_norm=runs[True]["grad_norm"],
+    return dict(same=same, moved=moved, weight_diff=diff, grad_norm=runs[True]["grad_norm"], built_with=built_with,
                 **{f"{k}_{s}": runs[s][k] for s in (False, True) for k in ("adam", "added", "sorts", "fused_adam")})
 
 
@@ -244,6 +248,7 @@ def test_launch_savings_keep_the_ep1_step_numbers_on_cpu(tmp_path):
     assert all(r["same"].values()), r
     assert r["grad_norm"] > 1e-3 and r["moved"] > 1e-4, r  # clipping scaled, the update moved the weights
     assert r["weight_diff"] <= 1e-6 * max(1.0, r["moved"]), r
-    assert (r["adam_False"], r["adam_True"]) == ("default", "fused") and r["fused_adam_False"] == 0, r
+    assert r["built_with"] == "fused" and (r["adam_False"], r["adam_True"]) == ("default", "fused"), r
+    assert r["fused_adam_False"] == 0, r
     assert r["fused_adam_True"] > 0 and r["sorts_False"] > 0 and r["sorts_True"] == 0, r
     assert (r["added_False"], r["added_True"]) == (False, True), r
