@@ -64,7 +64,7 @@ class RunSession:
         self.actors: RayTrainGroup | None = None
         """The trainer ranks' proxy, once `start_trainer` started them."""
         self.critic: RayTrainGroup | None = None
-        """The critic's ranks (--advantage-estimator ppo), on the actor's bundles."""
+        """The critic's ranks (--advantage-estimator ppo), on the actor's bundles or on its own."""
         self.rollout_id: int | None = None
         """The rollout in progress (None before the loop): what a failure is noted with (healing.py)."""
         self.rank_nodes: list[str] = []
