@@ -1,8 +1,10 @@
 """--megatron-config-path, upstream's per-role Megatron overrides: its YAML read into each role's converted flags
 (the actor's onto the run's flags, the critic's kept apart and inheriting the command line, not the actor's entry),
 the critic's flags checked as a whole before Ray starts (a layout that does not tile its ranks refused with the
-sizes), what cannot be honoured refused naming the key; and on two forked ranks the critic's own fenced rank
-built from those flags runs at its own TP and learning rate and gives transformers' values."""
+sizes), its ranks started on bundles of its own, what cannot be honoured refused naming the key; and on two
+forked ranks the critic's own fenced rank
+built from those flags runs at its own world, TP and learning rate, gives transformers' values, and resumes
+exactly from its checkpoint."""
 from __future__ import annotations
 
 import copy
@@ -122,29 +124,37 @@ def test_an_actor_entry_alone_needs_no_critic(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------- the critic's own rank
-def _critic_rank(rank, world, role_args, ledger_dir, data):
+def _critic_rank(rank, world, role_args, ledger_dir, data, rollouts, save_after):
+    """The critic's fenced rank: init (a fresh start or a resume), then values and a critic step per rollout,
+    saving after rollout `save_after`."""
     from megatron.core import parallel_state
 
     from slime.backends.megatron_utils.critic import CriticTrainActor
 
     critic = CriticTrainActor(role_args, rank, world, ledger_dir)
+    steps = {}
     try:
-        critic.init(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), engine_urls=[])
-        values = critic.values(0, copy.deepcopy(data))
-        metrics = critic.train(0, {**copy.deepcopy(data), "values": values})
+        start = critic.init(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), engine_urls=[])
+        for rollout_id in rollouts:
+            values = critic.values(rollout_id, copy.deepcopy(data))
+            metrics = critic.train(rollout_id, {**copy.deepcopy(data), "values": values})
+            steps[rollout_id] = dict(values=values, lr=metrics["critic/lr"], loss=metrics["critic/value_loss"])
+            if rollout_id == save_after:
+                critic.save(rollout_id)
     finally:
         critic.ledger.close()
-    return dict(tp=parallel_state.get_tensor_model_parallel_world_size(),
-                dp=parallel_state.get_data_parallel_world_size(), values=values, lr=metrics["critic/lr"],
-                loss=metrics["critic/value_loss"])
+    return dict(start=start, tp=parallel_state.get_tensor_model_parallel_world_size(),
+                dp=parallel_state.get_data_parallel_world_size(), steps=steps)
 
 
 @pytest.mark.ranks
-@pytest.mark.timeout(150)
-def test_the_critic_rank_runs_its_entrys_tp_and_lr_and_gives_transformers_values(tmp_path):
+@pytest.mark.timeout(200)
+def test_the_critic_rank_runs_its_entrys_tp_and_lr_and_resumes_exactly(tmp_path):
     """Actor TP1 x DP4 from the command line; the critic on 2 GPUs of its own (--critic-num-gpus-per-node 2) at
     TP2 x SP (DP1) with its own rate from its entry: the critic's fenced rank (CriticTrainActor, built from
-    critic_args) runs that world, layout and rate, and its values match the HF token-classification reference."""
+    critic_args) runs that world, layout and rate, and its values match the HF token-classification reference.
+    Saved after rollout 0 (--save: <save>/critic) and resumed by a fresh run (--load), it starts at rollout 1 and
+    gives the same values and steps (weights, Adam state, schedule) as the run that went on."""
     import step_ranks
     from tiny_models import tiny_qwen3_config
     from train_step_harness import make_rollout
@@ -155,30 +165,41 @@ def test_the_critic_rank_runs_its_entrys_tp_and_lr_and_gives_transformers_values
     torch.nn.init.normal_(reference.score.weight, std=0.5)
     hf = str(tmp_path / "hf")
     reference.save_pretrained(hf, safe_serialization=True)
-    path = _roles(tmp_path, _entry("critic", lr="2e-5", tensor_model_parallel_size=2, sequence_parallel=True))
-    args = step_args_ppo(step_ranks, hf, path)
+    path = _roles(tmp_path, _entry("critic", lr="1e-3", tensor_model_parallel_size=2, sequence_parallel=True))
+    run = str(tmp_path / "run")
+    args = step_args_ppo(step_ranks, hf, path, "--save", run)
     assert (args.tensor_model_parallel_size, args.data_parallel_size) == (1, 4)
     assert (critic_args(args).world_size, critic_args(args).data_parallel_size) == (2, 1)
     data = make_rollout(num_samples=8, vocab=reference.config.vocab_size)
-    results = run_ranks(_critic_rank, 2, args=(critic_args(args), str(tmp_path / "ledger"), data),
-                        init_process_group=False, timeout_s=120)
-    assert [(r["tp"], r["dp"], r["lr"]) for r in results] == [(2, 1, 2e-5)] * 2
-    assert results[0]["values"] == results[1]["values"] and results[0]["loss"] == results[1]["loss"] > 0
+    first = run_ranks(_critic_rank, 2, args=(critic_args(args), str(tmp_path / "ledger"), data, (0, 1, 2), 0),
+                      init_process_group=False, timeout_s=120)
+    assert [(r["start"], r["tp"], r["dp"]) for r in first] == [(0, 2, 1)] * 2
+    assert all(step["lr"] == 1e-3 for r in first for step in r["steps"].values())
+    assert first[0]["steps"] == first[1]["steps"] and first[0]["steps"][0]["loss"] > 0
     with torch.no_grad():
-        for tokens, response, got in zip(data["tokens"], data["response_lengths"], results[0]["values"]):
+        for tokens, response, got in zip(data["tokens"], data["response_lengths"], first[0]["steps"][0]["values"]):
             prompt = len(tokens) - response
             expected = reference(torch.tensor([tokens])).logits[0, prompt - 1: prompt - 1 + response, 0]
             assert got == pytest.approx(expected.tolist(), abs=1e-5)
+    assert first[0]["steps"][1]["values"] != first[0]["steps"][0]["values"]  # the step moved the critic
+
+    resumed_args = critic_args(step_args_ppo(step_ranks, hf, path, "--load", run))
+    assert resumed_args.load == os.path.join(run, "critic")
+    resumed = run_ranks(_critic_rank, 2, args=(resumed_args, str(tmp_path / "ledger2"), data, (1, 2), None),
+                        init_process_group=False, timeout_s=120)
+    for before, after in zip(first, resumed):
+        # rollout 1: the saved weights and schedule; rollout 2's values: rollout 1's step with the saved Adam state
+        assert after["start"] == 1 and after["steps"] == {k: before["steps"][k] for k in (1, 2)}
 
 
-def step_args_ppo(step_ranks, hf: str, roles: str):
+def step_args_ppo(step_ranks, hf: str, roles: str, *flags: str):
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return step_ranks.step_args(hf, world=4, fence_timeout=60, extra=[
             "--advantage-estimator", "ppo", "--critic-load", hf, "--megatron-config-path", roles,
-            "--critic-num-gpus-per-node", "2", "--lr-decay-style", "constant"])
+            "--critic-num-gpus-per-node", "2", "--lr-decay-style", "constant", *flags])
 
 
 def test_the_critic_group_starts_its_own_world_on_its_own_bundles(tmp_path, monkeypatch):
