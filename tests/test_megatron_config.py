@@ -2,8 +2,8 @@
 (the actor's onto the run's flags, the critic's kept apart and inheriting the command line, not the actor's entry),
 the critic's flags checked as a whole before Ray starts (a layout that does not tile its ranks refused with the
 sizes), its ranks started on bundles of its own, what cannot be honoured refused naming the key; and on two
-forked ranks the critic's own fenced rank built from those flags runs at its own world, TP and learning rate, gives transformers' values, and resumes
-exactly from its checkpoint."""
+forked ranks the critic's own fenced rank built from those flags runs at its own world, TP and learning rate,
+gives transformers' values, and resumes exactly from its checkpoint."""
 from __future__ import annotations
 
 import copy
