@@ -17,10 +17,10 @@ from typing import Any, Callable
 
 import ray
 
+from slime.config.layout import critic_world_size
 from slime.distributed.progress_hub import HubClient, RayHub, start_hub
 from slime.ray.driver.cluster import worker_env
 from slime.ray.driver.rank_wait import wait_ranks
-from slime.config.layout import critic_world_size
 from slime.ray.driver.placement import Placement, actor_world_size
 from slime.ray.trainer.rank_actor import TrainRayActor
 from slime.utils.deadlines import TRAINER_RENDEZVOUS_CALL_S, DeadlineModel
