@@ -87,6 +87,7 @@ def test_critic_flags_without_ppo_are_refused(flags, says, tmp_path, capsys):
 @pytest.mark.parametrize("flags, says", [
     (["--critic-num-gpus-per-node", "0"], "--critic-num-gpus-per-node 0 must be positive"),
     (["--kl-coef", "0.1"], "--kl-coef (a KL reward term) with --advantage-estimator ppo is not implemented"),
+    (["--mtp-num-layers", "1", "--enable-mtp-training"], "--enable-mtp-training with --advantage-estimator ppo"),
     (["--num-critic-only-steps", "3"], "leaves no rollout of --num-rollout 3 to train the actor"),
     (["--num-critic-only-steps", "1", "--save", "s", "--save-interval", "1"],
      "--save-interval 1 saves during the first --num-critic-only-steps 1 rollouts"),

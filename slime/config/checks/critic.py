@@ -26,6 +26,9 @@ def check_critic(args: argparse.Namespace) -> None:
                         ("--critic-num-gpus-per-node", args.critic_num_gpus_per_node)):
         if count is not None and count <= 0:
             fail(f"{flag} {count} must be positive (or left out: the critic then shares the actor's bundles)")
+    if args.enable_mtp_training:
+        fail("--enable-mtp-training with --advantage-estimator ppo is not implemented: the critic's value model has "
+             "no MTP loss; drop --enable-mtp-training (--mtp-num-layers alone carries the layers, untrained)")
     if args.kl_coef:
         fail("--kl-coef (a KL reward term) with --advantage-estimator ppo is not implemented: the critic's returns "
              "are computed without the actor's reference log-probs; use --use-kl-loss --kl-loss-coef instead")
