@@ -16,6 +16,11 @@ from train_step_harness import make_rollout
 pytestmark = pytest.mark.ranks
 
 
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    return save_tiny_glm4_moe(str(tmp_path_factory.mktemp("glm4_moe")))
+
+
 def _even_lengths(data: dict) -> dict:
     """The rollout with every sequence one response token longer where it is odd: no padding at a multiple of 2."""
     data = copy.deepcopy(data)
@@ -94,11 +99,10 @@ def _padding_child(rank, world, hf_dir, data):
 
 
 @pytest.mark.timeout(120)
-def test_padding_leaves_the_expert_bias_update_and_aux_loss_alone(tmp_path):
+def test_padding_leaves_the_expert_bias_update_and_aux_loss_alone(hf_dir):
     """fp32: the same tokens with and without padding give the same expert counts (topk per real token), the same
     expert-bias update, and the same router gradients with the aux loss on (finite: the padding micro-batch's
     aux loss has no real token)."""
-    hf_dir = save_tiny_glm4_moe(str(tmp_path / "glm4_moe"))
     data = _even_lengths(make_rollout(num_samples=4, seed=2, max_len=20))
     (result,) = run_ranks(_padding_child, 1, args=(hf_dir, data), timeout_s=100)
     bare, padded = result["bare"], result["padded"]
@@ -113,3 +117,41 @@ def test_padding_leaves_the_expert_bias_update_and_aux_loss_alone(tmp_path):
     for got, want in zip(padded["grads"], bare["grads"]):
         assert bool(torch.isfinite(got).all()) and float(want.abs().max()) > 0
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-8)
+
+
+def _step_child(rank, world, hf_dir, data, layout):
+    """One training step: its loss and this stage's expert biases by global layer number."""
+    from slime.backends.megatron_utils.train_step import compute_log_probs, train_one_step
+    from slime.models.hf_weights import unwrap_model
+    from train_step_harness import build_loaded_model, layout_args, plans_for_this_rank
+
+    args = layout_args(layout)
+    model, optimizer, scheduler = build_loaded_model(args, hf_dir)
+    (plan,) = plans_for_this_rank(data, args)
+    log_probs = compute_log_probs(model, data, plan, args)
+    log_probs = [row if row else [0.0] * n for row, n in zip(log_probs, data["response_lengths"])]
+    data = dict(data, log_probs=log_probs, ref_log_probs=log_probs, rollout_log_probs=log_probs)
+    step = train_one_step(model, optimizer, scheduler, data, plan, args)
+    layers = unwrap_model(model[0]).decoder.layers
+    biases = {layer.layer_number: layer.mlp.router.expert_bias.clone() for layer in layers
+              if getattr(getattr(layer.mlp, "router", None), "expert_bias", None) is not None}
+    return dict(loss=step.loss, biases=biases)
+
+
+@pytest.mark.timeout(200)
+def test_a_later_pipeline_stage_masks_its_sequence_parallel_chunk(hf_dir):
+    """PP2 x TP2 x SP (sequences padded to multiples of 4): the second stage's router gets its SP chunk of the mask,
+    and every stage's bias update and the loss (aux loss on) equal the single process's."""
+    data = make_rollout(num_samples=4, seed=2, max_len=20)
+    base = dict(calculate_per_token_loss=True, expert_tensor_parallel_size=1, moe_router_bias_update_rate=0.05,
+                moe_aux_loss_coeff=0.01)
+    (single,) = run_ranks(_step_child, 1, args=(hf_dir, data, base), timeout_s=90)
+    layout = dict(base, pipeline_model_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True,
+                  decoder_last_pipeline_num_layers=1)
+    results = run_ranks(_step_child, 4, args=(hf_dir, data, layout), timeout_s=150)
+    staged = {number: bias for result in results for number, bias in result["biases"].items()}
+    assert sorted(staged) == sorted(single["biases"]) == [2, 3]  # layer 1 is dense; layer 3 on the second stage
+    for number, bias in single["biases"].items():
+        assert torch.equal(staged[number], bias)
+    for result in results:
+        assert result["loss"] == pytest.approx(single["loss"], abs=1e-5)
