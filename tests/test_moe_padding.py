@@ -120,7 +120,7 @@ def test_padding_leaves_the_expert_bias_update_and_aux_loss_alone(hf_dir):
 
 
 def _step_child(rank, world, hf_dir, data, layout):
-    """One training step: its loss and this stage's expert biases by global layer number."""
+    """One training step: loss, grad norm and this stage's expert biases by global layer number."""
     from slime.backends.megatron_utils.train_step import compute_log_probs, train_one_step
     from slime.models.hf_weights import unwrap_model
     from train_step_harness import build_loaded_model, layout_args, plans_for_this_rank
@@ -135,19 +135,19 @@ def _step_child(rank, world, hf_dir, data, layout):
     layers = unwrap_model(model[0]).decoder.layers
     biases = {layer.layer_number: layer.mlp.router.expert_bias.clone() for layer in layers
               if getattr(getattr(layer.mlp, "router", None), "expert_bias", None) is not None}
-    return dict(loss=step.loss, biases=biases)
+    return dict(loss=step.loss, grad_norm=step.grad_norm, biases=biases)
 
 
 @pytest.mark.timeout(200)
 def test_a_later_pipeline_stage_masks_its_sequence_parallel_chunk(hf_dir):
     """PP2 x TP2 x SP (sequences padded to multiples of 4): the second stage's router gets its SP chunk of the mask,
-    and every stage's bias update and the loss (aux loss on) equal the single process's."""
+    and every stage's bias update, the loss and the grad norm (aux loss on) equal the single process's."""
     data = make_rollout(num_samples=4, seed=2, max_len=20)
     base = dict(calculate_per_token_loss=True, expert_tensor_parallel_size=1, moe_router_bias_update_rate=0.05,
                 moe_aux_loss_coeff=0.01)
     (single,) = run_ranks(_step_child, 1, args=(hf_dir, data, base), timeout_s=90)
     layout = dict(base, pipeline_model_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True,
-                  decoder_last_pipeline_num_layers=1)
+                  expert_tensor_parallel_size=2, decoder_last_pipeline_num_layers=1)
     results = run_ranks(_step_child, 4, args=(hf_dir, data, layout), timeout_s=150)
     staged = {number: bias for result in results for number, bias in result["biases"].items()}
     assert sorted(staged) == sorted(single["biases"]) == [2, 3]  # layer 1 is dense; layer 3 on the second stage
@@ -155,3 +155,4 @@ def test_a_later_pipeline_stage_masks_its_sequence_parallel_chunk(hf_dir):
         assert torch.equal(staged[number], bias)
     for result in results:
         assert result["loss"] == pytest.approx(single["loss"], abs=1e-5)
+        assert result["grad_norm"] == pytest.approx(single["grad_norm"], rel=1e-4)
