@@ -15,6 +15,9 @@ without a host-device sync per parameter, and its norms and scaling as multi-ten
 received tokens by local expert where that order is the identity (one rank in EP x expert-TP), instead
 of copying every routed row into the same order.
 
+`apply_router_padding_mask()` (every machine): the MoE router's padding mask, so padding tokens are
+not counted by the expert-bias update or the aux losses (three spots of megatron's path, below).
+
 `apply()` (machines without CUDA only) lets megatron-core train on CPU with gloo:
 
 megatron-core assumes CUDA in a handful of places that have nothing to do with the maths:
@@ -500,6 +503,67 @@ def define_missing_te_gemm() -> None:
         return
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+# ------------------------------------------------------------------ the MoE router's padding mask (every machine)
+def _count_real_tokens(self, routing_map: torch.Tensor, padding_mask: torch.Tensor | None = None) -> None:
+    """TopKRouter._apply_expert_bias with the [tokens] padding mask applied per token."""
+    if self.enable_expert_bias and torch.is_grad_enabled():
+        with torch.no_grad():
+            if padding_mask is not None:
+                routing_map = routing_map & ~padding_mask.reshape(-1, 1)
+            self.local_tokens_per_expert += routing_map.sum(dim=0)
+
+
+def _counts_with_nonzero_total(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def counts(routing_map, reduce_group, topk=None, with_padding_mask=False):
+        per_expert, local, total = original(routing_map, reduce_group, topk=topk, with_padding_mask=with_padding_mask)
+        if with_padding_mask:  # a group holding padding only: its aux loss is 0 * 0 instead of 0 / 0
+            total = torch.where(total > 0, total, torch.ones_like(total))
+        return per_expert, local, total
+
+    counts.slime_nonzero_total = True
+    return counts
+
+
+def _scatter_mask_on_later_stages(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def preprocess(self, *args, **kwargs):
+        out, input_ids = original(self, *args, **kwargs), kwargs.get("input_ids")
+        if len(out) > 5 and out[5] is not None and input_ids is not None and self.config.sequence_parallel \
+                and out[5].shape[-1] == input_ids.shape[-1]:
+            from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
+
+            mask = scatter_to_sequence_parallel_region(out[5].transpose(0, 1).contiguous()).transpose(0, 1)
+            out = (*out[:5], mask.contiguous(), *out[6:])
+        return out
+
+    preprocess.slime_sp_mask = True
+    return preprocess
+
+
+def apply_router_padding_mask() -> None:
+    """megatron-core 0.16 takes a padding mask (GPTModel.forward(padding_mask=...), True = padding) down to the MoE
+    router, which leaves those tokens out of the aux losses and the expert-bias token counts. Three spots of that
+    path need help (idempotent):
+    - the expert-bias count ANDs the [tokens, experts] routing map with the [tokens] mask, which broadcasts it over
+      the experts axis (an error, or the wrong tokens when both counts agree): masked per token instead;
+    - a group whose tokens are all padding (a padding micro-batch) divides its aux loss by a zero token total
+      (0 / 0: NaN gradients); its loss is zero (no routed token) with a total of one;
+    - the mask is cut to this rank's sequence-parallel chunk on the first pipeline stage only; the later stages'
+      routers see a chunk too, so it is cut there as well (the same split, no collective)."""
+    try:
+        from megatron.core.models.gpt import gpt_model
+        from megatron.core.transformer.moe import moe_utils, router
+    except ImportError:
+        return
+    router.TopKRouter._apply_expert_bias = _count_real_tokens
+    if not getattr(router.get_tokens_per_expert_and_token_count, "slime_nonzero_total", False):
+        router.get_tokens_per_expert_and_token_count = _counts_with_nonzero_total(
+            moe_utils.get_tokens_per_expert_and_token_count)
+    if not getattr(gpt_model.GPTModel._preprocess, "slime_sp_mask", False):
+        gpt_model.GPTModel._preprocess = _scatter_mask_on_later_stages(gpt_model.GPTModel._preprocess)
 
 
 # ------------------------------------------------------------------ MoE dispatch at EP1 (every machine)

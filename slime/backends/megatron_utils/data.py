@@ -317,6 +317,9 @@ class PackedMicroBatch:
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
+    padding_mask: torch.Tensor
+    """bool [1, T_local], True where the input is padding (megatron's MoE routing mask): the router leaves these
+    tokens out of the expert-bias token counts and the aux losses."""
     labels: torch.Tensor
     """Target token per position (token t+1), 0 where there is none."""
     cu_seqlens: torch.Tensor
@@ -378,6 +381,7 @@ def pack_micro_batch(
     return PackedMicroBatch(
         input_ids=fields["input_ids"].unsqueeze(0),
         position_ids=fields["position_ids"].unsqueeze(0),
+        padding_mask=fields["padding_mask"].unsqueeze(0),
         labels=fields["labels"],
         cu_seqlens=cu,
         max_seqlen=max(padded),
@@ -426,6 +430,7 @@ def _aligned_sequence(data: Mapping[str, Any], i: int, multiple: int) -> dict[st
     seq = {
         "input_ids": torch.tensor(tokens + [PAD_TOKEN_ID] * (padded - total), dtype=torch.long),
         "position_ids": torch.arange(padded, dtype=torch.long),
+        "padding_mask": torch.arange(padded) >= total,
         "labels": torch.tensor(tokens[1:] + [PAD_TOKEN_ID] * (padded - total + 1), dtype=torch.long),
         "loss_mask": mask,
         "sample_weight": torch.full((padded,), 1.0 / max(1.0, float(mask.sum()))),
@@ -447,6 +452,7 @@ def _dummy_sequence(data: Mapping[str, Any], multiple: int) -> dict[str, Any]:
     return per_token | {
         "input_ids": torch.full((multiple,), PAD_TOKEN_ID, dtype=torch.long),
         "position_ids": torch.arange(multiple, dtype=torch.long),
+        "padding_mask": torch.ones(multiple, dtype=torch.bool),
         "labels": torch.full((multiple,), PAD_TOKEN_ID, dtype=torch.long),
         "loss_mask": zeros,
         "sample_weight": zeros,

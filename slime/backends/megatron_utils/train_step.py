@@ -379,15 +379,20 @@ def _packed_seq_params(batch: PackedMicroBatch) -> PackedSeqParams:
     return packed_seq_params(batch.cu_seqlens, batch.padded_lengths)
 
 
-def _forward_step(data_iterator, model, *, loss_func, progress: ProgressHook | None, routes: RouteReplayer | None):
+def _forward_step(data_iterator, model, *, loss_func, progress: ProgressHook | None, routes: RouteReplayer | None,
+                  masks_routing: bool):
     if progress is not None:
         progress()
     batch = next(data_iterator)
     if routes is not None:
         routes.before_forward(batch.sample_ids)
     # the MTP layers' shifted ids travel with the batch only where the loss trains them
-    mtp = {} if batch.mtp_tokens is None else {"mtp_input_ids": batch.mtp_tokens[:-1]}
-    output = model(batch.input_ids, batch.position_ids, None, packed_seq_params=_packed_seq_params(batch), **mtp)
+    extra = {} if batch.mtp_tokens is None else {"mtp_input_ids": batch.mtp_tokens[:-1]}
+    # MoE: the padding still flows through the experts (it keeps the shapes the layout needs), but the router
+    # leaves it out of the expert-bias token counts and the aux losses, so they see the real tokens only
+    if masks_routing:
+        extra["padding_mask"] = batch.padding_mask
+    output = model(batch.input_ids, batch.position_ids, None, packed_seq_params=_packed_seq_params(batch), **extra)
     if routes is not None:
         routes.after_forward(batch.sample_ids)
     return output, partial(loss_func, batch)
@@ -397,9 +402,11 @@ def _run_schedule(model_chunks, packed: list[PackedMicroBatch], loss_func, *, fo
                   progress: ProgressHook | None = None, routes: RouteReplayer | None = None) -> None:
     chunks = list(model_chunks)
     iterators = [iter(packed) for _ in chunks] if len(chunks) > 1 else iter(packed)
+    masks_routing = bool(getattr(get_model_config(chunks[0]), "num_moe_experts", None))
     get_forward_backward_func()(
         forward_step_func=partial(_forward_step, loss_func=loss_func, progress=progress,
-                                  routes=routes if routes is not None and routes.active else None),
+                                  routes=routes if routes is not None and routes.active else None,
+                                  masks_routing=masks_routing),
         data_iterator=iterators,
         model=chunks if len(chunks) > 1 else chunks[0],
         num_microbatches=len(packed),
