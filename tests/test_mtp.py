@@ -303,19 +303,24 @@ def test_mtp_trains_alike_under_context_parallelism(checkpoints, tmp_path):
 
 
 def _pipeline_child(rank, world, hf_dir, data, layout, steps, ledger_dir, save_dir):
-    """--save-hf right after the load, then `steps` MTP-training steps (the first in a ledger); this rank's embedding
-    before and after them, and whether it is the MTP stage's copy."""
+    """--save-hf right after the load and the weight push's names (exported and planned), then `steps` MTP-training
+    steps (the first in a ledger); this rank's embedding before and after them, and whether it is the MTP stage's
+    copy."""
     from megatron.core import parallel_state
 
     from slime.backends.megatron_utils.checkpoint import save_hf_checkpoint
     from slime.backends.megatron_utils.parallel import init_model_parallel
     from slime.backends.megatron_utils.train_step import compute_log_probs, train_one_step
+    from slime.backends.megatron_utils.update_weight import hf_tensor_sizes
+    from slime.models.hf_weights import export_hf_weights
     from train_step_harness import plans_for_this_rank
 
     args = layout_args(layout, lr=1e-2, **MTP_FLAGS["trained"])
     init_model_parallel(args)
     model, optimizer, scheduler, hf_config = _build(args, hf_dir)
     save_hf_checkpoint(save_dir, model, hf_config, hf_dir)
+    pushed = [n for n, _ in export_hf_weights(model, hf_config, mtp=False)]
+    planned = [n for n, _ in hf_tensor_sizes(model, hf_config, tp_size=1)]
     module = model[0].module
     embedding = module.embedding.word_embeddings.weight
     before = embedding.detach().clone()
@@ -325,7 +330,7 @@ def _pipeline_child(rank, world, hf_dir, data, layout, steps, ledger_dir, save_d
     run.update(log_probs=log_probs, ref_log_probs=log_probs, rollout_log_probs=log_probs)
     step = lambda: train_one_step(model, optimizer, scheduler, run, plan, args)  # noqa: E731
     results = [_in_ledger(step, rank, world, ledger_dir)] + [step() for _ in range(steps - 1)]
-    return dict(steps=results, log_probs=log_probs, before=before, after=embedding.detach().clone(),
+    return dict(steps=results, log_probs=log_probs, pushed=pushed, planned=planned, before=before, after=embedding.detach().clone(),
                 stage=parallel_state.get_pipeline_model_parallel_rank(), has_mtp=module.mtp_process,
                 copy=bool(getattr(embedding, "shared", False)))
 
@@ -373,6 +378,10 @@ def test_mtp_trains_alike_under_pipeline_parallelism(checkpoints, family, layout
     assert sorted(written) == sorted(original) and "model.embed_tokens.weight" in shards[0]
     for name, tensor in original.items():
         assert torch.equal(written[name], tensor), name
+    # the push sends each main-model tensor once (embed_tokens from the first stage), as its plan says
+    pushed = [n for out in {out["stage"]: out for out in ranks}.values() for n in out["pushed"]]  # one rank a stage
+    assert sorted(pushed) == sorted(n for n in original if not n.startswith(MTP_PREFIXES[family]))
+    assert all(out["pushed"] == out["planned"] for out in ranks)
     # the MTP stage holds the copy, marked so that the grad norm counts the embedding once
     half = world // 2
     assert sorted((r["stage"], r["has_mtp"], r["copy"]) for r in ranks) == \
