@@ -1,8 +1,9 @@
 """Multi-token prediction: checkpoints that carry MTP layers (MiMo's and DeepSeek-V3's spellings) load and save
 bit-exactly with them, the main model's log-probs equal transformers' (which drops the MTP layers) and are unchanged
 by them, the weight push leaves them out, --mtp-num-layers alone carries them untrained, and --enable-mtp-training
-trains them beside the main loss with the same step at TP2 x SP, CP2 and TP2 x SP x CP2 as on one rank (the MTP
-layers' shifted tokens come with each CP rank's slice: no point-to-point message).
+trains them beside the main loss with the same step at TP2 x SP, CP2, TP2 x SP x CP2, PP2 and PP2 x CP2 as on one
+rank (the MTP layers' shifted tokens come with each CP rank's slice: no point-to-point message; under PP the last
+stage's copy of the embedding stays the first stage's).
 """
 
 from __future__ import annotations
@@ -301,6 +302,92 @@ def test_mtp_trains_alike_under_context_parallelism(checkpoints, tmp_path):
         assert ranks[0][1].metrics["mtp_loss"] != ranks[0][0].metrics["mtp_loss"]  # the second step saw the update
 
 
+def _pipeline_child(rank, world, hf_dir, data, layout, steps, ledger_dir, save_dir):
+    """--save-hf right after the load and the weight push's names (exported and planned), then `steps` MTP-training
+    steps (the first in a ledger); this rank's embedding before and after them, and whether it is the MTP stage's
+    copy."""
+    from megatron.core import parallel_state
+
+    from slime.backends.megatron_utils.checkpoint import save_hf_checkpoint
+    from slime.backends.megatron_utils.parallel import init_model_parallel
+    from slime.backends.megatron_utils.train_step import compute_log_probs, train_one_step
+    from slime.backends.megatron_utils.update_weight import hf_tensor_sizes
+    from slime.models.hf_weights import export_hf_weights
+    from train_step_harness import plans_for_this_rank
+
+    args = layout_args(layout, lr=1e-2, **MTP_FLAGS["trained"])
+    init_model_parallel(args)
+    model, optimizer, scheduler, hf_config = _build(args, hf_dir)
+    save_hf_checkpoint(save_dir, model, hf_config, hf_dir)
+    pushed = [n for n, _ in export_hf_weights(model, hf_config, mtp=False)]
+    planned = [n for n, _ in hf_tensor_sizes(model, hf_config, tp_size=1)]
+    module = model[0].module
+    embedding = module.embedding.word_embeddings.weight
+    before = embedding.detach().clone()
+    (plan,) = plans_for_this_rank(data, args)
+    run = dict(data)
+    log_probs = compute_log_probs(model, run, plan, args)
+    run.update(log_probs=log_probs, ref_log_probs=log_probs, rollout_log_probs=log_probs)
+    step = lambda: train_one_step(model, optimizer, scheduler, run, plan, args)  # noqa: E731
+    results = [_in_ledger(step, rank, world, ledger_dir)] + [step() for _ in range(steps - 1)]
+    return dict(steps=results, log_probs=log_probs, pushed=pushed, planned=planned, before=before, after=embedding.detach().clone(),
+                stage=parallel_state.get_pipeline_model_parallel_rank(), has_mtp=module.mtp_process,
+                copy=bool(getattr(embedding, "shared", False)))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family, layout", [
+    ("mimo", dict(pipeline_model_parallel_size=2, context_parallel_size=2)),
+    ("glm4_moe_lite", dict(pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=1))])
+def test_mtp_trains_alike_under_pipeline_parallelism(checkpoints, family, layout, tmp_path):
+    """MTP at PP2 x CP2 (MiMo) and PP2 (GLM-4.7-Flash, whose MTP layer keeps its own embed_tokens): the MTP layers
+    on the last stage, beside a copy of the embedding. The same loss, MTP loss and grad norm over two steps as one
+    rank, transformers' log-probs; the two stages' embeddings equal after the steps (their grads all-reduced over the
+    embedding group, in the ledger, the order proof holding); --save-hf writes the checkpoint back bit-exactly,
+    embed_tokens once (the MTP layer's own copy from the last stage)."""
+    from safetensors.torch import load_file
+
+    from slime.distributed.order_proof import check_order, read_sequences
+
+    hf_dir = checkpoints[family]
+    data = make_rollout(num_samples=4, seed=7, vocab=512, max_len=21)
+    (single,) = run_ranks(_trained_child, 1, args=(hf_dir, data, {}, 2), timeout_s=240)
+    world = 2 * layout.get("context_parallel_size", 1)
+    ledger, saved = tmp_path / "ledger", tmp_path / "saved"
+    ranks = run_ranks(_pipeline_child, world, args=(hf_dir, data, layout, 2, str(ledger), str(saved)),
+                      timeout_s=240)
+    sequences = read_sequences(str(ledger))
+    report = check_order(sequences)
+    assert report.ok and report.ranks == world and report.ops > 0, report.format()
+    embd = [op for seq in sequences.values() for op in seq.ops if op.group.startswith("embd")]
+    assert {op.op for op in embd} == {"all_reduce"} and len(embd) == world, embd  # once per rank, in grad_reduce
+    reference = _reference_log_probs(hf_dir, data)
+    for out in ranks:
+        got = out["log_probs"]
+        assert max(abs(a - b) for r, g in zip(reference, got) for a, b in zip(r, g)) < 1e-5
+        assert torch.equal(out["before"], ranks[0]["before"]) and torch.equal(out["after"], ranks[0]["after"])
+        assert not torch.equal(out["after"], out["before"])  # the embedding trained, on both stages alike
+        for a, b in zip(single, out["steps"]):
+            assert not b.skipped and b.metrics["mtp_loss"] > 0, b
+            assert _close(a.loss, b.loss) and _close(a.metrics["mtp_loss"], b.metrics["mtp_loss"]), (a, b)
+            assert _close(a.grad_norm, b.grad_norm, 1e-4), (a, b)
+    original = load_file(os.path.join(hf_dir, "model.safetensors"))
+    shards = [load_file(str(f)) for f in sorted(saved.glob("model-*.safetensors"))]
+    assert len(shards) == 2 and sum(len(s) for s in shards) == len(original)
+    written = {k: v for shard in shards for k, v in shard.items()}
+    assert sorted(written) == sorted(original) and "model.embed_tokens.weight" in shards[0]
+    for name, tensor in original.items():
+        assert torch.equal(written[name], tensor), name
+    # the push sends each main-model tensor once (embed_tokens from the first stage), as its plan says
+    pushed = [n for out in {out["stage"]: out for out in ranks}.values() for n in out["pushed"]]  # one rank a stage
+    assert sorted(pushed) == sorted(n for n in original if not n.startswith(MTP_PREFIXES[family]))
+    assert all(out["pushed"] == out["planned"] for out in ranks)
+    # the MTP stage holds the copy, marked so that the grad norm counts the embedding once
+    half = world // 2
+    assert sorted((r["stage"], r["has_mtp"], r["copy"]) for r in ranks) == \
+        [(0, False, False)] * half + [(1, True, True)] * half
+
+
 BASE = ["--rollout-batch-size", "2", "--num-rollout", "1", "--actor-num-gpus-per-node", "2",
         "--train-backend-device", "cpu"]
 TINY = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
@@ -308,9 +395,9 @@ TINY = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_
 
 @pytest.mark.parametrize("config, flags, says", [
     (dict(model_type="deepseek_v3"), ["--enable-mtp-training"], "pass --mtp-num-layers N"),
-    (dict(model_type="deepseek_v3", num_nextn_predict_layers=1), ["--mtp-num-layers", "1",
-                                                                  "--pipeline-model-parallel-size", "2"],
-     "--mtp-num-layers 1 with --pipeline-model-parallel-size 2 is not supported here"),
+    (dict(model_type="deepseek_v3", num_nextn_predict_layers=1, tie_word_embeddings=True),
+     ["--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2"],
+     "ties lm_head to embed_tokens (tie_word_embeddings=True) is not supported here"),
     (dict(model_type="deepseek_v3", num_nextn_predict_layers=1), ["--mtp-num-layers", "1",
                                                                   "--use-rollout-routing-replay"],
      "--mtp-num-layers 1 with --use-rollout-routing-replay is not supported here"),

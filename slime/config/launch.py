@@ -136,7 +136,8 @@ def check_hf_config(args: argparse.Namespace, config_path: str) -> None:
         family = model_family(config.get("model_type", model_type))
         _check_family_flags(args, family, config_path)
         try:
-            check_mtp_layers(args.mtp_num_layers, config, family.name, family.mtp_names is not None)
+            check_mtp_layers(args.mtp_num_layers, config, family.name, family.mtp_names is not None,
+                             args.pipeline_model_parallel_size)
         except ValueError as exc:
             fail(f"--hf-checkpoint {config_path}: {exc}")
     heads = config.get("num_attention_heads")

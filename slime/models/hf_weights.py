@@ -276,6 +276,23 @@ def _mtp_copies(model: torch.nn.Module, hf_config: Any, attribute: str, mtp: boo
     return tuple(n for n in names if n)
 
 
+def _is_embedding_copy(model: torch.nn.Module, name: str) -> bool:
+    """The last pipeline stage's copy of the word embedding, which its MTP layers embed with (megatron keeps it equal
+    to the first stage's by all-reducing their grads over the embedding group): loaded from embed_tokens, but the
+    HF checkpoint holds one embed_tokens, exported from the first stage; this copy writes only the MTP layers' own
+    copies of it (DeepSeek-V3's), if any."""
+    return name == "embedding.word_embeddings.weight" and not getattr(model, "pre_process", True)
+
+
+def _exported(model: torch.nn.Module, name: str, mapping: _Mapping, full: torch.Tensor
+              ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(hf name, tensor) pairs of one mapped parameter, as the export writes them."""
+    pairs = zip(mapping.hf_names, mapping.to_hf(full))
+    if _is_embedding_copy(model, name):
+        next(pairs)
+    return pairs
+
+
 def _is_expert(name: str) -> bool:
     return moe_hf.is_expert_param(_layer_suffix(name))
 
@@ -388,8 +405,8 @@ def hf_tensor_shapes(model: torch.nn.Module, hf_config: Any, tp: int, *, all_exp
     """(hf name, meta tensor of its full shape and dtype) of every HF tensor of this chunk, no data.
 
     all_experts: as export_hf_weights yields them (every EP rank's experts, in its order); otherwise only
-    what this rank loads (its own experts). Tied output weights are skipped in export order, as there; `mtp` and
-    `select` as there."""
+    what this rank loads (its own experts). Tied output weights and the last stage's embedding copy are
+    skipped in export order, as there; `mtp` and `select` as there."""
     for name, param in _weights(model, mtp):
         if all_experts and name == "output_layer.weight" and _tied(hf_config):
             continue
@@ -398,7 +415,10 @@ def hf_tensor_shapes(model: torch.nn.Module, hf_config: Any, tp: int, *, all_exp
         full = torch.empty(full_shape(name, param, tp), dtype=param.dtype, device="meta")
         for ep_rank in _ep_ranks(name, all_experts):
             mapping = _mapping_for(model, name, param, hf_config, tp, ep_rank, mtp)
-            yield from zip(mapping.hf_names, mapping.to_hf(full))
+            if all_experts:
+                yield from _exported(model, name, mapping, full)
+            else:
+                yield from zip(mapping.hf_names, mapping.to_hf(full))
 
 
 def _expected_hf_shapes(model: torch.nn.Module, hf_config: Any, tp: int) -> Iterator[tuple[str, tuple[int, ...]]]:
@@ -480,7 +500,8 @@ def export_hf_weights(model_chunks: list[torch.nn.Module], hf_config: Any,
     ranks of a stage); layer names use GLOBAL layer indices. Every rank of a TP group must
     iterate it to the end together (one all_gather over the TP group per TP-split parameter);
     ranks of different DP/CP replicas or PP stages are independent. With tied embeddings the
-    last stage's output_layer copy is skipped (HF ties lm_head to embed_tokens). `read_param` gives
+    last stage's output_layer copy is skipped (HF ties lm_head to embed_tokens), and so is the MTP stage's copy of
+    the embedding (`_is_embedding_copy`). `read_param` gives
     a parameter's value (default: the live tensor; a sleeping trainer serves its host copy). `mtp=False` leaves
     the multi-token-prediction layers (and their copies of the embedding and output layer) out. A layer with a
     LoRA adapter yields its merged weight W + alpha/r * B @ A. `select` (megatron name -> bool) keeps a subset,
@@ -499,11 +520,13 @@ def export_hf_weights(model_chunks: list[torch.nn.Module], hf_config: Any,
             if _is_expert(name):
                 yield from _export_expert(model, name, param, read(param), hf_config, experts)
                 continue
+            mapping = _mapping_for(model, name, param, hf_config, tp, mtp=mtp)
+            if _is_embedding_copy(model, name) and len(mapping.hf_names) == 1:
+                continue  # the first stage exports embed_tokens (the same on every rank of this TP group)
             full = _merged(model, name, read(param), read)
             if tp > 1 and getattr(param, "tensor_model_parallel", False):
                 full = _gather_tp(full, param.partition_dim, tp, tp_group)
-            mapping = _mapping_for(model, name, param, hf_config, tp, mtp=mtp)
-            yield from zip(mapping.hf_names, mapping.to_hf(full))
+            yield from _exported(model, name, mapping, full)
 
 
 def _merged(model: torch.nn.Module, name: str, value: torch.Tensor, read: Callable[[torch.Tensor], torch.Tensor]

@@ -78,10 +78,18 @@ def mimo_names(hf_config: Any, layer: int) -> MTPLayerNames:
     return MTPLayerNames(prefix, {k: prefix + v for k, v in parts.items()}, hidden_first=True)
 
 
-def check_mtp_layers(requested: int | None, hf_config: Any, family_name: str, has_names: bool) -> None:
-    """--mtp-num-layers against the checkpoint: ValueError naming the fix when they disagree."""
+def check_mtp_layers(requested: int | None, hf_config: Any, family_name: str, has_names: bool,
+                     pipeline: int = 1) -> None:
+    """--mtp-num-layers against the checkpoint (and `pipeline`, the PP size): ValueError naming the fix when they
+    disagree."""
     if not requested:
         return
+    tied = hf_config.get("tie_word_embeddings") if isinstance(hf_config, dict) else \
+        getattr(hf_config, "tie_word_embeddings", False)
+    if pipeline > 1 and tied:  # the last stage would hold a tied output layer and the MTP embedding copy of one tensor
+        raise ValueError(f"--mtp-num-layers {requested} with --pipeline-model-parallel-size {pipeline} and a "
+                         "checkpoint that ties lm_head to embed_tokens (tie_word_embeddings=True) is not supported "
+                         "here: train it at --pipeline-model-parallel-size 1")
     found = checkpoint_mtp_layers(hf_config)
     if not has_names:
         raise ValueError(f"--mtp-num-layers {requested}: {family_name} checkpoints carry no multi-token-prediction "

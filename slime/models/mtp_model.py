@@ -83,6 +83,22 @@ class MTPGPTModel(GPTModel):
             for param in self.mtp.parameters():
                 param.requires_grad_(False)
 
+    def setup_embeddings_and_output_layer(self) -> None:
+        """megatron's marking of the MTP stage's embedding copy, without its build-time sync: megatron zeroes the
+        copy and all-reduces it with the first stage's over the embedding group (on CUDA only); here both stages
+        load it from the checkpoint's embed_tokens (hf_weights.py), and the step's embedding-group grad all-reduce
+        keeps them equal. `shared` leaves the copy out of the grad norm, as megatron does."""
+        if self.config.pipeline_model_parallel_size == 1:
+            return super().setup_embeddings_and_output_layer()
+        if self.pre_process:
+            self.embedding.word_embeddings.weight.is_embedding_or_output_parameter = True
+            self.embedding.word_embeddings.weight.shared_embedding = not self.post_process
+        if self.post_process and self.output_layer.weight is not None:
+            self.output_layer.weight.is_embedding_or_output_parameter = True
+        if self.mtp_process and not self.pre_process:
+            weight = self.embedding.word_embeddings.weight
+            weight.shared = weight.shared_embedding = True
+
     def forward(self, *args: Any, mtp_input_ids: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
         """GPTModel's forward; `mtp_input_ids` [D, s]: each MTP depth's shifted token ids of the one packed row
         (module docstring), needed when the MTP layers run."""

@@ -27,6 +27,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
+from megatron.core.transformer.multi_token_prediction import mtp_on_this_rank  # noqa: E402
 from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
 from megatron.core.transformer.transformer_block import (  # noqa: E402
     TransformerBlockSubmodules,
@@ -194,7 +195,8 @@ def transformer_config_from_hf(hf_config: Any, args: Namespace) -> TransformerCo
                          "add_qkv_bias": _qkv_bias_to_check(hf_config, arch, args)}, args)
     _check_embedding_tying(hf_config, args)
     family = family_of(hf_config)
-    check_mtp_layers(args.mtp_num_layers, hf_config, family.name, family.mtp_names is not None)
+    check_mtp_layers(args.mtp_num_layers, hf_config, family.name, family.mtp_names is not None,
+                     _arg(args, "pipeline_model_parallel_size", 1))
     config_class, family_fields = _family_config(hf_config, args)
     bf16 = bool(args.bf16)
     params_dtype = torch.bfloat16 if bf16 else torch.float32
@@ -364,6 +366,14 @@ def _mtp_layer_spec(args: Namespace, hf_config: Any, config: TransformerConfig) 
     return with_moe_mlp(spec, config, moe.grouped_experts_enabled(args)) if config.num_moe_experts else spec
 
 
+def _mtp_stage_spec(args: Namespace, hf_config: Any, config: TransformerConfig, vp_stage: int | None
+                    ) -> ModuleSpec | None:
+    """The MTP block's spec on the stage that builds it (megatron places it on the last pipeline stage), else None."""
+    if not mtp_on_this_rank(config, ignore_virtual=False, vp_stage=vp_stage):
+        return None
+    return mtp_block_spec(_mtp_layer_spec(args, hf_config, config), config.mtp_num_layers)
+
+
 def build_gpt_model(
     args: Namespace, hf_config: Any, pre_process: bool = True, post_process: bool = True,
     vp_stage: int | None = None,
@@ -379,7 +389,7 @@ def build_gpt_model(
     model_class, mtp_fields = GPTModel, {}
     if config.mtp_num_layers:
         model_class = MTPGPTModel
-        mtp_fields = dict(mtp_block_spec=mtp_block_spec(_mtp_layer_spec(args, hf_config, config), config.mtp_num_layers),
+        mtp_fields = dict(mtp_block_spec=_mtp_stage_spec(args, hf_config, config, vp_stage),
                           train_mtp=bool(with_defaults(args, MODEL_FLAGS).enable_mtp_training))
     model = model_class(
         **mtp_fields,
