@@ -5,8 +5,9 @@
 the HF weight mapping, checkpoints, the weight push, routing replay and EP are unchanged. Only the forward
 differs: the dispatcher's tokens arrive sorted by local expert; they are multiplied in that one layout by all
 experts at once (`torch._grouped_mm` on CUDA for bf16 on Hopper and later), and the activation and the routing
-weights are applied to all experts' rows in one elementwise pass. Elsewhere (CPU, fp32) the GEMMs loop over the
-experts of the same layout with the sequential path's own formulas, so the numbers are the same bit for bit.
+weights are applied to all experts' rows in one elementwise pass; LoRA adapters on the experts
+(slime/models/lora.py) add two grouped GEMMs per layer. Elsewhere (CPU, fp32) the GEMMs loop over the experts of the
+same layout with the sequential path's own formulas, so the numbers are the same bit for bit.
 
 Each GEMM reads the experts' weights stacked into one [E, out, in] copy, taken again in the backward rather than
 kept, so the step holds no more memory than the sequential path. (Reading them in place from megatron's DDP buffer
@@ -20,6 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.moe.experts import SequentialMLP
+
+from slime.models.lora import expert_adapter
 
 
 def grouped_experts_chosen(choice: bool | None) -> bool:
@@ -62,9 +65,12 @@ class _GroupedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous()  # grouped_mm refuses an output gradient with zero strides (an expanded one)
+        need_w = ctx.needs_input_grad[3]  # frozen weights (LoRA's base) get no gradient computed
         if ctx.grouped:
             x, offsets, *weights = ctx.saved_tensors
             grad_x = torch._grouped_mm(grad, torch.stack(weights), offs=offsets)
+            if not need_w:
+                return grad_x, None, None, *([None] * len(weights))
             grad_w = torch._grouped_mm(grad.t(), x, offs=offsets)  # [E, out, in]
             _zero_experts(grad_w, ctx.empty)  # an expert without rows gets a zero gradient
             return grad_x, None, None, *grad_w.unbind(0)
@@ -72,7 +78,7 @@ class _GroupedLinear(torch.autograd.Function):
         grad_x, grad_w = [], []
         for g, xe, w in zip(torch.split(grad, ctx.counts), torch.split(x, ctx.counts), weights):
             grad_x.append(g.matmul(w))  # megatron's linear backward, expert by expert
-            grad_w.append(g.t().matmul(xe))
+            grad_w.append(g.t().matmul(xe) if need_w else None)
         return (torch.cat(grad_x) if grad_x else torch.zeros_like(x)), None, None, *grad_w
 
 
@@ -108,9 +114,22 @@ class GroupedExperts(SequentialMLP):
             x = (probs.unsqueeze(-1) * x).to(x.dtype)
             probs = torch.ones_like(probs)
         counts = tokens_per_expert if torch.is_tensor(tokens_per_expert) else torch.tensor(tokens_per_expert)
-        fc1 = grouped_linear(x, counts, [e.linear_fc1.weight for e in self.local_experts])
+        fc1 = self._linear(x, counts, "linear_fc1")
         hidden = self._activation(fc1, probs)
-        return grouped_linear(hidden, counts, [e.linear_fc2.weight for e in self.local_experts]), None
+        return self._linear(hidden, counts, "linear_fc2"), None
+
+    def _linear(self, x: torch.Tensor, counts: torch.Tensor, name: str) -> torch.Tensor:
+        """Every expert's `name` layer over its rows, plus its LoRA update (x A_e^T) B_e^T * alpha/r where the
+        experts carry adapters (the layers' forward hooks do not run on this path)."""
+        layers = [getattr(e, name) for e in self.local_experts]
+        y = grouped_linear(x, counts, [layer.weight for layer in layers])
+        adapters = [expert_adapter(layer) for layer in layers]
+        if adapters[0] is None:
+            return y
+        a = adapters[0]
+        x = F.dropout(x, a.dropout) if a.training and a.dropout else x
+        h = grouped_linear(x, counts, [ad.lora_A for ad in adapters])
+        return y + grouped_linear(h, counts, [ad.lora_B for ad in adapters]) * a.scale
 
     def _supported(self) -> bool:
         """What the grouped forward reproduces: bias-free experts, no FP8/FP4 padding, and of megatron's fused

@@ -497,7 +497,8 @@ def export_hf_weights(model_chunks: list[torch.nn.Module], hf_config: Any,
             if select is not None and not select(name):
                 continue
             if _is_expert(name):
-                yield from _export_expert(model, name, param, read(param), hf_config, experts)
+                yield from _export_expert(model, name, param, _merged(model, name, read(param), read), hf_config,
+                                          experts)
                 continue
             full = _merged(model, name, read(param), read)
             if tp > 1 and getattr(param, "tensor_model_parallel", False):
