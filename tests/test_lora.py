@@ -212,6 +212,47 @@ def test_lora_tp2_sp_equals_tp1_and_merged_export_is_the_trainers_model(tmp_path
         assert torch.allclose(torch.tensor(got), torch.tensor(want[-len(got):]), atol=1e-4)
 
 
+def _train_in_full_child(rank, world, hf_dir, data):
+    from slime.backends.megatron_utils.train_step import compute_log_probs, train_one_step
+    from slime.models.lora import peft_unexportable
+    from train_step_harness import build_loaded_model, layout_args, plans_for_this_rank
+    from transformers import AutoConfig
+
+    args = layout_args({**LORA, "only_train_params_name_list": ["output_layer"]})
+    model, optimizer, scheduler = build_loaded_model(args, hf_dir)
+    trainable = [n for n, p in model[0].module.named_parameters() if p.requires_grad]
+    in_optimizer = sum(len(g["params"]) for opt in getattr(optimizer, "chained_optimizers", [optimizer])
+                       for g in opt.optimizer.param_groups)
+    data = copy.deepcopy(data)
+    (plan,) = plans_for_this_rank(data, args)
+    rows = [row if row else [0.0] * n for row, n in zip(compute_log_probs(model, data, plan, args),
+                                                        data["response_lengths"])]
+    data["log_probs"] = [[v + 0.05 * (j % 3) for j, v in enumerate(row)] for row in rows]
+    data["ref_log_probs"], data["rollout_log_probs"] = rows, rows
+    before = {n: p.detach().clone() for n, p in model[0].module.named_parameters()}
+    train_one_step(model, optimizer, scheduler, data, plan, args)
+    moved = sorted(n for n, p in model[0].module.named_parameters() if not torch.equal(p.detach(), before[n]))
+    return dict(trainable=trainable, in_optimizer=in_optimizer, moved=moved, reason=peft_unexportable(model),
+                push=_push_subset(model, AutoConfig.from_pretrained(hf_dir), 1))
+
+
+@pytest.mark.timeout(120)
+def test_lora_trains_the_only_train_params_in_full_beside_the_adapters(tmp_path):
+    """--enable-lora --only-train-params-name-list output_layer (PEFT's modules_to_save): the output layer is
+    trainable and in the optimizer beside the adapters and moves in the first step (B is still zero there, so
+    nothing else does); the push after the first sends it with the adapted layers; no PEFT adapter is written."""
+    hf_dir = save_tiny_qwen3(str(tmp_path / "qwen3"))
+    (r,) = run_ranks(_train_in_full_child, 1, args=(hf_dir, make_rollout(num_samples=4, seed=3)), timeout_s=100)
+    adapters = [n for n in r["trainable"] if ".lora.lora_" in n]
+    assert sorted(r["trainable"]) == sorted(adapters + ["output_layer.weight"]) and len(adapters) == 2 * 4 * 2
+    assert r["in_optimizer"] == len(r["trainable"])
+    assert "output_layer.weight" in r["moved"] and all(".lora.lora_B" in n or n == "output_layer.weight"
+                                                       for n in r["moved"]), r["moved"]
+    assert "lm_head.weight" in r["push"]["part"] and "model.embed_tokens.weight" not in r["push"]["part"]
+    assert list(r["push"]["part"]) == r["push"]["sent"] and len(r["push"]["part"]) == 2 * 7 + 1
+    assert "output_layer.weight" in r["reason"]
+
+
 # ------------------------------------------------------------------ routed MoE experts
 
 # per-token loss: EP2 is DP2 here, and only the per-token denominator is independent of the DP split

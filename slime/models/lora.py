@@ -22,6 +22,7 @@ the replicated factor that the expert path does not have: refused.
 from __future__ import annotations
 
 import math
+import re
 import zlib
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -140,23 +141,35 @@ def expert_adapter(layer: torch.nn.Module) -> "LoraAdapter | None":
 
 
 def has_expert_adapters(chunks) -> bool:
-    for chunk in chunks:
-        while hasattr(chunk, "module"):
-            chunk = chunk.module
-        if any(layer.lora.expert for _, layer in adapted_layers(chunk)):
-            return True
-    return False
+    return any(layer.lora.expert for chunk in chunks for _, layer in adapted_layers(_unwrapped(chunk)))
 
 
 def adapted_weight_names(chunks) -> Callable[[str], bool]:
-    """`name in ...` of the weights with an adapter (megatron names of each chunk, unwrapped): what a push after
-    the first sends."""
+    """`name in ...` of the weights that training changes (megatron names of each chunk, unwrapped): those with an
+    adapter and the base parameters trained in full; what a push after the first sends."""
     names = set()
-    for chunk in chunks:
-        while hasattr(chunk, "module"):  # DDP / Float16Module wrappers
-            chunk = chunk.module
+    for chunk in map(_unwrapped, chunks):
         names.update(f"{name}.weight" for name, _ in adapted_layers(chunk))
+        names.update(name for name, p in chunk.named_parameters() if p.requires_grad and not is_adapter_param(name))
     return frozenset(names).__contains__
+
+
+def peft_unexportable(chunks) -> str | None:
+    """Why the adapters cannot be written as a PEFT LoRA adapter (None when they can)."""
+    base_trained = sorted(name for chunk in chunks for name, p in _unwrapped(chunk).named_parameters()
+                          if p.requires_grad and not is_adapter_param(name))
+    if base_trained:
+        return f"base parameters trained in full beside the adapters ({', '.join(base_trained[:3])} ...)"
+    if has_expert_adapters(chunks):
+        return ("adapters on routed experts, which transformers fuses into one parameter per projection (no PEFT "
+                "module name per expert)")
+    return None
+
+
+def _unwrapped(chunk: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(chunk, "module"):  # DDP / Float16Module wrappers
+        chunk = chunk.module
+    return chunk
 
 
 def _targets(model: torch.nn.Module, config: LoraConfig) -> list[tuple[str, torch.nn.Module]]:
@@ -185,10 +198,11 @@ def _global_name(model: torch.nn.Module, name: str) -> str:
     return f"{prefix}.experts.{ep_rank * experts.num_local_experts + int(local)}.{tail}"
 
 
-def apply_lora(model: torch.nn.Module, config: LoraConfig) -> int:
-    """Freeze every parameter of `model`, attach an adapter to each target layer; returns how many."""
-    for param in model.parameters():
-        param.requires_grad_(False)
+def apply_lora(model: torch.nn.Module, config: LoraConfig, train_in_full: tuple[str, ...] = ()) -> int:
+    """Freeze every parameter of `model` but those a `train_in_full` pattern matches (re.search: PEFT's
+    modules_to_save, e.g. the output layer), attach an adapter to each target layer; returns how many."""
+    for name, param in model.named_parameters():
+        param.requires_grad_(any(re.search(pattern, name) for pattern in train_in_full))
     targets = _targets(model, config)
     for name, layer in targets:
         layer.add_module(ADAPTER, LoraAdapter(layer, config, _global_name(model, name)))
