@@ -36,30 +36,11 @@ from slime.distributed.ledger import Ledger  # noqa: E402
 from slime.distributed.progress_hub import HubClient, RayHub, start_hub  # noqa: E402
 from slime.distributed.progress_relay import NodeRelay  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_progress_scale import TimedTransport, percentile  # noqa: E402  (the direct hub's benchmark)
+
 TICK_S = 0.1
 INTERVAL_S = 1.0
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
-
-
-class TimedTransport:
-    """The hub transport, timing every call: (when it ended, seconds) per call."""
-
-    def __init__(self, inner, durations: list):
-        self.inner = inner
-        self.name = inner.name
-        self.durations = durations
-
-    def call(self, method, *args, timeout_s):
-        start = time.monotonic()
-        try:
-            return self.inner.call(method, *args, timeout_s=timeout_s)
-        finally:
-            end = time.monotonic()
-            self.durations.append((end, end - start))
 
 
 def node_ledger(rank: int, world_group: tuple[int, ...], node_group: tuple[int, ...]) -> Ledger:

@@ -11,6 +11,10 @@ Paths, switched in place between cycles of one process (same model, data and all
        megatron's own THD RoPE (`.tolist()` of cu_seqlens for q and k in every layer)
   new  (eager kernels) the mask-free kernels (kernel "causal": SDPA causal / lower-right per sequence or zig-zag
        chunk with native GQA, flash-attn varlen when importable) and the sync-free THD RoPE
+  grouped / grouped-base / sequential  (MoE) the new path with the experts as grouped GEMMs; the same as it was
+       before torch's fused AdamW kernel, the skipped identity re-sort of the dispatched tokens at EP1, the experts'
+       gradients added into DDP's buffer as one multi-tensor add and grad clipping's multi-tensor norm and scale;
+       megatron's SequentialMLP (one expert after another)
 (The old path reads the lengths from the host like the new one: the attention's own per-layer
 `.tolist()` of the code before the sync-free RoPE, a third sync right after RoPE's two, is not replayed.)
 
@@ -63,9 +67,12 @@ warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor. is depreca
 
 import torch  # noqa: E402
 
-PATHS = ("fused", "new", "old", "grouped", "sequential")
-KERNEL_OF_PATH = {"fused": "causal", "new": "causal", "old": "masked", "grouped": "causal", "sequential": "causal"}
-EXPERT_PATHS = ("grouped", "sequential")  # the new path with MoE experts as grouped GEMMs / SequentialMLP's loop
+PATHS = ("fused", "new", "old", "grouped", "grouped-base", "sequential")
+KERNEL_OF_PATH = {"fused": "causal", "new": "causal", "old": "masked", "grouped": "causal", "grouped-base": "causal",
+                  "sequential": "causal"}
+# MoE experts as grouped GEMMs; the same as before the launch savings around them (see the module doc);
+# SequentialMLP's per-expert loop
+EXPERT_PATHS = ("grouped", "grouped-base", "sequential")
 ATTENTION_PATHS = ("new", "old", "split")  # the attention phase compares the kernels ("split": CP chunks by lse)
 OOM_EXIT_CODE = 3
 
@@ -537,6 +544,7 @@ def use_path(actor, path: str) -> int:
     from megatron.core.transformer.mlp import MLP
 
     from patches import megatron_core
+    from slime.backends.megatron_utils.adam_kernel import fused_adam_chosen, use_fused_adam
     from slime.models.grouped_experts import GroupedExperts
     from slime_plugins.models import fused_kernels
 
@@ -544,9 +552,14 @@ def use_path(actor, path: str) -> int:
     if path in EXPERT_PATHS and not experts:
         raise RuntimeError(f"--paths {path} compares MoE experts; the model has no GroupedExperts (dense model, "
                            "or --no-moe-grouped-gemm)")
+    base = path == "grouped-base"  # before the fused AdamW, the skipped re-sort and the multi-tensor grad adds
     for module in experts:
         module.grouped = path != "sequential"
+        module.into_main_grad = not base
     megatron_core.apply_thd_rope(enabled=path != "old")
+    megatron_core.apply_moe_identity_sort(enabled=not base)
+    megatron_core.apply_grad_norm_without_host_sync(multi_tensor=not base)
+    use_fused_adam(actor.optimizer, fused_adam_chosen(next(actor.model[0].parameters()).device) and not base)
     fused_kernels.configure("compile" if path == "fused" else "eager")
     for module in (m for chunk in actor.model for m in chunk.modules() if isinstance(m, MLP)):
         module.config.bias_activation_fusion = path == "fused"  # megatron's compiled SwiGLU
@@ -560,10 +573,12 @@ def path_in_use(actor) -> dict:
     """What the model ran with: the THD RoPE (patched or megatron's) and the attention kernels."""
     from patches import megatron_core
 
+    from slime.backends.megatron_utils.adam_kernel import adam_kernel_in_use
     from slime_plugins.models import fused_kernels
 
     return {"thd_rope": megatron_core.thd_rope_in_use(), "kernels": sorted({m.kernel for m in attention_modules(actor)}),
-            "fused_kernels": fused_kernels.active()}
+            "fused_kernels": fused_kernels.active(), "adam": adam_kernel_in_use(actor.optimizer),
+            "moe_identity_sort_skipped": megatron_core.moe_identity_sort_in_use()}
 
 
 def cycle_schedule(paths: tuple[str, ...], cycles: int) -> list[tuple[str, str]]:

@@ -1,9 +1,10 @@
 """Runtime patches of third-party libraries, one module per library.
 
 `apply_all()` is the single entry point. The THD RoPE patch (no host-device sync per layer), grad
-clipping's norm (no sync per parameter), MLA's TransformerEngine check and the MoE router's missing TE
-name (where TE is absent) apply on every machine; the rest only where a library cannot run as designed
-(no CUDA), so cluster runs execute upstream code apart from those.
+clipping's norm (no sync per parameter), MLA's TransformerEngine check, the MoE router's missing TE
+name (where TE is absent) and its padding mask, and the MoE dispatcher's identity re-sort at EP1 (skipped)
+apply on every machine; the rest only where a library cannot run as designed (no CUDA), so cluster runs
+execute upstream code apart from those.
 """
 
 
@@ -17,5 +18,7 @@ def apply_all() -> None:
     megatron_core.apply_grad_norm_without_host_sync()
     megatron_core.apply_mla_without_te()
     megatron_core.define_missing_te_gemm()
+    megatron_core.apply_moe_identity_sort()
+    megatron_core.apply_router_padding_mask()
     if not torch.cuda.is_available():
         megatron_core.apply()

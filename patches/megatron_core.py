@@ -9,7 +9,14 @@ device instead (same positions, same rotation code, bit-identical results), so t
 queueing kernels ahead of the GPU.
 
 `apply_grad_norm_without_host_sync()` (every machine, where Apex is absent): grad clipping's norm
-without a host-device sync per parameter.
+without a host-device sync per parameter, and its norms and scaling as multi-tensor kernels.
+
+`apply_moe_identity_sort()` (every machine): the alltoall MoE dispatcher skips its re-sort of the
+received tokens by local expert where that order is the identity (one rank in EP x expert-TP), instead
+of copying every routed row into the same order.
+
+`apply_router_padding_mask()` (every machine): the MoE router's padding mask, so padding tokens are
+not counted by the expert-bias update or the aux losses (three spots of megatron's path, below).
 
 `apply()` (machines without CUDA only) lets megatron-core train on CPU with gloo:
 
@@ -498,27 +505,164 @@ def define_missing_te_gemm() -> None:
         moe_utils.te_general_gemm = None
 
 
-# ------------------------------------------------------------------ grad norm (every machine)
-def _l2_norm_without_host_sync(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
-    """megatron's local (no-Apex) multi_tensor_l2norm, kept on the device.
+# ------------------------------------------------------------------ the MoE router's padding mask (every machine)
+def _count_real_tokens(self, routing_map: torch.Tensor, padding_mask: torch.Tensor | None = None) -> None:
+    """TopKRouter._apply_expert_bias with the [tokens] padding mask applied per token."""
+    if self.enable_expert_bias and torch.is_grad_enabled():
+        with torch.no_grad():
+            if padding_mask is not None:
+                routing_map = routing_map & ~padding_mask.reshape(-1, 1)
+            self.local_tokens_per_expert += routing_map.sum(dim=0)
 
-    megatron's `local_multi_tensor_l2_norm` turns every tensor's norm into a Python float
-    (`torch.tensor(list of 0-d GPU tensors)`): one host-device sync per parameter at every grad clip
-    (226 per 0.6B step on one H200). Same norms, same fp32 values, same reduction; no sync.
-    """
+
+def _counts_with_nonzero_total(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def counts(routing_map, reduce_group, topk=None, with_padding_mask=False):
+        per_expert, local, total = original(routing_map, reduce_group, topk=topk, with_padding_mask=with_padding_mask)
+        if with_padding_mask:  # a group holding padding only: its aux loss is 0 * 0 instead of 0 / 0
+            total = torch.where(total > 0, total, torch.ones_like(total))
+        return per_expert, local, total
+
+    counts.slime_nonzero_total = True
+    return counts
+
+
+def _scatter_mask_on_later_stages(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def preprocess(self, *args, **kwargs):
+        out, input_ids = original(self, *args, **kwargs), kwargs.get("input_ids")
+        if len(out) > 5 and out[5] is not None and input_ids is not None and self.config.sequence_parallel \
+                and out[5].shape[-1] == input_ids.shape[-1]:
+            from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
+
+            mask = scatter_to_sequence_parallel_region(out[5].transpose(0, 1).contiguous()).transpose(0, 1)
+            out = (*out[:5], mask.contiguous(), *out[6:])
+        return out
+
+    preprocess.slime_sp_mask = True
+    return preprocess
+
+
+def apply_router_padding_mask() -> None:
+    """megatron-core 0.16 takes a padding mask (GPTModel.forward(padding_mask=...), True = padding) down to the MoE
+    router, which leaves those tokens out of the aux losses and the expert-bias token counts. Three spots of that
+    path need help (idempotent):
+    - the expert-bias count ANDs the [tokens, experts] routing map with the [tokens] mask, which broadcasts it over
+      the experts axis (an error, or the wrong tokens when both counts agree): masked per token instead;
+    - a group whose tokens are all padding (a padding micro-batch) divides its aux loss by a zero token total
+      (0 / 0: NaN gradients); its loss is zero (no routed token) with a total of one;
+    - the mask is cut to this rank's sequence-parallel chunk on the first pipeline stage only; the later stages'
+      routers see a chunk too, so it is cut there as well (the same split, no collective)."""
+    try:
+        from megatron.core.models.gpt import gpt_model
+        from megatron.core.transformer.moe import moe_utils, router
+    except ImportError:
+        return
+    router.TopKRouter._apply_expert_bias = _count_real_tokens
+    if not getattr(router.get_tokens_per_expert_and_token_count, "slime_nonzero_total", False):
+        router.get_tokens_per_expert_and_token_count = _counts_with_nonzero_total(
+            moe_utils.get_tokens_per_expert_and_token_count)
+    if not getattr(gpt_model.GPTModel._preprocess, "slime_sp_mask", False):
+        gpt_model.GPTModel._preprocess = _scatter_mask_on_later_stages(gpt_model.GPTModel._preprocess)
+
+
+# ------------------------------------------------------------------ MoE dispatch at EP1 (every machine)
+_UPSTREAM_SORT_CHUNKS: dict[str, Callable] = {}
+
+
+def _identity_order(sorted_idxs: torch.Tensor) -> bool:
+    return (not sorted_idxs.is_cuda and sorted_idxs.dim() == 1
+            and torch.equal(sorted_idxs, torch.arange(sorted_idxs.numel(), dtype=sorted_idxs.dtype)))
+
+
+def _sort_chunks_unless_identity(input, split_sizes, sorted_idxs, probs=None, fused=False):
+    """megatron's sort_chunks_by_idxs, except where the order is the identity.
+
+    The alltoall dispatcher re-sorts the tokens it received from (rank, local expert) chunks into (local expert,
+    rank) order, and back for the combine. With one rank in the expert-parallel x expert-TP group that order is
+    the identity, yet megatron still splits and concatenates the tokens, their routing weights and the experts'
+    output: a copy of every routed row in the forward and again in the backward (on one H200, half of the 384
+    concatenation kernels of a Qwen3-30B-A3B-shaped step). The identity returns its inputs (the same values)."""
+    if _identity_order(sorted_idxs):
+        return input, probs
+    return _UPSTREAM_SORT_CHUNKS["sort_chunks_by_idxs"](input, split_sizes, sorted_idxs, probs=probs, fused=fused)
+
+
+def apply_moe_identity_sort(enabled: bool = True) -> None:
+    """Skip the alltoall dispatcher's identity re-sort (idempotent); `enabled=False` puts megatron's own back
+    (the "grouped-base" side of benchmarks/bench_step_gpu.py)."""
+    try:
+        from megatron.core.transformer.moe import token_dispatcher
+    except ImportError:
+        return
+    _UPSTREAM_SORT_CHUNKS.setdefault("sort_chunks_by_idxs", token_dispatcher.sort_chunks_by_idxs)
+    token_dispatcher.sort_chunks_by_idxs = (_sort_chunks_unless_identity if enabled
+                                            else _UPSTREAM_SORT_CHUNKS["sort_chunks_by_idxs"])
+
+
+def moe_identity_sort_in_use() -> bool:
+    from megatron.core.transformer.moe import token_dispatcher
+
+    return token_dispatcher.sort_chunks_by_idxs is _sort_chunks_unless_identity
+
+
+# ------------------------------------------------------------------ grad norm and clipping (every machine)
+def _by_device_and_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return list(groups.values())
+
+
+def _l2_norm_per_tensor(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """The sync-free norm one kernel per tensor (the "grouped-base" side of benchmarks/bench_step_gpu.py)."""
     norms = [torch.linalg.vector_norm(t).float() for tensors in tensor_lists for t in tensors]
     if not norms:
         return torch.zeros(1, dtype=torch.float), None
     return torch.linalg.vector_norm(torch.stack(norms)).reshape(1), None
 
 
-def apply_grad_norm_without_host_sync() -> None:
-    """Point megatron's grad clipping at the sync-free norm where it fell back to its local one (idempotent)."""
+def _l2_norm_without_host_sync(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """megatron's local (no-Apex) multi_tensor_l2norm, kept on the device.
+
+    megatron's `local_multi_tensor_l2_norm` turns every tensor's norm into a Python float
+    (`torch.tensor(list of 0-d GPU tensors)`): one host-device sync per parameter at every grad clip
+    (226 per 0.6B step on one H200). Here the tensors' norms come from torch's multi-tensor norm (a few
+    kernels for thousands of expert weights; on CPU the same per-tensor norms) and stay on the device;
+    the same fp32 reduction over them follows.
+    """
+    tensors = [t for group in tensor_lists for t in group]
+    if not tensors:
+        return torch.zeros(1, dtype=torch.float), None
+    norms = [n.float() for group in _by_device_and_dtype(tensors) for n in torch._foreach_norm(group)]
+    return torch.linalg.vector_norm(torch.stack(norms)).reshape(1), None
+
+
+def _scale_without_a_copy(chunk_size, noop_flag, tensor_lists, scale):
+    """megatron's local multi_tensor_scale (`dst.copy_(src * scale)` per tensor: a temporary, a copy and two
+    kernels per parameter) as torch's multi-tensor multiply: in place where source and destination are the same
+    tensors, as for grad clipping (fp32 gradients). The same products (one fp32 multiply each)."""
+    src, dst = tensor_lists
+    if all(a is b for a, b in zip(src, dst)) and len(src) == len(dst):
+        for group in _by_device_and_dtype(list(dst)):
+            torch._foreach_mul_(group, scale)
+        return
+    for a, b in zip(src, dst):
+        b.copy_(a * scale)
+
+
+def apply_grad_norm_without_host_sync(multi_tensor: bool = True) -> None:
+    """Point megatron's grad clipping at the sync-free norm and the multi-tensor scale where it fell back to its
+    local ones (idempotent). `multi_tensor=False`: the per-tensor sync-free norm and megatron's local scale (the
+    "grouped-base" side of benchmarks/bench_step_gpu.py)."""
     from megatron.core import utils
     from megatron.core.optimizer import clip_grads
 
-    if clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm:
-        clip_grads.l2_norm_impl = _l2_norm_without_host_sync
+    norms = (utils.local_multi_tensor_l2_norm, _l2_norm_without_host_sync, _l2_norm_per_tensor)
+    if clip_grads.l2_norm_impl in norms:
+        clip_grads.l2_norm_impl = _l2_norm_without_host_sync if multi_tensor else _l2_norm_per_tensor
+    if clip_grads.multi_tensor_scale_impl in (utils.local_multi_tensor_scale, _scale_without_a_copy):
+        clip_grads.multi_tensor_scale_impl = _scale_without_a_copy if multi_tensor else utils.local_multi_tensor_scale
 
 
 # ------------------------------------------------------------------ CPU-only patches

@@ -1,6 +1,7 @@
 """The critic's flags and checkpoint, checked before Ray starts (--advantage-estimator ppo): a critic source is
 required and named, a critic checkpoint of another architecture than the actor's is refused naming what differs,
-and critic flags without ppo, a critic layout other than the actor's or a KL reward term are refused."""
+and critic flags without ppo, a critic GPU count below one or a KL reward term are refused (the critic's own layout:
+test_megatron_config.py)."""
 from __future__ import annotations
 
 import json
@@ -84,12 +85,12 @@ def test_critic_flags_without_ppo_are_refused(flags, says, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("flags, says", [
-    (["--critic-num-gpus-per-node", "2"], "--critic-num-gpus-per-node 2: the critic's ranks are colocated"),
+    (["--critic-num-gpus-per-node", "0"], "--critic-num-gpus-per-node 0 must be positive"),
     (["--kl-coef", "0.1"], "--kl-coef (a KL reward term) with --advantage-estimator ppo is not implemented"),
+    (["--mtp-num-layers", "1", "--enable-mtp-training"], "--enable-mtp-training with --advantage-estimator ppo"),
     (["--num-critic-only-steps", "3"], "leaves no rollout of --num-rollout 3 to train the actor"),
     (["--num-critic-only-steps", "1", "--save", "s", "--save-interval", "1"],
      "--save-interval 1 saves during the first --num-critic-only-steps 1 rollouts"),
-    (["--megatron-config-path", "roles.yaml"], "per-role Megatron configs are not implemented"),
 ])
 def test_what_the_critic_cannot_run_is_refused(flags, says, tmp_path, capsys):
     err = parse_error(_ppo(tmp_path, "--critic-load", "x", *flags), capsys)

@@ -43,6 +43,28 @@ def test_phase_several_windows_long_passes_while_it_progresses_and_fails_once_it
     ledger.close()
 
 
+def test_a_phase_waiting_in_a_fence_leaves_the_stall_to_the_fences_own_error_first(tmp_path):
+    """The fence polls its peers once a second and names the lagging ranks; the watchdog (polling every 0.1 s)
+    waits FENCE_REPORT_MARGIN_S past its window before it trips a phase whose thread waits in a fence."""
+    from slime.distributed.watchdog import FENCE_REPORT_MARGIN_S
+
+    ledger = Ledger(0, 1, str(tmp_path))
+    watchdog = Watchdog(WINDOW_S, str(tmp_path), 0, 1, ledger=ledger, grace_s=2.0)
+    tripped_after = {}
+    for op, group in (("fence:sleep", "fence"), ("all_reduce", "tp")):
+        start = time.monotonic()
+        with pytest.raises(HangError):
+            with watchdog.phase("sleep"):
+                entry = ledger.begin_named(op, group, (0,))
+                _busy(10)
+        ledger.end(entry, error="interrupted")
+        tripped_after[group] = time.monotonic() - start
+    assert tripped_after["fence"] >= WINDOW_S + FENCE_REPORT_MARGIN_S
+    assert tripped_after["tp"] < WINDOW_S + FENCE_REPORT_MARGIN_S
+    watchdog.close()
+    ledger.close()
+
+
 def test_a_peer_that_keeps_progressing_keeps_a_waiting_rank_alive(tmp_path):
     waiting = Ledger(0, 2, str(tmp_path), flush_interval_s=0.05)
     working = Ledger(1, 2, str(tmp_path), flush_interval_s=0.05)

@@ -87,21 +87,7 @@ def test_delta_flags_parse_and_refuse_with_the_fix(tmp_path, capsys, monkeypatch
 
 
 # ----------------------------------------------------------------------------- into a running engine
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    from slime.tools.tiny_checkpoint import TinyQwen3Spec, write_tiny_checkpoint
-
-    return str(write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), TinyQwen3Spec(layers=1)))
-
-
-@pytest.fixture(scope="module")
-def engine(checkpoint, tmp_path_factory):
-    from slime.backends.sglang_utils.launcher import launch_engine
-
-    handle = launch_engine("embedded", types.SimpleNamespace(seed=7), 0, 0, checkpoint,
-                           startup_timeout_s=120, log_dir=str(tmp_path_factory.mktemp("engine-logs")))
-    yield handle
-    handle.stop()
+from test_update_weight import checkpoint, engine  # noqa: E402, F401 (fixtures: a one-layer Qwen3 and its engine)
 
 
 def _weights(checkpoint: str) -> list[tuple[str, torch.Tensor]]:

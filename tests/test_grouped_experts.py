@@ -174,3 +174,81 @@ def test_deepep_request_falls_back_to_alltoall_with_one_warning(monkeypatch):
     with warnings.catch_warnings(record=True):
         fields = moe.moe_config_fields(config, _args(moe_token_dispatcher_type="flex", moe_enable_deepep=True))
     assert fields["moe_token_dispatcher_type"] == "alltoall"
+
+
+# ------------------------------------------------------------------ the step's launch savings at EP1
+
+
+def _launch_savings_child(rank, world, hf_dir, data):
+    """One EP1 step as before the launch savings (megatron's identity re-sort, per-expert gradient adds, per-tensor
+    clip norm and scale, torch's default AdamW kernel), the weights put back, then the same step with them."""
+    from torch.optim import adam
+
+    from patches import megatron_core
+    from slime.backends.megatron_utils.adam_kernel import adam_kernel_in_use, use_fused_adam
+    from slime.backends.megatron_utils.offload import torch_optimizers
+    from train_step_harness import build_loaded_model, layout_args
+
+    from slime.backends.megatron_utils import model as model_module
+
+    args = layout_args(dict(moe_grouped_gemm=True, calculate_per_token_loss=True, use_distributed_optimizer=True),
+                       lr=1e-3, weight_decay=0.1, clip_grad=1e-3)  # a clip that scales, an update that moves
+    model_module.fused_adam_chosen = lambda device: True  # as on a GPU: the model's set-up picks the fused kernel
+    model, optimizer, scheduler = build_loaded_model(args, hf_dir)
+    built_with = adam_kernel_in_use(optimizer)
+    experts = _experts_of(model)
+    params = [p for chunk in model for p in chunk.parameters()]
+    start = [p.detach().clone() for p in params]
+    counts = {"sorts": 0, "fused_adam": 0}
+    upstream_sort, fused_adam = megatron_core._UPSTREAM_SORT_CHUNKS["sort_chunks_by_idxs"], adam._fused_adam
+
+    def counted_sort(*a, **k):
+        counts["sorts"] += 1
+        return upstream_sort(*a, **k)
+
+    def counted_adam(*a, **k):
+        counts["fused_adam"] += 1
+        return fused_adam(*a, **k)
+
+    megatron_core._UPSTREAM_SORT_CHUNKS["sort_chunks_by_idxs"], adam._fused_adam = counted_sort, counted_adam
+    runs = {}
+    for saving in (False, True):
+        with torch.no_grad():
+            for p, p0 in zip(params, start):
+                p.copy_(p0)
+        for inner in torch_optimizers(optimizer):
+            inner.state.clear()
+        megatron_core.apply_moe_identity_sort(enabled=saving)
+        megatron_core.apply_grad_norm_without_host_sync(multi_tensor=saving)
+        for module in experts:
+            module.into_main_grad = saving
+        use_fused_adam(optimizer, saving)  # the CPU's fused kernel here; CUDA's on a GPU
+        before = dict(counts)
+        log_probs, loss, grad_norm = _step(model, optimizer, scheduler, data, args)
+        runs[saving] = dict(log_probs=log_probs, loss=loss, grad_norm=grad_norm, adam=adam_kernel_in_use(optimizer),
+                            weights=[p.detach().clone() for p in params],
+                            added=all(e.linear_fc1.weight.grad_added_to_main_grad for m in experts
+                                      for e in m.local_experts),
+                            **{k: counts[k] - before[k] for k in counts})
+    moved = max(float((w - p0).abs().max()) for w, p0 in zip(runs[False]["weights"], start))
+    diff = max(float((a - b).abs().max()) for a, b in zip(runs[True]["weights"], runs[False]["weights"]))
+    same = {k: runs[True][k] == runs[False][k] for k in ("log_probs", "loss", "grad_norm")}
+    return dict(same=same, moved=moved, weight_diff=diff, grad_norm=runs[True]["grad_norm"], built_with=built_with,
+                **{f"{k}_{s}": runs[s][k] for s in (False, True) for k in ("adam", "added", "sorts", "fused_adam")})
+
+
+@pytest.mark.timeout(120)
+def test_launch_savings_keep_the_ep1_step_numbers_on_cpu(tmp_path):
+    """At EP1 the dispatcher's re-sort is the identity and is skipped, the experts' gradients go into DDP's buffer
+    as one multi-tensor add, grad clipping's norm and scale are multi-tensor and Adam runs torch's fused kernel:
+    log-probs, loss and grad norm are the step's without them, bit for bit, and the updated weights agree to fp32
+    rounding."""
+    hf_dir = save_tiny_qwen3_moe(str(tmp_path / "moe"))
+    (r,) = run_ranks(_launch_savings_child, 1, args=(hf_dir, make_rollout(num_samples=4, seed=7)), timeout_s=100)
+    assert all(r["same"].values()), r
+    assert r["grad_norm"] > 1e-3 and r["moved"] > 1e-4, r  # clipping scaled, the update moved the weights
+    assert r["weight_diff"] <= 1e-6 * max(1.0, r["moved"]), r
+    assert r["built_with"] == "fused" and (r["adam_False"], r["adam_True"]) == ("default", "fused"), r
+    assert r["fused_adam_False"] == 0, r
+    assert r["fused_adam_True"] > 0 and r["sorts_False"] > 0 and r["sorts_True"] == 0, r
+    assert (r["added_False"], r["added_True"]) == (False, True), r

@@ -149,11 +149,16 @@ def test_moe_at_tensor_parallel_without_sequence_parallel_is_refused_before_star
     path = _hf_dir(tmp_path, ["config.json", "tokenizer.json"])
     (tmp_path / "hf" / "config.json").write_text(json.dumps({"num_experts": 8}))
     args = dict(hf_checkpoint=path, num_experts=None, tensor_model_parallel_size=2, sequence_parallel=False,
-                debug_rollout_only=False, advantage_estimator="grpo")
+                debug_rollout_only=False, advantage_estimator="grpo", expert_model_parallel_size=1,
+                expert_tensor_parallel_size=None)
     with pytest.raises(ArgumentValidationError, match="add it"):
         check_launch_inputs(types.SimpleNamespace(**args))
     check_launch_inputs(types.SimpleNamespace(**{**args, "sequence_parallel": True}))
     check_launch_inputs(types.SimpleNamespace(**{**args, "tensor_model_parallel_size": 1}))
+    expert_tp1 = {**args, "sequence_parallel": True, "expert_tensor_parallel_size": 1}
+    with pytest.raises(ArgumentValidationError, match="experts' gradients would not be summed over the TP ranks"):
+        check_launch_inputs(types.SimpleNamespace(**expert_tp1))
+    check_launch_inputs(types.SimpleNamespace(**{**expert_tp1, "expert_model_parallel_size": 2}))
 
 
 # ---------------------------------------------------------------- every missing flag in one error

@@ -1,7 +1,8 @@
 """Multi-token prediction: checkpoints that carry MTP layers (MiMo's and DeepSeek-V3's spellings) load and save
 bit-exactly with them, the main model's log-probs equal transformers' (which drops the MTP layers) and are unchanged
 by them, the weight push leaves them out, --mtp-num-layers alone carries them untrained, and --enable-mtp-training
-trains them beside the main loss with the same step at TP2 x SP as on one rank.
+trains them beside the main loss with the same step at TP2 x SP, CP2 and TP2 x SP x CP2 as on one rank (the MTP
+layers' shifted tokens come with each CP rank's slice: no point-to-point message).
 """
 
 from __future__ import annotations
@@ -158,20 +159,21 @@ MTP_PREFIXES = {"deepseek_v3": "model.layers.3.", "glm4_moe_lite": "model.layers
 @pytest.mark.parametrize("family, layout", [
     ("deepseek_v3", dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=2,
                          expert_tensor_parallel_size=1)),
-    ("glm4_moe_lite", {}), ("mimo", {}), ("qwen3_next", {})])
+    ("glm4_moe_lite", dict(context_parallel_size=2)), ("mimo", {}), ("qwen3_next", {})])
 def test_mtp_checkpoint_round_trips_and_main_model_matches_transformers(checkpoints, family, layout, tmp_path):
     """Every rank exports every tensor (the MTP layer's experts too, all-gathered over EP), bit-exactly; the step's
-    collectives, MTP loss included, pass the fence's order proof."""
+    collectives, MTP loss included, pass the fence's order proof, with no point-to-point op (GLM-4.7-Flash at CP2)."""
     from safetensors.torch import load_file
 
     from slime.distributed.order_proof import check_order, read_sequences
 
     hf_dir = checkpoints[family]
     data = make_rollout(num_samples=3, seed=4, vocab=512, max_len=16)
-    world = layout.get("tensor_model_parallel_size", 1)
+    world = layout.get("tensor_model_parallel_size", 1) * layout.get("context_parallel_size", 1)
     out, *_ = run_ranks(_child, world, args=(hf_dir, data, layout, 1, str(tmp_path)), timeout_s=240)
     report = check_order(read_sequences(str(tmp_path)))
     assert report.ok and report.ranks == world and report.ops > 0, report.format()
+    assert not _p2p_ops(str(tmp_path))
     original = load_file(os.path.join(hf_dir, "model.safetensors"))
     saved = out["trained"]["saved"]
     is_mtp = lambda name: name.startswith(MTP_PREFIXES[family])  # noqa: E731
@@ -189,6 +191,14 @@ def test_mtp_checkpoint_round_trips_and_main_model_matches_transformers(checkpoi
     if family == "mimo":  # the MTP loss itself, against transformers' parts wired as MiMo wires them
         reference = _mimo_mtp_reference(hf_dir, data, MTP_FLAGS["trained"]["mtp_loss_scaling_factor"])
         assert _close(step.metrics["mtp_loss"], reference), (step.metrics["mtp_loss"], reference)
+
+
+def _p2p_ops(ledger_dir: str) -> set[str]:
+    """The point-to-point ops in a ledger (megatron's own MTP sends tokens between CP ranks with some)."""
+    from slime.distributed.order_proof import read_sequences
+
+    return {op.op for seq in read_sequences(ledger_dir).values() for op in seq.ops
+            if op.op in ("isend", "irecv", "send", "recv", "batch_isend_irecv")}
 
 
 def _close(a: float, b: float, tol: float = 1e-5) -> bool:
@@ -220,6 +230,77 @@ def test_mtp_trains_beside_the_main_loss_alike_at_tp2_sp_and_one_rank(checkpoint
             assert all(_close(a.metrics[k], b.metrics[k]) for k in a.metrics if k != "train_rollout_logprob_abs_diff")
 
 
+@pytest.mark.parametrize("cp, tp, sp", [(1, 1, False), (2, 1, False), (4, 2, True)])
+def test_mtp_shifted_tokens_are_the_whole_sequence_shift_sliced_for_each_cp_rank(cp, tp, sp):
+    """Each CP rank's rows, put back in sequence order, are the tokens and masks 1..D+1 places later in the same
+    sequence: across a zig-zag chunk's end (the next chunk, often another rank's) and never into the next sequence."""
+    from slime.backends.megatron_utils.data import pack_micro_batch, zigzag_gather
+
+    data = make_rollout(num_samples=3, seed=2, vocab=512, max_len=19)
+    depths = 2
+    parts = [pack_micro_batch(data, [0, 1, 2], cp_size=cp, cp_rank=r, tp_size=tp, sequence_parallel=sp,
+                              mtp_depths=depths) for r in range(cp)]
+    offset = 0
+    for i, local in enumerate(parts[0].local_lengths):
+        span = slice(offset, offset + local)
+        offset += local
+        shifted_tokens = zigzag_gather([p.mtp_tokens[:, span] for p in parts], dim=-1)
+        shifted_masks = zigzag_gather([p.mtp_loss_mask[:, span] for p in parts], dim=-1)
+        labels = zigzag_gather([p.labels[span] for p in parts])
+        mask = zigzag_gather([p.loss_mask[span] for p in parts])
+        tokens, padded = data["tokens"][i], labels.numel()
+        for j in range(depths + 1):  # token t + j + 1 of the sample, 0 past its end
+            expected = [tokens[t + j + 1] if t + j + 1 < len(tokens) else 0 for t in range(padded)]
+            assert shifted_tokens[j].tolist() == expected
+        for k in range(1, depths + 1):
+            assert torch.equal(shifted_masks[k - 1], torch.cat([mask[k:], mask.new_zeros(k)]))
+        assert torch.equal(shifted_tokens[0], labels) and mask.sum() > 0
+
+
+def _trained_child(rank, world, hf_dir, data, layout, steps, ledger_dir=None):
+    """`steps` MTP-training steps (the first one in a ledger under `ledger_dir`, if given)."""
+    from slime.backends.megatron_utils.parallel import init_model_parallel
+    from slime.backends.megatron_utils.train_step import compute_log_probs, train_one_step
+    from train_step_harness import plans_for_this_rank
+
+    args = layout_args(layout, lr=1e-2, **MTP_FLAGS["trained"])
+    init_model_parallel(args)
+    model, optimizer, scheduler, _ = _build(args, hf_dir)
+    (plan,) = plans_for_this_rank(data, args)
+    run = dict(data)
+    before = compute_log_probs(model, run, plan, args)
+    run.update(log_probs=before, ref_log_probs=before, rollout_log_probs=before)
+    step = lambda: train_one_step(model, optimizer, scheduler, run, plan, args)  # noqa: E731
+    first = _in_ledger(step, rank, world, ledger_dir) if ledger_dir else step()
+    return [first] + [step() for _ in range(steps - 1)]
+
+
+@pytest.mark.timeout(300)
+def test_mtp_trains_alike_under_context_parallelism(checkpoints, tmp_path):
+    """MTP at CP2 and TP2 x SP x CP2: the loss, the MTP loss and the grad norm of two steps are the single rank's;
+    the step's collectives pass the order proof and hold no point-to-point message (megatron's CP roll sends some)."""
+    from slime.distributed.order_proof import check_order, read_sequences
+
+    hf_dir = checkpoints["mimo"]
+    data = make_rollout(num_samples=4, seed=6, vocab=512, max_len=21)
+    (single,) = run_ranks(_trained_child, 1, args=(hf_dir, data, {}, 2), timeout_s=240)
+    for name, layout in (("cp2", dict(context_parallel_size=2)),
+                         ("tp2_sp_cp2", dict(tensor_model_parallel_size=2, sequence_parallel=True,
+                                             context_parallel_size=2))):
+        ledger = tmp_path / name
+        world = layout.get("tensor_model_parallel_size", 1) * layout["context_parallel_size"]
+        ranks = run_ranks(_trained_child, world, args=(hf_dir, data, layout, 2, str(ledger)), timeout_s=240)
+        report = check_order(read_sequences(str(ledger)))
+        assert report.ok and report.ranks == world and report.ops > 0, report.format()
+        assert not _p2p_ops(str(ledger)), name
+        for steps in ranks:
+            for a, b in zip(single, steps):
+                assert not b.skipped and b.metrics["mtp_loss"] > 0, (name, b)
+                assert _close(a.loss, b.loss) and _close(a.metrics["mtp_loss"], b.metrics["mtp_loss"]), (name, a, b)
+                assert _close(a.grad_norm, b.grad_norm, 1e-4), (name, a, b)
+        assert ranks[0][1].metrics["mtp_loss"] != ranks[0][0].metrics["mtp_loss"]  # the second step saw the update
+
+
 BASE = ["--rollout-batch-size", "2", "--num-rollout", "1", "--actor-num-gpus-per-node", "2",
         "--train-backend-device", "cpu"]
 TINY = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
@@ -228,8 +309,8 @@ TINY = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_
 @pytest.mark.parametrize("config, flags, says", [
     (dict(model_type="deepseek_v3"), ["--enable-mtp-training"], "pass --mtp-num-layers N"),
     (dict(model_type="deepseek_v3", num_nextn_predict_layers=1), ["--mtp-num-layers", "1",
-                                                                  "--context-parallel-size", "2"],
-     "--mtp-num-layers 1 with --context-parallel-size 2 is not supported here"),
+                                                                  "--pipeline-model-parallel-size", "2"],
+     "--mtp-num-layers 1 with --pipeline-model-parallel-size 2 is not supported here"),
     (dict(model_type="deepseek_v3", num_nextn_predict_layers=1), ["--mtp-num-layers", "1",
                                                                   "--use-rollout-routing-replay"],
      "--mtp-num-layers 1 with --use-rollout-routing-replay is not supported here"),

@@ -105,6 +105,23 @@ def test_cpu_bundles_give_engines_no_gpus():
     assert [e.gpu_ids for e in layout.engines] == [(), ()]
 
 
+def test_a_critic_with_counts_of_its_own_gets_bundles_after_the_others():
+    infos = _bundles([(n, ip, g) for n, ip in (("a", "10.0.0.1"), ("b", "10.0.0.2")) for g in "0123"])
+    colocated = plan_layout(infos, trainer_ranks=4, num_engines=2, gpus_per_engine=2, colocate=True, critic_ranks=2)
+    assert [(b.node_id, b.gpu_id) for b in colocated.role_bundles("actor")] == [("a", g) for g in "0123"]
+    assert [e.gpu_ids for e in colocated.engines] == [("0", "1"), ("2", "3")] and colocated.engines[0].node_id == "a"
+    assert [(b.node_id, b.gpu_id) for b in colocated.role_bundles("critic")] == [("b", "0"), ("b", "1")]
+    apart = plan_layout(infos, trainer_ranks=2, num_engines=2, gpus_per_engine=2, colocate=False, critic_ranks=2)
+    taken = [b.index for b in (*apart.actor_bundles, *apart.critic_bundles)] + [
+        i for e in apart.engines for i in e.bundles]
+    assert sorted(taken) == sorted(b.index for b in infos)  # trainer, engines, critic: each bundle once
+    assert [(b.node_id, b.gpu_id) for b in apart.critic_bundles] == [("b", "2"), ("b", "3")]
+    shared = plan_layout(infos, trainer_ranks=4, num_engines=2, gpus_per_engine=2, colocate=True)
+    assert shared.role_bundles("critic") == shared.actor_bundles and shared.critic_bundles == ()
+    with pytest.raises(PlacementError, match="for 4 trainer ranks, 6 critic ranks .* need 10"):
+        plan_layout(infos, trainer_ranks=4, num_engines=2, gpus_per_engine=2, colocate=True, critic_ranks=6)
+
+
 def test_bundle_count_per_mode():
     from slime.ray.driver.placement import total_bundles
 
@@ -116,6 +133,12 @@ def test_bundle_count_per_mode():
     assert count() == 12  # trainer's 8 + the engines' 4
     assert count(colocate=True) == 8 and count(colocate=True, rollout_num_gpus=16) == 16  # shared: the larger
     assert count(debug_train_only=True) == 8 and count(debug_rollout_only=True) == 4
+    ppo = dict(use_critic=True, critic_num_nodes=None, colocate=True)
+    assert count(**ppo, critic_num_gpus_per_node=None) == 8  # the critic on the actor's bundles
+    assert count(**ppo, critic_num_gpus_per_node=4) == 8  # the actor's counts: the same
+    assert count(**ppo, critic_num_gpus_per_node=2) == 12 and count(**{**ppo, "critic_num_nodes": 1},
+                                                                     critic_num_gpus_per_node=4) == 12
+    assert count(**ppo, critic_num_gpus_per_node=2, debug_rollout_only=True) == 4
     with pytest.raises(PlacementError, match="set --rollout-num-gpus"):
         count(rollout_num_gpus=None)
 

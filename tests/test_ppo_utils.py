@@ -138,3 +138,17 @@ def test_ppo_advantages_are_gae_over_the_critics_values():
     data["values"] = [[0.5]]
     with pytest.raises(ValueError, match="one per response token"):
         compute_advantages_and_returns(args, data)
+
+
+def test_ppo_advantages_need_no_log_probs_of_other_dp_ranks():
+    """Without a KL reward term (ppo refuses --kl-coef) every DP rank computes every sample's advantages from the
+    critic's values alone: a sample of another DP rank carries no log-probs here ([]), and whitening sees the
+    whole rollout the same way on every rank."""
+    full = {"rewards": [1.0, -1.0], "loss_masks": [[1, 1], [1, 0, 1]], "values": [[0.5, 0.25], [0.1, 0.2, 0.3]],
+            "log_probs": [[-1.0, -2.0], [-0.5, -0.5, -0.5]], "ref_log_probs": [[-1.2, -2.4], [-0.4, -0.6, -0.5]]}
+    one_rank = {**full, "log_probs": [[-1.0, -2.0], []], "ref_log_probs": [[-1.2, -2.4], []]}
+    args = defaults_namespace(advantage_estimator="ppo", kl_loss_type="low_var_kl", normalize_advantages=True)
+    for data in (full, one_rank):
+        compute_advantages_and_returns(args, data)
+    assert one_rank["advantages"] == full["advantages"] and one_rank["returns"] == full["returns"]
+    assert full["returns"] == [pytest.approx([1.0, 1.0]), pytest.approx([-1.0, -1.0, -1.0])]

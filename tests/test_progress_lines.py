@@ -108,6 +108,11 @@ def test_the_start_line_names_the_layout_from_the_flags():
                             "rollout_num_gpus": 4, "rollout_num_gpus_per_engine": 2})
     assert start_line(dp, device="GPU").startswith("starting: 8 trainer ranks (TP2 x DP4), 2 engines of 2 GPUs each, "
                                                    "engines apart, on GPU")
+    ppo = defaults_namespace(**{**vars(args), "use_critic": True})
+    assert start_line(ppo, device="CPU").startswith(
+        "starting: 8 trainer ranks (TP2 x SP x CP4), 8 critic ranks on the trainer ranks' GPUs, 1 engine")
+    ppo.critic_num_gpus_per_node = 4
+    assert ", 4 critic ranks on GPUs of their own, 1 engine" in start_line(ppo, device="CPU")
 
 
 def _logged(tmp_path, verbose: bool) -> tuple[list[str], list[dict]]:

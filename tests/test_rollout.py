@@ -64,6 +64,27 @@ def test_length_limit_marks_truncated(tokenizer_dir, tmp_path, engine):
     assert sample.status is Sample.Status.TRUNCATED and sample.response_length == 2 and len(sample.rollout_log_probs) == 2
 
 
+def test_an_abort_after_the_last_allowed_token_leaves_a_truncated_sample(tokenizer_dir, tmp_path, engine):
+    """--partial-rollout buffers aborted samples to resume them; one whose abort came with its whole budget
+    generated has nothing left to resume, so it is truncated, as if the length had ended it."""
+    import threading
+    import time
+
+    def abort_once_in_flight() -> None:  # as /abort_request would, once the request waits in the engine
+        deadline = time.monotonic() + 30
+        while engine._inflight == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        engine.abort_calls += 1
+
+    args = make_args(tokenizer_dir, tmp_path, engine.port, rollout_max_response_len=2)
+    engine.delay_s = 30.0
+    for aborted_tokens, status in ((2, Sample.Status.TRUNCATED), (1, Sample.Status.ABORTED)):
+        engine.aborted_tokens = aborted_tokens
+        threading.Thread(target=abort_once_in_flight, daemon=True).start()
+        sample = run(generate(args, Sample(prompt="what is 1 ?"), sampling_params(args)))
+        assert sample.response_length == aborted_tokens and sample.status is status
+
+
 def test_context_limit_clamps_or_skips_the_request(tokenizer_dir, tmp_path, engine):
     args = make_args(tokenizer_dir, tmp_path, engine.port, rollout_max_context_len=4)
     sample = run(generate(args, Sample(tokens=[1, 2, 3]), sampling_params(args)))

@@ -242,3 +242,11 @@ def _check_moe_tensor_parallel(args: argparse.Namespace, config_path: str) -> No
         fail(f"the checkpoint is an MoE model and --tensor-model-parallel-size is "
              f"{args.tensor_model_parallel_size}: megatron-core trains MoE layers at TP > 1 only with "
              "--sequence-parallel; add it (or use --expert-model-parallel-size instead of TP)")
+    etp = args.expert_tensor_parallel_size
+    if moe and args.tensor_model_parallel_size > 1 and args.expert_model_parallel_size == 1 and etp == 1:
+        # megatron then treats the experts as data-parallel weights: no reduction sums their gradients over the
+        # TP ranks, which saw different tokens, so the copies drift apart
+        fail(f"--expert-tensor-parallel-size 1 with --tensor-model-parallel-size {args.tensor_model_parallel_size} "
+             "and --expert-model-parallel-size 1 is not supported: the experts' gradients would not be summed over "
+             "the TP ranks; drop --expert-tensor-parallel-size (it defaults to TP) or set "
+             "--expert-model-parallel-size above 1")

@@ -80,7 +80,7 @@ def _check_model_parallel(layout: ParallelLayout, args: Any, from_flags: bool) -
              f"--actor-num-gpus-per-node {args.actor_num_gpus_per_node})" if from_flags
              else f"world size {layout.world_size}")
     fail(f"{world} is not divisible by TP*CP*PP = {tp}*{cp}*{pp} = {layout.model_parallel_size}; "
-         "change the parallel sizes or the actor GPU count")
+         f"change the parallel sizes or the {'actor ' if from_flags else ''}GPU count")
 
 
 def _check_expert_layout(layout: ParallelLayout, args: Any) -> None:
@@ -109,3 +109,23 @@ def check_parallel_layout(args: argparse.Namespace) -> None:
     if args.sequence_parallel and tp == 1:
         warnings.warn("--sequence-parallel has no effect with --tensor-model-parallel-size 1; disabling it", stacklevel=4)
         args.sequence_parallel = False
+
+
+def critic_counts(args: Any) -> tuple[int, int]:
+    """The critic's (nodes, GPUs per node) with --advantage-estimator ppo: --critic-num-nodes and
+    --critic-num-gpus-per-node, each the actor's when not given."""
+    nodes = getattr(args, "critic_num_nodes", None)
+    per_node = getattr(args, "critic_num_gpus_per_node", None)
+    return (args.actor_num_nodes if nodes is None else nodes,
+            args.actor_num_gpus_per_node if per_node is None else per_node)
+
+
+def critic_world_size(args: Any) -> int:
+    nodes, per_node = critic_counts(args)
+    return nodes * per_node
+
+
+def critic_has_own_bundles(args: Any) -> bool:
+    """A critic with the actor's counts shares the actor's bundles (rank r on the actor's rank r's); any other
+    counts put it on bundles of its own."""
+    return critic_counts(args) != (args.actor_num_nodes, args.actor_num_gpus_per_node)

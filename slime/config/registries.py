@@ -145,9 +145,6 @@ REFUSED_FLAGS: tuple[NotImplementedFlag, ...] = (
     NotImplementedFlag(flag="--use-unbiased-kl", reason="the importance-weighted (unbiased) KL is not implemented"),
     NotImplementedFlag(flag="--use-opsm", reason="off-policy sequence masking is not implemented"),
     NotImplementedFlag(flag="--opsm-delta", reason="off-policy sequence masking is not implemented"),
-    NotImplementedFlag(flag="--megatron-config-path",
-                       reason="per-role Megatron configs are not implemented: the critic runs the actor's "
-                              "architecture and parallel layout on the actor's bundles (--critic-lr sets its rate)"),
     NotImplementedFlag(flag="--reset-optimizer-states", reason="resetting optimizer state per rollout is not implemented"),
     NotImplementedFlag(flag="--use-stateless-adam", reason="stateless Adam is not implemented"),
     *(NotImplementedFlag(flag=f, reason="the dense builder has no such layers (Qwen3 / Qwen2 / Llama only)")

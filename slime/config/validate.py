@@ -6,6 +6,7 @@ import argparse
 
 from slime.config.checks.algorithm import check_algorithm, check_opd, check_plugins
 from slime.config.checks.critic import check_critic
+from slime.config.checks.roles import before_checks, check_critic_role, refuse_critic_entry_without_critic
 from slime.config.checks.lora import check_lora_flags
 from slime.config.checks.batching import check_batch_split, check_batching, check_context_parallel
 from slime.config.checks.model import check_model_shape, check_mtp, resolve_model_defaults
@@ -20,6 +21,7 @@ from slime.config.checks.rollout import (
 from slime.config.checks.run import (check_deadlines, check_healing, check_ledger, check_positive, resolve_modes,
                                      resolve_tracking)
 from slime.config.layout import check_parallel_layout
+from slime.config.megatron_config import apply_role_config, read_role_config
 from slime.config.parser import build_parser
 from slime.config.registries import refuse_unsupported
 
@@ -29,6 +31,9 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
     """Fill derived values and check flag combinations in place; raises ArgumentValidationError with the fix."""
     parser = parser or build_parser()
     args.derived_values = {}
+    roles = read_role_config(args.megatron_config_path, parser) if args.megatron_config_path else None
+    critic_overrides = apply_role_config(args, roles) if roles else {}
+    before = before_checks(args)
     refuse_unsupported(args, parser, device)
     check_positive(args)
     check_deadlines(args)
@@ -44,7 +49,11 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
         check_batch_split(args)
         check_context_parallel(args)
     check_algorithm(args)
+    if roles:
+        refuse_critic_entry_without_critic(args, roles.critic, roles.path)
     check_critic(args)
+    if args.advantage_estimator == "ppo" and not args.debug_rollout_only:
+        check_critic_role(args, critic_overrides, before, parser, device, roles.path if roles else "")
     check_logprob_mismatch(args)
     check_weight_sync(args)
     check_plugins(args)

@@ -188,6 +188,12 @@ class Ledger:
             self._in_flight = None
         self._dirty = True
 
+    @property
+    def waiting_in_fence(self) -> bool:
+        """Whether the op in flight is a fence: its wait has its own deadline and names the lagging ranks."""
+        entry = self._in_flight
+        return entry is not None and entry[_END] is None and entry[_GROUP][0] == FENCE_GROUP_NAME
+
     def note_progress(self) -> None:
         """Progress that is not a collective (a micro-batch, a weight bucket, checkpoint bytes written)."""
         self._tick_at = _now()

@@ -28,6 +28,9 @@ from typing import Iterator
 
 from slime.distributed.errors import HangError, HubUnreachableError
 from slime.distributed.ledger import Ledger
+
+# How long past its window a phase waiting in a fence is left to the fence's own error (two of its wait slices).
+FENCE_REPORT_MARGIN_S = 2.0
 from slime.distributed.progress import ProgressView, hang_table, suspects
 
 HANG_EXIT_CODE = 3
@@ -118,9 +121,12 @@ class Watchdog:
         """The innermost armed phase whose window ran out, marked tripped; progress is read unlocked."""
         with self._lock:
             candidates = [a for a in reversed(self._armed) if not a.tripped]
+        # A fence that waits reports the stall itself, naming the lagging ranks: it gets its last wait slices.
+        in_fence = self.ledger is not None and self.ledger.waiting_in_fence
         for armed in candidates:
+            window = armed.window_s + (FENCE_REPORT_MARGIN_S if in_fence else 0.0)
             try:
-                stalled = self._progress.idle_s(since=armed.armed_at, window_s=armed.window_s) > armed.window_s
+                stalled = self._progress.idle_s(since=armed.armed_at, window_s=window) > window
             except HubUnreachableError as exc:
                 stalled, armed.error_type, armed.summary = True, HubUnreachableError, f"{exc} (phase {armed.name})"
             if stalled:

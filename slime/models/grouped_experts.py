@@ -9,6 +9,10 @@ weights are applied to all experts' rows in one elementwise pass; LoRA adapters 
 (slime/models/lora.py) add two grouped GEMMs per layer. Elsewhere (CPU, fp32) the GEMMs loop over the experts of the
 same layout with the sequential path's own formulas, so the numbers are the same bit for bit.
 
+The experts' weight gradients go into megatron DDP's `main_grad` buffers with one multi-tensor add per GEMM, the way
+megatron's fused gradient accumulation hands them over (`grad_added_to_main_grad`: DDP's hook then skips its add),
+instead of one add per expert and micro-batch (8,908 kernels in a Qwen3-30B-A3B-shaped step); the same sums.
+
 Each GEMM reads the experts' weights stacked into one [E, out, in] copy, taken again in the backward rather than
 kept, so the step holds no more memory than the sequential path. (Reading them in place from megatron's DDP buffer
 would need the experts registered in another order, which moves them in that buffer: the distributed optimizer's
@@ -48,8 +52,9 @@ class _GroupedLinear(torch.autograd.Function):
     parameters only (never their stack)."""
 
     @staticmethod
-    def forward(ctx, x, tokens_per_expert, use_grouped_mm, *weights):
+    def forward(ctx, x, tokens_per_expert, use_grouped_mm, into_main_grad, *weights):
         ctx.grouped = grouped_mm_usable(x) if use_grouped_mm is None else use_grouped_mm
+        ctx.params = weights if into_main_grad else ()  # the parameters themselves: DDP's main_grad is on them
         if ctx.grouped:
             offsets = tokens_per_expert.to(x.device, non_blocking=True).cumsum(0, dtype=torch.int32)
             empty = tokens_per_expert == 0  # on the host as the dispatcher gives it: no device sync
@@ -65,21 +70,45 @@ class _GroupedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous()  # grouped_mm refuses an output gradient with zero strides (an expanded one)
-        need_w = ctx.needs_input_grad[3]  # frozen weights (LoRA's base) get no gradient computed
+        need_w = ctx.needs_input_grad[4]  # frozen weights (LoRA's base) get no gradient computed
         if ctx.grouped:
             x, offsets, *weights = ctx.saved_tensors
             grad_x = torch._grouped_mm(grad, torch.stack(weights), offs=offsets)
             if not need_w:
-                return grad_x, None, None, *([None] * len(weights))
+                return grad_x, None, None, None, *([None] * len(weights))
             grad_w = torch._grouped_mm(grad.t(), x, offs=offsets)  # [E, out, in]
             _zero_experts(grad_w, ctx.empty)  # an expert without rows gets a zero gradient
-            return grad_x, None, None, *grad_w.unbind(0)
+            grad_w = grad_w.unbind(0)
+            if ctx.params:
+                add_to_main_grads(ctx.params, grad_w)
+            return grad_x, None, None, None, *grad_w
         x, *weights = ctx.saved_tensors
         grad_x, grad_w = [], []
         for g, xe, w in zip(torch.split(grad, ctx.counts), torch.split(x, ctx.counts), weights):
             grad_x.append(g.matmul(w))  # megatron's linear backward, expert by expert
             grad_w.append(g.t().matmul(xe) if need_w else None)
-        return (torch.cat(grad_x) if grad_x else torch.zeros_like(x)), None, None, *grad_w
+        if ctx.params and need_w:
+            add_to_main_grads(ctx.params, grad_w)
+        return (torch.cat(grad_x) if grad_x else torch.zeros_like(x)), None, None, None, *grad_w
+
+
+def add_to_main_grads(weights: list[torch.Tensor] | tuple[torch.Tensor, ...], grads: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> bool:
+    """Add the weights' gradients into megatron DDP's `main_grad` buffers with one multi-tensor add and mark them
+    added (`grad_added_to_main_grad`, megatron's contract for fused gradient accumulation: DDP's hook then skips
+    its own add and the next zero_grad_buffer resets the mark). False, and nothing added, where a weight is not
+    under megatron's DDP or asks for megatron's own handling (`zero_out_wgrad`)."""
+    if not all(hasattr(w, "main_grad") and hasattr(w, "grad_added_to_main_grad")
+               and not getattr(w, "zero_out_wgrad", False) for w in weights):
+        return False
+    main_grads = [w.main_grad for w in weights]
+    if all(m.dtype == g.dtype and m.device == g.device for m, g in zip(main_grads, grads)):
+        torch._foreach_add_(main_grads, list(grads))
+    else:  # e.g. fp32 main grads of bf16 weights (--accumulate-allreduce-grads-in-fp32)
+        for m, g in zip(main_grads, grads):
+            m.add_(g)
+    for w in weights:
+        w.grad_added_to_main_grad = True
+    return True
 
 
 def _zero_experts(grad_w: torch.Tensor, empty: list[int] | torch.Tensor) -> None:
@@ -91,10 +120,11 @@ def _zero_experts(grad_w: torch.Tensor, empty: list[int] | torch.Tensor) -> None
 
 
 def grouped_linear(x: torch.Tensor, tokens_per_expert: torch.Tensor, weights: list[torch.Tensor],
-                   use_grouped_mm: bool | None = None) -> torch.Tensor:
+                   use_grouped_mm: bool | None = None, into_main_grad: bool = True) -> torch.Tensor:
     """Each expert's rows of `x` (sorted by expert, `tokens_per_expert` rows each) times its weight^T; with
-    torch's grouped GEMM where usable (None) or as asked, else expert by expert."""
-    return _GroupedLinear.apply(x, tokens_per_expert, use_grouped_mm, *weights)
+    torch's grouped GEMM where usable (None) or as asked, else expert by expert. `into_main_grad`: the weight
+    gradients also go straight into megatron DDP's main_grad buffers where the weights have them."""
+    return _GroupedLinear.apply(x, tokens_per_expert, use_grouped_mm, into_main_grad, *weights)
 
 
 class GroupedExperts(SequentialMLP):
@@ -105,6 +135,8 @@ class GroupedExperts(SequentialMLP):
     """
 
     grouped: bool = True
+    into_main_grad: bool = True
+    """False: DDP's hook adds each expert's gradient on its own (the benchmark's "grouped-base" path)."""
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
         if not self.grouped or not self._supported():
@@ -122,14 +154,15 @@ class GroupedExperts(SequentialMLP):
         """Every expert's `name` layer over its rows, plus its LoRA update (x A_e^T) B_e^T * alpha/r where the
         experts carry adapters (the layers' forward hooks do not run on this path)."""
         layers = [getattr(e, name) for e in self.local_experts]
-        y = grouped_linear(x, counts, [layer.weight for layer in layers])
+        y = grouped_linear(x, counts, [layer.weight for layer in layers], into_main_grad=self.into_main_grad)
         adapters = [expert_adapter(layer) for layer in layers]
         if adapters[0] is None:
             return y
         a = adapters[0]
         x = F.dropout(x, a.dropout) if a.training and a.dropout else x
-        h = grouped_linear(x, counts, [ad.lora_A for ad in adapters])
-        return y + grouped_linear(h, counts, [ad.lora_B for ad in adapters]) * a.scale
+        h = grouped_linear(x, counts, [ad.lora_A for ad in adapters], into_main_grad=self.into_main_grad)
+        delta = grouped_linear(h, counts, [ad.lora_B for ad in adapters], into_main_grad=self.into_main_grad)
+        return y + delta * a.scale
 
     def _supported(self) -> bool:
         """What the grouped forward reproduces: bias-free experts, no FP8/FP4 padding, and of megatron's fused

@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 import uuid
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, Awaitable, TypeVar
 
 from tqdm import tqdm
 
@@ -177,6 +177,8 @@ async def generate(args, sample: Sample, sampling_params: dict[str, Any]) -> Sam
                          "return_logprob was requested")
     sample.append_response_tokens(args, tokens=tokens, log_probs=logprobs, trainable=True,
                                   meta_info=output.get("meta_info") or {}, text=output.get("text", ""))
+    if sample.status == Sample.Status.ABORTED and budget is not None and len(tokens) >= budget:
+        sample.status = Sample.Status.TRUNCATED  # the abort came after its last allowed token: nothing is left
     return sample
 
 

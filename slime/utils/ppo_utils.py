@@ -285,6 +285,8 @@ def compute_advantages_and_returns(args: Any, data: dict[str, Any]) -> None:
     elif estimator == "ppo":
         if data.get("values") is None:
             raise ValueError("--advantage-estimator ppo needs the critic's values ('values') in the rollout data")
+        if not kl_coef:  # no KL reward term: the per-token rewards' shape is the masks'. The log-probs' KL would
+            kl = [torch.zeros_like(m) for m in masks]  # be empty for samples of other DP ranks (actor DP > 1)
         advantages, returns = get_ppo_advantages_and_returns(data["rewards"], kl, data["values"], kl_coef,
                                                              args.gamma, args.lambd)
         advantages = opd_penalised(args, data, advantages)

@@ -26,10 +26,12 @@ def critic_save_dir(args) -> str | None:
 
 
 def critic_args(args) -> argparse.Namespace:
-    """The critic's view of the run's flags: its learning rate, checkpoints and model; no reference, teacher,
-    KL term or HF export (those are the actor's)."""
+    """The critic's view of the run's flags: its learning rate, checkpoints and model, and its own layout,
+    optimizer and batching from --megatron-config-path (checked by slime/config/checks/roles.py); no reference,
+    teacher, KL term or HF export (those are the actor's)."""
     return argparse.Namespace(**{
         **vars(args),
+        **getattr(args, "critic_overrides", {}),
         "role": CRITIC_ROLE,
         "lr": args.critic_lr if args.critic_lr is not None else args.lr,
         "lr_warmup_iters": (args.critic_lr_warmup_iters if args.critic_lr_warmup_iters is not None

@@ -317,6 +317,9 @@ class PackedMicroBatch:
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
+    padding_mask: torch.Tensor
+    """bool [1, T_local], True where the input is padding (megatron's MoE routing mask): the router leaves these
+    tokens out of the expert-bias token counts and the aux losses."""
     labels: torch.Tensor
     """Target token per position (token t+1), 0 where there is none."""
     cu_seqlens: torch.Tensor
@@ -342,6 +345,11 @@ class PackedMicroBatch:
     padded_lengths: tuple[int, ...]
     cp_size: int
     is_padding: bool
+    mtp_tokens: torch.Tensor | None = None
+    """--enable-mtp-training with D layers: [D + 1, T_local], row j the token j + 1 places after the position's own
+    (row 0 is `labels`), 0 past its padded sequence: MTP depth k embeds row k - 1 and predicts row k."""
+    mtp_loss_mask: torch.Tensor | None = None
+    """[D, T_local]: row k - 1 the loss mask of the position k places later in the sequence (0 past its end)."""
 
     @property
     def local_lengths(self) -> tuple[int, ...]:
@@ -356,17 +364,24 @@ def pack_micro_batch(
     cp_rank: int,
     tp_size: int,
     sequence_parallel: bool,
+    mtp_depths: int = 0,
 ) -> PackedMicroBatch:
-    """Pack ``sample_ids`` (empty: a padding micro-batch) and take CP rank's zig-zag slice."""
+    """Pack ``sample_ids`` (empty: a padding micro-batch) and take CP rank's zig-zag slice.
+
+    ``mtp_depths``: also the MTP layers' shifted tokens and loss masks, shifted on the whole sequence before the
+    slice, so a CP rank has the tokens of positions another rank holds without exchanging them.
+    """
     multiple = pad_multiple_for(cp_size, tp_size, sequence_parallel)
     seqs = [_aligned_sequence(data, i, multiple) for i in sample_ids] or [_dummy_sequence(data, multiple)]
-    fields = {k: torch.cat([zigzag_slice(s[k], cp_size, cp_rank) for s in seqs])
+    seqs = [s | _mtp_shifts(s, mtp_depths) for s in seqs] if mtp_depths else seqs
+    fields = {k: torch.cat([zigzag_slice(s[k], cp_size, cp_rank, dim=-1) for s in seqs], dim=-1)
               for k in seqs[0] if isinstance(seqs[0][k], torch.Tensor)}
     padded = tuple(s["padded_length"] for s in seqs)
     cu = torch.tensor([0, *torch.tensor(padded).cumsum(0).tolist()], dtype=torch.int32)
     return PackedMicroBatch(
         input_ids=fields["input_ids"].unsqueeze(0),
         position_ids=fields["position_ids"].unsqueeze(0),
+        padding_mask=fields["padding_mask"].unsqueeze(0),
         labels=fields["labels"],
         cu_seqlens=cu,
         max_seqlen=max(padded),
@@ -379,7 +394,20 @@ def pack_micro_batch(
         padded_lengths=padded,
         cp_size=cp_size,
         is_padding=not sample_ids,
+        mtp_tokens=fields.get("mtp_tokens"),
+        mtp_loss_mask=fields.get("mtp_loss_mask"),
     )
+
+
+def _shifted(values: torch.Tensor, k: int) -> torch.Tensor:
+    """values[t + k] of one padded sequence, 0 past its end."""
+    return torch.cat([values[k:], values.new_zeros(min(k, values.numel()))])
+
+
+def _mtp_shifts(seq: Mapping[str, Any], depths: int) -> dict[str, torch.Tensor]:
+    """The MTP layers' inputs and targets of one whole padded sequence (pack_micro_batch slices them)."""
+    return {"mtp_tokens": torch.stack([_shifted(seq["labels"], k) for k in range(depths + 1)]),
+            "mtp_loss_mask": torch.stack([_shifted(seq["loss_mask"], k) for k in range(1, depths + 1)])}
 
 
 def _aligned_sequence(data: Mapping[str, Any], i: int, multiple: int) -> dict[str, Any]:
@@ -402,6 +430,7 @@ def _aligned_sequence(data: Mapping[str, Any], i: int, multiple: int) -> dict[st
     seq = {
         "input_ids": torch.tensor(tokens + [PAD_TOKEN_ID] * (padded - total), dtype=torch.long),
         "position_ids": torch.arange(padded, dtype=torch.long),
+        "padding_mask": torch.arange(padded) >= total,
         "labels": torch.tensor(tokens[1:] + [PAD_TOKEN_ID] * (padded - total + 1), dtype=torch.long),
         "loss_mask": mask,
         "sample_weight": torch.full((padded,), 1.0 / max(1.0, float(mask.sum()))),
@@ -423,6 +452,7 @@ def _dummy_sequence(data: Mapping[str, Any], multiple: int) -> dict[str, Any]:
     return per_token | {
         "input_ids": torch.full((multiple,), PAD_TOKEN_ID, dtype=torch.long),
         "position_ids": torch.arange(multiple, dtype=torch.long),
+        "padding_mask": torch.ones(multiple, dtype=torch.bool),
         "labels": torch.full((multiple,), PAD_TOKEN_ID, dtype=torch.long),
         "loss_mask": zeros,
         "sample_weight": zeros,

@@ -213,11 +213,14 @@ def token_entropy(logits: torch.Tensor, packed: PackedMicroBatch, cfg: LossConfi
                           for chunk in flat.split(rows)])
 
 
-def token_weights(packed: PackedMicroBatch, plan: MicroBatchPlan, cfg: LossConfig) -> torch.Tensor:
-    """w_t (see module docstring); zero on prompt, padding and padding micro-batches."""
+def token_weights(packed: PackedMicroBatch, plan: MicroBatchPlan, cfg: LossConfig,
+                  loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """w_t (see module docstring); zero on prompt, padding and padding micro-batches. ``loss_mask`` replaces the
+    batch's own (the MTP depths' shifted masks: the denominators are equal along a sequence)."""
+    mask = packed.loss_mask if loss_mask is None else loss_mask
     if cfg.calculate_per_token_loss:
-        return packed.loss_mask / max(1, plan.step_loss_token_total)
-    return packed.loss_mask * packed.sample_weight / max(1, plan.step_sample_count)
+        return mask / max(1, plan.step_loss_token_total)
+    return mask * packed.sample_weight / max(1, plan.step_sample_count)
 
 
 def _rollout_log_probs(packed: PackedMicroBatch, needed_by: str) -> torch.Tensor:
@@ -311,8 +314,8 @@ def micro_batch_loss(output: torch.Tensor, packed: PackedMicroBatch, plan: Micro
     loss, metrics = _main_loss(logits, packed, plan, cfg, tp_group)
     if not depth_logits:
         return loss, metrics
-    term = mtp_loss.mtp_loss(depth_logits, packed, token_weights(packed, plan, cfg), cfg.mtp_loss_scaling_factor,
-                             tp_group)
+    term = mtp_loss.mtp_loss(depth_logits, packed, lambda mask: token_weights(packed, plan, cfg, mask),
+                             cfg.mtp_loss_scaling_factor, tp_group)
     # `loss` reports what is minimised (a non-finite MTP loss skips the step too)
     return loss + term, metrics | {mtp_loss.MTP_LOSS_KEY: term.detach(), "loss": metrics["loss"] + term.detach()}
 

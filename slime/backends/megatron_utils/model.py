@@ -36,6 +36,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset  # noqa: E402
 
 from slime.backends.megatron_utils import moe  # noqa: E402
+from slime.backends.megatron_utils.adam_kernel import fused_adam_chosen, use_fused_adam  # noqa: E402
 from slime.config import with_defaults  # noqa: E402
 from slime.models import fused_kernels  # noqa: E402
 from slime.models.local_spec import with_moe_mlp  # noqa: E402
@@ -559,4 +560,10 @@ def build_model_and_optimizer(args: Namespace, hf_config: Any):
             apply_lora(chunk, lora_config(flags), train_in_full=tuple(flags.only_train_params_name_list or ()))
     model = _wrap_ddp(flags, chunks)
     optimizer = get_megatron_optimizer(_optimizer_config(flags, chunks[0].config), model)
+    if fused_adam_chosen(_parameter_device(chunks)):
+        use_fused_adam(optimizer, True)
     return model, optimizer, _lr_scheduler(flags, optimizer)
+
+
+def _parameter_device(chunks: list[GPTModel]) -> torch.device:
+    return next((p.device for chunk in chunks for p in chunk.parameters()), torch.device("cpu"))

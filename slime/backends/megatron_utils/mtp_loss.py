@@ -2,18 +2,19 @@
 
 MTP depth k (1-based) at position t predicts the target of position t + k of the same sequence (labels[t] is token
 t+1, so depth k predicts token t+k+1). Its cross-entropy counts with the weight loss.py gives that target position
-(`token_weights`: the step's per-token or per-sample denominator, from the plan), so the term is a plain sum like the
-main loss and needs no reduction of its own: the gradient is normalised where the main loss's is, and the reported
-`mtp_loss` rides in the step's one metric all-reduce. The term is scaled by --mtp-loss-scaling-factor / D (megatron's
-and upstream's weighting of the D depths).
+(`token_weights` of the mask shifted by k: the step's per-token or per-sample denominator, from the plan), so the term
+is a plain sum like the main loss and needs no reduction of its own: the gradient is normalised where the main
+loss's is, and the reported `mtp_loss` rides in the step's one metric all-reduce. The term is scaled by
+--mtp-loss-scaling-factor / D (megatron's and upstream's weighting of the D depths).
 
-Context parallelism is refused with MTP before Ray starts (megatron's MTP shifts tokens across CP ranks with
-point-to-point messages the fenced step does not record), so the packed batch here holds whole sequences.
+The shifted targets and masks come with the packed batch (`PackedMicroBatch.mtp_tokens` / `mtp_loss_mask`), shifted
+on the whole sequence before its context-parallel slice: under CP the target of a chunk's last positions lives in
+another chunk, often on another rank, and is read from the rollout data every rank holds instead of being sent.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -32,24 +33,13 @@ def split_output(output: torch.Tensor, depths: int) -> tuple[torch.Tensor, tuple
     return main, tuple(rest)
 
 
-def _shift_within_sequences(values: torch.Tensor, k: int, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """values[t + k] where t + k is in t's sequence, else 0."""
-    positions = torch.arange(values.numel(), device=values.device)
-    ends = cu_seqlens[1:].to(values.device).long()
-    seq_end = ends[torch.searchsorted(ends, positions, right=True)]
-    source = positions + k
-    inside = source < seq_end
-    shifted = values[source.clamp(max=values.numel() - 1)]
-    return torch.where(inside, shifted, torch.zeros_like(shifted))
-
-
-def mtp_loss(depth_logits: tuple[torch.Tensor, ...], packed: PackedMicroBatch, weights: torch.Tensor,
-             scaling_factor: float, tp_group: Any) -> torch.Tensor:
-    """scaling_factor / D * sum over depths and positions of the weighted cross-entropy (all-reduces over TP)."""
-    total = weights.new_zeros(())
+def mtp_loss(depth_logits: tuple[torch.Tensor, ...], packed: PackedMicroBatch,
+             weights_of: Callable[[torch.Tensor], torch.Tensor], scaling_factor: float, tp_group: Any) -> torch.Tensor:
+    """scaling_factor / D * sum over depths and positions of the weighted cross-entropy (all-reduces over TP);
+    ``weights_of(mask)``: the loss's token weights of a loss mask."""
+    total = packed.loss_mask.new_zeros(())
     for k, logits in enumerate(depth_logits, start=1):
         flat = logits.reshape(-1, logits.size(-1)).float()
-        targets = _shift_within_sequences(packed.labels, k, packed.cu_seqlens)
-        token_weights = _shift_within_sequences(weights, k, packed.cu_seqlens)
-        total = total - (compute_log_probs(flat, targets, tp_group) * token_weights).sum()
+        log_probs = compute_log_probs(flat, packed.mtp_tokens[k], tp_group)
+        total = total - (log_probs * weights_of(packed.mtp_loss_mask[k - 1])).sum()
     return total * (scaling_factor / len(depth_logits))

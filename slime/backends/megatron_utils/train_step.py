@@ -88,6 +88,8 @@ class StepObjective:
     micro_batch_loss: MicroBatchLoss
     plugin_metrics: bool = False
     """A plug-in may add metric keys: the ranks agree on them before reducing."""
+    mtp_depths: int = 0
+    """MTP layers the loss trains: the packed batches carry their shifted tokens (data.pack_micro_batch)."""
 
 
 def policy_objective(args: Any) -> StepObjective:
@@ -96,7 +98,8 @@ def policy_objective(args: Any) -> StepObjective:
     tp_group = parallel_state.get_tensor_model_parallel_group()
     return StepObjective(keys=metric_keys(cfg), plugin_metrics=cfg.has_plugin_metrics,
                          micro_batch_loss=lambda output, batch, plan: micro_batch_loss(output, batch, plan, cfg,
-                                                                                       tp_group))
+                                                                                       tp_group),
+                         mtp_depths=cfg.mtp_depths)
 
 
 def policy_log_probs(args: Any) -> PositionScores:
@@ -106,12 +109,12 @@ def policy_log_probs(args: Any) -> PositionScores:
     return lambda output, batch: target_log_probs(output, batch, cfg, tp_group)
 
 
-def pack_plan(data: Mapping[str, Any], plan: MicroBatchPlan, args: Any) -> list[PackedMicroBatch]:
+def pack_plan(data: Mapping[str, Any], plan: MicroBatchPlan, args: Any, mtp_depths: int = 0) -> list[PackedMicroBatch]:
     """Pack every micro-batch of ``plan`` for this CP rank, on the compute device (no collective)."""
     cp_rank = parallel_state.get_context_parallel_rank()
     packed = [
-        pack_micro_batch(data, mb, cp_size=plan.cp_size, cp_rank=cp_rank,
-                         tp_size=args.tensor_model_parallel_size, sequence_parallel=args.sequence_parallel)
+        pack_micro_batch(data, mb, cp_size=plan.cp_size, cp_rank=cp_rank, tp_size=args.tensor_model_parallel_size,
+                         sequence_parallel=args.sequence_parallel, mtp_depths=mtp_depths)
         for mb in plan.micro_batches
     ]
     return [_to_device(p, _comm_device()) for p in packed] if torch.cuda.is_available() else packed
@@ -261,7 +264,7 @@ def train_one_step(model_chunks: Sequence[Any], optimizer: Any, lr_scheduler: An
     """
     objective = policy_objective(args) if objective is None else objective
     keys = objective.keys
-    packed = pack_plan(data, plan, args)
+    packed = pack_plan(data, plan, args, objective.mtp_depths)
     with _phase(collective_hook, "loss_token_total"):
         total = reduce_loss_token_total(plan)
     if total == 0:
@@ -376,13 +379,20 @@ def _packed_seq_params(batch: PackedMicroBatch) -> PackedSeqParams:
     return packed_seq_params(batch.cu_seqlens, batch.padded_lengths)
 
 
-def _forward_step(data_iterator, model, *, loss_func, progress: ProgressHook | None, routes: RouteReplayer | None):
+def _forward_step(data_iterator, model, *, loss_func, progress: ProgressHook | None, routes: RouteReplayer | None,
+                  masks_routing: bool):
     if progress is not None:
         progress()
     batch = next(data_iterator)
     if routes is not None:
         routes.before_forward(batch.sample_ids)
-    output = model(batch.input_ids, batch.position_ids, None, packed_seq_params=_packed_seq_params(batch))
+    # the MTP layers' shifted ids travel with the batch only where the loss trains them
+    extra = {} if batch.mtp_tokens is None else {"mtp_input_ids": batch.mtp_tokens[:-1]}
+    # MoE: the padding still flows through the experts (it keeps the shapes the layout needs), but the router
+    # leaves it out of the expert-bias token counts and the aux losses, so they see the real tokens only
+    if masks_routing:
+        extra["padding_mask"] = batch.padding_mask
+    output = model(batch.input_ids, batch.position_ids, None, packed_seq_params=_packed_seq_params(batch), **extra)
     if routes is not None:
         routes.after_forward(batch.sample_ids)
     return output, partial(loss_func, batch)
@@ -392,9 +402,11 @@ def _run_schedule(model_chunks, packed: list[PackedMicroBatch], loss_func, *, fo
                   progress: ProgressHook | None = None, routes: RouteReplayer | None = None) -> None:
     chunks = list(model_chunks)
     iterators = [iter(packed) for _ in chunks] if len(chunks) > 1 else iter(packed)
+    masks_routing = bool(getattr(get_model_config(chunks[0]), "num_moe_experts", None))
     get_forward_backward_func()(
         forward_step_func=partial(_forward_step, loss_func=loss_func, progress=progress,
-                                  routes=routes if routes is not None and routes.active else None),
+                                  routes=routes if routes is not None and routes.active else None,
+                                  masks_routing=masks_routing),
         data_iterator=iterators,
         model=chunks if len(chunks) > 1 else chunks[0],
         num_microbatches=len(packed),

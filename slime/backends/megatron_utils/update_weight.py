@@ -77,6 +77,21 @@ def export_model_weights(model_chunks: Sequence[torch.nn.Module], hf_config: Any
     return export_hf_weights(list(model_chunks), hf_config, read_param=read_param, mtp=False, select=select)
 
 
+@contextlib.contextmanager
+def _engine_call(ledger, op: str, size: int, unit: str) -> Iterator[None]:
+    """A call to the engines in this rank's ledger (channel "http_engines"), ended with its error if it raised."""
+    entry = ledger.begin_named(op, "http_engines", (ledger.rank,), (size,), unit) if ledger else None
+    error = None
+    try:
+        yield
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {str(exc)[:200]}"
+        raise
+    finally:
+        if entry is not None:
+            ledger.end(entry, error)
+
+
 class WeightSyncPlanError(RuntimeError):
     """The exported tensors do not follow the bucket plan (name, order or size)."""
 
@@ -416,17 +431,8 @@ class WeightSync:
         transport = self.transport(device, stage)
         if transport.connected:
             return
-        entry = ledger.begin_named(f"weight_sync/connect_pp{stage}", "http_engines", (ledger.rank,),
-                                   (len(self.engine_urls),), "engines") if ledger else None
-        error = None
-        try:
+        with _engine_call(ledger, f"weight_sync/connect_pp{stage}", len(self.engine_urls), "engines"):
             transport.connect()
-        except Exception as exc:
-            error = f"{type(exc).__name__}: {str(exc)[:200]}"
-            raise
-        finally:
-            if entry is not None:
-                ledger.end(entry, error)
 
     def _export(self, model_chunks, read_param, select):
         """The weight source's tensors; `select` only where set (a custom source need not take it)."""
@@ -438,21 +444,14 @@ class WeightSync:
                      ledger, result: _PushResult) -> None:
         start = time.perf_counter()
         last = bucket.index == len(plan.buckets) - 1
-        entry = ledger.begin_named(f"weight_sync/send_bucket{bucket.index}", "http_engines",
-                                   (ledger.rank,), (bucket.nbytes,), "bytes") if ledger else None
-        error = None
         try:
-            # The version moves (and the cache flushes) with the last bucket only: an engine whose push
-            # broke off midway keeps reporting the old version, so the version check catches it.
-            device = tensors[0][1].device if tensors else torch.device("cpu")
-            sent = self.transport(device, plan.pp_rank).send(bucket.index, tensors, version=version if last else None,
-                                                             flush_cache=last)
-        except Exception as exc:
-            error = f"{type(exc).__name__}: {str(exc)[:200]}"
-            raise
+            with _engine_call(ledger, f"weight_sync/send_bucket{bucket.index}", bucket.nbytes, "bytes"):
+                # The version moves (and the cache flushes) with the last bucket only: an engine whose push
+                # broke off midway keeps reporting the old version, so the version check catches it.
+                device = tensors[0][1].device if tensors else torch.device("cpu")
+                sent = self.transport(device, plan.pp_rank).send(bucket.index, tensors,
+                                                                 version=version if last else None, flush_cache=last)
         finally:
-            if entry is not None:
-                ledger.end(entry, error)
             result.send_seconds += time.perf_counter() - start
         result.bytes_sent += sent if isinstance(sent, int) else bucket.nbytes  # a delta transport counts its own
         result.buckets_sent += 1

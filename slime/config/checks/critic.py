@@ -1,5 +1,5 @@
 """The critic's flags (--advantage-estimator ppo), checked before Ray starts: what the critic needs, and what
-its ranks cannot run (they are colocated on the actor's bundles with the actor's layout)."""
+its ranks cannot run. Its own layout (--megatron-config-path, --critic-num-*) is checked by checks/roles.py."""
 from __future__ import annotations
 
 import argparse
@@ -22,12 +22,13 @@ def check_critic(args: argparse.Namespace) -> None:
     if args.critic_load is None and args.load is None:
         fail("--advantage-estimator ppo trains a critic: pass --critic-load DIR (an HF checkpoint of the actor's "
              "architecture, e.g. the --hf-checkpoint itself, or a critic checkpoint saved by a ppo run)")
-    for flag, critic, actor in (("--critic-num-nodes", args.critic_num_nodes, args.actor_num_nodes),
-                                ("--critic-num-gpus-per-node", args.critic_num_gpus_per_node,
-                                 args.actor_num_gpus_per_node)):
-        if critic is not None and critic != actor:
-            fail(f"{flag} {critic}: the critic's ranks are colocated with the actor's, on its bundles and with its "
-                 f"parallel layout ({actor}); drop the flag or set it to the actor's")
+    for flag, count in (("--critic-num-nodes", args.critic_num_nodes),
+                        ("--critic-num-gpus-per-node", args.critic_num_gpus_per_node)):
+        if count is not None and count <= 0:
+            fail(f"{flag} {count} must be positive (or left out: the critic then shares the actor's bundles)")
+    if args.enable_mtp_training:
+        fail("--enable-mtp-training with --advantage-estimator ppo is not implemented: the critic's value model has "
+             "no MTP loss; drop --enable-mtp-training (--mtp-num-layers alone carries the layers, untrained)")
     if args.kl_coef:
         fail("--kl-coef (a KL reward term) with --advantage-estimator ppo is not implemented: the critic's returns "
              "are computed without the actor's reference log-probs; use --use-kl-loss --kl-loss-coef instead")

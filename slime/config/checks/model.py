@@ -48,8 +48,8 @@ def resolve_model_defaults(args: argparse.Namespace) -> None:
 
 def check_mtp(args: argparse.Namespace) -> None:
     """Multi-token prediction: --enable-mtp-training trains the layers --mtp-num-layers builds, on one pipeline
-    stage and without context parallelism (megatron's MTP shifts tokens across CP ranks, and syncs the embedding
-    between the first and last stage, with messages the fenced step does not record)."""
+    stage (megatron's MTP syncs the embedding between the first and last stage with messages the fenced step does
+    not record). Context parallelism works: the MTP layers' shifted tokens come with the packed batch."""
     layers = args.mtp_num_layers
     if args.enable_mtp_training and not layers:
         fail("--enable-mtp-training trains the multi-token-prediction layers --mtp-num-layers builds; pass "
@@ -62,12 +62,11 @@ def check_mtp(args: argparse.Namespace) -> None:
         if getattr(args, dest, False):
             fail(f"--mtp-num-layers {layers} with {flag_name(dest)} is not supported here: the replayed routes cover "
                  "the decoder's MoE layers, not the MTP layers' routers; drop one of them")
-    for dest, size in (("context_parallel_size", args.context_parallel_size),
-                       ("pipeline_model_parallel_size", args.pipeline_model_parallel_size)):
-        if size > 1:
-            fail(f"--mtp-num-layers {layers} with {flag_name(dest)} {size} is not supported here: megatron's MTP "
-                 "block exchanges tokens or embeddings across those ranks outside the fenced step's ledger; train "
-                 f"MTP with {flag_name(dest)} 1 (TP, SP, EP and DP work) or drop --mtp-num-layers")
+    if args.pipeline_model_parallel_size > 1:
+        fail(f"--mtp-num-layers {layers} with --pipeline-model-parallel-size {args.pipeline_model_parallel_size} "
+             "is not supported here: megatron's MTP block syncs the embedding between the first and last stage "
+             "outside the fenced step's ledger; train MTP with --pipeline-model-parallel-size 1 (TP, SP, CP, EP "
+             "and DP work) or drop --mtp-num-layers")
 
 
 def check_model_shape(args: argparse.Namespace) -> None:

@@ -79,10 +79,15 @@ def add_algorithm_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--critic-lr-warmup-iters", type=int, default=None,
                    help="the critic's warm-up steps (default: --lr-warmup-iters)")
     g.add_argument("--critic-num-nodes", type=int, default=None,
-                   help="the critic's nodes: the actor's (the critic shares the actor's bundles)")
+                   help="the critic's nodes (default: the actor's; counts other than the actor's put the critic "
+                        "on bundles of its own)")
     g.add_argument("--critic-num-gpus-per-node", type=int, default=None,
-                   help="the critic's GPUs per node: the actor's (the critic shares the actor's bundles)")
-    g.add_argument("--megatron-config-path", type=str, default=None, help="YAML of per-role (actor/critic) overrides")
+                   help="the critic's GPUs per node (default: the actor's, sharing the actor's bundles; other "
+                        "counts put the critic on bundles of its own)")
+    g.add_argument("--megatron-config-path", type=str, default=None,
+                   help="upstream's YAML of per-role Megatron overrides, e.g. megatron: [{name: default, role: critic, "
+                        "overrides: {lr: 1e-5, tensor_model_parallel_size: 2}}]: a role's layout, optimizer, batching "
+                        "and checkpoints (slime/config/megatron_config.py)")
     g.add_argument("--calculate-per-token-loss", action="store_true", default=False,
                    help="normalise the loss by the step's loss-token total instead of per sample")
 

@@ -87,8 +87,9 @@ def cancelled_before_start(err: BaseException) -> bool:
     return isinstance(err, ray.exceptions.ActorDiedError) and "it was cancelled before it started running" in str(err)
 
 
-# Ray's cancellations of an actor that never ran: how many starts in all, and the pause before each new one.
-CANCELLED_START_PAUSES_S = (2.0, 5.0)
+# Ray's cancellations of an actor that never ran: the pause before each new start (one more start than pauses).
+# Seen three times in a row on a loaded 2-core machine, so the pauses reach half a minute in all.
+CANCELLED_START_PAUSES_S = (2.0, 5.0, 10.0, 15.0)
 
 
 def retry_if_cancelled_before_start(start: Callable[[], T], what: str,

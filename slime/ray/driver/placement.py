@@ -9,6 +9,9 @@ that consecutive trainer ranks share a node and an engine's GPUs are neighbours 
     engine e (G GPUs)   -> ordered bundles offset + e*G .. offset + (e+1)*G - 1
                            offset = 0 with --colocate (engines share the trainer's bundles),
                            else the trainer's bundle count
+    critic rank c       -> the actor's rank c's bundle when the critic has the actor's counts
+                           (--advantage-estimator ppo), else ordered bundle after + c, after the
+                           trainer's and the engines' bundles
 
 GPU ids: actors on GPU bundles run with RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1, as upstream's
 do. Ray then leaves every GPU of the node visible and each process picks its devices by the bundle's
@@ -31,6 +34,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from patches.ray import keep_cluster_on_loopback
+from slime.config.layout import critic_has_own_bundles, critic_world_size
 from slime.ray.driver.cluster import (
     LOOPBACK,
     PlacementError,
@@ -134,6 +138,11 @@ class Layout:
     actor_bundles: tuple[BundleInfo, ...]
     """Trainer rank r runs on actor_bundles[r]."""
     engines: tuple[EngineSlot, ...]
+    critic_bundles: tuple[BundleInfo, ...] = ()
+    """Critic rank c runs on critic_bundles[c]; empty: on the actor's (the critic shares its bundles)."""
+
+    def role_bundles(self, role: str) -> tuple[BundleInfo, ...]:
+        return self.critic_bundles if role == "critic" and self.critic_bundles else self.actor_bundles
 
 
 def _node_order(ip: str) -> tuple:
@@ -156,13 +165,16 @@ def order_bundles(infos: Sequence[BundleInfo]) -> list[BundleInfo]:
 
 
 def plan_layout(infos: Sequence[BundleInfo], *, trainer_ranks: int, num_engines: int, gpus_per_engine: int,
-                colocate: bool) -> Layout:
-    """Assign ordered bundles to trainer ranks and engines; every engine must fit on one node."""
+                colocate: bool, critic_ranks: int = 0) -> Layout:
+    """Assign ordered bundles to trainer ranks, engines and a critic on bundles of its own (`critic_ranks`, after
+    the others'); every engine must fit on one node."""
     ordered = order_bundles(infos)
     offset = 0 if colocate else trainer_ranks
-    needed = max(trainer_ranks, offset + num_engines * gpus_per_engine)
+    shared = max(trainer_ranks, offset + num_engines * gpus_per_engine)
+    needed = shared + critic_ranks
     if len(ordered) < needed:
-        raise PlacementError(f"{len(ordered)} bundles for {trainer_ranks} trainer ranks and {num_engines} "
+        critic = f", {critic_ranks} critic ranks" if critic_ranks else ""
+        raise PlacementError(f"{len(ordered)} bundles for {trainer_ranks} trainer ranks{critic} and {num_engines} "
                              f"engines of {gpus_per_engine} (colocate={colocate}): need {needed}")
     engines = []
     for rank in range(num_engines):
@@ -175,7 +187,8 @@ def plan_layout(infos: Sequence[BundleInfo], *, trainer_ranks: int, num_engines:
         engines.append(EngineSlot(rank=rank, bundles=tuple(b.index for b in own), node_id=own[0].node_id,
                                   node_ip=own[0].node_ip,
                                   gpu_ids=tuple(b.gpu_id for b in own if b.gpu_id is not None)))
-    return Layout(actor_bundles=tuple(ordered[:trainer_ranks]), engines=tuple(engines))
+    return Layout(actor_bundles=tuple(ordered[:trainer_ranks]), engines=tuple(engines),
+                  critic_bundles=tuple(ordered[shared:needed]))
 
 
 def check_disjoint(layout: Layout) -> None:
@@ -208,7 +221,8 @@ def check_colocated_nodes(layout: Layout, gpus_per_node: int) -> None:
 
 def node_count(layout: Layout, driver_node_id: str) -> int:
     """How many nodes the job's processes (driver, ranks, engines) run on."""
-    return len({b.node_id for b in layout.actor_bundles} | {e.node_id for e in layout.engines} | {driver_node_id})
+    return len({b.node_id for b in (*layout.actor_bundles, *layout.critic_bundles)}
+               | {e.node_id for e in layout.engines} | {driver_node_id})
 
 
 def check_engine_bind_host(bind_host: str | None, layout: Layout, driver_node_id: str) -> None:
@@ -228,6 +242,13 @@ def actor_world_size(args) -> int:
     return args.actor_num_nodes * args.actor_num_gpus_per_node
 
 
+def critic_ranks(args) -> int:
+    """The critic's ranks on bundles of their own (0: no critic, or one on the actor's bundles)."""
+    if args.debug_rollout_only or not getattr(args, "use_critic", False) or not critic_has_own_bundles(args):
+        return 0
+    return critic_world_size(args)
+
+
 def num_engines(args) -> int:
     if args.debug_train_only:
         return 0
@@ -240,7 +261,7 @@ def num_engines(args) -> int:
 def total_bundles(args) -> int:
     engines = num_engines(args) * args.rollout_num_gpus_per_engine
     ranks = trainer_ranks(args)
-    return max(ranks, engines) if args.colocate else ranks + engines
+    return (max(ranks, engines) if args.colocate else ranks + engines) + critic_ranks(args)
 
 
 # ----------------------------------------------------------------------------- on the cluster
@@ -255,9 +276,9 @@ class Placement:
     def strategy(self, bundle: int) -> PlacementGroupSchedulingStrategy:
         return PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=bundle)
 
-    def trainer_options(self, rank: int) -> dict[str, Any]:
-        """Ray actor options of trainer rank `rank`: a share of its bundle, the job's env."""
-        return self._options(self.layout.actor_bundles[rank].index, TRAINER_SHARE)
+    def trainer_options(self, rank: int, role: str = "actor") -> dict[str, Any]:
+        """Ray actor options of trainer rank `rank` of `role`: a share of its bundle, the job's env."""
+        return self._options(self.layout.role_bundles(role)[rank].index, TRAINER_SHARE)
 
     def engine_options(self, engine: int) -> dict[str, Any]:
         return self._options(self.layout.engines[engine].bundles[0], ENGINE_SHARE)
@@ -272,6 +293,8 @@ class Placement:
                  for r, b in enumerate(self.layout.actor_bundles)]
         lines += [f"engine {e.rank}: bundles {list(e.bundles)} node {e.node_ip} ({e.node_id[:8]}) "
                   f"gpus {list(e.gpu_ids)}" for e in self.layout.engines]
+        lines += [f"critic rank {r}: bundle {b.index} node {b.node_ip} ({b.node_id[:8]}) gpu {b.gpu_id}"
+                  for r, b in enumerate(self.layout.critic_bundles)]
         return lines
 
     def remove(self) -> None:
@@ -310,7 +333,8 @@ def create_placement(args, *, use_gpu: bool | None = None, timeout_s: float = PL
                              f"resources: {ray.cluster_resources()}, available: {ray.available_resources()}")
     infos = _probe(group, count, use_gpu, timeout_s)
     layout = plan_layout(infos, trainer_ranks=trainer_ranks(args), num_engines=num_engines(args),
-                         gpus_per_engine=args.rollout_num_gpus_per_engine, colocate=args.colocate)
+                         gpus_per_engine=args.rollout_num_gpus_per_engine, colocate=args.colocate,
+                         critic_ranks=critic_ranks(args))
     if args.colocate and args.actor_num_nodes > 1 and not args.debug_rollout_only:
         check_colocated_nodes(layout, args.actor_num_gpus_per_node)
     driver_node = ray.get_runtime_context().get_node_id()

@@ -29,7 +29,7 @@ import sys
 from typing import Callable, Iterator
 
 from slime.config.defaults import with_defaults
-from slime.config.layout import LAYOUT_FLAGS, build_parallel_layout
+from slime.config.layout import LAYOUT_FLAGS, build_parallel_layout, critic_has_own_bundles, critic_world_size
 from slime.ray.driver.cluster import PlacementError, cluster_address
 from slime.ray.driver.healing import (HealingRefusedError, RepeatedFailureError, note_failure, restart_metrics,
                                       train_with_healing)
@@ -64,7 +64,7 @@ class RunSession:
         self.actors: RayTrainGroup | None = None
         """The trainer ranks' proxy, once `start_trainer` started them."""
         self.critic: RayTrainGroup | None = None
-        """The critic's ranks (--advantage-estimator ppo), on the actor's bundles."""
+        """The critic's ranks (--advantage-estimator ppo), on the actor's bundles or on its own."""
         self.rollout_id: int | None = None
         """The rollout in progress (None before the loop): what a failure is noted with (healing.py)."""
         self.rank_nodes: list[str] = []
@@ -201,7 +201,7 @@ def parallel_layout(args) -> str:
 # The flags the start line reads.
 START_LINE_FLAGS = (*LAYOUT_FLAGS, "debug_rollout_only", "debug_train_only", "rollout_num_gpus",
                     "rollout_num_gpus_per_engine", "colocate", "num_rollout", "rollout_batch_size",
-                    "n_samples_per_prompt")
+                    "n_samples_per_prompt", "critic_num_nodes", "critic_num_gpus_per_node")
 
 
 def start_line(args, *, device: str) -> str:
@@ -214,6 +214,9 @@ def start_line(args, *, device: str) -> str:
     what = []
     if ranks:
         what.append(f"{count(ranks, 'trainer rank')} ({parallel_layout(args)})")
+    if ranks and getattr(args, "use_critic", False):
+        where = "on GPUs of their own" if critic_has_own_bundles(args) else "on the trainer ranks' GPUs"
+        what.append(f"{count(critic_world_size(args), 'critic rank')} {where}")
     if engines:
         what.append(count(engines, "engine") + (f" of {per_engine} GPUs each" if device == "GPU" and per_engine > 1
                                                 else ""))

@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import ray
 
+from slime.config.layout import critic_world_size
 from slime.distributed.progress_hub import HubClient, RayHub, start_hub
 from slime.ray.driver.cluster import worker_env
 from slime.ray.driver.rank_wait import wait_ranks
@@ -44,12 +45,13 @@ def remove_temp_ledger_dir(args) -> None:
 
 
 class RayTrainGroup:
-    """The ranks of one role: the actor's, or the critic's (--advantage-estimator ppo), colocated on the actor's
-    bundles with their own flags (critic.critic_args), ledger directory (<ledger dir>/critic) and progress hub."""
+    """The ranks of one role: the actor's, or the critic's (--advantage-estimator ppo: on the actor's bundles, or
+    on its own with --critic-num-* other than the actor's), with their own flags (critic_role.critic_args), world,
+    ledger directory (<ledger dir>/critic) and progress hub."""
 
     def __init__(self, args, placement: Placement, role: str = "actor"):
         self.role = role
-        self.world_size = actor_world_size(args)
+        self.world_size = critic_world_size(args) if role == "critic" else actor_world_size(args)
         self.ledger_dir = args.ledger_dir or resolve_ledger_dir(args)
         if role == "critic":
             from slime.backends.megatron_utils.critic_role import critic_args
@@ -62,7 +64,7 @@ class RayTrainGroup:
         self.hub = start_hub(self.world_size, runtime_env={"env_vars": worker_env(use_gpu=False)})
         self.progress = HubClient(RayHub(*self.hub))  # the driver's view: asks only
         remote = ray.remote(TrainRayActor)
-        self._ranks = [remote.options(**placement.trainer_options(rank)).remote(
+        self._ranks = [remote.options(**placement.trainer_options(rank, role)).remote(
             args, rank, self.world_size, self.ledger_dir, self.hub, role) for rank in range(self.world_size)]
 
     def where(self) -> list[dict]:
