@@ -1,7 +1,9 @@
 """LoRA (slime/models/lora.py) on the tensor-parallel linear layers: TP2 (with and without SP) gives TP1's
 log-probs, loss, gradients and merged weights; the optimizer holds the adapters only; the merged export is what
 the trainer computes (a transformers model loaded with it gives the trainer's log-probs); adapters resume
-exactly; the push after the first sends the adapted layers only; bad LoRA flags fail before Ray starts."""
+exactly; the push after the first sends the adapted layers only. On routed MoE experts: EP2 (sequential experts)
+gives EP1's (grouped experts) step, and the merged export is W + alpha/r B A per expert. Bad LoRA flags fail
+before Ray starts."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import torch
 
 from arg_testing import no_real_sglang, parse_error, parse_quiet  # noqa: F401 (fixture)
 from mp_utils import run_ranks
-from tiny_models import save_tiny_qwen3
+from tiny_models import save_tiny_qwen3, save_tiny_qwen3_moe
 from train_step_harness import make_rollout
 
 pytestmark = pytest.mark.ranks
@@ -107,12 +109,14 @@ def _lora_child(rank, world, layout, hf_dir, data, ckpt):
 
 
 def _hf_log_probs(hf_dir, exported, data):
-    """Log-probs of the responses under a transformers model holding the exported (merged) weights."""
+    """Log-probs of the responses under a transformers model holding the exported (merged) weights (those of
+    `hf_dir` itself when `exported` is None)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    missing, unexpected = model.load_state_dict(exported, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"} - set(exported), (missing, unexpected)
+    if exported is not None:
+        missing, unexpected = model.load_state_dict(exported, strict=False)
+        assert not unexpected and set(missing) <= {"lm_head.weight"} - set(exported), (missing, unexpected)
     out = []
     with torch.no_grad():
         for tokens, n in zip(data["tokens"], data["response_lengths"]):
@@ -208,6 +212,162 @@ def test_lora_tp2_sp_equals_tp1_and_merged_export_is_the_trainers_model(tmp_path
         assert torch.allclose(torch.tensor(got), torch.tensor(want[-len(got):]), atol=1e-4)
 
 
+def _train_in_full_child(rank, world, hf_dir, data):
+    from slime.backends.megatron_utils.train_step import compute_log_probs, train_one_step
+    from slime.models.lora import peft_unexportable
+    from train_step_harness import build_loaded_model, layout_args, plans_for_this_rank
+    from transformers import AutoConfig
+
+    args = layout_args({**LORA, "only_train_params_name_list": ["output_layer"]})
+    model, optimizer, scheduler = build_loaded_model(args, hf_dir)
+    trainable = [n for n, p in model[0].module.named_parameters() if p.requires_grad]
+    in_optimizer = sum(len(g["params"]) for opt in getattr(optimizer, "chained_optimizers", [optimizer])
+                       for g in opt.optimizer.param_groups)
+    data = copy.deepcopy(data)
+    (plan,) = plans_for_this_rank(data, args)
+    rows = [row if row else [0.0] * n for row, n in zip(compute_log_probs(model, data, plan, args),
+                                                        data["response_lengths"])]
+    data["log_probs"] = [[v + 0.05 * (j % 3) for j, v in enumerate(row)] for row in rows]
+    data["ref_log_probs"], data["rollout_log_probs"] = rows, rows
+    before = {n: p.detach().clone() for n, p in model[0].module.named_parameters()}
+    train_one_step(model, optimizer, scheduler, data, plan, args)
+    moved = sorted(n for n, p in model[0].module.named_parameters() if not torch.equal(p.detach(), before[n]))
+    return dict(trainable=trainable, in_optimizer=in_optimizer, moved=moved, reason=peft_unexportable(model),
+                push=_push_subset(model, AutoConfig.from_pretrained(hf_dir), 1))
+
+
+@pytest.mark.timeout(120)
+def test_lora_trains_the_only_train_params_in_full_beside_the_adapters(tmp_path):
+    """--enable-lora --only-train-params-name-list output_layer (PEFT's modules_to_save): the output layer is
+    trainable and in the optimizer beside the adapters and moves in the first step (B is still zero there, so
+    nothing else does); the push after the first sends it with the adapted layers; no PEFT adapter is written."""
+    hf_dir = save_tiny_qwen3(str(tmp_path / "qwen3"))
+    (r,) = run_ranks(_train_in_full_child, 1, args=(hf_dir, make_rollout(num_samples=4, seed=3)), timeout_s=100)
+    adapters = [n for n in r["trainable"] if ".lora.lora_" in n]
+    assert sorted(r["trainable"]) == sorted(adapters + ["output_layer.weight"]) and len(adapters) == 2 * 4 * 2
+    assert r["in_optimizer"] == len(r["trainable"])
+    assert "output_layer.weight" in r["moved"] and all(".lora.lora_B" in n or n == "output_layer.weight"
+                                                       for n in r["moved"]), r["moved"]
+    assert "lm_head.weight" in r["push"]["part"] and "model.embed_tokens.weight" not in r["push"]["part"]
+    assert list(r["push"]["part"]) == r["push"]["sent"] and len(r["push"]["part"]) == 2 * 7 + 1
+    assert "output_layer.weight" in r["reason"]
+
+
+# ------------------------------------------------------------------ routed MoE experts
+
+# per-token loss: EP2 is DP2 here, and only the per-token denominator is independent of the DP split
+EXPERT_LORA = {**LORA, "lora_target_modules": ["linear_fc1", "linear_fc2"], "calculate_per_token_loss": True}
+
+
+def _global_expert_factors(model):
+    """'decoder.layers.<l>.mlp.experts.<global e>.<fc>' -> (A, B) of this rank's expert adapters (ETP 1: whole on
+    the rank)."""
+    from megatron.core import parallel_state
+
+    from slime.models.lora import adapted_layers
+
+    offset = parallel_state.get_expert_model_parallel_rank()
+    factors = {}
+    for name, layer in adapted_layers(model[0].module):
+        prefix, local, fc = name.rpartition(".local_experts.")[0], *name.rsplit(".", 2)[-2:]
+        n_local = len(model[0].module.get_submodule(f"{prefix}.local_experts"))
+        key = f"{prefix}.{offset * n_local + int(local)}.{fc}"
+        factors[key] = (layer.lora.lora_A.detach().clone(), layer.lora.lora_B.detach().clone())
+    return factors
+
+
+def _expert_lora_child(rank, world, layout, hf_dir, data, out):
+    from slime.backends.megatron_utils.checkpoint import save_hf_checkpoint
+    from slime.backends.megatron_utils.model import lora_config
+    from slime.backends.megatron_utils.train_step import compute_log_probs, train_one_step
+    from slime_plugins.models.hf_weights import export_hf_weights
+    from train_step_harness import build_loaded_model, layout_args, plans_for_this_rank
+    from transformers import AutoConfig
+
+    args = layout_args({**layout, **EXPERT_LORA})
+    model, optimizer, scheduler = build_loaded_model(args, hf_dir)
+    hf_config = AutoConfig.from_pretrained(hf_dir)
+    trainable = [n for n, p in model[0].module.named_parameters() if p.requires_grad]
+    data = copy.deepcopy(data)
+    (plan,) = plans_for_this_rank(data, args)
+    log_probs = compute_log_probs(model, data, plan, args)
+    rows = [row if row else [0.0] * n for row, n in zip(log_probs, data["response_lengths"])]
+    data["log_probs"] = [[v + 0.05 * (j % 3) for j, v in enumerate(row)] for row in rows]
+    data["ref_log_probs"] = [[v - 0.1 for v in row] for row in rows]
+    data["rollout_log_probs"] = [[v + 0.02 for v in row] for row in rows]
+    base_before = {n: p.detach().clone() for n, p in model[0].module.named_parameters() if not p.requires_grad}
+    first = train_one_step(model, optimizer, scheduler, data, plan, args)
+    result = train_one_step(model, optimizer, scheduler, data, plan, args)
+    base_moved = [n for n, p in model[0].module.named_parameters() if not p.requires_grad
+                  and not torch.equal(p.detach(), base_before[n])]
+    exported = {n: t.clone() for n, t in export_hf_weights(model, hf_config) if ".experts." in n}
+    save_hf_checkpoint(out, model, hf_config, hf_dir, lora_config=lora_config(args))
+    return dict(trainable=trainable, base_moved=base_moved, log_probs=log_probs, after=compute_log_probs(
+        model, data, plan, args), first_loss=first.loss, loss=result.loss, grad_norm=result.grad_norm,
+        factors=_global_expert_factors(model), exported=exported if rank == 0 else None,
+        push=_push_subset(model, hf_config, 1))
+
+
+def _expected_merged(hf_dir, factors):
+    """HF expert tensors of the base checkpoint plus alpha/r * B @ A (fc1's rows are [gate; up])."""
+    from safetensors.torch import load_file
+
+    base, scale, expected = load_file(f"{hf_dir}/model.safetensors"), LORA["lora_alpha"] / LORA["lora_rank"], {}
+    for key, (a, b) in factors.items():
+        layer, *_, expert, fc = key.split(".")[2:]  # decoder.layers.<l>.mlp.experts.<e>.<fc>
+        hf = f"model.layers.{layer}.mlp.experts.{expert}."
+        delta = scale * b @ a
+        if fc == "linear_fc1":
+            gate, up = delta.chunk(2, dim=0)
+            expected[hf + "gate_proj.weight"] = base[hf + "gate_proj.weight"] + gate
+            expected[hf + "up_proj.weight"] = base[hf + "up_proj.weight"] + up
+        else:
+            expected[hf + "down_proj.weight"] = base[hf + "down_proj.weight"] + delta
+    return expected
+
+
+@pytest.mark.timeout(240)
+def test_lora_on_routed_experts_ep2_equals_ep1_and_merges_per_expert(tmp_path):
+    """LoRA on linear_fc1/fc2 of a Qwen3-MoE (every MLP routed): EP1 through the grouped experts and EP2 through
+    megatron's SequentialMLP take the same two steps (loss, grad norm, log-probs, every expert's factors) with
+    only the expert adapters trainable and the base unmoved; the merged export is the checkpoint's W + alpha/r
+    B @ A for every expert, a transformers model loaded from --save-hf gives the trainer's log-probs, no PEFT
+    adapter is written for experts, and the push after the first sends the expert layers only."""
+    hf_dir = save_tiny_qwen3_moe(str(tmp_path / "moe"))
+    data = make_rollout(num_samples=4, seed=3)
+    layouts = {"ep1_grouped": (dict(moe_grouped_gemm=True), 1), "ep2": (dict(expert_model_parallel_size=2), 2)}
+    runs = {key: run_ranks(_expert_lora_child, world, args=(layout, hf_dir, data, str(tmp_path / f"{key}_hf")),
+                           timeout_s=200) for key, (layout, world) in layouts.items()}
+    ref, ep2 = runs["ep1_grouped"][0], runs["ep2"]
+    assert ref["trainable"] and all(".local_experts." in n and ".lora.lora_" in n for n in ref["trainable"])
+    assert len(ref["trainable"]) == 2 * 8 * 2 * 2 and len(ep2[0]["trainable"]) == 2 * 4 * 2 * 2
+    assert ref["grad_norm"] > 0 and ref["first_loss"] != ref["loss"] and ref["after"] != ref["log_probs"]
+    factors = {k: v for r in ep2 for k, v in r["factors"].items()}
+    assert sorted(factors) == sorted(ref["factors"])
+    for r in ep2:
+        assert r["base_moved"] == [] and ref["base_moved"] == []
+        assert abs(r["loss"] - ref["loss"]) < 1e-5 and abs(r["grad_norm"] - ref["grad_norm"]) < 1e-5
+    # EP2 is DP2: each sample's log-probs come from the rank that holds it
+    ep2_rows = {key: [next(r[key][i] for r in ep2 if r[key][i]) for i in range(len(data["tokens"]))]
+                for key in ("log_probs", "after")}
+    for got, want in zip(ep2_rows["log_probs"] + ep2_rows["after"], ref["log_probs"] + ref["after"]):
+        assert torch.allclose(torch.tensor(got), torch.tensor(want), atol=1e-4)
+    for name, (a, b) in ref["factors"].items():
+        assert b.abs().max() > 0, f"{name}: the expert's adapter did not learn"
+        # Adam turns a near-zero gradient into a +-lr step: such elements may differ by a fraction of lr
+        assert torch.allclose(factors[name][0], a, atol=1e-3) and torch.allclose(factors[name][1], b, atol=1e-3)
+    for exported, own in ((ref["exported"], ref["factors"]), (ep2[0]["exported"], factors)):
+        expected = _expected_merged(hf_dir, own)
+        assert sorted(exported) == sorted(expected)
+        assert max(float((exported[n] - t).abs().max()) for n, t in expected.items()) < 2e-5
+    push = ep2[0]["push"]
+    assert list(push["part"]) == push["sent"] and set(push["part"]) == set(expected) and 0 < push["fraction"] < 1
+    assert not (tmp_path / "ep2_hf" / "lora_adapter").exists()
+    hf = _hf_log_probs(str(tmp_path / "ep2_hf"), None, data)
+    for got, want in zip(hf, ep2_rows["after"]):
+        assert torch.allclose(torch.tensor(got), torch.tensor(want[-len(got):]), atol=1e-4)
+
+
 # ------------------------------------------------------------------ flags, before Ray starts
 
 
@@ -225,3 +385,21 @@ def test_lora_flags_are_checked_before_ray(tmp_path, capsys):
     assert "--lora-rank 65 is above the width of linear_fc1 (64" in err
     assert parse_quiet(minimal + ["--enable-lora", "--lora-rank", "64"]).lora_rank == 64
     assert not parse_quiet(minimal + ["--lora-rank", "1000"]).enable_lora  # LoRA off: its flags are not checked
+
+
+def test_lora_on_experts_and_with_a_critic_is_checked_before_ray(tmp_path, capsys):
+    hf_dir = save_tiny_qwen3_moe(str(tmp_path / "moe"))  # hidden 64, routed experts' ffn 32
+    (tmp_path / "p.jsonl").write_text('{"input": "1"}\n')
+    minimal = ["--rollout-batch-size", "2", "--num-rollout", "1", "--actor-num-gpus-per-node", "2",
+               "--train-backend-device", "cpu", "--hf-checkpoint", hf_dir, "--prompt-data", str(tmp_path / "p.jsonl"),
+               "--enable-lora"]
+    err = parse_error(minimal + ["--lora-rank", "33", "--lora-target-modules", "linear_fc2"], capsys)
+    assert "--lora-rank 33 is above the width of linear_fc2 (32" in err
+    tp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    err = parse_error(minimal + tp2 + ["--lora-rank", "4"], capsys)
+    assert "pass --expert-tensor-parallel-size 1 (it is 2" in err and "linear_fc1 linear_fc2" in err
+    parsed = parse_quiet(minimal + tp2 + ["--lora-rank", "4", "--expert-tensor-parallel-size", "1"])
+    assert parsed.enable_lora and parsed.expert_tensor_parallel_size == 1
+    assert parse_quiet(minimal + tp2 + ["--lora-target-modules", "linear_qkv", "linear_proj"]).enable_lora
+    err = parse_error(minimal + ["--advantage-estimator", "ppo", "--critic-load", hf_dir], capsys)
+    assert "--enable-lora with --advantage-estimator ppo is not supported" in err and "grpo" in err

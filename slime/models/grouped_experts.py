@@ -5,8 +5,9 @@
 the HF weight mapping, checkpoints, the weight push, routing replay and EP are unchanged. Only the forward
 differs: the dispatcher's tokens arrive sorted by local expert; they are multiplied in that one layout by all
 experts at once (`torch._grouped_mm` on CUDA for bf16 on Hopper and later), and the activation and the routing
-weights are applied to all experts' rows in one elementwise pass. Elsewhere (CPU, fp32) the GEMMs loop over the
-experts of the same layout with the sequential path's own formulas, so the numbers are the same bit for bit.
+weights are applied to all experts' rows in one elementwise pass; LoRA adapters on the experts
+(slime/models/lora.py) add two grouped GEMMs per layer. Elsewhere (CPU, fp32) the GEMMs loop over the experts of the
+same layout with the sequential path's own formulas, so the numbers are the same bit for bit.
 
 The experts' weight gradients go into megatron DDP's `main_grad` buffers with one multi-tensor add per GEMM, the way
 megatron's fused gradient accumulation hands them over (`grad_added_to_main_grad`: DDP's hook then skips its add),
@@ -24,6 +25,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.moe.experts import SequentialMLP
+
+from slime.models.lora import expert_adapter
 
 
 def grouped_experts_chosen(choice: bool | None) -> bool:
@@ -67,9 +70,12 @@ class _GroupedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous()  # grouped_mm refuses an output gradient with zero strides (an expanded one)
+        need_w = ctx.needs_input_grad[4]  # frozen weights (LoRA's base) get no gradient computed
         if ctx.grouped:
             x, offsets, *weights = ctx.saved_tensors
             grad_x = torch._grouped_mm(grad, torch.stack(weights), offs=offsets)
+            if not need_w:
+                return grad_x, None, None, None, *([None] * len(weights))
             grad_w = torch._grouped_mm(grad.t(), x, offs=offsets)  # [E, out, in]
             _zero_experts(grad_w, ctx.empty)  # an expert without rows gets a zero gradient
             grad_w = grad_w.unbind(0)
@@ -80,8 +86,8 @@ class _GroupedLinear(torch.autograd.Function):
         grad_x, grad_w = [], []
         for g, xe, w in zip(torch.split(grad, ctx.counts), torch.split(x, ctx.counts), weights):
             grad_x.append(g.matmul(w))  # megatron's linear backward, expert by expert
-            grad_w.append(g.t().matmul(xe))
-        if ctx.params:
+            grad_w.append(g.t().matmul(xe) if need_w else None)
+        if ctx.params and need_w:
             add_to_main_grads(ctx.params, grad_w)
         return (torch.cat(grad_x) if grad_x else torch.zeros_like(x)), None, None, None, *grad_w
 
@@ -140,11 +146,23 @@ class GroupedExperts(SequentialMLP):
             x = (probs.unsqueeze(-1) * x).to(x.dtype)
             probs = torch.ones_like(probs)
         counts = tokens_per_expert if torch.is_tensor(tokens_per_expert) else torch.tensor(tokens_per_expert)
-        fc1 = grouped_linear(x, counts, [e.linear_fc1.weight for e in self.local_experts],
-                             into_main_grad=self.into_main_grad)
+        fc1 = self._linear(x, counts, "linear_fc1")
         hidden = self._activation(fc1, probs)
-        return grouped_linear(hidden, counts, [e.linear_fc2.weight for e in self.local_experts],
-                              into_main_grad=self.into_main_grad), None
+        return self._linear(hidden, counts, "linear_fc2"), None
+
+    def _linear(self, x: torch.Tensor, counts: torch.Tensor, name: str) -> torch.Tensor:
+        """Every expert's `name` layer over its rows, plus its LoRA update (x A_e^T) B_e^T * alpha/r where the
+        experts carry adapters (the layers' forward hooks do not run on this path)."""
+        layers = [getattr(e, name) for e in self.local_experts]
+        y = grouped_linear(x, counts, [layer.weight for layer in layers], into_main_grad=self.into_main_grad)
+        adapters = [expert_adapter(layer) for layer in layers]
+        if adapters[0] is None:
+            return y
+        a = adapters[0]
+        x = F.dropout(x, a.dropout) if a.training and a.dropout else x
+        h = grouped_linear(x, counts, [ad.lora_A for ad in adapters], into_main_grad=self.into_main_grad)
+        delta = grouped_linear(h, counts, [ad.lora_B for ad in adapters], into_main_grad=self.into_main_grad)
+        return y + delta * a.scale
 
     def _supported(self) -> bool:
         """What the grouped forward reproduces: bias-free experts, no FP8/FP4 padding, and of megatron's fused

@@ -518,7 +518,8 @@ def export_hf_weights(model_chunks: list[torch.nn.Module], hf_config: Any,
             if select is not None and not select(name):
                 continue
             if _is_expert(name):
-                yield from _export_expert(model, name, param, read(param), hf_config, experts)
+                yield from _export_expert(model, name, param, _merged(model, name, read(param), read), hf_config,
+                                          experts)
                 continue
             mapping = _mapping_for(model, name, param, hf_config, tp, mtp=mtp)
             if _is_embedding_copy(model, name) and len(mapping.hf_names) == 1:
@@ -592,6 +593,9 @@ def export_peft_adapter(model_chunks: list[torch.nn.Module], hf_config: Any) -> 
     for chunk in model_chunks:
         model = unwrap_model(chunk)
         for layer_name, layer in lora.adapted_layers(model):
+            if layer.lora.expert:
+                raise ValueError(f"{layer_name}: a routed expert's adapter has no PEFT name (transformers fuses the "
+                                 "experts into one parameter); export the merged weights instead")
             a, b = (_gather_tp(p.detach(), p.partition_dim, tp, tp_group)
                     if tp > 1 and getattr(p, "tensor_model_parallel", False) else p.detach()
                     for p in (layer.lora.lora_A, layer.lora.lora_B))

@@ -11,11 +11,18 @@ and the weight push read them unchanged). Under TP the adapter is sharded like i
 
 A replicated factor that sees a sequence shard (column A, row B under SP) is marked ``sequence_parallel`` so
 that finalize_model_grads all-reduces its gradient over TP, like a norm's. CP splits tokens only: nothing to do.
+
+A routed expert's layer (``local_experts.{i}.linear_fc1/fc2``) gets its own adapter, local to its rank: the
+dispatcher has already brought the expert its tokens, so the adapter adds no collective. Its factors are expert
+parameters (``allreduce=False`` under EP, like the expert's weight: reduced over the expert-data-parallel group).
+Experts split over tensor-parallel ranks (--expert-tensor-parallel-size > 1) would need a gradient reduction of
+the replicated factor that the expert path does not have: refused.
 """
 
 from __future__ import annotations
 
 import math
+import re
 import zlib
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -52,10 +59,13 @@ class LoraAdapter(torch.nn.Module):
     def __init__(self, layer: torch.nn.Module, config: LoraConfig, name: str):
         super().__init__()
         self.column = isinstance(layer, ColumnParallelLinear)
+        self.expert = bool(getattr(layer, "is_expert", False))
         self.scale, self.dropout = config.scale, config.dropout
-        self.sequence_parallel = bool(layer.sequence_parallel)
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        rank_in_tp = parallel_state.get_tensor_model_parallel_rank()
+        self.sequence_parallel = bool(layer.sequence_parallel) and not self.expert
+        tp, rank_in_tp = _tp_of(layer)
+        if self.expert and tp > 1:
+            raise ValueError(f"LoRA on the routed expert layer {name} needs --expert-tensor-parallel-size 1 (it is "
+                             f"{tp}): an expert's adapter is local to its rank")
         out_local, in_local = layer.weight.shape
         out_full, in_full = (out_local * tp, in_local) if self.column else (out_local, in_local * tp)
         dtype = layer.weight.dtype
@@ -66,26 +76,43 @@ class LoraAdapter(torch.nn.Module):
         self.lora_B = torch.nn.Parameter(torch.zeros(b_rows, config.rank, device=layer.weight.device, dtype=dtype))
         split, replicated = (self.lora_B, self.lora_A) if self.column else (self.lora_A, self.lora_B)
         tensor_parallel.set_tensor_model_parallel_attributes(split, True, 0 if self.column else 1, 1)
+        if self.expert:  # whole on its rank, like the expert's weight (never a TP duplicate in the grad norm)
+            tensor_parallel.set_tensor_model_parallel_attributes(replicated, True, 0 if self.column else 1, 1)
         if self.sequence_parallel:
             replicated.sequence_parallel = True
+        for param in (self.lora_A, self.lora_B):  # expert-parallel factors stay out of the dense DP reduction
+            param.allreduce = getattr(layer.weight, "allreduce", True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training and self.dropout:
             x = F.dropout(x, self.dropout)
         h = F.linear(x, self.lora_A)
-        if self.column:
-            h = (tensor_parallel.gather_from_sequence_parallel_region(h) if self.sequence_parallel
-                 else tensor_parallel.copy_to_tensor_model_parallel_region(h))
-        else:
-            h = (tensor_parallel.reduce_scatter_to_sequence_parallel_region(h) if self.sequence_parallel
-                 else tensor_parallel.reduce_from_tensor_model_parallel_region(h))
+        if not self.expert:  # an expert's rank already holds its tokens (the dispatcher's work): no communication
+            h = self._as_the_layer_does(h)
         return F.linear(h, self.lora_B) * self.scale
+
+    def _as_the_layer_does(self, h: torch.Tensor) -> torch.Tensor:
+        """The rank-r activation gathered (column) or reduced (row) over TP as the layer's input/output is."""
+        if self.column:
+            return (tensor_parallel.gather_from_sequence_parallel_region(h) if self.sequence_parallel
+                    else tensor_parallel.copy_to_tensor_model_parallel_region(h))
+        return (tensor_parallel.reduce_scatter_to_sequence_parallel_region(h) if self.sequence_parallel
+                else tensor_parallel.reduce_from_tensor_model_parallel_region(h))
 
     @torch.no_grad()
     def delta(self, read: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """alpha/r * B @ A as this rank's shard of the layer's weight (same shape as the local weight)."""
         b, a = read(self.lora_B), read(self.lora_A)
         return (b.float() @ a.float() * self.scale).to(b.dtype)
+
+
+def _tp_of(layer: torch.nn.Module) -> tuple[int, int]:
+    """(size, rank) of the layer's own tensor-parallel group: the expert-TP group for a routed expert."""
+    group = getattr(layer, "tp_group", None)
+    if group is None:
+        return (parallel_state.get_tensor_model_parallel_world_size(),
+                parallel_state.get_tensor_model_parallel_rank())
+    return group.size(), group.rank()
 
 
 def _init_a(config: LoraConfig, name: str, in_full: int) -> torch.Tensor:
@@ -107,21 +134,47 @@ def adapted_layers(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Modul
             yield name, module
 
 
+def expert_adapter(layer: torch.nn.Module) -> "LoraAdapter | None":
+    """A routed expert layer's adapter (the grouped expert path adds it itself), else None."""
+    adapter = getattr(layer, ADAPTER, None)
+    return adapter if isinstance(adapter, LoraAdapter) and adapter.expert else None
+
+
+def has_expert_adapters(chunks) -> bool:
+    return any(layer.lora.expert for chunk in chunks for _, layer in adapted_layers(_unwrapped(chunk)))
+
+
 def adapted_weight_names(chunks) -> Callable[[str], bool]:
-    """`name in ...` of the weights with an adapter (megatron names of each chunk, unwrapped): what a push after
-    the first sends."""
+    """`name in ...` of the weights that training changes (megatron names of each chunk, unwrapped): those with an
+    adapter and the base parameters trained in full; what a push after the first sends."""
     names = set()
-    for chunk in chunks:
-        while hasattr(chunk, "module"):  # DDP / Float16Module wrappers
-            chunk = chunk.module
+    for chunk in map(_unwrapped, chunks):
         names.update(f"{name}.weight" for name, _ in adapted_layers(chunk))
+        names.update(name for name, p in chunk.named_parameters() if p.requires_grad and not is_adapter_param(name))
     return frozenset(names).__contains__
+
+
+def peft_unexportable(chunks) -> str | None:
+    """Why the adapters cannot be written as a PEFT LoRA adapter (None when they can)."""
+    base_trained = sorted(name for chunk in chunks for name, p in _unwrapped(chunk).named_parameters()
+                          if p.requires_grad and not is_adapter_param(name))
+    if base_trained:
+        return f"base parameters trained in full beside the adapters ({', '.join(base_trained[:3])} ...)"
+    if has_expert_adapters(chunks):
+        return ("adapters on routed experts, which transformers fuses into one parameter per projection (no PEFT "
+                "module name per expert)")
+    return None
+
+
+def _unwrapped(chunk: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(chunk, "module"):  # DDP / Float16Module wrappers
+        chunk = chunk.module
+    return chunk
 
 
 def _targets(model: torch.nn.Module, config: LoraConfig) -> list[tuple[str, torch.nn.Module]]:
     found = [(name, module) for name, module in model.named_modules()
-             if name.rsplit(".", 1)[-1] in config.targets and isinstance(module, (ColumnParallelLinear, RowParallelLinear))
-             and not getattr(module, "is_expert", False)]
+             if name.rsplit(".", 1)[-1] in config.targets and isinstance(module, (ColumnParallelLinear, RowParallelLinear))]
     missing = set(config.targets) - {name.rsplit(".", 1)[-1] for name, _ in found}
     if missing:
         raise ValueError(f"--lora-target-modules {' '.join(sorted(missing))} names no tensor-parallel linear layer "
@@ -129,13 +182,30 @@ def _targets(model: torch.nn.Module, config: LoraConfig) -> list[tuple[str, torc
     return found
 
 
-def apply_lora(model: torch.nn.Module, config: LoraConfig) -> int:
-    """Freeze every parameter of `model`, attach an adapter to each target layer; returns how many."""
-    for param in model.parameters():
-        param.requires_grad_(False)
+_LOCAL_EXPERT = ".local_experts."
+
+
+def _global_name(model: torch.nn.Module, name: str) -> str:
+    """The layer's name with a routed expert's local index made global (EP rank * local experts + i): A is drawn
+    from it, so an expert starts with the same adapter whatever the EP size."""
+    if _LOCAL_EXPERT not in name:
+        return name
+    prefix, rest = name.split(_LOCAL_EXPERT, 1)
+    local, tail = rest.split(".", 1)
+    experts = model.get_submodule(prefix)
+    ep_group = getattr(experts, "ep_group", None)
+    ep_rank = ep_group.rank() if ep_group is not None else parallel_state.get_expert_model_parallel_rank()
+    return f"{prefix}.experts.{ep_rank * experts.num_local_experts + int(local)}.{tail}"
+
+
+def apply_lora(model: torch.nn.Module, config: LoraConfig, train_in_full: tuple[str, ...] = ()) -> int:
+    """Freeze every parameter of `model` but those a `train_in_full` pattern matches (re.search: PEFT's
+    modules_to_save, e.g. the output layer), attach an adapter to each target layer; returns how many."""
+    for name, param in model.named_parameters():
+        param.requires_grad_(any(re.search(pattern, name) for pattern in train_in_full))
     targets = _targets(model, config)
     for name, layer in targets:
-        layer.add_module(ADAPTER, LoraAdapter(layer, config, name))
+        layer.add_module(ADAPTER, LoraAdapter(layer, config, _global_name(model, name)))
         layer.register_forward_hook(_add_adapter_output)
         _shard_adapter_in_checkpoint(layer)
     return len(targets)
@@ -152,7 +222,9 @@ def _shard_adapter_in_checkpoint(layer: torch.nn.Module) -> None:
     def sharded_state_dict(prefix: str = "", sharded_offsets: tuple = (), metadata=None):
         result = base(prefix=prefix, sharded_offsets=sharded_offsets, metadata=metadata)
         split = {split_key: getattr(layer.lora, split_key.split(".")[1])}
-        result.update(make_sharded_tensors_for_checkpoint(split, prefix, {split_key: axis}, sharded_offsets))
+        result.update(make_sharded_tensors_for_checkpoint(
+            split, prefix, {split_key: axis}, sharded_offsets, tp_group=getattr(layer, "tp_group", None),
+            dp_cp_group=(metadata or {}).get("dp_cp_group")))
         return result
 
     layer.sharded_state_dict = sharded_state_dict

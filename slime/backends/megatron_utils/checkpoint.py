@@ -33,6 +33,7 @@ from slime.checkpoint import contents, durable, rng
 from slime.checkpoint.contents import latest_iteration
 from slime.distributed.fault_inject import maybe_kill_run
 from slime.models.hf_weights import carried_tensors, export_hf_weights, load_hf_weights
+from slime.models.lora import peft_unexportable
 
 __all__ = ["save_checkpoint", "load_checkpoint", "load_model_weights", "latest_iteration", "load_hf_weights",
            "export_hf_weights", "save_hf_checkpoint", "load_reference", "restore_rng", "holds"]
@@ -282,7 +283,12 @@ def save_hf_checkpoint(path: str, model_chunks: list, hf_config: Any, hf_source_
     dist.all_gather_object(names, (shard, sorted(tensors)) if writer else None)
     if dist.get_rank() == 0:
         _write_hf_side_files(path, [n for n in names if n is not None], pp, hf_source_dir)
-    if lora_config is not None:
+    unexportable = peft_unexportable(model_chunks) if lora_config is not None else None
+    if unexportable:
+        if dist.get_rank() == 0:
+            logger.warning("--save-hf: no PEFT adapter for %s; %s holds the merged weights only (no %s/)",
+                           unexportable, path, PEFT_ADAPTER_DIR)
+    elif lora_config is not None:
         save_peft_adapter(os.path.join(path, PEFT_ADAPTER_DIR), model_chunks, hf_config, lora_config, writer,
                           base_model=hf_source_dir)
     barrier("hf_published")

@@ -1,10 +1,12 @@
 """Checks of the LoRA flags against the HF config, before Ray starts: every target names a linear layer the model
-builder builds, and the rank fits each target layer's width."""
+builder builds, the rank fits each target layer's width (a routed expert's too), and the layout and objective are
+ones LoRA serves."""
 
 from __future__ import annotations
 
 import argparse
 
+from slime.config.constants import ADVANTAGE_ESTIMATORS
 from slime.config.errors import fail
 from slime.config.flags.training import LORA_TARGET_MODULES
 
@@ -16,6 +18,12 @@ def check_lora_flags(args: argparse.Namespace) -> None:
         fail(f"--lora-rank {args.lora_rank}: the adapter rank must be positive")
     if not 0.0 <= args.lora_dropout < 1.0:
         fail(f"--lora-dropout {args.lora_dropout}: a dropout probability in [0, 1)")
+    if getattr(args, "advantage_estimator", None) == "ppo":
+        actor_only = ", ".join(e for e in ADVANTAGE_ESTIMATORS if e != "ppo")
+        fail("--enable-lora with --advantage-estimator ppo is not supported: LoRA adapts the actor only (as "
+             "upstream's LoRA, which serves actor-only GRPO-style training), while the critic is built by the same "
+             "model builder with a value head that must train in full; drop --enable-lora to train both in full, "
+             f"or pick an estimator without a critic ({actor_only})")
     unknown = [t for t in args.lora_target_modules if t not in LORA_TARGET_MODULES]
     if unknown:
         fail(f"--lora-target-modules {' '.join(unknown)} names no module LoRA adapts; pick from "
@@ -23,8 +31,17 @@ def check_lora_flags(args: argparse.Namespace) -> None:
              "gate/up_proj, linear_proj o_proj, linear_fc2 down_proj)")
 
 
+EXPERT_TARGETS = ("linear_fc1", "linear_fc2")
+"""The targets that also adapt each routed expert's MLP."""
+
+
+def routed_experts(config: dict) -> int:
+    return max(int(config.get(key) or 0) for key in ("num_experts", "n_routed_experts", "num_local_experts"))
+
+
 def lora_layer_widths(config: dict) -> dict[str, int]:
-    """min(in, out) of each target layer of a dense HF config (the widest rank an adapter can use)."""
+    """min(in, out) of each target layer of an HF config (the widest rank an adapter can use); a routed expert's
+    MLP (moe_intermediate_size) bounds fc1/fc2 too."""
     hidden = config.get("hidden_size")
     heads = config.get("num_attention_heads")
     head_dim = config.get("head_dim") or (hidden // heads if hidden and heads else None)
@@ -32,6 +49,8 @@ def lora_layer_widths(config: dict) -> dict[str, int]:
     ffn = config.get("intermediate_size")
     if not all(isinstance(v, int) for v in (hidden, heads, head_dim, kv, ffn)):
         return {}
+    moe_ffn = config.get("moe_intermediate_size") if routed_experts(config) else None
+    ffn = min(ffn, moe_ffn) if isinstance(moe_ffn, int) else ffn
     return {"linear_qkv": min(hidden, (heads + 2 * kv) * head_dim), "linear_proj": min(heads * head_dim, hidden),
             "linear_fc1": min(hidden, 2 * ffn), "linear_fc2": min(ffn, hidden)}
 
@@ -42,9 +61,20 @@ def check_lora_against_config(args: argparse.Namespace, config: dict, config_pat
     if config.get("kv_lora_rank") is not None and "linear_qkv" in args.lora_target_modules:
         fail(f"--lora-target-modules linear_qkv names no module of {config_path}: its multi-latent attention has "
              "no fused qkv layer; adapt linear_proj linear_fc1 linear_fc2")
+    _check_expert_layout(args, config, config_path)
     widths = lora_layer_widths(config)
     for target in args.lora_target_modules:
         width = widths.get(target)
         if width is not None and args.lora_rank > width:
             fail(f"--lora-rank {args.lora_rank} is above the width of {target} ({width}, the smaller of its input "
                  f"and output sizes in {config_path}); pick --lora-rank <= {width}")
+
+
+def _check_expert_layout(args: argparse.Namespace, config: dict, config_path: str) -> None:
+    """A routed expert's adapter is local to its rank: the experts must not be split over tensor-parallel ranks."""
+    etp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
+    targets = [t for t in args.lora_target_modules if t in EXPERT_TARGETS]
+    if routed_experts(config) and targets and etp > 1:
+        fail(f"--lora-target-modules {' '.join(targets)} adapts the routed experts of {config_path}, whose adapters "
+             f"are local to their rank: pass --expert-tensor-parallel-size 1 (it is {etp}; experts then split over "
+             "--expert-model-parallel-size), or adapt linear_qkv linear_proj only")
