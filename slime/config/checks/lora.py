@@ -77,4 +77,4 @@ def _check_expert_layout(args: argparse.Namespace, config: dict, config_path: st
     if routed_experts(config) and targets and etp > 1:
         fail(f"--lora-target-modules {' '.join(targets)} adapts the routed experts of {config_path}, whose adapters "
              f"are local to their rank: pass --expert-tensor-parallel-size 1 (it is {etp}; experts then split over "
-             "--expert-model-parallel-size), or adapt linear_qkv linear_proj only")
+             "--expert-model-parallel-size, which must be above 1 at TP > 1), or adapt linear_qkv linear_proj only")
