@@ -4,7 +4,6 @@ that pick them and the DeepEP fallback."""
 
 from __future__ import annotations
 
-import copy
 import warnings
 
 import pytest
@@ -25,16 +24,10 @@ def _experts_of(model):
 
 def _step(model, optimizer, scheduler, data, args):
     """Old log-probs, then one training step (lr 0: the weights stay) on a copy of `data`."""
-    from slime.backends.megatron_utils.train_step import compute_log_probs, train_one_step
-    from train_step_harness import plans_for_this_rank
+    from slime.backends.megatron_utils.train_step import train_one_step
+    from train_step_harness import with_policy_log_probs
 
-    data = copy.deepcopy(data)
-    (plan,) = plans_for_this_rank(data, args)
-    log_probs = compute_log_probs(model, data, plan, args)
-    rows = [row if row else [0.0] * n for row, n in zip(log_probs, data["response_lengths"])]
-    data["log_probs"] = [[v + 0.05 * (j % 3) for j, v in enumerate(row)] for row in rows]
-    data["ref_log_probs"] = [[v - 0.1 for v in row] for row in rows]
-    data["rollout_log_probs"] = [[v + 0.02 for v in row] for row in rows]
+    data, plan, log_probs = with_policy_log_probs(model, data, args)
     result = train_one_step(model, optimizer, scheduler, data, plan, args)
     return log_probs, result.loss, result.grad_norm
 

@@ -74,7 +74,7 @@ def _push_subset(model, hf_config, tp):
 def _lora_child(rank, world, layout, hf_dir, data, ckpt):
     from slime.backends.megatron_utils.train_step import compute_log_probs, train_one_step
     from slime_plugins.models.hf_weights import export_hf_weights
-    from train_step_harness import build_loaded_model, layout_args, plans_for_this_rank
+    from train_step_harness import build_loaded_model, layout_args, with_policy_log_probs
     from transformers import AutoConfig
 
     args = layout_args({**layout, **LORA})
@@ -82,13 +82,7 @@ def _lora_child(rank, world, layout, hf_dir, data, ckpt):
     trainable = [n for n, p in model[0].module.named_parameters() if p.requires_grad]
     in_optimizer = sum(len(g["params"]) for opt in getattr(optimizer, "chained_optimizers", [optimizer])
                        for g in opt.optimizer.param_groups)
-    data = copy.deepcopy(data)
-    (plan,) = plans_for_this_rank(data, args)
-    log_probs = compute_log_probs(model, data, plan, args)
-    rows = [row if row else [0.0] * n for row, n in zip(log_probs, data["response_lengths"])]
-    data["log_probs"] = [[v + 0.05 * (j % 3) for j, v in enumerate(row)] for row in rows]
-    data["ref_log_probs"] = [[v - 0.1 for v in row] for row in rows]
-    data["rollout_log_probs"] = [[v + 0.02 for v in row] for row in rows]
+    data, plan, log_probs = with_policy_log_probs(model, data, args)
     base_before = {n: p.detach().clone() for n, p in model[0].module.named_parameters() if not p.requires_grad}
     # B starts at zero (so A gets no gradient): the second step is the one where both factors learn
     first = train_one_step(model, optimizer, scheduler, data, plan, args)
@@ -281,20 +275,14 @@ def _expert_lora_child(rank, world, layout, hf_dir, data, out):
     from slime.backends.megatron_utils.model import lora_config
     from slime.backends.megatron_utils.train_step import compute_log_probs, train_one_step
     from slime_plugins.models.hf_weights import export_hf_weights
-    from train_step_harness import build_loaded_model, layout_args, plans_for_this_rank
+    from train_step_harness import build_loaded_model, layout_args, with_policy_log_probs
     from transformers import AutoConfig
 
     args = layout_args({**layout, **EXPERT_LORA})
     model, optimizer, scheduler = build_loaded_model(args, hf_dir)
     hf_config = AutoConfig.from_pretrained(hf_dir)
     trainable = [n for n, p in model[0].module.named_parameters() if p.requires_grad]
-    data = copy.deepcopy(data)
-    (plan,) = plans_for_this_rank(data, args)
-    log_probs = compute_log_probs(model, data, plan, args)
-    rows = [row if row else [0.0] * n for row, n in zip(log_probs, data["response_lengths"])]
-    data["log_probs"] = [[v + 0.05 * (j % 3) for j, v in enumerate(row)] for row in rows]
-    data["ref_log_probs"] = [[v - 0.1 for v in row] for row in rows]
-    data["rollout_log_probs"] = [[v + 0.02 for v in row] for row in rows]
+    data, plan, log_probs = with_policy_log_probs(model, data, args)
     base_before = {n: p.detach().clone() for n, p in model[0].module.named_parameters() if not p.requires_grad}
     first = train_one_step(model, optimizer, scheduler, data, plan, args)
     result = train_one_step(model, optimizer, scheduler, data, plan, args)

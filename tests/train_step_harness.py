@@ -61,6 +61,23 @@ def plans_for_this_rank(data: dict, args) -> list:
                               dp_rank=parallel_state.get_data_parallel_rank())
 
 
+def with_policy_log_probs(model, data: dict, args) -> tuple[dict, object, list]:
+    """A copy of the rollout with old-policy, reference and engine log-probs set near the model's own (so the step
+    has non-zero ratios and KL), its one plan, and the model's log-probs."""
+    import copy
+
+    from slime.backends.megatron_utils.train_step import compute_log_probs
+
+    data = copy.deepcopy(data)
+    (plan,) = plans_for_this_rank(data, args)
+    log_probs = compute_log_probs(model, data, plan, args)
+    rows = [row if row else [0.0] * n for row, n in zip(log_probs, data["response_lengths"])]
+    data["log_probs"] = [[v + 0.05 * (j % 3) for j, v in enumerate(row)] for row in rows]
+    data["ref_log_probs"] = [[v - 0.1 for v in row] for row in rows]
+    data["rollout_log_probs"] = [[v + 0.02 for v in row] for row in rows]
+    return data, plan, log_probs
+
+
 def layout_args(layout: dict, **overrides) -> SimpleNamespace:
     from slime.backends.megatron_utils.loss import LOSS_FLAGS
     from slime.backends.megatron_utils.moe import MOE_FLAGS
