@@ -765,7 +765,13 @@ class StepBench:
                 "torch": torch.__version__, "samples": len(self.seq_lens), "tokens": sum(self.seq_lens),
                 "seq_lens": self.seq_lens, "step_model_flops": self.flops,
                 "attention_modules": len(attention_modules(self.actor)),
-                "matmul_params": self.shape.matmul_params()}
+                "matmul_params": self.shape.matmul_params(), **self.parameter_counts()}
+
+    def parameter_counts(self) -> dict:
+        """This rank's parameters and the share of them the optimizer trains (LoRA: the adapters alone)."""
+        params = [p for chunk in self.actor.model for p in chunk.parameters()]
+        return {"params": sum(p.numel() for p in params),
+                "trained_params": sum(p.numel() for p in params if p.requires_grad)}
 
     def summary(self) -> dict:
         by_path: dict[str, dict] = {}
@@ -806,7 +812,7 @@ def summary_lines(s: dict) -> list[str]:
     lines.append("MEMORY step " + name + ": " + ("; ".join(
         f"{p} peak {m['peak_gib']:.1f} GiB (static {m['static_gib']:.1f}, above static {m['peak_gib'] - m['static_gib']:.1f}"
         f" = {(m['peak_gib'] - m['static_gib']) * per_32k:.1f} per 32k tokens)" for p, m in paths.items())
-        or "no cycle finished"))
+        or "no cycle finished") + f"; parameters {s['params'] / 1e9:.3f} B, trained {s['trained_params'] / 1e6:.1f} M")
     verdict = "; ".join(f"{p} fits" for p in paths) or "no cycle finished"
     if s.get("failure"):
         verdict += f"; then {s['failure']}"

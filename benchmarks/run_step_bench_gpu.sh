@@ -15,6 +15,8 @@
 #               the first MLP dense; EP1), grouped experts (GLM_PATHS adds sequential), a profiled cycle
 #   compile     the fused path's first step (0.6B) in two fresh processes sharing one empty inductor cache dir
 #               (TORCHINDUCTOR_CACHE_DIR): cold, then warm; COMPILE lines
+#   lora        the qwen3-4b step (new path) twice: every parameter trained, then LoRA adapters only (rank 16 on the
+#               four linear targets): MEMORY lines, peak and static (parameters, gradient buffers, optimizer state)
 #   step4b      qwen3-4b step with --max-tokens-per-gpu 32768 and full recompute (the fit check), fused vs new
 #               (S4B_PATHS; S4B_RECOMPUTE replaces the recompute flags);
 #               if it runs out of memory, step4b16k repeats it at 16384 so the 4B figures exist
@@ -52,6 +54,7 @@ if [ "${DRY_RUN:-0}" = 1 ]; then
   export SMOE_MIN_TOKENS=64 SMOE_MAX_TOKENS=128 SMOE_TOKENS_PER_GPU=256 SMOE_CYCLES=1
   export GLM_MIN_TOKENS=64 GLM_MAX_TOKENS=128 GLM_TOKENS_PER_GPU=256 GLM_CYCLES=1
   export CMP_MIN_TOKENS=64 CMP_MAX_TOKENS=128 CMP_TOKENS_PER_GPU=256
+  export LORA_MIN_TOKENS=64 LORA_MAX_TOKENS=128 LORA_TOKENS_PER_GPU=256
 else
   NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count())') || fatal "torch does not start"
   [ "$NGPU" -ge 1 ] || fatal "no GPU visible to torch"
@@ -120,6 +123,14 @@ if want glm; then  # GLM-4.7-Flash-shaped MoE step (8 layers: MLA, 64 experts to
   step glm "${GLM_CAP:-200}" GLM "$MGLM" --paths ${GLM_PATHS:-grouped} --profile --lr 0 --moe-grouped-gemm \
     --max-tokens-per-gpu "${GLM_TOKENS_PER_GPU:-8192}" --moe-token-dispatcher-type alltoall --moe-router-dtype fp32 \
     --use-distributed-optimizer
+fi
+
+if want lora; then  # trainer memory of the 4B step, every parameter trained vs LoRA adapters (rank 16, four targets)
+  LORA_NUM_SAMPLES=${LORA_NUM_SAMPLES:-2} LORA_MIN_TOKENS=${LORA_MIN_TOKENS:-6144} LORA_MAX_TOKENS=${LORA_MAX_TOKENS:-8192}
+  LORA_CYCLES=1
+  step lora_full "${LORA_CAP:-110}" LORA "$M4B" --paths new --max-tokens-per-gpu "${LORA_TOKENS_PER_GPU:-8192}"
+  step lora_adapters "${LORA_CAP:-110}" LORA "$M4B" --paths new --max-tokens-per-gpu "${LORA_TOKENS_PER_GPU:-8192}" \
+    --enable-lora --lora-rank 16 --lora-alpha 32 --lora-target-modules linear_qkv linear_proj linear_fc1 linear_fc2
 fi
 
 if want compile; then  # the fused path's first step in a fresh process: an empty compile cache, then the same cache
