@@ -93,3 +93,34 @@ def test_node_feeds_find_the_engines_by_their_node_address():
         node_feeds(grid, 0, urls[:3], "10.0.0.1", ("10.0.0.2", "10.0.0.1"))
     whole = _grid(2, 4, 2, 2, 1)  # no node lacks a stage: the node addresses are not needed
     assert node_feeds(whole, 4, urls[:3], "10.0.0.2", ()).remote == ()
+
+
+def test_a_node_sender_sends_each_bucket_to_its_node_then_over_its_stage_group():
+    from slime.backends.megatron_utils.weight_transport import NodeSplitTransport
+
+    calls = []
+
+    class Half:
+        def __init__(self, name):
+            self.name, self.connected = name, False
+
+        def connect(self):
+            calls.append((self.name, "connect"))
+            self.connected = True
+
+        def send(self, index, tensors, *, version, flush_cache):
+            calls.append((self.name, index, version, flush_cache))
+
+        def close(self):
+            calls.append((self.name, "close"))
+
+    local_only = NodeSplitTransport(Half("local"), None)
+    assert local_only.connected  # no group to form: no connect in the ledger
+    split = NodeSplitTransport(Half("local"), Half("remote"))
+    assert not split.connected
+    split.connect()
+    split.send(0, [], version=None, flush_cache=False)
+    split.send(1, [], version="3", flush_cache=True)  # the version moves with the last bucket on both halves
+    split.close()
+    assert calls == [("remote", "connect"), ("local", 0, None, False), ("remote", 0, None, False),
+                     ("local", 1, "3", True), ("remote", 1, "3", True), ("local", "close"), ("remote", "close")]
