@@ -39,20 +39,22 @@ def test_a_hook_that_does_not_resolve_to_a_callable_is_refused_at_parse_time(pat
                                              "one node's 4"),
     (["--actor-num-gpus-per-node", "6", "--rollout-num-gpus-per-engine", "4"], "does not fit within one node's 6"),
     (["--rollout-num-gpus", "4"], "--rollout-num-gpus 4 must be the trainer's 8 GPUs"),
-    (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size 2 and --expert-model-parallel-size 1 "
-                                              "must be 1"),
-    (["--tensor-model-parallel-size", "8"], "TP x CP = 8 must divide 4"),
+    (["--tensor-model-parallel-size", "8"], "--tensor-model-parallel-size 8 must divide the node's 4 GPUs"),
 ])
-def test_colocate_across_nodes_refuses_engines_or_replicas_that_leave_a_node(flags, says, capsys):
+def test_colocate_across_nodes_refuses_engines_or_tp_groups_that_leave_a_node(flags, says, capsys):
     base = [*BASE, "--actor-num-nodes", "2", "--actor-num-gpus-per-node", "4", "--colocate"]
     err = parse_error([*base, *flags], capsys)
     assert "--colocate over --actor-num-nodes 2 x --actor-num-gpus-per-node" in err and says in err
 
 
-def test_colocate_across_nodes_with_engines_within_a_node_parses():
+@pytest.mark.parametrize("layout", [
+    ["--context-parallel-size", "2"],  # whole replicas on each node
+    ["--pipeline-model-parallel-size", "2"],  # a PP stage per node: each node gets the other's over a group
+    ["--context-parallel-size", "4"],  # a CP replica spanning both nodes: each node's TP group exports
+])
+def test_colocate_across_nodes_with_engines_and_tp_groups_within_a_node_parses(layout):
     args = parse_quiet([*BASE, "--actor-num-nodes", "2", "--actor-num-gpus-per-node", "4", "--colocate",
-                       "--tensor-model-parallel-size", "2", "--context-parallel-size", "2",
-                       "--rollout-num-gpus-per-engine", "4"])
+                       "--tensor-model-parallel-size", "2", *layout, "--rollout-num-gpus-per-engine", "4"])
     assert args.rollout_num_gpus == 8 and args.colocate and args.offload_train
 
 

@@ -11,8 +11,10 @@ An engine on the other node is reachable only at its node's address (it listens 
 generation and for the weight push, whose version check covers every engine.
 
 The colocated run is examples/run_cpu_demo.sh spread over the two nodes: 8 CPU ranks (4 a node) as
-TP2 x SP x CP2 x DP2, `--colocate`, one engine of 4 per node fed by its own node's ranks through shared
-memory; it learns the counting task and its recorded collectives pass the order proof.
+TP2 x SP x CP2 x PP2, `--colocate`, one engine of 4 per node. Each node holds one PP stage: its rank feeds
+that stage to its own node's engine through shared memory and to the other node's engine over the stage's
+weight-update group, the stages one after another. It learns the counting task, the engines' log-probs
+agree with the trainer's after every push, and its recorded collectives pass the order proof.
 """
 from __future__ import annotations
 
@@ -103,7 +105,8 @@ def test_ranks_and_engines_landed_where_the_layout_puts_them(two_node_run):
 COLOCATED_ROLLOUTS = 14
 MIN_RISE = 0.2  # the one-node demo rises +0.40 to +0.45 over 20 rollouts (tests/test_learning_demo.py)
 COLOCATED_FLAGS = ["--actor-num-nodes", "2", "--actor-num-gpus-per-node", "4", "--context-parallel-size", "2",
-                   "--rollout-num-gpus-per-engine", "4", "--ledger-record-sequence"]
+                   "--pipeline-model-parallel-size", "2", "--rollout-num-gpus-per-engine", "4",
+                   "--ledger-record-sequence"]
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +165,12 @@ def test_colocated_over_two_nodes_order_proof_holds(colocated_run):
     assert len(sequences) == 8
     report = check_order(sequences)
     assert report.ok, report.format()
-    # one sender per node (its first replica's TP rank 0) pushes every sync to its node's engine
+    # one sender per node and stage (its TP rank 0): rank 0 holds stage 0 on node 0, rank 4 stage 1 on node 1
     senders = {rank for rank, seq in sequences.items() if any(op.op.startswith("weight_sync/send_bucket")
                                                                for op in seq.ops)}
     assert senders == {0, 4}
+    # each forms its stage's weight-update group with the other node's engine once, in its stage's turn
+    connects = {rank: [op.op for op in seq.ops if op.op.startswith("weight_sync/connect_pp")]
+                for rank, seq in sequences.items()}
+    assert connects == {0: ["weight_sync/connect_pp0"], 4: ["weight_sync/connect_pp1"],
+                        **{rank: [] for rank in (1, 2, 3, 5, 6, 7)}}

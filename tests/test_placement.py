@@ -69,7 +69,7 @@ def test_colocated_across_nodes_needs_a_node_per_block_of_ranks_at_its_own_addre
                            colocate=True)
 
     even = [(n, ip, None) for n, ip in (("a", "10.0.0.1"), ("b", "10.0.0.2")) for _ in range(4)]
-    check_colocated_nodes(layout(even), gpus_per_node=4)
+    assert check_colocated_nodes(layout(even), gpus_per_node=4) == ("10.0.0.1", "10.0.0.2")  # by node index
     # Ray packed 5 ranks on one node: node b's engine would be fed by a rank of node a
     uneven = [("a", "10.0.0.1", None)] * 5 + [("b", "10.0.0.2", None)] * 3
     with pytest.raises(PlacementError, match="needs 4 trainer ranks on each node"):

@@ -12,9 +12,7 @@ from mp_utils import run_ranks
 from slime.backends.megatron_utils.update_weight import (
     WeightSyncPlan,
     WeightSyncPlanError,
-    engines_of_node,
     iter_planned_buckets,
-    node_replica_count,
     pack_buckets,
 )
 from slime.backends.megatron_utils.weight_transport import choose_transport, encode_safetensors_payload
@@ -88,21 +86,6 @@ def test_transport_follows_upstream_choice():
     assert choose_transport(types.SimpleNamespace(colocate=False, update_weight_transport="nccl")) == "distributed"
     with pytest.raises(ValueError, match="disk"):
         choose_transport(types.SimpleNamespace(colocate=False, update_weight_transport="disk"))
-
-
-def test_colocated_across_nodes_each_node_feeds_the_engines_at_its_address():
-    def args(**kw):
-        base = dict(colocate=True, actor_num_nodes=2, actor_num_gpus_per_node=8, tensor_model_parallel_size=2,
-                    context_parallel_size=2, pipeline_model_parallel_size=1)
-        return types.SimpleNamespace(**{**base, **kw})
-
-    assert node_replica_count(args()) == 2  # dp ranks 0 and 2 export, one per node
-    assert node_replica_count(args(actor_num_nodes=1)) is None and node_replica_count(args(colocate=False)) is None
-    urls = ["http://10.0.0.1:3000", "http://10.0.0.2:3000", "http://10.0.0.1:3001", "http://[fd00::2]:3000"]
-    assert engines_of_node(urls, "10.0.0.1") == ("http://10.0.0.1:3000", "http://10.0.0.1:3001")
-    assert engines_of_node(urls, "fd00::2") == ("http://[fd00::2]:3000",)
-    with pytest.raises(ValueError, match="no engine listens at this node's address 10.0.0.9"):
-        engines_of_node(urls, "10.0.0.9")
 
 
 # ----------------------------------------------------------------------------- real sync

@@ -46,6 +46,33 @@ def test_upstream_launcher_shape_parses_or_is_refused_with_its_reason(shape, tmp
         assert (args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers) == (8, 6)
 
 
+MULTI_NODE = [s for s in LAUNCHERS["shapes"] if "--colocate" in s["argv"] and "--actor-num-nodes" in s["argv"]]
+
+
+def _flag(argv: list[str], name: str) -> int:
+    return int(argv[len(argv) - 1 - argv[::-1].index(name) + 1])
+
+
+@pytest.mark.parametrize("shape", MULTI_NODE, ids=[s["name"] for s in MULTI_NODE])
+def test_upstream_multi_node_colocated_layout_parses_with_its_node_counts(shape, tmp_path):
+    """Upstream's largest colocated launchers (scripts/run-deepseek-r1.sh, run-kimi-k2-*.sh,
+    run-glm5-744B-A40B.sh) with their node counts and parallel layouts, engines within a node: PP stages and
+    experts spanning nodes parse, and each node's engines get the stages it lacks over weight-update groups."""
+    from slime.backends.megatron_utils.node_routes import NodeGrid
+
+    argv = _argv(shape, tmp_path)
+    at = len(argv) - 1 - argv[::-1].index("--rollout-num-gpus-per-engine")
+    argv[at + 1] = str(_flag(argv, "--actor-num-gpus-per-node"))  # one engine a node (upstream's span several)
+    args = parse_quiet(argv)
+    for name in ("--actor-num-nodes", "--pipeline-model-parallel-size", "--expert-model-parallel-size",
+                 "--context-parallel-size", "--tensor-model-parallel-size"):
+        assert getattr(args, name[2:].replace("-", "_")) == _flag(argv, name)
+    assert args.colocate and args.actor_num_nodes >= 16 and args.pipeline_model_parallel_size > 1
+    assert args.rollout_num_gpus == args.actor_num_nodes * args.actor_num_gpus_per_node
+    grid = NodeGrid.from_args(args)
+    assert grid.stages_span_nodes and grid.nodes == args.actor_num_nodes
+
+
 def test_refusals_and_no_effect_reasons_come_before_every_unknown_flag(tmp_path, capsys):
     argv = _argv(LAUNCHERS["shapes"][0], tmp_path) + ["--fp8-format", "e4m3", "--deterministic-mode",
                                                       "--q-lora-rnk", "8", "--tensor-paralel-size", "2"]

@@ -47,8 +47,9 @@ parse time with the reason where it would change the maths and is not implemente
 - Without CUDA the trainer runs megatron-core on CPU ranks (gloo) and the rollout engines are the
   embedded engine behind SGLang's HTTP surface; on CUDA the local layer spec is the default
   (`--transformer-impl transformer_engine` is opt-in).
-- `--colocate` across nodes keeps every engine within one node (fed by that node's ranks): upstream's
-  SGLang engines over several nodes are refused, naming the sizes (docs/cluster.md).
+- `--colocate` across nodes keeps every engine within one node (fed by that node's ranks, and over
+  weight-update groups with the PP stages its node does not hold): upstream's SGLang engines over several
+  nodes are refused, naming the sizes (docs/cluster.md).
 - `--sglang-<name>` flags are checked at parse time, also where sglang is not installed: a name that
   the supported SGLang releases' launch parser lacks is refused with the closest names.
 - Checks upstream leaves to the ranks run before Ray starts: the checkpoint's `model_type` and

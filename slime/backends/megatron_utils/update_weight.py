@@ -22,13 +22,16 @@ Who does what (megatron parallel_state coordinates):
              together because it all-gathers each TP-split parameter over the TP group. With expert
              parallelism every rank is an exporter: the routed experts are all-gathered over EP.
   senders    the tp_rank 0 exporter of each PP stage: the only ranks that talk HTTP to engines.
-  per node   `--colocate` across nodes: engines take tensors only from their own node, so the first
-             replica of EVERY node exports (cp_rank 0, dp_rank a multiple of the node's replica count;
-             config/checks/run.py makes each node hold whole replicas) and its sender feeds the engines
-             whose URL is at its node's address. The coordinator still pauses, checks and resumes all.
+  per node   `--colocate` across nodes: engines take tensors only from their own node, so on EVERY node
+             the first TP group of each PP stage it holds exports that stage, and its sender feeds the
+             engines whose URL is at its node's address. A node holding none of a stage (PP spanning
+             nodes) gets it over that stage's weight-update group from one of the stage's senders, the
+             stages then pushed one after another as for separate engines (node_routes.py). The
+             coordinator still pauses, checks and resumes all.
   others     DP/CP replicas skip the export entirely. Invariant that makes this safe: the export's
              only collectives are on the TP group, and a TP group lies inside one (dp, cp, pp)
              coordinate, so a replica that skips is never a member of a collective an exporter runs.
+             Who exports and sends is a function of the rank and the flags alone, the same on every rank.
 
 Errors never strand a peer inside a collective: an exporter that fails (plan mismatch, HTTP error)
 keeps iterating the export to its end without sending, and every local failure is reported in the
@@ -40,15 +43,17 @@ from __future__ import annotations
 
 import contextlib
 import time
-from urllib.parse import urlparse
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
+from slime.backends.megatron_utils.node_routes import NodeFeeds, NodeGrid, node_feeds
 from slime.backends.megatron_utils.weight_transport import (
     ENGINE_KINDS,
     EngineSet,
+    NodeSplitTransport,
+    TensorTransport,
     build_transport,
     choose_transport,
     delta_options,
@@ -209,7 +214,7 @@ class SyncRole:
     pp_size: int
     tp_rank: int
     tp_size: int
-    first_replica: bool  # cp_rank == 0 and dp_rank == 0 (per node: the node's first dp_rank)
+    first_replica: bool  # cp_rank == 0 and dp_rank == 0 (per node: the stage's first TP group on the node)
     expert_parallel: bool = False  # EP > 1: routed experts are spread over DP replicas
 
     @property
@@ -228,20 +233,23 @@ class SyncRole:
         return self.world_rank == 0
 
     @classmethod
-    def current(cls, replicas_per_node: int | None = None) -> "SyncRole":
-        """replicas_per_node: DP replicas per node when every node feeds its own engines, else None."""
+    def current(cls, grid: NodeGrid | None = None) -> "SyncRole":
+        """grid: the ranks over nodes when every node feeds its own engines, else None."""
         import torch.distributed as dist
         from megatron.core import parallel_state as mpu
 
-        dp_rank = mpu.get_data_parallel_rank()
-        first_dp = dp_rank % replicas_per_node == 0 if replicas_per_node else dp_rank == 0
+        rank = dist.get_rank()
+        if grid is None:
+            first = mpu.get_context_parallel_rank() == 0 and mpu.get_data_parallel_rank() == 0
+        else:
+            first = grid.heads_export(rank)
         return cls(
-            world_rank=dist.get_rank(),
+            world_rank=rank,
             pp_rank=mpu.get_pipeline_model_parallel_rank(),
             pp_size=mpu.get_pipeline_model_parallel_world_size(),
             tp_rank=mpu.get_tensor_model_parallel_rank(),
             tp_size=mpu.get_tensor_model_parallel_world_size(),
-            first_replica=mpu.get_context_parallel_rank() == 0 and first_dp,
+            first_replica=first,
             expert_parallel=mpu.get_expert_model_parallel_world_size() > 1,
         )
 
@@ -293,9 +301,13 @@ class WeightSync:
                                                    weight_update=self.timeout_s, memory=self.timeout_s)
         self._engines: EngineSet | None = None
         self._transport = None
-        self.replicas_per_node = node_replica_count(args)
+        self.grid = NodeGrid.from_args(args)
         self.node_host = getattr(args, "node_host", None)  # this rank's node address (its Ray actor sets it)
-        self._node_engines: EngineSet | None = None
+        self.node_hosts = tuple(getattr(args, "colocated_node_hosts", None) or ())  # by node index (placement)
+        self._rank: int | None = None
+        self._feeds: NodeFeeds | None = None
+        self._node_engines: EngineSet | None = None  # what this node sender feeds: all of it, for the sessions
+        self._split_engines: list[EngineSet] = []  # its node's, and the other nodes' it feeds
         self.select = select
         self._full_push_due = True
 
@@ -306,21 +318,41 @@ class WeightSync:
         return self._engines
 
     @property
+    def feeds(self) -> NodeFeeds:
+        """Colocated across nodes: the engines this node sender feeds (node_routes.py)."""
+        if self._feeds is None:
+            self._feeds = node_feeds(self.grid, self._rank, self.engine_urls, self.node_host, self.node_hosts)
+        return self._feeds
+
+    @property
     def push_engines(self) -> EngineSet:
-        """The engines this rank's sender feeds: all of them, or per node those at this node's address."""
-        if self.replicas_per_node is None:
+        """The engines this rank's sender feeds: all of them, or per node those of `feeds`."""
+        if self.grid is None:
             return self.engines
         if self._node_engines is None:
-            urls = engines_of_node(self.engine_urls, self.node_host)
-            self._node_engines = EngineSet(urls, self.timeouts)
+            self._node_engines = EngineSet(self.feeds.all, self.timeouts)
         return self._node_engines
 
     def transport(self, device: torch.device, pp_rank: int):
         if self._transport is None:
-            self._transport = build_transport(self.transport_kind, self.push_engines, engine_kind=self.engine_kind,
-                                              engine_tp_size=self.engine_tp_size, timeout_s=self.group_deadline_s,
-                                              device=device, pp_rank=pp_rank, delta=self.delta)
+            self._transport = (self._node_split_transport(device, pp_rank) if self.grid is not None else
+                               self._build(self.transport_kind, self.push_engines, device, pp_rank))
         return self._transport
+
+    def _build(self, kind: str, engines: EngineSet, device: torch.device, pp_rank: int):
+        return build_transport(kind, engines, engine_kind=self.engine_kind, engine_tp_size=self.engine_tp_size,
+                               timeout_s=self.group_deadline_s, device=device, pp_rank=pp_rank, delta=self.delta)
+
+    def _node_split_transport(self, device: torch.device, pp_rank: int) -> NodeSplitTransport:
+        """This node's engines by tensor; the other nodes' it feeds over its stage's weight-update group."""
+        local = EngineSet(self.feeds.local, self.timeouts)
+        self._split_engines.append(local)
+        remote = None
+        if self.feeds.remote:
+            remote_engines = EngineSet(self.feeds.remote, self.timeouts)
+            self._split_engines.append(remote_engines)
+            remote = self._build("distributed", remote_engines, device, pp_rank)
+        return NodeSplitTransport(TensorTransport(local, self.engine_kind, self.engine_tp_size), remote)
 
     def sync(self, model_chunks: Sequence[torch.nn.Module], rollout_id: int, *, fence: Callable[..., None],
              watchdog: Any = None, read_param: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -330,7 +362,8 @@ class WeightSync:
         `read_param` gives a parameter's current value (a sleeping trainer serves it from its host copy)."""
         start = time.perf_counter()
         version = str(rollout_id + 1)
-        role = SyncRole.current(self.replicas_per_node)
+        role = SyncRole.current(self.grid)
+        self._rank = role.world_rank
         phase = _phase_factory(watchdog)
         ledger = getattr(fence, "ledger", None)
 
@@ -406,7 +439,10 @@ class WeightSync:
         return result
 
     def stages_in_order(self, role: SyncRole) -> bool:
-        return self.transport_kind == "distributed" and role.pp_size > 1
+        """PP stages push one after another where engines receive over weight-update groups: separate engines,
+        or colocated across nodes with stages that some node does not hold. A function of the flags alone."""
+        groups = self.transport_kind == "distributed" or (self.grid is not None and self.grid.stages_span_nodes)
+        return groups and role.pp_size > 1
 
     def _push_stages_in_order(self, model_chunks, plan: WeightSyncPlan, role: SyncRole, version: str, phase,
                               ledger, read_param, select, fence, rollout_id: int) -> _PushResult:
@@ -490,6 +526,10 @@ class WeightSync:
         if self._node_engines is not None:
             self._node_engines.close()
             self._node_engines = None
+        for engines in self._split_engines:
+            engines.close()
+        self._split_engines.clear()
+        self._feeds = None  # retarget: the engines may have moved
 
     def retarget(self, engine_urls: Sequence[str]) -> None:
         """Aim the next syncs at these engines (some were restarted elsewhere): connections are rebuilt."""
@@ -499,25 +539,6 @@ class WeightSync:
 
 
 # ----------------------------------------------------------------------------- helpers
-def node_replica_count(args: Any) -> int | None:
-    """DP replicas on each node when `--colocate` spans nodes (each node feeds its own engines), else None."""
-    if not (getattr(args, "colocate", False) and getattr(args, "actor_num_nodes", 1) > 1):
-        return None
-    replica = args.tensor_model_parallel_size * args.context_parallel_size * args.pipeline_model_parallel_size
-    return args.actor_num_gpus_per_node // replica
-
-
-def engines_of_node(engine_urls: Sequence[str], node_host: str | None) -> tuple[str, ...]:
-    """The engines listening at this node's address: an engine's URL carries its node's address."""
-    if not node_host:
-        raise ValueError("colocated across nodes, a sender must know its node's address to find its engines")
-    mine = tuple(url for url in engine_urls if urlparse(url).hostname == node_host.strip("[]"))
-    if not mine:
-        raise ValueError(f"no engine listens at this node's address {node_host} (engines: {list(engine_urls)}); "
-                         "colocated engines must run on every node that holds trainer ranks")
-    return mine
-
-
 def _phase_factory(watchdog: Any) -> Callable[..., Any]:
     def phase(name: str, deadline_s: float | None = None):
         if watchdog is None:

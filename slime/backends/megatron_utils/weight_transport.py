@@ -15,6 +15,9 @@ Chosen once at start (`choose_transport`), as upstream slime does:
                (NCCL on GPUs, gloo for the embedded engine on CPU: the same protocol). One group per PP
                stage; the group's creation and each broadcast have a deadline, and a stall there ends as a
                WeightGroupStallError naming the stage and the engines that did not answer.
+  node_split   `--colocate` across nodes with PP stages spanning nodes: a node sender feeds its node's engines
+               by tensor and, over its stage's weight-update group, the engines of nodes that hold none of
+               its stage (node_routes.py says which).
 Every push sits inside a weight-update session (`/begin_weight_update` ... `/end_weight_update`) on
 engines that have one (SGLang >= 0.5.21, the embedded engine); an engine answering 404 needs none.
 
@@ -307,6 +310,37 @@ class DistributedTransport:
                     logger.warning("weight-update group: %s did not leave it: %s", client.base_url, exc)
         finally:
             group.close()
+
+
+class NodeSplitTransport:
+    """Colocated across nodes, a node sender's two halves: its node's engines by tensor, and the engines of its
+    share of the nodes holding none of its PP stage over the stage's weight-update group (node_routes.py)."""
+
+    name = "node_split"
+
+    def __init__(self, local: TensorTransport, remote: DistributedTransport | None) -> None:
+        self.local = local
+        self.remote = remote
+
+    @property
+    def connected(self) -> bool:
+        return self.remote is None or self.remote.connected
+
+    def connect(self) -> None:
+        if self.remote is not None:
+            self.remote.connect()
+
+    def send(self, index: int, tensors: NamedTensors, *, version: str | None, flush_cache: bool) -> None:
+        self.local.send(index, tensors, version=version, flush_cache=flush_cache)
+        if self.remote is not None:
+            self.remote.send(index, tensors, version=version, flush_cache=flush_cache)
+
+    def close(self) -> None:
+        try:
+            self.local.close()
+        finally:
+            if self.remote is not None:
+                self.remote.close()
 
 
 @dataclass(frozen=True)

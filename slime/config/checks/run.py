@@ -86,8 +86,9 @@ def resolve_modes(args: argparse.Namespace) -> None:
 
 def check_colocate_across_nodes(args: argparse.Namespace) -> None:
     """Colocated engines take their weights from trainer ranks of their own node (CUDA IPC or shared
-    memory), so every engine lies within one node and every node holds whole model replicas (the
-    ranks that export the weights its engines need)."""
+    memory), so every engine lies within one node and every TP group too (a node's TP group exports the PP
+    stage it holds; a stage a node does not hold reaches its engines over a weight-update group:
+    backends/megatron_utils/node_routes.py)."""
     per_node, per_engine = args.actor_num_gpus_per_node, args.rollout_num_gpus_per_engine
     where = f"--colocate over --actor-num-nodes {args.actor_num_nodes} x --actor-num-gpus-per-node {per_node}"
     if per_node % per_engine:
@@ -98,12 +99,11 @@ def check_colocate_across_nodes(args: argparse.Namespace) -> None:
     if args.rollout_num_gpus != total:
         fail(f"{where}: --rollout-num-gpus {args.rollout_num_gpus} must be the trainer's {total} GPUs (every "
              "node's engines are fed by that node's ranks); leave it unset")
-    pp, ep = args.pipeline_model_parallel_size, args.expert_model_parallel_size
-    replica = args.tensor_model_parallel_size * args.context_parallel_size
-    if pp > 1 or ep > 1 or per_node % replica:
-        fail(f"{where}: each node must hold whole model replicas, so that its ranks export every weight its "
-             f"engines need: --pipeline-model-parallel-size {pp} and --expert-model-parallel-size {ep} must be 1 "
-             f"and TP x CP = {replica} must divide {per_node}; drop --colocate to push to separate engines")
+    tp = args.tensor_model_parallel_size
+    if per_node % tp:
+        fail(f"{where}: --tensor-model-parallel-size {tp} must divide the node's {per_node} GPUs, so that every "
+             "TP group (the ranks that export a PP stage together) lies within one node; drop --colocate to "
+             "push to separate engines")
 
 
 def check_ledger(args: argparse.Namespace) -> None:

@@ -202,9 +202,10 @@ def check_disjoint(layout: Layout) -> None:
                              "with --rollout-num-gpus")
 
 
-def check_colocated_nodes(layout: Layout, gpus_per_node: int) -> None:
+def check_colocated_nodes(layout: Layout, gpus_per_node: int) -> tuple[str, ...]:
     """Colocated across nodes: node n holds trainer ranks n*G .. n*G+G-1 (the ranks that feed its engines) at
-    an address of its own (each engine's weights come from the node at its URL's address)."""
+    an address of its own (each engine's weights come from the node at its URL's address). Returns the nodes'
+    addresses by node index."""
     bundles = layout.actor_bundles
     blocks = [bundles[i:i + gpus_per_node] for i in range(0, len(bundles), gpus_per_node)]
     for n, block in enumerate(blocks):
@@ -217,6 +218,7 @@ def check_colocated_nodes(layout: Layout, gpus_per_node: int) -> None:
     if len(set(addresses)) != len(addresses):
         raise PlacementError(f"--colocate across nodes routes each engine's weights by its node's address, but "
                              f"nodes share addresses {addresses}: set SLIME_HOST_IP on each node before `ray start`")
+    return tuple(addresses)
 
 
 def node_count(layout: Layout, driver_node_id: str) -> int:
@@ -336,7 +338,8 @@ def create_placement(args, *, use_gpu: bool | None = None, timeout_s: float = PL
                          gpus_per_engine=args.rollout_num_gpus_per_engine, colocate=args.colocate,
                          critic_ranks=critic_ranks(args))
     if args.colocate and args.actor_num_nodes > 1 and not args.debug_rollout_only:
-        check_colocated_nodes(layout, args.actor_num_gpus_per_node)
+        # read by every rank's weight sync: where the nodes that lack a PP stage are (node_routes.py)
+        args.colocated_node_hosts = check_colocated_nodes(layout, args.actor_num_gpus_per_node)
     driver_node = ray.get_runtime_context().get_node_id()
     check_engine_bind_host(args.engine_bind_host, layout, driver_node)
     # Read by every server the run starts (engines, router, rendezvous): loopback on one node.
