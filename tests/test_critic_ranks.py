@@ -2,7 +2,8 @@
 its provider (value head before the DDP wrap), loaded from an HF token-classification checkpoint, gives transformers'
 values on every response token (CP zig-zag slices gathered as the log-probs are); then critic steps with the
 clipped value loss (train_one_step with the critic's objective) drive the values towards the returns; the trained
-critic saved and loaded into a fresh one gives the same values and the same next step."""
+critic saved and loaded into a fresh one gives the same values and the same next step. With --enable-lora (TP2 x SP),
+the critic the driver's flags build trains its adapters and value head only, and resumes them exactly."""
 from __future__ import annotations
 
 import copy
