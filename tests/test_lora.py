@@ -3,7 +3,8 @@ log-probs, loss, gradients and merged weights; the optimizer holds the adapters 
 the trainer computes (a transformers model loaded with it gives the trainer's log-probs); adapters resume
 exactly; the push after the first sends the adapted layers only. On routed MoE experts: EP2 (sequential experts)
 gives EP1's (grouped experts) step, and the merged export is W + alpha/r B A per expert. Bad LoRA flags fail
-before Ray starts."""
+before Ray starts; under PPO the critic's flags give it the same adapters and a value head trained in full (its
+step: test_critic_ranks.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 
 from arg_testing import no_real_sglang, parse_error, parse_quiet  # noqa: F401 (fixture)
 from mp_utils import run_ranks
+from slime.backends.megatron_utils.critic_role import VALUE_HEAD_PARAM, critic_args
 from slime.utils.arguments import parse_args
 from tiny_models import save_tiny_qwen3, save_tiny_qwen3_moe
 from train_step_harness import make_rollout
@@ -393,8 +395,6 @@ def test_lora_on_experts_is_checked_and_a_critic_gets_adapters_before_ray(tmp_pa
     assert parsed.enable_lora and parsed.expert_tensor_parallel_size == 1
     assert parse_quiet(minimal + tp2 + ["--lora-target-modules", "linear_qkv", "linear_proj"]).enable_lora
     # the PPO critic gets the actor's adapters, its value head trained in full beside them (and beside the list's)
-    from slime.backends.megatron_utils.critic_role import VALUE_HEAD_PARAM, critic_args
-
     ppo = minimal + ["--advantage-estimator", "ppo", "--critic-load", hf_dir, "--lora-rank", "4"]
     critic = critic_args(parse_quiet(ppo))
     assert critic.enable_lora and critic.lora_rank == 4 and critic.only_train_params_name_list == [VALUE_HEAD_PARAM]
