@@ -25,10 +25,11 @@ MIN_RISE = 0.25
 AGREEMENT = 1e-4
 
 
-def run_demo_script(script: str, out: Path, timeout_s: float, extra: tuple[str, ...] = ()) -> dict:
+def run_demo_script(script: str, out: Path, timeout_s: float, extra: tuple[str, ...] = (),
+                    env_extra: dict[str, str] | None = None) -> dict:
     """examples/<script> as users run it, NUM_ROLLOUTS rollouts into `out` (`extra`: more train.py flags, later
-    flags win): its stdout and metrics events."""
-    env = train_env({"OUT": str(out), "NUM_ROLLOUT": str(NUM_ROLLOUTS), "PY": sys.executable})
+    flags win; `env_extra`: more environment, e.g. train_runs.PRIVATE_CLUSTER): its stdout and metrics events."""
+    env = train_env({"OUT": str(out), "NUM_ROLLOUT": str(NUM_ROLLOUTS), "PY": sys.executable, **(env_extra or {})})
     proc = subprocess.run(["bash", str(ROOT / "examples" / script), *extra], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout_s)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

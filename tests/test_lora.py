@@ -3,7 +3,8 @@ log-probs, loss, gradients and merged weights; the optimizer holds the adapters 
 the trainer computes (a transformers model loaded with it gives the trainer's log-probs); adapters resume
 exactly; the push after the first sends the adapted layers only. On routed MoE experts: EP2 (sequential experts)
 gives EP1's (grouped experts) step, and the merged export is W + alpha/r B A per expert. Bad LoRA flags fail
-before Ray starts."""
+before Ray starts; under PPO the critic's flags give it the same adapters and a value head trained in full (its
+step: test_critic_ranks.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import torch
 
 from arg_testing import no_real_sglang, parse_error, parse_quiet  # noqa: F401 (fixture)
 from mp_utils import run_ranks
+from slime.backends.megatron_utils.critic_role import VALUE_HEAD_PARAM, critic_args
+from slime.utils.arguments import parse_args
 from tiny_models import save_tiny_qwen3, save_tiny_qwen3_moe
 from train_step_harness import make_rollout
 
@@ -373,9 +376,11 @@ def test_lora_flags_are_checked_before_ray(tmp_path, capsys):
     assert "--lora-rank 65 is above the width of linear_fc1 (64" in err
     assert parse_quiet(minimal + ["--enable-lora", "--lora-rank", "64"]).lora_rank == 64
     assert not parse_quiet(minimal + ["--lora-rank", "1000"]).enable_lora  # LoRA off: its flags are not checked
+    with pytest.warns(UserWarning, match="--freeze-params-name-list has no effect with --enable-lora"):
+        parse_args(minimal + ["--enable-lora", "--freeze-params-name-list", "embedding"])
 
 
-def test_lora_on_experts_and_with_a_critic_is_checked_before_ray(tmp_path, capsys):
+def test_lora_on_experts_is_checked_and_a_critic_gets_adapters_before_ray(tmp_path, capsys):
     hf_dir = save_tiny_qwen3_moe(str(tmp_path / "moe"))  # hidden 64, routed experts' ffn 32
     (tmp_path / "p.jsonl").write_text('{"input": "1"}\n')
     minimal = ["--rollout-batch-size", "2", "--num-rollout", "1", "--actor-num-gpus-per-node", "2",
@@ -389,5 +394,13 @@ def test_lora_on_experts_and_with_a_critic_is_checked_before_ray(tmp_path, capsy
     parsed = parse_quiet(minimal + tp2 + ["--lora-rank", "4", "--expert-tensor-parallel-size", "1"])
     assert parsed.enable_lora and parsed.expert_tensor_parallel_size == 1
     assert parse_quiet(minimal + tp2 + ["--lora-target-modules", "linear_qkv", "linear_proj"]).enable_lora
-    err = parse_error(minimal + ["--advantage-estimator", "ppo", "--critic-load", hf_dir], capsys)
-    assert "--enable-lora with --advantage-estimator ppo is not supported" in err and "grpo" in err
+    # the PPO critic gets the actor's adapters, its value head trained in full beside them (and beside the list's)
+    ppo = minimal + ["--advantage-estimator", "ppo", "--critic-load", hf_dir, "--lora-rank", "4"]
+    critic = critic_args(parse_quiet(ppo))
+    assert critic.enable_lora and critic.lora_rank == 4 and critic.only_train_params_name_list == [VALUE_HEAD_PARAM]
+    critic = critic_args(parse_quiet(ppo + ["--only-train-params-name-list", "embedding"]))
+    assert critic.only_train_params_name_list == ["embedding", VALUE_HEAD_PARAM]
+    full = [flag for flag in ppo if flag != "--enable-lora"]  # without LoRA the head trains as everything does
+    assert critic_args(parse_quiet(full)).only_train_params_name_list is None
+    assert critic_args(parse_quiet(full + ["--only-train-params-name-list", "embedding"])
+                       ).only_train_params_name_list == ["embedding", VALUE_HEAD_PARAM]

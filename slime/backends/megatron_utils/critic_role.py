@@ -8,6 +8,9 @@ import os
 
 CRITIC_ROLE = "critic"
 VALUE_MODEL_PROVIDER = "slime.backends.megatron_utils.value_head.value_model_provider"
+VALUE_HEAD_PARAM = r"^output_layer\.weight$"
+"""The value head's megatron name (value_head.attach_value_head puts it in the vocabulary head's place), as a
+--only-train-params-name-list pattern."""
 
 
 def critic_resume_dir(args) -> str | None:
@@ -29,10 +32,11 @@ def critic_args(args) -> argparse.Namespace:
     """The critic's view of the run's flags: its learning rate, checkpoints and model, and its own layout,
     optimizer and batching from --megatron-config-path (checked by slime/config/checks/roles.py); no reference,
     teacher, KL term or HF export (those are the actor's)."""
+    role = {**vars(args), **getattr(args, "critic_overrides", {})}
     return argparse.Namespace(**{
-        **vars(args),
-        **getattr(args, "critic_overrides", {}),
+        **role,
         "role": CRITIC_ROLE,
+        "only_train_params_name_list": _value_head_trained(role),
         "lr": args.critic_lr if args.critic_lr is not None else args.lr,
         "lr_warmup_iters": (args.critic_lr_warmup_iters if args.critic_lr_warmup_iters is not None
                             else args.lr_warmup_iters),
@@ -45,3 +49,12 @@ def critic_args(args) -> argparse.Namespace:
         "rollout_data_postprocess_path": None, "custom_advantage_function_path": None,
         "save_debug_train_data": None,
     })
+
+
+def _value_head_trained(role: dict) -> list[str] | None:
+    """The critic's --only-train-params-name-list: its value head always trains, beside LoRA's adapters (the base
+    frozen) or beside what the run's list names; None (everything trains) when neither freezes anything."""
+    names = role.get("only_train_params_name_list")
+    if not names and not role.get("enable_lora"):
+        return names
+    return [*(names or ()), VALUE_HEAD_PARAM]

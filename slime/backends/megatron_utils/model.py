@@ -564,10 +564,11 @@ def build_model_and_optimizer(args: Namespace, hf_config: Any):
     flags = with_defaults(args, MODEL_FLAGS)  # args itself goes to the model providers
     fused_kernels.configure(fused_kernel_impl(flags))
     chunks = _build_model_chunks(args, hf_config)
-    freeze_parameters(chunks, flags.only_train_params_name_list, flags.freeze_params_name_list)
-    if flags.enable_lora:  # after the freeze lists: LoRA freezes the base but --only-train-params-name-list
+    if flags.enable_lora:  # LoRA freezes the base but --only-train-params-name-list (a PP stage may hold none)
         for chunk in chunks:
             apply_lora(chunk, lora_config(flags), train_in_full=tuple(flags.only_train_params_name_list or ()))
+    else:
+        freeze_parameters(chunks, flags.only_train_params_name_list, flags.freeze_params_name_list)
     model = _wrap_ddp(flags, chunks)
     optimizer = get_megatron_optimizer(_optimizer_config(flags, chunks[0].config), model)
     if fused_adam_chosen(_parameter_device(chunks)):

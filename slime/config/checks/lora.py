@@ -1,12 +1,12 @@
 """Checks of the LoRA flags against the HF config, before Ray starts: every target names a linear layer the model
-builder builds, the rank fits each target layer's width (a routed expert's too), and the layout and objective are
-ones LoRA serves."""
+builder builds, the rank fits each target layer's width (a routed expert's too), and the expert layout is one LoRA
+serves. Under --advantage-estimator ppo the critic gets the same adapters (critic_role.critic_args)."""
 
 from __future__ import annotations
 
 import argparse
+import warnings
 
-from slime.config.constants import ADVANTAGE_ESTIMATORS
 from slime.config.errors import fail
 from slime.config.flags.training import LORA_TARGET_MODULES
 
@@ -18,12 +18,9 @@ def check_lora_flags(args: argparse.Namespace) -> None:
         fail(f"--lora-rank {args.lora_rank}: the adapter rank must be positive")
     if not 0.0 <= args.lora_dropout < 1.0:
         fail(f"--lora-dropout {args.lora_dropout}: a dropout probability in [0, 1)")
-    if getattr(args, "advantage_estimator", None) == "ppo":
-        actor_only = ", ".join(e for e in ADVANTAGE_ESTIMATORS if e != "ppo")
-        fail("--enable-lora with --advantage-estimator ppo is not supported: LoRA adapts the actor only (as "
-             "upstream's LoRA, which serves actor-only GRPO-style training), while the critic is built by the same "
-             "model builder with a value head that must train in full; drop --enable-lora to train both in full, "
-             f"or pick an estimator without a critic ({actor_only})")
+    if args.freeze_params_name_list:
+        warnings.warn("--freeze-params-name-list has no effect with --enable-lora: LoRA freezes every base parameter "
+                      "(--only-train-params-name-list names those to train in full beside the adapters)", stacklevel=2)
     unknown = [t for t in args.lora_target_modules if t not in LORA_TARGET_MODULES]
     if unknown:
         fail(f"--lora-target-modules {' '.join(unknown)} names no module LoRA adapts; pick from "

@@ -37,7 +37,8 @@ def add_megatron_training_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--overlap-cpu-optimizer-d2h-h2d", action="store_true", default=False,
                    help="overlap the CPU optimizer's copies")
     g.add_argument("--only-train-params-name-list", type=str, nargs="*", default=None,
-                   help="regexes of parameter names to train; every other parameter is frozen")
+                   help="regexes of parameter names to train; every other parameter is frozen (with "
+                        "--enable-lora: trained in full beside the adapters; the critic's value head always trains)")
     g.add_argument("--freeze-params-name-list", type=str, nargs="*", default=None,
                    help="regexes of parameter names to freeze")
     g.add_argument("--recompute-loss-function", action="store_true", default=False,
@@ -57,7 +58,8 @@ def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("LoRA", "low-rank adapters on the tensor-parallel linear layers; the base is frozen")
     g.add_argument("--enable-lora", action="store_true", default=False,
                    help="train LoRA adapters only (the base weights are frozen and hold no optimizer state); the "
-                        "engines are served the merged weights W + alpha/rank * B @ A")
+                        "engines are served the merged weights W + alpha/rank * B @ A. Under --advantage-estimator "
+                        "ppo the critic gets the same adapters, its value head trained in full beside them")
     g.add_argument("--lora-target-modules", type=str, nargs="+", default=list(LORA_TARGET_MODULES),
                    help=f"megatron linear layers that get an adapter (of {', '.join(LORA_TARGET_MODULES)}; "
                         "linear_fc1/linear_fc2 include each routed expert's)")
