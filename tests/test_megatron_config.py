@@ -119,7 +119,7 @@ def test_an_actor_entry_alone_needs_no_critic(tmp_path):
     path = _roles(tmp_path, _entry("actor", tensor_model_parallel_size=2, lr=1e-6))
     args = parse_quiet(_argv(tmp_path, "--megatron-config-path", path, ppo=False))
     assert (args.tensor_model_parallel_size, args.data_parallel_size, args.lr) == (2, 2, 1e-6)
-    assert args.critic_lr is None and not hasattr(args, "critic_overrides")
+    assert args.critic_lr is None and args.critic_overrides == {}
 
 
 # ---------------------------------------------------------------------------------------- the critic's own rank

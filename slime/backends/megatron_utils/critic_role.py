@@ -31,7 +31,7 @@ def critic_args(args) -> argparse.Namespace:
     teacher, KL term or HF export (those are the actor's)."""
     return argparse.Namespace(**{
         **vars(args),
-        **getattr(args, "critic_overrides", {}),
+        **args.critic_overrides,
         "role": CRITIC_ROLE,
         "lr": args.critic_lr if args.critic_lr is not None else args.lr,
         "lr_warmup_iters": (args.critic_lr_warmup_iters if args.critic_lr_warmup_iters is not None

@@ -294,7 +294,8 @@ class WeightSync:
         self._engines: EngineSet | None = None
         self._transport = None
         self.replicas_per_node = node_replica_count(args)
-        self.node_host = getattr(args, "node_host", None)  # this rank's node address (its Ray actor sets it)
+        # this rank's node address, set by its Ray actor: read only where the run is colocated across nodes
+        self.node_host = args.node_host if self.replicas_per_node is not None else None
         self._node_engines: EngineSet | None = None
         self.select = select
         self._full_push_due = True
@@ -501,7 +502,7 @@ class WeightSync:
 # ----------------------------------------------------------------------------- helpers
 def node_replica_count(args: Any) -> int | None:
     """DP replicas on each node when `--colocate` spans nodes (each node feeds its own engines), else None."""
-    if not (getattr(args, "colocate", False) and getattr(args, "actor_num_nodes", 1) > 1):
+    if not (args.colocate and args.actor_num_nodes > 1):
         return None
     replica = args.tensor_model_parallel_size * args.context_parallel_size * args.pipeline_model_parallel_size
     return args.actor_num_gpus_per_node // replica
