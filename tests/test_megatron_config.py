@@ -18,7 +18,7 @@ import yaml
 
 from arg_testing import parse_error, parse_quiet
 from mp_utils import run_ranks
-from slime.backends.megatron_utils.critic_role import critic_args
+from slime.config.critic_role import critic_args
 
 QWEN3 = dict(model_type="qwen3", num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=128, vocab_size=32)

@@ -13,6 +13,7 @@ from slime.config.checks.linear_attention import check_linear_attention
 from slime.config.checks.lora import check_lora_against_config
 from slime.config.checks.model import check_pipeline_layers
 from slime.config.constants import DEFAULT_DATA_SOURCE_PATH, DEFAULT_ROLLOUT_FUNCTION_PATH
+from slime.config.critic_role import critic_resume_dir
 from slime.config.errors import fail, flag_name, require_path
 from slime.models import family as model_family
 from slime.models import supported_model_types
@@ -79,8 +80,6 @@ CRITIC_ARCH_KEYS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "
 def check_critic_checkpoint(args: argparse.Namespace) -> None:
     """--advantage-estimator ppo: the critic has weights to start from (--critic-load, or its checkpoint under
     --load), and an HF --critic-load has the actor's architecture."""
-    from slime.backends.megatron_utils.critic_role import critic_resume_dir
-
     if critic_resume_dir(args) is not None:
         return  # a critic checkpoint saved by a ppo run of this architecture
     if args.critic_load is None:

@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import ray
 
+from slime.config.critic_role import critic_args
 from slime.config.layout import critic_world_size
 from slime.distributed.progress_hub import HubClient, RayHub, start_hub
 from slime.ray.driver.cluster import worker_env
@@ -54,8 +55,6 @@ class RayTrainGroup:
         self.world_size = critic_world_size(args) if role == "critic" else actor_world_size(args)
         self.ledger_dir = args.ledger_dir or resolve_ledger_dir(args)
         if role == "critic":
-            from slime.backends.megatron_utils.critic_role import critic_args
-
             args = critic_args(args)
             self.ledger_dir = os.path.join(self.ledger_dir, role)
             os.makedirs(self.ledger_dir, exist_ok=True)
