@@ -31,10 +31,9 @@ def launch_missing_flags(args: argparse.Namespace) -> list[str]:
     if not args.hf_checkpoint:
         missing.append("--hf-checkpoint DIR is required: the Hugging Face checkpoint (config.json and tokenizer) "
                        "the trainer builds its model from and the engines serve")
-    reads_prompts = (getattr(args, "data_source_path", DEFAULT_DATA_SOURCE_PATH) == DEFAULT_DATA_SOURCE_PATH
-                     and getattr(args, "rollout_function_path", None) == DEFAULT_ROLLOUT_FUNCTION_PATH
-                     and not getattr(args, "debug_train_only", False))
-    if reads_prompts and not getattr(args, "prompt_data", None):
+    reads_prompts = (args.data_source_path == DEFAULT_DATA_SOURCE_PATH
+                     and args.rollout_function_path == DEFAULT_ROLLOUT_FUNCTION_PATH and not args.debug_train_only)
+    if reads_prompts and not args.prompt_data:
         missing.append("--prompt-data FILE is required: the prompts (JSONL or parquet) the default rollout "
                        "generates from")
     return missing

@@ -119,8 +119,7 @@ def check_parallel_layout(args: argparse.Namespace) -> None:
 def critic_counts(args: Any) -> tuple[int, int]:
     """The critic's (nodes, GPUs per node) with --advantage-estimator ppo: --critic-num-nodes and
     --critic-num-gpus-per-node, each the actor's when not given."""
-    nodes = getattr(args, "critic_num_nodes", None)
-    per_node = getattr(args, "critic_num_gpus_per_node", None)
+    nodes, per_node = args.critic_num_nodes, args.critic_num_gpus_per_node
     return (args.actor_num_nodes if nodes is None else nodes,
             args.actor_num_gpus_per_node if per_node is None else per_node)
 

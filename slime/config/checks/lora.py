@@ -18,7 +18,7 @@ def check_lora_flags(args: argparse.Namespace) -> None:
         fail(f"--lora-rank {args.lora_rank}: the adapter rank must be positive")
     if not 0.0 <= args.lora_dropout < 1.0:
         fail(f"--lora-dropout {args.lora_dropout}: a dropout probability in [0, 1)")
-    if getattr(args, "advantage_estimator", None) == "ppo":
+    if args.advantage_estimator == "ppo":
         actor_only = ", ".join(e for e in ADVANTAGE_ESTIMATORS if e != "ppo")
         fail("--enable-lora with --advantage-estimator ppo is not supported: LoRA adapts the actor only (as "
              "upstream's LoRA, which serves actor-only GRPO-style training), while the critic is built by the same "
