@@ -144,9 +144,9 @@ def main(argv: list[str] | None = None) -> None:
 
         checkpoint = str(write_tiny_checkpoint(workdir / "tiny-qwen3"))
     use_key(ApiKey.generate())
-    launch_args = types.SimpleNamespace(seed=1, embedded_engine_num_threads=1, fence_timeout=300.0)
+    launch_args = types.SimpleNamespace(seed=1, fence_timeout=300.0)
     handles = [launch_engine("embedded", launch_args, i, 0, checkpoint, startup_timeout_s=600,
-                             log_dir=str(workdir / "logs")) for i in range(opts.engines)]
+                             log_dir=str(workdir / "logs"), num_threads=1) for i in range(opts.engines)]
     engines = EngineSet(tuple(h.url for h in handles), ClientTimeouts(weight_update=600.0))
     try:
         results = {name: run_dtype(dtype, opts, engines, checkpoint)

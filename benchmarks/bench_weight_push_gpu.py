@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     buckets = [[(n, by_name[n]) for n in bucket.hf_names] for bucket in plan]
     use_key(ApiKey.generate())
     args = types.SimpleNamespace(seed=1, bf16=True, fence_timeout=300.0, update_weight_buffer_size=opts.bucket_bytes,
-                                 train_backend_device="auto" if on_gpu else "cpu")
+                                 train_backend_device="auto" if on_gpu else "cpu", sglang_server_args={})
     workdir = Path(tempfile.mkdtemp(prefix="bench-push-gpu-"))
     handle = launch_engine("embedded", args, 0, 0, opts.checkpoint, gpu_ids=[0] if on_gpu else None,
                            startup_timeout_s=300,

@@ -132,10 +132,10 @@ def main(argv: list[str] | None = None) -> None:
         checkpoint = str(write_tiny_checkpoint(workdir / "tiny-qwen3"))
     named, export_s = exported_weights(checkpoint)
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
-    launch_args = types.SimpleNamespace(seed=1, embedded_engine_num_threads=1, fence_timeout=120.0)
+    launch_args = types.SimpleNamespace(seed=1, fence_timeout=120.0)
     use_key(ApiKey.generate())  # the engines require it; every push sends it
     handles = [launch_engine("embedded", launch_args, i, 0, checkpoint, startup_timeout_s=600,
-                             log_dir=str(workdir / "logs")) for i in range(opts.engines)]
+                             log_dir=str(workdir / "logs"), num_threads=1) for i in range(opts.engines)]
     engines = EngineSet(tuple(h.url for h in handles), ClientTimeouts(weight_update=600.0))
     transports = {"shm": TensorTransport(engines, "embedded", 1),
                   "distributed": DistributedTransport(engines, 1, backend="gloo", timeout_s=120.0)}

@@ -175,7 +175,8 @@ def run_loop(monkeypatch, rollout_options=None, log=None, **flags):
     defaults = dict(load=None, num_rollout=3, num_epoch=None, rollout_batch_size=4, debug_rollout_only=False,
                     debug_train_only=False, offload_train=False, offload_rollout=False, colocate=False,
                     rollout_num_gpus=2, update_weights_interval=1, eval_interval=None, eval_prompt_data=None,
-                    save=None, save_interval=None, start_rollout_id=None, ledger_dir=tempfile.gettempdir(), verbose=False)
+                    save=None, save_interval=None, start_rollout_id=None, ledger_dir=tempfile.gettempdir(), verbose=False,
+                    use_critic=False, restart_count=0)
     args = defaults_namespace(**{**defaults, **flags})
     try:
         train_async.train(args)

@@ -99,7 +99,7 @@ def run_loop(monkeypatch, **flags) -> list[str]:
                     debug_train_only=False, offload_train=True, offload_rollout=True, eval_interval=None,
                     eval_prompt_data=None, save=None, save_interval=None, metrics_jsonl=None, use_wandb=False,
                     use_tensorboard=False, tensorboard_dir=None, start_rollout_id=None,
-                    ledger_dir=tempfile.gettempdir(), verbose=False)
+                    ledger_dir=tempfile.gettempdir(), verbose=False, use_critic=False, restart_count=0)
     train_module.train(defaults_namespace(**{**defaults, **flags}))
     return log.calls
 

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from arg_testing import parse_error, parse_quiet
-from slime.backends.megatron_utils.critic_role import critic_args, critic_resume_dir, critic_save_dir
+from slime.config.critic_role import critic_args, critic_resume_dir, critic_save_dir
 from slime.utils.arguments import ArgumentValidationError, check_launch_inputs
 
 BASE = ["--rollout-batch-size", "2", "--num-rollout", "3", "--actor-num-gpus-per-node", "1",

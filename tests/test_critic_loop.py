@@ -61,7 +61,8 @@ def run_ppo_loop(monkeypatch, **flags) -> list[str]:
                     debug_train_only=False, offload_train=True, offload_rollout=True, eval_interval=None,
                     eval_prompt_data=None, save="/tmp/ckpt", save_interval=2, metrics_jsonl=None, use_wandb=False,
                     use_tensorboard=False, tensorboard_dir=None, start_rollout_id=None,
-                    ledger_dir=tempfile.gettempdir(), verbose=False, use_critic=True, num_critic_only_steps=1)
+                    ledger_dir=tempfile.gettempdir(), verbose=False, use_critic=True, num_critic_only_steps=1,
+                    restart_count=0)
     train_module.train(defaults_namespace(**{**defaults, **flags}))
     return log.calls
 
@@ -118,7 +119,7 @@ def test_train_async_hands_the_critics_values_to_both_roles_while_the_next_rollo
         debug_train_only=False, offload_train=False, offload_rollout=False, colocate=False, rollout_num_gpus=2,
         update_weights_interval=1, eval_interval=None, eval_prompt_data=None, save="/tmp/ckpt", save_interval=2,
         start_rollout_id=None, ledger_dir=tempfile.gettempdir(), verbose=False, use_critic=True,
-        num_critic_only_steps=1))
+        num_critic_only_steps=1, restart_count=0))
     trained = [line for line in log if " values " in line or " train " in line or " save " in line]
     assert trained == [
         "critic values 0", "critic train 0 with [{'values': [[0.0]]}]",  # critic only: the actor waits

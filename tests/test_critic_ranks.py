@@ -111,12 +111,12 @@ LORA_LAYOUT = dict(tensor_model_parallel_size=2, sequence_parallel=True)
 
 def _lora_critic_args():
     """The critic's flags as the driver derives them (critic_role.critic_args) from a LoRA run's."""
-    from slime.backends.megatron_utils.critic_role import critic_args
+    from slime.config.critic_role import critic_args
     from test_lora import LORA
 
     run = layout_args({**LORA_LAYOUT, **LORA}, value_clip=100.0, clip_grad=10.0, lr=3e-4, critic_lr=None,
                       lr_warmup_iters=0, critic_lr_warmup_iters=None, critic_load=None, critic_save=None, load=None,
-                      save=None, only_train_params_name_list=None)
+                      save=None, only_train_params_name_list=None, critic_overrides={})
     return critic_args(run)
 
 
@@ -160,7 +160,7 @@ def test_a_lora_critic_trains_its_adapters_and_its_value_head_only(critic_checkp
     on the actor's target modules and its value head trainable and in its optimizer, nothing else; two critic
     steps move exactly those (the head and B in the first, A in the second) and lower the value loss; saved and
     loaded into a fresh LoRA critic (--save/--load: <save>/critic), it gives the same values and next step."""
-    from slime.backends.megatron_utils.critic_role import VALUE_HEAD_PARAM
+    from slime.config.critic_role import VALUE_HEAD_PARAM
 
     hf_dir, reference = critic_checkpoint
     data = make_rollout(num_samples=4, vocab=reference.config.vocab_size)

@@ -4,6 +4,7 @@ import pytest
 
 from rollout_testing import write_jsonl, write_tokenizer
 from slime.config import defaults_namespace
+from slime.rollout.eval_config import EvalDatasetSpec
 from slime.rollout.data_source import (
     RolloutDataSource,
     RolloutDataSourceWithBuffer,
@@ -206,10 +207,9 @@ def test_all_prompts_too_long_is_an_error(tokenizer_dir, tmp_path):
 
 
 def test_eval_prompt_specs_pairs(tokenizer_dir, tmp_path):
-    args = make_args(tokenizer_dir, tmp_path / "p.jsonl", eval_prompt_data=["aime", "/a.jsonl", "gsm", "/g.jsonl"],
-                     eval_input_key=None, eval_label_key="answer")
+    datasets = (EvalDatasetSpec("aime", "/a.jsonl"), EvalDatasetSpec("gsm", "/g.jsonl"))  # as parse_args resolves
+    args = make_args(tokenizer_dir, tmp_path / "p.jsonl", eval_datasets=datasets, eval_input_key=None,
+                     eval_label_key="answer")
     specs = eval_prompt_specs(args)
     assert list(specs) == ["aime", "gsm"]
     assert specs["gsm"].path == "/g.jsonl" and specs["gsm"].label_key == "answer" and specs["gsm"].input_key == "prompt"
-    with pytest.raises(ValueError, match="NAME PATH pairs"):
-        eval_prompt_specs(make_args(tokenizer_dir, tmp_path, eval_prompt_data=["aime"]))

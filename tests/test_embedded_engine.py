@@ -424,7 +424,8 @@ def test_render_server_flags_reads_back_the_same_values():
 
 
 def test_sglang_command_needs_sglangs_parser():
-    args = types.SimpleNamespace(rollout_num_gpus_per_engine=2, num_gpus_per_node=8, seed=1, offload_rollout=True)
+    args = types.SimpleNamespace(rollout_num_gpus_per_engine=2, num_gpus_per_node=8, seed=1, offload_rollout=True,
+                                 sglang_server_args={})
     cmd = build_sglang_command(args, 3, "127.0.0.1", 30001, "/m", gpu_ids=[5, 6], parser=_tiny_launch_parser_full())
     joined = " ".join(cmd)
     assert cmd[1:3] == ["-m", "sglang.launch_server"]

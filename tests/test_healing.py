@@ -55,7 +55,7 @@ def test_no_checkpoint_or_one_outside_the_window_is_a_named_refusal():
 def run_args(tmp_path, max_restarts: int) -> argparse.Namespace:
     return argparse.Namespace(max_restarts=max_restarts, restart_window_rollouts=None, save=str(tmp_path),
                               ledger_dir=None, load=None, finetune=True, start_rollout_id=0,
-                              start_rollout_id_given=True)
+                              start_rollout_id_given=True, restart_count=0)
 
 
 def publish(tmp_path, iteration: int) -> None:
@@ -67,7 +67,7 @@ def test_the_loop_resumes_from_save_and_stops_on_an_unnamed_error(tmp_path):
     seen = []
 
     def train(a):
-        seen.append((a.load, a.start_rollout_id, a.finetune, getattr(a, "restart_count", 0)))
+        seen.append((a.load, a.start_rollout_id, a.finetune, a.restart_count))
         if len(seen) == 1:
             publish(tmp_path, 1)
             error = RankFailedError("phase 'actor_train': rank 1 exited", phase="actor_train", ranks=(1,))

@@ -15,6 +15,7 @@ import pytest
 
 import train
 from arg_testing import no_real_sglang, parse_error, parse_quiet  # noqa: F401 (fixture)
+from slime.config import defaults_namespace
 from slime.ray.driver.trainer_group import resolve_ledger_dir
 from slime.utils.arguments import ArgumentValidationError, check_launch_inputs
 
@@ -72,15 +73,12 @@ def _hf_dir(tmp_path, files):
     (["config.json"], "no tokenizer"),
 ])
 def test_an_unusable_hf_checkpoint_is_named_before_start(files, says, tmp_path):
-    import types
-
     path = None if files is None else _hf_dir(tmp_path, files)
     with pytest.raises(ArgumentValidationError, match=says):
-        check_launch_inputs(types.SimpleNamespace(hf_checkpoint=path, num_experts=None, tensor_model_parallel_size=1,
-                                                  sequence_parallel=False, debug_rollout_only=False))
+        check_launch_inputs(defaults_namespace(hf_checkpoint=path, prompt_data="prompts.jsonl"))
     if files is None:
         with pytest.raises(ArgumentValidationError, match="does not exist"):
-            check_launch_inputs(types.SimpleNamespace(hf_checkpoint=str(tmp_path / "missing")))
+            check_launch_inputs(defaults_namespace(hf_checkpoint=str(tmp_path / "missing"), prompt_data="prompts.jsonl"))
 
 
 def test_train_py_without_a_checkpoint_exits_2_before_ray(capsys, monkeypatch):
@@ -146,21 +144,17 @@ def test_a_clean_run_removes_the_temp_ledger_dir_it_made(launchable, monkeypatch
 
 
 def test_moe_at_tensor_parallel_without_sequence_parallel_is_refused_before_start(tmp_path):
-    import types
-
     path = _hf_dir(tmp_path, ["config.json", "tokenizer.json"])
     (tmp_path / "hf" / "config.json").write_text(json.dumps({"num_experts": 8}))
-    args = dict(hf_checkpoint=path, num_experts=None, tensor_model_parallel_size=2, sequence_parallel=False,
-                debug_rollout_only=False, advantage_estimator="grpo", expert_model_parallel_size=1,
-                expert_tensor_parallel_size=None)
+    args = dict(hf_checkpoint=path, prompt_data="prompts.jsonl", tensor_model_parallel_size=2, sequence_parallel=False)
     with pytest.raises(ArgumentValidationError, match="add it"):
-        check_launch_inputs(types.SimpleNamespace(**args))
-    check_launch_inputs(types.SimpleNamespace(**{**args, "sequence_parallel": True}))
-    check_launch_inputs(types.SimpleNamespace(**{**args, "tensor_model_parallel_size": 1}))
+        check_launch_inputs(defaults_namespace(**args))
+    check_launch_inputs(defaults_namespace(**{**args, "sequence_parallel": True}))
+    check_launch_inputs(defaults_namespace(**{**args, "tensor_model_parallel_size": 1}))
     expert_tp1 = {**args, "sequence_parallel": True, "expert_tensor_parallel_size": 1}
     with pytest.raises(ArgumentValidationError, match="experts' gradients would not be summed over the TP ranks"):
-        check_launch_inputs(types.SimpleNamespace(**expert_tp1))
-    check_launch_inputs(types.SimpleNamespace(**{**expert_tp1, "expert_model_parallel_size": 2}))
+        check_launch_inputs(defaults_namespace(**expert_tp1))
+    check_launch_inputs(defaults_namespace(**{**expert_tp1, "expert_model_parallel_size": 2}))
 
 
 # ---------------------------------------------------------------- every missing flag in one error

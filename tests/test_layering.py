@@ -22,8 +22,10 @@ ROOMS = [
     ("slime.router",),
     ("slime.rollout",),
     ("slime.backends",),
-    # the parse-time checks ask the rooms below whether a run's inputs are usable, before Ray starts
-    ("slime.config.checks", "slime.config.validate", "slime.config.launch", "slime.config.parse"),
+    # the parse-time checks ask the rooms below whether a run's inputs are usable, before Ray starts; the critic's
+    # view of the flags asks the checkpoint where the critic resumes
+    ("slime.config.checks", "slime.config.validate", "slime.config.launch", "slime.config.parse",
+     "slime.config.critic_role"),
     ("slime.ray",),
     ("slime.utils.arguments",),  # upstream's import path of the parser: re-exports the config room
     ("slime_plugins",),  # upstream's plug-in paths: aliases of slime.models modules

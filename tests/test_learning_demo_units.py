@@ -108,7 +108,7 @@ def test_tensorboard_logs_the_same_metrics_as_the_jsonl(tmp_path, monkeypatch):
     from slime.utils.metrics_logger import MetricsLogger
 
     monkeypatch.delenv("TENSORBOARD_DIR", raising=False)
-    args = defaults_namespace(metrics_jsonl=str(tmp_path / "m.jsonl"), use_tensorboard=True,
+    args = defaults_namespace(metrics_jsonl=str(tmp_path / "m.jsonl"), use_tensorboard=True, start_rollout_id=0,
                               tensorboard_dir=str(tmp_path / "tb"), tb_experiment_name="run1")
     metrics = MetricsLogger(args)
     for k in range(3):

@@ -15,7 +15,7 @@ import torch
 
 from arg_testing import no_real_sglang, parse_error, parse_quiet  # noqa: F401 (fixture)
 from mp_utils import run_ranks
-from slime.backends.megatron_utils.critic_role import VALUE_HEAD_PARAM, critic_args
+from slime.config.critic_role import VALUE_HEAD_PARAM, critic_args
 from slime.utils.arguments import parse_args
 from tiny_models import save_tiny_qwen3, save_tiny_qwen3_moe
 from train_step_harness import make_rollout

@@ -18,7 +18,7 @@ import yaml
 
 from arg_testing import parse_error, parse_quiet
 from mp_utils import run_ranks
-from slime.backends.megatron_utils.critic_role import critic_args
+from slime.config.critic_role import critic_args
 
 QWEN3 = dict(model_type="qwen3", num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=128, vocab_size=32)
@@ -119,7 +119,7 @@ def test_an_actor_entry_alone_needs_no_critic(tmp_path):
     path = _roles(tmp_path, _entry("actor", tensor_model_parallel_size=2, lr=1e-6))
     args = parse_quiet(_argv(tmp_path, "--megatron-config-path", path, ppo=False))
     assert (args.tensor_model_parallel_size, args.data_parallel_size, args.lr) == (2, 2, 1e-6)
-    assert args.critic_lr is None and not hasattr(args, "critic_overrides")
+    assert args.critic_lr is None and args.critic_overrides == {}
 
 
 # ---------------------------------------------------------------------------------------- the critic's own rank

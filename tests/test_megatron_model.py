@@ -20,7 +20,7 @@ SEQ_LENS = (13, 29, 7)  # real lengths of the packed sequences
 def _args(**overrides) -> types.SimpleNamespace:
     fields = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                   context_parallel_size=1, sequence_parallel=False, seed=1234, lr=1e-3,
-                  clip_grad=1e9, weight_decay=0.0, fence_timeout=120)
+                  clip_grad=1e9, weight_decay=0.0, fence_timeout=120, hidden_dropout=0.0, attention_dropout=0.0)
     fields.update(overrides)
     return types.SimpleNamespace(**fields)
 

@@ -120,7 +120,7 @@ def test_teacher_request_scores_every_token_at_the_rollout_temperature(monkeypat
         return _reply([None, -0.1, -0.2, -0.3, -0.4], payload["input_ids"])
 
     monkeypatch.setattr(opd_rollout, "post", fake_post)
-    args = SimpleNamespace(rm_url="http://127.0.0.1:1/generate", rollout_temperature=0.7, rm_timeout=None)
+    args = SimpleNamespace(rm_url="http://127.0.0.1:1/generate", rollout_temperature=0.7)
     sample = Sample(index=0, tokens=[5, 6, 7, 8, 9], response_length=2)
     assert asyncio.run(opd_rollout.reward_func(args, sample)) == 0.0
     assert sample.teacher_log_probs == pytest.approx([-0.3, -0.4])  # the response's tokens only

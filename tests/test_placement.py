@@ -127,7 +127,7 @@ def test_bundle_count_per_mode():
 
     def count(**kw):
         base = dict(actor_num_nodes=2, actor_num_gpus_per_node=4, rollout_num_gpus=4, rollout_num_gpus_per_engine=2,
-                    colocate=False, debug_train_only=False, debug_rollout_only=False)
+                    colocate=False, debug_train_only=False, debug_rollout_only=False, use_critic=False)
         return total_bundles(types.SimpleNamespace(**{**base, **kw}))
 
     assert count() == 12  # trainer's 8 + the engines' 4
@@ -152,7 +152,7 @@ def test_gpu_ids_become_device_indices_through_the_inherited_visible_list():
 
 
 def test_sglang_gets_its_bundles_gpus_not_rank_arithmetic():
-    args = types.SimpleNamespace(rollout_num_gpus_per_engine=2, num_gpus_per_node=8, seed=1)
+    args = types.SimpleNamespace(rollout_num_gpus_per_engine=2, num_gpus_per_node=8, seed=1, sglang_server_args={})
     assert sglang_server_args_for_engine(args, 0, gpu_ids=[4, 5])["base_gpu_id"] == 4
     spaced = sglang_server_args_for_engine(args, 0, gpu_ids=[1, 3])
     assert (spaced["base_gpu_id"], spaced["gpu_id_step"]) == (1, 2)
@@ -241,7 +241,8 @@ def _layout_args(tmp_path, **overrides):
     args = dict(actor_num_nodes=2, actor_num_gpus_per_node=4, rollout_num_gpus=8, rollout_num_gpus_per_engine=2,
                 num_gpus_per_node=FAKE_GPUS_PER_NODE, colocate=True, debug_train_only=False, debug_rollout_only=False,
                 engine_bind_host=None, ledger_dir=str(tmp_path), fence_timeout=60.0, seed=1,
-                api_key=ApiKey.generate())  # as parse_args makes it: every actor takes the run's key
+                api_key=ApiKey.generate(),  # as parse_args makes it: every actor takes the run's key
+                use_critic=False, sglang_server_args={})  # derived by parse_args
     return defaults_namespace(**{**args, **overrides})
 
 
@@ -320,7 +321,7 @@ def test_a_private_cluster_and_its_servers_stay_on_loopback():
         from slime.ray.driver.cluster import serving_host
         init_ray(types.SimpleNamespace(actor_num_nodes=1, actor_num_gpus_per_node=1, debug_rollout_only=False,
                                        debug_train_only=True, rollout_num_gpus=0, rollout_num_gpus_per_engine=1,
-                                       colocate=True))
+                                       colocate=True, use_critic=False))
         where = ray.remote(lambda: ray.util.get_node_ip_address())
         print("NODES", sorted({n["NodeManagerAddress"] for n in ray.nodes()}), ray.get(where.remote(), timeout=60),
               serving_host(False))

@@ -44,7 +44,8 @@ def _pp_push(rank, world, hf_dir, urls, stopped_pid, ledger_dir):
 
     args = with_defaults(types.SimpleNamespace(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, seed=5,
                                                fence_timeout=FENCE_S, colocate=False, rollout_num_gpus_per_engine=2,
-                                               update_weight_buffer_size=64 * 1024), ("update_weight_transport",))
+                                               update_weight_buffer_size=64 * 1024),
+                         ("update_weight_transport", "update_weight_mode", "actor_num_nodes"))
     init_model_parallel(args)
     hf_config = transformers.AutoConfig.from_pretrained(hf_dir)
     model = build_gpt_model(args, hf_config, pre_process=mpu.is_pipeline_first_stage(),

@@ -101,7 +101,8 @@ def test_the_start_line_names_the_layout_from_the_flags():
     args = defaults_namespace(actor_num_nodes=1, actor_num_gpus_per_node=8, tensor_model_parallel_size=2,
                               sequence_parallel=True, pipeline_model_parallel_size=1, context_parallel_size=4,
                               expert_model_parallel_size=1, rollout_num_gpus=8, rollout_num_gpus_per_engine=8,
-                              colocate=True, num_rollout=20, rollout_batch_size=8, n_samples_per_prompt=8)
+                              colocate=True, num_rollout=20, rollout_batch_size=8, n_samples_per_prompt=8,
+                              use_critic=False)
     assert start_line(args, device="CPU") == ("starting: 8 trainer ranks (TP2 x SP x CP4), 1 engine, colocated, "
                                               "on CPU; 20 rollouts of 8 prompts x 8 samples")
     dp = defaults_namespace(**{**vars(args), "context_parallel_size": 1, "sequence_parallel": False, "colocate": False,

@@ -11,6 +11,7 @@ from slime.config import defaults_namespace
 from slime.rollout.advantages import group_normalize, samples_to_train_data
 from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput, call_rollout_fn
 from slime.rollout.data_source import RolloutDataSource, load_tokenizer
+from slime.rollout.eval_config import EvalDatasetSpec
 from slime.rollout.metrics import compute_rollout_metrics, pass_at_k
 from slime.rollout.sglang_rollout import GenerateState, generate, generate_rollout, run, sampling_params
 from slime.utils.misc import SingletonMeta
@@ -165,7 +166,7 @@ def test_concurrency_is_bounded(tokenizer_dir, tmp_path):
 def test_request_timeout_and_dead_engine_fail_with_the_url(tokenizer_dir, tmp_path):
     fake = FakeEngine(delay_s=1.0).start()
     try:
-        args = make_args(tokenizer_dir, tmp_path, fake.port, rollout_request_timeout=0.2)
+        args = make_args(tokenizer_dir, tmp_path, fake.port, sglang_router_request_timeout_secs=0.2)
         with pytest.raises(TimeoutError, match=f"127.0.0.1:{fake.port}/generate: no reply within"):
             run(generate(args, Sample(prompt="what"), sampling_params(args)))
     finally:
@@ -178,9 +179,10 @@ def test_request_timeout_and_dead_engine_fail_with_the_url(tokenizer_dir, tmp_pa
 def test_eval_rollout_per_dataset(tokenizer_dir, tmp_path, engine):
     easy = write_jsonl(tmp_path / "easy.jsonl", [{"prompt": "what is 3 + 4 ?", "label": "7"}])
     hard = write_jsonl(tmp_path / "hard.jsonl", PROMPTS[1:])
-    args = make_args(tokenizer_dir, easy, engine.port, eval_prompt_data=["easy", str(easy), "hard", str(hard)],
-                     n_samples_per_eval_prompt=2, eval_max_response_len=None, eval_top_p=0.5, eval_temperature=None,
-                     eval_top_k=None, eval_input_key=None, eval_label_key=None, eval_reward_key=None)
+    datasets = (EvalDatasetSpec("easy", str(easy)), EvalDatasetSpec("hard", str(hard)))  # as parse_args resolves
+    args = make_args(tokenizer_dir, easy, engine.port, eval_datasets=datasets, n_samples_per_eval_prompt=2,
+                     eval_max_response_len=None, eval_top_p=0.5, eval_temperature=None, eval_top_k=None,
+                     eval_input_key=None, eval_label_key=None, eval_reward_key=None)
     output = call_rollout_fn(generate_rollout, args, 5, None, evaluation=True)
     assert isinstance(output, RolloutFnEvalOutput)
     assert output.data["easy"]["rewards"] == [1.0, 1.0] and output.data["hard"]["rewards"] == [0.0, 0.0, 1.0, 1.0]

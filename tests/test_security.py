@@ -339,7 +339,9 @@ def test_rendezvous_port_is_held_from_the_moment_it_is_offered(monkeypatch):
     from slime.ray.trainer.rank_actor import TrainRayActor
 
     monkeypatch.setenv("SLIME_HOST_IP", "127.0.0.1")
-    rank0 = types.SimpleNamespace(args=parse_quiet(MINIMAL), world_size=2, _store=None)
+    args = parse_quiet(MINIMAL)
+    args.spans_nodes = True  # as create_placement sets it for a run over several nodes: the node's address
+    rank0 = types.SimpleNamespace(args=args, world_size=2, _store=None)
     address, port = TrainRayActor.rendezvous_address(rank0)
     with socket.socket() as thief, pytest.raises(OSError):
         thief.bind(("127.0.0.1", port))  # no other process can take it before the ranks meet

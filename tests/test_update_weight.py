@@ -109,7 +109,8 @@ def _sync_on_ranks(rank, world, layout, hf_dir, engine_url, ledger_dir, rollout_
     tp = world if layout == "tp2" else 1
     args = with_defaults(types.SimpleNamespace(tensor_model_parallel_size=tp, seed=5, fence_timeout=60.0,
                                                colocate=colocate, update_weight_buffer_size=BUCKET_BYTES,
-                                               rollout_num_gpus_per_engine=1), ("update_weight_transport",))
+                                               rollout_num_gpus_per_engine=1),
+                         ("update_weight_transport", "update_weight_mode", "actor_num_nodes"))
     init_model_parallel(args)
     hf_config = transformers.AutoConfig.from_pretrained(hf_dir)
     model = build_gpt_model(args, hf_config)

@@ -20,7 +20,8 @@ SEQ = 16
 def _args(tp: int) -> types.SimpleNamespace:
     return types.SimpleNamespace(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
                                  context_parallel_size=1, sequence_parallel=tp > 1, seed=1234, lr=1e-3,
-                                 clip_grad=1e9, weight_decay=0.0, fence_timeout=120)
+                                 clip_grad=1e9, weight_decay=0.0, fence_timeout=120, hidden_dropout=0.0,
+                                 attention_dropout=0.0)
 
 
 def _reference(hf_dir: str):

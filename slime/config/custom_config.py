@@ -13,7 +13,7 @@ from slime.utils.security import shown
 logger = logging.getLogger(__name__)
 
 
-def _config_dest(key: str, parser: argparse.ArgumentParser) -> str | None:
+def config_key_dest(key: str, parser: argparse.ArgumentParser) -> str | None:
     """The dest a --custom-config-path key names: '--flag-name', 'flag-name' or the attribute 'flag_name'."""
     for option in (key, "--" + key.lstrip("-"), "--" + key.lstrip("-").replace("_", "-")):
         if option in parser._option_string_actions:
@@ -22,8 +22,8 @@ def _config_dest(key: str, parser: argparse.ArgumentParser) -> str | None:
     return key if key in dests else None
 
 
-def _coerce(action: argparse.Action, value: Any) -> Any:
-    # YAML leaves e.g. 1e-5 a string; convert it the way the flag's own type would
+def coerce_config_value(action: argparse.Action, value: Any) -> Any:
+    """A YAML value as the flag's own type would parse it (YAML leaves e.g. 1e-5 a string)."""
     convert = action.type if callable(action.type) and action.type is not json.loads else None
     if convert is None:
         return value
@@ -50,14 +50,14 @@ def apply_custom_config(args: argparse.Namespace, parser: argparse.ArgumentParse
         fail(f"--custom-config-path {path}: expected a mapping of flag names to values, got {type(data).__name__}")
     applied = {}
     for key, value in data.items():
-        dest = _config_dest(str(key), parser)
+        dest = config_key_dest(str(key), parser)
         if dest is None:
             if not str(key).isidentifier():
                 fail(f"--custom-config-path {path}: key {key!r} is neither a flag nor a valid attribute name")
             dest = str(key)
         else:
             action = next(a for a in parser._actions if a.dest == dest)
-            value = _coerce(action, value)
+            value = coerce_config_value(action, value)
         if hasattr(args, dest):
             logger.info("--custom-config-path %s: %s = %r (was %r)", path, dest, shown(dest, value),
                         shown(dest, getattr(args, dest)))

@@ -13,6 +13,7 @@ from slime.config.checks.linear_attention import check_linear_attention
 from slime.config.checks.lora import check_lora_against_config
 from slime.config.checks.model import check_pipeline_layers
 from slime.config.constants import DEFAULT_DATA_SOURCE_PATH, DEFAULT_ROLLOUT_FUNCTION_PATH
+from slime.config.critic_role import critic_resume_dir
 from slime.config.errors import fail, flag_name, require_path
 from slime.models import family as model_family
 from slime.models import supported_model_types
@@ -30,10 +31,9 @@ def launch_missing_flags(args: argparse.Namespace) -> list[str]:
     if not args.hf_checkpoint:
         missing.append("--hf-checkpoint DIR is required: the Hugging Face checkpoint (config.json and tokenizer) "
                        "the trainer builds its model from and the engines serve")
-    reads_prompts = (getattr(args, "data_source_path", DEFAULT_DATA_SOURCE_PATH) == DEFAULT_DATA_SOURCE_PATH
-                     and getattr(args, "rollout_function_path", None) == DEFAULT_ROLLOUT_FUNCTION_PATH
-                     and not getattr(args, "debug_train_only", False))
-    if reads_prompts and not getattr(args, "prompt_data", None):
+    reads_prompts = (args.data_source_path == DEFAULT_DATA_SOURCE_PATH
+                     and args.rollout_function_path == DEFAULT_ROLLOUT_FUNCTION_PATH and not args.debug_train_only)
+    if reads_prompts and not args.prompt_data:
         missing.append("--prompt-data FILE is required: the prompts (JSONL or parquet) the default rollout "
                        "generates from")
     return missing
@@ -79,8 +79,6 @@ CRITIC_ARCH_KEYS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "
 def check_critic_checkpoint(args: argparse.Namespace) -> None:
     """--advantage-estimator ppo: the critic has weights to start from (--critic-load, or its checkpoint under
     --load), and an HF --critic-load has the actor's architecture."""
-    from slime.backends.megatron_utils.critic_role import critic_resume_dir
-
     if critic_resume_dir(args) is not None:
         return  # a critic checkpoint saved by a ppo run of this architecture
     if args.critic_load is None:

@@ -56,6 +56,12 @@ class ParallelLayout:
         return self.world_size // (self.ep * self.etp * self.pp)
 
 
+def virtual_pipeline_size(args: Any) -> int | None:
+    """Megatron's interleaved schedule: virtual stages per rank. Not a flag of the parser: only plug-ins that build
+    their own args set it, so this is the one place that reads it with a fallback."""
+    return getattr(args, "virtual_pipeline_model_parallel_size", None)
+
+
 def build_parallel_layout(args: Any, *, world_size: int | None = None) -> ParallelLayout:
     """The layout of the flags (of ``world_size`` ranks; default: the actor GPUs the flags ask for), checked:
     raises ArgumentValidationError naming the flags when the sizes cannot tile the world."""
@@ -65,8 +71,7 @@ def build_parallel_layout(args: Any, *, world_size: int | None = None) -> Parall
     layout = ParallelLayout(tp=tp, pp=args.pipeline_model_parallel_size, cp=args.context_parallel_size,
                             ep=args.expert_model_parallel_size, etp=etp, world_size=world,
                             sequence_parallel=bool(args.sequence_parallel) and tp > 1,
-                            # not a flag: megatron's interleaved schedule, set only by plug-ins that build args
-                            vpp=getattr(args, "virtual_pipeline_model_parallel_size", None))
+                            vpp=virtual_pipeline_size(args))
     _check_model_parallel(layout, args, world_size is None)
     _check_expert_layout(layout, args)
     return layout
@@ -114,8 +119,7 @@ def check_parallel_layout(args: argparse.Namespace) -> None:
 def critic_counts(args: Any) -> tuple[int, int]:
     """The critic's (nodes, GPUs per node) with --advantage-estimator ppo: --critic-num-nodes and
     --critic-num-gpus-per-node, each the actor's when not given."""
-    nodes = getattr(args, "critic_num_nodes", None)
-    per_node = getattr(args, "critic_num_gpus_per_node", None)
+    nodes, per_node = args.critic_num_nodes, args.critic_num_gpus_per_node
     return (args.actor_num_nodes if nodes is None else nodes,
             args.actor_num_gpus_per_node if per_node is None else per_node)
 

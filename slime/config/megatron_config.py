@@ -27,7 +27,7 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from slime.config.custom_config import _coerce, _config_dest
+from slime.config.custom_config import coerce_config_value, config_key_dest
 from slime.config.errors import fail, flag_name, require_path
 
 ROLES = ("actor", "critic")
@@ -99,7 +99,7 @@ def _converted(path: str, role: str, overrides: Mapping[str, Any], parser: argpa
         if key in GPU_COUNT_KEYS:
             out[key] = value
             continue
-        dest = _config_dest(str(key), parser)
+        dest = config_key_dest(str(key), parser)
         if dest is None:
             fail(f"--megatron-config-path {path}: the {role} entry's key {key!r} is not a flag of train.py; "
                  "fix its name (the flag's attribute name, e.g. tensor_model_parallel_size)")
@@ -117,7 +117,7 @@ def _checked_value(path: str, role: str, key: str, parser: argparse.ArgumentPars
         fail(f"--megatron-config-path {path}: the {role} entry's {key} is a switch; give it true or false, "
              f"not {value!r}")
     try:
-        value = _coerce(action, value)
+        value = coerce_config_value(action, value)
     except (TypeError, ValueError) as exc:
         fail(f"--megatron-config-path {path}: the {role} entry's {key} {value!r}: {exc}")
     if action.choices is not None and value not in action.choices:

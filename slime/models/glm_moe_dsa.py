@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from slime.config.layout import virtual_pipeline_size
 from slime.models.deepseek_v3 import MLA_FLAGS, attention_names, mla_arch_overrides, mla_layer_spec
 from slime.models.glm4_moe import glm4_moe_lite_config_fields
 from slime.models.registry import ModelFamily, register
@@ -106,10 +107,8 @@ def dsa_kind_layer_spec(config: Any, kind: str):
 
 def _pipeline_chunks(args: Any, layers: int) -> list[range]:
     """The layers of each model chunk (pipeline stage, or virtual stage under --virtual-pipeline-...)."""
-    pp = getattr(args, "pipeline_model_parallel_size", None) or 1
-    vp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
-    first = getattr(args, "decoder_first_pipeline_num_layers", None)
-    last = getattr(args, "decoder_last_pipeline_num_layers", None)
+    pp, vp = args.pipeline_model_parallel_size, virtual_pipeline_size(args) or 1
+    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
     if vp > 1 and (first is not None or last is not None):
         raise ValueError("GLM-5.2's shared indexer layers with a virtual pipeline and --decoder-first/last-pipeline-"
                          "num-layers: the chunk boundaries are not checked here; drop one of the two")
@@ -124,10 +123,10 @@ def _pipeline_chunks(args: Any, layers: int) -> list[range]:
 
 def _recompute_groups(args: Any, chunk: range) -> list[range]:
     """The layers of a pipeline chunk that --recompute-granularity full re-runs together."""
-    if getattr(args, "recompute_granularity", None) != "full":
+    if args.recompute_granularity != "full":
         return [chunk]
-    count = getattr(args, "recompute_num_layers", None) or 1
-    if getattr(args, "recompute_method", None) == "block":  # the first `count` layers alone, the rest not at all
+    count = args.recompute_num_layers or 1
+    if args.recompute_method == "block":  # the first `count` layers alone, the rest not at all
         alone = [range(layer, layer + 1) for layer in chunk[:count]]
         return alone + ([chunk[count:]] if len(chunk) > count else [])
     return [chunk[i:i + count] for i in range(0, len(chunk), count)]

@@ -118,11 +118,8 @@ def train_prompt_spec(args) -> PromptFileSpec:
 
 
 def eval_datasets(args) -> tuple[EvalDatasetSpec, ...]:
-    """The eval datasets parse_args resolved (--eval-config or --eval-prompt-data), or the pairs of a bare args."""
-    resolved = getattr(args, "eval_datasets", None)
-    if resolved:
-        return tuple(resolved)
-    return tuple(EvalDatasetSpec(name, path) for name, path in _name_path_pairs(args.eval_prompt_data))
+    """The eval datasets parse_args resolved (--eval-config or --eval-prompt-data)."""
+    return tuple(args.eval_datasets)
 
 
 def eval_prompt_specs(args) -> dict[str, PromptFileSpec]:
@@ -147,18 +144,6 @@ def _eval_spec_fields(args) -> dict[str, Any]:
         chat_template_kwargs=_chat_template_kwargs(args),
         max_prompt_len=args.eval_max_prompt_len or context_budget(args),
     )
-
-
-def _name_path_pairs(value) -> list[tuple[str, str]]:
-    if not value:
-        return []
-    if all(isinstance(item, (list, tuple)) for item in value):
-        return [(str(name), str(path)) for name, path in value]
-    if isinstance(value, dict):
-        return [(str(k), str(v)) for k, v in value.items()]
-    if len(value) % 2:
-        raise ValueError(f"--eval-prompt-data takes NAME PATH pairs, got {list(value)}")
-    return [(str(value[i]), str(value[i + 1])) for i in range(0, len(value), 2)]
 
 
 def read_rows(spec: PromptFileSpec) -> Iterator[tuple[int, dict]]:

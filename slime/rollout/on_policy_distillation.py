@@ -21,7 +21,7 @@ from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
 
-TEACHER_TIMEOUT_S = 300.0  # one prefill of one sample; --rm-timeout overrides
+TEACHER_TIMEOUT_S = 300.0  # one prefill of one sample
 
 
 def teacher_payload(args, sample: Sample) -> dict[str, Any]:
@@ -54,8 +54,7 @@ async def reward_func(args, sample: Sample, **kwargs) -> float:
     url = args.rm_url
     if not url:
         raise ValueError("on-policy distillation with a teacher engine needs --rm-url http://HOST:PORT/generate")
-    timeout_s = float(getattr(args, "rm_timeout", None) or TEACHER_TIMEOUT_S)
-    reply = await post(url, teacher_payload(args, sample), timeout_s=timeout_s)
+    reply = await post(url, teacher_payload(args, sample), timeout_s=TEACHER_TIMEOUT_S)
     sample.teacher_log_probs = teacher_response_log_probs(reply, sample.response_length)
     return 0.0
 

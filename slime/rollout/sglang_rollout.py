@@ -74,11 +74,8 @@ def generate_url(args) -> str:
 
 
 def request_timeout(args) -> float:
-    """Deadline of one /generate call: the router's own request timeout unless overridden."""
-    for name in ("rollout_request_timeout", "sglang_router_request_timeout_secs"):
-        if getattr(args, name, None):
-            return float(getattr(args, name))
-    return DEFAULT_TIMEOUT_S
+    """Deadline of one /generate call: the router's request timeout (--sglang-router-request-timeout-secs)."""
+    return float(args.sglang_router_request_timeout_secs or DEFAULT_TIMEOUT_S)
 
 
 # SGLang sampling parameter -> (rollout flag dest, eval flag dest); the eval one wins when evaluating and set

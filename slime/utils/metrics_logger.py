@@ -125,13 +125,13 @@ class Console:
             self._print(progress_lines.placement_summary(event))
         elif kind not in progress_lines.ROLLOUT_KINDS:
             self._print(progress_lines.event_line(event))
-        elif event["rollout_id"] >= (getattr(self.args, "start_rollout_id", 0) or 0):
+        elif event["rollout_id"] >= self.args.start_rollout_id:  # resolved (from --load) before the logger starts
             self.progress.add(event)
         elif kind == "memory" and progress_lines.has_memory_figures(event):  # start-up (the steps have lines)
             self._print(f"memory {event['rollout_id']}: peak {progress_lines.peak_memory_gb(event):.1f}G")
 
     def rollout_done(self, rollout_id: int, now: float) -> None:
-        line = self.progress.done(rollout_id, getattr(self.args, "num_rollout", None), now)
+        line = self.progress.done(rollout_id, self.args.num_rollout, now)
         if not self.verbose:
             self._print(line)
 

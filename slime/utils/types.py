@@ -155,6 +155,7 @@ class Sample:
 
         An unknown (or missing) finish reason leaves the status as it was.
         """
+        # set only when --sglang-speculative-algorithm is passed through (sglang_passthrough mirrors it on args)
         if getattr(args, "sglang_speculative_algorithm", None):
             self.spec_info.add(meta_info)
         self.prefix_cache_info.add(meta_info)

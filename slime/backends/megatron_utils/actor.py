@@ -111,7 +111,7 @@ class MegatronTrainActor:
             self._fence_load_views()
             start = self._build_model()
         self.weight_sync = WeightSync(self.args, self.hf_config, engine_urls,
-                                      select=adapted_weight_names(self.model) if getattr(self.args, "enable_lora", False) else None)
+                                      select=adapted_weight_names(self.model) if self.args.enable_lora else None)
         return start
 
     def _weight_sources(self) -> dict[str, tuple[str, int | None]]:
@@ -318,7 +318,7 @@ class MegatronTrainActor:
 
     def _fill_log_probs(self, data: dict, plans) -> None:
         hooks = dict(collective_hook=self.watchdog.phase, progress=self.ledger.note_progress)
-        if getattr(self.args, "use_rollout_logprobs", False) and data.get("rollout_log_probs") is None:
+        if self.args.use_rollout_logprobs and data.get("rollout_log_probs") is None:
             raise ValueError("--use-rollout-logprobs: the rollout carries no engine log-probs (every sample needs "
                              "rollout_log_probs)")
         before = self.args.custom_megatron_before_log_prob_hook_path  # fn(args, model, store_prefix)
@@ -430,7 +430,7 @@ class MegatronTrainActor:
     def _lora_config(self):
         from slime.backends.megatron_utils.model import lora_config
 
-        return lora_config(self.args) if getattr(self.args, "enable_lora", False) else None
+        return lora_config(self.args) if self.args.enable_lora else None
 
     def save(self, rollout_id: int) -> None:
         """--save (without the optimizer state under --no-save-optim), and --save-hf as HF safetensors."""

@@ -39,6 +39,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from slime.backends.megatron_utils import moe  # noqa: E402
 from slime.backends.megatron_utils.adam_kernel import fused_adam_chosen, use_fused_adam  # noqa: E402
 from slime.config import with_defaults  # noqa: E402
+from slime.config.layout import virtual_pipeline_size  # noqa: E402
 from slime.models import fused_kernels  # noqa: E402
 from slime.models.local_spec import with_moe_mlp  # noqa: E402
 from slime.models.lora import LoraConfig, apply_lora  # noqa: E402
@@ -63,14 +64,8 @@ def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 1) -> int:
 
 def model_vocab_size(args: Namespace, hf_config: Any) -> int:
     """The (padded) vocabulary size of the megatron model built from these args
-    (--make-vocab-size-divisible-by, default 1 here: pad only as much as TP needs)."""
-    divisible_by = getattr(args, "make_vocab_size_divisible_by", None) or 1
-    return padded_vocab_size(hf_config.vocab_size, _arg(args, "tensor_model_parallel_size", 1), divisible_by)
-
-
-def _arg(args: Namespace, name: str, default: Any) -> Any:
-    value = getattr(args, name, None)
-    return default if value is None else value
+    (--make-vocab-size-divisible-by x --tensor-model-parallel-size)."""
+    return padded_vocab_size(hf_config.vocab_size, args.tensor_model_parallel_size, args.make_vocab_size_divisible_by)
 
 
 def _rope_theta(hf_config: Any) -> float:
@@ -133,8 +128,13 @@ _ARCH_FLAGS = {
 
 
 # The flags this module reads as args.flag. Tests and benchmarks build models with args built by hand, so the
-# entry points complete those with the parser's defaults (the _arg reads keep their own defaults).
-MODEL_FLAGS = ("model_name", "untie_embeddings_and_output_weights", "bf16", "sequence_parallel",
+# entry points complete those with the parser's defaults.
+MODEL_FLAGS = (*_ARCH_FLAGS, "model_name", "untie_embeddings_and_output_weights", "bf16", "sequence_parallel",
+               "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+               "expert_model_parallel_size", "hidden_dropout", "attention_dropout", "max_position_embeddings",
+               "make_vocab_size_divisible_by", "optimizer", "lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2",
+               "adam_eps", "clip_grad", "lr_decay_iters", "train_iters", "lr_warmup_iters", "lr_warmup_fraction",
+               "lr_warmup_init", "lr_decay_style",
                "calculate_per_token_loss", "recompute_granularity", "recompute_method", "recompute_num_layers",
                "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "multi_latent_attention",
                "fused_kernels", "transformer_impl", "spec", "custom_model_provider_path",
@@ -153,8 +153,9 @@ def _check_against_args(arch: dict[str, Any], args: Namespace, flags: dict[str, 
 
 def _check_flags(arch: dict[str, Any], args: Namespace, flags: dict[str, str]) -> None:
     """Every flag of `flags` (dest -> key of arch) the user passed must equal the HF config's value."""
+    args = with_defaults(args, flags)  # a family's own flags (config_flags): not in MODEL_FLAGS
     for dest, key in flags.items():
-        given, value = getattr(args, dest, None), arch.get(key)
+        given, value = getattr(args, dest), arch.get(key)
         if given is None or value is None or (isinstance(given, bool) and not given):
             continue  # not given (store_true flags default to False)
         same = abs(given - value) <= 1e-12 if isinstance(value, float) else given == value
@@ -167,7 +168,7 @@ def _qkv_bias_to_check(hf_config: Any, arch: dict[str, Any], args: Namespace) ->
     flag (upstream's GLM-4.7-Flash launcher passes it), so it is accepted with a warning."""
     if not family_of(hf_config).config_fields(hf_config).get("multi_latent_attention", False):
         return arch["add_qkv_bias"]
-    if getattr(args, "add_qkv_bias", False):
+    if args.add_qkv_bias:
         warnings.warn("--add-qkv-bias has no effect with multi-latent attention: megatron-core's MLA projections "
                       "take no q/k/v bias, and the HF config has none (attention_bias=false is checked)", stacklevel=3)
     return None
@@ -196,7 +197,7 @@ def transformer_config_from_hf(hf_config: Any, args: Namespace) -> TransformerCo
     _check_embedding_tying(hf_config, args)
     family = family_of(hf_config)
     check_mtp_layers(args.mtp_num_layers, hf_config, family.name, family.mtp_names is not None,
-                     _arg(args, "pipeline_model_parallel_size", 1))
+                     args.pipeline_model_parallel_size)
     config_class, family_fields = _family_config(hf_config, args)
     bf16 = bool(args.bf16)
     params_dtype = torch.bfloat16 if bf16 else torch.float32
@@ -212,15 +213,15 @@ def transformer_config_from_hf(hf_config: Any, args: Namespace) -> TransformerCo
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        tensor_model_parallel_size=_arg(args, "tensor_model_parallel_size", 1),
-        pipeline_model_parallel_size=_arg(args, "pipeline_model_parallel_size", 1),
-        virtual_pipeline_model_parallel_size=getattr(args, "virtual_pipeline_model_parallel_size", None),
-        context_parallel_size=_arg(args, "context_parallel_size", 1),
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_size(args),
+        context_parallel_size=args.context_parallel_size,
         sequence_parallel=bool(args.sequence_parallel),
-        expert_model_parallel_size=_arg(args, "expert_model_parallel_size", 1),
+        expert_model_parallel_size=args.expert_model_parallel_size,
         calculate_per_token_loss=bool(args.calculate_per_token_loss),
-        hidden_dropout=_arg(args, "hidden_dropout", 0.0),
-        attention_dropout=_arg(args, "attention_dropout", getattr(hf_config, "attention_dropout", 0.0)),
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
         init_method_std=getattr(hf_config, "initializer_range", 0.02),
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
@@ -243,7 +244,7 @@ def transformer_config_from_hf(hf_config: Any, args: Namespace) -> TransformerCo
         num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
         num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
         mtp_num_layers=args.mtp_num_layers or None,
-        mtp_loss_scaling_factor=_arg(args, "mtp_loss_scaling_factor", 0.1),
+        mtp_loss_scaling_factor=args.mtp_loss_scaling_factor,
     )
     # every layer's kind, for a --spec plug-in that builds them by kind (no TransformerConfig field says it)
     family = family_of(hf_config)
@@ -384,19 +385,20 @@ def build_gpt_model(
     split by SP: the output layer gathers it); padded columns hold PADDED_VOCAB_LOGIT.
     """
     config = transformer_config_from_hf(hf_config, args)
+    flags = with_defaults(args, MODEL_FLAGS)  # args itself goes to the spec plug-ins
     rope_scaling = _rope_type(hf_config) == "llama3"
     rope_params = getattr(hf_config, "rope_parameters", None) or {}
     model_class, mtp_fields = GPTModel, {}
     if config.mtp_num_layers:
         model_class = MTPGPTModel
         mtp_fields = dict(mtp_block_spec=_mtp_stage_spec(args, hf_config, config, vp_stage),
-                          train_mtp=bool(with_defaults(args, MODEL_FLAGS).enable_mtp_training))
+                          train_mtp=bool(flags.enable_mtp_training))
     model = model_class(
         **mtp_fields,
         config=config,
         transformer_layer_spec=_layer_spec(args, hf_config, config, vp_stage),
-        vocab_size=model_vocab_size(args, hf_config),
-        max_sequence_length=_arg(args, "max_position_embeddings", hf_config.max_position_embeddings),
+        vocab_size=model_vocab_size(flags, hf_config),
+        max_sequence_length=flags.max_position_embeddings or hf_config.max_position_embeddings,
         pre_process=pre_process,
         post_process=post_process,
         parallel_output=True,
@@ -454,7 +456,7 @@ def _model_provider(args: Namespace, hf_config: Any):
 
 
 def _build_model_chunks(args: Namespace, hf_config: Any) -> list[GPTModel]:
-    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    vpp = virtual_pipeline_size(args)
     stages = range(vpp) if vpp else [None]
     provider = _model_provider(args, hf_config)
     _PROVIDER_CONTEXT.update(args=args, hf_config=hf_config)
@@ -488,18 +490,17 @@ def _wrap_ddp(args: Namespace, chunks: list[GPTModel]) -> list[DistributedDataPa
 
 
 def _optimizer_config(args: Namespace, config: TransformerConfig) -> OptimizerConfig:
-    optimizer = _arg(args, "optimizer", "adam")
-    if optimizer != "adam":
-        raise ValueError(f"--optimizer {optimizer} is not supported (adam only)")
+    if args.optimizer != "adam":
+        raise ValueError(f"--optimizer {args.optimizer} is not supported (adam only)")
     return OptimizerConfig(
         optimizer="adam",
-        lr=_arg(args, "lr", 1e-6),
-        min_lr=_arg(args, "min_lr", 0.0),
-        weight_decay=_arg(args, "weight_decay", 0.0),
-        adam_beta1=_arg(args, "adam_beta1", 0.9),
-        adam_beta2=_arg(args, "adam_beta2", 0.999),
-        adam_eps=_arg(args, "adam_eps", 1e-8),
-        clip_grad=_arg(args, "clip_grad", 1.0),
+        lr=args.lr,
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps,
+        clip_grad=args.clip_grad,
         bf16=config.bf16,
         params_dtype=config.params_dtype,
         use_distributed_optimizer=bool(args.use_distributed_optimizer),
@@ -507,24 +508,22 @@ def _optimizer_config(args: Namespace, config: TransformerConfig) -> OptimizerCo
 
 
 def _lr_scheduler(args: Namespace, optimizer) -> OptimizerParamScheduler:
-    lr = _arg(args, "lr", 1e-6)
-    total = _arg(args, "lr_decay_iters", None) or _arg(args, "train_iters", None) or 10**9
-    warmup = _arg(args, "lr_warmup_iters", 0)
-    if not warmup and _arg(args, "lr_warmup_fraction", None):
+    total = args.lr_decay_iters or args.train_iters or 10**9
+    warmup = args.lr_warmup_iters
+    if not warmup and args.lr_warmup_fraction:
         warmup = int(args.lr_warmup_fraction * total)
-    wd = _arg(args, "weight_decay", 0.0)
     return OptimizerParamScheduler(
         optimizer,
-        init_lr=_arg(args, "lr_warmup_init", 0.0),
-        max_lr=lr,
-        min_lr=_arg(args, "min_lr", 0.0),
+        init_lr=args.lr_warmup_init,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
         lr_warmup_steps=warmup,
         lr_decay_steps=total,
-        lr_decay_style=_arg(args, "lr_decay_style", "constant"),
-        start_wd=_arg(args, "start_weight_decay", wd),
-        end_wd=_arg(args, "end_weight_decay", wd),
+        lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay,  # constant: no flag schedules the weight decay
+        end_wd=args.weight_decay,
         wd_incr_steps=total,
-        wd_incr_style=_arg(args, "weight_decay_incr_style", "constant"),
+        wd_incr_style="constant",
         use_checkpoint_opt_param_scheduler=True,
         override_opt_param_scheduler=False,
     )

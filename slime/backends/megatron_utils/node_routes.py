@@ -35,7 +35,7 @@ class NodeGrid:
     @classmethod
     def from_args(cls, args: Any) -> "NodeGrid | None":
         """The grid when `--colocate` spans nodes (each node feeds its own engines), else None."""
-        if not (getattr(args, "colocate", False) and getattr(args, "actor_num_nodes", 1) > 1):
+        if not (args.colocate and args.actor_num_nodes > 1):
             return None
         per_node = args.actor_num_gpus_per_node
         return cls(world=args.actor_num_nodes * per_node, gpus_per_node=per_node,

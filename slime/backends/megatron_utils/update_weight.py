@@ -302,8 +302,10 @@ class WeightSync:
         self._engines: EngineSet | None = None
         self._transport = None
         self.grid = NodeGrid.from_args(args)
-        self.node_host = getattr(args, "node_host", None)  # this rank's node address (its Ray actor sets it)
-        self.node_hosts = tuple(getattr(args, "colocated_node_hosts", None) or ())  # by node index (placement)
+        # this rank's node address (its Ray actor sets it) and every node's (placement sets them): read only where
+        # the run is colocated across nodes
+        self.node_host = args.node_host if self.grid is not None else None
+        self.node_hosts = tuple(args.colocated_node_hosts) if self.grid is not None else ()  # by node index
         self._rank: int | None = None
         self._feeds: NodeFeeds | None = None
         self._node_engines: EngineSet | None = None  # what this node sender feeds: all of it, for the sessions

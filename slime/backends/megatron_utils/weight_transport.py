@@ -352,7 +352,7 @@ class DeltaOptions:
 
 
 def delta_options(args: Any) -> DeltaOptions | None:
-    if getattr(args, "update_weight_mode", "full") != "delta":
+    if args.update_weight_mode != "delta":
         return None
     return DeltaOptions(args.update_weight_delta_encoding or "xor", args.update_weight_delta_checksum or "xxh3-128")
 

@@ -105,8 +105,7 @@ def sglang_server_args_for_engine(args: Any, engine_rank: int, gpu_ids: Sequence
             derived["cuda_graph_backend_prefill"] = "disabled"  # prefill graphs are not memory-saver aware
     if args.sglang_mem_fraction_static is not None:
         derived["mem_fraction_static"] = args.sglang_mem_fraction_static
-    passthrough = dict(getattr(args, "sglang_server_args", None) or {})  # validated by parse_args
-    return {**derived, **passthrough}
+    return {**derived, **args.sglang_server_args}  # the --sglang-* passthrough, resolved by parse_args
 
 
 def build_sglang_command(args: Any, engine_rank: int, host: str, port: int, model_path: str,
@@ -127,9 +126,11 @@ def build_sglang_command(args: Any, engine_rank: int, host: str, port: int, mode
 
 
 def build_embedded_command(args: Any, engine_rank: int, host: str, port: int, model_path: str,
-                           gpu_ids: Sequence[int] | None = None, *, listen_fd: int | None = None) -> list[str]:
+                           gpu_ids: Sequence[int] | None = None, *, listen_fd: int | None = None,
+                           num_threads: int | None = None) -> list[str]:
     """The embedded engine's command; `listen_fd`: a listening socket it inherits (then `port` is that
-    socket's). Its key comes from the environment ($SLIME_API_KEY), never from argv."""
+    socket's); `num_threads`: its torch threads (default: torch's). Its key comes from the environment
+    ($SLIME_API_KEY), never from argv."""
     args = with_defaults(args, LAUNCH_FLAGS)
     flags = ["--model-path", model_path, "--host", host, "--port", str(port)]
     flags += ["--listen-fd", str(listen_fd)] if listen_fd is not None else []
@@ -139,9 +140,8 @@ def build_embedded_command(args: Any, engine_rank: int, host: str, port: int, mo
     if _on_gpus(args):  # the embedded engine on CUDA: its GPU
         gpu = sglang_server_args_for_engine(args, engine_rank, gpu_ids)["base_gpu_id"]
         flags += ["--device", f"cuda:{gpu}"]
-    threads = getattr(args, "embedded_engine_num_threads", None)
-    if threads:
-        flags += ["--num-threads", str(threads)]
+    if num_threads:
+        flags += ["--num-threads", str(num_threads)]
     flags += ["--weight-update-timeout", str(float(args.fence_timeout or 600.0))]
     return python_module_command("slime.backends.embedded_engine.server", flags)
 
@@ -163,21 +163,26 @@ def launch_engine(
     gpu_ids: Sequence[int] | None = None,
     startup_timeout_s: float | None = None,
     log_dir: str | None = None,
+    num_threads: int | None = None,
 ) -> EngineHandle:
     """Start an engine process and return once its /health answers (or raise with its log tail).
 
     Callable from any process: host and port come from the caller (port 0: a free one, which no other
     process can take first); gpu_ids are the CUDA device indices (in this process's view, which the engine
-    inherits) it must run on: SGLang's --base-gpu-id/--gpu-id-step, the embedded engine's --device.
+    inherits) it must run on: SGLang's --base-gpu-id/--gpu-id-step, the embedded engine's --device;
+    num_threads: the embedded engine's torch threads (a benchmark's knob; default: torch's).
     """
     if kind not in BACKENDS:
         raise ValueError(f"unknown engine kind {kind!r}; expected one of {BACKENDS}")
-    deadline = startup_timeout_s or float(getattr(args, "sglang_server_startup_timeout", DEFAULT_STARTUP_TIMEOUT_S))
+    deadline = startup_timeout_s or DEFAULT_STARTUP_TIMEOUT_S
     name = f"{kind}-engine-{engine_rank}"
     if kind == "embedded":  # bound here, served there: the port cannot be lost in between
-        server, bound = start_bound_server(
-            name, lambda p, fd: build_embedded_command(args, engine_rank, host, p, model_path, gpu_ids, listen_fd=fd),
-            host=host, port=port, log_dir=log_dir, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        def command(p: int, fd: int) -> list[str]:
+            return build_embedded_command(args, engine_rank, host, p, model_path, gpu_ids, listen_fd=fd,
+                                          num_threads=num_threads)
+
+        server, bound = start_bound_server(name, command, host=host, port=port, log_dir=log_dir,
+                                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
         server.wait_healthy(deadline)
         return EngineHandle(kind=kind, engine_rank=engine_rank, host=host, port=bound, server=server)
 

@@ -52,11 +52,11 @@ def check_linear_attention(args: argparse.Namespace, config: dict, config_path: 
             fail(f"--experimental-attention-variant dsa contradicts {config_path}: it has no DeepSeek sparse "
                  "attention indexer (index_topk); drop the flag")
         loss_flags = [flag_name(dest) for dest in ("dsa_indexer_loss_coeff", "dsa_indexer_use_sparse_loss")
-                      if getattr(args, dest, None)]
+                      if getattr(args, dest)]
         if loss_flags and not config.get("index_topk"):
             fail(f"{', '.join(loss_flags)}: {config_path} has no DeepSeek sparse attention indexer (index_topk) to "
                  "train; drop the flag")
-        if getattr(args, "dsa_indexer_use_sparse_loss", False) and not getattr(args, "dsa_indexer_loss_coeff", None):
+        if args.dsa_indexer_use_sparse_loss and not args.dsa_indexer_loss_coeff:
             fail("--dsa-indexer-use-sparse-loss without --dsa-indexer-loss-coeff: the indexer's loss is off; set the "
                  "coefficient or drop the flag")
         given = [flag_name(dest) for dest in ("experimental_attention_variant", "linear_attention_freq",

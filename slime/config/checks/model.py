@@ -60,7 +60,7 @@ def check_mtp(args: argparse.Namespace) -> None:
     if layers < 1:
         fail(f"--mtp-num-layers {layers} must be >= 1 (drop it for none)")
     for dest in ("use_routing_replay", "use_rollout_routing_replay"):
-        if getattr(args, dest, False):
+        if getattr(args, dest):
             fail(f"--mtp-num-layers {layers} with {flag_name(dest)} is not supported here: the replayed routes cover "
                  "the decoder's MoE layers, not the MTP layers' routers; drop one of them")
 

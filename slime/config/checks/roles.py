@@ -40,7 +40,7 @@ ROLE_CHECKS: tuple[Callable[[argparse.Namespace], None], ...] = (
 
 def before_checks(args: argparse.Namespace) -> dict[str, Any]:
     """The derived keys' values before any check filled them (taken at the start of validate_args)."""
-    return {key: getattr(args, key, None) for key in ROLE_DERIVED}
+    return {key: getattr(args, key, None) for key in ROLE_DERIVED}  # world sizes and DP: not set yet (None)
 
 
 def check_critic_role(args: argparse.Namespace, overrides: dict[str, Any], before: dict[str, Any],
@@ -65,7 +65,7 @@ def check_critic_role(args: argparse.Namespace, overrides: dict[str, Any], befor
     for warning in caught if overrides or critic_has_own_bundles(args) else ():  # else: the actor's, said once
         warnings.warn(f"{where}: {warning.message}", stacklevel=3)
     args.critic_overrides = {key: getattr(role, key) for key in (*overrides, *ROLE_DERIVED)
-                             if getattr(role, key) != getattr(args, key, None)}
+                             if getattr(role, key) != getattr(args, key)}
 
 
 def _role_namespace(args: argparse.Namespace, overrides: dict[str, Any], before: dict[str, Any]

@@ -74,7 +74,9 @@ def resolve_modes(args: argparse.Namespace) -> None:
         check_colocate_across_nodes(args)
     args.skip_engines = args.debug_train_only
     args.use_critic = args.advantage_estimator == "ppo"
+    args.critic_overrides = {}  # the critic's own flags: checks/roles.py fills them for a critic it checks
     args.start_rollout_id_given = args.start_rollout_id is not None  # else train.py reads it from --load
+    args.restart_count = 0  # the first attempt; --max-restarts: slime/ray/driver/healing.py counts the restarts
     if args.finetune and args.load is None:
         fail("--finetune loads the weights of --load DIR; pass --load")
     if args.dump_details is not None:  # upstream: both debug dumps under one directory

@@ -46,8 +46,7 @@ class HealingPolicy:
 
     @classmethod
     def from_args(cls, args) -> "HealingPolicy":
-        return cls(max_restarts=getattr(args, "max_restarts", 0) or 0,
-                   window_rollouts=getattr(args, "restart_window_rollouts", None))
+        return cls(max_restarts=args.max_restarts, window_rollouts=args.restart_window_rollouts)
 
 
 @dataclass(frozen=True)
@@ -181,7 +180,7 @@ def train_with_healing(train: Callable[[object], None], args, *, multi_node: boo
 
 def restart_metrics(args) -> dict[str, int] | None:
     """The `restart` event of a restarted session (None on the first attempt)."""
-    number = getattr(args, "restart_count", 0)
+    number = args.restart_count
     if not number:
         return None
     return {"run/restarts": number, "run/restart_checkpoint": args.restart_checkpoint}

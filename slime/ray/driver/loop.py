@@ -47,7 +47,7 @@ def catch_up(actors, metrics: MetricsLogger, engine_urls: list[str], version: in
 
 def actor_trains(args, rollout_id: int) -> bool:
     """--num-critic-only-steps N: the first N rollouts train the critic only (the actor and its weights stay)."""
-    return rollout_id >= (getattr(args, "num_critic_only_steps", 0) or 0)
+    return rollout_id >= args.num_critic_only_steps
 
 
 def train_rollout(args, rollout_id: int, data_ref, actors, critic=None,

@@ -246,7 +246,7 @@ def actor_world_size(args) -> int:
 
 def critic_ranks(args) -> int:
     """The critic's ranks on bundles of their own (0: no critic, or one on the actor's bundles)."""
-    if args.debug_rollout_only or not getattr(args, "use_critic", False) or not critic_has_own_bundles(args):
+    if args.debug_rollout_only or not args.use_critic or not critic_has_own_bundles(args):
         return 0
     return critic_world_size(args)
 

@@ -123,7 +123,7 @@ class RunSession:
                 self.actors = RayTrainGroup(args, self.placement)
                 ranks = self.actors.where()
                 self.rank_nodes = [rank["node_ip"] for rank in ranks]
-                if getattr(args, "use_critic", False):
+                if args.use_critic:
                     self.critic = RayTrainGroup(args, self.placement, role="critic")
                     ranks += [{**r, "role": "critic"} for r in self.critic.where()]
         self.metrics.log("placement", args.start_rollout_id, placement_record(ranks, self.rollout.engine_endpoints()))
@@ -214,7 +214,7 @@ def start_line(args, *, device: str) -> str:
     what = []
     if ranks:
         what.append(f"{count(ranks, 'trainer rank')} ({parallel_layout(args)})")
-    if ranks and getattr(args, "use_critic", False):
+    if ranks and args.use_critic:
         where = "on GPUs of their own" if critic_has_own_bundles(args) else "on the trainer ranks' GPUs"
         what.append(f"{count(critic_world_size(args), 'critic rank')} {where}")
     if engines:

@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import ray
 
+from slime.config.critic_role import critic_args
 from slime.config.layout import critic_world_size
 from slime.distributed.progress_hub import HubClient, RayHub, start_hub
 from slime.ray.driver.cluster import worker_env
@@ -30,9 +31,9 @@ logger = logging.getLogger(__name__)
 
 def resolve_ledger_dir(args) -> str:
     """--ledger-dir, or a fresh temp dir; printed so a stuck run can be inspected from another shell."""
-    if not args.ledger_dir:
+    args.ledger_dir_is_temp = not args.ledger_dir
+    if args.ledger_dir_is_temp:
         args.ledger_dir = tempfile.mkdtemp(prefix="slime-ledger-")
-        args.ledger_dir_is_temp = True
     logger.info("ledger dir: %s (where is every rank: python -m slime.distributed.hang_report %s)",
                 args.ledger_dir, args.ledger_dir)
     return args.ledger_dir
@@ -40,7 +41,7 @@ def resolve_ledger_dir(args) -> str:
 
 def remove_temp_ledger_dir(args) -> None:
     """After a run that ended cleanly: the temp ledger dir made for it goes (a failed run keeps it)."""
-    if getattr(args, "ledger_dir_is_temp", False):
+    if args.ledger_dir_is_temp:
         shutil.rmtree(args.ledger_dir, ignore_errors=True)
 
 
@@ -54,8 +55,6 @@ class RayTrainGroup:
         self.world_size = critic_world_size(args) if role == "critic" else actor_world_size(args)
         self.ledger_dir = args.ledger_dir or resolve_ledger_dir(args)
         if role == "critic":
-            from slime.backends.megatron_utils.critic_role import critic_args
-
             args = critic_args(args)
             self.ledger_dir = os.path.join(self.ledger_dir, role)
             os.makedirs(self.ledger_dir, exist_ok=True)
@@ -76,7 +75,7 @@ class RayTrainGroup:
         master_addr, master_port = ray.get(rendezvous, timeout=TRAINER_RENDEZVOUS_CALL_S)
         refs = [r.init.remote(master_addr, master_port, engine_urls) for r in self._ranks]
         starts = self._wait(refs, "init", self.deadlines.driver_init_window_s)
-        explicit = getattr(self.args, "start_rollout_id_given", False)  # --start-rollout-id wins over --load
+        explicit = self.args.start_rollout_id_given  # --start-rollout-id wins over --load
         if len(set(starts)) != 1 or (not explicit and set(starts) != {self.args.start_rollout_id}):
             raise RuntimeError(f"{self.role} ranks resumed at rollouts {sorted(set(starts))}, the driver at "
                                f"{self.args.start_rollout_id}: is --load readable the same way by every rank "

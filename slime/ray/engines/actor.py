@@ -61,7 +61,7 @@ class EngineRayActor:
 
     def start(self, startup_timeout_s: float) -> EngineEndpoint:
         """Start the engine on this node and return once it answers /health."""
-        bind = getattr(self.args, "engine_bind_host", None) or serving_host(_spans_nodes(self.args))
+        bind = self.args.engine_bind_host or serving_host(self.args.spans_nodes)
         devices = self.devices()
         self.engine = launch_engine(  # port 0: one no other process can take first (launch_engine says how)
             self.backend, self.args, self.slot.rank, 0, self.args.hf_checkpoint,
@@ -122,11 +122,6 @@ class RemoteEngine:
 
     def process_state(self) -> str:
         return self._call("process_state", lost="engine actor lost", silent="engine actor not answering")
-
-
-def _spans_nodes(args: Any) -> bool:
-    # Set by create_placement; a run placed by other means is taken to span nodes (node addresses).
-    return getattr(args, "spans_nodes", True)
 
 
 def _url_host(host: str) -> str:

@@ -106,7 +106,7 @@ class RolloutManager:
     def _launch_router(self):
         # Loopback on one node; upstream's node address when the run spans nodes; --sglang-router-ip
         # overrides (0.0.0.0: every interface). The rollout function reaches it at the advertised address.
-        self.args.sglang_router_ip = self.args.sglang_router_ip or serving_host(getattr(self.args, "spans_nodes", True))
+        self.args.sglang_router_ip = self.args.sglang_router_ip or serving_host(self.args.spans_nodes)
         router = launch_router(self.args, [e.url for e in self.engines], log_dir=self.log_dir)
         self.args.sglang_router_ip, self.args.sglang_router_port = advertised_host(router.host), router.port
         return router

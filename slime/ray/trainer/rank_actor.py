@@ -96,7 +96,7 @@ class TrainRayActor:
         kernel picks as it binds, so no other process can take it first, and offers that address and port."""
         from slime.backends.megatron_utils.parallel import host_rendezvous
 
-        host = serving_host(getattr(self.args, "spans_nodes", True))
+        host = serving_host(self.args.spans_nodes)
         self._store = host_rendezvous(self.args, self.world_size, host)
         return host, self._store.port
 

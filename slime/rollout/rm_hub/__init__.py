@@ -90,7 +90,7 @@ def _rule_based(rm_type: str, response: str, label, metadata: dict) -> float | i
 def random_reward(args, sample: Sample) -> int:
     """`--rm-type random`: 0 or 1 with equal odds, a baseline that learns nothing (upstream's rm type). Drawn
     from --seed, the sample index and its response, so a resumed run gives the same rewards."""
-    return random.Random(f"{getattr(args, 'seed', 0)}:{sample.index}:{sample.response}").randint(0, 1)
+    return random.Random(f"{args.seed}:{sample.index}:{sample.response}").randint(0, 1)
 
 
 async def remote_rm(args, sample: Sample) -> Any:
@@ -99,7 +99,7 @@ async def remote_rm(args, sample: Sample) -> Any:
     if not url:
         raise ValueError("--rm-type remote_rm needs --rm-url")
     payload = {"prompt": sample.prompt, "response": sample.response, "label": sample.label}
-    timeout = aiohttp.ClientTimeout(total=getattr(args, "rm_timeout", None) or _REMOTE_RM_TIMEOUT_S)
+    timeout = aiohttp.ClientTimeout(total=_REMOTE_RM_TIMEOUT_S)
     for attempt in range(1, _REMOTE_RM_RETRIES + 1):
         try:
             async with aiohttp.ClientSession(timeout=timeout) as session:

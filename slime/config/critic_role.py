@@ -32,7 +32,7 @@ def critic_args(args) -> argparse.Namespace:
     """The critic's view of the run's flags: its learning rate, checkpoints and model, and its own layout,
     optimizer and batching from --megatron-config-path (checked by slime/config/checks/roles.py); no reference,
     teacher, KL term or HF export (those are the actor's)."""
-    role = {**vars(args), **getattr(args, "critic_overrides", {})}
+    role = {**vars(args), **args.critic_overrides}
     return argparse.Namespace(**{
         **role,
         "role": CRITIC_ROLE,
