@@ -812,7 +812,8 @@ def summary_lines(s: dict) -> list[str]:
     lines.append("MEMORY step " + name + ": " + ("; ".join(
         f"{p} peak {m['peak_gib']:.1f} GiB (static {m['static_gib']:.1f}, above static {m['peak_gib'] - m['static_gib']:.1f}"
         f" = {(m['peak_gib'] - m['static_gib']) * per_32k:.1f} per 32k tokens)" for p, m in paths.items())
-        or "no cycle finished") + f"; parameters {s['params'] / 1e9:.3f} B, trained {s['trained_params'] / 1e6:.1f} M")
+        or "no cycle finished") + (f"; parameters {s['params'] / 1e9:.3f} B, trained {s['trained_params'] / 1e6:.1f} M"
+                                   if "params" in s else ""))  # summaries written before the counts were kept
     verdict = "; ".join(f"{p} fits" for p in paths) or "no cycle finished"
     if s.get("failure"):
         verdict += f"; then {s['failure']}"

@@ -139,6 +139,8 @@ def test_summary_lines_give_ratio_memory_per_32k_and_fit(bench):
     assert "old loss 0.5 grad norm 2.002 (rel diff to the first 0.0e+00 / 1.0e-03)" in parity
     assert "new peak 40.0 GiB (static 10.0, above static 30.0 = 60.0 per 32k tokens)" in memory
     assert fit.endswith("new fits; old fits; peak 50.0 GiB of 139.8 GiB")
+    counted = bench.summary_lines({**_summary(), "params": 4_051_000_000, "trained_params": 28_600_000})[1]
+    assert counted.endswith("; parameters 4.051 B, trained 28.6 M")  # LoRA: the share the optimizer trains
     failed = bench.summary_lines({**_summary(failure="OOM in the warmup cycle of the old path: x"),
                                   "paths": {}})[2]
     assert "no cycle finished; then OOM in the warmup cycle of the old path" in failed
