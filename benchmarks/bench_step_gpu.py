@@ -11,10 +11,12 @@ Paths, switched in place between cycles of one process (same model, data and all
        megatron's own THD RoPE (`.tolist()` of cu_seqlens for q and k in every layer)
   new  (eager kernels) the mask-free kernels (kernel "causal": SDPA causal / lower-right per sequence or zig-zag
        chunk with native GQA, flash-attn varlen when importable) and the sync-free THD RoPE
-  grouped / grouped-base / sequential  (MoE) the new path with the experts as grouped GEMMs; the same as it was
-       before torch's fused AdamW kernel, the skipped identity re-sort of the dispatched tokens at EP1, the experts'
-       gradients added into DDP's buffer as one multi-tensor add and grad clipping's multi-tensor norm and scale;
-       megatron's SequentialMLP (one expert after another)
+  grouped / grouped-prev / grouped-base / sequential  (MoE) the new path with the experts as grouped GEMMs; the
+       same with megatron's per-parameter optimizer copies and its syncing token permute (before the batched copies
+       and the sync-free permute); the same as it was before
+       torch's fused AdamW kernel, the skipped identity re-sort of the dispatched tokens at EP1, the experts'
+       gradients added into DDP's buffer as one multi-tensor add, grad clipping's multi-tensor norm and scale, the
+       batched optimizer copies and the sync-free permute; megatron's SequentialMLP (one expert after another)
 (The old path reads the lengths from the host like the new one: the attention's own per-layer
 `.tolist()` of the code before the sync-free RoPE, a third sync right after RoPE's two, is not replayed.)
 
@@ -46,6 +48,7 @@ import argparse
 import collections
 import contextlib
 import copy
+import functools
 import gc
 import json
 import os
@@ -67,13 +70,17 @@ warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor. is depreca
 
 import torch  # noqa: E402
 
-PATHS = ("fused", "new", "old", "grouped", "grouped-base", "sequential")
-KERNEL_OF_PATH = {"fused": "causal", "new": "causal", "old": "masked", "grouped": "causal", "grouped-base": "causal",
-                  "sequential": "causal"}
+PATHS = ("fused", "new", "old", "grouped", "grouped-prev", "grouped-base", "sequential")
+KERNEL_OF_PATH = {"fused": "causal", "new": "causal", "old": "masked", "grouped": "causal", "grouped-prev": "causal",
+                  "grouped-base": "causal", "sequential": "causal"}
 # MoE experts as grouped GEMMs; the same as before the launch savings around them (see the module doc);
 # SequentialMLP's per-expert loop
-EXPERT_PATHS = ("grouped", "grouped-base", "sequential")
-ATTENTION_PATHS = ("new", "old", "split")  # the attention phase compares the kernels ("split": CP chunks by lse)
+EXPERT_PATHS = ("grouped", "grouped-prev", "grouped-base", "sequential")
+# the attention phase compares the kernels ("new": the default, at CP>1 on Hopper the later chunk as two cuDNN calls
+# merged by lse; "lower-right": every chunk as one SDPA call with the lower-right mask, the default before that;
+# "split-flash": the split with torch's flash kernels)
+ATTENTION_PATHS = ("new", "old", "lower-right", "split-flash")
+SPLIT_PATHS = ("lower-right", "split-flash")  # compared with "old" like "new"
 OOM_EXIT_CODE = 3
 
 
@@ -249,6 +256,8 @@ class AttentionOptions:
     """(query heads, kv heads, head dim)"""
     reps: int
     results_json: str | None
+    profile: tuple[str, ...] = ()
+    """paths whose CP2 call is also profiled: its top kernels (KERNELS lines)"""
 
 
 def parse_attention(argv: list[str]) -> AttentionOptions:
@@ -259,6 +268,7 @@ def parse_attention(argv: list[str]) -> AttentionOptions:
     p.add_argument("--shapes", nargs="+", default=["16:8:128", "32:8:128"], help="heads:kv_heads:head_dim")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--results-json", default=None)
+    p.add_argument("--profile", nargs="*", choices=ATTENTION_PATHS, default=[])
     ns = p.parse_args(argv)
     if ns.device.startswith("cuda") and not torch.cuda.is_available():
         p.error("--device cuda but torch sees no GPU")
@@ -269,7 +279,7 @@ def parse_attention(argv: list[str]) -> AttentionOptions:
         p.error("--tokens must be divisible by 4 (a CP2 zig-zag split)")
     dtype = ns.dtype or ("bf16" if ns.device.startswith("cuda") else "fp32")
     return AttentionOptions(device=ns.device, dtype=dtype, tokens=tuple(ns.tokens), shapes=shapes,
-                            reps=ns.reps, results_json=ns.results_json)
+                            reps=ns.reps, results_json=ns.results_json, profile=tuple(ns.profile))
 
 
 def _timed(fn, device: torch.device, reps: int) -> float:
@@ -302,8 +312,11 @@ class AttentionCase:
         self.grad = make(seq_len // cp_size, heads)
         self.plan = cp_attention.attention_plan((seq_len,), cp_size, 0, device)
         self.scale = head_dim ** -0.5
+        from slime.models.prefix_attention import FLASH
+
         self.kernels = {"new": cp_attention.attend_causal, "old": cp_attention.attend_masked,
-                        "split": cp_attention.attend_split}
+                        "lower-right": functools.partial(cp_attention.attend_causal, split=False),
+                        "split-flash": functools.partial(cp_attention.attend_causal, split=True, lse_kernel=FLASH)}
 
     def run(self, path: str) -> tuple[torch.Tensor, ...]:
         for x in (self.q, self.k, self.v):
@@ -335,6 +348,19 @@ def _new_path_syncs(case: AttentionCase, device: torch.device) -> dict[str, int]
     return sync_sites(list(records))
 
 
+def _kernel_times(case: AttentionCase, path: str, top: int = 10) -> list[tuple[str, int, float]]:
+    """(kernel, launches, ms) of one fwd+bwd call of `path`, the most time first."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    case.run(path)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        case.run(path)
+    events = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    return [(e.key[:70], e.count, e.self_device_time_total / 1e3) for e in events[:top]]
+
+
 def _attention_kernels(case: AttentionCase) -> list[str]:
     """Names of the attention kernels the new path launches (which SDPA backend was taken)."""
     from torch.autograd import DeviceType
@@ -362,10 +388,13 @@ def bench_attention_case(seq_len: int, shape: tuple[int, int, int], cp_size: int
         new, old = case.run("new"), case.run("old")
         result["rel_error"] = {name: _relative_error(a, b) for name, a, b in zip(("out", "dq", "dk", "dv"), new, old)}
         result["speedup"] = result["new"]["tflops"] / result["old"]["tflops"]
-        if "error" not in result["split"]:
-            split = case.run("split")
-            result["split_rel_error"] = {name: _relative_error(a, b) for name, a, b in
-                                         zip(("out", "dq", "dk", "dv"), split, old)}
+        for path in SPLIT_PATHS:
+            if "error" not in result[path]:
+                got = case.run(path)
+                result[f"{path}_rel_error"] = {name: _relative_error(a, b) for name, a, b in
+                                               zip(("out", "dq", "dk", "dv"), got, old)}
+    if cp_size > 1 and device.type == "cuda":
+        result["kernel_ms"] = {path: _kernel_times(case, path) for path in opts.profile}
     result["new_path_syncs"] = _new_path_syncs(case, device)
     result["new_path_kernels"] = _attention_kernels(case)
     del case
@@ -383,8 +412,10 @@ def attention_line(r: dict) -> str:
                      f"{path} {m['tflops']:.0f} TFLOP/s {m['ms']:.2f} ms peak {m['peak_gib']:.2f} GiB")
     ratio = f"new/old = {r['speedup']:.2f}x; " if "speedup" in r else ""
     err = max(r["rel_error"].values()) if "rel_error" in r else float("nan")
-    split_err = max(r["split_rel_error"].values()) if "split_rel_error" in r else float("nan")
-    return (f"RATIO attention {name}: {ratio}{'; '.join(parts)}; max rel diff {err:.1e} (split {split_err:.1e}); "
+    split_err = {p: max(r[f"{p}_rel_error"].values()) if f"{p}_rel_error" in r else float("nan")
+                 for p in SPLIT_PATHS}
+    split_note = ", ".join(f"{p} {e:.1e}" for p, e in split_err.items())
+    return (f"RATIO attention {name}: {ratio}{'; '.join(parts)}; max rel diff {err:.1e} ({split_note}); "
             f"new-path syncs {sum(r['new_path_syncs'].values())}; kernels {r['new_path_kernels'][:3]}")
 
 
@@ -409,7 +440,11 @@ def run_attention(argv: list[str]) -> int:
                 r = bench_attention_case(seq_len, shape, cp_size, opts, device, dtype)
                 results.append(r)
                 print(attention_line(r), flush=True)
-                errors = [*r.get("rel_error", {}).values(), *r.get("split_rel_error", {}).values()]
+                for path, kernels in r.get("kernel_ms", {}).items():
+                    print(f"KERNELS attention cp{cp_size} hq{shape[0]} {seq_len} tokens {path}: "
+                          + "; ".join(f"{name} x{n} {ms:.2f} ms" for name, n, ms in kernels), flush=True)
+                errors = [*r.get("rel_error", {}).values(),
+                          *(e for p in SPLIT_PATHS for e in r.get(f"{p}_rel_error", {}).values())]
                 if "rel_error" not in r or max(errors) > ATTENTION_TOLERANCE[opts.dtype]:
                     failures.append(f"MISMATCH or failure: {attention_line(r)}")
                 if r["new_path_syncs"]:
@@ -435,6 +470,8 @@ class StepOptions:
     data_seed: int
     sync_audit: bool
     profile: bool
+    host_profile: bool
+    """one extra cycle of the first path under cProfile: where the host's time goes (HOST line)"""
     time_budget_s: float
     """start no cycle that would end past this many seconds after start-up (estimated from that
     path's last cycle), so the summary is written inside the caller's deadline"""
@@ -453,6 +490,7 @@ def parse_step(argv: list[str]) -> tuple[StepOptions, list[str]]:
     p.add_argument("--data-seed", type=int, default=0)
     p.add_argument("--sync-audit", action="store_true")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--host-profile", action="store_true")
     p.add_argument("--time-budget-s", type=float, default=1e9)
     p.add_argument("--results-json", default=None)
     p.add_argument("--checkpoint-dir", default=None, help="where the config-only HF checkpoint is written")
@@ -463,7 +501,7 @@ def parse_step(argv: list[str]) -> tuple[StepOptions, list[str]]:
     return StepOptions(model=ns.model, paths=tuple(dict.fromkeys(ns.paths)), cycles=ns.cycles,
                        num_samples=ns.num_samples, min_tokens=ns.min_tokens, max_tokens=ns.max_tokens,
                        data_seed=ns.data_seed, sync_audit=ns.sync_audit, profile=ns.profile,
-                       time_budget_s=ns.time_budget_s, results_json=ns.results_json, checkpoint_dir=ckpt), rest
+                       host_profile=ns.host_profile, time_budget_s=ns.time_budget_s, results_json=ns.results_json, checkpoint_dir=ckpt), rest
 
 
 def hybrid_config(shape: ModelShape):
@@ -553,12 +591,15 @@ def use_path(actor, path: str) -> int:
         raise RuntimeError(f"--paths {path} compares MoE experts; the model has no GroupedExperts (dense model, "
                            "or --no-moe-grouped-gemm)")
     base = path == "grouped-base"  # before the fused AdamW, the skipped re-sort and the multi-tensor grad adds
+    previous = base or path == "grouped-prev"  # before the batched optimizer copies and the sync-free permute
     for module in experts:
         module.grouped = path != "sequential"
         module.into_main_grad = not base
     megatron_core.apply_thd_rope(enabled=path != "old")
     megatron_core.apply_moe_identity_sort(enabled=not base)
     megatron_core.apply_grad_norm_without_host_sync(multi_tensor=not base)
+    megatron_core.apply_batched_optimizer_copies(enabled=not previous)
+    megatron_core.apply_permute_without_host_sync(enabled=not previous)
     use_fused_adam(actor.optimizer, fused_adam_chosen(next(actor.model[0].parameters()).device) and not base)
     fused_kernels.configure("compile" if path == "fused" else "eager")
     for module in (m for chunk in actor.model for m in chunk.modules() if isinstance(m, MLP)):
@@ -578,7 +619,9 @@ def path_in_use(actor) -> dict:
 
     return {"thd_rope": megatron_core.thd_rope_in_use(), "kernels": sorted({m.kernel for m in attention_modules(actor)}),
             "fused_kernels": fused_kernels.active(), "adam": adam_kernel_in_use(actor.optimizer),
-            "moe_identity_sort_skipped": megatron_core.moe_identity_sort_in_use()}
+            "moe_identity_sort_skipped": megatron_core.moe_identity_sort_in_use(),
+            "batched_optimizer_copies": megatron_core.batched_optimizer_copies_in_use(),
+            "permute_without_host_sync": megatron_core.permute_without_host_sync_in_use()}
 
 
 def cycle_schedule(paths: tuple[str, ...], cycles: int) -> list[tuple[str, str]]:
@@ -708,6 +751,29 @@ class StepBench:
                 "top_kernels": [{"name": e.key[:120], "gpu_s": e.self_device_time_total / 1e6, "calls": e.count}
                                 for e in kernels[:20]]}
 
+    def host_profile_cycle(self, path: str, top: int = 14) -> dict:
+        """One cycle under cProfile (the host's Python time; the profiler's own cost inflates it): the functions
+        with the most own time, and the phase clock's split of the same cycle."""
+        import cProfile
+        import pstats
+
+        use_path(self.actor, path)
+        profiler = cProfile.Profile()
+        start = time.perf_counter()
+        profiler.enable()
+        try:
+            self._train()
+            synchronize(self.device)
+        finally:
+            profiler.disable()
+        wall = time.perf_counter() - start
+        stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, primitive, own s, cumulative s, callers)
+        rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+        return {"path": path, "wall_s": wall, "phase_s": {k: round(v, 3) for k, v in sorted(self.clock.take().items())},
+                "top_own": [{"function": f"{Path(f).parent.name}/{Path(f).name}:{line} {name}", "calls": v[0],
+                             "own_s": round(v[2], 4), "cumulative_s": round(v[3], 4)}
+                            for (f, line, name), v in rows]}
+
     # -- the run -----------------------------------------------------------------------------
     def out_of_time(self, estimate_s: float) -> bool:
         """Every rank agrees: the decision is reduced (MAX) over the world."""
@@ -746,6 +812,14 @@ class StepBench:
             self.report(f"PROFILE {self.opts.model} {first}: kernels {p['kernel_s']:.2f} s of a {p['wall_s']:.2f} s step "
                         f"({100 * p['kernel_share']:.0f} %); by kind {p['kernel_s_by_kind']}; top: "
                         + "; ".join(f"{k['name'][:60]} {k['gpu_s']:.2f}s" for k in p["top_kernels"][:6]))
+        if self.opts.host_profile and first in last:
+            if self.out_of_time(3 * last[first]):
+                return self._stop("time budget: no host-profiled cycle")
+            self.current = f"host-profiled cycle of the {first} path"
+            h = self.extras[f"host_profile_{first}"] = self.host_profile_cycle(first)
+            self.report(f"HOST {self.opts.model} {first}: {h['wall_s']:.2f} s under cProfile, phases {h['phase_s']}; "
+                        "own time: " + "; ".join(f"{r['function']} x{r['calls']} {r['own_s']:.3f}s"
+                                                 for r in h["top_own"]))
         return self.summary()
 
     def _stop(self, why: str) -> dict:

@@ -9,8 +9,8 @@
 #               TFLOP/s of the active parameters, peak memory, loss / grad-norm parity, a profiled grouped cycle;
 #               before it, benchmarks/check_grouped_experts_gpu.py (grouped_mm vs loop at one expert layer)
 #   moefused    the same MoE step on the fused path (--fused-kernels compile: norms, RoPE, the experts' weighted
-#               SwiGLU, the log-prob head compiled), its first cycle the compile (101 s on one H200: give SMF_CAP
-#               >= 300 for timed cycles)
+#               SwiGLU, the log-prob head compiled), its first cycle the compile (90-101 s on one H200: give SMF_CAP
+#               >= 250 for timed cycles); SMF_PATHS="fused grouped sequential" compares the three in one process
 #   glm         GLM-4.7-Flash-shaped MoE step (8 of 47 layers: MLA, 64 experts top-4 sigmoid router + shared expert,
 #               the first MLP dense; EP1), grouped experts (GLM_PATHS adds sequential), a profiled cycle
 #   compile     the fused path's first step (0.6B) in two fresh processes sharing one empty inductor cache dir
@@ -74,7 +74,7 @@ explain_failure() {
   [ "$rc" -eq 124 ] && why="timed out (exit 124)"; [ "$rc" -eq 137 ] && why="killed (exit 137: out of time or memory)"
   echo "FAILED $name: $why; the last lines of $log:"; tail -n 15 "$log" | cut -c1-300 | sed 's/^/  | /'
 }
-summarize() { grep -h "^RATIO\|^MEMORY\|^FIT\|^PARITY\|^GROUPED_CHECK\|^SYNC\|^PROFILE\|^OOM\|^FAILED\|^MISMATCH\|^STOPPED" "$OUT/$1.log" | cut -c1-900 | tee -a "$OUT/summary.txt"; }
+summarize() { grep -h "^RATIO\|^KERNELS\|^HOST\|^MEMORY\|^FIT\|^PARITY\|^GROUPED_CHECK\|^SYNC\|^PROFILE\|^OOM\|^FAILED\|^MISMATCH\|^STOPPED" "$OUT/$1.log" | cut -c1-900 | tee -a "$OUT/summary.txt"; }
 # run NAME CAP_S CMD...: the command under min(CAP_S, time left - 10 s), its output in $OUT/NAME.log
 run() {
   local name=$1 cap=$2; shift 2
@@ -101,19 +101,19 @@ step() {  # step NAME CAP_S PREFIX MODEL FLAGS...: one torchrun of the step benc
 
 # PHASES picks phases (default all): e.g. PHASES=moe runs only the MoE step
 want() { [ -z "${PHASES:-}" ] || [[ " $PHASES " == *" $1 "* ]]; }
-want attention && run attention "${ATTN_CAP:-100}" "$PY" benchmarks/bench_step_gpu.py attention "${ATTN[@]}" --results-json "$OUT/attention.json"
+want attention && run attention "${ATTN_CAP:-100}" "$PY" benchmarks/bench_step_gpu.py attention "${ATTN[@]}" ${ATTN_EXTRA:-} --results-json "$OUT/attention.json"
 
 SMOE_NUM_SAMPLES=${SMOE_NUM_SAMPLES:-4} SMOE_MIN_TOKENS=${SMOE_MIN_TOKENS:-6144} SMOE_MAX_TOKENS=${SMOE_MAX_TOKENS:-8192}
 SMOE_CYCLES=${SMOE_CYCLES:-2}
 if want moe; then  # Qwen3-30B-A3B-shaped MoE step (8 layers, 128 experts, top-8, EP1): grouped vs sequential experts
   [ "${DRY_RUN:-0}" = 1 ] || [ "${MOE_CHECK:-1}" = 0 ] || run moecheck 60 "$PY" benchmarks/check_grouped_experts_gpu.py
   # --lr 0: every cycle trains the same weights, so PARITY compares the two paths' loss and grad norm
-  step moe "${SMOE_CAP:-300}" SMOE "$MMOE" --paths ${SMOE_PATHS:-grouped sequential} --profile --lr 0 --moe-grouped-gemm \
+  step moe "${SMOE_CAP:-300}" SMOE "$MMOE" --paths ${SMOE_PATHS:-grouped sequential} --profile ${SMOE_EXTRA:-} --lr 0 --moe-grouped-gemm \
     --max-tokens-per-gpu "${SMOE_TOKENS_PER_GPU:-8192}" --moe-token-dispatcher-type alltoall --moe-router-dtype fp32 \
     --use-distributed-optimizer
 fi
 if want moefused; then  # the same step with the compiled kernels on top of the grouped experts
-  step moefused "${SMF_CAP:-240}" SMOE "$MMOE" --paths fused --lr 0 --moe-grouped-gemm \
+  step moefused "${SMF_CAP:-240}" SMOE "$MMOE" --paths ${SMF_PATHS:-fused} --lr 0 --moe-grouped-gemm \
     --max-tokens-per-gpu "${SMOE_TOKENS_PER_GPU:-8192}" --moe-token-dispatcher-type alltoall --moe-router-dtype fp32 \
     --use-distributed-optimizer
 fi

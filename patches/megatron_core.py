@@ -15,6 +15,14 @@ without a host-device sync per parameter, and its norms and scaling as multi-ten
 received tokens by local expert where that order is the identity (one rank in EP x expert-TP), instead
 of copying every routed row into the same order.
 
+`apply_permute_without_host_sync()` (every machine): the MoE dispatcher's token permutation in a dropless run
+without its two host-device syncs per layer (megatron's `masked_select`), the same rows in the same order.
+
+`apply_batched_optimizer_copies()` (every machine): the distributed optimizer's two per-parameter copy loops
+(model grads -> fp32 main grads before the step, fp32 main params -> the model's param buffer after it) as
+multi-tensor copies over views made once per optimizer, instead of a Python loop of range lookups, slices and
+one kernel per parameter (about 2,100 of each in a Qwen3-30B-A3B-shaped step at EP1). The same values.
+
 `apply_router_padding_mask()` (every machine): the MoE router's padding mask, so padding tokens are
 not counted by the expert-bias update or the aux losses (three spots of megatron's path, below).
 
@@ -41,6 +49,7 @@ import functools
 import importlib
 import sys
 import types
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -606,6 +615,46 @@ def moe_identity_sort_in_use() -> bool:
     return token_dispatcher.sort_chunks_by_idxs is _sort_chunks_unless_identity
 
 
+def _permute_without_host_sync(tokens, routing_map, probs=None, num_out_tokens=None, fused=False,
+                               drop_and_pad=False):
+    """megatron's unfused `permute` without its two host-device syncs.
+
+    It gathers the routed (expert, token) pairs with `masked_select`, whose output size only the GPU knows: the
+    host waits for the GPU twice per MoE layer and micro-batch (128 waits in a Qwen3-30B-A3B-shaped step on one
+    H200). In a dropless run the dispatcher knows that size (tokens x top-k, a Python int), as TransformerEngine's
+    fused permute is told it too; `nonzero_static` of that size lists the same pairs in the same (expert-major)
+    order on the device. Token dropping, padding to capacity and the fused path keep megatron's own."""
+    if fused or drop_and_pad or not isinstance(num_out_tokens, int):
+        from megatron.core.transformer.moe import moe_utils
+
+        return moe_utils.permute(tokens, routing_map, probs=probs, num_out_tokens=num_out_tokens,
+                                 fused=fused, drop_and_pad=drop_and_pad)
+    num_tokens = tokens.shape[0]
+    expert_major = routing_map.bool().T.contiguous()
+    pairs = torch.nonzero_static(expert_major, size=num_out_tokens)  # [num_out, 2]: (expert, token)
+    sorted_indices = pairs[:, 1]
+    permuted_probs = None
+    if probs is not None:
+        permuted_probs = probs.T.contiguous().view(-1).index_select(0, pairs[:, 0] * num_tokens + sorted_indices)
+    return tokens.index_select(0, sorted_indices), permuted_probs, sorted_indices
+
+
+def apply_permute_without_host_sync(enabled: bool = True) -> None:
+    """Point the MoE token dispatchers at the sync-free permute (idempotent); `enabled=False` puts megatron's own
+    back (the benchmark's comparison)."""
+    try:
+        from megatron.core.transformer.moe import moe_utils, token_dispatcher
+    except ImportError:
+        return
+    token_dispatcher.permute = _permute_without_host_sync if enabled else moe_utils.permute
+
+
+def permute_without_host_sync_in_use() -> bool:
+    from megatron.core.transformer.moe import token_dispatcher
+
+    return token_dispatcher.permute is _permute_without_host_sync
+
+
 # ------------------------------------------------------------------ grad norm and clipping (every machine)
 def _by_device_and_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     groups: dict[tuple, list[torch.Tensor]] = {}
@@ -663,6 +712,107 @@ def apply_grad_norm_without_host_sync(multi_tensor: bool = True) -> None:
         clip_grads.l2_norm_impl = _l2_norm_without_host_sync if multi_tensor else _l2_norm_per_tensor
     if clip_grads.multi_tensor_scale_impl in (utils.local_multi_tensor_scale, _scale_without_a_copy):
         clip_grads.multi_tensor_scale_impl = _scale_without_a_copy if multi_tensor else utils.local_multi_tensor_scale
+
+
+# ------------------------------------------------------------------ distributed optimizer copies (every machine)
+_UPSTREAM_OPTIMIZER_COPIES: dict[str, Callable] = {}
+
+
+@dataclass(frozen=True)
+class _ShardViews:
+    """One distributed optimizer's fixed pairs: each trained parameter's slice of its DDP grad buffer and of its
+    param buffer, beside the fp32 main parameter that shard maps to. Views follow their storages, so they stay
+    valid across the colocated sleep (storages freed and re-allocated in place); `buffers` names the DDP buffer
+    tensors they were cut from, to notice buffers that were replaced."""
+
+    buffers: tuple[int, ...]
+    main_params: list[torch.Tensor]
+    grad_shards: list[torch.Tensor]
+    param_shards: list[torch.Tensor]
+
+
+def _buffer_ids(opt) -> tuple[int, ...]:
+    return tuple(id(t) for b in opt.buffers for t in (b.grad_data, b.param_data))
+
+
+def _shard_views(opt) -> _ShardViews:
+    views = getattr(opt, "_slime_shard_views", None)
+    if views is not None and views.buffers == _buffer_ids(opt):
+        return views
+    main_params, grad_shards, param_shards = [], [], []
+    pairs = ((opt.model_float16_groups, opt.shard_fp32_from_float16_groups), (opt.model_fp32_groups, opt.shard_fp32_groups))
+    for model_groups, main_groups in pairs:
+        for model_group, main_group in zip(model_groups, main_groups):
+            for model_param, main_param in zip(model_group, main_group):
+                ranges = opt._get_model_param_range_map(model_param)
+                own, world = ranges["param"], ranges["gbuf_world_in_bucket"]
+                gbuf_index, _, bucket_id = opt.model_param_gbuf_map[model_param]
+                main_params.append(main_param)
+                grad_shards.append(model_param.main_grad.view(-1)[own.start:own.end])
+                param_shards.append(opt.buffers[gbuf_index].buckets[bucket_id].param_data.view(-1)[world.start:world.end])
+    views = _ShardViews(_buffer_ids(opt), main_params, grad_shards, param_shards)
+    opt._slime_shard_views = views
+    return views
+
+
+def _batched_copies_apply(opt) -> bool:
+    """The batched copies serve the plain bf16/fp16 + fp32-main-params optimizer; FSDP, the precision-aware
+    optimizer, FP8 parameters and the stub keep megatron's loops."""
+    from megatron.core.fp8_utils import is_float8tensor
+
+    config = opt.config
+    return not (opt.is_stub_optimizer or opt.ddp_config.use_megatron_fsdp
+                or config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+                or getattr(config, "reuse_grad_buf_for_mxfp8_param_ag", False)
+                or any(is_float8tensor(p) for g in opt.model_float16_groups for p in g))
+
+
+def _copy_model_grads_to_main_grads(self) -> None:
+    """Each main parameter's .grad = its shard of the DDP grad buffer in fp32 (megatron's `.float()`: the buffer's
+    own view where it is fp32 already, else a cast), the casts as one multi-tensor copy into one fp32 block."""
+    if not _batched_copies_apply(self):
+        return _UPSTREAM_OPTIMIZER_COPIES["grads"](self)
+    views = _shard_views(self)
+    to_cast = [i for i, g in enumerate(views.grad_shards) if g.dtype != torch.float32]
+    grads = list(views.grad_shards)
+    if to_cast:
+        sizes = [grads[i].numel() for i in to_cast]
+        block = torch.empty(sum(sizes), dtype=torch.float32, device=grads[to_cast[0]].device)
+        casts = list(torch.split(block, sizes))
+        torch._foreach_copy_(casts, [grads[i] for i in to_cast])
+        for i, cast in zip(to_cast, casts):
+            grads[i] = cast
+    for main_param, grad in zip(views.main_params, grads):
+        main_param.grad = grad
+
+
+def _copy_main_params_to_model_params(self) -> None:
+    """The updated fp32 main parameters into their shards of the model's param buffer (cast to its dtype), as one
+    multi-tensor copy."""
+    if not _batched_copies_apply(self):
+        return _UPSTREAM_OPTIMIZER_COPIES["params"](self)
+    views = _shard_views(self)
+    if views.param_shards:
+        torch._foreach_copy_(views.param_shards, views.main_params)
+
+
+def apply_batched_optimizer_copies(enabled: bool = True) -> None:
+    """Megatron's DistributedOptimizer copies grads and params through `_copy_model_grads_to_main_grads` and
+    `_copy_main_params_to_model_params`; point both at the batched versions (idempotent), or back (`enabled=False`,
+    the benchmark's comparison)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    names = {"grads": "_copy_model_grads_to_main_grads", "params": "_copy_main_params_to_model_params"}
+    ours = {"grads": _copy_model_grads_to_main_grads, "params": _copy_main_params_to_model_params}
+    for key, attr in names.items():
+        _UPSTREAM_OPTIMIZER_COPIES.setdefault(key, getattr(DistributedOptimizer, attr))
+        setattr(DistributedOptimizer, attr, ours[key] if enabled else _UPSTREAM_OPTIMIZER_COPIES[key])
+
+
+def batched_optimizer_copies_in_use() -> bool:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return DistributedOptimizer._copy_main_params_to_model_params is _copy_main_params_to_model_params
 
 
 # ------------------------------------------------------------------ CPU-only patches

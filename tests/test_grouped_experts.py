@@ -213,6 +213,8 @@ def _launch_savings_child(rank, world, hf_dir, data):
             inner.state.clear()
         megatron_core.apply_moe_identity_sort(enabled=saving)
         megatron_core.apply_grad_norm_without_host_sync(multi_tensor=saving)
+        megatron_core.apply_batched_optimizer_copies(enabled=saving)
+        megatron_core.apply_permute_without_host_sync(enabled=saving)
         for module in experts:
             module.into_main_grad = saving
         use_fused_adam(optimizer, saving)  # the CPU's fused kernel here; CUDA's on a GPU
@@ -233,7 +235,8 @@ def _launch_savings_child(rank, world, hf_dir, data):
 @pytest.mark.timeout(120)
 def test_launch_savings_keep_the_ep1_step_numbers_on_cpu(tmp_path):
     """At EP1 the dispatcher's re-sort is the identity and is skipped, the experts' gradients go into DDP's buffer
-    as one multi-tensor add, grad clipping's norm and scale are multi-tensor and Adam runs torch's fused kernel:
+    as one multi-tensor add, grad clipping's norm and scale are multi-tensor, the tokens are permuted without a
+    host sync, the distributed optimizer's grad and param copies are batched and Adam runs torch's fused kernel:
     log-probs, loss and grad norm are the step's without them, bit for bit, and the updated weights agree to fp32
     rounding."""
     hf_dir = save_tiny_qwen3_moe(str(tmp_path / "moe"))
@@ -245,3 +248,29 @@ def test_launch_savings_keep_the_ep1_step_numbers_on_cpu(tmp_path):
     assert r["fused_adam_False"] == 0, r
     assert r["fused_adam_True"] > 0 and r["sorts_False"] > 0 and r["sorts_True"] == 0, r
     assert (r["added_False"], r["added_True"]) == (False, True), r
+
+
+@pytest.mark.parametrize("with_probs", [True, False])
+def test_permute_without_host_sync_matches_megatrons(with_probs):
+    """The sync-free permute gives megatron's rows, routing weights and indices in the same order, and hands token
+    dropping (no static size) back to megatron's own."""
+    from megatron.core.transformer.moe import moe_utils
+
+    from patches import megatron_core
+
+    gen = torch.Generator().manual_seed(3)
+    num_tokens, num_experts, topk = 37, 8, 3
+    scores = torch.rand(num_tokens, num_experts, generator=gen)
+    top = scores.topk(topk, dim=1).indices
+    routing_map = torch.zeros(num_tokens, num_experts, dtype=torch.bool).scatter_(1, top, True)
+    probs = torch.softmax(scores, dim=1) * routing_map if with_probs else None
+    tokens = torch.randn(num_tokens, 16, generator=gen)
+    want = moe_utils.permute(tokens, routing_map, probs=probs, num_out_tokens=num_tokens * topk)
+    got = megatron_core._permute_without_host_sync(tokens, routing_map, probs=probs, num_out_tokens=num_tokens * topk)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
+    assert (got[1] is None and want[1] is None) if not with_probs else torch.equal(got[1], want[1])
+    dropped = routing_map.clone()
+    dropped[0] = False  # fewer routed pairs than tokens x top-k: only a synced count serves
+    fallback = megatron_core._permute_without_host_sync(tokens, dropped, probs=probs,
+                                                        num_out_tokens=dropped.sum())
+    assert torch.equal(fallback[2], moe_utils.permute(tokens, dropped, probs=probs)[2])

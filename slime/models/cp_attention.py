@@ -19,10 +19,11 @@ positions <= its own. Kernels (`ContextParallelAttention.kernel`):
   zig-zag chunk against its key prefix (the keys up to the chunk's end), causal aligned
   lower-right, i.e. the chunk's last query sees the whole prefix. SDPA with native GQA
   (flash / cuDNN kernels on GPU); with flash-attn importable and fp16/bf16 CUDA inputs, one
-  varlen call for the whole micro-batch instead.
-- "split": "causal" with each chunk shorter than its key prefix (a CP rank's later chunk) computed as two
-  flash calls merged by their log-sum-exp (slime/models/prefix_attention.py) where torch's flash kernels
-  serve the inputs (CUDA fp16/bf16, no dropout); SDPA's lower-right mask has no flash kernel.
+  varlen call for the whole micro-batch instead. Where cuDNN's attention serves the inputs (Hopper,
+  fp16/bf16, no dropout), a chunk shorter than its key prefix (a CP rank's later chunk) is two cuDNN calls
+  merged by their log-sum-exp (slime/models/prefix_attention.py): SDPA's lower-right mask has no cuDNN
+  path, and its flash path ran at 280-330 TFLOP/s on a CP2 rank of one H200 against 410-510 for the split.
+- "split": "causal" with that split wherever torch's flash or cuDNN kernels serve the inputs.
 - "masked": SDPA with an explicit [tq, tk] boolean mask and GQA by repeat_interleave, the
   path before the causal kernels: the reference the causal kernels are tested against, and the "old"
   side of benchmarks/bench_step_gpu.py.
@@ -46,7 +47,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch.nn.attention.bias import causal_lower_right
 
-from slime.models.prefix_attention import flash_usable, prefix_attention
+from slime.models.prefix_attention import LseKernel, cudnn_usable, flash_usable, prefix_attention
 
 try:
     from flash_attn import flash_attn_varlen_func
@@ -116,6 +117,8 @@ class AttentionPlan:
     sequences: tuple[SequenceChunks, ...]
     key_order: Optional[torch.Tensor]
     """Gathered (rank-major) key index of every key in global order; None without CP."""
+    key_order_inverse: Optional[torch.Tensor]
+    """Global-order index of every gathered key (key_order's inverse permutation); None without CP."""
     query_positions: tuple[torch.Tensor, ...]
     """Global position of every local query, per sequence (the masked kernel's mask)."""
     varlen_cu_q: torch.Tensor
@@ -166,9 +169,11 @@ def attention_plan(lengths: tuple[int, ...], cp_size: int, cp_rank: int, device:
         offset += local_len
     cumsum = lambda values: torch.tensor([0, *values], dtype=torch.int64).cumsum(0).to(torch.int32)  # noqa: E731
     to = functools.partial(_to_device, device=device)
+    order = torch.cat(orders)
     return AttentionPlan(
         sequences=tuple(sequences),
-        key_order=to(torch.cat(orders)) if cp_size > 1 else None,
+        key_order=to(order) if cp_size > 1 else None,
+        key_order_inverse=to(torch.argsort(order)) if cp_size > 1 else None,
         query_positions=tuple(to(p) for p in positions),
         varlen_cu_q=to(cumsum([q for q, _ in segments])),
         varlen_cu_k=to(cumsum([k for _, k in segments])),
@@ -210,26 +215,44 @@ def masked_attention(q, k, v, query_pos, key_pos, *, scale: float, dropout_p: fl
     return out.squeeze(0).transpose(0, 1)
 
 
+class _Permuted(torch.autograd.Function):
+    """x[order] for a permutation `order`: its backward is the gradient gathered by the inverse permutation, not
+    an index_add into zeros (a fill and an atomic add per row, 6 % of a CP2 rank's attention on one H200)."""
+
+    @staticmethod
+    def forward(ctx, x, order, inverse):
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, order)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
 def _in_global_order(k, v, plan: AttentionPlan):
     if plan.key_order is None:
         return k, v
-    return k.index_select(0, plan.key_order), v.index_select(0, plan.key_order)
+    order, inverse = plan.key_order, plan.key_order_inverse
+    return _Permuted.apply(k, order, inverse), _Permuted.apply(v, order, inverse)
 
 
 def attend_causal(q, k, v, plan: AttentionPlan, *, scale: float, dropout_p: float,
-                  split: bool = False) -> torch.Tensor:
-    """The "causal" kernel: q [t_local, hq, d], k/v gathered over CP (rank-major) -> [t_local, hq, d]. With
-    `split`, a chunk shorter than its key prefix goes through prefix_attention where flash serves it."""
+                  split: bool | None = None, lse_kernel: LseKernel | None = None) -> torch.Tensor:
+    """The "causal" kernel: q [t_local, hq, d], k/v gathered over CP (rank-major) -> [t_local, hq, d]. `split`
+    (None: where cuDNN serves the inputs): a chunk shorter than its key prefix goes through prefix_attention
+    (with `lse_kernel`, else its default) where flash or cuDNN serves it."""
     if flash_attn_varlen_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         return attend_flash_varlen(q, k, v, plan, scale=scale, dropout_p=dropout_p)
     k, v = _in_global_order(k, v, plan)
-    split = split and dropout_p == 0.0 and flash_usable(q)
+    split = (cudnn_usable(q) if split is None else split) and dropout_p == 0.0 and flash_usable(q)
     outputs = []
     for seq in plan.sequences:
         keys, values = k[seq.keys], v[seq.keys]
         for queries, prefix in seq.query_chunks:
             if split and prefix > queries.stop - queries.start:
-                outputs.append(prefix_attention(q[queries], keys[:prefix], values[:prefix], scale=scale))
+                outputs.append(prefix_attention(q[queries], keys[:prefix], values[:prefix], scale=scale,
+                                                kernel=lse_kernel))
                 continue
             outputs.append(causal_chunk_attention(q[queries], keys[:prefix], values[:prefix],
                                                   scale=scale, dropout_p=dropout_p))
@@ -237,7 +260,7 @@ def attend_causal(q, k, v, plan: AttentionPlan, *, scale: float, dropout_p: floa
 
 
 def attend_split(q, k, v, plan: AttentionPlan, *, scale: float, dropout_p: float) -> torch.Tensor:
-    """The "split" kernel: attend_causal with the later CP chunks as two merged flash calls."""
+    """The "split" kernel: attend_causal with the later CP chunks as two lse-merged kernel calls."""
     return attend_causal(q, k, v, plan, scale=scale, dropout_p=dropout_p, split=True)
 
 
