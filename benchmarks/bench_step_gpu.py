@@ -820,11 +820,19 @@ class StepBench:
             self.report(f"HOST {self.opts.model} {first}: {h['wall_s']:.2f} s under cProfile, phases {h['phase_s']}; "
                         "own time: " + "; ".join(f"{r['function']} x{r['calls']} {r['own_s']:.3f}s"
                                                  for r in h["top_own"]))
-        return self.summary()
+        return self._finish()
 
     def _stop(self, why: str) -> dict:
         self.extras["stopped_early"] = why
         self.report("STOPPED " + why)
+        return self._finish()
+
+    def _finish(self) -> dict:
+        """The summary, after the compile counters where the fused path ran (a run cut short reports them too:
+        a warm start's first step is often all it measures)."""
+        if "fused" in self.opts.paths:
+            c = self.extras["compile_counters"] = compile_counters()
+            self.report(f"COMPILE_COUNTERS {self.opts.model}: {json.dumps(c)}")
         return self.summary()
 
     def layout(self) -> dict:
@@ -867,6 +875,18 @@ class StepBench:
             print(line, flush=True)
             write_json(self.opts.results_json, {"options": asdict(self.opts), "summary": self.summary(),
                                                 "cycles": self.cycles})
+
+
+def compile_counters() -> dict:
+    """What torch.compile did in this process: graphs compiled, cache hits and misses (FX graph, AOTAutograd),
+    recompiles, and the seconds by compile stage (where a warm start's time goes)."""
+    from torch._dynamo.utils import compile_times, counters
+
+    kept = ("stats", "inductor", "aot_autograd", "recompiles", "frames")
+    out = {group: {k: v for k, v in counters[group].items() if isinstance(v, int)} for group in kept if group in counters}
+    names, totals = compile_times(repr="csv", aggregate=True)
+    out["seconds_by_stage"] = {name: round(float(t), 2) for name, t in zip(names, totals) if float(t) >= 0.5}
+    return out
 
 
 def summary_lines(s: dict) -> list[str]:

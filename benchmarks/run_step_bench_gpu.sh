@@ -74,7 +74,7 @@ explain_failure() {
   [ "$rc" -eq 124 ] && why="timed out (exit 124)"; [ "$rc" -eq 137 ] && why="killed (exit 137: out of time or memory)"
   echo "FAILED $name: $why; the last lines of $log:"; tail -n 15 "$log" | cut -c1-300 | sed 's/^/  | /'
 }
-summarize() { grep -h "^RATIO\|^KERNELS\|^HOST\|^MEMORY\|^FIT\|^PARITY\|^GROUPED_CHECK\|^SYNC\|^PROFILE\|^OOM\|^FAILED\|^MISMATCH\|^STOPPED" "$OUT/$1.log" | cut -c1-900 | tee -a "$OUT/summary.txt"; }
+summarize() { grep -h "^RATIO\|^KERNELS\|^COMPILE_COUNTERS\|^HOST\|^MEMORY\|^FIT\|^PARITY\|^GROUPED_CHECK\|^SYNC\|^PROFILE\|^OOM\|^FAILED\|^MISMATCH\|^STOPPED" "$OUT/$1.log" | cut -c1-900 | tee -a "$OUT/summary.txt"; }
 # run NAME CAP_S CMD...: the command under min(CAP_S, time left - 10 s), its output in $OUT/NAME.log
 run() {
   local name=$1 cap=$2; shift 2
