@@ -152,7 +152,7 @@ def test_gpu_ids_become_device_indices_through_the_inherited_visible_list():
 
 
 def test_sglang_gets_its_bundles_gpus_not_rank_arithmetic():
-    args = types.SimpleNamespace(rollout_num_gpus_per_engine=2, num_gpus_per_node=8, seed=1, sglang_server_args={})
+    args = defaults_namespace(rollout_num_gpus_per_engine=2, num_gpus_per_node=8, seed=1, sglang_server_args={})
     assert sglang_server_args_for_engine(args, 0, gpu_ids=[4, 5])["base_gpu_id"] == 4
     spaced = sglang_server_args_for_engine(args, 0, gpu_ids=[1, 3])
     assert (spaced["base_gpu_id"], spaced["gpu_id_step"]) == (1, 2)

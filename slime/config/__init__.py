@@ -9,7 +9,7 @@ this package's own namespace holds only what the rooms below the checks read: th
 
 from __future__ import annotations
 
-from slime.config.defaults import defaults_namespace, with_defaults
+from slime.config.defaults import defaults_namespace
 from slime.config.layout import LAYOUT_FLAGS, ParallelLayout, build_parallel_layout
 
-__all__ = ["LAYOUT_FLAGS", "ParallelLayout", "build_parallel_layout", "defaults_namespace", "with_defaults"]
+__all__ = ["LAYOUT_FLAGS", "ParallelLayout", "build_parallel_layout", "defaults_namespace"]

@@ -28,8 +28,7 @@ import logging
 import sys
 from typing import Callable, Iterator
 
-from slime.config.defaults import with_defaults
-from slime.config.layout import LAYOUT_FLAGS, build_parallel_layout, critic_has_own_bundles, critic_world_size
+from slime.config.layout import build_parallel_layout, critic_has_own_bundles, critic_world_size
 from slime.ray.driver.cluster import PlacementError, cluster_address
 from slime.ray.driver.healing import (HealingRefusedError, RepeatedFailureError, note_failure, restart_metrics,
                                       train_with_healing)
@@ -198,15 +197,8 @@ def parallel_layout(args) -> str:
     return " x ".join(p for p in parts if p) or "one rank"
 
 
-# The flags the start line reads.
-START_LINE_FLAGS = (*LAYOUT_FLAGS, "debug_rollout_only", "debug_train_only", "rollout_num_gpus",
-                    "rollout_num_gpus_per_engine", "colocate", "num_rollout", "rollout_batch_size",
-                    "n_samples_per_prompt", "critic_num_nodes", "critic_num_gpus_per_node")
-
-
 def start_line(args, *, device: str) -> str:
     """What the run starts, printed before anything slow happens (from the flags alone)."""
-    args = with_defaults(args, START_LINE_FLAGS)  # loop tests drive train.py with args built by hand
     ranks = 0 if args.debug_rollout_only else args.actor_num_nodes * args.actor_num_gpus_per_node
     per_engine = args.rollout_num_gpus_per_engine
     engine_gpus = 0 if args.debug_train_only else args.rollout_num_gpus or 0
