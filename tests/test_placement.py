@@ -14,6 +14,7 @@ import types
 
 import pytest
 
+from arg_testing import driver_args
 from slime.backends.sglang_utils.launcher import gpu_id_layout, sglang_server_args_for_engine
 from slime.config import defaults_namespace
 from slime.ray.driver.cluster import PlacementError, cluster_address, worker_env
@@ -243,7 +244,7 @@ def _layout_args(tmp_path, **overrides):
                 engine_bind_host=None, ledger_dir=str(tmp_path), fence_timeout=60.0, seed=1,
                 api_key=ApiKey.generate(),  # as parse_args makes it: every actor takes the run's key
                 use_critic=False, sglang_server_args={})  # derived by parse_args
-    return defaults_namespace(**{**args, **overrides})
+    return driver_args(**{**args, **overrides})
 
 
 def _assignments(args):
