@@ -20,7 +20,6 @@ import statistics
 import sys
 import tempfile
 import time
-import types
 from pathlib import Path
 
 import torch
@@ -32,6 +31,7 @@ if str(ROOT) not in sys.path:
 from slime.backends.megatron_utils.weight_transport import DeltaOptions, EngineSet, build_transport  # noqa: E402
 from slime.backends.sglang_utils.http_client import ClientTimeouts  # noqa: E402
 from slime.backends.sglang_utils.launcher import launch_engine  # noqa: E402
+from slime.config import defaults_namespace  # noqa: E402
 from slime.utils.security import ApiKey, use_key  # noqa: E402
 
 
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
 
         checkpoint = str(write_tiny_checkpoint(workdir / "tiny-qwen3"))
     use_key(ApiKey.generate())
-    launch_args = types.SimpleNamespace(seed=1, fence_timeout=300.0)
+    launch_args = defaults_namespace(seed=1, fence_timeout=300.0)
     handles = [launch_engine("embedded", launch_args, i, 0, checkpoint, startup_timeout_s=600,
                              log_dir=str(workdir / "logs"), num_threads=1) for i in range(opts.engines)]
     engines = EngineSet(tuple(h.url for h in handles), ClientTimeouts(weight_update=600.0))

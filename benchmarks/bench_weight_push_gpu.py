@@ -18,7 +18,6 @@ import json
 import statistics
 import tempfile
 import time
-import types
 from pathlib import Path
 
 import torch
@@ -27,6 +26,7 @@ from slime.backends.megatron_utils.update_weight import DEFAULT_BUCKET_BYTES, pa
 from slime.backends.megatron_utils.weight_transport import EngineSet, TensorTransport
 from slime.backends.sglang_utils.http_client import ClientTimeouts
 from slime.backends.sglang_utils.launcher import launch_engine
+from slime.config import defaults_namespace
 from slime.utils.security import ApiKey, use_key
 
 METHODS = ("shm", "ipc")
@@ -107,8 +107,8 @@ def main(argv: list[str] | None = None) -> None:
     plan = pack_buckets([(n, t.numel() * t.element_size()) for n, t in named], opts.bucket_bytes)
     buckets = [[(n, by_name[n]) for n in bucket.hf_names] for bucket in plan]
     use_key(ApiKey.generate())
-    args = types.SimpleNamespace(seed=1, bf16=True, fence_timeout=300.0, update_weight_buffer_size=opts.bucket_bytes,
-                                 train_backend_device="auto" if on_gpu else "cpu", sglang_server_args={})
+    args = defaults_namespace(seed=1, bf16=True, fence_timeout=300.0, update_weight_buffer_size=opts.bucket_bytes,
+                              train_backend_device="auto" if on_gpu else "cpu", sglang_server_args={})
     workdir = Path(tempfile.mkdtemp(prefix="bench-push-gpu-"))
     handle = launch_engine("embedded", args, 0, 0, opts.checkpoint, gpu_ids=[0] if on_gpu else None,
                            startup_timeout_s=300,

@@ -22,7 +22,6 @@ import os
 import statistics
 import tempfile
 import time
-import types
 from pathlib import Path
 
 import torch
@@ -36,6 +35,7 @@ from slime.backends.megatron_utils.weight_transport import (
 from slime.backends.sglang_utils.http_client import ClientTimeouts
 from slime.backends.sglang_utils.launcher import launch_engine
 from slime.backends.sglang_utils.named_tensors import deserialize_named_tensors
+from slime.config import defaults_namespace
 from slime.utils.ports import find_free_port
 from slime.utils.security import ApiKey, use_key
 
@@ -63,7 +63,7 @@ def exported_weights(checkpoint: str) -> tuple[list[tuple[str, torch.Tensor]], f
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_port()), RANK="0", WORLD_SIZE="1")
     dist.init_process_group("gloo", rank=0, world_size=1)
-    args = types.SimpleNamespace(tensor_model_parallel_size=1, seed=1)
+    args = defaults_namespace(tensor_model_parallel_size=1, seed=1)
     init_model_parallel(args)
     hf_config = transformers.AutoConfig.from_pretrained(checkpoint)
     model = build_gpt_model(args, hf_config)
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
         checkpoint = str(write_tiny_checkpoint(workdir / "tiny-qwen3"))
     named, export_s = exported_weights(checkpoint)
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
-    launch_args = types.SimpleNamespace(seed=1, fence_timeout=120.0)
+    launch_args = defaults_namespace(seed=1, fence_timeout=120.0)
     use_key(ApiKey.generate())  # the engines require it; every push sends it
     handles = [launch_engine("embedded", launch_args, i, 0, checkpoint, startup_timeout_s=600,
                              log_dir=str(workdir / "logs"), num_threads=1) for i in range(opts.engines)]

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import types
 
 import torch
 
@@ -52,10 +51,11 @@ def _megatron_log_probs(model_path: str, sequences, bf16: bool):
     from slime.backends.megatron_utils.checkpoint import load_model_weights
     from slime.backends.megatron_utils.model import build_model_and_optimizer
     from slime.backends.megatron_utils.parallel import init_model_parallel
+    from slime.config import defaults_namespace
     from slime_plugins.models.cp_attention import packed_seq_params
 
-    args = types.SimpleNamespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
-                                 sequence_parallel=False, seed=1234, lr=1e-6, bf16=bf16)
+    args = defaults_namespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
+                              sequence_parallel=False, seed=1234, lr=1e-6, bf16=bf16)
     init_model_parallel(args)
     hf_config = transformers.AutoConfig.from_pretrained(model_path)
     model, optimizer, _ = build_model_and_optimizer(args, hf_config)

@@ -22,12 +22,13 @@ from slime.distributed import (
     plan_fingerprint,
 )
 from slime.distributed.fault_inject import should_skip_collective
+from slime.config import defaults_namespace
 
 
 def make_args(*, fence_timeout: float, recreate: bool = False, group_timeout_min: float = 1.0,
               expert_parallel: int = 1) -> SimpleNamespace:
     """TP2 x CP4, or with expert_parallel > 1 TP2 x EP (CP1, expert-TP 1): the MoE layout."""
-    return SimpleNamespace(
+    return defaults_namespace(
         tensor_model_parallel_size=2,
         context_parallel_size=4 if expert_parallel == 1 else 1,
         expert_model_parallel_size=expert_parallel,

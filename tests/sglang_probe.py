@@ -244,13 +244,14 @@ def launch_parser() -> argparse.ArgumentParser:
 def check_launch(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each case: slime args + --sglang-* argv -> the project's passthrough and launcher -> SGLang's parser."""
     from slime.backends.sglang_utils import launcher
+    from slime.config import defaults_namespace
     from slime.utils import sglang_passthrough
 
     parser = launch_parser()
     strict = argparse.ArgumentParser(parents=[parser], add_help=False, allow_abbrev=False, exit_on_error=False)
     report = []
     for case in cases:
-        args = argparse.Namespace(**case["args"])
+        args = defaults_namespace(**case["args"])
         result: dict[str, Any] = {"name": case["name"]}
         try:
             _, passthrough = sglang_passthrough.split_passthrough(case["argv"], frozenset(case.get("declared", [])))

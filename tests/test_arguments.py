@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import subprocess
 import sys
 import warnings
@@ -11,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from arg_testing import no_real_sglang, parse_error, parse_quiet  # noqa: F401 (fixture)
-from slime.config import registries
+from slime.config import ParallelLayout, registries
+from slime.config.run_config import RunRoles
 from slime.utils import arguments, sglang_passthrough
 from slime.utils.arguments import (
     EvalDatasetSpec,
@@ -20,6 +22,7 @@ from slime.utils.arguments import (
     build_parser,
     parse_args,
 )
+from slime.utils.deadlines import DeadlineModel
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FLAGS_REFERENCE = Path(__file__).with_name("flags_reference.txt")
@@ -51,6 +54,22 @@ def test_issue_configuration_parses_with_upstream_meaning():
     assert args.sglang_server_args == {"mem_fraction_static": 0.7}
     assert args.sglang_mem_fraction_static == 0.7
     assert args.not_implemented_flags == ()
+
+
+def test_the_run_config_is_built_once_from_the_checked_flags():
+    args = parse_quiet(ISSUE_FLAGS + ["--num-rollout", "3", "--train-backend-device", "cpu", "--fence-timeout", "30"])
+    run = args.run_config
+    assert run.layout == ParallelLayout(tp=2, pp=1, cp=4, ep=1, etp=1, world_size=8, sequence_parallel=True)
+    assert run.layout.dp == args.data_parallel_size == 1
+    # the group timeout parse_args derived (--distributed-timeout-minutes 2), above the first set-up's window
+    assert run.deadlines == DeadlineModel(no_progress_s=30.0, group_timeout_s=120.0)
+    assert run.roles == RunRoles(trainer_ranks=8, critic_ranks=0, critic_own_bundles=False, engines=8,
+                                 gpus_per_engine=1, colocate=True)
+    assert (run.rollout.prompts, run.rollout.samples_per_prompt, run.rollout.samples) == (16, 64, 1024)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        run.roles.engines = 1
+    rollout_only = parse_quiet(MINIMAL + ["--debug-rollout-only", "--rollout-num-gpus", "2"]).run_config.roles
+    assert (rollout_only.trainer_ranks, rollout_only.engines, rollout_only.colocate) == (0, 2, False)
 
 
 def test_defaults_follow_upstream():

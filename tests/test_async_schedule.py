@@ -10,8 +10,7 @@ import pytest
 
 import train_async
 from slime.ray.driver import session
-from arg_testing import no_real_sglang, parse_error  # noqa: F401 - the fixture applies to every test here
-from slime.config import defaults_namespace
+from arg_testing import driver_args, no_real_sglang, parse_error  # noqa: F401 - the fixture applies to every test here
 from slime.ray.driver.async_schedule import OneStepOffPlan, check_async_args
 from slime.ray.driver.placement import BundleInfo, EngineSlot, Layout, PlacementError, check_disjoint, plan_layout
 from slime.ray.rollout_manager.errors import EngineFailedError
@@ -177,7 +176,7 @@ def run_loop(monkeypatch, rollout_options=None, log=None, **flags):
                     rollout_num_gpus=2, update_weights_interval=1, eval_interval=None, eval_prompt_data=None,
                     save=None, save_interval=None, start_rollout_id=None, ledger_dir=tempfile.gettempdir(), verbose=False,
                     use_critic=False, restart_count=0)
-    args = defaults_namespace(**{**defaults, **flags})
+    args = driver_args(**{**defaults, **flags})
     try:
         train_async.train(args)
     finally:

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import types
 
 import pytest
 
 from mp_utils import run_ranks
 from tiny_models import save_tiny_qwen3
+from slime.config import defaults_namespace
 
 pytestmark = pytest.mark.ranks
 
@@ -51,9 +51,9 @@ def _child(rank, world, good, missing, misshaped, ckpt):
     from slime.backends.megatron_utils.parallel import init_model_parallel
     from slime_plugins.models.hf_weights import HFCheckpointError, load_hf_weights
 
-    args = types.SimpleNamespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                                 context_parallel_size=1, sequence_parallel=False, seed=1234, lr=1e-3,
-                                 clip_grad=1.0, weight_decay=0.0, fence_timeout=120)
+    args = defaults_namespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
+                              sequence_parallel=False, seed=1234, lr=1e-3, clip_grad=1.0, weight_decay=0.0,
+                              fence_timeout=120)
     init_model_parallel(args)
     hf_config = transformers.AutoConfig.from_pretrained(good)
     model, _, _ = build_model_and_optimizer(args, hf_config)

@@ -7,13 +7,13 @@ to the reference reached ~5 nats within a few rollouts at lr 1e-5). One gloo ran
 """
 from __future__ import annotations
 
-import types
 
 import pytest
 import torch
 
 from mp_utils import run_ranks
 from tiny_models import save_tiny_qwen3
+from slime.config import defaults_namespace
 
 pytestmark = pytest.mark.ranks
 
@@ -25,8 +25,8 @@ def _load_then_step(rank: int, world: int, hf_dir: str) -> dict[str, float]:
     from slime.backends.megatron_utils.model import build_model_and_optimizer
     from slime.backends.megatron_utils.parallel import init_model_parallel
 
-    args = types.SimpleNamespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
-                                 sequence_parallel=False, seed=1234, lr=1e-3, bf16=True)
+    args = defaults_namespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
+                              sequence_parallel=False, seed=1234, lr=1e-3, bf16=True)
     init_model_parallel(args)
     hf_config = transformers.AutoConfig.from_pretrained(hf_dir)
     model, optimizer, _ = build_model_and_optimizer(args, hf_config)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-import types
+import argparse
 
 import pytest
 import torch
@@ -15,6 +15,7 @@ from tiny_models import save_tiny_qwen3
 from train_step_harness import build_loaded_model
 
 from slime.checkpoint import contents, durable, rng
+from slime.config import defaults_namespace
 
 pytestmark = pytest.mark.ranks
 
@@ -72,12 +73,11 @@ def test_atomic_write_replaces_whole_files_only(tmp_path):
     assert target.read_text() == "one"
 
 
-def _args(**overrides) -> types.SimpleNamespace:
+def _args(**overrides) -> argparse.Namespace:
     fields = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
                   sequence_parallel=False, seed=1234, lr=1e-2, clip_grad=1e9, weight_decay=0.0, fence_timeout=120,
                   use_distributed_optimizer=True)
-    fields.update(overrides)
-    return types.SimpleNamespace(**fields)
+    return defaults_namespace(**{**fields, **overrides})
 
 
 def _round_trip(rank, world, hf_dir, ckpt):

@@ -11,7 +11,7 @@ import types
 import pytest
 
 import train as train_module
-from slime.config import defaults_namespace
+from arg_testing import driver_args
 from slime.ray.driver import session
 
 
@@ -100,7 +100,7 @@ def run_loop(monkeypatch, **flags) -> list[str]:
                     eval_prompt_data=None, save=None, save_interval=None, metrics_jsonl=None, use_wandb=False,
                     use_tensorboard=False, tensorboard_dir=None, start_rollout_id=None,
                     ledger_dir=tempfile.gettempdir(), verbose=False, use_critic=False, restart_count=0)
-    train_module.train(defaults_namespace(**{**defaults, **flags}))
+    train_module.train(driver_args(**{**defaults, **flags}))
     return log.calls
 
 

@@ -10,7 +10,7 @@ import tempfile
 import ray
 
 import train as train_module
-from slime.config import defaults_namespace
+from arg_testing import driver_args
 from slime.ray.driver import session
 from test_colocate_loop import FakeRollout, FakeTrainers, Recorder
 
@@ -63,7 +63,7 @@ def run_ppo_loop(monkeypatch, **flags) -> list[str]:
                     use_tensorboard=False, tensorboard_dir=None, start_rollout_id=None,
                     ledger_dir=tempfile.gettempdir(), verbose=False, use_critic=True, num_critic_only_steps=1,
                     restart_count=0)
-    train_module.train(defaults_namespace(**{**defaults, **flags}))
+    train_module.train(driver_args(**{**defaults, **flags}))
     return log.calls
 
 
@@ -114,7 +114,7 @@ def test_train_async_hands_the_critics_values_to_both_roles_while_the_next_rollo
     monkeypatch.setattr(session, "MetricsLogger", lambda args, console: Metrics(args))
     monkeypatch.setattr(ray, "put", lambda value: value)
     monkeypatch.setattr(ray, "get", lambda value: value)
-    train_async.train(defaults_namespace(
+    train_async.train(driver_args(
         load=None, num_rollout=2, num_epoch=None, rollout_batch_size=4, debug_rollout_only=False,
         debug_train_only=False, offload_train=False, offload_rollout=False, colocate=False, rollout_num_gpus=2,
         update_weights_interval=1, eval_interval=None, eval_prompt_data=None, save="/tmp/ckpt", save_interval=2,

@@ -114,7 +114,8 @@ def _lora_critic_args():
     from slime.config.critic_role import critic_args
     from test_lora import LORA
 
-    run = layout_args({**LORA_LAYOUT, **LORA}, value_clip=100.0, clip_grad=10.0, lr=3e-4, critic_lr=None,
+    run = layout_args({**LORA_LAYOUT, **LORA}, actor_num_gpus_per_node=2, use_critic=True, value_clip=100.0,
+                      clip_grad=10.0, lr=3e-4, critic_lr=None,
                       lr_warmup_iters=0, critic_lr_warmup_iters=None, critic_load=None, critic_save=None, load=None,
                       save=None, only_train_params_name_list=None, critic_overrides={})
     return critic_args(run)

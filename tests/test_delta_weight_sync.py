@@ -4,7 +4,6 @@ embedded engine over the broadcast group (gloo), compared with full pushes of th
 from __future__ import annotations
 
 import logging
-import types
 
 import pytest
 import torch
@@ -188,12 +187,10 @@ def test_the_weight_sync_pushes_deltas_only_to_separate_embedded_engines():
     from slime.backends.megatron_utils.delta_transport import DeltaTransport
     from slime.backends.megatron_utils.update_weight import WeightSync
     from slime.backends.megatron_utils.weight_transport import DeltaOptions, EngineSet, build_transport
-    from slime.config import with_defaults
+    from slime.config import defaults_namespace
 
-    args = with_defaults(types.SimpleNamespace(colocate=False, update_weight_mode="delta",
-                                               update_weight_delta_checksum="adler32", rollout_num_gpus_per_engine=1),
-                         ("update_weight_transport", "update_weight_delta_encoding", "fence_timeout",
-                          "update_weight_buffer_size"))
+    args = defaults_namespace(colocate=False, update_weight_mode="delta", update_weight_delta_checksum="adler32",
+                              rollout_num_gpus_per_engine=1)
     sync = WeightSync(args, None, ["http://127.0.0.1:1"], engine_kind="embedded")
     transport = sync.transport(torch.device("cpu"), 0)
     assert isinstance(transport, DeltaTransport) and (transport.encoding, transport.checksum) == ("xor", "adler32")

@@ -23,6 +23,7 @@ from slime.backends.sglang_utils.named_tensors import deserialize_named_tensors,
 from slime.backends.sglang_utils.server_args import render_server_flags
 from slime.backends.sglang_utils.shared_payload import LOAD_FORMAT as SHM_FORMAT
 from slime.backends.sglang_utils.shared_payload import make_run_directory, write_shared_bucket
+from slime.config import defaults_namespace
 from slime.tools.tiny_checkpoint import TinyQwen3Spec, write_tiny_checkpoint
 from slime.utils.security import auth_headers, current_key
 
@@ -38,7 +39,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(checkpoint, tmp_path_factory):
-    args = types.SimpleNamespace(seed=7)
+    args = defaults_namespace(seed=7)
     handle = launch_engine(
         "embedded", args, 0, 0, checkpoint, startup_timeout_s=120,
         log_dir=str(tmp_path_factory.mktemp("logs")),
@@ -424,8 +425,8 @@ def test_render_server_flags_reads_back_the_same_values():
 
 
 def test_sglang_command_needs_sglangs_parser():
-    args = types.SimpleNamespace(rollout_num_gpus_per_engine=2, num_gpus_per_node=8, seed=1, offload_rollout=True,
-                                 sglang_server_args={})
+    args = defaults_namespace(rollout_num_gpus_per_engine=2, num_gpus_per_node=8, seed=1, offload_rollout=True,
+                              sglang_server_args={})
     cmd = build_sglang_command(args, 3, "127.0.0.1", 30001, "/m", gpu_ids=[5, 6], parser=_tiny_launch_parser_full())
     joined = " ".join(cmd)
     assert cmd[1:3] == ["-m", "sglang.launch_server"]

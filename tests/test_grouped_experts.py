@@ -109,13 +109,9 @@ def test_grouped_experts_give_the_sequential_numbers_on_cpu_under_ep2(tmp_path):
 
 
 def _args(**overrides):
-    from slime.backends.megatron_utils.moe import MOE_FLAGS
     from slime.config import defaults_namespace
 
-    args = defaults_namespace(only=MOE_FLAGS)
-    for key, value in overrides.items():
-        setattr(args, key, value)
-    return args
+    return defaults_namespace(**overrides)
 
 
 def test_grouped_gemm_flag_default_follows_cuda(monkeypatch):

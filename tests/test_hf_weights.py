@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import types
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ from safetensors.torch import load_file
 
 from mp_utils import run_ranks
 from tiny_models import save_tiny_qwen3, tiny_qwen3_config
+from slime.config import defaults_namespace
 
 pytestmark = pytest.mark.ranks
 
@@ -61,7 +61,7 @@ def _round_trip(rank, world, hf_dirs, tp, pp):
     from slime.backends.megatron_utils.parallel import init_model_parallel
     from slime_plugins.models.hf_weights import export_hf_weights, load_hf_weights
 
-    args = types.SimpleNamespace(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, seed=5)
+    args = defaults_namespace(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, seed=5)
     init_model_parallel(args)
     exported = []
     for hf_dir in hf_dirs:

@@ -96,7 +96,7 @@ def _adapter_and_vocab_shard_elements(config: dict) -> tuple[int, int]:
         "num_key_value_heads"]) * head_dim
     per_layer = (r * hidden + qkv // TP * r) + (r * q // TP + hidden * r) \
         + (r * hidden + 2 * ffn // TP * r) + (r * ffn // TP + hidden * r)  # qkv, proj, fc1, fc2
-    divisible_by = defaults_namespace(only=("make_vocab_size_divisible_by",)).make_vocab_size_divisible_by
+    divisible_by = defaults_namespace().make_vocab_size_divisible_by
     vocab_shard = padded_vocab_size(config["vocab_size"], TP, divisible_by) // TP * hidden
     return config["num_hidden_layers"] * per_layer, vocab_shard
 

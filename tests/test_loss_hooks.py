@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ import torch
 import hook_plugins
 from slime.backends.megatron_utils.data import pack_micro_batch, plans_from_rollout
 from slime.config import defaults_namespace
-from slime.backends.megatron_utils.loss import LOSS_FLAGS, LossConfig, metric_keys, micro_batch_loss
+from slime.backends.megatron_utils.loss import LossConfig, metric_keys, micro_batch_loss
 from slime.backends.megatron_utils.loss_hooks import ResponseView, sequence_mean_log_ratio
 from slime.utils.ppo_utils import compute_advantages_and_returns
 
@@ -35,14 +34,12 @@ def _data():
 
 
 def _args(**kw):
-    base = vars(defaults_namespace(only=LOSS_FLAGS))  # the loss flags this helper leaves out
-    base.update(context_parallel_size=1, tensor_model_parallel_size=1, sequence_parallel=False,
+    base = dict(context_parallel_size=1, tensor_model_parallel_size=1, sequence_parallel=False,
                 num_steps_per_rollout=1, use_dynamic_batch_size=True, max_tokens_per_gpu=64, micro_batch_size=1,
                 global_batch_size=3, balance_data=False, calculate_per_token_loss=False, eps_clip=0.2,
                 eps_clip_high=0.28, use_kl_loss=False, use_tis=False, entropy_coef=0.0, rollout_temperature=1.0,
                 advantage_estimator="grpo", hook_log=None)
-    base.update(kw)
-    return SimpleNamespace(**base)
+    return defaults_namespace(**{**base, **kw})
 
 
 def _batch(args):

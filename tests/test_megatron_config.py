@@ -169,6 +169,9 @@ def test_the_critic_rank_runs_its_entrys_tp_and_lr_and_resumes_exactly(tmp_path)
     args = step_args_ppo(step_ranks, hf, path, "--save", run)
     assert (args.tensor_model_parallel_size, args.data_parallel_size) == (1, 4)
     assert (critic_args(args).world_size, critic_args(args).data_parallel_size) == (2, 1)
+    critic_run, run_config = critic_args(args).run_config, args.run_config  # each role's own layout
+    assert (critic_run.layout.world_size, critic_run.layout.tp, critic_run.layout.dp) == (2, 2, 1)
+    assert (run_config.layout.world_size, run_config.layout.tp, run_config.layout.dp) == (4, 1, 4)
     data = make_rollout(num_samples=8, vocab=reference.config.vocab_size)
     first = run_ranks(_critic_rank, 2, args=(critic_args(args), str(tmp_path / "ledger"), data, (0, 1, 2), 0),
                       init_process_group=False, timeout_s=120)
@@ -226,6 +229,7 @@ def test_the_critic_group_starts_its_own_world_on_its_own_bundles(tmp_path, monk
     monkeypatch.setattr(trainer_group, "RayHub", lambda *hub: None)
     group = trainer_group.RayTrainGroup(args, placement, role="critic")
     assert group.world_size == 2 and [bundle for bundle, _ in started] == [4, 5]
+    assert group.deadlines == args.run_config.deadlines
     for rank, (_, (role_args, rank_arg, world, ledger_dir, hub, role)) in enumerate(started):
         assert (rank_arg, world, role, ledger_dir) == (rank, 2, "critic", str(tmp_path / "ledger" / "critic"))
         assert (role_args.lr, role_args.tensor_model_parallel_size, role_args.data_parallel_size) == (1e-5, 2, 1)

@@ -3,7 +3,7 @@ packed forward/backward, optimizer step and dist checkpoint round trip (gloo, de
 
 from __future__ import annotations
 
-import types
+import argparse
 
 import pytest
 import torch
@@ -11,18 +11,18 @@ import torch
 from mp_utils import run_ranks
 from tiny_models import save_tiny_qwen3
 from train_step_harness import build_loaded_model
+from slime.config import defaults_namespace
 
 pytestmark = pytest.mark.ranks
 
 SEQ_LENS = (13, 29, 7)  # real lengths of the packed sequences
 
 
-def _args(**overrides) -> types.SimpleNamespace:
+def _args(**overrides) -> argparse.Namespace:
     fields = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                   context_parallel_size=1, sequence_parallel=False, seed=1234, lr=1e-3,
                   clip_grad=1e9, weight_decay=0.0, fence_timeout=120, hidden_dropout=0.0, attention_dropout=0.0)
-    fields.update(overrides)
-    return types.SimpleNamespace(**fields)
+    return defaults_namespace(**{**fields, **overrides})
 
 
 

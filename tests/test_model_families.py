@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from mp_utils import run_ranks
+from slime.config import defaults_namespace
 from test_train_step import assert_matches_reference, rollout  # noqa: F401 (fixture)
 from tiny_models import save_tiny_deepseek_v3, save_tiny_glm4, save_tiny_glm_moe_dsa
 from train_step_harness import layout_child
@@ -56,8 +57,8 @@ def _forward_and_export(rank, world, hf_dir, tp, cp):
     from slime_plugins.models.cp_attention import zigzag_positions
     from slime_plugins.models.hf_weights import export_hf_weights, load_hf_weights
 
-    args = types.SimpleNamespace(tensor_model_parallel_size=tp, context_parallel_size=cp,
-                                 pipeline_model_parallel_size=1, seed=5, attention_dropout=0.0, hidden_dropout=0.0)
+    args = defaults_namespace(tensor_model_parallel_size=tp, context_parallel_size=cp,
+                              pipeline_model_parallel_size=1, seed=5, attention_dropout=0.0, hidden_dropout=0.0)
     init_model_parallel(args)
     hf_config = transformers.AutoConfig.from_pretrained(hf_dir)
     model = build_gpt_model(args, hf_config).eval()
@@ -135,20 +136,20 @@ def test_architecture_flags_must_agree_with_the_hf_config():
     from slime.backends.megatron_utils.model import transformer_config_from_hf
     from tiny_models import tiny_deepseek_v3_config, tiny_qwen3_config
 
-    config = transformer_config_from_hf(tiny_deepseek_v3_config(rope_scaling=YARN), types.SimpleNamespace(
+    config = transformer_config_from_hf(tiny_deepseek_v3_config(rope_scaling=YARN), defaults_namespace(
         multi_latent_attention=True, q_lora_rank=32, kv_lora_rank=24, qk_head_dim=16, qk_pos_emb_head_dim=8,
         v_head_dim=12, rotary_scaling_factor=4.0, mscale=1.0, mscale_all_dim=1.0))
     assert config.multi_latent_attention and config.rope_type == "yarn" and config.rotary_scaling_factor == 4.0
     with pytest.raises(ValueError, match="--kv-lora-rank=512 contradicts the HF config"):
-        transformer_config_from_hf(tiny_deepseek_v3_config(), types.SimpleNamespace(kv_lora_rank=512))
+        transformer_config_from_hf(tiny_deepseek_v3_config(), defaults_namespace(kv_lora_rank=512))
     with pytest.raises(ValueError, match="--multi-latent-attention contradicts the HF config"):
-        transformer_config_from_hf(tiny_qwen3_config(), types.SimpleNamespace(multi_latent_attention=True))
+        transformer_config_from_hf(tiny_qwen3_config(), defaults_namespace(multi_latent_attention=True))
     with pytest.raises(ValueError, match="--rotary-interleaved=True contradicts"):
-        transformer_config_from_hf(tiny_qwen3_config(), types.SimpleNamespace(rotary_interleaved=True))
+        transformer_config_from_hf(tiny_qwen3_config(), defaults_namespace(rotary_interleaved=True))
     deepseek_v2 = tiny_deepseek_v3_config(first_k_dense_replace=1)
     deepseek_v2.model_type = "deepseek_v2"
     with pytest.raises(ValueError, match="deepseek_v2 MoE layers .* are not mapped"):
-        transformer_config_from_hf(deepseek_v2, types.SimpleNamespace())
+        transformer_config_from_hf(deepseek_v2, defaults_namespace())
 
 
 def test_spec_plugin_signatures_and_result_types():
@@ -159,7 +160,7 @@ def test_spec_plugin_signatures_and_result_types():
     args = types.SimpleNamespace(spec=["slime_plugins.models.glm4", "get_glm_spec"])
     assert builder.spec_function(args, tiny_qwen3_config()) is glm4.get_glm_spec
     assert builder.spec_function(types.SimpleNamespace(spec=None), tiny_qwen3_config()) is None
-    config = builder.transformer_config_from_hf(tiny_qwen3_config(), types.SimpleNamespace())
+    config = builder.transformer_config_from_hf(tiny_qwen3_config(), defaults_namespace())
     legacy = builder._plugin_spec(lambda a: "from fn(args)", args, config, None)
     assert legacy == "from fn(args)"
     with pytest.raises(TypeError, match="expected a megatron ModuleSpec"):
@@ -347,7 +348,7 @@ def _deepseek_v3_config(**overrides):
 
 
 def _moe_flags(**flags):
-    return types.SimpleNamespace(**{"expert_model_parallel_size": 1, "pipeline_model_parallel_size": 1, **flags})
+    return defaults_namespace(**{"expert_model_parallel_size": 1, "pipeline_model_parallel_size": 1, **flags})
 
 
 def test_deepseek_v3_moe_config_maps_and_upstream_flags_must_agree():
@@ -424,12 +425,12 @@ def test_glm_and_minimax_configs_map_and_upstream_flags_must_agree():
                                                  moe_shared_expert_intermediate_size=1408,
                                                  moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True))
     assert fields["moe_layer_freq"] == [0] + [1] * 45 and fields["moe_router_topk_scaling_factor"] is None
-    config = transformer_config_from_hf(glm45, types.SimpleNamespace(add_qkv_bias=True, rotary_percent=0.5))
+    config = transformer_config_from_hf(glm45, defaults_namespace(add_qkv_bias=True, rotary_percent=0.5))
     assert config.add_qkv_bias and not config.qk_layernorm and not config.rotary_interleaved
     with pytest.raises(ValueError, match="--rotary-percent=1.0 contradicts the HF config"):
-        transformer_config_from_hf(glm45, types.SimpleNamespace(rotary_percent=1.0))
+        transformer_config_from_hf(glm45, defaults_namespace(rotary_percent=1.0))
     with pytest.raises(ValueError, match="--qk-layernorm=True contradicts"):
-        transformer_config_from_hf(glm45, types.SimpleNamespace(qk_layernorm=True))
+        transformer_config_from_hf(glm45, defaults_namespace(qk_layernorm=True))
     with pytest.raises(MoEConfigError, match="--moe-layer-freq .* does not match"):
         moe_config_fields(glm45, _moe_flags(moe_layer_freq="[1]*46"))
     with pytest.raises(ValueError, match="set n_group to a divisor of 128"):
@@ -437,14 +438,14 @@ def test_glm_and_minimax_configs_map_and_upstream_flags_must_agree():
 
     lite = Glm4MoeLiteConfig(num_hidden_layers=47)  # GLM-4.7-Flash's shape
     with pytest.warns(UserWarning, match="--add-qkv-bias has no effect with multi-latent attention"):
-        config = transformer_config_from_hf(lite, types.SimpleNamespace(
+        config = transformer_config_from_hf(lite, defaults_namespace(
             multi_latent_attention=True, add_qkv_bias=True, q_lora_rank=768, kv_lora_rank=512, qk_head_dim=192,
             qk_pos_emb_head_dim=64, v_head_dim=256, qk_layernorm=True, num_experts=64, moe_router_topk=4,
             moe_layer_freq="[0]*1+[1]*46", moe_shared_expert_intermediate_size=1536, moe_ffn_hidden_size=1536,
             expert_model_parallel_size=1, pipeline_model_parallel_size=1))
     assert config.multi_latent_attention and config.moe_router_topk_scaling_factor == pytest.approx(1.8)
     with pytest.raises(ValueError, match="--v-head-dim=128 contradicts"):
-        transformer_config_from_hf(lite, types.SimpleNamespace(v_head_dim=128))
+        transformer_config_from_hf(lite, defaults_namespace(v_head_dim=128))
 
     minimax = MiniMaxM2Config(num_hidden_layers=62, rotary_dim=64)
     fields = moe_config_fields(minimax, _moe_flags(num_experts=256, moe_layer_freq="[1]*62", moe_router_topk=8,
@@ -458,11 +459,10 @@ def test_glm_and_minimax_configs_map_and_upstream_flags_must_agree():
             moe_config_fields(minimax, _moe_flags(**flags))
     with pytest.raises(ValueError, match="renormalises the top-k weights exactly when k > 1"):
         moe_config_fields(MiniMaxM2Config(num_experts_per_tok=1), _moe_flags())
-    config = transformer_config_from_hf(minimax, types.SimpleNamespace(qk_layernorm=True, rotary_percent=0.5))
+    config = transformer_config_from_hf(minimax, defaults_namespace(qk_layernorm=True, rotary_percent=0.5))
     assert config.qk_layernorm and config.kv_channels == 128
     # upstream's --spec names the family's own spec: MoE layers with the whole-projection q/k norms
     from slime.backends.megatron_utils.model import spec_function
-    from slime.config import defaults_namespace
     from slime.models import minimax_m2
 
     function = spec_function(types.SimpleNamespace(spec=["slime_plugins.models.minimax_m2", "get_minimax_m2_spec"]),
@@ -481,14 +481,13 @@ def test_glm5_config_maps_upstream_flags_and_refuses_what_is_not_built(tmp_path)
 
     from slime.backends.megatron_utils.model import transformer_config_from_hf
     from slime.backends.megatron_utils.moe import moe_config_fields
-    from slime.config import defaults_namespace
     from slime.config.checks.linear_attention import check_linear_attention
     from slime.config.errors import ArgumentValidationError
     from slime.config.launch import check_hf_config
     from slime.models.sparse_attention import LightningIndexer
 
     glm5 = GlmMoeDsaConfig()  # GLM-5's released shape: 78 layers, 3 dense, 256 experts top-8
-    config = transformer_config_from_hf(glm5, types.SimpleNamespace(
+    config = transformer_config_from_hf(glm5, defaults_namespace(
         multi_latent_attention=True, q_lora_rank=2048, kv_lora_rank=512, qk_head_dim=192, qk_pos_emb_head_dim=64,
         v_head_dim=256, qk_layernorm=True, num_experts=256, moe_router_topk=8, moe_layer_freq="[0]*3+[1]*75",
         moe_shared_expert_intermediate_size=2048, moe_ffn_hidden_size=2048, moe_router_topk_scaling_factor=2.5,
@@ -496,12 +495,12 @@ def test_glm5_config_maps_upstream_flags_and_refuses_what_is_not_built(tmp_path)
     assert (config.dsa_indexer_topk, config.dsa_indexer_n_heads, config.dsa_indexer_head_dim) == (2048, 32, 128)
     assert config.multi_latent_attention and config.experimental_attention_variant is None
     with pytest.raises(ValueError, match="--qk-head-dim=256 contradicts"):
-        transformer_config_from_hf(glm5, types.SimpleNamespace(qk_head_dim=256))
+        transformer_config_from_hf(glm5, defaults_namespace(qk_head_dim=256))
     with pytest.raises(ValueError, match="set n_group to a divisor of 256"):
         moe_config_fields(GlmMoeDsaConfig(n_group=3, topk_group=1), _moe_flags())
     with pytest.raises(ValueError, match="YaRN RoPE is not mapped"):
         transformer_config_from_hf(GlmMoeDsaConfig(rope_parameters=dict(YARN, rope_theta=10000.0)),
-                                   types.SimpleNamespace())
+                                   defaults_namespace())
     # GLM-5.2's shared indexer layers: each built in its source's pipeline stage and recompute group
     shared = GlmMoeDsaConfig(num_hidden_layers=6, index_topk_pattern="FSSFFS")
     (tmp_path / "config.json").write_text(shared.to_json_string())
@@ -612,8 +611,8 @@ def _gradients_child(rank, world, hf_dir):
     from slime.backends.megatron_utils.parallel import init_model_parallel
     from slime_plugins.models.hf_weights import export_hf_weights, load_hf_weights
 
-    args = types.SimpleNamespace(tensor_model_parallel_size=1, context_parallel_size=1,
-                                 pipeline_model_parallel_size=1, seed=5, attention_dropout=0.0, hidden_dropout=0.0)
+    args = defaults_namespace(tensor_model_parallel_size=1, context_parallel_size=1,
+                              pipeline_model_parallel_size=1, seed=5, attention_dropout=0.0, hidden_dropout=0.0)
     init_model_parallel(args)
     hf_config = transformers.AutoConfig.from_pretrained(hf_dir)
     model = build_gpt_model(args, hf_config)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import types
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ from mp_utils import run_ranks
 from test_train_step import MODES, TOL, assert_matches_reference
 from tiny_models import save_tiny_qwen3_moe
 from train_step_harness import layout_child, make_rollout
+from slime.config import defaults_namespace
 
 pytestmark = pytest.mark.ranks
 
@@ -150,8 +150,7 @@ def test_ep1_and_ep4_agree_with_the_aux_loss(moe_hf_dir, moe_rollout):
 def _moe_args(**overrides):
     fields = dict(num_experts=None, moe_router_topk=None, moe_ffn_hidden_size=None, moe_layer_freq=None,
                   expert_model_parallel_size=1, pipeline_model_parallel_size=1)
-    fields.update(overrides)
-    return types.SimpleNamespace(**fields)
+    return defaults_namespace(**{**fields, **overrides})
 
 
 def test_flags_that_contradict_the_checkpoint_are_refused(moe_hf_dir):

@@ -15,6 +15,7 @@ import torch
 
 from arg_testing import no_real_sglang, parse_error, parse_quiet  # noqa: F401 (fixture)
 from slime.backends.megatron_utils.opd import megatron_teacher
+from slime.config import defaults_namespace
 from slime.utils.ppo_utils import OPD_KL_KEY, opd_penalised
 from slime.rollout import on_policy_distillation as opd_rollout
 from slime.utils.ppo_utils import compute_advantages_and_returns
@@ -274,12 +275,11 @@ def test_student_moves_towards_a_megatron_teacher(opd_assets, tmp_path):
 
 @pytest.mark.timeout(700)
 def test_student_moves_towards_a_teacher_engine(opd_assets, tmp_path):
-    from types import SimpleNamespace as NS
 
     from slime.backends.sglang_utils.launcher import launch_engine
     from slime.utils.ports import find_free_port
 
-    teacher = launch_engine("embedded", NS(seed=7), 0, find_free_port(), str(opd_assets["teacher"]),
+    teacher = launch_engine("embedded", defaults_namespace(seed=7), 0, find_free_port(), str(opd_assets["teacher"]),
                             startup_timeout_s=120, log_dir=str(tmp_path / "teacher-logs"))
     try:
         _run_and_check(opd_assets, tmp_path, [

@@ -14,6 +14,7 @@ import types
 
 import pytest
 
+from arg_testing import driver_args
 from slime.backends.sglang_utils.launcher import gpu_id_layout, sglang_server_args_for_engine
 from slime.config import defaults_namespace
 from slime.ray.driver.cluster import PlacementError, cluster_address, worker_env
@@ -152,7 +153,7 @@ def test_gpu_ids_become_device_indices_through_the_inherited_visible_list():
 
 
 def test_sglang_gets_its_bundles_gpus_not_rank_arithmetic():
-    args = types.SimpleNamespace(rollout_num_gpus_per_engine=2, num_gpus_per_node=8, seed=1, sglang_server_args={})
+    args = defaults_namespace(rollout_num_gpus_per_engine=2, num_gpus_per_node=8, seed=1, sglang_server_args={})
     assert sglang_server_args_for_engine(args, 0, gpu_ids=[4, 5])["base_gpu_id"] == 4
     spaced = sglang_server_args_for_engine(args, 0, gpu_ids=[1, 3])
     assert (spaced["base_gpu_id"], spaced["gpu_id_step"]) == (1, 2)
@@ -243,7 +244,7 @@ def _layout_args(tmp_path, **overrides):
                 engine_bind_host=None, ledger_dir=str(tmp_path), fence_timeout=60.0, seed=1,
                 api_key=ApiKey.generate(),  # as parse_args makes it: every actor takes the run's key
                 use_critic=False, sglang_server_args={})  # derived by parse_args
-    return defaults_namespace(**{**args, **overrides})
+    return driver_args(**{**args, **overrides})
 
 
 def _assignments(args):

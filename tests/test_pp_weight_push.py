@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-import types
 
 import pytest
 import torch
@@ -38,14 +37,13 @@ def _pp_push(rank, world, hf_dir, urls, stopped_pid, ledger_dir):
     from slime.backends.megatron_utils import update_weight
     from slime.backends.megatron_utils.model import build_gpt_model
     from slime.backends.megatron_utils.parallel import init_model_parallel
-    from slime.config import with_defaults
+    from slime.config import defaults_namespace
     from slime.distributed import Fence, Ledger, Watchdog
     from slime_plugins.models.hf_weights import export_hf_weights, load_hf_weights
 
-    args = with_defaults(types.SimpleNamespace(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, seed=5,
-                                               fence_timeout=FENCE_S, colocate=False, rollout_num_gpus_per_engine=2,
-                                               update_weight_buffer_size=64 * 1024),
-                         ("update_weight_transport", "update_weight_mode", "actor_num_nodes"))
+    args = defaults_namespace(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, seed=5,
+                              fence_timeout=FENCE_S, colocate=False, rollout_num_gpus_per_engine=2,
+                              update_weight_buffer_size=64 * 1024)
     init_model_parallel(args)
     hf_config = transformers.AutoConfig.from_pretrained(hf_dir)
     model = build_gpt_model(args, hf_config, pre_process=mpu.is_pipeline_first_stage(),
@@ -114,9 +112,10 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engines(checkpoint, tmp_path_factory):
     from slime.backends.sglang_utils.launcher import launch_engine
+    from slime.config import defaults_namespace
 
     logs = str(tmp_path_factory.mktemp("engine-logs"))
-    handles = [launch_engine("embedded", types.SimpleNamespace(seed=7), i, 0, checkpoint, startup_timeout_s=120,
+    handles = [launch_engine("embedded", defaults_namespace(seed=7), i, 0, checkpoint, startup_timeout_s=120,
                              log_dir=logs) for i in range(2)]
     yield handles
     for handle in handles:

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from arg_testing import driver_args
 from slime.config import defaults_namespace
 from slime.ray.driver.session import start_line
 from slime.utils import progress_lines
@@ -98,22 +99,21 @@ def test_placement_is_one_line_and_the_record_is_untouched():
 
 
 def test_the_start_line_names_the_layout_from_the_flags():
-    args = defaults_namespace(actor_num_nodes=1, actor_num_gpus_per_node=8, tensor_model_parallel_size=2,
-                              sequence_parallel=True, pipeline_model_parallel_size=1, context_parallel_size=4,
-                              expert_model_parallel_size=1, rollout_num_gpus=8, rollout_num_gpus_per_engine=8,
-                              colocate=True, num_rollout=20, rollout_batch_size=8, n_samples_per_prompt=8,
-                              use_critic=False)
+    args = driver_args(actor_num_nodes=1, actor_num_gpus_per_node=8, tensor_model_parallel_size=2,
+                       sequence_parallel=True, pipeline_model_parallel_size=1, context_parallel_size=4,
+                       expert_model_parallel_size=1, rollout_num_gpus=8, rollout_num_gpus_per_engine=8,
+                       colocate=True, num_rollout=20, rollout_batch_size=8, n_samples_per_prompt=8, use_critic=False)
     assert start_line(args, device="CPU") == ("starting: 8 trainer ranks (TP2 x SP x CP4), 1 engine, colocated, "
                                               "on CPU; 20 rollouts of 8 prompts x 8 samples")
-    dp = defaults_namespace(**{**vars(args), "context_parallel_size": 1, "sequence_parallel": False, "colocate": False,
-                            "rollout_num_gpus": 4, "rollout_num_gpus_per_engine": 2})
+    dp = driver_args(**{**vars(args), "context_parallel_size": 1, "sequence_parallel": False, "colocate": False,
+                        "rollout_num_gpus": 4, "rollout_num_gpus_per_engine": 2})
     assert start_line(dp, device="GPU").startswith("starting: 8 trainer ranks (TP2 x DP4), 2 engines of 2 GPUs each, "
                                                    "engines apart, on GPU")
-    ppo = defaults_namespace(**{**vars(args), "use_critic": True})
+    ppo = driver_args(**{**vars(args), "use_critic": True})
     assert start_line(ppo, device="CPU").startswith(
         "starting: 8 trainer ranks (TP2 x SP x CP4), 8 critic ranks on the trainer ranks' GPUs, 1 engine")
-    ppo.critic_num_gpus_per_node = 4
-    assert ", 4 critic ranks on GPUs of their own, 1 engine" in start_line(ppo, device="CPU")
+    own = driver_args(**{**vars(ppo), "critic_num_gpus_per_node": 4})
+    assert ", 4 critic ranks on GPUs of their own, 1 engine" in start_line(own, device="CPU")
 
 
 def _logged(tmp_path, verbose: bool) -> tuple[list[str], list[dict]]:

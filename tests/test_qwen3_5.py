@@ -11,12 +11,12 @@ Bad input before Ray: tests/test_launch_errors.py::test_hybrid_layer_stacks_are_
 """
 from __future__ import annotations
 
-import types
 
 import pytest
 import torch
 
 from mp_utils import run_ranks
+from slime.config import defaults_namespace
 from tiny_models import save_tiny_qwen3_5, save_tiny_qwen3_5_moe, save_tiny_qwen3_next
 
 pytestmark = pytest.mark.ranks
@@ -43,8 +43,8 @@ def _forward_and_export(rank, world, hf_dir, tp, cp, spec=None):
     from slime_plugins.models.cp_attention import zigzag_positions
     from slime_plugins.models.hf_weights import export_hf_weights, load_hf_weights
 
-    args = types.SimpleNamespace(tensor_model_parallel_size=tp, context_parallel_size=cp, spec=spec,
-                                 pipeline_model_parallel_size=1, seed=5, attention_dropout=0.0, hidden_dropout=0.0)
+    args = defaults_namespace(tensor_model_parallel_size=tp, context_parallel_size=cp, spec=spec,
+                              pipeline_model_parallel_size=1, seed=5, attention_dropout=0.0, hidden_dropout=0.0)
     init_model_parallel(args)
     hf_config = transformers.AutoConfig.from_pretrained(hf_dir)
     model = build_gpt_model(args, hf_config).eval()
@@ -150,8 +150,8 @@ def _composite_child(rank, world, hf_dir, out_dir):
     from slime.models.registry import language_model_config
     from slime_plugins.models.hf_weights import export_hf_weights, load_hf_weights
 
-    args = types.SimpleNamespace(tensor_model_parallel_size=1, context_parallel_size=1,
-                                 pipeline_model_parallel_size=1, seed=5, attention_dropout=0.0, hidden_dropout=0.0)
+    args = defaults_namespace(tensor_model_parallel_size=1, context_parallel_size=1,
+                              pipeline_model_parallel_size=1, seed=5, attention_dropout=0.0, hidden_dropout=0.0)
     init_model_parallel(args)
     hf_config = language_model_config(transformers.AutoConfig.from_pretrained(hf_dir))
     model = build_gpt_model(args, hf_config).eval()

@@ -272,7 +272,7 @@ def launched_engine(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("launched")
     checkpoint = write_tiny_checkpoint(root / "tiny", TinyQwen3Spec(layers=1))
-    handle = launch_engine("embedded", types.SimpleNamespace(seed=1), 0, 0, str(checkpoint), startup_timeout_s=120,
+    handle = launch_engine("embedded", defaults_namespace(seed=1), 0, 0, str(checkpoint), startup_timeout_s=120,
                            log_dir=str(root))
     yield handle
     handle.stop()

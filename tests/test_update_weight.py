@@ -102,15 +102,13 @@ def _sync_on_ranks(rank, world, layout, hf_dir, engine_url, ledger_dir, rollout_
     from slime.backends.megatron_utils.model import build_gpt_model
     from slime.backends.megatron_utils.parallel import init_model_parallel
     from slime.backends.sglang_utils.http_client import SGLangHTTPClient
-    from slime.config import with_defaults
+    from slime.config import defaults_namespace
     from slime.distributed import CollectiveDivergenceError, Fence, Ledger, Watchdog
     from slime_plugins.models.hf_weights import export_hf_weights, load_hf_weights
 
     tp = world if layout == "tp2" else 1
-    args = with_defaults(types.SimpleNamespace(tensor_model_parallel_size=tp, seed=5, fence_timeout=60.0,
-                                               colocate=colocate, update_weight_buffer_size=BUCKET_BYTES,
-                                               rollout_num_gpus_per_engine=1),
-                         ("update_weight_transport", "update_weight_mode", "actor_num_nodes"))
+    args = defaults_namespace(tensor_model_parallel_size=tp, seed=5, fence_timeout=60.0, colocate=colocate,
+                              update_weight_buffer_size=BUCKET_BYTES, rollout_num_gpus_per_engine=1)
     init_model_parallel(args)
     hf_config = transformers.AutoConfig.from_pretrained(hf_dir)
     model = build_gpt_model(args, hf_config)
@@ -170,8 +168,9 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(checkpoint, tmp_path_factory):
     from slime.backends.sglang_utils.launcher import launch_engine
+    from slime.config import defaults_namespace
 
-    handle = launch_engine("embedded", types.SimpleNamespace(seed=7), 0, 0, checkpoint,
+    handle = launch_engine("embedded", defaults_namespace(seed=7), 0, 0, checkpoint,
                            startup_timeout_s=120, log_dir=str(tmp_path_factory.mktemp("engine-logs")))
     yield handle
     handle.stop()

@@ -3,13 +3,14 @@ Qwen3ForTokenClassification (num_labels 1) built from the same tiny checkpoint: 
 on one rank and at TP2 x SP (the head replicated over TP after the sequence-parallel gather)."""
 from __future__ import annotations
 
-import types
+import argparse
 
 import pytest
 import torch
 
 from mp_utils import run_ranks
 from tiny_models import save_tiny_qwen3
+from slime.config import defaults_namespace
 from train_step_harness import build_loaded_model
 
 pytestmark = pytest.mark.ranks
@@ -17,11 +18,10 @@ pytestmark = pytest.mark.ranks
 SEQ = 16
 
 
-def _args(tp: int) -> types.SimpleNamespace:
-    return types.SimpleNamespace(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
-                                 context_parallel_size=1, sequence_parallel=tp > 1, seed=1234, lr=1e-3,
-                                 clip_grad=1e9, weight_decay=0.0, fence_timeout=120, hidden_dropout=0.0,
-                                 attention_dropout=0.0)
+def _args(tp: int) -> argparse.Namespace:
+    return defaults_namespace(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, context_parallel_size=1,
+                              sequence_parallel=tp > 1, seed=1234, lr=1e-3, clip_grad=1e9, weight_decay=0.0,
+                              fence_timeout=120, hidden_dropout=0.0, attention_dropout=0.0)
 
 
 def _reference(hf_dir: str):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import math
 import time
-from types import SimpleNamespace
+from argparse import Namespace
 
 
 def make_rollout(num_samples: int = 6, seed: int = 0, vocab: int = 512, max_len: int = 30) -> dict:
@@ -78,14 +78,10 @@ def with_policy_log_probs(model, data: dict, args) -> tuple[dict, object, list]:
     return data, plan, log_probs
 
 
-def layout_args(layout: dict, **overrides) -> SimpleNamespace:
-    from slime.backends.megatron_utils.loss import LOSS_FLAGS
-    from slime.backends.megatron_utils.moe import MOE_FLAGS
+def layout_args(layout: dict, **overrides) -> Namespace:
     from slime.config import defaults_namespace
 
-    # the loss and MoE flags (routing replay among them) this helper leaves out
-    args = vars(defaults_namespace(only=(*LOSS_FLAGS, *MOE_FLAGS)))
-    args.update(
+    args = dict(
         tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
         expert_model_parallel_size=1, sequence_parallel=False, seed=1234, lr=0.0, min_lr=0.0,
         clip_grad=1.0, weight_decay=0.0, calculate_per_token_loss=False, use_dynamic_batch_size=True,
@@ -94,9 +90,7 @@ def layout_args(layout: dict, **overrides) -> SimpleNamespace:
         kl_loss_type="low_var_kl", entropy_coef=0.01, use_tis=True, advantage_estimator="grpo",
         hidden_dropout=0.0, attention_dropout=0.0, fence_timeout=120.0, lr_decay_style="constant",
     )
-    args.update(layout)
-    args.update(overrides)
-    return SimpleNamespace(**args)
+    return defaults_namespace(**{**args, **layout, **overrides})
 
 
 def _perturbed(values: list[list[float]], scale: float, phase: float) -> list[list[float]]:

@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 
+from slime.config.layout import critic_world_size
+from slime.config.run_config import build_run_config
+
 
 CRITIC_ROLE = "critic"
 VALUE_MODEL_PROVIDER = "slime.backends.megatron_utils.value_head.value_model_provider"
@@ -33,7 +36,7 @@ def critic_args(args) -> argparse.Namespace:
     optimizer and batching from --megatron-config-path (checked by slime/config/checks/roles.py); no reference,
     teacher, KL term or HF export (those are the actor's)."""
     role = {**vars(args), **args.critic_overrides}
-    return argparse.Namespace(**{
+    critic = argparse.Namespace(**{
         **role,
         "role": CRITIC_ROLE,
         "only_train_params_name_list": _value_head_trained(role),
@@ -49,6 +52,8 @@ def critic_args(args) -> argparse.Namespace:
         "rollout_data_postprocess_path": None, "custom_advantage_function_path": None,
         "save_debug_train_data": None,
     })
+    critic.run_config = build_run_config(critic, world_size=critic_world_size(args))  # its own layout and world
+    return critic
 
 
 def _value_head_trained(role: dict) -> list[str] | None:

@@ -15,6 +15,7 @@ from slime.config.help import unknown_flags_report
 from slime.config.launch import launch_missing_flags
 from slime.config.parser import build_parser
 from slime.config.registries import resolve_train_device, warn_not_implemented
+from slime.config.run_config import build_run_config
 from slime.config.validate import validate_args
 from slime.utils import sglang_passthrough
 from slime.utils.security import resolve_api_key
@@ -35,8 +36,8 @@ def parse_args(
     argv: Sequence[str] | None = None,
     add_custom_arguments: Callable[[argparse.ArgumentParser], argparse.ArgumentParser | None] | None = None,
 ) -> argparse.Namespace:
-    """Parse ``argv`` (default: sys.argv[1:]), apply --custom-config-path, validate, and warn about
-    accepted-but-unimplemented flags.
+    """Parse ``argv`` (default: sys.argv[1:]), apply --custom-config-path, validate, build ``args.run_config``
+    (slime/config/run_config.py), and warn about accepted-but-unimplemented flags.
 
     Unknown flags (answered with the closest known ones), refused flags and invalid combinations exit
     with status 2 and a message naming the flags.
@@ -70,6 +71,7 @@ def parse_args(
         device = resolve_train_device(args)
         validate_args(args, parser, device)
         check_rollout_backend(args)
+        args.run_config = build_run_config(args)  # last: from the checked, derived flags
     except (ArgumentValidationError, sglang_passthrough.SGLangArgumentError) as exc:
         parser.error(str(exc))
     args.not_implemented_flags = tuple(warn_not_implemented(args, parser, device))

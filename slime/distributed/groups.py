@@ -18,19 +18,13 @@ from datetime import timedelta
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
-from slime.config.defaults import with_defaults
-from slime.config.layout import LAYOUT_FLAGS, ParallelLayout, build_parallel_layout
+from slime.config.layout import ParallelLayout, build_parallel_layout
 from slime.distributed.communicator_config import megatron_config_file, single_rank_group_kinds
 from slime.distributed.fence import Fence
 from slime.distributed.group_names import forget_group, register_group
 from slime.distributed.ledger import FENCE_GROUP_NAME, Ledger
 from slime.distributed.warmup import CommunicatorWarmup, WarmupReport, step_groups
 from slime.utils.deadlines import DeadlineModel
-
-
-# The flags GroupSettings.from_args reads.
-GROUP_FLAGS = (*LAYOUT_FLAGS, "recreate_process_groups_on_wake", "single_rank_group_max_ctas", "fence_timeout",
-               "distributed_timeout_minutes")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,7 +48,6 @@ class GroupSettings:
     @classmethod
     def from_args(cls, args) -> "GroupSettings":
         """The settings of the running world (torch.distributed initialised) from the flags."""
-        args = with_defaults(args, GROUP_FLAGS)  # tests and benchmarks build args by hand
         deadlines = DeadlineModel.from_args(args)
         return cls(
             parallel=build_parallel_layout(args, world_size=dist.get_world_size()),

@@ -144,13 +144,7 @@ def get_minimax_m2_spec(args: Any, config: Any, vp_stage: int | None = None):
     if not config.num_moe_experts:
         raise ValueError("--spec slime_plugins.models.minimax_m2 get_minimax_m2_spec builds MoE layers; the HF "
                          "config has no experts (num_local_experts): drop --spec for a dense checkpoint")
-    return with_moe_mlp(layer_spec(config), config, grouped_experts_chosen(_grouped_choice(args)))
-
-
-def _grouped_choice(args: Any) -> bool | None:
-    from slime.config import with_defaults
-
-    return with_defaults(args, ("moe_grouped_gemm",)).moe_grouped_gemm
+    return with_moe_mlp(layer_spec(config), config, grouped_experts_chosen(args.moe_grouped_gemm))
 
 
 MINIMAX_M2 = register(ModelFamily(

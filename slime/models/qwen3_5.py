@@ -64,12 +64,11 @@ def get_qwen3_5_spec(args: Any, config: Any, vp_stage: int | None = None):
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    from slime.config import with_defaults
     from slime.models.grouped_experts import grouped_experts_chosen
     from slime.models.local_spec import with_moe_mlp
     from slime.models.sp_norm import SequenceParallelNorm
 
-    grouped = grouped_experts_chosen(with_defaults(args, ("moe_grouped_gemm",)).moe_grouped_gemm)
+    grouped = grouped_experts_chosen(args.moe_grouped_gemm)
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     specs = []
     for layer in range(offset, offset + get_num_layers_to_build(config, vp_stage=vp_stage)):

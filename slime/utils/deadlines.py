@@ -55,8 +55,6 @@ import time
 from dataclasses import dataclass
 
 DEFAULT_NO_PROGRESS_S = 600.0
-# The flags DeadlineModel.from_args reads.
-DEADLINE_FLAGS = ("distributed_timeout_minutes", "fence_timeout")
 FIRST_SETUP_WINDOWS = 2
 FIRST_SETUP_EXTRA_S = 10.0
 GROUP_TIMEOUT_MARGIN_S = 30.0

@@ -41,14 +41,6 @@ from slime.utils.ppo_utils import (
 from slime.models import fused_kernels
 
 
-# The flags LossConfig.from_args reads.
-LOSS_FLAGS = ("calculate_per_token_loss", "eps_clip", "eps_clip_high", "eps_clip_c", "use_kl_loss", "kl_loss_coef",
-              "kl_loss_type", "entropy_coef", "use_tis", "tis_clip", "tis_clip_low", "rollout_temperature",
-              "use_rollout_logprobs", "get_mismatch_metrics", "advantage_estimator", "use_opd", "loss_type",
-              "custom_loss_function_path", "custom_tis_function_path", "custom_pg_loss_reducer_function_path",
-              "mtp_num_layers", "enable_mtp_training", "mtp_loss_scaling_factor")
-
-
 @dataclass(frozen=True, kw_only=True)
 class LossConfig:
     """The loss-related flags, read once from ``args``."""

@@ -38,7 +38,6 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 
 from slime.backends.megatron_utils import moe  # noqa: E402
 from slime.backends.megatron_utils.adam_kernel import fused_adam_chosen, use_fused_adam  # noqa: E402
-from slime.config import with_defaults  # noqa: E402
 from slime.config.layout import virtual_pipeline_size  # noqa: E402
 from slime.models import fused_kernels  # noqa: E402
 from slime.models.local_spec import with_moe_mlp  # noqa: E402
@@ -127,23 +126,6 @@ _ARCH_FLAGS = {
 }
 
 
-# The flags this module reads as args.flag. Tests and benchmarks build models with args built by hand, so the
-# entry points complete those with the parser's defaults.
-MODEL_FLAGS = (*_ARCH_FLAGS, "model_name", "untie_embeddings_and_output_weights", "bf16", "sequence_parallel",
-               "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-               "expert_model_parallel_size", "hidden_dropout", "attention_dropout", "max_position_embeddings",
-               "make_vocab_size_divisible_by", "optimizer", "lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2",
-               "adam_eps", "clip_grad", "lr_decay_iters", "train_iters", "lr_warmup_iters", "lr_warmup_fraction",
-               "lr_warmup_init", "lr_decay_style",
-               "calculate_per_token_loss", "recompute_granularity", "recompute_method", "recompute_num_layers",
-               "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "multi_latent_attention",
-               "fused_kernels", "transformer_impl", "spec", "custom_model_provider_path",
-               "accumulate_allreduce_grads_in_fp32", "use_distributed_optimizer", "only_train_params_name_list",
-               "freeze_params_name_list", "dsa_indexer_loss_coeff", "dsa_indexer_use_sparse_loss",
-               "mtp_num_layers", "enable_mtp_training", "mtp_loss_scaling_factor", "enable_lora",
-               "lora_target_modules", "lora_rank", "lora_alpha", "lora_dropout", "seed")
-
-
 def _check_against_args(arch: dict[str, Any], args: Namespace, flags: dict[str, str] = _ARCH_FLAGS) -> None:
     _check_flags(arch, args, flags)
     model_name = args.model_name
@@ -153,7 +135,6 @@ def _check_against_args(arch: dict[str, Any], args: Namespace, flags: dict[str, 
 
 def _check_flags(arch: dict[str, Any], args: Namespace, flags: dict[str, str]) -> None:
     """Every flag of `flags` (dest -> key of arch) the user passed must equal the HF config's value."""
-    args = with_defaults(args, flags)  # a family's own flags (config_flags): not in MODEL_FLAGS
     for dest, key in flags.items():
         given, value = getattr(args, dest), arch.get(key)
         if given is None or value is None or (isinstance(given, bool) and not given):
@@ -189,7 +170,6 @@ def _check_embedding_tying(hf_config: Any, args: Namespace) -> None:
 def transformer_config_from_hf(hf_config: Any, args: Namespace) -> TransformerConfig:
     """TransformerConfig for an HF config of a registered family (slime/models), with parallelism and
     training knobs from args. fp32 unless args.bf16 (CPU runs use fp32)."""
-    args = with_defaults(args, MODEL_FLAGS)
     arch = hf_architecture(hf_config)
     _check_against_args({**arch, "rotary_base": _rope_theta(hf_config), "model_type": _model_name(hf_config),
                          "rotary_percent": _rotary_percent(hf_config), "post_norms": family_of(hf_config).post_norms,
@@ -267,7 +247,7 @@ def _family_config(hf_config: Any, args: Namespace) -> tuple[type, dict[str, Any
 
 def fused_kernel_impl(args: Namespace) -> str:
     """"compile" or "eager": what --fused-kernels picks on this machine (slime/models/fused_kernels.py)."""
-    choice = with_defaults(args, ("fused_kernels",)).fused_kernels
+    choice = args.fused_kernels
     return fused_kernels.resolve(choice, "cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -277,7 +257,7 @@ def _use_transformer_engine(args: Namespace) -> bool:
     The local path is the one measured on GPUs (benchmarks/RESULTS.md); TransformerEngine's spec is opt-in
     until it has been measured too, even where TransformerEngine is installed (as in slime's own container).
     """
-    if with_defaults(args, ("transformer_impl",)).transformer_impl != "transformer_engine":
+    if args.transformer_impl != "transformer_engine":
         return False
     if not torch.cuda.is_available():
         raise RuntimeError("--transformer-impl transformer_engine needs CUDA; leave it unset on CPU (local spec)")
@@ -293,7 +273,7 @@ def _use_transformer_engine(args: Namespace) -> bool:
 
 def spec_function(args: Namespace, hf_config: Any) -> Callable[..., Any] | None:
     """The layer-spec plug-in: --spec MODULE FUNCTION, else the HF family's own (GLM-4's), else None."""
-    spec = with_defaults(args, ("spec",)).spec
+    spec = args.spec
     if spec:
         module, function = spec
         return getattr(importlib.import_module(module), function)
@@ -385,20 +365,19 @@ def build_gpt_model(
     split by SP: the output layer gathers it); padded columns hold PADDED_VOCAB_LOGIT.
     """
     config = transformer_config_from_hf(hf_config, args)
-    flags = with_defaults(args, MODEL_FLAGS)  # args itself goes to the spec plug-ins
     rope_scaling = _rope_type(hf_config) == "llama3"
     rope_params = getattr(hf_config, "rope_parameters", None) or {}
     model_class, mtp_fields = GPTModel, {}
     if config.mtp_num_layers:
         model_class = MTPGPTModel
         mtp_fields = dict(mtp_block_spec=_mtp_stage_spec(args, hf_config, config, vp_stage),
-                          train_mtp=bool(flags.enable_mtp_training))
+                          train_mtp=bool(args.enable_mtp_training))
     model = model_class(
         **mtp_fields,
         config=config,
         transformer_layer_spec=_layer_spec(args, hf_config, config, vp_stage),
-        vocab_size=model_vocab_size(flags, hf_config),
-        max_sequence_length=flags.max_position_embeddings or hf_config.max_position_embeddings,
+        vocab_size=model_vocab_size(args, hf_config),
+        max_sequence_length=args.max_position_embeddings or hf_config.max_position_embeddings,
         pre_process=pre_process,
         post_process=post_process,
         parallel_output=True,
@@ -446,7 +425,7 @@ def model_provider_context() -> tuple[Namespace, Any]:
 
 def _model_provider(args: Namespace, hf_config: Any):
     """`provider(pre_process, post_process, vp_stage)`: --custom-model-provider-path, else build_gpt_model."""
-    path = with_defaults(args, ("custom_model_provider_path",)).custom_model_provider_path
+    path = args.custom_model_provider_path
     if path:
         from slime.utils.misc import load_function
 
@@ -560,19 +539,18 @@ def build_model_and_optimizer(args: Namespace, hf_config: Any):
     Needs init_model_parallel(args) first. finalize_model_grads is NOT installed on the config:
     the training step calls it once itself (with the per-token denominator when enabled).
     """
-    flags = with_defaults(args, MODEL_FLAGS)  # args itself goes to the model providers
-    fused_kernels.configure(fused_kernel_impl(flags))
+    fused_kernels.configure(fused_kernel_impl(args))
     chunks = _build_model_chunks(args, hf_config)
-    if flags.enable_lora:  # LoRA freezes the base but --only-train-params-name-list (a PP stage may hold none)
+    if args.enable_lora:  # LoRA freezes the base but --only-train-params-name-list (a PP stage may hold none)
         for chunk in chunks:
-            apply_lora(chunk, lora_config(flags), train_in_full=tuple(flags.only_train_params_name_list or ()))
+            apply_lora(chunk, lora_config(args), train_in_full=tuple(args.only_train_params_name_list or ()))
     else:
-        freeze_parameters(chunks, flags.only_train_params_name_list, flags.freeze_params_name_list)
-    model = _wrap_ddp(flags, chunks)
-    optimizer = get_megatron_optimizer(_optimizer_config(flags, chunks[0].config), model)
+        freeze_parameters(chunks, args.only_train_params_name_list, args.freeze_params_name_list)
+    model = _wrap_ddp(args, chunks)
+    optimizer = get_megatron_optimizer(_optimizer_config(args, chunks[0].config), model)
     if fused_adam_chosen(_parameter_device(chunks)):
         use_fused_adam(optimizer, True)
-    return model, optimizer, _lr_scheduler(flags, optimizer)
+    return model, optimizer, _lr_scheduler(args, optimizer)
 
 
 def _parameter_device(chunks: list[GPTModel]) -> torch.device:

@@ -19,7 +19,6 @@ from typing import Any, Iterator
 
 import torch
 
-from slime.config import with_defaults
 from slime.models.moe_arch import MoEArchitecture
 from slime.models.registry import family_of
 
@@ -39,16 +38,6 @@ _ARCH_TO_FLAG = {
     "num_groups": "moe_router_num_groups",
     "group_topk": "moe_router_group_topk",
 }
-
-# The flags this module reads as args.flag; its entry points complete args built by hand (tests, benchmarks)
-# with the parser's defaults for these.
-MOE_FLAGS = (*_ARCH_TO_FLAG.values(), "moe_layer_freq", "moe_router_enable_expert_bias", "moe_shared_expert_gate",
-             "moe_router_pre_softmax", "expert_model_parallel_size", "pipeline_model_parallel_size",
-             "moe_token_dispatcher_type", "moe_router_dtype", "moe_router_load_balancing_type", "moe_aux_loss_coeff",
-             "moe_z_loss_coeff", "moe_grouped_gemm", "moe_shared_expert_overlap", "moe_expert_capacity_factor",
-             "moe_token_drop_policy", "moe_pad_expert_input_to_capacity", "expert_tensor_parallel_size",
-             "moe_router_bias_update_rate", "use_routing_replay", "use_rollout_routing_replay", "moe_permute_fusion",
-             "moe_enable_deepep")
 
 
 def _eval_layer_freq(node: ast.AST) -> Any:
@@ -137,7 +126,6 @@ def _router_fields(arch: MoEArchitecture) -> dict[str, Any]:
 
 def moe_config_fields(hf_config: Any, args: Namespace) -> dict[str, Any]:
     """TransformerConfig fields of an MoE HF config (empty for a dense one)."""
-    args = with_defaults(args, MOE_FLAGS)  # the model builder also takes args built by hand (tests, benchmarks)
     arch = family_of(hf_config).moe(hf_config)
     if arch is None:
         if routing_replay_enabled(args):
@@ -245,12 +233,11 @@ def grouped_experts_enabled(args: Namespace) -> bool:
     """--moe-grouped-gemm: the project's grouped experts (slime/models/grouped_experts.py) in the local spec."""
     from slime.models.grouped_experts import grouped_experts_chosen
 
-    return grouped_experts_chosen(with_defaults(args, ("moe_grouped_gemm",)).moe_grouped_gemm)
+    return grouped_experts_chosen(args.moe_grouped_gemm)
 
 
 def warn_unavailable_kernels(args: Namespace) -> None:
     """--moe-permute-fusion asks for TransformerEngine's fused permutation; the maths is the same without it."""
-    args = with_defaults(args, ("moe_permute_fusion",))
     if args.moe_permute_fusion:
         warnings.warn("--moe-permute-fusion: TransformerEngine's fused permutation kernels are not used; the "
                       "dispatcher permutes the tokens by expert once per layer with torch ops, and the grouped "

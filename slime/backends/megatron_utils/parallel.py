@@ -13,18 +13,13 @@ from argparse import Namespace
 import torch
 import torch.distributed as dist
 
-from slime.config import with_defaults
 from slime.distributed.communicator_config import world_group_options
-from slime.utils.deadlines import DEADLINE_FLAGS, DeadlineModel
-
-# The flags this module reads; tests and benchmarks bring ranks up with args built by hand, so its entry points
-# complete them with the parser's defaults.
-PARALLEL_FLAGS = (*DEADLINE_FLAGS, "distributed_backend", "single_rank_group_max_ctas", "seed")
+from slime.utils.deadlines import DeadlineModel
 
 
 def _timeout(args: Namespace) -> datetime.timedelta:
     """The world group's timeout: the process-group timeout, above every watchdog window."""
-    return datetime.timedelta(seconds=DeadlineModel.from_args(with_defaults(args, DEADLINE_FLAGS)).group_timeout)
+    return datetime.timedelta(seconds=DeadlineModel.from_args(args).group_timeout)
 
 
 def host_rendezvous(args: Namespace, world_size: int, host: str) -> dist.TCPStore:
@@ -57,7 +52,6 @@ def init_distributed(
     """
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialized")
-    args = with_defaults(args, PARALLEL_FLAGS)
     backend = backend or (args.distributed_backend or "nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         # LOCAL_RANK: the device of the rank's Ray bundle (slime/ray/driver/placement.py), or torchrun's;
@@ -94,4 +88,4 @@ def seed_model_parallel(args: Namespace) -> None:
     """
     from megatron.core import tensor_parallel
 
-    tensor_parallel.model_parallel_cuda_manual_seed(with_defaults(args, ("seed",)).seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(args.seed)

@@ -18,7 +18,6 @@ from slime.utils.server_process import (
     start_server_process,
 )
 from slime.backends.sglang_utils.server_args import has_option, render_server_flags
-from slime.config import with_defaults
 from slime.config.engine import ROLLOUT_BACKENDS, pick_rollout_backend  # noqa: F401 (pick_rollout_backend: re-exported)
 from slime.utils.ports import find_free_port, retry_port_clash
 from slime.utils.security import current_key, request_limit
@@ -70,13 +69,6 @@ def gpu_id_layout(gpu_ids: Sequence[int]) -> tuple[int, int]:
     return gpu_ids[0], step
 
 
-# The flags this module reads. Tests and benchmarks launch engines with args built by hand, so the entry points
-# complete them with the parser's defaults.
-LAUNCH_FLAGS = ("rollout_num_gpus_per_engine", "num_gpus_per_node", "seed", "offload_rollout",
-                "sglang_mem_fraction_static", "update_weight_buffer_size", "bf16", "fence_timeout",
-                "train_backend_device")
-
-
 def sglang_server_args_for_engine(args: Any, engine_rank: int, gpu_ids: Sequence[int] | None = None, *,
                                   parser: argparse.ArgumentParser | None = None) -> dict[str, Any]:
     """ServerArgs fields for one engine: slime-derived ones, then the user's --sglang-* passthrough.
@@ -85,7 +77,6 @@ def sglang_server_args_for_engine(args: Any, engine_rank: int, gpu_ids: Sequence
     without them, engines are assumed to fill each node's GPUs in rank order. `parser` (SGLang's
     launch parser) lets fields that only some SGLang versions have be set where they exist.
     """
-    args = with_defaults(args, LAUNCH_FLAGS)
     gpus_per_engine = int(args.rollout_num_gpus_per_engine)
     gpus_per_node = int(args.num_gpus_per_node)
     base, step = gpu_id_layout(gpu_ids) if gpu_ids else ((engine_rank * gpus_per_engine) % gpus_per_node, 1)
@@ -131,7 +122,6 @@ def build_embedded_command(args: Any, engine_rank: int, host: str, port: int, mo
     """The embedded engine's command; `listen_fd`: a listening socket it inherits (then `port` is that
     socket's); `num_threads`: its torch threads (default: torch's). Its key comes from the environment
     ($SLIME_API_KEY), never from argv."""
-    args = with_defaults(args, LAUNCH_FLAGS)
     flags = ["--model-path", model_path, "--host", host, "--port", str(port)]
     flags += ["--listen-fd", str(listen_fd)] if listen_fd is not None else []
     flags += ["--max-request-bytes", str(request_limit(args.update_weight_buffer_size))]

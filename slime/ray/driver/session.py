@@ -28,8 +28,7 @@ import logging
 import sys
 from typing import Callable, Iterator
 
-from slime.config.defaults import with_defaults
-from slime.config.layout import LAYOUT_FLAGS, build_parallel_layout, critic_has_own_bundles, critic_world_size
+from slime.config.layout import ParallelLayout
 from slime.ray.driver.cluster import PlacementError, cluster_address
 from slime.ray.driver.healing import (HealingRefusedError, RepeatedFailureError, note_failure, restart_metrics,
                                       train_with_healing)
@@ -189,40 +188,30 @@ def announce_start(args) -> Console:
     return console
 
 
-def parallel_layout(args) -> str:
-    """'TP2 x SP x CP4' from the parallelism flags (sizes of 1 left out; DP when more than one)."""
-    layout = build_parallel_layout(args)
+def parallel_layout(layout: ParallelLayout) -> str:
+    """'TP2 x SP x CP4' (sizes of 1 left out; DP when more than one)."""
     parts = [f"TP{layout.tp}" if layout.tp > 1 else "", "SP" if layout.sequence_parallel else "",
              f"PP{layout.pp}" if layout.pp > 1 else "", f"CP{layout.cp}" if layout.cp > 1 else "",
              f"DP{layout.dp}" if layout.dp > 1 else "", f"EP{layout.ep}" if layout.ep > 1 else ""]
     return " x ".join(p for p in parts if p) or "one rank"
 
 
-# The flags the start line reads.
-START_LINE_FLAGS = (*LAYOUT_FLAGS, "debug_rollout_only", "debug_train_only", "rollout_num_gpus",
-                    "rollout_num_gpus_per_engine", "colocate", "num_rollout", "rollout_batch_size",
-                    "n_samples_per_prompt", "critic_num_nodes", "critic_num_gpus_per_node")
-
-
 def start_line(args, *, device: str) -> str:
-    """What the run starts, printed before anything slow happens (from the flags alone)."""
-    args = with_defaults(args, START_LINE_FLAGS)  # loop tests drive train.py with args built by hand
-    ranks = 0 if args.debug_rollout_only else args.actor_num_nodes * args.actor_num_gpus_per_node
-    per_engine = args.rollout_num_gpus_per_engine
-    engine_gpus = 0 if args.debug_train_only else args.rollout_num_gpus or 0
-    engines = engine_gpus // per_engine
+    """What the run starts, printed before anything slow happens (from the flags alone: args.run_config)."""
+    run = args.run_config
+    roles, per_engine = run.roles, run.roles.gpus_per_engine
     what = []
-    if ranks:
-        what.append(f"{count(ranks, 'trainer rank')} ({parallel_layout(args)})")
-    if ranks and args.use_critic:
-        where = "on GPUs of their own" if critic_has_own_bundles(args) else "on the trainer ranks' GPUs"
-        what.append(f"{count(critic_world_size(args), 'critic rank')} {where}")
-    if engines:
-        what.append(count(engines, "engine") + (f" of {per_engine} GPUs each" if device == "GPU" and per_engine > 1
-                                                else ""))
-    mode = "colocated" if args.colocate else "engines apart"
-    rollouts = args.num_rollout
-    batch = f"{args.rollout_batch_size} prompts x {args.n_samples_per_prompt} samples"
+    if roles.trainer_ranks:
+        what.append(f"{count(roles.trainer_ranks, 'trainer rank')} ({parallel_layout(run.layout)})")
+    if roles.critic_ranks:
+        where = "on GPUs of their own" if roles.critic_own_bundles else "on the trainer ranks' GPUs"
+        what.append(f"{count(roles.critic_ranks, 'critic rank')} {where}")
+    if roles.engines:
+        what.append(count(roles.engines, "engine") + (f" of {per_engine} GPUs each"
+                                                      if device == "GPU" and per_engine > 1 else ""))
+    mode = "colocated" if roles.colocate else "engines apart"
+    rollouts = args.num_rollout  # not in run_config: the session derives it from --num-epoch once the data is read
+    batch = f"{run.rollout.prompts} prompts x {run.rollout.samples_per_prompt} samples"
     return (f"starting: {', '.join(what) or 'nothing'}, {mode}, on {device}; "
             f"{f'{rollouts} rollouts' if rollouts else 'rollouts by --num-epoch'} of {batch}")
 

@@ -18,13 +18,12 @@ from typing import Any, Callable
 import ray
 
 from slime.config.critic_role import critic_args
-from slime.config.layout import critic_world_size
 from slime.distributed.progress_hub import HubClient, RayHub, start_hub
 from slime.ray.driver.cluster import worker_env
 from slime.ray.driver.rank_wait import wait_ranks
-from slime.ray.driver.placement import Placement, actor_world_size
+from slime.ray.driver.placement import Placement
 from slime.ray.trainer.rank_actor import TrainRayActor
-from slime.utils.deadlines import TRAINER_RENDEZVOUS_CALL_S, DeadlineModel
+from slime.utils.deadlines import TRAINER_RENDEZVOUS_CALL_S
 
 logger = logging.getLogger(__name__)
 
@@ -52,14 +51,14 @@ class RayTrainGroup:
 
     def __init__(self, args, placement: Placement, role: str = "actor"):
         self.role = role
-        self.world_size = critic_world_size(args) if role == "critic" else actor_world_size(args)
         self.ledger_dir = args.ledger_dir or resolve_ledger_dir(args)
         if role == "critic":
             args = critic_args(args)
             self.ledger_dir = os.path.join(self.ledger_dir, role)
             os.makedirs(self.ledger_dir, exist_ok=True)
         self.args = args
-        self.deadlines = DeadlineModel.from_args(args)
+        self.world_size = args.run_config.layout.world_size  # the role's own (critic_args rebuilds it)
+        self.deadlines = args.run_config.deadlines
         self.hub = start_hub(self.world_size, runtime_env={"env_vars": worker_env(use_gpu=False)})
         self.progress = HubClient(RayHub(*self.hub))  # the driver's view: asks only
         remote = ray.remote(TrainRayActor)

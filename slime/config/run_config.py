@@ -1,0 +1,76 @@
+"""The run's derived configuration, typed and frozen: built once by ``parse_args`` from the checked flags and
+attached as ``args.run_config``, so that the rooms that need the parallel layout, the deadline model, who runs
+(trainer, critic, engines; colocated or apart) or the size of a rollout read one value instead of each
+recomputing it from raw flags. The flags themselves stay on ``args``; nothing here changes after parsing.
+
+Code that runs without a command line (tests, tools) builds it from its namespace with ``build_run_config``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from slime.config.layout import ParallelLayout, build_parallel_layout, critic_has_own_bundles, critic_world_size
+from slime.utils.deadlines import DeadlineModel
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunRoles:
+    """Who runs, and whether the trainer and the engines share GPUs."""
+
+    trainer_ranks: int
+    """The actor's training ranks (0 with --debug-rollout-only)."""
+    critic_ranks: int
+    """The critic's training ranks with --advantage-estimator ppo (0 without a critic or with --debug-rollout-only)."""
+    critic_own_bundles: bool
+    """The critic on GPUs of its own (--critic-num-* other than the actor's), else on the trainer ranks' GPUs."""
+    engines: int
+    """Rollout engines: --rollout-num-gpus / --rollout-num-gpus-per-engine (0 with --debug-train-only)."""
+    gpus_per_engine: int
+    """GPUs of each engine (--rollout-num-gpus-per-engine)."""
+    colocate: bool
+    """Trainer and engines take turns on the same GPUs (--colocate)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutSize:
+    """The size of one rollout."""
+
+    prompts: int
+    """Prompts per rollout (--rollout-batch-size)."""
+    samples_per_prompt: int
+    """Samples generated per prompt (--n-samples-per-prompt)."""
+
+    @property
+    def samples(self) -> int:
+        return self.prompts * self.samples_per_prompt
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """What the run derives from its flags once: read as ``args.run_config``."""
+
+    layout: ParallelLayout
+    """The training ranks' parallel layout (of this role's world: the critic's own with ``critic_args``)."""
+    deadlines: DeadlineModel
+    """The progress windows of the ranks and of the driver's wait on them (slime/utils/deadlines.py)."""
+    roles: RunRoles
+    rollout: RolloutSize
+
+
+def build_run_config(args: Any, *, world_size: int | None = None) -> RunConfig:
+    """The run config of checked flags (``world_size``: of this role's ranks; default, the actor's)."""
+    rollout_only, train_only = args.debug_rollout_only, args.debug_train_only
+    engine_gpus = 0 if train_only else args.rollout_num_gpus or 0
+    roles = RunRoles(
+        trainer_ranks=0 if rollout_only else args.actor_num_nodes * args.actor_num_gpus_per_node,
+        critic_ranks=critic_world_size(args) if args.use_critic and not rollout_only else 0,
+        critic_own_bundles=critic_has_own_bundles(args),
+        engines=engine_gpus // args.rollout_num_gpus_per_engine,
+        gpus_per_engine=args.rollout_num_gpus_per_engine,
+        colocate=bool(args.colocate),
+    )
+    return RunConfig(layout=build_parallel_layout(args, world_size=world_size), deadlines=DeadlineModel.from_args(args),
+                     roles=roles, rollout=RolloutSize(prompts=args.rollout_batch_size,
+                                                      samples_per_prompt=args.n_samples_per_prompt))
