@@ -2,6 +2,7 @@
 buckets only from the run's own directory, no secret in logs or the wandb config, no port races."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -89,6 +90,8 @@ def test_the_key_is_never_logged_nor_uploaded(tmp_path, caplog, monkeypatch):
     text = json.dumps(uploaded["config"], default=str)
     assert "yaml-api-key-123" not in text and "yaml-wandb-key-456" not in text
     assert "api_key" not in public_config(args) and "wandb_key" not in public_config(args)
+    json.dumps(uploaded["config"])  # plain data: the derived run config goes up as nested dicts
+    assert uploaded["config"]["run_config"]["layout"] == dataclasses.asdict(args.run_config.layout)
 
 
 def test_sglang_api_key_passthrough_is_refused(capsys):

@@ -13,6 +13,7 @@ send it, and the servers it starts inherit it through the environment.
 """
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import os
 import secrets
@@ -139,8 +140,9 @@ def request_limit(bucket_bytes: int | None = None) -> int:
 
 
 def public_config(args: Any) -> dict[str, Any]:
-    """The run's arguments without their secrets (what wandb may upload)."""
-    return {k: v for k, v in vars(args).items() if k not in SECRET_DESTS}
+    """The run's arguments without their secrets (what wandb may upload); the derived run config as plain data."""
+    return {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) and not isinstance(v, type) else v
+            for k, v in vars(args).items() if k not in SECRET_DESTS}
 
 
 def shown(dest: str, value: Any) -> Any:
