@@ -22,7 +22,7 @@ positions <= its own. Kernels (`ContextParallelAttention.kernel`):
   varlen call for the whole micro-batch instead. Where cuDNN's attention serves the inputs (Hopper,
   fp16/bf16, no dropout), a chunk shorter than its key prefix (a CP rank's later chunk) is two cuDNN calls
   merged by their log-sum-exp (slime/models/prefix_attention.py): SDPA's lower-right mask has no cuDNN
-  path, and its flash path ran at 280-330 TFLOP/s on a CP2 rank of one H200 against 410-510 for the split.
+  path, and its flash path ran at 290-330 TFLOP/s on a CP2 rank of one H200 against 440-525 for the split.
 - "split": "causal" with that split wherever torch's flash or cuDNN kernels serve the inputs.
 - "masked": SDPA with an explicit [tq, tk] boolean mask and GQA by repeat_interleave, the
   path before the causal kernels: the reference the causal kernels are tested against, and the "old"

@@ -99,7 +99,7 @@ def flash_usable(q: torch.Tensor) -> bool:
 
 def cudnn_usable(q: torch.Tensor) -> bool:
     """cuDNN's fused attention: where flash serves, on Hopper or later with cuDNN loaded, head dim up to 128 (the
-    widths its backward serves on every cuDNN 9 release)."""
+    widths measured; wider heads keep torch's flash)."""
     return (flash_usable(q) and q.shape[-1] <= 128 and torch.backends.cudnn.is_available()
             and torch.cuda.get_device_capability(q.device) >= (9, 0))
 
