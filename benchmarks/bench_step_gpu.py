@@ -348,30 +348,28 @@ def _new_path_syncs(case: AttentionCase, device: torch.device) -> dict[str, int]
     return sync_sites(list(records))
 
 
-def _kernel_times(case: AttentionCase, path: str, top: int = 10) -> list[tuple[str, int, float]]:
-    """(kernel, launches, ms) of one fwd+bwd call of `path`, the most time first."""
+def _profiled_kernels(case: AttentionCase, path: str) -> list:
+    """The profiler's events of one fwd+bwd call of `path`: its CUDA kernels (on CPU, the ops instead)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    case.run(path)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if case.q.is_cuda else [])
+    case.run(path)  # outside the trace: one-time set-up is not a kernel of the call
+    with profile(activities=activities) as prof:
         case.run(path)
-    events = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
-    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    events = prof.key_averages()
+    return [e for e in events if e.device_type == DeviceType.CUDA] or list(events)
+
+
+def _kernel_times(case: AttentionCase, path: str, top: int = 10) -> list[tuple[str, int, float]]:
+    """(kernel, launches, ms) of one fwd+bwd call of `path`, the most time first."""
+    events = sorted(_profiled_kernels(case, path), key=lambda e: e.self_device_time_total, reverse=True)
     return [(e.key[:70], e.count, e.self_device_time_total / 1e3) for e in events[:top]]
 
 
 def _attention_kernels(case: AttentionCase) -> list[str]:
     """Names of the attention kernels the new path launches (which SDPA backend was taken)."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if case.q.is_cuda else [])
-    with profile(activities=activities) as prof:
-        case.run("new")
-    events = prof.key_averages()
-    kernels = [e for e in events if e.device_type == DeviceType.CUDA] or events  # CPU: the ops instead
-    names = {e.key for e in kernels}
+    names = {e.key for e in _profiled_kernels(case, "new")}
     return sorted(n for n in names if any(w in n.lower() for w in ("flash", "fmha", "cudnn", "attention", "sdpa")))[:8]
 
 

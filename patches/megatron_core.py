@@ -757,14 +757,19 @@ def _shard_views(opt) -> _ShardViews:
 
 def _batched_copies_apply(opt) -> bool:
     """The batched copies serve the plain bf16/fp16 + fp32-main-params optimizer; FSDP, the precision-aware
-    optimizer, FP8 parameters and the stub keep megatron's loops."""
-    from megatron.core.fp8_utils import is_float8tensor
-
+    optimizer, FP8 parameters and the stub keep megatron's loops (the FP8 look, over every parameter, once per
+    optimizer)."""
     config = opt.config
-    return not (opt.is_stub_optimizer or opt.ddp_config.use_megatron_fsdp
-                or config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
-                or getattr(config, "reuse_grad_buf_for_mxfp8_param_ag", False)
-                or any(is_float8tensor(p) for g in opt.model_float16_groups for p in g))
+    if (opt.is_stub_optimizer or opt.ddp_config.use_megatron_fsdp
+            or config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+            or getattr(config, "reuse_grad_buf_for_mxfp8_param_ag", False)):
+        return False
+    fp8 = getattr(opt, "_slime_has_fp8_params", None)
+    if fp8 is None:
+        from megatron.core.fp8_utils import is_float8tensor
+
+        fp8 = opt._slime_has_fp8_params = any(is_float8tensor(p) for g in opt.model_float16_groups for p in g)
+    return not fp8
 
 
 def _copy_model_grads_to_main_grads(self) -> None:
