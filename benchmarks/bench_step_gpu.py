@@ -470,6 +470,8 @@ class StepOptions:
     profile: bool
     host_profile: bool
     """one extra cycle of the first path under cProfile: where the host's time goes (HOST line)"""
+    profile_warmup: bool = False
+    """the first warm-up cycle under cProfile: where a fresh process's first step goes (WARMUP_PROFILE line)"""
     time_budget_s: float
     """start no cycle that would end past this many seconds after start-up (estimated from that
     path's last cycle), so the summary is written inside the caller's deadline"""
@@ -489,6 +491,7 @@ def parse_step(argv: list[str]) -> tuple[StepOptions, list[str]]:
     p.add_argument("--sync-audit", action="store_true")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--host-profile", action="store_true")
+    p.add_argument("--profile-warmup", action="store_true")
     p.add_argument("--time-budget-s", type=float, default=1e9)
     p.add_argument("--results-json", default=None)
     p.add_argument("--checkpoint-dir", default=None, help="where the config-only HF checkpoint is written")
@@ -499,7 +502,7 @@ def parse_step(argv: list[str]) -> tuple[StepOptions, list[str]]:
     return StepOptions(model=ns.model, paths=tuple(dict.fromkeys(ns.paths)), cycles=ns.cycles,
                        num_samples=ns.num_samples, min_tokens=ns.min_tokens, max_tokens=ns.max_tokens,
                        data_seed=ns.data_seed, sync_audit=ns.sync_audit, profile=ns.profile,
-                       host_profile=ns.host_profile, time_budget_s=ns.time_budget_s, results_json=ns.results_json, checkpoint_dir=ckpt), rest
+                       host_profile=ns.host_profile, profile_warmup=ns.profile_warmup, time_budget_s=ns.time_budget_s, results_json=ns.results_json, checkpoint_dir=ckpt), rest
 
 
 def hybrid_config(shape: ModelShape):
@@ -772,6 +775,26 @@ class StepBench:
                              "own_s": round(v[2], 4), "cumulative_s": round(v[3], 4)}
                             for (f, line, name), v in rows]}
 
+    def profiled_first_cycle(self, path: str, top: int = 25) -> dict:
+        """run_cycle under cProfile, its functions with the most cumulative and own time in a WARMUP_PROFILE line:
+        a fresh process's first step is mostly host work (tracing, cache lookups, kernel loading), not kernels."""
+        import cProfile
+        import pstats
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+        try:
+            result = self.run_cycle(path)
+        finally:
+            profiler.disable()
+        stats = pstats.Stats(profiler).stats
+        name = lambda key: f"{Path(key[0]).parent.name}/{Path(key[0]).name}:{key[1]} {key[2]}"  # noqa: E731
+        by = lambda i: sorted(stats.items(), key=lambda kv: kv[1][i], reverse=True)[:top]  # noqa: E731
+        self.report(f"WARMUP_PROFILE {path}: wall {result['wall_s']:.1f} s under cProfile; cumulative: "
+                    + "; ".join(f"{name(k)} x{v[0]} {v[3]:.1f}s" for k, v in by(3))
+                    + " || own: " + "; ".join(f"{name(k)} x{v[0]} {v[2]:.2f}s" for k, v in by(2)))
+        return result
+
     # -- the run -----------------------------------------------------------------------------
     def out_of_time(self, estimate_s: float) -> bool:
         """Every rank agrees: the decision is reduced (MAX) over the world."""
@@ -790,7 +813,10 @@ class StepBench:
             if self.out_of_time(last.get(path, 0.0)):
                 return self._stop(f"time budget: {len(self.cycles)} of {len(schedule)} cycles ran")
             self.current = f"{kind} cycle of the {path} path"
-            result = {**self.run_cycle(path), "kind": kind}
+            if self.opts.profile_warmup and not self.cycles:
+                result = {**self.profiled_first_cycle(path), "kind": kind}
+            else:
+                result = {**self.run_cycle(path), "kind": kind}
             last[path] = result["wall_s"]
             self.cycles.append(result)
             self.report("CYCLE " + json.dumps(result))

@@ -74,7 +74,7 @@ explain_failure() {
   [ "$rc" -eq 124 ] && why="timed out (exit 124)"; [ "$rc" -eq 137 ] && why="killed (exit 137: out of time or memory)"
   echo "FAILED $name: $why; the last lines of $log:"; tail -n 15 "$log" | cut -c1-300 | sed 's/^/  | /'
 }
-summarize() { grep -h "^RATIO\|^KERNELS\|^COMPILE_COUNTERS\|^HOST\|^MEMORY\|^FIT\|^PARITY\|^GROUPED_CHECK\|^SYNC\|^PROFILE\|^OOM\|^FAILED\|^MISMATCH\|^STOPPED" "$OUT/$1.log" | cut -c1-900 | tee -a "$OUT/summary.txt"; }
+summarize() { grep -h "^RATIO\|^WARMUP_PROFILE\|^KERNELS\|^COMPILE_COUNTERS\|^HOST\|^MEMORY\|^FIT\|^PARITY\|^GROUPED_CHECK\|^SYNC\|^PROFILE\|^OOM\|^FAILED\|^MISMATCH\|^STOPPED" "$OUT/$1.log" | cut -c1-900 | tee -a "$OUT/summary.txt"; }
 # run NAME CAP_S CMD...: the command under min(CAP_S, time left - 10 s), its output in $OUT/NAME.log
 run() {
   local name=$1 cap=$2; shift 2
@@ -137,11 +137,12 @@ if want compile; then  # the fused path's first step in a fresh process: an empt
   CACHE=$(mktemp -d /tmp/inductor_cache.XXXX)
   CMP_NUM_SAMPLES=${CMP_NUM_SAMPLES:-4} CMP_MIN_TOKENS=${CMP_MIN_TOKENS:-12288} CMP_MAX_TOKENS=${CMP_MAX_TOKENS:-16384}
   CMP_CYCLES=1
-  for kind in cold warm; do
+  for kind in ${CMP_KINDS:-cold warm}; do
     t0=$SECONDS
     export TORCHINDUCTOR_CACHE_DIR=$CACHE
+    extra=(); [ "$kind" = warm-profiled ] && extra=(--profile-warmup)
     step "compile_$kind" "${CMP_CAP:-150}" CMP "$M06" --paths fused \
-      --max-tokens-per-gpu "${CMP_TOKENS_PER_GPU:-16384}"
+      --max-tokens-per-gpu "${CMP_TOKENS_PER_GPU:-16384}" "${extra[@]}"
     "$PY" - "$OUT/compile_$kind.json" "$kind" $((SECONDS - t0)) "$CACHE" <<'PY' | tee -a "$OUT/summary.txt"
 import json, subprocess, sys
 path, kind, process_s, cache = sys.argv[1:]

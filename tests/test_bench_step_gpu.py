@@ -228,8 +228,11 @@ def test_step_command_runs_both_paths_on_cp2_with_audit_and_profile(tmp_path):
 
 @pytest.mark.timeout(200)
 def test_step_command_reports_an_out_of_memory_cycle(tmp_path):
-    proc, report = _run_step(tmp_path, 1, ["--paths", "new", "old"], {"BENCH_STEP_INJECT_OOM_AT": "2"})
+    proc, report = _run_step(tmp_path, 1, ["--paths", "new", "old", "--profile-warmup"],
+                             {"BENCH_STEP_INJECT_OOM_AT": "2"})
     assert proc.returncode != 0
+    # the first warm-up cycle ran under cProfile, and only the first
+    assert proc.stdout.count("WARMUP_PROFILE new: wall ") == 1 and "WARMUP_PROFILE old" not in proc.stdout
     assert "OOM rank=0" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "FIT step tiny" in proc.stdout and "then OOM in the timed cycle of the new path" in proc.stdout
     assert [c["kind"] for c in report["cycles"]] == ["warmup", "warmup"]
