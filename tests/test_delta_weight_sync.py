@@ -85,6 +85,22 @@ def test_delta_flags_parse_and_refuse_with_the_fix(tmp_path, capsys, monkeypatch
     assert "invalid choice: 'crc32'" in err
 
 
+def test_a_delta_transport_connects_its_group_in_its_stage_s_turn(monkeypatch):
+    """PP stages form their weight-update groups one after another (update_weight.py asks the transport whether
+    it is connected, connects it, and counts the engines joining): a delta push goes over the same group."""
+    from slime.backends.megatron_utils.delta_transport import DeltaTransport
+    from slime.backends.megatron_utils.weight_transport import DistributedTransport, EngineSet
+    from slime.backends.sglang_utils.http_client import ClientTimeouts
+
+    urls = ("http://127.0.0.1:1", "http://127.0.0.1:2")
+    inner = DistributedTransport(EngineSet(urls, ClientTimeouts()), 1, backend="gloo", timeout_s=5.0, stage=1)
+    delta = DeltaTransport(inner, encoding="xor", checksum="adler32")
+    assert not delta.connected and delta.group_engines == urls
+    monkeypatch.setattr(inner, "connect", lambda: setattr(inner, "_group", object()))
+    delta.connect()
+    assert delta.connected
+
+
 # ----------------------------------------------------------------------------- into a running engine
 from test_update_weight import checkpoint, engine  # noqa: E402, F401 (fixtures: a one-layer Qwen3 and its engine)
 

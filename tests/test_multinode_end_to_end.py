@@ -174,3 +174,7 @@ def test_colocated_over_two_nodes_order_proof_holds(colocated_run):
                 for rank, seq in sequences.items()}
     assert connects == {0: ["weight_sync/connect_pp0"], 4: ["weight_sync/connect_pp1"],
                         **{rank: [] for rank in (1, 2, 3, 5, 6, 7)}}
+    # the group holds the other node's engine only (its own node's takes tensors): one engine, not both
+    joined = {rank: [op.shape for op in sequences[rank].ops if op.op.startswith("weight_sync/connect_pp")]
+              for rank in (0, 4)}
+    assert joined == {0: [(1,)], 4: [(1,)]}, joined

@@ -41,6 +41,18 @@ class DeltaTransport:
         self.baseline: dict[str, torch.Tensor] = {}  # name -> what every engine holds (host copy)
         self.fallbacks = 0  # buckets pushed in full because an engine refused their delta
 
+    # the weight-update group is the inner transport's: PP stages connect it in their turn (update_weight.py)
+    @property
+    def connected(self) -> bool:
+        return self.inner.connected
+
+    @property
+    def group_engines(self) -> tuple[str, ...]:
+        return self.inner.group_engines
+
+    def connect(self) -> None:
+        self.inner.connect()
+
     def send(self, index: int, tensors: NamedTensors, *, version: str | None, flush_cache: bool) -> int:
         if not tensors or any(name not in self.baseline for name, _ in tensors):
             return self._send_full(index, tensors, version, flush_cache)

@@ -469,7 +469,7 @@ class WeightSync:
         transport = self.transport(device, stage)
         if transport.connected:
             return
-        with _engine_call(ledger, f"weight_sync/connect_pp{stage}", len(self.engine_urls), "engines"):
+        with _engine_call(ledger, f"weight_sync/connect_pp{stage}", len(transport.group_engines), "engines"):
             transport.connect()
 
     def _export(self, model_chunks, read_param, select):

@@ -236,6 +236,11 @@ class DistributedTransport:
     def connected(self) -> bool:
         return self._group is not None
 
+    @property
+    def group_engines(self) -> tuple[str, ...]:
+        """The engines that join the weight-update group."""
+        return self.engines.urls
+
     def _stalled(self, what: str, calls: list[Future], cause: BaseException) -> WeightGroupStallError:
         """Name the engines: those whose call did not end, split by whether they still answer /health (an
         engine waiting inside the group for a stalled peer does; the stalled one does not)."""
@@ -325,6 +330,11 @@ class NodeSplitTransport:
     @property
     def connected(self) -> bool:
         return self.remote is None or self.remote.connected
+
+    @property
+    def group_engines(self) -> tuple[str, ...]:
+        """The engines that join this sender's weight-update group: the other nodes' (its own take tensors)."""
+        return self.remote.engines.urls if self.remote is not None else ()
 
     def connect(self) -> None:
         if self.remote is not None:
