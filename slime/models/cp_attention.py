@@ -20,9 +20,11 @@ positions <= its own. Kernels (`ContextParallelAttention.kernel`):
   lower-right, i.e. the chunk's last query sees the whole prefix. SDPA with native GQA
   (flash / cuDNN kernels on GPU); with flash-attn importable and fp16/bf16 CUDA inputs, one
   varlen call for the whole micro-batch instead. Where cuDNN's attention serves the inputs (Hopper,
-  fp16/bf16, no dropout), a chunk shorter than its key prefix (a CP rank's later chunk) is two cuDNN calls
-  merged by their log-sum-exp (slime/models/prefix_attention.py): SDPA's lower-right mask has no cuDNN
-  path, and its flash path ran at 290-330 TFLOP/s on a CP2 rank of one H200 against 440-525 for the split.
+  fp16/bf16, no dropout), a chunk shorter than its key prefix (a CP rank's later chunk) is split into a call
+  against the keys before it and a causal square, merged by their log-sum-exp
+  (slime/models/prefix_attention.py): SDPA's lower-right mask has no cuDNN path, and its flash path ran at
+  290-330 TFLOP/s on a CP2 rank of one H200 against 440-525 for the split. Both chunks' causal squares
+  (of equal length) go as one batched call per sequence (chunk_pair_attention).
 - "split": "causal" with that split wherever torch's flash or cuDNN kernels serve the inputs.
 - "masked": SDPA with an explicit [tq, tk] boolean mask and GQA by repeat_interleave, the
   path before the causal kernels: the reference the causal kernels are tested against, and the "old"
@@ -47,7 +49,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch.nn.attention.bias import causal_lower_right
 
-from slime.models.prefix_attention import LseKernel, cudnn_usable, flash_usable, prefix_attention
+from slime.models.prefix_attention import (LseKernel, chunk_pair_attention, cudnn_usable, lse_kernel_for,
+                                             prefix_attention)
 
 try:
     from flash_attn import flash_attn_varlen_func
@@ -237,30 +240,43 @@ def _in_global_order(k, v, plan: AttentionPlan):
     return _Permuted.apply(k, order, inverse), _Permuted.apply(v, order, inverse)
 
 
+def _rows(x: torch.Tensor, rows: slice) -> torch.Tensor:
+    """x[rows], or x itself where that is all of it (its gradient then needs no zero-filled copy)."""
+    return x if rows.start == 0 and rows.stop == x.shape[0] else x[rows]
+
+
 def attend_causal(q, k, v, plan: AttentionPlan, *, scale: float, dropout_p: float,
-                  split: bool | None = None, lse_kernel: LseKernel | None = None) -> torch.Tensor:
+                  split: bool | None = None, lse_kernel: LseKernel | None = None, batched: bool = True) -> torch.Tensor:
     """The "causal" kernel: q [t_local, hq, d], k/v gathered over CP (rank-major) -> [t_local, hq, d]. `split`
-    (None: where cuDNN serves the inputs): a chunk shorter than its key prefix goes through prefix_attention
-    (with `lse_kernel`, else its default) where flash or cuDNN serves it."""
+    (None: where cuDNN serves the inputs) with `lse_kernel` (else lse_kernel_for(q)) where that kernel serves the
+    inputs: a sequence's two CP chunks through chunk_pair_attention, or with `batched=False` only the later chunk,
+    through prefix_attention (three calls a sequence, the form before the batched one, kept for the benchmark)."""
     if flash_attn_varlen_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         return attend_flash_varlen(q, k, v, plan, scale=scale, dropout_p=dropout_p)
     k, v = _in_global_order(k, v, plan)
-    split = (cudnn_usable(q) if split is None else split) and dropout_p == 0.0 and flash_usable(q)
+    kernel = lse_kernel or lse_kernel_for(q)
+    split = (cudnn_usable(q) if split is None else split) and dropout_p == 0.0 and kernel.usable(q)
     outputs = []
     for seq in plan.sequences:
+        if split and batched and len(seq.query_chunks) == 2:
+            (_, first_end), (_, end) = seq.query_chunks
+            keys = slice(seq.keys.start, seq.keys.start + end)
+            outputs.append(chunk_pair_attention(_rows(q, seq.local), _rows(k, keys), _rows(v, keys), first_end,
+                                                scale=scale, kernel=kernel))
+            continue
         keys, values = k[seq.keys], v[seq.keys]
         for queries, prefix in seq.query_chunks:
             if split and prefix > queries.stop - queries.start:
                 outputs.append(prefix_attention(q[queries], keys[:prefix], values[:prefix], scale=scale,
-                                                kernel=lse_kernel))
+                                                kernel=kernel))
                 continue
             outputs.append(causal_chunk_attention(q[queries], keys[:prefix], values[:prefix],
                                                   scale=scale, dropout_p=dropout_p))
-    return torch.cat(outputs)
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
 def attend_split(q, k, v, plan: AttentionPlan, *, scale: float, dropout_p: float) -> torch.Tensor:
-    """The "split" kernel: attend_causal with the later CP chunks as two lse-merged kernel calls."""
+    """The "split" kernel: attend_causal with the CP chunks as lse-merged kernel calls wherever they serve."""
     return attend_causal(q, k, v, plan, scale=scale, dropout_p=dropout_p, split=True)
 
 
