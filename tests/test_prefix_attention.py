@@ -2,7 +2,7 @@
 equals one lower-right causal call (SDPA's `causal_lower_right`), output and all three gradients, with GQA; the
 MATH kernel stands in for flash on CPU (the merge and the backward rule are what is tested here; flash itself is
 checked on a GPU by benchmarks/bench_step_gpu.py attention against the masked path). A CP rank's two chunks of a
-sequence with their causal squares batched (chunk_pair_attention, what attend_causal's split runs) equal the masked
+sequence with their causal squares batched (chunk_pair_attention, attend_causal's batched=True) equal the masked
 path and the three-call split, for every CP size and rank, packed sequences and GQA, in as many kernel calls as
 planned."""
 from __future__ import annotations
@@ -137,7 +137,7 @@ def test_batched_chunks_are_one_causal_call_and_a_call_per_past(cp, rank):
     calls = []
     plan = cp_attention.attention_plan(lens, cp, rank, torch.device("cpu"))
     q, k, v, grad = _cp_rank_inputs(lens, cp, 4, 2, 8, torch.float64, seed=rank)
-    out = cp_attention.attend_causal(q, k, v, plan, scale=0.4, dropout_p=0.0, split=True,
+    out = cp_attention.attend_causal(q, k, v, plan, scale=0.4, dropout_p=0.0, split=True, batched=True,
                                      lse_kernel=_counting(_grouped_math(), calls))
     out.backward(grad)
     expected = []  # (causal, batch, queries, keys) per call
@@ -172,6 +172,6 @@ def test_dropout_keeps_the_unsplit_path():
     calls = []
     plan = cp_attention.attention_plan((16,), 2, 0, torch.device("cpu"))
     q, k, v, _ = _cp_rank_inputs((16,), 2, 4, 2, 8, torch.float64, seed=4)
-    out = cp_attention.attend_causal(q, k, v, plan, scale=0.4, dropout_p=0.1, split=True,
+    out = cp_attention.attend_causal(q, k, v, plan, scale=0.4, dropout_p=0.1, split=True, batched=True,
                                      lse_kernel=_counting(MATH, calls))
     assert out.shape == q.shape and calls == []
