@@ -50,8 +50,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch.nn.attention.bias import causal_lower_right
 
-from slime.models.prefix_attention import (LseKernel, chunk_pair_attention, cudnn_usable, lse_kernel_for,
-                                             prefix_attention)
+from slime.models.prefix_attention import (LseKernel, chunk_pair_attention, cudnn_usable, heads_first,
+                                             lse_kernel_for, prefix_attention)
 
 try:
     from flash_attn import flash_attn_varlen_func
@@ -188,18 +188,13 @@ def attention_plan(lengths: tuple[int, ...], cp_size: int, cp_rank: int, device:
 
 
 # ------------------------------------------------------------------------------ kernels
-def _heads_first(x: torch.Tensor) -> torch.Tensor:
-    """[t, h, d] -> [1, h, t, d] (a view: SDPA's flash kernels read [t, h, d] natively)."""
-    return x.transpose(0, 1).unsqueeze(0)
-
-
 def causal_chunk_attention(q, k, v, *, scale: float, dropout_p: float) -> torch.Tensor:
     """q [tq, hq, d] against k/v [tk, hkv, d] (tq <= tk), causal aligned lower-right: query i
     sees keys <= i + tk - tq. GQA without repeating k/v. -> [tq, hq, d]."""
     tq, tk = q.shape[0], k.shape[0]
     square = tq == tk
     out = F.scaled_dot_product_attention(
-        _heads_first(q), _heads_first(k), _heads_first(v),
+        heads_first(q), heads_first(k), heads_first(v),
         attn_mask=None if square else causal_lower_right(tq, tk),
         is_causal=square, dropout_p=dropout_p, scale=scale, enable_gqa=True,
     )
@@ -214,7 +209,7 @@ def masked_attention(q, k, v, query_pos, key_pos, *, scale: float, dropout_p: fl
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
     allowed = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)
-    out = F.scaled_dot_product_attention(_heads_first(q), _heads_first(k), _heads_first(v),
+    out = F.scaled_dot_product_attention(heads_first(q), heads_first(k), heads_first(v),
                                          attn_mask=allowed, dropout_p=dropout_p, scale=scale)
     return out.squeeze(0).transpose(0, 1)
 

@@ -116,8 +116,8 @@ def lse_kernel_for(q: torch.Tensor) -> LseKernel:
     return CUDNN if cudnn_usable(q) else FLASH
 
 
-def _heads_first(x: torch.Tensor) -> torch.Tensor:
-    """[t, h, d] -> [1, h, t, d], a view."""
+def heads_first(x: torch.Tensor) -> torch.Tensor:
+    """[t, h, d] -> [1, h, t, d] (a view: the attention kernels read [t, h, d] natively)."""
     return x.transpose(0, 1).unsqueeze(0)
 
 
@@ -165,7 +165,7 @@ def prefix_attention(q, k, v, *, scale: float, kernel: LseKernel | None = None) 
     groups = q.shape[1] // k.shape[1]
     if groups > 1 and not kernel.grouped_kv:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    out = _PrefixAttention.apply(_heads_first(q), _heads_first(k), _heads_first(v), scale, kernel)
+    out = _PrefixAttention.apply(heads_first(q), heads_first(k), heads_first(v), scale, kernel)
     return out.squeeze(0).transpose(0, 1)
 
 
@@ -231,7 +231,7 @@ class _ChunkPairAttention(torch.autograd.Function):
                                               True, scale)
         states = [own_state]
         for c, past in _pasts(first_end, k.shape[0], half):
-            o_past, l_past, state = kernel.forward(q2[c:c + 1], _heads_first(k[:past]), _heads_first(v[:past]),
+            o_past, l_past, state = kernel.forward(q2[c:c + 1], heads_first(k[:past]), heads_first(v[:past]),
                                                    False, scale)
             _merge_into(out2[c], lse[c], o_past[0], l_past[0])
             states.append(state)
@@ -253,7 +253,7 @@ class _ChunkPairAttention(torch.autograd.Function):
         dk_past, dv_past = {}, {}
         for (c, past), state in zip(_pasts(first_end, k.shape[0], half), ctx.states[1:]):
             one = slice(c, c + 1)
-            dq_c, dk_c, dv_c = kernel.backward(grad2[one], q2[one], _heads_first(k[:past]), _heads_first(v[:past]),
+            dq_c, dk_c, dv_c = kernel.backward(grad2[one], q2[one], heads_first(k[:past]), heads_first(v[:past]),
                                                out2[one], lse[one], False, scale, state)
             dq[c] += dq_c[0]
             dk_past[c], dv_past[c] = dk_c[0], dv_c[0]
