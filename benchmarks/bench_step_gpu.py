@@ -77,10 +77,11 @@ KERNEL_OF_PATH = {"fused": "causal", "new": "causal", "old": "masked", "grouped"
 # SequentialMLP's per-expert loop
 EXPERT_PATHS = ("grouped", "grouped-prev", "grouped-base", "sequential")
 # the attention phase compares the kernels ("new": the default, at CP>1 on Hopper the later chunk as two cuDNN calls
-# merged by lse; "lower-right": every chunk as one SDPA call with the lower-right mask, the default before that;
-# "split-flash": the split with torch's flash kernels)
-ATTENTION_PATHS = ("new", "old", "lower-right", "split-flash")
-SPLIT_PATHS = ("lower-right", "split-flash")  # compared with "old" like "new"
+# merged by lse; "batched": both chunks' causal squares as one batched cuDNN call plus a call per chunk against the
+# keys before it; "lower-right": every chunk as one SDPA call with the lower-right mask, the default before the
+# split; "split-flash": the split with torch's flash kernels)
+ATTENTION_PATHS = ("new", "old", "batched", "lower-right", "split-flash")
+SPLIT_PATHS = ("batched", "lower-right", "split-flash")  # compared with "old" like "new"
 OOM_EXIT_CODE = 3
 
 
@@ -315,6 +316,7 @@ class AttentionCase:
         from slime.models.prefix_attention import FLASH
 
         self.kernels = {"new": cp_attention.attend_causal, "old": cp_attention.attend_masked,
+                        "batched": functools.partial(cp_attention.attend_causal, split=True, batched=True),
                         "lower-right": functools.partial(cp_attention.attend_causal, split=False),
                         "split-flash": functools.partial(cp_attention.attend_causal, split=True, lse_kernel=FLASH)}
 

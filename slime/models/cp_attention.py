@@ -20,9 +20,12 @@ positions <= its own. Kernels (`ContextParallelAttention.kernel`):
   lower-right, i.e. the chunk's last query sees the whole prefix. SDPA with native GQA
   (flash / cuDNN kernels on GPU); with flash-attn importable and fp16/bf16 CUDA inputs, one
   varlen call for the whole micro-batch instead. Where cuDNN's attention serves the inputs (Hopper,
-  fp16/bf16, no dropout), a chunk shorter than its key prefix (a CP rank's later chunk) is two cuDNN calls
-  merged by their log-sum-exp (slime/models/prefix_attention.py): SDPA's lower-right mask has no cuDNN
-  path, and its flash path ran at 290-330 TFLOP/s on a CP2 rank of one H200 against 440-525 for the split.
+  fp16/bf16, no dropout), a chunk shorter than its key prefix (a CP rank's later chunk) is split into a call
+  against the keys before it and a causal square, merged by their log-sum-exp
+  (slime/models/prefix_attention.py): SDPA's lower-right mask has no cuDNN path, and its flash path ran at
+  290-330 TFLOP/s on a CP2 rank of one H200 against 440-525 for the split. `batched=True` instead runs a
+  sequence's two chunks' causal squares (of equal length) as one batched call (chunk_pair_attention): exact on
+  CPU, not yet measured on a GPU, so not the default.
 - "split": "causal" with that split wherever torch's flash or cuDNN kernels serve the inputs.
 - "masked": SDPA with an explicit [tq, tk] boolean mask and GQA by repeat_interleave, the
   path before the causal kernels: the reference the causal kernels are tested against, and the "old"
@@ -47,7 +50,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch.nn.attention.bias import causal_lower_right
 
-from slime.models.prefix_attention import LseKernel, cudnn_usable, flash_usable, prefix_attention
+from slime.models.prefix_attention import (LseKernel, chunk_pair_attention, cudnn_usable, heads_first,
+                                             lse_kernel_for, prefix_attention)
 
 try:
     from flash_attn import flash_attn_varlen_func
@@ -184,18 +188,13 @@ def attention_plan(lengths: tuple[int, ...], cp_size: int, cp_rank: int, device:
 
 
 # ------------------------------------------------------------------------------ kernels
-def _heads_first(x: torch.Tensor) -> torch.Tensor:
-    """[t, h, d] -> [1, h, t, d] (a view: SDPA's flash kernels read [t, h, d] natively)."""
-    return x.transpose(0, 1).unsqueeze(0)
-
-
 def causal_chunk_attention(q, k, v, *, scale: float, dropout_p: float) -> torch.Tensor:
     """q [tq, hq, d] against k/v [tk, hkv, d] (tq <= tk), causal aligned lower-right: query i
     sees keys <= i + tk - tq. GQA without repeating k/v. -> [tq, hq, d]."""
     tq, tk = q.shape[0], k.shape[0]
     square = tq == tk
     out = F.scaled_dot_product_attention(
-        _heads_first(q), _heads_first(k), _heads_first(v),
+        heads_first(q), heads_first(k), heads_first(v),
         attn_mask=None if square else causal_lower_right(tq, tk),
         is_causal=square, dropout_p=dropout_p, scale=scale, enable_gqa=True,
     )
@@ -210,7 +209,7 @@ def masked_attention(q, k, v, query_pos, key_pos, *, scale: float, dropout_p: fl
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
     allowed = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)
-    out = F.scaled_dot_product_attention(_heads_first(q), _heads_first(k), _heads_first(v),
+    out = F.scaled_dot_product_attention(heads_first(q), heads_first(k), heads_first(v),
                                          attn_mask=allowed, dropout_p=dropout_p, scale=scale)
     return out.squeeze(0).transpose(0, 1)
 
@@ -237,30 +236,43 @@ def _in_global_order(k, v, plan: AttentionPlan):
     return _Permuted.apply(k, order, inverse), _Permuted.apply(v, order, inverse)
 
 
+def _rows(x: torch.Tensor, rows: slice) -> torch.Tensor:
+    """x[rows], or x itself where that is all of it (its gradient then needs no zero-filled copy)."""
+    return x if rows.start == 0 and rows.stop == x.shape[0] else x[rows]
+
+
 def attend_causal(q, k, v, plan: AttentionPlan, *, scale: float, dropout_p: float,
-                  split: bool | None = None, lse_kernel: LseKernel | None = None) -> torch.Tensor:
+                  split: bool | None = None, lse_kernel: LseKernel | None = None, batched: bool = False) -> torch.Tensor:
     """The "causal" kernel: q [t_local, hq, d], k/v gathered over CP (rank-major) -> [t_local, hq, d]. `split`
-    (None: where cuDNN serves the inputs): a chunk shorter than its key prefix goes through prefix_attention
-    (with `lse_kernel`, else its default) where flash or cuDNN serves it."""
+    (None: where cuDNN serves the inputs) with `lse_kernel` (else lse_kernel_for(q)) where that kernel serves the
+    inputs: the later chunk through prefix_attention (three kernel calls a sequence), or with `batched=True` both
+    chunks through chunk_pair_attention (their causal squares as one call: the benchmark's "batched" path)."""
     if flash_attn_varlen_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         return attend_flash_varlen(q, k, v, plan, scale=scale, dropout_p=dropout_p)
     k, v = _in_global_order(k, v, plan)
-    split = (cudnn_usable(q) if split is None else split) and dropout_p == 0.0 and flash_usable(q)
+    kernel = lse_kernel or lse_kernel_for(q)
+    split = (cudnn_usable(q) if split is None else split) and dropout_p == 0.0 and kernel.usable(q)
     outputs = []
     for seq in plan.sequences:
+        if split and batched and len(seq.query_chunks) == 2:
+            (_, first_end), (_, end) = seq.query_chunks
+            keys = slice(seq.keys.start, seq.keys.start + end)
+            outputs.append(chunk_pair_attention(_rows(q, seq.local), _rows(k, keys), _rows(v, keys), first_end,
+                                                scale=scale, kernel=kernel))
+            continue
         keys, values = k[seq.keys], v[seq.keys]
         for queries, prefix in seq.query_chunks:
             if split and prefix > queries.stop - queries.start:
                 outputs.append(prefix_attention(q[queries], keys[:prefix], values[:prefix], scale=scale,
-                                                kernel=lse_kernel))
+                                                kernel=kernel))
                 continue
             outputs.append(causal_chunk_attention(q[queries], keys[:prefix], values[:prefix],
                                                   scale=scale, dropout_p=dropout_p))
-    return torch.cat(outputs)
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
 def attend_split(q, k, v, plan: AttentionPlan, *, scale: float, dropout_p: float) -> torch.Tensor:
-    """The "split" kernel: attend_causal with the later CP chunks as two lse-merged kernel calls."""
+    """The "split" kernel: attend_causal with the CP chunks as lse-merged kernel calls wherever they serve."""
     return attend_causal(q, k, v, plan, scale=scale, dropout_p=dropout_p, split=True)
 
 
