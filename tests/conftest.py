@@ -21,7 +21,7 @@ ISSUE_RECORDING_TIMEOUT_S = 480
 # Groups start longest first (as measured), the rest in file order.
 SHARED_GROUPS = {
     "test_end_to_end.py": "eight_ranks", "test_order_proof.py": "eight_ranks", "test_learning_demo.py": "eight_ranks",
-    "test_learning_demo_moe.py": "eight_ranks", "test_learning_demo_cispo.py": "eight_ranks",
+    "test_learning_demo_moe.py": "eight_ranks",
 }
 LONGEST_FIRST = ("eight_ranks", "test_engine_faults_e2e.py", "test_exact_resume.py", "test_dropin_e2e.py",
                  "test_train_async_e2e.py", "test_rollout_stack_e2e.py", "test_model_families_e2e.py",

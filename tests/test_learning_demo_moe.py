@@ -1,11 +1,14 @@
-"""examples/run_cpu_demo_moe.sh learns as the dense demo does: a random-init tiny Qwen3-MoE (8 experts, top-2)
-on 8 CPU ranks as TP2 x SP x EP4 (experts over 4 expert-parallel ranks, alltoall dispatcher with uneven
-per-rank token counts), --colocate, dynamic batch, per-token loss, 20 rollouts of the counting task.
+"""examples/run_cpu_demo_moe.sh learns with CISPO (--advantage-estimator cispo): a random-init tiny Qwen3-MoE
+(8 experts, top-2) on 8 CPU ranks as TP2 x SP x EP4 (experts over 4 expert-parallel ranks, alltoall dispatcher
+with uneven per-rank token counts), --colocate, dynamic batch, per-token loss, 20 rollouts of the counting task.
+(GRPO with experts learns in tests/test_learning_demo_qwen3_5.py's run; CISPO's loss is checked against
+hand-computed values in tests/test_ppo_utils.py and tests/test_loss_hooks.py.)
 
-Checks, as tests/test_learning_demo.py does for the dense model: the reward of the last 3 rollouts is well
-above rollout 0's (target +0.3, the test asks +0.25 against sampling noise), and after every weight sync the
-engines' log-probs (transformers' Qwen3MoeForCausalLM, all experts pushed from the EP ranks) agree with the
-trainer's in fp32.
+One run checks, as tests/test_learning_demo.py does for the dense model: the reward of the last 3 rollouts is
+well above rollout 0's (target +0.3, the test asks +0.25 against sampling noise); that the second step of each
+rollout clipped some importance weights (the run exercised CISPO's clip, not only its on-policy first step); and
+that after every weight sync the engines' log-probs (transformers' Qwen3MoeForCausalLM, all experts pushed from the
+EP ranks) agree with the trainer's in fp32.
 """
 from __future__ import annotations
 
@@ -18,7 +21,8 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def moe_demo(tmp_path_factory) -> dict:
-    return run_demo_script("run_cpu_demo_moe.sh", tmp_path_factory.mktemp("demo_moe"), 840)
+    return run_demo_script("run_cpu_demo_moe.sh", tmp_path_factory.mktemp("demo_moe"), 840,
+                           extra=("--advantage-estimator", "cispo"))
 
 
 @pytest.mark.timeout(880)
@@ -30,7 +34,9 @@ def test_moe_reward_rises_from_random_weights(moe_demo):
 
 
 @pytest.mark.timeout(880)
-def test_every_moe_weight_sync_is_confirmed_by_the_log_probs(moe_demo):
+def test_cispo_clipped_weights_and_every_moe_weight_sync_is_confirmed_by_the_log_probs(moe_demo):
+    clipfrac = _series(moe_demo["events"], "train", "train/pg_clipfrac")
+    assert len(clipfrac) == NUM_ROLLOUTS and max(clipfrac) > 0.0, clipfrac
     diffs = _series(moe_demo["events"], "train", "train/train_rollout_logprob_abs_diff")
     assert len(diffs) == NUM_ROLLOUTS and all(0.0 <= d <= AGREEMENT for d in diffs), diffs
     assert _series(moe_demo["events"], "weight_sync", "weight_sync/version") == list(range(NUM_ROLLOUTS + 1))

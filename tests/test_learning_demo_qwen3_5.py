@@ -1,11 +1,13 @@
-"""The counting demo learns on the gated DeltaNet hybrids: a random-init tiny Qwen3.5 (one DeltaNet and one gated
-attention layer) through examples/run_cpu_demo.sh on 4 CPU ranks as TP2 x SP x CP2 (--colocate, dynamic batches,
-per-token loss; the DeltaNet's recurrence crosses the CP ranks), and a tiny Qwen3.5-MoE (4 experts top-2 and a
-gated shared expert per layer) on 8 ranks as TP2 x SP x EP2 (examples/run_cpu_demo_moe.sh's flags).
+"""The counting demo learns on a gated DeltaNet hybrid: a random-init tiny Qwen3.5-MoE (one DeltaNet and one gated
+attention layer, 4 experts top-2 and a gated shared expert per layer) through examples/run_cpu_demo_moe.sh on 4 CPU
+ranks as TP2 x SP x CP2 x EP2 (--colocate, dynamic batches, per-token loss; the DeltaNet's recurrence crosses the
+CP ranks, the experts are spread over the expert-parallel ranks).
 
-Each run, as tests/test_learning_demo.py asks of the dense model: the mean reward of the last 3 rollouts is
-well above rollout 0's, and after every weight sync the engine (transformers' Qwen3_5ForCausalLM /
-Qwen3_5MoeForCausalLM, served the pushed weights) gives the trainer's log-probs in fp32.
+As tests/test_learning_demo.py asks of the dense model: the mean reward of the last 3 rollouts is well above
+rollout 0's, and after every weight sync the engine (transformers' Qwen3_5MoeForCausalLM, served the pushed
+weights) gives the trainer's log-probs in fp32. One run covers the family's layers under every parallelism the
+two text types share (the dense Qwen3.5 differs in its MLP only, which the Qwen3 demo's learning run and
+tests/test_qwen3_5.py's parity tests at TP2 x CP2 cover).
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from test_learning_demo import MIN_RISE, NUM_ROLLOUTS, _series
-from tiny_models import replace_model, save_tiny_qwen3_5, save_tiny_qwen3_5_moe
+from tiny_models import replace_model, save_tiny_qwen3_5_moe
 from train_runs import PRIVATE_CLUSTER, train_env
 
 pytestmark = pytest.mark.e2e
@@ -56,13 +58,8 @@ def _assert_learns_and_agrees(events: list[dict]) -> None:
 
 
 @pytest.mark.timeout(600)
-def test_qwen3_5_learns_under_tp2_sp_cp2(tmp_path):
-    extra = ("--actor-num-gpus-per-node", "4", "--rollout-num-gpus-per-engine", "4", "--context-parallel-size", "2")
-    _assert_learns_and_agrees(_run("run_cpu_demo.sh", "counting-model", save_tiny_qwen3_5, tmp_path, extra))
-
-
-@pytest.mark.timeout(600)
-def test_qwen3_5_moe_learns_under_tp2_sp_ep2(tmp_path):
-    extra = ("--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1", "--num-experts", "4",
+def test_qwen3_5_moe_learns_under_tp2_sp_cp2_ep2(tmp_path):
+    extra = ("--actor-num-gpus-per-node", "4", "--rollout-num-gpus-per-engine", "4", "--context-parallel-size", "2",
+             "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1", "--num-experts", "4",
              "--moe-router-topk", "2", "--moe-shared-expert-gate")
     _assert_learns_and_agrees(_run("run_cpu_demo_moe.sh", "counting-moe", save_tiny_qwen3_5_moe, tmp_path, extra))
