@@ -504,7 +504,8 @@ def parse_step(argv: list[str]) -> tuple[StepOptions, list[str]]:
     return StepOptions(model=ns.model, paths=tuple(dict.fromkeys(ns.paths)), cycles=ns.cycles,
                        num_samples=ns.num_samples, min_tokens=ns.min_tokens, max_tokens=ns.max_tokens,
                        data_seed=ns.data_seed, sync_audit=ns.sync_audit, profile=ns.profile,
-                       host_profile=ns.host_profile, profile_warmup=ns.profile_warmup, time_budget_s=ns.time_budget_s, results_json=ns.results_json, checkpoint_dir=ckpt), rest
+                       host_profile=ns.host_profile, profile_warmup=ns.profile_warmup,
+                       time_budget_s=ns.time_budget_s, results_json=ns.results_json, checkpoint_dir=ckpt), rest
 
 
 def hybrid_config(shape: ModelShape):
@@ -635,6 +636,18 @@ def cycle_schedule(paths: tuple[str, ...], cycles: int) -> list[tuple[str, str]]
     return warmup + timed
 
 
+OWN_S, CUMULATIVE_S = 2, 3  # fields of a pstats entry: (calls, primitive calls, own s, cumulative s, callers)
+
+
+def _profile_rows(profiler, field: int, top: int) -> list[tuple[str, int, float, float]]:
+    """(dir/file:line function, calls, own s, cumulative s) of a cProfile run, the most `field` first."""
+    import pstats
+
+    stats = pstats.Stats(profiler).stats
+    rows = sorted(stats.items(), key=lambda kv: kv[1][field], reverse=True)[:top]
+    return [(f"{Path(f).parent.name}/{Path(f).name}:{line} {name}", v[0], v[2], v[3]) for (f, line, name), v in rows]
+
+
 class StepBench:
     """One process of the step benchmark (every rank runs the same schedule)."""
 
@@ -758,7 +771,6 @@ class StepBench:
         """One cycle under cProfile (the host's Python time; the profiler's own cost inflates it): the functions
         with the most own time, and the phase clock's split of the same cycle."""
         import cProfile
-        import pstats
 
         use_path(self.actor, path)
         profiler = cProfile.Profile()
@@ -770,18 +782,14 @@ class StepBench:
         finally:
             profiler.disable()
         wall = time.perf_counter() - start
-        stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, primitive, own s, cumulative s, callers)
-        rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
         return {"path": path, "wall_s": wall, "phase_s": {k: round(v, 3) for k, v in sorted(self.clock.take().items())},
-                "top_own": [{"function": f"{Path(f).parent.name}/{Path(f).name}:{line} {name}", "calls": v[0],
-                             "own_s": round(v[2], 4), "cumulative_s": round(v[3], 4)}
-                            for (f, line, name), v in rows]}
+                "top_own": [{"function": name, "calls": calls, "own_s": round(own, 4), "cumulative_s": round(cum, 4)}
+                            for name, calls, own, cum in _profile_rows(profiler, OWN_S, top)]}
 
     def profiled_first_cycle(self, path: str, top: int = 25) -> dict:
         """run_cycle under cProfile, its functions with the most cumulative and own time in a WARMUP_PROFILE line:
         a fresh process's first step is mostly host work (tracing, cache lookups, kernel loading), not kernels."""
         import cProfile
-        import pstats
 
         profiler = cProfile.Profile()
         profiler.enable()
@@ -789,12 +797,11 @@ class StepBench:
             result = self.run_cycle(path)
         finally:
             profiler.disable()
-        stats = pstats.Stats(profiler).stats
-        name = lambda key: f"{Path(key[0]).parent.name}/{Path(key[0]).name}:{key[1]} {key[2]}"  # noqa: E731
-        by = lambda i: sorted(stats.items(), key=lambda kv: kv[1][i], reverse=True)[:top]  # noqa: E731
+        cumulative = _profile_rows(profiler, CUMULATIVE_S, top)
+        own = _profile_rows(profiler, OWN_S, top)
         self.report(f"WARMUP_PROFILE {path}: wall {result['wall_s']:.1f} s under cProfile; cumulative: "
-                    + "; ".join(f"{name(k)} x{v[0]} {v[3]:.1f}s" for k, v in by(3))
-                    + " || own: " + "; ".join(f"{name(k)} x{v[0]} {v[2]:.2f}s" for k, v in by(2)))
+                    + "; ".join(f"{name} x{calls} {cum_s:.1f}s" for name, calls, _, cum_s in cumulative)
+                    + " || own: " + "; ".join(f"{name} x{calls} {own_s:.2f}s" for name, calls, own_s, _ in own))
         return result
 
     # -- the run -----------------------------------------------------------------------------

@@ -334,7 +334,7 @@ class NodeSplitTransport:
     @property
     def group_engines(self) -> tuple[str, ...]:
         """The engines that join this sender's weight-update group: the other nodes' (its own take tensors)."""
-        return self.remote.engines.urls if self.remote is not None else ()
+        return self.remote.group_engines if self.remote is not None else ()
 
     def connect(self) -> None:
         if self.remote is not None:
