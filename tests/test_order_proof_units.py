@@ -47,6 +47,23 @@ def test_the_window_is_trimmed_only_after_writing_so_no_op_is_lost(tmp_path):
     assert "misses ops before #7" in check_order({0: cut}).format()
 
 
+def test_a_point_to_point_op_is_written_with_its_peers_even_if_flushed_the_moment_it_starts(tmp_path):
+    """The flusher thread may write an entry as soon as it is appended: its peers must already be in it."""
+    ledger = Ledger(0, 2, str(tmp_path), record_sequence=True, flush_interval_s=60)
+
+    class FlushOnAppend(type(ledger._entries)):
+        def append(self, entry):
+            super().append(entry)
+            ledger.flush()  # what the flusher does when it wakes up right after the append
+
+    ledger._entries = FlushOnAppend(ledger._entries)
+    ledger.end(ledger.begin_p2p("batch_isend_irecv", None, (("isend", (3,)), ("irecv", (3,))), "int64", (1, 1)))
+    ledger.end(ledger.begin_p2p("isend", None, (4,), "float32", 1))
+    ledger.close()
+    sequence = read_sequence(sequence_path(str(tmp_path), 0), 0)
+    assert [op.peer for op in sequence.ops] == [(1, 1), 1]
+
+
 def test_sequence_recording_is_off_by_default(tmp_path):
     ledger = Ledger(0, 1, str(tmp_path))
     _record(ledger, [("all_reduce", "world", (0,), (1,))])

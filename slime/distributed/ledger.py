@@ -150,13 +150,15 @@ class Ledger:
 
     # -- ops ---------------------------------------------------------------------------------
     def begin(self, op: str, group: object | None, shape: tuple = (), dtype: object = "",
-              identity: GroupIdentity | None = None) -> list:
-        """Record the start of `op` on `group`; returns the handle to pass to end(). The hot path."""
+              identity: GroupIdentity | None = None, peer: int | tuple | None = None) -> list:
+        """Record the start of `op` on `group`; returns the handle to pass to end(). The hot path.
+
+        The entry is complete when it is appended: the flusher thread may write it out at once."""
         if identity is None:  # group_identity() inlined for registered groups: one call less per collective
             registered = REGISTERED.get(id(group))
             identity = registered[1] if registered is not None else group_identity(group)
         self._seq = seq = self._seq + 1
-        entry = [seq, self._phase, op, identity, shape, dtype, _now(), None, None, None]
+        entry = [seq, self._phase, op, identity, shape, dtype, _now(), None, None, peer]
         counts = self._group_counts
         counts[identity[2]] = counts.get(identity[2], 0) + 1
         self._entries.append(entry)
@@ -170,9 +172,7 @@ class Ledger:
 
     def begin_p2p(self, op: str, group: object | None, shape: tuple, dtype: object, peer: int | tuple | None) -> list:
         """begin() for point-to-point ops: also records the peer(s), so that sends and receives can be paired."""
-        entry = self.begin(op, group, shape, dtype)
-        entry[_PEER] = peer
-        return entry
+        return self.begin(op, group, shape, dtype, peer=peer)
 
     def note(self, kind: str, fields: dict) -> None:
         """Put `fields` (JSON-able) into the recorded sequence after the last op; nothing without record_sequence."""
