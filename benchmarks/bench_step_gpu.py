@@ -76,12 +76,12 @@ KERNEL_OF_PATH = {"fused": "causal", "new": "causal", "old": "masked", "grouped"
 # MoE experts as grouped GEMMs; the same as before the launch savings around them (see the module doc);
 # SequentialMLP's per-expert loop
 EXPERT_PATHS = ("grouped", "grouped-prev", "grouped-base", "sequential")
-# the attention phase compares the kernels ("new": the default, at CP>1 on Hopper the later chunk as two cuDNN calls
-# merged by lse; "batched": both chunks' causal squares as one batched cuDNN call plus a call per chunk against the
-# keys before it; "lower-right": every chunk as one SDPA call with the lower-right mask, the default before the
-# split; "split-flash": the split with torch's flash kernels)
-ATTENTION_PATHS = ("new", "old", "batched", "lower-right", "split-flash")
-SPLIT_PATHS = ("batched", "lower-right", "split-flash")  # compared with "old" like "new"
+# the attention phase compares the kernels ("new": the default, at CP>1 on Hopper both chunks' causal squares as one
+# batched cuDNN call plus a call per chunk against the keys before it, merged by lse; "three-call": the later chunk
+# alone split into two cuDNN calls, the default before the batched call; "lower-right": every chunk as one SDPA
+# call with the lower-right mask, the default before the split; "split-flash": the split with torch's flash kernels)
+ATTENTION_PATHS = ("new", "old", "three-call", "lower-right", "split-flash")
+SPLIT_PATHS = ("three-call", "lower-right", "split-flash")  # compared with "old" like "new"
 OOM_EXIT_CODE = 3
 
 
@@ -316,9 +316,10 @@ class AttentionCase:
         from slime.models.prefix_attention import FLASH
 
         self.kernels = {"new": cp_attention.attend_causal, "old": cp_attention.attend_masked,
-                        "batched": functools.partial(cp_attention.attend_causal, split=True, batched=True),
+                        "three-call": functools.partial(cp_attention.attend_causal, split=True, batched=False),
                         "lower-right": functools.partial(cp_attention.attend_causal, split=False),
-                        "split-flash": functools.partial(cp_attention.attend_causal, split=True, lse_kernel=FLASH)}
+                        "split-flash": functools.partial(cp_attention.attend_causal, split=True, batched=False,
+                                                         lse_kernel=FLASH)}
 
     def run(self, path: str) -> tuple[torch.Tensor, ...]:
         for x in (self.q, self.k, self.v):

@@ -101,6 +101,21 @@ def test_compiled_kernels_agree_with_eager(impl):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_compiled_kernels_take_their_float_arguments_as_constants(impl):
+    """A float left dynamic is a 0-d CPU tensor input of the graph: on CUDA its C++ kernel makes every fresh
+    process build inductor's CPU vector-ISA probes (most of a warm start). The graphs see eps as a constant."""
+    impl("compile")
+    inputs = []
+
+    def record(graph, example_inputs):
+        inputs.extend(example_inputs)
+        return graph.forward
+
+    rows = torch.compile(fused_kernels._rms_norm_rows.__wrapped__, dynamic=True, backend=record)
+    rows(torch.randn(6, 8), torch.randn(8), 1e-6)
+    assert inputs and all(not isinstance(x, torch.Tensor) or x.dim() > 0 for x in inputs), inputs
+
+
 def test_megatron_swiglu_is_compiled_when_the_config_asks(impl):
     """--fused-kernels compile sets bias_activation_fusion: megatron's compiled SwiGLU gives the eager GLU."""
     from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl

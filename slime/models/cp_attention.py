@@ -23,9 +23,10 @@ positions <= its own. Kernels (`ContextParallelAttention.kernel`):
   fp16/bf16, no dropout), a chunk shorter than its key prefix (a CP rank's later chunk) is split into a call
   against the keys before it and a causal square, merged by their log-sum-exp
   (slime/models/prefix_attention.py): SDPA's lower-right mask has no cuDNN path, and its flash path ran at
-  290-330 TFLOP/s on a CP2 rank of one H200 against 440-525 for the split. `batched=True` instead runs a
-  sequence's two chunks' causal squares (of equal length) as one batched call (chunk_pair_attention): exact on
-  CPU, not yet measured on a GPU, so not the default.
+  290-330 TFLOP/s on a CP2 rank of one H200 against 440-525 for the split. With two chunks a sequence (the
+  zig-zag split: every CP size), their causal squares (of equal length) run as one batched call
+  (chunk_pair_attention), the chunks' earlier keys as a call each: 510-552 TFLOP/s on those shapes against
+  436-529 for the three-call split (`batched=False`).
 - "split": "causal" with that split wherever torch's flash or cuDNN kernels serve the inputs.
 - "masked": SDPA with an explicit [tq, tk] boolean mask and GQA by repeat_interleave, the
   path before the causal kernels: the reference the causal kernels are tested against, and the "old"
@@ -242,11 +243,12 @@ def _rows(x: torch.Tensor, rows: slice) -> torch.Tensor:
 
 
 def attend_causal(q, k, v, plan: AttentionPlan, *, scale: float, dropout_p: float,
-                  split: bool | None = None, lse_kernel: LseKernel | None = None, batched: bool = False) -> torch.Tensor:
+                  split: bool | None = None, lse_kernel: LseKernel | None = None, batched: bool = True) -> torch.Tensor:
     """The "causal" kernel: q [t_local, hq, d], k/v gathered over CP (rank-major) -> [t_local, hq, d]. `split`
     (None: where cuDNN serves the inputs) with `lse_kernel` (else lse_kernel_for(q)) where that kernel serves the
-    inputs: the later chunk through prefix_attention (three kernel calls a sequence), or with `batched=True` both
-    chunks through chunk_pair_attention (their causal squares as one call: the benchmark's "batched" path)."""
+    inputs: a sequence's two chunks through chunk_pair_attention (their causal squares as one call), or with
+    `batched=False` the later chunk through prefix_attention (three kernel calls a sequence: the benchmark's
+    "three-call" path)."""
     if flash_attn_varlen_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         return attend_flash_varlen(q, k, v, plan, scale=scale, dropout_p=dropout_p)
     k, v = _in_global_order(k, v, plan)

@@ -126,12 +126,9 @@ class _PrefixAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, scale, kernel):
         past = k.shape[2] - q.shape[2]
         o_past, l_past, s_past = kernel.forward(q, k[:, :, :past], v[:, :, :past], False, scale)
-        o_own, l_own, s_own = kernel.forward(q, k[:, :, past:], v[:, :, past:], True, scale)
-        lse = torch.logaddexp(l_past, l_own)
-        merged = (_wide(o_past) * (l_past - lse).exp().unsqueeze(-1)
-                  + _wide(o_own) * (l_own - lse).exp().unsqueeze(-1))
-        out = torch.empty_like(o_own)  # the kernel's own output layout, which its backward expects
-        out.copy_(merged)
+        # merged in place: the own call's output keeps the kernel's layout, which its backward expects
+        out, lse, s_own = kernel.forward(q, k[:, :, past:], v[:, :, past:], True, scale)
+        _merge_into(out, lse, o_past, l_past)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.states, ctx.scale, ctx.kernel = (s_past, s_own), scale, kernel
         return out
