@@ -2,7 +2,7 @@
 
 One placement group holds every bundle of the job (one GPU and one CPU each on GPU machines, one
 logical CPU elsewhere). Ray may spread it over several nodes; each bundle is then probed for its
-node and GPU and the bundles are ordered by (node address, node, GPU id), as upstream slime does, so
+node and GPU (a task on it; CPU bundles of a one-node cluster are the driver's node's) and the bundles are ordered by (node address, node, GPU id), as upstream slime does, so
 that consecutive trainer ranks share a node and an engine's GPUs are neighbours on one node.
 
     trainer rank r      -> ordered bundle r
@@ -333,7 +333,7 @@ def create_placement(args, *, use_gpu: bool | None = None, timeout_s: float = PL
         remove_placement_group(group)
         raise PlacementError(f"Ray could not place {count} bundles of {bundle} within {timeout_s:.0f}s; cluster "
                              f"resources: {ray.cluster_resources()}, available: {ray.available_resources()}")
-    infos = _probe(group, count, use_gpu, timeout_s)
+    infos = _bundle_infos(group, count, use_gpu, timeout_s)
     layout = plan_layout(infos, trainer_ranks=trainer_ranks(args), num_engines=num_engines(args),
                          gpus_per_engine=args.rollout_num_gpus_per_engine, colocate=args.colocate,
                          critic_ranks=critic_ranks(args))
@@ -351,8 +351,17 @@ def create_placement(args, *, use_gpu: bool | None = None, timeout_s: float = PL
     return placement
 
 
+def _bundle_infos(group: PlacementGroup, count: int, use_gpu: bool, timeout_s: float) -> list[BundleInfo]:
+    """Where each bundle is. CPU bundles on a one-node cluster are on the driver's node, with no GPU id: known
+    without a probe task (each would start a Ray worker process that no actor reuses)."""
+    if not use_gpu and sum(node["Alive"] for node in ray.nodes()) == 1:
+        node = ray.get_runtime_context().get_node_id()
+        return [BundleInfo(index=i, node_id=node, node_ip=node_address(), gpu_id=None) for i in range(count)]
+    return _probe(group, count, use_gpu, timeout_s)
+
+
 def _probe(group: PlacementGroup, count: int, use_gpu: bool, timeout_s: float) -> list[BundleInfo]:
-    # Tasks with the actors' env: their worker processes are then reused for the actors.
+    # Tasks with the actors' env (the address a node's workers report may come from it: SLIME_HOST_IP).
     probe = ray.remote(probe_bundle)
     refs = [probe.options(num_cpus=0.01, num_gpus=0.01 if use_gpu else 0,
                           runtime_env={"env_vars": worker_env(use_gpu)},
