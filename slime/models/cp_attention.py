@@ -25,8 +25,8 @@ positions <= its own. Kernels (`ContextParallelAttention.kernel`):
   (slime/models/prefix_attention.py): SDPA's lower-right mask has no cuDNN path, and its flash path ran at
   290-330 TFLOP/s on a CP2 rank of one H200 against 440-525 for the split. With two chunks a sequence (the
   zig-zag split: every CP size), their causal squares (of equal length) run as one batched call
-  (chunk_pair_attention), the chunks' earlier keys as a call each: 510-552 TFLOP/s on those shapes against
-  436-529 for the three-call split (`batched=False`).
+  (chunk_pair_attention), the chunks' earlier keys as a call each: 516-556 TFLOP/s on those shapes against
+  459-522 for the three-call split (`batched=False`).
 - "split": "causal" with that split wherever torch's flash or cuDNN kernels serve the inputs.
 - "masked": SDPA with an explicit [tq, tk] boolean mask and GQA by repeat_interleave, the
   path before the causal kernels: the reference the causal kernels are tested against, and the "old"

@@ -2,8 +2,9 @@
 
 One placement group holds every bundle of the job (one GPU and one CPU each on GPU machines, one
 logical CPU elsewhere). Ray may spread it over several nodes; each bundle is then probed for its
-node and GPU (a task on it; CPU bundles of a one-node cluster are the driver's node's) and the bundles are ordered by (node address, node, GPU id), as upstream slime does, so
-that consecutive trainer ranks share a node and an engine's GPUs are neighbours on one node.
+node and GPU (a task on it; CPU bundles of a one-node cluster are on the driver's node) and the
+bundles are ordered by (node address, node, GPU id), as upstream slime does, so that consecutive
+trainer ranks share a node and an engine's GPUs are neighbours on one node.
 
     trainer rank r      -> ordered bundle r
     engine e (G GPUs)   -> ordered bundles offset + e*G .. offset + (e+1)*G - 1
