@@ -114,6 +114,8 @@ class ModelShape:
     v_head_dim: int = 0
     shared_experts: int = 0
     dense_layers: int = 0
+    shared_expert_gate: bool = False
+    """A sigmoid gate (one output) on the shared expert, as Qwen3.5-MoE has."""
 
     @property
     def full_layers(self) -> int:
@@ -123,7 +125,8 @@ class ModelShape:
         """Weights every token multiplies with (projections, MLP or its router and top-k experts: the ACTIVE
         parameters, LM head; no embedding lookup, norms). A hybrid's full-attention q_proj also gives the gate."""
         h, d = self.hidden, self.head_dim
-        routed = 3 * h * self.moe_ffn_hidden * (self.topk + self.shared_experts) + h * self.num_experts
+        routed = 3 * h * self.moe_ffn_hidden * (self.topk + self.shared_experts) + h * self.num_experts \
+            + h * self.shared_expert_gate
         dense = 3 * h * self.ffn_hidden
         mlp = (self.layers - self.dense_layers) * routed + self.dense_layers * dense if self.num_experts \
             else self.layers * dense
@@ -171,6 +174,16 @@ MODELS = {
     "qwen3.5-4b-16l": ModelShape(layers=16, hidden=2560, heads=16, kv_heads=4, head_dim=256, ffn_hidden=9216,
                                  vocab=248320, full_attention_every=4, linear_key_heads=16, linear_value_heads=32,
                                  linear_head_dim=128),
+    # a Qwen3.5-35B-A3B-sized hybrid MoE (its widths: 256 experts of 512 top-8 plus a gated shared expert) with 8 of
+    # its 40 layers
+    "qwen3.5-35b-a3b-8l": ModelShape(layers=8, hidden=2048, heads=16, kv_heads=2, head_dim=256, ffn_hidden=512,
+                                     vocab=248320, full_attention_every=4, linear_key_heads=16,
+                                     linear_value_heads=32, linear_head_dim=128, num_experts=256, topk=8,
+                                     moe_ffn_hidden=512, shared_experts=1, shared_expert_gate=True, tied=False),
+    "tiny-hybrid-moe": ModelShape(layers=4, hidden=64, heads=4, kv_heads=2, head_dim=16, ffn_hidden=32, vocab=1024,
+                                  full_attention_every=4, linear_key_heads=2, linear_value_heads=4,
+                                  linear_head_dim=16, num_experts=8, topk=2, moe_ffn_hidden=32, shared_experts=1,
+                                  shared_expert_gate=True, tied=False),
     "tiny-hybrid": ModelShape(layers=4, hidden=64, heads=4, kv_heads=2, head_dim=16, ffn_hidden=128, vocab=1024,
                               full_attention_every=4, linear_key_heads=2, linear_value_heads=4, linear_head_dim=16),
     # GLM-4.7-Flash's layers (MLA, 64 experts top-4 behind the sigmoid router, one shared expert, the first MLP
@@ -510,18 +523,24 @@ def parse_step(argv: list[str]) -> tuple[StepOptions, list[str]]:
 
 
 def hybrid_config(shape: ModelShape):
-    """transformers' Qwen3.5 text config of a hybrid shape."""
-    from transformers import Qwen3_5TextConfig
+    """transformers' Qwen3.5 text config of a hybrid shape (Qwen3.5-MoE's where the shape has experts)."""
+    from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig
 
     kinds = ["full_attention" if (i + 1) % shape.full_attention_every == 0 else "linear_attention"
              for i in range(shape.layers)]
-    return Qwen3_5TextConfig(
-        vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.ffn_hidden,
-        num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
-        head_dim=shape.head_dim, layer_types=kinds, linear_num_key_heads=shape.linear_key_heads,
+    common = dict(
+        vocab_size=shape.vocab, hidden_size=shape.hidden, num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim,
+        layer_types=kinds, linear_num_key_heads=shape.linear_key_heads,
         linear_num_value_heads=shape.linear_value_heads, linear_key_head_dim=shape.linear_head_dim,
         linear_value_head_dim=shape.linear_head_dim, linear_conv_kernel_dim=4, max_position_embeddings=40960,
-        tie_word_embeddings=shape.tied, architectures=["Qwen3_5ForCausalLM"])
+        tie_word_embeddings=shape.tied)
+    if shape.num_experts:
+        return Qwen3_5MoeTextConfig(
+            **common, moe_intermediate_size=shape.moe_ffn_hidden, num_experts=shape.num_experts,
+            num_experts_per_tok=shape.topk, shared_expert_intermediate_size=shape.moe_ffn_hidden * shape.shared_experts,
+            architectures=["Qwen3_5MoeForCausalLM"])
+    return Qwen3_5TextConfig(**common, intermediate_size=shape.ffn_hidden, architectures=["Qwen3_5ForCausalLM"])
 
 
 def latent_moe_config(shape: ModelShape):

@@ -91,6 +91,26 @@ def test_latent_moe_matmul_params_are_the_active_weights(bench):
     assert 3.0e9 < dataclasses.replace(bench.MODELS["glm-4.7-flash-8l"], layers=47).matmul_params() < 3.7e9
 
 
+def test_hybrid_moe_matmul_params_are_the_active_weights(bench):
+    """Qwen3.5-MoE's shape (transformers' own model): DeltaNet and gated-attention projections, the router, top-k
+    experts, the shared expert and its gate; the DeltaNet's depthwise convolution is no matmul (the whole 40-layer
+    model: ~2.9B active, "A3B")."""
+    import dataclasses
+
+    from transformers import AutoModelForCausalLM
+
+    for name in ("qwen3.5-35b-a3b-8l", "tiny-hybrid-moe"):
+        shape = bench.MODELS[name]
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(bench.hybrid_config(shape))
+        weights = {n: p.numel() for n, p in model.named_parameters()
+                   if ".layers." in n and p.dim() >= 2 and "conv1d" not in n}
+        experts = sum(v for n, v in weights.items() if ".mlp.experts." in n)
+        active = sum(weights.values()) - experts + experts * shape.topk // shape.num_experts
+        assert shape.matmul_params() == active + shape.hidden * shape.vocab, name
+    assert 2.5e9 < dataclasses.replace(bench.MODELS["qwen3.5-35b-a3b-8l"], layers=40).matmul_params() < 3.5e9
+
+
 def test_forward_flops_count_causal_attention_per_sequence(bench):
     shape = bench.ModelShape(layers=2, hidden=8, heads=4, kv_heads=2, head_dim=4, ffn_hidden=16, vocab=32)
     matmul = 2 * (8 * (4 + 4) * 4 + 4 * 4 * 8 + 3 * 8 * 16) + 8 * 32
