@@ -174,9 +174,9 @@ MODELS = {
     "qwen3.5-4b-16l": ModelShape(layers=16, hidden=2560, heads=16, kv_heads=4, head_dim=256, ffn_hidden=9216,
                                  vocab=248320, full_attention_every=4, linear_key_heads=16, linear_value_heads=32,
                                  linear_head_dim=128),
-    # a Qwen3.5-35B-A3B-sized hybrid MoE (its widths: 256 experts of 512 top-8 plus a gated shared expert) with 8 of
-    # its 40 layers
-    "qwen3.5-35b-a3b-8l": ModelShape(layers=8, hidden=2048, heads=16, kv_heads=2, head_dim=256, ffn_hidden=512,
+    # a Qwen3.5-35B-A3B-sized hybrid MoE (its widths: 256 experts of 512 top-8 plus a gated shared expert) with 4 of
+    # its 40 layers (3 DeltaNet, 1 gated attention): with 8, the weights and Adam state alone fill one H200
+    "qwen3.5-35b-a3b-4l": ModelShape(layers=4, hidden=2048, heads=16, kv_heads=2, head_dim=256, ffn_hidden=512,
                                      vocab=248320, full_attention_every=4, linear_key_heads=16,
                                      linear_value_heads=32, linear_head_dim=128, num_experts=256, topk=8,
                                      moe_ffn_hidden=512, shared_experts=1, shared_expert_gate=True, tied=False),

@@ -13,6 +13,8 @@
 #               >= 250 for timed cycles); SMF_PATHS="fused grouped sequential" compares the three in one process
 #   glm         GLM-4.7-Flash-shaped MoE step (8 of 47 layers: MLA, 64 experts top-4 sigmoid router + shared expert,
 #               the first MLP dense; EP1), grouped experts (GLM_PATHS adds sequential), a profiled cycle
+#   qwen35moe   Qwen3.5-35B-A3B-shaped hybrid MoE step (4 of 40 layers: 3 gated DeltaNet, 1 gated attention; 256
+#               experts top-8 + a gated shared expert; EP1), grouped vs sequential experts (Q35_PATHS), eager kernels
 #   compile     the fused path's first step (0.6B) in two fresh processes sharing one empty inductor cache dir
 #               (TORCHINDUCTOR_CACHE_DIR): cold, then warm; COMPILE lines
 #   lora        the qwen3-4b step (new path) twice: every parameter trained, then LoRA adapters only (rank 16 on the
@@ -48,17 +50,18 @@ fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 "$PY" -c "import megatron.core, transformers, safetensors, torch.distributed.run" || fatal "a required package does not import (above)"
 if [ "${DRY_RUN:-0}" = 1 ]; then
-  NGPU=1 M06=tiny M4B=tiny MMOE=tiny-moe MGLM=tiny-glm-moe-lite ATTN=(--device cpu --tokens 64 --shapes 4:2:16 --reps 1) SMI=true
+  NGPU=1 M06=tiny M4B=tiny MMOE=tiny-moe MGLM=tiny-glm-moe-lite MQ35=tiny-hybrid-moe ATTN=(--device cpu --tokens 64 --shapes 4:2:16 --reps 1) SMI=true
   export S06_MIN_TOKENS=64 S06_MAX_TOKENS=128 S06_TOKENS_PER_GPU=256 S06_CYCLES=1
   export S4B_MIN_TOKENS=200 S4B_MAX_TOKENS=240 S4B_TOKENS_PER_GPU=256 S4B_CYCLES=1
   export SMOE_MIN_TOKENS=64 SMOE_MAX_TOKENS=128 SMOE_TOKENS_PER_GPU=256 SMOE_CYCLES=1
   export GLM_MIN_TOKENS=64 GLM_MAX_TOKENS=128 GLM_TOKENS_PER_GPU=256 GLM_CYCLES=1
+  export Q35_MIN_TOKENS=64 Q35_MAX_TOKENS=128 Q35_TOKENS_PER_GPU=256 Q35_CYCLES=1
   export CMP_MIN_TOKENS=64 CMP_MAX_TOKENS=128 CMP_TOKENS_PER_GPU=256
   export LORA_MIN_TOKENS=64 LORA_MAX_TOKENS=128 LORA_TOKENS_PER_GPU=256
 else
   NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count())') || fatal "torch does not start"
   [ "$NGPU" -ge 1 ] || fatal "no GPU visible to torch"
-  M06=qwen3-0.6b M4B=qwen3-4b MMOE=qwen3-30b-a3b-8l MGLM=glm-4.7-flash-8l ATTN=(--tokens ${ATTN_TOKENS:-16384 32768} --shapes 16:8:128 32:8:128) SMI=nvidia-smi
+  M06=qwen3-0.6b M4B=qwen3-4b MMOE=qwen3-30b-a3b-8l MGLM=glm-4.7-flash-8l MQ35=qwen3.5-35b-a3b-4l ATTN=(--tokens ${ATTN_TOKENS:-16384 32768} --shapes 16:8:128 32:8:128) SMI=nvidia-smi
 fi
 TORCHRUN=("$PY" -m torch.distributed.run --nproc-per-node "$NGPU")
 if [ "$NGPU" -gt 1 ]; then LAYOUT=${LAYOUT:---tensor-model-parallel-size $NGPU --sequence-parallel}; else LAYOUT=${LAYOUT:-}; fi
@@ -123,6 +126,14 @@ if want glm; then  # GLM-4.7-Flash-shaped MoE step (8 layers: MLA, 64 experts to
   step glm "${GLM_CAP:-200}" GLM "$MGLM" --paths ${GLM_PATHS:-grouped} --profile --lr 0 --moe-grouped-gemm \
     --max-tokens-per-gpu "${GLM_TOKENS_PER_GPU:-8192}" --moe-token-dispatcher-type alltoall --moe-router-dtype fp32 \
     --use-distributed-optimizer
+fi
+
+if want qwen35moe; then  # a Qwen3.5-MoE-shaped hybrid step: DeltaNet layers and 256 experts (4 layers fit one H200)
+  Q35_NUM_SAMPLES=${Q35_NUM_SAMPLES:-4} Q35_MIN_TOKENS=${Q35_MIN_TOKENS:-6144} Q35_MAX_TOKENS=${Q35_MAX_TOKENS:-8192}
+  Q35_CYCLES=${Q35_CYCLES:-2}
+  step qwen35moe "${Q35_CAP:-240}" Q35 "$MQ35" --paths ${Q35_PATHS:-grouped sequential} --lr 0 --moe-grouped-gemm \
+    --max-tokens-per-gpu "${Q35_TOKENS_PER_GPU:-8192}" --moe-token-dispatcher-type alltoall --moe-router-dtype fp32 \
+    --use-distributed-optimizer --fused-kernels "${Q35_KERNELS:-eager}"
 fi
 
 if want lora; then  # trainer memory of the 4B step, every parameter trained vs LoRA adapters (rank 16, four targets)
