@@ -175,7 +175,7 @@ MODELS = {
                                  vocab=248320, full_attention_every=4, linear_key_heads=16, linear_value_heads=32,
                                  linear_head_dim=128),
     # a Qwen3.5-35B-A3B-sized hybrid MoE (its widths: 256 experts of 512 top-8 plus a gated shared expert) with 4 of
-    # its 40 layers (3 DeltaNet, 1 gated attention): with 8, the weights and Adam state alone fill one H200
+    # its 40 layers (3 DeltaNet, 1 gated attention): with 8, weights, grads and Adam state leave 11 GiB of one H200
     "qwen3.5-35b-a3b-4l": ModelShape(layers=4, hidden=2048, heads=16, kv_heads=2, head_dim=256, ffn_hidden=512,
                                      vocab=248320, full_attention_every=4, linear_key_heads=16,
                                      linear_value_heads=32, linear_head_dim=128, num_experts=256, topk=8,
