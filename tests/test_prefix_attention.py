@@ -2,7 +2,7 @@
 equals one lower-right causal call (SDPA's `causal_lower_right`), output and all three gradients, with GQA; the
 MATH kernel stands in for flash on CPU (the merge and the backward rule are what is tested here; flash itself is
 checked on a GPU by benchmarks/bench_step_gpu.py attention against the masked path). A CP rank's two chunks of a
-sequence with their causal squares batched (chunk_pair_attention, attend_causal's batched=True) equal the masked
+sequence with their causal squares batched (chunk_pair_attention, attend_causal's default) equal the masked
 path and the three-call split, for every CP size and rank, packed sequences and GQA, in as many kernel calls as
 planned."""
 from __future__ import annotations
