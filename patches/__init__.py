@@ -3,9 +3,9 @@
 `apply_all()` is the single entry point. The THD RoPE patch (no host-device sync per layer), grad
 clipping's norm (no sync per parameter), MLA's TransformerEngine check, the MoE router's missing TE
 name (where TE is absent) and its padding mask, the MoE dispatcher's identity re-sort at EP1 (skipped)
-and its sync-free permute, and the distributed optimizer's batched copies apply on every machine; the
-rest only where a library cannot run as designed (no CUDA), so cluster runs execute upstream code apart
-from those.
+and its sync-free permute, the distributed optimizer's batched copies and the save's in-process results queue
+apply on every machine; the rest only where a library cannot run as designed (no CUDA), so cluster runs execute
+upstream code apart from those.
 """
 
 
@@ -23,5 +23,6 @@ def apply_all() -> None:
     megatron_core.apply_router_padding_mask()
     megatron_core.apply_batched_optimizer_copies()
     megatron_core.apply_permute_without_host_sync()
+    megatron_core.apply_in_process_save_results()
     if not torch.cuda.is_available():
         megatron_core.apply()

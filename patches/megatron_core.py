@@ -23,6 +23,10 @@ without its two host-device syncs per layer (megatron's `masked_select`), the sa
 multi-tensor copies over views made once per optimizer, instead of a Python loop of range lookups, slices and
 one kernel per parameter (about 2,100 of each in a Qwen3-30B-A3B-shaped step at EP1). The same values.
 
+`apply_in_process_save_results()` (every machine): a checkpoint save hands its write results to itself through
+an in-process queue; megatron's queue lives in a Manager process it spawns per rank at the first save (a fresh
+interpreter, ~2 CPU-s), which only its background save (not used here: `--async-save` saves synchronously) needs.
+
 `apply_router_padding_mask()` (every machine): the MoE router's padding mask, so padding tokens are
 not counted by the expert-bias update or the aux losses (three spots of megatron's path, below).
 
@@ -47,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import queue
 import sys
 import types
 from dataclasses import dataclass
@@ -818,6 +823,13 @@ def batched_optimizer_copies_in_use() -> bool:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     return DistributedOptimizer._copy_main_params_to_model_params is _copy_main_params_to_model_params
+
+
+def apply_in_process_save_results() -> None:
+    """The synchronous save (AsyncRequest.execute_sync) puts and takes its results in this process: a plain queue."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    filesystem_async._get_write_results_queue = queue.Queue
 
 
 # ------------------------------------------------------------------ CPU-only patches

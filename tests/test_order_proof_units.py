@@ -160,3 +160,18 @@ def test_render_splits_rollouts_at_each_wake_and_lists_phases_per_group():
     assert "| `tp[0,1]` | all_gather_into_tensor 4 float32 x2 |" in page
     assert "| 2 | `actor_train/forward_backward` | 3 | tp, cp |" in page
     assert "every member of every group recorded the same sequence" in page
+
+
+def test_a_closed_trainer_has_written_its_last_op(tmp_path):
+    """The driver closes every rank before it kills it: the ops of the run's last moments (up to a flush
+    interval) are on file then, so the order proof does not see one rank a fence short."""
+    from slime.backends.megatron_utils.actor import MegatronTrainActor
+    from slime.config import defaults_namespace
+
+    args = defaults_namespace()
+    args.ledger_record_sequence = True
+    trainer = MegatronTrainActor(args, 0, 1, str(tmp_path))
+    trainer.ledger.end(trainer.ledger.begin_named("fence:save", "fence", (0,), (4096,), "uint8"))
+    trainer.close()  # at once: the flusher's next turn is up to 0.1 s away
+    ops = read_sequence(sequence_path(str(tmp_path), 0), 0).ops
+    assert [op.op for op in ops] == ["fence:save"]

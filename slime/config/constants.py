@@ -55,3 +55,4 @@ BUILT_NORMALIZATION, BUILT_POSITION_EMBEDDING = "RMSNorm", "rope"
 
 # --update-weight-delta-encoding (upstream's names): how a changed position travels (sglang_utils/weight_delta.py).
 DELTA_ENCODINGS = ("xor", "overwrite")
+DELTA_LOAD_FORMAT = "slime_delta"  # the load_format of a delta push (the HTTP client sends it without torch)

@@ -407,6 +407,12 @@ class MegatronTrainActor:
         self.asleep = True
         return report.metrics()
 
+    def close(self) -> None:
+        """The run is over: the watchdog stops and the ledger writes what it has not yet written (its flusher
+        runs every 0.1-0.5 s, and the process is killed right after this)."""
+        self.watchdog.close()
+        self.ledger.close()
+
     # ------------------------------------------------------------ weight sync
     def update_weights(self, rollout_id: int, engine_urls: list[str] | None = None) -> dict[str, Any]:
         """Push the weights to the engines. A sleeping trainer stays asleep: only its communicators wake,

@@ -13,7 +13,7 @@ from typing import Any
 
 import requests
 
-from slime.backends.sglang_utils.weight_delta import LOAD_FORMAT as DELTA_FORMAT
+from slime.config.constants import DELTA_LOAD_FORMAT as DELTA_FORMAT
 from slime.utils.security import ApiKey, current_key
 
 

@@ -127,7 +127,8 @@ def build_embedded_command(args: Any, engine_rank: int, host: str, port: int, mo
     flags += ["--max-request-bytes", str(request_limit(args.update_weight_buffer_size))]
     flags += ["--seed", str(int(args.seed) + engine_rank)]
     flags += ["--dtype", "bfloat16" if args.bf16 else "float32"]  # the trainer's precision
-    if _on_gpus(args):  # the embedded engine on CUDA: its GPU
+    on_gpus = bool(gpu_ids) if gpu_ids is not None else _on_gpus(args)
+    if on_gpus:  # the embedded engine on CUDA: its GPU
         gpu = sglang_server_args_for_engine(args, engine_rank, gpu_ids)["base_gpu_id"]
         flags += ["--device", f"cuda:{gpu}"]
     if num_threads:
@@ -159,7 +160,8 @@ def launch_engine(
 
     Callable from any process: host and port come from the caller (port 0: a free one, which no other
     process can take first); gpu_ids are the CUDA device indices (in this process's view, which the engine
-    inherits) it must run on: SGLang's --base-gpu-id/--gpu-id-step, the embedded engine's --device;
+    inherits) it must run on: SGLang's --base-gpu-id/--gpu-id-step, the embedded engine's --device (empty: the
+    caller's bundles have no GPU, the engine runs on CPU; None: on CUDA when torch sees a GPU);
     num_threads: the embedded engine's torch threads (a benchmark's knob; default: torch's).
     """
     if kind not in BACKENDS:

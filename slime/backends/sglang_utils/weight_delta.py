@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from slime.config.constants import DELTA_ENCODINGS
+from slime.config.constants import DELTA_ENCODINGS, DELTA_LOAD_FORMAT
 from slime.utils.checksums import hexdigest
 
-LOAD_FORMAT = "slime_delta"
+LOAD_FORMAT = DELTA_LOAD_FORMAT
 MISMATCH = "delta checksum mismatch"  # how an engine's refusal begins (the sender then pushes in full)
 ENCODINGS = DELTA_ENCODINGS
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

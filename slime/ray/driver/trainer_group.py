@@ -26,6 +26,7 @@ from slime.ray.trainer.rank_actor import TrainRayActor
 from slime.utils.deadlines import TRAINER_RENDEZVOUS_CALL_S
 
 logger = logging.getLogger(__name__)
+RANK_CLOSE_S = 5.0  # a healthy rank closes its ledger in milliseconds
 
 
 def resolve_ledger_dir(args) -> str:
@@ -112,6 +113,10 @@ class RayTrainGroup:
         return name if self.role == "actor" else f"{self.role}_{name}"
 
     def shutdown(self) -> None:
+        """Each rank writes out its ledger (the last ops of a run are in memory only for up to a flush interval),
+        then ends. The wait is bounded: a rank that is dead or still stuck in a collective is killed as is."""
+        closing = [rank.close.remote() for rank in self._ranks]
+        ray.wait(closing, num_returns=len(closing), timeout=RANK_CLOSE_S)
         for rank in self._ranks:
             ray.kill(rank, no_restart=True)
         self.progress.close()

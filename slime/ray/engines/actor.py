@@ -65,7 +65,7 @@ class EngineRayActor:
         devices = self.devices()
         self.engine = launch_engine(  # port 0: one no other process can take first (launch_engine says how)
             self.backend, self.args, self.slot.rank, 0, self.args.hf_checkpoint,
-            host=bind, gpu_ids=devices or None, startup_timeout_s=startup_timeout_s, log_dir=self.log_dir)
+            host=bind, gpu_ids=devices, startup_timeout_s=startup_timeout_s, log_dir=self.log_dir)
         self.endpoint = EngineEndpoint(
             rank=self.slot.rank, url=f"http://{_url_host(advertised_host(bind))}:{self.engine.port}",
             node_id=ray.get_runtime_context().get_node_id(), node_ip=node_address(), bind_host=bind,

@@ -145,3 +145,7 @@ class TrainRayActor:
     @_portable_errors
     def save(self, rollout_id: int) -> None:
         self.actor.save(rollout_id)
+
+    def close(self) -> None:
+        if self.actor is not None:
+            self.actor.close()
