@@ -27,6 +27,12 @@ one kernel per parameter (about 2,100 of each in a Qwen3-30B-A3B-shaped step at 
 an in-process queue; megatron's queue lives in a Manager process it spawns per rank at the first save (a fresh
 interpreter, ~2 CPU-s), which only its background save (not used here: `--async-save` saves synchronously) needs.
 
+`import_megatron()` (every machine, before anything imports megatron-core): its `jit_fuser` is torch.compile,
+applied to a score of functions as they are defined, and wrapping a function pulls in inductor (~1.3 CPU-s in every
+process, most of megatron's import beyond torch); imported through this, the functions are wrapped at their first
+call instead. torch.compile compiles at the first call either way, so a GPU run compiles the same graphs; a run on
+CPU calls none of them.
+
 `apply_router_padding_mask()` (every machine): the MoE router's padding mask, so padding tokens are
 not counted by the expert-bias update or the aux losses (three spots of megatron's path, below).
 
@@ -51,6 +57,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import inspect
 import queue
 import sys
 import types
@@ -823,6 +830,36 @@ def batched_optimizer_copies_in_use() -> bool:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     return DistributedOptimizer._copy_main_params_to_model_params is _copy_main_params_to_model_params
+
+
+def import_megatron() -> None:
+    """Import megatron-core with torch.compile deferred to each decorated function's first call (module doc)."""
+    if "megatron.core" in sys.modules:
+        return
+    eager_wrap = torch.compile
+    torch.compile = _compile_at_first_call(eager_wrap)
+    try:
+        import megatron.core  # noqa: F401 - megatron.core.jit keeps the deferring decorator for later imports
+    finally:
+        torch.compile = eager_wrap
+
+
+def _compile_at_first_call(compile_now: Callable) -> Callable:
+    def compile_later(model=None, **options):
+        if not inspect.isfunction(model) or options:  # modules, or options for a decorator: as torch does
+            return compile_now(**options) if model is None else compile_now(model, **options)
+        compiled = None
+
+        @functools.wraps(model)
+        def call(*args, **kwargs):
+            nonlocal compiled
+            if compiled is None:
+                compiled = compile_now(model)
+            return compiled(*args, **kwargs)
+
+        return call
+
+    return compile_later
 
 
 def apply_in_process_save_results() -> None:
