@@ -159,3 +159,30 @@ def test_the_hubs_table_finds_an_op_mismatch_from_the_heartbeats_alone():
     table = hub.table()
     assert ("op mismatch on cp[0,1] #2: rank 0 all_gather_into_tensor[1024,2], "
             "rank 1 reduce_scatter_tensor[1024,2]") in table, table
+
+
+class _FailingOnce:
+    """A transport whose first call fails with an error it does not promise (a bug, a library's surprise)."""
+
+    name = "failing hub"
+
+    def __init__(self, hub: LocalHub):
+        self.hub, self.calls = hub, 0
+
+    def call(self, method, *args, timeout_s):
+        self.calls += 1
+        if self.calls == 1:
+            raise KeyError("slowest")
+        return self.hub.call(method, *args, timeout_s=timeout_s)
+
+
+def test_an_unexpected_error_in_one_exchange_leaves_the_heartbeat_thread_beating():
+    transport = _FailingOnce(LocalHub(HubState(1)))
+    ledger = Ledger(0, 1, None)
+    client = HubClient(transport, ledger, interval_s=INTERVAL_S)
+    deadline = time.monotonic() + 10
+    while client.published == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert client.published >= 1 and transport.calls >= 2  # it went on after the failure
+    assert client.last_error == "beat: KeyError: 'slowest'"
+    client.close()

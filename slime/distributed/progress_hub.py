@@ -320,7 +320,10 @@ class HubClient:
     def _loop(self) -> None:
         while not self._closed.is_set():
             begun = time.monotonic()
-            self.exchange()
+            try:
+                self.exchange()
+            except Exception as exc:  # noqa: BLE001 - a dead thread would read as a silent hub; check() names it
+                self.last_error = f"beat: {type(exc).__name__}: {str(exc)[:200]}"
             self._closed.wait(max(0.0, self.interval_s - (time.monotonic() - begun)))
 
     def exchange(self) -> None:

@@ -84,7 +84,10 @@ class NodeRelay:
     def _loop(self) -> None:
         while not self._closed.is_set():
             begun = time.monotonic()
-            self.forward()
+            try:
+                self.forward()
+            except Exception as exc:  # noqa: BLE001 - a dead thread would read as a silent hub to every local rank
+                self.last_error = f"beat_node: {type(exc).__name__}: {str(exc)[:200]}"
             self._closed.wait(max(0.0, self.interval_s - (time.monotonic() - begun)))
 
     def forward(self) -> None:
