@@ -225,6 +225,19 @@ class ProgressHub:
         return {"cpu_s": time.process_time(), "calls": self.calls, "ranks": len(self.state.ranks)}
 
 
+def run_every(interval_s: float, step: Callable[[], None], closed: threading.Event,
+              on_error: Callable[[Exception], None]) -> None:
+    """A heartbeat thread's loop: `step` once per interval until `closed`. An error `step` did not expect goes to
+    `on_error` and the loop goes on: a thread that ended would read as a silent hub to whoever waits on it."""
+    while not closed.is_set():
+        begun = time.monotonic()
+        try:
+            step()
+        except Exception as exc:  # noqa: BLE001 - see the docstring
+            on_error(exc)
+        closed.wait(max(0.0, interval_s - (time.monotonic() - begun)))
+
+
 def start_hub(world_size: int, runtime_env: dict | None = None, *, max_pending_calls: int = MAX_PENDING_CALLS):
     """Start the hub on this (the driver's) node, taking no CPU slot; returns (actor handle, name for errors).
 
@@ -318,13 +331,10 @@ class HubClient:
         return "the driver" if self.rank is None else f"rank {self.rank}"
 
     def _loop(self) -> None:
-        while not self._closed.is_set():
-            begun = time.monotonic()
-            try:
-                self.exchange()
-            except Exception as exc:  # noqa: BLE001 - a dead thread would read as a silent hub; check() names it
-                self.last_error = f"beat: {type(exc).__name__}: {str(exc)[:200]}"
-            self._closed.wait(max(0.0, self.interval_s - (time.monotonic() - begun)))
+        run_every(self.interval_s, self.exchange, self._closed, self._note_error)
+
+    def _note_error(self, exc: Exception) -> None:
+        self.last_error = f"beat: {type(exc).__name__}: {str(exc)[:200]}"
 
     def exchange(self) -> None:
         """Send the heartbeat if it changed (else only ask); keep the answer. Never raises."""

@@ -19,7 +19,8 @@ import threading
 import time
 from typing import Any
 
-from slime.distributed.progress_hub import DEFAULT_CALL_TIMEOUT_S, DEFAULT_INTERVAL_S, HubCallError, HubTransport
+from slime.distributed.progress_hub import (DEFAULT_CALL_TIMEOUT_S, DEFAULT_INTERVAL_S, HubCallError, HubTransport,
+                                            run_every)
 
 
 class NodeRelay:
@@ -82,13 +83,10 @@ class NodeRelay:
 
     # -- the hub's side ----------------------------------------------------------------------------
     def _loop(self) -> None:
-        while not self._closed.is_set():
-            begun = time.monotonic()
-            try:
-                self.forward()
-            except Exception as exc:  # noqa: BLE001 - a dead thread would read as a silent hub to every local rank
-                self.last_error = f"beat_node: {type(exc).__name__}: {str(exc)[:200]}"
-            self._closed.wait(max(0.0, self.interval_s - (time.monotonic() - begun)))
+        run_every(self.interval_s, self.forward, self._closed, self._note_error)
+
+    def _note_error(self, exc: Exception) -> None:
+        self.last_error = f"beat_node: {type(exc).__name__}: {str(exc)[:200]}"
 
     def forward(self) -> None:
         """Send the held heartbeats, keep every local rank's answer. Never raises; on failure they wait."""
