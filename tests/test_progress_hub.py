@@ -15,6 +15,9 @@ from slime.distributed import HangError, HubUnreachableError, Ledger, Watchdog
 from slime.distributed.progress_hub import HubClient, HubState, LocalHub, to_wire
 
 INTERVAL_S = 0.2
+# A thread on a loaded two-core machine can lose seconds to the scheduler. The upper bounds below add this
+# slack and still show a stop named within the window's order, far before the 20 s each wait would run.
+LOAD_SLACK_S = 5.0
 
 
 class _Clock:
@@ -108,7 +111,7 @@ def test_a_peer_on_another_node_keeps_a_waiting_rank_alive_and_its_stop_is_named
         with watchdog.phase("weight_sync/push"):
             waiting.begin_named("fence:push", "fence", (0, 1))
             _busy(20)  # nobody progresses any more
-    assert time.monotonic() - stopped < window + 3 * INTERVAL_S + 1.5, err.value
+    assert time.monotonic() - stopped < window + 3 * INTERVAL_S + LOAD_SLACK_S, err.value
     slowest_rank, behind_s, ops = clients[0].latest.slowest["fence[0,1]"]  # rank 0's aggregate, its fence group
     assert slowest_rank == 1 and behind_s > window - 2 * INTERVAL_S and ops == 0  # as of its last answer
     assert clients[0].verdicts() == ["HANG: phase=weight_sync/push stuck ranks=[1] (reported by ranks [0])"]
@@ -129,7 +132,7 @@ def test_a_hub_that_stops_answering_is_named_within_a_window(tmp_path):
     with pytest.raises(HubUnreachableError, match=r"local progress hub unreachable from rank 0: no answer") as err:
         with watchdog.phase("actor_train"):
             _busy(20, ledgers[0].note_progress)  # busy or not: the peers' progress is unknown now
-    assert window - INTERVAL_S - 0.1 < time.monotonic() - down_at < window + INTERVAL_S + 1.5
+    assert window - INTERVAL_S - 0.1 < time.monotonic() - down_at < window + INTERVAL_S + LOAD_SLACK_S
     assert "phase actor_train" in str(err.value) and "is down" in str(err.value)
     _close(ledgers, clients, watchdog)
 
@@ -141,7 +144,7 @@ def test_the_heartbeat_is_sent_only_when_it_changed_at_most_once_per_interval(tm
     start = time.monotonic()
     _busy(3.2, ledger.note_progress)
     busy_beats = client.published
-    assert 3 <= busy_beats <= (time.monotonic() - start) / 1.0 + 1
+    assert 2 <= busy_beats <= (time.monotonic() - start) / 1.0 + 1  # beats while busy, one a second at most
     _busy(2.5)  # quiet: asks, sends nothing
     assert client.published == busy_beats + 1  # the last change, once
     assert hub.state.ranks[0].beat["age"] < 1.5
