@@ -15,6 +15,7 @@ from slime.distributed.progress_hub import HubClient, HubState, LocalHub
 from slime.distributed.progress_relay import NodeRelay
 
 INTERVAL_S = 0.2
+LOAD_SLACK_S = 5.0  # a loaded two-core machine's scheduling delay; the bounds stay far below the 20 s waits
 
 
 class CountingHub(LocalHub):
@@ -122,7 +123,7 @@ def test_a_silent_hub_behind_a_relay_is_named_by_its_ranks_within_a_window(tmp_p
             while time.monotonic() < end:
                 time.sleep(0.05)
                 ledgers[0].note_progress()
-    assert time.monotonic() - down_at < 0.5 + window + 2 * INTERVAL_S + 1.5
+    assert time.monotonic() - down_at < 0.5 + window + 2 * INTERVAL_S + LOAD_SLACK_S
     assert "has not answered the relay" in str(err.value)
     watchdog.close()
     for client, relay in zip(clients, relays * 2):
@@ -142,7 +143,7 @@ def test_a_stall_behind_relays_ends_in_a_hang_naming_the_rank(tmp_path):
             end = time.monotonic() + 20
             while time.monotonic() < end:  # nobody progresses
                 time.sleep(0.05)
-    assert time.monotonic() - stopped < window + 4 * INTERVAL_S + 1.5
+    assert time.monotonic() - stopped < window + 4 * INTERVAL_S + LOAD_SLACK_S
     watchdog.close()
     for client, relay in zip(clients, relays):
         client.close()
