@@ -58,7 +58,7 @@ def with_disk_cache(define: Callable[..., Any], folder: Callable[[], Path] = cac
         except Exception:  # absent, unreadable or cut short by a writer that died: build it again
             pass
         structure = define(module_path, prefix)
-        _write(path, pickle.dumps(structure))
+        _write(path, structure)  # before transformers adds its own names to the table it returns
         return structure
 
     define_import_structure.__wrapped__ = define
@@ -71,8 +71,7 @@ class _WrapOnLoad(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
         if name != TARGET_MODULE:
             return None
-        sys.meta_path.remove(self)  # one module, once
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)  # None: the finders after this one look
         if spec is not None and spec.loader is not None:
             spec.loader = _WrappingLoader(spec.loader)
         return spec
@@ -88,7 +87,9 @@ class _WrappingLoader(importlib.abc.Loader):
     def exec_module(self, module) -> None:
         module.__loader__ = module.__spec__.loader = self.loader  # the module keeps its own loader
         self.loader.exec_module(module)
-        module.define_import_structure = with_disk_cache(module.define_import_structure)
+        define = getattr(module, "define_import_structure", None)
+        if callable(define):  # a transformers without it is left as it is
+            module.define_import_structure = with_disk_cache(define)
 
 
 def _key(module_path, prefix, fingerprint: Callable[[str], str]) -> str:
@@ -110,14 +111,15 @@ def _files_fingerprint(folder: str) -> str:
     return digest.hexdigest()
 
 
-def _write(path: Path, data: bytes) -> None:
+def _write(path: Path, structure: Any) -> None:
     """Whole or not at all: processes that start together may write the same key."""
     tmp = None
     try:
+        data = pickle.dumps(structure)
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".tmp-", delete=False) as tmp:
             tmp.write(data)
         os.replace(tmp.name, path)
-    except OSError:  # a read-only home: every process builds the table, as without this module
+    except Exception:  # a read-only home, a table pickle cannot write: built in every process, as without this
         if tmp is not None:
             Path(tmp.name).unlink(missing_ok=True)
