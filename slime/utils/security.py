@@ -19,8 +19,6 @@ import os
 import secrets
 from typing import Any, Mapping
 
-from aiohttp import web
-
 API_KEY_ENV = "SLIME_API_KEY"
 """Neither SGLang nor sglang-router reads the key from the environment (both take `--api-key` only);
 this project's servers and driver do, so it stays off their command lines."""
@@ -117,6 +115,7 @@ without sending one, so an engine behind it must too. They say only "alive"."""
 def require_api_key(key: ApiKey, public: tuple[str, ...] = ()):
     """aiohttp middleware: every route, unknown ones included, answers 401 without the key, except the
     exact paths in `public`."""
+    from aiohttp import web  # here: most processes that hold the key serve nothing (~0.2 CPU-s to import)
 
     @web.middleware
     async def check_api_key(request: web.Request, handler) -> web.StreamResponse:
