@@ -15,6 +15,7 @@
 #               the first MLP dense; EP1), grouped experts (GLM_PATHS adds sequential), a profiled cycle
 #   qwen35moe   Qwen3.5-35B-A3B-shaped hybrid MoE step (4 of 40 layers: 3 gated DeltaNet, 1 gated attention; 256
 #               experts top-8 + a gated shared expert; EP1), grouped vs sequential experts (Q35_PATHS), eager kernels
+#               (Q35_KERNELS=compile: the fused path), Q35_EXTRA more flags (--profile: the first path's kernels)
 #   compile     the fused path's first step (0.6B) in two fresh processes sharing one empty inductor cache dir
 #               (TORCHINDUCTOR_CACHE_DIR): cold, then warm; COMPILE lines
 #   lora        the qwen3-4b step (new path) twice: every parameter trained, then LoRA adapters only (rank 16 on the
@@ -131,7 +132,7 @@ fi
 if want qwen35moe; then  # a Qwen3.5-MoE-shaped hybrid step: DeltaNet layers and 256 experts (4 layers fit one H200)
   Q35_NUM_SAMPLES=${Q35_NUM_SAMPLES:-4} Q35_MIN_TOKENS=${Q35_MIN_TOKENS:-6144} Q35_MAX_TOKENS=${Q35_MAX_TOKENS:-8192}
   Q35_CYCLES=${Q35_CYCLES:-2}
-  step qwen35moe "${Q35_CAP:-240}" Q35 "$MQ35" --paths ${Q35_PATHS:-grouped sequential} --lr 0 --moe-grouped-gemm \
+  step qwen35moe "${Q35_CAP:-240}" Q35 "$MQ35" --paths ${Q35_PATHS:-grouped sequential} ${Q35_EXTRA:-} --lr 0 --moe-grouped-gemm \
     --max-tokens-per-gpu "${Q35_TOKENS_PER_GPU:-8192}" --moe-token-dispatcher-type alltoall --moe-router-dtype fp32 \
     --use-distributed-optimizer --fused-kernels "${Q35_KERNELS:-eager}"
 fi
