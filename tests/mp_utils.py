@@ -98,7 +98,22 @@ def run_ranks_outcomes(fn: Callable[..., Any], world_size: int, *, args: Sequenc
     return _run(fn, world_size, args, timeout_s, init_process_group, pg_timeout_s, stop_on_failure=False)
 
 
+PORT_TRIES = 3
+
+
 def _run(fn, world_size, args, timeout_s, init_pg, pg_timeout_s, *, stop_on_failure) -> list[RankOutcome]:
+    """_run_once on a free port; again on another where the port was taken between its pick and rank 0's listen
+    (another process on the machine got it first: the store never started, so no rank ran fn)."""
+    for attempt in range(1, PORT_TRIES + 1):
+        outcomes = _run_once(fn, world_size, args, timeout_s, init_pg, pg_timeout_s, stop_on_failure=stop_on_failure)
+        taken = any(o.status == "error" and "EADDRINUSE" in str(o.value) and "TCPStore" in str(o.value)
+                    for o in outcomes)
+        if not taken or attempt == PORT_TRIES:
+            return outcomes
+    return outcomes
+
+
+def _run_once(fn, world_size, args, timeout_s, init_pg, pg_timeout_s, *, stop_on_failure) -> list[RankOutcome]:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOAD))  # takes effect when the session's server starts
     results = ctx.Queue()
