@@ -1,6 +1,12 @@
-"""Pipeline parallelism with the weight push to separate engines: 4 forked ranks as PP2 x TP2 (gloo) push to two
-embedded engines of 2 GPUs each (`--rollout-num-gpus-per-engine 2`: one process, one rank of each group) over the
-distributed transport.
+"""Pipeline parallelism with the weight push, on two embedded engines.
+
+Colocated on one node (`--colocate`, the tensor transport): 2 forked ranks as PP2 push their stages to both
+engines at once. An engine holds one weight-update session at a time (SGLang refuses a second begin), so the
+sync's coordinator opens one on every engine for the whole push and closes it after the push's fence: both
+stages land inside it, sync after sync, and the engines serve both stages' weights.
+
+Separate engines: 4 forked ranks as PP2 x TP2 (gloo) push to two embedded engines of 2 GPUs each
+(`--rollout-num-gpus-per-engine 2`: one process, one rank of each group) over the distributed transport.
 
 Each stage has its own weight-update group (every engine joins both). An engine joins one group and receives
 one broadcast at a time, so the stages go one after another in one global order, stage 0 first: the groups'
@@ -27,40 +33,89 @@ PROBE = ("model.embed_tokens.weight", "model.layers.0.mlp.down_proj.weight", "mo
          "lm_head.weight")
 
 
-def _pp_push(rank, world, hf_dir, urls, stopped_pid, ledger_dir):
-    import datetime
-
-    import torch.distributed as dist
+def _stage_model(args, hf_dir, rollout_id=0):
+    """This rank's PP stage of the checkpoint, moved away from what the engines hold (by stage and rollout)."""
     import transformers
     from megatron.core import parallel_state as mpu
 
-    from slime.backends.megatron_utils import update_weight
     from slime.backends.megatron_utils.model import build_gpt_model
     from slime.backends.megatron_utils.parallel import init_model_parallel
-    from slime.config import defaults_namespace
-    from slime.distributed import Fence, Ledger, Watchdog
-    from slime_plugins.models.hf_weights import export_hf_weights, load_hf_weights
+    from slime_plugins.models.hf_weights import load_hf_weights
 
-    args = defaults_namespace(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, seed=5,
-                              fence_timeout=FENCE_S, colocate=False, rollout_num_gpus_per_engine=2,
-                              update_weight_buffer_size=64 * 1024)
     init_model_parallel(args)
     hf_config = transformers.AutoConfig.from_pretrained(hf_dir)
     model = build_gpt_model(args, hf_config, pre_process=mpu.is_pipeline_first_stage(),
                             post_process=mpu.is_pipeline_last_stage())
     load_hf_weights([model], hf_dir, hf_config)
-    with torch.no_grad():  # the trainer moved away from the engines' checkpoint
-        generator = torch.Generator().manual_seed(100 + mpu.get_pipeline_model_parallel_rank())
+    _perturb(model, 100 + mpu.get_pipeline_model_parallel_rank())
+    return model, hf_config
+
+
+def _perturb(model, seed):
+    with torch.no_grad():  # the trainer moved away from the engines' weights
+        generator = torch.Generator().manual_seed(seed)
         for param in model.parameters():
             param.add_(0.05 * torch.randn(param.shape, generator=generator))
+
+
+def _fenced(rank, world, ledger_dir):
+    import datetime
+
+    import torch.distributed as dist
+
+    from slime.distributed import Fence, Ledger, Watchdog
 
     ledger = Ledger(rank, world, ledger_dir, record_sequence=True)
     fence = Fence(dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=60)),
                   rank=rank, world_size=world, timeout_s=FENCE_S, ledger=ledger)
-    watchdog = Watchdog(FENCE_S, ledger_dir, rank, world, ledger=ledger)
+    return ledger, fence, Watchdog(FENCE_S, ledger_dir, rank, world, ledger=ledger)
+
+
+def _probe(model, hf_config):
+    from slime_plugins.models.hf_weights import export_hf_weights
+
+    return {name: t.flatten()[:256].clone() for name, t in export_hf_weights([model], hf_config) if name in PROBE}
+
+
+def _colocated_pp_push(rank, world, hf_dir, urls, ledger_dir):
+    from megatron.core import parallel_state as mpu
+
+    from slime.backends.megatron_utils import update_weight
+    from slime.config import defaults_namespace
+
+    args = defaults_namespace(pipeline_model_parallel_size=2, seed=5, fence_timeout=FENCE_S, colocate=True,
+                              rollout_num_gpus_per_engine=1, update_weight_buffer_size=64 * 1024)
+    model, hf_config = _stage_model(args, hf_dir)
+    ledger, fence, watchdog = _fenced(rank, world, ledger_dir)
+    sync = update_weight.WeightSync(args, hf_config, urls, engine_kind="embedded")
+    assert sync.transport_kind == "tensor" and not sync.stages_in_order(update_weight.SyncRole.current())
+    served = []
+    for rollout_id in (0, 1):  # the second sync opens the sessions the first one closed
+        _perturb(model, 200 + 10 * rollout_id + mpu.get_pipeline_model_parallel_rank())
+        sync.sync([model], rollout_id, fence=fence, watchdog=watchdog)
+        served.append(_served(urls) if rank == 0 else {})
+    ledger.flush()
+    ops = [e.op for e in ledger.entries() if "weight_sync/" in e.op]
+    watchdog.close()
+    sync.close()
+    return {"stage": mpu.get_pipeline_model_parallel_rank(), "probe": _probe(model, hf_config), "ops": ops,
+            "served": served}
+
+
+def _pp_push(rank, world, hf_dir, urls, stopped_pid, ledger_dir):
+    from megatron.core import parallel_state as mpu
+
+    from slime.backends.megatron_utils import update_weight
+    from slime.config import defaults_namespace
+
+    args = defaults_namespace(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, seed=5,
+                              fence_timeout=FENCE_S, colocate=False, rollout_num_gpus_per_engine=2,
+                              update_weight_buffer_size=64 * 1024)
+    model, hf_config = _stage_model(args, hf_dir)
+    ledger, fence, watchdog = _fenced(rank, world, ledger_dir)
     sync = update_weight.WeightSync(args, hf_config, urls, engine_kind="embedded")
     sync.sync([model], 0, fence=fence, watchdog=watchdog)
-    probe = {name: t.flatten()[:256].clone() for name, t in export_hf_weights([model], hf_config) if name in PROBE}
+    probe = _probe(model, hf_config)
     served = _served(urls) if rank == 0 else {}  # before the stall, which leaves the engines inside a join
     ledger.flush()
     healthy_ops = [e.op for e in ledger.entries() if "weight_sync/" in e.op]
@@ -121,6 +176,34 @@ def engines(checkpoint, tmp_path_factory):
     for handle in handles:
         os.kill(handle.server.process.pid, signal.SIGCONT)
         handle.stop(grace_s=2.0)  # engine 0 may still wait inside the abandoned join
+
+
+@pytest.mark.timeout(120)
+def test_colocated_pp_stages_push_together_inside_one_session_per_sync(checkpoint, engines, tmp_path):
+    urls = [handle.url for handle in engines]
+    results = run_ranks(_colocated_pp_push, 2, args=(checkpoint, urls, str(tmp_path)), timeout_s=100)
+    by_stage = {r["stage"]: r for r in results}
+    coordinator, stage1 = by_stage[0]["ops"], by_stage[1]["ops"]
+    # One session per sync, opened after the pause fence and closed after the push fence, by the coordinator.
+    for sync in range(2):
+        window = coordinator[_nth(coordinator, "fence:weight_sync/paused", sync):
+                             _nth(coordinator, "fence:weight_sync/done", sync)]
+        assert [op for op in window if "_session" in op or op.startswith("fence:")] == [
+            "fence:weight_sync/paused", "fence:weight_sync/pushed", "weight_sync/end_session"], window
+        before = coordinator[:_nth(coordinator, "fence:weight_sync/paused", sync)]
+        assert before[-1] == "weight_sync/begin_session", before
+    assert not any("_session" in op for op in stage1) and "weight_sync/send_bucket0" in stage1
+    # Both syncs reached both engines: each serves both stages' weights of that sync.
+    assert set(by_stage[0]["probe"]) | set(by_stage[1]["probe"]) == set(PROBE)
+    expected = {**by_stage[0]["probe"], **by_stage[1]["probe"]}
+    for url in urls:
+        for name, values in expected.items():
+            assert torch.equal(results[0]["served"][-1][url][name].float(), values.float()), (url, name)
+            assert not torch.equal(results[0]["served"][0][url][name].float(), values.float()), (url, name)
+
+
+def _nth(ops, op, n):
+    return [i for i, o in enumerate(ops) if o == op][n]
 
 
 @pytest.mark.timeout(120)

@@ -70,3 +70,49 @@ def test_host_buckets_never_ask_engines_for_their_gpus():
     engines, (engine,) = engine_set(True)
     TensorTransport(engines, "embedded", 1).send(0, [("w", torch.ones(2))], version="1", flush_cache=True)
     assert "/server_info" not in engine.routes() and engine.calls[0][1]["load_format"] == "slime_shm"
+
+
+class _IdleScheduler:
+    """The session routes never reach the model: the embedded engine's app without one."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def session_app(monkeypatch):
+    """The embedded engine's own app (its session routes, auth and error handling) on a port."""
+    from rollout_testing import AppThread
+    from slime.backends.embedded_engine import server
+    from slime.utils.security import current_key
+
+    monkeypatch.setattr(server, "BatchScheduler", _IdleScheduler)
+    app = AppThread(server.build_app(object(), api_key=current_key())).start()
+    yield f"http://127.0.0.1:{app.port}"
+    app.stop()
+
+
+def test_an_engine_holds_one_session_and_a_session_left_open_is_closed_first(session_app, caplog):
+    """Two senders each opening a session on one engine (begin, begin) is refused, as SGLang refuses it: the sync's
+    coordinator owns the one session of a push. A session a dead trainer left open is closed before the next."""
+    from slime.backends.sglang_utils.http_client import SGLangHTTPClient
+
+    client = SGLangHTTPClient(session_app)
+    assert client.begin_weight_update()
+    with pytest.raises(EngineHTTPError, match="already open") as err:
+        client.begin_weight_update()
+    assert err.value.status == 400
+    engines = EngineSet((session_app,), ClientTimeouts())  # the next push's coordinator
+    engines.begin_session()
+    assert engines.in_session and "left open by an earlier push" in caplog.text
+    assert engines.end_session() == [] and not engines.in_session
+    with pytest.raises(EngineHTTPError, match="No weight update session is open"):
+        client.end_weight_update()  # exactly one session was open, and it is closed
+    client.close()
+    engines.close()

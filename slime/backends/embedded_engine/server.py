@@ -175,7 +175,10 @@ def _require_session(request: web.Request) -> None:
 
 
 async def begin_weight_update(request: web.Request) -> web.Response:
+    """One session at a time, as SGLang: a second begin is refused until the open session ends."""
     await _json_body(request)
+    if request.app[SESSION_KEY]["open"]:
+        return _weight_result(False, "A weight-update session is already open; call end_weight_update() first.")
     request.app[SESSION_KEY]["open"] = True
     return _weight_result(True, "Weight update session began.")
 

@@ -95,10 +95,6 @@ class NodeFeeds:
     local: tuple[str, ...]
     remote: tuple[str, ...]
 
-    @property
-    def all(self) -> tuple[str, ...]:
-        return self.local + self.remote
-
 
 def engines_of_node(engine_urls: Sequence[str], node_host: str | None) -> tuple[str, ...]:
     """The engines listening at this node's address: an engine's URL carries its node's address."""

@@ -3,16 +3,20 @@
 Order on EVERY rank, every sync (fences are world-wide, over the gloo fence group):
 
   plan    build the bucket plan (pure, from the local model) and fence its fingerprint
-  pause   the coordinator (world rank 0) pauses and flushes every engine; fence
-  push    exporters stream the weight source, check it against the plan; senders open a weight-update
-          session, hand each full bucket to the transport (weight_transport.py), close the session; fence.
+  pause   the coordinator (world rank 0) pauses and flushes every engine and opens a weight-update session
+          on each; fence. One session per sync, whoever sends: an engine holds one session at a time (SGLang
+          refuses a second begin and finalizes the whole model at the end), while under PP several senders
+          feed the same engine.
+  push    exporters stream the weight source, check it against the plan; senders hand each full bucket to
+          the transport (weight_transport.py); fence. Colocated engines take the stages' buckets concurrently.
           Separate engines under PP: one stage after another, in one global order (stage 0 first) and
           fenced after each, because an engine joins one weight-update group and receives one broadcast
           at a time: two stages creating their groups (or broadcasting) at once, each holding some
           engines while waiting for the others, is a cyclic wait. Each stage's group is created in its
           turn at the first sync, recorded in the ledger, with a deadline (half the fence window, so the
           named error of the stalled stage's sender arrives before any window expires).
-  resume  the coordinator checks every engine's weight_version, continues generation; fence
+  resume  the coordinator closes the sessions (every sender is past the push fence), checks every engine's
+          weight_version, continues generation; fence. A sync that fails at a fence closes them too.
 
 Where the HF tensors come from (`weight_source`, by default export_hf_weights over the model
 chunks) and how buckets travel (the transport) are separate, replaceable pieces.
@@ -42,6 +46,7 @@ the failing ranks); the failing rank raises its own error, chained to it.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -64,7 +69,10 @@ from slime.distributed.fault_inject import apply_weight_push_fault
 from slime.distributed.fingerprint import stable_hash
 from slime.models.hf_weights import export_hf_weights, hf_tensor_shapes, unwrap_model
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_BUCKET_BYTES = 512 * 1024**2  # upstream's --update-weight-buffer-size default
+SESSION_CLOSE_AFTER_FAILURE_S = 2.0
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 ParamReader = Callable[[torch.Tensor], torch.Tensor]
@@ -308,7 +316,6 @@ class WeightSync:
         self.node_hosts = tuple(args.colocated_node_hosts) if self.grid is not None else ()  # by node index
         self._rank: int | None = None
         self._feeds: NodeFeeds | None = None
-        self._node_engines: EngineSet | None = None  # what this node sender feeds: all of it, for the sessions
         self._split_engines: list[EngineSet] = []  # its node's, and the other nodes' it feeds
         self.select = select
         self._full_push_due = True
@@ -326,19 +333,10 @@ class WeightSync:
             self._feeds = node_feeds(self.grid, self._rank, self.engine_urls, self.node_host, self.node_hosts)
         return self._feeds
 
-    @property
-    def push_engines(self) -> EngineSet:
-        """The engines this rank's sender feeds: all of them, or per node those of `feeds`."""
-        if self.grid is None:
-            return self.engines
-        if self._node_engines is None:
-            self._node_engines = EngineSet(self.feeds.all, self.timeouts)
-        return self._node_engines
-
     def transport(self, device: torch.device, pp_rank: int):
         if self._transport is None:
             self._transport = (self._node_split_transport(device, pp_rank) if self.grid is not None else
-                               self._build(self.transport_kind, self.push_engines, device, pp_rank))
+                               self._build(self.transport_kind, self.engines, device, pp_rank))
         return self._transport
 
     def _build(self, kind: str, engines: EngineSet, device: torch.device, pp_rank: int):
@@ -374,21 +372,26 @@ class WeightSync:
             plan = build_weight_sync_plan(model_chunks, self.hf_config, tp_size=role.tp_size,
                                           bucket_bytes=self.bucket_bytes, pp_rank=role.pp_rank, select=select)
             fence("weight_sync/plan", self._plan_fields(plan, role, rollout_id))
-        with phase("weight_sync/pause"):
-            error = _attempt(self._pause_engines) if role.coordinator else None
-            _fence_outcome(fence, "weight_sync/paused", rollout_id, error)
-        # Every bucket and TP gather is progress: ranks that only wait at the closing fence wait as
-        # long as the exporters keep making it (slime/utils/deadlines.py).
-        with phase("weight_sync/push"):
-            if self.stages_in_order(role):
-                result = self._push_stages_in_order(model_chunks, plan, role, version, phase, ledger, read_param,
-                                                    select, fence, rollout_id)
-            else:
-                result = (self._push(model_chunks, plan, role, version, phase, ledger, read_param, select)
-                          if role.exporter else _PushResult())
-            _fence_outcome(fence, "weight_sync/pushed", rollout_id, result.error)
+        try:
+            with phase("weight_sync/pause"):
+                error = _attempt(lambda: self._pause_and_open_sessions(ledger)) if role.coordinator else None
+                _fence_outcome(fence, "weight_sync/paused", rollout_id, error)
+            # Every bucket and TP gather is progress: ranks that only wait at the closing fence wait as
+            # long as the exporters keep making it (slime/utils/deadlines.py).
+            with phase("weight_sync/push"):
+                if self.stages_in_order(role):
+                    result = self._push_stages_in_order(model_chunks, plan, role, version, phase, ledger,
+                                                        read_param, select, fence, rollout_id)
+                else:
+                    result = (self._push(model_chunks, plan, role, version, phase, ledger, read_param, select)
+                              if role.exporter else _PushResult())
+                _fence_outcome(fence, "weight_sync/pushed", rollout_id, result.error)
+        except BaseException:
+            if role.coordinator:  # the engines stay paused (their weights are not the trainer's), the sessions end
+                self._close_sessions_after_failure()
+            raise
         with phase("weight_sync/resume"):
-            error = _attempt(lambda: self._verify_and_resume(version)) if role.coordinator else None
+            error = _attempt(lambda: self._close_sessions_and_resume(version, ledger)) if role.coordinator else None
             _fence_outcome(fence, "weight_sync/done", rollout_id, error)
         self._full_push_due = False
         return self._metrics(result, version, time.perf_counter() - start)
@@ -409,8 +412,22 @@ class WeightSync:
             fields.update(plan.fingerprint_fields())
         return fields
 
-    def _pause_engines(self) -> None:
+    def _pause_and_open_sessions(self, ledger) -> None:
         self._each_engine(lambda client: (client.pause_generation(), client.flush_cache(self.timeouts.control)))
+        with _engine_call(ledger, "weight_sync/begin_session", len(self.engine_urls), "engines"):
+            self.engines.begin_session()
+
+    def _close_sessions(self, ledger) -> None:
+        with _engine_call(ledger, "weight_sync/end_session", len(self.engine_urls), "engines"):
+            self.engines.end_session()
+
+    def _close_sessions_after_failure(self) -> None:
+        """Best effort, briefly: a stalled engine may be why the sync failed."""
+        if self._engines is not None and self._engines.in_session:
+            unclosed = self._engines.end_session(wait_s=SESSION_CLOSE_AFTER_FAILURE_S)
+            if unclosed:
+                logger.warning("weight sync failed; the weight-update sessions of %s did not close within %gs "
+                               "(the next sync closes them first)", unclosed, SESSION_CLOSE_AFTER_FAILURE_S)
 
     def _push(self, model_chunks, plan: WeightSyncPlan, role: SyncRole, version: str, phase, ledger,
               read_param, select) -> _PushResult:
@@ -418,26 +435,18 @@ class WeightSync:
         result = _PushResult()
         exported = iter(self._export(model_chunks, read_param, select))
         planned = iter_planned_buckets(plan, exported)
-        result.error = _attempt(self.push_engines.begin_session) if role.sender else None
-        session = role.sender and result.error is None
-        try:
-            for index in range(len(plan.buckets) + 1):  # +1: the plan checks the export has ended
-                with phase(f"bucket{index}"):
-                    gather_start = time.perf_counter()
-                    item = _next_bucket(planned, exported, result)
-                    result.gather_seconds += time.perf_counter() - gather_start
-                    if item is None:
-                        break
-                    if role.sender and result.error is None:
-                        bucket, tensors = item[0], apply_weight_push_fault(item[1], role.world_rank, int(version) - 1)
-                        result.error = _attempt(lambda: self._send_bucket(bucket, tensors, version, plan, ledger,
-                                                                          result))
-                    if ledger is not None:
-                        ledger.note_progress()  # a bucket exported (and sent): progress on every exporter
-        finally:
-            if session:  # close what was opened, even after a failed bucket
-                error = _attempt(self.push_engines.end_session)
-                result.error = result.error or error
+        for index in range(len(plan.buckets) + 1):  # +1: the plan checks the export has ended
+            with phase(f"bucket{index}"):
+                gather_start = time.perf_counter()
+                item = _next_bucket(planned, exported, result)
+                result.gather_seconds += time.perf_counter() - gather_start
+                if item is None:
+                    break
+                if role.sender and result.error is None:
+                    bucket, tensors = item[0], apply_weight_push_fault(item[1], role.world_rank, int(version) - 1)
+                    result.error = _attempt(lambda: self._send_bucket(bucket, tensors, version, plan, ledger, result))
+                if ledger is not None:
+                    ledger.note_progress()  # a bucket exported (and sent): progress on every exporter
         return result
 
     def stages_in_order(self, role: SyncRole) -> bool:
@@ -494,7 +503,8 @@ class WeightSync:
         result.bytes_sent += sent if isinstance(sent, int) else bucket.nbytes  # a delta transport counts its own
         result.buckets_sent += 1
 
-    def _verify_and_resume(self, version: str) -> None:
+    def _close_sessions_and_resume(self, version: str, ledger) -> None:
+        self._close_sessions(ledger)
         versions = self._each_engine(lambda client: client.weight_version())
         wrong = {url: v for url, v in zip(self.engine_urls, versions) if v != version}
         if wrong:
@@ -525,9 +535,6 @@ class WeightSync:
         if self._engines is not None:
             self._engines.close()
             self._engines = None
-        if self._node_engines is not None:
-            self._node_engines.close()
-            self._node_engines = None
         for engines in self._split_engines:
             engines.close()
         self._split_engines.clear()

@@ -18,8 +18,9 @@ Chosen once at start (`choose_transport`), as upstream slime does:
   node_split   `--colocate` across nodes with PP stages spanning nodes: a node sender feeds its node's engines
                by tensor and, over its stage's weight-update group, the engines of nodes that hold none of
                its stage (node_routes.py says which).
-Every push sits inside a weight-update session (`/begin_weight_update` ... `/end_weight_update`) on
-engines that have one (SGLang >= 0.5.21, the embedded engine); an engine answering 404 needs none.
+Every sync's pushes sit inside one weight-update session (`/begin_weight_update` ... `/end_weight_update`) per
+engine that has them (SGLang >= 0.5.21, the embedded engine), opened and closed by the sync's coordinator (EngineSet
+sessions); an engine answering 404 needs none.
 
 The weight *source* is not this module's business: it receives HF-named tensors bucket by bucket.
 """
@@ -30,6 +31,7 @@ import datetime
 import logging
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from typing import Any, Callable
 from urllib.parse import urlparse
@@ -111,17 +113,52 @@ class EngineSet:
         return [future.result() for future in self.submit_each(call, clients)]
 
     def begin_session(self) -> None:
-        opened = self.each(lambda client: client.begin_weight_update())
-        self._in_session = [client for client, ok in zip(self.clients, opened) if ok]
+        """Open a weight-update session on every engine. An engine holds one session at a time (SGLang refuses a
+        second begin, and its end finalizes the whole model), so one process owns it for a whole push: the sync's
+        coordinator (update_weight.py). Every engine is asked; those that opened are remembered (end_session
+        closes them) before the first error is raised."""
+        calls = self.submit_each(_open_session)
+        self._in_session = [client for client, call in zip(self.clients, calls)
+                            if call.exception() is None and call.result()]
+        for call in calls:
+            call.result()
 
-    def end_session(self) -> None:
+    def end_session(self, *, wait_s: float | None = None) -> list[str]:
+        """Close the sessions begin_session opened. wait_s (after a failed push): wait at most that long, for an
+        engine may be the failure's cause; the engines whose close did not end in time are returned (a session
+        one leaves open is closed at the next begin_session)."""
         in_session, self._in_session = self._in_session, []
-        self.each(lambda client: client.end_weight_update(), in_session)
+        calls = self.submit_each(lambda client: client.end_weight_update(), in_session)
+        if wait_s is None:
+            for call in calls:
+                call.result()
+            return []
+        futures_wait(calls, timeout=wait_s)
+        return [client.base_url for client, call in zip(in_session, calls) if not call.done() or call.exception()]
+
+    @property
+    def in_session(self) -> bool:
+        return bool(self._in_session)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         for client in self.clients:
             client.close()
+
+
+SESSION_ALREADY_OPEN = "already open"  # SGLang's (and the embedded engine's) answer to a second begin
+
+
+def _open_session(client: SGLangHTTPClient) -> bool:
+    """begin_weight_update; a session a push left open (its trainer died before the end) is closed first."""
+    try:
+        return client.begin_weight_update()
+    except EngineHTTPError as exc:
+        if exc.status != 400 or SESSION_ALREADY_OPEN not in str(exc):
+            raise
+    logger.warning("%s: a weight-update session left open by an earlier push; closing it first", client.base_url)
+    client.end_weight_update()
+    return client.begin_weight_update()
 
 
 # ----------------------------------------------------------------------------- transports
