@@ -3,9 +3,11 @@
     SLIME_API_KEY=KEY python -m slime.router.router --host 127.0.0.1 --port P [--listen-fd FD] \
         [--worker-urls URL ...]
 
-Policy: least in-flight requests, ties broken round-robin. A worker whose connection fails
-is taken out of rotation and the request is retried on another one (the failed attempt never
-reached an engine); a periodic /health probe puts it back. Every upstream call has a timeout.
+Policy: least in-flight requests, ties broken round-robin. A worker that cannot be connected to is
+taken out of rotation and the request goes to another one (it never reached the first). A worker whose
+connection breaks after the request was sent is taken out of rotation too, but the request is answered
+502, not sent again: that worker may have generated it. A periodic /health probe puts a worker back.
+Every upstream call has a timeout.
 Every route wants the run's key; the router sends the same key to its workers.
 Without --use-slime-router, `launch_router` starts sglang-router instead.
 """
@@ -22,6 +24,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from slime.utils.http_utils import POOLED_CONNECTION_IDLE_S
 from slime.utils.server_process import (
     ServerHandle,
     python_module_command,
@@ -96,7 +99,9 @@ class SlimeRouter:
 
     # ----- lifecycle ---------------------------------------------------------------------
     async def start(self, app: web.Application):
-        self._session = aiohttp.ClientSession(headers=self.api_key.headers())  # workers want the run's key too
+        connector = aiohttp.TCPConnector(keepalive_timeout=POOLED_CONNECTION_IDLE_S)
+        # workers want the run's key too
+        self._session = aiohttp.ClientSession(connector=connector, headers=self.api_key.headers())
         probe = asyncio.create_task(self._probe_loop())
         yield
         probe.cancel()
@@ -126,9 +131,14 @@ class SlimeRouter:
             tried.add(worker.url)
             try:
                 return await self._forward(worker, body)
-            except aiohttp.ClientConnectionError as exc:
+            except aiohttp.ClientConnectorError as exc:  # never connected: the request did not reach it
                 worker.healthy = False
-                logger.warning("worker %s failed (%s); taken out of rotation", worker.url, exc)
+                logger.warning("worker %s cannot be reached (%s); taken out of rotation", worker.url, exc)
+            except aiohttp.ClientConnectionError as exc:  # broke after the request went out: not sent twice
+                worker.healthy = False
+                logger.warning("worker %s dropped a request it was sent (%s); taken out of rotation", worker.url, exc)
+                return _error(502, f"worker {worker.url} closed the connection after the request was sent ({exc!r}); "
+                                   "not sent again: it may have been served")
             except asyncio.TimeoutError:
                 return _error(504, f"worker {worker.url} did not answer within {self.config.request_timeout_s}s")
         return _error(503, f"no healthy worker could take the request (tried {sorted(tried)})")

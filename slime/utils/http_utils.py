@@ -4,10 +4,15 @@
 that name. One aiohttp session per event loop is reused so thousands of concurrent requests do
 not each open a connection pool.
 
+A request is sent again here only when it never left: the connection could not be opened (refused,
+unreachable). A connection that breaks after the request went out (the server closed it, a reset) may
+have been served, so it is an error, never a silent second send (a /generate would be generated twice,
+a POST to a reward service applied twice).
+
 The rollout manager bounds every request of a rollout from outside (`set_request_bounds`): no
 request outlives the rollout's deadline, requests still in flight can be listed for an error report
-(`outstanding_requests`), and with --use-fault-tolerance a request that failed because its engine
-did is sent again once an engine serves (`retry`).
+(`outstanding_requests`), and with --use-fault-tolerance a /generate that failed because its engine
+did is sent again once an engine serves (`retry`: that flag's choice, as upstream).
 
 Every request carries the run's key (slime/utils/security.py): these helpers talk to the run's own
 engines and router; call other services with a client of your own.
@@ -30,7 +35,10 @@ from slime.utils.security import auth_headers
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 1800.0  # one generation of a long response on a loaded engine
-_CONNECT_RETRIES = 3  # only for connection failures; a timeout is final
+_CONNECT_RETRIES = 3  # only for connections that could not be opened; a timeout is final
+# A pooled connection is dropped before the servers' own keep-alive closes it (SGLang: 5 s), so a request is not
+# written to a connection the server is closing (aiohttp re-sends only idempotent methods in that case, not POST).
+POOLED_CONNECTION_IDLE_S = 4.0
 _sessions: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aiohttp.ClientSession]" = weakref.WeakKeyDictionary()
 
 
@@ -88,7 +96,8 @@ def _session() -> aiohttp.ClientSession:
     loop = asyncio.get_running_loop()
     session = _sessions.get(loop)
     if session is None or session.closed:
-        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=auth_headers())
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=POOLED_CONNECTION_IDLE_S)
+        session = aiohttp.ClientSession(connector=connector, headers=auth_headers())
         _sessions[loop] = session
     return session
 
@@ -127,11 +136,14 @@ async def _request_once(method: str, url: str, payload: Any, timeout_s: float) -
         # timeouts first: aiohttp's read timeouts are also ClientConnectionErrors, and are final
         except asyncio.TimeoutError as exc:
             raise TimeoutError(f"{method} {url}: no reply within {timeout_s:.0f}s") from exc
-        except aiohttp.ClientConnectionError as exc:
+        except aiohttp.ClientConnectorError as exc:  # the connection was never opened: nothing was sent
             if attempt == _CONNECT_RETRIES:
                 raise ConnectionError(f"{method} {url}: cannot connect after {attempt} attempts ({exc!r})") from exc
-            logger.warning("%s %s: connection failed (%r); retry %d", method, url, exc, attempt)
+            logger.warning("%s %s: cannot connect (%r); retry %d", method, url, exc, attempt)
             await asyncio.sleep(0.5 * attempt)
+        except aiohttp.ClientConnectionError as exc:  # after the request went out: it may have been served
+            raise ConnectionError(f"{method} {url}: the connection broke after the request was sent ({exc!r}); "
+                                  "not sent again (the server may have acted on it)") from exc
 
 
 async def _request(method: str, url: str, payload: Any, timeout_s: float) -> Any:
