@@ -7,13 +7,21 @@ it is never the default group and never one of megatron's, so creating or destro
 touch the communicators of the step.
 
 The same function serves both sides: the trainer hosts the store (rank 0), an engine joins it.
+
+The sender's broadcasts are bounded in Python (`broadcast_all`): it polls each collective's completion against
+its deadline and, past it, aborts the communicator and raises CollectiveStallError. On NCCL `work.wait()` does
+not block the CPU (it orders the current CUDA stream after the collective), so without the poll a stalled peer
+would surface only when NCCL's watchdog ends the whole process; the sender sets that watchdog's limit above its
+own deadline (`watchdog_timeout_s`) so that the named error comes first.
 """
 
 from __future__ import annotations
 
 import datetime
 import socket
+import time
 from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch.distributed as dist
 
@@ -33,6 +41,32 @@ class ExternalGroupSpec:
     backend: str
     timeout_s: float
     """Deadline of the rendezvous and of every collective on the group."""
+    watchdog_timeout_s: float | None = None
+    """NCCL only: the communicator's own limit on one collective, past which its watchdog ends the process (None:
+    timeout_s). A member that polls its collectives against timeout_s sets it higher."""
+
+
+class CollectiveStallError(TimeoutError):
+    """Collectives on an external group did not complete by their deadline; the communicator was aborted."""
+
+
+_POLL_FIRST_S = 1e-4
+_POLL_MAX_S = 5e-3
+
+
+def await_completion(works: Sequence, deadline: float, *, clock: Callable[[], float] = time.monotonic,
+                     sleep: Callable[[float], None] = time.sleep) -> None:
+    """Return once every work completed, or raise CollectiveStallError past `deadline` (on `clock`). A work that
+    ended with an error raises it (is_completed() is true for a failed work too; its wait() raises)."""
+    for done, work in enumerate(works):
+        delay = _POLL_FIRST_S  # short polls again for each work: a bucket's collectives end one after another
+        while not work.is_completed():
+            if clock() >= deadline:
+                raise CollectiveStallError(f"{len(works) - done} of {len(works)} collective(s) not completed "
+                                           "by the deadline")
+            sleep(delay)
+            delay = min(2 * delay, _POLL_MAX_S)
+        work.wait()
 
 
 @dataclass(frozen=True)
@@ -44,8 +78,23 @@ class ExternalGroup:
     spec: ExternalGroupSpec
 
     def broadcast(self, tensor, root: int = 0) -> None:
-        """Broadcast in place from `root`; bounded by the group's timeout."""
+        """Broadcast in place from `root` (a receiving engine's side). On gloo the CPU waits, up to the group's
+        timeout; on NCCL the current stream is ordered after it and the CPU goes on."""
         self.group.broadcast(tensor, root).wait()
+
+    def broadcast_all(self, tensors: Sequence, *, deadline: float, root: int = 0) -> None:
+        """Broadcast each tensor in place from `root`, in order; return once all completed. Past `deadline`
+        (time.monotonic()): abort the communicator (the group is unusable after) and raise CollectiveStallError."""
+        works = [self.group.broadcast(tensor, root) for tensor in tensors]
+        try:
+            await_completion(works, deadline)
+        except CollectiveStallError:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        """End the communicator now: NCCL aborts it (its pending collectives end); gloo's end at its timeout."""
+        self.group.abort()
 
     def close(self) -> None:
         shutdown = getattr(self.group, "shutdown", None)
@@ -82,7 +131,7 @@ def open_external_group(spec: ExternalGroupSpec, rank: int, store: dist.TCPStore
         group = dist.ProcessGroupGloo(prefixed, rank, spec.world_size, timeout)
     else:
         options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
+        options._timeout = datetime.timedelta(seconds=spec.watchdog_timeout_s or spec.timeout_s)
         group = dist.ProcessGroupNCCL(prefixed, rank, spec.world_size, options)
     return ExternalGroup(group, store, rank, spec)
 

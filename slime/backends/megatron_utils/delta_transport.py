@@ -6,7 +6,9 @@ goes as a delta (sglang_utils/weight_delta.py: changed positions and values, and
 of the result), anything else in full. An engine whose weights are not the baseline (restarted,
 retargeted, a failed push) refuses the delta by its digests and loads nothing; the sender logs it and
 pushes that bucket in full to every engine (a full push is idempotent for those that took the delta).
-The baseline moves only after every engine accepted a bucket, so it never runs ahead of them.
+The baseline moves only after every engine accepted a bucket, so it never runs ahead of them. A delta bucket
+goes through the distributed transport's exchange: one deadline for its broadcasts and replies, a stall named
+(WeightGroupStallError), every reply read before an engine's error is raised.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import logging
 
 import torch
 
-from slime.backends.megatron_utils.weight_transport import DistributedTransport, NamedTensors
+from slime.backends.megatron_utils.weight_transport import DistributedTransport, NamedTensors, WeightPushError
 from slime.backends.sglang_utils import weight_delta
 from slime.backends.sglang_utils.http_client import EngineHTTPError
 from slime.utils.checksums import missing_package
@@ -58,7 +60,7 @@ class DeltaTransport:
             return self._send_full(index, tensors, version, flush_cache)
         deltas = [weight_delta.encode(tensor, self.baseline[name], self.encoding, self.checksum)
                   for name, tensor in tensors]
-        refusals = self._send_delta(tensors, deltas, version, flush_cache)
+        refusals = self._send_delta(index, tensors, deltas, version, flush_cache)
         if refusals:
             self.fallbacks += 1
             logger.warning("delta weight push, bucket %d: %d engine(s) refused it (%s); pushing the bucket in full",
@@ -72,26 +74,26 @@ class DeltaTransport:
         self._keep(tensors)
         return sum(t.numel() * t.element_size() for _, t in tensors)
 
-    def _send_delta(self, tensors: NamedTensors, deltas: list, version: str | None, flush_cache: bool) -> list[str]:
+    def _send_delta(self, index: int, tensors: NamedTensors, deltas: list, version: str | None,
+                    flush_cache: bool) -> list[str]:
         """One delta bucket to every engine; the refusals (digest mismatches) by engine."""
         spec = {"encoding": self.encoding, "checksum": self.checksum,
                 "tensors": [weight_delta.wire_spec(name, tensor, d) for (name, tensor), d in zip(tensors, deltas)]}
         names = [name for name, _ in tensors]
-        replies = self.engines.submit_each(lambda client: client.update_weights_from_distributed(
+        # the engines receive in this order (weight_delta: positions, then the values' bytes; gloo has no int16)
+        wire = [t for d in deltas if d.positions.numel() for t in (d.positions, d.values.view(torch.uint8))]
+        replies = self.inner.exchange(index, lambda client: client.update_weights_from_distributed(
             names=names, dtypes=[], shapes=[], group_name=self.inner.group_name, weight_version=version,
-            flush_cache=flush_cache, delta=spec))
-        for d in deltas:  # the engines receive in this order (weight_delta: positions, then the values' bytes)
-            if d.positions.numel():
-                self.inner.broadcast(d.positions)
-                self.inner.broadcast(d.values.view(torch.uint8))  # as bytes: gloo has no int16
-        refusals = []
+            flush_cache=flush_cache, delta=spec), wire)
+        refusals, failures = [], []
         for client, reply in zip(self.engines.clients, replies):
-            try:
-                reply.result()
-            except EngineHTTPError as exc:
-                if weight_delta.MISMATCH not in str(exc):
-                    raise
+            exc = reply.exception()
+            if isinstance(exc, EngineHTTPError) and weight_delta.MISMATCH in str(exc):
                 refusals.append(f"{client.base_url}: {str(exc)[-160:]}")
+            elif exc is not None:
+                failures.append(f"{client.base_url}: {type(exc).__name__}: {str(exc)[:200]}")
+        if failures:
+            raise WeightPushError(f"PP stage {self.inner.stage}, delta bucket {index}: " + "; ".join(failures))
         return refusals
 
     def _keep(self, tensors: NamedTensors) -> None:

@@ -13,8 +13,10 @@ Chosen once at start (`choose_transport`), as upstream slime does:
                without `--colocate`): `/init_weights_update_group` once, then per bucket
                `/update_weights_from_distributed` while the sender broadcasts each tensor over that group
                (NCCL on GPUs, gloo for the embedded engine on CPU: the same protocol). One group per PP
-               stage; the group's creation and each broadcast have a deadline, and a stall there ends as a
-               WeightGroupStallError naming the stage and the engines that did not answer.
+               stage. The group's creation (the rendezvous and every engine's join) has one deadline, and so
+               has each bucket (its broadcasts, polled to completion, and every engine's reply); a stall ends
+               as a WeightGroupStallError naming the stage and every engine that was late, with the
+               communicator aborted (external_group.py).
   node_split   `--colocate` across nodes with PP stages spanning nodes: a node sender feeds its node's engines
                by tensor and, over its stage's weight-update group, the engines of nodes that hold none of
                its stage (node_routes.py says which).
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
@@ -55,6 +58,10 @@ WEIGHT_UPDATE_GROUP = "slime_weight_update"
 
 class WeightGroupStallError(RuntimeError):
     """A PP stage's weight-update group was not formed, or a broadcast on it not received, within its deadline."""
+
+
+class WeightPushError(RuntimeError):
+    """Engines answered a bucket pushed over the weight-update group with an error (each named)."""
 
 
 def choose_transport(args: Any) -> str:
@@ -260,7 +267,7 @@ class DistributedTransport:
 
     def __init__(self, engines: EngineSet, engine_tp_size: int, *, backend: str, timeout_s: float,
                  group_name: str = WEIGHT_UPDATE_GROUP, stage: int = 0) -> None:
-        """timeout_s: the deadline of the group's creation and of each broadcast on it."""
+        """timeout_s: the deadline of the group's creation, and of each bucket's broadcasts and replies."""
         self.engines = engines
         self.engine_tp_size = engine_tp_size
         self.backend = backend
@@ -280,9 +287,11 @@ class DistributedTransport:
 
     def _stalled(self, what: str, calls: list[Future], cause: BaseException) -> WeightGroupStallError:
         """Name the engines: those whose call did not end, split by whether they still answer /health (an
-        engine waiting inside the group for a stalled peer does; the stalled one does not)."""
+        engine waiting inside the group for a stalled peer does; the stalled one does not). The probes run at
+        once, each bounded, so many late engines cost one probe's time."""
         late = [url for url, call in zip(self.engines.urls, calls) if not call.done() or call.exception() is not None]
-        silent = [url for url in late if not _answers_health(url)]
+        with ThreadPoolExecutor(max_workers=max(1, len(late)), thread_name_prefix="health-probe") as probes:
+            silent = [url for url, answers in zip(late, probes.map(_answers_health, late)) if not answers]
         return WeightGroupStallError(
             f"PP stage {self.stage}: {what} on weight-update group {self.group_name!r} did not complete within "
             f"{self.timeout_s:g}s; engine(s) not answering: {silent}, engine(s) whose call did not end: {late} "
@@ -297,12 +306,14 @@ class DistributedTransport:
             open_external_group,
         )
 
+        deadline = time.monotonic() + self.timeout_s  # one for the rendezvous and every join
         master = address_towards(urlparse(self.engines.urls[0]).hostname or "127.0.0.1")
         world_size = 1 + len(self.engines.urls) * self.engine_tp_size
         store = hosted_store(master, world_size, datetime.timedelta(seconds=self.timeout_s))  # bound, then told
         spec = ExternalGroupSpec(
             master_address=master, master_port=store.port, world_size=world_size,
             group_name=self.group_name, backend=self.backend, timeout_s=self.timeout_s,
+            watchdog_timeout_s=self.timeout_s + NCCL_WATCHDOG_MARGIN_S,  # above every bucket's deadline
         )
         rank_offsets = {client.base_url: 1 + i * self.engine_tp_size for i, client in enumerate(self.engines.clients)}
         joins = self.engines.submit_each(lambda client: client.init_weights_update_group(
@@ -310,34 +321,49 @@ class DistributedTransport:
             world_size=spec.world_size, group_name=spec.group_name, backend=spec.backend))
         try:
             group = open_external_group(spec, 0, store=store)  # bounded by spec.timeout_s
-            for join in joins:
-                join.result(timeout=self.timeout_s)
         except Exception as exc:
+            raise self._stalled("the creation", joins, exc) from exc
+        try:
+            _await_replies(joins, deadline)
+        except Exception as exc:
+            group.close()
             raise self._stalled("the creation", joins, exc) from exc
         self._group = group
 
-    def broadcast(self, tensor: torch.Tensor) -> None:
-        """One tensor from the sender to every engine TP rank (the group formed on first use)."""
-        if self._group is None:
-            self.connect()
-        self._group.broadcast(tensor.detach().contiguous(), 0)
-
     def send(self, index: int, tensors: NamedTensors, *, version: str | None, flush_cache: bool) -> None:
-        if self._group is None:
-            self.connect()
         names = [name for name, _ in tensors]
         dtypes = [str(t.dtype).removeprefix("torch.") for _, t in tensors]
         shapes = [list(t.shape) for _, t in tensors]
-        replies = self.engines.submit_each(lambda client: client.update_weights_from_distributed(
+        replies = self.exchange(index, lambda client: client.update_weights_from_distributed(
             names=names, dtypes=dtypes, shapes=shapes, group_name=self.group_name, weight_version=version,
-            flush_cache=flush_cache))
+            flush_cache=flush_cache), [tensor.detach().contiguous() for _, tensor in tensors])
+        failed = [(url, reply.exception()) for url, reply in zip(self.engines.urls, replies) if reply.exception()]
+        if failed:
+            raise WeightPushError(f"PP stage {self.stage}, bucket {index}: " + "; ".join(
+                f"{url}: {type(exc).__name__}: {str(exc)[:200]}" for url, exc in failed))
+
+    def exchange(self, index: int, call: Callable[[SGLangHTTPClient], Any], tensors: list[torch.Tensor]
+                 ) -> list[Future]:
+        """One bucket: `call` on every engine (it receives), the tensors broadcast in that order, every reply
+        awaited; all of it against one deadline. Returns the replies, every one ended (each may hold an error).
+        A stall aborts the group (the next push forms it again) and raises WeightGroupStallError."""
+        if self._group is None:
+            self.connect()
+        deadline = time.monotonic() + self.timeout_s
+        replies = self.engines.submit_each(call)
         try:
-            for _, tensor in tensors:  # the engines receive in this order; each bounded by the group's timeout
-                self._group.broadcast(tensor.detach().contiguous(), 0)
-            for reply in replies:
-                reply.result(timeout=self.timeout_s)
+            self._group.broadcast_all(tensors, deadline=deadline)
+            _await_replies(replies, deadline, raise_errors=False)
         except Exception as exc:
+            self._drop_group()
             raise self._stalled(f"the broadcast of bucket {index}", replies, exc) from exc
+        return replies
+
+    def _drop_group(self) -> None:
+        """After a stall: abort the communicator; the engines still hold their end (a later connect fails there)."""
+        group, self._group = self._group, None
+        if group is not None:
+            group.abort()
 
     def close(self) -> None:
         if self._group is None:
@@ -405,6 +431,18 @@ def delta_options(args: Any) -> DeltaOptions | None:
 
 
 HEALTH_PROBE_S = 2.0
+# NCCL's watchdog ends the process past its limit: it is set this far above the deadline the sender polls against.
+NCCL_WATCHDOG_MARGIN_S = 60.0
+
+
+def _await_replies(calls: list[Future], deadline: float, *, raise_errors: bool = True) -> None:
+    """Wait for every call until `deadline` (time.monotonic()); TimeoutError naming how many did not end. With
+    raise_errors, the first call that failed raises its error (after all ended)."""
+    late = futures_wait(calls, timeout=max(0.0, deadline - time.monotonic())).not_done
+    if late:
+        raise TimeoutError(f"{len(late)} of {len(calls)} engine call(s) did not end by the deadline")
+    for call in calls if raise_errors else ():
+        call.result()
 
 
 def _answers_health(url: str) -> bool:
