@@ -269,10 +269,14 @@ _ADVANTAGE_CALLS = [0]
 
 def rank_local_advantages(args, rollout_data):
     """--custom-advantage-function-path: the default advantages; on rank 1 its second call (rollout 1)
-    scales one sample's."""
+    scales one sample's; on every rank of DP rank 1 its third call (rollout 2) does (DP ranks differ, the
+    ranks of one DP rank agree)."""
+    from megatron.core import parallel_state
+
     from slime.utils.ppo_utils import compute_advantages_and_returns
 
     compute_advantages_and_returns(args, rollout_data)
     _ADVANTAGE_CALLS[0] += 1
-    if _ADVANTAGE_CALLS[0] == 2 and _rank() == 1:
+    if (_ADVANTAGE_CALLS[0] == 2 and _rank() == 1) or (
+            _ADVANTAGE_CALLS[0] == 3 and parallel_state.get_data_parallel_rank() == 1):
         rollout_data["advantages"][0] = [2.0 * a for a in rollout_data["advantages"][0]]

@@ -5,6 +5,11 @@ digest per field). Only when digests differ does a second gather fetch the full 
 differing fields, so that the error can print a table of ranks x fields. Every rank sees the same
 gathered payloads, so every rank takes the same branch and raises the same error together.
 
+Fields that must agree only among some ranks (what one DP rank computed for its own samples, the same on
+its TP/CP/PP peers and different on the next DP rank's) travel in the same gather as `ScopedFields`: each
+rank names its scope (its DP rank) and those fields are compared among the ranks of the same scope. Every
+rank sees every payload, so every rank still takes the same branch.
+
 A fence waits as long as some rank makes progress (slime/distributed/progress.py) and fails when
 none did for its timeout: ranks that wait at a fence while a peer works (the weight push) wait
 for as long as the work goes on. The gloo group's own timeout (--distributed-timeout-minutes)
@@ -14,7 +19,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections import Counter
+from collections import Counter, defaultdict
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Mapping
 
@@ -30,6 +36,15 @@ from slime.distributed.progress import ProgressView, suspects
 PAYLOAD_BYTES = 4096
 _WAIT_SLICE_S = 1.0  # how often a waiting fence looks at the progress of its peers
 _VALUE_CHARS = 120  # a table cell
+
+
+@dataclass(frozen=True)
+class ScopedFields:
+    """Fields compared only among the ranks that give the same `scope` (e.g. "dp1": one DP rank's model-parallel
+    group). Their names differ from the fence's own fields."""
+
+    scope: str
+    fields: Mapping[str, object]
 
 
 class Fence:
@@ -52,16 +67,23 @@ class Fence:
         self.progress = ProgressView(ledger)
         self.seq = 0
 
-    def __call__(self, phase: str, fields: Mapping[str, object] | None = None, *, timeout_s: float | None = None) -> None:
+    def __call__(self, phase: str, fields: Mapping[str, object] | None = None, *, timeout_s: float | None = None,
+                 scoped: ScopedFields | None = None) -> None:
         fields = dict(fields or {})
         self.seq += 1
+        if scoped is not None and set(scoped.fields) & set(fields):
+            raise ValueError(f"fence '{phase}': {sorted(set(scoped.fields) & set(fields))} are scoped and not")
         if self.ledger is not None:  # the recorded sequence keeps what each rank claimed (e.g. its plan)
-            self.ledger.note(f"fence:{phase}", fields)
+            noted = fields if scoped is None else {**fields, "scoped": {"scope": scoped.scope, **scoped.fields}}
+            self.ledger.note(f"fence:{phase}", noted)
         payload = {"phase": phase, "seq": self.seq, "digests": {k: stable_hash(v) for k, v in sorted(fields.items())}}
+        if scoped is not None:
+            payload.update(scope=scoped.scope, scoped={k: stable_hash(v) for k, v in sorted(scoped.fields.items())})
         gathered = self._gather_payloads(phase, payload, timeout_s or self.timeout_s)
-        differing = _differing_fields(gathered)
-        if differing:
-            self._raise_divergence(phase, fields, gathered, differing)
+        differing, differing_scoped = _differing_fields(gathered), _differing_scoped_fields(gathered)
+        if differing or differing_scoped:
+            mine = {**fields, **(scoped.fields if scoped is not None else {})}
+            self._raise_divergence(phase, mine, gathered, differing, differing_scoped)
 
     # -- clean path ------------------------------------------------------------------------
     def _gather_payloads(self, phase: str, payload: dict, timeout_s: float) -> list[dict]:
@@ -115,17 +137,22 @@ class Fence:
         return FenceTimeoutError(message, phase=phase, lagging_ranks=lagging)
 
     # -- divergence path -------------------------------------------------------------------
-    def _raise_divergence(self, phase: str, fields: dict, gathered: list[dict], differing: list[str]) -> None:
-        mine = {name: _describe_value(name, payload_value(name, fields, self.seq, phase)) for name in differing}
+    def _raise_divergence(self, phase: str, fields: dict, gathered: list[dict], differing: list[str],
+                          differing_scoped: list[str] = ()) -> None:
+        names = [*differing, *differing_scoped]
+        mine = {name: _describe_value(name, payload_value(name, fields, self.seq, phase)) for name in names}
         values: list[dict | None] = [None] * self.world_size
         c10d.all_gather_object(values, mine, group=self.group)  # all ranks are here: the first gather passed
-        odd = _odd_ranks(gathered, differing)
-        rows = [[r] + [values[r][name] for name in differing] for r in range(self.world_size)]
-        table = format_table(["rank"] + differing, rows)
-        message = (
-            f"ranks {list(odd)} diverge at fence '{phase}' in fields {differing} (rank {self.rank} reporting)\n{table}"
-        )
-        raise CollectiveDivergenceError(message, phase=phase, ranks=odd, fields=tuple(differing))
+        odd = tuple(sorted(set(_odd_ranks(gathered, differing)) | set(_odd_scoped_ranks(gathered, differing_scoped))))
+        scopes = ["scope"] if differing_scoped else []
+        rows = [[r] + [gathered[r].get("scope", "-") for _ in scopes] + [values[r][name] for name in names]
+                for r in range(self.world_size)]
+        table = format_table(["rank", *scopes, *names], rows)
+        where = f"in fields {differing}" if differing else ""
+        if differing_scoped:
+            where += f"{' and ' if differing else ''}within their scope in fields {list(differing_scoped)}"
+        message = f"ranks {list(odd)} diverge at fence '{phase}' {where} (rank {self.rank} reporting)\n{table}"
+        raise CollectiveDivergenceError(message, phase=phase, ranks=odd, fields=tuple(names))
 
 
 def payload_value(name: str, fields: dict, seq: int, phase: str) -> object:
@@ -156,11 +183,42 @@ def _odd_ranks(gathered: list[dict], differing: list[str]) -> tuple[int, ...]:
     """Ranks that disagree with the majority on some field (ties: with rank 0's value)."""
     odd: set[int] = set()
     for name in differing:
-        digests = [_field_digest(p, name) for p in gathered]
-        counts = Counter(digests)
-        top = max(counts.values())
-        majority = next(d for d in digests if counts[d] == top)
-        odd.update(r for r, d in enumerate(digests) if d != majority)
+        odd.update(_minority(list(enumerate(_field_digest(p, name) for p in gathered))))
+    return tuple(sorted(odd))
+
+
+def _minority(digests: list[tuple[int, str]]) -> list[int]:
+    """The ranks whose digest is not the majority's (ties: the lowest rank's)."""
+    counts = Counter(d for _, d in digests)
+    top = max(counts.values())
+    majority = next(d for _, d in digests if counts[d] == top)
+    return [rank for rank, d in digests if d != majority]
+
+
+def _scopes(gathered: list[dict]) -> list[list[int]]:
+    """The ranks of each scope (ranks that gave none form one scope)."""
+    by_scope: dict[str | None, list[int]] = defaultdict(list)
+    for rank, payload in enumerate(gathered):
+        by_scope[payload.get("scope")].append(rank)
+    return list(by_scope.values())
+
+
+def _scoped_digest(payload: dict, name: str) -> str:
+    return payload.get("scoped", {}).get(name, "<missing>")
+
+
+def _differing_scoped_fields(gathered: list[dict]) -> list[str]:
+    names = sorted({k for p in gathered for k in p.get("scoped", {})})
+    return [n for n in names if any(len({_scoped_digest(gathered[r], n) for r in ranks}) > 1
+                                    for ranks in _scopes(gathered))]
+
+
+def _odd_scoped_ranks(gathered: list[dict], differing: list[str]) -> tuple[int, ...]:
+    """Per scope, the ranks that disagree with their scope's majority."""
+    odd: set[int] = set()
+    for name in differing:
+        for ranks in _scopes(gathered):
+            odd.update(_minority([(r, _scoped_digest(gathered[r], name)) for r in ranks]))
     return tuple(sorted(odd))
 
 

@@ -31,7 +31,7 @@ from megatron.core import parallel_state
 from megatron.core.utils import get_model_config
 
 from slime.backends.megatron_utils.data import plans_from_rollout
-from slime.backends.megatron_utils.hook_fence import PER_DP_RANK_KEYS, run_fenced_hook
+from slime.backends.megatron_utils.hook_fence import PER_DP_RANK_KEYS, PerDpKeys, run_fenced_hook
 from slime.backends.megatron_utils.loss import LossConfig, metric_keys, trainer_computes_old_log_probs
 from slime.backends.megatron_utils.opd import megatron_teacher
 from slime.backends.megatron_utils.moe import moe_plan_collectives
@@ -243,15 +243,16 @@ class MegatronTrainActor:
         path = self.args.custom_advantage_function_path  # fn(args, rollout_data) fills advantages, returns
         if path:
             run_fenced_hook(self.groups.fence, "actor_train/custom_advantages", rollout_id, data,
-                            lambda: call_hook(path, self.args, data), local_keys=self._dp_local_keys())
+                            lambda: call_hook(path, self.args, data), per_dp=self._per_dp_keys())
         else:
             compute_advantages_and_returns(self.args, data)
 
-    def _dp_local_keys(self) -> tuple[str, ...]:
-        """Batch keys whose values differ between DP replicas by design (each computed its own samples')."""
+    def _per_dp_keys(self) -> PerDpKeys | None:
+        """Batch keys whose values differ between DP replicas by design (each computed its own samples'), fenced
+        among this DP rank's model-parallel group; None where every rank holds every value."""
         shared = (parallel_state.get_data_parallel_world_size() == 1
                   or self.args.advantage_estimator in WHOLE_ROLLOUT_ESTIMATORS)
-        return () if shared else PER_DP_RANK_KEYS
+        return None if shared else PerDpKeys(PER_DP_RANK_KEYS, parallel_state.get_data_parallel_rank())
 
     def _save_train_data(self, rollout_id: int, data: dict) -> None:
         """--save-debug-train-data: the whole train batch (every rank holds it), written by rank 0."""
@@ -275,7 +276,7 @@ class MegatronTrainActor:
             return plans
         changed = run_fenced_hook(self.groups.fence, "actor_train/postprocess", rollout_id, data,
                                   lambda: call_hook(path, self.args, rollout_id, data),
-                                  local_keys=self._dp_local_keys())
+                                  per_dp=self._per_dp_keys())
         if "loss_masks" not in changed:
             return plans
         return self._fenced_plans(rollout_id, data, fence_name="actor_train/plan_postprocess")

@@ -9,19 +9,23 @@ digest of their new values, before anything depends on them: a rank whose hook d
 the step with a CollectiveDivergenceError that names it and the keys.
 
 Keys that hold per-DP-rank values (the log-probs a DP rank computed for its own samples and what derives
-from them) differ between DP replicas by design; the caller names them (`local_keys`) and they stay out.
+from them) differ between DP replicas by design, but not within one DP rank: its TP/CP/PP peers computed the
+same samples and feed one sharded loss. The caller names them and its DP rank (`PerDpKeys`); the same fence
+compares them among the ranks of that DP rank's model-parallel group (slime/distributed/fence.py, ScopedFields).
 """
 from __future__ import annotations
 
 import hashlib
-from typing import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Callable, Mapping
 
 import torch
 
+from slime.distributed.fence import ScopedFields
 from slime.distributed.fingerprint import DIGEST_CHARS, stable_hash
 from slime.utils.ppo_utils import OPD_KL_KEY
 
-Fence = Callable[[str, Mapping[str, object]], None]
+Fence = Callable[..., None]  # fence(phase, fields, scoped=ScopedFields | None)
 
 # The keys of the batch that hold per-DP-rank values when DP > 1 (slime/backends/megatron_utils/actor.py
 # fills them for this DP rank's samples only; advantages and returns may derive from them).
@@ -49,21 +53,41 @@ def _rows_digest(rows: list[list]) -> str:
     return digest.hexdigest()[:DIGEST_CHARS]
 
 
-def batch_digests(data: Mapping[str, object], local_keys: Iterable[str] = ()) -> dict[str, str]:
-    skip = set(local_keys)
-    return {key: value_digest(value) for key, value in sorted(data.items()) if key not in skip}
+@dataclass(frozen=True)
+class PerDpKeys:
+    """Batch keys holding per-DP-rank values (DP > 1), and this rank's DP rank: they are fenced among its peers."""
+
+    keys: tuple[str, ...]
+    dp_rank: int
+
+
+def batch_digests(data: Mapping[str, object]) -> dict[str, str]:
+    return {key: value_digest(value) for key, value in sorted(data.items())}
 
 
 def run_fenced_hook(fence: Fence, phase: str, rollout_id: int, data: dict, hook: Callable[[], None], *,
-                    local_keys: Iterable[str] = ()) -> frozenset[str]:
-    """Run `hook()` (it edits `data` in place), then fence what it changed on every rank; the changed keys."""
-    local_keys = tuple(local_keys)
-    before = batch_digests(data, local_keys)
+                    per_dp: PerDpKeys | None = None) -> frozenset[str]:
+    """Run `hook()` (it edits `data` in place), then fence what it changed: every key on every rank, the per-DP
+    keys among the ranks of this DP rank. Returns the changed keys every rank agreed on (never a per-DP one)."""
+    before = batch_digests(data)
     hook()
-    after = batch_digests(data, local_keys)
+    after = batch_digests(data)
     changed = {key: digest for key, digest in after.items() if before.get(key) != digest}
     removed = sorted(set(before) - set(after))
-    fields: dict[str, object] = {"rollout_id": rollout_id, "changed_keys": sorted(changed), "removed_keys": removed}
-    fields.update({f"value/{key}": digest for key, digest in changed.items()})
-    fence(phase, fields)
-    return frozenset(changed) | frozenset(removed)
+    local = set(per_dp.keys) if per_dp is not None else set()
+    shared_changed = {key: digest for key, digest in changed.items() if key not in local}
+    shared_removed = [key for key in removed if key not in local]
+    fields: dict[str, object] = {"rollout_id": rollout_id, "changed_keys": sorted(shared_changed),
+                                 "removed_keys": shared_removed, **_values(shared_changed)}
+    scoped = None
+    if per_dp is not None:
+        dp_changed = {key: digest for key, digest in changed.items() if key in local}
+        scoped = ScopedFields(f"dp{per_dp.dp_rank}", {
+            "dp_changed_keys": sorted(dp_changed), "dp_removed_keys": [key for key in removed if key in local],
+            **_values(dp_changed)})
+    fence(phase, fields, scoped=scoped)
+    return frozenset(shared_changed) | frozenset(shared_removed)
+
+
+def _values(changed: dict[str, str]) -> dict[str, str]:
+    return {f"value/{key}": digest for key, digest in changed.items()}
