@@ -126,8 +126,10 @@ class SlowEngine:
         self.release = release
         self.error = error
         self.late = late
+        self.routes: list[str] = []
 
     def request(self, method, url, json=None, timeout=None):
+        self.routes.append("/" + url.split("//", 1)[1].partition("/")[2])
         if self.late:
             self.release.wait(timeout=30)
         if self.error:
@@ -157,7 +159,8 @@ def _transport(engines: list[SlowEngine], work, timeout_s: float = 0.5, stage: i
 
 
 def test_a_stalled_bucket_is_named_by_stage_and_engines(release):
-    transport, urls = _transport([SlowEngine(release), SlowEngine(release)], NcclLikeWork)
+    engines = [SlowEngine(release), SlowEngine(release)]
+    transport, urls = _transport(engines, NcclLikeWork)
     group = transport._group
     with pytest.raises(WeightGroupStallError) as err:
         transport.send(3, [("w", torch.ones(4)), ("b", torch.ones(2))], version="2", flush_cache=True)
@@ -165,6 +168,10 @@ def test_a_stalled_bucket_is_named_by_stage_and_engines(release):
     assert message.startswith("PP stage 1: the broadcast of bucket 3 on weight-update group")
     assert f"engine(s) not answering: {list(urls)}" in message and "CollectiveStallError" in message
     assert group.group.aborted and not transport.connected  # formed again by the next push
+    release.set()  # the engines answer again: closing asks each to leave the aborted group
+    transport.close()
+    left = ["/update_weights_from_distributed", "/destroy_weights_update_group"]
+    assert [engine.routes for engine in engines] == [left, left]
 
 
 def test_late_replies_share_the_bucket_deadline_and_are_all_named(release):

@@ -275,6 +275,7 @@ class DistributedTransport:
         self.group_name = group_name
         self.stage = stage
         self._group = None
+        self._abandoned = None  # a group aborted after a stall, which the engines may still hold
 
     @property
     def connected(self) -> bool:
@@ -306,6 +307,9 @@ class DistributedTransport:
             open_external_group,
         )
 
+        if self._abandoned is not None:  # the engines drop their end of it before the group is formed again
+            self._leave(self._abandoned)
+            self._abandoned = None
         deadline = time.monotonic() + self.timeout_s  # one for the rendezvous and every join
         master = address_towards(urlparse(self.engines.urls[0]).hostname or "127.0.0.1")
         world_size = 1 + len(self.engines.urls) * self.engine_tp_size
@@ -360,15 +364,20 @@ class DistributedTransport:
         return replies
 
     def _drop_group(self) -> None:
-        """After a stall: abort the communicator; the engines still hold their end (a later connect fails there)."""
+        """After a stall: abort the communicator; the next connect (or close) asks the engines to leave it."""
         group, self._group = self._group, None
         if group is not None:
             group.abort()
+            self._abandoned = group
 
     def close(self) -> None:
-        if self._group is None:
-            return
-        group, self._group = self._group, None
+        group = self._group or self._abandoned
+        self._group = self._abandoned = None
+        if group is not None:
+            self._leave(group)
+
+    def _leave(self, group) -> None:
+        """Every engine leaves the group (each call bounded by the client's HTTP timeout), then the sender."""
         try:
             for client, leave in zip(self.engines.clients, self.engines.submit_each(
                     lambda client: client.destroy_weights_update_group(self.group_name))):
