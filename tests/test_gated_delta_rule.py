@@ -126,8 +126,21 @@ def test_bad_shapes_are_refused_naming_the_fix():
         gdr.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state[:1])
     with pytest.raises(ValueError, match="power of two"):
         gdr.chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=48)
-    with pytest.raises(ValueError, match="repeated to the value heads"):
+    with pytest.raises(ValueError, match="HV a multiple of H"):
         gdr.chunk_gated_delta_rule(q[:, :, :1], k, v, g, beta)
+    with pytest.raises(ValueError, match="HV a multiple of H"):  # 3 value heads over 2 key heads
+        gdr.chunk_gated_delta_rule(q[:, :, :2], k[:, :, :2], v, g, beta)
+
+
+def test_grouped_value_heads_read_key_head_j_over_r():
+    """q, k with H key heads and v with HV = r H value heads equal q, k repeated to the value heads."""
+    q, k, v, g, beta, state = _inputs([37, 50], heads=4)
+    keys_q, keys_k = q[:, :, ::2], k[:, :, ::2]  # 2 key heads; value heads 0, 1 read key head 0, 2 and 3 key head 1
+    repeated = (keys_q.repeat_interleave(2, 2), keys_k.repeat_interleave(2, 2))
+    for rule in (gdr.chunk_gated_delta_rule, gdr.recurrent_gated_delta_rule):
+        got = rule(keys_q, keys_k, v, g, beta, initial_state=state, output_final_state=True, cu_seqlens=_cu([37, 50]))
+        want = rule(*repeated, v, g, beta, initial_state=state, output_final_state=True, cu_seqlens=_cu([37, 50]))
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 def _conv_per_sequence(x, weight, bias, cu):
@@ -179,10 +192,10 @@ def _choose(**kw):
 def test_dispatch_decision():
     assert gdr.choose_kernel(device_type="cpu", capability=None, triton_version=None, fla_available=True).name \
         == "torch"
-    # Hopper with a Triton fla refuses for its gated backward: the compiled path, saying why.
+    # Hopper with a Triton fla refuses for its gated backward: fla with the project's chunk_bwd_dqkwg, saying why.
     hopper = _choose()
-    assert hopper.name == "compiled" and "Triton 3.6.0" in hopper.reason
-    assert _choose(triton_version="3.4.0").name == "compiled"
+    assert hopper.name == "fla-dqkwg" and "Triton 3.6.0" in hopper.reason and "chunk_bwd_dqkwg" in hopper.reason
+    assert _choose(triton_version="3.4.0").name == "fla-dqkwg" and _choose(triton_version="3.7.0").name == "fla-dqkwg"
     assert _choose(triton_version="3.7.1").name == "fla" and _choose(triton_version="3.8.0+git1").name == "fla"
     assert _choose(triton_version="3.3.1").name == "fla"
     assert _choose(tilelang_available=True).name == "fla"
@@ -190,6 +203,9 @@ def test_dispatch_decision():
     assert _choose(fla_available=False).name == "compiled"
     # Forcing: torch anywhere; fla and compiled on CUDA only; fla only where importable.
     assert _choose(requested="fla").name == "fla" and _choose(requested="torch").name == "torch"
+    assert _choose(requested="fla-dqkwg", capability=(8, 0)).name == "fla-dqkwg"
+    with pytest.raises(ValueError, match="fla-dqkwg but flash-linear-attention is not importable"):
+        _choose(requested="fla-dqkwg", fla_available=False)
     assert _choose(requested="compiled", capability=(8, 0)).name == "compiled"
     with pytest.raises(ValueError, match="not importable"):
         _choose(requested="fla", fla_available=False)

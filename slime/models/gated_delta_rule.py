@@ -18,8 +18,10 @@ that never cross a sequence start; chunks are laid out step-major (every sequenc
 sequences first) so that step j of the recurrence reads one contiguous slice and finished sequences drop out.
 
 Which implementation runs is decided once per process by `choose_kernel` (see its docstring and docs/gpu.md):
-flash-linear-attention's Triton kernel on CUDA where it is installed and trusted, else this file's chunked
-rule compiled with torch.compile on CUDA, else (CPU) the same rule eager.
+flash-linear-attention's Triton kernels on CUDA where it is installed and trusted; on Hopper with a Triton whose
+gated `chunk_bwd_dqkwg` fla refuses, fla's kernels with the project's maths for that one step (fla_backend.py,
+checked against this file's rule on first use of each head shape); else this file's chunked rule compiled with
+torch.compile on CUDA, else (CPU) the same rule eager.
 """
 
 from __future__ import annotations
@@ -33,12 +35,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from slime.models import fla_backend
+
 logger = logging.getLogger(__name__)
 
-KERNEL_CHOICES = ("auto", "torch", "compiled", "fla")
+KERNEL_CHOICES = ("auto", "torch", "compiled", "fla", "fla-dqkwg")
 KERNEL_ENV = "SLIME_GDN_KERNEL"
 # Set by tests and benchmarks to force an implementation in this process (takes precedence over the env var).
 KERNEL_OVERRIDE: str | None = None
+FLA_CHUNK_SIZES = (16, 32, 64)
 # fla 0.6 refuses (RuntimeError in backward) the gated chunk_bwd_dqkwg on Hopper with Triton in this range.
 _BAD_TRITON_ON_HOPPER = ((3, 4, 0), (3, 7, 1))
 
@@ -245,12 +250,17 @@ def _as_packed(q: Tensor, cu_seqlens: Tensor | None) -> tuple[list[int], int]:
 
 
 def _check_shapes(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> None:
-    if q.dim() != 4 or q.shape != k.shape or v.shape[:3] != q.shape[:3]:
-        raise ValueError(f"q, k must be [B, T, H, Dk] and v [B, T, H, Dv] (k repeated to the value heads); got "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if g.shape != q.shape[:3] or beta.shape != q.shape[:3]:
-        raise ValueError(f"g and beta must be [B, T, H] = {tuple(q.shape[:3])}; got {tuple(g.shape)}, "
+    if q.dim() != 4 or q.shape != k.shape or v.dim() != 4 or v.shape[:2] != q.shape[:2] or v.shape[2] % q.shape[2]:
+        raise ValueError(f"q, k must be [B, T, H, Dk] and v [B, T, HV, Dv] with HV a multiple of H (value head j "
+                         f"reads key head j // (HV / H)); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if g.shape != v.shape[:3] or beta.shape != v.shape[:3]:
+        raise ValueError(f"g and beta must be [B, T, HV] = {tuple(v.shape[:3])}; got {tuple(g.shape)}, "
                          f"{tuple(beta.shape)}")
+
+
+def _to_value_heads(x: Tensor, value_heads: int) -> Tensor:
+    """q or k [B, T, H, D] repeated to the value heads (value head j reads key head j // (HV / H))."""
+    return x if x.shape[2] == value_heads else x.repeat_interleave(value_heads // x.shape[2], dim=2)
 
 
 def _no_tokens(v, initial_state, state_shape, acc, output_final_state):
@@ -263,6 +273,7 @@ def _torch_rule(q, k, v, g, beta, scale, initial_state, output_final_state, cu_s
                 terms=chunk_terms, outputs=chunk_outputs):
     """The project's chunked rule; `terms` and `outputs` are the compiled functions on CUDA."""
     _check_shapes(q, k, v, g, beta)
+    q, k = _to_value_heads(q, v.shape[2]), _to_value_heads(k, v.shape[2])
     lengths, num_seqs = _as_packed(q, cu_seqlens)
     batch, seq_len, heads, dim_k = q.shape
     dim_v = v.shape[-1]
@@ -299,6 +310,7 @@ def recurrent_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta:
     """The token-by-token recurrence (same API, `chunk_size` ignored): the reference the chunked rule is tested
     against. Slow: one step per token."""
     _check_shapes(q, k, v, g, beta)
+    q, k = _to_value_heads(q, v.shape[2]), _to_value_heads(k, v.shape[2])
     lengths, num_seqs = _as_packed(q, cu_seqlens)
     batch, _, heads, dim_k = q.shape
     dim_v = v.shape[-1]
@@ -328,8 +340,8 @@ def recurrent_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta:
 class KernelChoice:
     """The implementation `chunk_gated_delta_rule` runs, and why (logged once)."""
 
-    name: str    # "torch" (eager chunked rule), "compiled" (the same, torch.compile'd) or "fla"
-    reason: str
+    name: str    # "torch" (eager chunked rule), "compiled" (the same, torch.compile'd), "fla" or "fla-dqkwg"
+    reason: str  # (fla's kernels with the project's chunk_bwd_dqkwg)
 
 
 def _version_tuple(version: str) -> tuple[int, int, int]:
@@ -354,9 +366,12 @@ def fla_untrusted_reason(capability: tuple[int, int] | None, triton_version: str
 
 def choose_kernel(*, device_type: str, capability: tuple[int, int] | None, triton_version: str | None,
                   fla_available: bool, tilelang_available: bool = False, requested: str = "auto") -> KernelChoice:
-    """Pure decision: CUDA + fla importable + a Triton fla trusts -> "fla"; other CUDA -> "compiled"; CPU -> "torch".
+    """Pure decision: CUDA + fla importable + a Triton fla trusts -> "fla"; CUDA + fla with a Triton fla refuses
+    for its gated chunk_bwd_dqkwg -> "fla-dqkwg" (fla's kernels, the project's maths for that step); CUDA without
+    fla -> "compiled"; CPU -> "torch".
 
-    `requested` forces a choice ("torch" anywhere; "compiled" and "fla" on CUDA only, "fla" only when importable).
+    `requested` forces a choice ("torch" anywhere; "compiled", "fla" and "fla-dqkwg" on CUDA only, the fla ones
+    only when importable).
     """
     if requested not in KERNEL_CHOICES:
         raise ValueError(f"{KERNEL_ENV} must be one of {KERNEL_CHOICES}, not {requested!r}")
@@ -367,18 +382,18 @@ def choose_kernel(*, device_type: str, capability: tuple[int, int] | None, trito
             raise ValueError(f"{KERNEL_ENV}={requested} needs CUDA tensors; on {device_type} only 'torch' runs "
                              f"(unset {KERNEL_ENV} or set it to torch)")
         return KernelChoice("torch", f"{device_type} tensors: the eager chunked rule")
-    if requested == "fla":
+    if requested in ("fla", "fla-dqkwg"):
         if not fla_available:
-            raise ValueError(f"{KERNEL_ENV}=fla but flash-linear-attention is not importable "
+            raise ValueError(f"{KERNEL_ENV}={requested} but flash-linear-attention is not importable "
                              "(pip install fla-core, or set it to compiled)")
-        return KernelChoice("fla", "requested")
+        return KernelChoice(requested, "requested")
     if requested == "compiled":
         return KernelChoice("compiled", "requested")
     if not fla_available:
         return KernelChoice("compiled", "flash-linear-attention is not installed")
     untrusted = fla_untrusted_reason(capability, triton_version, tilelang_available)
     if untrusted is not None:
-        return KernelChoice("compiled", untrusted)
+        return KernelChoice("fla-dqkwg", f"fla's kernels with the project's chunk_bwd_dqkwg: {untrusted}")
     return KernelChoice("fla", "flash-linear-attention installed and trusted")
 
 
@@ -437,28 +452,73 @@ def _dynamic_chunks(compiled):
     return call
 
 
+def _fla_rule(q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens, chunk_size):
+    """flash-linear-attention's chunk_gated_delta_rule (key heads not repeated: fla groups the value heads)."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_rule
+
+    extra = {"chunk_size": chunk_size} if chunk_size in FLA_CHUNK_SIZES else {}  # fla's sizes; same maths
+    if cu_seqlens is not None:
+        if not cu_seqlens.is_cuda:  # fla reads a host copy instead of syncing with the device
+            extra["cu_seqlens_cpu"] = cu_seqlens.long()
+        cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.long)
+    out, final = fla_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                          output_final_state=output_final_state, cu_seqlens=cu_seqlens, **extra)
+    return out, (final.float() if final is not None else None)
+
+
+def _reference_rule(q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens, chunk_size):
+    return _torch_rule(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size)
+
+
+@functools.lru_cache(maxsize=None)
+def _fla_dqkwg_refusal(device: torch.device, key_heads: int, value_heads: int, dim_k: int, dim_v: int,
+                       dtypes: tuple[torch.dtype, ...], chunk_size: int) -> str | None:
+    """None where fla's kernels with the project's chunk_bwd_dqkwg agree with the project's rule at this head shape
+    and these dtypes (checked once per process, one log line), else why they are not used."""
+    fla_backend.install()
+    fla_backend.set_enabled(True)
+    shape = f"{key_heads} key / {value_heads} value heads of {dim_k} / {dim_v}, {', '.join(map(str, dtypes))}"
+    try:
+        result = fla_backend.agreement(_fla_rule, _reference_rule, key_heads=key_heads, value_heads=value_heads,
+                                       dim_k=dim_k, dim_v=dim_v, dtypes=dtypes, device=device,
+                                       chunk_size=chunk_size if chunk_size in FLA_CHUNK_SIZES else 64)
+    except Exception as err:  # noqa: BLE001 - fla that cannot run here leaves the compiled rule, said once
+        reason = f"fla's path failed its first-use check ({type(err).__name__}: {str(err).splitlines()[0][:200]})"
+    else:
+        if result.passed:
+            logger.info("gated delta rule on %s: fla-dqkwg agrees with the project's rule at %s (%s)",
+                        device, shape, result.describe())
+            return None
+        reason = f"fla-dqkwg disagrees with the project's rule: {result.describe()}"
+    logger.warning("gated delta rule on %s at %s: %s; the compiled rule runs instead", device, shape, reason)
+    return reason
+
+
 def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *,
                            scale: float | None = None, initial_state: Tensor | None = None,
                            output_final_state: bool = False, cu_seqlens: Tensor | None = None,
                            chunk_size: int = 64) -> tuple[Tensor, Tensor | None]:
-    """The gated delta rule over q, k [B, T, H, Dk] (l2-normalised, repeated to the value heads), v [B, T, H, Dv],
-    g [B, T, H] (log decay, <= 0) and beta [B, T, H]; returns (o [B, T, H, Dv] in v's dtype, the final states
-    [N, H, Dk, Dv] in fp32 (fp64 for fp64 inputs) or None). With `cu_seqlens` (B = 1) the state restarts at every sequence start, from zero
-    or `initial_state[i]`. Differentiable in q, k, v, g, beta and initial_state.
+    """The gated delta rule over q, k [B, T, H, Dk] (l2-normalised), v [B, T, HV, Dv] (HV a multiple of H: value
+    head j reads key head j // (HV / H)), g [B, T, HV] (log decay, <= 0) and beta [B, T, HV]; returns (o [B, T, HV,
+    Dv] in v's dtype, the final states [N, HV, Dk, Dv] in fp32 (fp64 for fp64 inputs) or None). With `cu_seqlens`
+    (B = 1) the state restarts at every sequence start, from zero or `initial_state[i]`. Differentiable in q, k, v,
+    g, beta and initial_state.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    choice = active_kernel(q.device)
-    if choice.name == "fla":
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_rule
-
-        extra = {"chunk_size": chunk_size} if chunk_size in (16, 32, 64) else {}  # fla's sizes; same maths
-        if cu_seqlens is not None:
-            if not cu_seqlens.is_cuda:  # fla reads a host copy instead of syncing with the device
-                extra["cu_seqlens_cpu"] = cu_seqlens.long()
-            cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.long)
-        out, final = fla_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                              output_final_state=output_final_state, cu_seqlens=cu_seqlens, **extra)
-        return out, (final.float() if final is not None else None)
-    terms, outputs = _compiled() if choice.name == "compiled" and q.is_cuda else (chunk_terms, chunk_outputs)
+    choice = active_kernel(q.device).name
+    args = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+    if choice in ("fla", "fla-dqkwg"):
+        _check_shapes(q, k, v, g, beta)
+    if choice == "fla-dqkwg":
+        dtypes = (q.dtype, v.dtype, g.dtype, beta.dtype)
+        if _fla_dqkwg_refusal(q.device, q.shape[2], v.shape[2], q.shape[3], v.shape[3], dtypes, chunk_size) is None:
+            fla_backend.set_enabled(True)
+            return _fla_rule(q, k, v, g, beta, **args)
+        choice = "compiled"
+    if choice == "fla":
+        fla_backend.set_enabled(False)  # fla's own kernels throughout
+        return _fla_rule(q, k, v, g, beta, **args)
+    terms, outputs = _compiled() if choice == "compiled" and q.is_cuda else (chunk_terms, chunk_outputs)
     return _torch_rule(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size,
                        terms=terms, outputs=outputs)

@@ -4,8 +4,8 @@ batches and context parallelism.
 
 Maths (transformers' Qwen3NextGatedDeltaNet / Qwen3_5GatedDeltaNet): per token, an in-projection gives q, k
 (`nk` key heads of `dk`), v, z (`nv` value heads of `dv`), b and a (one per value head); q|k|v go through a
-depthwise causal conv (silu); q, k are L2-normalised and repeated to the value heads (value head h reads key
-head h // (nv / nk)); beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias); the gated delta rule
+depthwise causal conv (silu); q, k are L2-normalised (value head h reads key head h // (nv / nk): the rule
+groups the value heads, fla's kernels without repeating q and k); beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias); the gated delta rule
 (slime/models/gated_delta_rule.py) gives o; o is RMS-normalised per head (a plain weight, not zero-centred) and
 gated by silu(z); an out-projection returns to the hidden size.
 
@@ -148,7 +148,7 @@ class GatedDeltaNet(MegatronModule):
         mixed = gated_delta_rule.causal_conv1d(mixed.unsqueeze(0), weight, activation="silu",
                                                cu_seqlens=cu_seqlens)[0]
         q, k, v = mixed.reshape(t, groups, self.conv_width).split([dk, dk, r * dv], dim=-1)
-        q, k = (gated_delta_rule.l2norm(x).repeat_interleave(r, dim=1) for x in (q, k))
+        q, k = (gated_delta_rule.l2norm(x) for x in (q, k))  # value head j reads key head j // r
         v = v.reshape(t, groups * r, dv)
         beta = beta_logit.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
