@@ -494,6 +494,12 @@ def _fla_dqkwg_refusal(device: torch.device, key_heads: int, value_heads: int, d
     return reason
 
 
+def fla_dqkwg_refusal(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, chunk_size: int = 64) -> str | None:
+    """Why "fla-dqkwg" does not run for inputs shaped like these (its first-use check refused it), or None."""
+    return _fla_dqkwg_refusal(q.device, q.shape[2], v.shape[2], q.shape[3], v.shape[3],
+                              (q.dtype, v.dtype, g.dtype, beta.dtype), chunk_size)
+
+
 def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *,
                            scale: float | None = None, initial_state: Tensor | None = None,
                            output_final_state: bool = False, cu_seqlens: Tensor | None = None,
@@ -511,8 +517,7 @@ def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
     if choice in ("fla", "fla-dqkwg"):
         _check_shapes(q, k, v, g, beta)
     if choice == "fla-dqkwg":
-        dtypes = (q.dtype, v.dtype, g.dtype, beta.dtype)
-        if _fla_dqkwg_refusal(q.device, q.shape[2], v.shape[2], q.shape[3], v.shape[3], dtypes, chunk_size) is None:
+        if fla_dqkwg_refusal(q, k, v, g, beta, chunk_size) is None:
             fla_backend.set_enabled(True)
             return _fla_rule(q, k, v, g, beta, **args)
         choice = "compiled"
