@@ -82,6 +82,9 @@ EXPERT_PATHS = ("grouped", "grouped-prev", "grouped-base", "sequential")
 # call with the lower-right mask, the default before the split; "split-flash": the split with torch's flash kernels)
 ATTENTION_PATHS = ("new", "old", "three-call", "lower-right", "split-flash")
 SPLIT_PATHS = ("three-call", "lower-right", "split-flash")  # compared with "old" like "new"
+# A path may name the gated DeltaNet's kernel after an "@" (gated_delta_rule.KERNEL_CHOICES, e.g. "fused@compiled":
+# the fused path with the DeltaNet forced to the compiled rule); without one the DeltaNet runs the auto choice.
+GDN_SEPARATOR = "@"
 OOM_EXIT_CODE = 3
 
 
@@ -495,10 +498,22 @@ class StepOptions:
     checkpoint_dir: str
 
 
+def path_label(label: str) -> str:
+    """A --paths entry: PATH or PATH@KERNEL (the gated DeltaNet's kernel on that path)."""
+    from slime.models.gated_delta_rule import KERNEL_CHOICES
+
+    base, _, kernel = label.partition(GDN_SEPARATOR)
+    if base not in PATHS or (GDN_SEPARATOR in label and kernel not in KERNEL_CHOICES):
+        raise argparse.ArgumentTypeError(f"{label!r}: a path is one of {', '.join(PATHS)}, optionally followed by "
+                                         f"@ and a gated DeltaNet kernel ({', '.join(KERNEL_CHOICES)})")
+    return label
+
+
 def parse_step(argv: list[str]) -> tuple[StepOptions, list[str]]:
     p = argparse.ArgumentParser(prog="bench_step_gpu.py step", add_help=False)
     p.add_argument("--model", choices=sorted(MODELS), default="tiny")
-    p.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS))
+    p.add_argument("--paths", nargs="+", type=path_label, default=list(PATHS),
+                   help=f"of {', '.join(PATHS)}, each optionally @KERNEL: the gated DeltaNet's kernel")
     p.add_argument("--cycles", type=int, default=3)
     p.add_argument("--num-samples", type=int, default=6)
     p.add_argument("--min-tokens", type=int, default=12288)
@@ -600,15 +615,19 @@ def attention_modules(actor) -> list:
     return [m for chunk in actor.model for m in chunk.modules() if isinstance(m, ContextParallelAttention)]
 
 
-def use_path(actor, path: str) -> int:
-    """Switch the model's attention kernel, megatron's THD RoPE and the fused kernels to `path`; the
-    attention modules switched."""
+def use_path(actor, label: str) -> int:
+    """Switch the model's attention kernel, megatron's THD RoPE, the fused kernels and the gated DeltaNet's kernel
+    to the path `label` (PATH or PATH@KERNEL); the attention modules switched."""
     from megatron.core.transformer.mlp import MLP
 
     from patches import megatron_core
     from slime.backends.megatron_utils.adam_kernel import fused_adam_chosen, use_fused_adam
+    from slime.models import gated_delta_rule
     from slime.models.grouped_experts import GroupedExperts
     from slime_plugins.models import fused_kernels
+
+    path, _, gdn_kernel = label.partition(GDN_SEPARATOR)
+    gated_delta_rule.KERNEL_OVERRIDE = gdn_kernel or None
 
     experts = [m for chunk in actor.model for m in chunk.modules() if isinstance(m, GroupedExperts)]
     if path in EXPERT_PATHS and not experts:
@@ -635,13 +654,15 @@ def use_path(actor, path: str) -> int:
 
 
 def path_in_use(actor) -> dict:
-    """What the model ran with: the THD RoPE (patched or megatron's) and the attention kernels."""
+    """What the model ran with: the THD RoPE (patched or megatron's), the attention and DeltaNet kernels, ..."""
     from patches import megatron_core
 
     from slime.backends.megatron_utils.adam_kernel import adam_kernel_in_use
+    from slime.models import gated_delta_rule
     from slime_plugins.models import fused_kernels
 
     return {"thd_rope": megatron_core.thd_rope_in_use(), "kernels": sorted({m.kernel for m in attention_modules(actor)}),
+            "gated_deltanet_kernel": gated_delta_rule.KERNEL_OVERRIDE or "auto",
             "fused_kernels": fused_kernels.active(), "adam": adam_kernel_in_use(actor.optimizer),
             "moe_identity_sort_skipped": megatron_core.moe_identity_sort_in_use(),
             "batched_optimizer_copies": megatron_core.batched_optimizer_copies_in_use(),
@@ -883,7 +904,7 @@ class StepBench:
     def _finish(self) -> dict:
         """The summary, after the compile counters where the fused path ran (a run cut short reports them too:
         a warm start's first step is often all it measures)."""
-        if "fused" in self.opts.paths:
+        if any(p.partition(GDN_SEPARATOR)[0] == "fused" for p in self.opts.paths):
             c = self.extras["compile_counters"] = compile_counters()
             self.report(f"COMPILE_COUNTERS {self.opts.model}: {json.dumps(c)}")
         return self.summary()
@@ -951,8 +972,10 @@ def summary_lines(s: dict) -> list[str]:
     per_path = "; ".join(f"{p} {m['tflops_per_gpu']:.0f} TFLOP/s/GPU {m['tokens_per_s_per_gpu']:.0f} tok/s/GPU "
                          f"{m['step_s']:.2f} s (median of {m['cycles']}{' warm-up only' if m['only_warmup'] else ''})"
                          for p, m in paths.items())
-    ratio = "".join(f"{a}/{b} speed = {paths[b]['step_s'] / paths[a]['step_s']:.2f}x; "
-                    for a, b in zip(PATHS, PATHS[1:]) if a in paths and b in paths)
+    pairs = [(a, b) for a, b in zip(PATHS, PATHS[1:]) if a in paths and b in paths]
+    pairs += [(p.partition(GDN_SEPARATOR)[0], p) for p in paths  # a path against itself with another DeltaNet kernel
+              if GDN_SEPARATOR in p and p.partition(GDN_SEPARATOR)[0] in paths]
+    ratio = "".join(f"{a}/{b} speed = {paths[b]['step_s'] / paths[a]['step_s']:.2f}x; " for a, b in pairs)
     lines.append(f"RATIO step {name}: {ratio}{per_path or 'no cycle finished'}; {s['tokens']} tokens in "
                  f"{s['samples']} samples")
     per_32k = 32768 / s["max_tokens_per_gpu"] if s["max_tokens_per_gpu"] else float("nan")
@@ -1005,8 +1028,23 @@ def failure_site(exc: BaseException) -> str:
     return f"{Path(f.filename).parent.name}/{Path(f.filename).name}:{f.lineno} {f.name}"
 
 
+def show_deltanet_kernel_lines() -> None:
+    """The gated DeltaNet's kernel choice and fla-dqkwg's first-use check (INFO lines) on stdout: the step's log."""
+    import logging
+
+    from slime.models import gated_delta_rule
+
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("LOG %(name)s: %(message)s"))
+    log = logging.getLogger(gated_delta_rule.__name__)
+    log.setLevel(logging.INFO)
+    log.addHandler(handler)
+    log.propagate = False
+
+
 def run_step(argv: list[str]) -> int:
     opts, rest = parse_step(argv)
+    show_deltanet_kernel_lines()
     start = time.perf_counter()
     rank = os.environ.get("RANK", "?")
     bench = None

@@ -13,9 +13,16 @@
 #               >= 250 for timed cycles); SMF_PATHS="fused grouped sequential" compares the three in one process
 #   glm         GLM-4.7-Flash-shaped MoE step (8 of 47 layers: MLA, 64 experts top-4 sigmoid router + shared expert,
 #               the first MLP dense; EP1), grouped experts (GLM_PATHS adds sequential), a profiled cycle
+#   gdn         benchmarks/bench_gated_delta_gpu.py: the gated DeltaNet's kernel alone, fla's kernels with the project's
+#               chunk_bwd_dqkwg (fla-dqkwg) vs the compiled rule, errors of every gradient vs fp64 (GDN_JOBS: its --jobs)
+#   qwen35      Qwen3.5-4B-sized hybrid step (16 of 32 layers: 12 gated DeltaNet, 4 gated attention; fused path,
+#               recompute of 1 layer), the DeltaNet on its auto kernel vs the compiled rule (Q35D_PATHS, default
+#               "fused fused@compiled"; PATH@KERNEL: bench_step_gpu.py --paths), loss / grad-norm parity (--lr 0)
 #   qwen35moe   Qwen3.5-35B-A3B-shaped hybrid MoE step (4 of 40 layers: 3 gated DeltaNet, 1 gated attention; 256
-#               experts top-8 + a gated shared expert; EP1), grouped vs sequential experts (Q35_PATHS), eager kernels
-#               (Q35_KERNELS=compile: the fused path), Q35_EXTRA more flags (--profile: the first path's kernels)
+#               experts top-8 + a gated shared expert; EP1; peak ~104 GiB: an H200), grouped experts with the DeltaNet
+#               on its auto kernel vs the compiled rule (Q35_PATHS, default "grouped grouped@compiled"; "grouped
+#               sequential" compares the experts), eager kernels (Q35_KERNELS=compile: the fused path), Q35_EXTRA more
+#               flags (--profile: the first path's kernels)
 #   compile     the fused path's first step (0.6B) in two fresh processes sharing one empty inductor cache dir
 #               (TORCHINDUCTOR_CACHE_DIR): cold, then warm; COMPILE lines
 #   lora        the qwen3-4b step (new path) twice: every parameter trained, then LoRA adapters only (rank 16 on the
@@ -48,6 +55,13 @@ if ! "$PY" -c "import megatron.core" 2>/dev/null; then
     .whl/megatron_core-*.whl || fatal "pip could not install .whl/megatron_core-*.whl"
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
+# flash-linear-attention (fla-core, pure Python, with einops) travels the same way where .whl/ holds it; without it
+# the gated DeltaNet runs the project's compiled rule (its log line says so)
+if ! "$PY" -c "import fla" 2>/dev/null && ls .whl/fla_core-*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/fla_core-*.whl $(ls .whl/einops-*.whl 2>/dev/null) || fatal "pip could not install .whl/fla_core-*.whl"
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 "$PY" -c "import megatron.core, transformers, safetensors, torch.distributed.run" || fatal "a required package does not import (above)"
 if [ "${DRY_RUN:-0}" = 1 ]; then
@@ -57,18 +71,23 @@ if [ "${DRY_RUN:-0}" = 1 ]; then
   export SMOE_MIN_TOKENS=64 SMOE_MAX_TOKENS=128 SMOE_TOKENS_PER_GPU=256 SMOE_CYCLES=1
   export GLM_MIN_TOKENS=64 GLM_MAX_TOKENS=128 GLM_TOKENS_PER_GPU=256 GLM_CYCLES=1
   export Q35_MIN_TOKENS=64 Q35_MAX_TOKENS=128 Q35_TOKENS_PER_GPU=256 Q35_CYCLES=1
+  export Q35D_MIN_TOKENS=64 Q35D_MAX_TOKENS=128 Q35D_TOKENS_PER_GPU=256 Q35D_CYCLES=1
+  GDN=(--device cpu) MQ35D=tiny-hybrid GDN_OLD=torch  # CPU: the eager rule stands in for the compiled one
   export CMP_MIN_TOKENS=64 CMP_MAX_TOKENS=128 CMP_TOKENS_PER_GPU=256
   export LORA_MIN_TOKENS=64 LORA_MAX_TOKENS=128 LORA_TOKENS_PER_GPU=256
 else
   NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count())') || fatal "torch does not start"
   [ "$NGPU" -ge 1 ] || fatal "no GPU visible to torch"
   M06=qwen3-0.6b M4B=qwen3-4b MMOE=qwen3-30b-a3b-8l MGLM=glm-4.7-flash-8l MQ35=qwen3.5-35b-a3b-4l ATTN=(--tokens ${ATTN_TOKENS:-16384 32768} --shapes 16:8:128 32:8:128) SMI=nvidia-smi
+  GDN=() MQ35D=qwen3.5-4b-16l GDN_OLD=compiled
 fi
 TORCHRUN=("$PY" -m torch.distributed.run --nproc-per-node "$NGPU")
 if [ "$NGPU" -gt 1 ]; then LAYOUT=${LAYOUT:---tensor-model-parallel-size $NGPU --sequence-parallel}; else LAYOUT=${LAYOUT:-}; fi
 { $SMI --query-gpu=name,driver_version,memory.total --format=csv,noheader
   "$PY" -c 'import torch, megatron.core, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version(), "megatron-core", megatron.core.__version__, "transformers", transformers.__version__)'
   "$PY" -c 'import flash_attn; print("flash-attn", flash_attn.__version__)' 2>/dev/null || echo "flash-attn: not installed (SDPA kernels)"
+  "$PY" -c 'import fla, triton; print("fla-core", fla.__version__, "triton", triton.__version__)' 2>/dev/null || echo "fla-core: not installed"
+  "$PY" -c 'import torch; from slime.models import gated_delta_rule as g; print("gated DeltaNet auto choice:", g.active_kernel(torch.device("cuda" if torch.cuda.is_available() else "cpu")))' 2>&1 | tail -1
   echo "gpus $NGPU layout '${LAYOUT}'"; date -u; } 2>&1 | tee "$OUT/env.txt"
 
 STATUS=0
@@ -78,7 +97,7 @@ explain_failure() {
   [ "$rc" -eq 124 ] && why="timed out (exit 124)"; [ "$rc" -eq 137 ] && why="killed (exit 137: out of time or memory)"
   echo "FAILED $name: $why; the last lines of $log:"; tail -n 15 "$log" | cut -c1-300 | sed 's/^/  | /'
 }
-summarize() { grep -h "^RATIO\|^WARMUP_PROFILE\|^KERNELS\|^COMPILE_COUNTERS\|^HOST\|^MEMORY\|^FIT\|^PARITY\|^GROUPED_CHECK\|^SYNC\|^PROFILE\|^OOM\|^FAILED\|^MISMATCH\|^STOPPED" "$OUT/$1.log" | cut -c1-900 | tee -a "$OUT/summary.txt"; }
+summarize() { grep -h "^RATIO\|^WARMUP_PROFILE\|^KERNELS\|^COMPILE_COUNTERS\|^HOST\|^MEMORY\|^FIT\|^PARITY\|^GROUPED_CHECK\|^SYNC\|^PROFILE\|^OOM\|^FAILED\|^MISMATCH\|^STOPPED\|^ROW\|^GRADS\|^ERRORS\|^auto choice\|^device \|gated delta rule on" "$OUT/$1.log" | cut -c1-900 | tee -a "$OUT/summary.txt"; }
 # run NAME CAP_S CMD...: the command under min(CAP_S, time left - 10 s), its output in $OUT/NAME.log
 run() {
   local name=$1 cap=$2; shift 2
@@ -129,10 +148,22 @@ if want glm; then  # GLM-4.7-Flash-shaped MoE step (8 layers: MLA, 64 experts to
     --use-distributed-optimizer
 fi
 
+# the gated DeltaNet kernel alone (no megatron): fla-dqkwg vs the compiled rule, every gradient against fp64
+want gdn && run gdn "${GDN_CAP:-400}" "$PY" benchmarks/bench_gated_delta_gpu.py "${GDN[@]}" --budget-s "${GDN_BUDGET_S:-300}" \
+  ${GDN_JOBS:+--jobs $GDN_JOBS}
+
+if want qwen35; then  # the Qwen3.5-4B-sized hybrid step (RESULTS.md "Qwen3.5: a hybrid ... step"), DeltaNet new vs old
+  Q35D_NUM_SAMPLES=${Q35D_NUM_SAMPLES:-4} Q35D_MIN_TOKENS=${Q35D_MIN_TOKENS:-12288} Q35D_MAX_TOKENS=${Q35D_MAX_TOKENS:-16384}
+  Q35D_CYCLES=${Q35D_CYCLES:-2}
+  step qwen35 "${Q35D_CAP:-420}" Q35D "$MQ35D" --paths ${Q35D_PATHS:-fused fused@$GDN_OLD} ${Q35D_EXTRA:-} --lr 0 \
+    --max-tokens-per-gpu "${Q35D_TOKENS_PER_GPU:-8192}" \
+    --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
+fi
+
 if want qwen35moe; then  # a Qwen3.5-MoE-shaped hybrid step: DeltaNet layers and 256 experts (4 layers fit one H200)
   Q35_NUM_SAMPLES=${Q35_NUM_SAMPLES:-4} Q35_MIN_TOKENS=${Q35_MIN_TOKENS:-6144} Q35_MAX_TOKENS=${Q35_MAX_TOKENS:-8192}
   Q35_CYCLES=${Q35_CYCLES:-2}
-  step qwen35moe "${Q35_CAP:-240}" Q35 "$MQ35" --paths ${Q35_PATHS:-grouped sequential} ${Q35_EXTRA:-} --lr 0 --moe-grouped-gemm \
+  step qwen35moe "${Q35_CAP:-300}" Q35 "$MQ35" --paths ${Q35_PATHS:-grouped grouped@$GDN_OLD} ${Q35_EXTRA:-} --lr 0 --moe-grouped-gemm \
     --max-tokens-per-gpu "${Q35_TOKENS_PER_GPU:-8192}" --moe-token-dispatcher-type alltoall --moe-router-dtype fp32 \
     --use-distributed-optimizer --fused-kernels "${Q35_KERNELS:-eager}"
 fi

@@ -257,3 +257,14 @@ def test_step_command_reports_an_out_of_memory_cycle(tmp_path):
     assert "FIT step tiny" in proc.stdout and "then OOM in the timed cycle of the new path" in proc.stdout
     assert [c["kind"] for c in report["cycles"]] == ["warmup", "warmup"]
     assert report["summary"]["failure"].startswith("OOM in the timed cycle of the new path at benchmarks/bench_step_gpu.py:")
+
+
+def test_a_path_may_name_the_deltanet_kernel(bench):
+    opts, _ = bench.parse_step(["--paths", "fused", "fused@compiled", "grouped@fla-dqkwg"])
+    assert opts.paths == ("fused", "fused@compiled", "grouped@fla-dqkwg")
+    for bad in ("fused@triton", "fast", "fused@"):
+        with pytest.raises(SystemExit):
+            bench.parse_step(["--paths", bad])
+    summary = _summary()
+    summary["paths"] = {"new": summary["paths"]["new"], "new@compiled": {**summary["paths"]["new"], "step_s": 6.0}}
+    assert "new/new@compiled speed = 3.00x" in bench.summary_lines(summary)[0]

@@ -11,7 +11,7 @@ import torch
 from slime.models import fla_backend
 from slime.models import gated_delta_rule as gdr
 
-SHAPE = dict(key_heads=2, value_heads=4, dim_k=8, dim_v=8, chunk_size=16, device=torch.device("cpu"))
+SHAPE = dict(key_heads=2, value_heads=4, dim_k=8, dim_v=8, chunk_size=16, device=torch.device("cpu"), tokens=40)
 FP32 = (torch.float32,) * 4
 
 

@@ -106,11 +106,12 @@ Rule = Callable[..., tuple[Tensor, Tensor]]
 
 
 def agreement(fla_rule: Rule, reference: Rule, *, key_heads: int, value_heads: int, dim_k: int, dim_v: int,
-              dtypes: tuple[torch.dtype, ...], chunk_size: int, device: torch.device) -> Agreement:
-    """Run `fla_rule` and `reference` (both chunk_gated_delta_rule's signature, key heads not repeated) on two packed
-    sequences (a partial chunk, one shorter than a chunk) of this head shape; q/k, v, g, beta in `dtypes`."""
+              dtypes: tuple[torch.dtype, ...], chunk_size: int, device: torch.device, tokens: int) -> Agreement:
+    """Run `fla_rule` and `reference` (both chunk_gated_delta_rule's signature, key heads not repeated) on about
+    `tokens` tokens of this head shape packed as three sequences (partial chunks, one shorter than a chunk);
+    q/k, v, g, beta in `dtypes`. fla tunes its kernels on their first call, so `tokens` should be a training size."""
     q_dtype, v_dtype, g_dtype, beta_dtype = dtypes
-    lengths = (2 * chunk_size + 9, chunk_size - 5)
+    lengths = (tokens // 2 + 9, tokens // 2 - 5, chunk_size - 3)
     total = sum(lengths)
     gen = torch.Generator(device=device).manual_seed(1234)
 
@@ -126,7 +127,7 @@ def agreement(fla_rule: Rule, reference: Rule, *, key_heads: int, value_heads: i
               "g": (-torch.nn.functional.softplus(randn(1, total, value_heads) - 2.0)).to(g_dtype),
               "beta": randn(1, total, value_heads).sigmoid().to(beta_dtype),
               "initial_state": randn(len(lengths), value_heads, dim_k, dim_v) * 0.1}
-    cu_seqlens = torch.tensor([0, lengths[0], total], dtype=torch.int32)  # on the host: no device sync
+    cu_seqlens = torch.tensor([0, lengths[0], lengths[0] + lengths[1], total], dtype=torch.int32)  # host: no sync
     d_out, d_final = randn(1, total, value_heads, dim_v), randn(len(lengths), value_heads, dim_k, dim_v)
 
     def run(rule: Rule, widen: bool) -> dict[str, Tensor]:

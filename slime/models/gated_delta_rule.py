@@ -44,6 +44,8 @@ KERNEL_ENV = "SLIME_GDN_KERNEL"
 # Set by tests and benchmarks to force an implementation in this process (takes precedence over the env var).
 KERNEL_OVERRIDE: str | None = None
 FLA_CHUNK_SIZES = (16, 32, 64)
+# fla-dqkwg's first-use check runs this many tokens (fla tunes its kernels on that first call; ~1 GiB transient)
+CHECK_TOKENS = 2048
 # fla 0.6 refuses (RuntimeError in backward) the gated chunk_bwd_dqkwg on Hopper with Triton in this range.
 _BAD_TRITON_ON_HOPPER = ((3, 4, 0), (3, 7, 1))
 
@@ -418,7 +420,8 @@ def _choice_for(device_type: str, device_index: int | None, requested: str) -> K
     choice = choose_kernel(device_type=device_type, capability=capability, triton_version=triton_version,
                            fla_available=device_type == "cuda" and _installed("fla"),
                            tilelang_available=_installed("tilelang"), requested=requested)
-    log = logger.warning if choice.name == "compiled" and requested == "auto" else logger.info
+    # fallbacks and substitutions reach the ranks' output (WARNING); the plain choices are INFO
+    log = logger.warning if choice.name in ("compiled", "fla-dqkwg") and requested == "auto" else logger.info
     log("gated delta rule on %s: %s (%s)", device_type, choice.name, choice.reason)
     return choice
 
@@ -480,7 +483,7 @@ def _fla_dqkwg_refusal(device: torch.device, key_heads: int, value_heads: int, d
     shape = f"{key_heads} key / {value_heads} value heads of {dim_k} / {dim_v}, {', '.join(map(str, dtypes))}"
     try:
         result = fla_backend.agreement(_fla_rule, _reference_rule, key_heads=key_heads, value_heads=value_heads,
-                                       dim_k=dim_k, dim_v=dim_v, dtypes=dtypes, device=device,
+                                       dim_k=dim_k, dim_v=dim_v, dtypes=dtypes, device=device, tokens=CHECK_TOKENS,
                                        chunk_size=chunk_size if chunk_size in FLA_CHUNK_SIZES else 64)
     except Exception as err:  # noqa: BLE001 - fla that cannot run here leaves the compiled rule, said once
         reason = f"fla's path failed its first-use check ({type(err).__name__}: {str(err).splitlines()[0][:200]})"
