@@ -118,13 +118,19 @@ def wide(x: Tensor) -> Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
+_half_into_fp32 = [True]  # cleared if this torch's CUDA bmm refuses out_dtype (then operands are widened)
+
+
 def matmul_fp32(a: Tensor, b: Tensor) -> Tensor:
     """a @ b (batched alike) in fp32 at least: 16-bit CUDA operands straight into an fp32 result (no upcast
     copies), anything else widened first."""
-    if a.dtype in _HALF and a.dtype == b.dtype and a.is_cuda:
+    if a.dtype in _HALF and a.dtype == b.dtype and a.is_cuda and _half_into_fp32[0]:
         batch = a.shape[:-2]
-        product = torch.bmm(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]), out_dtype=torch.float32)
-        return product.view(*batch, *product.shape[-2:])
+        try:
+            product = torch.bmm(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]), out_dtype=torch.float32)
+            return product.view(*batch, *product.shape[-2:])
+        except (RuntimeError, TypeError, NotImplementedError):
+            _half_into_fp32[0] = False
     return torch.matmul(wide(a), wide(b))
 
 

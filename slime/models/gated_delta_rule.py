@@ -342,8 +342,10 @@ def recurrent_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta:
 class KernelChoice:
     """The implementation `chunk_gated_delta_rule` runs, and why (logged once)."""
 
-    name: str    # "torch" (eager chunked rule), "compiled" (the same, torch.compile'd), "fla" or "fla-dqkwg"
-    reason: str  # (fla's kernels with the project's chunk_bwd_dqkwg)
+    # "torch" (eager chunked rule), "compiled" (the same, torch.compile'd), "fla" or "fla-dqkwg" (fla's kernels
+    # with the project's chunk_bwd_dqkwg)
+    name: str
+    reason: str
 
 
 def _version_tuple(version: str) -> tuple[int, int, int]:
