@@ -28,6 +28,7 @@ Value head j reads key head j // (HV / H); dq and dk are summed over the value h
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -106,11 +107,13 @@ def to_chunks(x: Tensor, grid: ChunkGrid, *, zero_padding: bool = False) -> Tens
 
 def from_chunks(chunks: Tensor, grid: ChunkGrid, like: Tensor, dtype: torch.dtype) -> Tensor:
     """[num_chunks, heads, C, ...] -> [B, T, heads, ...] shaped like `like`'s first two dimensions, in `dtype`."""
-    flat = chunks.transpose(1, 2).to(dtype).reshape(grid.num_chunks * grid.chunk_size, *chunks.shape[1:2],
-                                                     *chunks.shape[3:])
+    num, heads, size, *rest = chunks.shape
+    flat = torch.empty(num, size, heads, *rest, dtype=dtype, device=chunks.device)
+    flat.copy_(chunks.transpose(1, 2))  # one pass: transposed and cast
+    flat = flat.view(num * size, heads, *rest)
     if not grid.aligned:
         flat = flat.index_select(0, grid.slot)
-    return flat.view(*like.shape[:2], *flat.shape[1:])
+    return flat.view(*like.shape[:2], heads, *rest)
 
 
 def wide(x: Tensor) -> Tensor:
@@ -157,37 +160,42 @@ def chunk_bwd_dqkwg(q: Tensor, k: Tensor, v: Tensor, do: Tensor, h: Tensor, dh: 
     q_c, k_c = to_chunks(q, grid), to_chunks(k, grid)                                   # [n, H, C, K]
     v_c, do_c = to_chunks(v, grid, zero_padding=True), to_chunks(do, grid, zero_padding=True)  # [n, HV, C, V]
     gate = to_chunks(wide(g).unsqueeze(-1), grid).squeeze(-1)                          # [n, HV, C]
-    state, state_grad = (x.reshape(n, value_heads, *x.shape[-2:]) for x in (h, dh))
+    flat_state, flat_state_grad = (x.reshape(n, value_heads, *x.shape[-2:]) for x in (h, dh))
+    state, state_grad = flat_state, flat_state_grad
     if not state_v_first:  # [K, V] -> the [V, K] the products below take
         state, state_grad = state.transpose(-1, -2), state_grad.transpose(-1, -2)
 
     to_end = torch.exp2(gate[..., -1:] - gate)  # e^{G_C - G_t}; padding slots repeat the last token's gate
     causal = torch.ones(size, size, dtype=torch.bool, device=k.device).tril()
-    decay = torch.exp2((gate[..., :, None] - gate[..., None, :]).masked_fill(~causal, float("-inf")))
+    # scale e^{G_t - G_s} for s <= t (the scale folded into the exponent)
+    decay = torch.exp2((gate[..., :, None] - gate[..., None, :] + math.log2(scale)).masked_fill(~causal, -math.inf))
 
-    dq_heads = matmul_fp32(do_c, state) * (torch.exp2(gate) * scale)[..., None]        # [n, HV, C, K]
-    dk_heads = matmul_fp32(v_c, state_grad) * to_end[..., None]
-    ds = matmul_fp32(do_c, v_c.transpose(-1, -2)) * decay * scale                       # [n, HV, C, C]
+    dq_heads = matmul_fp32(do_c, state).mul_((torch.exp2(gate) * scale)[..., None])   # [n, HV, C, K]
+    dk_heads = matmul_fp32(v_c, state_grad).mul_(to_end[..., None])
+    ds = matmul_fp32(do_c, v_c.transpose(-1, -2)).mul_(decay)                           # [n, HV, C, C]
     scores = matmul_fp32(q_c, k_c.transpose(-1, -2))                                    # [n, H, C, C]
 
     def grouped(x: Tensor) -> Tensor:  # [n, HV, ...] -> [n, H, HV / H, ...]
         return x.view(n, heads, group, *x.shape[2:])
 
+    def per_key_head(x: Tensor) -> Tensor:  # summed over the value heads of each key head
+        return x if group == 1 else grouped(x).sum(2)
+
     q_dot = (grouped(dq_heads) * q_c.unsqueeze(2)).sum(-1)                              # [n, H, r, C]
     k_dot = (grouped(dk_heads) * k_c.unsqueeze(2)).sum(-1)
     weighted = grouped(ds) * scores.unsqueeze(2)                                        # [n, H, r, C, C]
     d_gate = (q_dot - k_dot + weighted.sum(-1) - weighted.sum(-2)).reshape(n, value_heads, size)
-    flat_states = state.reshape(n * value_heads, 1, -1)
-    state_dot = matmul_fp32(flat_states, state_grad.reshape(n * value_heads, -1, 1)).view(n, value_heads)
+    state_dot = matmul_fp32(flat_state.reshape(n * value_heads, 1, -1),  # <h, dh>: any layout, no copies
+                            flat_state_grad.reshape(n * value_heads, -1, 1)).view(n, value_heads)
     last = torch.exp2(gate[..., -1]) * state_dot + k_dot.sum(-1).reshape(n, value_heads)
     last_position = (torch.full((n,), size - 1, device=k.device) if grid.aligned else grid.last)
     d_gate = d_gate.scatter_add(2, last_position.view(n, 1, 1).expand(n, value_heads, 1), last[..., None])
 
-    ds_keys = grouped(ds).sum(2)                                                         # [n, H, C, C]
-    dq = grouped(dq_heads).sum(2) + torch.matmul(ds_keys, wide(k_c))
-    dk = grouped(dk_heads).sum(2) + torch.matmul(ds_keys.transpose(-1, -2), wide(q_c))
+    ds_keys = per_key_head(ds).to(k_c.dtype)  # [n, H, C, C], in the inputs' precision as fla's kernel has it
+    dq = per_key_head(dq_heads).add_(matmul_fp32(ds_keys, k_c))
+    dk = per_key_head(dk_heads).add_(matmul_fp32(ds_keys.transpose(-1, -2), q_c))
     dw = None
     if w is not None:
-        dw = from_chunks(-matmul_fp32(to_chunks(dv, grid), state), grid, w, w.dtype)
+        dw = from_chunks(matmul_fp32(to_chunks(dv, grid), state), grid, w, w.dtype).neg_()
     d_gate = from_chunks(d_gate.unsqueeze(-1), grid, g, wide(g).dtype).squeeze(-1)
     return from_chunks(dq, grid, q, q.dtype), from_chunks(dk, grid, k, k.dtype), dw, d_gate
