@@ -235,7 +235,7 @@ def test_step_command_runs_both_paths_on_cp2_with_audit_and_profile(tmp_path):
     assert all(math.isfinite(c["loss"]) and c["grad_norm"] > 0 and c["tflops_per_gpu"] > 0 for c in cycles)
     in_use = {c["path"]: c["in_use"] for c in cycles}
     on_cpu = {"fused_kernels": "eager", "adam": "default", "moe_identity_sort_skipped": True,
-              "batched_optimizer_copies": True, "permute_without_host_sync": True}
+              "batched_optimizer_copies": True, "permute_without_host_sync": True, "gated_deltanet_kernel": "auto"}
     assert in_use == {"new": {"thd_rope": "patched", "kernels": ["causal"], **on_cpu},
                       "old": {"thd_rope": "megatron", "kernels": ["masked"], **on_cpu}}
     # lr 0: the weights never change, so the two paths must compute the same step
