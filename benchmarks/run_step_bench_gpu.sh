@@ -149,7 +149,7 @@ if want glm; then  # GLM-4.7-Flash-shaped MoE step (8 layers: MLA, 64 experts to
 fi
 
 # the gated DeltaNet kernel alone (no megatron): fla-dqkwg vs the compiled rule, every gradient against fp64
-want gdn && run gdn "${GDN_CAP:-400}" "$PY" benchmarks/bench_gated_delta_gpu.py "${GDN[@]}" --budget-s "${GDN_BUDGET_S:-300}" \
+want gdn && run gdn "${GDN_CAP:-400}" "$PY" benchmarks/bench_gated_delta_gpu.py ${GDN[@]+"${GDN[@]}"} --budget-s "${GDN_BUDGET_S:-300}" \
   ${GDN_JOBS:+--jobs $GDN_JOBS}
 
 if want qwen35; then  # the Qwen3.5-4B-sized hybrid step (RESULTS.md "Qwen3.5: a hybrid ... step"), DeltaNet new vs old
