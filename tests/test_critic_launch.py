@@ -1,5 +1,5 @@
-"""The critic's flags and checkpoint, checked before Ray starts (--advantage-estimator ppo): a critic source is
-required and named, a critic checkpoint of another architecture than the actor's is refused naming what differs,
+"""The critic's flags and checkpoint, checked before Ray starts (--advantage-estimator ppo): the critic starts from
+--hf-checkpoint unless a critic flag or a saved critic says otherwise, a critic checkpoint of another architecture than the actor's is refused naming what differs,
 and critic flags without ppo, a critic GPU count below one or a KL reward term are refused (the critic's own layout:
 test_megatron_config.py)."""
 from __future__ import annotations
@@ -26,20 +26,29 @@ def _checkpoint(path, **config) -> str:
 
 
 def _ppo(tmp_path, *flags):
+    tmp_path.mkdir(exist_ok=True)
     (tmp_path / "prompts.jsonl").write_text('{"input": "1"}\n')
     return [*BASE, "--hf-checkpoint", _checkpoint(tmp_path / "actor", **QWEN3), "--advantage-estimator", "ppo",
             "--prompt-data", str(tmp_path / "prompts.jsonl"), *flags]
 
 
-def test_ppo_without_a_critic_source_names_critic_load(tmp_path, capsys):
-    err = parse_error(_ppo(tmp_path), capsys)
-    assert "pass --critic-load DIR" in err
+def test_ppo_without_a_critic_flag_starts_the_critic_from_the_hf_checkpoint(tmp_path):
+    """Upstream's critic inherits the run's checkpoint flags: with only --hf-checkpoint it starts from it."""
+    args = parse_quiet(_ppo(tmp_path))
+    check_launch_inputs(args)
+    assert args.critic_load == args.hf_checkpoint == critic_args(args).critic_load
+    assert "critic starts from the run's checkpoint" in args.derived_values["critic_load"]
+    assert critic_args(args).load is None  # loaded from HF, not resumed
+    argv = [*_ppo(tmp_path / "first"), "--load", str(tmp_path / "run"), "--save", str(tmp_path / "run")]
+    first = parse_quiet(argv)
+    assert first.critic_load == first.hf_checkpoint  # a job's first run: nothing saved yet
 
 
-def test_a_load_without_a_critic_checkpoint_names_critic_load(tmp_path):
-    args = parse_quiet(_ppo(tmp_path, "--load", str(tmp_path / "run")))
-    with pytest.raises(ArgumentValidationError, match="holds no critic checkpoint .*pass --critic-load"):
-        check_launch_inputs(args)
+def test_a_load_with_the_actors_checkpoint_but_no_critic_names_critic_load(tmp_path, capsys):
+    (tmp_path / "run" / "iter_0000003").mkdir(parents=True)
+    (tmp_path / "run" / "latest_checkpointed_iteration.txt").write_text("3")
+    err = parse_error(_ppo(tmp_path, "--load", str(tmp_path / "run")), capsys)
+    assert "holds the actor's checkpoint but no critic checkpoint (critic/)" in err and "pass --critic-load" in err
 
 
 @pytest.mark.parametrize("change, says", [
@@ -68,8 +77,10 @@ def test_a_critic_of_the_actors_architecture_passes_and_gets_its_own_flags(tmp_p
 
 
 def test_a_saved_critic_under_load_is_resumed(tmp_path):
-    (tmp_path / "run" / "critic").mkdir(parents=True)
-    (tmp_path / "run" / "critic" / "latest_checkpointed_iteration.txt").write_text("3")
+    (tmp_path / "run" / "critic" / "iter_0000003").mkdir(parents=True)
+    (tmp_path / "run" / "iter_0000003").mkdir(parents=True)
+    for root in (tmp_path / "run", tmp_path / "run" / "critic"):
+        (root / "latest_checkpointed_iteration.txt").write_text("3")
     args = parse_quiet(_ppo(tmp_path, "--load", str(tmp_path / "run")))
     check_launch_inputs(args)
     assert critic_args(args).load == str(tmp_path / "run" / "critic")

@@ -140,7 +140,6 @@ def test_upstream_example_script_flags_parse(tmp_path):
 
 
 REFUSED_CASES = [
-    (["--advantage-estimator", "ppo"], "--advantage-estimator ppo trains a critic: pass --critic-load DIR"),
     (["--num-experts", "6", "--expert-model-parallel-size", "4", "--actor-num-gpus-per-node", "4"],
      "--expert-model-parallel-size 4 does not divide --num-experts 6; use a divisor of 6"),
     (["--expert-model-parallel-size", "2"], "is not divisible by --expert-model-parallel-size 2"),
@@ -198,10 +197,31 @@ def test_help_marks_refused_no_effect_and_required_flags_and_names_the_tools():
     for entry in arguments.NOT_IMPLEMENTED_FLAGS:
         assert f"[no effect: {entry.reason}]" in line(entry.flag), entry.flag
     assert "[required]" in line("--hf-checkpoint") and "[required]" in line("--rollout-batch-size")
+    assert "[required with the default data source and rollout function]" in line("--prompt-data")
+    assert "[required: this or --num-epoch]" in line("--num-rollout")
     assert "[refused: some values]" in line("--optimizer")
     assert "[refused" not in line("--advantage-estimator") and "ppo" in line("--advantage-estimator")
     assert "[" not in line("--fence-timeout").split("--fence-timeout", 1)[1]  # an ordinary flag has no mark
     assert "python -m slime.distributed.hang_report" in flat and "python -m slime.distributed.order_proof" in flat
+
+
+def test_help_says_each_registry_reason_once():
+    parser = build_parser()
+
+    def squeezed(text):  # argparse wraps lines at spaces and hyphens
+        return "".join(text.split())
+
+    reasons = [(e.flag, e.reason) for e in (*arguments.REFUSED_FLAGS, *arguments.NOT_IMPLEMENTED_FLAGS)]
+    for flag, reason in [*reasons, *arguments.ALWAYS_HONOURED_FLAGS.items()]:
+        shown = parser._get_formatter()._format_action(parser._option_string_actions[flag])
+        assert squeezed(shown).count(squeezed(reason)) == 1, shown
+
+
+def test_the_help_footer_names_groups_that_exist():
+    parser = build_parser()
+    groups = {group.title for group in parser._action_groups}
+    named = re.findall(r'"([^"]+)"', " ".join(parser.epilog.split()))
+    assert named and set(named) <= groups, (named, groups)
 
 
 def test_unknown_flag_is_answered_with_the_closest_known_ones(capsys):

@@ -35,6 +35,20 @@ def test_a_hook_that_does_not_resolve_to_a_callable_is_refused_at_parse_time(pat
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize("path, says", [
+    ("examples.search_r1.generate_with_search.generate",
+     "examples.* is a package of upstream slime's tree, importable when upstream's root is on the import path (its "
+     "launchers run python from there): run with PYTHONPATH=/path/to/upstream/slime"),
+    ("slime_plugins.rollout_buffer.generator.run", "run with PYTHONPATH=/path/to/upstream/slime"),
+    ("my_rewards_xyz.reward", "not in the directory train.py is run from: add the directory that holds it to "
+                              "PYTHONPATH"),
+    ("slime.rollout.rm_hub.no_such.reward", "this project's slime package, which replaces upstream's, has no such"),
+])
+def test_a_hook_module_off_the_import_path_says_where_python_looks(path, says, capsys):
+    err = parse_error([*BASE, "--custom-rm-path", path], capsys)
+    assert f"--custom-rm-path: cannot find the module of {path!r}" in err and says in err
+
+
 @pytest.mark.parametrize("flags, says", [
     (["--rollout-num-gpus-per-engine", "8"], "an engine of --rollout-num-gpus-per-engine 8 GPUs does not fit within "
                                              "one node's 4"),
@@ -333,3 +347,90 @@ def test_an_actor_ray_cancelled_before_it_ran_is_started_again(deaths, started, 
         with pytest.raises(Exception, match="RolloutManager"):
             retry_if_cancelled_before_start(start, "the rollout manager", pauses)
     assert len(calls) == started
+
+
+# ---------------------------------------------------------------- what --load and --num-rollout ask for, before Ray
+
+
+@pytest.mark.parametrize("count", ["0", "-1"])
+def test_a_run_of_no_rollouts_is_refused_before_ray(count, capsys):
+    err = parse_error([*BASE[:2], "--num-rollout", count, *BASE[4:]], capsys)
+    assert f"--num-rollout {count} runs no rollout" in err and "pass a positive count" in err
+
+
+def _saved(root, iteration=None, tracker=None, dirs=()):
+    root.mkdir(parents=True, exist_ok=True)
+    for name in dirs:
+        (root / name).mkdir()
+    if tracker is not None:
+        (root / "latest_checkpointed_iteration.txt").write_text(tracker)
+    return str(root)
+
+
+@pytest.mark.parametrize("layout, says", [
+    (None, "does not exist: a run resumes only from a checkpoint. To start fresh, drop --load"),
+    (dict(), "holds no checkpoint (no latest_checkpointed_iteration.txt)"),
+    (dict(dirs=["iter_0000004"]), "holds iter_0000004 but no latest_checkpointed_iteration.txt"),
+    (dict(tracker="4"), "names iteration 4, but iter_0000004 is missing"),
+    (dict(tracker="", dirs=["iter_0000004"]), "latest_checkpointed_iteration.txt holds ''"),
+])
+def test_a_load_without_a_checkpoint_is_refused_before_ray(layout, says, tmp_path, capsys):
+    path = tmp_path / "run" if layout is None else _saved(tmp_path / "run", **layout)
+    err = parse_error([*BASE, "--load", str(path), "--save", str(tmp_path / "elsewhere")], capsys)
+    assert f"--load {tmp_path / 'run'}" in err and says in err
+
+
+def test_a_load_holding_hf_weights_names_hf_checkpoint(tmp_path, capsys):
+    hf = _hf_dir(tmp_path, ["config.json", "tokenizer.json"])
+    err = parse_error([*BASE, "--load", hf], capsys)
+    assert f"--load {hf} is a Hugging Face checkpoint" in err and f"pass --hf-checkpoint {hf}" in err
+
+
+def test_a_jobs_first_run_with_load_and_save_one_directory_starts_fresh(tmp_path, caplog):
+    """Upstream's launchers pass --load and --save the same directory: the first run finds nothing there yet."""
+    for run in (tmp_path / "new", _saved(tmp_path / "empty")):
+        with caplog.at_level(logging.INFO, logger="slime.config.checks.load"):
+            args = parse_quiet([*BASE, "--load", str(run), "--save", f"{run}/"])
+        assert args.load == str(run) and "holds no checkpoint yet: this run starts from --hf-checkpoint" in caplog.text
+    resumed = _saved(tmp_path / "resumed", tracker="2", dirs=["iter_0000002"])
+    assert parse_quiet([*BASE, "--load", resumed]).load == resumed
+    with pytest.raises(SystemExit):
+        parse_quiet([*BASE, "--load", str(tmp_path / "new"), "--save", str(tmp_path / "new"), "--finetune"])
+
+
+# ---------------------------------------------------------------- upstream's model flags checked against the config
+
+
+LLAMA3 = dict(QWEN3, model_type="llama", rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                                          high_freq_factor=4.0, original_max_position_embeddings=8192))
+
+
+@pytest.mark.parametrize("config", [LLAMA3, dict(QWEN3, model_type="llama", rope_parameters=dict(
+    type="llama3", factor=8.0, rope_theta=500000.0))], ids=["rope_scaling", "rope_parameters"])
+def test_use_rope_scaling_is_accepted_on_a_llama3_rope_config(config, tmp_path):
+    args = parse_quiet([*BASE, "--hf-checkpoint", _checkpoint(tmp_path, **config), "--use-rope-scaling",
+                        "--rotary-scaling-factor", "8.0"])
+    assert args.use_rope_scaling
+
+
+@pytest.mark.parametrize("config, flags, says", [
+    (dict(QWEN3, model_type="llama"), [], "asks for Llama-3 RoPE scaling, but"),
+    (dict(QWEN3, model_type="llama", rope_scaling=dict(rope_type="yarn", factor=4.0)), [], "has rope type 'yarn'"),
+    (LLAMA3, ["--rotary-scaling-factor", "4"], "--rotary-scaling-factor 4 contradicts"),
+])
+def test_use_rope_scaling_is_refused_where_the_config_has_no_llama3_rope(config, flags, says, tmp_path, capsys):
+    err = parse_error([*BASE, "--hf-checkpoint", _checkpoint(tmp_path, **config), "--use-rope-scaling", *flags],
+                      capsys)
+    assert says in err
+
+
+def test_freeze_indexer_asks_for_what_the_builder_does_and_is_refused_where_it_cannot(tmp_path, capsys):
+    err = parse_error([*BASE, "--hf-checkpoint", _checkpoint(tmp_path, **QWEN3), "--freeze-indexer"], capsys)
+    assert "--freeze-indexer: " in err and "has no DeepSeek sparse attention indexer (index_topk) to freeze" in err
+    dsa = {"index_topk": 8}
+    from slime.config.checks.linear_attention import check_frozen_indexer
+
+    frozen = defaults_namespace(freeze_indexer=True)
+    check_frozen_indexer(frozen, dsa, "config.json")  # GLM-5's indexer is frozen unless its loss trains it
+    with pytest.raises(ArgumentValidationError, match="--freeze-indexer contradicts --dsa-indexer-loss-coeff 0.1"):
+        check_frozen_indexer(defaults_namespace(freeze_indexer=True, dsa_indexer_loss_coeff=0.1), dsa, "config.json")

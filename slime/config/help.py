@@ -15,18 +15,29 @@ from slime.config.registries import active_not_implemented_flags, refusal_messag
 
 
 HELP_EPILOG = """\
-This project's own flags (hang-proof step) are in the groups "fencing (this project)" and "rollout faults":
---fence-timeout, --ledger-dir, --ledger-record-sequence, --distributed-timeout-minutes, --use-fault-tolerance.
+This project's own flags (hang-proof step) are in the groups "fencing (this project)" and "rollout deadlines and
+fault tolerance": --fence-timeout, --ledger-dir, --ledger-record-sequence, --rollout-timeout,
+--use-fault-tolerance; --distributed-timeout-minutes (group "cluster") is derived from --fence-timeout.
 Where every rank is in a running or stopped job: python -m slime.distributed.hang_report LEDGER_DIR
 Whether every rank ran the same collectives in the same order: python -m slime.distributed.order_proof LEDGER_DIR
 Marks: [required] must be given; [refused] stops at parse time with the reason; [no effect] accepted with a
 warning, changes nothing; [always on] asks for what this project always does."""
 
 
+# Flags a run needs in some cases only (parse_args names them when missing): their mark says when.
+REQUIRED_WHEN: dict[str, str] = {
+    "--prompt-data": "[required with the default data source and rollout function] ",
+    "--num-rollout": "[required: this or --num-epoch] ",
+    "--num-epoch": "[required: this or --num-rollout] ",
+}
+
+
 def registry_mark(flag: str) -> str:
     """How a flag's help line starts: what the registries say of it ('' for an ordinary flag)."""
     if flag in REQUIRED_FLAGS:
         return "[required] "
+    if flag in REQUIRED_WHEN:
+        return REQUIRED_WHEN[flag]
     for entry in registries.REFUSED_FLAGS:
         if entry.flag == flag:
             return "[refused: some values] " if entry.is_active else f"[refused: {entry.reason}] "

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 from slime.config.checks.linear_attention import check_linear_attention
 from slime.config.checks.lora import check_lora_against_config
-from slime.config.checks.model import check_pipeline_layers
+from slime.config.checks.model import check_pipeline_layers, check_rope_scaling
 from slime.config.constants import DEFAULT_DATA_SOURCE_PATH, DEFAULT_ROLLOUT_FUNCTION_PATH
 from slime.config.critic_role import critic_resume_dir
 from slime.config.errors import fail, flag_name, require_path
@@ -160,6 +160,7 @@ def check_hf_config(args: argparse.Namespace, config_path: str) -> None:
     _check_expert_split(args, config, config_path)
     check_lora_against_config(args, config, config_path)
     check_linear_attention(args, config, config_path)
+    check_rope_scaling(args, config, config_path)
     layers, pp = config.get("num_hidden_layers"), args.pipeline_model_parallel_size
     if args.num_layers is None and isinstance(layers, int) and pp > 1:
         args.num_layers = layers

@@ -147,8 +147,6 @@ REFUSED_FLAGS: tuple[NotImplementedFlag, ...] = (
     NotImplementedFlag(flag="--opsm-delta", reason="off-policy sequence masking is not implemented"),
     NotImplementedFlag(flag="--reset-optimizer-states", reason="resetting optimizer state per rollout is not implemented"),
     NotImplementedFlag(flag="--use-stateless-adam", reason="stateless Adam is not implemented"),
-    *(NotImplementedFlag(flag=f, reason="the dense builder has no such layers (Qwen3 / Qwen2 / Llama only)")
-      for f in ("--freeze-indexer",)),
     *(NotImplementedFlag(flag=f, reason="FP8 training needs TransformerEngine's FP8 layers, which this model builder "
                                         "does not use; drop it to train in bf16 (--bf16) or fp32")
       for f in ("--fp8-format", "--fp8-recipe")),
@@ -259,15 +257,3 @@ def resolve_train_device(args: argparse.Namespace) -> str:
     import torch  # deferred: --help and pure parsing should not pay for torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def registry_help(flag: str) -> str:
-    for entry in REFUSED_FLAGS:
-        if entry.flag == flag:
-            return f"upstream's flag; refused here: {entry.reason}"
-    for entry in NOT_IMPLEMENTED_FLAGS:
-        if entry.flag == flag:
-            return f"upstream's flag; no effect here (warned): {entry.reason}"
-    if flag in ALWAYS_HONOURED_FLAGS:
-        return f"upstream's flag; always true here: {ALWAYS_HONOURED_FLAGS[flag]}"
-    return "upstream's flag (its registry entry says what it does here)"  # registries replaced (tests)

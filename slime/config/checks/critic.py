@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from slime.config.errors import fail
+from slime.checkpoint.contents import latest_iteration
+from slime.config.critic_role import critic_resume_dir
+from slime.config.errors import derive, fail
 
 CRITIC_ONLY_FLAGS = ("critic_load", "critic_save", "critic_lr", "critic_lr_warmup_iters", "critic_num_nodes",
                      "critic_num_gpus_per_node")
@@ -19,9 +21,7 @@ def check_critic(args: argparse.Namespace) -> None:
             fail(f"{', '.join(used)} configure the critic, which only --advantage-estimator ppo trains; drop them "
                  "or pass --advantage-estimator ppo")
         return
-    if args.critic_load is None and args.load is None:
-        fail("--advantage-estimator ppo trains a critic: pass --critic-load DIR (an HF checkpoint of the actor's "
-             "architecture, e.g. the --hf-checkpoint itself, or a critic checkpoint saved by a ppo run)")
+    resolve_critic_start(args)
     for flag, count in (("--critic-num-nodes", args.critic_num_nodes),
                         ("--critic-num-gpus-per-node", args.critic_num_gpus_per_node)):
         if count is not None and count <= 0:
@@ -41,3 +41,19 @@ def check_critic(args: argparse.Namespace) -> None:
     if args.num_rollout is not None and args.num_critic_only_steps >= args.num_rollout:
         fail(f"--num-critic-only-steps {args.num_critic_only_steps} leaves no rollout of --num-rollout "
              f"{args.num_rollout} to train the actor")
+
+
+def resolve_critic_start(args: argparse.Namespace) -> None:
+    """Where the critic's weights come from when no critic flag says: as upstream's critic, which inherits the run's
+    checkpoint flags, it starts from the shared checkpoint, --hf-checkpoint (with a zero value head). A critic
+    checkpoint under --load (or --critic-load) is resumed instead (critic_role.critic_resume_dir)."""
+    if args.critic_load is not None or critic_resume_dir(args) is not None:
+        return
+    if args.load is not None and latest_iteration(args.load) is not None:
+        fail(f"--advantage-estimator ppo: --load {args.load} holds the actor's checkpoint but no critic checkpoint "
+             "(critic/); upstream's critic would start from those actor weights, which this project does not load "
+             "into a value model: pass --critic-load DIR (an HF checkpoint of the actor's architecture, e.g. the "
+             "--hf-checkpoint itself)")
+    if args.hf_checkpoint is not None:
+        derive(args, "critic_load", args.hf_checkpoint,
+               "--hf-checkpoint: the critic starts from the run's checkpoint, as upstream's critic inherits it")

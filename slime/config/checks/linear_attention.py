@@ -44,6 +44,7 @@ def pattern_of_flag(value: str, num_layers: int) -> tuple[int, ...]:
 
 def check_linear_attention(args: argparse.Namespace, config: dict, config_path: str) -> None:
     """A hybrid checkpoint against the flags, TP and CP; the linear-attention flags refused on any other."""
+    check_frozen_indexer(args, config, config_path)
     pattern = layer_pattern(config)
     hybrid = pattern is not None and any(pattern)
     if not hybrid:
@@ -78,6 +79,19 @@ def check_linear_attention(args: argparse.Namespace, config: dict, config_path: 
             fail(f"{flag_name(dest)} {given} contradicts {config_path} ({key} = {value}); the model is built from the "
                  f"config: drop the flag or pass {flag_name(dest)} {value}")
     _check_linear_heads_split(args, config, config_path)
+
+
+def check_frozen_indexer(args: argparse.Namespace, config: dict, config_path: str) -> None:
+    """--freeze-indexer (upstream's): the indexer is frozen here unless its loss trains it, so the flag asks for
+    what the builder does; it names an indexer the checkpoint must have and contradicts the loss that trains it."""
+    if not args.freeze_indexer:
+        return
+    if not config.get("index_topk"):
+        fail(f"--freeze-indexer: {config_path} has no DeepSeek sparse attention indexer (index_topk) to freeze; "
+             "drop the flag")
+    if args.dsa_indexer_loss_coeff:
+        fail(f"--freeze-indexer contradicts --dsa-indexer-loss-coeff {args.dsa_indexer_loss_coeff} (the indexer's "
+             "loss trains it); drop one of them")
 
 
 def _check_linear_heads_split(args: argparse.Namespace, config: dict, config_path: str) -> None:

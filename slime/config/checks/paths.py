@@ -86,7 +86,7 @@ def check_hook_path(flag: str, path: str) -> None:
         fail(f"{flag}: importing the module of {path!r} failed: {import_failure(exc)}")
     if not findable:
         raise MissingPathError(f"{flag}: cannot find the module of {path!r} (expected 'pkg.module.func' or "
-                               "'file.py:func')")
+                               f"'file.py:func'); {missing_module_hint(path)}")
     try:
         hook = load_function(path)
     except AttributeError as exc:
@@ -95,6 +95,26 @@ def check_hook_path(flag: str, path: str) -> None:
         fail(f"{flag}: importing the module of {path!r} failed: {import_failure(exc)}")
     if not callable(hook):
         fail(f"{flag}: {path!r} is a value of type {type(hook).__name__}, not a function or class")
+
+
+# Top-level packages of upstream slime's tree that plug-in paths name (examples.search-r1..., slime_plugins...).
+UPSTREAM_PLUGIN_PACKAGES = ("examples", "slime_plugins")
+
+
+def missing_module_hint(path: str) -> str:
+    """What to do about a hook module that is not on the import path: a module of upstream's tree needs
+    upstream's root on PYTHONPATH (its launchers ran from there); any other, the directory that holds it."""
+    if path.endswith(".py") or ":" in path or os.sep in path:
+        return "no such file"
+    top = path.split(".", 1)[0]
+    if top == "slime":
+        return ("this project's slime package, which replaces upstream's, has no such module: check the name, or, "
+                "for a module of upstream's slime, copy its code into a module of your own")
+    if top in UPSTREAM_PLUGIN_PACKAGES:
+        return (f"{top}.* is a package of upstream slime's tree, importable when upstream's root is on the import "
+                "path (its launchers run python from there): run with PYTHONPATH=/path/to/upstream/slime")
+    return ("modules are looked up in this project's root, $PYTHONPATH and the installed packages, not in the "
+            "directory train.py is run from: add the directory that holds it to PYTHONPATH")
 
 
 def import_failure(exc: BaseException) -> str:

@@ -20,6 +20,11 @@ logger = logging.getLogger(__name__)
 def resolve_rollout_defaults(args: argparse.Namespace) -> None:
     if args.num_rollout is None and args.num_epoch is None:
         fail("set --num-rollout N (rollout steps) or --num-epoch N")
+    for flag, count in (("--num-rollout", args.num_rollout), ("--num-epoch", args.num_epoch)):
+        if count is not None and count <= 0:
+            fail(f"{flag} {count} runs no rollout: the run would start Ray, the engines and the trainer ranks, then "
+                 "stop without training; pass a positive count (upstream's eval-only run, --num-rollout 0 with "
+                 "--eval-interval, is not implemented here)")
     if args.over_sampling_batch_size is not None and args.over_sampling_batch_size < args.rollout_batch_size:
         fail(f"--over-sampling-batch-size {args.over_sampling_batch_size} must be >= --rollout-batch-size "
              f"{args.rollout_batch_size}")

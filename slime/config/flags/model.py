@@ -73,7 +73,10 @@ def add_megatron_model_arguments(parser: argparse.ArgumentParser) -> None:
                    help="gated attention output (Qwen3-Next)")
     g.add_argument("--qwen-gdn-backend", type=str, default="fla", choices=["fla", "flashqla"],
                    help="kernel of Qwen linear-attention (GDN) layers")
-    g.add_argument("--freeze-indexer", action="store_true", default=False, help="freeze DSA indexer parameters")
+    g.add_argument("--freeze-indexer", action="store_true", default=False,
+                   help="keep the DeepSeek-sparse-attention indexer (GLM-5) frozen while the rest trains: what "
+                        "happens here unless --dsa-indexer-loss-coeff trains it; refused beside that flag and on a "
+                        "checkpoint without an indexer")
     g.add_argument("--allgather-cp", action="store_true", default=False,
                    help="context-parallel attention by all-gathering K/V (what this project always does)")
     g.add_argument("--mtp-num-layers", type=int, default=None, help="multi-token-prediction layers the checkpoint carries (its num_nextn_predict_layers): built, "
@@ -191,7 +194,11 @@ def add_model_family_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--qk-pos-emb-head-dim", type=int, default=None,
                    help="MLA query/key RoPE head dimension (HF qk_rope_head_dim)")
     g.add_argument("--v-head-dim", type=int, default=None, help="MLA value head dimension (HF v_head_dim)")
-    g.add_argument("--rotary-scaling-factor", type=float, default=None, help="YaRN RoPE scaling factor (HF factor)")
+    g.add_argument("--rotary-scaling-factor", type=float, default=None,
+                   help="RoPE scaling factor (HF rope factor: YaRN's, or Llama-3's with --use-rope-scaling)")
+    g.add_argument("--use-rope-scaling", action="store_true", default=False,
+                   help="Llama-3.x RoPE scaling (Megatron's flag): read from config.json's rope parameters, so the "
+                        "flag is checked against them (rope_type llama3) and refused on any other checkpoint")
     g.add_argument("--mscale", type=float, default=None, help="YaRN attention mscale (HF mscale)")
     g.add_argument("--mscale-all-dim", type=float, default=None, help="YaRN mscale_all_dim (HF mscale_all_dim)")
     g.add_argument("--rotary-interleaved", action="store_true", default=False,

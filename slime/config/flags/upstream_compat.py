@@ -1,5 +1,5 @@
 """Upstream slime's remaining non-model flags: two implemented, the rest declared with their upstream
-keywords and a help line taken from their registry entry.
+keywords; the mark --help puts before each (help.registry_mark) says what its registry entry makes of it.
 """
 
 from __future__ import annotations
@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from slime.config.registries import registry_help
 
 
 # upstream flag -> its argparse keywords; what each does here is its registry entry (warned or refused)
@@ -43,4 +42,4 @@ def add_upstream_compat_arguments(parser: argparse.ArgumentParser) -> None:
                         "--data-source-path) supplies the prompts")
     g.add_argument("--log-interval", type=int, default=1, help="write each rank's loss line every N rollouts")
     for flag, kwargs in UPSTREAM_COMPAT_FLAGS.items():
-        g.add_argument(flag, help=registry_help(flag), **kwargs)
+        g.add_argument(flag, help="upstream slime's flag", **kwargs)

@@ -213,7 +213,7 @@ def start_line(args, *, device: str) -> str:
     rollouts = args.num_rollout  # not in run_config: the session derives it from --num-epoch once the data is read
     batch = f"{run.rollout.prompts} prompts x {run.rollout.samples_per_prompt} samples"
     return (f"starting: {', '.join(what) or 'nothing'}, {mode}, on {device}; "
-            f"{f'{rollouts} rollouts' if rollouts else 'rollouts by --num-epoch'} of {batch}")
+            f"{'rollouts by --num-epoch' if rollouts is None else f'{rollouts} rollouts'} of {batch}")
 
 
 def ray_cluster_step(console: Console):
