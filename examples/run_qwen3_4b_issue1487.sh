@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Upstream #1487's 8-GPU configuration on a cluster node with SGLang and
-# TransformerEngine installed (README, "Running on a cluster"). HF, DATA and OUT are placeholders.
+# Upstream #1487's 8-GPU configuration on a cluster node with SGLang installed (TransformerEngine is not
+# needed: the default layer spec is local; docs/cluster.md). Not yet run end to end on 8 GPUs (README,
+# "Where it has run"). HF, DATA and OUT are placeholders.
 # Model flags are Qwen3-4B's own config.json: 36 layers, hidden 2560, 32 query / 8 KV heads of 128,
 # FFN 9728, rope base 1e6, and TIED embeddings (tie_word_embeddings: true), so no
 # --untie-embeddings-and-output-weights: the model builder refuses a flag that contradicts the checkpoint.

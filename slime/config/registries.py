@@ -79,7 +79,9 @@ NOT_IMPLEMENTED_FLAGS: tuple[NotImplementedFlag, ...] = (
     *_warned("HTTP requests go directly to the router/engines", "--http-proxy", "--use-distributed-post"),
     *_warned("read only by upstream's rollout-buffer example plug-ins; nothing here uses it", "--rollout-buffer-url",
              "--fetch-trajectory-retry-times", "--min-batch-collection-ratio", "--rollout-task-type",
-             "--loss-mask-type", "--data-pad-size-multiplier"),
+             "--data-pad-size-multiplier"),
+    *_warned("upstream's SFT rollout picks a chat format's loss-mask rule with it; here the SFT loss mask follows "
+             "the tokenizer's own chat template, whatever the format (slime/utils/mask_utils.py)", "--loss-mask-type"),
     *_warned("TransformerEngine DeepGEMM forwards are not used", "--megatron-deepgemm-forward-layers",
              "--megatron-deepgemm-forward-modules", "--megatron-deepgemm-moe-forward-layers",
              "--megatron-deepgemm-moe-forward-modules"),
@@ -123,7 +125,8 @@ NOT_IMPLEMENTED_FLAGS: tuple[NotImplementedFlag, ...] = (
 # Flags that ask for what this project always does: accepted, read by nobody, and that is correct.
 ALWAYS_HONOURED_FLAGS: dict[str, str] = {
     "--swiglu": "the dense builder always builds the HF config's SwiGLU MLP",
-    "--disable-bias-linear": "the dense builder never adds linear biases (Qwen3 / Llama configs have none)",
+    "--disable-bias-linear": "linear layers get no bias beyond the q/k/v biases of the families whose HF config has "
+                             "them (Qwen2, GLM-4: what --add-qkv-bias asks for)",
     "--attention-softmax-in-fp32": "megatron-core computes the attention softmax in fp32 by default",
     "--no-masked-softmax-fusion": "fused softmax kernels are always off (they are CUDA-only)",
     "--no-bias-dropout-fusion": "bias-dropout fusion is always off",
