@@ -99,3 +99,49 @@ def test_upstream_flag_list_is_read_from_the_parser_source_text():
     flags = [line for line in lines if line.startswith("--")]
     assert re.search(r"at [0-9a-f]{40}\)", header[0]) and len(flags) == len(set(flags)) > 200
     assert render(flags, "c").splitlines()[len(header):] == flags
+
+
+LAUNCHER_FLAGS = Path(__file__).with_name("upstream_launcher_flags.txt")
+
+
+def test_every_flag_upstreams_launchers_pass_is_accepted():
+    """docs/coming-from-upstream.md's claim over upstream's own scripts/ and examples/ launchers (the list is
+    extracted from their text by slime/tools/upstream_launcher_flags.py): each flag is one of this parser's, or a
+    --sglang-* name of the supported SGLang releases' launch parser."""
+    from slime.utils.sglang_passthrough import PREFIX, SGLangArgumentError, check_known_options
+
+    lines = LAUNCHER_FLAGS.read_text().splitlines()
+    assert re.search(r"THUDM/slime at [0-9a-f]{40}$", lines[1]), lines[1]
+    listed = {line.split()[0]: line.split(" ", 1)[1] for line in lines if line.startswith("--")}
+    assert len(listed) > 200 and {"--use-rope-scaling", "--optimizer-cpu-offload", "--sglang-mem-fraction-static",
+                                  "--allgather-cp"} <= set(listed)
+    options = set(build_parser()._option_string_actions)
+    refused = []
+    for flag, where in listed.items():
+        if flag in options:
+            continue
+        try:
+            assert flag.startswith(PREFIX)
+            check_known_options([(flag, [])])
+        except (AssertionError, SGLangArgumentError):
+            refused.append(f"{flag} ({where})")
+    assert refused == [], refused
+
+
+def test_launcher_flags_are_read_from_the_train_command_and_the_arrays_it_expands(tmp_path):
+    from slime.tools.upstream_launcher_flags import launcher_flags, render
+
+    (tmp_path / "scripts" / "models").mkdir(parents=True)
+    (tmp_path / "scripts" / "models" / "m.sh").write_text(
+        "MODEL_ARGS=(\n   --num-layers $((A + B))\n   --swiglu  # trailing note\n   # --commented-out\n)\n")
+    (tmp_path / "scripts" / "run.sh").write_text(
+        'source "$(dirname $0)/models/m.sh"\nray start --head --num-gpus 8\nPERF_ARGS=(\n  --cp-size 2\n'
+        '  --cuda-graph-bs 1 $(seq 16 8 64)\n  --after-subshell\n)\nPERF_ARGS+=(--appended)\n'
+        'UNUSED_ARGS=(\n  --never-passed\n)\n'
+        'ray job submit --address="http://x" -- python3 train.py \\\n   --colocate \\\n   ${MODEL_ARGS[@]} \\\n'
+        '   "${PERF_ARGS[@]}"\npython -m sglang.launch_server --model-path /m\n')
+    flags = launcher_flags(tmp_path)
+    assert sorted(flags) == ["--after-subshell", "--appended", "--colocate", "--cp-size", "--cuda-graph-bs",
+                             "--num-layers", "--swiglu"]
+    assert flags["--swiglu"] == "scripts/run.sh (via scripts/models/m.sh)" and flags["--colocate"] == "scripts/run.sh"
+    assert render(flags, "abc").splitlines()[1].endswith("THUDM/slime at abc")

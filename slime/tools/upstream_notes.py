@@ -4,7 +4,8 @@
     python -m slime.tools.upstream_notes --check    # exit 1 if the committed page is stale
 
 The flag lists come from slime/config/registries.py (REFUSED_FLAGS, NOT_IMPLEMENTED_FLAGS,
-ALWAYS_HONOURED_FLAGS) and from tests/upstream_slime_flags.txt (upstream's parser's flags); the
+ALWAYS_HONOURED_FLAGS) and from tests/upstream_slime_flags.txt and tests/upstream_launcher_flags.txt (the
+flags of upstream's parser and of its launchers, scripts/ and examples/); the
 prose around them (known differences, checkpoints) is written here once.
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ from slime.config.parser import build_parser
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "coming-from-upstream.md"
 UPSTREAM_FLAGS = ROOT / "tests" / "upstream_slime_flags.txt"
+UPSTREAM_LAUNCHER_FLAGS = ROOT / "tests" / "upstream_launcher_flags.txt"
 
 HEADER = """\
 # Coming from upstream slime
@@ -65,13 +67,28 @@ def _table(rows: list[tuple[str, str]], head: tuple[str, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def upstream_flags_not_accepted() -> list[str]:
-    if not UPSTREAM_FLAGS.is_file():
+def listed_flags(path: Path) -> list[str]:
+    """The flags of a list file (the first word of each line that starts with --)."""
+    if not path.is_file():
         return []
+    return [line.split()[0] for line in path.read_text().splitlines() if line.startswith("--")]
+
+
+def upstream_flags_not_accepted() -> list[str]:
+    """Flags of upstream's parser or launchers that stop at parse time here: neither a flag of this parser nor a
+    --sglang-* name of the supported SGLang releases' launch parser."""
+    from slime.utils.sglang_passthrough import PREFIX, SGLangArgumentError, check_known_options
+
     known = set(build_parser()._option_string_actions)
-    listed = [line.strip() for line in UPSTREAM_FLAGS.read_text().splitlines()
-              if line.strip().startswith("--")]
-    return sorted(flag for flag in set(listed) if flag not in known)
+    missing = set()
+    for flag in {*listed_flags(UPSTREAM_FLAGS), *listed_flags(UPSTREAM_LAUNCHER_FLAGS)} - known:
+        try:
+            if not flag.startswith(PREFIX):
+                raise SGLangArgumentError(flag)
+            check_known_options([(flag, [])])
+        except SGLangArgumentError:
+            missing.add(flag)
+    return sorted(missing)
 
 
 def render() -> str:
@@ -86,7 +103,10 @@ def render() -> str:
     missing = upstream_flags_not_accepted()
     parts.append(f"\n## Upstream flags not accepted ({len(missing)})\n\n")
     parts.append(("These stop at parse time as unrecognized: " + ", ".join(f"`{f}`" for f in missing) + "\n")
-                 if missing else "None: every flag of upstream's parser is accepted.\n")
+                 if missing else "None: every flag of upstream's parser (`tests/upstream_slime_flags.txt`) and every "
+                 "flag upstream's launchers pass to `train.py` (`scripts/**/*.sh`, `examples/**/*.sh`: "
+                 "`tests/upstream_launcher_flags.txt`, each `--sglang-*` one checked against SGLang's launch parser) "
+                 "is accepted.\n")
     return "".join(parts)
 
 
