@@ -60,6 +60,31 @@ def test_resave_swaps_the_iteration_in_without_a_gap(tmp_path, monkeypatch):
     assert "shard" in fsynced and fsynced.count(tmp_path.name) >= 2  # the shard, and the parent after each rename
 
 
+@pytest.mark.parametrize("present, keep, floor, deleted", [
+    ([1, 2, 3, 4], 2, 4, [1, 2]),
+    ([1, 2, 3, 4], 1, 2, [1]),  # another role's tracker at 2 protects 2 and 3
+    ([1, 2, 3, 5], 1, 3, [1, 2]),  # 5 published without its tracker (a crash between): 3 is still kept
+    ([1, 2], 1, None, []),  # no tracker yet: nothing is published, nothing goes
+])
+def test_keep_checkpoint_num_keeps_the_newest_and_whatever_a_tracker_names(present, keep, floor, deleted):
+    from slime.checkpoint.retention import iterations_to_delete
+
+    assert iterations_to_delete(present, keep, floor) == deleted
+
+
+def test_pruning_deletes_complete_iterations_only_and_finishes_an_interrupted_delete(tmp_path):
+    from slime.checkpoint.retention import prune
+
+    for name in ("iter_0000001", "iter_0000002", "iter_0000003", "iter_0000004.partial", "iter_0000000.deleting"):
+        (tmp_path / name / "shard").mkdir(parents=True)
+        (tmp_path / name / "shard" / "0.distcp").write_bytes(b"x" * 10)
+    (tmp_path / contents.TRACKER).write_text("3")
+    ticks = []
+    assert prune(str(tmp_path), 2, [str(tmp_path)], progress=lambda: ticks.append(1)) == [1]
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000002", "iter_0000003", "iter_0000004.partial", contents.TRACKER]
+    assert len(ticks) == 2  # one per file removed: iter_1's and the leftover's
+
+
 def test_atomic_write_replaces_whole_files_only(tmp_path):
     target = tmp_path / "sub" / "state.pt"
     durable.write_text_atomic(str(target), "one")

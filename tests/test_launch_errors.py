@@ -389,7 +389,7 @@ def test_a_load_holding_hf_weights_names_hf_checkpoint(tmp_path, capsys):
 def test_a_jobs_first_run_with_load_and_save_one_directory_starts_fresh(tmp_path, caplog):
     """Upstream's launchers pass --load and --save the same directory: the first run finds nothing there yet."""
     for run in (tmp_path / "new", _saved(tmp_path / "empty")):
-        with caplog.at_level(logging.INFO, logger="slime.config.checks.load"):
+        with caplog.at_level(logging.INFO, logger="slime.config.checks.checkpoints"):
             args = parse_quiet([*BASE, "--load", str(run), "--save", f"{run}/"])
         assert args.load == str(run) and "holds no checkpoint yet: this run starts from --hf-checkpoint" in caplog.text
     resumed = _saved(tmp_path / "resumed", tracker="2", dirs=["iter_0000002"])
@@ -434,3 +434,17 @@ def test_freeze_indexer_asks_for_what_the_builder_does_and_is_refused_where_it_c
     check_frozen_indexer(frozen, dsa, "config.json")  # GLM-5's indexer is frozen unless its loss trains it
     with pytest.raises(ArgumentValidationError, match="--freeze-indexer contradicts --dsa-indexer-loss-coeff 0.1"):
         check_frozen_indexer(defaults_namespace(freeze_indexer=True, dsa_indexer_loss_coeff=0.1), dsa, "config.json")
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--keep-checkpoint-num", "0", "--save", "/tmp/s"], "--keep-checkpoint-num 0 would delete every checkpoint"),
+    (["--keep-checkpoint-num", "2"], "--keep-checkpoint-num prunes the checkpoints under --save: add --save DIR"),
+])
+def test_keep_checkpoint_num_needs_a_save_dir_and_one_checkpoint_at_least(flags, says, capsys):
+    assert says in parse_error([*BASE, *flags], capsys)
+
+
+def test_keep_checkpoint_num_protects_every_roles_checkpoints(tmp_path):
+    args = parse_quiet([*BASE, "--keep-checkpoint-num", "2", "--save", str(tmp_path / "s"), "--advantage-estimator",
+                        "ppo", "--critic-load", str(tmp_path)])
+    assert args.checkpoint_roots == (str(tmp_path / "s"), str(tmp_path / "s" / "critic"))

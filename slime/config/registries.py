@@ -116,7 +116,8 @@ NOT_IMPLEMENTED_FLAGS: tuple[NotImplementedFlag, ...] = (
     *_warned("this Megatron logging option is not wired; metrics are logged every rollout",
              "--log-throughput", "--log-timers-to-tensorboard", "--tensorboard-log-interval", "--log-params-norm",
              "--timing-log-level"),
-    *_warned("every checkpoint under --save is kept", "--save-retain-interval", "--keep-checkpoint-num"),
+    *_warned("no second retention schedule: --keep-checkpoint-num keeps the newest N checkpoints",
+             "--save-retain-interval"),
     *_warned("a delta is applied to the weights the engine holds in memory (over the broadcast group): no "
              "host-local checkpoint is kept", "--update-weight-local-checkpoint-dir"),
 )

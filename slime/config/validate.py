@@ -7,7 +7,7 @@ import argparse
 from slime.config.checks.algorithm import check_algorithm, check_opd, check_plugins
 from slime.config.checks.critic import check_critic
 from slime.config.checks.roles import before_checks, check_critic_role, refuse_critic_entry_without_critic
-from slime.config.checks.load import check_load
+from slime.config.checks.checkpoints import check_load, resolve_checkpoint_retention
 from slime.config.checks.lora import check_lora_flags
 from slime.config.checks.batching import check_batch_split, check_batching, check_context_parallel
 from slime.config.checks.model import check_model_shape, check_mtp, resolve_model_defaults
@@ -53,6 +53,7 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
     if roles:
         refuse_critic_entry_without_critic(args, roles.critic, roles.path)
     check_load(args)
+    resolve_checkpoint_retention(args)
     check_critic(args)
     if args.advantage_estimator == "ppo" and not args.debug_rollout_only:
         check_critic_role(args, critic_overrides, before, parser, device, roles.path if roles else "")

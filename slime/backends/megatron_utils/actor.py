@@ -440,7 +440,8 @@ class MegatronTrainActor:
         return lora_config(self.args) if self.args.enable_lora else None
 
     def save(self, rollout_id: int) -> None:
-        """--save (without the optimizer state under --no-save-optim), and --save-hf as HF safetensors."""
+        """--save (without the optimizer state under --no-save-optim), --save-hf as HF safetensors, then
+        --keep-checkpoint-num: rank 0 deletes the older checkpoints (slime/checkpoint/retention.py)."""
         from slime.backends.megatron_utils.checkpoint import save_checkpoint, save_hf_checkpoint
 
         with self.watchdog.phase("save"):  # progress: collectives and checkpoint bytes written
@@ -452,6 +453,11 @@ class MegatronTrainActor:
             if self.args.save_hf:
                 save_hf_checkpoint(self.args.save_hf.format(rollout_id=rollout_id), self.model, self.hf_config,
                                    self.args.hf_checkpoint, barrier=barrier, lora_config=self._lora_config())
+            if self.args.keep_checkpoint_num and self.rank == 0:  # the tracker has moved: older ones may go
+                from slime.checkpoint.retention import prune
+
+                prune(self.args.save, self.args.keep_checkpoint_num, self.args.checkpoint_roots,
+                      progress=self.ledger.note_progress)
 
 
 def log_prob_plan_args(args):

@@ -14,6 +14,9 @@ def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--load", type=str, default=None, help="resume from this Megatron checkpoint directory")
     g.add_argument("--save", type=str, default=None, help="save Megatron checkpoints under this directory")
     g.add_argument("--save-interval", type=int, default=None, help="save every N rollouts (needs --save)")
+    g.add_argument("--keep-checkpoint-num", type=int, default=None,
+                   help="keep the newest N complete checkpoints under --save (and the critic's), deleting older ones "
+                        "after each save; never the one a tracker names nor anything newer (default: keep all)")
     g.add_argument("--async-save", action="store_true", default=False, help="save checkpoints in the background")
     g.add_argument("--no-save-optim", action="store_true", default=False,
                    help="save model weights without the optimizer state")

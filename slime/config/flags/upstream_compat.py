@@ -21,7 +21,7 @@ UPSTREAM_COMPAT_FLAGS: dict[str, dict[str, Any]] = {
     "--eval-num-gpus": dict(type=int, default=None), "--log-throughput": dict(action="store_true"),
     "--log-timers-to-tensorboard": dict(action="store_true"), "--tensorboard-log-interval": dict(type=int, default=None),
     "--log-params-norm": dict(action="store_true"), "--timing-log-level": dict(type=int, default=None),
-    "--save-retain-interval": dict(type=int, default=None), "--keep-checkpoint-num": dict(type=int, default=None),
+    "--save-retain-interval": dict(type=int, default=None),
     "--sglang-config": dict(type=str, default=None), "--prefill-num-servers": dict(type=int, default=None),
     "--slime-router-middleware-paths": dict(type=str, nargs="+", default=None),
     "--custom-update-weight-post-write-path": dict(type=str, default=None),

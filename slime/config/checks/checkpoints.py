@@ -1,6 +1,7 @@
-"""What --load points at, before Ray starts: a run it resumes, or the first run of a job that resumes itself.
+"""What the checkpoint flags point at, before Ray starts: --load (a run it resumes, or the first run of a job that
+resumes itself) and --keep-checkpoint-num (which directories its pruning protects).
 
-The rule (docs/exact-resume.md, "Where a run starts"):
+The --load rule (docs/exact-resume.md, "Where a run starts"):
 
   --load holds a checkpoint     the tracker names an iteration whose iter_* directory exists: the run resumes it
   --load is --save, no tracker  the first run of a job that saves where its later runs resume (upstream's
@@ -18,6 +19,7 @@ import logging
 import os
 
 from slime.checkpoint.contents import TRACKER, iteration_dir, latest_iteration
+from slime.config.critic_role import critic_save_dir
 from slime.config.errors import fail
 from slime.config.launch import HF_CONFIG_FILE
 
@@ -63,3 +65,17 @@ def check_load(args: argparse.Namespace) -> None:
 def starts_fresh_in_save_dir(args: argparse.Namespace) -> bool:
     """--load and --save name one directory (upstream's launchers' idiom) that holds no checkpoint yet."""
     return args.save is not None and os.path.realpath(args.load) == os.path.realpath(args.save)
+
+
+def resolve_checkpoint_retention(args: argparse.Namespace) -> None:
+    """--keep-checkpoint-num N >= 1 with --save; args.checkpoint_roots: every role's --save directory, whose trackers
+    all protect what a restart goes back to (slime/checkpoint/retention.py)."""
+    args.checkpoint_roots = tuple(root for root in (args.save, critic_save_dir(args) if args.use_critic else None)
+                                  if root)
+    if args.keep_checkpoint_num is None:
+        return
+    if args.keep_checkpoint_num < 1:
+        fail(f"--keep-checkpoint-num {args.keep_checkpoint_num} would delete every checkpoint; pass N >= 1 (or drop "
+             "it to keep all)")
+    if not args.save:
+        fail("--keep-checkpoint-num prunes the checkpoints under --save: add --save DIR --save-interval N")
