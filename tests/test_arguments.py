@@ -79,7 +79,7 @@ def test_defaults_follow_upstream():
         "entropy_coef": 0.0, "advantage_estimator": "grpo", "rollout_temperature": 1.0, "input_key": "input",
         "label_key": None, "n_samples_per_prompt": 1, "seed": 1234, "lr": 1e-6, "micro_batch_size": 1,
         "clip_grad": 1.0, "rollout_function_path": "slime.rollout.sglang_rollout.generate_rollout",
-        "fence_timeout": 600.0, "rollout_backend": "auto", "recreate_process_groups_on_wake": False,
+        "fence_timeout": 180.0, "rollout_backend": "auto", "recreate_process_groups_on_wake": False,
         "metrics_jsonl": None, "add_bias_linear": True, "normalization": "RMSNorm", "position_embedding_type": "rope", "rotary_base": None,
         "attention_backend": "auto", "optimizer": "adam", "lr_decay_style": "linear", "weight_decay": 0.01,
         "adam_beta1": 0.9, "adam_beta2": 0.999, "colocate": False, "offload_train": False,

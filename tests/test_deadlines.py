@@ -148,16 +148,26 @@ def test_group_timeout_is_derived_above_every_rank_window_and_checked_at_parse_t
     assert parse_args(minimal + ["--fence-timeout", "30", "--distributed-timeout-minutes", "5"]
                       ).distributed_timeout_minutes == 5
     with pytest.raises(SystemExit):
-        parse_args(minimal + ["--distributed-timeout-minutes", "10"])  # 600 s is under 2 x 600 + 10
+        parse_args(minimal + ["--distributed-timeout-minutes", "5"])  # 300 s is under 2 x 180 + 10 (+ 30)
+    assert parse_args(minimal).distributed_timeout_minutes == 7  # the default window: upstream's 10 is accepted
 
 
 def test_parse_error_says_which_flags_to_change(capsys):
     minimal = ["--rollout-batch-size", "2", "--num-rollout", "1", "--actor-num-gpus-per-node", "1",
                "--train-backend-device", "cpu"]
     with pytest.raises(SystemExit):
-        parse_args(minimal + ["--distributed-timeout-minutes", "10"])
+        parse_args(minimal + ["--distributed-timeout-minutes", "5"])
     err = capsys.readouterr().err
-    assert "--distributed-timeout-minutes 21" in err and "lower --fence-timeout to 280" in err, err
+    assert "--distributed-timeout-minutes 7" in err and "lower --fence-timeout to 130" in err, err
+
+
+class _Ref(str):
+    """A rank's call as the fakes below see it; `future()` is how the driver settles a call it stops watching."""
+
+    settled = False
+
+    def future(self):
+        self.settled = True
 
 
 class _FakeRay:
@@ -200,11 +210,13 @@ def test_driver_waits_as_long_as_ranks_progress_and_fails_one_window_after_they_
     stop.set()
     monkeypatch.setattr(deadline.ray, "wait", _FakeRay(time.time() + 60).wait)
     stopped = time.time()
+    refs = [_Ref("r0"), _Ref("r1")]
     with pytest.raises(deadline.RankDeadlineError, match=r"phase 'save': no rank made progress .* ranks \[0, 1\]") as err:
-        deadline.wait_ranks(["r0", "r1"], phase="save", window_s=0.6, progress=lambda: latest[0],
+        deadline.wait_ranks(refs, phase="save", window_s=0.6, progress=lambda: latest[0],
                             describe_hang=lambda: "THE TABLE", poll_s=0.1)
     assert time.time() - stopped < 10.0  # one 0.6 s window after the last progress, not the 60 s wait
     assert err.value.details.endswith("THE TABLE") and err.value.ranks == (0, 1)
+    assert all(ref.settled for ref in refs)  # their later errors are taken, not printed by Ray as unhandled
 
 
 def test_a_failed_rank_keeps_its_traceback_and_the_summary_stays_one_line():
@@ -277,5 +289,21 @@ def test_a_rank_whose_process_ended_is_blamed_before_the_peer_that_lost_it(monke
 
     monkeypatch.setattr(deadline, "ray", Ray())
     with pytest.raises(deadline.RankFailedError, match="failed on rank 0") as raised:
-        deadline.wait_ranks(["r0", "r1"], phase="actor_train", window_s=30.0)
+        deadline.wait_ranks([_Ref("r0"), _Ref("r1")], phase="actor_train", window_s=30.0)
     assert raised.value.ranks == (0,) and raised.value.blamed == (1,)
+
+
+def test_the_default_windows_end_a_stalled_step_within_five_minutes_and_help_says_why():
+    from slime.config.parser import build_parser
+
+    model = DeadlineModel()
+    assert model.no_progress_s == 180 and model.driver_window_s <= 300  # the ranks' error, else the driver's
+    assert model.group_timeout == 60 * 7
+    options = build_parser()._option_string_actions
+    said = " ".join(options["--fence-timeout"].help.split())
+    assert f"Default {model.no_progress_s:.0f}" in said and f"{model.first_setup_s:.0f} s" in said
+    assert "within 3 minutes on the ranks and 5 at the driver" in said
+    assert "7 with --fence-timeout 180" in " ".join(options["--distributed-timeout-minutes"].help.split())
+    for flag in ("--rollout-timeout", "--rollout-health-check-interval", "--rollout-health-check-timeout",
+                 "--rollout-health-check-first-wait", "--sglang-router-request-timeout-secs"):
+        assert "default" in options[flag].help, flag

@@ -351,3 +351,36 @@ def test_a_private_cluster_start_that_timed_out_is_tried_once_more(monkeypatch, 
     with pytest.raises(Exception, match=error):
         placement.start_private_cluster(num_cpus=4)
     assert [c for c in calls if c != "shutdown"] == [calls[0]] * starts and calls.count("shutdown") == starts - 1
+
+
+@pytest.mark.timeout(120)
+def test_ranks_that_fail_after_the_reported_one_print_no_unhandled_error(fake_gpu_cluster, monkeypatch):
+    """After `training stopped:` nothing but the run's summary: the calls the driver stops watching when one rank's
+    failure is reported (peers that fail a few seconds later, at their own fence deadlines) are settled, so Ray's
+    driver does not print each as an "Unhandled error" once their refs are dropped."""
+    import gc
+    import time
+
+    import ray
+    import ray._private.worker as ray_worker
+
+    from slime.ray.driver.rank_wait import RankFailedError, wait_ranks
+
+    printed = []
+    monkeypatch.setattr(ray_worker, "_unhandled_error_handler", printed.append)
+
+    @ray.remote(num_cpus=0)
+    class Rank:
+        def step(self, rank: int) -> None:
+            time.sleep(0.2 if rank == 0 else 3.0)  # the peers fail after the driver's 2 s look at them
+            raise RuntimeError(f"rank {rank} failed")
+
+    ranks = [Rank.remote() for _ in range(3)]
+    with pytest.raises(RankFailedError, match="failed on rank 0"):
+        wait_ranks([r.step.remote(i) for i, r in enumerate(ranks)], phase="actor_train", window_s=60.0)
+    time.sleep(4.0)  # the peers' errors have arrived
+    for rank in ranks:
+        ray.kill(rank)
+    gc.collect()  # the refs held by the raised error's frames go
+    time.sleep(1.0)
+    assert printed == []

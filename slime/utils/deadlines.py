@@ -54,7 +54,12 @@ import threading
 import time
 from dataclasses import dataclass
 
-DEFAULT_NO_PROGRESS_S = 600.0
+DEFAULT_NO_PROGRESS_S = 180.0
+"""--fence-timeout's default. The longest gap without progress a healthy run of upstream's sizes shows is the first
+step's kernel compile (25-69 s on one H200, docs/gpu.md); start-up gets FIRST_SETUP_WINDOWS windows (+10 s), 370 s,
+enough to load a node's share of a resumed Qwen3-30B-A3B checkpoint with its optimizer state (~430 GB) at 2 GB/s.
+A stalled step then ends within 3 minutes on the ranks and within 5 at the driver (DRIVER_MARGIN windows +
+DRIVER_EXTRA_S)."""
 FIRST_SETUP_WINDOWS = 2
 FIRST_SETUP_EXTRA_S = 10.0
 GROUP_TIMEOUT_MARGIN_S = 30.0

@@ -30,6 +30,7 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
                    help="torch.distributed backend of the trainer on GPUs (CPU ranks always use gloo)")
     g.add_argument("--distributed-timeout-minutes", type=int, default=None,
                    help="timeout of process-group collectives (default: just above the watchdog's longest window, "
-                        "derived from --fence-timeout; a smaller value is refused)")
+                        "2 x --fence-timeout + 40 s rounded up to a minute, 7 with --fence-timeout 180, so that the watchdog names "
+                        "the phase and the ranks before NCCL or gloo aborts; a smaller value is refused)")
     g.add_argument("--train-env-vars", type=json.loads, default="{}",
                    help='JSON object of environment variables set in every training rank, e.g. \'{"NCCL_DEBUG": "WARN"}\'')

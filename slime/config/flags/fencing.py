@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import argparse
 
+from slime.utils.deadlines import DEFAULT_NO_PROGRESS_S
+
 
 def add_fencing_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("fencing (this project)", "hang-proof training step")
-    g.add_argument("--fence-timeout", type=float, default=600.0,
+    g.add_argument("--fence-timeout", type=float, default=DEFAULT_NO_PROGRESS_S,
                    help="seconds a rank may go without progress (no collective, micro-batch, weight bucket or "
-                        "checkpoint bytes completing) before the step fails with a report; phases may run longer")
+                        "checkpoint bytes completing, on it or on any peer) before the step fails naming the phase "
+                        "and the ranks; phases may run longer while they progress. Default 180: the longest healthy "
+                        "gap measured is the first step's kernel compile (25-69 s on one H200), so a stalled step "
+                        "ends within 3 minutes on the ranks and 5 at the driver (1.5 windows + 30 s); start-up "
+                        "(first communicator set-up, model build, weight loading) gets 2 windows + 10 s, 370 s, enough "
+                        "to load a node's share of a resumed Qwen3-30B-A3B (~430 GB) at 2 GB/s. Raise it for slower "
+                        "storage or longer compiles")
     g.add_argument("--max-restarts", type=int, default=0,
                    help="restarts of the trainer ranks and engines from the last complete checkpoint after a named "
                         "failure (a hang, a rank or engine lost, a stalled weight sync); needs --save and "

@@ -138,7 +138,8 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--sglang-router-ip", type=str, default=None, help="address of a running router (default: start one)")
     g.add_argument("--sglang-router-port", type=int, default=None, help="port of the router")
     g.add_argument("--sglang-router-request-timeout-secs", type=int, default=14400,
-                   help="seconds one /generate request may take")
+                   help="seconds one /generate request may take at the router (default 14400, upstream's; each request "
+                        "is also bounded by the rollout's deadline, --rollout-timeout)")
     g.add_argument("--sglang-router-policy", type=str, default=None,
                    help="sglang-router load-balancing policy (default: round_robin)")
 
@@ -151,18 +152,24 @@ def add_rollout_fault_arguments(parser: argparse.ArgumentParser) -> None:
                         "--sglang-server-concurrency)); samples = max(--rollout-batch-size, "
                         "--over-sampling-batch-size) x --n-samples-per-prompt; max new tokens = "
                         "--rollout-max-response-len, else --rollout-max-context-len, else 4096; eval: every eval "
-                        "prompt x --n-samples-per-eval-prompt and --eval-max-response-len)")
+                        "prompt x --n-samples-per-eval-prompt and --eval-max-response-len. 0.1 s per token is several "
+                        "times a loaded GPU engine's decode step and the 300 s cover start-up, queueing and rewards, "
+                        "so a healthy rollout of any size fits; a stalled engine is found sooner by "
+                        "--use-fault-tolerance's probes)")
     g.add_argument("--use-fault-tolerance", action="store_true", default=False,
                    help="probe the engines while they generate; restart a dead or unresponsive one, push it the "
                         "trainer's weights and send its requests again (without: a failed engine ends the run)")
     g.add_argument("--rollout-health-check-interval", type=float, default=10.0,
-                   help="seconds between two health probes of every engine (with --use-fault-tolerance)")
+                   help="seconds between two health probes of every engine (with --use-fault-tolerance; default 10: "
+                        "with the 5 s probe, a stalled engine is restarted about 15 s after it stopped)")
     g.add_argument("--rollout-health-check-timeout", type=float, default=5.0,
-                   help="seconds an engine's /health_generate may take before it counts as failed "
-                        "(with --use-fault-tolerance)")
+                   help="seconds an engine's /health_generate may take before it counts as failed (with "
+                        "--use-fault-tolerance; default 5: SGLang answers it within about a second while its scheduler "
+                        "emits any token, and checks once a second)")
     g.add_argument("--rollout-health-check-first-wait", type=float, default=300.0,
-                   help="seconds before the first health probe of a run, e.g. for model compilation "
-                        "(with --use-fault-tolerance)")
+                   help="seconds before the first health probe of a run (with --use-fault-tolerance; default 300: "
+                        "an engine's first batches may compile kernels and capture CUDA graphs, during which it "
+                        "emits nothing)")
 
 
 def add_rollout_buffer_arguments(parser: argparse.ArgumentParser) -> None:

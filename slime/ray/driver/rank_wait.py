@@ -58,6 +58,7 @@ def wait_ranks(refs: Sequence[ray.ObjectRef], *, phase: str, window_s: float,
         idle = time.time() - max(start, progress() if progress else start)
         if idle > window_s:
             missing = sorted(index[r] for r in pending)
+            settle_unwatched(pending)
             raise RankDeadlineError(
                 f"phase '{phase}': no rank made progress for {idle:.0f}s; ranks {missing} did not finish",
                 phase=phase, ranks=missing, details=_table(describe_hang))
@@ -72,8 +73,17 @@ def wait_ranks(refs: Sequence[ray.ObjectRef], *, phase: str, window_s: float,
                 failure = _failure(phase, index[ref], exc, others, describe_hang, describe_exit)
                 if exited and not isinstance(exc, ray.exceptions.RayActorError):  # those that lost a peer: not at fault
                     failure.blamed = tuple(exited)
+                settle_unwatched(refs)
                 raise failure from exc
     return ray.get(list(refs))
+
+
+def settle_unwatched(refs: Sequence[ray.ObjectRef]) -> None:
+    """The driver stops waiting for these calls (a failure is being reported): each result is taken when it arrives,
+    so that Ray does not print a rank's later error, one the report already covers, as an "Unhandled error"
+    after the run's last line."""
+    for ref in refs:
+        ref.future()  # a future fetches the result, and so marks it as seen, however it ends
 
 
 def _table(describe_hang: Callable[[], str] | None) -> str:

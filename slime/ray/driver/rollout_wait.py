@@ -117,6 +117,7 @@ class RolloutWatch:
         error = self.deadline.check(status["left_s"], time.monotonic())
         if error is not None:
             ray.cancel(self.ref, force=False)
+            settle_unwatched([self.ref])  # its cancellation error is this timeout's
             raise TimeoutError(error)
         return False
 
