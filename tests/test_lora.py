@@ -375,6 +375,11 @@ def test_lora_flags_are_checked_before_ray(tmp_path, capsys):
                                  "linear_proj"], capsys)
     assert "--lora-rank 65 is above the width of linear_fc1 (64" in err
     assert parse_quiet(minimal + ["--enable-lora", "--lora-rank", "64"]).lora_rank == 64
+    every = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]  # the default, and PEFT's all-linear
+    assert parse_quiet(minimal + ["--enable-lora"]).lora_target_modules == every
+    assert parse_quiet(minimal + ["--enable-lora", "--lora-target-modules", "all-linear"]).lora_target_modules == every
+    assert "pass it alone" in parse_error(minimal + ["--enable-lora", "--lora-target-modules", "all-linear",
+                                                     "linear_qkv"], capsys)
     assert not parse_quiet(minimal + ["--lora-rank", "1000"]).enable_lora  # LoRA off: its flags are not checked
     with pytest.warns(UserWarning, match="--freeze-params-name-list has no effect with --enable-lora"):
         parse_args(minimal + ["--enable-lora", "--freeze-params-name-list", "embedding"])

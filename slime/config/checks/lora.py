@@ -7,11 +7,20 @@ from __future__ import annotations
 import argparse
 import warnings
 
-from slime.config.errors import fail
+from slime.config.errors import derive, fail
 from slime.config.flags.training import LORA_TARGET_MODULES
 
 
+ALL_LINEAR = "all-linear"
+"""PEFT's and Megatron-Bridge's name for every linear layer of the transformer blocks (the output layer excluded)."""
+
+
 def check_lora_flags(args: argparse.Namespace) -> None:
+    if ALL_LINEAR in args.lora_target_modules:
+        if len(args.lora_target_modules) > 1:
+            fail(f"--lora-target-modules {ALL_LINEAR} names every linear layer already; pass it alone")
+        derive(args, "lora_target_modules", list(LORA_TARGET_MODULES),
+               f"--lora-target-modules {ALL_LINEAR}: every linear layer of the transformer blocks")
     if not args.enable_lora:
         return
     if args.lora_rank <= 0:

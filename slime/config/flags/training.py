@@ -62,7 +62,8 @@ def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
                         "ppo the critic gets the same adapters, its value head trained in full beside them")
     g.add_argument("--lora-target-modules", type=str, nargs="+", default=list(LORA_TARGET_MODULES),
                    help=f"megatron linear layers that get an adapter (of {', '.join(LORA_TARGET_MODULES)}; "
-                        "linear_fc1/linear_fc2 include each routed expert's)")
+                        "linear_fc1/linear_fc2 include each routed expert's), or all-linear (PEFT's and "
+                        "Megatron-Bridge's name for every one of them, what the default also adapts)")
     g.add_argument("--lora-rank", type=int, default=32, help="rank r of each adapter")
     g.add_argument("--lora-alpha", type=float, default=32.0, help="adapter scale numerator: the update is alpha/r * B @ A")
     g.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapter's input (training only)")
