@@ -120,7 +120,7 @@ def test_rm_hub_names_upstreams_plugins_import():
     assert not grade_answer_verl("it is 4", "4") and not grade_answer_verl("\\boxed{4}", "")
     assert DEFAULT_VALID_LETTERS == list("ABCDEFGHIJ")
     assert compute_gpqa_reward("The answer is H", "H") == 1.0  # ten options when the sample names none
-    assert compute_gpqa_reward("The answer is H", "H", metadata={"choices": ["a", "b", "c", "d"]}) == 0.0
+    assert compute_gpqa_reward("The answer is H", "D", metadata={"choices": ["a", "b", "c", "d"]}) == 0.0
     assert compute_gpqa_reward("answer: B", "B", metadata={"valid_letters": ["A", "B"]}) == 1.0
 
 
@@ -265,3 +265,23 @@ def test_all_gather_with_cp_rebuilds_the_response_and_carries_the_gradient_back(
         assert gathered == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0] and as_list == mine
         # each rank's loss reads the whole response; the all-reduce sums both ranks' gradients back to the owner
         assert grad == [2.0 * v for v in mine]
+
+
+def test_plugin_surfaces_take_the_parsers_default_for_a_field_a_hand_built_args_lacks():
+    """Upstream's plug-in tests build small args objects with the fields upstream reads; what this project reads
+    beyond them (--seed, the data source's prompt and shuffle flags) comes from the parser's defaults."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from slime.rollout.data_source import RolloutDataSourceWithBuffer
+    from slime.rollout.rm_hub import async_rm
+    from slime.rollout.sampling_seed import sample_seed, seeded_params
+    from slime.utils.types import Sample
+
+    source = RolloutDataSourceWithBuffer(SimpleNamespace(rollout_global_dataset=False, n_samples_per_prompt=2,
+                                                         buffer_filter_path=None))
+    assert [[s.index for s in group] for group in source.get_samples(2)] == [[0, 1], [2, 3]]
+    seeded = seeded_params(SimpleNamespace(), {"temperature": 1.0}, 3, 5, False)
+    assert seeded["sampling_seed"] == sample_seed(1234, 3, 5, False)  # --seed's default
+    reward = asyncio.run(async_rm(SimpleNamespace(custom_rm_path=None, rm_type="random"), Sample(index=1, response="x")))
+    assert reward in (0, 1)

@@ -20,6 +20,7 @@ import torch
 
 from slime.rollout import prompt_rows
 from slime.rollout.eval_config import EvalDatasetSpec
+from slime.rollout.plugin_args import flag
 from slime.checkpoint import rng
 from slime.checkpoint.contents import DATA_ITEMS, data_file
 from slime.checkpoint.durable import write_atomic
@@ -273,12 +274,12 @@ class RolloutDataSource:
         self.metadata: dict = {}
         self.dataset: PromptDataset | None = None
         # --disable-rollout-global-dataset: the rollout function brings its own prompts
-        if args.prompt_data is not None and args.rollout_global_dataset:
+        if flag(args, "rollout_global_dataset") and flag(args, "prompt_data") is not None:
             tokenizer = load_tokenizer(args.hf_checkpoint)
             self.dataset = PromptDataset(train_prompt_spec(args), tokenizer)
-        seed = args.rollout_seed
-        self._seed = int(seed if seed is not None else args.seed)
-        self._shuffle = bool(args.rollout_shuffle)
+        seed = flag(args, "rollout_seed")
+        self._seed = int(seed if seed is not None else flag(args, "seed"))
+        self._shuffle = bool(flag(args, "rollout_shuffle"))
         self._order: tuple[int, list[int]] | None = None  # (epoch, order) cache
 
     def _epoch_order(self) -> list[int]:
@@ -451,7 +452,7 @@ class RolloutDataSourceWithBuffer(RolloutDataSource):
 
             self.buffer_filter = load_function(path)
         else:
-            self.buffer_filter = pop_stalest if args.buffer_sort_by_staleness else pop_first
+            self.buffer_filter = pop_stalest if flag(args, "buffer_sort_by_staleness") else pop_first
 
     def get_samples(self, num_prompts: int) -> list[list[Sample]]:
         with self.lock:

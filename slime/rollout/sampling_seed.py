@@ -11,6 +11,8 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
+from slime.rollout.plugin_args import flag
+
 SEED_RANGE = 2**31 - 1  # a positive int32: SGLang declares sampling_seed an integer
 
 
@@ -24,4 +26,4 @@ def seeded_params(args, params: dict[str, Any], rollout_id: int | None, sample_i
     """params with this sample's sampling_seed (unchanged when the sample has no index or a seed is set)."""
     if sample_index is None or params.get("sampling_seed") is not None:
         return params
-    return {**params, "sampling_seed": sample_seed(args.seed, rollout_id, sample_index, evaluation)}
+    return {**params, "sampling_seed": sample_seed(flag(args, "seed"), rollout_id, sample_index, evaluation)}

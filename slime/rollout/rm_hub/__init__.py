@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import aiohttp
 
+from slime.rollout.plugin_args import flag
 from slime.utils.misc import load_function
 from slime.utils.types import Sample
 
@@ -22,7 +23,7 @@ from .f1 import f1_score
 from .f1 import normalize_answer as normalize_f1_answer
 from .gpqa import _letters, compute_gpqa_reward, label_to_letter
 from .math_dapo_utils import compute_score as compute_score_dapo
-from .math_utils import extract_answer, extract_boxed_answer, grade_answer_verl, grade_math_response, normalize_answer
+from .math_utils import boxed_content, extract_boxed_answer, grade_answer_verl, grade_math_response, normalize_answer
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +66,18 @@ def label_problem(rm_type: str, label, metadata: dict) -> str | None:
             return f"label {str(item)[:60]!r} holds no answer"
         if rm_type == "f1" and not normalize_f1_answer(item):
             return f"label {str(item)[:60]!r} holds no words"
-        if rm_type == "gpqa" and label_to_letter(item, metadata, _letters(metadata)) is None:
+        if rm_type == "gpqa" and not _gpqa_readable(item, metadata):
             return f"label {str(item)[:60]!r} names none of the choices {_letters(metadata)}"
     return None
+
+
+def _gpqa_readable(label, metadata: dict) -> bool:
+    """A GPQA label names a choice (a letter, an index, a choice's text), or metadata names the correct letter, or
+    it is an answer text the response may contain (compute_gpqa_reward's fallback); a lone letter outside the
+    choices is none of these."""
+    if metadata.get("correct_letter") or label_to_letter(label, metadata, _letters(metadata)) is not None:
+        return True
+    return isinstance(label, str) and len(label.strip().strip("()").strip()) > 1 and bool(normalize_f1_answer(label))
 
 
 def _zero_reward(rm_type: str) -> float | dict:
@@ -90,7 +100,7 @@ def _rule_based(rm_type: str, response: str, label, metadata: dict) -> float | i
 def random_reward(args, sample: Sample) -> int:
     """`--rm-type random`: 0 or 1 with equal odds, a baseline that learns nothing (upstream's rm type). Drawn
     from --seed, the sample index and its response, so a resumed run gives the same rewards."""
-    return random.Random(f"{args.seed}:{sample.index}:{sample.response}").randint(0, 1)
+    return random.Random(f"{flag(args, 'seed')}:{sample.index}:{sample.response}").randint(0, 1)
 
 
 async def remote_rm(args, sample: Sample) -> Any:
@@ -127,7 +137,7 @@ async def async_rm(args, sample: Sample, **kwargs) -> Any:
     response = sample.response
     if rm_type.startswith("boxed_"):
         # "boxed_<type>": grade only the boxed part of the response
-        response = extract_answer(response) or ""
+        response = boxed_content(response) or ""
         rm_type = rm_type[len("boxed_") :]
     if rm_type == "random":
         return random_reward(args, sample)

@@ -2,7 +2,7 @@
 after the last `</think>`, or (responses of base-model prompt formats) after `###Response`."""
 from __future__ import annotations
 
-from .math_utils import extract_answer, grade_answer
+from .math_utils import boxed_content, grade_answer
 
 THINK_END = "</think>"
 RESPONSE_MARKER = "###Response"
@@ -22,14 +22,14 @@ def get_deepscaler_rule_based_reward(response: str, label) -> int:
     solution = solution_tail(response)
     if solution is None:
         return 0
-    answer = extract_answer(solution)
+    answer = boxed_content(solution)
     if answer is None:
         return 0
     labels = label if isinstance(label, (list, tuple)) else [label]
     for truth in labels:
         truth_text = str(truth)
         # labels are sometimes written boxed themselves
-        truth_answer = extract_answer(truth_text) if "\\boxed" in truth_text else truth_text
+        truth_answer = boxed_content(truth_text) if "\\boxed" in truth_text else truth_text
         if grade_answer(answer, truth_answer):
             return 1
     return 0

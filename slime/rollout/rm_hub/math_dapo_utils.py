@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from .math_utils import extract_answer, grade_answer, normalize_answer
+from .math_utils import boxed_content, grade_answer, normalize_answer
 
 # only the tail is searched: a long chain of thought may mention "Answer:" earlier
 _TAIL_CHARS = 300
@@ -17,12 +17,12 @@ _ANSWER_LINE = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
 def extract_dapo_answer(solution: str, strict_box_verify: bool = False) -> str | None:
     """The text after the last `Answer:` in the tail (or the boxed answer in strict mode)."""
     if strict_box_verify:
-        return extract_answer(solution[-_BOX_TAIL_CHARS:])
+        return boxed_content(solution[-_BOX_TAIL_CHARS:])
     matches = _ANSWER_LINE.findall(solution[-_TAIL_CHARS:])
     if not matches:
         return None
     answer = matches[-1].strip()
-    boxed = extract_answer(answer)
+    boxed = boxed_content(answer)
     return boxed if boxed is not None else answer
 
 

@@ -31,8 +31,8 @@ def last_boxed_only_string(text: str) -> str | None:
     return None
 
 
-def remove_boxed(boxed: str) -> str:
-    """`\\boxed{x}` -> `x`; `\\boxed x` -> `x`."""
+def _box_content(boxed: str) -> str:
+    """`\\boxed{x}` / `\\fbox{x}` -> `x`; `\\boxed x` -> `x` (what last_boxed_only_string returns)."""
     for prefix in ("\\boxed ", "\\fbox "):
         if boxed.startswith(prefix):
             return boxed[len(prefix) :].strip()
@@ -40,10 +40,11 @@ def remove_boxed(boxed: str) -> str:
     return boxed[open_at + 1 : -1]
 
 
-def extract_answer(text: str) -> str | None:
-    """Content of the last boxed expression, or None."""
+def boxed_content(text: str) -> str | None:
+    """Content of the last boxed expression (`\\boxed{}`, `\\fbox{}`, `\\boxed x`), or None: what the graders
+    here read."""
     boxed = last_boxed_only_string(text or "")
-    return remove_boxed(boxed) if boxed is not None else None
+    return _box_content(boxed) if boxed is not None else None
 
 
 def extract_final_number(text: str) -> str | None:
@@ -131,7 +132,7 @@ def grade_answer(given: str | None, ground_truth: str | int | float | None) -> b
 
 def extract_math_answer(response: str) -> str | None:
     """Boxed answer if present, else the final number of the response."""
-    boxed = extract_answer(response)
+    boxed = boxed_content(response)
     return boxed if boxed is not None else extract_final_number(response)
 
 
@@ -143,14 +144,18 @@ def grade_math_response(response: str, label) -> bool:
 
 
 def grade_answer_verl(solution_str: str, ground_truth) -> bool:
-    """True when the boxed answer of `solution_str` equals `ground_truth` (itself possibly boxed); False when
-    either is missing. Upstream's name for the boxed-only grade that example plug-ins import."""
+    """Upstream's boxed-only grade that example plug-ins import: the `\\boxed{...}` answer of `solution_str` against
+    `ground_truth` (itself possibly boxed), equal after MATH normalisation (grade_answer_mathd) or as expressions
+    (grade_answer_sympy); False when either is missing."""
     if not ground_truth:
         return False
     truth = str(ground_truth)
     if "\\boxed" in truth:
         truth = extract_answer(truth)
-    return grade_answer(extract_answer(solution_str or ""), truth)
+    given = extract_answer(solution_str or "")
+    if given is None:
+        return False
+    return grade_answer_mathd(given, truth) or grade_answer_sympy(given, truth)
 
 
 def _strip_string(string: str) -> str:
@@ -178,10 +183,24 @@ def _strip_string(string: str) -> str:
 
 
 # ---------------------------------------------------------------- upstream's names for plug-in authors
+# These return what upstream's functions of the same names return (tests/test_rm_hub_upstream.py); the graders
+# above use the lenient boxed_content.
+
+def remove_boxed(boxed: str | None) -> str | None:
+    """The content of a string that is exactly `\\boxed{...}`; None for anything else (unboxed text, None)."""
+    if not isinstance(boxed, str) or not boxed.startswith("\\boxed{") or not boxed.endswith("}"):
+        return None
+    return boxed[len("\\boxed{") : -1]
+
 
 def extract_boxed_answer(solution: str) -> str | None:
-    """Content of the last `\\boxed{...}` of `solution`, or None (upstream's name; same as extract_answer)."""
-    return extract_answer(solution)
+    """Content of the last `\\boxed{...}` of `solution`, or None (a `\\fbox{...}` gives None, as upstream's)."""
+    return remove_boxed(last_boxed_only_string(solution or ""))
+
+
+def extract_answer(passage: str) -> str | None:
+    """extract_boxed_answer when the passage holds a `\\boxed`, else None."""
+    return extract_boxed_answer(passage) if "\\boxed" in (passage or "") else None
 
 
 def mathd_normalize_answer(answer: str | None) -> str | None:
@@ -200,7 +219,41 @@ def grade_answer_mathd(given_answer: str | None, ground_truth: str | None) -> bo
 
 
 def grade_answer_sympy(given_answer: str | None, ground_truth: str | None) -> bool:
-    """Upstream's name for its lenient grade. Here it is grade_answer: equal normalised strings or equal numbers
-    (fractions, decimals, percents). Symbolic expressions are not evaluated, since parsing a model's output as
-    Python (what a sympy parse does) would run what the model wrote."""
-    return grade_answer(given_answer, ground_truth)
+    """Upstream's lenient grade: the answers (tuples and intervals element by element) are equal as written, or as
+    expressions of at most two unknowns (`x+1` and `1+x`); fractions must match exactly (`2/4` is not `1/2`) and an
+    integer answer must be written as one. Expressions are read by math_expressions.py's whitelist parser, which
+    never evaluates the model's text as Python."""
+    from .math_expressions import equal_as_expressions, plain_answer, split_elements
+
+    truth, given = plain_answer(ground_truth), plain_answer(given_answer)
+    if truth is None:
+        return False
+    if truth == given:
+        return True
+    if not given:
+        return False
+    truth_parts, given_parts = split_elements(truth), split_elements(given)
+    if len(truth_parts) > 1 and (truth[0] != given[0] or truth[-1] != given[-1]):
+        return False  # a tuple against an interval, or open against closed
+    if len(truth_parts) != len(given_parts):
+        return False
+    return all(_elements_equal(t, g, equal_as_expressions) for t, g in zip(truth_parts, given_parts))
+
+
+_FRACTION = re.compile(r"-?\d+\.?/0*[1-9]\d*\.?")
+
+
+def _elements_equal(truth: str, given: str, equal_as_expressions) -> bool:
+    if _FRACTION.fullmatch(truth) and _FRACTION.fullmatch(given):
+        return truth == given  # an unreduced fraction is not the reduced one
+    if _is_integer(truth) != _is_integer(given):
+        return False
+    return equal_as_expressions(truth, given)
+
+
+def _is_integer(text: str) -> bool:
+    try:
+        value = float(re.sub(r"(\d),(\d{3})(?=$|\D)", r"\1\2", text))
+    except ValueError:
+        return False
+    return math.isfinite(value) and abs(value - round(value)) <= 1e-7
