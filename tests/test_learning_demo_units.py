@@ -101,6 +101,31 @@ def test_plot_metrics_writes_every_panel_and_curves(tmp_path):
     assert plot_metrics(metrics, tmp_path / "again") == [tmp_path / "again" / p.name for p in expected]
 
 
+@pytest.mark.parametrize("dtype, line", [("fp32", 1e-4), ("bf16", 2e-2)])
+def test_the_log_prob_agreement_line_follows_the_runs_dtype(dtype, line, tmp_path, monkeypatch):
+    """A bf16 run is drawn against bf16's line: its healthy diff (~4e-3 on one H200) sits above fp32's 1e-4."""
+    import matplotlib.axes
+
+    from slime.config import defaults_namespace
+    from slime.utils.metrics_logger import MetricsLogger
+
+    metrics = MetricsLogger(defaults_namespace(metrics_jsonl=str(tmp_path / "m.jsonl"), start_rollout_id=0,
+                                               bf16=dtype == "bf16"))
+    metrics.log("train", 0, {"train/train_rollout_logprob_abs_diff": 4e-3})
+    metrics.close()
+    import matplotlib.figure
+
+    drawn = []
+    monkeypatch.setattr(matplotlib.axes.Axes, "axhline", lambda ax, y, **kw: drawn.append((y, kw["label"])))
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda *a, **kw: None)  # the lines, not the PNGs
+    plot_metrics(tmp_path / "m.jsonl", tmp_path / "plots")
+    assert {y for y, _ in drawn} == {line} and dtype in drawn[0][1]
+    if dtype == "bf16":
+        drawn.clear()
+        plot_metrics(tmp_path / "m.jsonl", tmp_path / "plots", dtype="fp32")  # --dtype overrides
+        assert {y for y, _ in drawn} == {1e-4}
+
+
 def test_tensorboard_logs_the_same_metrics_as_the_jsonl(tmp_path, monkeypatch):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -117,6 +142,8 @@ def test_tensorboard_logs_the_same_metrics_as_the_jsonl(tmp_path, monkeypatch):
     events = EventAccumulator(str(tmp_path / "tb" / "run1"))
     events.Reload()
     jsonl = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert jsonl[0] == {"event": "run", "rollout_id": 0, "run/dtype": "fp32"}  # first: what readers of the file need
+    jsonl = jsonl[1:]
     for key in ("train/loss", "train/train_rollout_logprob_abs_diff"):
         scalars = [(s.step, s.value) for s in events.Scalars(key)]
         assert scalars == [(e["rollout_id"], pytest.approx(e[key], rel=1e-6)) for e in jsonl]

@@ -147,7 +147,7 @@ def _plain(value: Any) -> Any:
 def _open_sinks(args) -> list:
     sinks = []
     if args.metrics_jsonl:
-        sinks.append(_jsonl_sink(args.metrics_jsonl))
+        sinks.append(_jsonl_sink(args.metrics_jsonl, run_event(args)))
     if args.use_wandb:
         sinks.append(_wandb_sink(args))
     if args.use_tensorboard or args.tensorboard_dir:
@@ -175,9 +175,19 @@ def within_deadline(fn, timeout_s: float, what: str, fix: str) -> None:
         raise outcome[0]
 
 
-def _jsonl_sink(path: str):
+RUN_EVENT = "run"
+"""The first line a run writes to --metrics-jsonl (a resumed run writes its own): facts readers of the file need,
+such as the training dtype slime/tools/plot_metrics.py draws its agreement line from."""
+
+
+def run_event(args) -> dict:
+    return {"event": RUN_EVENT, "rollout_id": args.start_rollout_id, "run/dtype": "bf16" if args.bf16 else "fp32"}
+
+
+def _jsonl_sink(path: str, first: dict):
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     handle = open(path, "a", buffering=1)
+    handle.write(json.dumps(first) + "\n")
 
     def write_jsonl(event: dict) -> None:
         handle.write(json.dumps(event) + "\n")
