@@ -130,7 +130,9 @@ def _logged(tmp_path, verbose: bool) -> tuple[list[str], list[dict]]:
         metrics.rollout_done(rollout_id)
     metrics.log("eval", 2, {"eval/aime": 0.5})
     metrics.close()
-    return printed, [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    jsonl = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert jsonl[0]["event"] == "run"  # the run's facts first (its dtype), then the events in order
+    return printed, jsonl[1:]
 
 
 def test_by_default_one_line_per_rollout_and_the_jsonl_keeps_every_event(tmp_path):
