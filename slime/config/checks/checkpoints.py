@@ -19,7 +19,7 @@ import logging
 import os
 
 from slime.checkpoint.contents import TRACKER, iteration_dir, latest_iteration
-from slime.config.critic_role import critic_save_dir
+from slime.config.critic_role import CRITIC_ROLE, critic_save_dir
 from slime.config.errors import fail
 from slime.config.launch import HF_CONFIG_FILE
 
@@ -41,6 +41,8 @@ def check_load(args: argparse.Namespace) -> None:
                  f"{os.path.basename(iteration_dir(path, iteration))} is missing; write the number of a complete "
                  "iter_* directory into it")
         return
+    if args.use_critic and latest_iteration(os.path.join(path, CRITIC_ROLE)) is not None:
+        return  # the critic's checkpoint alone: it resumes, the actor starts from --hf-checkpoint
     saved = sorted(name for name in entries if name.startswith("iter_"))
     if saved:
         fail(f"--load {path} holds {', '.join(saved[-3:])} but no {TRACKER} (a save that never completed, or a copy "
