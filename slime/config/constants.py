@@ -1,5 +1,5 @@
-"""Names the flags and the checks share: default hook paths, the choices of enumerated flags, the model
-families the builder converts, what it always builds, the required flags and the hook-path flags.
+"""Names the flags and the checks share: default hook paths, the choices of enumerated flags, what the model
+builder always builds, the required flags and the hook-path flags. (The model families are slime/models' registry.)
 """
 
 from __future__ import annotations
@@ -11,10 +11,6 @@ ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "cispo", "reinforce_plus_plus", "reinfor
 KL_LOSS_TYPES = ("k1", "k2", "k3", "low_var_kl")
 ATTENTION_BACKENDS = ("auto", "local", "flash", "fused", "unfused")
 LOSS_TYPES = ("policy_loss", "sft_loss", "custom_loss")
-
-
-MODEL_FAMILIES = ("qwen3", "qwen2", "llama", "qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4", "glm4_moe", "glm4_moe_lite",
-                  "minimax_m2", "qwen3_5", "qwen3_next", "mimo")
 
 
 # Flags a run cannot do without, marked [required] in --help: --rollout-batch-size is checked by parse_args,

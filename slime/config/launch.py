@@ -7,7 +7,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import warnings
 from types import SimpleNamespace
+from typing import Any
 
 from slime.config.checks.linear_attention import check_linear_attention
 from slime.config.checks.lora import check_lora_against_config
@@ -17,6 +19,8 @@ from slime.config.critic_role import critic_resume_dir
 from slime.config.errors import fail, flag_name, require_path
 from slime.models import family as model_family
 from slime.models import supported_model_types
+from slime.models.registry import language_model_config, routed_experts
+from slime.models.hf_arch import HFArch, arch_contradictions, hf_arch, hf_config_from_dict, undeclared_fields
 from slime.models.mtp import check_mtp_layers
 
 
@@ -56,18 +60,9 @@ def check_launch_inputs(args: argparse.Namespace) -> None:
         check_critic_checkpoint(args)
 
 
-MOE_CONFIG_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
-
-
 # HF model_type values the model builder has a family for (slime/models registers them). Any other checkpoint would
 # be built as a dense Qwen3/Llama and fail later, on the ranks, when its weights do not fit.
 SUPPORTED_MODEL_TYPES = supported_model_types()
-
-
-# Megatron flag dest -> the HF config key that gives the same number (the model is built from the config).
-CONFIG_ARCH_KEYS = {"num_layers": "num_hidden_layers", "hidden_size": "hidden_size",
-                    "num_attention_heads": "num_attention_heads", "ffn_hidden_size": "intermediate_size",
-                    "num_query_groups": "num_key_value_heads"}
 
 
 # HF config keys where the critic's checkpoint must match the actor's: the value model is the actor's
@@ -117,6 +112,22 @@ def built_part(config: dict) -> dict:
     return text if isinstance(text, dict) else config
 
 
+def checkpoint_arch(whole: dict, config_path: str) -> tuple[Any, HFArch] | None:
+    """(transformers' config object, the builder's record) of a registered family's config.json, as the ranks
+    read it; None for a model_type no family builds (a --spec / --custom-model-provider-path plug-in's)."""
+    if whole.get("model_type") not in SUPPORTED_MODEL_TYPES:
+        return None
+    try:
+        whole_config = hf_config_from_dict(whole)
+    except (ValueError, TypeError) as exc:  # transformers' own validation of the config class
+        fail(f"--hf-checkpoint: {config_path}: transformers' config class refuses it: {exc}")
+    try:
+        hf_config = language_model_config(whole_config)
+        return hf_config, hf_arch(hf_config)
+    except ValueError as exc:
+        fail(f"--hf-checkpoint: {config_path}: {exc}")
+
+
 def check_hf_config(args: argparse.Namespace, config_path: str) -> None:
     """The checkpoint's config.json against the model builder and the architecture flags, before Ray starts."""
     if args.debug_rollout_only:
@@ -132,32 +143,18 @@ def check_hf_config(args: argparse.Namespace, config_path: str) -> None:
         _check_layer_kinds(config, config_path)
         _check_family_layout(args, config, config_path)
         family = model_family(config.get("model_type", model_type))
-        _check_family_flags(args, family, config_path)
         try:
             check_mtp_layers(args.mtp_num_layers, config, family.name, family.mtp_names is not None,
                              args.pipeline_model_parallel_size)
         except ValueError as exc:
             fail(f"--hf-checkpoint {config_path}: {exc}")
-    heads = config.get("num_attention_heads")
-    mla = (model_type in ("deepseek_v3", "deepseek_v2", "kimi_k2", "glm4_moe_lite", "glm_moe_dsa")
-           and config.get("kv_lora_rank") is not None)
-    arch = {dest: config.get(key) for dest, key in CONFIG_ARCH_KEYS.items()}
-    arch["num_query_groups"] = heads if mla else (config.get("num_key_value_heads") or heads)
-    for dest, value in arch.items():
-        given = getattr(args, dest)
-        if given is not None and value is not None and given != value:
-            fail(f"{flag_name(dest)} {given} contradicts {config_path} ({CONFIG_ARCH_KEYS[dest]} = {value}); the model "
-                 f"is built from the config: drop the flag or pass {flag_name(dest)} {value}")
-    tp = args.tensor_model_parallel_size
-    if isinstance(heads, int) and heads % tp:
-        fail(f"--tensor-model-parallel-size {tp} does not divide the model's {heads} attention heads "
-             f"(num_attention_heads in {config_path}); pick a TP size that divides {heads}")
-    groups = arch["num_query_groups"]
-    if isinstance(groups, int) and groups % tp:
-        fail(f"--tensor-model-parallel-size {tp} does not divide the model's {groups} key/value heads "
-             f"(num_key_value_heads in {config_path}; megatron-core splits them over TP without replicating); "
-             f"pick a TP size that divides {groups}")
-    _check_expert_split(args, config, config_path)
+        hf_config, arch = checkpoint_arch(whole, config_path)
+        contradictions = arch_contradictions(arch, args, family)
+        if contradictions:
+            fail(contradictions[0].before_ray(config_path))
+        _check_split(args, arch, hf_config, config_path)
+        _warn_unread_fields(hf_config, whole, family, config_path)
+        _warn_windows(arch, config_path)
     check_lora_against_config(args, config, config_path)
     check_linear_attention(args, config, config_path)
     check_rope_scaling(args, config, config_path)
@@ -168,6 +165,42 @@ def check_hf_config(args: argparse.Namespace, config_path: str) -> None:
             check_pipeline_layers(args)
         finally:
             args.num_layers = None
+
+
+def _check_split(args: argparse.Namespace, arch: HFArch, hf_config: Any, config_path: str) -> None:
+    """The heads over TP, the experts over EP and into the config's expert groups, the router."""
+    tp = args.tensor_model_parallel_size
+    if arch.num_attention_heads % tp:
+        fail(f"--tensor-model-parallel-size {tp} does not divide the model's {arch.num_attention_heads} attention "
+             f"heads (num_attention_heads in {config_path}); pick a TP size that divides {arch.num_attention_heads}")
+    groups = arch.num_query_groups
+    if groups % tp:
+        fail(f"--tensor-model-parallel-size {tp} does not divide the model's {groups} key/value heads "
+             f"(num_key_value_heads in {config_path}; megatron-core splits them over TP without replicating); "
+             f"pick a TP size that divides {groups}")
+    _check_expert_split(args, arch, hf_config, config_path)
+
+
+def _warn_unread_fields(hf_config: Any, whole: dict, family: Any, config_path: str) -> None:
+    """config.json keys in no field table of the family (slime/models/hf_fields.py): nothing here reads them."""
+    unread = undeclared_fields(hf_config, family.hf_fields)
+    if isinstance(whole.get("text_config"), dict):
+        unread += [f"(outer) {name}" for name in sorted(set(whole) - set(family.composite_fields))]
+    if unread:
+        warnings.warn(f"--hf-checkpoint {config_path}: config.json has fields the {family.name} builder does not "
+                      f"know: {', '.join(unread)}; nothing here reads them (nor does transformers' own class): if one "
+                      "changes the model, the trained model is not the checkpoint's", stacklevel=2)
+
+
+def _warn_windows(arch: HFArch, config_path: str) -> None:
+    if arch.attention_windows is None:
+        return
+    sliding = [w for w in arch.attention_windows if w is not None]
+    warnings.warn(f"--hf-checkpoint {config_path}: {len(sliding)} of {arch.num_layers} layers attend to a sliding "
+                  f"window of {max(sliding)} keys, built as transformers' {arch.family} class builds them; SGLang "
+                  "0.5's qwen2 / qwen3 models serve every layer with full attention, so with SGLang engines a sequence "
+                  "longer than the window gets other log-probs on the engines than in the trainer (the embedded "
+                  "engine runs transformers' class and agrees)", stacklevel=2)
 
 
 def _check_layer_kinds(config: dict, config_path: str) -> None:
@@ -198,34 +231,24 @@ def _check_family_layout(args: argparse.Namespace, config: dict, config_path: st
         fail(f"--hf-checkpoint: {config_path}: {exc}")
 
 
-# store_true flag dest -> the ModelFamily field that says whether the family's layers have it
-FAMILY_FLAGS = {"attention_output_gate": "attention_output_gate", "apply_layernorm_1p": "zero_centered_norms"}
-
-
-def _check_family_flags(args: argparse.Namespace, family, config_path: str) -> None:
-    """A layer-kind flag the checkpoint's family does not have (a gated attention output, zero-centred norms)."""
-    for dest, field in FAMILY_FLAGS.items():
-        if getattr(args, dest) and not getattr(family, field):
-            fail(f"{flag_name(dest)} contradicts {config_path}: {family.name} layers have no such thing; the model is "
-                 "built from the config: drop the flag")
-
-
-def _check_expert_split(args: argparse.Namespace, config: dict, config_path: str) -> None:
-    """The routed experts must split over EP, and into the config's expert groups (n_group / topk_group)."""
-    key = next((k for k in MOE_CONFIG_KEYS if isinstance(config.get(k), int) and config[k] > 0), None)
-    if key is None:
+def _check_expert_split(args: argparse.Namespace, arch: HFArch, hf_config: Any, config_path: str) -> None:
+    """The routed experts must split over EP, and into the config's expert groups (n_group / topk_group); the
+    family's router mapping refuses what megatron-core cannot match."""
+    if not arch.num_experts:
         return
-    experts, ep = config[key], args.expert_model_parallel_size or 1
+    key, experts, ep = arch.experts_key, arch.num_experts, args.expert_model_parallel_size or 1
     if experts % ep:
         fail(f"--expert-model-parallel-size {ep} does not divide the model's {experts} experts ({key} in "
              f"{config_path}); pick an EP size that divides {experts}")
-    n_group, topk_group = config.get("n_group") or 1, config.get("topk_group") or 1
-    if not isinstance(n_group, int) or not isinstance(topk_group, int):
-        return
-    if experts % n_group or topk_group > n_group:
+    n_group, topk_group = getattr(hf_config, "n_group", None) or 1, getattr(hf_config, "topk_group", None) or 1
+    if isinstance(n_group, int) and isinstance(topk_group, int) and (experts % n_group or topk_group > n_group):
         fail(f"{config_path}: n_group={n_group}, topk_group={topk_group} with {key}={experts}: the experts must split "
              f"into n_group equal groups and topk_group <= n_group; set n_group to a divisor of {experts} and "
              "topk_group to at most n_group")
+    try:
+        model_family(arch.model_type).moe(hf_config)
+    except ValueError as exc:
+        fail(f"--hf-checkpoint: {config_path}: {exc}")
 
 
 def _check_moe_tensor_parallel(args: argparse.Namespace, config_path: str) -> None:
@@ -236,9 +259,12 @@ def _check_moe_tensor_parallel(args: argparse.Namespace, config_path: str) -> No
             config = json.load(f)
     except (OSError, ValueError) as exc:
         fail(f"--hf-checkpoint: {config_path} is not readable JSON ({exc})")
-    config = built_part(config)
-    moe = any(int(config.get(key) or 0) > 0 for key in MOE_CONFIG_KEYS) or int(args.num_experts or 0) > 0
-    if moe and args.tensor_model_parallel_size > 1 and not args.sequence_parallel and not args.debug_rollout_only:
+    if args.debug_rollout_only:
+        return  # no trainer model is built
+    checkpoint = checkpoint_arch(config, config_path)
+    experts = checkpoint[1].num_experts if checkpoint is not None else routed_experts(built_part(config))
+    moe = experts > 0 or int(args.num_experts or 0) > 0
+    if moe and args.tensor_model_parallel_size > 1 and not args.sequence_parallel:
         fail(f"the checkpoint is an MoE model and --tensor-model-parallel-size is "
              f"{args.tensor_model_parallel_size}: megatron-core trains MoE layers at TP > 1 only with "
              "--sequence-parallel; add it (or use --expert-model-parallel-size instead of TP)")

@@ -31,6 +31,10 @@ positions <= its own. Kernels (`ContextParallelAttention.kernel`):
 - "masked": SDPA with an explicit [tq, tk] boolean mask and GQA by repeat_interleave, the
   path before the causal kernels: the reference the causal kernels are tested against, and the "old"
   side of benchmarks/bench_step_gpu.py.
+
+A sliding layer (`window`: Qwen2 / Qwen3 `sliding_attention` layers) runs `attend_windowed` whatever the kernel:
+each chunk against the keys its queries can reach, with a band mask (flash-attn's varlen `window_size` on
+fp16/bf16 CUDA), under the same zig-zag split and packing.
 """
 
 from __future__ import annotations
@@ -303,6 +307,41 @@ def attend_masked(q, k, v, plan: AttentionPlan, *, scale: float, dropout_p: floa
 _KERNEL_FUNCTIONS = {"causal": attend_causal, "split": attend_split, "masked": attend_masked}
 
 
+def window_chunk_attention(q, k, v, offset: int, window: int, *, scale: float, dropout_p: float) -> torch.Tensor:
+    """q [tq, hq, d] against k/v [tk, hkv, d], query i sitting `offset` keys after key 0: it sees keys j with
+    offset + i - window < j <= offset + i (a band mask). GQA without repeating k/v. -> [tq, hq, d]."""
+    query_pos = torch.arange(q.shape[0], device=q.device) + offset
+    key_pos = torch.arange(k.shape[0], device=q.device)
+    gap = query_pos.unsqueeze(1) - key_pos.unsqueeze(0)
+    allowed = (gap >= 0) & (gap < window)
+    out = F.scaled_dot_product_attention(heads_first(q), heads_first(k), heads_first(v), attn_mask=allowed,
+                                         dropout_p=dropout_p, scale=scale, enable_gqa=True)
+    return out.squeeze(0).transpose(0, 1)
+
+
+def attend_windowed(q, k, v, plan: AttentionPlan, *, window: int, scale: float, dropout_p: float) -> torch.Tensor:
+    """Sliding-window causal attention (same inputs and output as attend_causal): the query at global position i
+    of its sequence sees that sequence's keys i - window < j <= i. Each chunk attends to the bounded key range its
+    queries can reach, through a band mask; with flash-attn and fp16/bf16 CUDA inputs, one varlen call whose
+    window_size bounds the keys (bottom-right aligned, as the chunks' key prefixes are)."""
+    if flash_attn_varlen_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        if plan.varlen_key_index is not None:
+            k, v = k.index_select(0, plan.varlen_key_index), v.index_select(0, plan.varlen_key_index)
+        return flash_attn_varlen_func(q, k, v, plan.varlen_cu_q, plan.varlen_cu_k, plan.max_query_chunk,
+                                      plan.max_key_prefix, dropout_p=dropout_p, softmax_scale=scale, causal=True,
+                                      window_size=(window - 1, 0))
+    k, v = _in_global_order(k, v, plan)
+    outputs = []
+    for seq in plan.sequences:
+        keys, values = k[seq.keys], v[seq.keys]
+        for queries, prefix in seq.query_chunks:
+            first = prefix - (queries.stop - queries.start)  # the chunk's first query's position in its sequence
+            start = max(0, first - window + 1)
+            outputs.append(window_chunk_attention(q[queries], keys[start:prefix], values[start:prefix], first - start,
+                                                  window, scale=scale, dropout_p=dropout_p))
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+
 # ------------------------------------------------------------------------------ module
 class _AllGatherSequence(torch.autograd.Function):
     """All-gather along dim 0 over `group`; backward reduce-scatters (sums) the grads."""
@@ -346,6 +385,7 @@ class ContextParallelAttention(MegatronModule):
         softmax_scale: Optional[float] = None,
         cp_comm_type: Optional[str] = None,
         pg_collection=None,
+        window: Optional[int] = None,
         **unused,
     ):
         super().__init__(config=config)
@@ -361,6 +401,11 @@ class ContextParallelAttention(MegatronModule):
         self.cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
         self.kernel = "causal"
         """One of KERNELS; the benchmark and the parity tests switch it per instance."""
+        if window is not None and window < 1:
+            raise ValueError(f"a sliding window of {window} keys: it must be at least 1")
+        self.window = window
+        """A sliding layer's key window (its spec's `window` param, local_spec.with_attention_window); None: every
+        earlier key of the sequence (the kernels above)."""
 
     def _cp_group(self) -> Optional[dist.ProcessGroup]:
         if self.config.context_parallel_size == 1:
@@ -404,6 +449,9 @@ class ContextParallelAttention(MegatronModule):
         plan = attention_plan(tuple(lengths), cp_size, cp_rank, q.device)
         dropout_p = self.attention_dropout if self.training else 0.0
         with self._dropout_rng():
+            if self.window is not None:
+                return attend_windowed(q, k, v, plan, window=self.window, scale=self.softmax_scale,
+                                       dropout_p=dropout_p)
             return _KERNEL_FUNCTIONS[self.kernel](q, k, v, plan, scale=self.softmax_scale, dropout_p=dropout_p)
 
     def _dropout_rng(self):

@@ -22,9 +22,11 @@ import dataclasses
 import functools
 from typing import Any
 
+from slime.models.hf_fields import CONFIG_OBJECT, DECODER, built, checked, ignored, must_be, table
 from slime.models.mtp import after_decoder_names
 from slime.models.registry import ModelFamily, register
-from slime.models.sigmoid_router import deepseek_style_moe, first_k_dense, sigmoid_router_architecture
+from slime.models.sigmoid_router import DEEPSEEK_STYLE_MOE_FIELDS, deepseek_style_moe, first_k_dense, \
+    sigmoid_router_architecture
 
 MLA_MODEL_TYPES = ("deepseek_v3", "deepseek_v2", "kimi_k2")
 # DeepseekV3ForCausalLM's MoE layout (Kimi-K2 ships the same architecture)
@@ -52,8 +54,6 @@ def mla_config_fields(hf_config: Any) -> dict[str, Any]:
     rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
     if rope_type not in ("default", "yarn"):
         raise ValueError(f"MLA supports default or yarn RoPE, got {rope_type!r}")
-    if getattr(hf_config, "attention_bias", False):
-        raise ValueError("attention_bias on MLA projections is not supported (DeepSeek-V3 has none)")
     fields = dict(
         multi_latent_attention=True,
         q_lora_rank=hf_config.q_lora_rank,
@@ -78,6 +78,47 @@ def mla_config_fields(hf_config: Any) -> dict[str, Any]:
             mscale_all_dim=float(rope.get("mscale_all_dim", 0.0)),
         )
     return fields
+
+
+def _one_kv_head_per_query_head(value: Any, hf_config: Any) -> str | None:
+    if value is None or value == hf_config.num_attention_heads:
+        return None
+    return (f"latent attention has one key/value head per query head (num_attention_heads = "
+            f"{hf_config.num_attention_heads}); set num_key_value_heads to it")
+
+
+MLA_FIELDS = table(
+    CONFIG_OBJECT, DECODER,
+    num_key_value_heads=checked("num_attention_heads: multi-latent attention has a key and a value per query head",
+                                _one_kv_head_per_query_head, 1),
+    head_dim=built("the RoPE width, qk_rope_head_dim (transformers derives it)"),
+    q_lora_rank=built("the query compression (none: a full q_proj)"),
+    kv_lora_rank=built("the key/value latent"),
+    qk_nope_head_dim=built("qk_head_dim"),
+    qk_rope_head_dim=built("qk_pos_emb_head_dim"),
+    qk_head_dim=built("qk_nope_head_dim + qk_rope_head_dim (transformers derives it)"),
+    v_head_dim=built("v_head_dim"),
+    rope_interleave=checked("interleaved rope dimensions, de-interleaved at run time as transformers does",
+                            must_be(True, "megatron's MLA de-interleaves the rope dimensions"), False),
+    attention_bias=checked("no bias on the MLA projections", must_be(False, "bias on the MLA projections"), True),
+    mlp_bias=checked("no bias on the MLP projections", must_be(False, "bias on the MLP projections"), True),
+    num_nextn_predict_layers=built("the MTP layers (--mtp-num-layers must agree)"),
+)
+"""Multi-latent attention's fields (DeepSeek-V3, Kimi-K2, DeepSeek-V2, GLM-4.7-Flash, GLM-5)."""
+
+DEEPSEEK_V3_FIELDS = table(
+    MLA_FIELDS, DEEPSEEK_STYLE_MOE_FIELDS,
+    topk_method=built("the router: only noaux_tc (the sigmoid router with the score correction bias) is mapped; "
+                      "MoE layers with another are refused"),
+    scoring_func=built("the router's scores: sigmoid only (MoE layers with another are refused)"),
+    moe_layer_freq=built("refused unless 1: transformers' class makes every layer from first_k_dense_replace an MoE "
+                         "layer"),
+    ep_size=ignored("the expert split of DeepSeek's own inference code; --expert-model-parallel-size sets the "
+                    "trainer's"),
+    aux_loss_alpha=ignored("the load-balancing loss of DeepSeek's own training; --moe-aux-loss-coeff sets the "
+                           "trainer's"),
+    seq_aux=ignored("the load-balancing loss of DeepSeek's own training; --moe-aux-loss-coeff sets the trainer's"),
+)
 
 
 # Megatron flag dest -> MLA config field: a flag the user passed must agree with the HF config.
@@ -248,6 +289,9 @@ def moe_architecture(hf_config: Any):
 DEEPSEEK_V3 = register(ModelFamily(
     name="DeepSeek-V3",
     model_types=MLA_MODEL_TYPES,
+    hf_config_types={"kimi_k2": "deepseek_v3"},  # Kimi-K2 ships DeepSeek-V3's config class as remote code
+    hf_fields=DEEPSEEK_V3_FIELDS,
+    experts_key="n_routed_experts",
     qk_layernorm=True,  # the latent q/kv norms are megatron's qk_layernorm
     rope_types=None,  # mla_config_fields reads default or YaRN RoPE
     arch_overrides=mla_arch_overrides,

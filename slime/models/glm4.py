@@ -15,6 +15,7 @@ import dataclasses
 import functools
 from typing import Any
 
+from slime.models.hf_fields import CONFIG_OBJECT, DECODER, built, ignored, table
 from slime.models.registry import ModelFamily, register
 
 GLM4_MODEL_TYPES = ("glm4",)
@@ -98,9 +99,24 @@ def fused_gate_up_name(prefix: str) -> str:
     return f"{prefix}mlp.gate_up_proj.weight"
 
 
+GLM4_FIELDS = table(
+    CONFIG_OBJECT, DECODER,
+    attention_bias=built("the q/k/v projections' bias (o_proj has none)"),
+    ignore_keys_at_rope_validation=ignored("which RoPE keys transformers' validation skips"),
+)
+
+
+def glm4_arch_overrides(hf_config: Any) -> dict[str, Any]:
+    """q/k/v biases as the config says (Glm4Config's attention_bias, on by default)."""
+    return dict(add_qkv_bias=bool(getattr(hf_config, "attention_bias", True)))
+
+
 GLM4 = register(ModelFamily(
     name="GLM-4",
     model_types=GLM4_MODEL_TYPES,
+    hf_fields=GLM4_FIELDS,
+    arch_overrides=glm4_arch_overrides,
+    spec_plugins=("slime_plugins.models.glm4 get_glm_spec",),
     qkv_bias=True,
     rotary_interleaved=True,
     post_norms=True,

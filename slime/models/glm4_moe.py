@@ -17,10 +17,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from slime.models.deepseek_v3 import MLA_FLAGS, attention_names, mla_arch_overrides, mla_config_fields, mla_layer_spec
+from slime.models.deepseek_v3 import MLA_FIELDS, MLA_FLAGS, attention_names, mla_arch_overrides, mla_config_fields, \
+    mla_layer_spec
+from slime.models.hf_fields import CONFIG_OBJECT, DECODER, built, ignored, table
 from slime.models.mtp import after_decoder_names
 from slime.models.registry import ModelFamily, register
-from slime.models.sigmoid_router import deepseek_style_moe, first_k_dense, sigmoid_router_architecture
+from slime.models.sigmoid_router import DEEPSEEK_STYLE_MOE_FIELDS, deepseek_style_moe, first_k_dense, \
+    sigmoid_router_architecture
 
 
 def _has_experts(hf_config: Any, pattern: tuple[int, ...]) -> bool:
@@ -44,9 +47,19 @@ def glm4_moe_architecture(hf_config: Any):
     return sigmoid_router_architecture(deepseek_style_moe(hf_config, "GLM-4.5 MoE", pattern))
 
 
+GLM4_MOE_FIELDS = table(
+    CONFIG_OBJECT, DECODER, DEEPSEEK_STYLE_MOE_FIELDS,
+    attention_bias=built("the q/k/v projections' bias (o_proj has none)"),
+    use_qk_norm=built("qk_layernorm (HF q_norm / k_norm per head)"),
+    num_nextn_predict_layers=built("the MTP layers (--mtp-num-layers must agree)"),
+    ignore_keys_at_rope_validation=ignored("which RoPE keys transformers' validation skips"),
+)
+
 GLM4_MOE = register(ModelFamily(
     name="GLM-4.5",
     model_types=("glm4_moe",),
+    hf_fields=GLM4_MOE_FIELDS,
+    experts_key="n_routed_experts",
     qkv_bias=True,  # on q/k/v only, when attention_bias (glm4_moe_arch_overrides)
     arch_overrides=glm4_moe_arch_overrides,
     moe_architecture=glm4_moe_architecture,
@@ -75,21 +88,26 @@ def glm4_moe_lite_architecture(hf_config: Any):
 
 def glm4_moe_lite_config_fields(hf_config: Any) -> dict[str, Any]:
     """DeepSeek-V3's MLA fields; the RoPE must be what deepseek_v3's mapping reproduces (full rotary width of the
-    rope head dims, interleaved pairs)."""
+    rope head dims; interleaved pairs, rope_interleave, is MLA_FIELDS' check)."""
     rope = dict(getattr(hf_config, "rope_parameters", None) or {})
     partial = float(rope.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)) or 1.0)
     if partial != 1.0:
         raise ValueError(f"GLM-4.7-Flash: partial_rotary_factor={partial} on the qk_rope_head_dim dimensions is not "
                          "mapped (megatron's MLA rotates all of them); use a config with partial_rotary_factor 1.0")
-    if not getattr(hf_config, "rope_interleave", True):
-        raise ValueError("GLM-4.7-Flash: rope_interleave=false is not mapped (megatron's MLA de-interleaves the "
-                         "rope dimensions as transformers does with rope_interleave=true)")
     return mla_config_fields(hf_config)
 
+
+GLM4_MOE_LITE_FIELDS = table(
+    MLA_FIELDS, DEEPSEEK_STYLE_MOE_FIELDS,
+    mlp_layer_types=built("each layer's MLP: dense or sparse (the MoE layer pattern)"),
+    first_k_dense_replace=ignored("transformers' GLM-4.7-Flash class reads mlp_layer_types instead (built)"),
+)
 
 GLM4_MOE_LITE = register(ModelFamily(
     name="GLM-4.7-Flash",
     model_types=("glm4_moe_lite",),
+    hf_fields=GLM4_MOE_LITE_FIELDS,
+    experts_key="n_routed_experts",
     qk_layernorm=True,  # the latent q/kv norms are megatron's qk_layernorm
     rope_types=None,  # mla_config_fields reads default or YaRN RoPE
     arch_overrides=mla_arch_overrides,

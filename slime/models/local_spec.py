@@ -33,6 +33,21 @@ def dense_layer_spec(config: TransformerConfig) -> ModuleSpec:
     return dataclasses.replace(spec, submodules=sub)
 
 
+def with_attention_window(spec: ModuleSpec, window: int | None) -> ModuleSpec:
+    """`spec` (a local layer spec with the project's core attention) whose queries see only the last `window` keys
+    (themselves included); `spec` itself for None (full causal attention)."""
+    if window is None:
+        return spec
+    attention = spec.submodules.self_attention
+    core = attention.submodules.core_attention
+    if core is not ContextParallelAttention:
+        raise TypeError(f"a sliding window is built by ContextParallelAttention; this layer's core attention is {core}")
+    windowed = ModuleSpec(module=ContextParallelAttention, params={"window": window})
+    attn_sub = dataclasses.replace(attention.submodules, core_attention=windowed)
+    sub = dataclasses.replace(spec.submodules, self_attention=dataclasses.replace(attention, submodules=attn_sub))
+    return dataclasses.replace(spec, submodules=sub)
+
+
 def with_moe_mlp(spec: ModuleSpec, config: TransformerConfig, grouped: bool = False) -> ModuleSpec:
     """`spec` (a local layer spec with our norms) with its MLP replaced by megatron's MoE layer, whose experts
     are megatron's SequentialMLP or, with `grouped`, the project's GroupedExperts (same parameters)."""

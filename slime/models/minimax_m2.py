@@ -21,6 +21,7 @@ import dataclasses
 import functools
 from typing import Any
 
+from slime.models.hf_fields import CONFIG_OBJECT, DECODER, ROUTER_TRAINING, built, ignored, table
 from slime.models.registry import ModelFamily, register
 from slime.models.sigmoid_router import SigmoidRouterMoE, sigmoid_router_architecture
 
@@ -147,9 +148,23 @@ def get_minimax_m2_spec(args: Any, config: Any, vp_stage: int | None = None):
     return with_moe_mlp(layer_spec(config), config, grouped_experts_chosen(args.moe_grouped_gemm))
 
 
+MINIMAX_M2_FIELDS = table(
+    CONFIG_OBJECT, DECODER, ROUTER_TRAINING,
+    intermediate_size=built("each routed expert's width (every layer is an MoE layer)"),
+    num_local_experts=built("the routed experts"),
+    num_experts_per_tok=built("the router's top-k (renormalised, as MiniMaxM2TopKRouter always does)"),
+    rotary_dim=built("partial_rotary_factor = rotary_dim / head_dim (transformers converts the released spelling)"),
+    router_jitter_noise=ignored("multiplicative noise on the router input in HF's training mode only: the engines "
+                                "route without it, and the trainer's log-probs and gradient are those of the same "
+                                "noiseless router (megatron's --moe-input-jitter-eps adds jitter only if asked)"),
+)
+
 MINIMAX_M2 = register(ModelFamily(
     name="MiniMax-M2",
     model_types=MINIMAX_M2_MODEL_TYPES,
+    hf_fields=MINIMAX_M2_FIELDS,
+    experts_key="num_local_experts",
+    spec_plugins=("slime_plugins.models.minimax_m2 get_minimax_m2_spec",),
     qk_layernorm=True,  # over whole projections (FullWidthRMSNorm); HF q_norm / k_norm
     layer_spec=layer_spec,
     moe_architecture=moe_architecture,

@@ -19,9 +19,11 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Any
 
+from slime.models.hf_fields import ATTENTION_BIAS, CONFIG_OBJECT, DECODER, built, checked, ignored, table
 from slime.models.moe_arch import MoEArchitecture
-from slime.models.qwen3_moe import moe_architecture as qwen_moe_architecture
 from slime.models.mtp import qwen3_next_names
+from slime.models.qwen3_moe import QWEN_MOE_FIELDS
+from slime.models.qwen3_moe import moe_architecture as qwen_moe_architecture
 from slime.models.registry import ModelFamily, register
 
 LAYER_KINDS = ("linear_attention", "full_attention")
@@ -219,13 +221,53 @@ def _layouts(fused: bool):
     return layer_layouts
 
 
-_COMMON = dict(qk_layernorm=True, attention_output_gate=True, zero_centered_norms=True, layer_kinds=layer_kinds,
+HYBRID_FIELDS = table(
+    CONFIG_OBJECT, DECODER, ATTENTION_BIAS, QWEN_MOE_FIELDS,
+    intermediate_size=built("ffn_hidden_size of the dense MLPs (Qwen3.5-MoE has none: the experts' width)"),
+    layer_types=built("each layer's token mixer: linear_attention (the gated DeltaNet) or full_attention"),
+    linear_conv_kernel_dim=built("the DeltaNet's causal convolution width"),
+    linear_key_head_dim=built("the DeltaNet's key head dim"),
+    linear_value_head_dim=built("the DeltaNet's value head dim"),
+    linear_num_key_heads=built("the DeltaNet's key heads"),
+    linear_num_value_heads=built("the DeltaNet's value heads"),
+    mtp_num_hidden_layers=built("the MTP layers (--mtp-num-layers must agree)"),
+    ignore_keys_at_rope_validation=ignored("which RoPE keys transformers' validation skips"),
+)
+"""Qwen3.5's and Qwen3-Next's text config: the hybrid stack, dense or MoE (Qwen3.5-MoE always renormalises)."""
+
+
+def _text_tying(value: Any, hf_config: Any) -> str | None:
+    text = getattr(hf_config.text_config, "tie_word_embeddings", False)
+    if bool(value) == bool(text):
+        return None
+    return (f"disagrees with text_config.tie_word_embeddings={text}: transformers' composite model ties by the "
+            "outer one, the text model is built by the inner one; make them equal")
+
+
+COMPOSITE_FIELDS = table(
+    CONFIG_OBJECT,
+    text_config=built("the text model, trained (hf_fields of the family)"),
+    vision_config=ignored("the vision tower is not built: the text model is trained, and a prompt with images, "
+                          "video or audio is refused at rollout"),
+    image_token_id=ignored("a token id of the vision inputs, which are refused"),
+    video_token_id=ignored("a token id of the vision inputs, which are refused"),
+    vision_start_token_id=ignored("a token id of the vision inputs, which are refused"),
+    vision_end_token_id=ignored("a token id of the vision inputs, which are refused"),
+    tie_word_embeddings=checked("text_config.tie_word_embeddings", _text_tying, "the other one"),
+)
+"""The vision + text wrapper of the released Qwen3.5 checkpoints (qwen3_5, qwen3_5_moe)."""
+
+_COMMON = dict(hf_fields=HYBRID_FIELDS, experts_key="num_experts", qk_layernorm=True, attention_output_gate=True, zero_centered_norms=True, layer_kinds=layer_kinds,
                kind_layer_spec=kind_layer_spec, config_fields=config_fields, config_flags=CONFIG_FLAGS,
                arch_overrides=arch_overrides, moe_architecture=moe_architecture, layer_names=layer_names)
 
 # the released Qwen3.5 checkpoints are composite (Qwen3_5ForConditionalGeneration): trained text-only
 QWEN3_5 = register(ModelFamily(name="Qwen3.5", model_types=("qwen3_5_text", "qwen3_5_moe_text"),
-                               composite_types=("qwen3_5", "qwen3_5_moe"), layer_layouts=_layouts(fused=False),
+                               composite_types=("qwen3_5", "qwen3_5_moe"), composite_fields=COMPOSITE_FIELDS,
+                               layer_layouts=_layouts(fused=False),
+                               spec_plugins=("slime_plugins.models.qwen3_5 get_qwen3_5_spec",
+                                             "slime_plugins.models.qwen3_5_vl get_qwen3_5_vl_model_provider"),
                                **_COMMON))
 QWEN3_NEXT = register(ModelFamily(name="Qwen3-Next", model_types=("qwen3_next",), layer_layouts=_layouts(fused=True),
-                                  mtp_names=qwen3_next_names, **_COMMON))
+                                  mtp_names=qwen3_next_names,
+                                  spec_plugins=("slime_plugins.models.qwen3_next get_qwen3_next_spec",), **_COMMON))

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from slime.models.hf_arch import sliding_windows
+from slime.models.hf_fields import ROUTER_TRAINING, SLIDING_WINDOW, built, ignored, table
 from slime.models.moe_arch import MoEArchitecture
 # the shared MoE names and routes lived here first; imports by this path keep working
 from slime.models.moe_hf import (  # noqa: F401
@@ -26,7 +28,7 @@ from slime.models.moe_hf import (  # noqa: F401
     router_modules,
     swiglu_names,
 )
-from slime.models.registry import ModelFamily, register
+from slime.models.registry import DENSE_FIELDS, ModelFamily, register
 
 MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe")
 
@@ -55,9 +57,44 @@ def moe_architecture(hf_config: Any, renormalise_by_default: bool = False) -> Mo
     )
 
 
+QWEN_MOE_FIELDS = table(
+    ROUTER_TRAINING,
+    num_experts=built("the routed experts (transformers 5 spells it num_local_experts in Qwen3-MoE)"),
+    num_local_experts=built("the routed experts"),
+    num_experts_per_tok=built("the router's top-k"),
+    moe_intermediate_size=built("each routed expert's width"),
+    norm_topk_prob=built("the top-k weights renormalised (softmax after the top-k)"),
+    decoder_sparse_step=built("every decoder_sparse_step-th layer is an MoE layer"),
+    mlp_only_layers=built("the layers kept dense"),
+    shared_expert_intermediate_size=built("the gated shared expert's width (none when unset)"),
+)
+"""Qwen-MoE's expert and router fields (Qwen2-MoE, Qwen3-MoE, Qwen3.5-MoE, Qwen3-Next)."""
+
+
+def every_layer_window(hf_config: Any) -> tuple[int | None, ...] | None:
+    """transformers' Qwen3-MoE class slides every layer when sliding_window is set (use_sliding_window), and has no
+    layer_types."""
+    window = getattr(hf_config, "sliding_window", None)
+    return (window,) * hf_config.num_hidden_layers if window else None
+
+
+QWEN3_MOE_FIELDS = table(DENSE_FIELDS, QWEN_MOE_FIELDS, SLIDING_WINDOW, max_window_layers=ignored(
+    "transformers' Qwen3-MoE class reads none: with use_sliding_window every layer slides (built)"))
+QWEN2_MOE_FIELDS = table(DENSE_FIELDS, QWEN_MOE_FIELDS, SLIDING_WINDOW,
+                         qkv_bias=built("the q/k/v projections' bias (o_proj has none)"),
+                         attention_bias=ignored("transformers' Qwen2-MoE class reads qkv_bias instead (built)"))
+
+
+def qwen2_moe_arch_overrides(hf_config: Any) -> dict[str, Any]:
+    return dict(add_qkv_bias=bool(getattr(hf_config, "qkv_bias", True)))
+
+
 # Qwen3-MoE: Qwen3's attention (q/k norms); Qwen2-MoE: Qwen2's (q/k/v biases) and a gated shared expert.
 QWEN3_MOE = register(ModelFamily(name="Qwen3-MoE", model_types=("qwen3_moe",), qk_layernorm=True,
-                                 moe_architecture=moe_architecture))
+                                 moe_architecture=moe_architecture, hf_fields=QWEN3_MOE_FIELDS,
+                                 experts_key="num_experts", attention_windows=every_layer_window))
 QWEN2_MOE = register(ModelFamily(name="Qwen2-MoE", model_types=("qwen2_moe",), qkv_bias=True,
-                                 moe_architecture=moe_architecture))
+                                 arch_overrides=qwen2_moe_arch_overrides, moe_architecture=moe_architecture,
+                                 hf_fields=QWEN2_MOE_FIELDS, experts_key="num_experts",
+                                 attention_windows=sliding_windows))
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
+from slime.models.hf_fields import ATTENTION_BIAS, CONFIG_OBJECT, DECODER, MLP_BIAS, FieldRule, table
+
 # One module per family; adding a family is its module plus its line here.
 _BUILTIN_MODULES = (
     "slime.models.qwen",
@@ -52,6 +54,10 @@ def _no_layouts(prefix: str, hf_config: Any) -> dict[str, tuple]:
     return {}
 
 
+# The fields of a Llama-style dense config (transformers' LlamaConfig): what a family declares when it adds none.
+DENSE_FIELDS = table(CONFIG_OBJECT, DECODER, ATTENTION_BIAS, MLP_BIAS)
+
+
 def _shared_moe_names(layer_suffix: str, prefix: str, global_expert: int | None, arch: Any) -> tuple[str, ...] | None:
     from slime.models.moe_hf import family_moe_names
 
@@ -71,6 +77,21 @@ class ModelFamily:
     composite_types: tuple[str, ...] = ()
     """model_types of vision + text checkpoints (config.text_config, weights under `model.language_model.`) whose
     text model this family trains: the vision tower is not built (`language_model_config`)."""
+    hf_config_types: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    """model_type -> the transformers model_type whose config class reads it, for a model_type transformers ships
+    no class for (MiMo: Qwen2's; Kimi-K2: DeepSeek-V3's)."""
+
+    # ---- HF config fields (hf_fields.py): every field of the family's config class, declared
+    hf_fields: Mapping[str, FieldRule] = field(default_factory=lambda: DENSE_FIELDS)
+    """config field -> how the builder treats it (built, checked against the one value built, or ignored with the
+    reason); tests/test_hf_fields.py walks transformers' class of every model_type against it."""
+    composite_fields: Mapping[str, FieldRule] = field(default_factory=lambda: MappingProxyType({}))
+    """The same for the vision + text wrapper config of `composite_types` (its text_config is `hf_fields`')."""
+    experts_key: str | None = None
+    """The config key of the routed-expert count (n_routed_experts, num_experts, ...); None for a dense family."""
+    attention_windows: Callable[[Any], tuple[int | None, ...] | None] | None = None
+    """hf_config -> each layer's sliding key window (None for a full-attention layer), or None when no layer slides
+    (hf_arch.sliding_windows reads transformers' Qwen2 / Qwen3 spelling); None: the family has no windows."""
 
     # ---- HF config -> TransformerConfig
     qk_layernorm: bool = False
@@ -108,6 +129,8 @@ class ModelFamily:
     default_spec: Callable[..., Any] | None = None
     """The family's own `--spec` function (upstream's signature fn(args, config, vp_stage)), used when the
     user names none (GLM-4's post-norm layers)."""
+    spec_plugins: tuple[str, ...] = ()
+    """Upstream's `--spec MODULE FUNCTION` plug-ins that build this family's layers (aliases in slime_plugins)."""
     transformer_engine_spec: bool = True
     """Whether megatron's TransformerEngine layer spec (--transformer-impl transformer_engine) builds these layers;
     False: the family's local spec is built whatever that flag says (GLM-5's sparse attention)."""
@@ -178,6 +201,44 @@ def supported_model_types() -> tuple[str, ...]:
     return tuple(_FAMILIES)
 
 
+def registered_families() -> tuple[ModelFamily, ...]:
+    """Every registered family once, in registration order."""
+    _load_builtin()
+    return tuple({id(family): family for family in _FAMILIES.values()}.values())
+
+
+def _model_name_stem(name: str) -> str:
+    return name.lower().removesuffix("_text").removesuffix("_moe")
+
+
+def model_names() -> tuple[str, ...]:
+    """What --model-name accepts: every registered model_type and its family name without the "_text" / "_moe"
+    suffix (qwen3 for qwen3_moe, qwen3_5 for qwen3_5_moe_text)."""
+    return tuple(dict.fromkeys(n for model_type in supported_model_types()
+                               for n in (model_type, _model_name_stem(model_type))))
+
+
+def names_model_type(model_name: str, model_type: str) -> bool:
+    """Whether --model-name names this model_type (either of them may carry the suffixes)."""
+    return _model_name_stem(model_name) == _model_name_stem(model_type)
+
+
+def expert_count_keys() -> tuple[str, ...]:
+    """Every registered family's config key of the routed-expert count."""
+    return tuple(dict.fromkeys(f.experts_key for f in registered_families() if f.experts_key))
+
+
+def routed_experts(config: Mapping[str, Any]) -> int:
+    """The routed-expert count a config.json dict gives under any registered family's key (0 for a dense model):
+    what a checkpoint of a model_type outside the registry is taken to have."""
+    return max((int(config.get(key) or 0) for key in expert_count_keys()), default=0)
+
+
+def spec_plugins() -> tuple[str, ...]:
+    """Upstream's `--spec` plug-ins the registered families build."""
+    return tuple(plugin for family in registered_families() for plugin in family.spec_plugins)
+
+
 def family(model_type: str) -> ModelFamily:
     """The family registered for an HF model_type (KeyError when none is)."""
     _load_builtin()
@@ -195,10 +256,13 @@ TEXT_PREFIX_ATTRIBUTE = "slime_text_weight_prefix"
 def language_model_config(hf_config: Any) -> Any:
     """The HF config the trainer builds: a composite (vision + text) checkpoint's text_config, marked with the
     prefix of its weights in the checkpoint (hf_weights.py reads it); any other config as it is."""
+    from slime.models.hf_arch import check_fields
+
     _load_builtin()
     family = _FAMILIES.get(getattr(hf_config, "model_type", "") or "")
     if family is None or hf_config.model_type not in family.composite_types:
         return hf_config
+    check_fields(hf_config, family.composite_fields)
     text = hf_config.text_config
     setattr(text, TEXT_PREFIX_ATTRIBUTE, COMPOSITE_TEXT_PREFIX)
     return text

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from slime.models.hf_fields import ROUTER_TRAINING, built, table
 from slime.models.moe_arch import MoEArchitecture
 
 
@@ -84,6 +85,22 @@ def sigmoid_router_architecture(moe: SigmoidRouterMoE, **hf_names: Any) -> MoEAr
         group_topk=moe.group_topk,
         **{"hf_shared_expert": "shared_experts", **hf_names},
     )
+
+
+DEEPSEEK_STYLE_MOE_FIELDS = table(
+    ROUTER_TRAINING,
+    n_routed_experts=built("the routed experts"),
+    num_experts_per_tok=built("the router's top-k"),
+    moe_intermediate_size=built("each routed expert's width"),
+    n_shared_experts=built("the ungated shared experts (n_shared_experts x moe_intermediate_size wide)"),
+    routed_scaling_factor=built("moe_router_topk_scaling_factor"),
+    n_group=built("moe_router_num_groups (group-limited top-k; settings megatron cannot match are refused)"),
+    topk_group=built("moe_router_group_topk"),
+    norm_topk_prob=built("the top-k weights renormalised (refused unless it is num_experts_per_tok > 1)"),
+    first_k_dense_replace=built("the dense layers before the MoE layers"),
+)
+"""The expert and router fields spelt as DeepSeek-V3 spells them (DeepSeek-V3, Kimi-K2, GLM-4.5, GLM-4.7-Flash,
+GLM-5); the router itself is deepseek_style_moe's."""
 
 
 def first_k_dense(hf_config: Any) -> tuple[int, ...]:

@@ -18,7 +18,6 @@ from slime.config.constants import (
     FUNCTION_PATH_FLAGS,
     KL_LOSS_TYPES,
     LOSS_TYPES,
-    MODEL_FAMILIES,
     REQUIRED_FLAGS,
 )
 from slime.config.custom_config import apply_custom_config
@@ -34,10 +33,8 @@ from slime.config.help import (
     unknown_flags_report,
 )
 from slime.config.launch import (
-    CONFIG_ARCH_KEYS,
     HF_CONFIG_FILE,
     HF_TOKENIZER_FILES,
-    MOE_CONFIG_KEYS,
     SUPPORTED_MODEL_TYPES,
     check_launch_inputs,
     launch_missing_flags,
@@ -66,7 +63,6 @@ __all__ = [
     "ArgumentValidationError",
     "BUILT_NORMALIZATION",
     "BUILT_POSITION_EMBEDDING",
-    "CONFIG_ARCH_KEYS",
     "DEFAULT_DATA_SOURCE_PATH",
     "DEFAULT_ROLLOUT_FUNCTION_PATH",
     "DefaultsHelpFormatter",
@@ -77,8 +73,6 @@ __all__ = [
     "HF_TOKENIZER_FILES",
     "KL_LOSS_TYPES",
     "LOSS_TYPES",
-    "MODEL_FAMILIES",
-    "MOE_CONFIG_KEYS",
     "MissingPathError",
     "NOT_IMPLEMENTED_FLAGS",
     "NotImplementedFlag",

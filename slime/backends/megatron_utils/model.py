@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
-import warnings
 from argparse import Namespace
 from typing import Any, Callable
 
@@ -40,7 +39,8 @@ from slime.backends.megatron_utils import moe  # noqa: E402
 from slime.backends.megatron_utils.adam_kernel import fused_adam_chosen, use_fused_adam  # noqa: E402
 from slime.config.layout import virtual_pipeline_size  # noqa: E402
 from slime.models import fused_kernels  # noqa: E402
-from slime.models.local_spec import with_moe_mlp  # noqa: E402
+from slime.models.hf_arch import arch_contradictions, hf_arch  # noqa: E402
+from slime.models.local_spec import with_attention_window, with_moe_mlp  # noqa: E402
 from slime.models.lora import LoraConfig, apply_lora  # noqa: E402
 from slime.models.mtp import check_mtp_layers  # noqa: E402
 from slime.models.mtp_model import MTPGPTModel, mtp_block_spec  # noqa: E402
@@ -67,118 +67,19 @@ def model_vocab_size(args: Namespace, hf_config: Any) -> int:
     return padded_vocab_size(hf_config.vocab_size, args.tensor_model_parallel_size, args.make_vocab_size_divisible_by)
 
 
-def _rope_theta(hf_config: Any) -> float:
-    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
-    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
-    return float(theta if theta is not None else 10000.0)
-
-
-def _rotary_percent(hf_config: Any) -> float:
-    params = getattr(hf_config, "rope_parameters", None) or {}
-    return float(params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)) or 1.0)
-
-
-def _rope_type(hf_config: Any) -> str:
-    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
-    return params.get("rope_type", params.get("type", "default")) or "default"
-
-
-def hf_architecture(hf_config: Any) -> dict[str, Any]:
-    """The architecture facts of an HF config, in megatron's terms (its family says what differs from Llama)."""
-    family = family_of(hf_config)
-    if getattr(hf_config, "hidden_act", "silu") != "silu":
-        raise ValueError(f"only SwiGLU (silu) MLPs are supported, got {hf_config.hidden_act}")
-    if getattr(hf_config, "mlp_bias", False):
-        raise ValueError("MLP bias is not supported")
-    if getattr(hf_config, "attention_bias", False) and not family.qkv_bias:
-        raise ValueError("attention_bias (bias on q/k/v AND o_proj) is not supported")
-    if family.rope_types is not None and _rope_type(hf_config) not in family.rope_types:
-        raise ValueError(f"rope type {_rope_type(hf_config)!r} is not supported")
-    heads = hf_config.num_attention_heads
-    arch = dict(
-        num_layers=hf_config.num_hidden_layers,
-        hidden_size=hf_config.hidden_size,
-        ffn_hidden_size=getattr(hf_config, "intermediate_size", None),
-        num_attention_heads=heads,
-        num_query_groups=getattr(hf_config, "num_key_value_heads", None) or heads,
-        kv_channels=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
-        layernorm_epsilon=hf_config.rms_norm_eps,
-        qk_layernorm=family.qk_layernorm,
-        add_qkv_bias=family.qkv_bias,
-        rotary_interleaved=family.rotary_interleaved,
-        attention_output_gate=family.attention_output_gate,
-        layernorm_zero_centered_gamma=family.zero_centered_norms,
-    )
-    arch.update(family.arch_overrides(hf_config))
-    return arch
-
-
-# Megatron flag dest -> key of hf_architecture(); the model is built from the HF config, so a flag
-# the user passed must agree with it (a silent override would build a model the weights cannot fill).
-_ARCH_FLAGS = {
-    "num_layers": "num_layers", "hidden_size": "hidden_size", "ffn_hidden_size": "ffn_hidden_size",
-    "num_attention_heads": "num_attention_heads", "num_query_groups": "num_query_groups",
-    "kv_channels": "kv_channels", "norm_epsilon": "layernorm_epsilon", "qk_layernorm": "qk_layernorm",
-    "add_qkv_bias": "add_qkv_bias", "rotary_base": "rotary_base", "rotary_percent": "rotary_percent",
-    "rotary_interleaved": "rotary_interleaved", "post_self_attn_layernorm": "post_norms",
-    "post_mlp_layernorm": "post_norms", "attention_output_gate": "attention_output_gate",
-    "apply_layernorm_1p": "layernorm_zero_centered_gamma",
-}
-
-
-def _check_against_args(arch: dict[str, Any], args: Namespace, flags: dict[str, str] = _ARCH_FLAGS) -> None:
-    _check_flags(arch, args, flags)
-    model_name = args.model_name
-    if model_name and model_name.lower().removesuffix("_moe") != arch["model_type"]:
-        raise ValueError(f"--model-name {model_name} contradicts the HF config (model_type {arch['model_type']})")
-
-
-def _check_flags(arch: dict[str, Any], args: Namespace, flags: dict[str, str]) -> None:
-    """Every flag of `flags` (dest -> key of arch) the user passed must equal the HF config's value."""
-    for dest, key in flags.items():
-        given, value = getattr(args, dest), arch.get(key)
-        if given is None or value is None or (isinstance(given, bool) and not given):
-            continue  # not given (store_true flags default to False)
-        same = abs(given - value) <= 1e-12 if isinstance(value, float) else given == value
-        if not same:
-            raise ValueError(f"--{dest.replace('_', '-')}={given} contradicts the HF config ({value})")
-
-
-def _qkv_bias_to_check(hf_config: Any, arch: dict[str, Any], args: Namespace) -> bool | None:
-    """What --add-qkv-bias must agree with; None under multi-latent attention, where megatron reads no such
-    flag (upstream's GLM-4.7-Flash launcher passes it), so it is accepted with a warning."""
-    if not family_of(hf_config).config_fields(hf_config).get("multi_latent_attention", False):
-        return arch["add_qkv_bias"]
-    if args.add_qkv_bias:
-        warnings.warn("--add-qkv-bias has no effect with multi-latent attention: megatron-core's MLA projections "
-                      "take no q/k/v bias, and the HF config has none (attention_bias=false is checked)", stacklevel=3)
-    return None
-
-
-def _model_name(hf_config: Any) -> str:
-    """What --model-name names: the HF model_type without its "_text" and "_moe" suffixes (qwen3 for qwen3_moe,
-    qwen3_5 for qwen3_5_moe_text)."""
-    return getattr(hf_config, "model_type", "").removesuffix("_text").removesuffix("_moe")
-
-
-def _check_embedding_tying(hf_config: Any, args: Namespace) -> None:
-    if args.untie_embeddings_and_output_weights and getattr(hf_config, "tie_word_embeddings", False):
-        raise ValueError("--untie-embeddings-and-output-weights contradicts the HF config "
-                         "(tie_word_embeddings=True)")
-
-
 def transformer_config_from_hf(hf_config: Any, args: Namespace) -> TransformerConfig:
     """TransformerConfig for an HF config of a registered family (slime/models), with parallelism and
-    training knobs from args. fp32 unless args.bf16 (CPU runs use fp32)."""
-    arch = hf_architecture(hf_config)
-    _check_against_args({**arch, "rotary_base": _rope_theta(hf_config), "model_type": _model_name(hf_config),
-                         "rotary_percent": _rotary_percent(hf_config), "post_norms": family_of(hf_config).post_norms,
-                         "add_qkv_bias": _qkv_bias_to_check(hf_config, arch, args)}, args)
-    _check_embedding_tying(hf_config, args)
+    training knobs from args. fp32 unless args.bf16 (CPU runs use fp32). A flag the HF config contradicts is
+    refused (slime.models.hf_arch: the same record and flag map as the pre-Ray check)."""
+    arch = hf_arch(hf_config)
     family = family_of(hf_config)
+    contradictions = arch_contradictions(arch, args, family)
+    if contradictions:
+        raise ValueError(contradictions[0].on_rank())
     check_mtp_layers(args.mtp_num_layers, hf_config, family.name, family.mtp_names is not None,
                      args.pipeline_model_parallel_size)
-    config_class, family_fields = _family_config(hf_config, args)
+    config_class = MLATransformerConfig if arch.multi_latent_attention else TransformerConfig
+    family_fields = dict(arch.family_fields)
     bf16 = bool(args.bf16)
     params_dtype = torch.bfloat16 if bf16 else torch.float32
     moe_fields = {"moe_token_dispatcher_type": "alltoall", **moe.moe_config_fields(hf_config, args)}
@@ -186,7 +87,7 @@ def transformer_config_from_hf(hf_config: Any, args: Namespace) -> TransformerCo
         family_fields = dict(family_fields, dsa_indexer_loss_coeff=float(args.dsa_indexer_loss_coeff or 0.0),
                              dsa_indexer_use_sparse_loss=bool(args.dsa_indexer_use_sparse_loss))
     config = config_class(
-        **arch,
+        **arch.transformer_fields(),
         **family_fields,
         **moe_fields,
         normalization="RMSNorm",
@@ -202,7 +103,7 @@ def transformer_config_from_hf(hf_config: Any, args: Namespace) -> TransformerCo
         calculate_per_token_loss=bool(args.calculate_per_token_loss),
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
-        init_method_std=getattr(hf_config, "initializer_range", 0.02),
+        init_method_std=arch.initializer_range,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
         bf16=bf16,
@@ -226,23 +127,11 @@ def transformer_config_from_hf(hf_config: Any, args: Namespace) -> TransformerCo
         mtp_num_layers=args.mtp_num_layers or None,
         mtp_loss_scaling_factor=args.mtp_loss_scaling_factor,
     )
-    # every layer's kind, for a --spec plug-in that builds them by kind (no TransformerConfig field says it)
-    family = family_of(hf_config)
-    config.hf_layer_kinds = family.layer_kinds(hf_config) if family.layer_kinds is not None else None
+    # every layer's kind, for a --spec plug-in that builds them by kind (no TransformerConfig field says it), and
+    # every layer's sliding window (None: full attention), which the local layer specs build
+    config.hf_layer_kinds = arch.layer_kinds
+    config.hf_attention_windows = arch.attention_windows
     return config
-
-
-def _family_config(hf_config: Any, args: Namespace) -> tuple[type, dict[str, Any]]:
-    """(config class, extra fields) of the HF config's family: MLATransformerConfig for latent attention."""
-    family = family_of(hf_config)
-    fields = family.config_fields(hf_config)
-    _check_flags(fields, args, family.config_flags)
-    if not fields.get("multi_latent_attention", False):
-        if args.multi_latent_attention:
-            raise ValueError(f"--multi-latent-attention contradicts the HF config (model_type "
-                             f"{getattr(hf_config, 'model_type', '')}, no latent attention)")
-        return TransformerConfig, fields
-    return MLATransformerConfig, fields
 
 
 def fused_kernel_impl(args: Namespace) -> str:
@@ -294,6 +183,10 @@ def _layer_spec(args: Namespace, hf_config: Any, config: TransformerConfig, vp_s
         logger.warning("--transformer-impl transformer_engine: TransformerEngine's layer spec does not build %s "
                        "layers; the local spec is built", family_of(hf_config).name)
         transformer_engine = False
+    if transformer_engine and config.hf_attention_windows is not None:
+        logger.warning("--transformer-impl transformer_engine: the checkpoint has sliding-window layers, which the "
+                       "local spec's attention builds; the local spec is built")
+        transformer_engine = False
     if transformer_engine:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, \
             get_gpt_layer_with_transformer_engine_spec
@@ -321,7 +214,18 @@ def _layer_spec(args: Namespace, hf_config: Any, config: TransformerConfig, vp_s
         dense = family_of(hf_config).layer_spec(config)
         layer_specs = [dense] * get_num_layers_to_build(config, vp_stage=vp_stage)
     # A block spec so the final norm is ours too (the default one refuses SP).
-    return TransformerBlockSubmodules(layer_specs=layer_specs, layer_norm=SequenceParallelNorm)
+    return TransformerBlockSubmodules(layer_specs=_windowed(layer_specs, config, vp_stage),
+                                      layer_norm=SequenceParallelNorm)
+
+
+def _windowed(layer_specs: list, config: TransformerConfig, vp_stage: int | None) -> list:
+    """This stage's layer specs with each sliding layer's key window in its core attention (a --spec plug-in
+    with sliding-window layers is refused: slime.models.hf_arch)."""
+    windows = config.hf_attention_windows
+    if windows is None:
+        return layer_specs
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    return [with_attention_window(spec, windows[offset + index]) for index, spec in enumerate(layer_specs)]
 
 
 def _hybrid_layer_specs(args: Namespace, hf_config: Any, config: TransformerConfig, vp_stage: int | None) -> list:
@@ -365,8 +269,7 @@ def build_gpt_model(
     split by SP: the output layer gathers it); padded columns hold PADDED_VOCAB_LOGIT.
     """
     config = transformer_config_from_hf(hf_config, args)
-    rope_scaling = _rope_type(hf_config) == "llama3"
-    rope_params = getattr(hf_config, "rope_parameters", None) or {}
+    arch = hf_arch(hf_config)
     model_class, mtp_fields = GPTModel, {}
     if config.mtp_num_layers:
         model_class = MTPGPTModel
@@ -377,16 +280,16 @@ def build_gpt_model(
         config=config,
         transformer_layer_spec=_layer_spec(args, hf_config, config, vp_stage),
         vocab_size=model_vocab_size(args, hf_config),
-        max_sequence_length=args.max_position_embeddings or hf_config.max_position_embeddings,
+        max_sequence_length=args.max_position_embeddings or arch.max_position_embeddings,
         pre_process=pre_process,
         post_process=post_process,
         parallel_output=True,
-        share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
         position_embedding_type="rope",
-        rotary_percent=_rotary_percent(hf_config),
-        rotary_base=int(_rope_theta(hf_config)),
-        rope_scaling=rope_scaling,
-        rope_scaling_factor=float(rope_params.get("factor", 8.0)),
+        rotary_percent=arch.rope.percent,
+        rotary_base=int(arch.rope.base),
+        rope_scaling=arch.rope.type == "llama3",  # megatron's Llama-3 scaling (its other factors checked: hf_arch)
+        rope_scaling_factor=arch.rope.llama3_factor or 8.0,
         vp_stage=vp_stage,
     )
     _mask_padded_vocab(model, hf_config.vocab_size)

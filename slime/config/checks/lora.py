@@ -9,6 +9,7 @@ import warnings
 
 from slime.config.errors import derive, fail
 from slime.config.flags.training import LORA_TARGET_MODULES
+from slime.models.registry import routed_experts
 
 
 ALL_LINEAR = "all-linear"
@@ -39,10 +40,6 @@ def check_lora_flags(args: argparse.Namespace) -> None:
 
 EXPERT_TARGETS = ("linear_fc1", "linear_fc2")
 """The targets that also adapt each routed expert's MLP."""
-
-
-def routed_experts(config: dict) -> int:
-    return max(int(config.get(key) or 0) for key in ("num_experts", "n_routed_experts", "num_local_experts"))
 
 
 def lora_layer_widths(config: dict) -> dict[str, int]:

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import argparse
 
-from slime.config.constants import BUILT_NORMALIZATION, BUILT_POSITION_EMBEDDING, MODEL_FAMILIES
+from slime.config.constants import BUILT_NORMALIZATION, BUILT_POSITION_EMBEDDING
 from slime.config.errors import derive, fail, flag_name
+from slime.models.registry import model_names
 
 
 def resolve_architecture_kinds(args: argparse.Namespace) -> None:
@@ -42,8 +43,8 @@ def resolve_model_defaults(args: argparse.Namespace) -> None:
         derive(args, "eps_clip_high", args.eps_clip, f"--eps-clip {args.eps_clip}")
     if args.padded_vocab_size is not None and args.vocab_size is not None and args.padded_vocab_size < args.vocab_size:
         fail(f"--padded-vocab-size {args.padded_vocab_size} is smaller than --vocab-size {args.vocab_size}")
-    if args.model_name is not None and args.model_name.lower() not in MODEL_FAMILIES:
-        fail(f"--model-name {args.model_name} is not supported; the model builder converts {', '.join(MODEL_FAMILIES)}")
+    if args.model_name is not None and args.model_name.lower() not in model_names():
+        fail(f"--model-name {args.model_name} is not supported; the model builder converts {', '.join(model_names())}")
 
 
 def check_mtp(args: argparse.Namespace) -> None:

@@ -11,6 +11,7 @@ import traceback
 from slime.config.constants import DEFAULT_DATA_SOURCE_PATH, DEFAULT_ROLLOUT_FUNCTION_PATH, FUNCTION_PATH_FLAGS
 from slime.config.errors import MissingPathError, fail, require_path
 from slime.config.launch import HF_CONFIG_FILE, check_hf_config
+from slime.models.registry import spec_plugins
 from slime.utils.misc import load_function, module_is_findable
 
 
@@ -59,9 +60,8 @@ def check_spec(args: argparse.Namespace) -> None:
     module, function = args.spec
     if module in UNSUPPORTED_SPEC_MODULES:
         fail(f"--spec {module} {function} is not supported here: {UNSUPPORTED_SPEC_MODULES[module]}; the layer "
-             "specs here are the built-in ones (dense, MoE, MLA, hybrid from the HF config) and those of "
-             "slime_plugins.models.{glm4, glm5.glm5, minimax_m2, qwen3_5, qwen3_next, qwen3_5_vl} "
-             "(docs/model-families.md)")
+             "specs here are the built-in ones (dense, MoE, MLA, hybrid from the HF config) and the model families' "
+             f"plug-ins: {', '.join(spec_plugins())} (docs/model-families.md)")
     check_hook_path("--spec", f"{module}.{function}")
 
 

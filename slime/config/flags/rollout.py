@@ -16,8 +16,8 @@ def add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--hf-checkpoint", type=str, default=None,
                    help="HF model directory: the engines' first weights, the tokenizer and the model config")
     g.add_argument("--model-name", type=str, default=None,
-                   help="model family of the HF checkpoint (e.g. qwen3, qwen3_5, glm4_moe, minimax_m2: "
-                        "slime.config.constants.MODEL_FAMILIES); must match its config.json")
+                   help="model family of the HF checkpoint: its config.json model_type, or that without the "
+                        "_moe / _text suffix (slime.models.registry.model_names()); must match its config.json")
     g.add_argument("--rollout-function-path", type=str, default=DEFAULT_ROLLOUT_FUNCTION_PATH,
                    help="rollout function fn(args, rollout_id, data_source, evaluation=False)")
     g.add_argument("--custom-generate-function-path", type=str, default=None,
