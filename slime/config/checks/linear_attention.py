@@ -13,7 +13,7 @@ from slime.config.errors import fail, flag_name
 # HF layer_types entries -> megatron's pattern value (1: linear attention, 0: full attention).
 LAYER_TYPE_PATTERN = {"linear_attention": 1, "full_attention": 0}
 
-# megatron flag dest -> the HF config key of the same number.
+# megatron's DeltaNet size flags (checked against the config with the other architecture flags: slime.models.hf_arch).
 LINEAR_SHAPE_KEYS = {"linear_conv_kernel_dim": "linear_conv_kernel_dim", "linear_key_head_dim": "linear_key_head_dim",
                      "linear_value_head_dim": "linear_value_head_dim", "linear_num_key_heads": "linear_num_key_heads",
                      "linear_num_value_heads": "linear_num_value_heads"}
@@ -73,11 +73,6 @@ def check_linear_attention(args: argparse.Namespace, config: dict, config_path: 
     if args.linear_attention_freq is not None and pattern_of_flag(args.linear_attention_freq, len(pattern)) != pattern:
         fail(f"--linear-attention-freq {args.linear_attention_freq} contradicts the layer_types of {config_path} "
              f"({list(pattern)} as 1 linear / 0 full); drop the flag or pass that list")
-    for dest, key in LINEAR_SHAPE_KEYS.items():
-        given, value = getattr(args, dest), config.get(key)
-        if given is not None and value is not None and given != value:
-            fail(f"{flag_name(dest)} {given} contradicts {config_path} ({key} = {value}); the model is built from the "
-                 f"config: drop the flag or pass {flag_name(dest)} {value}")
     _check_linear_heads_split(args, config, config_path)
 
 
