@@ -141,8 +141,9 @@ def rope_of(hf_config: Any, family: ModelFamily) -> RoPE:
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     if family.rope_types is not None and rope_type not in family.rope_types:
         raise ValueError(f"rope type {rope_type!r} is not supported")
-    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
-    percent = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
+    theta = params.get("rope_theta")
+    theta = getattr(hf_config, "rope_theta", None) if theta is None else theta  # 4.x: beside rope_scaling
+    percent = params.get("partial_rotary_factor") or getattr(hf_config, "partial_rotary_factor", 1.0)
     rope = RoPE(type=rope_type, base=float(theta if theta is not None else 10000.0), percent=float(percent or 1.0))
     if rope_type != "llama3":
         return rope

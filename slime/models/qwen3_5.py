@@ -253,7 +253,7 @@ COMPOSITE_FIELDS = table(
     video_token_id=ignored("a token id of the vision inputs, which are refused"),
     vision_start_token_id=ignored("a token id of the vision inputs, which are refused"),
     vision_end_token_id=ignored("a token id of the vision inputs, which are refused"),
-    tie_word_embeddings=checked("text_config.tie_word_embeddings", _text_tying, "the other one"),
+    tie_word_embeddings=checked("text_config.tie_word_embeddings", _text_tying, True),
 )
 """The vision + text wrapper of the released Qwen3.5 checkpoints (qwen3_5, qwen3_5_moe)."""
 
