@@ -240,7 +240,7 @@ def _check_expert_split(args: argparse.Namespace, arch: HFArch, hf_config: Any, 
     if experts % ep:
         fail(f"--expert-model-parallel-size {ep} does not divide the model's {experts} experts ({key} in "
              f"{config_path}); pick an EP size that divides {experts}")
-    n_group, topk_group = getattr(hf_config, "n_group", None) or 1, getattr(hf_config, "topk_group", None) or 1
+    n_group, topk_group = arch.expert_groups
     if isinstance(n_group, int) and isinstance(topk_group, int) and (experts % n_group or topk_group > n_group):
         fail(f"{config_path}: n_group={n_group}, topk_group={topk_group} with {key}={experts}: the experts must split "
              f"into n_group equal groups and topk_group <= n_group; set n_group to a divisor of {experts} and "

@@ -69,6 +69,9 @@ class HFArch:
     num_experts: int = 0
     experts_key: str | None = None
     """The config key of the routed-expert count (named in messages)."""
+    expert_groups: tuple[int, int] = (1, 1)
+    """(n_group, topk_group): the groups the experts split into and those a token may use (DeepSeek-style
+    group-limited routing; (1, 1) without)."""
 
     @property
     def multi_latent_attention(self) -> bool:
@@ -224,6 +227,7 @@ def hf_arch(hf_config: Any) -> HFArch:
         attention_windows=windows,
         num_experts=experts,
         experts_key=family.experts_key if experts else None,
+        expert_groups=(getattr(hf_config, "n_group", None) or 1, getattr(hf_config, "topk_group", None) or 1),
     )
 
 
