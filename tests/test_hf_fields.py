@@ -96,7 +96,7 @@ def _write(tmp_path, config: dict) -> str:
 
 
 def _tiny_configs():
-    from transformers import (DeepseekV3Config, Glm4Config, Glm4MoeConfig, GlmMoeDsaConfig, LlamaConfig,
+    from transformers import (Glm4Config, Glm4MoeConfig, GlmMoeDsaConfig, LlamaConfig,
                               MiniMaxM2Config, Qwen2MoeConfig, Qwen3_5Config, Qwen3MoeConfig)
 
     from tiny_models import tiny_deepseek_v3_config, tiny_qwen3_config

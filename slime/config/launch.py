@@ -16,7 +16,7 @@ from slime.config.checks.lora import check_lora_against_config
 from slime.config.checks.model import check_pipeline_layers, check_rope_scaling
 from slime.config.constants import DEFAULT_DATA_SOURCE_PATH, DEFAULT_ROLLOUT_FUNCTION_PATH
 from slime.config.critic_role import critic_resume_dir
-from slime.config.errors import fail, flag_name, require_path
+from slime.config.errors import fail, require_path
 from slime.models import family as model_family
 from slime.models import supported_model_types
 from slime.models.registry import language_model_config, routed_experts

@@ -15,7 +15,7 @@ import dataclasses
 import functools
 from typing import Any
 
-from slime.models.hf_fields import CONFIG_OBJECT, DECODER, built, ignored, table
+from slime.models.hf_fields import CONFIG_OBJECT, DECODER, built, table
 from slime.models.registry import ModelFamily, register
 
 GLM4_MODEL_TYPES = ("glm4",)
@@ -102,7 +102,6 @@ def fused_gate_up_name(prefix: str) -> str:
 GLM4_FIELDS = table(
     CONFIG_OBJECT, DECODER,
     attention_bias=built("the q/k/v projections' bias (o_proj has none)"),
-    ignore_keys_at_rope_validation=ignored("which RoPE keys transformers' validation skips"),
 )
 
 

@@ -52,7 +52,6 @@ GLM4_MOE_FIELDS = table(
     attention_bias=built("the q/k/v projections' bias (o_proj has none)"),
     use_qk_norm=built("qk_layernorm (HF q_norm / k_norm per head)"),
     num_nextn_predict_layers=built("the MTP layers (--mtp-num-layers must agree)"),
-    ignore_keys_at_rope_validation=ignored("which RoPE keys transformers' validation skips"),
 )
 
 GLM4_MOE = register(ModelFamily(

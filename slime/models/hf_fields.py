@@ -122,6 +122,7 @@ DECODER = table(
     partial_rotary_factor=built("rotary_percent (transformers 4.x spelling, outside rope_parameters)"),
     attention_dropout=ignored("dropout of HF's own training mode; --attention-dropout sets the trainer's"),
     pretraining_tp=ignored("transformers' own model does not read it (a matmul split of the original training)"),
+    ignore_keys_at_rope_validation=ignored("which RoPE keys transformers' validation skips"),
 )
 """The generic pre-norm decoder every family's builder starts from (slime/models/hf_arch.py)."""
 

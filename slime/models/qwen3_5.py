@@ -231,7 +231,6 @@ HYBRID_FIELDS = table(
     linear_num_key_heads=built("the DeltaNet's key heads"),
     linear_num_value_heads=built("the DeltaNet's value heads"),
     mtp_num_hidden_layers=built("the MTP layers (--mtp-num-layers must agree)"),
-    ignore_keys_at_rope_validation=ignored("which RoPE keys transformers' validation skips"),
 )
 """Qwen3.5's and Qwen3-Next's text config: the hybrid stack, dense or MoE (Qwen3.5-MoE always renormalises)."""
 
