@@ -178,7 +178,8 @@ WRONG = {"num_layers": 3, "hidden_size": 128, "ffn_hidden_size": 64, "num_attent
          "kv_channels": 32, "norm_epsilon": 1e-5, "qk_layernorm": True, "add_qkv_bias": True, "rotary_base": 500.0,
          "rotary_percent": 0.5, "rotary_interleaved": True, "post_self_attn_layernorm": True,
          "post_mlp_layernorm": True, "attention_output_gate": True, "apply_layernorm_1p": True,
-         "multi_latent_attention": True, "untie_embeddings_and_output_weights": True, "model_name": "qwen3"}
+         "multi_latent_attention": True, "untie_embeddings_and_output_weights": True, "model_name": "qwen3",
+         "use_rope_scaling": True}
 
 
 def test_every_flag_of_the_map_is_tested():

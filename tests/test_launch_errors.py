@@ -406,7 +406,8 @@ LLAMA3 = dict(QWEN3, model_type="llama", rope_scaling=dict(rope_type="llama3", f
 
 
 @pytest.mark.parametrize("config", [LLAMA3, dict(QWEN3, model_type="llama", rope_parameters=dict(
-    type="llama3", factor=8.0, rope_theta=500000.0))], ids=["rope_scaling", "rope_parameters"])
+    type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192,
+    rope_theta=500000.0))], ids=["rope_scaling", "rope_parameters"])
 def test_use_rope_scaling_is_accepted_on_a_llama3_rope_config(config, tmp_path):
     args = parse_quiet([*BASE, "--hf-checkpoint", _checkpoint(tmp_path, **config), "--use-rope-scaling",
                         "--rotary-scaling-factor", "8.0"])

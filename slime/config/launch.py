@@ -13,7 +13,7 @@ from typing import Any
 
 from slime.config.checks.linear_attention import check_linear_attention
 from slime.config.checks.lora import check_lora_against_config
-from slime.config.checks.model import check_pipeline_layers, check_rope_scaling
+from slime.config.checks.model import check_pipeline_layers
 from slime.config.constants import DEFAULT_DATA_SOURCE_PATH, DEFAULT_ROLLOUT_FUNCTION_PATH
 from slime.config.critic_role import critic_resume_dir
 from slime.config.errors import fail, require_path
@@ -119,7 +119,7 @@ def checkpoint_arch(whole: dict, config_path: str) -> tuple[Any, HFArch] | None:
         return None
     try:
         whole_config = hf_config_from_dict(whole)
-    except (ValueError, TypeError) as exc:  # transformers' own validation of the config class
+    except (ValueError, TypeError, KeyError) as exc:  # transformers' own validation of the config class
         fail(f"--hf-checkpoint: {config_path}: transformers' config class refuses it: {exc}")
     try:
         hf_config = language_model_config(whole_config)
@@ -157,7 +157,6 @@ def check_hf_config(args: argparse.Namespace, config_path: str) -> None:
         _warn_windows(arch, config_path)
     check_lora_against_config(args, config, config_path)
     check_linear_attention(args, config, config_path)
-    check_rope_scaling(args, config, config_path)
     layers, pp = config.get("num_hidden_layers"), args.pipeline_model_parallel_size
     if args.num_layers is None and isinstance(layers, int) and pp > 1:
         args.num_layers = layers

@@ -143,7 +143,8 @@ def rope_of(hf_config: Any, family: ModelFamily) -> RoPE:
     params = _rope_params(hf_config)
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     if family.rope_types is not None and rope_type not in family.rope_types:
-        raise ValueError(f"rope type {rope_type!r} is not supported")
+        raise ValueError(f"config.json has rope type {rope_type!r} (rope_parameters / rope_scaling), which the "
+                         f"{family.name} builder does not build; it builds {' and '.join(family.rope_types)}")
     theta = params.get("rope_theta")
     theta = getattr(hf_config, "rope_theta", None) if theta is None else theta  # 4.x: beside rope_scaling
     percent = params.get("partial_rotary_factor") or getattr(hf_config, "partial_rotary_factor", 1.0)
@@ -277,8 +278,9 @@ class Contradiction:
         if self.value is None or isinstance(self.given, bool):
             return (f"{self.flag} contradicts {config_path} ({self.reason}); the model is built from the config: "
                     "drop the flag")
-        return (f"{self.flag} {self.given} contradicts {config_path} ({self.reason}); the model is built from the "
-                f"config: drop the flag or pass {self.flag} {self.value}")
+        given, value = (f"{v:g}" if isinstance(v, float) else v for v in (self.given, self.value))
+        return (f"{self.flag} {given} contradicts {config_path} ({self.reason}); the model is built from the "
+                f"config: drop the flag or pass {self.flag} {value}")
 
 
 def _same(given: Any, value: Any) -> bool:
@@ -296,7 +298,8 @@ def _valued(dest: str, given: Any, value: Any, key: str | None, family: str) -> 
 
 def arch_contradictions(arch: HFArch, args: Any, family: ModelFamily) -> list[Contradiction]:
     """Every flag of `args` the record contradicts: the architecture flags (ARCH_FLAGS), the family's own
-    (ModelFamily.config_flags over its config_fields), --multi-latent-attention, the embedding tying and
+    (ModelFamily.config_flags over its config_fields), Llama-3's --use-rope-scaling / --rotary-scaling-factor,
+    --multi-latent-attention, the embedding tying, a --spec plug-in or MTP layers beside sliding windows, and
     --model-name."""
     found = []
     for dest, (attribute, key) in ARCH_FLAGS.items():
@@ -309,6 +312,12 @@ def arch_contradictions(arch: HFArch, args: Any, family: ModelFamily) -> list[Co
         found.append(_valued(dest, getattr(args, dest), getattr(arch, attribute), key, arch.family))
     for dest, key in family.config_flags.items():
         found.append(_valued(dest, getattr(args, dest), arch.family_fields.get(key), key, arch.family))
+    if not arch.multi_latent_attention:  # MLA's --rotary-scaling-factor is its YaRN factor (config_flags)
+        if args.use_rope_scaling and arch.rope.type != "llama3":
+            found.append(Contradiction("use_rope_scaling", True, None, f"it asks for Llama-3 RoPE scaling, but the "
+                                       f"config's rope type is {arch.rope.type!r}"))
+        found.append(_valued("rotary_scaling_factor", args.rotary_scaling_factor, arch.rope.llama3_factor,
+                             "llama3 rope factor", arch.family))
     if args.multi_latent_attention and not arch.multi_latent_attention:
         found.append(Contradiction("multi_latent_attention", True, None,
                                    f"model_type {arch.model_type}, no latent attention"))

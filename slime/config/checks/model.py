@@ -95,29 +95,3 @@ def check_pipeline_layers(args: argparse.Namespace) -> None:
         fail(f"--num-layers {layers} does not split over --pipeline-model-parallel-size {pp}"
              f"{' with ' + given if given else ''}: the remaining {middle} layers must divide evenly over the "
              f"other {stages} stage(s)")
-
-
-# config.json keys of the RoPE parameters: transformers 5 writes rope_parameters, earlier releases rope_scaling.
-ROPE_CONFIG_KEYS = ("rope_parameters", "rope_scaling")
-
-
-def config_rope(config: dict) -> tuple[str, dict]:
-    """(rope type, its parameters) of an HF config.json, under either key and either spelling of the type."""
-    params = next((config[key] for key in ROPE_CONFIG_KEYS if isinstance(config.get(key), dict)), {})
-    return params.get("rope_type") or params.get("type") or "default", params
-
-
-def check_rope_scaling(args: argparse.Namespace, config: dict, config_path: str) -> None:
-    """--use-rope-scaling (upstream's Llama-3.x launchers) asks for the RoPE the builder reads from the config: the
-    checkpoint must carry Llama-3 rope scaling, and --rotary-scaling-factor, when given with it, its factor."""
-    if not args.use_rope_scaling:
-        return
-    rope_type, params = config_rope(config)
-    if rope_type != "llama3":
-        fail(f"--use-rope-scaling asks for Llama-3 RoPE scaling, but {config_path} has rope type {rope_type!r} "
-             "(rope_scaling / rope_parameters); the model's RoPE is built from the config: drop the flag")
-    factor = params.get("factor")
-    if args.rotary_scaling_factor is not None and factor is not None and args.rotary_scaling_factor != factor:
-        fail(f"--rotary-scaling-factor {args.rotary_scaling_factor:g} contradicts {config_path} (llama3 rope factor "
-             f"= {factor:g}); the model is built from the config: drop the flag or pass --rotary-scaling-factor "
-             f"{factor:g}")
