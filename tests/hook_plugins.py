@@ -105,7 +105,7 @@ def all_samples_process(args, all_groups, data_source):
 
 def convert_samples(args, samples):
     """--custom-convert-samples-to-train-data-path: the default conversion, marked."""
-    from slime.rollout.advantages import samples_to_train_data
+    from slime.rollout.train_data import samples_to_train_data
 
     data = samples_to_train_data(args, samples)
     record(args, "convert_samples", samples=len(samples))

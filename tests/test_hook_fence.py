@@ -14,8 +14,9 @@ import pytest
 import hook_plugins
 import step_ranks
 from mp_utils import run_ranks_outcomes
-from slime.backends.megatron_utils.hook_fence import PER_DP_RANK_KEYS, PerDpKeys, run_fenced_hook, value_digest
+from slime.backends.megatron_utils.hook_fence import PerDpKeys, run_fenced_hook, value_digest
 from slime.distributed.fence import ScopedFields
+from slime.utils.rollout_batch import PER_DP_RANK_KEYS
 from tiny_models import save_tiny_qwen3
 from train_step_harness import make_rollout
 

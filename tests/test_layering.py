@@ -14,6 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 ROOMS = [
     ("slime",),  # the package itself (empty)
     ("slime.utils",),
+    ("slime.algorithms",),  # the estimators and their maths: torch and the leaves above only
     ("slime.config",),  # the flags, their defaults and the parallel layout: read by every room above
     ("slime.distributed",),
     ("slime.checkpoint",),
@@ -28,6 +29,7 @@ ROOMS = [
      "slime.config.critic_role"),
     ("slime.ray",),
     ("slime.utils.arguments",),  # upstream's import path of the parser: re-exports the config room
+    ("slime.utils.ppo_utils",),  # upstream's import path of the PPO maths: re-exports slime.algorithms
     ("slime_plugins",),  # upstream's plug-in paths: aliases of slime.models modules
     ("slime.tools",),
 ]

@@ -143,7 +143,7 @@ def test_post_process_gives_zero_rewards_and_reads_upstreams_raw_reply_form():
 
 
 def test_train_data_carries_the_teacher_log_probs():
-    from slime.rollout.advantages import samples_to_train_data
+    from slime.rollout.train_data import samples_to_train_data
 
     args = SimpleNamespace(advantage_estimator="grpo", n_samples_per_prompt=1, reward_key=None,
                            custom_reward_post_process_path="slime.rollout.on_policy_distillation.post_process_rewards")

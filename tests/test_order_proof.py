@@ -89,7 +89,7 @@ def test_recorded_plan_has_uneven_steps_and_uneven_cp_slices(issue_run):
     """The conditions of upstream #1487's hang held in this run: recomputed from the saved rollouts, the plans
     equal what every rank claimed at the plan fence, and their CP slices carry unequal loss tokens (some none)."""
     from slime.backends.megatron_utils.data import pack_micro_batch, plans_from_rollout
-    from slime.rollout.advantages import samples_to_train_data
+    from slime.rollout.train_data import samples_to_train_data
     from slime.utils.arguments import parse_args
     from slime.utils.types import Sample
 

@@ -18,8 +18,8 @@ from slime.utils.ppo_utils import (
     get_advantages_and_returns,
     get_grpo_returns,
     get_reinforce_plus_plus_returns,
-    group_normalize_rewards,
 )
+from slime.algorithms.rewards import group_normalize
 
 
 def test_approx_kl_estimators():
@@ -81,7 +81,7 @@ def test_returns_and_gae():
 
 
 def test_group_normalize_and_advantages():
-    norm = group_normalize_rewards([1.0, 0.0, 1.0, 1.0, 2.0, 3.0], 3)
+    norm = group_normalize([1.0, 0.0, 1.0, 1.0, 2.0, 3.0], [0, 0, 0, 1, 1, 1], divide_by_std=True)
     std0 = torch.tensor([1.0, 0.0, 1.0]).std().item()
     assert norm[0] == pytest.approx((1 - 2 / 3) / (std0 + 1e-6))
     assert norm[3:] == pytest.approx([-1.0, 0.0, 1.0], rel=1e-5)

@@ -8,7 +8,8 @@ import pytest
 from rollout_testing import engine, fresh_generate_state, tokenizer_dir  # noqa: F401 (fixtures)
 from rollout_testing import FakeEngine, free_port, write_jsonl
 from slime.config import defaults_namespace
-from slime.rollout.advantages import group_normalize, samples_to_train_data
+from slime.algorithms.rewards import group_normalize
+from slime.rollout.train_data import samples_to_train_data
 from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput, call_rollout_fn
 from slime.rollout.data_source import RolloutDataSource, load_tokenizer
 from slime.rollout.eval_config import EvalDatasetSpec

@@ -91,7 +91,7 @@ def test_sft_rollout_turns_the_data_sources_conversations_into_trainable_samples
     assert sample.reward == 0.0 and sample.status.value == "completed"
     assert len(sample.loss_mask) == sample.response_length <= len(sample.tokens)
     assert sample.loss_mask[0] == 1 and sample.response == sample.prompt[1]["content"] + "|"
-    from slime.rollout.advantages import samples_to_train_data
+    from slime.rollout.train_data import samples_to_train_data
 
     train = samples_to_train_data(args, groups)
     assert train["loss_masks"][0] == sample.loss_mask and train["rewards"] == [0.0, 0.0, 0.0]

@@ -23,7 +23,8 @@ def _data():
 def _args(**kw):
     base = dict(context_parallel_size=1, tensor_model_parallel_size=1, sequence_parallel=False,
                 num_steps_per_rollout=1, use_dynamic_batch_size=True, max_tokens_per_gpu=64, micro_batch_size=1,
-                global_batch_size=3, balance_data=False, calculate_per_token_loss=False, value_clip=0.2)
+                global_batch_size=3, balance_data=False, calculate_per_token_loss=False, value_clip=0.2,
+                advantage_estimator="ppo")
     return SimpleNamespace(**(base | kw))
 
 

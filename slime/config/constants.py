@@ -4,10 +4,11 @@ builder always builds, the required flags and the hook-path flags. (The model fa
 
 from __future__ import annotations
 
+from slime.algorithms import estimator_names
 
 DEFAULT_ROLLOUT_FUNCTION_PATH = "slime.rollout.sglang_rollout.generate_rollout"
 DEFAULT_DATA_SOURCE_PATH = "slime.rollout.data_source.RolloutDataSourceWithBuffer"
-ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
+ADVANTAGE_ESTIMATORS = estimator_names()  # the estimator registry's names (slime/algorithms/registry.py)
 KL_LOSS_TYPES = ("k1", "k2", "k3", "low_var_kl")
 ATTENTION_BACKENDS = ("auto", "local", "flash", "fused", "unfused")
 LOSS_TYPES = ("policy_loss", "sft_loss", "custom_loss")

@@ -11,6 +11,7 @@ import warnings
 from types import SimpleNamespace
 from typing import Any
 
+from slime.algorithms import estimator
 from slime.config.checks.linear_attention import check_linear_attention
 from slime.config.checks.lora import check_lora_against_config
 from slime.config.checks.model import check_pipeline_layers
@@ -56,7 +57,7 @@ def check_launch_inputs(args: argparse.Namespace) -> None:
     if not any(os.path.isfile(os.path.join(path, name)) for name in HF_TOKENIZER_FILES):
         fail(f"--hf-checkpoint {path}: no tokenizer (none of {', '.join(HF_TOKENIZER_FILES)})")
     _check_moe_tensor_parallel(args, os.path.join(path, HF_CONFIG_FILE))
-    if args.advantage_estimator == "ppo" and not args.debug_rollout_only:
+    if estimator(args.advantage_estimator).needs_critic and not args.debug_rollout_only:
         check_critic_checkpoint(args)
 
 

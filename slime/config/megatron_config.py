@@ -27,6 +27,7 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from slime.algorithms import estimator
 from slime.config.custom_config import coerce_config_value, config_key_dest
 from slime.config.errors import fail, flag_name, require_path
 
@@ -158,7 +159,7 @@ def apply_role_config(args: argparse.Namespace, config: RoleConfig) -> dict[str,
                      "set the critic's; keep one")
             setattr(args, flag, critic.pop(key))
         elif (key in actor and key in ("lr", "lr_warmup_iters") and getattr(args, flag) is None
-              and args.advantage_estimator == "ppo"):
+              and estimator(args.advantage_estimator).needs_critic):
             setattr(args, flag, command_line[key])  # the critic keeps the command line's, not the actor's
     inherited = {k: v for k, v in command_line.items() if k not in critic and k not in CRITIC_FLAG_OF}
     return {**inherited, **critic}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from slime.algorithms import estimator
 from slime.config.checks.algorithm import check_algorithm, check_opd, check_plugins
 from slime.config.checks.critic import check_critic
 from slime.config.checks.roles import before_checks, check_critic_role, refuse_critic_entry_without_critic
@@ -55,7 +56,7 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
     check_load(args)
     resolve_checkpoint_retention(args)
     check_critic(args)
-    if args.advantage_estimator == "ppo" and not args.debug_rollout_only:
+    if estimator(args.advantage_estimator).needs_critic and not args.debug_rollout_only:
         check_critic_role(args, critic_overrides, before, parser, device, roles.path if roles else "")
     check_logprob_mismatch(args)
     check_weight_sync(args)

@@ -46,7 +46,7 @@ from collections import deque
 from typing import Any
 
 from slime.rollout import generation_gate
-from slime.rollout.advantages import flatten_groups
+from slime.rollout.train_data import flatten_groups
 from slime.rollout.base_types import RolloutFnTrainOutput
 from slime.utils.deadlines import rollout_deadline_s
 from slime.rollout.metrics import compute_rollout_metrics

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
-from slime.rollout.advantages import flatten_groups
+from slime.rollout.train_data import flatten_groups
 from slime.rollout.filter_hub.base_types import DropCounter, call_dynamic_filter, should_drop_dynamic_filter_output
 from slime.router.workers import RouterWorkers
 from slime.utils.http_utils import post

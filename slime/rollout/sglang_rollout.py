@@ -23,7 +23,7 @@ from typing import Any, Awaitable, TypeVar
 from tqdm import tqdm
 
 from slime.rollout import generation_gate
-from slime.rollout.advantages import flatten_groups
+from slime.rollout.train_data import flatten_groups
 from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
 from slime.rollout.data_source import PromptDataset, PromptFileSpec, eval_datasets, eval_prompt_specs, load_tokenizer
 from slime.rollout.eval_config import EvalDatasetSpec

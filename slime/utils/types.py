@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from slime.utils.rollout_batch import RolloutBatch  # noqa: F401 (upstream's import path of the batch type)
+
 
 @dataclass
 class Sample:
@@ -211,7 +213,3 @@ _FINISH_TO_STATUS = {
     "abort": Sample.Status.ABORTED,
     "stop": Sample.Status.COMPLETED,
 }
-
-
-# The dict-of-lists batch handed from rollout to training (see slime.rollout.advantages).
-RolloutBatch = dict[str, list[Any]]

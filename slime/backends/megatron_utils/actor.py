@@ -30,8 +30,10 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.utils import get_model_config
 
+from slime.algorithms import estimator
+from slime.algorithms.advantages import compute_advantages_and_returns
 from slime.backends.megatron_utils.data import plans_from_rollout
-from slime.backends.megatron_utils.hook_fence import PER_DP_RANK_KEYS, PerDpKeys, run_fenced_hook
+from slime.backends.megatron_utils.hook_fence import PerDpKeys, run_fenced_hook
 from slime.backends.megatron_utils.loss import LossConfig, metric_keys, trainer_computes_old_log_probs
 from slime.backends.megatron_utils.opd import megatron_teacher
 from slime.backends.megatron_utils.moe import moe_plan_collectives
@@ -57,7 +59,7 @@ from slime.distributed.fault_inject import (
     stall_forever,
 )
 from slime.utils.deadlines import DeadlineModel
-from slime.utils.ppo_utils import compute_advantages_and_returns
+from slime.utils.rollout_batch import PER_DP_RANK_KEYS
 from slime.models import fused_kernels
 from slime.models.lora import adapted_weight_names
 from slime.models.registry import language_model_config
@@ -251,7 +253,7 @@ class MegatronTrainActor:
         """Batch keys whose values differ between DP replicas by design (each computed its own samples'), fenced
         among this DP rank's model-parallel group; None where every rank holds every value."""
         shared = (parallel_state.get_data_parallel_world_size() == 1
-                  or self.args.advantage_estimator in WHOLE_ROLLOUT_ESTIMATORS)
+                  or estimator(self.args.advantage_estimator).whole_rollout)
         return None if shared else PerDpKeys(PER_DP_RANK_KEYS, parallel_state.get_data_parallel_rank())
 
     def _save_train_data(self, rollout_id: int, data: dict) -> None:
@@ -332,7 +334,7 @@ class MegatronTrainActor:
                     with self.snapshots.swapped(tag):
                         call_hook(before, self.args, self.model, f"{tag}_")
                         data[f"{tag}_log_probs"] = compute_log_probs(self.model, data, plans, self.args, **hooks)
-        if self.args.advantage_estimator in WHOLE_ROLLOUT_ESTIMATORS:
+        if estimator(self.args.advantage_estimator).whole_rollout:  # its advantages read every sample's
             with self.watchdog.phase("actor_train/log_probs_share"):
                 share_across_dp(data, ("log_probs", *(f"{tag}_log_probs" for tag in FORWARD_ONLY_COPIES)))
 
@@ -479,10 +481,6 @@ def call_hook(path: str | None, *args):
 # Weight copies scored in the log-prob phase, in this order: the reference policy (KL loss / shaping) and
 # the distillation teacher (--opd-type megatron); their log-probs go to data["<tag>_log_probs"].
 FORWARD_ONLY_COPIES = ("ref", "teacher")
-
-# Estimators whose advantages use statistics of the whole rollout (KL shaping, whitening): each rank
-# needs every sample's log-probs, not only those of its DP rank.
-WHOLE_ROLLOUT_ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
 
 
 def share_across_dp(data: dict, keys: tuple[str, ...]) -> None:

@@ -21,11 +21,11 @@ from typing import Any
 
 import torch
 
+from slime.algorithms.ppo import get_ppo_advantages_and_returns
 from slime.backends.megatron_utils.actor import MegatronTrainActor, share_across_dp
-
 from slime.backends.megatron_utils.train_step import train_one_step
 from slime.backends.megatron_utils.value_loss import compute_values, value_objective
-from slime.utils.ppo_utils import get_ppo_advantages_and_returns
+
 
 def critic_returns(args, data: dict[str, Any]) -> None:
     """GAE's returns over the critic's values (the same as the actor's: ppo runs without a KL reward term)."""

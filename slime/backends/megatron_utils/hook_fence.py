@@ -23,13 +23,8 @@ import torch
 
 from slime.distributed.fence import ScopedFields
 from slime.distributed.fingerprint import DIGEST_CHARS, stable_hash
-from slime.utils.ppo_utils import OPD_KL_KEY
 
 Fence = Callable[..., None]  # fence(phase, fields, scoped=ScopedFields | None)
-
-# The keys of the batch that hold per-DP-rank values when DP > 1 (slime/backends/megatron_utils/actor.py
-# fills them for this DP rank's samples only; advantages and returns may derive from them).
-PER_DP_RANK_KEYS = ("log_probs", "ref_log_probs", "teacher_log_probs", "advantages", "returns", OPD_KL_KEY)
 
 
 def value_digest(value: object) -> str:

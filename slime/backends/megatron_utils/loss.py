@@ -29,15 +29,12 @@ import torch
 
 from slime.backends.megatron_utils import logprob_head, loss_hooks, mtp_loss
 from slime.backends.megatron_utils.data import MicroBatchPlan, PackedMicroBatch
-from slime.utils.ppo_utils import OPD_KL_KEY
-from slime.utils.ppo_utils import (
-    compute_approx_kl,
-    compute_cispo_loss,
-    compute_entropy_from_logits,
-    compute_log_probs,
-    compute_policy_loss,
-    compute_tis_weights,
-)
+from slime.algorithms import PolicyLossInputs, estimator
+from slime.algorithms.advantages import OPD_KL_KEY
+from slime.algorithms.kl import compute_approx_kl
+from slime.algorithms.log_probs import compute_entropy_from_logits, compute_log_probs
+from slime.algorithms.policy_loss import compute_tis_weights, ppo_clip_loss
+from slime.algorithms.registry import PolicyLossTerm, RatioMode
 from slime.models import fused_kernels
 
 
@@ -64,10 +61,12 @@ class LossConfig:
     """The engines' log-probs are the old policy (--use-rollout-logprobs)."""
     get_mismatch_metrics: bool = False
     """Also report the TIS ratio statistics and ois (--get-mismatch-metrics); the loss is unchanged."""
-    sequence_level_ratio: bool = False
-    """GSPO: one importance ratio per sample (the mean token log-ratio), clipped per sample."""
-    cispo: bool = False
-    """CISPO: the clipped importance weight (no gradient) times the advantage scales d log pi."""
+    ratio_mode: RatioMode = "token"
+    """The estimator's importance ratio: per token, or per sample (GSPO: the mean token log-ratio, clipped per
+    sample)."""
+    policy_loss: PolicyLossTerm = ppo_clip_loss
+    """The estimator's policy-gradient term per token (PPO's clipped surrogate; CISPO's clipped weight times
+    log pi)."""
     use_opd: bool = False
     """On-policy distillation: report the rollout's reverse KL to the teacher (opd_reverse_kl)."""
     loss_type: str = "policy_loss"
@@ -90,6 +89,7 @@ class LossConfig:
     def from_args(cls, args: Any) -> "LossConfig":
         eps_clip = float(args.eps_clip)
         eps_high = args.eps_clip_high
+        record = estimator(args.advantage_estimator)
         return cls(
             calculate_per_token_loss=bool(args.calculate_per_token_loss),
             eps_clip=eps_clip,
@@ -105,8 +105,8 @@ class LossConfig:
             temperature=float(args.rollout_temperature or 1.0),
             use_rollout_logprobs=bool(args.use_rollout_logprobs),
             get_mismatch_metrics=bool(args.get_mismatch_metrics),
-            sequence_level_ratio=args.advantage_estimator == "gspo",
-            cispo=args.advantage_estimator == "cispo",
+            ratio_mode=record.ratio_mode,
+            policy_loss=record.policy_loss,
             use_opd=bool(args.use_opd),
             loss_type=args.loss_type,
             custom_loss_function_path=args.custom_loss_function_path,
@@ -254,13 +254,10 @@ def policy_token_terms(log_probs: torch.Tensor, entropy: torch.Tensor, packed: P
     old = old_policy_log_probs(log_probs, packed, cfg)
     # Masked positions get log-ratio 0 so exp() cannot overflow on prompt tokens.
     ppo_kl = (old - log_probs) * mask
-    ratio_kl = loss_hooks.sequence_mean_log_ratio(ppo_kl, packed) if cfg.sequence_level_ratio else ppo_kl
-    if cfg.cispo:
-        pg_loss, clipfrac = compute_cispo_loss(ratio_kl, log_probs * mask, packed.advantages, eps_clip=cfg.eps_clip,
-                                               eps_clip_high=cfg.eps_clip_high)
-    else:
-        pg_loss, clipfrac = compute_policy_loss(ratio_kl, packed.advantages, eps_clip=cfg.eps_clip,
-                                                eps_clip_high=cfg.eps_clip_high, eps_clip_c=cfg.eps_clip_c)
+    ratio_kl = loss_hooks.sequence_mean_log_ratio(ppo_kl, packed) if cfg.ratio_mode == "sequence" else ppo_kl
+    pg_loss, clipfrac = cfg.policy_loss(PolicyLossInputs(
+        log_ratio=ratio_kl, log_probs=log_probs, loss_mask=mask, advantages=packed.advantages, eps_clip=cfg.eps_clip,
+        eps_clip_high=cfg.eps_clip_high, eps_clip_c=cfg.eps_clip_c))
     terms = {"ppo_kl": ppo_kl, "pg_clipfrac": clipfrac, "entropy_loss": entropy,
              LOGPROB_DIFF_KEY: rollout_logprob_abs_diff(log_probs, packed)}
     if cfg.use_opd:

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 
+from slime.algorithms import policy_loss
 from slime.backends.megatron_utils.data import PADDING_SAMPLE_ID, PackedMicroBatch, zigzag_slice
 
 
@@ -84,23 +84,15 @@ def load_hook(path: str) -> Callable[..., Any]:
 
 
 def sequence_mean_log_ratio(ppo_kl: torch.Tensor, packed: PackedMicroBatch) -> torch.Tensor:
-    """GSPO: every token gets its sample's mean (old - new) log-ratio over the sample's loss tokens.
-
-    A sample's tokens are spread over the CP ranks, so the per-sample sums are all-reduced over the
-    CP group (backward all-reduces too: each rank's tokens feed every rank's copy of the ratio).
-    Every CP rank of a DP rank packs the same samples, so the reduced vector has the same size.
-    """
-    segments = torch.repeat_interleave(torch.arange(len(packed.local_lengths), device=ppo_kl.device),
-                                       torch.tensor(packed.local_lengths, device=ppo_kl.device))
-    sums = torch.zeros(len(packed.local_lengths), dtype=ppo_kl.dtype, device=ppo_kl.device)
-    sums = sums.index_add(0, segments, ppo_kl * packed.loss_mask)
+    """GSPO's per-sample ratio (slime.algorithms.policy_loss) over this packed micro-batch: a sample's tokens are
+    spread over the CP ranks, and every CP rank of a DP rank packs the same samples."""
+    cp_group = None
     if packed.cp_size > 1:
         from megatron.core import parallel_state
-        from torch.distributed.nn.functional import all_reduce
 
-        sums = all_reduce(sums, op=dist.ReduceOp.SUM, group=parallel_state.get_context_parallel_group())
-    # sample_weight is 1 / (loss tokens of the whole sample) on each of its positions
-    return sums[segments] * packed.sample_weight * packed.loss_mask
+        cp_group = parallel_state.get_context_parallel_group()
+    return policy_loss.sequence_mean_log_ratio(ppo_kl, packed.loss_mask, packed.sample_weight, packed.local_lengths,
+                                               cp_group)
 
 
 # -------------------------------------------------------------------- custom TIS / RS

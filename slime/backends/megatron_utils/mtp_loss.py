@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 
 from slime.backends.megatron_utils.data import PackedMicroBatch
-from slime.utils.ppo_utils import compute_log_probs
+from slime.algorithms.log_probs import compute_log_probs
 
 MTP_LOSS_KEY = "mtp_loss"
 

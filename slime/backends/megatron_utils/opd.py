@@ -9,7 +9,7 @@ zero task rewards it is pure distillation). Where the teacher's log-probs come f
   --opd-type megatron  the trainer holds a teacher copy of the model (--opd-teacher-load, same architecture)
                        and scores the rollout in the log-prob phase, next to the reference model
 Both score at the rollout temperature, as the student's log-probs are. The penalty itself is advantage maths:
-`slime.utils.ppo_utils.opd_penalised`.
+`slime.algorithms.advantages.opd_penalised`.
 """
 from __future__ import annotations
 

@@ -12,9 +12,10 @@ from typing import Any
 
 import torch
 
+from slime.algorithms import estimator
+from slime.algorithms.registry import ValueLossTerm
 from slime.backends.megatron_utils.data import MicroBatchPlan, PackedMicroBatch
 from slime.backends.megatron_utils.train_step import StepObjective, compute_log_probs
-from slime.utils.ppo_utils import compute_value_loss
 
 VALUE_METRIC_KEYS = ("value_clipfrac", "value_loss", "values")
 
@@ -27,10 +28,13 @@ class ValueLossConfig:
     """--value-clip: how far a value may move from the rollout's before its loss stops improving."""
     calculate_per_token_loss: bool
     """Normalise by the step's loss tokens instead of averaging per-sample means (as the actor)."""
+    value_loss: ValueLossTerm
+    """The estimator's value-loss term per token (its record's `value_loss`: PPO's clipped value loss)."""
 
     @classmethod
     def from_args(cls, args: Any) -> "ValueLossConfig":
-        return cls(value_clip=float(args.value_clip), calculate_per_token_loss=bool(args.calculate_per_token_loss))
+        return cls(value_clip=float(args.value_clip), calculate_per_token_loss=bool(args.calculate_per_token_loss),
+                   value_loss=estimator(args.advantage_estimator).value_loss)
 
 
 def flat_values(output: torch.Tensor, packed: PackedMicroBatch) -> torch.Tensor:
@@ -58,7 +62,7 @@ def value_micro_batch_loss(output: torch.Tensor, packed: PackedMicroBatch, plan:
         raise ValueError("the critic trains on the rollout's 'values' and 'returns' (--advantage-estimator ppo)")
     values = flat_values(output, packed)
     weights = value_weights(packed, plan, cfg)
-    losses, clipfrac = compute_value_loss(values, packed.old_values, packed.returns, cfg.value_clip)
+    losses, clipfrac = cfg.value_loss(values, packed.old_values, packed.returns, cfg.value_clip)
     loss = (losses * weights).sum()
     metrics = {"value_loss": loss.detach(), "value_clipfrac": (clipfrac * weights).sum(),
                "values": (values.detach() * weights).sum()}

@@ -4,22 +4,30 @@ from __future__ import annotations
 
 import argparse
 
+from slime.algorithms import estimator
 from slime.config.errors import fail, require_path
 
 
 def check_algorithm(args: argparse.Namespace) -> None:
     if args.kl_coef != 0 and args.kl_loss_coef != 0:
         fail("--kl-coef (reward shaping) and --kl-loss-coef (loss term) cannot both be non-zero; pick one")
-    if args.advantage_estimator in ("reinforce_plus_plus", "reinforce_plus_plus_baseline") \
-            and not args.normalize_advantages:
-        fail(f"--advantage-estimator {args.advantage_estimator} requires --normalize-advantages")
-    if args.advantage_estimator == "cispo" and args.eps_clip_c is not None:
-        fail("--eps-clip-c (dual clip) bounds PPO's surrogate, which CISPO does not use; drop it (CISPO clips its "
-             "importance weight with --eps-clip / --eps-clip-high)")
+    check_estimator(args)
     if args.save_interval is not None and args.save is None:
         fail("--save-interval needs --save DIR")
     if args.save_hf and not (args.save and args.save_interval):
         fail("--save-hf is written with each checkpoint: add --save DIR --save-interval N")
+
+
+def check_estimator(args: argparse.Namespace) -> None:
+    """What the run's estimator record (slime/algorithms) requires and refuses."""
+    record = estimator(args.advantage_estimator)
+    if record.always_whitened and not args.normalize_advantages:
+        fail(f"--advantage-estimator {record.name} requires --normalize-advantages")
+    if record.check_flags is not None:
+        try:
+            record.check_flags(args)
+        except ValueError as error:
+            fail(str(error))
 
 
 def check_plugins(args: argparse.Namespace) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from slime.algorithms import estimator
 from slime.checkpoint.contents import latest_iteration
 from slime.config.critic_role import critic_resume_dir
 from slime.config.errors import derive, fail
@@ -13,7 +14,7 @@ CRITIC_ONLY_FLAGS = ("critic_load", "critic_save", "critic_lr", "critic_lr_warmu
 
 
 def check_critic(args: argparse.Namespace) -> None:
-    if args.advantage_estimator != "ppo":
+    if not estimator(args.advantage_estimator).needs_critic:
         used = [f"--{name.replace('_', '-')}" for name in CRITIC_ONLY_FLAGS if getattr(args, name) is not None]
         if args.num_critic_only_steps:
             used.append("--num-critic-only-steps")

@@ -9,6 +9,7 @@ import copy
 import warnings
 from typing import Any, Callable
 
+from slime.algorithms import estimator
 from slime.config.checks.batching import check_batch_split, check_batching, check_context_parallel
 from slime.config.checks.model import check_model_shape, check_mtp
 from slime.config.errors import ArgumentValidationError, derive, fail
@@ -89,7 +90,7 @@ def _refuse_unhonoured(role: argparse.Namespace, args: argparse.Namespace, parse
 
 
 def refuse_critic_entry_without_critic(args: argparse.Namespace, critic_entry: dict[str, Any], path: str) -> None:
-    if critic_entry and args.advantage_estimator != "ppo":
+    if critic_entry and not estimator(args.advantage_estimator).needs_critic:
         keys = ", ".join(sorted(critic_entry))
         fail(f"--megatron-config-path {path}: the critic entry ({keys}) configures the critic, which only "
              f"--advantage-estimator ppo trains; drop the entry or pass --advantage-estimator ppo")

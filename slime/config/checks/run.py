@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 
+from slime.algorithms import estimator
 from slime.config.constants import DEFAULT_ROLLOUT_FUNCTION_PATH
 from slime.config.errors import derive, fail, flag_name
 from slime.utils.deadlines import DeadlineModel, default_group_timeout_minutes
@@ -73,7 +74,7 @@ def resolve_modes(args: argparse.Namespace) -> None:
     if args.colocate and args.actor_num_nodes > 1 and not args.debug_rollout_only:
         check_colocate_across_nodes(args)
     args.skip_engines = args.debug_train_only
-    args.use_critic = args.advantage_estimator == "ppo"
+    args.use_critic = estimator(args.advantage_estimator).needs_critic
     args.critic_overrides = {}  # the critic's own flags: checks/roles.py fills them for a critic it checks
     args.start_rollout_id_given = args.start_rollout_id is not None  # else train.py reads it from --load
     args.restart_count = 0  # the first attempt; --max-restarts: slime/ray/driver/healing.py counts the restarts

@@ -33,7 +33,7 @@ from slime.ray.rollout_manager.guard import RolloutGuard
 from slime.ray.rollout_manager.errors import RolloutTimeoutError, portable_rollout_errors
 from slime.ray.rollout_manager.steps import RolloutSteps
 from slime.rollout import generation_gate
-from slime.rollout.advantages import TRAIN_DATA_KEYS, flatten_groups, samples_to_train_data
+from slime.rollout.train_data import flatten_groups, samples_to_train_data
 from slime.rollout.base_types import call_rollout_fn
 from slime.rollout.data_source import eval_prompt_specs, read_rows
 from slime.rollout.metrics import compute_rollout_metrics
@@ -51,6 +51,7 @@ from slime.utils.deadlines import (
 )
 from slime.utils.http_utils import outstanding_requests
 from slime.utils.misc import load_function
+from slime.utils.rollout_batch import REQUIRED_KEYS
 from slime.utils.security import use_key
 from slime.utils.types import Sample
 
@@ -333,9 +334,9 @@ def check_train_data(data: Any, origin: str) -> None:
     """A custom conversion must return the trainer's keys, one entry per sample each."""
     if not isinstance(data, dict):
         raise TypeError(f"{origin} returned {type(data).__name__}, expected a dict of per-sample lists")
-    missing = [k for k in TRAIN_DATA_KEYS if k not in data]
+    missing = [k for k in REQUIRED_KEYS if k not in data]
     if missing:
-        raise KeyError(f"{origin} returned no {missing} (needs {list(TRAIN_DATA_KEYS)})")
-    lengths = {k: len(data[k]) for k in TRAIN_DATA_KEYS}
+        raise KeyError(f"{origin} returned no {missing} (needs {list(REQUIRED_KEYS)})")
+    lengths = {k: len(data[k]) for k in REQUIRED_KEYS}
     if len(set(lengths.values())) != 1:
         raise ValueError(f"{origin} returned lists of different lengths: {lengths}")
