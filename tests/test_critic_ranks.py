@@ -31,7 +31,7 @@ def _critic_child(rank, world, hf_dir, data, ckpt_dir):
     from slime.backends.megatron_utils.value_loss import compute_values, value_objective
 
     args = layout_args(LAYOUT, custom_model_provider_path="slime.backends.megatron_utils.value_head.value_model_provider",
-                       lr=3e-4, value_clip=100.0, clip_grad=10.0)
+                       lr=3e-4, value_clip=100.0, clip_grad=10.0, advantage_estimator="ppo")
     init_model_parallel(args)
     hf_config = AutoConfig.from_pretrained(hf_dir)
     model, optimizer, scheduler = build_model_and_optimizer(args, hf_config)
@@ -114,7 +114,8 @@ def _lora_critic_args():
     from slime.config.critic_role import critic_args
     from test_lora import LORA
 
-    run = layout_args({**LORA_LAYOUT, **LORA}, actor_num_gpus_per_node=2, use_critic=True, value_clip=100.0,
+    run = layout_args({**LORA_LAYOUT, **LORA}, advantage_estimator="ppo", actor_num_gpus_per_node=2, use_critic=True,
+                      value_clip=100.0,
                       clip_grad=10.0, lr=3e-4, critic_lr=None,
                       lr_warmup_iters=0, critic_lr_warmup_iters=None, critic_load=None, critic_save=None, load=None,
                       save=None, only_train_params_name_list=None, critic_overrides={})
