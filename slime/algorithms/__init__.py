@@ -10,8 +10,8 @@
   kl.py, log_probs.py     KL estimators; log-probs and entropy over a vocab-parallel group
   rewards.py              reward normalisation within a prompt's group
 
-`slime.utils.ppo_utils` re-exports the maths at upstream's import path. This package imports only torch and
-itself; its namespace holds the registry alone, so reading the flags' choices imports no torch.
+`slime.utils.ppo_utils` re-exports the maths at upstream's import path. This package imports torch and
+`slime.utils` alone; its namespace holds the registry only, so reading the flags' choices imports no torch.
 """
 
 from __future__ import annotations

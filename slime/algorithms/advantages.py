@@ -13,12 +13,13 @@ import torch
 
 from slime.algorithms.kl import compute_approx_kl
 from slime.algorithms.registry import AdvantageInputs, estimator
+from slime.utils.rollout_batch import RolloutBatch
 
 OPD_KL_KEY = "opd_reverse_kl"
 """Per-token reverse KL of each sample in the rollout data, and the train metric (its loss-token mean)."""
 
 
-def compute_advantages_and_returns(args: Any, data: dict[str, Any]) -> None:
+def compute_advantages_and_returns(args: Any, data: RolloutBatch) -> None:
     """Fill data['advantages'] and data['returns'] (per response token) in place.
 
     KL shaping (reinforce++ families) uses data['log_probs'] (data['rollout_log_probs'] with
@@ -38,7 +39,7 @@ def compute_advantages_and_returns(args: Any, data: dict[str, Any]) -> None:
     data["returns"] = [r.tolist() for r in returns]
 
 
-def _shaping_kl(args: Any, data: dict[str, Any], masks: list[torch.Tensor]) -> list[torch.Tensor]:
+def _shaping_kl(args: Any, data: RolloutBatch, masks: list[torch.Tensor]) -> list[torch.Tensor]:
     # The old policy's log-probs: the engines' with --use-rollout-logprobs (as upstream), else the trainer's.
     policy = data.get("rollout_log_probs" if args.use_rollout_logprobs else "log_probs")
     if policy is None or data.get("ref_log_probs") is None:
@@ -59,7 +60,7 @@ def _whiten(values: list[torch.Tensor], masks: list[torch.Tensor], eps: float = 
     return [(v - mean) * torch.rsqrt(var + eps) * m for v, m in zip(values, masks)]
 
 
-def opd_penalised(args: Any, data: dict[str, Any], advantages: list[torch.Tensor]) -> list[torch.Tensor]:
+def opd_penalised(args: Any, data: RolloutBatch, advantages: list[torch.Tensor]) -> list[torch.Tensor]:
     """`advantages - opd_kl_coef * (student - teacher)` per sample; stores the reverse KL as data[OPD_KL_KEY].
 
     A sample without student log-probs here (an empty list: another DP rank computed them) keeps its
