@@ -34,6 +34,8 @@ without its wake phase), tokens/s and model TFLOP/s per GPU, peak and static mem
   step FLOPs = 4 x forward (log-prob forward + training forward and backward = 2 x forward)
 Weights stay at megatron's random init (no HF weights are loaded: the step's speed does not
 depend on their values, and a 4B checkpoint would cost minutes to write and read).
+With --optimizer-cpu-offload --use-precision-aware-optimizer (train.py flags) the optimizer is megatron-core's hybrid
+CPU optimizer: each cycle's `in_use` names it, and MEMORY adds the process's host peak (the state it holds there).
 --sync-audit runs one extra cycle per path under torch.cuda.set_sync_debug_mode("warn") and
 counts the host-device synchronisations by source line; --profile runs one extra new-path cycle
 under torch.profiler (top kernels, GPU busy share of the step).
@@ -52,6 +54,7 @@ import functools
 import gc
 import json
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -222,6 +225,11 @@ def peak_gib(device: torch.device) -> float:
 
 def allocated_gib(device: torch.device) -> float:
     return torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+
+
+def host_peak_gib() -> float:
+    """This process's peak resident host memory (Linux reports kB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def reset_peak(device: torch.device) -> None:
@@ -658,12 +666,14 @@ def path_in_use(actor) -> dict:
     from patches import megatron_core
 
     from slime.backends.megatron_utils.adam_kernel import adam_kernel_in_use
+    from slime.backends.megatron_utils.offload import torch_optimizers
     from slime.models import gated_delta_rule
     from slime_plugins.models import fused_kernels
 
     return {"thd_rope": megatron_core.thd_rope_in_use(), "kernels": sorted({m.kernel for m in attention_modules(actor)}),
             "gated_deltanet_kernel": gated_delta_rule.KERNEL_OVERRIDE or "auto",
             "fused_kernels": fused_kernels.active(), "adam": adam_kernel_in_use(actor.optimizer),
+            "optimizer": sorted({type(o).__name__ for o in torch_optimizers(actor.optimizer)}),
             "moe_identity_sort_skipped": megatron_core.moe_identity_sort_in_use(),
             "batched_optimizer_copies": megatron_core.batched_optimizer_copies_in_use(),
             "permute_without_host_sync": megatron_core.permute_without_host_sync_in_use()}
@@ -770,7 +780,7 @@ class StepBench:
             "step_s": step_s, "wall_s": wall,
             "tokens_per_s_per_gpu": sum(self.seq_lens) / step_s / world,
             "tflops_per_gpu": self.flops / step_s / world / 1e12,
-            "peak_gib": peak_gib(self.device), "static_gib": static,
+            "peak_gib": peak_gib(self.device), "static_gib": static, "host_peak_gib": host_peak_gib(),
             "loss": metrics["train/loss"], "grad_norm": metrics["train/grad_norm"],
             "num_micro_batches": metrics["train/num_micro_batches"],
             "phase_s": {k: round(v, 4) for k, v in sorted(phases.items())},
@@ -940,6 +950,7 @@ class StepBench:
             by_path[path] = {"cycles": len(timed), "step_s": med("step_s"), "tflops_per_gpu": med("tflops_per_gpu"),
                              "tokens_per_s_per_gpu": med("tokens_per_s_per_gpu"),
                              "peak_gib": max(c["peak_gib"] for c in timed), "static_gib": med("static_gib"),
+                             "host_peak_gib": max(c.get("host_peak_gib", 0.0) for c in timed),
                              "loss": timed[0]["loss"], "grad_norm": timed[0]["grad_norm"],
                              "only_warmup": all(c["kind"] == "warmup" for c in timed)}
         return {**self.layout(), "paths": by_path, **self.extras}
@@ -981,7 +992,8 @@ def summary_lines(s: dict) -> list[str]:
     per_32k = 32768 / s["max_tokens_per_gpu"] if s["max_tokens_per_gpu"] else float("nan")
     lines.append("MEMORY step " + name + ": " + ("; ".join(
         f"{p} peak {m['peak_gib']:.1f} GiB (static {m['static_gib']:.1f}, above static {m['peak_gib'] - m['static_gib']:.1f}"
-        f" = {(m['peak_gib'] - m['static_gib']) * per_32k:.1f} per 32k tokens)" for p, m in paths.items())
+        f" = {(m['peak_gib'] - m['static_gib']) * per_32k:.1f} per 32k tokens), host peak {m.get('host_peak_gib', 0):.1f} GiB"
+        for p, m in paths.items())
         or "no cycle finished") + (f"; parameters {s['params'] / 1e9:.3f} B, trained {s['trained_params'] / 1e6:.1f} M"
                                    if "params" in s else ""))  # summaries written before the counts were kept
     verdict = "; ".join(f"{p} fits" for p in paths) or "no cycle finished"

@@ -8,6 +8,10 @@
 #               grouped-base: the grouped step before the fused AdamW and the other launch savings):
 #               TFLOP/s of the active parameters, peak memory, loss / grad-norm parity, a profiled grouped cycle;
 #               before it, benchmarks/check_grouped_experts_gpu.py (grouped_mm vs loop at one expert layer)
+#   moeoffload  the same MoE step (grouped experts; SMO_PATHS) with Adam's state and update on the host:
+#               --optimizer-cpu-offload --use-precision-aware-optimizer --overlap-cpu-optimizer-d2h-h2d (SMO_EXTRA adds
+#               flags, e.g. --optimizer-offload-fraction 0.5); MEMORY adds the host peak. The host optimizer runs on
+#               OMP_NUM_THREADS threads (default 4 here: give it the machine's cores for this phase)
 #   moefused    the same MoE step on the fused path (--fused-kernels compile: norms, RoPE, the experts' weighted
 #               SwiGLU, the log-prob head compiled), its first cycle the compile (90-101 s on one H200: give SMF_CAP
 #               >= 250 for timed cycles); SMF_PATHS="fused grouped sequential" compares the three in one process
@@ -40,7 +44,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-outputs/step_bench}
 PY=${PY:-python3}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 OMP_NUM_THREADS=4 TOKENIZERS_PARALLELISM=false
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} TOKENIZERS_PARALLELISM=false
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}  # less fragmentation at 32k tokens
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
 START=$SECONDS
@@ -134,6 +138,12 @@ if want moe; then  # Qwen3-30B-A3B-shaped MoE step (8 layers, 128 experts, top-8
   step moe "${SMOE_CAP:-300}" SMOE "$MMOE" --paths ${SMOE_PATHS:-grouped sequential} --profile ${SMOE_EXTRA:-} --lr 0 --moe-grouped-gemm \
     --max-tokens-per-gpu "${SMOE_TOKENS_PER_GPU:-8192}" --moe-token-dispatcher-type alltoall --moe-router-dtype fp32 \
     --use-distributed-optimizer
+fi
+if want moeoffload; then  # the same step, the optimizer's state and update on the host (what fits an 80 GB card)
+  step moeoffload "${SMO_CAP:-300}" SMOE "$MMOE" --paths ${SMO_PATHS:-grouped} --lr 0 --moe-grouped-gemm \
+    --max-tokens-per-gpu "${SMOE_TOKENS_PER_GPU:-8192}" --moe-token-dispatcher-type alltoall --moe-router-dtype fp32 \
+    --use-distributed-optimizer --optimizer-cpu-offload --use-precision-aware-optimizer --overlap-cpu-optimizer-d2h-h2d \
+    ${SMO_EXTRA:-}
 fi
 if want moefused; then  # the same step with the compiled kernels on top of the grouped experts
   step moefused "${SMF_CAP:-240}" SMOE "$MMOE" --paths ${SMF_PATHS:-fused} --lr 0 --moe-grouped-gemm \

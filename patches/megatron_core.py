@@ -349,6 +349,40 @@ def _patch_moe_split_sizes() -> None:
             module.maybe_move_tensor_to_cpu = move_to_cpu
 
 
+def _hybrid_split_on_cpu(self, offload_fraction: float) -> tuple:
+    """HybridDeviceOptimizer._get_sub_optimizer_param_groups where the training device is the CPU: megatron
+    offloads CUDA parameters only and files every other one as already offloaded (without the host copy its step
+    looks up). Here the parameters are the device's: the first `offload_fraction` of their elements, in group order,
+    get a host copy that the host optimizers update and copy back after each step, as CUDA parameters do; fp32
+    copies of 16-bit parameters where the update runs in fp32, as megatron makes them."""
+    total = sum(p.numel() for g in self.param_groups for p in g["params"])
+    threshold, offloaded = total * offload_fraction, 0
+    host_groups, device_groups = [], []
+    host_copy, device_param, fp32_copy = {}, {}, {}
+    for group in self.param_groups:
+        host, device = {**group, "params": []}, {**group, "params": []}
+        for param in group["params"]:
+            inner, to_host = param, offloaded < threshold
+            if to_host:
+                inner = param.detach().clone()
+                offloaded += param.numel()
+            if self.param_update_in_fp32 and inner.dtype != torch.float32:
+                inner = inner.detach().clone().float()
+                fp32_copy[param] = inner
+            if to_host:
+                host_copy[param], device_param[inner] = inner, param
+            (host if to_host else device)["params"].append(inner)
+        host_groups += [host] if host["params"] else []
+        device_groups += [device] if device["params"] else []
+    return host_groups, device_groups, host_copy, device_param, fp32_copy
+
+
+def _patch_hybrid_optimizer_split() -> None:
+    from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+
+    HybridDeviceOptimizer._get_sub_optimizer_param_groups = _hybrid_split_on_cpu
+
+
 def _patch_uneven_sequence_collectives() -> None:
     """gloo has no all-gather / reduce-scatter with per-rank sizes (the expert-TP group of the alltoall
     dispatcher uses them when ETP > 1: each ETP rank routes its own token count). Same results:
@@ -526,6 +560,115 @@ def define_missing_te_gemm() -> None:
         moe_utils.te_general_gemm = None
 
 
+# ------------------------------------------------------------------ TE version checks without TE (every machine)
+def _te_at_least(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def at_least(version, check_equality=True):
+        from megatron.core.utils import get_te_version
+
+        return get_te_version() is not None and original(version, check_equality=check_equality)
+
+    return at_least
+
+
+def apply_te_version_checks_without_te() -> None:
+    """megatron-core 0.16's `is_te_min_version` compares None with a version where TransformerEngine is absent
+    (TypeError); its optimizer config asks it for any precision-aware optimizer, the one in the hybrid CPU optimizer
+    too, which needs no TE. Without TE no TE version is at least any version: False, megatron's own fallback."""
+    from megatron.core import optimizer
+    from megatron.core.optimizer import optimizer_config
+
+    for module in (optimizer, optimizer_config):
+        if not getattr(module.is_te_min_version, "_slime_without_te", False):
+            module.is_te_min_version = _te_at_least(module.is_te_min_version)
+            module.is_te_min_version._slime_without_te = True
+
+
+# ------------------------------------------------------------------ the hybrid CPU optimizer (every machine)
+def _state_to_its_parameters_device(self) -> None:
+    """Each sub-optimizer's state tensors on the device of the parameter they belong to (host copies on the host,
+    the device optimizer's parameters on the device). megatron tells the two apart by class, which fails where
+    both are torch's AdamW (no TransformerEngine or Apex) and names "cuda" where the device is the CPU."""
+    for optimizer in self.sub_optimizers:
+        for param, state in optimizer.state.items():
+            orig_param = self.inner_param_to_orig_param.get(param, param)
+            for key, value in state.items():
+                if torch.is_tensor(value):
+                    self.state[orig_param][key] = state[key] = value.to(param.device)
+
+
+def apply_hybrid_optimizer_state_devices() -> None:
+    """HybridDeviceOptimizer moves a loaded state to its sub-optimizers' devices (`_move_new_state_to_right_device`)
+    by the parameter each state belongs to, not by the sub-optimizer's class."""
+    from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+
+    HybridDeviceOptimizer._move_new_state_to_right_device = _state_to_its_parameters_device
+
+
+# ------------------------------------------------------------------ a fresh distributed optimizer's state dict (every machine)
+def _state_dict_before_the_first_step(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def state_dict(self):
+        from megatron.core.optimizer import distrib_optimizer
+
+        inner = self.optimizer
+        if distrib_optimizer.HAVE_APEX_OR_TE or inner is None or len(inner.state) > 0:
+            return original(self)
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "step": 0} for g in inner.state_dict()["param_groups"]]
+        out = {"optimizer": {"param_groups": groups}}
+        if self.grad_scaler:
+            out["grad_scaler"] = self.grad_scaler.state_dict()
+        return out
+
+    state_dict._slime_fresh_step = True
+    return state_dict
+
+
+def _saved_step(state_dict: dict) -> float | None:
+    steps = {g["step"] for g in state_dict.get("optimizer", {}).get("param_groups", ()) if "step" in g}
+    return float(steps.pop()) if len(steps) == 1 else None
+
+
+def _loaded_state_completed(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def load_state_dict(self, state_dict):
+        from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+
+        original(self, state_dict)
+        hybrid = isinstance(self.optimizer, HybridDeviceOptimizer)
+        if hybrid and state_dict.get("param_state_sharding_type") == "dp_reshardable":
+            self.optimizer._sync_hdo_state_to_sub_optimizers()
+        step = _saved_step(state_dict)
+        for inner in (self.optimizer.sub_optimizers if hybrid else [self.optimizer] if self.optimizer else []):
+            for state in inner.state.values():
+                old = state.get("step")
+                if step is not None and torch.is_tensor(old):
+                    state["step"] = torch.tensor(step, dtype=old.dtype, device=old.device)
+
+    load_state_dict._slime_completed = True
+    return load_state_dict
+
+
+def apply_fresh_optimizer_state_dict() -> None:
+    """Two spots of megatron's DistributedOptimizer on the way of a resumed run where TransformerEngine and Apex are
+    absent (torch's Adam):
+    - `state_dict` reads the Adam step from torch's per-parameter states and asserts there is exactly one: before
+      the first step there are none, and a checkpoint load into a fresh optimizer stops on that assert (the load asks
+      for the state dict to lay out what it reads). A fresh optimizer's step is 0; the load replaces it.
+    - `load_state_dict` from the `dp_reshardable` format (the one saved here) copies each parameter's `step` from the
+      load request, i.e. from the optimizer being loaded into (0 when fresh), over the saved step it set from the
+      saved param groups; and it gives every state one shared `step` tensor, which torch's Adam increments in place
+      once per parameter. Each state gets its own tensor holding the saved step. The hybrid CPU optimizer's loaded
+      master weights and moments reach its sub-optimizers as megatron's other two loaders hand them
+      (`_sync_hdo_state_to_sub_optimizers`); this loader leaves them in the outer state only."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    if not getattr(DistributedOptimizer.state_dict, "_slime_fresh_step", False):
+        DistributedOptimizer.state_dict = _state_dict_before_the_first_step(DistributedOptimizer.state_dict)
+    if not getattr(DistributedOptimizer.load_state_dict, "_slime_completed", False):
+        DistributedOptimizer.load_state_dict = _loaded_state_completed(DistributedOptimizer.load_state_dict)
+
+
 # ------------------------------------------------------------------ the MoE router's padding mask (every machine)
 def _count_real_tokens(self, routing_map: torch.Tensor, padding_mask: torch.Tensor | None = None) -> None:
     """TopKRouter._apply_expert_bias with the [tokens] padding mask applied per token."""
@@ -677,7 +820,7 @@ def _by_device_and_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]
 
 def _l2_norm_per_tensor(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
     """The sync-free norm one kernel per tensor (the "grouped-base" side of benchmarks/bench_step_gpu.py)."""
-    norms = [torch.linalg.vector_norm(t).float() for tensors in tensor_lists for t in tensors]
+    norms = [torch.linalg.vector_norm(t, dtype=torch.float32) for tensors in tensor_lists for t in tensors]
     if not norms:
         return torch.zeros(1, dtype=torch.float), None
     return torch.linalg.vector_norm(torch.stack(norms)).reshape(1), None
@@ -695,7 +838,9 @@ def _l2_norm_without_host_sync(chunk_size, noop_flag, tensor_lists, per_tensor, 
     tensors = [t for group in tensor_lists for t in group]
     if not tensors:
         return torch.zeros(1, dtype=torch.float), None
-    norms = [n.float() for group in _by_device_and_dtype(tensors) for n in torch._foreach_norm(group)]
+    # fp32 norms of 16-bit tensors too (Apex's kernel's output): the precision-aware optimizer's grads are the
+    # model's bf16 buffer, and a norm rounded to bf16 would move the clip coefficient by up to 0.4 %.
+    norms = [n for group in _by_device_and_dtype(tensors) for n in torch._foreach_norm(group, 2, dtype=torch.float32)]
     return torch.linalg.vector_norm(torch.stack(norms)).reshape(1), None
 
 
@@ -890,5 +1035,6 @@ def apply() -> None:
     _patch_rng()
     _patch_rope_cp_slice()
     _patch_moe_split_sizes()
+    _patch_hybrid_optimizer_split()
     _patch_uneven_sequence_collectives()
     _APPLIED = True

@@ -234,7 +234,7 @@ def test_step_command_runs_both_paths_on_cp2_with_audit_and_profile(tmp_path):
     assert set(summary["paths"]) == {"new", "old"} and "syncs_new" in summary and "profile_new" in summary
     assert all(math.isfinite(c["loss"]) and c["grad_norm"] > 0 and c["tflops_per_gpu"] > 0 for c in cycles)
     in_use = {c["path"]: c["in_use"] for c in cycles}
-    on_cpu = {"fused_kernels": "eager", "adam": "default", "moe_identity_sort_skipped": True,
+    on_cpu = {"fused_kernels": "eager", "adam": "default", "optimizer": ["AdamW"], "moe_identity_sort_skipped": True,
               "batched_optimizer_copies": True, "permute_without_host_sync": True, "gated_deltanet_kernel": "auto"}
     assert in_use == {"new": {"thd_rope": "patched", "kernels": ["causal"], **on_cpu},
                       "old": {"thd_rope": "megatron", "kernels": ["masked"], **on_cpu}}
@@ -248,9 +248,13 @@ def test_step_command_runs_both_paths_on_cp2_with_audit_and_profile(tmp_path):
 
 @pytest.mark.timeout(200)
 def test_step_command_reports_an_out_of_memory_cycle(tmp_path):
-    proc, report = _run_step(tmp_path, 1, ["--paths", "new", "old", "--profile-warmup"],
+    """Also the offloaded optimizer's step (run_step_bench_gpu.sh's moeoffload flags) in its warm-up cycles."""
+    offload = ["--optimizer-cpu-offload", "--use-precision-aware-optimizer", "--overlap-cpu-optimizer-d2h-h2d"]
+    proc, report = _run_step(tmp_path, 1, ["--paths", "new", "old", "--profile-warmup", *offload],
                              {"BENCH_STEP_INJECT_OOM_AT": "2"})
     assert proc.returncode != 0
+    assert all(c["in_use"]["optimizer"] == ["HybridDeviceOptimizer"] and math.isfinite(c["loss"]) and c["grad_norm"] > 0
+               and c["host_peak_gib"] > 0 for c in report["cycles"]), report["cycles"]
     # the first warm-up cycle ran under cProfile, and only the first
     assert proc.stdout.count("WARMUP_PROFILE new: wall ") == 1 and "WARMUP_PROFILE old" not in proc.stdout
     assert "OOM rank=0" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -25,6 +25,8 @@ class NotImplementedFlag:
     """Train devices on which the flag is unimplemented."""
     is_active: Callable[[Any], bool] | None = None
     """Predicate on the parsed value; None means 'differs from the parser default'."""
+    applies: Callable[[argparse.Namespace], bool] | None = None
+    """Predicate on the other flags (the reason then names them); None means 'whatever they are'."""
 
 
 def _warned(reason: str, *flags: str) -> tuple[NotImplementedFlag, ...]:
@@ -32,11 +34,14 @@ def _warned(reason: str, *flags: str) -> tuple[NotImplementedFlag, ...]:
 
 
 NOT_IMPLEMENTED_FLAGS: tuple[NotImplementedFlag, ...] = (
-    NotImplementedFlag(flag="--optimizer-cpu-offload", reason="needs TransformerEngine's hybrid CPU optimizer"),
-    NotImplementedFlag(flag="--overlap-cpu-optimizer-d2h-h2d", reason="only meaningful with --optimizer-cpu-offload"),
     NotImplementedFlag(
-        flag="--use-precision-aware-optimizer", reason="needs TransformerEngine's FusedAdam; the torch Adam is used"
-    ),
+        flag="--use-precision-aware-optimizer", applies=lambda a: not a.optimizer_cpu_offload,
+        reason="without --optimizer-cpu-offload, only TransformerEngine's FusedAdam holds such state in megatron, and "
+               "this project does not use it: megatron's optimizer keeps the fp32 master weights and torch's AdamW the "
+               "moments, the same update (TE would keep 16 bit remainders instead, 2 bytes a parameter less)"),
+    *(NotImplementedFlag(flag=flag, applies=lambda a: not a.optimizer_cpu_offload,
+                         reason="only meaningful with --optimizer-cpu-offload")
+      for flag in ("--overlap-cpu-optimizer-d2h-h2d", "--optimizer-offload-fraction")),
     NotImplementedFlag(
         flag="--attention-backend",
         reason="flash/fused/unfused need TransformerEngine; the local/plugin attention is used",
@@ -141,6 +146,12 @@ ALWAYS_HONOURED_FLAGS: dict[str, str] = {
 
 
 REFUSED_FLAGS: tuple[NotImplementedFlag, ...] = (
+    NotImplementedFlag(
+        flag="--optimizer-cpu-offload", applies=lambda a: not a.use_precision_aware_optimizer,
+        reason="without --use-precision-aware-optimizer, the hybrid optimizer of megatron core 0.16 updates copies of "
+               "the distributed optimizer's fp32 main weights, which are never refreshed from loaded weights (the "
+               "first step would return to the initialisation, not to the weights of --hf-checkpoint) and which it "
+               "cannot load back from a checkpoint; add --use-precision-aware-optimizer, as upstream's launchers do"),
     NotImplementedFlag(flag="--optimizer", is_active=lambda v: v != "adam", reason="only --optimizer adam is implemented"),
     NotImplementedFlag(flag="--pg-loss-type", is_active=lambda v: v == "reinforce",
                        reason="the REINFORCE objective is not implemented (the PPO-clip objective is)"),
@@ -210,7 +221,7 @@ def _active(entries: Sequence[NotImplementedFlag], args: argparse.Namespace, par
             continue
         value = getattr(args, action.dest)
         is_on = entry.is_active(value) if entry.is_active else value != action.default
-        if is_on:
+        if is_on and (entry.applies is None or entry.applies(args)):
             active.append(entry)
     return active
 

@@ -12,6 +12,7 @@ from slime.config.checks.checkpoints import check_load, resolve_checkpoint_reten
 from slime.config.checks.lora import check_lora_flags
 from slime.config.checks.batching import check_batch_split, check_batching, check_context_parallel
 from slime.config.checks.model import check_model_shape, check_mtp, resolve_model_defaults
+from slime.config.checks.optimizer import resolve_optimizer_offload
 from slime.config.checks.paths import check_paths, check_spec
 from slime.config.checks.rollout import (
     check_logprob_mismatch,
@@ -40,6 +41,7 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
     check_positive(args)
     check_deadlines(args)
     check_healing(args)
+    resolve_optimizer_offload(args)
     resolve_model_defaults(args)
     resolve_modes(args)
     resolve_rollout_defaults(args)

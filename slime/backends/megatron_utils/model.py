@@ -372,8 +372,15 @@ def _wrap_ddp(args: Namespace, chunks: list[GPTModel]) -> list[DistributedDataPa
 
 
 def _optimizer_config(args: Namespace, config: TransformerConfig) -> OptimizerConfig:
+    """megatron's optimizer settings. --optimizer-cpu-offload: megatron-core's HybridDeviceOptimizer inside the
+    distributed optimizer, its state precision-aware (the fp32 master weights held by it, on the host), the only
+    combination whose loads it refreshes (the refusal in slime/config/registries.py says why); without offload,
+    --use-precision-aware-optimizer has no effect (it needs TransformerEngine's FusedAdam)."""
     if args.optimizer != "adam":
         raise ValueError(f"--optimizer {args.optimizer} is not supported (adam only)")
+    offload = bool(args.optimizer_cpu_offload)
+    if offload and not (args.use_precision_aware_optimizer and args.use_distributed_optimizer):
+        raise ValueError("--optimizer-cpu-offload needs --use-precision-aware-optimizer and --use-distributed-optimizer")
     return OptimizerConfig(
         optimizer="adam",
         lr=args.lr,
@@ -386,6 +393,10 @@ def _optimizer_config(args: Namespace, config: TransformerConfig) -> OptimizerCo
         bf16=config.bf16,
         params_dtype=config.params_dtype,
         use_distributed_optimizer=bool(args.use_distributed_optimizer),
+        optimizer_cpu_offload=offload,
+        optimizer_offload_fraction=args.optimizer_offload_fraction,
+        overlap_cpu_optimizer_d2h_h2d=offload and bool(args.overlap_cpu_optimizer_d2h_h2d),
+        use_precision_aware_optimizer=offload,
     )
 
 
@@ -450,10 +461,22 @@ def build_model_and_optimizer(args: Namespace, hf_config: Any):
     else:
         freeze_parameters(chunks, args.only_train_params_name_list, args.freeze_params_name_list)
     model = _wrap_ddp(args, chunks)
+    if args.optimizer_cpu_offload:
+        _check_offloadable(chunks)
     optimizer = get_megatron_optimizer(_optimizer_config(args, chunks[0].config), model)
     if fused_adam_chosen(_parameter_device(chunks)):
         use_fused_adam(optimizer, True)
     return model, optimizer, _lr_scheduler(args, optimizer)
+
+
+def _check_offloadable(chunks: list[GPTModel]) -> None:
+    """megatron's distributed optimizer hands the hybrid CPU optimizer a view of each fp32 parameter's shard, which
+    a torch optimizer refuses ("can't optimize a non-leaf Tensor"): name such a parameter instead."""
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            if param.requires_grad and param.dtype == torch.float32:
+                raise ValueError(f"--optimizer-cpu-offload: parameter {name} is trained in fp32; megatron-core's hybrid "
+                                 "CPU optimizer holds 16-bit parameters only (train with --bf16)")
 
 
 def _parameter_device(chunks: list[GPTModel]) -> torch.device:

@@ -183,9 +183,12 @@ def torch_optimizers(optimizer: Any) -> Iterator[torch.optim.Optimizer]:
 
 
 def _optimizer_params(optimizer: Any) -> Iterator[torch.Tensor]:
+    """The parameters the optimizers hold, with those of a hybrid CPU optimizer's device part (fp32 copies whose
+    gradients it sets anew at every step; its host part keeps its gradients' pinned buffers, set once)."""
     for inner in torch_optimizers(optimizer):
-        for group in inner.param_groups:
-            yield from group["params"]
+        for part in (inner, getattr(inner, "gpu_optimizer", None)):
+            for group in part.param_groups if part is not None else ():
+                yield from group["params"]
 
 
 def _training_device(model_chunks: Sequence[torch.nn.Module]) -> torch.device:

@@ -32,10 +32,18 @@ def add_megatron_training_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true", default=False,
                    help="keep and reduce gradients in fp32")
     g.add_argument("--use-precision-aware-optimizer", action="store_true", default=False,
-                   help="TransformerEngine's precision-aware Adam")
-    g.add_argument("--optimizer-cpu-offload", action="store_true", default=False, help="keep the optimizer state on CPU")
+                   help="the optimizer, not megatron's distributed optimizer, holds the fp32 master weights; with "
+                        "--optimizer-cpu-offload they live on the host beside Adam's moments (docs/gpu.md)")
+    g.add_argument("--optimizer-cpu-offload", action="store_true", default=False,
+                   help="Adam's state and update on the host: megatron-core's hybrid CPU/GPU optimizer, gradients "
+                        "copied to the host and weights back at every step (needs --use-precision-aware-optimizer; "
+                        "turns on --use-distributed-optimizer, as upstream always has it; docs/gpu.md)")
+    g.add_argument("--optimizer-offload-fraction", type=float, default=1.0,
+                   help="with --optimizer-cpu-offload: the share of the parameters (by elements, in order) whose "
+                        "state and update are on the host; the rest update on the device")
     g.add_argument("--overlap-cpu-optimizer-d2h-h2d", action="store_true", default=False,
-                   help="overlap the CPU optimizer's copies")
+                   help="with --optimizer-cpu-offload: one host optimizer per parameter, the gradient and weight "
+                        "copies on side streams, so copies and host updates overlap")
     g.add_argument("--only-train-params-name-list", type=str, nargs="*", default=None,
                    help="regexes of parameter names to train; every other parameter is frozen (with "
                         "--enable-lora: trained in full beside the adapters; the critic's value head always trains)")
