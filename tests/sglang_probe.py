@@ -256,8 +256,9 @@ def check_launch(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
         try:
             _, passthrough = sglang_passthrough.split_passthrough(case["argv"], frozenset(case.get("declared", [])))
             args.sglang_server_args = sglang_passthrough.resolve_server_args(args, passthrough)
+            nodes = launcher.EngineNodes(**case["nodes"]) if case.get("nodes") else None
             command = launcher.build_sglang_command(args, case.get("engine_rank", 0), "127.0.0.1", 30000, "/model",
-                                                    case.get("gpu_ids"))
+                                                    case.get("gpu_ids"), nodes=nodes)
             tokens = command[3:]  # after python -m sglang.launch_server
             parsed = vars(strict.parse_args(tokens))
             result.update(tokens=tokens, parsed={k: parsed.get(k) for k in case["expect"]},

@@ -88,10 +88,28 @@ def test_separate_engines_come_after_the_trainer_ranks():
     assert [(e.node_id, e.gpu_ids) for e in layout.engines] == [("b", ("0", "1")), ("b", ("2", "3"))]
 
 
-def test_an_engine_may_not_span_nodes():
-    infos = _bundles([("a", "10.0.0.1", "0"), ("a", "10.0.0.1", "1"), ("a", "10.0.0.1", "2"), ("b", "10.0.0.2", "0")])
-    with pytest.raises(PlacementError, match="engine 1 would span nodes"):
-        plan_layout(infos, trainer_ranks=0, num_engines=2, gpus_per_engine=2, colocate=False)
+def test_an_engine_larger_than_a_node_gets_a_part_on_each_of_its_nodes():
+    # 3 nodes x 4 GPUs: 4 trainer ranks fill node a, one engine of 8 takes nodes b and c
+    infos = _bundles([(n, ip, g) for n, ip in (("c", "10.0.0.3"), ("a", "10.0.0.1"), ("b", "10.0.0.2")) for g in "3210"])
+    layout = plan_layout(infos, trainer_ranks=4, num_engines=1, gpus_per_engine=8, colocate=False)
+    (engine,) = layout.engines
+    assert engine.nnodes == 2 and [p.node_rank for p in engine.parts] == [0, 1]
+    assert [(p.node_id, p.node_ip, p.gpu_ids) for p in engine.parts] == [
+        ("b", "10.0.0.2", ("0", "1", "2", "3")), ("c", "10.0.0.3", ("0", "1", "2", "3"))]
+    by_bundle = {b.index: (b.node_id, b.gpu_id) for b in infos}
+    assert all(by_bundle[p.bundles[0]] == (p.node_id, p.gpu_ids[0]) for p in engine.parts)  # each part's actor
+    assert {i for p in engine.parts for i in p.bundles}.isdisjoint(b.index for b in layout.actor_bundles)
+    # node rank 0 (the engine's URL, what the router and the weight push address) is the first node's part
+    assert (engine.node_id, engine.rank, engine.followers[0].rank) == ("b", 0, 0)
+
+
+def test_an_engine_with_unequal_parts_on_its_nodes_is_refused():
+    # 6 trainer ranks leave 2 GPUs of node b: an engine of 4 would hold 2 there and 2 on node c
+    infos = _bundles([(n, ip, g) for n, ip in (("a", "10.0.0.1"), ("b", "10.0.0.2"), ("c", "10.0.0.3")) for g in "0123"])
+    layout = plan_layout(infos, trainer_ranks=6, num_engines=1, gpus_per_engine=4, colocate=False)
+    assert [len(p.gpu_ids) for p in layout.engines[0].parts] == [2, 2]  # even: allowed
+    with pytest.raises(PlacementError, match="engine 0 would hold 3 on 10.0.0.1 .* 1 on 10.0.0.2 .* splits an engine"):
+        plan_layout(infos[:8], trainer_ranks=1, num_engines=1, gpus_per_engine=4, colocate=False)
 
 
 def test_too_few_bundles_is_refused():
@@ -257,14 +275,16 @@ def _assignments(args):
     from slime.ray.driver.placement import create_placement
 
     placement = create_placement(args, use_gpu=True, timeout_s=120)
-    trainers = RayTrainGroup(args, placement)
-    engines = [ray.remote(EngineRayActor).options(**placement.engine_options(slot.rank)).remote(
-        args, slot, "sglang", str(args.ledger_dir)) for slot in placement.layout.engines]
+    trainers = RayTrainGroup(args, placement) if not args.debug_rollout_only else None
+    parts = [part for slot in placement.layout.engines for part in slot.parts]  # an actor on each engine's node
+    engines = [ray.remote(EngineRayActor).options(**placement.engine_options(part.rank, part.node_rank)).remote(
+        args, part, "sglang", str(args.ledger_dir)) for part in parts]
     try:
-        ranks = trainers.where()
+        ranks = trainers.where() if trainers is not None else []
         actors = ray.get([e.where.remote() for e in engines], timeout=120)
     finally:
-        trainers.shutdown()
+        if trainers is not None:
+            trainers.shutdown()
         for engine in engines:
             ray.kill(engine)
         placement.remove()
@@ -274,12 +294,29 @@ def _assignments(args):
 
 
 def _check_engines_on_their_bundles(layout, actors, server_args):
-    for slot, actor, fields in zip(layout.engines, actors, server_args, strict=True):
-        assert actor["node_id"] == slot.node_id  # the engine's actor runs on its own bundle's node ...
-        assert actor["ray_gpu_ids"] == [slot.gpu_ids[0]]  # ... holding a share of its first bundle's GPU
-        assert actor["device_indices"] == [int(g) for g in slot.gpu_ids]  # NOSET: physical ids are indices
-        assert fields["base_gpu_id"] == int(slot.gpu_ids[0])
-        assert fields["tp_size"] == len(slot.gpu_ids)
+    parts = [part for slot in layout.engines for part in slot.parts]
+    for part, actor, fields in zip(parts, actors, server_args, strict=True):
+        assert actor["node_id"] == part.node_id  # the engine's actor runs on its own bundle's node ...
+        assert actor["ray_gpu_ids"] == [part.gpu_ids[0]]  # ... holding a share of its first bundle's GPU
+        assert actor["device_indices"] == [int(g) for g in part.gpu_ids]  # NOSET: physical ids are indices
+        assert fields["base_gpu_id"] == int(part.gpu_ids[0])
+        assert fields["tp_size"] == args_gpus_per_engine(layout, part)
+
+
+def args_gpus_per_engine(layout, part) -> int:
+    """The engine's whole GPU count (its tensor-parallel size, on one node or over several)."""
+    return sum(len(p.gpu_ids) for p in layout.engines[part.rank].parts)
+
+
+@pytest.mark.timeout(300)
+def test_an_engine_over_both_nodes_gets_an_actor_on_each_with_its_gpus(fake_gpu_cluster, tmp_path):
+    args = _layout_args(tmp_path, colocate=False, debug_rollout_only=True, rollout_num_gpus=8,
+                        rollout_num_gpus_per_engine=8)
+    layout, _, actors, server_args = _assignments(args)
+    (engine,) = layout.engines
+    assert engine.nnodes == 2 and len({a["node_id"] for a in actors}) == 2
+    assert [a["device_indices"] for a in actors] == [[0, 1, 2, 3]] * 2
+    _check_engines_on_their_bundles(layout, actors, server_args)
 
 
 @pytest.mark.timeout(300)

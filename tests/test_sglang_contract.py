@@ -137,6 +137,14 @@ LAUNCH_CASES = [
                             "mem_fraction_static": 0.7, "skip_server_warmup": True, "trust_remote_code": True},
      "cuda_graph_bs": [1, 2, 4],
      "env": ["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK"]},
+    # an engine of 8 GPUs over two nodes of 4: each node's process gets its node's GPUs, the whole TP size, its
+    # node rank and node rank 0's address (upstream's deepseek-r1 / kimi-k2 / glm5 engines, at a smaller size)
+    *({"name": f"node rank {rank} of 2", "engine_rank": 3, "gpu_ids": [0, 1, 2, 3],
+       "nodes": {"nnodes": 2, "node_rank": rank, "dist_init_addr": "10.0.0.2:29555"},
+       "args": {"rollout_num_gpus_per_engine": 8, "num_gpus_per_node": 4, "seed": 7, "offload_rollout": False},
+       "argv": ["--sglang-ep-size", "8", "--sglang-enable-dp-attention", "--sglang-dp-size", "8"],
+       "expect": {"tp_size": 8, "base_gpu_id": 0, "nnodes": 2, "node_rank": rank, "dist_init_addr": "10.0.0.2:29555",
+                  "random_seed": 10, "ep_size": 8, "enable_dp_attention": True, "dp_size": 8}} for rank in (0, 1)),
     {"name": "passthrough", "args": {"rollout_num_gpus_per_engine": 1, "seed": 1, "offload_rollout": False},
      "argv": ["--sglang-preferred-sampling-params", '{"temperature": 0.5, "top_p": 0.9}',
               "--sglang-json-model-override-args", '{"rope_scaling": {"factor": 2.0}}',

@@ -145,3 +145,39 @@ def test_launcher_flags_are_read_from_the_train_command_and_the_arrays_it_expand
                              "--num-layers", "--swiglu"]
     assert flags["--swiglu"] == "scripts/run.sh (via scripts/models/m.sh)" and flags["--colocate"] == "scripts/run.sh"
     assert render(flags, "abc").splitlines()[1].endswith("THUDM/slime at abc")
+
+
+SPANNING = [s for s in LAUNCHERS["shapes"] if s.get("stops_at") and "GPUs spans" in s["stops_at"]]
+
+
+@pytest.mark.parametrize("shape", SPANNING, ids=[s["name"] for s in SPANNING])
+def test_upstream_engines_larger_than_a_node_parse_and_place_on_gpus_of_their_own(shape, tmp_path):
+    """scripts/run-deepseek-r1.sh, run-kimi-k2-*.sh, run-glm5-744B-A40B.sh ask for engines of 16-64 GPUs. As written
+    (--colocate) they are refused by name (above); with the engines on GPUs of their own they parse, and on a
+    simulated cluster of 8-GPU nodes each engine gets one SGLang process per node: node rank 0 on its first node
+    (its URL), the same number of GPUs on each, --nnodes / --node-rank / --dist-init-addr in every launch."""
+    from slime.backends.sglang_utils.launcher import EngineNodes, sglang_server_args_for_engine
+    from slime.ray.driver.placement import BundleInfo, num_engines, plan_layout, total_bundles, trainer_ranks
+
+    argv = [a for a in _argv(shape, tmp_path) if a != "--colocate"]
+    trainer_gpus = _flag(argv, "--actor-num-nodes") * _flag(argv, "--actor-num-gpus-per-node")
+    args = parse_quiet(argv + ["--rollout-num-gpus", str(trainer_gpus), "--rollout-backend", "sglang"])
+    per_engine, per_node = args.rollout_num_gpus_per_engine, args.num_gpus_per_node
+    assert per_engine == _flag(argv, "--rollout-num-gpus-per-engine") > per_node == 8 and not args.colocate
+    nodes = total_bundles(args) // per_node
+    infos = [BundleInfo(index=i, node_id=f"node{i // per_node:03d}", node_ip=f"10.0.{i // per_node // 256}."
+                        f"{i // per_node % 256}", gpu_id=str(i % per_node)) for i in range(nodes * per_node)]
+    layout = plan_layout(infos, trainer_ranks=trainer_ranks(args), num_engines=num_engines(args),
+                         gpus_per_engine=per_engine, colocate=False)
+    trainer_nodes = {b.node_id for b in layout.actor_bundles}
+    assert len(layout.engines) == trainer_gpus // per_engine
+    for engine in layout.engines:
+        assert engine.nnodes == per_engine // per_node and len({p.node_id for p in engine.parts}) == engine.nnodes
+        assert all(p.gpu_ids == tuple(str(g) for g in range(per_node)) for p in engine.parts)
+        assert trainer_nodes.isdisjoint(p.node_id for p in engine.parts)
+        address = f"{engine.node_ip}:29555"
+        for part in engine.parts:
+            fields = sglang_server_args_for_engine(args, engine.rank, [int(g) for g in part.gpu_ids], nodes=EngineNodes(
+                nnodes=engine.nnodes, node_rank=part.node_rank, dist_init_addr=address))
+            assert (fields["tp_size"], fields["base_gpu_id"], fields["nnodes"], fields["node_rank"],
+                    fields["dist_init_addr"]) == (per_engine, 0, engine.nnodes, part.node_rank, address)

@@ -8,6 +8,7 @@ import argparse
 import sys
 from typing import Callable, Sequence
 
+from slime.config.checks.engines import check_engine_span
 from slime.config.checks.rollout import check_rollout_backend
 from slime.config.custom_config import apply_custom_config
 from slime.config.errors import ArgumentValidationError, fail
@@ -71,6 +72,7 @@ def parse_args(
         device = resolve_train_device(args)
         validate_args(args, parser, device)
         check_rollout_backend(args)
+        check_engine_span(args)
         args.run_config = build_run_config(args)  # last: from the checked, derived flags
     except (ArgumentValidationError, sglang_passthrough.SGLangArgumentError) as exc:
         parser.error(str(exc))

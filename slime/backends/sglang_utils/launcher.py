@@ -53,6 +53,18 @@ def sglang_engine_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+@dataclass(frozen=True, kw_only=True)
+class EngineNodes:
+    """Where one process of an engine over several nodes stands (SGLang's multi-node launch)."""
+
+    nnodes: int
+    """Nodes the engine spans (--nnodes)."""
+    node_rank: int
+    """This process's node (--node-rank); node rank 0 serves the engine's HTTP API, the others /health only."""
+    dist_init_addr: str
+    """host:port on node rank 0 where the engine's processes meet (--dist-init-addr)."""
+
+
 @dataclass
 class EngineHandle(ServerHandle):
     engine_rank: int = 0
@@ -70,12 +82,15 @@ def gpu_id_layout(gpu_ids: Sequence[int]) -> tuple[int, int]:
 
 
 def sglang_server_args_for_engine(args: Any, engine_rank: int, gpu_ids: Sequence[int] | None = None, *,
-                                  parser: argparse.ArgumentParser | None = None) -> dict[str, Any]:
+                                  parser: argparse.ArgumentParser | None = None,
+                                  nodes: EngineNodes | None = None) -> dict[str, Any]:
     """ServerArgs fields for one engine: slime-derived ones, then the user's --sglang-* passthrough.
 
     gpu_ids: the CUDA device indices of the engine's Ray bundles (see slime/ray/driver/placement.py);
     without them, engines are assumed to fill each node's GPUs in rank order. `parser` (SGLang's
-    launch parser) lets fields that only some SGLang versions have be set where they exist.
+    launch parser) lets fields that only some SGLang versions have be set where they exist. `nodes`: this
+    process's place in an engine over several nodes (gpu_ids are then its node's GPUs; the engine's
+    tensor-parallel size stays its whole GPU count, split evenly over the nodes by SGLang).
     """
     gpus_per_engine = int(args.rollout_num_gpus_per_engine)
     gpus_per_node = int(args.num_gpus_per_node)
@@ -89,6 +104,8 @@ def sglang_server_args_for_engine(args: Any, engine_rank: int, gpu_ids: Sequence
     }
     if step != 1:
         derived["gpu_id_step"] = step
+    if nodes is not None and nodes.nnodes > 1:
+        derived.update(nnodes=nodes.nnodes, node_rank=nodes.node_rank, dist_init_addr=nodes.dist_init_addr)
     memory_saver = bool(args.offload_rollout)
     if memory_saver:
         derived["enable_memory_saver"] = True
@@ -101,13 +118,13 @@ def sglang_server_args_for_engine(args: Any, engine_rank: int, gpu_ids: Sequence
 
 def build_sglang_command(args: Any, engine_rank: int, host: str, port: int, model_path: str,
                          gpu_ids: Sequence[int] | None = None, *,
-                         parser: argparse.ArgumentParser | None = None) -> list[str]:
+                         parser: argparse.ArgumentParser | None = None, nodes: EngineNodes | None = None) -> list[str]:
     """`python -m sglang.launch_server ...`, rendered against SGLang's own parser (the installed one by default)."""
     parser = parser or server_args_parser()
     if parser is None:
         raise RuntimeError("sglang is not importable here, so its launch flags cannot be rendered; "
                            "install the [gpu] extra or use --rollout-backend embedded")
-    server_args = sglang_server_args_for_engine(args, engine_rank, gpu_ids, parser=parser)
+    server_args = sglang_server_args_for_engine(args, engine_rank, gpu_ids, parser=parser, nodes=nodes)
     key = current_key()
     if key is not None:  # SGLang reads its key from argv only
         server_args["api_key"] = key.reveal()
@@ -155,6 +172,7 @@ def launch_engine(
     startup_timeout_s: float | None = None,
     log_dir: str | None = None,
     num_threads: int | None = None,
+    nodes: EngineNodes | None = None,
 ) -> EngineHandle:
     """Start an engine process and return once its /health answers (or raise with its log tail).
 
@@ -162,12 +180,17 @@ def launch_engine(
     process can take first); gpu_ids are the CUDA device indices (in this process's view, which the engine
     inherits) it must run on: SGLang's --base-gpu-id/--gpu-id-step, the embedded engine's --device (empty: the
     caller's bundles have no GPU, the engine runs on CPU; None: on CUDA when torch sees a GPU);
-    num_threads: the embedded engine's torch threads (a benchmark's knob; default: torch's).
+    num_threads: the embedded engine's torch threads (a benchmark's knob; default: torch's);
+    nodes: this process's node of an SGLang engine over several nodes (its node rank 0 answers the whole API, the
+    others /health once their schedulers joined; the embedded engine is one process and cannot span nodes).
     """
     if kind not in BACKENDS:
         raise ValueError(f"unknown engine kind {kind!r}; expected one of {BACKENDS}")
+    if kind == "embedded" and nodes is not None and nodes.nnodes > 1:
+        raise ValueError(f"engine {engine_rank}: the embedded engine is one process and cannot span "
+                         f"{nodes.nnodes} nodes")
     deadline = startup_timeout_s or DEFAULT_STARTUP_TIMEOUT_S
-    name = f"{kind}-engine-{engine_rank}"
+    name = f"{kind}-engine-{engine_rank}" + (f"-node-{nodes.node_rank}" if nodes is not None and nodes.nnodes > 1 else "")
     if kind == "embedded":  # bound here, served there: the port cannot be lost in between
         def command(p: int, fd: int) -> list[str]:
             return build_embedded_command(args, engine_rank, host, p, model_path, gpu_ids, listen_fd=fd,
@@ -180,7 +203,7 @@ def launch_engine(
 
     def start_sglang() -> EngineHandle:
         chosen = port or find_free_port(host)
-        command = build_sglang_command(args, engine_rank, host, chosen, model_path, gpu_ids)
+        command = build_sglang_command(args, engine_rank, host, chosen, model_path, gpu_ids, nodes=nodes)
         server = start_server_process(name, command, f"http://{host}:{chosen}", log_dir=log_dir,
                                       env=sglang_engine_env())
         server.wait_healthy(deadline)

@@ -94,10 +94,17 @@ def check_colocate_across_nodes(args: argparse.Namespace) -> None:
     backends/megatron_utils/node_routes.py)."""
     per_node, per_engine = args.actor_num_gpus_per_node, args.rollout_num_gpus_per_engine
     where = f"--colocate over --actor-num-nodes {args.actor_num_nodes} x --actor-num-gpus-per-node {per_node}"
+    if per_engine > per_node and per_engine % per_node == 0:
+        fail(f"{where}: an engine of --rollout-num-gpus-per-engine {per_engine} GPUs spans {per_engine // per_node} "
+             "nodes. Colocated engines take their weights by CUDA IPC from trainer ranks of their own node; an engine "
+             "over several nodes would need each node's part fed by that node's ranks and the parts gathered into one "
+             "request to its node rank 0, which the colocated weight push does not do. Drop --colocate and give the "
+             "engines GPUs of their own (--rollout-num-gpus), where an engine spans nodes with SGLang's multi-node "
+             f"launch and takes its weights over NCCL (docs/cluster.md), or use a divisor of {per_node}")
     if per_node % per_engine:
         fail(f"{where}: an engine of --rollout-num-gpus-per-engine {per_engine} GPUs does not fit within one "
-             f"node's {per_node} (colocated engines are fed by their own node's trainer ranks; an SGLang engine over "
-             f"several nodes is not supported); use a divisor of {per_node}")
+             f"node's {per_node} (colocated engines are fed by their own node's trainer ranks); use a divisor of "
+             f"{per_node}")
     total = per_node * args.actor_num_nodes
     if args.rollout_num_gpus != total:
         fail(f"{where}: --rollout-num-gpus {args.rollout_num_gpus} must be the trainer's {total} GPUs (every "

@@ -9,7 +9,9 @@ trainer ranks share a node and an engine's GPUs are neighbours on one node.
     trainer rank r      -> ordered bundle r
     engine e (G GPUs)   -> ordered bundles offset + e*G .. offset + (e+1)*G - 1
                            offset = 0 with --colocate (engines share the trainer's bundles),
-                           else the trainer's bundle count
+                           else the trainer's bundle count; an engine whose bundles lie on several
+                           nodes runs one SGLang process per node (--nnodes, --node-rank), each node
+                           holding the same number of its GPUs, node rank 0 on the first node
     critic rank c       -> the actor's rank c's bundle when the critic has the actor's counts
                            (--advantage-estimator ppo), else ordered bundle after + c, after the
                            trainer's and the engines' bundles
@@ -125,13 +127,27 @@ class BundleInfo:
 
 @dataclass(frozen=True, kw_only=True)
 class EngineSlot:
-    """The bundles of one engine; its Ray actor runs on the first."""
+    """The bundles of one engine on one node; its Ray actor runs on the first. An engine over several nodes is the
+    slot of its node rank 0 (the process that serves HTTP), its other nodes' slots in `followers`."""
 
     rank: int
     bundles: tuple[int, ...]
     node_id: str
     node_ip: str
     gpu_ids: tuple[str, ...] = ()
+    node_rank: int = 0
+    """This slot's SGLang --node-rank within its engine."""
+    followers: tuple["EngineSlot", ...] = ()
+    """The slots of node ranks 1.. (empty: the engine lies within one node)."""
+
+    @property
+    def parts(self) -> tuple["EngineSlot", ...]:
+        """Every node's slot, node rank 0 first."""
+        return (self, *self.followers)
+
+    @property
+    def nnodes(self) -> int:
+        return 1 + len(self.followers)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -168,7 +184,7 @@ def order_bundles(infos: Sequence[BundleInfo]) -> list[BundleInfo]:
 def plan_layout(infos: Sequence[BundleInfo], *, trainer_ranks: int, num_engines: int, gpus_per_engine: int,
                 colocate: bool, critic_ranks: int = 0) -> Layout:
     """Assign ordered bundles to trainer ranks, engines and a critic on bundles of its own (`critic_ranks`, after
-    the others'); every engine must fit on one node."""
+    the others'); an engine over several nodes holds the same number of GPUs on each."""
     ordered = order_bundles(infos)
     offset = 0 if colocate else trainer_ranks
     shared = max(trainer_ranks, offset + num_engines * gpus_per_engine)
@@ -177,25 +193,36 @@ def plan_layout(infos: Sequence[BundleInfo], *, trainer_ranks: int, num_engines:
         critic = f", {critic_ranks} critic ranks" if critic_ranks else ""
         raise PlacementError(f"{len(ordered)} bundles for {trainer_ranks} trainer ranks{critic} and {num_engines} "
                              f"engines of {gpus_per_engine} (colocate={colocate}): need {needed}")
-    engines = []
-    for rank in range(num_engines):
-        own = ordered[offset + rank * gpus_per_engine: offset + (rank + 1) * gpus_per_engine]
-        nodes = {b.node_id for b in own}
-        if len(nodes) > 1:
-            raise PlacementError(
-                f"engine {rank} would span nodes {sorted(nodes)} (bundles {[b.index for b in own]}): engines larger "
-                "than a node are not supported; lower --rollout-num-gpus-per-engine to at most a node's GPUs")
-        engines.append(EngineSlot(rank=rank, bundles=tuple(b.index for b in own), node_id=own[0].node_id,
-                                  node_ip=own[0].node_ip,
-                                  gpu_ids=tuple(b.gpu_id for b in own if b.gpu_id is not None)))
+    engines = [_engine_slot(rank, ordered[offset + rank * gpus_per_engine: offset + (rank + 1) * gpus_per_engine])
+               for rank in range(num_engines)]
     return Layout(actor_bundles=tuple(ordered[:trainer_ranks]), engines=tuple(engines),
                   critic_bundles=tuple(ordered[shared:needed]))
+
+
+def _engine_slot(rank: int, own: Sequence[BundleInfo]) -> EngineSlot:
+    """One engine's slot from its ordered bundles: one part per node, in node order."""
+    by_node: dict[str, list[BundleInfo]] = {}
+    for bundle in own:
+        by_node.setdefault(bundle.node_id, []).append(bundle)
+    sizes = {node: len(part) for node, part in by_node.items()}
+    if len(set(sizes.values())) > 1:
+        listed = ", ".join(f"{len(part)} on {part[0].node_ip} ({node[:8]})" for node, part in by_node.items())
+        raise PlacementError(
+            f"engine {rank} would hold {listed} GPUs (bundles {[b.index for b in own]}): SGLang splits an engine's "
+            "tensor-parallel ranks evenly over its nodes, so an engine larger than a node needs the same number of "
+            "GPUs on each; make --rollout-num-gpus-per-engine a multiple of the GPUs a node gives engines, and let "
+            "the trainer's GPUs fill whole nodes (or colocate)")
+    parts = [EngineSlot(rank=rank, bundles=tuple(b.index for b in part), node_id=part[0].node_id,
+                        node_ip=part[0].node_ip, gpu_ids=tuple(b.gpu_id for b in part if b.gpu_id is not None),
+                        node_rank=node_rank) for node_rank, part in enumerate(by_node.values())]
+    return dataclasses.replace(parts[0], followers=tuple(parts[1:]))
 
 
 def check_disjoint(layout: Layout) -> None:
     """Trainer ranks and engines on bundles of their own (train_async.py: both run at once)."""
     trainer = {b.index for b in layout.actor_bundles}
-    shared = {index: engine.rank for engine in layout.engines for index in engine.bundles if index in trainer}
+    shared = {index: engine.rank for engine in layout.engines for part in engine.parts for index in part.bundles
+              if index in trainer}
     if shared:
         listed = ", ".join(f"bundle {index} (engine {rank})" for index, rank in sorted(shared.items()))
         raise PlacementError(f"trainer ranks and engines share {listed}: training and generation run at once here, "
@@ -225,7 +252,7 @@ def check_colocated_nodes(layout: Layout, gpus_per_node: int) -> tuple[str, ...]
 def node_count(layout: Layout, driver_node_id: str) -> int:
     """How many nodes the job's processes (driver, ranks, engines) run on."""
     return len({b.node_id for b in (*layout.actor_bundles, *layout.critic_bundles)}
-               | {e.node_id for e in layout.engines} | {driver_node_id})
+               | {part.node_id for e in layout.engines for part in e.parts} | {driver_node_id})
 
 
 def check_engine_bind_host(bind_host: str | None, layout: Layout, driver_node_id: str) -> None:
@@ -283,8 +310,10 @@ class Placement:
         """Ray actor options of trainer rank `rank` of `role`: a share of its bundle, the job's env."""
         return self._options(self.layout.role_bundles(role)[rank].index, TRAINER_SHARE)
 
-    def engine_options(self, engine: int) -> dict[str, Any]:
-        return self._options(self.layout.engines[engine].bundles[0], ENGINE_SHARE)
+    def engine_options(self, engine: int, node_rank: int = 0) -> dict[str, Any]:
+        """Ray actor options of engine `engine`'s process on its node `node_rank`: a share of that node's first
+        bundle."""
+        return self._options(self.layout.engines[engine].parts[node_rank].bundles[0], ENGINE_SHARE)
 
     def _options(self, bundle: int, share: float) -> dict[str, Any]:
         return {"num_cpus": share, "num_gpus": share if self.use_gpu else 0,
@@ -294,8 +323,9 @@ class Placement:
     def describe(self) -> list[str]:
         lines = [f"trainer rank {r}: bundle {b.index} node {b.node_ip} ({b.node_id[:8]}) gpu {b.gpu_id}"
                  for r, b in enumerate(self.layout.actor_bundles)]
-        lines += [f"engine {e.rank}: bundles {list(e.bundles)} node {e.node_ip} ({e.node_id[:8]}) "
-                  f"gpus {list(e.gpu_ids)}" for e in self.layout.engines]
+        lines += [f"engine {e.rank}{f' node rank {e.node_rank}' if p.nnodes > 1 else ''}: bundles {list(e.bundles)} "
+                  f"node {e.node_ip} ({e.node_id[:8]}) gpus {list(e.gpu_ids)}"
+                  for p in self.layout.engines for e in p.parts]
         lines += [f"critic rank {r}: bundle {b.index} node {b.node_ip} ({b.node_id[:8]}) gpu {b.gpu_id}"
                   for r, b in enumerate(self.layout.critic_bundles)]
         return lines

@@ -1,4 +1,6 @@
-"""One rollout engine's Ray actor: it runs on the engine's first bundle and starts the engine there.
+"""One rollout engine's Ray actor: it runs on the engine's first bundle and starts the engine there. An engine over
+several nodes has one such actor per node (each starts its node's SGLang process: --nnodes, --node-rank); the
+rollout manager sees them as one engine (`SpanningEngine`), addressed at node rank 0's URL.
 
 The engine process (SGLang, or the embedded engine) is a child of this actor, so it runs on the
 bundle's node with the bundle's GPUs and listens on loopback when the whole run is on one node, on
@@ -10,15 +12,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import ray
 
-from slime.backends.sglang_utils.launcher import EngineHandle, launch_engine
+from slime.backends.sglang_utils.launcher import EngineHandle, EngineNodes, launch_engine
 from slime.ray.driver.cluster import advertised_host, node_address, serving_host
 from slime.ray.engines.recovery import LocalEngine
 from slime.ray.driver.placement import EngineSlot, visible_device_index
 from slime.utils.deadlines import ENGINE_ACTOR_CALL_S
+from slime.utils.ports import find_free_port
 from slime.utils.security import use_key
 
 logger = logging.getLogger(__name__)
@@ -37,6 +40,8 @@ class EngineEndpoint:
     """Ray's ids of the engine's GPUs (empty on CPU)."""
     device_indices: tuple[int, ...]
     """The same GPUs as CUDA device indices of a process that sees the whole node."""
+    node_rank: int = 0
+    """This process's node within an engine over several nodes (node rank 0's URL is the engine's)."""
 
 
 class EngineRayActor:
@@ -59,25 +64,36 @@ class EngineRayActor:
                 "node_ip": node_address(), "ray_gpu_ids": [str(g) for g in ray.get_gpu_ids()],
                 "device_indices": list(self.devices())}
 
-    def start(self, startup_timeout_s: float) -> EngineEndpoint:
-        """Start the engine on this node and return once it answers /health."""
-        bind = self.args.engine_bind_host or serving_host(self.args.spans_nodes)
+    def bind_host(self) -> str:
+        return self.args.engine_bind_host or serving_host(self.args.spans_nodes)
+
+    def dist_init_addr(self) -> str:
+        """host:port on this node (node rank 0 of an engine over several nodes) where its processes meet: a port
+        free now, which SGLang's node rank 0 binds when it starts."""
+        bind = self.bind_host()
+        return f"{_url_host(advertised_host(bind))}:{find_free_port(bind)}"
+
+    def start(self, startup_timeout_s: float, nodes: EngineNodes | None = None) -> EngineEndpoint:
+        """Start the engine (`nodes`: this node's process of an engine over several) on this node and return once
+        it answers /health."""
+        bind = self.bind_host()
         devices = self.devices()
         self.engine = launch_engine(  # port 0: one no other process can take first (launch_engine says how)
             self.backend, self.args, self.slot.rank, 0, self.args.hf_checkpoint,
-            host=bind, gpu_ids=devices, startup_timeout_s=startup_timeout_s, log_dir=self.log_dir)
+            host=bind, gpu_ids=devices, startup_timeout_s=startup_timeout_s, log_dir=self.log_dir, nodes=nodes)
         self.endpoint = EngineEndpoint(
             rank=self.slot.rank, url=f"http://{_url_host(advertised_host(bind))}:{self.engine.port}",
             node_id=ray.get_runtime_context().get_node_id(), node_ip=node_address(), bind_host=bind,
-            gpu_ids=self.slot.gpu_ids, device_indices=devices)
-        logger.info("engine %d on node %s at %s (gpus %s)", self.slot.rank, self.endpoint.node_ip,
-                    self.endpoint.url, list(self.slot.gpu_ids))
+            gpu_ids=self.slot.gpu_ids, device_indices=devices, node_rank=self.slot.node_rank)
+        logger.info("engine %d%s on node %s at %s (gpus %s)", self.slot.rank,
+                    f" node rank {nodes.node_rank} of {nodes.nnodes}" if nodes is not None else "",
+                    self.endpoint.node_ip, self.endpoint.url, list(self.slot.gpu_ids))
         return self.endpoint
 
-    def restart(self, startup_timeout_s: float) -> EngineEndpoint:
+    def restart(self, startup_timeout_s: float, nodes: EngineNodes | None = None) -> EngineEndpoint:
         """Stop whatever is left of the engine and start a new one on a new port (fault tolerance)."""
         self.stop()
-        return self.start(startup_timeout_s)
+        return self.start(startup_timeout_s, nodes)
 
     def exit_code(self) -> int | None:
         return LocalEngine(self.engine).exit_code() if self.engine is not None else None
@@ -122,6 +138,32 @@ class RemoteEngine:
 
     def process_state(self) -> str:
         return self._call("process_state", lost="engine actor lost", silent="engine actor not answering")
+
+
+class SpanningEngine:
+    """An engine over several nodes as one engine (recovery.EngineProcess): its URL is node rank 0's, which serves
+    the whole HTTP API (generation, weight updates, memory); it has exited as soon as any node's process has (the
+    engine's tensor-parallel ranks are spread over all of them), and a signal goes to every node's process."""
+
+    def __init__(self, parts: Sequence[Any]) -> None:
+        if len(parts) < 2:
+            raise ValueError("an engine over several nodes has a process on each: give every node's handle")
+        self.parts = tuple(parts)
+        self.url = parts[0].url
+        self.endpoint = getattr(parts[0], "endpoint", None)
+
+    def exit_code(self) -> int | None:
+        return next((code for code in (part.exit_code() for part in self.parts) if code is not None), None)
+
+    def signal(self, sig: int) -> None:
+        for part in self.parts:
+            part.signal(sig)
+
+    def process_state(self) -> str:
+        states = [part.process_state() for part in self.parts]
+        if all(state == "alive" for state in states):
+            return "alive"
+        return "; ".join(f"node rank {rank}: {state}" for rank, state in enumerate(states))
 
 
 def _url_host(host: str) -> str:

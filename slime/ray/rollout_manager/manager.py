@@ -3,7 +3,8 @@
 `RolloutManager` is one Ray actor on the driver's node (where the user's data paths were
 checked). It starts one engine per `--rollout-num-gpus-per-engine` devices (real SGLang servers
 on GPUs, the embedded engine elsewhere: both answer the same HTTP API), each through an
-`EngineRayActor` on the engine's own bundles, so on their node and GPUs; puts a router in front;
+`EngineRayActor` on the engine's own bundles, so on their node and GPUs (an engine over several nodes:
+one actor and SGLang process per node, seen as one engine at node rank 0's URL); puts a router in front;
 and turns each rollout into the trainer's batch. The driver talks to it through
 `RolloutManagerHandle` (slime/ray/driver/rollout_handle.py), whose calls all carry a deadline.
 
@@ -25,7 +26,8 @@ from slime.backends.sglang_utils.http_client import SGLangHTTPClient
 from slime.backends.sglang_utils.launcher import pick_rollout_backend
 from slime.distributed.fault_inject import maybe_kill_run
 from slime.ray.driver.cluster import advertised_host, serving_host
-from slime.ray.engines.actor import EngineEndpoint, EngineRayActor, RemoteEngine
+from slime.backends.sglang_utils.launcher import EngineNodes
+from slime.ray.engines.actor import EngineEndpoint, EngineRayActor, RemoteEngine, SpanningEngine
 from slime.ray.engines.health import HealthConfig
 from slime.ray.engines.recovery import EngineFleet
 from slime.ray.driver.placement import EngineSlot, Placement
@@ -70,10 +72,11 @@ class RolloutManager:
         self.data_source = load_function(args.data_source_path)(args)  # --data-source-path: cls(args)
         self.backend = pick_rollout_backend(args)
         self.log_dir = os.path.join(args.ledger_dir or "/tmp", "engine-logs")
-        self._engine_actors: list = []
-        self.engines: list[EngineEndpoint] = self._launch_engines(placement)
+        self._engine_actors: list[list] = []  # per engine, one actor per node (node rank 0 first)
+        self._part_endpoints: list[list[EngineEndpoint]] = []  # the same, their processes' endpoints
+        self.engines: list[EngineEndpoint] = self._launch_engines(placement)  # node rank 0's: the engines' URLs
         self.router = self._launch_router() if self.engines else None
-        self.fleet = EngineFleet([RemoteEngine(a, e) for a, e in zip(self._engine_actors, self.engines)],
+        self.fleet = EngineFleet([self._engine_process(rank) for rank in range(len(self.engines))],
                                  relaunch=self._restart_engine, fault_tolerant=args.use_fault_tolerance,
                                  router=RouterWorkers(kind=self.router.kind, url=self.router.url) if self.router else None)
         self.guard = RolloutGuard(HealthConfig.from_args(args), self.fleet)
@@ -88,21 +91,38 @@ class RolloutManager:
             return []
         logger.info("starting %d %s engine(s) for %s", len(slots), self.backend, self.args.hf_checkpoint)
         remote = ray.remote(EngineRayActor)
-        self._engine_actors = [remote.options(**placement.engine_options(slot.rank)).remote(
-            self.args, slot, self.backend, self.log_dir) for slot in slots]
-        refs = [actor.start.remote(ENGINE_STARTUP_S) for actor in self._engine_actors]
+        self._engine_actors = [[remote.options(**placement.engine_options(slot.rank, part.node_rank)).remote(
+            self.args, part, self.backend, self.log_dir) for part in slot.parts] for slot in slots]
         try:  # each engine bounds its own start-up; this bounds Ray scheduling the actors as well
-            return wait_engines(refs, slots, timeout_s=engines_startup_s())
+            deadline = time.monotonic() + engines_startup_s()
+            nodes = engine_nodes_of(self._engine_actors, timeout_s=engines_startup_s())
+            refs = [actor.start.remote(ENGINE_STARTUP_S, where) for actors, spec in zip(self._engine_actors, nodes)
+                    for actor, where in zip(actors, spec)]
+            started = wait_engines(refs, [part for slot in slots for part in slot.parts],
+                                   timeout_s=max(0.0, deadline - time.monotonic()))
         except Exception:
             self._stop_engines()
             raise
+        for slot in slots:
+            self._part_endpoints.append(started[:slot.nnodes])
+            started = started[slot.nnodes:]
+        return [parts[0] for parts in self._part_endpoints]
 
-    def _restart_engine(self, rank: int) -> RemoteEngine:
-        """A failed engine, again on its own bundle, on a new port (EngineFleet's relaunch)."""
-        actor = self._engine_actors[rank]
-        endpoint = ray.get(actor.restart.remote(ENGINE_STARTUP_S), timeout=engine_restart_call_s())
-        self.engines[rank] = endpoint
-        return RemoteEngine(actor, endpoint)
+    def _engine_process(self, rank: int):
+        """The fleet's handle on engine `rank`: its one process, or its processes over several nodes as one."""
+        parts = [RemoteEngine(actor, endpoint)
+                 for actor, endpoint in zip(self._engine_actors[rank], self._part_endpoints[rank])]
+        return parts[0] if len(parts) == 1 else SpanningEngine(parts)
+
+    def _restart_engine(self, rank: int):
+        """A failed engine, again on its own bundles, on a new port (EngineFleet's relaunch); over several nodes,
+        every node's process, meeting at a new address."""
+        actors = self._engine_actors[rank]
+        (nodes,) = engine_nodes_of([actors], timeout_s=engine_restart_call_s())
+        refs = [actor.restart.remote(ENGINE_STARTUP_S, where) for actor, where in zip(actors, nodes)]
+        self._part_endpoints[rank] = ray.get(refs, timeout=engine_restart_call_s())
+        self.engines[rank] = self._part_endpoints[rank][0]
+        return self._engine_process(rank)
 
     def _launch_router(self):
         # Loopback on one node; upstream's node address when the run spans nodes; --sglang-router-ip
@@ -116,7 +136,8 @@ class RolloutManager:
         return self.fleet.urls()
 
     def engine_endpoints(self) -> list[EngineEndpoint]:
-        return list(self.engines)
+        """Every engine process's endpoint (an engine over several nodes: one per node, node rank 0 first)."""
+        return [endpoint for parts in self._part_endpoints for endpoint in parts]
 
     def num_prompts(self) -> int:
         return len(self.data_source)
@@ -262,9 +283,10 @@ class RolloutManager:
         self._stop_engines()
 
     def _stop_engines(self, timeout_s: float = ROLLOUT_MANAGER_SHUTDOWN_S) -> None:
-        stops = [actor.stop.remote() for actor in self._engine_actors]
+        actors = [actor for parts in self._engine_actors for actor in parts]
+        stops = [actor.stop.remote() for actor in actors]
         ray.wait(stops, num_returns=len(stops), timeout=timeout_s)
-        for actor in self._engine_actors:
+        for actor in actors:
             ray.kill(actor, no_restart=True)
 
 
@@ -312,8 +334,18 @@ def load_debug_rollout(path: str) -> dict[str, Any]:
                          f"plug-in fields in Sample.metadata as plain data ({exc})") from None
 
 
+def engine_nodes_of(actors: Sequence[Sequence], *, timeout_s: float) -> list[list[EngineNodes | None]]:
+    """Per engine (its actors, one per node, node rank 0 first), what each node's process is launched with: None
+    within one node; over several nodes --nnodes, its --node-rank and the address node rank 0's actor reserved."""
+    addresses = {rank: parts[0].dist_init_addr.remote() for rank, parts in enumerate(actors) if len(parts) > 1}
+    found = dict(zip(addresses, ray.get(list(addresses.values()), timeout=timeout_s))) if addresses else {}
+    return [[EngineNodes(nnodes=len(parts), node_rank=k, dist_init_addr=found[rank]) for k in range(len(parts))]
+            if len(parts) > 1 else [None] for rank, parts in enumerate(actors)]
+
+
 def _describe(slots: Iterable[EngineSlot]) -> str:
-    return "; ".join(f"engine {s.rank} on node {s.node_ip} ({s.node_id[:8]}), gpus {list(s.gpu_ids)}" for s in slots)
+    return "; ".join(f"engine {s.rank}{f' node rank {s.node_rank}' if s.node_rank or s.followers else ''} on node "
+                     f"{s.node_ip} ({s.node_id[:8]}), gpus {list(s.gpu_ids)}" for s in slots)
 
 
 def engine_memory_metrics(before: list[dict], after: list[dict]) -> dict[str, float]:
