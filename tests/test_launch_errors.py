@@ -50,8 +50,8 @@ def test_a_hook_module_off_the_import_path_says_where_python_looks(path, says, c
 
 
 @pytest.mark.parametrize("flags, says", [
-    (["--rollout-num-gpus-per-engine", "8"], "an engine of --rollout-num-gpus-per-engine 8 GPUs does not fit within "
-                                             "one node's 4"),
+    (["--rollout-num-gpus-per-engine", "8"], "an engine of --rollout-num-gpus-per-engine 8 GPUs spans 2 nodes. "
+                                             "Colocated engines take their weights by CUDA IPC"),
     (["--actor-num-gpus-per-node", "6", "--rollout-num-gpus-per-engine", "4"], "does not fit within one node's 6"),
     (["--rollout-num-gpus", "4"], "--rollout-num-gpus 4 must be the trainer's 8 GPUs"),
     (["--tensor-model-parallel-size", "8"], "--tensor-model-parallel-size 8 must divide the node's 4 GPUs"),
