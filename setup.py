@@ -24,6 +24,8 @@ BASE = [
     "pyyaml>=6",  # --custom-config-path
     "tokenizers>=0.20",  # the demo's character tokenizer (slime/tools/char_tokenizer.py)
     "matplotlib>=3.7",  # slime.tools.plot_metrics (make demo writes curves.png)
+    "pyarrow>=14",  # parquet prompt files (upstream's geo3k and most HF datasets ship parquet)
+    "pillow>=10",  # images of prompt rows (--multimodal-keys), decoded and checked before Ray starts
 ]
 
 # The SGLang releases the rollout side is written and tested against (tests/test_sglang_contract.py

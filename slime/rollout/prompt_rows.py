@@ -1,6 +1,7 @@
 """Rows of a prompt file, read without torch: the data source loads them, parse_args checks them before Ray starts.
 
-A prompt file is JSONL (one JSON object per line; blank lines are skipped) or parquet (one row per record).
+A prompt file is JSONL (one JSON object per line; blank lines are skipped) or parquet (one row per record, read
+with pyarrow; "line" numbers are row numbers from 1).
 """
 from __future__ import annotations
 
@@ -31,12 +32,21 @@ def read_rows(path: str | None, flag: str) -> Iterator[tuple[int, dict]]:
 
 
 def _read_parquet(path: str, flag: str) -> Iterator[tuple[int, dict]]:
+    """Rows as plain Python values (list columns as lists, image structs as dicts), numbered from 1. An empty
+    file has no rows, as an empty JSONL file."""
+    import pyarrow.parquet as pq
+
+    if Path(path).stat().st_size == 0:
+        return
     try:
-        import pandas
-    except ImportError:
-        raise ValueError(f"{flag}: {path} is parquet; install pandas + pyarrow or convert it to JSONL") from None
-    for row_number, row in enumerate(pandas.read_parquet(path).to_dict(orient="records"), start=1):
-        yield row_number, row
+        batches = pq.ParquetFile(path).iter_batches()
+        row_number = 0
+        for batch in batches:
+            for row in batch.to_pylist():
+                row_number += 1
+                yield row_number, row
+    except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
+        raise ValueError(f"{flag}: {path} cannot be read as parquet ({exc})") from None
 
 
 def missing_key_message(flag: str, where: str, row: dict, key: str, key_flag: str) -> str:
@@ -46,10 +56,8 @@ def missing_key_message(flag: str, where: str, row: dict, key: str, key_flag: st
 
 
 def check_prompt_rows(path: str, flag: str, input_key: str, label_key: str | None) -> None:
-    """Every row of a JSONL prompt file is a JSON object holding `input_key` (and `label_key` when set);
-    raises ValueError naming the first bad line. A parquet file is left to the loader (reading it needs pandas)."""
-    if Path(path).suffix == ".parquet":
-        return
+    """Every row of a JSONL or parquet prompt file holds `input_key` (and `label_key` when set); raises
+    ValueError naming the first bad line (a parquet file's row number)."""
     for lineno, row in read_rows(path, flag):
         for key, key_flag in ((input_key, "--input-key"), (label_key, "--label-key")):
             if key is not None and key not in row:

@@ -23,29 +23,33 @@ SPECIAL_TOKENS = (PAD_TOKEN, EOS_TOKEN, UNK_TOKEN)  # ids 0, 1, 2; the alphabet 
 DIGITS = "0123456789"
 
 
-def build_char_tokenizer(alphabet: str) -> Tokenizer:
+def build_char_tokenizer(alphabet: str, extra_special: tuple[str, ...] = ()) -> Tokenizer:
+    """`extra_special`: more whole-word special tokens (e.g. a vision model's image placeholder), after the alphabet."""
     if not alphabet or len(set(alphabet)) != len(alphabet):
         raise ValueError(f"alphabet must be non-empty characters without repeats, got {alphabet!r}")
-    vocab = {token: index for index, token in enumerate((*SPECIAL_TOKENS, *alphabet))}
+    vocab = {token: index for index, token in enumerate((*SPECIAL_TOKENS, *alphabet, *extra_special))}
     tokenizer = Tokenizer(WordLevel(vocab, unk_token=UNK_TOKEN))
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # every character alone
     tokenizer.decoder = decoders.Fuse()  # characters join without separators
-    tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
+    tokenizer.add_special_tokens([*SPECIAL_TOKENS, *extra_special])
     return tokenizer
 
 
-def save_char_tokenizer(out_dir: str | Path, alphabet: str = DIGITS, *, model_max_length: int = 512):
+def save_char_tokenizer(out_dir: str | Path, alphabet: str = DIGITS, *, model_max_length: int = 512,
+                        extra_special: tuple[str, ...] = (), chat_template: str | None = None):
     """Write the tokenizer files into out_dir; returns the transformers tokenizer."""
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=build_char_tokenizer(alphabet),
+        tokenizer_object=build_char_tokenizer(alphabet, extra_special),
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
         unk_token=UNK_TOKEN,
         model_max_length=model_max_length,
         clean_up_tokenization_spaces=False,
     )
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(str(out_dir))
     return tokenizer
 
