@@ -182,7 +182,6 @@ REFUSED_FLAGS: tuple[NotImplementedFlag, ...] = (
                        reason="only the Ray object store carries rollouts here"),
     NotImplementedFlag(flag="--rollout-external-engine-addrs",
                        reason="external engines are not supported; the rollout manager launches its own"),
-    NotImplementedFlag(flag="--multimodal-keys", reason="multimodal prompts are not supported"),
     NotImplementedFlag(flag="--load-forge-rollout-data",
                        reason="replaying rollouts with live engines is not implemented; --load-debug-rollout-data "
                               "replays without engines"),

@@ -11,6 +11,7 @@ from slime.config.checks.roles import before_checks, check_critic_role, refuse_c
 from slime.config.checks.checkpoints import check_load, resolve_checkpoint_retention
 from slime.config.checks.lora import check_lora_flags
 from slime.config.checks.batching import check_batch_split, check_batching, check_context_parallel
+from slime.config.checks.multimodal import check_multimodal
 from slime.config.checks.model import check_model_shape, check_mtp, resolve_model_defaults
 from slime.config.checks.optimizer import resolve_optimizer_offload
 from slime.config.checks.paths import check_paths, check_spec
@@ -71,4 +72,5 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
     resolve_tracking(args)
     resolve_eval_datasets(args)
     check_paths(args, parser)
+    check_multimodal(args)
     return args

@@ -20,6 +20,7 @@ import torch
 
 from slime.rollout import prompt_rows
 from slime.rollout.eval_config import EvalDatasetSpec
+from slime.rollout.prompt_media import MediaKeys, image_messages, parse_media_keys, row_images
 from slime.rollout.plugin_args import flag
 from slime.checkpoint import rng
 from slime.checkpoint.contents import DATA_ITEMS, data_file
@@ -46,6 +47,8 @@ class PromptFileSpec:
     chat_template_kwargs: dict = field(default_factory=dict)
     # prompts with more tokens than this are skipped and counted; None: no limit
     max_prompt_len: PromptBudget | None = None
+    # --multimodal-keys: the row key holding each prompt's images; None: text prompts
+    media_keys: MediaKeys | None = None
 
 
 @functools.lru_cache(maxsize=4)
@@ -61,6 +64,15 @@ def load_tokenizer(path: str):
     except (OSError, ValueError) as exc:
         raise ValueError(f"--hf-checkpoint {path}: its tokenizer files cannot be read ({exc}); copy "
                          "tokenizer.json and tokenizer_config.json from the model's HF repository") from exc
+
+
+def vision_of(hf_checkpoint: str, spec: PromptFileSpec):
+    """The checkpoint's VisionProcessor when the prompts carry images (None for text prompts)."""
+    if spec.media_keys is None:
+        return None
+    from slime.utils.vision_processor import load_vision_processor
+
+    return load_vision_processor(hf_checkpoint, load_tokenizer(hf_checkpoint))
 
 
 def _chat_template_kwargs(args) -> dict:
@@ -115,6 +127,7 @@ def train_prompt_spec(args) -> PromptFileSpec:
         apply_chat_template=bool(args.apply_chat_template),
         chat_template_kwargs=_chat_template_kwargs(args),
         max_prompt_len=context_budget(args),
+        media_keys=parse_media_keys(flag(args, "multimodal_keys")),
     )
 
 
@@ -131,6 +144,8 @@ def eval_prompt_specs(args) -> dict[str, PromptFileSpec]:
     for dataset in eval_datasets(args):
         keys = {key: getattr(dataset, key) for key in ("input_key", "label_key", "tool_key", "metadata_key")
                 if getattr(dataset, key) is not None}
+        if dataset.multimodal_keys is not None:
+            keys["media_keys"] = parse_media_keys(dataset.multimodal_keys, f"{flag} {dataset.name}: multimodal_keys")
         specs[dataset.name] = PromptFileSpec(path=dataset.path, flag=f"{flag} {dataset.name}", **{**base, **keys})
     return specs
 
@@ -144,6 +159,7 @@ def _eval_spec_fields(args) -> dict[str, Any]:
         apply_chat_template=bool(args.apply_chat_template),
         chat_template_kwargs=_chat_template_kwargs(args),
         max_prompt_len=args.eval_max_prompt_len or context_budget(args),
+        media_keys=parse_media_keys(flag(args, "multimodal_keys")),
     )
 
 
@@ -159,10 +175,16 @@ def _tools(spec: PromptFileSpec, row: dict):
     return json.loads(tools) if isinstance(tools, str) else tools
 
 
-def _prompt(spec: PromptFileSpec, row: dict, where: str, tokenizer) -> str | list[dict]:
+def _prompt(spec: PromptFileSpec, row: dict, where: str, tokenizer, images: list[str]) -> str | list[dict]:
     """The prompt text; without --apply-chat-template a chat stays a list of messages (upstream keeps it so:
-    SFT renders it turn by turn, and generation refuses it)."""
+    SFT renders it turn by turn, and generation refuses it). With --multimodal-keys each `<image>` of the text
+    becomes an image item the chat template renders as the model's image placeholder."""
     raw = row[spec.input_key]
+    if spec.media_keys is not None:
+        if not spec.apply_chat_template:
+            raise ValueError(f"{where}: --multimodal-keys needs --apply-chat-template (the chat template writes "
+                             "each image's placeholder tokens)")
+        raw = image_messages(raw, len(images), where)
     if spec.apply_chat_template:
         messages = [{"role": "user", "content": raw}] if isinstance(raw, str) else list(raw)
         kwargs = dict(spec.chat_template_kwargs)
@@ -176,6 +198,12 @@ def _prompt(spec: PromptFileSpec, row: dict, where: str, tokenizer) -> str | lis
     return raw
 
 
+def _images(spec: PromptFileSpec, row: dict, where: str) -> list[str]:
+    if spec.media_keys is None:
+        return []
+    return row_images(row, spec.media_keys, where, Path(spec.path).resolve().parent)
+
+
 def _metadata(spec: PromptFileSpec, row: dict, where: str) -> dict:
     value = row.get(spec.metadata_key) if spec.metadata_key else None
     if value is None:
@@ -187,35 +215,52 @@ def _metadata(spec: PromptFileSpec, row: dict, where: str) -> dict:
     return value
 
 
-def row_to_sample(spec: PromptFileSpec, row: dict, lineno: int, tokenizer) -> Sample:
-    """One prompt row -> a Sample holding the prompt text, its tokens, label and metadata."""
+def row_to_sample(spec: PromptFileSpec, row: dict, lineno: int, tokenizer, vision=None) -> Sample:
+    """One prompt row -> a Sample holding the prompt text, its tokens (each image's tokens expanded, by `vision`,
+    the checkpoint's VisionProcessor), its images (multimodal_inputs["images"], data URIs), label and metadata."""
     where = f"{spec.flag}: {spec.path}:{lineno}"
     for key, key_flag in ((spec.input_key, "--input-key"), (spec.label_key, "--label-key")):
         if key is not None and key not in row:
             raise ValueError(prompt_rows.missing_key_message(spec.flag, f"{spec.path}:{lineno}", row, key, key_flag))
-    prompt = _prompt(spec, row, where, tokenizer)
+    images = _images(spec, row, where)
+    prompt = _prompt(spec, row, where, tokenizer, images)
     metadata = _metadata(spec, row, where)
     if isinstance(prompt, list) and _tools(spec, row) is not None:
         metadata.setdefault("tools", _tools(spec, row))  # the chat is rendered later, with its tools
     return Sample(
         prompt=prompt,
         # a chat has no tokens until it is rendered (sft_rollout) or refused (generate)
-        tokens=list(tokenizer(prompt, add_special_tokens=False)["input_ids"]) if isinstance(prompt, str) else [],
+        tokens=_prompt_tokens(prompt, images, tokenizer, vision, where),
+        multimodal_inputs={"images": images} if images else None,
         label=row[spec.label_key] if spec.label_key is not None else None,
         metadata=metadata,
     )
 
 
+def _prompt_tokens(prompt, images: list[str], tokenizer, vision, where: str) -> list[int]:
+    if not isinstance(prompt, str):
+        return []
+    if not images:
+        return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    if vision is None:
+        raise ValueError(f"{where}: the row has images, but --hf-checkpoint has no image processor "
+                         "(preprocessor_config.json) and vision tower (config.json's vision_config)")
+    try:
+        return vision.prompt_ids(prompt, images)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+
+
 class PromptDataset:
     """All usable prompts of one file, as Samples in file order; over-long prompts skipped and counted."""
 
-    def __init__(self, spec: PromptFileSpec, tokenizer):
+    def __init__(self, spec: PromptFileSpec, tokenizer, vision=None):
         self.spec = spec
         self.samples: list[Sample] = []
         self.skipped_lines: list[int] = []
         budget = spec.max_prompt_len
         for lineno, row in read_rows(spec):
-            sample = row_to_sample(spec, row, lineno, tokenizer)
+            sample = row_to_sample(spec, row, lineno, tokenizer, vision)
             if budget is not None and len(sample.tokens) > budget.tokens:
                 self.skipped_lines.append(lineno)
                 continue
@@ -275,8 +320,8 @@ class RolloutDataSource:
         self.dataset: PromptDataset | None = None
         # --disable-rollout-global-dataset: the rollout function brings its own prompts
         if flag(args, "rollout_global_dataset") and flag(args, "prompt_data") is not None:
-            tokenizer = load_tokenizer(args.hf_checkpoint)
-            self.dataset = PromptDataset(train_prompt_spec(args), tokenizer)
+            spec = train_prompt_spec(args)
+            self.dataset = PromptDataset(spec, load_tokenizer(args.hf_checkpoint), vision_of(args.hf_checkpoint, spec))
         seed = flag(args, "rollout_seed")
         self._seed = int(seed if seed is not None else flag(args, "seed"))
         self._shuffle = bool(flag(args, "rollout_shuffle"))

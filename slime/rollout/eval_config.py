@@ -43,6 +43,7 @@ class EvalDatasetSpec:
     min_new_tokens: int | None = None
     stop: tuple[str, ...] | None = None
     stop_token_ids: tuple[int, ...] | None = None
+    multimodal_keys: dict[str, str] | None = field(default=None, hash=False)  # upstream's per-dataset override
     metadata_overrides: dict[str, Any] = field(default_factory=dict, hash=False)
 
     def sampling_overrides(self) -> dict[str, Any]:

@@ -25,9 +25,12 @@ from tqdm import tqdm
 from slime.rollout import generation_gate
 from slime.rollout.train_data import flatten_groups
 from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
-from slime.rollout.data_source import PromptDataset, PromptFileSpec, eval_datasets, eval_prompt_specs, load_tokenizer
+from slime.rollout.data_source import (PromptDataset, PromptFileSpec, eval_datasets, eval_prompt_specs, load_tokenizer,
+                                      vision_of)
 from slime.rollout.eval_config import EvalDatasetSpec
 from slime.rollout.metrics import compute_eval_metrics, compute_rollout_metrics
+from slime.rollout.plugin_args import flag as plugin_flag
+from slime.rollout.prompt_media import NOT_TRAINED_REASON, TRAINER_TAKES_IMAGES
 from slime.rollout.rm_hub import async_rm, batched_async_rm
 from slime.rollout.sample_hooks import apply_rollout_sample_hooks
 from slime.rollout.sampling_loop import SamplingLoop
@@ -35,6 +38,7 @@ from slime.rollout.sampling_seed import seeded_params
 from slime.utils.http_utils import DEFAULT_TIMEOUT_S, post
 from slime.utils.misc import SingletonMeta, load_function
 from slime.utils.types import Sample
+from slime.utils.vision_processor import image_uri, images_digest, load_vision_processor
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -128,15 +132,52 @@ def _budget(args, sample: Sample, params: dict) -> int | None:
     return min(limits) if limits else None
 
 
-def refuse_multimodal(sample: Sample) -> None:
-    """Images, videos or audio cannot reach the model: the trainer builds text models only (of a vision + text
-    checkpoint such as Qwen3.5's, the text model: its vision tower is not built), so the engine's and the
-    trainer's log-probs would be of different inputs."""
+def check_sample_media(args, sample: Sample) -> None:
+    """Before any engine sees a sample: only images (videos and audio are refused), and images only when the
+    run's trainer takes them (or the run does not train: --debug-rollout-only)."""
     media = {**(sample.multimodal_inputs or {}), **(sample.multimodal_train_inputs or {})}
-    if any(value is not None for value in media.values()):
-        raise ValueError(f"sample {sample.index} carries multimodal inputs ({', '.join(sorted(media))}); the trainer "
-                         "builds the text model only (a vision + text checkpoint's vision tower is not built), so "
-                         "samples must be text: drop the media from the prompts")
+    refused = sorted(key for key, value in (sample.multimodal_inputs or {}).items()
+                     if key != "images" and value is not None)
+    if refused:
+        raise ValueError(f"sample {sample.index} carries {', '.join(refused)}: only images are supported")
+    if any(value is not None for value in media.values()) and not TRAINER_TAKES_IMAGES \
+            and not plugin_flag(args, "debug_rollout_only"):
+        raise ValueError(f"sample {sample.index} carries multimodal inputs ({', '.join(sorted(media))}); "
+                         f"{NOT_TRAINED_REASON}. Train on text samples, or run the rollout alone "
+                         "(--debug-rollout-only)")
+
+
+def image_data(sample: Sample, processor) -> list[str] | None:
+    """The sample's images as SGLang's /generate takes them (`image_data`, data URIs), after setting what the
+    trainer takes with it (`multimodal_train_inputs`: the processor's pixel values and grids); None without
+    images. The prompt's image tokens must be the processor's count for each image."""
+    images = (sample.multimodal_inputs or {}).get("images")
+    if not images:
+        return None
+    if processor is None:
+        raise ValueError(f"sample {sample.index} has images, but --hf-checkpoint has no image processor "
+                         "(preprocessor_config.json) and vision tower (config.json's vision_config)")
+    images = [image_uri(image) for image in images]
+    sample.multimodal_inputs["images"] = images
+    processed = processor.process(images)
+    prompt = sample.tokens[:len(sample.tokens) - sample.response_length]
+    if processor.expand_runs(prompt, processed) != prompt:
+        raise ValueError(f"sample {sample.index}: its prompt's image tokens are not the processor's "
+                         f"{processor.tokens_per_image(processed)} for its {len(images)} image(s)")
+    if sample.multimodal_train_inputs is None:
+        sample.multimodal_train_inputs = processed.as_train_inputs()
+        sample.multimodal_train_input_id = images_digest(images)
+    return images
+
+
+def _check_image_prompt(sample: Sample, sent: int, output: dict, url: str) -> None:
+    """The engine expanded the images into as many prompt tokens as the processor here did (a different
+    processor configuration, e.g. other min/max pixels, would give other pixel values than the trainer's)."""
+    prompt_tokens = (output.get("meta_info") or {}).get("prompt_tokens")
+    if prompt_tokens is not None and int(prompt_tokens) != sent:
+        raise ValueError(f"{url} read sample {sample.index}'s prompt as {prompt_tokens} tokens, the processor here "
+                         f"as {sent}: the engine's image processor differs from --hf-checkpoint's "
+                         "preprocessor_config.json (min/max pixels, patch or merge size)")
 
 
 async def generate(args, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
@@ -146,7 +187,7 @@ async def generate(args, sample: Sample, sampling_params: dict[str, Any]) -> Sam
     """
     if sample.status not in (Sample.Status.PENDING, Sample.Status.ABORTED):
         raise ValueError(f"sample {sample.index} is {sample.status.value}; only pending or aborted samples generate")
-    refuse_multimodal(sample)
+    check_sample_media(args, sample)
     if not sample.tokens:
         if not isinstance(sample.prompt, str):
             raise ValueError(f"sample {sample.index}: the prompt is a list of chat messages; pass --apply-chat-template "
@@ -165,7 +206,12 @@ async def generate(args, sample: Sample, sampling_params: dict[str, Any]) -> Sam
                "rid": f"sample{sample.index}-{uuid.uuid4().hex[:8]}"}
     if args.use_rollout_routing_replay:
         payload["return_routed_experts"] = True
+    images = image_data(sample, GenerateState(args).processor)
+    if images:
+        payload["image_data"] = images
     output = await post(generate_url(args), payload, timeout_s=request_timeout(args))
+    if images:
+        _check_image_prompt(sample, len(payload["input_ids"]), output, generate_url(args))
     tokens, logprobs = _new_tokens_and_logprobs(output)
     if payload.get("return_routed_experts"):
         sample.rollout_routed_experts = routed_experts_of(output, generate_url(args))
@@ -198,7 +244,8 @@ class GenerateState(metaclass=SingletonMeta):
     def __init__(self, args):
         self.args = args
         self.tokenizer = load_tokenizer(args.hf_checkpoint)
-        self.processor = None  # multimodal processors are not supported here
+        # a vision checkpoint's image processing (slime/utils/vision_processor.py); None for a text model
+        self.processor = load_vision_processor(args.hf_checkpoint, self.tokenizer)
         self.semaphore = asyncio.Semaphore(concurrency(args))
         self.sampling_params = sampling_params(args)
         self.reset()
@@ -238,6 +285,16 @@ async def _call_generate(args, sample: Sample, params: dict, evaluation: bool) -
                     "expected a Sample or a non-empty list[Sample]")
 
 
+def _check_images_processed(result: Sample | list[Sample]) -> None:
+    """A sample that generated with images carries the processor's pixel values for the trainer (a custom
+    generate function sets them with `image_data(sample, GenerateState(args).processor)`)."""
+    for sample in _as_list(result):
+        if sample.response_length and (sample.multimodal_inputs or {}).get("images") \
+                and sample.multimodal_train_inputs is None:
+            raise ValueError(f"sample {sample.index} generated with images but carries no multimodal_train_inputs "
+                             "(the processor's pixel values the trainer needs): set them in the generate function")
+
+
 def _as_list(result: Sample | list[Sample]) -> list[Sample]:
     return result if isinstance(result, list) else [result]
 
@@ -254,7 +311,7 @@ async def generate_and_rm(args, sample: Sample, sampling_params: dict, evaluatio
         sample.loss_mask = [0] * sample.response_length  # tokens of an earlier policy: not trained on
     if sample.status in (Sample.Status.COMPLETED, Sample.Status.TRUNCATED):
         return sample
-    refuse_multimodal(sample)  # before any engine sees it, whichever generate function runs
+    check_sample_media(args, sample)  # before any engine sees it, whichever generate function runs
     async with state.semaphore:
         # the rollout has enough groups, or a weight push is under way: leave this one for later
         if getattr(state, "aborted", False) or generation_gate.is_held():
@@ -263,6 +320,7 @@ async def generate_and_rm(args, sample: Sample, sampling_params: dict, evaluatio
         rollout_id = getattr(state, "rollout_id", None)
         params = seeded_params(args, sampling_params, rollout_id, sample.index, evaluation)
         result = await _call_generate(args, sample, params, evaluation)
+    _check_images_processed(result)
     result = await apply_rollout_sample_hooks(args, result, rollout_id=rollout_id, evaluation=evaluation)
     samples = _as_list(result)
     if args.group_rm or any(s.status == Sample.Status.ABORTED for s in samples):
@@ -350,7 +408,7 @@ _eval_datasets: dict[str, PromptDataset] = {}  # repr(spec) -> dataset, read onc
 def _eval_dataset(args, spec: PromptFileSpec) -> PromptDataset:
     key = repr(spec)
     if key not in _eval_datasets:
-        _eval_datasets[key] = PromptDataset(spec, load_tokenizer(args.hf_checkpoint))
+        _eval_datasets[key] = PromptDataset(spec, load_tokenizer(args.hf_checkpoint), vision_of(args.hf_checkpoint, spec))
     return _eval_datasets[key]
 
 

@@ -85,4 +85,6 @@ def samples_to_train_data(args, samples: Sequence[Sample] | Sequence[Sequence[Sa
         data["teacher_log_probs"] = [[float(v) for v in s.teacher_log_probs] for s in flat]
     if flat and all(s.rollout_routed_experts is not None for s in flat):
         data["rollout_routed_experts"] = [s.rollout_routed_experts for s in flat]
+    if any(s.multimodal_train_inputs is not None for s in flat):
+        data["multimodal_train_inputs"] = [s.multimodal_train_inputs for s in flat]
     return data

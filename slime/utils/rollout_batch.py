@@ -53,6 +53,11 @@ class RolloutBatch(TypedDict, total=False):
     """the engines' log-probs of the response tokens (only when every sample has them)"""
     rollout_routed_experts: Annotated[list[str], Key((MANAGER,))]
     """the engines' routes (base64 int32 [tokens, MoE layers, top-k]; routing replay)"""
+    multimodal_train_inputs: Annotated[list[dict | None], Key((MANAGER,))]
+    """upstream's key and form, when any sample has images: per sample the processor's {"pixel_values": float
+    [patches, C x T x P x P], "image_grid_thw": int64 [images, 3]}, or None for a text sample; a prompt's samples
+    share the tensors (read-only). Image tokens are those equal to the config's image_token_id, grid_t x grid_h x
+    grid_w / merge_size^2 of them per image (docs/multimodal.md)"""
     log_probs: Annotated[list[list[float]], Key((ACTOR,), per_dp_rank=True)]
     """the trainer's old-policy log-probs"""
     ref_log_probs: Annotated[list[list[float]], Key((ACTOR,), per_dp_rank=True)]

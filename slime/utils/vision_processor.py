@@ -105,9 +105,9 @@ class VisionProcessor:
 
     def prompt_ids(self, text: str, images: Sequence[str]) -> list[int]:
         """Token ids of a rendered prompt with each image's placeholder repeated for that image's tokens."""
-        return self._expanded_ids(text, [self.tokens_of(uri) for uri in images])
+        return self.expanded_ids(text, [self.tokens_of(uri) for uri in images])
 
-    def _expanded_ids(self, text: str, counts: Sequence[int]) -> list[int]:
+    def expanded_ids(self, text: str, counts: Sequence[int]) -> list[int]:
         pieces = text.split(self.image_token)
         if len(pieces) - 1 != len(counts):
             raise ValueError(f"the prompt has {len(pieces) - 1} {self.image_token} placeholder(s) for {len(counts)} "
@@ -153,19 +153,23 @@ class VisionProcessor:
         if videos is not None or kwargs.get("audio") is not None:
             raise ValueError("videos and audio are not supported")
         texts = [text] if isinstance(text, str) else list(text)
-        uris = [_as_uri(image) for image in images or []]
+        uris = [image_uri(image) for image in images or []]
         if len(texts) != 1 and uris:
             raise ValueError("one text at a time with images")
         if not uris:
-            return {"input_ids": [self._expanded_ids(t, []) for t in texts]}
+            return {"input_ids": [self.expanded_ids(t, []) for t in texts]}
         processed = self.process(uris)
-        return {"input_ids": [self._expanded_ids(texts[0], self.tokens_per_image(processed))],
+        return {"input_ids": [self.expanded_ids(texts[0], self.tokens_per_image(processed))],
                 **processed.as_train_inputs()}
 
 
-def _as_uri(image: Any) -> str:
-    from slime.utils.images import canonical_image
+def image_uri(image: Any) -> str:
+    """A canonical data URI (slime/utils/images.py) of an image given as one, or as a path, base64 string,
+    bytes or PIL image (what upstream's plug-ins put in Sample.multimodal_inputs)."""
+    from slime.utils.images import DATA_URI_PREFIX, canonical_image
 
+    if isinstance(image, str) and image.startswith(DATA_URI_PREFIX):
+        return image
     if hasattr(image, "save") and hasattr(image, "mode"):  # a PIL image
         import io
 
@@ -173,6 +177,17 @@ def _as_uri(image: Any) -> str:
         image.convert("RGB").save(buffer, format="PNG")
         image = buffer.getvalue()
     return canonical_image(image)
+
+
+def images_digest(images: Sequence[str]) -> str:
+    """Names a prompt's images (Sample.multimodal_train_input_id): samples of one prompt share it."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for uri in images:
+        digest.update(uri.encode("ascii"))
+        digest.update(b"\0")
+    return digest.hexdigest()[:16]
 
 
 def _image_size(uri: str) -> tuple[int, int]:

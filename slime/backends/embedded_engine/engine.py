@@ -17,9 +17,11 @@ import torch
 
 from slime.backends.sglang_utils import weight_delta
 from slime.backends.embedded_engine.sampling import SamplingParams, logprob_temperature, sample_next_tokens
+from slime.backends.embedded_engine.vision import load_model, prefill_inputs
 from slime.utils.device_memory import sample_device_memory
 from slime.models.moe_hf import RouteCapture, encode_routes, fused_engine_target
 from slime.models.registry import COMPOSITE_TEXT_PREFIX, family_of
+from slime.utils.vision_processor import ProcessedImages
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +44,8 @@ class GenerationRequest:
     return_routed_experts: bool = False
     """MoE: the experts each token went to, per MoE layer (SGLang's meta_info.routed_experts)."""
     routed_experts_start_len: int = 0
+    images: ProcessedImages | None = field(default=None, compare=False)
+    """The processed `image_data` of the prompt (a vision + text checkpoint); its image tokens already counted."""
 
 
 @dataclass
@@ -88,17 +92,20 @@ class GenerationResult:
 
 class EmbeddedEngine:
     def __init__(self, model_path: str, *, dtype: str = "float32", seed: int = 0, device: str = "cpu") -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+        from transformers import AutoTokenizer, GenerationConfig
 
         self.model_path = str(model_path)
         self.dtype = getattr(torch, dtype)
         self.device = torch.device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype).to(self.device).eval()
+        # a vision + text checkpoint: the composite class and its image processing (vision.py)
+        model, self.vision = load_model(self.model_path, self.dtype, self.tokenizer)
+        self.model = model.to(self.device).eval()
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.weight_version = INITIAL_WEIGHT_VERSION
         self.eos_token_ids = _eos_ids(self.model, self.tokenizer, GenerationConfig, Path(self.model_path))
-        self.context_length = int(getattr(self.model.config, "max_position_embeddings", 4096))
+        text_config = self.model.config.get_text_config()
+        self.context_length = int(getattr(text_config, "max_position_embeddings", 4096))
         self._released: set[str] = set()
         self._weights_backup: dict[str, torch.Tensor] | None = None
 
@@ -157,6 +164,12 @@ class EmbeddedEngine:
 
         input_ids, attention_mask = self._left_pad([list(r.request.input_ids) for r in rows])
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        extra, mrope = {}, None
+        if self.vision is not None:  # multimodal RoPE's three rows; the images go in with the prefill
+            extra, mrope = prefill_inputs(self.model, self.vision, [r.request.images for r in rows], input_ids,
+                                          attention_mask)
+            extra = {key: value.to(self.device) for key, value in extra.items()}
+            position_ids = extra.pop("position_ids")
         cache = DynamicCache(config=self.model.config)
         params = [r.request.params for r in rows]
         wants_input = any(r.request.logprob_start_len >= 0 for r in rows)
@@ -170,6 +183,7 @@ class EmbeddedEngine:
                 use_cache=True,
                 logits_to_keep=0 if first and wants_input else 1,
                 **{cache_keyword(self.model): cache},
+                **(extra if first else {}),
             )
             if capture is not None:
                 capture.take(rows, input_ids.shape, attention_mask[:, -input_ids.shape[1]:])
@@ -188,7 +202,7 @@ class EmbeddedEngine:
                 return
             input_ids = tokens.unsqueeze(1)
             attention_mask = torch.cat([attention_mask, torch.ones_like(input_ids)], dim=1)
-            position_ids = position_ids[:, -1:] + 1
+            position_ids = mrope.step().to(self.device) if mrope is not None else position_ids[:, -1:] + 1
 
     def _left_pad(self, sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(len(s) for s in sequences)
@@ -339,9 +353,7 @@ class EmbeddedEngine:
         return len(named_tensors)
 
     def update_weights_from_disk(self, model_path: str, weight_version: str | None) -> int:
-        from transformers import AutoModelForCausalLM
-
-        fresh = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
+        fresh, _ = load_model(model_path, self.dtype, self.tokenizer)
         count = self.update_weights(list(fresh.state_dict().items()), weight_version)
         self.model_path = str(model_path)
         return count

@@ -15,12 +15,13 @@ from typing import Any, Callable
 
 from slime.backends.embedded_engine.engine import GenerationRequest
 from slime.backends.embedded_engine.sampling import SamplingParams
+from slime.backends.embedded_engine.vision import request_images
 
 logger = logging.getLogger(__name__)
 
 HONOURED_KEYS = frozenset({
     "text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len", "return_text_in_logprobs",
-    "return_routed_experts", "routed_experts_start_len",
+    "return_routed_experts", "routed_experts_start_len", "image_data",
 })
 # Metadata for logging, tracing, routing and scheduling across many workers: nothing to do on one CPU engine.
 NO_EFFECT_KEYS = frozenset({
@@ -31,7 +32,7 @@ NO_EFFECT_KEYS = frozenset({
 # Every other GenerateReqInput field of the supported SGLang range: accepted only at its neutral value.
 NEUTRAL_ONLY_KEYS: dict[str, Any] = {
     **{key: None for key in (
-        "session_id", "input_embeds", "image_data", "video_data", "audio_data", "mm_hashes", "mm_content_hashes",
+        "session_id", "input_embeds", "video_data", "audio_data", "mm_hashes", "mm_content_hashes",
         "video_config", "watermark", "top_logprobs_num", "token_ids_logprob", "return_sampling_mask",
         "sampling_logprobs_mode", "modalities", "session_params", "lora_path", "lora_id", "custom_logit_processor",
         "positional_embed_overrides", "bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key",
@@ -59,10 +60,15 @@ def check_top_level_keys(body: dict[str, Any]) -> None:
         logger.debug("ignoring /generate keys SGLang does not know: %s", ignored)
 
 
-def build_requests(body: dict[str, Any], tokenize: Callable[[str], list[int]]) -> tuple[list[GenerationRequest], bool]:
-    """Requests in order, and whether the reply is a list (a batch, or n > 1)."""
+def build_requests(body: dict[str, Any], tokenize: Callable[[str], list[int]],
+                   vision=None) -> tuple[list[GenerationRequest], bool]:
+    """Requests in order, and whether the reply is a list (a batch, or n > 1). `vision`: the engine's
+    VisionProcessor (a vision + text checkpoint), which takes `image_data`."""
     check_top_level_keys(body)
     prompts, is_batch = _prompts(body, tokenize)
+    images = [_with_images(vision, prompt, uris)
+              for prompt, uris in zip(prompts, request_images(body.get("image_data"), len(prompts), is_batch))]
+    prompts = [prompt for prompt, _ in images]
     params = SamplingParams.from_request(body.get("sampling_params"))
     rids = body.get("rid")
     rid_list = rids if isinstance(rids, list) else [rids] * len(prompts)
@@ -73,7 +79,7 @@ def build_requests(body: dict[str, Any], tokenize: Callable[[str], list[int]]) -
     routes = dict(return_routed_experts=bool(body.get("return_routed_experts") or False),
                   routed_experts_start_len=int(body.get("routed_experts_start_len") or 0))
     requests = []
-    for prompt, rid in zip(prompts, rid_list):
+    for (prompt, processed), rid in zip(images, rid_list):
         base = rid or uuid.uuid4().hex
         if return_logprob and start >= len(prompt):
             raise ValueError(f"logprob_start_len {start} is not inside the prompt of {len(prompt)} tokens")
@@ -81,8 +87,19 @@ def build_requests(body: dict[str, Any], tokenize: Callable[[str], list[int]]) -
             requests.append(GenerationRequest(
                 rid=base if params.n == 1 else f"{base}-{k}", input_ids=tuple(prompt), params=params,
                 return_logprob=return_logprob, logprob_start_len=start if return_logprob else -1, **routes,
+                images=processed,
             ))
     return requests, is_batch or params.n > 1
+
+
+def _with_images(vision, prompt: list[int], uris: list[str] | None):
+    """(prompt ids with each image's run of image tokens at its processed count, processed images)."""
+    if not uris:
+        return prompt, None
+    if vision is None:
+        raise ValueError("image_data was sent, but the engine's checkpoint has no vision tower and image processor")
+    processed = vision.process(uris)
+    return vision.expand_runs(prompt, processed), processed
 
 
 def _prompts(body: dict[str, Any], tokenize: Callable[[str], list[int]]) -> tuple[list[list[int]], bool]:

@@ -80,7 +80,7 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
 async def generate(request: web.Request) -> web.Response:
     scheduler = request.app[SCHEDULER_KEY]
     body = await _json_body(request)
-    requests, as_list = build_requests(body, scheduler.engine.tokenize)
+    requests, as_list = build_requests(body, scheduler.engine.tokenize, scheduler.engine.vision)
     results = await submit_while_connected(request, scheduler, requests)
     outputs = [r.to_sglang() for r in results]
     if body.get("return_text_in_logprobs"):

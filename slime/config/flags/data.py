@@ -21,7 +21,8 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--metadata-key", type=str, default="metadata", help="record key of per-sample metadata")
     g.add_argument("--tool-key", type=str, default="tools", help="record key of tool specs for the chat template")
     g.add_argument("--multimodal-keys", type=json.loads, default=None,
-                   help="JSON mapping of media types to record keys (multimodal prompts)")
+                   help="JSON mapping of media types to record keys, e.g. '{\"image\": \"images\"}': each row's images "
+                        "(paths, base64, bytes) fill the prompt's <image> placeholders; video and audio are refused")
     g.add_argument("--apply-chat-template", action="store_true", default=False,
                    help="the prompt is a chat message list; render it with the tokenizer's chat template")
     g.add_argument("--apply-chat-template-kwargs", type=json.loads, default="{}",
