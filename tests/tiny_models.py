@@ -389,3 +389,28 @@ def save_tiny_qwen3_next_mtp(path: str, seed: int = 0) -> str:
                            {"mtp.fc.weight": (hidden, 2 * hidden), "mtp.pre_fc_norm_embedding.weight": (hidden,),
                             "mtp.pre_fc_norm_hidden.weight": (hidden,), "mtp.norm.weight": (hidden,)},
                            dict(num_hidden_layers=4, mtp_num_hidden_layers=1), seed)
+
+
+def save_tiny_qwen2_5_vl(path: str, seed: int = 0) -> str:
+    """A tiny Qwen2_5_VLForConditionalGeneration that takes images: a 2-block vision tower (window attention, 4-pixel
+    patches merged 2 x 2), a 2-layer multimodal-RoPE text model, a character tokenizer with the vision tokens, a
+    ChatML template that renders image items, and Qwen2-VL's image processor (slime/tools/tiny_vl_checkpoint.py)."""
+    from slime.tools.tiny_vl_checkpoint import TinyVLSpec, write_tiny_vl_checkpoint
+
+    return str(write_tiny_vl_checkpoint(path, TinyVLSpec(kind="qwen2_5_vl", seed=seed)))
+
+
+def save_tiny_qwen3_vl(path: str, seed: int = 0) -> str:
+    """A tiny Qwen3VLForConditionalGeneration that takes images (learned vision position embeddings, one deepstack
+    layer, interleaved multimodal RoPE), as save_tiny_qwen2_5_vl."""
+    from slime.tools.tiny_vl_checkpoint import TinyVLSpec, write_tiny_vl_checkpoint
+
+    return str(write_tiny_vl_checkpoint(path, TinyVLSpec(kind="qwen3_vl", seed=seed)))
+
+
+def save_tiny_qwen3_5_vl(path: str, seed: int = 0) -> str:
+    """A tiny Qwen3_5ForConditionalGeneration that takes images (a gated DeltaNet and a gated attention layer,
+    interleaved multimodal RoPE on half of each head), as save_tiny_qwen2_5_vl: the family the trainer builds."""
+    from slime.tools.tiny_vl_checkpoint import TinyVLSpec, write_tiny_vl_checkpoint
+
+    return str(write_tiny_vl_checkpoint(path, TinyVLSpec(kind="qwen3_5", seed=seed)))

@@ -1,9 +1,9 @@
-"""Write a tiny, randomly initialised vision + text checkpoint (Qwen2.5-VL or Qwen3-VL) that takes images.
+"""Write a tiny, randomly initialised vision + text checkpoint (Qwen2.5-VL, Qwen3-VL or Qwen3.5) that takes images.
 
-    python -m slime.tools.tiny_vl_checkpoint --out DIR [--kind qwen2_5_vl|qwen3_vl] [--seed 0]
+    python -m slime.tools.tiny_vl_checkpoint --out DIR [--kind qwen2_5_vl|qwen3_vl|qwen3_5] [--seed 0]
 
-The model is transformers' own class (Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration) at
-toy sizes: a 2-layer text model of width 64 with multimodal RoPE, a 2-block vision tower on 4-pixel patches
+The model is transformers' own class (Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration,
+Qwen3_5ForConditionalGeneration: one gated DeltaNet and one gated attention layer) at toy sizes: a 2-layer text model of width 64 with multimodal RoPE, a 2-block vision tower on 4-pixel patches
 merged 2 x 2, so a 32 x 32 picture is 16 image tokens. The tokenizer is a character tokenizer
 (slime/tools/char_tokenizer.py) over digits, lower-case letters and a little punctuation, plus the chat and
 vision special tokens, with a ChatML template that renders an image item as
@@ -23,7 +23,7 @@ from slime.tools import char_tokenizer
 ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz ?.,:"
 CHAT_TOKENS = ("<|im_start|>",)
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
-KINDS = ("qwen2_5_vl", "qwen3_vl")
+KINDS = ("qwen2_5_vl", "qwen3_vl", "qwen3_5")
 # ChatML; an image item (any dict of type image) is the model's image placeholder between its vision markers.
 VL_CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
@@ -82,6 +82,14 @@ def build_config(spec: TinyVLSpec):
         vision.update(num_position_embeddings=64, deepstack_visual_indexes=[0])
         text["rope_parameters"]["mrope_interleaved"] = True
         config_class = transformers.Qwen3VLConfig
+    elif spec.kind == "qwen3_5":  # gated DeltaNet and gated attention layers; RoPE on half of each head
+        vision.update(num_position_embeddings=64)
+        text.update(layer_types=["linear_attention", "full_attention"] * (spec.layers // 2), linear_num_key_heads=2,
+                    linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
+                    linear_conv_kernel_dim=4)
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                   "mrope_section": [2, 1, 1], "mrope_interleaved": True}
+        config_class = transformers.Qwen3_5Config
     else:
         raise ValueError(f"unknown kind {spec.kind!r}; one of {KINDS}")
     return config_class(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
@@ -93,7 +101,8 @@ def model_class(kind: str):
     import transformers
 
     return {"qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
-            "qwen3_vl": transformers.Qwen3VLForConditionalGeneration}[kind]
+            "qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
+            "qwen3_5": transformers.Qwen3_5ForConditionalGeneration}[kind]
 
 
 def write_tiny_vl_checkpoint(out_dir: str | Path, spec: TinyVLSpec = TinyVLSpec()) -> Path:

@@ -95,13 +95,20 @@ def _string_bytes(value: str, base_dir: Path | None) -> bytes:
     path = Path(text)
     if not path.is_absolute() and base_dir is not None:
         path = base_dir / path
-    if len(text) < 4096 and path.is_file():
+    if _is_file(path):
         return path.read_bytes()
     try:
         return base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError):
         raise ImageInputError(f"{text[:80]!r} is neither an image file (looked for {path}) nor a base64 "
                               "string") from None
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:  # a base64 string too long to be a file name
+        return False
 
 
 def _canonical_bytes(data: bytes) -> tuple[bytes, str]:
