@@ -60,7 +60,8 @@ def fake_engine(name: str, delay_s: float = 0.0) -> web.Application:
         body = await request.json()
         await asyncio.sleep(delay_s)
         meta = {"finish_reason": {"type": "length", "length": 1}, "prompt_tokens": len(body.get("input_ids", []))}
-        return web.json_response({"text": name, "output_ids": [1], "meta_info": meta})
+        return web.json_response({"text": name, "output_ids": [1], "meta_info": meta,
+                                  "image_data_seen": body.get("image_data")})
 
     async def ok(request: web.Request) -> web.Response:
         return web.json_response({"ok": True})
@@ -162,6 +163,11 @@ def test_launch_router_process(servers, tmp_path, use_slime_router):
     try:
         answered = {post_generate(handle.url).json()["text"] for _ in range(4)}
         assert answered == {"w0", "w1"}, handle.server.log_tail()
+        # SGLang's image_data (what a sample with images sends) reaches the engine as sent
+        images = ["data:image/png;base64,iVBORw0KGgo=", "data:image/jpeg;base64,/9j/4AAQ"]
+        reply = requests.post(handle.url + "/generate", json={"input_ids": [1, 2], "sampling_params": {},
+                                                              "image_data": images}, headers=auth_headers(), timeout=30)
+        assert reply.json()["image_data_seen"] == images, reply.text
         check_worker_changes(args, handle, workers, servers(fake_engine("w2")))
     finally:
         handle.stop()

@@ -9,6 +9,7 @@ flag SGLang lacks fails here.
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import subprocess
@@ -115,9 +116,32 @@ def record_rollout_generate(monkeypatch) -> list[dict[str, Any]]:
     args.rollout_max_response_len, args.rollout_stop, args.rollout_stop_token_ids = 12, ["</s>"], [2]
     args.rollout_top_k, args.rollout_max_context_len = 20, 64
     resumed = Sample(tokens=[1, 2, 3, 7, 8], response_length=2, status=Sample.Status.ABORTED)
-    for sample in (Sample(tokens=[1, 2, 3]), resumed):
+    for sample in (Sample(tokens=[1, 2, 3]), resumed, _sample_with_an_image(args, monkeypatch)):
         asyncio.run(sglang_rollout.generate(args, sample, sglang_rollout.sampling_params(args)))
     return [{"method": "POST", "route": "/generate", "query": "", "body": body} for body in sent]
+
+
+def _sample_with_an_image(args, monkeypatch):
+    """A sample of a tiny vision + text checkpoint with one picture (its body carries image_data)."""
+    import tempfile
+
+    from PIL import Image
+
+    from slime.rollout import sglang_rollout
+    from slime.tools.tiny_vl_checkpoint import write_tiny_vl_checkpoint
+    from slime.utils.images import canonical_image
+    from slime.utils.types import Sample
+    from slime.utils.vision_processor import load_vision_processor
+
+    path = write_tiny_vl_checkpoint(tempfile.mkdtemp())
+    processor = load_vision_processor(str(path))
+    monkeypatch.setattr(sglang_rollout, "GenerateState", lambda args: types.SimpleNamespace(processor=processor))
+    args.debug_rollout_only = True  # images reach the engines; the trainer does not take them yet
+    buffer = io.BytesIO()
+    Image.new("RGB", (16, 16), (200, 10, 10)).save(buffer, format="PNG")
+    image = canonical_image(buffer.getvalue())
+    text = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>how many?<|im_end|>\n<|im_start|>assistant\n"
+    return Sample(index=5, tokens=processor.prompt_ids(text, [image]), multimodal_inputs={"images": [image]})
 
 
 # SGLang's /generate schema gate must refuse these (proof that the gate runs, not a formality)
@@ -260,7 +284,8 @@ def test_generate_bodies_pass_sglangs_own_schema_gate(report):
         return  # older releases: the struct checks of test_every_request_body_fits_sglangs_request_types only
     assert all(report["gate_rejects"][name] for name in GATE_CHECKS), report["gate_rejects"]
     generate = [b for b in report["bodies"] if b["route"] == "/generate"]
-    assert len(generate) == 3  # the client's, a fresh and a resumed rollout sample
+    assert len(generate) == 4  # the client's, a fresh, a resumed rollout sample and one with an image
+    assert generate[-1]["body"]["image_data"][0].startswith("data:image/png;base64,")
     for entry in generate:
         assert entry["problems"] == [], entry["problems"]
 

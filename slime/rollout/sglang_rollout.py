@@ -147,13 +147,17 @@ def check_sample_media(args, sample: Sample) -> None:
                          "(--debug-rollout-only)")
 
 
+def _has_images(sample: Sample) -> bool:
+    return bool((sample.multimodal_inputs or {}).get("images"))
+
+
 def image_data(sample: Sample, processor) -> list[str] | None:
     """The sample's images as SGLang's /generate takes them (`image_data`, data URIs), after setting what the
     trainer takes with it (`multimodal_train_inputs`: the processor's pixel values and grids); None without
     images. The prompt's image tokens must be the processor's count for each image."""
-    images = (sample.multimodal_inputs or {}).get("images")
-    if not images:
+    if not _has_images(sample):
         return None
+    images = sample.multimodal_inputs["images"]
     if processor is None:
         raise ValueError(f"sample {sample.index} has images, but --hf-checkpoint has no image processor "
                          "(preprocessor_config.json) and vision tower (config.json's vision_config)")
@@ -206,7 +210,7 @@ async def generate(args, sample: Sample, sampling_params: dict[str, Any]) -> Sam
                "rid": f"sample{sample.index}-{uuid.uuid4().hex[:8]}"}
     if args.use_rollout_routing_replay:
         payload["return_routed_experts"] = True
-    images = image_data(sample, GenerateState(args).processor)
+    images = image_data(sample, GenerateState(args).processor) if _has_images(sample) else None
     if images:
         payload["image_data"] = images
     output = await post(generate_url(args), payload, timeout_s=request_timeout(args))

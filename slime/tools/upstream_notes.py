@@ -58,6 +58,11 @@ parse time with the reason where it would change the maths and is not implemente
   architecture against the flags and TP, every prompt line's keys, every required flag at once.
 - `--normalization` and `--position-embedding-type` default to what the model is built with
   (`RMSNorm`, `rope`); another value is refused.
+- `--multimodal-keys '{"image": "images"}'` reads images as upstream does (JSONL or parquet; paths, base64,
+  bytes; URLs refused) and checks every one before Ray starts; the rollout sends them to the engines as
+  SGLang's `image_data`. A run that trains on them is refused before Ray while the vision tower is not
+  trained (`--debug-rollout-only` runs the rollout with images); video and audio keys are refused
+  (docs/multimodal.md).
 """
 
 
