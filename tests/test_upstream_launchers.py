@@ -40,6 +40,7 @@ def test_upstream_launcher_shape_parses_or_is_refused_with_its_reason(shape, tmp
         assert shape["may_refuse"], f"{shape['name']} must parse: {err}"
         assert "is not supported here" in err and any(flag in err for flag in shape["may_refuse"]), err
         return
+    assert not shape.get("stops_at"), f"{shape['name']} parsed, but must stop at: {shape['stops_at']}"
     if shape["name"] == "glm4-9B":
         assert args.spec == ["slime_plugins.models.glm4", "get_glm_spec"] and args.rotary_interleaved
     if shape["name"] == "uneven-pipeline":
