@@ -149,3 +149,27 @@ def test_the_rollout_sends_images_and_hands_the_trainer_their_pixel_values(serve
         # the engine saw the pictures: its log-probs are those of the model given these pixel values
         expected = _reference_logprobs(model, engine.vision, prompt, sample.tokens[len(prompt):], processed)
         assert sample.rollout_log_probs == pytest.approx(expected, abs=1e-5)
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["qwen3_5", "qwen3_5_moe"])
+def test_a_push_by_checkpoint_names_reaches_the_composite_class(moe, tmp_path):
+    """Served with images, a Qwen3.5 checkpoint is the composite class, whose text tensors keep
+    `model.language_model.` (MoE experts fused): the trainer's pushed names (the checkpoint's) still reach them."""
+    import transformers
+    from safetensors.torch import load_file
+
+    from slime.backends.embedded_engine.engine import checkpoint_target
+    from tiny_models import save_tiny_qwen3_5_composite
+
+    first, other = (save_tiny_qwen3_5_composite(str(tmp_path / str(seed)), seed=seed, moe=moe) for seed in (0, 1))
+    engine = transformers.AutoModelForImageTextToText.from_pretrained(first, dtype=torch.float32).eval()
+    pushed = {name: tensor for name, tensor in load_file(f"{other}/model.safetensors").items()
+              if not name.startswith("model.visual.")}
+    state = engine.state_dict()
+    with torch.no_grad():
+        for name, tensor in pushed.items():
+            checkpoint_target(name, state, engine.config).copy_(tensor)
+    tokens = torch.randint(0, engine.config.get_text_config().vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    want = transformers.AutoModelForImageTextToText.from_pretrained(other, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert torch.equal(engine(input_ids=tokens).logits, want(input_ids=tokens).logits)

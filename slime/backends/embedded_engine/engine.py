@@ -454,11 +454,17 @@ def checkpoint_target(name: str, state: dict[str, torch.Tensor], config: Any) ->
     Pushes speak checkpoint names, as SGLang's loader does; transformers keeps MoE experts fused in memory
     (slime/models/moe_hf.py says where each expert's rows live, and MiniMax-M2's block_sparse_moe is `mlp`), and
     serves a composite (vision + text) checkpoint through its text model (AutoModelForCausalLM), whose names lack
-    `language_model.`."""
+    `language_model.`, or, with images, through the composite class, whose text tensors keep them."""
     if name in state:
         return state[name]
-    if name.startswith(COMPOSITE_TEXT_PREFIX):  # a composite checkpoint's text weights; the engine runs the text model
-        return checkpoint_target("model." + name[len(COMPOSITE_TEXT_PREFIX):], state, config)
+    if name.startswith(COMPOSITE_TEXT_PREFIX):  # a composite checkpoint's text weights
+        text_name = "model." + name[len(COMPOSITE_TEXT_PREFIX):]
+        if not any(key.startswith(COMPOSITE_TEXT_PREFIX) for key in state):  # the engine runs the text model
+            return checkpoint_target(text_name, state, config)
+        # the composite class (images): its text model's tensors under their text-model names
+        text_state = {"model." + key[len(COMPOSITE_TEXT_PREFIX):]: value for key, value in state.items()
+                      if key.startswith(COMPOSITE_TEXT_PREFIX)}
+        return checkpoint_target(text_name, text_state, config.get_text_config())
     fused = fused_engine_target(name, set(state), family_of(config).moe(config))
     if fused is None or fused[0] not in state:
         return None
