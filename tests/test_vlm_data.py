@@ -178,7 +178,7 @@ def test_over_long_image_prompts_are_skipped_and_counted(vl_checkpoint, tmp_path
 
 
 # ---------------------------------------------------------------- the processor is transformers' own computation
-@pytest.mark.parametrize("kind", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("kind", ["qwen2.5-vl", "qwen3-vl"])
 def test_the_processor_equals_transformers_processor(kind, tmp_path, monkeypatch):
     """transformers' Qwen2.5-VL / Qwen3-VL processor classes need torchvision for their video processor, which the
     CPU machines lack: the check of that one argument is relaxed here, and everything else is theirs."""
@@ -193,7 +193,7 @@ def test_the_processor_equals_transformers_processor(kind, tmp_path, monkeypatch
     monkeypatch.setattr(processing_utils.ProcessorMixin, "check_argument_for_proper_class",
                         lambda self, name, arg: None if name == "video_processor" and arg is None
                         else check(self, name, arg))
-    processor_class = {"qwen2_5_vl": transformers.Qwen2_5_VLProcessor, "qwen3_vl": transformers.Qwen3VLProcessor}[kind]
+    processor_class = {"qwen2.5-vl": transformers.Qwen2_5_VLProcessor, "qwen3-vl": transformers.Qwen3VLProcessor}[kind]
     tokenizer = AutoTokenizer.from_pretrained(path)
     theirs = processor_class(image_processor=AutoImageProcessor.from_pretrained(path), tokenizer=tokenizer,
                              video_processor=None, chat_template=tokenizer.chat_template)

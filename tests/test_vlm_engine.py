@@ -11,7 +11,7 @@ import torch
 
 from rollout_testing import AppThread
 from slime.config import defaults_namespace
-from slime.rollout.advantages import samples_to_train_data
+from slime.rollout.train_data import samples_to_train_data
 from slime.rollout.data_source import RolloutDataSource
 from slime.rollout.prompt_media import image_messages
 from slime.utils.images import canonical_image

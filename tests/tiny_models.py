@@ -397,7 +397,7 @@ def save_tiny_qwen2_5_vl(path: str, seed: int = 0) -> str:
     ChatML template that renders image items, and Qwen2-VL's image processor (slime/tools/tiny_vl_checkpoint.py)."""
     from slime.tools.tiny_vl_checkpoint import TinyVLSpec, write_tiny_vl_checkpoint
 
-    return str(write_tiny_vl_checkpoint(path, TinyVLSpec(kind="qwen2_5_vl", seed=seed)))
+    return str(write_tiny_vl_checkpoint(path, TinyVLSpec(kind="qwen2.5-vl", seed=seed)))
 
 
 def save_tiny_qwen3_vl(path: str, seed: int = 0) -> str:
@@ -405,7 +405,7 @@ def save_tiny_qwen3_vl(path: str, seed: int = 0) -> str:
     layer, interleaved multimodal RoPE), as save_tiny_qwen2_5_vl."""
     from slime.tools.tiny_vl_checkpoint import TinyVLSpec, write_tiny_vl_checkpoint
 
-    return str(write_tiny_vl_checkpoint(path, TinyVLSpec(kind="qwen3_vl", seed=seed)))
+    return str(write_tiny_vl_checkpoint(path, TinyVLSpec(kind="qwen3-vl", seed=seed)))
 
 
 def save_tiny_qwen3_5_vl(path: str, seed: int = 0) -> str:
@@ -413,4 +413,4 @@ def save_tiny_qwen3_5_vl(path: str, seed: int = 0) -> str:
     interleaved multimodal RoPE on half of each head), as save_tiny_qwen2_5_vl: the family the trainer builds."""
     from slime.tools.tiny_vl_checkpoint import TinyVLSpec, write_tiny_vl_checkpoint
 
-    return str(write_tiny_vl_checkpoint(path, TinyVLSpec(kind="qwen3_5", seed=seed)))
+    return str(write_tiny_vl_checkpoint(path, TinyVLSpec(kind="qwen3.5-vl", seed=seed)))

@@ -1,6 +1,6 @@
 """Write a tiny, randomly initialised vision + text checkpoint (Qwen2.5-VL, Qwen3-VL or Qwen3.5) that takes images.
 
-    python -m slime.tools.tiny_vl_checkpoint --out DIR [--kind qwen2_5_vl|qwen3_vl|qwen3_5] [--seed 0]
+    python -m slime.tools.tiny_vl_checkpoint --out DIR [--kind qwen2.5-vl|qwen3-vl|qwen3.5-vl] [--seed 0]
 
 The model is transformers' own class (Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration,
 Qwen3_5ForConditionalGeneration: one gated DeltaNet and one gated attention layer) at toy sizes: a 2-layer text model of width 64 with multimodal RoPE, a 2-block vision tower on 4-pixel patches
@@ -23,7 +23,7 @@ from slime.tools import char_tokenizer
 ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz ?.,:"
 CHAT_TOKENS = ("<|im_start|>",)
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
-KINDS = ("qwen2_5_vl", "qwen3_vl", "qwen3_5")
+KINDS = ("qwen2.5-vl", "qwen3-vl", "qwen3.5-vl")
 # ChatML; an image item (any dict of type image) is the model's image placeholder between its vision markers.
 VL_CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
@@ -41,7 +41,7 @@ VL_CHAT_TEMPLATE = (
 
 @dataclass(frozen=True, kw_only=True)
 class TinyVLSpec:
-    kind: str = "qwen2_5_vl"
+    kind: str = "qwen2.5-vl"
     seed: int = 0
     layers: int = 2
     hidden: int = 64
@@ -75,14 +75,14 @@ def build_config(spec: TinyVLSpec):
     vision = dict(depth=spec.vision_depth, hidden_size=spec.vision_hidden, intermediate_size=2 * spec.vision_hidden,
                   num_heads=2, in_channels=3, patch_size=spec.patch_size, spatial_merge_size=spec.merge_size,
                   temporal_patch_size=2, out_hidden_size=spec.hidden)
-    if spec.kind == "qwen2_5_vl":
+    if spec.kind == "qwen2.5-vl":
         vision.update(window_size=4 * spec.patch_size * spec.merge_size, fullatt_block_indexes=[spec.vision_depth - 1])
         config_class = transformers.Qwen2_5_VLConfig
-    elif spec.kind == "qwen3_vl":
+    elif spec.kind == "qwen3-vl":
         vision.update(num_position_embeddings=64, deepstack_visual_indexes=[0])
         text["rope_parameters"]["mrope_interleaved"] = True
         config_class = transformers.Qwen3VLConfig
-    elif spec.kind == "qwen3_5":  # gated DeltaNet and gated attention layers; RoPE on half of each head
+    elif spec.kind == "qwen3.5-vl":  # gated DeltaNet and gated attention layers; RoPE on half of each head
         vision.update(num_position_embeddings=64)
         text.update(layer_types=["linear_attention", "full_attention"] * (spec.layers // 2), linear_num_key_heads=2,
                     linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
@@ -100,9 +100,9 @@ def build_config(spec: TinyVLSpec):
 def model_class(kind: str):
     import transformers
 
-    return {"qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
-            "qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
-            "qwen3_5": transformers.Qwen3_5ForConditionalGeneration}[kind]
+    return {"qwen2.5-vl": transformers.Qwen2_5_VLForConditionalGeneration,
+            "qwen3-vl": transformers.Qwen3VLForConditionalGeneration,
+            "qwen3.5-vl": transformers.Qwen3_5ForConditionalGeneration}[kind]
 
 
 def write_tiny_vl_checkpoint(out_dir: str | Path, spec: TinyVLSpec = TinyVLSpec()) -> Path:
@@ -131,7 +131,7 @@ def write_tiny_vl_checkpoint(out_dir: str | Path, spec: TinyVLSpec = TinyVLSpec(
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--kind", choices=KINDS, default="qwen2_5_vl")
+    parser.add_argument("--kind", choices=KINDS, default="qwen2.5-vl")
     parser.add_argument("--seed", type=int, default=0)
     ns = parser.parse_args(argv)
     path = write_tiny_vl_checkpoint(ns.out, TinyVLSpec(kind=ns.kind, seed=ns.seed))
