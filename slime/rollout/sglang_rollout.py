@@ -248,11 +248,18 @@ class GenerateState(metaclass=SingletonMeta):
     def __init__(self, args):
         self.args = args
         self.tokenizer = load_tokenizer(args.hf_checkpoint)
-        # a vision checkpoint's image processing (slime/utils/vision_processor.py); None for a text model
-        self.processor = load_vision_processor(args.hf_checkpoint, self.tokenizer)
+        self._processor: tuple = ()  # loaded at the first sample with images
         self.semaphore = asyncio.Semaphore(concurrency(args))
         self.sampling_params = sampling_params(args)
         self.reset()
+
+    @property
+    def processor(self):
+        """A vision checkpoint's image processing (slime/utils/vision_processor.py); None for a text model. Read
+        when a sample has images, so a text run on a vision checkpoint never depends on its image processor."""
+        if not self._processor:
+            self._processor = (load_vision_processor(self.args.hf_checkpoint, self.tokenizer),)
+        return self._processor[0]
 
     def reset(self, rollout_id: int | None = None) -> None:
         """Start of a rollout (or eval): nothing aborted yet."""
