@@ -18,7 +18,7 @@ import logging
 import sys
 
 from slime.ray.driver.loop import (actor_trains, catch_up, check_alternating_args, eval_due, log_unless_custom,
-                                   save_due, train_rollout)
+                                   save_checkpoint, save_due, train_rollout)
 from slime.ray.driver.session import RunSession, run_entry
 from slime.utils.metrics_logger import MetricsLogger
 
@@ -57,8 +57,7 @@ def run_rollout(args, rollout_id: int, rollout, actors, metrics: MetricsLogger, 
     metrics.log("train", rollout_id, train_rollout(args, rollout_id, data_ref, actors, critic))
     trainers = (actors, critic) if critic is not None else (actors,)
     if save_due(args, rollout_id):
-        for group in trainers:
-            group.save(rollout_id)
+        save_checkpoint(rollout_id, actors, critic)
     if args.offload_train:  # the groups that trained wake; the actor sleeps through --num-critic-only-steps
         for group in trainers if actor_trains(args, rollout_id) else (critic,):
             memory.update({f"{group.role}/{k}" if group is critic else k: v for k, v in group.sleep().items()})

@@ -16,7 +16,7 @@ import logging
 import sys
 
 from slime.ray.driver.async_schedule import AsyncSchedule, check_async_args
-from slime.ray.driver.loop import eval_due, log_unless_custom, save_due
+from slime.ray.driver.loop import eval_due, log_unless_custom, save_checkpoint, save_due
 from slime.ray.driver.placement import check_disjoint
 from slime.ray.driver.session import RunSession, run_entry
 
@@ -37,9 +37,7 @@ def train(args) -> None:
                 schedule.start_generation(rollout_id + 1)
             schedule.train(rollout_id, data_ref)
             if save_due(args, rollout_id):
-                for group in (actors, run.critic):
-                    if group is not None:
-                        group.save(rollout_id)
+                save_checkpoint(rollout_id, actors, run.critic)
             if schedule.push_due(rollout_id):
                 schedule.push_weights(rollout_id)
             if eval_due(args, rollout_id, before_train=False):

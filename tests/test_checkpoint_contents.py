@@ -1,6 +1,7 @@
-"""What a checkpoint holds and how it reaches the disk: the manifest, RNG states, the refreshed reference
-model, fsynced writes, and a re-save that never leaves the iteration missing (2 gloo ranks for the
-megatron round trip)."""
+"""What a checkpoint holds and how it reaches the disk: the manifest (with the run that saved it), RNG states, the
+refreshed reference model, fsynced writes (each rank its own shards), a save over an iteration that never became
+current without an atomic exchange (NFS has none), and a re-save that never leaves the iteration missing (2 gloo
+ranks for the megatron round trip)."""
 from __future__ import annotations
 
 import json
@@ -85,6 +86,22 @@ def test_pruning_deletes_complete_iterations_only_and_finishes_an_interrupted_de
     assert len(ticks) == 2  # one per file removed: iter_1's and the leftover's
 
 
+def test_an_iteration_that_never_became_current_is_replaced_without_an_exchange(tmp_path, monkeypatch):
+    """A save that died between its directory and the tracker leaves iter_N; saving N again must work where
+    renameat2(RENAME_EXCHANGE) does not (NFS), or every restart that redoes N fails the same way."""
+    path, partial = tmp_path / "iter_0000003", tmp_path / "iter_0000003.partial"
+    for directory, text in ((path, "unpublished"), (partial, "new")):
+        directory.mkdir()
+        (directory / "shard").write_text(text)
+
+    def no_exchange(a, b):
+        raise OSError(22, "RENAME_EXCHANGE not supported", b)
+
+    monkeypatch.setattr(durable, "exchange", no_exchange)
+    durable.publish_dir(str(partial), str(path), in_use=False)
+    assert (path / "shard").read_text() == "new" and not partial.exists()
+
+
 def test_atomic_write_replaces_whole_files_only(tmp_path):
     target = tmp_path / "sub" / "state.pt"
     durable.write_text_atomic(str(target), "one")
@@ -134,8 +151,25 @@ def _round_trip(rank, world, hf_dir, ckpt):
         waits.append(name)
         torch.distributed.barrier()
 
+    stale = os.path.join(ckpt, "iter_0000003")  # a save of 3 that died after its directory, before the tracker
+    if rank == 0:
+        os.makedirs(stale)
+        open(os.path.join(stale, "left_by_the_dead_save"), "w").close()
+    fsynced, real_fsync, real_exchange = [], durable.fsync_path, durable.exchange
+
+    def no_exchange(a, b):  # a filesystem without renameat2(RENAME_EXCHANGE) (NFS)
+        raise OSError(22, "RENAME_EXCHANGE not supported", b)
+
+    durable.fsync_path = lambda path: fsynced.append(path) or real_fsync(path)
+    durable.exchange = no_exchange
+    torch.distributed.barrier()
     save_checkpoint(ckpt, 3, model, optimizer, scheduler, reference=lambda: snapshots.swapped("ref"),
-                    barrier=barrier, progress=lambda: ticks.append(rank))
+                    barrier=barrier, progress=lambda: ticks.append(rank), run_id="run-a")
+    durable.fsync_path, durable.exchange = real_fsync, real_exchange
+    saved_by = contents.written_by(ckpt, 3)
+    # each rank fsyncs the shards it wrote itself (another node's fsync would not flush them)
+    partial = stale + ".partial"
+    shards = sorted(os.path.relpath(p, partial) for p in fsynced if p.startswith(partial) and p.endswith(".distcp"))
     state = rng.capture()
     save_checkpoint(ckpt, 3, model, optimizer, scheduler, reference=lambda: snapshots.swapped("ref"))  # a re-save
     rng.restore(state)
@@ -156,6 +190,9 @@ def _round_trip(rank, world, hf_dir, ckpt):
         "reference": all(torch.equal(reference[n], t) for n, t in snapshots._saved["ref"].items()),
         "rng": restored_rng and drawn == expected,
         "leftovers": sorted(n for n in os.listdir(ckpt) if n.endswith(".partial")),
+        "stale": os.path.exists(os.path.join(stale, "left_by_the_dead_save")),
+        "fsynced_shards": shards,
+        "run": saved_by,
         "waits": waits,
         "ticks": len(ticks),
     }
@@ -169,9 +206,15 @@ def test_checkpoint_round_trip_restores_model_reference_and_every_ranks_rng(tmp_
     # rank 0 fsyncs every file of the iteration before publishing it: each counts as progress for its peers
     files = sum(len(names) for _, _, names in os.walk(tmp_path / "ckpt" / "iter_0000003"))
     assert ticks[0] >= files > 0, (ticks, files)
+    # every shard of the save (model and optimizer, reference model) was fsynced by the rank that wrote it
+    iteration = tmp_path / "ckpt" / "iter_0000003"
+    for rank, result in enumerate(results):
+        written = sorted(str(p.relative_to(iteration)) for p in iteration.rglob(f"__{rank}_*.distcp"))
+        assert written and set(written) <= set(result.pop("fsynced_shards")), (rank, written)
     for result in results:
         # every wait of the save goes through the caller's barrier (the trainer's fence), none bare
         assert result.pop("waits") == ["directory_made", "model_saved", "reference_directory_made",
                                        "shards_written", "published"], result
         assert result == {"iteration": 3, "items": ["model", "optimizer", "reference", "rng", "scheduler"],
-                          "model": True, "reference": True, "rng": True, "leftovers": []}, result
+                          "model": True, "reference": True, "rng": True, "leftovers": [], "stale": False,
+                          "run": "run-a"}, result

@@ -76,14 +76,44 @@ def test_a_critic_of_the_actors_architecture_passes_and_gets_its_own_flags(tmp_p
     assert role.custom_model_provider_path.endswith("value_model_provider") and not role.use_kl_loss
 
 
-def test_a_saved_critic_under_load_is_resumed(tmp_path):
-    (tmp_path / "run" / "critic" / "iter_0000003").mkdir(parents=True)
-    (tmp_path / "run" / "iter_0000003").mkdir(parents=True)
-    for root in (tmp_path / "run", tmp_path / "run" / "critic"):
-        (root / "latest_checkpointed_iteration.txt").write_text("3")
+def _saved(root, actor: int | None, critic: int | None, critic_iterations=()) -> None:
+    """A run's checkpoint directory: the actor's tracker, the critic's tracker and iteration directories."""
+    (root / "critic").mkdir(parents=True)
+    if actor is not None:
+        (root / "latest_checkpointed_iteration.txt").write_text(str(actor))
+        (root / f"iter_{actor:07d}").mkdir()
+    if critic is not None:
+        (root / "critic" / "latest_checkpointed_iteration.txt").write_text(str(critic))
+    for iteration in critic_iterations:
+        (root / "critic" / f"iter_{iteration:07d}").mkdir()
+
+
+def test_a_saved_critic_under_load_is_resumed_at_the_actors_iteration(tmp_path):
+    # the critic's tracker moves after the actor's: a run stopped in between has the critic one ahead
+    _saved(tmp_path / "run", actor=3, critic=4, critic_iterations=(3, 4))
     args = parse_quiet(_ppo(tmp_path, "--load", str(tmp_path / "run")))
     check_launch_inputs(args)
-    assert critic_args(args).load == str(tmp_path / "run" / "critic")
+    role = critic_args(args)
+    assert (role.load, role.resume_iteration) == (str(tmp_path / "run" / "critic"), 3)
+
+
+def test_a_critic_saved_before_its_tracker_moved_is_still_resumed(tmp_path):
+    _saved(tmp_path / "run", actor=0, critic=None, critic_iterations=(0,))  # stopped before the critic's first publish
+    args = parse_quiet(_ppo(tmp_path, "--load", str(tmp_path / "run")))
+    check_launch_inputs(args)
+    assert (critic_args(args).load, critic_args(args).resume_iteration) == (str(tmp_path / "run" / "critic"), 0)
+
+
+@pytest.mark.parametrize("actor, critic, iterations, says", [
+    (5, 3, (3,), "the actor resumes at iteration 5 .* has no iter_0000005 \\(its tracker names 3\\): the two roles "
+                 "were not saved together; point --critic-load at the critic saved with that iteration"),
+    (None, 3, (3,), "is at iteration 3, but the actor starts fresh"),
+])
+def test_a_critic_that_cannot_resume_with_the_actor_is_named_before_ray(tmp_path, actor, critic, iterations, says):
+    _saved(tmp_path / "run", actor=actor, critic=critic, critic_iterations=iterations)
+    args = parse_quiet(_ppo(tmp_path, "--load", str(tmp_path / "run")))
+    with pytest.raises(ArgumentValidationError, match=says):
+        check_launch_inputs(args)
 
 
 @pytest.mark.parametrize("flags, says", [

@@ -2,7 +2,8 @@
 recorders standing in for the rollout manager and both trainer groups: the critic values each rollout before either
 role trains, its values reach the critic's and the actor's step, --num-critic-only-steps trains the critic only
 (train.py: the actor sleeps, no weight push, the engines keep their weights; train_async.py: its pushes go on) and
-both roles save and sleep."""
+both roles save and sleep, the critic's save before the actor's and its tracker after (a run stopped in between
+resumes both at the actor's iteration)."""
 from __future__ import annotations
 
 import tempfile
@@ -38,8 +39,11 @@ class FakeGroup(FakeTrainers):
         self._say(f"train {rollout_id} with {[ray.get(r) for r in extra_refs]}")
         return {f"{self.role}/loss": 0.0}
 
-    def save(self, rollout_id):
-        self._say(f"save {rollout_id}")
+    def save(self, rollout_id, publish=True):
+        self._say(f"save {rollout_id}" + ("" if publish else ", tracker left"))
+
+    def publish(self, rollout_id):
+        self._say(f"publish {rollout_id}")
 
     def update_weights(self, rollout_id, engine_urls=None):
         self.log.calls.append(f"push version {rollout_id + 1}")
@@ -78,10 +82,12 @@ def test_the_critic_values_and_trains_first_and_the_actor_waits_out_the_critic_o
         "critic sleep", "engines resume rest",
         # rollout 1: the values reach both roles; both save (--save-interval 2) while awake, then sleep
         "generate 1", "engines release all", "critic values 1", "critic train 1 with [{'values': [[1.0]]}]",
-        "actor train 1 with [{'values': [[1.0]]}]", "actor save 1", "critic save 1", "actor sleep", "critic sleep",
+        "actor train 1 with [{'values': [[1.0]]}]", "critic save 1, tracker left", "actor save 1", "critic publish 1",
+        "actor sleep", "critic sleep",
         "engines resume weights", "push version 2", "engines resume rest",
         "generate 2", "engines release all", "critic values 2", "critic train 2 with [{'values': [[2.0]]}]",
-        "actor train 2 with [{'values': [[2.0]]}]", "actor save 2", "critic save 2", "actor sleep", "critic sleep",
+        "actor train 2 with [{'values': [[2.0]]}]", "critic save 2, tracker left", "actor save 2", "critic publish 2",
+        "actor sleep", "critic sleep",
         "engines resume weights", "push version 3", "engines resume rest",
         "engines stop", "actor stop", "critic stop",
     ]
@@ -120,10 +126,10 @@ def test_train_async_hands_the_critics_values_to_both_roles_while_the_next_rollo
         update_weights_interval=1, eval_interval=None, eval_prompt_data=None, save="/tmp/ckpt", save_interval=2,
         start_rollout_id=None, ledger_dir=tempfile.gettempdir(), verbose=False, use_critic=True,
         num_critic_only_steps=1, restart_count=0))
-    trained = [line for line in log if " values " in line or " train " in line or " save " in line]
+    trained = [line for line in log if any(f" {what} " in line for what in ("values", "train", "save", "publish"))]
     assert trained == [
         "critic values 0", "critic train 0 with [{'values': [[0.0]]}]",  # critic only: the actor waits
         "critic values 1", "critic train 1 with [{'values': [[1.0]]}]", "actor train 1 with [{'values': [[1.0]]}]",
-        "actor save 1", "critic save 1",
+        "critic save 1, tracker left", "actor save 1", "critic publish 1",
     ]
     assert "push version 2" in log  # the schedule's pushes go on (unchanged weights during the critic-only ones)

@@ -3,43 +3,50 @@ from which checkpoint, and when it stops instead (the healed train.py runs are i
 from __future__ import annotations
 
 import argparse
+import os
+import types
 
 import pytest
 
 from slime.ray.driver.healing import (Failure, HealingPolicy, HealingRefusedError, RepeatedFailureError, Restart,
-                                      plan_restart, train_with_healing)
+                                      SavedCheckpoint, plan_restart, train_with_healing)
 from slime.ray.driver.rank_wait import RankFailedError
 from slime.ray.rollout_manager.errors import EngineFailedError
 
 
-def failure(rollout_id: int, ranks=(), nodes=()) -> Failure:
+def failure(rollout_id: int, ranks=(), nodes=(), role="actor") -> Failure:
     return Failure(cause=f"failed in rollout {rollout_id}", error="RankFailedError", rollout_id=rollout_id,
-                   ranks=tuple(ranks), nodes=tuple(nodes))
+                   ranks=tuple(ranks), nodes=tuple(nodes), role=role)
+
+
+def own(iteration: int) -> SavedCheckpoint:
+    """A checkpoint this run saved."""
+    return SavedCheckpoint(iteration=iteration, own=True, written_by="this-run")
 
 
 def test_a_restart_goes_back_to_the_last_checkpoint_and_counts():
     policy = HealingPolicy(max_restarts=2)
-    first = plan_restart(policy, (), failure(5, ranks=[1]), 3, multi_node=False)
+    first = plan_restart(policy, (), failure(5, ranks=[1]), own(3), multi_node=False)
     assert (first.number, first.checkpoint) == (1, 3)
-    second = plan_restart(policy, (first,), failure(7, ranks=[0]), 6, multi_node=False)
+    second = plan_restart(policy, (first,), failure(7, ranks=[0]), own(6), multi_node=False)
     assert (second.number, second.checkpoint) == (2, 6)
-    assert plan_restart(policy, (first, second), failure(8, ranks=[1]), 7, multi_node=False) is None  # spent
+    assert plan_restart(policy, (first, second), failure(8, ranks=[1]), own(7), multi_node=False) is None  # spent
 
 
 def test_the_same_rank_twice_in_a_row_stops_the_run():
     policy = HealingPolicy(max_restarts=5)
-    first = plan_restart(policy, (), failure(2, ranks=[1]), 1, multi_node=False)
+    first = plan_restart(policy, (), failure(2, ranks=[1]), own(1), multi_node=False)
     with pytest.raises(RepeatedFailureError, match=r"rank\(s\) \[1\] failed again"):
-        plan_restart(policy, (first,), failure(3, ranks=[0, 1]), 2, multi_node=False)
+        plan_restart(policy, (first,), failure(3, ranks=[0, 1]), own(2), multi_node=False)
 
 
 def test_the_same_node_twice_stops_a_multi_node_run_only():
     policy = HealingPolicy(max_restarts=5)
-    first = plan_restart(policy, (), failure(2, ranks=[0], nodes=["10.0.0.1"]), 1, multi_node=True)
+    first = plan_restart(policy, (), failure(2, ranks=[0], nodes=["10.0.0.1"]), own(1), multi_node=True)
     with pytest.raises(RepeatedFailureError, match=r"node\(s\) \['10.0.0.1'\]"):
-        plan_restart(policy, (first,), failure(3, ranks=[1], nodes=["10.0.0.1"]), 2, multi_node=True)
+        plan_restart(policy, (first,), failure(3, ranks=[1], nodes=["10.0.0.1"]), own(2), multi_node=True)
     # one node: every failure is on it, so only a repeated rank stops the run
-    assert plan_restart(policy, (first,), failure(3, ranks=[1], nodes=["10.0.0.1"]), 2, multi_node=False) is not None
+    assert plan_restart(policy, (first,), failure(3, ranks=[1], nodes=["10.0.0.1"]), own(2), multi_node=False) is not None
 
 
 def test_no_checkpoint_or_one_outside_the_window_is_a_named_refusal():
@@ -48,17 +55,23 @@ def test_no_checkpoint_or_one_outside_the_window_is_a_named_refusal():
     window = HealingPolicy(max_restarts=1, window_rollouts=2)
     with pytest.raises(HealingRefusedError,
                        match="3 rollouts before the failed rollout 7.*--restart-window-rollouts 2"):
-        plan_restart(window, (), failure(7), 3, multi_node=False)
-    assert plan_restart(window, (), failure(7), 4, multi_node=False).checkpoint == 4  # 2 rollouts lost: within
+        plan_restart(window, (), failure(7), own(3), multi_node=False)
+    assert plan_restart(window, (), failure(7), own(4), multi_node=False).checkpoint == 4  # 2 rollouts lost: within
 
 
 def run_args(tmp_path, max_restarts: int) -> argparse.Namespace:
     return argparse.Namespace(max_restarts=max_restarts, restart_window_rollouts=None, save=str(tmp_path),
                               ledger_dir=None, load=None, finetune=True, start_rollout_id=0,
-                              start_rollout_id_given=True, restart_count=0)
+                              start_rollout_id_given=True, restart_count=0, run_id="this-run",
+                              no_load_optim=False, no_load_rng=False, use_critic=False)
 
 
-def publish(tmp_path, iteration: int) -> None:
+def publish(tmp_path, iteration: int, run_id: str | None = "this-run") -> None:
+    """A checkpoint of `iteration` under --save, saved by run `run_id`."""
+    from slime.checkpoint.contents import iteration_dir, write_manifest
+
+    os.makedirs(iteration_dir(str(tmp_path), iteration), exist_ok=True)
+    write_manifest(iteration_dir(str(tmp_path), iteration), ("model",), run_id)
     (tmp_path / "latest_checkpointed_iteration.txt").write_text(str(iteration))
 
 
@@ -101,6 +114,8 @@ def test_without_max_restarts_a_named_failure_ends_the_run(tmp_path):
     ([], "add --save DIR and --save-interval N"),
     (["--save", "/tmp/x"], "add --save DIR and --save-interval N"),
     (["--save", "/tmp/x", "--save-interval", "1", "--restart-window-rollouts", "-1"], "must be >= 0"),
+    # its restarts would start a fresh optimizer
+    (["--save", "/tmp/x", "--save-interval", "1", "--no-save-optim"], "with --no-save-optim: a restart would go back"),
 ])
 def test_max_restarts_without_saves_is_refused_before_ray(extra, message, capsys):
     from slime.config.parse import parse_args
@@ -132,6 +147,146 @@ def test_a_failure_blames_the_lagging_rank_and_its_node():
 
     error = RankFailedError("phase 'actor_train' failed on rank 0: FenceTimeoutError: ...", phase="actor_train",
                             ranks=(0,), blamed=(1,))
-    note_failure(error, 3, ["10.0.0.1", "10.0.0.2"])
+    note_failure(error, 3, {"actor": ["10.0.0.1", "10.0.0.2"]})
     failure = failure_of(error, 0)
     assert (failure.ranks, failure.nodes, failure.rollout_id) == ((1,), ("10.0.0.2",), 3)
+
+
+# ----------------------------------------------------------------------------- a restart goes only to this run's own
+def test_a_checkpoint_another_run_saved_is_refused_naming_it():
+    """--load A --save B, B's tracker from an older run, a failure before this run's first save: a restart would
+    continue the older run's weights, optimizer and data position."""
+    policy = HealingPolicy(max_restarts=3, window_rollouts=2)
+    foreign = SavedCheckpoint(iteration=200, own=False, written_by="older-run")
+    with pytest.raises(HealingRefusedError, match="iteration 200, which run older-run saved, not this run"):
+        plan_restart(policy, (), failure(52), foreign, multi_node=False)
+    with pytest.raises(HealingRefusedError, match="a run that did not record its id"):
+        plan_restart(policy, (), failure(52), SavedCheckpoint(iteration=50, own=False), multi_node=False)
+    with pytest.raises(HealingRefusedError, match="after the failed rollout 52"):
+        plan_restart(policy, (), failure(52), own(60), multi_node=False)
+
+
+def test_only_the_runs_own_or_starting_checkpoint_is_a_heal_target(tmp_path):
+    from slime.checkpoint.contents import heal_target
+    from slime.ray.driver.healing import saved_checkpoint
+
+    assert saved_checkpoint(str(tmp_path), "this-run", None) is None  # no tracker yet
+    publish(tmp_path, 4, run_id="older-run")
+    assert saved_checkpoint(str(tmp_path), "this-run", None) == SavedCheckpoint(4, own=False, written_by="older-run")
+    assert heal_target(str(tmp_path), "this-run") is None
+    # the checkpoint this run resumed from (--load is --save) is one it may go back to
+    assert heal_target(str(tmp_path), "this-run", started_from=4) == 4
+    publish(tmp_path, 5)
+    assert saved_checkpoint(str(tmp_path), "this-run", 4) == SavedCheckpoint(5, own=True, written_by="this-run")
+
+
+def test_the_loop_refuses_to_heal_into_another_runs_checkpoint(tmp_path):
+    args = run_args(tmp_path, max_restarts=2)
+    args.load, args.finetune = str(tmp_path / "elsewhere"), False
+    publish(tmp_path, 200, run_id="older-run")
+    calls = []
+
+    def train(a):
+        calls.append(a.load)
+        error = RankFailedError("phase 'actor_train': rank 0 exited", phase="actor_train", ranks=(0,))
+        error.failed_rollout_id = 52
+        raise error
+
+    with pytest.raises(HealingRefusedError, match="iteration 200, which run older-run saved"):
+        train_with_healing(train, args)
+    assert calls == [str(tmp_path / "elsewhere")]
+
+
+def test_a_run_resumed_from_its_save_directory_may_go_back_to_that_checkpoint(tmp_path):
+    publish(tmp_path, 3, run_id="older-run")
+    args = run_args(tmp_path, max_restarts=1)
+    args.load, args.finetune, args.start_rollout_id = str(tmp_path), False, None
+    seen = []
+
+    def train(a):
+        seen.append((a.load, a.restart_count))
+        if len(seen) == 1:
+            error = TimeoutError("rollout 4 timed out")
+            error.failed_rollout_id = 4  # as the session notes it
+            raise error
+
+    train_with_healing(train, args)
+    assert seen == [(str(tmp_path), 0), (str(tmp_path), 1)] and args.restart_checkpoint == 3
+
+
+# ----------------------------------------------------------------------------- exact under every flag
+def test_a_restart_loads_the_optimizer_rng_and_the_critics_own_saves(tmp_path):
+    from slime.ray.driver.healing import prepare_resume
+
+    args = types.SimpleNamespace(ledger_dir=None, load="/A", save=str(tmp_path), finetune=True, start_rollout_id=51,
+                                 start_rollout_id_given=False, no_load_optim=True, no_load_rng=True,
+                                 use_critic=True, critic_load="/C", critic_save=None, restart_count=0)
+    prepare_resume(args, Restart(number=1, failure=failure(52), checkpoint=51))
+    assert (args.load, args.finetune, args.no_load_optim, args.no_load_rng) == (str(tmp_path), False, False, False)
+    assert args.critic_load == str(tmp_path / "critic") and args.start_rollout_id is None  # not --critic-load's /C
+    args.critic_save = "/D"
+    prepare_resume(args, Restart(number=2, failure=failure(53), checkpoint=52))
+    assert args.critic_load == "/D"
+
+
+# ----------------------------------------------------------------------------- repeats by role and rank
+def test_a_critic_rank_and_an_actor_rank_of_the_same_number_are_not_a_repeat():
+    policy = HealingPolicy(max_restarts=3)
+    first = plan_restart(policy, (), failure(5, ranks=[1], role="critic"), own(3), multi_node=False)
+    assert plan_restart(policy, (first,), failure(5, ranks=[1], role="actor"), own(4), multi_node=False) is not None
+    with pytest.raises(RepeatedFailureError, match=r"critic rank\(s\) \[1\] failed again"):
+        plan_restart(policy, (first,), failure(5, ranks=[1], role="critic"), own(4), multi_node=False)
+
+
+def test_a_critic_failure_blames_the_critics_node():
+    from slime.ray.driver.healing import failure_of, note_failure
+
+    error = RankFailedError("phase 'critic_train': rank 1 exited", phase="critic_train", ranks=(1,), role="critic")
+    note_failure(error, 3, {"actor": ["10.0.0.1", "10.0.0.1"], "critic": ["10.0.0.7", "10.0.0.8"]})
+    assert (failure_of(error, 0).role, failure_of(error, 0).nodes) == ("critic", ("10.0.0.8",))
+
+
+# ----------------------------------------------------------------------------- nothing left behind
+def test_a_restart_moves_the_critics_stack_files_aside_and_keeps_the_engines_logs(tmp_path):
+    from slime.ray.driver.healing import archive_ledger
+
+    (tmp_path / "critic").mkdir()
+    (tmp_path / "critic" / "stacks_rank1.txt").write_text("HANG: phase=critic_train stuck ranks=[1]\n")
+    (tmp_path / "engine-logs").mkdir()
+    (tmp_path / "engine-logs" / "engine0.log").write_text("serving")
+    archive_ledger(str(tmp_path), 1)
+    assert not (tmp_path / "critic" / "stacks_rank1.txt").exists()  # no stale verdict for the next attempt's critic
+    assert (tmp_path / "attempt1" / "critic" / "stacks_rank1.txt").exists()
+    assert (tmp_path / "engine-logs" / "engine0.log").read_text() == "serving"
+    archive_ledger(str(tmp_path), 2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["attempt1", "attempt2", "engine-logs"]
+
+
+def test_a_healed_run_removes_the_temp_ledger_dir_it_made(tmp_path):
+    from slime.ray.driver.trainer_group import remove_temp_ledger_dir, resolve_ledger_dir
+
+    args = types.SimpleNamespace(ledger_dir=None, ledger_dir_is_temp=False)
+    made = resolve_ledger_dir(args)  # the first session
+    assert resolve_ledger_dir(args) == made  # the restarted session's
+    remove_temp_ledger_dir(args)  # the run ended cleanly
+    assert not os.path.exists(made)
+
+
+def test_a_rank_group_that_fails_to_start_its_ranks_ends_its_hub(monkeypatch):
+    from slime.ray.driver import trainer_group
+
+    killed = []
+    monkeypatch.setattr(trainer_group, "start_hub", lambda world, runtime_env=None: ("hub", "name"))
+    monkeypatch.setattr(trainer_group, "HubClient", lambda transport: types.SimpleNamespace(close=lambda: None))
+    monkeypatch.setattr(trainer_group, "RayHub", lambda *hub: None)
+    monkeypatch.setattr(trainer_group.ray, "kill", lambda actor, no_restart: killed.append(actor))
+
+    def refuse(**options):
+        raise ValueError("no such bundle")
+
+    monkeypatch.setattr(trainer_group.ray, "remote", lambda cls: types.SimpleNamespace(options=refuse))
+    layout = types.SimpleNamespace(world_size=2)
+    args = types.SimpleNamespace(ledger_dir="/tmp", run_config=types.SimpleNamespace(layout=layout, deadlines=None))
+    with pytest.raises(ValueError, match="no such bundle"):
+        trainer_group.RayTrainGroup(args, types.SimpleNamespace(trainer_options=lambda rank, role: {}))
+    assert killed == ["hub"]

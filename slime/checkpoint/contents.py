@@ -8,7 +8,8 @@ read it, so nothing is saved that load ignores, and nothing load needs goes unsa
   rng             every rank        iter_N/rng/rank_R.pt       torch CPU + CUDA, Python, numpy, megatron tracker
   reference       every rank        iter_N/reference/          torch_dist; only when --ref-update-interval
                                                                moves the reference away from --ref-load
-  iteration       rank 0            latest_checkpointed_iteration.txt (and iter_N/slime_contents.json)
+  iteration       rank 0            latest_checkpointed_iteration.txt (and iter_N/slime_contents.json, with
+                                    the id of the run that saved it: `heal_target`)
   data            rollout manager   rollout/global_dataset_state_dict_N.pt: prompt position, epoch and
                                     its shuffle order, the partial-rollout buffer, the rollout side's RNG
   metrics step    (derived)         N + 1: the driver logs every event under its rollout id
@@ -38,6 +39,10 @@ TRAINER_ITEMS = (MODEL, OPTIMIZER, SCHEDULER, RNG, REFERENCE)
 DATA_ITEMS = ("position", "epoch_order", "buffer", "rng")
 # A checkpoint written before the manifest listed its items held these (optimizer unless it said not).
 _LEGACY_ITEMS = (MODEL, OPTIMIZER, SCHEDULER)
+
+
+class CheckpointMismatchError(ValueError):
+    """The parts of a checkpoint a run resumes from do not fit together (the critic's and the actor's)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,18 +76,27 @@ def data_file(root: str, rollout_id: int) -> str:
     return os.path.join(root, DATA_DIR, f"global_dataset_state_dict_{rollout_id}.pt")
 
 
-def write_manifest(iteration_path: str, items: tuple[str, ...]) -> None:
-    text = json.dumps({"items": list(items), "optimizer": OPTIMIZER in items})
-    write_text_atomic(os.path.join(iteration_path, MANIFEST), text)
+def write_manifest(iteration_path: str, items: tuple[str, ...], run_id: str | None = None) -> None:
+    """`run_id`: the run that saves (a restart goes back only to its own run's checkpoints)."""
+    manifest = {"items": list(items), "optimizer": OPTIMIZER in items}
+    if run_id is not None:
+        manifest["run_id"] = run_id
+    write_text_atomic(os.path.join(iteration_path, MANIFEST), json.dumps(manifest))
+
+
+def _manifest(iteration_path: str) -> dict:
+    path = os.path.join(iteration_path, MANIFEST)
+    if not os.path.exists(path):
+        return {}
+    with open(path) as handle:
+        return json.load(handle)
 
 
 def read_manifest(iteration_path: str) -> frozenset[str]:
     """The items an iteration directory holds (older saves: model, scheduler, optimizer unless marked)."""
-    path = os.path.join(iteration_path, MANIFEST)
-    if not os.path.exists(path):
+    manifest = _manifest(iteration_path)
+    if not manifest:
         return frozenset(_LEGACY_ITEMS)
-    with open(path) as handle:
-        manifest = json.load(handle)
     if "items" in manifest:
         return frozenset(manifest["items"])
     return frozenset(name for name in _LEGACY_ITEMS if name != OPTIMIZER or manifest.get("optimizer", True))
@@ -100,6 +114,23 @@ def latest_iteration(root: str) -> int | None:
         raise ValueError(f"{tracker} holds {text[:40]!r}, not an iteration number; write the number of a "
                          f"complete iter_* directory under {root} into it, or delete it to start fresh")
     return int(text)
+
+
+def written_by(root: str, iteration: int) -> str | None:
+    """The id of the run that saved the iteration (None: no manifest, or one from before manifests named it)."""
+    return _manifest(iteration_dir(root, iteration)).get("run_id")
+
+
+def heal_target(root: str, run_id: str, started_from: int | None = None) -> int | None:
+    """The iteration a restart of run `run_id` may go back to: the one the tracker under `root` names, when this
+    run saved it or it is the checkpoint the run started from (`started_from`, read from `root` at the start);
+    None otherwise (no tracker, or another run's checkpoint). Whatever removes old checkpoints keeps this one."""
+    latest = latest_iteration(root)
+    if latest is None:
+        return None
+    if latest == started_from or written_by(root, latest) == run_id:
+        return latest
+    return None
 
 
 def load_view(root: str, iteration: int | None = None) -> dict:

@@ -53,17 +53,22 @@ def write_text_atomic(path: str, text: str) -> None:
     write_atomic(path, lambda handle: handle.write(text.encode()))
 
 
-def publish_dir(partial: str, path: str, progress: Callable[[], None] | None = None) -> None:
-    """Put the finished directory `partial` in place as `path`. An existing `path` is swapped out in one
-    atomic exchange (it is never missing) and removed after; the parent directory is fsynced.
+def publish_dir(partial: str, path: str, progress: Callable[[], None] | None = None, *, in_use: bool = True) -> None:
+    """Put the finished directory `partial` in place as `path`; the parent directory is fsynced.
+    An existing `path` that is `in_use` (what a reader may load now) is swapped out in one atomic exchange
+    (it is never missing) and removed after; one that is not (a save that never became current) is removed
+    first, so that a filesystem without the exchange (NFS) can save the same iteration again.
     `progress()` is called after each file is fsynced (peers waiting for this work see it move)."""
     parent = os.path.dirname(os.path.abspath(path))
     fsync_tree(partial, progress)
-    if os.path.exists(path):
+    if os.path.exists(path) and in_use:
         exchange(partial, path)  # `partial` now names the older directory
         fsync_path(parent)
         shutil.rmtree(partial)
     else:
+        if os.path.exists(path):
+            shutil.rmtree(path)
+            fsync_path(parent)
         os.replace(partial, path)
     fsync_path(parent)
 

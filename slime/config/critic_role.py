@@ -1,5 +1,6 @@
 """The critic's role in the run's flags (--advantage-estimator ppo), read by the driver and the pre-Ray checks
-without torch: its flags (`critic_args`), where it resumes from and where it saves."""
+without torch: its flags (`critic_args`), where it resumes from, at which iteration (the actor's: the run's one
+tracker) and where it saves."""
 from __future__ import annotations
 
 import argparse
@@ -18,12 +19,47 @@ VALUE_HEAD_PARAM = r"^output_layer\.weight$"
 
 def critic_resume_dir(args) -> str | None:
     """The critic's megatron checkpoint to resume from: --critic-load when it holds one, else <--load>/critic."""
+    iteration = critic_resume_iteration(args)
+    for path in (args.critic_load, os.path.join(args.load, CRITIC_ROLE) if args.load else None):
+        if path and _holds_critic_checkpoint(path, iteration):
+            return path
+    return None
+
+
+def _holds_critic_checkpoint(path: str, iteration: int | None) -> bool:
+    """A tracker, or the iteration the actor resumes at (a run stopped before the critic's tracker moved)."""
+    from slime.checkpoint.contents import iteration_dir, latest_iteration
+
+    return latest_iteration(path) is not None or (iteration is not None and os.path.isdir(iteration_dir(path, iteration)))
+
+
+def critic_resume_iteration(args) -> int | None:
+    """The iteration the critic resumes at: the one the actor resumes at (the tracker under --load, the run's),
+    whatever the critic's own tracker says (it moves after the actor's: a run stopped in between has the critic's
+    ahead). None when the actor does not resume."""
     from slime.checkpoint.contents import latest_iteration
 
-    if args.critic_load and latest_iteration(args.critic_load) is not None:
-        return args.critic_load
-    if args.load and latest_iteration(os.path.join(args.load, CRITIC_ROLE)) is not None:
-        return os.path.join(args.load, CRITIC_ROLE)
+    return latest_iteration(args.load) if args.load else None
+
+
+def critic_checkpoint_mismatch(args) -> str | None:
+    """What keeps the critic from resuming with the actor, said with what to do (None: nothing)."""
+    from slime.checkpoint.contents import iteration_dir, latest_iteration
+
+    critic = critic_resume_dir(args)
+    if critic is None:
+        return None
+    own = latest_iteration(critic)
+    actor = critic_resume_iteration(args)
+    if actor is None:
+        return (f"the critic's checkpoint {critic} is at iteration {own}, but the actor starts fresh (no checkpoint "
+                "under --load): pass the --load that critic was saved with, or an HF --critic-load to start the critic "
+                "anew")
+    if not os.path.isdir(iteration_dir(critic, actor)):
+        return (f"the actor resumes at iteration {actor} (--load {args.load}), but the critic's checkpoint {critic} "
+                f"has no {os.path.basename(iteration_dir(critic, actor))} (its tracker names {own}): the two roles were "
+                "not saved together; point --critic-load at the critic saved with that iteration, or write an "
+                f"iteration both hold into {args.load}/latest_checkpointed_iteration.txt")
     return None
 
 
@@ -45,6 +81,7 @@ def critic_args(args) -> argparse.Namespace:
                             else args.lr_warmup_iters),
         "custom_model_provider_path": VALUE_MODEL_PROVIDER,
         "load": critic_resume_dir(args),
+        "resume_iteration": critic_resume_iteration(args),
         "save": critic_save_dir(args),
         "save_hf": None,
         "use_kl_loss": False, "kl_coef": 0.0, "use_opd": False, "ref_update_interval": None,

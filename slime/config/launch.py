@@ -16,7 +16,7 @@ from slime.config.checks.linear_attention import check_linear_attention
 from slime.config.checks.lora import check_lora_against_config
 from slime.config.checks.model import check_pipeline_layers
 from slime.config.constants import DEFAULT_DATA_SOURCE_PATH, DEFAULT_ROLLOUT_FUNCTION_PATH
-from slime.config.critic_role import critic_resume_dir
+from slime.config.critic_role import critic_checkpoint_mismatch, critic_resume_dir
 from slime.config.errors import fail, require_path
 from slime.models import family as model_family
 from slime.models import supported_model_types
@@ -75,8 +75,11 @@ CRITIC_ARCH_KEYS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "
 def check_critic_checkpoint(args: argparse.Namespace) -> None:
     """--advantage-estimator ppo: the critic has weights to start from (--critic-load, or its checkpoint under
     --load), and an HF --critic-load has the actor's architecture."""
-    if critic_resume_dir(args) is not None:
-        return  # a critic checkpoint saved by a ppo run of this architecture
+    if critic_resume_dir(args) is not None:  # a critic checkpoint saved by a ppo run of this architecture
+        problem = critic_checkpoint_mismatch(args)
+        if problem:
+            fail(f"--advantage-estimator ppo: {problem}")
+        return
     if args.critic_load is None:
         fail(f"--advantage-estimator ppo: --load {args.load} holds no critic checkpoint (critic/); pass --critic-load "
              "DIR (an HF checkpoint of the actor's architecture, e.g. the --hf-checkpoint itself)")

@@ -25,6 +25,9 @@ from slime.utils.security import public_config
 
 logger = logging.getLogger(__name__)
 
+RUN_EVENTS = ("restart", "healed")
+"""Events of the run rather than of a rollout (--max-restarts): every sink must keep them."""
+
 
 class MetricsLogger:
     def __init__(self, args, console: Console | None = None):
@@ -209,7 +212,12 @@ def _wandb_sink(args):
                     "check the network to the wandb server, or run with WANDB_MODE=offline")
 
     def write_wandb(event: dict) -> None:
-        wandb.log({k: v for k, v in event.items() if isinstance(v, (int, float))}, step=event["rollout_id"])
+        step = event["rollout_id"]
+        if event["event"] in RUN_EVENTS and wandb.run is not None:
+            # a restart's events name a rollout below the failed attempt's last step, and wandb drops a step
+            # below its last: they go to that step, with their rollout id as a value
+            step = max(step, wandb.run.step)
+        wandb.log({k: v for k, v in event.items() if isinstance(v, (int, float))}, step=step)
 
     return write_wandb
 

@@ -1,5 +1,10 @@
 """Start an HTTP server as a child process, wait for its /health with a deadline, stop it.
 
+A server runs in a process group of its own (stopped as a whole: SGLang's scheduler processes with it) and
+dies with the thread that started it (`tied_exec.py`: the kernel kills it when its starter ends, a Ray actor
+killed with SIGKILL included), so no server of a run outlives it holding a port or device memory. Start servers
+from a thread that lives as long as they should (a Ray actor's, not a short-lived pool thread's).
+
 Ports: a server of this project gets a socket already bound and listening (`start_bound_server`:
 an inherited file descriptor), so no other process can take its port between choosing and binding
 it. A server that cannot take a socket (SGLang, sglang-router) is started on a free port and started
@@ -44,15 +49,22 @@ class ServerProcess:
             return "<no log>"
 
     def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM, then SIGKILL after grace_s; idempotent."""
+        """SIGTERM to the server's process group, then SIGKILL after grace_s; idempotent."""
         if not self.alive():
             return
-        self.process.send_signal(signal.SIGTERM)
+        self._signal_group(signal.SIGTERM)
         try:
             self.process.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
-            self.process.kill()
+            self._signal_group(signal.SIGKILL)
             self.process.wait(timeout=grace_s)
+        self._signal_group(signal.SIGKILL)  # whatever the server started and left (the group outlives its leader)
+
+    def _signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.process.pid, sig)  # its own group: the server's pid is the group's id
+        except (ProcessLookupError, PermissionError):
+            pass
 
     def wait_healthy(self, deadline_s: float, health_path: str = "/health", poll_s: float = 0.3) -> None:
         end = time.monotonic() + deadline_s
@@ -108,9 +120,14 @@ def start_server_process(
     env = dict(os.environ if env is None else env)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
     with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(REPO_ROOT),
-                                   pass_fds=pass_fds)
+        process = subprocess.Popen(tied_command(command), stdout=log, stderr=subprocess.STDOUT, env=env,
+                                   cwd=str(REPO_ROOT), pass_fds=pass_fds, start_new_session=True)
     return ServerProcess(name=name, url=url, command=tuple(command), process=process, log_path=log_path)
+
+
+def tied_command(command: list[str]) -> list[str]:
+    """`command`, run so that it dies with the thread that starts it (tied_exec.py)."""
+    return [sys.executable, "-I", str(Path(__file__).with_name("tied_exec.py")), str(os.getpid()), *command]
 
 
 def python_module_command(module: str, args: list[str]) -> list[str]:

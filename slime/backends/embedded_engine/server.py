@@ -255,8 +255,9 @@ async def init_weights_update_group(request: web.Request) -> web.Response:
         backend=backend, timeout_s=request.app[GROUP_TIMEOUT_KEY],
     )
     groups = request.app[GROUPS_KEY]
-    if spec.group_name in groups:
-        return _weight_result(False, f"weight-update group {spec.group_name!r} already exists")
+    if spec.group_name in groups:  # a new sender (a restarted trainer) replaces the old one's group, as SGLang does
+        groups.pop(spec.group_name).close()
+        logger.info("weight-update group %s replaced by a new sender's", spec.group_name)
     group = await _join_on_engine_thread(request, spec, int(body["rank_offset"]))
     groups[spec.group_name] = group
     logger.info("joined weight-update group %s as rank %d of %d", spec.group_name, group.rank, spec.world_size)

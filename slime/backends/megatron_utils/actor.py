@@ -162,14 +162,15 @@ class MegatronTrainActor:
             self._load_weights(self.args.hf_checkpoint, self.args.ref_ckpt_step)
         return 0
 
-    def _resume(self, path: str) -> int:
+    def _resume(self, path: str, iteration: int | None = None) -> int:
         """--load: weights, optimizer (unless --no-load-optim), schedule, this rank's RNG (unless --no-load-rng)
-        and a refreshed reference model; --finetune: weights only, rollout 0."""
+        and a refreshed reference model; --finetune: weights only, rollout 0. `iteration`: which one (default:
+        the tracker's)."""
         from slime.backends.megatron_utils.checkpoint import load_checkpoint
 
         fresh_optimizer = self.args.no_load_optim or self.args.finetune
         iteration = load_checkpoint(path, self.model, None if fresh_optimizer else self.optimizer,
-                                    None if self.args.finetune else self.lr_scheduler)
+                                    None if self.args.finetune else self.lr_scheduler, iteration=iteration)
         if fresh_optimizer:
             self.optimizer.reload_model_params()  # bf16 main params follow the loaded weights (load_model_weights)
         if self.args.finetune:
@@ -436,14 +437,22 @@ class MegatronTrainActor:
         self.ledger.flush()  # on file before the driver may kill this process
         return {**metrics, **{f"weight_sync/{k.split('/')[-1]}": v for k, v in wake.items()}}
 
+    def publish(self, rollout_id: int) -> None:
+        """The tracker names the iteration `save(rollout_id, publish=False)` wrote (rank 0 writes it)."""
+        from slime.backends.megatron_utils.checkpoint import publish_checkpoint
+
+        with self.watchdog.phase("publish"):
+            publish_checkpoint(self.args.save, rollout_id)
+
     def _lora_config(self):
         from slime.backends.megatron_utils.model import lora_config
 
         return lora_config(self.args) if self.args.enable_lora else None
 
-    def save(self, rollout_id: int) -> None:
+    def save(self, rollout_id: int, publish: bool = True) -> None:
         """--save (without the optimizer state under --no-save-optim), --save-hf as HF safetensors, then
-        --keep-checkpoint-num: rank 0 deletes the older checkpoints (slime/checkpoint/retention.py)."""
+        --keep-checkpoint-num: rank 0 deletes the older checkpoints (slime/checkpoint/retention.py).
+        publish=False: the tracker stays until `publish` (the critic's, once the actor's save is the run's)."""
         from slime.backends.megatron_utils.checkpoint import save_checkpoint, save_hf_checkpoint
 
         with self.watchdog.phase("save"):  # progress: collectives and checkpoint bytes written
@@ -451,11 +460,12 @@ class MegatronTrainActor:
             reference = (lambda: self.snapshots.swapped("ref")) if self._reference_moves() else None
             barrier = lambda name: self.groups.fence(f"save/{name}", {"iteration": rollout_id})  # noqa: E731
             save_checkpoint(self.args.save, rollout_id, self.model, optimizer, self.lr_scheduler,
-                            progress=self.ledger.note_progress, reference=reference, barrier=barrier)
+                            progress=self.ledger.note_progress, reference=reference, barrier=barrier,
+                            run_id=self.args.run_id, publish=publish)
             if self.args.save_hf:
                 save_hf_checkpoint(self.args.save_hf.format(rollout_id=rollout_id), self.model, self.hf_config,
                                    self.args.hf_checkpoint, barrier=barrier, lora_config=self._lora_config())
-            if self.args.keep_checkpoint_num and self.rank == 0:  # the tracker has moved: older ones may go
+            if self.args.keep_checkpoint_num and self.rank == 0:  # every role's tracker protects what a restart needs
                 from slime.checkpoint.retention import prune
 
                 prune(self.args.save, self.args.keep_checkpoint_num, self.args.checkpoint_roots,

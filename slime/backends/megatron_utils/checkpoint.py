@@ -8,11 +8,13 @@ layout on load is dist_checkpointing's job.
 What an iteration directory holds (model, optimizer, scheduler, every rank's RNG, the refreshed
 reference model) is listed in slime/checkpoint/contents.py; its manifest names the items it has.
 
-A save is atomic and durable for --load: it is written under <iter dir>.partial, fsynced file by
-file, swapped into place once every rank has finished (an older save of the same iteration is
-exchanged out in one step, never missing), and only then is the tracker replaced (write, fsync,
-rename, fsync). A save that fails anywhere leaves the previous checkpoint and tracker as they were;
-a leftover .partial directory is never read and is cleared by the next save of that iteration.
+A save is atomic and durable for --load: it is written under <iter dir>.partial, each rank fsyncs the
+files it wrote (on a filesystem shared by nodes one client's fsync does not flush another's writes),
+rank 0 fsyncs the whole tree, and it goes into place once every rank has finished; only then is the
+tracker replaced (write, fsync, rename, fsync). An iter_N the tracker does not name (a save that died
+before its tracker moved) is removed and replaced; the one the tracker names is exchanged out in one
+step, never missing. A save that fails anywhere leaves the previous checkpoint and tracker as they
+were; a leftover .partial directory is never read and is cleared by the next save of that iteration.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from slime.distributed.fault_inject import maybe_kill_run
 from slime.models.hf_weights import carried_tensors, export_hf_weights, load_hf_weights
 from slime.models.lora import peft_unexportable
 
-__all__ = ["save_checkpoint", "load_checkpoint", "load_model_weights", "latest_iteration", "load_hf_weights",
+__all__ = ["save_checkpoint", "publish_checkpoint", "load_checkpoint", "load_model_weights", "latest_iteration", "load_hf_weights",
            "export_hf_weights", "save_hf_checkpoint", "load_reference", "restore_rng", "holds"]
 
 logger = logging.getLogger(__name__)
@@ -89,7 +91,8 @@ def world_barrier(name: str) -> None:
 def save_checkpoint(root: str, iteration: int, model_chunks: list, optimizer=None, lr_scheduler=None, *,
                     progress: Callable[[], None] | None = None,
                     reference: Callable[[], contextlib.AbstractContextManager] | None = None,
-                    barrier: Callable[[str], None] = world_barrier) -> str:
+                    barrier: Callable[[str], None] = world_barrier, run_id: str | None = None,
+                    publish: bool = True) -> str:
     """Save model (+ optimizer, scheduler), every rank's RNG and (`reference`) the reference model as
     iteration `iteration` under root, atomically and durably. All ranks call.
 
@@ -98,6 +101,8 @@ def save_checkpoint(root: str, iteration: int, model_chunks: list, optimizer=Non
     `reference()`: a context in which the model holds the reference weights (saved under reference/).
     `barrier(name)`: where every rank waits for rank 0's directory work or for every rank's shards; the
     trainer passes its fence, which waits while some rank progresses and names the ranks it waits for.
+    `run_id`: the saving run, in the manifest. `publish=False`: the iteration directory is put in place but the
+    tracker is left as it was (`publish_checkpoint` moves it: the critic's, once the actor's save is published).
     """
     patches.apply_all()  # dist_checkpointing modules imported since start get the CPU patch too
     from megatron.core import dist_checkpointing
@@ -116,14 +121,36 @@ def save_checkpoint(root: str, iteration: int, model_chunks: list, optimizer=Non
         if reference is not None:  # every rank passes one or none (--ref-update-interval)
             _save_reference(partial, model_chunks, reference, barrier)
     durable.write_atomic(contents.rng_file(partial, dist.get_rank()), lambda f: torch.save(rng.capture(), f))
+    for own in own_shards(partial, dist.get_rank()):  # durable from this node before any rank publishes
+        durable.fsync_path(own)
     maybe_kill_run("kill_during_save", dist.get_rank(), iteration)
     barrier("shards_written")  # every rank's shards are complete
     if dist.get_rank() == 0:
-        contents.write_manifest(partial, plan.items())
-        durable.publish_dir(partial, path, progress)  # fsyncs every shard first
-        _write_tracker(root, iteration)
+        contents.write_manifest(partial, plan.items(), run_id)
+        # the iteration the tracker names is never missing; any other (unpublished) one is simply replaced
+        durable.publish_dir(partial, path, progress, in_use=latest_iteration(root) == iteration)
+        if publish:
+            _write_tracker(root, iteration)
     barrier("published")
     return path
+
+
+def publish_checkpoint(root: str, iteration: int) -> None:
+    """The tracker under root names `iteration`, whose directory a `save_checkpoint(publish=False)` put in place.
+    Rank 0 writes; every rank calls."""
+    if dist.get_rank() == 0:
+        if not os.path.isdir(_iteration_dir(root, iteration)):
+            raise FileNotFoundError(f"cannot publish iteration {iteration}: {_iteration_dir(root, iteration)} is "
+                                    "missing")
+        _write_tracker(root, iteration)
+
+
+def own_shards(partial: str, rank: int) -> list[str]:
+    """The shard files this rank wrote into a torch_dist save (megatron names them `__<global rank>_<i>.distcp`),
+    the reference model's included."""
+    prefix = f"__{rank}_"
+    return sorted(os.path.join(base, name) for base, _, names in os.walk(partial)
+                  for name in names if name.startswith(prefix))
 
 
 def _save_reference(partial: str, model_chunks: list, reference, barrier: Callable[[str], None]) -> None:

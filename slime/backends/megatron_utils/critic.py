@@ -4,12 +4,14 @@ It reuses MegatronTrainActor's set-up, wake/sleep, fences and checkpointing; wha
 
   model     value_head.value_model_provider (the actor's architecture, a scalar head); weights from
             --critic-load (an HF directory: backbone, plus `score.weight` when it has one) or, on a resume,
-            the critic's megatron checkpoint (--critic-load holding one, else <--load>/critic)
+            the critic's megatron checkpoint (--critic-load holding one, else <--load>/critic), at the iteration
+            the actor resumes at (the run's tracker is the actor's: config/critic_role.py)
   values    critic_values/{wake,plan,forward}: the values of every response token of the rollout (shared
             over DP), which the driver hands to the actor (GAE) and back to the critic's step
   train     critic_train/{wake,plan,returns,step...,exit}: returns by GAE over those values, then the
             clipped value loss (value_loss.py) on train_one_step
-  save      --critic-save, else <--save>/critic; never pushes weights to the engines
+  save      --critic-save, else <--save>/critic, before the actor's; its tracker moves after the actor's
+            (`publish`); never pushes weights to the engines
 
 Its ranks have their own ledger directory (<ledger dir>/critic), progress hub and deadlines, so its
 collectives are proven and reported apart from the actor's.
@@ -38,7 +40,7 @@ class CriticTrainActor(MegatronTrainActor):
     def _weight_sources(self) -> dict[str, tuple[str, int | None]]:
         sources = {"critic_load": (self.args.critic_load, None)}
         if self.args.load:
-            sources["load"] = (self.args.load, None)
+            sources["load"] = (self.args.load, self.args.resume_iteration)
         return sources
 
     def _build_model(self) -> int:
@@ -50,8 +52,8 @@ class CriticTrainActor(MegatronTrainActor):
         self.model, self.optimizer, self.lr_scheduler = build_model_and_optimizer(self.args, self.hf_config)
         self.memory = TrainerMemory(self.model, self.optimizer)
         self.snapshots = WeightSnapshots(self.model)  # stays empty: the critic has no forward-only copies
-        if self.args.load:  # critic_resume_dir found a checkpoint
-            return self._resume(self.args.load)
+        if self.args.load:  # critic_resume_dir found a checkpoint: resumed at the actor's iteration
+            return self._resume(self.args.load, self.args.resume_iteration)
         load_value_model(self.model, self.args.critic_load, self.hf_config)
         self.optimizer.reload_model_params()  # bf16 main params follow the loaded weights
         return 0

@@ -12,7 +12,8 @@ created 0600 with O_EXCL, and an engine opens a descriptor's path only if it nam
 directly inside that directory, owned by its user, through no symlink (O_NOFOLLOW, lstat). Any other
 path is refused, so a weight push cannot turn an engine into a reader of other files.
 
-The file belongs to the sender: it is removed once every engine answered for the bucket. An engine
+The file belongs to the sender: it is removed once every engine answered for the bucket (a sender that died
+mid-push leaves it: a restarted trainer's ranks remove such files before their first push, `remove_buckets`). An engine
 of the same dtype keeps the mapped pages as its parameters' storage (a private mapping: pages stay
 shared and valid after the unlink, freed when the last engine drops them), so the host holds one
 copy of the pushed weights instead of one per engine.
@@ -65,6 +66,20 @@ def make_run_directory(key: ApiKey) -> Path:
         pass
     check_private_directory(path)
     return path
+
+
+def remove_buckets(key: ApiKey) -> int:
+    """Remove every bucket left in the run's directory on this host (a sender killed mid-push leaves its file);
+    call only while no sender of the run pushes on this host. Returns how many were removed."""
+    path = run_directory(key)
+    if not path.is_dir():
+        return 0
+    check_private_directory(path)
+    removed = 0
+    for bucket in path.glob("*.bin"):
+        bucket.unlink(missing_ok=True)
+        removed += 1
+    return removed
 
 
 def check_private_directory(path: Path) -> None:

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import uuid
 
 from slime.algorithms import estimator
 from slime.config.constants import DEFAULT_ROLLOUT_FUNCTION_PATH
@@ -46,6 +47,10 @@ def check_healing(args: argparse.Namespace) -> None:
     if args.max_restarts and not (args.save and args.save_interval):
         fail(f"--max-restarts {args.max_restarts} restarts from the run's last checkpoint: add --save DIR and "
              "--save-interval N (or drop --max-restarts)")
+    if args.max_restarts and args.no_save_optim:
+        fail(f"--max-restarts {args.max_restarts} with --no-save-optim: a restart would go back to a checkpoint "
+             "without the optimizer state and go on with a fresh optimizer, not as the run would have; drop "
+             "--no-save-optim (or --max-restarts)")
 
 
 def resolve_modes(args: argparse.Namespace) -> None:
@@ -78,6 +83,7 @@ def resolve_modes(args: argparse.Namespace) -> None:
     args.critic_overrides = {}  # the critic's own flags: checks/roles.py fills them for a critic it checks
     args.start_rollout_id_given = args.start_rollout_id is not None  # else train.py reads it from --load
     args.restart_count = 0  # the first attempt; --max-restarts: slime/ray/driver/healing.py counts the restarts
+    args.run_id = uuid.uuid4().hex[:16]  # in every checkpoint's manifest: a restart goes back only to this run's
     if args.finetune and args.load is None:
         fail("--finetune loads the weights of --load DIR; pass --load")
     if args.dump_details is not None:  # upstream: both debug dumps under one directory
@@ -119,6 +125,7 @@ def check_colocate_across_nodes(args: argparse.Namespace) -> None:
 def check_ledger(args: argparse.Namespace) -> None:
     if args.ledger_record_sequence and not args.ledger_dir:
         fail("--ledger-record-sequence needs --ledger-dir DIR (where the sequence files are kept)")
+    args.ledger_dir_is_temp = False  # the run's first session makes a temp dir when --ledger-dir is not given
 
 
 def resolve_tracking(args: argparse.Namespace) -> None:

@@ -20,11 +20,15 @@ def add_fencing_arguments(parser: argparse.ArgumentParser) -> None:
                         "storage or longer compiles")
     g.add_argument("--max-restarts", type=int, default=0,
                    help="restarts of the trainer ranks and engines from the last complete checkpoint after a named "
-                        "failure (a hang, a rank or engine lost, a stalled weight sync); needs --save and "
-                        "--save-interval. 0: a named failure ends the run")
+                        "failure (a hang, a rank or engine lost, a stalled weight sync); the engines keep serving "
+                        "when the trainer alone failed; needs --save and --save-interval. 0: a named failure ends "
+                        "the run")
     g.add_argument("--restart-window-rollouts", type=int, default=None,
                    help="a restart may lose at most this many rollouts of work (the failed rollout excluded); a "
                         "failure with no complete checkpoint that recent ends the run (default: any checkpoint)")
+    g.add_argument("--restart-engines-on-heal", action="store_true", default=False,
+                   help="a restart after a failure of the trainer ranks alone restarts the engines too (default: "
+                        "they keep serving and get the checkpoint's weights from the restarted trainer)")
     g.add_argument("--recreate-process-groups-on-wake", action="store_true", default=False,
                    help="destroy and re-create communicators across colocate sleep (default: keep them alive)")
     g.add_argument("--single-rank-group-max-ctas", type=int, default=1,

@@ -32,6 +32,17 @@ def save_due(args, rollout_id: int) -> bool:
     return (rollout_id + 1) % args.save_interval == 0 or rollout_id + 1 == args.num_rollout
 
 
+def save_checkpoint(rollout_id: int, actors, critic=None) -> None:
+    """The run's checkpoint of `rollout_id`: the critic's iteration first, then the actor's, whose tracker is the
+    run's, then the critic's tracker. Stopped anywhere in between, the run resumes both roles at the iteration the
+    actor's tracker names, which both hold (the critic resumes at the actor's iteration: config/critic_role.py)."""
+    if critic is not None:
+        critic.save(rollout_id, publish=False)
+    actors.save(rollout_id)
+    if critic is not None:
+        critic.publish(rollout_id)
+
+
 def log_unless_custom(metrics: MetricsLogger, kind: str, rollout_id: int, values: dict) -> None:
     # {}: a --custom-(eval-)rollout-log-function-path returned True and did the logging itself
     if values:

@@ -20,13 +20,15 @@ class RankWaitError(RuntimeError):
     """A phase ended without every rank's result."""
 
     def __init__(self, summary: str, *, phase: str, ranks: Sequence[int], details: str = "",
-                 blamed: Sequence[int] = ()):
+                 blamed: Sequence[int] = (), role: str = "actor"):
         super().__init__(summary)
         self.phase = phase
         self.ranks = tuple(ranks)
         self.details = details
         self.blamed = tuple(blamed) or self.ranks
         """The ranks at fault: those a failing rank's fence found lagging, else `ranks`."""
+        self.role = role
+        """Whose ranks these are ("actor" or "critic": each role numbers its ranks from 0)."""
 
 
 class RankDeadlineError(RankWaitError):
@@ -41,13 +43,14 @@ def wait_ranks(refs: Sequence[ray.ObjectRef], *, phase: str, window_s: float,
                progress: Callable[[], float] | None = None,
                describe_hang: Callable[[], str] | None = None,
                describe_exit: Callable[[], str] | None = None,
-               poll_s: float = 5.0, on_poll: Callable[[], None] | None = None) -> list:
+               poll_s: float = 5.0, on_poll: Callable[[], None] | None = None, role: str = "actor") -> list:
     """Results of `refs` (one per rank) in rank order, or a named error.
 
     `progress()` is the latest time (wall clock) any rank made progress; without it the window runs
     from the call. `describe_hang` renders where every rank is; `describe_exit` says why a rank
     process ended (a watchdog leaves its verdict in a file before exiting). `on_poll` runs between
     waits (at least every second): what runs beside the phase (a rollout) is watched, and may raise.
+    `role`: whose ranks the refs are (named on the error).
     """
     if on_poll is not None:
         poll_s = min(poll_s, 1.0)
@@ -61,7 +64,7 @@ def wait_ranks(refs: Sequence[ray.ObjectRef], *, phase: str, window_s: float,
             settle_unwatched(pending)
             raise RankDeadlineError(
                 f"phase '{phase}': no rank made progress for {idle:.0f}s; ranks {missing} did not finish",
-                phase=phase, ranks=missing, details=_table(describe_hang))
+                phase=phase, ranks=missing, details=_table(describe_hang), role=role)
         if on_poll is not None:
             on_poll()
         done, pending = ray.wait(pending, num_returns=1, timeout=max(0.1, min(poll_s, window_s - idle)))
@@ -71,6 +74,7 @@ def wait_ranks(refs: Sequence[ray.ObjectRef], *, phase: str, window_s: float,
             except Exception as exc:  # the first failing rank names the problem
                 others, exited = _other_failures([r for r in refs if r is not ref], index)
                 failure = _failure(phase, index[ref], exc, others, describe_hang, describe_exit)
+                failure.role = role
                 if exited and not isinstance(exc, ray.exceptions.RayActorError):  # those that lost a peer: not at fault
                     failure.blamed = tuple(exited)
                 settle_unwatched(refs)

@@ -1,10 +1,17 @@
 """The driver's proxy of the rollout manager: it starts the manager's Ray actor and makes every call on it
 wait with a deadline (slime/utils/deadlines.py: each wait named after what waits). A rollout or an eval
 in flight is waited on by `RolloutWatch` (slime/ray/driver/rollout_wait.py), which also brings engines
-restarted meanwhile to the trainer's weights."""
+restarted meanwhile to the trainer's weights.
+
+The engines' Ray actors are the driver's, handed to the manager (Ray ends the actors an actor created when it
+ends): after a failure of the trainer alone, a restart (slime/ray/driver/healing.py) ends the manager and its
+router but keeps the engines serving (`KeptEngines`), and the next session's manager adopts them.
+"""
 from __future__ import annotations
 
 import logging
+import os
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -27,11 +34,25 @@ from slime.utils.deadlines import (
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class KeptEngines:
+    """Engines a failed session left serving for the next one (a trainer-side heal)."""
+
+    actors: tuple
+    """Their Ray actors (EngineRayActor), per engine in rank order, one per node of the engine."""
+    released: tuple[str, ...]
+    """The memory tags they have released (colocate: the trainer had the devices when it failed)."""
+
+    def stop(self) -> None:
+        _stop_engine_actors([actor for parts in self.actors for actor in parts])
+
+
 class RolloutManagerHandle:
     """Driver-side proxy: each call waits on the Ray actor with a deadline."""
 
-    def __init__(self, actor, args):
+    def __init__(self, actor, args, engine_actors: list[list] | None = None):
         self._actor = actor
+        self._engine_actors = [list(parts) for parts in engine_actors or ()]
         self._margin_s = rollout_driver_margin_s(args)
         self.targets = EngineTargets()
         """What the trainer's pushes reach; `targets.push` is set once a trainer exists."""
@@ -106,9 +127,29 @@ class RolloutManagerHandle:
             self._get(self._actor.shutdown.remote(), "shutdown", ROLLOUT_MANAGER_SHUTDOWN_S)
         finally:
             ray.kill(self._actor, no_restart=True)
+            for parts in self._engine_actors:  # stopped by the manager (bounded); gone with it if it could not
+                _kill_all(parts)
+
+    def keep_engines(self) -> KeptEngines | None:
+        """End the manager and its router but leave the engines serving, for the next session's manager (a
+        trainer-side heal); None, with nothing ended, when an engine is not serving (the session then stops
+        them all)."""
+        released = self._get(self._actor.detach_engines.remote(), "hand the engines over", ENGINE_CONTROL_CALL_S)
+        if released is None:
+            return None
+        ray.kill(self._actor, no_restart=True)
+        return KeptEngines(actors=tuple(tuple(parts) for parts in self._engine_actors), released=tuple(released))
 
 
-def create_rollout_manager(args, placement: Placement) -> RolloutManagerHandle:
+def _stop_engine_actors(actors: list, timeout_s: float = ROLLOUT_MANAGER_SHUTDOWN_S) -> None:
+    stops = [actor.stop.remote() for actor in actors]
+    ray.wait(stops, num_returns=len(stops), timeout=timeout_s)
+    for actor in actors:
+        ray.kill(actor, no_restart=True)
+
+
+def create_rollout_manager(args, placement: Placement, kept: KeptEngines | None = None) -> RolloutManagerHandle:
+    """The rollout manager, with new engines on the placement's engine bundles, or adopting `kept` ones."""
     # The manager drives HTTP and the router; it reserves no device. It runs on the driver's node:
     # the data paths parse_args checked there are the ones it reads. Threaded, so the driver can poll
     # a rollout's status while it generates (RolloutManager.rollout_status).
@@ -117,8 +158,35 @@ def create_rollout_manager(args, placement: Placement) -> RolloutManagerHandle:
         scheduling_strategy=here, runtime_env={"env_vars": worker_env(placement.use_gpu)})
 
     def start() -> RolloutManagerHandle:
-        handle = RolloutManagerHandle(manager.remote(args, placement), args)
-        handle.wait_ready()
+        engines = [list(parts) for parts in kept.actors] if kept is not None else new_engine_actors(args, placement)
+        released = kept.released if kept is not None else None
+        handle = RolloutManagerHandle(manager.remote(args, placement, engines, released), args, engines)
+        try:
+            handle.wait_ready()
+        except BaseException:  # kept engines stay the session's to stop
+            _kill_all([handle._actor, *(actor for parts in engines for actor in parts if kept is None)])
+            raise
         return handle
 
     return retry_if_cancelled_before_start(start, "the rollout manager")
+
+
+def new_engine_actors(args, placement: Placement) -> list[list]:
+    """Per engine slot, one EngineRayActor per node of the engine, on that node's first bundle (started by the
+    manager)."""
+    from slime.config.engine import pick_rollout_backend
+    from slime.ray.engines.actor import EngineRayActor
+
+    backend, log_dir = pick_rollout_backend(args), engine_log_dir(args)
+    remote = ray.remote(EngineRayActor)
+    return [[remote.options(**placement.engine_options(slot.rank, part.node_rank)).remote(args, part, backend, log_dir)
+             for part in slot.parts] for slot in placement.layout.engines]
+
+
+def engine_log_dir(args) -> str:
+    return os.path.join(args.ledger_dir or "/tmp", "engine-logs")
+
+
+def _kill_all(actors: list) -> None:
+    for actor in actors:
+        ray.kill(actor, no_restart=True)

@@ -20,25 +20,55 @@ it: parse, refuse what the script cannot run (exit 2), train (with --max-restart
 session from the last complete checkpoint: slime/ray/driver/healing.py), and report a failure as its details
 and one line (exit 1).
 
+A failure of the trainer ranks alone (healing.trainer_side) with a restart to come keeps the serving side: the
+engines stay up on their bundles (the placement group stays), only the rollout manager and its router end; the
+next session's manager adopts the engines, its data source starts from the checkpoint's position and its first
+push gives the engines the checkpoint's weights. --restart-engines-on-heal restarts them too.
+
 The entry points keep the schedule: which rollout generates while which trains, when the weights move.
 """
 from __future__ import annotations
 
 import logging
 import sys
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from slime.config.layout import ParallelLayout
 from slime.ray.driver.cluster import PlacementError, cluster_address
-from slime.ray.driver.healing import (HealingRefusedError, RepeatedFailureError, note_failure, restart_metrics,
-                                      train_with_healing)
-from slime.ray.driver.placement import Layout, create_placement, init_ray, placement_record, use_gpus
+from slime.ray.driver.healing import (HealingRefusedError, RepeatedFailureError, heal_metrics, note_failure,
+                                      restart_metrics, train_with_healing, trainer_side)
+from slime.ray.driver.placement import Layout, Placement, create_placement, init_ray, placement_record, use_gpus
 from slime.ray.driver.rank_wait import RankWaitError
-from slime.ray.driver.rollout_handle import create_rollout_manager
+from slime.ray.driver.rollout_handle import KeptEngines, create_rollout_manager
 from slime.ray.driver.trainer_group import RayTrainGroup, remove_temp_ledger_dir, resolve_ledger_dir
 from slime.ray.rollout_manager.errors import RolloutError
 from slime.utils.metrics_logger import Console, MetricsLogger
 from slime.utils.progress_lines import count
+
+
+@dataclass(frozen=True)
+class KeptServing:
+    """What a session that failed on the trainer side leaves for the next attempt of the run: the bundles and
+    the engines on them."""
+
+    placement: Placement
+    engines: KeptEngines
+
+    def stop(self) -> None:
+        self.engines.stop()
+        self.placement.remove()
+
+
+_kept_serving: list[KeptServing] = []
+"""The serving side a failed session kept for the next session of the run (the driver process runs one run;
+at most one entry; `stop_kept_serving` ends it when no session comes)."""
+
+
+def stop_kept_serving() -> None:
+    """The run ends without another session: what a failed one kept serving stops."""
+    while _kept_serving:
+        _kept_serving.pop().stop()
 
 
 class RunSession:
@@ -66,8 +96,12 @@ class RunSession:
         """The critic's ranks (--advantage-estimator ppo), on the actor's bundles or on its own."""
         self.rollout_id: int | None = None
         """The rollout in progress (None before the loop): what a failure is noted with (healing.py)."""
-        self.rank_nodes: list[str] = []
-        """Each trainer rank's node address, once placed."""
+        self.rank_nodes: dict[str, list[str]] = {}
+        """Each trainer rank's node address, once placed, by role ("actor", "critic")."""
+        self.kept: KeptEngines | None = None
+        """Engines an earlier session kept serving, until this session's rollout manager adopts them."""
+        self.engines_kept = False
+        """This session serves with the engines of the failed one before it."""
 
     def __enter__(self) -> "RunSession":
         try:
@@ -83,16 +117,23 @@ class RunSession:
             args.start_rollout_id = resume_rollout_id(args)
         resolve_ledger_dir(args)
         self.console = announce_start(args)  # stdout: what starts, each slow start-up step, then a line per rollout
+        kept = _kept_serving.pop() if _kept_serving else None  # a trainer-side failure before: its bundles, engines
+        if kept is not None:
+            self.placement, self.kept = kept.placement, kept.engines
         with ray_cluster_step(self.console):
             init_ray(args)
-            self.placement = create_placement(args)
+            if self.placement is None:
+                self.placement = create_placement(args)
         if self.check_layout is not None:
             self.check_layout(self.placement.layout)
         self.metrics = MetricsLogger(args, self.console)
         if (restart := restart_metrics(args)) is not None:  # --max-restarts: this session is a restart
             self.metrics.log("restart", args.start_rollout_id, restart)
-        with self.console.step("engines: starting", "engines ready"):
-            self.rollout = create_rollout_manager(args, self.placement)
+        with self.console.step("engines: starting" if self.kept is None else "engines: kept, starting their manager",
+                               "engines ready"):
+            self.rollout = (create_rollout_manager(args, self.placement) if self.kept is None
+                            else create_rollout_manager(args, self.placement, self.kept))
+        self.engines_kept, self.kept = self.kept is not None, None  # the manager owns them now
         if args.num_rollout is None:  # --num-epoch: as many rollouts as the epochs of prompts take
             args.num_rollout = args.num_epoch * self.rollout.num_prompts() // args.rollout_batch_size
 
@@ -100,9 +141,11 @@ class RunSession:
         if exc is not None:
             note_failure(exc, self.args.start_rollout_id if self.rollout_id is None else self.rollout_id,
                          self.rank_nodes)
-        steps = [self.metrics and self.metrics.close, self.rollout and self.rollout.shutdown,
+        kept = self._keep_serving() if exc is not None and self._may_keep_serving(exc) else None
+        steps = [self.metrics and self.metrics.close, kept is None and self.rollout and self.rollout.shutdown,
                  self.actors and self.actors.shutdown, self.critic and self.critic.shutdown,
-                 self.placement and self.placement.remove]  # last: a restart (healing.py) places the job anew
+                 self.kept and self.kept.stop,  # engines kept for this session that it never adopted
+                 kept is None and self.placement and self.placement.remove]  # last: a restart places the job anew
         for step in filter(None, steps):
             if exc is None:
                 step()
@@ -111,6 +154,26 @@ class RunSession:
                 step()
             except Exception:  # noqa: BLE001 - logged; the failure that ended the run is the one raised
                 logging.getLogger(__name__).exception("teardown after a failure: %s failed", step.__qualname__)
+        if kept is not None:
+            _kept_serving.append(kept)
+
+    def _may_keep_serving(self, exc: BaseException) -> bool:
+        """A restart comes (--max-restarts not spent), the trainer alone failed, and there are engines to keep."""
+        args = self.args
+        return (args.restart_count < args.max_restarts and not args.restart_engines_on_heal and trainer_side(exc)
+                and self.rollout is not None and self.placement is not None and bool(self.placement.layout.engines))
+
+    def _keep_serving(self) -> KeptServing | None:
+        """The engines left serving for the next session (None: one was not serving, and all stop)."""
+        try:
+            engines = self.rollout.keep_engines()
+        except Exception:  # noqa: BLE001 - the engines then stop with the rest
+            logging.getLogger(__name__).exception("the engines could not be kept through the restart")
+            return None
+        if engines is None:
+            return None
+        logging.getLogger(__name__).info("the trainer alone failed: the engines keep serving through the restart")
+        return KeptServing(self.placement, engines)
 
     def start_trainer(self, *, build: bool = True) -> RayTrainGroup | None:
         """The trainer ranks: started on their bundles, placed (the "placement" event, engines included),
@@ -121,10 +184,12 @@ class RunSession:
             with console.step("trainer ranks: starting their processes", "trainer ranks started"):
                 self.actors = RayTrainGroup(args, self.placement)
                 ranks = self.actors.where()
-                self.rank_nodes = [rank["node_ip"] for rank in ranks]
+                self.rank_nodes["actor"] = [rank["node_ip"] for rank in ranks]
                 if args.use_critic:
                     self.critic = RayTrainGroup(args, self.placement, role="critic")
-                    ranks += [{**r, "role": "critic"} for r in self.critic.where()]
+                    critic = self.critic.where()
+                    self.rank_nodes["critic"] = [rank["node_ip"] for rank in critic]
+                    ranks += [{**r, "role": "critic"} for r in critic]
         self.metrics.log("placement", args.start_rollout_id, placement_record(ranks, self.rollout.engine_endpoints()))
         if self.actors is not None:
             with console.step("trainer ranks: building the model, loading the weights", "trainer ranks initialised"):
@@ -145,10 +210,13 @@ class RunSession:
             self.rollout_id = rollout_id
             yield rollout_id
             self.metrics.rollout_done(rollout_id)
+            if rollout_id == self.args.start_rollout_id and (healed := heal_metrics(self.args, self.engines_kept)):
+                self.metrics.log("healed", rollout_id, healed)  # a restart's first rollout is done: the heal's time
 
 
 def run_entry(script: str, train: Callable, check: Callable, argv: list[str] | None, logger: logging.Logger) -> int:
     """Parse, refuse what `script` cannot run (exit 2), train; a named failure ends with exit 1 and one line."""
+    from slime.checkpoint.contents import CheckpointMismatchError
     from slime.config.errors import ArgumentValidationError
     from slime.config.launch import check_launch_inputs
     from slime.config.parse import parse_args
@@ -163,7 +231,7 @@ def run_entry(script: str, train: Callable, check: Callable, argv: list[str] | N
         return 2
     try:
         train_with_healing(train, args, multi_node=args.actor_num_nodes > 1)  # --max-restarts: healing.py
-    except (HealingRefusedError, RepeatedFailureError) as exc:
+    except (HealingRefusedError, RepeatedFailureError, CheckpointMismatchError) as exc:
         logger.error("training stopped: %s (ledger dir %s)", exc, args.ledger_dir)
         return 1
     except (RankWaitError, TimeoutError, RolloutError, PlacementError) as exc:
@@ -177,6 +245,8 @@ def run_entry(script: str, train: Callable, check: Callable, argv: list[str] | N
         logger.exception("unexpected error")
         logger.error("training stopped: %s: %s (ledger dir %s)", type(exc).__name__, exc, args.ledger_dir)
         return 1
+    finally:
+        stop_kept_serving()  # engines a failed session kept for a restart that did not come
     remove_temp_ledger_dir(args)
     return 0
 
@@ -231,7 +301,20 @@ def resume_rollout_id(args) -> int:
     start = 0 if last is None or args.finetune else last + 1
     if start > 0:
         check_data_position(args, start - 1)
+    if args.use_critic:
+        check_critic_position(args)
     return start
+
+
+def check_critic_position(args) -> None:
+    """The critic resumes at the actor's iteration: a critic checkpoint without it is named here, before Ray
+    (also at a restart, whose checks ran at the run's start)."""
+    from slime.checkpoint.contents import CheckpointMismatchError
+    from slime.config.critic_role import critic_checkpoint_mismatch
+
+    problem = critic_checkpoint_mismatch(args)
+    if problem:
+        raise CheckpointMismatchError(f"--advantage-estimator ppo: {problem}")
 
 
 def check_data_position(args, rollout_id: int) -> None:

@@ -30,10 +30,11 @@ RANK_CLOSE_S = 5.0  # a healthy rank closes its ledger in milliseconds
 
 
 def resolve_ledger_dir(args) -> str:
-    """--ledger-dir, or a fresh temp dir; printed so a stuck run can be inspected from another shell."""
-    args.ledger_dir_is_temp = not args.ledger_dir
-    if args.ledger_dir_is_temp:
+    """--ledger-dir, or a fresh temp dir (made by the run's first session; a restart's session keeps it, and it
+    stays temporary); printed so a stuck run can be inspected from another shell."""
+    if not args.ledger_dir:
         args.ledger_dir = tempfile.mkdtemp(prefix="slime-ledger-")
+        args.ledger_dir_is_temp = True
     logger.info("ledger dir: %s (where is every rank: python -m slime.distributed.hang_report %s)",
                 args.ledger_dir, args.ledger_dir)
     return args.ledger_dir
@@ -63,8 +64,14 @@ class RayTrainGroup:
         self.hub = start_hub(self.world_size, runtime_env={"env_vars": worker_env(use_gpu=False)})
         self.progress = HubClient(RayHub(*self.hub))  # the driver's view: asks only
         remote = ray.remote(TrainRayActor)
-        self._ranks = [remote.options(**placement.trainer_options(rank, role)).remote(
-            args, rank, self.world_size, self.ledger_dir, self.hub, role) for rank in range(self.world_size)]
+        self._ranks = []
+        try:
+            for rank in range(self.world_size):
+                self._ranks.append(remote.options(**placement.trainer_options(rank, role)).remote(
+                    args, rank, self.world_size, self.ledger_dir, self.hub, role))
+        except BaseException:  # nothing owns this group yet: what it started ends here
+            self._kill()
+            raise
 
     def where(self) -> list[dict]:
         """Each rank's own account of its node and GPU, in rank order."""
@@ -106,8 +113,12 @@ class RayTrainGroup:
         per_rank = self._wait([r.sleep.remote() for r in self._ranks], self._phase("sleep"))
         return {key: max(m[key] for m in per_rank) for key in sorted(per_rank[0])}
 
-    def save(self, rollout_id: int) -> None:
-        self._wait([r.save.remote(rollout_id) for r in self._ranks], self._phase("save"))
+    def save(self, rollout_id: int, publish: bool = True) -> None:
+        """publish=False: the iteration is written and in place, its tracker left for `publish`."""
+        self._wait([r.save.remote(rollout_id, publish) for r in self._ranks], self._phase("save"))
+
+    def publish(self, rollout_id: int) -> None:
+        self._wait([r.publish.remote(rollout_id) for r in self._ranks], self._phase("publish"))
 
     def _phase(self, name: str) -> str:
         return name if self.role == "actor" else f"{self.role}_{name}"
@@ -117,6 +128,9 @@ class RayTrainGroup:
         then ends. The wait is bounded: a rank that is dead or still stuck in a collective is killed as is."""
         closing = [rank.close.remote() for rank in self._ranks]
         ray.wait(closing, num_returns=len(closing), timeout=RANK_CLOSE_S)
+        self._kill()
+
+    def _kill(self) -> None:
         for rank in self._ranks:
             ray.kill(rank, no_restart=True)
         self.progress.close()
@@ -130,7 +144,7 @@ class RayTrainGroup:
         return wait_ranks(refs, phase=phase, window_s=window_s,
                           progress=lambda: self.progress.latest_progress(window_s),
                           describe_hang=lambda: hang_table(self.progress, self.world_size, self.ledger_dir),
-                          describe_exit=self._exit_verdict, on_poll=on_poll)
+                          describe_exit=self._exit_verdict, on_poll=on_poll, role=self.role)
 
     def _exit_verdict(self) -> str:
         """Why rank processes ended: the HANG lines their watchdogs left at the hub before exiting (every

@@ -90,6 +90,12 @@ class EngineRayActor:
                     self.endpoint.node_ip, self.endpoint.url, list(self.slot.gpu_ids))
         return self.endpoint
 
+    def serving_endpoint(self) -> EngineEndpoint:
+        """The running engine's endpoint (a new rollout manager adopts it); an error when it is not running."""
+        if self.engine is None or self.endpoint is None or LocalEngine(self.engine).exit_code() is not None:
+            raise RuntimeError(f"engine {self.slot.rank} is not running ({self.process_state()})")
+        return self.endpoint
+
     def restart(self, startup_timeout_s: float, nodes: EngineNodes | None = None) -> EngineEndpoint:
         """Stop whatever is left of the engine and start a new one on a new port (fault tolerance)."""
         self.stop()

@@ -3,9 +3,10 @@
 `RolloutManager` is one Ray actor on the driver's node (where the user's data paths were
 checked). It starts one engine per `--rollout-num-gpus-per-engine` devices (real SGLang servers
 on GPUs, the embedded engine elsewhere: both answer the same HTTP API), each through an
-`EngineRayActor` on the engine's own bundles, so on their node and GPUs (an engine over several nodes:
-one actor and SGLang process per node, seen as one engine at node rank 0's URL); puts a router in front;
-and turns each rollout into the trainer's batch. The driver talks to it through
+`EngineRayActor` the driver made on the engine's own bundles, so on their node and GPUs (an engine over
+several nodes: one actor and SGLang process per node, seen as one engine at node rank 0's URL), or adopts
+engines a trainer-side restart kept serving; puts a router in front; and turns each rollout into the
+trainer's batch. The driver talks to it through
 `RolloutManagerHandle` (slime/ray/driver/rollout_handle.py), whose calls all carry a deadline.
 
 Every rollout and eval runs under `RolloutGuard` (--rollout-timeout, engine health, fault
@@ -27,7 +28,7 @@ from slime.backends.sglang_utils.launcher import pick_rollout_backend
 from slime.distributed.fault_inject import maybe_kill_run
 from slime.ray.driver.cluster import advertised_host, serving_host
 from slime.backends.sglang_utils.launcher import EngineNodes
-from slime.ray.engines.actor import EngineEndpoint, EngineRayActor, RemoteEngine, SpanningEngine
+from slime.ray.engines.actor import EngineEndpoint, RemoteEngine, SpanningEngine
 from slime.ray.engines.health import HealthConfig
 from slime.ray.engines.recovery import EngineFleet
 from slime.ray.driver.placement import EngineSlot, Placement
@@ -60,10 +61,15 @@ from slime.utils.types import Sample
 logger = logging.getLogger(__name__)
 
 HOLD_POLL_S = 0.1
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+"""SGLang's memory tags (release and resume of no tags mean all of them)."""
 
 
 class RolloutManager:
-    def __init__(self, args, placement: Placement):
+    def __init__(self, args, placement: Placement, engine_actors: Sequence = (),
+                 kept_released: Sequence[str] | None = None):
+        """`engine_actors`: per engine slot, the driver's EngineRayActors (one per node); started here, or, with
+        `kept_released` (the memory tags they hold released), already serving: a trainer-side heal kept them."""
         from slime.utils.logging_utils import configure_logger
 
         configure_logger(role="rollout manager")  # engine failures and restarts reach the driver's output
@@ -72,9 +78,14 @@ class RolloutManager:
         self.data_source = load_function(args.data_source_path)(args)  # --data-source-path: cls(args)
         self.backend = pick_rollout_backend(args)
         self.log_dir = os.path.join(args.ledger_dir or "/tmp", "engine-logs")
-        self._engine_actors: list[list] = []  # per engine, one actor per node (node rank 0 first)
+        self._engine_actors: list[list] = [list(parts) for parts in engine_actors]
+        """Per engine, the driver's actors, one per node (node rank 0 first)."""
         self._part_endpoints: list[list[EngineEndpoint]] = []  # the same, their processes' endpoints
-        self.engines: list[EngineEndpoint] = self._launch_engines(placement)  # node rank 0's: the engines' URLs
+        self.released: set[str] = set(kept_released or ())
+        """The memory tags the engines have released (offload and onload change only what they must: SGLang
+        refuses to resume a tag it holds)."""
+        self.engines: list[EngineEndpoint] = (  # node rank 0's: the engines' URLs
+            self._launch_engines(placement) if kept_released is None else self._adopt_engines(placement))
         self.router = self._launch_router() if self.engines else None
         self.fleet = EngineFleet([self._engine_process(rank) for rank in range(len(self.engines))],
                                  relaunch=self._restart_engine, fault_tolerant=args.use_fault_tolerance,
@@ -90,9 +101,6 @@ class RolloutManager:
         if not slots:
             return []
         logger.info("starting %d %s engine(s) for %s", len(slots), self.backend, self.args.hf_checkpoint)
-        remote = ray.remote(EngineRayActor)
-        self._engine_actors = [[remote.options(**placement.engine_options(slot.rank, part.node_rank)).remote(
-            self.args, part, self.backend, self.log_dir) for part in slot.parts] for slot in slots]
         try:  # each engine bounds its own start-up; this bounds Ray scheduling the actors as well
             deadline = time.monotonic() + engines_startup_s()
             nodes = engine_nodes_of(self._engine_actors, timeout_s=engines_startup_s())
@@ -103,16 +111,50 @@ class RolloutManager:
         except Exception:
             self._stop_engines()
             raise
+        self._split_endpoints(slots, started)
+        return [parts[0] for parts in self._part_endpoints]
+
+    def _split_endpoints(self, slots, started: list[EngineEndpoint]) -> None:
+        """Every process's endpoint, in slot and node order, grouped by engine."""
         for slot in slots:
             self._part_endpoints.append(started[:slot.nnodes])
             started = started[slot.nnodes:]
-        return [parts[0] for parts in self._part_endpoints]
 
     def _engine_process(self, rank: int):
         """The fleet's handle on engine `rank`: its one process, or its processes over several nodes as one."""
         parts = [RemoteEngine(actor, endpoint)
                  for actor, endpoint in zip(self._engine_actors[rank], self._part_endpoints[rank])]
         return parts[0] if len(parts) == 1 else SpanningEngine(parts)
+
+    def _adopt_engines(self, placement: Placement) -> list[EngineEndpoint]:
+        """Engines a trainer-side heal kept: each process must still serve where it did."""
+        slots = placement.layout.engines
+        logger.info("keeping %d %s engine(s) through the restart (released: %s)", len(slots), self.backend,
+                    sorted(self.released) or "nothing")
+        refs = [actor.serving_endpoint.remote() for actors in self._engine_actors for actor in actors]
+        self._split_endpoints(slots, wait_engines(refs, [part for slot in slots for part in slot.parts],
+                                                  timeout_s=ENGINE_CONTROL_CALL_S))
+        return [parts[0] for parts in self._part_endpoints]
+
+    def detach_engines(self) -> list[str] | None:
+        """Hand the engines to the next session's manager (a restart after the trainer alone failed): requests
+        still running are aborted, the health monitor and the router stop, the engines keep serving. Returns the
+        memory tags they have released; None, with nothing stopped, when an engine is not serving or does not
+        answer."""
+        self.fleet.check_processes()
+        if self.fleet.fatal is not None or len(self.fleet.serving()) != len(self.fleet.slots):
+            return None
+        try:
+            if not all(self._each_engine(lambda c: c.health())):
+                return None
+            self._each_engine(lambda c: c.abort_all())
+        except Exception:  # noqa: BLE001 - an engine that does not answer is not kept
+            logger.warning("an engine did not answer: the restart starts new engines", exc_info=True)
+            return None
+        self.guard.monitor.close()
+        if self.router is not None:
+            self.router.stop()
+        return sorted(self.released)
 
     def _restart_engine(self, rank: int):
         """A failed engine, again on its own bundles, on a new port (EngineFleet's relaunch); over several nodes,
@@ -261,15 +303,22 @@ class RolloutManager:
 
     def offload(self) -> dict[str, float]:
         """Colocate: engines give all their memory (weights, KV cache, CUDA graphs) to the trainer.
-        Returns each engine's device memory before and after the release."""
+        Returns each engine's device memory before and after the release ({}: all was released already)."""
+        tags = [tag for tag in MEMORY_TAGS if tag not in self.released]
+        if not tags:
+            return {}
         before = self._each_engine(lambda c: c.server_info())
-        self._each_engine(lambda c: c.release_memory_occupation())
+        self._each_engine(lambda c: c.release_memory_occupation(tags))
+        self.released.update(tags)
         after = self._each_engine(lambda c: c.server_info())
         return engine_memory_metrics(before, after)
 
     def onload(self, tags: tuple[str, ...] | None) -> None:
-        """Resume the given memory tags (None: every tag still released)."""
-        self._each_engine(lambda c: c.resume_memory_occupation(list(tags) if tags else None))
+        """Resume the given memory tags (None: every tag still released); a tag the engines hold is left."""
+        resume = [tag for tag in (tags or MEMORY_TAGS) if tag in self.released]
+        if resume:
+            self._each_engine(lambda c: c.resume_memory_occupation(resume))
+            self.released.difference_update(resume)
 
     def _each_engine(self, call) -> list:
         urls = self.fleet.urls()

@@ -65,6 +65,16 @@ def _portable_errors(method):
     return call
 
 
+def remove_stale_buckets() -> None:
+    """Shared-memory buckets of the run's senders that died mid-push (a restart's ranks start when none pushes)."""
+    from slime.backends.sglang_utils.shared_payload import remove_buckets
+    from slime.utils.security import current_key
+
+    key = current_key()
+    if key is not None and (removed := remove_buckets(key)):
+        logging.getLogger(__name__).info("removed %d shared-memory bucket(s) a failed attempt left", removed)
+
+
 class TrainRayActor:
     def __init__(self, args, rank: int, world_size: int, ledger_dir: str, hub: tuple | None = None,
                  role: str = "actor"):
@@ -116,6 +126,8 @@ class TrainRayActor:
         os.environ.update({k: str(v) for k, v in (self.args.train_env_vars or {}).items()})  # --train-env-vars
         from slime.backends.megatron_utils.parallel import join_rendezvous
 
+        if self.role == "actor" and self.args.restart_count:  # before any push of this attempt on this host
+            remove_stale_buckets()
         store = self._store if self.rank == 0 else join_rendezvous(self.args, master_addr, master_port, self.world_size)
         trainer = CriticTrainActor if self.role == "critic" else MegatronTrainActor
         self.actor = trainer(self.args, self.rank, self.world_size, self.ledger_dir, hub=self.hub)
@@ -146,8 +158,12 @@ class TrainRayActor:
         return self.actor.sleep()
 
     @_portable_errors
-    def save(self, rollout_id: int) -> None:
-        self.actor.save(rollout_id)
+    def save(self, rollout_id: int, publish: bool = True) -> None:
+        self.actor.save(rollout_id, publish)
+
+    @_portable_errors
+    def publish(self, rollout_id: int) -> None:
+        self.actor.publish(rollout_id)
 
     def close(self) -> None:
         if self.actor is not None:
