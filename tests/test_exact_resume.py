@@ -128,7 +128,28 @@ def run_train(argv: list[str], *, fault: str | None = None, timeout_s: float = R
         out, err = proc.communicate(timeout=timeout_s)
     finally:
         _kill_session(proc.pid)
+        servers = _servers_left(argv[argv.index("--hf-checkpoint") + 1])
+    assert not servers, f"engine servers outlived the run (each dies with its engine actor): {servers}"
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _servers_left(checkpoint: str, timeout_s: float = 15.0) -> list[str]:
+    """Engine servers of the run (their command line names its checkpoint) still running after it; they lead
+    process groups of their own, outside the run's session, and go when their engine actor goes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = []
+        for entry in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                command = Path(f"/proc/{entry}/cmdline").read_text().replace("\0", " ")
+                running = not Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].startswith(" Z")
+            except OSError:
+                continue
+            if running and checkpoint in command and "train.py" not in command:
+                left.append(f"{entry}: {command[:160]}")
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
 
 
 def _kill_session(sid: int, timeout_s: float = 30.0) -> None:
@@ -353,9 +374,21 @@ def test_a_healed_run_ends_as_the_uninterrupted_run(healed, reference, tmp_path)
     assert len(restarts) == 2, proc.stderr[-5000:]
     assert "ranks [0], rollout 1); going back to checkpoint 0, resuming at rollout 1" in restarts[0], restarts
     assert "rollout 2); going back to checkpoint 1, resuming at rollout 2" in restarts[1], restarts
-    assert "1" in restarts[1].partition("(ranks ")[2].partition("]")[0], restarts  # the stalled rank is named
+    assert "1" in restarts[1].partition("(actor ranks [")[2].partition("]")[0], restarts  # the stalled rank is named
     logged = healed["events"]["restart"]
     assert {r: (e["run/restarts"], e["run/restart_checkpoint"]) for r, e in logged.items()} == {1: (1, 0), 2: (2, 1)}
+    # both failures were the trainer's alone: the engines served on, on the same ports, through both restarts,
+    # got the checkpoint's weights pushed, and the run is still the uninterrupted one (below)
+    engines = {r: [e["url"] for e in event["placement/engines"]] for r, event in healed["events"]["placement"].items()}
+    assert sorted(engines) == [0, 1, 2] and engines[0] == engines[1] == engines[2], engines  # one per session
+    assert proc.stdout.count("engines: kept, starting their manager") == 2, proc.stdout[-3000:]
+    assert all(healed["events"]["weight_sync"].get(r) for r in (0, 1)), "the restarted trainer's first push is missing"
+    heals = healed["events"]["healed"]
+    assert sorted(heals) == [1, 2] and all(e["run/engines_kept"] == 1 and e["run/heal_s"] > 0 for e in heals.values())
+    print("heal seconds (engines kept):", {r: round(e["run/heal_s"], 1) for r, e in heals.items()})
+    # the temp ledger dir the run made (it names it on stderr) went with the run that ended cleanly
+    ledger = proc.stderr.partition("ledger dir: ")[2].partition(" ")[0]
+    assert ledger and not os.path.exists(ledger), ledger
     # every rollout's last account (a failed attempt's partial one is replaced) is the reference's
     assert_same_rollouts(healed["events"], reference["events"], range(NUM_ROLLOUT), "healed")
     final = NUM_ROLLOUT - 1

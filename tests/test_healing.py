@@ -3,6 +3,7 @@ from which checkpoint, and when it stops instead (the healed train.py runs are i
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 import os
 import types
 
@@ -290,3 +291,118 @@ def test_a_rank_group_that_fails_to_start_its_ranks_ends_its_hub(monkeypatch):
     with pytest.raises(ValueError, match="no such bundle"):
         trainer_group.RayTrainGroup(args, types.SimpleNamespace(trainer_options=lambda rank, role: {}))
     assert killed == ["hub"]
+
+
+# ----------------------------------------------------------------------------- engines kept through a trainer heal
+class KeepingRollout:
+    """The rollout manager's proxy as the session sees it, recording what happens to the engines."""
+
+    def __init__(self, log: list, kept):
+        self.log, self.kept = log, kept
+        log.append("manager starts, adopting the kept engines" if kept else "manager starts new engines")
+
+    def num_prompts(self):
+        return 8
+
+    def engine_urls(self):
+        return ["http://engine"]
+
+    def engine_endpoints(self):
+        return []
+
+    def attach_trainer(self, push):
+        pass
+
+    def generate(self, rollout_id):
+        self.log.append(f"generate {rollout_id}")
+        return object(), {}
+
+    def engines_for_sync(self):
+        return None
+
+    def weights_pushed(self, urls, version):
+        pass
+
+    def keep_engines(self):
+        self.log.append("engines kept")
+        return "kept engines"
+
+    def shutdown(self):
+        self.log.append("engines stop")
+
+
+class FailingTrainers:
+    """Trainer ranks whose first attempt fails once in `phase` of rollout 1."""
+
+    failed = False
+
+    def __init__(self, log: list, save: str, phase: str):
+        self.log, self.save_dir, self.phase = log, save, phase
+
+    def where(self):
+        return []
+
+    def init(self, urls):
+        self.log.append("trainer build")
+
+    def _maybe_fail(self, phase: str, rollout_id: int):
+        if phase == self.phase and rollout_id == 1 and not FailingTrainers.failed:
+            FailingTrainers.failed = True
+            raise RankFailedError(f"phase '{phase}': rank 0 exited", phase=phase, ranks=(0,))
+
+    def train(self, rollout_id, data_ref):
+        self._maybe_fail("actor_train", rollout_id)
+        self.log.append(f"train {rollout_id}")
+        return {}
+
+    def save(self, rollout_id):
+        publish(Path(self.save_dir), rollout_id, run_id="this-run")
+
+    def update_weights(self, rollout_id, engine_urls=None):
+        self._maybe_fail("weight_sync", rollout_id)
+        self.log.append(f"push version {rollout_id + 1}")
+        return {}
+
+    def shutdown(self):
+        self.log.append("trainer stop")
+
+
+@pytest.mark.parametrize("phase, flags, kept", [
+    ("actor_train", [], True),  # the trainer alone failed: the engines serve on
+    ("weight_sync", [], False),  # an engine may be mid-update: new engines
+    ("actor_train", ["--restart-engines-on-heal"], False),
+])
+def test_a_trainer_heal_keeps_the_engines_and_their_bundles(monkeypatch, tmp_path, phase, flags, kept):
+    import train as train_module
+    from arg_testing import parse_quiet
+    from slime.ray.driver import session
+
+    log = []
+    FailingTrainers.failed = False
+    placement = types.SimpleNamespace(layout=types.SimpleNamespace(engines=("engine 0",)),
+                                      remove=lambda: log.append("bundles removed"))
+    monkeypatch.setattr(session, "init_ray", lambda args: None)
+    monkeypatch.setattr(session, "create_placement", lambda args: log.append("bundles placed") or placement)
+    monkeypatch.setattr(session, "create_rollout_manager",
+                        lambda args, placement, kept=None: KeepingRollout(log, kept))
+    monkeypatch.setattr(session, "RayTrainGroup", lambda args, placement: FailingTrainers(log, str(tmp_path), phase))
+    monkeypatch.setattr(session, "KeptServing", lambda placement, engines: types.SimpleNamespace(
+        placement=placement, engines=engines, stop=lambda: log.append("kept engines stop")))
+    args = parse_quiet(["--rollout-batch-size", "2", "--num-rollout", "3", "--actor-num-gpus-per-node", "1",
+                        "--train-backend-device", "cpu", "--hf-checkpoint", str(tmp_path), "--rollout-num-gpus", "1",
+                        "--save", str(tmp_path), "--save-interval", "1", "--max-restarts", "1",
+                        "--data-source-path", "slime.rollout.data_source.RolloutDataSource",  # no data file to check
+                        "--ledger-dir", str(tmp_path / "ledger"), *flags])
+    args.run_id = "this-run"
+    train_with_healing(train_module.train, args)
+    failed_at = log.index("trainer stop")
+    before, after = log[:failed_at], log[failed_at + 1:]
+    assert before.count("bundles placed") == 1 and "push version 1" in before
+    if kept:
+        assert before[-1] == "engines kept" and "engines stop" not in before and "bundles removed" not in before
+        assert after[:2] == ["manager starts, adopting the kept engines", "trainer build"]  # no new bundles
+    else:
+        assert before[-1] == "engines stop" and after[0] == "bundles removed"
+        assert after[1:4] == ["bundles placed", "manager starts new engines", "trainer build"]
+    assert after[-3:] == ["engines stop", "trainer stop", "bundles removed"]
+    assert "push version 2" in after and "train 2" in after  # it ran on to the end from checkpoint 0

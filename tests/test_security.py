@@ -155,6 +155,22 @@ def test_a_shared_file_not_private_to_the_run_is_refused(run_dir):
         run_dir.chmod(0o700)
 
 
+def test_a_restarted_trainer_removes_the_buckets_a_killed_sender_left(monkeypatch):
+    """A sender killed mid-push never removes its bucket, and a restart reuses the run's directory (same key):
+    the restarted actor ranks remove what is left before their first push."""
+    from slime.ray.trainer.rank_actor import remove_stale_buckets
+
+    key = ApiKey.generate()
+    left = write_shared_bucket(NAMED, make_run_directory(key), "weights-dead-sender-bucket0")
+    monkeypatch.setenv(API_KEY_ENV, key.reveal())  # the rank's key (use_key)
+    try:
+        remove_stale_buckets()
+        assert not left.path.exists()
+    finally:
+        left.remove()
+        run_directory(key).rmdir()
+
+
 # ----- debug rollout data ----------------------------------------------------------------------------------
 class _Opaque:
     pass

@@ -10,7 +10,6 @@ router but keeps the engines serving (`KeptEngines`), and the next session's man
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +20,7 @@ from slime.ray.driver.cluster import retry_if_cancelled_before_start, worker_env
 from slime.ray.driver.placement import Placement
 from slime.ray.driver.rollout_wait import EngineTargets, RolloutWatch, get_result, wait_for_rollout
 from slime.ray.engines.actor import EngineEndpoint
-from slime.ray.rollout_manager.manager import RolloutManager
+from slime.ray.rollout_manager.manager import RolloutManager, engine_log_dir
 from slime.utils.deadlines import (
     ENGINE_CONTROL_CALL_S,
     ROLLOUT_MANAGER_SHUTDOWN_S,
@@ -181,10 +180,6 @@ def new_engine_actors(args, placement: Placement) -> list[list]:
     remote = ray.remote(EngineRayActor)
     return [[remote.options(**placement.engine_options(slot.rank, part.node_rank)).remote(args, part, backend, log_dir)
              for part in slot.parts] for slot in placement.layout.engines]
-
-
-def engine_log_dir(args) -> str:
-    return os.path.join(args.ledger_dir or "/tmp", "engine-logs")
 
 
 def _kill_all(actors: list) -> None:

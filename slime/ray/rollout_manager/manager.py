@@ -77,7 +77,7 @@ class RolloutManager:
         self.args = args
         self.data_source = load_function(args.data_source_path)(args)  # --data-source-path: cls(args)
         self.backend = pick_rollout_backend(args)
-        self.log_dir = os.path.join(args.ledger_dir or "/tmp", "engine-logs")
+        self.log_dir = engine_log_dir(args)
         self._engine_actors: list[list] = [list(parts) for parts in engine_actors]
         """Per engine, the driver's actors, one per node (node rank 0 first)."""
         self._part_endpoints: list[list[EngineEndpoint]] = []  # the same, their processes' endpoints
@@ -337,6 +337,11 @@ class RolloutManager:
         ray.wait(stops, num_returns=len(stops), timeout=timeout_s)
         for actor in actors:
             ray.kill(actor, no_restart=True)
+
+
+def engine_log_dir(args) -> str:
+    """Where the engines and the router write their logs (kept in place by a restart: healing.KEPT_IN_LEDGER)."""
+    return os.path.join(args.ledger_dir or "/tmp", "engine-logs")
 
 
 def _generating() -> list:
