@@ -406,3 +406,33 @@ def test_a_trainer_heal_keeps_the_engines_and_their_bundles(monkeypatch, tmp_pat
         assert after[1:4] == ["bundles placed", "manager starts new engines", "trainer build"]
     assert after[-3:] == ["engines stop", "trainer stop", "bundles removed"]
     assert "push version 2" in after and "train 2" in after  # it ran on to the end from checkpoint 0
+
+
+def test_kept_engines_released_by_the_failed_session_are_not_released_again():
+    """Colocated: the trainer failed while the engines had released their memory. The next session's manager knows
+    it (SGLang refuses to resume a tag it holds and must not release one twice): its release before the trainer is
+    built does nothing, and the resumes around the first push resume each tag once."""
+    from slime.ray.rollout_manager.manager import RolloutManager
+
+    calls = []
+
+    class Client:
+        def release_memory_occupation(self, tags):
+            calls.append(("release", tags))
+
+        def resume_memory_occupation(self, tags):
+            calls.append(("resume", tags))
+
+        def server_info(self):
+            return {}
+
+    manager = RolloutManager.__new__(RolloutManager)  # its memory bookkeeping alone, without engines
+    manager.released = {"weights", "kv_cache", "cuda_graph"}  # as the kept engines were handed over
+    manager._each_engine = lambda call: [call(Client())]
+    assert manager.offload() == {} and calls == []
+    manager.onload(("weights",))
+    manager.onload(None)
+    manager.onload(None)
+    assert calls == [("resume", ["weights"]), ("resume", ["kv_cache", "cuda_graph"])]
+    manager.offload()
+    assert calls[-1] == ("release", ["weights", "kv_cache", "cuda_graph"]) and manager.released == set(calls[-1][1])
