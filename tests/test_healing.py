@@ -47,7 +47,8 @@ def test_the_same_node_twice_stops_a_multi_node_run_only():
     with pytest.raises(RepeatedFailureError, match=r"node\(s\) \['10.0.0.1'\]"):
         plan_restart(policy, (first,), failure(3, ranks=[1], nodes=["10.0.0.1"]), own(2), multi_node=True)
     # one node: every failure is on it, so only a repeated rank stops the run
-    assert plan_restart(policy, (first,), failure(3, ranks=[1], nodes=["10.0.0.1"]), own(2), multi_node=False) is not None
+    assert plan_restart(policy, (first,), failure(3, ranks=[1], nodes=["10.0.0.1"]), own(2),
+                        multi_node=False) is not None
 
 
 def test_no_checkpoint_or_one_outside_the_window_is_a_named_refusal():

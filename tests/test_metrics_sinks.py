@@ -80,6 +80,7 @@ def test_a_restarts_events_reach_wandb_though_they_name_an_earlier_rollout(monke
     restarted = metrics_logger._wandb_sink(args)  # the restarted session opens its sinks again
     restarted({"event": "restart", "rollout_id": 3, "run/restarts": 1, "run/restart_checkpoint": 2})
     restarted({"event": "healed", "rollout_id": 3, "run/heal_s": 12.5, "run/engines_kept": 1})
-    kept = {key: (step, values["rollout_id"]) for step, values in wandb.kept for key in values if key.startswith("run/")}
+    kept = {key: (step, values["rollout_id"]) for step, values in wandb.kept
+            for key in values if key.startswith("run/")}
     assert kept == {"run/restarts": (5, 3), "run/restart_checkpoint": (5, 3), "run/heal_s": (5, 3),
                     "run/engines_kept": (5, 3)}

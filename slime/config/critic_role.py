@@ -30,7 +30,9 @@ def _holds_critic_checkpoint(path: str, iteration: int | None) -> bool:
     """A tracker, or the iteration the actor resumes at (a run stopped before the critic's tracker moved)."""
     from slime.checkpoint.contents import iteration_dir, latest_iteration
 
-    return latest_iteration(path) is not None or (iteration is not None and os.path.isdir(iteration_dir(path, iteration)))
+    if latest_iteration(path) is not None:
+        return True
+    return iteration is not None and os.path.isdir(iteration_dir(path, iteration))
 
 
 def critic_resume_iteration(args) -> int | None:
@@ -57,8 +59,8 @@ def critic_checkpoint_mismatch(args) -> str | None:
                 "anew")
     if not os.path.isdir(iteration_dir(critic, actor)):
         return (f"the actor resumes at iteration {actor} (--load {args.load}), but the critic's checkpoint {critic} "
-                f"has no {os.path.basename(iteration_dir(critic, actor))} (its tracker names {own}): the two roles were "
-                "not saved together; point --critic-load at the critic saved with that iteration, or write an "
+                f"has no {os.path.basename(iteration_dir(critic, actor))} (its tracker names {own}): the two roles "
+                "were not saved together; point --critic-load at the critic saved with that iteration, or write an "
                 f"iteration both hold into {args.load}/latest_checkpointed_iteration.txt")
     return None
 

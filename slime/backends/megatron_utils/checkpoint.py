@@ -37,7 +37,8 @@ from slime.distributed.fault_inject import maybe_kill_run
 from slime.models.hf_weights import carried_tensors, export_hf_weights, load_hf_weights
 from slime.models.lora import peft_unexportable
 
-__all__ = ["save_checkpoint", "publish_checkpoint", "load_checkpoint", "load_model_weights", "latest_iteration", "load_hf_weights",
+__all__ = ["save_checkpoint", "publish_checkpoint", "load_checkpoint",
+           "load_model_weights", "latest_iteration", "load_hf_weights",
            "export_hf_weights", "save_hf_checkpoint", "load_reference", "restore_rng", "holds"]
 
 logger = logging.getLogger(__name__)

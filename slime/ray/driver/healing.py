@@ -134,7 +134,8 @@ def _refuse_foreign(checkpoint: SavedCheckpoint, failure: Failure) -> None:
     if checkpoint.iteration > failure.rollout_id:
         raise HealingRefusedError(
             f"cannot restart after {failure.cause}: --save's tracker names iteration {checkpoint.iteration}, after "
-            f"the failed rollout {failure.rollout_id}: it is not this run's; give the run a --save directory of its own")
+            f"the failed rollout {failure.rollout_id}: it is not this run's; give the run a --save directory of its "
+            "own")
 
 
 def _refuse_repeat(before: Failure, now: Failure, *, multi_node: bool) -> None:
@@ -187,7 +188,7 @@ def prepare_resume(args, restart: Restart) -> None:
     args.finetune = False  # the run's own checkpoint: optimizer, RNG and data position included
     args.no_load_optim = False
     args.no_load_rng = False
-    if args.use_critic:  # the critic's own saves (--critic-save, else <save>/critic), not the --critic-load it began from
+    if args.use_critic:  # the critic's own saves (--critic-save, else <save>/critic), not the --critic-load it began at
         args.critic_load = critic_save_dir(args)
     args.start_rollout_id = None  # the session sets it from the checkpoint and checks the data position
     args.start_rollout_id_given = False
@@ -248,8 +249,10 @@ def train_with_healing(train: Callable[[object], None], args, *, multi_node: boo
     policy = HealingPolicy.from_args(args)
     started_from = resumed_from(args)
     history: tuple[Restart, ...] = ()
-    while True:  # where this attempt starts (a restart's session reads it from the checkpoint)
-        start = args.start_rollout_id if args.start_rollout_id is not None else history[-1].checkpoint + 1 if history else 0
+    while True:
+        start = args.start_rollout_id  # a restart's session reads it from the checkpoint
+        if start is None:
+            start = history[-1].checkpoint + 1 if history else 0
         try:
             return train(args)
         except HEALABLE_ERRORS as exc:
