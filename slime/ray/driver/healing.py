@@ -3,8 +3,9 @@ complete checkpoint, through the exact-resume path (docs/exact-resume.md), inste
 
   named failure   a rank that raised or exited, a rank or phase past its deadline (RankWaitError), a rollout
                   that failed or timed out, an engine lost beyond --use-fault-tolerance (RolloutError,
-                  TimeoutError); the session's teardown has stopped the trainer ranks, the engines and the
-                  router, and given the bundles back
+                  TimeoutError); the session's teardown has stopped the trainer ranks and, unless they alone
+                  failed (`trainer_side`: the engines then keep serving for the next session, session.py),
+                  the engines and the router, and given the bundles back
   restart         --load becomes --save and the run starts again at the rollout after its tracker's iteration
                   (a published checkpoint is complete: docs/exact-resume.md, "Durable and atomic"), with
                   the optimizer and RNG of that checkpoint whatever --no-load-optim / --no-load-rng said
@@ -15,8 +16,8 @@ complete checkpoint, through the exact-resume path (docs/exact-resume.md), inste
 
 A checkpoint is this run's when its manifest names the run's id (`args.run_id`, written by every save) or it
 is the one the run started from (--load is --save): `slime.checkpoint.contents.heal_target`.
-Each restart is one log line (cause, ranks, the checkpoint it went back to) and a `restart` metrics event
-(`run/restarts`) of the restarted session.
+Each restart is one log line (cause, ranks, the checkpoint it went back to), a `restart` metrics event
+(`run/restarts`) of the restarted session, and a `healed` event (`run/heal_s`) once its first rollout is done.
 """
 from __future__ import annotations
 
