@@ -81,7 +81,8 @@ def test_resume_variants(monkeypatch, flags, optimizer_loaded, scheduler_loaded,
 
     calls, rng_calls = [], []
     monkeypatch.setattr(checkpoint, "load_checkpoint",
-                        lambda path, model, optimizer=None, scheduler=None: calls.append((optimizer, scheduler)) or 7)
+                        lambda path, model, optimizer=None, scheduler=None, iteration=None:
+                        calls.append((optimizer, scheduler)) or 7)
     monkeypatch.setattr(checkpoint, "restore_rng", lambda path, iteration, rank: rng_calls.append((iteration, rank)) or True)
     args = SimpleNamespace(**{"no_load_optim": False, "finetune": False, "no_load_rng": False,
                               "ref_update_interval": None, **flags})
@@ -145,7 +146,8 @@ def test_train_env_vars_reach_the_rank_process(monkeypatch):
 
     monkeypatch.setattr(actor_module, "MegatronTrainActor", FakeMegatronActor)
     monkeypatch.delenv("SLIME_TEST_ENV_VAR", raising=False)
-    rank = train_actor.TrainRayActor(SimpleNamespace(train_env_vars={"SLIME_TEST_ENV_VAR": 3}, api_key=current_key()), 0, 1, "/tmp")
+    args = SimpleNamespace(train_env_vars={"SLIME_TEST_ENV_VAR": 3}, api_key=current_key(), restart_count=0)
+    rank = train_actor.TrainRayActor(args, 0, 1, "/tmp")
     rank.init("127.0.0.1", 1, [])
     assert seen["value"] == "3"
     monkeypatch.delenv("SLIME_TEST_ENV_VAR", raising=False)
