@@ -42,6 +42,10 @@ class BatchScheduler:
         self._running_rids: frozenset[str] = frozenset()
         self._task: asyncio.Task | None = None
         self.last_progress = time.monotonic()  # a batch started or made a decode step (/health_generate)
+        # SGLang's work counters (/v1/loads): prompt tokens of every batch started, and the running batch's tokens
+        # (prompts and what they generated so far: its KV cache), one more per token generated
+        self.prefill_tokens = 0
+        self.batch_tokens = 0
 
     @property
     def paused(self) -> bool:
@@ -83,6 +87,8 @@ class BatchScheduler:
         async with self._model_lock:
             self._running_rids = frozenset(r.rid for r in requests)
             self.last_progress = time.monotonic()
+            self.batch_tokens = sum(len(r.input_ids) for r in requests)
+            self.prefill_tokens += self.batch_tokens
             try:
                 results = await self._in_worker(self.engine.generate_batch, requests, self._should_abort)
             except Exception as exc:  # the requests of this batch fail, the server keeps serving
@@ -94,12 +100,14 @@ class BatchScheduler:
             finally:
                 self._aborted_rids -= self._running_rids
                 self._running_rids = frozenset()
+                self.batch_tokens = 0
         for (_, future), result in zip(batch, results):
             if not future.done():
                 future.set_result(result)
 
     def _should_abort(self, rid: str) -> bool:
-        self.last_progress = time.monotonic()  # called between decode steps, once per running request
+        self.last_progress = time.monotonic()  # called between decode steps, once per token a request generated
+        self.batch_tokens += 1
         return rid in self._aborted_rids
 
     # ----- control -----------------------------------------------------------------------
@@ -159,6 +167,16 @@ class BatchScheduler:
     def request_ids(self) -> tuple[list[str], list[str]]:
         """(running, queued) request ids."""
         return sorted(self._running_rids), [request.rid for request, _ in self._pending]
+
+    def load(self) -> dict[str, Any]:
+        """This engine's entry of SGLang's /v1/loads (one DP rank), with the fields it can fill: the requests it
+        holds and the work counters that move while it generates."""
+        running, queued = self.request_ids()
+        waiting_tokens = sum(len(request.input_ids) for request, _ in self._pending)
+        return {"dp_rank": 0, "timestamp": time.time(), "num_running_reqs": len(running),
+                "num_waiting_reqs": len(queued), "num_used_tokens": self.batch_tokens,
+                "num_total_tokens": self.batch_tokens + waiting_tokens, "max_running_requests": self.max_batch_size,
+                "total_prefill_uncached_tokens": self.prefill_tokens}
 
 
 def _aborted_result(request: GenerationRequest, weight_version: str) -> GenerationResult:

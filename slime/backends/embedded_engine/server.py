@@ -14,6 +14,7 @@ import asyncio
 import functools
 import logging
 import uuid
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +128,12 @@ async def server_info(request: web.Request) -> web.Response:
                 request_ids=running + queued, max_batch_size=scheduler.max_batch_size, memory=scheduler.engine.memory(),
                 cuda_device_uuids=request.app[DEVICE_UUIDS_KEY])  # which CUDA-IPC senders can reach it
     return web.json_response(info)
+
+
+async def loads(request: web.Request) -> web.Response:
+    """SGLang's /v1/loads (JSON, core fields): what the rollout manager's progress watch reads."""
+    return web.json_response({"timestamp": datetime.now(timezone.utc).isoformat(), "version": "embedded",
+                              "loads": [request.app[SCHEDULER_KEY].load()]})
 
 
 # ----- control ---------------------------------------------------------------------------------
@@ -408,6 +415,7 @@ def build_app(engine: EmbeddedEngine, max_batch_size: int = 64,
     app.router.add_get("/get_weight_version", weight_version)
     app.router.add_get("/get_server_info", server_info)
     app.router.add_get("/server_info", server_info)
+    app.router.add_get("/v1/loads", loads)
     app.router.add_post("/pause_generation", pause_generation)
     app.router.add_post("/continue_generation", continue_generation)
     app.router.add_post("/abort_request", abort_request)
