@@ -356,6 +356,26 @@ def _flattened_bucket_handler():
         return ModelRunner._update_weights_from_flattened_bucket
 
 
+# What the rollout manager's progress watch reads (slime/ray/engines/progress.py): a snapshot as a scheduler
+# holding 3 running and 2 waiting requests publishes it, with every work counter this release has set
+LOADS_SNAPSHOT = {"dp_rank": 1, "num_running_reqs": 3, "num_waiting_reqs": 2, "num_used_tokens": 120,
+                  "total_prefill_uncached_tokens": 40, "decode_moments": [5.0, 15.0, 1e5, 45.0, 3e5, 15.0]}
+
+
+def check_loads() -> dict[str, Any]:
+    """GET /v1/loads: whether the server mounts the route, and one entry of its JSON as SGLang's own snapshot
+    class writes it (`to_dict` of the core section, as ?include=core asks)."""
+    from sglang.srt.managers.load_snapshot import LoadSnapshot
+
+    entrypoints = sglang_dir() / "srt" / "entrypoints"
+    route = (entrypoints / "v1_loads.py").read_text()
+    fields = set(LoadSnapshot.__struct_fields__)
+    snapshot = LoadSnapshot(**{k: v for k, v in LOADS_SNAPSHOT.items() if k in fields})
+    return {"mounted": '@router.get("/v1/loads")' in route and '"loads": loads' in route
+            and "app.include_router(v1_loads_router)" in (entrypoints / "http_server.py").read_text(),
+            "entry": snapshot.to_dict({"core"}), "set": sorted(k for k in LOADS_SNAPSHOT if k in fields)}
+
+
 def _version() -> str:
     from sglang._version import __version__
 
@@ -389,6 +409,7 @@ def main() -> None:
         "gate_rejects": {name: gate_problems(body, schema_gate()) if schema_gate() else None
                          for name, body in request.get("gate_checks", {}).items()},
         "payload": check_payload(request["tp_size"]),
+        "loads": check_loads(),
         "server_options": server_options(),
         "stubbed": sorted({name.split(".")[0] for name in STUBBED}),
     }

@@ -307,3 +307,31 @@ def test_the_default_windows_end_a_stalled_step_within_five_minutes_and_help_say
     for flag in ("--rollout-timeout", "--rollout-health-check-interval", "--rollout-health-check-timeout",
                  "--rollout-health-check-first-wait", "--sglang-router-request-timeout-secs"):
         assert "default" in options[flag].help, flag
+
+
+def test_the_default_engine_window_ends_a_hung_rollout_within_five_minutes_and_help_says_why():
+    """A stalled engine is found within the window and one look; the manager's report and the rollout function's
+    grace (what the driver's margin covers) still end the rollout within 5 minutes of the engine's last progress,
+    where the rollout timeout of upstream's Qwen3-4B launcher is ~19 minutes."""
+    from slime.config.parser import build_parser
+    from slime.utils.deadlines import rollout_deadline_s, rollout_driver_margin_s
+
+    args = parse_args(["--rollout-batch-size", "32", "--n-samples-per-prompt", "8", "--num-rollout", "1",
+                       "--rollout-max-response-len", "8192", "--rollout-num-gpus", "8", "--actor-num-gpus-per-node", "1",
+                       "--train-backend-device", "cpu", "--rollout-backend", "embedded"])
+    model = args.run_config.deadlines
+    assert model.engine_no_progress_s == 180 and model.engine_look_s == 15 and model.engine_read_s == 5
+    assert model.engine_stall_found_s + rollout_driver_margin_s(args) <= 300 < rollout_deadline_s(args)
+    said = " ".join(build_parser()._option_string_actions["--rollout-no-progress-timeout"].help.split())
+    assert f"Default {model.engine_no_progress_s:.0f}" in said and "within 5 minutes" in said
+    assert f"window / {round(model.engine_no_progress_s / model.engine_look_s)}" in said
+    assert "25-69 s" in said  # the longest healthy gap, as --fence-timeout's help gives it
+
+
+def test_engine_window_flag_is_checked(capsys):
+    flags = ["--rollout-batch-size", "4", "--num-rollout", "1", "--actor-num-gpus-per-node", "1",
+             "--train-backend-device", "cpu", "--rollout-backend", "embedded"]
+    with pytest.raises(SystemExit):
+        parse_args([*flags, "--rollout-no-progress-timeout", "0"])
+    assert "--rollout-no-progress-timeout must be positive" in capsys.readouterr().err
+    assert parse_args([*flags, "--rollout-no-progress-timeout", "30"]).run_config.deadlines.engine_no_progress_s == 30

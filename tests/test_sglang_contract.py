@@ -309,3 +309,37 @@ def test_embedded_engine_knows_every_sglang_generate_field(report):
 def test_embedded_sampling_params_are_sglangs(report):
     honoured = set(SamplingParams.__dataclass_fields__)
     assert honoured <= set(report["sampling_fields"]), honoured - set(report["sampling_fields"])
+
+
+def test_progress_watch_reads_sglangs_loads(report):
+    """GET /v1/loads as SGLang's own snapshot class writes it: the requests a DP rank holds, and every work counter
+    the release sets is one the watch compares (a change in it alone is progress)."""
+    from slime.ray.engines.progress import WORK_FIELDS, parse_loads
+
+    loads = report["loads"]
+    assert loads["mounted"], f"SGLang {report['version']} serves no GET /v1/loads"
+    assert "num_used_tokens" in loads["set"]
+    if _newer_than(report["version"], "0.5.23"):
+        assert {"decode_moments", "total_prefill_uncached_tokens"} <= set(loads["set"])
+    entry = loads["entry"]
+    (dp_rank, load), = parse_loads({"loads": [entry]}).items()
+    assert (dp_rank, load.held) == (1, 5)
+    counters = set(loads["set"]) & set(WORK_FIELDS)
+    for name in counters:
+        value = entry[name]
+        moved = {**entry, name: [*value[:-1], value[-1] + 1] if isinstance(value, list) else value + 1}
+        assert parse_loads({"loads": [moved]})[1].work != load.work, name
+
+
+def test_embedded_engine_serves_sglangs_loads_fields(report):
+    """The embedded engine's /v1/loads entry holds SGLang's fields only (the newest release's), with the ones the
+    progress watch needs."""
+    import types as _types
+
+    from slime.backends.embedded_engine.scheduler import BatchScheduler
+
+    scheduler = BatchScheduler(_types.SimpleNamespace(), max_batch_size=4)
+    served = set(scheduler.load())
+    assert {"dp_rank", "num_running_reqs", "num_waiting_reqs", "num_used_tokens"} <= served
+    if _newer_than(report["version"], "0.5.23"):
+        assert served <= set(report["loads"]["entry"]), served - set(report["loads"]["entry"])

@@ -17,7 +17,8 @@ from slime.config.registries import active_not_implemented_flags, refusal_messag
 HELP_EPILOG = """\
 This project's own flags (hang-proof step) are in the groups "fencing (this project)" and "rollout deadlines and
 fault tolerance": --fence-timeout, --ledger-dir, --ledger-record-sequence, --rollout-timeout,
---use-fault-tolerance; --distributed-timeout-minutes (group "cluster") is derived from --fence-timeout.
+--rollout-no-progress-timeout, --use-fault-tolerance; --distributed-timeout-minutes (group "cluster") is derived
+from --fence-timeout.
 Where every rank is in a running or stopped job: python -m slime.distributed.hang_report LEDGER_DIR
 Whether every rank ran the same collectives in the same order: python -m slime.distributed.order_proof LEDGER_DIR
 Marks: [required] must be given; [refused] stops at parse time with the reason; [no effect] accepted with a

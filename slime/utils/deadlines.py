@@ -20,6 +20,12 @@ stall fails one window after the last progress (`DeadlineModel`):
                   which are not fenced.
   manager steps   each step of the rollout manager outside generation (user hooks, the data save,
                   metrics) gets one rank window (`rollout_step_window_s`).
+  engines         --rollout-no-progress-timeout: while a rollout generates, an engine that holds requests
+                  and whose work counters (tokens in its KV cache, decode steps, prefill tokens: SGLang's
+                  /v1/loads) do not move for this long, or that does not answer them at all, is stalled.
+                  The rollout manager looks every window / ENGINE_LOOKS_PER_WINDOW, each read bounded by
+                  --rollout-health-check-timeout's default (a quarter of a shorter window), so a stall is
+                  found within `engine_stall_found_s`.
 
 The driver's limits follow the ranks' progress, so they grow with --num-steps-per-rollout and with
 the checkpoint size of a save without a fixed total.
@@ -60,6 +66,15 @@ step's kernel compile (25-69 s on one H200, docs/gpu.md); start-up gets FIRST_SE
 enough to load a node's share of a resumed Qwen3-30B-A3B checkpoint with its optimizer state (~430 GB) at 2 GB/s.
 A stalled step then ends within 3 minutes on the ranks and within 5 at the driver (DRIVER_MARGIN windows +
 DRIVER_EXTRA_S)."""
+DEFAULT_ENGINE_NO_PROGRESS_S = 180.0
+"""--rollout-no-progress-timeout's default. SGLang's scheduler publishes the counters the rollout manager reads after
+every prefill batch and every 15 decode steps (tens of milliseconds each at upstream's sizes), so a healthy engine
+moves them within seconds; the longest healthy gap is a first batch's kernel compile (the engines are launched
+without SGLang's warm-up request; the trainer's first step compiles in 25-69 s on one H200), which 180 s covers more
+than twice over. A stalled engine is then found within the window and one look (`engine_stall_found_s`, 200 s) and
+the rollout ends, its report and the rollout function's grace included (`rollout_driver_margin_s`), within 5 minutes
+of the engine's last progress."""
+ENGINE_LOOKS_PER_WINDOW = 12
 FIRST_SETUP_WINDOWS = 2
 FIRST_SETUP_EXTRA_S = 10.0
 GROUP_TIMEOUT_MARGIN_S = 30.0
@@ -71,18 +86,21 @@ INIT_ALLOWANCE_S = 600.0
 @dataclass(frozen=True, kw_only=True)
 class DeadlineModel:
     """The progress windows of the ranks and of the driver's wait on them, from --fence-timeout and
-    --distributed-timeout-minutes."""
+    --distributed-timeout-minutes, and of the rollout engines, from --rollout-no-progress-timeout."""
 
     no_progress_s: float = DEFAULT_NO_PROGRESS_S
     """A rank (or, seen from a fence, the whole world) that makes no progress this long is hung."""
     group_timeout_s: float | None = None
     """NCCL's and gloo's own timeout; None: derived, GROUP_TIMEOUT_MARGIN_S above the longest rank window."""
+    engine_no_progress_s: float = DEFAULT_ENGINE_NO_PROGRESS_S
+    """An engine that holds requests and makes no progress this long while a rollout generates is stalled."""
 
     @classmethod
     def from_args(cls, args) -> "DeadlineModel":
         minutes = args.distributed_timeout_minutes
         return cls(no_progress_s=float(args.fence_timeout or DEFAULT_NO_PROGRESS_S),
-                   group_timeout_s=60.0 * float(minutes) if minutes else None)
+                   group_timeout_s=60.0 * float(minutes) if minutes else None,
+                   engine_no_progress_s=float(args.rollout_no_progress_timeout))
 
     @property
     def first_setup_op_s(self) -> float:
@@ -109,6 +127,22 @@ class DeadlineModel:
     def driver_init_window_s(self) -> float:
         """The same for init: model build and weight loading make no ledger progress."""
         return INIT_ALLOWANCE_S + self.first_setup_s + self.driver_window_s
+
+    @property
+    def engine_look_s(self) -> float:
+        """How often the rollout manager reads every engine's progress while a rollout generates."""
+        return self.engine_no_progress_s / ENGINE_LOOKS_PER_WINDOW
+
+    @property
+    def engine_read_s(self) -> float:
+        """The limit of one such read (an engine that does not answer within it made no progress): a quarter of the
+        window, at most --rollout-health-check-timeout's default."""
+        return min(DEFAULT_HEALTH_CHECK_TIMEOUT_S, self.engine_no_progress_s / 4)
+
+    @property
+    def engine_stall_found_s(self) -> float:
+        """From an engine's last progress to the look that finds it stalled, at the latest."""
+        return self.engine_no_progress_s + self.engine_look_s + self.engine_read_s
 
     def group_timeout_error(self) -> str | None:
         """What to change when an explicit group timeout does not sit above every rank window."""

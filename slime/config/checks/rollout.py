@@ -61,7 +61,7 @@ def check_rm_type(args: argparse.Namespace) -> None:
 def check_rollout_faults(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     if args.rollout_timeout is not None and args.rollout_timeout <= 0:
         fail(f"--rollout-timeout must be positive, got {args.rollout_timeout}")
-    for dest in ("rollout_health_check_interval", "rollout_health_check_timeout"):
+    for dest in ("rollout_health_check_interval", "rollout_health_check_timeout", "rollout_no_progress_timeout"):
         if getattr(args, dest) <= 0:
             fail(f"--{dest.replace('_', '-')} must be positive, got {getattr(args, dest)}")
     if args.rollout_health_check_first_wait < 0:

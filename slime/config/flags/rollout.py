@@ -9,6 +9,7 @@ import argparse
 from slime.config.constants import DEFAULT_ROLLOUT_FUNCTION_PATH, DELTA_ENCODINGS
 from slime.config.flags.types import non_negative_int, positive_int
 from slime.utils.checksums import CHECKSUMS
+from slime.utils.deadlines import DEFAULT_ENGINE_NO_PROGRESS_S
 
 
 def add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
@@ -154,8 +155,17 @@ def add_rollout_fault_arguments(parser: argparse.ArgumentParser) -> None:
                         "--rollout-max-response-len, else --rollout-max-context-len, else 4096; eval: every eval "
                         "prompt x --n-samples-per-eval-prompt and --eval-max-response-len. 0.1 s per token is several "
                         "times a loaded GPU engine's decode step and the 300 s cover start-up, queueing and rewards, "
-                        "so a healthy rollout of any size fits; a stalled engine is found sooner by "
-                        "--use-fault-tolerance's probes)")
+                        "so a healthy rollout of any size fits; a stalled engine is found sooner, by "
+                        "--rollout-no-progress-timeout)")
+    g.add_argument("--rollout-no-progress-timeout", type=float, default=DEFAULT_ENGINE_NO_PROGRESS_S,
+                   help="seconds an engine may hold requests without progress (the tokens in its KV cache, its decode "
+                        "steps and prefill tokens, read from SGLang's /v1/loads, all unchanged; or no answer) while a "
+                        "rollout generates: the rollout then ends naming the engine and the requests it holds, or, "
+                        "with --use-fault-tolerance, the engine is restarted and its requests sent again. Default "
+                        "180: SGLang moves these counters every few seconds while it works; the longest healthy gap is "
+                        "a first batch's kernel compile (the trainer's first step compiles in 25-69 s on one H200), so "
+                        "a hung rollout ends within 5 minutes (the window, one look of window / 12 and the report), "
+                        "long before the --rollout-timeout of upstream's sizes")
     g.add_argument("--use-fault-tolerance", action="store_true", default=False,
                    help="probe the engines while they generate; restart a dead or unresponsive one, push it the "
                         "trainer's weights and send its requests again (without: a failed engine ends the run)")

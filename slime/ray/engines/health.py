@@ -1,12 +1,17 @@
-"""Health of the rollout engines: the monitor thread of --use-fault-tolerance, and the probes of a report.
+"""Health of the rollout engines: the monitor thread of a rollout, and the probes of a report.
 
 As upstream, the monitor runs only while a rollout or an eval generates (engines legitimately stop
-generating while paused for a weight push or released for training); its first resume waits
---rollout-health-check-first-wait. Every --rollout-health-check-interval it looks at each serving
-engine: an exited process, or a /health_generate that does not answer 200 within
---rollout-health-check-timeout, is a failure (EngineFleet.fail). Without the flag it only watches
-the processes (no HTTP, nothing to misjudge): a dead engine still ends the rollout at once, a
-stalled one at --rollout-timeout.
+generating while paused for a weight push or released for training). It watches three things:
+
+  processes   an exited engine process is a failure (EngineFleet.fail), noticed within a second
+  health      with --use-fault-tolerance, every --rollout-health-check-interval (the first after
+              --rollout-health-check-first-wait), a /health_generate that does not answer 200 within
+              --rollout-health-check-timeout is a failure
+  progress    every engine's work counters, every window / 12 (slime/ray/engines/progress.py): an engine
+              that holds requests without progress for --rollout-no-progress-timeout is stalled. With
+              --use-fault-tolerance that is a failure (restarted, its requests sent again); without, the
+              rollout guard ends the rollout naming it (`stalls`). Not while generation is held for a
+              weight push (its requests are being aborted).
 """
 from __future__ import annotations
 
@@ -18,8 +23,10 @@ from dataclasses import dataclass
 
 import requests
 
+from slime.ray.engines.progress import LoadsNotServed, ProgressWatch, Stall, read_loads
 from slime.ray.engines.recovery import EngineFleet, FleetSlot
-from slime.utils.deadlines import DEFAULT_HEALTH_CHECK_TIMEOUT_S
+from slime.rollout import generation_gate
+from slime.utils.deadlines import DEFAULT_HEALTH_CHECK_TIMEOUT_S, DeadlineModel
 from slime.utils.security import auth_headers
 
 logger = logging.getLogger(__name__)
@@ -37,13 +44,16 @@ class HealthConfig:
     """--rollout-health-check-timeout: /health_generate must answer within this."""
     first_wait_s: float = 300.0
     """--rollout-health-check-first-wait: delay before the first probe (model compilation)."""
+    progress: DeadlineModel = DeadlineModel()
+    """The engines' no-progress window (--rollout-no-progress-timeout), its looks and their reads."""
 
     @classmethod
     def from_args(cls, args) -> "HealthConfig":
         return cls(fault_tolerant=bool(args.use_fault_tolerance),
                    interval_s=float(args.rollout_health_check_interval),
                    timeout_s=float(args.rollout_health_check_timeout),
-                   first_wait_s=float(args.rollout_health_check_first_wait))
+                   first_wait_s=float(args.rollout_health_check_first_wait),
+                   progress=DeadlineModel.from_args(args))
 
 
 def probe_health(url: str, timeout_s: float, path: str = "/health_generate") -> str | None:
@@ -75,6 +85,10 @@ class HealthMonitor:
         self._closed = threading.Event()
         self._first_resume = True
         self._not_before = 0.0
+        self.progress = ProgressWatch(config.progress.engine_no_progress_s)
+        self._next_look = 0.0
+        self._stalls: list[Stall] = []
+        self._unwatched: set[str] = set()  # engines that do not serve /v1/loads (said once)
         self._thread = threading.Thread(target=self._run, name="engine-health", daemon=True)
         self._thread.start()
 
@@ -82,7 +96,13 @@ class HealthMonitor:
         if self._first_resume and self.config.fault_tolerant:
             self._not_before = time.monotonic() + self.config.first_wait_s
         self._first_resume = False
+        self.progress.restart()
+        self._stalls, self._next_look = [], 0.0
         self._active.set()
+
+    def stalls(self) -> list[Stall]:
+        """Engines found stalled without --use-fault-tolerance (the rollout guard ends the rollout on them)."""
+        return list(self._stalls)
 
     def pause(self) -> None:
         self._active.clear()
@@ -94,17 +114,53 @@ class HealthMonitor:
 
     def _run(self) -> None:
         period = self.config.interval_s if self.config.fault_tolerant else PROCESS_POLL_S
+        tick = min(period, self.config.progress.engine_look_s)
+        next_check = 0.0
         while not self._closed.is_set():
             self._active.wait()
             if self._closed.is_set():
                 return
             try:
-                self.fleet.check_processes()
-                if self.config.fault_tolerant and time.monotonic() >= self._not_before:
-                    self._probe_all()
+                if time.monotonic() >= next_check:
+                    next_check = time.monotonic() + period
+                    self.fleet.check_processes()
+                    if self.config.fault_tolerant and time.monotonic() >= self._not_before:
+                        self._probe_all()
+                if time.monotonic() >= self._next_look:
+                    self._next_look = time.monotonic() + self.config.progress.engine_look_s
+                    self._look_at_progress()
             except Exception:  # noqa: BLE001 - the monitor must outlive one bad look
                 logger.exception("engine health check failed")
-            self._closed.wait(period)
+            self._closed.wait(tick)
+
+    def _look_at_progress(self) -> None:
+        if generation_gate.is_held():  # a weight push aborts the requests: no progress is owed meanwhile
+            self.progress.restart()
+            return
+        slots = [s for s in self.fleet.serving() if s.url not in self._unwatched]
+        if not slots:
+            return
+        with ThreadPoolExecutor(max_workers=len(slots)) as pool:
+            reads = list(pool.map(self._read_loads, slots))
+        if not self._active.is_set() or generation_gate.is_held():  # paused or held during the reads: moot
+            return
+        self.progress.look({s.rank: (s.url, loads) for s, loads in zip(slots, reads) if s.url not in self._unwatched},
+                           time.monotonic())
+        for stall in self.progress.stalled(time.monotonic()):
+            if self.config.fault_tolerant:
+                self.fleet.fail(stall.rank, f"{stall.describe()} (--rollout-no-progress-timeout "
+                                            f"{self.config.progress.engine_no_progress_s:g}s)")
+            elif all(s.rank != stall.rank for s in self._stalls):
+                self._stalls.append(stall)
+
+    def _read_loads(self, slot: FleetSlot):
+        try:
+            return read_loads(slot.url, self.config.progress.engine_read_s)
+        except LoadsNotServed as exc:
+            self._unwatched.add(slot.url)
+            logger.warning("engine %d at %s: its progress cannot be read (%s); only --rollout-timeout bounds a stall "
+                           "of it", slot.rank, slot.url, exc)
+            return None
 
     def _probe_all(self) -> None:
         slots = self.fleet.serving()

@@ -22,6 +22,10 @@ class RolloutTimeoutError(RolloutError, TimeoutError):
     """A rollout or eval did not finish within --rollout-timeout."""
 
 
+class EngineStalledError(RolloutTimeoutError):
+    """An engine held requests without progress for --rollout-no-progress-timeout (--use-fault-tolerance off)."""
+
+
 class RolloutStepTimeoutError(RolloutError, TimeoutError):
     """A step of the rollout manager outside the generation itself (a user hook, the data save, the
     metrics) did not return within its window."""

@@ -10,6 +10,9 @@ rollout function in a worker thread while it watches three things:
                            EngineFailedError naming the engine and what it held
   the deadline passes      RolloutTimeoutError with a table of the engines (process, /health, requests
                            they hold) and the requests still outstanding, taken before they are aborted
+  an engine stalls         it holds requests without progress for --rollout-no-progress-timeout (the
+                           monitor's progress watch): with --use-fault-tolerance a failure as above; without,
+                           EngineStalledError naming it and what it holds, with the same tables
 
 On either error the engines are told to abort everything (the rollout's requests stop generating)
 and the worker gets `grace_s` (REQUEST_GRACE_S) to end: every request of it ends by then.
@@ -25,7 +28,8 @@ from typing import Any, Callable, TypeVar
 from slime.ray.engines.faults import inject_engine_faults
 from slime.ray.engines.health import HealthConfig, HealthMonitor, describe_engines
 from slime.ray.engines.recovery import EngineFleet
-from slime.ray.rollout_manager.errors import EngineFailedError, RolloutError, RolloutTimeoutError
+from slime.ray.engines.progress import stalled_message
+from slime.ray.rollout_manager.errors import EngineFailedError, EngineStalledError, RolloutError, RolloutTimeoutError
 from slime.utils.deadlines import REQUEST_GRACE_S, RolloutClock
 from slime.utils.http_utils import HTTPStatusError, OutstandingRequest, outstanding_requests, set_request_bounds
 
@@ -101,6 +105,10 @@ class RolloutGuard:
                 message = (f"{label} did not finish within --rollout-timeout {budget_s:.0f}s; "
                            f"{len(outstanding)} request(s) outstanding")
                 raise self._end(worker, RolloutTimeoutError(message, _details(table, outstanding)), label)
+            stalls = self.monitor.stalls()
+            if stalls:
+                message = stalled_message(label, stalls, self.config.progress.engine_no_progress_s)
+                raise self._end(worker, EngineStalledError(message), label)
         if worker.error is None:
             return worker.result
         self.fleet.check_processes()  # the function may have failed before the watch saw an engine die
