@@ -301,3 +301,62 @@ def test_embedded_engine_serves_sglangs_loads_with_counters_that_move(served):
     body = requests.get(served.url + "/v1/loads", headers=auth_headers(), timeout=10).json()
     assert body["loads"][0]["num_running_reqs"] == 0 and body["loads"][0]["num_used_tokens"] == 0
     assert body["loads"][0]["total_prefill_uncached_tokens"] == prefilled + 4  # the prompt's tokens
+
+
+# ----- engines as SGLang answers them (route shapes only) -----------------------------------------------
+def _sglang_like(loads: list[dict] | None) -> AppThread:
+    """/health, /server_info without request ids (as SGLang's), and /v1/loads when `loads` is given."""
+    from aiohttp import web
+
+    def answer(body=None):
+        async def handler(request):
+            return web.json_response(body) if body is not None else web.Response(status=200)
+
+        return handler
+
+    app = web.Application()
+    app.router.add_get("/health", answer())
+    app.router.add_get("/server_info", answer({"version": "0.5.23"}))
+    if loads is not None:
+        app.router.add_get("/v1/loads", answer({"version": "0.5.23", "loads": loads}))
+    return AppThread(app).start()
+
+
+class _Alive:
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def exit_code(self):
+        return None
+
+    def signal(self, sig: int) -> None:
+        raise AssertionError("no engine here is failed")
+
+    def process_state(self) -> str:
+        return "alive"
+
+
+def test_report_says_how_many_requests_an_sglang_engine_holds_and_an_unreadable_one_is_not_judged(caplog):
+    from slime.ray.engines.health import describe_engines
+
+    frozen = [{"dp_rank": 0, "num_running_reqs": 4, "num_waiting_reqs": 3, "num_used_tokens": 900},
+              {"dp_rank": 1, "num_running_reqs": 1, "num_waiting_reqs": 0, "num_used_tokens": 60}]
+    servers = [_sglang_like(frozen), _sglang_like(None)]
+    fleet = EngineFleet([_Alive(f"http://127.0.0.1:{s.port}") for s in servers], relaunch=lambda rank: None,
+                        router=None, fault_tolerant=False)
+    monitor = HealthMonitor(HealthConfig(progress=DeadlineModel(engine_no_progress_s=1.0)), fleet)
+    try:
+        rows = describe_engines(fleet, 5.0).splitlines()
+        assert rows[1].split()[-1] == "8" and rows[2].split()[-1] == "?"  # 4 + 3 + 1 over two DP ranks
+        monitor.resume()
+        deadline = time.monotonic() + 20
+        while not monitor.stalls() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(1.5)  # over a window more for the engine without /v1/loads
+        stalls = monitor.stalls()
+    finally:
+        monitor.close()
+        for server in servers:
+            server.stop()
+    assert [(s.rank, s.dp_rank, s.held) for s in stalls] == [(0, 0, 7)]  # the first DP rank found
+    assert "engine 1 at" in caplog.text and "its progress cannot be read" in caplog.text

@@ -77,6 +77,15 @@ def request_ids(url: str, timeout_s: float) -> tuple[str, ...] | None:
     return tuple(ids) if isinstance(ids, list) else None
 
 
+def held_count(url: str, timeout_s: float) -> str:
+    """The requests an engine holds as its /v1/loads counts them ("?" when it does not say)."""
+    try:
+        loads = read_loads(url, timeout_s)
+    except LoadsNotServed:
+        return "?"
+    return "?" if loads is None else str(sum(load.held for load in loads.values()))
+
+
 class HealthMonitor:
     def __init__(self, config: HealthConfig, fleet: EngineFleet) -> None:
         self.config = config
@@ -87,6 +96,7 @@ class HealthMonitor:
         self._not_before = 0.0
         self.progress = ProgressWatch(config.progress.engine_no_progress_s)
         self._next_look = 0.0
+        self._new_baseline = False
         self._stalls: list[Stall] = []
         self._unwatched: set[str] = set()  # engines that do not serve /v1/loads (said once)
         self._thread = threading.Thread(target=self._run, name="engine-health", daemon=True)
@@ -96,8 +106,7 @@ class HealthMonitor:
         if self._first_resume and self.config.fault_tolerant:
             self._not_before = time.monotonic() + self.config.first_wait_s
         self._first_resume = False
-        self.progress.restart()
-        self._stalls, self._next_look = [], 0.0
+        self._stalls, self._next_look, self._new_baseline = [], 0.0, True  # the watch is the monitor thread's alone
         self._active.set()
 
     def stalls(self) -> list[Stall]:
@@ -134,8 +143,11 @@ class HealthMonitor:
             self._closed.wait(tick)
 
     def _look_at_progress(self) -> None:
-        if generation_gate.is_held():  # a weight push aborts the requests: no progress is owed meanwhile
+        held = generation_gate.is_held()  # a weight push aborts the requests: no progress is owed meanwhile
+        if self._new_baseline or held:  # (a new rollout, or a push)
+            self._new_baseline = False
             self.progress.restart()
+        if held:
             return
         slots = [s for s in self.fleet.serving() if s.url not in self._unwatched]
         if not slots:
@@ -190,9 +202,12 @@ def describe_engines(fleet: EngineFleet, timeout_s: float) -> str:
         if not process.startswith("alive"):
             return process, "-", "-"
         health = probe_health(slot.url, timeout_s, path="/health") or "ok"
-        ids = request_ids(slot.url, timeout_s) if health == "ok" else None
-        held = "?" if ids is None else (f"{len(ids)}: {', '.join(ids[:6])}" + (" ..." if len(ids) > 6 else ""))
-        return process, health, held
+        if health != "ok":
+            return process, health, "?"
+        ids = request_ids(slot.url, timeout_s)
+        if ids is None:  # SGLang lists no ids: how many its /v1/loads says
+            return process, health, held_count(slot.url, timeout_s)
+        return process, health, f"{len(ids)}: {', '.join(ids[:6])}" + (" ..." if len(ids) > 6 else "")
 
     with ThreadPoolExecutor(max_workers=max(1, len(slots))) as pool:
         looks = list(pool.map(look, slots))
