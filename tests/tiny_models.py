@@ -414,3 +414,59 @@ def save_tiny_qwen3_5_vl(path: str, seed: int = 0) -> str:
     from slime.tools.tiny_vl_checkpoint import TinyVLSpec, write_tiny_vl_checkpoint
 
     return str(write_tiny_vl_checkpoint(path, TinyVLSpec(kind="qwen3.5-vl", seed=seed)))
+
+
+def tiny_deepseek_v4_config(**overrides):
+    """A DeepSeek-V4-shaped config: one layer of each attention kind (sliding, compressed sparse with m = 2 and an
+    indexer keeping 3 compressed keys, heavily compressed with m' = 4) under a 6-key window, YaRN on the compress
+    RoPE, 3 hyper-connection streams, a hash-routed first layer then sqrt(softplus)-routed ones (8 experts, top-2,
+    a shared expert), the SwiGLU clamped at 0.5 (reached by the perturbed experts)."""
+    from transformers import DeepseekV4Config
+
+    fields = dict(
+        vocab_size=512, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=32, q_lora_rank=32, partial_rotary_factor=0.25, num_experts_per_tok=2,
+        n_routed_experts=8, n_shared_experts=1, routed_scaling_factor=1.5, hc_mult=3, hc_sinkhorn_iters=5,
+        sliding_window=6, o_groups=2, o_lora_rank=16, index_n_heads=8, index_head_dim=16, index_topk=3,
+        compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+        layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+        mlp_layer_types=["hash_moe", "moe", "moe"], swiglu_limit=0.5, max_position_embeddings=256,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+        rms_norm_eps=1e-6, tie_word_embeddings=False,
+    )
+    fields.update(overrides)
+    return DeepseekV4Config(**fields)
+
+
+def save_tiny_deepseek_v4(path: str, seed: int = 0, **overrides) -> str:
+    """Random-init a tiny DeepseekV4ForCausalLM (fp32) with every part perturbed away from its initial value (norms,
+    sinks, compressor position biases, the hyper-connections, a spread router, a routing bias, a hash table of
+    distinct experts per token, experts large enough to reach the clamp, an indexer with scores of order one), so
+    that a wrong mapping shows up; saved by transformers (DeepSeek's own tensor names)."""
+    import torch
+    from transformers import DeepseekV4ForCausalLM
+
+    torch.manual_seed(seed)
+    model = DeepseekV4ForCausalLM(tiny_deepseek_v4_config(**overrides)).float()
+    generator = torch.Generator().manual_seed(seed)
+    randn = lambda t, std: std * torch.randn(t.shape, generator=generator)  # noqa: E731
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            if name.endswith("tid2eid"):
+                experts = model.config.n_routed_experts
+                tensor.copy_(torch.rand(tensor.shape[0], experts, generator=generator).argsort(-1)[:, :tensor.shape[1]])
+            elif name.endswith("mlp.gate.weight") or ".indexer." in name and not name.endswith("norm.weight"):
+                tensor.copy_(randn(tensor, 0.5 if "gate" in name else 0.3))
+            elif name.endswith("e_score_correction_bias"):
+                tensor.copy_(0.2 * torch.rand(tensor.shape, generator=generator))
+            elif name.endswith(("experts.gate_up_proj", "experts.down_proj")) or ".shared_experts." in name:
+                tensor.copy_(randn(tensor, 0.15))
+            elif name.endswith(("sinks", "position_bias", "hc_base", ".base")):
+                tensor.add_(randn(tensor, 0.5))
+            elif name.endswith(("hc_fn", ".fn")):
+                tensor.copy_(randn(tensor, 0.1))
+            elif name.endswith(("hc_scale", ".scale")) or "norm" in name:
+                tensor.add_(randn(tensor, 0.1))
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    return path

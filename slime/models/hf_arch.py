@@ -140,7 +140,7 @@ def _rope_params(hf_config: Any) -> dict:
 
 def rope_of(hf_config: Any, family: ModelFamily) -> RoPE:
     """The dense attention's RoPE, read from either spelling; a type or a Llama-3 factor not built is refused."""
-    params = _rope_params(hf_config)
+    params = dict(family.rope_parameters(hf_config)) if family.rope_parameters else _rope_params(hf_config)
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     if family.rope_types is not None and rope_type not in family.rope_types:
         raise ValueError(f"config.json has rope type {rope_type!r} (rope_parameters / rope_scaling), which the "

@@ -179,15 +179,17 @@ def unwrap_model(chunk: torch.nn.Module) -> torch.nn.Module:
     return chunk
 
 
-_EXPERT_BIAS = "mlp.router.expert_bias"
+# the routers' buffers a checkpoint holds: the expert bias (megatron updates it outside the optimizer) and
+# DeepSeek-V4's frozen token -> experts table of its hash layers
+_ROUTER_BUFFERS = ("mlp.router.expert_bias", "mlp.router.tid2eid")
 
 
 def _weights(model: torch.nn.Module, mtp: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """What maps to HF tensors: every parameter but LoRA factors (merged into their layer's weight at export),
-    then the routers' expert-bias buffers (in module order); the MTP layers' only with `mtp`."""
+    then the routers' buffers (_ROUTER_BUFFERS, in module order); the MTP layers' only with `mtp`."""
     for name, tensor in (*model.named_parameters(), *model.named_buffers()):
         is_weight = ((isinstance(tensor, torch.nn.Parameter) and not lora.is_adapter_param(name))
-                     or (name.endswith(_EXPERT_BIAS) and tensor is not None))
+                     or (name.endswith(_ROUTER_BUFFERS) and tensor is not None))
         if is_weight and (mtp or not name.startswith("mtp.")):
             yield name, tensor
 
@@ -311,13 +313,16 @@ def _mapping_for(model: torch.nn.Module, name: str, param: torch.Tensor, hf_conf
     if _is_expert(name):
         return _expert_mapping(model, name, hf_config, ep_rank)
     shapes, text = _shapes(hf_config), _text_prefix(hf_config)
+    named = family_of(hf_config).model_names(text)
     padded_rows = param.shape[0] * (tp if getattr(param, "tensor_model_parallel", False) else 1)
     if name == "embedding.word_embeddings.weight":
         return _with_copies(_vocab(f"{text}embed_tokens.weight", shapes, padded_rows),
                             _mtp_copies(model, hf_config, "embedding_copy", mtp))
     if name == "output_layer.weight":
-        return _with_copies(_vocab(f"{text}embed_tokens.weight" if _tied(hf_config) else "lm_head.weight",
-                                   shapes, padded_rows), _mtp_copies(model, hf_config, "output_copy", mtp))
+        output = f"{text}embed_tokens.weight" if _tied(hf_config) else named.get(name, "lm_head.weight")
+        return _with_copies(_vocab(output, shapes, padded_rows), _mtp_copies(model, hf_config, "output_copy", mtp))
+    if name in named:
+        return _identity(named[name])
     if name == "decoder.final_layernorm.weight":
         return _identity(f"{text}norm.weight")
     if _LAYER_NAME.match(name) is None and _MTP_LAYER_NAME.match(name) is None:

@@ -29,6 +29,7 @@ _BUILTIN_MODULES = (
     "slime.models.minimax_m2",
     "slime.models.glm_moe_dsa",
     "slime.models.mimo",
+    "slime.models.deepseek_v4",
 )
 
 # What a model_type outside the registry is read as (arguments.py lets one through only with a custom model
@@ -110,6 +111,9 @@ class ModelFamily:
     """Every RMSNorm scales by 1 + weight (HF Qwen3-Next / Qwen3.5): what --apply-layernorm-1p must agree with."""
     rope_types: tuple[str, ...] | None = ("default", "llama3")
     """RoPE types the builder accepts; None: `config_fields` checks the RoPE itself."""
+    rope_parameters: Callable[[Any], Mapping[str, Any]] | None = None
+    """hf_config -> the RoPE parameters of megatron's GPT model where config.json spells them per rope kind
+    (DeepSeek-V4's `main` / `compress`; its layers build both themselves); None: rope_parameters / rope_scaling."""
     arch_overrides: Callable[[Any], dict[str, Any]] = _no_fields
     """hf_config -> dense architecture fields this family sets otherwise (MLA: one kv head per query head)."""
     config_fields: Callable[[Any], dict[str, Any]] = _no_fields
@@ -137,6 +141,13 @@ class ModelFamily:
     check_config: Callable[[Any], None] | None = None
     """hf_config (config.json's fields) -> None, or ValueError naming the fix: what the family refuses, checked
     before Ray starts (GLM-5's indexer settings)."""
+    layer_config: Callable[[Any], Any] | None = None
+    """hf_config -> a frozen record of the layer facts no TransformerConfig field holds, set on the
+    TransformerConfig as `hf_layer_config` for the family's own layers (DeepSeek-V4's compression, indexer,
+    hyper-connections)."""
+    prepare_model: Callable[[Any], None] | None = None
+    """Called on each GPTModel chunk the builder makes: a family whose layers read more of the forward's inputs
+    than the hidden states (DeepSeek-V4's hash routers read the token ids) hooks them up here."""
     check_layout: Callable[[Any, Any], None] | None = None
     """(hf_config, args) -> None, or ValueError naming the fix: a pipeline split or recompute grouping the
     family's layers cannot run under (GLM-5.2's shared indexer layers), checked before Ray starts."""
@@ -147,6 +158,9 @@ class ModelFamily:
     layer_names: Callable[[str], dict[str, str]] = _no_names
     """HF layer prefix ('model.layers.L.') -> {megatron layer suffix: HF name} for the parameters this family
     adds or names otherwise (taking precedence over the dense table)."""
+    model_names: Callable[[str], dict[str, str]] = _no_names
+    """HF text prefix ('model.') -> {megatron name: HF name} for parameters outside the layers that the family
+    adds or names otherwise (DeepSeek-V4's hyper-connection head and `head.weight`)."""
     layer_layouts: Callable[[str, Any], dict[str, tuple]] = _no_layouts
     """(HF layer prefix, hf_config) -> {megatron layer suffix: (HF names, to_megatron, to_hf)} for parameters
     whose layout differs from HF's beyond a rename: to_megatron takes the HF tensors (a list) and gives the full
@@ -157,6 +171,10 @@ class ModelFamily:
     """(megatron layer suffix, HF layer prefix, global expert index, MoEArchitecture or None) -> the HF names
     of an MoE-layer parameter ((gate, up) for an fc1), None when it is not one. Default: the Qwen-MoE and
     DeepSeek-V3 spelling (moe_hf.py)."""
+
+    batched_generation: bool = True
+    """Whether the embedded engine may run several left-padded sequences in one forward; False where padding
+    changes the maths (DeepSeek-V4's compressors window each row from its first position)."""
 
     mtp_names: Callable[[Any, int], Any] | None = None
     """(hf_config, MTP layer index) -> `mtp.MTPLayerNames`, how the checkpoint spells its multi-token-prediction

@@ -109,8 +109,10 @@ def transformer_config_from_hf(hf_config: Any, args: Namespace) -> TransformerCo
         bf16=bf16,
         use_cpu_initialization=not torch.cuda.is_available(),
         # megatron's SwiGLU is torch.compile'd (its jit_fuser) with --fused-kernels compile; the other fused
-        # kernels are CUDA-only and TE provides its own on the cluster path.
-        bias_activation_fusion=fused_kernel_impl(args) == "compile",
+        # kernels are CUDA-only and TE provides its own on the cluster path. The fused SwiGLU has no clamp
+        # (activation_func_clamp_value, DeepSeek-V4's swiglu_limit).
+        bias_activation_fusion=fused_kernel_impl(args) == "compile"
+        and family_fields.get("activation_func_clamp_value") is None,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         persist_layer_norm=False,
@@ -131,6 +133,8 @@ def transformer_config_from_hf(hf_config: Any, args: Namespace) -> TransformerCo
     # every layer's sliding window (None: full attention), which the local layer specs build
     config.hf_layer_kinds = arch.layer_kinds
     config.hf_attention_windows = arch.attention_windows
+    # the layer facts no TransformerConfig field holds, for a family's own layers (DeepSeek-V4's)
+    config.hf_layer_config = family.layer_config(hf_config) if family.layer_config is not None else None
     return config
 
 
@@ -293,6 +297,8 @@ def build_gpt_model(
         vp_stage=vp_stage,
     )
     _mask_padded_vocab(model, hf_config.vocab_size)
+    if family_of(hf_config).prepare_model is not None:
+        family_of(hf_config).prepare_model(model)
     return model
 
 

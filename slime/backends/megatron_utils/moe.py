@@ -115,7 +115,9 @@ def _router_fields(arch: MoEArchitecture) -> dict[str, Any]:
     (norm_topk_prob) renormalised over the k; megatron's softmax-after-top-k is exactly the renormalised form.
     Sigmoid (DeepSeek-V3): megatron renormalises the top-k whenever k > 1, as deepseek_v3.py checks."""
     return dict(
-        moe_router_score_function=arch.score_function,
+        # a score function megatron-core has no name for (DeepSeek-V4's sqrt(softplus)) is computed by the family's
+        # own router (its layer spec replaces megatron's); megatron's config checks the expert bias against sigmoid
+        moe_router_score_function=arch.score_function if arch.score_function in ("softmax", "sigmoid") else "sigmoid",
         moe_router_pre_softmax=arch.score_function == "softmax" and not arch.norm_topk_prob,
         moe_router_enable_expert_bias=arch.expert_bias,
         moe_router_topk_scaling_factor=arch.topk_scaling_factor if arch.topk_scaling_factor != 1.0 else None,
