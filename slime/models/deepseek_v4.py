@@ -277,7 +277,12 @@ def refuse_unbuilt(args: Any) -> None:
 
 
 def check_layout(hf_config: Any, args: Any) -> None:
+    """Before Ray starts (config.json's fields): the flags V4's layers do not build, the output groups over TP."""
     refuse_unbuilt(args)
+    tp, groups = _given(args, "tensor_model_parallel_size") or 1, getattr(hf_config, "o_groups", None)
+    if isinstance(groups, int) and groups % tp:
+        _fail(f"--tensor-model-parallel-size {tp} does not divide o_groups {groups} (each TP rank holds whole output "
+              "groups); pick a TP size that divides it")
 
 
 # ------------------------------------------------------------------ the layers

@@ -6,6 +6,7 @@ a weight update and a release never overlap.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import math
@@ -143,8 +144,11 @@ class EmbeddedEngine:
         # a prompt-scoring request (max_new_tokens 0 with input log-probs, as a distillation teacher gets)
         # still needs its prefill
         active = [row for row in rows if row.finish_reason is None or row.request.logprob_start_len >= 0]
-        if active:
-            self._decode(active, should_abort)
+        # a family whose maths left padding changes (DeepSeek-V4's compression windows) runs one row at a time
+        batches = [active] if family_of(self.model.config).batched_generation else [[row] for row in active]
+        for batch in batches:
+            if batch:
+                self._decode(batch, should_abort)
         return [self._result(row) for row in rows]
 
     def _new_row(self, request: GenerationRequest) -> _RowState:
@@ -467,11 +471,35 @@ def checkpoint_target(name: str, state: dict[str, torch.Tensor], config: Any) ->
         return checkpoint_target(text_name, text_state, config.get_text_config())
     fused = fused_engine_target(name, set(state), family_of(config).moe(config))
     if fused is None or fused[0] not in state:
-        return None
+        renamed = _renamed(name, getattr(config, "model_type", None))
+        return state.get(renamed) if renamed != name else None
     target, expert, rows = fused
     if expert is None:
         return state[target]
     return state[target][expert, rows] if expert < state[target].shape[0] else None
+
+
+def _renamed(name: str, model_type: str | None) -> str:
+    """A checkpoint name as transformers' own renaming rules of the model type put it in memory (DeepSeek-V4's
+    checkpoints spell `attn.wq_a` what its model holds as `self_attn.q_a_proj`); the name itself without rules."""
+    renamings = _renamings(model_type)
+    if not renamings:
+        return name
+    from transformers.core_model_loading import apply_renamings
+
+    return apply_renamings(name, renamings)
+
+
+@functools.lru_cache(maxsize=None)
+def _renamings(model_type: str | None) -> tuple:
+    if not model_type:
+        return ()
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming
+    except ImportError:  # a transformers without conversion rules loads checkpoints by their names
+        return ()
+    return tuple(t for t in get_checkpoint_conversion_mapping(model_type) or () if isinstance(t, WeightRenaming))
 
 
 def _check_tensor(name: str, tensor: torch.Tensor, target: torch.Tensor | None) -> str | None:
