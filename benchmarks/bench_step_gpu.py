@@ -122,6 +122,21 @@ class ModelShape:
     dense_layers: int = 0
     shared_expert_gate: bool = False
     """A sigmoid gate (one output) on the shared expert, as Qwen3.5-MoE has."""
+    hc_mult: int = 0
+    """> 0: a DeepSeek-V4-style model (slime/models/deepseek_v4.py) with this many hyper-connection streams: one
+    shared key/value head of head_dim, a q_lora_rank query latent, o_groups output groups of o_lora_rank, every
+    MLP routed (the first `hash_layers` by token id) plus `shared_experts`; `attention_kinds` per layer."""
+    attention_kinds: tuple[str, ...] = ()
+    """"sliding", "csa" (compressed sparse: a key per compress_ratios[0] tokens, indexer top-index_topk) or "hca"
+    (heavily compressed: a key per compress_ratios[1] tokens)."""
+    sliding_window: int = 0
+    compress_ratios: tuple[int, int] = (4, 128)
+    o_groups: int = 0
+    o_lora_rank: int = 0
+    index_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
+    hash_layers: int = 0
 
     @property
     def full_layers(self) -> int:
@@ -136,6 +151,8 @@ class ModelShape:
         dense = 3 * h * self.ffn_hidden
         mlp = (self.layers - self.dense_layers) * routed + self.dense_layers * dense if self.num_experts \
             else self.layers * dense
+        if self.hc_mult:
+            return mlp + self._compressed_layers() + h * self.vocab
         gate = 1 if self.full_attention_every else 0
         attention = self._latent_attention() if self.kv_lora_rank else \
             h * ((1 + gate) * self.heads + 2 * self.kv_heads) * d + self.heads * d * h
@@ -151,6 +168,37 @@ class ModelShape:
         kv = h * (self.kv_lora_rank + rope) + self.kv_lora_rank * n * (self.head_dim + self.v_head_dim)
         return q + kv + n * self.v_head_dim * h
 
+    def _compressed_layers(self) -> int:
+        """DeepSeek-V4's attention projections (q down/up, the shared key, both output projections), each kind's
+        compressor (kv and gate) and indexer (its compressor, queries, head weights), the two hyper-connection
+        mixers of every layer and the final collapse of the streams."""
+        h, n, d, heads = self.hidden, self.hc_mult, self.head_dim, self.heads
+        attention = h * self.q_lora_rank + self.q_lora_rank * heads * d + h * d + heads * d * self.o_lora_rank \
+            + self.o_groups * self.o_lora_rank * h
+        di = self.index_head_dim
+        extra = {"sliding": 0, "hca": 2 * h * d,
+                 "csa": 2 * h * 2 * d + 2 * h * 2 * di + self.q_lora_rank * self.index_heads * di + h * self.index_heads}
+        mixers = 2 * (2 + n) * n * n * h
+        return sum(attention + extra[kind] + mixers for kind in self.attention_kinds) + n * n * h
+
+    def _compressed_attention_flops(self, n: int) -> float:
+        """DeepSeek-V4's attention over one sequence of n tokens: each query against its window and the compressed
+        keys it uses (its top-k of the causal ones in a CSA layer, every causal one in an HCA layer; QK^T and PV:
+        4 x heads x head_dim each), and the indexer's scores of every causal compressed key (2 x its heads x width)."""
+        csa, hca = self.compress_ratios
+        window = sum(min(self.sliding_window, t + 1) for t in range(n))
+        flops = 0.0
+        for kind in self.attention_kinds:
+            used = window
+            if kind == "csa":
+                ready = [(t + 1) // csa for t in range(n)]
+                used += sum(min(self.index_topk, r) for r in ready)
+                flops += 2 * self.index_heads * self.index_head_dim * sum(ready)
+            elif kind == "hca":
+                used += sum((t + 1) // hca for t in range(n))
+            flops += 4 * self.heads * self.head_dim * used
+        return flops
+
     @property
     def attention_width(self) -> float:
         """Half of (query-key width + value width): 2 x this x heads x L^2 is causal attention's forward."""
@@ -162,6 +210,8 @@ class ModelShape:
         """Model FLOPs of one forward over sequences of these lengths: causal attention in the full-attention
         layers; in a DeltaNet layer, per token and value head, the chunked rule's intra-chunk products
         (2 x 64 x 2 x head dim) and the state's update and read (6 x head dim^2)."""
+        if self.hc_mult:
+            return 2.0 * self.matmul_params() * sum(seq_lens) + sum(map(self._compressed_attention_flops, seq_lens))
         attention = sum(2 * self.full_layers * self.heads * self.attention_width * n * n for n in seq_lens)
         dl = self.linear_head_dim
         delta_rule = (self.layers - self.full_layers) * self.linear_value_heads * (4 * 64 * dl + 6 * dl * dl)
@@ -204,6 +254,21 @@ MODELS = {
                                     dense_layers=1),
     "tiny-moe": ModelShape(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, ffn_hidden=128,
                            num_experts=8, topk=2, moe_ffn_hidden=32, tied=False),
+    # DeepSeek-V4-Flash's widths (64 heads of 512 over one shared key, query rank 1024, 8 output groups of 1024,
+    # 4 streams, window 128, a compressed key per 4 / 128 tokens, the indexer's 64 heads of 128 keeping 512, experts
+    # of 2048 top-6 plus a shared one, the first layer hash-routed) with 4 of its 43 layers and 32 of its 256 experts
+    # (all 256 are 6.4B parameters a layer): about 4.8B parameters, weights, grads and Adam state near 90 GiB
+    "deepseek-v4-flash-4l": ModelShape(layers=4, hidden=4096, heads=64, kv_heads=1, head_dim=512, ffn_hidden=2048,
+                                       vocab=129280, num_experts=32, topk=6, moe_ffn_hidden=2048, shared_experts=1,
+                                       tied=False, q_lora_rank=1024, hc_mult=4,
+                                       attention_kinds=("hca", "csa", "hca", "csa"), sliding_window=128,
+                                       compress_ratios=(4, 128), o_groups=8, o_lora_rank=1024, index_heads=64,
+                                       index_head_dim=128, index_topk=512, hash_layers=1),
+    "tiny-deepseek-v4": ModelShape(layers=3, hidden=64, heads=4, kv_heads=1, head_dim=32, ffn_hidden=32, vocab=512,
+                                   num_experts=8, topk=2, moe_ffn_hidden=32, shared_experts=1, tied=False,
+                                   q_lora_rank=32, hc_mult=3, attention_kinds=("sliding", "csa", "hca"),
+                                   sliding_window=6, compress_ratios=(2, 4), o_groups=2, o_lora_rank=16,
+                                   index_heads=4, index_head_dim=16, index_topk=3, hash_layers=1),
 }
 STEP_FORWARDS = 4  # log-prob forward + training forward/backward (backward = 2 forwards)
 
@@ -581,10 +646,37 @@ def latent_moe_config(shape: ModelShape):
         pad_token_id=0, architectures=["Glm4MoeLiteForCausalLM"])
 
 
+V4_KINDS = {"sliding": "sliding_attention", "csa": "compressed_sparse_attention",
+            "hca": "heavily_compressed_attention"}
+
+
+def compressed_config(shape: ModelShape):
+    """transformers' DeepSeek-V4 config of a V4 shape (its other fields, YaRN on the compress RoPE included: the
+    release's defaults)."""
+    from transformers import DeepseekV4Config
+
+    csa, hca = shape.compress_ratios
+    return DeepseekV4Config(
+        vocab_size=shape.vocab, hidden_size=shape.hidden, moe_intermediate_size=shape.moe_ffn_hidden,
+        num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=1,
+        head_dim=shape.head_dim, q_lora_rank=shape.q_lora_rank, num_experts_per_tok=shape.topk,
+        n_routed_experts=shape.num_experts, n_shared_experts=shape.shared_experts, hc_mult=shape.hc_mult,
+        sliding_window=shape.sliding_window, o_groups=shape.o_groups, o_lora_rank=shape.o_lora_rank,
+        index_n_heads=shape.index_heads, index_head_dim=shape.index_head_dim, index_topk=shape.index_topk,
+        compress_rates={"compressed_sparse_attention": csa, "heavily_compressed_attention": hca},
+        layer_types=[V4_KINDS[kind] for kind in shape.attention_kinds],
+        mlp_layer_types=["hash_moe" if i < shape.hash_layers else "moe" for i in range(shape.layers)],
+        rope_parameters={"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536,
+                         "beta_fast": 32, "beta_slow": 1},
+        max_position_embeddings=1048576, tie_word_embeddings=shape.tied, architectures=["DeepseekV4ForCausalLM"])
+
+
 def write_config_checkpoint(out_dir: str, shape: ModelShape) -> str:
     """An HF directory holding only config.json (weights stay at megatron's init)."""
     from slime.tools.tiny_checkpoint import TinyQwen3Spec, build_config
 
+    if shape.hc_mult:
+        return _publish_config(out_dir, compressed_config(shape))
     if shape.full_attention_every:
         return _publish_config(out_dir, hybrid_config(shape))
     if shape.kv_lora_rank:
@@ -654,7 +746,8 @@ def use_path(actor, label: str) -> int:
     use_fused_adam(actor.optimizer, fused_adam_chosen(next(actor.model[0].parameters()).device) and not base)
     fused_kernels.configure("compile" if path == "fused" else "eager")
     for module in (m for chunk in actor.model for m in chunk.modules() if isinstance(m, MLP)):
-        module.config.bias_activation_fusion = path == "fused"  # megatron's compiled SwiGLU
+        # megatron's compiled SwiGLU, which has no clamp (DeepSeek-V4's swiglu_limit keeps the eager one)
+        module.config.bias_activation_fusion = path == "fused" and module.config.activation_func_clamp_value is None
     modules = attention_modules(actor)
     for module in modules:
         module.kernel = KERNEL_OF_PATH[path]
@@ -745,7 +838,7 @@ class StepBench:
         actor = MegatronTrainActor(self.args, self.env.rank, self.env.world_size, ledger_dir)
         actor._load_weights = lambda *where: None  # weights stay at megatron's random init (see module doc)
         actor.init(self.env.master_addr, self.env.master_port, engine_urls=[])
-        if not attention_modules(actor):
+        if not attention_modules(actor) and not self.shape.hc_mult:  # V4's attention is its own module
             raise RuntimeError("the model does not use ContextParallelAttention (TransformerEngine spec?): "
                                "this benchmark compares the local-spec paths; pass --transformer-impl local")
         return actor

@@ -111,6 +111,32 @@ def test_hybrid_moe_matmul_params_are_the_active_weights(bench):
     assert 2.5e9 < dataclasses.replace(bench.MODELS["qwen3.5-35b-a3b-4l"], layers=40).matmul_params() < 3.5e9
 
 
+def test_compressed_matmul_params_are_the_active_weights(bench):
+    """DeepSeek-V4's shape (transformers' own model): the attention projections, each kind's compressor and indexer
+    projections, the hyper-connection mixers and final collapse, the router, top-k experts and the shared expert (the
+    compressors' position biases are no matmul); its attention FLOPs count each query's window and compressed keys."""
+    import dataclasses
+
+    from transformers import AutoModelForCausalLM
+
+    for name in ("deepseek-v4-flash-4l", "tiny-deepseek-v4"):
+        shape = bench.MODELS[name]
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(bench.compressed_config(shape))
+        weights = {n: p.numel() for n, p in model.named_parameters()
+                   if (".layers." in n or ".hc_head." in n) and p.dim() >= 2 and "position_bias" not in n}
+        experts = sum(v for n, v in weights.items() if ".mlp.experts." in n)
+        active = sum(weights.values()) - experts + experts * shape.topk // shape.num_experts
+        assert shape.matmul_params() == active + shape.hidden * shape.vocab, name
+    tiny = bench.MODELS["tiny-deepseek-v4"]  # window 6, a CSA key per 2 tokens (top-3), an HCA key per 4
+    window = sum(min(6, t + 1) for t in range(10))
+    csa, hca = sum(min(3, (t + 1) // 2) for t in range(10)), sum((t + 1) // 4 for t in range(10))
+    indexer = 2 * 4 * 16 * sum((t + 1) // 2 for t in range(10))
+    assert tiny._compressed_attention_flops(10) == 4 * 4 * 32 * (3 * window + csa + hca) + indexer
+    assert 10e9 < dataclasses.replace(bench.MODELS["deepseek-v4-flash-4l"], layers=43, attention_kinds=("csa",) * 43,
+                                      num_experts=256).matmul_params() < 16e9  # V4-Flash: "13B activated"
+
+
 def test_forward_flops_count_causal_attention_per_sequence(bench):
     shape = bench.ModelShape(layers=2, hidden=8, heads=4, kv_heads=2, head_dim=4, ffn_hidden=16, vocab=32)
     matmul = 2 * (8 * (4 + 4) * 4 + 4 * 4 * 8 + 3 * 8 * 16) + 8 * 32
@@ -208,11 +234,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_step(tmp_path: Path, nproc: int, extra: list[str], env_extra: dict[str, str] | None = None):
+def _run_step(tmp_path: Path, nproc: int, extra: list[str], env_extra: dict[str, str] | None = None,
+              model: str = "tiny"):
     torchrun = Path(sys.executable).with_name("torchrun")
     results = tmp_path / "step.json"
     cmd = [str(torchrun), "--nproc-per-node", str(nproc), "--master-port", str(_free_port()), str(BENCH), "step",
-           "--model", "tiny", "--num-samples", "4", "--min-tokens", "40", "--max-tokens", "96", "--cycles", "1",
+           "--model", model, "--num-samples", "4", "--min-tokens", "40", "--max-tokens", "96", "--cycles", "1",
            "--max-tokens-per-gpu", "256", "--checkpoint-dir", str(tmp_path / "ckpt"),
            "--ledger-dir", str(tmp_path / "ledger"), "--results-json", str(results), *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env_extra or {})}
@@ -248,18 +275,21 @@ def test_step_command_runs_both_paths_on_cp2_with_audit_and_profile(tmp_path):
 
 @pytest.mark.timeout(200)
 def test_step_command_reports_an_out_of_memory_cycle(tmp_path):
-    """Also the offloaded optimizer's step (run_step_bench_gpu.sh's moeoffload flags) in its warm-up cycles."""
+    """On the DeepSeek-V4 shape (the GPU figure's model, tiny here), with the offloaded optimizer's step
+    (run_step_bench_gpu.sh's moeoffload flags): its warm-up cycles train, then the OOM report."""
     offload = ["--optimizer-cpu-offload", "--use-precision-aware-optimizer", "--overlap-cpu-optimizer-d2h-h2d"]
     proc, report = _run_step(tmp_path, 1, ["--paths", "new", "old", "--profile-warmup", *offload],
-                             {"BENCH_STEP_INJECT_OOM_AT": "2"})
+                             {"BENCH_STEP_INJECT_OOM_AT": "2"}, model="tiny-deepseek-v4")
     assert proc.returncode != 0
     assert all(c["in_use"]["optimizer"] == ["HybridDeviceOptimizer"] and math.isfinite(c["loss"]) and c["grad_norm"] > 0
                and c["host_peak_gib"] > 0 for c in report["cycles"]), report["cycles"]
     # the first warm-up cycle ran under cProfile, and only the first
     assert proc.stdout.count("WARMUP_PROFILE new: wall ") == 1 and "WARMUP_PROFILE old" not in proc.stdout
     assert "OOM rank=0" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "FIT step tiny" in proc.stdout and "then OOM in the timed cycle of the new path" in proc.stdout
+    assert "FIT step tiny-deepseek-v4" in proc.stdout and "then OOM in the timed cycle of the new path" in proc.stdout
     assert [c["kind"] for c in report["cycles"]] == ["warmup", "warmup"]
+    assert all(math.isfinite(c["loss"]) and c["grad_norm"] > 0 and c["tflops_per_gpu"] > 0 for c in report["cycles"])
+    assert report["summary"]["attention_modules"] == 0 and report["summary"]["shape"]["hc_mult"] == 3
     assert report["summary"]["failure"].startswith("OOM in the timed cycle of the new path at benchmarks/bench_step_gpu.py:")
 
 

@@ -99,7 +99,7 @@ def _tiny_configs():
     from transformers import (Glm4Config, Glm4MoeConfig, GlmMoeDsaConfig, LlamaConfig,
                               MiniMaxM2Config, Qwen2MoeConfig, Qwen3_5Config, Qwen3MoeConfig)
 
-    from tiny_models import tiny_deepseek_v3_config, tiny_qwen3_config
+    from tiny_models import tiny_deepseek_v3_config, tiny_deepseek_v4_config, tiny_qwen3_config
 
     small = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2)
@@ -116,6 +116,7 @@ def _tiny_configs():
         "minimax_m2": MiniMaxM2Config(**small, num_local_experts=4, rotary_dim=8, head_dim=16),
         "glm_moe_dsa": GlmMoeDsaConfig(num_hidden_layers=3, index_topk_pattern="FSF"),
         "qwen3_5": Qwen3_5Config(text_config=dict(**small, layer_types=["linear_attention", "full_attention"] * 2)),
+        "deepseek_v4": tiny_deepseek_v4_config(),
     }
 
 

@@ -31,11 +31,13 @@ between ranks.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
@@ -194,35 +196,49 @@ class LightningIndexer(torch.nn.Module):
             param.requires_grad_(False)
 
     @torch.no_grad()
-    def visible(self, x_seq, x_q, q_lat, positions, rope: RotaryTable) -> torch.Tensor:
-        """[tq, L // ratio] boolean: the causal compressed keys among each query's `index_topk` best."""
+    def select(self, x_seq, x_q, q_lat, positions, rope: RotaryTable) -> tuple[torch.Tensor, torch.Tensor]:
+        """([tq, k] compressed-key indices, [tq, k] which of them are causal): each query's `index_topk` best
+        (k = min(index_topk, L // ratio)), scored a chunk of queries at a time."""
         keys = self.compressor(x_seq, rope).float()
         q = rope.rotate(self.linear_q_up_proj(q_lat).view(-1, self.heads, self.dim), positions).float()
-        scores = F.relu(torch.einsum("thd,cd->thc", q, keys)) * self.dim ** -0.5
         weights = self.weights_proj(x_q).float() * self.heads ** -0.5
-        total = (scores * weights[..., None]).sum(dim=1)
-        causal = torch.arange(keys.shape[0], device=keys.device)[None] < ((positions + 1) // self.ratio)[:, None]
-        top = total.masked_fill(~causal, float("-inf")).topk(min(self.topk, keys.shape[0]), dim=-1).indices
-        return causal & torch.zeros_like(causal).scatter_(-1, top, True)
+        k = min(self.topk, keys.shape[0])
+        index, valid = [], []
+        for rows in _chunks(q.shape[0]):
+            scores = F.relu(torch.einsum("thd,cd->thc", q[rows], keys)) * self.dim ** -0.5
+            total = (scores * weights[rows, :, None]).sum(dim=1)
+            ready = ((positions[rows] + 1) // self.ratio)[:, None]
+            future = torch.arange(keys.shape[0], device=keys.device)[None] >= ready
+            top = total.masked_fill(future, float("-inf")).topk(k, dim=-1).indices
+            index.append(top)
+            valid.append(top < ready)
+        return torch.cat(index), torch.cat(valid)
 
 
-def sink_attention(q, keys, positions, window: int, compressed, visible, sinks, scale: float) -> torch.Tensor:
+QUERY_CHUNK = 2048
+"""Queries per attention (and indexer) call: bounds the gathered keys and the logits a call holds."""
+
+
+def _chunks(count: int) -> list[slice]:
+    return [slice(start, min(start + QUERY_CHUNK, count)) for start in range(0, count, QUERY_CHUNK)]
+
+
+def sink_attention(q, keys, positions, compressed, index, valid, sinks, window: int, scale: float) -> torch.Tensor:
     """q [tq, H, d] of one sequence against its keys [L, d] (K = V) in the window before each query and the
-    visible compressed keys [Lc, d] ([tq, Lc] boolean), with a sink logit per head -> [tq, H, d]."""
+    compressed keys [Lc, d] at `index` [tq, k] where `valid`, with a sink logit per head -> [tq, H, d]."""
     width = min(window, keys.shape[0])
-    index = positions[:, None] - torch.arange(width - 1, -1, -1, device=q.device)[None]  # p - width + 1 .. p
-    local = keys[index.clamp(min=0)]  # [tq, width, d]
-    logits = [torch.einsum("thd,twd->thw", q, local).float().mul(scale)
-              .masked_fill(~(index >= 0)[:, None], float("-inf"))]
-    if compressed is not None and compressed.shape[0]:
-        logits.append(torch.einsum("thd,cd->thc", q, compressed).float().mul(scale)
-                      .masked_fill(~visible[:, None], float("-inf")))
+    local_index = positions[:, None] - torch.arange(width - 1, -1, -1, device=q.device)[None]  # p - width + 1 .. p
+    gathered = [keys[local_index.clamp(min=0)]]  # [tq, width, d]
+    masks = [local_index >= 0]
+    if compressed is not None and index.shape[-1]:
+        gathered.append(compressed[index])
+        masks.append(valid)
+    seen = torch.cat(gathered, dim=1)  # [tq, width + k, d]
+    logits = torch.einsum("thd,tnd->thn", q, seen).float().mul(scale).masked_fill(~torch.cat(masks, 1)[:, None],
+                                                                                  float("-inf"))
     sink = sinks.float().view(1, -1, 1).expand(q.shape[0], -1, 1)
-    probs = torch.softmax(torch.cat([*logits, sink], dim=-1), dim=-1).to(q.dtype)
-    out = torch.einsum("thw,twd->thd", probs[..., :width], local)
-    if len(logits) > 1:
-        out = out + torch.einsum("thc,cd->thd", probs[..., width:-1], compressed)
-    return out
+    probs = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1].to(q.dtype)
+    return torch.einsum("thn,tnd->thd", probs, seen)
 
 
 # ------------------------------------------------------------------ the attention
@@ -296,17 +312,24 @@ class CompressedSparseAttention(MegatronModule):
         q_lat = rms_norm(self.linear_q_down_proj(tokens), self.q_layernorm.weight, self.eps)
         keys = self.rope.rotate(rms_norm(self.linear_kv_proj(whole), self.kv_layernorm.weight, self.eps),
                                 key_positions)
-        compressed, visible = self._compressed(tokens, whole, q_lat, plan)
+        compressed, selected = self._compressed(tokens, whole, q_lat, plan)
         # split over TP: the gradient of what the heads read is summed over TP
         shared = copy_to_tensor_model_parallel_region(torch.cat([keys, *compressed]))
         keys, *compressed = shared.split([keys.shape[0], *(c.shape[0] for c in compressed)])
         q = self.linear_q_up_proj(copy_to_tensor_model_parallel_region(q_lat))
         q = self.rope.rotate(unit_rms(q.view(-1, self.local_heads, self.head_dim), self.eps), positions)
         outputs = []
-        for index, (seq, pos) in enumerate(zip(plan.sequences, plan.query_positions)):
-            outputs.append(sink_attention(q[seq.local], keys[seq.keys], pos, self.window,
-                                          compressed[index] if compressed else None,
-                                          visible[index] if visible else None, self.sinks, self.scale))
+        for number, (seq, pos) in enumerate(zip(plan.sequences, plan.query_positions)):
+            queries, seq_keys = q[seq.local], keys[seq.keys]
+            chosen = compressed[number] if compressed else None
+            index, valid = selected[number] if selected else (None, None)
+            for rows in _chunks(queries.shape[0]):
+                parts = (queries[rows], seq_keys, pos[rows], chosen, None if index is None else index[rows],
+                         None if valid is None else valid[rows], self.sinks)
+                attend = functools.partial(sink_attention, window=self.window, scale=self.scale)
+                # recomputed in the backward: only the chunk's inputs are kept, not its gathered keys and logits
+                outputs.append(torch.utils.checkpoint.checkpoint(attend, *parts, use_reentrant=False)
+                               if torch.is_grad_enabled() else attend(*parts))
         out = self.rope.rotate(torch.cat(outputs), positions, inverse=True)
         grouped = out.reshape(out.shape[0], self.local_groups, -1)
         weight = self.linear_o_group_proj.weight.view(self.local_groups, -1, grouped.shape[-1])
@@ -314,21 +337,18 @@ class CompressedSparseAttention(MegatronModule):
         return self.linear_proj(projected)
 
     def _compressed(self, tokens, whole, q_lat, plan: AttentionPlan) -> tuple[list, list]:
-        """Per sequence: its compressed keys [Lc, d] and which of them each of this rank's queries sees."""
+        """Per sequence: its compressed keys [Lc, d], and which of them each of this rank's queries sees ([tq, k]
+        indices, [tq, k] valid): the indexer's choice, or every compressed key (causal ones valid)."""
         if self.compressor is None:
             return [], []
-        compressed, visible = [], []
+        compressed, selected = [], []
         for seq, pos in zip(plan.sequences, plan.query_positions):
             keys = self.compressor(whole[seq.keys], self.rope)
             compressed.append(keys)
             if self.indexer is not None:
-                visible.append(self.indexer.visible(whole[seq.keys], tokens[seq.local], q_lat[seq.local], pos,
+                selected.append(self.indexer.select(whole[seq.keys], tokens[seq.local], q_lat[seq.local], pos,
                                                     self.rope))
-            else:
-                ready = (pos + 1) // self.compressor.ratio
-                visible.append(torch.arange(keys.shape[0], device=keys.device)[None] < ready[:, None])
-        return compressed, visible
-
-
-__all__ = ["CompressedSparseAttention", "Compressor", "LightningIndexer", "RotaryTable", "sink_attention",
-           "inverse_frequencies", "CSA", "HCA", "SLIDING"]
+                continue
+            every = torch.arange(keys.shape[0], device=keys.device).expand(pos.shape[0], -1)
+            selected.append((every, every < ((pos + 1) // self.compressor.ratio)[:, None]))
+        return compressed, selected

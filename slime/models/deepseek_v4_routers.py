@@ -77,11 +77,29 @@ class HashRouter(_V4Router):
             del self.expert_bias, self.local_tokens_per_expert
             self.enable_expert_bias = False
         layers = config.hf_layer_config
-        self.register_buffer("tid2eid", torch.zeros(layers.vocab_size, layers.topk, dtype=torch.long,
-                                                    device=self.weight.device))
+        # until a checkpoint's table is loaded: token t to experts t, t + 1, ... (distinct, every expert used)
+        table = (torch.arange(layers.vocab_size)[:, None] + torch.arange(layers.topk)[None]) % self.num_experts
+        self.register_buffer("tid2eid", table.to(self.weight.device))
         self.token_ids: _TokenIds | None = None
+        self._checked_version: int | None = None
+
+    def _check_table(self) -> None:
+        """Each token's experts distinct and in range (checked again after every write of the table): transformers'
+        class runs an expert listed twice twice, megatron's MoE layer once."""
+        if self._checked_version == self.tid2eid._version:
+            return
+        table = self.tid2eid
+        rows = table.sort(dim=-1).values
+        if (table < 0).any() or (table >= self.num_experts).any() or (rows[:, 1:] == rows[:, :-1]).any():
+            bad = int(((rows[:, 1:] == rows[:, :-1]).any(-1) | (table < 0).any(-1) | (table >= self.num_experts).any(-1))
+                      .nonzero()[0])
+            raise ValueError(f"DeepSeek-V4 hash layer {self.layer_number}: tid2eid row {bad} is {table[bad].tolist()}; "
+                             f"each token needs {table.shape[1]} distinct experts of the {self.num_experts}: fix the "
+                             "checkpoint's ffn.gate.tid2eid")
+        self._checked_version = table._version
 
     def choose(self, logits: torch.Tensor) -> torch.Tensor:
+        self._check_table()
         if self.token_ids is None or self.token_ids.value is None:
             raise RuntimeError("a DeepSeek-V4 hash router ran without the forward's token ids; build the model with "
                                "build_gpt_model (the family's prepare_model feeds them)")
