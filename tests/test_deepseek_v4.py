@@ -118,6 +118,10 @@ def _train_child(rank, world, hf_dir, data, layout, url, ledger_dir):
     from slime_plugins.models.hf_weights import export_hf_weights, unwrap_model
     from train_step_harness import build_loaded_model, layout_args, plans_for_this_rank
 
+    from slime.models import compressed_attention
+
+    if world == 1:  # the reference attends a few queries at a time: the chunks and their recompute are exercised
+        compressed_attention.QUERY_CHUNK = 5
     args = layout_args(dict(layout, **TRAINING), fence_timeout=FENCE_S, colocate=False, rollout_num_gpus_per_engine=1,
                        update_weight_buffer_size=64 * 1024)
     model, optimizer, scheduler = build_loaded_model(args, hf_dir)
