@@ -17,6 +17,10 @@
 #               >= 250 for timed cycles); SMF_PATHS="fused grouped sequential" compares the three in one process
 #   glm         GLM-4.7-Flash-shaped MoE step (8 of 47 layers: MLA, 64 experts top-4 sigmoid router + shared expert,
 #               the first MLP dense; EP1), grouped experts (GLM_PATHS adds sequential), a profiled cycle
+#   dsv4        (only when PHASES names it) DeepSeek-V4-Flash-shaped step (4 of 43 layers at its widths: compressed
+#               sparse / heavily compressed attention with the indexer, 4 hyper-connection streams, 32 of its 256
+#               experts top-6 + a shared one, the first layer hash-routed; EP1), grouped experts (V4_PATHS), a
+#               profiled cycle; V4_TOKENS_PER_GPU / V4_MIN_TOKENS / V4_MAX_TOKENS size it
 #   gdn         benchmarks/bench_gated_delta_gpu.py: the gated DeltaNet's kernel alone, fla's kernels with the project's
 #               chunk_bwd_dqkwg (fla-dqkwg) vs the compiled rule, errors of every gradient vs fp64 (GDN_JOBS: its --jobs)
 #   qwen35      Qwen3.5-4B-sized hybrid step (16 of 32 layers: 12 gated DeltaNet, 4 gated attention; fused path,
@@ -69,7 +73,8 @@ fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 "$PY" -c "import megatron.core, transformers, safetensors, torch.distributed.run" || fatal "a required package does not import (above)"
 if [ "${DRY_RUN:-0}" = 1 ]; then
-  NGPU=1 M06=tiny M4B=tiny MMOE=tiny-moe MGLM=tiny-glm-moe-lite MQ35=tiny-hybrid-moe ATTN=(--device cpu --tokens 64 --shapes 4:2:16 --reps 1) SMI=true
+  NGPU=1 M06=tiny M4B=tiny MMOE=tiny-moe MGLM=tiny-glm-moe-lite MQ35=tiny-hybrid-moe MV4=tiny-deepseek-v4 ATTN=(--device cpu --tokens 64 --shapes 4:2:16 --reps 1) SMI=true
+  export V4_MIN_TOKENS=64 V4_MAX_TOKENS=128 V4_TOKENS_PER_GPU=256 V4_CYCLES=1
   export S06_MIN_TOKENS=64 S06_MAX_TOKENS=128 S06_TOKENS_PER_GPU=256 S06_CYCLES=1
   export S4B_MIN_TOKENS=200 S4B_MAX_TOKENS=240 S4B_TOKENS_PER_GPU=256 S4B_CYCLES=1
   export SMOE_MIN_TOKENS=64 SMOE_MAX_TOKENS=128 SMOE_TOKENS_PER_GPU=256 SMOE_CYCLES=1
@@ -82,7 +87,7 @@ if [ "${DRY_RUN:-0}" = 1 ]; then
 else
   NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count())') || fatal "torch does not start"
   [ "$NGPU" -ge 1 ] || fatal "no GPU visible to torch"
-  M06=qwen3-0.6b M4B=qwen3-4b MMOE=qwen3-30b-a3b-8l MGLM=glm-4.7-flash-8l MQ35=qwen3.5-35b-a3b-4l ATTN=(--tokens ${ATTN_TOKENS:-16384 32768} --shapes 16:8:128 32:8:128) SMI=nvidia-smi
+  M06=qwen3-0.6b M4B=qwen3-4b MMOE=qwen3-30b-a3b-8l MGLM=glm-4.7-flash-8l MQ35=qwen3.5-35b-a3b-4l MV4=deepseek-v4-flash-4l ATTN=(--tokens ${ATTN_TOKENS:-16384 32768} --shapes 16:8:128 32:8:128) SMI=nvidia-smi
   GDN=() MQ35D=qwen3.5-4b-16l GDN_OLD=compiled
 fi
 TORCHRUN=("$PY" -m torch.distributed.run --nproc-per-node "$NGPU")
@@ -155,6 +160,13 @@ if want glm; then  # GLM-4.7-Flash-shaped MoE step (8 layers: MLA, 64 experts to
   GLM_CYCLES=${GLM_CYCLES:-2}
   step glm "${GLM_CAP:-200}" GLM "$MGLM" --paths ${GLM_PATHS:-grouped} --profile --lr 0 --moe-grouped-gemm \
     --max-tokens-per-gpu "${GLM_TOKENS_PER_GPU:-8192}" --moe-token-dispatcher-type alltoall --moe-router-dtype fp32 \
+    --use-distributed-optimizer
+fi
+if [[ " ${PHASES:-} " == *" dsv4 "* ]]; then  # DeepSeek-V4-Flash-shaped step: named phase only (not in the default run)
+  V4_NUM_SAMPLES=${V4_NUM_SAMPLES:-4} V4_MIN_TOKENS=${V4_MIN_TOKENS:-6144} V4_MAX_TOKENS=${V4_MAX_TOKENS:-8192}
+  V4_CYCLES=${V4_CYCLES:-2}
+  step dsv4 "${V4_CAP:-420}" V4 "$MV4" --paths ${V4_PATHS:-grouped} --profile ${V4_EXTRA:-} --lr 0 --moe-grouped-gemm \
+    --max-tokens-per-gpu "${V4_TOKENS_PER_GPU:-8192}" --moe-token-dispatcher-type alltoall --moe-router-dtype fp32 \
     --use-distributed-optimizer
 fi
 
