@@ -160,9 +160,14 @@ def _train_child(rank, world, hf_dir, data, layout, url, ledger_dir):
             sync.close()
     bias = {n: t.clone() for n, t in export_hf_weights(model, hf_config) if n.endswith("gate.bias")}
     layers = unwrap_model(model[0]).decoder.layers
+    # --save / --load's sharded state: the head-split weights with their TP axis, the shared key's replicated
+    sharded = unwrap_model(model[0]).sharded_state_dict()
+    attention = "decoder.layers.1.self_attention."
+    shards = {name: (tuple(sharded[attention + name].local_shape), tuple(sharded[attention + name].global_shape))
+              for name in ("linear_q_up_proj.weight", "sinks", "linear_proj.weight", "linear_kv_proj.weight")}
     return dict(result, before=before, steps=steps, bias=bias, frozen_moved=[n for n, t in frozen().items()
                                                                            if not torch.equal(t, loaded_frozen[n])],
-                stream_width=layers[1].attention_mixer.fn.shape[-1], rank=rank,
+                stream_width=layers[1].attention_mixer.fn.shape[-1], rank=rank, shards=shards,
                 dp=parallel_state.get_data_parallel_world_size())
 
 
@@ -267,6 +272,9 @@ def test_tp2_sp_cp2_ep2_trains_as_one_rank_and_every_push_gives_the_engine_the_t
     for result in results:  # every rank exports every tensor (the experts gathered over EP)
         _check_logits_and_export(result, reference, original)
         assert result["frozen_moved"] == [] and result["dp"] == 1
+        assert result["shards"] == {"linear_q_up_proj.weight": ((64, 32), (128, 32)), "sinks": ((2,), (4,)),
+                                    "linear_proj.weight": ((64, 16), (64, 32)), "linear_kv_proj.weight": ((32, 64),
+                                                                                                         (32, 64))}
     first = results[0]
     for got, want in zip(first["before"], single["before"]):
         assert got == pytest.approx(want, abs=1e-5)

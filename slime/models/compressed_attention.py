@@ -118,15 +118,18 @@ def _device(config) -> torch.device:
         else torch.device("cuda", torch.cuda.current_device())
 
 
-def _weight(config, full_shape: tuple[int, ...], split_dim: int | None = None, init=None) -> torch.nn.Parameter:
+def _weight(config, full_shape: tuple[int, ...], split_dim: int | None = None, init=None,
+            fp32: bool = False) -> torch.nn.Parameter:
     """A weight initialised whole (the default generator: the same on every TP rank), then this TP rank's
-    contiguous part along `split_dim` (None: replicated)."""
+    contiguous part along `split_dim` (None: replicated); `fp32`: kept in fp32 whatever --bf16 says, as
+    transformers keeps V4's sinks, position biases and norms."""
     full = torch.empty(full_shape, dtype=torch.float32)
     (init or config.init_method)(full)
     if split_dim is not None:
         tp = parallel_state.get_tensor_model_parallel_world_size()
         full = full.chunk(tp, dim=split_dim)[parallel_state.get_tensor_model_parallel_rank()]
-    param = torch.nn.Parameter(full.to(device=_device(config), dtype=config.params_dtype).contiguous())
+    dtype = torch.float32 if fp32 else config.params_dtype
+    param = torch.nn.Parameter(full.to(device=_device(config), dtype=dtype).contiguous())
     if split_dim is not None:
         set_tensor_model_parallel_attributes(param, True, split_dim, 1)
     return param
@@ -146,7 +149,7 @@ class _Linear(torch.nn.Module):
 class _NormWeight(torch.nn.Module):
     def __init__(self, config, size: int) -> None:
         super().__init__()
-        self.weight = _weight(config, (size,), init=torch.nn.init.ones_)
+        self.weight = _weight(config, (size,), init=torch.nn.init.ones_, fp32=True)
 
 
 # ------------------------------------------------------------------ compressor and indexer
@@ -160,7 +163,7 @@ class Compressor(torch.nn.Module):
         self.dim, self.ratio, self.overlap, self.eps = dim, ratio, overlap, eps
         self.linear_kv_proj = _Linear(_weight(config, (width, config.hidden_size)))
         self.linear_gate_proj = _Linear(_weight(config, (width, config.hidden_size)))
-        self.position_bias = _weight(config, (ratio, width), init=torch.nn.init.zeros_)
+        self.position_bias = _weight(config, (ratio, width), init=torch.nn.init.zeros_, fp32=True)
         self.norm = _NormWeight(config, dim)
 
     def forward(self, x: torch.Tensor, rope: RotaryTable) -> torch.Tensor:
@@ -267,7 +270,7 @@ class CompressedSparseAttention(MegatronModule):
         self.kv_layernorm = _NormWeight(config, d)
         # split over TP by heads / output groups
         self.linear_q_up_proj = _Linear(_weight(config, (heads * d, rank), split_dim=0))
-        self.sinks = _weight(config, (heads,), split_dim=0, init=torch.nn.init.zeros_)
+        self.sinks = _weight(config, (heads,), split_dim=0, init=torch.nn.init.zeros_, fp32=True)
         self.linear_o_group_proj = _Linear(_weight(config, (groups * layers.o_lora_rank, heads * d // groups),
                                                    split_dim=0))
         self.linear_proj = _Linear(_weight(config, (hidden, groups * layers.o_lora_rank), split_dim=1,
@@ -275,6 +278,16 @@ class CompressedSparseAttention(MegatronModule):
         self.compressor = None if kind == SLIDING else Compressor(config, d, layers.ratio(kind), overlap=kind == CSA,
                                                                   eps=self.eps)
         self.indexer = LightningIndexer(config, layers) if kind == CSA else None
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """--save / --load: the head-split weights with their TP axis (megatron's default takes a module it does not
+        know for replicated), the rest replicated."""
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        axes = {name: param.partition_dim for name, param in self.named_parameters()
+                if getattr(param, "tensor_model_parallel", False)}
+        return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, axes,
+                                                   sharded_offsets)
 
     def _cp(self) -> tuple[Optional[torch.distributed.ProcessGroup], int, int]:
         if self.config.context_parallel_size == 1:

@@ -262,9 +262,8 @@ def refuse_unbuilt(args: Any) -> None:
         (bool(_given(args, "use_routing_replay") or _given(args, "use_rollout_routing_replay")),
          "--use-routing-replay / --use-rollout-routing-replay: V4's hash layers route by token id and its "
          "sqrt(softplus) router is not megatron's, whose replay these flags drive; drop them"),
-        (bool(_given(args, "moe_aux_loss_coeff")) or (_given(args, "moe_router_load_balancing_type") or "none")
-         not in ("none", "aux_loss"),
-         "--moe-aux-loss-coeff / --moe-router-load-balancing-type: megatron's balancing losses read softmax or "
+        (bool(_given(args, "moe_aux_loss_coeff")) or _given(args, "moe_router_load_balancing_type") == "sinkhorn",
+         "--moe-aux-loss-coeff / --moe-router-load-balancing-type sinkhorn: megatron's balancing reads softmax or "
          "sigmoid scores; V4 balances with its expert bias (--moe-router-bias-update-rate): drop them"),
         (bool(_given(args, "moe_expert_capacity_factor")), "--moe-expert-capacity-factor: transformers' class "
          "drops no token; drop the flag"),

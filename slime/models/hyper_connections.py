@@ -23,14 +23,14 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from slime.models import fused_kernels
-
 
 def _replicated(config, shape: tuple[int, ...], init) -> torch.nn.Parameter:
+    """A weight replicated over TP, in fp32 whatever --bf16 says (transformers keeps the mixers and the head in
+    fp32; their Sinkhorn-normalised products compound over every layer)."""
     tensor = torch.empty(shape, dtype=torch.float32)
     init(tensor)
     device = "cpu" if config.use_cpu_initialization or not torch.cuda.is_available() else torch.cuda.current_device()
-    param = torch.nn.Parameter(tensor.to(device=device, dtype=config.params_dtype))
+    param = torch.nn.Parameter(tensor.to(device=device))
     param.sequence_parallel = config.sequence_parallel  # summed over TP by finalize_model_grads under SP
     return param
 
@@ -131,4 +131,6 @@ class HyperHeadNorm(torch.nn.Module):
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
         mixes = F.linear(_unit_rms(streams.float(), self.norm_eps), self.hc_fn.float())
         pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.hc_eps
-        return fused_kernels.rms_norm(collapse(streams, pre), self.weight, self.eps)
+        collapsed = collapse(streams, pre)
+        normed = collapsed.float() * torch.rsqrt(collapsed.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * normed).to(collapsed.dtype)  # transformers' RMSNorm: scaled in fp32, cast back
