@@ -176,8 +176,8 @@ class ModelShape:
         attention = h * self.q_lora_rank + self.q_lora_rank * heads * d + h * d + heads * d * self.o_lora_rank \
             + self.o_groups * self.o_lora_rank * h
         di = self.index_head_dim
-        extra = {"sliding": 0, "hca": 2 * h * d,
-                 "csa": 2 * h * 2 * d + 2 * h * 2 * di + self.q_lora_rank * self.index_heads * di + h * self.index_heads}
+        indexer = 2 * h * 2 * di + self.q_lora_rank * self.index_heads * di + h * self.index_heads
+        extra = {"sliding": 0, "hca": 2 * h * d, "csa": 2 * h * 2 * d + indexer}
         mixers = 2 * (2 + n) * n * n * h
         return sum(attention + extra[kind] + mixers for kind in self.attention_kinds) + n * n * h
 

@@ -165,7 +165,15 @@ def _train_child(rank, world, hf_dir, data, layout, url, ledger_dir):
     attention = "decoder.layers.1.self_attention."
     shards = {name: (tuple(sharded[attention + name].local_shape), tuple(sharded[attention + name].global_shape))
               for name in ("linear_q_up_proj.weight", "sinks", "linear_proj.weight", "linear_kv_proj.weight")}
-    return dict(result, before=before, steps=steps, bias=bias, frozen_moved=[n for n, t in frozen().items()
+    refused = None
+    if world == 1:  # a loaded table listing an expert twice for a token is refused when first used
+        with torch.no_grad():
+            layers[0].mlp.router.tid2eid[3] = 1
+        try:
+            compute_log_probs(model, data, plan, args)
+        except ValueError as exc:
+            refused = str(exc)
+    return dict(result, before=before, steps=steps, bias=bias, refused=refused, frozen_moved=[n for n, t in frozen().items()
                                                                            if not torch.equal(t, loaded_frozen[n])],
                 stream_width=layers[1].attention_mixer.fn.shape[-1], rank=rank, shards=shards,
                 dp=parallel_state.get_data_parallel_world_size())
@@ -234,6 +242,7 @@ def test_one_rank_logits_gradients_and_export_are_transformers(assets, tmp_path)
     logits.log_softmax(-1)[:-1].gather(-1, tokens[0, 1:, None]).sum().backward()
     _check_logits_and_export(single, logits.detach(), load_file(f"{hf_dir}/model.safetensors"))
     _check_gradients(hf, single["grads"])
+    assert "tid2eid row 3 is [1, 1]; each token needs 2 distinct experts" in single["refused"]
     assert single["stream_width"] == hf.config.hc_mult * hf.config.hidden_size
 
 

@@ -256,7 +256,7 @@ class CompressedSparseAttention(MegatronModule):
         heads, d, groups = config.num_attention_heads, layers.head_dim, layers.o_groups
         if heads % tp or groups % tp:
             raise ValueError(f"DeepSeek-V4: --tensor-model-parallel-size {tp} must divide the {heads} heads and the "
-                             f"{groups} output groups (o_groups); pick a TP size that divides {math.gcd(heads, groups)}")
+                             f"{groups} output groups (o_groups); pick a TP size dividing {math.gcd(heads, groups)}")
         self.kind, self.layer_number, self.layers = kind, layer_number, layers
         self.local_heads, self.local_groups, self.head_dim = heads // tp, groups // tp, d
         self.window, self.eps, self.scale = layers.sliding_window, layers.norm_eps, d ** -0.5

@@ -90,9 +90,9 @@ class HashRouter(_V4Router):
             return
         table = self.tid2eid
         rows = table.sort(dim=-1).values
-        if (table < 0).any() or (table >= self.num_experts).any() or (rows[:, 1:] == rows[:, :-1]).any():
-            bad = int(((rows[:, 1:] == rows[:, :-1]).any(-1) | (table < 0).any(-1) | (table >= self.num_experts).any(-1))
-                      .nonzero()[0])
+        wrong = (rows[:, 1:] == rows[:, :-1]).any(-1) | (table < 0).any(-1) | (table >= self.num_experts).any(-1)
+        if wrong.any():
+            bad = int(wrong.nonzero()[0])
             raise ValueError(f"DeepSeek-V4 hash layer {self.layer_number}: tid2eid row {bad} is {table[bad].tolist()}; "
                              f"each token needs {table.shape[1]} distinct experts of the {self.num_experts}: fix the "
                              "checkpoint's ffn.gate.tid2eid")
