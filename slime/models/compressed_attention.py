@@ -122,13 +122,13 @@ def _weight(config, full_shape: tuple[int, ...], split_dim: int | None = None, i
             fp32: bool = False) -> torch.nn.Parameter:
     """A weight initialised whole (the default generator: the same on every TP rank), then this TP rank's
     contiguous part along `split_dim` (None: replicated); `fp32`: kept in fp32 whatever --bf16 says, as
-    transformers keeps V4's sinks, position biases and norms."""
+    transformers keeps V4's sinks, position biases and norms (DeepseekV4Layers.fp32_weights)."""
     full = torch.empty(full_shape, dtype=torch.float32)
     (init or config.init_method)(full)
     if split_dim is not None:
         tp = parallel_state.get_tensor_model_parallel_world_size()
         full = full.chunk(tp, dim=split_dim)[parallel_state.get_tensor_model_parallel_rank()]
-    dtype = torch.float32 if fp32 else config.params_dtype
+    dtype = torch.float32 if fp32 and config.hf_layer_config.fp32_weights else config.params_dtype
     param = torch.nn.Parameter(full.to(device=_device(config), dtype=dtype).contiguous())
     if split_dim is not None:
         set_tensor_model_parallel_attributes(param, True, split_dim, 1)

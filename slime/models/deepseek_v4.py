@@ -79,6 +79,10 @@ class DeepseekV4Layers:
     norm_eps: float
     vocab_size: int
     topk: int
+    fp32_weights: bool = True
+    """The sinks, position biases, V4's norms and the hyper-connection weights in fp32 whatever --bf16 says (as
+    transformers keeps them); False under --optimizer-cpu-offload, whose hybrid CPU optimizer holds 16-bit
+    parameters only (deepseek_v4_spec sets it from the flags)."""
 
     def ratio(self, kind: str) -> int:
         return dict(self.ratios)[kind]
@@ -304,7 +308,9 @@ def deepseek_v4_spec(args: Any, config: Any, vp_stage: int | None = None):
     from slime.models.sp_norm import SequenceParallelNorm
 
     refuse_unbuilt(args)
-    layers: DeepseekV4Layers = config.hf_layer_config
+    layers: DeepseekV4Layers = dataclasses.replace(config.hf_layer_config,
+                                                   fp32_weights=not getattr(args, "optimizer_cpu_offload", False))
+    config.hf_layer_config = layers  # what the layers built from these specs read
     grouped = grouped_experts_chosen(args.moe_grouped_gemm)
     specs = []
     for attention, mlp in zip(layers.attention_kinds, layers.mlp_kinds):

@@ -26,11 +26,13 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 def _replicated(config, shape: tuple[int, ...], init) -> torch.nn.Parameter:
     """A weight replicated over TP, in fp32 whatever --bf16 says (transformers keeps the mixers and the head in
-    fp32; their Sinkhorn-normalised products compound over every layer)."""
+    fp32; their Sinkhorn-normalised products compound over every layer), but where DeepseekV4Layers.fp32_weights
+    is off (the hybrid CPU optimizer's 16-bit parameters)."""
     tensor = torch.empty(shape, dtype=torch.float32)
     init(tensor)
     device = "cpu" if config.use_cpu_initialization or not torch.cuda.is_available() else torch.cuda.current_device()
-    param = torch.nn.Parameter(tensor.to(device=device))
+    dtype = torch.float32 if config.hf_layer_config.fp32_weights else config.params_dtype
+    param = torch.nn.Parameter(tensor.to(device=device, dtype=dtype))
     param.sequence_parallel = config.sequence_parallel  # summed over TP by finalize_model_grads under SP
     return param
 
@@ -133,4 +135,4 @@ class HyperHeadNorm(torch.nn.Module):
         pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.hc_eps
         collapsed = collapse(streams, pre)
         normed = collapsed.float() * torch.rsqrt(collapsed.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * normed).to(collapsed.dtype)  # transformers' RMSNorm: scaled in fp32, cast back
+        return (self.weight.float() * normed).to(collapsed.dtype)  # transformers' RMSNorm: scaled in fp32, cast back
