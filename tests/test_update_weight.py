@@ -100,6 +100,7 @@ def _sync_on_ranks(rank, world, layout, hf_dir, engine_url, ledger_dir, rollout_
 
     from slime.backends.megatron_utils import update_weight
     from slime.backends.megatron_utils.model import build_gpt_model
+    from slime.backends.megatron_utils.weight_proof import WeightProofError
     from slime.backends.megatron_utils.parallel import init_model_parallel
     from slime.backends.sglang_utils.http_client import SGLangHTTPClient
     from slime.config import defaults_namespace
@@ -138,6 +139,7 @@ def _sync_on_ranks(rank, world, layout, hf_dir, engine_url, ledger_dir, rollout_
     bucket = swapped[target]
     swapped[target] = update_weight.WeightBucket(target, bucket.hf_names[::-1], bucket.nbytes,
                                                  bucket.tensor_nbytes[::-1])
+    planner = update_weight.build_weight_sync_plan
     update_weight.build_weight_sync_plan = lambda *a, **k: WeightSyncPlan(tuple(swapped), plan.total_bytes, 0)
     try:
         sync.sync([model], rollout_ids[-1] + 1, fence=fence, watchdog=watchdog)
@@ -146,16 +148,39 @@ def _sync_on_ranks(rank, world, layout, hf_dir, engine_url, ledger_dir, rollout_
         mismatch = f"plan: {exc}"
     except CollectiveDivergenceError as exc:
         mismatch = f"divergence at {exc.phase} in {list(exc.fields)}"
-    if rank == 0:  # the failed sync left the engine paused on purpose; resume it for what follows
+    update_weight.build_weight_sync_plan = planner
+
+    # The trainer moves on and the sender's push leaves one tensor out: the version still moves, the
+    # weight-sync proof names the engine, the tensor and the version.
+    kept = [param.detach().clone() for param in model.parameters()]
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.01)
+    dropped = plan.buckets[0].hf_names[-1]
+    update_weight.apply_weight_push_fault = lambda tensors, *_: [(n, t) for n, t in tensors if n != dropped]
+    try:
+        sync.sync([model], rollout_ids[-1] + 2, fence=fence, watchdog=watchdog)
+        proof = "none"
+    except WeightProofError as exc:
+        proof = f"proof: {exc}"
+    except CollectiveDivergenceError as exc:
+        proof = f"divergence at {exc.phase} in {list(exc.fields)}"
+    if rank == 0:  # the failed syncs left the engine paused on purpose; resume it for what follows
         SGLangHTTPClient(engine_url).continue_generation()
+    update_weight.apply_weight_push_fault = lambda tensors, *_: tensors
+    with torch.no_grad():  # back to the exported weights, pushed whole: the proof holds again
+        for param, value in zip(model.parameters(), kept):
+            param.copy_(value)
+    final = sync.sync([model], rollout_ids[-1] + 3, fence=fence, watchdog=watchdog)
     watchdog.close()
     ledger.close()
     sync.close()
     if rank != 0:
-        return {"metrics": metrics, "mismatch": mismatch, "sent_buckets": sent_buckets}
+        return {"metrics": metrics, "mismatch": mismatch, "sent_buckets": sent_buckets, "proof": proof, "final": final}
     assert sync.transport_kind == ("tensor" if colocate else "distributed")
     probe = {name: tensor.flatten()[:512].float().clone() for name, tensor in exported}
-    return {"metrics": metrics, "mismatch": mismatch, "sent_buckets": sent_buckets, "plan": plan, "probe": probe}
+    return {"metrics": metrics, "mismatch": mismatch, "sent_buckets": sent_buckets, "plan": plan, "probe": probe,
+            "proof": proof, "dropped": dropped, "final": final}
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +222,7 @@ def test_sync_makes_engine_weights_equal_trainer_weights(layout, rollout_ids, co
         served = torch.tensor(client.get_weights_by_name(name, 512), dtype=torch.float32)
         assert torch.equal(served, expected), name
 
-    version = str(rollout_ids[-1] + 1)
+    version = str(rollout_ids[-1] + 4)  # the last sync's, after the failed ones below
     assert client.weight_version() == version
     reply = client.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 2, "temperature": 0.0})
     assert reply["meta_info"]["weight_version"] == version  # resumed, serving the new weights
@@ -207,9 +232,11 @@ def test_sync_makes_engine_weights_equal_trainer_weights(layout, rollout_ids, co
         assert metrics["weight_sync/bytes"] == plan.total_bytes
         assert metrics["weight_sync/buckets"] == len(plan.buckets)
         assert metrics["weight_sync/gbps"] > 0
+        # the proof compared every tensor the engine serves with the trainer's push
+        assert metrics["weight_sync/proof_tensors"] == len(plan.names()) and metrics["weight_sync/proof_seconds"] > 0
     assert rank0["sent_buckets"] == sorted(f"weight_sync/send_bucket{b.index}" for b in plan.buckets)
     # Rank 1 never talks to the engines: a TP peer (tp2) or a DP replica that skips the export (dp2).
-    assert all(m["weight_sync/bytes"] == 0 for m in results[1]["metrics"])
+    assert all(m["weight_sync/bytes"] == 0 and m["weight_sync/proof_tensors"] == 0 for m in results[1]["metrics"])
     assert results[1]["sent_buckets"] == []
 
     target = max(b.index for b in plan.buckets if len(b.hf_names) > 1)
@@ -218,4 +245,10 @@ def test_sync_makes_engine_weights_equal_trainer_weights(layout, rollout_ids, co
         assert results[1]["mismatch"] == rank0["mismatch"]
     else:  # the replica that skipped the export learns of it at the fence
         assert results[1]["mismatch"] == "divergence at weight_sync/pushed in ['error']"
+    # the push that left one tensor out: named on the coordinator, every other rank stops at the same fence
+    assert rank0["final"]["weight_sync/proof_tensors"] == len(plan.names())  # then a clean one proves again
+    version = str(rollout_ids[-1] + 3)
+    assert rank0["proof"].startswith(f"proof: weight-sync proof after the push of version {version}: 1 tensor(s)")
+    assert f"engine {engine.url}, tensor {rank0['dropped']!r}, version {version}: the engine serves" in rank0["proof"]
+    assert results[1]["proof"] == "divergence at weight_sync/proved in ['error']"
     client.close()

@@ -194,6 +194,11 @@ def _weights(model: torch.nn.Module, mtp: bool = True) -> Iterator[tuple[str, to
             yield name, tensor
 
 
+def exported_tensors(model: torch.nn.Module, mtp: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """(megatron name, local tensor) of everything the export reads: parameters and the routers' expert biases."""
+    return _weights(model, mtp)
+
+
 def _has_mtp(model: torch.nn.Module) -> bool:
     return getattr(model, "mtp", None) is not None
 

@@ -146,11 +146,15 @@ def has_expert_adapters(chunks) -> bool:
 
 def adapted_weight_names(chunks) -> Callable[[str], bool]:
     """`name in ...` of the weights that training changes (megatron names of each chunk, unwrapped): those with an
-    adapter and the base parameters trained in full; what a push after the first sends."""
+    adapter, the base parameters trained in full and every exported buffer (a sigmoid router's expert bias, which
+    megatron moves every step outside the optimizer); what a push after the first sends."""
+    from slime.models.hf_weights import exported_tensors  # it maps the adapters' layers: imports this module
+
     names = set()
     for chunk in map(_unwrapped, chunks):
         names.update(f"{name}.weight" for name, _ in adapted_layers(chunk))
         names.update(name for name, p in chunk.named_parameters() if p.requires_grad and not is_adapter_param(name))
+        names.update(name for name, t in exported_tensors(chunk) if not isinstance(t, torch.nn.Parameter))
     return frozenset(names).__contains__
 
 

@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 
 from slime.backends.sglang_utils import weight_delta
+from slime.backends.sglang_utils.tensor_digest import tensor_digests
 from slime.backends.embedded_engine.sampling import SamplingParams, logprob_temperature, sample_next_tokens
 from slime.backends.embedded_engine.vision import load_model, prefill_inputs
 from slime.utils.device_memory import sample_device_memory
@@ -109,6 +110,8 @@ class EmbeddedEngine:
         self.context_length = int(getattr(text_config, "max_position_embeddings", 4096))
         self._released: set[str] = set()
         self._weights_backup: dict[str, torch.Tensor] | None = None
+        # the checkpoint names this engine serves: what it loaded, then every name a push wrote
+        self._served_names = set(_checkpoint_names(Path(self.model_path)) or self.model.state_dict())
 
     # ----- state -----------------------------------------------------------------------
     @property
@@ -354,12 +357,14 @@ class EmbeddedEngine:
                 torch.cuda.empty_cache()
         if weight_version is not None:
             self.weight_version = str(weight_version)
+        self._served_names.update(name for name, _ in named_tensors)
         return len(named_tensors)
 
     def update_weights_from_disk(self, model_path: str, weight_version: str | None) -> int:
         fresh, _ = load_model(model_path, self.dtype, self.tokenizer)
         count = self.update_weights(list(fresh.state_dict().items()), weight_version)
         self.model_path = str(model_path)
+        self._served_names = set(_checkpoint_names(Path(model_path)) or fresh.state_dict())
         return count
 
     def get_weight(self, name: str) -> torch.Tensor:
@@ -369,6 +374,33 @@ class EmbeddedEngine:
         if target is None:
             raise KeyError(f"unknown parameter {name!r}")
         return target.detach().clone()
+
+    def served_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """Every parameter and persistent buffer the model holds, once: under the checkpoint names it was loaded
+        or pushed under (views into transformers' fused tensors included), then, under transformers' own name,
+        any tensor (or fused tensor) that no such name covers entirely."""
+        if "weights" in self._released:
+            raise EngineReleasedError("weights are released")
+        state = self.model.state_dict()
+        served = [(name, target) for name in sorted(self._served_names)
+                  if (target := checkpoint_target(name, state, self.model.config)) is not None]
+        covered: dict[int, set[tuple]] = {}
+        for _, target in served:
+            covered.setdefault(target.untyped_storage().data_ptr(), set()).add(
+                (target.storage_offset(), tuple(target.shape), tuple(target.stride())))
+        for name, tensor in state.items():
+            views = covered.get(tensor.untyped_storage().data_ptr(), set())
+            if sum(math.prod(shape) for _, shape, _ in views) < tensor.numel():
+                served.append((name, tensor))
+                covered.setdefault(tensor.untyped_storage().data_ptr(), set()).add(
+                    (tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride())))
+        return served
+
+    @torch.no_grad()
+    def weight_checksums(self) -> dict[str, str]:
+        """name -> digest (sglang_utils/tensor_digest.py) of every served tensor, in the dtype the engine holds it."""
+        served = self.served_tensors()
+        return dict(zip((name for name, _ in served), tensor_digests([tensor for _, tensor in served])))
 
     # ----- colocate sleep/wake -----------------------------------------------------------
     def release(self, tags: list[str] | None) -> None:
@@ -508,6 +540,17 @@ def _check_tensor(name: str, tensor: torch.Tensor, target: torch.Tensor | None) 
     if tuple(tensor.shape) != tuple(target.shape):
         return f"{name}: shape {tuple(tensor.shape)} != {tuple(target.shape)}"
     return None
+
+
+def _checkpoint_names(model_path: Path) -> list[str]:
+    """The tensor names of a safetensors checkpoint (headers only); none for another format."""
+    from safetensors import safe_open
+
+    names: list[str] = []
+    for path in sorted(model_path.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            names.extend(f.keys())
+    return names
 
 
 def _eos_ids(model, tokenizer, generation_config_cls, model_path: Path) -> tuple[int, ...]:

@@ -34,6 +34,7 @@ from slime.backends.sglang_utils.weight_delta import MISMATCH as DELTA_MISMATCH
 from slime.utils.server_process import serve_on
 from slime.backends.sglang_utils.shared_payload import LOAD_FORMAT as SHM_FORMAT
 from slime.backends.sglang_utils.shared_payload import read_shared_bucket, run_directory
+from slime.backends.sglang_utils import weight_checker
 from slime.utils.security import LIVENESS_PATHS, ApiKey, request_limit, require_api_key, server_key
 
 logger = logging.getLogger(__name__)
@@ -358,6 +359,25 @@ async def get_weights_by_name(request: web.Request) -> web.Response:
     return web.json_response(tensor.flatten()[:truncate].tolist())
 
 
+async def weights_checker(request: web.Request) -> web.Response:
+    """SGLang's checksum action: a digest of every tensor the engine serves (sglang_utils/weight_checker.py).
+    SGLang's other actions (snapshot, reset_tensors, compare) are not served here."""
+    body = await _json_body(request)
+    unknown = sorted(set(body) - weight_checker.REQUEST_FIELDS)
+    if unknown:
+        raise ValueError(f"unknown /weights_checker fields {unknown}; SGLang's are "
+                         f"{sorted(weight_checker.REQUEST_FIELDS)}")
+    action = body.get("action", weight_checker.CHECKSUM_ACTION)
+    if action != weight_checker.CHECKSUM_ACTION:
+        return web.json_response({"success": False, "message": f"action {action!r}: the embedded engine serves "
+                                  f"{weight_checker.CHECKSUM_ACTION!r} only"}, status=400)
+    if body.get("skip_tensor_list"):
+        raise ValueError("skip_tensor_list: the embedded engine digests every tensor it serves")
+    scheduler = request.app[SCHEDULER_KEY]
+    checksums = await scheduler.run_exclusive(scheduler.engine.weight_checksums)
+    return web.json_response(weight_checker.checksum_response(checksums))
+
+
 async def release_memory_occupation(request: web.Request) -> web.Response:
     scheduler = request.app[SCHEDULER_KEY]
     body = await _json_body(request)
@@ -427,6 +447,7 @@ def build_app(engine: EmbeddedEngine, max_batch_size: int = 64,
     app.router.add_post("/destroy_weights_update_group", destroy_weights_update_group)
     app.router.add_post("/update_weights_from_disk", update_weights_from_disk)
     app.router.add_post("/update_weight_version", update_weight_version)
+    app.router.add_post(weight_checker.ROUTE, weights_checker)  # reads only, but POST as the trainer sends it
     return app
 
 

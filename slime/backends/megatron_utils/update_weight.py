@@ -15,6 +15,8 @@ Order on EVERY rank, every sync (fences are world-wide, over the gloo fence grou
           engines while waiting for the others, is a cyclic wait. Each stage's group is created in its
           turn at the first sync, recorded in the ledger, with a deadline (half the fence window, so the
           named error of the stalled stage's sender arrives before any window expires).
+  proof   (on by default) the senders' digests of what they pushed are gathered on the coordinator, which compares
+          them with every engine's own; exporters of a subset push check what it left out (weight_proof.py); fence
   resume  the coordinator closes the sessions (every sender is past the push fence), checks every engine's
           weight_version, continues generation; fence. A sync that fails at a fence closes them too.
 
@@ -54,6 +56,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 
 from slime.backends.megatron_utils.node_routes import NodeFeeds, NodeGrid, node_feeds
+from slime.backends.megatron_utils.weight_proof import WeightProof
 from slime.backends.megatron_utils.weight_transport import (
     ENGINE_KINDS,
     EngineSet,
@@ -319,6 +322,7 @@ class WeightSync:
         self._split_engines: list[EngineSet] = []  # its node's, and the other nodes' it feeds
         self.select = select
         self._full_push_due = True
+        self.proof = WeightProof(self.engine_kind, enabled=args.weight_sync_proof, subset=select)
 
     @property
     def engines(self) -> EngineSet:
@@ -368,6 +372,7 @@ class WeightSync:
         ledger = getattr(fence, "ledger", None)
 
         select = None if self._full_push_due else self.select
+        self.proof.start_sync()
         with phase("weight_sync/plan"):
             plan = build_weight_sync_plan(model_chunks, self.hf_config, tp_size=role.tp_size,
                                           bucket_bytes=self.bucket_bytes, pp_rank=role.pp_rank, select=select)
@@ -386,6 +391,13 @@ class WeightSync:
                     result = (self._push(model_chunks, plan, role, version, phase, ledger, read_param, select)
                               if role.exporter else _PushResult())
                 _fence_outcome(fence, "weight_sync/pushed", rollout_id, result.error)
+            if self.proof.enabled:  # every engine serves what was pushed (weight_proof.py); a flag: alike on every rank
+                with phase("weight_sync/proof"):
+                    error = self.proof.run(model_chunks=model_chunks, full_push=select is None,
+                                           exporter=role.exporter, coordinator=role.coordinator, read_param=read_param,
+                                           engines=self.engines if role.coordinator else None,
+                                           group=getattr(fence, "group", None), version=version, ledger=ledger)
+                    _fence_outcome(fence, "weight_sync/proved", rollout_id, error)
         except BaseException:
             if role.coordinator:  # the engines stay paused (their weights are not the trainer's), the sessions end
                 self._close_sessions_after_failure()
@@ -394,7 +406,7 @@ class WeightSync:
             error = _attempt(lambda: self._close_sessions_and_resume(version, ledger)) if role.coordinator else None
             _fence_outcome(fence, "weight_sync/done", rollout_id, error)
         self._full_push_due = False
-        return self._metrics(result, version, time.perf_counter() - start)
+        return {**self._metrics(result, version, time.perf_counter() - start), **self.proof.take_metrics()}
 
     # -- phases --------------------------------------------------------------------------
     def _plan_fields(self, plan: WeightSyncPlan, role: SyncRole, rollout_id: int) -> dict[str, Any]:
@@ -442,9 +454,11 @@ class WeightSync:
                 result.gather_seconds += time.perf_counter() - gather_start
                 if item is None:
                     break
-                if role.sender and result.error is None:
-                    bucket, tensors = item[0], apply_weight_push_fault(item[1], role.world_rank, int(version) - 1)
-                    result.error = _attempt(lambda: self._send_bucket(bucket, tensors, version, plan, ledger, result))
+                if role.sender and result.error is None:  # in the engines' dtypes, digested as the export gave it
+                    bucket, tensors = item
+                    result.error = _attempt(lambda: self._send_bucket(bucket, apply_weight_push_fault(
+                        self.proof.prepare(self.push_engines, tensors), role.world_rank, int(version) - 1),
+                        version, plan, ledger, result))
                 if ledger is not None:
                     ledger.note_progress()  # a bucket exported (and sent): progress on every exporter
         return result
@@ -545,6 +559,7 @@ class WeightSync:
         self.close()
         self.engine_urls = tuple(engine_urls)
         self._full_push_due = True
+        self.proof.reset()
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -13,6 +13,7 @@ from typing import Any
 
 import requests
 
+from slime.backends.sglang_utils import weight_checker
 from slime.config.constants import DELTA_LOAD_FORMAT as DELTA_FORMAT
 from slime.utils.security import ApiKey, current_key
 
@@ -201,6 +202,11 @@ class SGLangHTTPClient:
 
     def destroy_weights_update_group(self, group_name: str) -> None:
         self._call("POST", "/destroy_weights_update_group", self.timeouts.control, {"group_name": group_name})
+
+    def check_weights(self) -> dict[str, Any]:
+        """`/weights_checker` checksum action: the answer as sent (sglang_utils/weight_checker.py reads it).
+        The engine digests every tensor it holds: bounded like a weight update."""
+        return self._json("POST", weight_checker.ROUTE, self.timeouts.weight_update, weight_checker.checksum_request())
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
         payload = {"name": name, "truncate_size": truncate_size}

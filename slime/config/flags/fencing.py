@@ -48,6 +48,11 @@ def add_fencing_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--custom-config-path", type=str, default=None,
                    help="YAML mapping of flag overrides (flag or attribute names; unknown keys become attributes "
                         "for plug-ins); applied over the command line")
+    g.add_argument("--no-weight-sync-proof", action="store_false", dest="weight_sync_proof",
+                   help="skip the weight-sync proof (after every push every engine digests every tensor it serves "
+                        "and the trainer compares them with its own: a digest pass over the weights on each side "
+                        "per push, and on a LoRA push over the tensors it leaves out; docs/fenced-step.md); the "
+                        "push still goes out in the engines' dtypes")
     g.add_argument("--ledger-record-sequence", action="store_true", default=False,
                    help="also write every rank's whole sequence of fences and collectives to "
                         "<ledger-dir>/sequence_rank<N>.jsonl (check: python -m slime.distributed.order_proof DIR)")

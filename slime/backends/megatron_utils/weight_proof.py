@@ -1,0 +1,278 @@
+"""The weight-sync proof: after every push, every engine serves exactly the trainer's weights, tensor by tensor.
+
+The sibling of the order proof (slime/distributed/order_proof.py): that one proves every rank ran the same
+collectives; this one proves the engines hold what the trainer trained. It runs inside the fenced weight sync
+(update_weight.py), on by default (`--no-weight-sync-proof` turns it off), in three parts:
+
+  sender     before the first push to its engines, asks each for its checksums (SGLang's `/weights_checker`,
+             sglang_utils/weight_checker.py) to learn the dtype it holds each tensor in; every tensor then goes
+             out cast to that dtype (a bf16 routing bias is pushed as bf16, so a delta against it can match) and
+             is digested as sent (sglang_utils/tensor_digest.py), on its device, before anything can alter it.
+  exporter   with a subset push (LoRA: only what training changes goes out after the first push), digests the
+             local shard of every exported tensor the subset leaves out and compares it with its digest at the
+             last full push: a tensor that changed on the trainer but is no longer pushed is named.
+  coordinator  gathers the senders' digests (one gather_object over the fence group, to world rank 0), keeps
+             per engine what was pushed to it and at which version, asks every engine for its checksums and
+             compares: a digest that differs, a pushed tensor the engine lacks, a tensor the engine serves that no
+             push ever wrote.
+
+Every finding names the engine, the tensor and the version, and is raised as a WeightProofError through the
+sync's fence, on every rank alike. The engines' own digests cover parameters and buffers alike: the embedded
+engine serves every tensor under the name it was loaded or pushed under, and anything no such name covers
+under transformers' own name (backends/embedded_engine/engine.py). SGLang answers with its own names (fused
+qkv / gate_up, TP shards) and its own hash, which the trainer does not reproduce: there the proof checks that
+every engine serves the same checksums as the first (an engine a push missed or corrupted differs from its
+peers), not that they equal the trainer's (docs/fenced-step.md).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+from slime.backends.megatron_utils.weight_transport import EngineSet, NamedTensors
+from slime.backends.sglang_utils.tensor_digest import GROUP_BYTES, digest_dtype, tensor_digests
+from slime.backends.sglang_utils.weight_checker import EngineChecksums, parse_checksum_response
+from slime.distributed.errors import DistributedStepError
+from slime.models.hf_weights import exported_tensors, unwrap_model
+
+logger = logging.getLogger(__name__)
+
+MAX_LISTED = 8  # findings spelled out in the error; the rest are counted
+EVERY_ENGINE = "every engine"
+
+
+class WeightProofError(RuntimeError):
+    """An engine does not serve the trainer's weights after a push (tensor, engine and version named)."""
+
+
+@dataclass(frozen=True)
+class ProofFinding:
+    engine: str
+    tensor: str
+    version: str
+    problem: str
+
+    def format(self) -> str:
+        return f"engine {self.engine}, tensor {self.tensor!r}, version {self.version}: {self.problem}"
+
+
+@dataclass
+class _Pushed:
+    """What one sender pushed in one sync: the engines it fed; per tensor, its digest in each dtype they hold it."""
+
+    engines: tuple[str, ...] = ()
+    digests: dict[str, dict[str, str]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Expected:
+    digests: dict[str, str]  # dtype -> digest
+    version: str
+
+
+class WeightProof:
+    """One rank's part of the proof; `prepare` on senders, `run` on every rank of every sync."""
+
+    def __init__(self, engine_kind: str, *, enabled: bool, subset: Callable[[str], bool] | None = None) -> None:
+        """subset: the megatron names a push after the first sends (None: every push is full)."""
+        self.engine_kind = engine_kind
+        self.enabled = enabled
+        self.subset = subset
+        self._served_dtypes: dict[str, dict[str, str]] = {}  # sender: engine -> tensor -> the dtype it holds
+        self._pushed = _Pushed()  # sender: this sync's digests
+        self._expected: dict[str, dict[str, _Expected]] = {}  # coordinator: engine -> tensor -> last pushed
+        self._left_out: dict[str, tuple[str, str]] = {}  # exporter: megatron name -> (digest, version) at full push
+        self._seconds = 0.0
+        self._compared = 0
+
+    def start_sync(self) -> None:
+        """A sync begins: nothing pushed yet, its figures from zero (a failed sync leaves none behind)."""
+        self._pushed = _Pushed()
+        self._seconds, self._compared = 0.0, 0
+
+    def reset(self) -> None:
+        """The engines changed (restarted, re-targeted): what they hold and how is learnt again."""
+        self._served_dtypes.clear()
+        self._pushed = _Pushed()
+        self._expected.clear()
+
+    # -- sender ------------------------------------------------------------------------------
+    def prepare(self, engines: EngineSet, tensors: NamedTensors) -> NamedTensors:
+        """The bucket as it goes out: each tensor in the dtype every engine holds it; digested when proving."""
+        if self.engine_kind != "embedded":  # SGLang does not say its dtypes; it casts on load
+            return tensors
+        start = time.perf_counter()
+        held = self._dtypes(engines)
+        cast = []
+        for name, tensor in tensors:
+            dtypes = {held[url].get(name) for url in engines.urls} - {None}
+            cast.append((name, tensor.to(getattr(torch, dtypes.pop())) if len(dtypes) == 1 else tensor))
+        if self.enabled:
+            self._record(engines, cast, held)
+        self._seconds += time.perf_counter() - start
+        return cast
+
+    def _dtypes(self, engines: EngineSet) -> dict[str, dict[str, str]]:
+        missing = [client for client in engines.clients if client.base_url not in self._served_dtypes]
+        if missing:
+            answers = engines.each(lambda client: parse_checksum_response(client.check_weights()), missing)
+            for client, answer in zip(missing, answers):
+                self._served_dtypes[client.base_url] = {n: digest_dtype(d) for n, d in answer.single.items()}
+        return self._served_dtypes
+
+    def _record(self, engines: EngineSet, tensors: NamedTensors, held: dict[str, dict[str, str]]) -> None:
+        self._pushed.engines = engines.urls
+        others = []  # engines that disagree on a tensor's dtype: each gets a digest in its own
+        for (name, tensor), digest in zip(tensors, tensor_digests([t for _, t in tensors])):
+            self._pushed.digests[name] = {digest_dtype(digest): digest}
+            dtypes = {held[url].get(name) for url in engines.urls} - {None, digest_dtype(digest)}
+            others += [(name, tensor.to(getattr(torch, dtype))) for dtype in sorted(dtypes)]
+        for (name, _), digest in zip(others, tensor_digests([t for _, t in others])):
+            self._pushed.digests[name][digest_dtype(digest)] = digest
+
+    # -- every rank ----------------------------------------------------------------------------
+    def run(self, *, model_chunks: Sequence[torch.nn.Module], full_push: bool, exporter: bool, coordinator: bool,
+            read_param: Callable[[torch.Tensor], torch.Tensor] | None, engines: EngineSet | None, group: Any,
+            version: str, ledger: Any = None) -> Exception | None:
+        """This rank's part after the push; its error (not raised: the caller's fence carries it to every rank).
+        Every rank calls it: it holds the gather of the senders' digests."""
+        start = time.perf_counter()
+        error = None
+        if exporter and self.subset is not None:
+            error = _attempt(lambda: self._check_left_out(model_chunks, full_push, read_param, version))
+        pushed, self._pushed = self._pushed, _Pushed()
+        gathered = _gather_to_first(pushed if pushed.digests else None, group)
+        if coordinator:
+            error = error or _attempt(lambda: self._check_engines(gathered, engines, version, ledger))
+        self._seconds += time.perf_counter() - start
+        return error
+
+    def take_metrics(self) -> dict[str, float]:
+        """This sync's figures: this rank's time in the proof, the coordinator's count of (engine, tensor) pairs
+        compared."""
+        if not self.enabled:
+            return {}
+        return {"weight_sync/proof_seconds": self._seconds, "weight_sync/proof_tensors": float(self._compared)}
+
+    # -- exporter: what a subset push leaves out ---------------------------------------------------
+    def _check_left_out(self, model_chunks, full_push: bool, read_param, version: str) -> None:
+        names = [(name, tensor) for chunk in model_chunks
+                 for name, tensor in exported_tensors(unwrap_model(chunk), mtp=False)
+                 if full_push or not self.subset(name)]
+        digests = dict(zip((n for n, _ in names), _digests_read(names, read_param or (lambda t: t.detach()))))
+        if full_push:
+            self._left_out = {name: (digest, version) for name, digest in digests.items()}
+            return
+        findings = [ProofFinding(EVERY_ENGINE, name, self._left_out[name][1],
+                                 "changed on the trainer since this version was pushed, but pushes after the first "
+                                 "leave it out: the engines serve the old value")
+                    for name, digest in digests.items() if self._left_out.get(name, (digest,))[0] != digest]
+        if findings:
+            raise WeightProofError(_message(findings, version, "this rank's local shards"))
+
+    # -- coordinator: what the engines serve ---------------------------------------------------------
+    def _check_engines(self, gathered: Iterable[_Pushed | None], engines: EngineSet, version: str, ledger) -> None:
+        for pushed in filter(None, gathered):
+            for url in pushed.engines:
+                expected = self._expected.setdefault(url, {})
+                for name, digests in pushed.digests.items():
+                    expected[name] = _Expected(digests, version)
+        entry = ledger.begin_named("weight_sync/proof", "http_engines", (ledger.rank,), (len(engines.urls),),
+                                   "engines") if ledger is not None else None
+        try:
+            answers = engines.each(lambda client: parse_checksum_response(client.check_weights()))
+        finally:
+            if entry is not None:
+                ledger.end(entry, None)
+                ledger.note_progress()
+        if self.engine_kind == "embedded":
+            findings = [finding for url, answer in zip(engines.urls, answers)
+                        for finding in self._against_trainer(url, answer, version)]
+        else:
+            findings = _against_first_engine(engines.urls, answers, version)
+        if findings:
+            raise WeightProofError(_message(findings, version, "the engines' checksums"))
+
+    def _against_trainer(self, url: str, answer: EngineChecksums, version: str) -> list[ProofFinding]:
+        served = answer.single
+        expected = self._expected.get(url, {})
+        self._compared += len(expected)
+        findings = []
+        for name, pushed in expected.items():
+            digest = served.get(name)
+            if digest is None:
+                findings.append(ProofFinding(url, name, pushed.version, "pushed, but the engine does not serve it"))
+            elif digest_dtype(digest) not in pushed.digests:
+                findings.append(ProofFinding(url, name, pushed.version, f"served in {digest_dtype(digest)}, pushed "
+                                             f"in {sorted(pushed.digests)}"))
+            elif digest != pushed.digests[digest_dtype(digest)]:
+                findings.append(ProofFinding(url, name, pushed.version, f"the engine serves {digest}, the trainer "
+                                             f"pushed {pushed.digests[digest_dtype(digest)]}"))
+        findings += [ProofFinding(url, name, version, "served by the engine, but no push ever wrote it")
+                     for name in sorted(set(served) - set(expected))]
+        return findings
+
+
+def _digests_read(named: list[tuple[str, torch.Tensor]], read: Callable[[torch.Tensor], torch.Tensor]) -> list[str]:
+    """Digests of the tensors as `read` gives them (a sleeping trainer: copies of its host backups), a group's
+    worth at a time so the copies never hold more than GROUP_BYTES at once."""
+    digests: list[str] = []
+    batch, size = [], 0
+    for _, tensor in named:
+        value = read(tensor)
+        batch.append(value)
+        size += value.numel() * value.element_size()
+        if size >= GROUP_BYTES:
+            digests += tensor_digests(batch)
+            batch, size = [], 0
+    return digests + (tensor_digests(batch) if batch else [])
+
+
+def _against_first_engine(urls: Sequence[str], answers: Sequence[EngineChecksums], version: str
+                          ) -> list[ProofFinding]:
+    """SGLang: every engine's checksums (per GPU: TP, DP, PP rank) equal the first engine's."""
+    reference = answers[0].per_gpu
+    findings = []
+    for url, answer in zip(urls[1:], answers[1:]):
+        for gpu in sorted(set(reference) | set(answer.per_gpu)):
+            mine, theirs = answer.per_gpu.get(gpu, {}), reference.get(gpu, {})
+            for name in sorted(set(mine) | set(theirs)):
+                if mine.get(name) != theirs.get(name):
+                    findings.append(ProofFinding(url, f"{name} (tp, dp, pp ranks {gpu})", version,
+                                                 f"checksum {mine.get(name)} differs from {urls[0]}'s "
+                                                 f"{theirs.get(name)}"))
+    return findings
+
+
+def _message(findings: list[ProofFinding], version: str, source: str) -> str:
+    listed = "; ".join(f.format() for f in findings[:MAX_LISTED])
+    more = f"; and {len(findings) - MAX_LISTED} more" if len(findings) > MAX_LISTED else ""
+    return (f"weight-sync proof after the push of version {version}: {len(findings)} tensor(s) differ between the "
+            f"trainer and {source}: {listed}{more}")
+
+
+def _gather_to_first(obj: Any, group: Any) -> list[Any]:
+    """Every rank's object on world rank 0 (one gather_object over `group`, the world's fence group); a world
+    of one gathers nothing."""
+    import torch.distributed as dist
+
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return [obj]
+    gathered = [None] * dist.get_world_size(group) if dist.get_rank() == 0 else None
+    dist.gather_object(obj, gathered, dst=0, group=group)
+    return gathered or []
+
+
+def _attempt(action: Callable[[], Any]) -> Exception | None:
+    """A rank-local part's error, to be carried by the fence; fence and watchdog errors concern every rank."""
+    try:
+        action()
+    except DistributedStepError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - reported at the fence, re-raised there
+        return exc
+    return None

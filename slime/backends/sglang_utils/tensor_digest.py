@@ -1,0 +1,200 @@
+"""A digest of a tensor's bytes, computed where the tensor lives: the weight-sync proof's unit of comparison.
+
+Both ends read this module: the embedded engine digests every tensor it serves, the trainer every tensor it
+pushes, each in the dtype the engine holds it, and the two must be equal (backends/megatron_utils/weight_proof.py).
+
+The digest of a tensor is a function of its dtype and bytes alone (not of its device, its strides or the
+other tensors digested with it). Its bytes, zero-padded to whole 32-bit words w_0 .. w_{n-1} (little-endian),
+give two lanes L = 0, 1:
+
+    lane_L = (sum_j mix_L(w_j XOR position_L(j)) + nbytes * K) mod 2^64
+
+where position_L is an affine function of the word's index and mix_L an invertible xor-shift-multiply on
+32 bits. A change of one word changes its mixed value and so each lane (no collision is possible); changes
+of several words cancel in both lanes with a chance of about 2^-64. Every intermediate value stays below 2^63,
+so the integer arithmetic is exact on every device (no overflow), and the sums do not depend on the order of
+the additions: a CPU and a GPU agree bit for bit.
+
+Cost: on CUDA the per-word maths and the row sums are one compiled kernel (torch.compile, Triton) reading each
+byte once; tensors are grouped into buffers of up to GROUP_BYTES so one call covers many small tensors; only
+16 bytes per tensor come back to the host (on another device the same torch maths runs eagerly). On the host
+(tests, the CPU engine) numpy's wrapping uint32 arithmetic computes the same sums.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+ROW_WORDS = 1024  # words per row of the digest's [rows, ROW_WORDS] view
+GROUP_BYTES = 256 * 1024**2  # tensors digested in one call (a larger tensor gets a call of its own)
+_MASK32 = 0xFFFFFFFF
+_MASK64 = (1 << 64) - 1
+# (position multiplier, position offset, first multiplier, second multiplier) per lane: odd, below 2^31, so
+# every product of a 32-bit value by one of them stays below 2^63
+_LANES = ((0x2545F491, 0x3C6EF372, 0x7FEB352D, 0x68E31DA5), (0x5851F42D, 0x1B873593, 0x4CF5AD43, 0x2C1B3C6D))
+_LENGTH_FACTOR = 0x9E3779B97F4A7C15
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _mix(words: torch.Tensor, index: torch.Tensor, lane: tuple[int, int, int, int]) -> torch.Tensor:
+    position_factor, offset, first, second = lane
+    x = words ^ ((index * position_factor + offset) & _MASK32)
+    x = (x * first) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * second) & _MASK32
+    return x ^ (x >> 13)
+
+
+def _row_lanes(rows: torch.Tensor, first_word: torch.Tensor, valid_words: torch.Tensor) -> torch.Tensor:
+    """[R, 2] lane sums of rows of 32-bit words: row r holds words first_word[r] .. of its tensor, of which the
+    first valid_words[r] count (the rest is padding)."""
+    columns = torch.arange(rows.shape[1], device=rows.device, dtype=torch.int64)
+    index = (first_word[:, None] + columns[None, :]) & _MASK32
+    words = rows.to(torch.int64) & _MASK32
+    valid = columns[None, :] < valid_words[:, None]
+    return torch.stack([torch.where(valid, _mix(words, index, lane), 0).sum(dim=1) for lane in _LANES], dim=1)
+
+
+@functools.cache
+def _compiled_row_lanes():
+    return torch.compile(_row_lanes, dynamic=True)
+
+
+def _use_compiled(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    return flat if flat.storage_offset() % 4 == 0 else flat.clone()  # whole words of its own storage
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """Words start_word .. start_word + words of the tensor at `position` (a tensor is one piece, or an
+    aligned head of its own and a tail)."""
+
+    position: int
+    start_word: int
+    words: int
+    data: torch.Tensor  # its bytes, zero-padded to whole rows
+
+    @property
+    def rows(self) -> int:
+        return self.data.numel() // (ROW_WORDS * 4)
+
+
+def _pieces(position: int, flat: torch.Tensor, zeros: torch.Tensor) -> list[_Piece]:
+    """A large tensor's row-aligned head is digested in place (no copy); the rest gets padding."""
+    row_bytes = ROW_WORDS * 4
+    head = flat.numel() // row_bytes * row_bytes if flat.numel() > GROUP_BYTES else 0
+    pieces = [_Piece(position, 0, head // 4, flat[:head])] if head else []
+    tail = flat[head:]
+    if tail.numel() or not head:
+        pad = (-tail.numel()) % row_bytes or (0 if tail.numel() else row_bytes)
+        padded = torch.cat([tail, zeros[:pad]]) if pad else tail
+        pieces.append(_Piece(position, head // 4, -(-tail.numel() // 4), padded))
+    return pieces
+
+
+def _groups(pieces: list[_Piece]) -> list[list[_Piece]]:
+    groups: list[list[_Piece]] = [[]]
+    size = 0
+    for piece in pieces:
+        if groups[-1] and size + piece.data.numel() > GROUP_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(piece)
+        size += piece.data.numel()
+    return groups
+
+
+def _group_lanes(group: list[_Piece], device: torch.device) -> list[tuple[int, int]]:
+    """The lane sums of each piece of a group (one call over all its rows), on the host."""
+    data = group[0].data if len(group) == 1 else torch.cat([p.data for p in group])
+    rows = data.view(torch.int32).view(-1, ROW_WORDS)
+    rows_per, start, words = (torch.tensor(v, dtype=torch.int64, device=device) for v in
+                              ([p.rows for p in group], [p.start_word for p in group], [p.words for p in group]))
+    owner = torch.repeat_interleave(torch.arange(len(group), device=device), rows_per, output_size=rows.shape[0])
+    local = torch.arange(rows.shape[0], device=device) - (torch.cumsum(rows_per, 0) - rows_per)[owner]
+    first = start[owner] + local * ROW_WORDS
+    valid = (words[owner] - local * ROW_WORDS).clamp(max=ROW_WORDS)
+    lanes = (_compiled_row_lanes() if _use_compiled(device) else _row_lanes)(rows, first, valid)
+    sums = torch.zeros(len(group), 2, dtype=torch.int64, device=device).index_add_(0, owner, lanes)
+    return [tuple(pair) for pair in sums.cpu().tolist()]
+
+
+def _host_lanes(flat: torch.Tensor) -> list[int]:
+    """The lane sums of a host tensor's bytes, in numpy's uint32 arithmetic (wrapping mod 2^32, as the
+    definition): a few passes over the words, no 64-bit temporaries."""
+    words = flat.numpy()
+    if words.size % 4:
+        words = np.concatenate([words, np.zeros(4 - words.size % 4, dtype=np.uint8)])
+    words = words.view("<u4")
+    index = np.arange(words.size, dtype=np.uint32)
+    sums = []
+    with np.errstate(over="ignore"):
+        for position_factor, offset, first, second in _LANES:
+            x = index * np.uint32(position_factor)
+            x += np.uint32(offset)
+            x ^= words
+            x *= np.uint32(first)
+            x ^= x >> np.uint32(15)
+            x *= np.uint32(second)
+            x ^= x >> np.uint32(13)
+            sums.append(int(x.sum(dtype=np.uint64)))
+    return sums
+
+
+def tensor_digests(tensors: Sequence[torch.Tensor]) -> list[str]:
+    """The digest of each tensor, "<dtype>:<32 hex digits>", computed on its own device."""
+    flats = [_bytes_of(t) for t in tensors]
+    lanes = [_host_lanes(flat) if flat.device.type == "cpu" else None for flat in flats]
+    on_devices = [(position, flat) for position, flat in enumerate(flats) if lanes[position] is None]
+    for position, pair in _device_lanes(on_devices).items():
+        lanes[position] = pair
+    return [_format(t.dtype, flat.numel(), lane) for t, flat, lane in zip(tensors, flats, lanes)]
+
+
+def _device_lanes(flats: list[tuple[int, torch.Tensor]]) -> dict[int, list[int]]:
+    """position -> lane sums of tensors on a device: grouped, one row-wise call per group."""
+    by_device: dict[torch.device, list[_Piece]] = {}
+    zeros: dict[torch.device, torch.Tensor] = {}
+    for position, flat in flats:
+        pad = zeros.setdefault(flat.device, torch.zeros(ROW_WORDS * 4, dtype=torch.uint8, device=flat.device))
+        by_device.setdefault(flat.device, []).extend(_pieces(position, flat, pad))
+    lanes: dict[int, list[int]] = {}
+    for device, pieces in by_device.items():
+        for group in _groups(pieces):
+            for piece, pair in zip(group, _group_lanes(group, device)):
+                held = lanes.setdefault(piece.position, [0, 0])
+                held[0] += pair[0]
+                held[1] += pair[1]
+    return lanes
+
+
+def tensor_digest(tensor: torch.Tensor) -> str:
+    return tensor_digests([tensor])[0]
+
+
+def _format(dtype: torch.dtype, nbytes: int, lanes: list[int]) -> str:
+    hexes = "".join(f"{(lane + nbytes * _LENGTH_FACTOR) & _MASK64:016x}" for lane in lanes)
+    return f"{dtype_name(dtype)}:{hexes}"
+
+
+def digest_dtype(digest: str) -> str:
+    """The dtype a digest was taken in ("bfloat16" of "bfloat16:...")."""
+    return digest.partition(":")[0]
