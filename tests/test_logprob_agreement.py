@@ -11,10 +11,12 @@ is numerical noise when every push delivered the trainer's weights, and large wh
 healthy  5 rollouts (the push at start, then 4 weight syncs that rollouts 1-4 are judged after): every diff
          <= 1e-4; every sample of rollout k carries weight_version k (rollout 0: version 0, pushed at
          start), read from the recorded rollouts.
-faulty   the same run with SLIME_FAULT_INJECT=skip_weight_push@0#1,corrupt_weight_push@0#2: the push after
-         rollout 1 sends no tensors, the one after rollout 2 sends them with noise. The versions still move (so
-         the version check passes), but rollouts 2 and 3 show a diff >= 100 x the healthy run's largest, and
-         rollout 4 (after a clean push) is back to noise.
+faulty   the same run with SLIME_FAULT_INJECT=skip_weight_push@0#1,corrupt_weight_push@0#2 and the weight-sync
+         proof off (--no-weight-sync-proof; on, it stops the run at the first such push, naming engine, tensor
+         and version: tests/test_update_weight.py): the push after rollout 1 sends no tensors, the one after
+         rollout 2 sends them with noise. The versions still move (so the version check passes), but rollouts 2
+         and 3 show a diff >= 100 x the healthy run's largest, and rollout 4 (after a clean push) is back to noise.
+The healthy run's every sync also ran the proof over every tensor the engines serve.
 """
 from __future__ import annotations
 
@@ -68,6 +70,7 @@ def train_flags(assets: dict[str, Path], name: str) -> list[str]:
 
 
 def run_train(flags: list[str], faults: str | None) -> subprocess.CompletedProcess:
+    flags = flags + ["--no-weight-sync-proof"] if faults else flags  # what the proof would stop at once
     proc, _ = train_runs.run_train(flags, timeout_s=480, env_extra={"SLIME_FAULT_INJECT": faults} if faults else None)
     return proc
 
@@ -103,6 +106,9 @@ def expected_version(rollout_id: int) -> str:
 def test_engines_and_trainer_agree_after_every_weight_sync(healthy):
     assert sorted(healthy["diff"]) == list(range(NUM_ROLLOUTS))
     assert [e["weight_sync/version"] for e in healthy["syncs"]] == list(range(NUM_ROLLOUTS + 1))
+    # the weight-sync proof compared every tensor each engine serves with the trainer's, after every push
+    compared = [e["weight_sync/proof_tensors"] for e in healthy["syncs"]]
+    assert len(set(compared)) == 1 and compared[0] > 0, compared
     for rollout_id, diff in healthy["diff"].items():
         assert 0.0 <= diff <= AGREEMENT, f"rollout {rollout_id}: diff {diff}"
 
@@ -125,3 +131,4 @@ def test_a_skipped_or_corrupted_push_shows_in_the_diff_though_the_versions_move(
     # the faults are silent to the version check: every sample still reports the version just pushed
     assert faulty["versions"] == healthy["versions"]
     assert [e["weight_sync/version"] for e in faulty["syncs"]] == list(range(NUM_ROLLOUTS + 1))
+    assert not any("weight_sync/proof_tensors" in e for e in faulty["syncs"])  # --no-weight-sync-proof

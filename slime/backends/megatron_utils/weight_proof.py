@@ -57,7 +57,8 @@ class ProofFinding:
     problem: str
 
     def format(self) -> str:
-        return f"engine {self.engine}, tensor {self.tensor!r}, version {self.version}: {self.problem}"
+        engine = self.engine if self.engine == EVERY_ENGINE else f"engine {self.engine}"
+        return f"{engine}, tensor {self.tensor!r}, version {self.version}: {self.problem}"
 
 
 @dataclass
@@ -168,11 +169,11 @@ class WeightProof:
             self._left_out = {name: (digest, version) for name, digest in digests.items()}
             return
         findings = [ProofFinding(EVERY_ENGINE, name, self._left_out[name][1],
-                                 "changed on the trainer since this version was pushed, but pushes after the first "
-                                 "leave it out: the engines serve the old value")
+                                 "pushed whole at this version, changed since on the trainer, left out of the pushes "
+                                 "after it: the engines serve the old value")
                     for name, digest in digests.items() if self._left_out.get(name, (digest,))[0] != digest]
         if findings:
-            raise WeightProofError(_message(findings, version, "this rank's local shards"))
+            raise WeightProofError(_message(findings, version, "changed on the trainer but were left out of the push"))
 
     # -- coordinator: what the engines serve ---------------------------------------------------------
     def _check_engines(self, gathered: Iterable[_Pushed | None], engines: EngineSet, version: str, ledger) -> None:
@@ -195,7 +196,7 @@ class WeightProof:
         else:
             findings = _against_first_engine(engines.urls, answers, version)
         if findings:
-            raise WeightProofError(_message(findings, version, "the engines' checksums"))
+            raise WeightProofError(_message(findings, version, "differ between the trainer and the engines"))
 
     def _against_trainer(self, url: str, answer: EngineChecksums, version: str) -> list[ProofFinding]:
         served = answer.single
@@ -248,11 +249,10 @@ def _against_first_engine(urls: Sequence[str], answers: Sequence[EngineChecksums
     return findings
 
 
-def _message(findings: list[ProofFinding], version: str, source: str) -> str:
+def _message(findings: list[ProofFinding], version: str, what: str) -> str:
     listed = "; ".join(f.format() for f in findings[:MAX_LISTED])
     more = f"; and {len(findings) - MAX_LISTED} more" if len(findings) > MAX_LISTED else ""
-    return (f"weight-sync proof after the push of version {version}: {len(findings)} tensor(s) differ between the "
-            f"trainer and {source}: {listed}{more}")
+    return f"weight-sync proof after the push of version {version}: {len(findings)} tensor(s) {what}: {listed}{more}"
 
 
 def _gather_to_first(obj: Any, group: Any) -> list[Any]:

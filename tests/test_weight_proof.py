@@ -1,0 +1,347 @@
+"""The weight-sync proof (slime/backends/megatron_utils/weight_proof.py): the digest on every path equals its
+definition; the embedded engine's /weights_checker serves a digest of every parameter and buffer in its own dtype,
+in SGLang's answer shape; the proof names a tensor no push wrote, a tensor changed on the engine after its push
+and engines that disagree (SGLang); pushes go out in the engine's dtype, so a delta against MiniMax-M2's bf16
+routing bias is taken; LoRA on a sigmoid-router MoE pushes the bias megatron moves, and the proof holds after
+every push (on the old subset it names the bias). The proof on the real push (a skipped tensor named):
+tests/test_update_weight.py."""
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+
+from slime.backends.sglang_utils import tensor_digest
+from slime.backends.sglang_utils.weight_checker import EngineChecksums, parse_checksum_response
+
+MiB = 1024**2
+
+
+def _reference(tensor: torch.Tensor) -> str:
+    """The digest as tensor_digest.py defines it, word by word in Python integers."""
+    data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    nbytes = len(data)
+    data += b"\0" * (-nbytes % 4)
+    words = struct.unpack(f"<{len(data) // 4}I", data)
+    lanes = []
+    for position_factor, offset, first, second in tensor_digest._LANES:
+        total = 0
+        for j, w in enumerate(words):
+            x = w ^ ((j * position_factor + offset) % 2**32)
+            x = x * first % 2**32
+            x ^= x >> 15
+            x = x * second % 2**32
+            total += x ^ (x >> 13)
+        lanes.append((total + nbytes * tensor_digest._LENGTH_FACTOR) % 2**64)
+    return f"{str(tensor.dtype).removeprefix('torch.')}:" + "".join(f"{v:016x}" for v in lanes)
+
+
+def test_the_digest_is_its_definition_on_every_path(monkeypatch):
+    generator = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(3, 5, generator=generator), torch.randn(7, generator=generator).bfloat16(),
+               torch.zeros(0), torch.arange(5, dtype=torch.int64), torch.randn(3000, generator=generator),
+               torch.tensor(1.5), torch.randn(10, 10, generator=generator).t(),
+               torch.randn(6, generator=generator).half()[1:]]  # odd bytes, unaligned view
+    digests = tensor_digest.tensor_digests(tensors)
+    assert digests == [_reference(t) for t in tensors]
+    assert digests == [tensor_digest.tensor_digest(t) for t in tensors]  # whatever it is digested with
+    # the device path (grouped rows: compiled on CUDA, eager elsewhere) gives the host path's sums
+    flats = [(i, tensor_digest._bytes_of(t)) for i, t in enumerate(tensors)]
+    assert [tensor_digest._device_lanes(flats)[i] for i in range(len(tensors))] == [
+        tensor_digest._host_lanes(f) for _, f in flats]
+    monkeypatch.setattr(tensor_digest, "GROUP_BYTES", 20_000)  # a tensor over it: head in place, tail padded
+    big = torch.randn(7000, generator=generator)
+    assert tensor_digest._device_lanes([(0, tensor_digest._bytes_of(big))])[0] == tensor_digest._host_lanes(
+        tensor_digest._bytes_of(big))
+    # one bit anywhere, or the same bytes as another dtype, is another digest
+    flipped = big.clone()
+    flipped.view(torch.int32)[4321] ^= 1 << 7
+    assert tensor_digest.tensor_digest(flipped) != tensor_digest.tensor_digest(big)
+    assert tensor_digest.tensor_digest(big.view(torch.int32)) != tensor_digest.tensor_digest(big)
+
+
+def test_sglang_engines_are_checked_against_each_other():
+    """SGLang's names and hash are its own: engines must agree with the first, GPU by GPU."""
+    from slime.backends.megatron_utils.weight_proof import _against_first_engine
+
+    def answer(checksums_by_tp, legacy=False):
+        ranks = [{"checksums": c, "per_gpu_checksum": "x",
+                  "parallelism_info": (lambda info: info if legacy else [info])(
+                      {"role": "target", "tp_rank": tp, "tp_size": 2, "dp_rank": 0, "dp_size": 1, "pp_rank": 0,
+                       "pp_size": 1, "rank": tp, "size": 2})} for tp, c in enumerate(checksums_by_tp)]
+        return parse_checksum_response({"success": True, "message": "Success.", "ranks": ranks})
+
+    same = [{"qkv_proj.weight": "a", "norm.weight": "b"}, {"qkv_proj.weight": "c", "norm.weight": "b"}]
+    urls = ["http://e0", "http://e1", "http://e2"]
+    assert _against_first_engine(urls, [answer(same), answer(same, legacy=True), answer(same)], "3") == []
+    drifted = [same[0], {"qkv_proj.weight": "stale", "norm.weight": "b"}]
+    (finding,) = _against_first_engine(urls, [answer(same), answer(same), answer(drifted)], "3")
+    assert (finding.engine, finding.version) == ("http://e2", "3")
+    assert finding.tensor == "qkv_proj.weight (tp, dp, pp ranks (1, 0, 0))" and "stale" in finding.problem
+
+
+# ----------------------------------------------------------------------------- the embedded engine
+@pytest.fixture(scope="module")
+def moe_engine(tmp_path_factory):
+    """A tiny DeepSeek-V3 MoE (sigmoid router: e_score_correction_bias buffers) in the embedded engine, served
+    from a thread; (engine, url, checkpoint)."""
+    from rollout_testing import AppThread
+    from slime.backends.embedded_engine.engine import EmbeddedEngine
+    from slime.backends.embedded_engine.server import build_app
+    from slime.tools.tiny_checkpoint import TinyQwen3Spec, write_tiny_checkpoint
+    from slime.utils.security import current_key
+    from tiny_models import replace_model, save_tiny_deepseek_v3_moe
+
+    checkpoint = write_tiny_checkpoint(tmp_path_factory.mktemp("moe") / "m", TinyQwen3Spec(alphabet="0123456789"))
+    replace_model(checkpoint, save_tiny_deepseek_v3_moe)
+    engine = EmbeddedEngine(str(checkpoint), dtype="bfloat16")
+    server = AppThread(build_app(engine, api_key=current_key())).start()
+    yield engine, f"http://127.0.0.1:{server.port}", checkpoint
+    server.stop()
+
+
+def _checkpoint_tensors(checkpoint) -> list[tuple[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    return sorted(load_file(f"{checkpoint}/model.safetensors").items())
+
+
+def test_the_engine_digests_every_parameter_and_buffer_in_its_own_dtype(moe_engine):
+    import requests
+
+    from slime.backends.sglang_utils.http_client import SGLangHTTPClient
+    from slime.utils.security import current_key
+
+    engine, url, checkpoint = moe_engine
+    reply = SGLangHTTPClient(url).check_weights()
+    assert set(reply) == {"success", "message", "ranks", "per_engine_checksum"}  # SGLang 0.5.23's answer
+    (gpu,) = reply["ranks"]
+    assert gpu["parallelism_info"][0]["tp_size"] == 1 and len(gpu["per_gpu_checksum"]) == 64
+    served = parse_checksum_response(reply).single
+    held = _checkpoint_tensors(checkpoint)
+    assert sorted(served) == [name for name, _ in held]  # every parameter and buffer, under the checkpoint's names
+    biases = [name for name in served if name.endswith("e_score_correction_bias")]
+    assert biases and all(served[n].startswith("float32:") for n in biases)  # kept in fp32 by transformers
+    assert served["model.embed_tokens.weight"].startswith("bfloat16:")
+    expected = {name: tensor_digest.tensor_digest(engine.get_weight(name)) for name, _ in held}
+    assert served == expected
+    headers = current_key().headers()
+    refused = requests.post(url + "/weights_checker", json={"action": "snapshot"}, headers=headers, timeout=30)
+    assert refused.status_code == 400 and "checksum" in refused.json()["message"]
+    assert requests.post(url + "/weights_checker", json={"actoin": "checksum"}, headers=headers,
+                         timeout=30).status_code == 400
+
+
+def _pusher(url):
+    from slime.backends.megatron_utils.weight_transport import EngineSet, TensorTransport
+    from slime.backends.sglang_utils.http_client import ClientTimeouts
+
+    engines = EngineSet((url,), ClientTimeouts(control=30, weight_update=60))
+    return engines, TensorTransport(engines, "embedded", 1)
+
+
+def _push(proof, engines, transport, tensors, version):
+    engines.begin_session()
+    try:
+        transport.send(0, proof.prepare(engines, tensors), version=version, flush_cache=True)
+    finally:
+        engines.end_session()
+
+
+def _prove(proof, engines, version):
+    return proof.run(model_chunks=[], full_push=True, exporter=False, coordinator=True, read_param=None,
+                     engines=engines, group=None, version=version)
+
+
+def test_the_proof_names_unwritten_and_changed_tensors(moe_engine):
+    from slime.backends.megatron_utils.weight_proof import WeightProof, WeightProofError
+
+    engine, url, checkpoint = moe_engine
+    engines, transport = _pusher(url)
+    proof = WeightProof("embedded", enabled=True)
+    weights = [(name, tensor.float() + 0.01) for name, tensor in _checkpoint_tensors(checkpoint)]  # fp32 trainer
+    try:
+        # a push that leaves the routing biases (buffers) out: the engine still serves them, never written
+        proof.start_sync()
+        _push(proof, engines, transport, [(n, t) for n, t in weights if "correction_bias" not in n], "1")
+        error = _prove(proof, engines, "1")
+        assert isinstance(error, WeightProofError)
+        assert f"engine {url}, tensor 'model.layers.1.mlp.gate.e_score_correction_bias', version 1: served by the " \
+               "engine, but no push ever wrote it" in str(error)
+        # everything, cast to what the engine holds (bf16, the biases fp32): proved
+        proof.start_sync()
+        _push(proof, engines, transport, weights, "2")
+        assert _prove(proof, engines, "2") is None
+        assert proof.take_metrics()["weight_sync/proof_tensors"] == len(weights)
+        assert engine.get_weight("model.norm.weight").dtype == torch.bfloat16
+        assert torch.equal(engine.get_weight("model.norm.weight"), dict(weights)["model.norm.weight"].bfloat16())
+        # a tensor changed on the engine after its push is named, with the version that pushed it
+        name = "model.layers.1.mlp.experts.3.up_proj.weight"
+        engine.update_weights([(name, engine.get_weight(name) * 2)], None)
+        proof.start_sync()
+        error = _prove(proof, engines, "3")
+        assert f"engine {url}, tensor {name!r}, version 2: the engine serves bfloat16:" in str(error)
+        assert "1 tensor(s) differ" in str(error)
+    finally:
+        engines.close()
+        transport.close()
+
+
+@pytest.mark.timeout(240)
+def test_a_bf16_routing_bias_is_pushed_as_bf16_so_its_delta_is_taken(tmp_path):
+    """MiniMax-M2's engine holds e_score_correction_bias in bf16 (transformers keeps no fp32 copy of it) while
+    megatron's expert bias is fp32: pushed in the engine's dtype, a delta against it matches; pushed as fp32 (the
+    old push), the engine applies the delta to its bf16-rounded copy, refuses it, and the bucket goes in full."""
+    from rollout_testing import AppThread
+    from slime.backends.embedded_engine.engine import EmbeddedEngine
+    from slime.backends.embedded_engine.server import build_app
+    from slime.backends.megatron_utils.weight_proof import WeightProof
+    from slime.backends.megatron_utils.weight_transport import DeltaOptions, EngineSet, build_transport
+    from slime.backends.sglang_utils.http_client import ClientTimeouts
+    from slime.tools.tiny_checkpoint import TinyQwen3Spec, write_tiny_checkpoint
+    from slime.utils.security import current_key
+    from tiny_models import replace_model, save_tiny_minimax_m2
+
+    checkpoint = write_tiny_checkpoint(tmp_path / "m", TinyQwen3Spec(alphabet="0123456789"))
+    replace_model(checkpoint, save_tiny_minimax_m2)
+    engine = EmbeddedEngine(str(checkpoint), dtype="bfloat16")
+    server = AppThread(build_app(engine, api_key=current_key())).start()
+    engines = EngineSet((f"http://127.0.0.1:{server.port}",), ClientTimeouts(control=30, weight_update=60))
+    bias = "model.layers.0.block_sparse_moe.e_score_correction_bias"
+    assert engine.get_weight(bias).dtype == torch.bfloat16
+    # a bf16 trainer's export: bf16 weights, the expert bias in fp32
+    base = [(n, t.float() if n.endswith("correction_bias") else t.bfloat16()) for n, t in _checkpoint_tensors(checkpoint)]
+
+    def trained(step):
+        generator = torch.Generator().manual_seed(step)
+        return [(n, t + 1e-2 * torch.randn(t.shape, generator=generator).to(t.dtype)
+                 if n.endswith("correction_bias") or n.endswith("down_proj.weight") else t) for n, t in base]
+
+    def pushes(cast: bool) -> tuple[int, WeightProof]:
+        proof = WeightProof("embedded", enabled=True)
+        transport = build_transport("distributed", engines, engine_kind="embedded", engine_tp_size=1, timeout_s=60,
+                                    delta=DeltaOptions("xor", "adler32"))
+        try:
+            for step in range(3):
+                proof.start_sync()
+                engines.begin_session()
+                try:
+                    tensors = trained(step)
+                    transport.send(0, proof.prepare(engines, tensors) if cast else tensors, version=str(step),
+                                   flush_cache=True)
+                finally:
+                    engines.end_session()
+                if cast:
+                    assert _prove(proof, engines, str(step)) is None
+            return transport.fallbacks, proof
+        finally:
+            transport.close()
+
+    try:
+        assert pushes(cast=False)[0] == 2  # both deltas refused: the engine's bias is not the sender's baseline
+        fallbacks, proof = pushes(cast=True)
+        assert fallbacks == 0
+        assert proof.take_metrics()["weight_sync/proof_tensors"] == len(base)
+        assert torch.equal(engine.get_weight(bias), dict(trained(2))[bias].bfloat16())
+    finally:
+        engines.close()
+        server.stop()
+
+
+# ----------------------------------------------------------------------------- LoRA on a sigmoid-router MoE
+LORA_MOE = dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=2,
+                expert_tensor_parallel_size=1, calculate_per_token_loss=True, moe_router_bias_update_rate=0.05,
+                enable_lora=True, lora_target_modules=["linear_proj"], lora_rank=4, lora_alpha=8.0,
+                lora_dropout=0.0, lr=0.05, colocate=True, rollout_num_gpus_per_engine=1)
+LORA_ROLLOUTS = 3
+
+
+def _lora_moe_child(rank, world, hf_dir, data, engine_url, ledger_dir):
+    """The first push full, then LoRA's subset after each of LORA_ROLLOUTS steps: every sync's metrics (or the
+    error that stopped it), and after each, on rank 0, the engine's routing biases against the trainer's."""
+    import datetime
+
+    import torch.distributed as dist
+    from transformers import AutoConfig
+
+    from slime.backends.megatron_utils.train_step import train_one_step
+    from slime.backends.megatron_utils.update_weight import WeightSync
+    from slime.backends.megatron_utils.weight_proof import WeightProofError
+    from slime.backends.sglang_utils.http_client import SGLangHTTPClient
+    from slime.distributed import CollectiveDivergenceError, Fence, Ledger, Watchdog
+    from slime.models.hf_weights import export_hf_weights
+    from slime.models.lora import adapted_weight_names
+    from train_step_harness import build_loaded_model, layout_args, with_policy_log_probs
+
+    args = layout_args(LORA_MOE)
+    hf_config = AutoConfig.from_pretrained(hf_dir)
+    model, optimizer, scheduler = build_loaded_model(args, hf_dir)
+    ledger = Ledger(rank, world, ledger_dir)
+    fence = Fence(dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=120)), rank=rank,
+                  world_size=world, timeout_s=120.0, ledger=ledger)
+    watchdog = Watchdog(120.0, ledger_dir, rank, world, ledger=ledger)
+    sync = WeightSync(args, hf_config, [engine_url], engine_kind="embedded", select=adapted_weight_names(model))
+    client = SGLangHTTPClient(engine_url)
+    syncs, biases = [], []
+    try:
+        for rollout_id in range(-1, LORA_ROLLOUTS):
+            if rollout_id >= 0:
+                step_data, plan, _ = with_policy_log_probs(model, data, args)
+                train_one_step(model, optimizer, scheduler, step_data, plan, args)
+            try:
+                syncs.append(sync.sync(model, rollout_id, fence=fence, watchdog=watchdog))
+            except (WeightProofError, CollectiveDivergenceError) as exc:
+                syncs.append(f"{type(exc).__name__}: {exc}")
+                break
+            trainer = {n: t.clone() for n, t in export_hf_weights(model, hf_config, mtp=False,
+                                                                   select=lambda n: n.endswith("expert_bias"))}
+            if rank == 0:
+                biases.append({n: (t, torch.tensor(client.get_weights_by_name(n, t.numel()))) for n, t in trainer.items()})
+    finally:
+        watchdog.close()
+        ledger.close()
+        sync.close()
+        client.close()
+    return dict(syncs=syncs, biases=biases)
+
+
+@pytest.fixture(scope="module")
+def lora_moe(tmp_path_factory):
+    """A tiny DeepSeek-V3 MoE (sigmoid router with expert bias), its rollout and its engine (fp32)."""
+    from slime.backends.sglang_utils.launcher import launch_engine
+    from slime.config import defaults_namespace
+    from slime.tools.tiny_checkpoint import TinyQwen3Spec, write_tiny_checkpoint
+    from tiny_models import replace_model, save_tiny_deepseek_v3_moe
+    from train_step_harness import make_rollout
+
+    checkpoint = write_tiny_checkpoint(tmp_path_factory.mktemp("lora-moe") / "m", TinyQwen3Spec(alphabet="0123456789"))
+    replace_model(checkpoint, save_tiny_deepseek_v3_moe)
+    vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
+    handle = launch_engine("embedded", defaults_namespace(seed=7), 0, 0, str(checkpoint), startup_timeout_s=120,
+                           log_dir=str(tmp_path_factory.mktemp("engine-logs")))
+    yield str(checkpoint), make_rollout(num_samples=4, seed=2, vocab=vocab, max_len=20), handle
+    handle.stop()
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(300)
+def test_lora_on_a_sigmoid_router_moe_keeps_the_engines_routing_bias_the_trainers(lora_moe, tmp_path):
+    from mp_utils import run_ranks
+
+    hf_dir, data, engine = lora_moe
+    rank0, rank1 = run_ranks(_lora_moe_child, 2, args=(hf_dir, data, engine.url, str(tmp_path)), timeout_s=280)
+    syncs = rank0["syncs"]
+    assert all(isinstance(m, dict) for m in syncs + rank1["syncs"]), syncs[-1]  # the old subset: the proof names
+    assert len(syncs) == LORA_ROLLOUTS + 1  # the bias it left out (changed on the trainer, not pushed)
+    first, later = syncs[0], syncs[1:]
+    assert all(m["weight_sync/bytes"] < first["weight_sync/bytes"] for m in later)  # LoRA's subset after the first
+    # every sync the proof compared every tensor the engine serves, expert biases included
+    assert {m["weight_sync/proof_tensors"] for m in syncs} == {first["weight_sync/proof_tensors"]}
+    assert first["weight_sync/proof_tensors"] > 0
+    for after in rank0["biases"]:  # the engine's routing bias is the trainer's after every push, bit for bit
+        assert after and all(torch.equal(trainer, engine) for trainer, engine in after.values())
+    name = sorted(rank0["biases"][0])[0]
+    moved = [after[name][0] for after in rank0["biases"]]
+    assert all(not torch.equal(a, b) for a, b in zip(moved, moved[1:]))  # and megatron moved it every step
