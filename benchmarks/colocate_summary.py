@@ -79,7 +79,8 @@ def main(path: str) -> int:
 
 
 def sync_share(rows: dict, rollouts: list[int]) -> None:
-    """Median weight sync (and its export / send split) against the median actor_train."""
+    """Median weight sync (and its export / send split), and the weight-sync proof's share of it, against the
+    median actor_train."""
     def median(event: str, key: str) -> float | None:
         values = [v for r in rollouts if (v := rows[r].get(event, {}).get(key)) is not None]
         return statistics.median(values) if values else None
@@ -92,6 +93,13 @@ def sync_share(rows: dict, rollouts: list[int]) -> None:
     print(f"weight_sync median {sync:.3f} s (export {gather or 0:.3f} s, send {send or 0:.3f} s, "
           f"{nbytes / 1e9:.2f} GB, {nbytes / 1e9 / sync:.2f} GB/s) vs actor_train median {train:.3f} s: "
           f"{sync / train:.1%}")
+    proof = median("weight_sync", "weight_sync/proof_seconds")
+    if proof is not None:  # rank 0's time in the proof: its digests of what it pushed, the gather, the engines'
+        per_push = [f"{rows[r]['weight_sync']['weight_sync/proof_seconds']:.4f}" for r in rollouts
+                    if "weight_sync/proof_seconds" in rows[r].get("weight_sync", {})]
+        print(f"weight-sync proof median {proof:.4f} s per push vs actor_train median {train:.3f} s: "
+              f"{proof / train:.2%} (target <= 1 %); per push: {' '.join(per_push)}; "
+              f"{median('weight_sync', 'weight_sync/proof_tensors') or 0:.0f} (engine, tensor) pairs compared")
 
 
 def _fmt(value) -> str:

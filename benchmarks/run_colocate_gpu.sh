@@ -13,6 +13,9 @@
 #           ROLLOUTS rollouts (default 8); outputs loop_qwen3.5*
 #   push    the loop's model pushed into one embedded engine on the same GPU, shared-memory file vs CUDA IPC
 #           side by side (benchmarks/bench_weight_push_gpu.py), next to the GPU's copy bandwidth
+#   digest  the weight-sync proof's tensor digest on the GPU: equal to the host's for every dtype and layout, and its
+#           throughput over a 0.6B-shaped body (benchmarks/bench_tensor_digest_gpu.py); the loop's summary prints the
+#           proof's seconds per push beside actor_train (weight_sync/proof_seconds)
 #   footprint  a trainer-like process's device memory outside PyTorch's allocator, item by item
 #           (context, cuBLAS, attention, NCCL; benchmarks/footprint_gpu.py), with NCCL's default channels and with one
 #   logprobs  the loop's model on one GPU: engine, transformers and megatron log-probs of the same generated
@@ -108,6 +111,10 @@ push)
   timeout ${PUSH_TIMEOUT:-200} python3 benchmarks/bench_weight_push_gpu.py --checkpoint $MODEL --repeats ${REPEATS:-5} \
     --json "$OUT/push.json" > "$OUT/push.log" 2>&1
   echo "push rc=$?"; grep -h "WEIGHT_PUSH\|Error" "$OUT/push.log" | cut -c1-400 ;;
+digest)
+  timeout ${DIGEST_TIMEOUT:-240} python3 benchmarks/bench_tensor_digest_gpu.py --repeats ${REPEATS:-5} \
+    --json "$OUT/digest.json" > "$OUT/digest.log" 2>&1
+  echo "digest rc=$?"; grep -h "DIGEST_GPU\|Error" "$OUT/digest.log" | cut -c1-400 ;;
 footprint)
   for ctas in 0 1; do  # NCCL's default channels, then one (the trainer's default for groups of one rank)
     timeout ${FOOTPRINT_TIMEOUT:-120} python3 benchmarks/footprint_gpu.py --max-ctas $ctas \

@@ -51,6 +51,8 @@ def test_the_digest_is_its_definition_on_every_path(monkeypatch):
     flats = [(i, tensor_digest._bytes_of(t)) for i, t in enumerate(tensors)]
     assert [tensor_digest._device_lanes(flats)[i] for i in range(len(tensors))] == [
         tensor_digest._host_lanes(f) for _, f in flats]
+    monkeypatch.setattr(tensor_digest, "HOST_CHUNK_WORDS", 64)  # the host path a chunk at a time
+    assert tensor_digest.tensor_digests(tensors) == digests
     monkeypatch.setattr(tensor_digest, "GROUP_BYTES", 20_000)  # a tensor over it: head in place, tail padded
     big = torch.randn(7000, generator=generator)
     assert tensor_digest._device_lanes([(0, tensor_digest._bytes_of(big))])[0] == tensor_digest._host_lanes(

@@ -15,9 +15,9 @@ of several words cancel in both lanes with a chance of about 2^-64. Every interm
 so the integer arithmetic is exact on every device (no overflow), and the sums do not depend on the order of
 the additions: a CPU and a GPU agree bit for bit.
 
-Cost: on CUDA the per-word maths and the row sums are one compiled kernel (torch.compile, Triton) reading each
-byte once; tensors are grouped into buffers of up to GROUP_BYTES so one call covers many small tensors; only
-16 bytes per tensor come back to the host (on another device the same torch maths runs eagerly). On the host
+Cost: on CUDA the per-word maths and the row sums are one Triton kernel reading each byte once; tensors are
+grouped into buffers of up to GROUP_BYTES so one launch covers many small tensors; only 16 bytes per tensor come
+back to the host (without Triton, or on another device, the same maths runs as torch ops, eagerly). On the host
 (tests, the CPU engine) numpy's wrapping uint32 arithmetic computes the same sums.
 """
 from __future__ import annotations
@@ -63,18 +63,19 @@ def _row_lanes(rows: torch.Tensor, first_word: torch.Tensor, valid_words: torch.
 
 
 @functools.cache
-def _compiled_row_lanes():
-    return torch.compile(_row_lanes, dynamic=True)
-
-
-def _use_compiled(device: torch.device) -> bool:
-    if device.type != "cuda":
-        return False
+def _triton_row_lanes():
+    """tensor_digest_triton.row_lanes (the same sums in one Triton kernel), or None without Triton."""
     try:
-        import triton  # noqa: F401
+        from slime.backends.sglang_utils.tensor_digest_triton import row_lanes
     except ImportError:
-        return False
-    return True
+        return None
+    return row_lanes
+
+
+def _row_lanes_on(device: torch.device):
+    """Triton's kernel on CUDA when it is installed, else the torch maths (eager)."""
+    kernel = _triton_row_lanes() if device.type == "cuda" else None
+    return kernel or _row_lanes
 
 
 def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
@@ -132,30 +133,45 @@ def _group_lanes(group: list[_Piece], device: torch.device) -> list[tuple[int, i
     local = torch.arange(rows.shape[0], device=device) - (torch.cumsum(rows_per, 0) - rows_per)[owner]
     first = start[owner] + local * ROW_WORDS
     valid = (words[owner] - local * ROW_WORDS).clamp(max=ROW_WORDS)
-    lanes = (_compiled_row_lanes() if _use_compiled(device) else _row_lanes)(rows, first, valid)
+    lanes = _row_lanes_on(device)(rows, first, valid)
     sums = torch.zeros(len(group), 2, dtype=torch.int64, device=device).index_add_(0, owner, lanes)
     return [tuple(pair) for pair in sums.cpu().tolist()]
 
 
+HOST_CHUNK_WORDS = 1 << 18  # words per step on the host: the step's buffers stay in the CPU's cache
+
+
+@functools.cache
+def _host_index() -> np.ndarray:
+    return np.arange(HOST_CHUNK_WORDS, dtype=np.uint32)
+
+
 def _host_lanes(flat: torch.Tensor) -> list[int]:
     """The lane sums of a host tensor's bytes, in numpy's uint32 arithmetic (wrapping mod 2^32, as the
-    definition): a few passes over the words, no 64-bit temporaries."""
-    words = flat.numpy()
-    if words.size % 4:
-        words = np.concatenate([words, np.zeros(4 - words.size % 4, dtype=np.uint8)])
-    words = words.view("<u4")
-    index = np.arange(words.size, dtype=np.uint32)
-    sums = []
+    definition), a cache-sized chunk of words at a time into two reused buffers."""
+    data = flat.numpy()
+    if data.size % 4:
+        data = np.concatenate([data, np.zeros(4 - data.size % 4, dtype=np.uint8)])
+    words = data.view("<u4")
+    x = np.empty(min(words.size, HOST_CHUNK_WORDS), dtype=np.uint32)
+    shifted = np.empty_like(x)
+    sums = [0, 0]
     with np.errstate(over="ignore"):
-        for position_factor, offset, first, second in _LANES:
-            x = index * np.uint32(position_factor)
-            x += np.uint32(offset)
-            x ^= words
-            x *= np.uint32(first)
-            x ^= x >> np.uint32(15)
-            x *= np.uint32(second)
-            x ^= x >> np.uint32(13)
-            sums.append(int(x.sum(dtype=np.uint64)))
+        for start in range(0, words.size, HOST_CHUNK_WORDS):
+            chunk = words[start:start + HOST_CHUNK_WORDS]
+            n = chunk.size
+            for lane, (position_factor, offset, first, second) in enumerate(_LANES):
+                out, tmp = x[:n], shifted[:n]
+                np.multiply(_host_index()[:n], np.uint32(position_factor), out=out)
+                out += np.uint32((start * position_factor + offset) & _MASK32)
+                out ^= chunk
+                out *= np.uint32(first)
+                np.right_shift(out, np.uint32(15), out=tmp)
+                out ^= tmp
+                out *= np.uint32(second)
+                np.right_shift(out, np.uint32(13), out=tmp)
+                out ^= tmp
+                sums[lane] += int(out.sum(dtype=np.uint64))
     return sums
 
 
