@@ -410,6 +410,9 @@ def main() -> None:
                          for name, body in request.get("gate_checks", {}).items()},
         "payload": check_payload(request["tp_size"]),
         "loads": check_loads(),
+        # one GPU's entry of a /weights_checker answer (typed in 0.5.23; 0.5.15 passes a free dict)
+        "checksum_answer": struct_problems(io.ChecksumInfo, request["checksum_answer"])
+        if hasattr(io, "ChecksumInfo") else None,
         "server_options": server_options(),
         "stubbed": sorted({name.split(".")[0] for name in STUBBED}),
     }

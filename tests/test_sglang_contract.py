@@ -45,6 +45,7 @@ ROUTE_STRUCTS = {
     "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
     "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
     "/get_weights_by_name": "GetWeightsByNameReqInput",
+    "/weights_checker": "CheckWeightsReqInput",
     "/flush_cache": None,  # query parameter only
     "/health": None,
     "/model_info": None,
@@ -93,6 +94,7 @@ def record_client_calls() -> list[dict[str, Any]]:
                                            group_name="slime_weight_update_pp0", weight_version="5")
     client.destroy_weights_update_group("slime_weight_update_pp0")
     client.get_weights_by_name("lm_head.weight", 10)
+    client.check_weights()
     return recorder.calls
 
 
@@ -196,7 +198,7 @@ def report(request, tmp_path_factory) -> dict[str, Any]:
             case["expect"] = {**case["expect"], "cuda_graph_bs": None, "cuda_graph_bs_decode": None}
     env_names = sorted(n for n in SGLANG_ENV_DEFAULTS if n.startswith(("SGLANG_", "SGL_")))
     probe_request = {"bodies": bodies, "launch": cases, "env_names": env_names, "tp_size": ENGINE_TP,
-                     "gate_checks": GATE_CHECKS}
+                     "gate_checks": GATE_CHECKS, "checksum_answer": _embedded_checksum_answer()["ranks"][0]}
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(ROOT)]), "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "sglang_probe.py")], input=json.dumps(probe_request),
                           capture_output=True, text=True, env=env, timeout=240, cwd=str(ROOT))
@@ -204,6 +206,21 @@ def report(request, tmp_path_factory) -> dict[str, Any]:
     result = json.loads(proc.stdout)
     assert result["version"] == version
     return result
+
+
+def _embedded_checksum_answer() -> dict[str, Any]:
+    from slime.backends.sglang_utils.weight_checker import checksum_response
+
+    return checksum_response({"model.norm.weight": "float32:" + "0" * 32})
+
+
+def test_the_embedded_engines_checksum_answer_is_sglangs(report):
+    """/weights_checker: the embedded engine answers in SGLang's shape (one GPU's ChecksumInfo as SGLang types it)."""
+    if _newer_than(report["version"], "0.5.23"):
+        assert report["checksum_answer"] == [], report["checksum_answer"]
+    else:  # 0.5.15 passes a free dict (one parallelism_info dict per GPU): the client reads either shape
+        assert report["checksum_answer"] is None
+    assert set(_embedded_checksum_answer()) == {"success", "message", "ranks", "per_engine_checksum"}
 
 
 def _newer_than(version: str, other: str) -> bool:
