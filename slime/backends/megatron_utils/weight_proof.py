@@ -144,7 +144,7 @@ class WeightProof:
         start = time.perf_counter()
         error = None
         if exporter and self.subset is not None:
-            error = _attempt(lambda: self._check_left_out(model_chunks, full_push, read_param, version))
+            error = _attempt(lambda: self._check_left_out(model_chunks, full_push, read_param, version, ledger))
         pushed, self._pushed = self._pushed, _Pushed()
         gathered = _gather_to_first(pushed if pushed.digests else None, group)
         if coordinator:
@@ -160,11 +160,12 @@ class WeightProof:
         return {"weight_sync/proof_seconds": self._seconds, "weight_sync/proof_tensors": float(self._compared)}
 
     # -- exporter: what a subset push leaves out ---------------------------------------------------
-    def _check_left_out(self, model_chunks, full_push: bool, read_param, version: str) -> None:
+    def _check_left_out(self, model_chunks, full_push: bool, read_param, version: str, ledger) -> None:
         names = [(name, tensor) for chunk in model_chunks
                  for name, tensor in exported_tensors(unwrap_model(chunk), mtp=False)
                  if full_push or not self.subset(name)]
-        digests = dict(zip((n for n, _ in names), _digests_read(names, read_param or (lambda t: t.detach()))))
+        digests = dict(zip((n for n, _ in names), _digests_read(names, read_param or (lambda t: t.detach()),
+                                                                ledger)))
         if full_push:
             self._left_out = {name: (digest, version) for name, digest in digests.items()}
             return
@@ -184,11 +185,15 @@ class WeightProof:
                     expected[name] = _Expected(digests, version)
         entry = ledger.begin_named("weight_sync/proof", "http_engines", (ledger.rank,), (len(engines.urls),),
                                    "engines") if ledger is not None else None
-        try:
+        failure = None
+        try:  # in this rank's ledger like every call to the engines (update_weight.py), ended with its error
             answers = engines.each(lambda client: parse_checksum_response(client.check_weights()))
+        except Exception as exc:
+            failure = f"{type(exc).__name__}: {str(exc)[:200]}"
+            raise
         finally:
             if entry is not None:
-                ledger.end(entry, None)
+                ledger.end(entry, failure)
                 ledger.note_progress()
         if self.engine_kind == "embedded":
             findings = [finding for url, answer in zip(engines.urls, answers)
@@ -218,19 +223,22 @@ class WeightProof:
         return findings
 
 
-def _digests_read(named: list[tuple[str, torch.Tensor]], read: Callable[[torch.Tensor], torch.Tensor]) -> list[str]:
+def _digests_read(named: list[tuple[str, torch.Tensor]], read: Callable[[torch.Tensor], torch.Tensor],
+                  ledger) -> list[str]:
     """Digests of the tensors as `read` gives them (a sleeping trainer: copies of its host backups), a group's
-    worth at a time so the copies never hold more than GROUP_BYTES at once."""
+    worth at a time so the copies never hold more than GROUP_BYTES at once; each group is progress."""
     digests: list[str] = []
     batch, size = [], 0
-    for _, tensor in named:
+    for index, (_, tensor) in enumerate(named):
         value = read(tensor)
         batch.append(value)
         size += value.numel() * value.element_size()
-        if size >= GROUP_BYTES:
+        if size >= GROUP_BYTES or index == len(named) - 1:
             digests += tensor_digests(batch)
             batch, size = [], 0
-    return digests + (tensor_digests(batch) if batch else [])
+            if ledger is not None:
+                ledger.note_progress()
+    return digests
 
 
 def _against_first_engine(urls: Sequence[str], answers: Sequence[EngineChecksums], version: str

@@ -23,11 +23,14 @@ back to the host (without Triton, or on another device, the same maths runs as t
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 import torch
+
+logger = logging.getLogger(__name__)
 
 ROW_WORDS = 1024  # words per row of the digest's [rows, ROW_WORDS] view
 GROUP_BYTES = 256 * 1024**2  # tensors digested in one call (a larger tensor gets a call of its own)
@@ -63,18 +66,33 @@ def _row_lanes(rows: torch.Tensor, first_word: torch.Tensor, valid_words: torch.
 
 
 @functools.cache
-def _triton_row_lanes():
-    """tensor_digest_triton.row_lanes (the same sums in one Triton kernel), or None without Triton."""
+def _triton_row_lanes(device: torch.device):
+    """tensor_digest_triton.row_lanes (the same sums in one Triton kernel) once it gave the torch maths' sums on
+    this device; None without Triton, or (with a warning) when it did not."""
     try:
         from slime.backends.sglang_utils.tensor_digest_triton import row_lanes
     except ImportError:
+        return None
+    generator = torch.Generator().manual_seed(0)
+    rows = torch.randint(-2**31, 2**31, (3, ROW_WORDS), generator=generator, dtype=torch.int64).to(torch.int32)
+    first = torch.tensor([0, ROW_WORDS, 2**32 - 5], dtype=torch.int64)
+    valid = torch.tensor([ROW_WORDS, 17, ROW_WORDS], dtype=torch.int64)
+    expected = _row_lanes(rows, first, valid)
+    try:
+        got = row_lanes(rows.to(device), first.to(device), valid.to(device)).cpu()
+    except Exception as exc:  # noqa: BLE001 - a kernel this device cannot build: the torch maths instead
+        logger.warning("tensor digest: the Triton kernel failed on %s (%s); digesting with torch ops", device, exc)
+        return None
+    if not torch.equal(got, expected):
+        logger.warning("tensor digest: the Triton kernel's sums differ from the definition's on %s; digesting "
+                       "with torch ops", device)
         return None
     return row_lanes
 
 
 def _row_lanes_on(device: torch.device):
-    """Triton's kernel on CUDA when it is installed, else the torch maths (eager)."""
-    kernel = _triton_row_lanes() if device.type == "cuda" else None
+    """Triton's kernel on CUDA when it is installed and checked, else the torch maths (eager)."""
+    kernel = _triton_row_lanes(device) if device.type == "cuda" else None
     return kernel or _row_lanes
 
 
