@@ -184,12 +184,14 @@ def test_colocated_pp_stages_push_together_inside_one_session_per_sync(checkpoin
     results = run_ranks(_colocated_pp_push, 2, args=(checkpoint, urls, str(tmp_path)), timeout_s=100)
     by_stage = {r["stage"]: r for r in results}
     coordinator, stage1 = by_stage[0]["ops"], by_stage[1]["ops"]
-    # One session per sync, opened after the pause fence and closed after the push fence, by the coordinator.
+    # One session per sync, opened after the pause fence and closed after the push fence (and the weight-sync
+    # proof over both stages' tensors), by the coordinator.
     for sync in range(2):
         window = coordinator[_nth(coordinator, "fence:weight_sync/paused", sync):
                              _nth(coordinator, "fence:weight_sync/done", sync)]
         assert [op for op in window if "_session" in op or op.startswith("fence:")] == [
-            "fence:weight_sync/paused", "fence:weight_sync/pushed", "weight_sync/end_session"], window
+            "fence:weight_sync/paused", "fence:weight_sync/pushed", "fence:weight_sync/proved",
+            "weight_sync/end_session"], window
         before = coordinator[:_nth(coordinator, "fence:weight_sync/paused", sync)]
         assert before[-1] == "weight_sync/begin_session", before
     assert not any("_session" in op for op in stage1) and "weight_sync/send_bucket0" in stage1

@@ -323,6 +323,7 @@ class WeightSync:
         self.select = select
         self._full_push_due = True
         self.proof = WeightProof(self.engine_kind, enabled=args.weight_sync_proof, subset=select)
+        self._fed_engines: EngineSet | None = None
 
     @property
     def engines(self) -> EngineSet:
@@ -336,6 +337,15 @@ class WeightSync:
         if self._feeds is None:
             self._feeds = node_feeds(self.grid, self._rank, self.engine_urls, self.node_host, self.node_hosts)
         return self._feeds
+
+    @property
+    def fed_engines(self) -> EngineSet:
+        """The engines this rank's sender feeds (the proof learns the dtypes they hold): all, or per node `feeds`."""
+        if self.grid is None:
+            return self.engines
+        if self._fed_engines is None:
+            self._fed_engines = EngineSet(self.feeds.local + self.feeds.remote, self.timeouts)
+        return self._fed_engines
 
     def transport(self, device: torch.device, pp_rank: int):
         if self._transport is None:
@@ -457,7 +467,7 @@ class WeightSync:
                 if role.sender and result.error is None:  # in the engines' dtypes, digested as the export gave it
                     bucket, tensors = item
                     result.error = _attempt(lambda: self._send_bucket(bucket, apply_weight_push_fault(
-                        self.proof.prepare(self.push_engines, tensors), role.world_rank, int(version) - 1),
+                        self.proof.prepare(self.fed_engines, tensors), role.world_rank, int(version) - 1),
                         version, plan, ledger, result))
                 if ledger is not None:
                     ledger.note_progress()  # a bucket exported (and sent): progress on every exporter
@@ -549,6 +559,9 @@ class WeightSync:
         if self._engines is not None:
             self._engines.close()
             self._engines = None
+        if self._fed_engines is not None:
+            self._fed_engines.close()
+            self._fed_engines = None
         for engines in self._split_engines:
             engines.close()
         self._split_engines.clear()
