@@ -157,6 +157,10 @@ def test_colocated_over_two_nodes_learns_and_every_engine_follows(colocated_run)
     assert _series(events, "weight_sync", "weight_sync/version") == list(range(COLOCATED_ROLLOUTS + 1))
     diffs = _series(events, "train", "train/train_rollout_logprob_abs_diff")
     assert all(0.0 <= d <= 1e-4 for d in diffs), diffs
+    # and after every sync the weight-sync proof compared every tensor both engines serve with what the node
+    # senders pushed (each stage's by tensor to its node's engine, over its group to the other node's)
+    compared = _series(events, "weight_sync", "weight_sync/proof_tensors")
+    assert len(set(compared)) == 1 and compared[0] > 0, compared
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)
