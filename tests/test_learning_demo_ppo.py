@@ -136,3 +136,7 @@ def test_lora_trains_both_roles_adapters_and_pushes_only_what_trained(ppo_demo):
     norms = sum(t.numel() * t.element_size() for name, t in weights.items() if "norm" in name)
     pushed = _series(ppo_demo["events"], "weight_sync", "weight_sync/bytes")
     assert pushed[0] == total and set(pushed[1:]) == {total - norms}, (pushed, total, norms)
+    # the weight-sync proof held after every push, the subset pushes included: every tensor the engines serve
+    # (the norms pushed once) against the trainer's, and the norms each push left out unchanged on the trainer
+    compared = _series(ppo_demo["events"], "weight_sync", "weight_sync/proof_tensors")
+    assert len(set(compared)) == 1 and compared[0] >= len(weights), compared
