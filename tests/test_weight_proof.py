@@ -333,3 +333,14 @@ def test_lora_on_a_sigmoid_router_moe_keeps_the_engines_routing_bias_the_trainer
     name = sorted(rank0["biases"][0])[0]
     moved = [after[name][0] for after in rank0["biases"]]
     assert all(not torch.equal(a, b) for a, b in zip(moved, moved[1:]))  # and megatron moved it every step
+
+
+def test_upstreams_weight_equality_flag_asks_for_the_proof_and_contradicts_turning_it_off(capsys):
+    from slime.config.parse import parse_args
+
+    base = ["--rollout-batch-size", "2", "--num-rollout", "1", "--actor-num-gpus-per-node", "1",
+            "--train-backend-device", "cpu", "--check-weight-update-equal"]
+    assert parse_args(base).weight_sync_proof
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args([*base, "--no-weight-sync-proof"])
+    assert exit_info.value.code == 2 and "--no-weight-sync-proof turns off" in capsys.readouterr().err

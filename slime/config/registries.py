@@ -48,7 +48,6 @@ NOT_IMPLEMENTED_FLAGS: tuple[NotImplementedFlag, ...] = (
         is_active=lambda v: v not in ("auto", "local"),
     ),
     NotImplementedFlag(flag="--use-flash-attn", reason="flash-attn is not used; attention follows --attention-backend"),
-    NotImplementedFlag(flag="--check-weight-update-equal", reason="weight-update equality check is not implemented"),
     *_warned("this wandb option is not wired (project, group and key are)", "--wandb-host", "--wandb-team",
              "--wandb-mode", "--wandb-dir", "--wandb-run-id", "--disable-wandb-random-suffix",
              "--wandb-always-use-train-step"),
@@ -142,6 +141,8 @@ ALWAYS_HONOURED_FLAGS: dict[str, str] = {
     "--no-gradient-accumulation-fusion": "gradient-accumulation fusion (a CUDA kernel) is always off",
     "--no-position-embedding": "no learned absolute position embedding is ever added; positions are the HF "
                                "config's RoPE",
+    "--check-weight-update-equal": "the weight-sync proof compares a digest of every tensor the engines serve with "
+                                   "what was pushed, after every push (off only with --no-weight-sync-proof)",
 }
 
 

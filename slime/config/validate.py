@@ -22,8 +22,8 @@ from slime.config.checks.rollout import (
     resolve_eval_datasets,
     resolve_rollout_defaults,
 )
-from slime.config.checks.run import (check_deadlines, check_healing, check_ledger, check_positive, resolve_modes,
-                                     resolve_tracking)
+from slime.config.checks.run import (check_deadlines, check_healing, check_ledger, check_positive,
+                                     check_weight_sync_proof, resolve_modes, resolve_tracking)
 from slime.config.layout import check_parallel_layout
 from slime.config.megatron_config import apply_role_config, read_role_config
 from slime.config.parser import build_parser
@@ -42,6 +42,7 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
     check_positive(args)
     check_deadlines(args)
     check_healing(args)
+    check_weight_sync_proof(args)
     resolve_optimizer_offload(args)
     resolve_model_defaults(args)
     resolve_modes(args)

@@ -56,8 +56,7 @@ class HyperMixer(torch.nn.Module):
         layers = config.hf_layer_config
         n, hidden = layers.streams, config.hidden_size
         self.streams, self.iters, self.eps, self.norm_eps = n, layers.sinkhorn_iters, layers.hc_eps, layers.norm_eps
-        std = config.init_method_std
-        self.fn = _replicated(config, ((2 + n) * n, n * hidden), lambda t: torch.nn.init.normal_(t, 0.0, std))
+        self.fn = _replicated(config, ((2 + n) * n, n * hidden), config.init_method)
         self.base = _replicated(config, ((2 + n) * n,), torch.nn.init.zeros_)
         self.scale = _replicated(config, (3,), torch.nn.init.ones_)
 
@@ -123,10 +122,10 @@ class HyperHeadNorm(torch.nn.Module):
     def __init__(self, config, hidden_size: int, eps: float = 1e-6, **unused) -> None:
         super().__init__()
         layers = config.hf_layer_config
-        n, std = layers.streams, config.init_method_std
+        n = layers.streams
         self.eps, self.hc_eps, self.norm_eps = eps, layers.hc_eps, layers.norm_eps
         self.weight = _replicated(config, (hidden_size,), torch.nn.init.ones_)
-        self.hc_fn = _replicated(config, (n, n * hidden_size), lambda t: torch.nn.init.normal_(t, 0.0, std))
+        self.hc_fn = _replicated(config, (n, n * hidden_size), config.init_method)
         self.hc_base = _replicated(config, (n,), torch.nn.init.zeros_)
         self.hc_scale = _replicated(config, (1,), torch.nn.init.ones_)
 

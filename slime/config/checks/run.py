@@ -53,6 +53,12 @@ def check_healing(args: argparse.Namespace) -> None:
              "--no-save-optim (or --max-restarts)")
 
 
+def check_weight_sync_proof(args: argparse.Namespace) -> None:
+    if args.check_weight_update_equal and not args.weight_sync_proof:
+        fail("--check-weight-update-equal asks for the weight-sync proof that --no-weight-sync-proof turns off; "
+             "drop one of them")
+
+
 def resolve_modes(args: argparse.Namespace) -> None:
     if args.debug_train_only and args.debug_rollout_only:
         fail("--debug-train-only and --debug-rollout-only cannot both be set")
