@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -182,8 +183,9 @@ def test_checkpoint_without_optimizer_and_hf_export(hooks_run, assets):
 
     ckpt = hooks_run["root"] / "ckpt"
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
-    assert json.loads((ckpt / "iter_0000003" / "slime_contents.json").read_text()) == {
-        "items": ["model", "scheduler", "rng"], "optimizer": False}
+    contents = json.loads((ckpt / "iter_0000003" / "slime_contents.json").read_text())
+    assert re.fullmatch(r"[0-9a-f]{16}", contents.pop("run_id"))  # the run this checkpoint belongs to
+    assert contents == {"items": ["model", "scheduler", "rng"], "optimizer": False}
     exported = {r: AutoModelForCausalLM.from_pretrained(hooks_run["root"] / f"hf_{r}", torch_dtype=torch.float32)
                 for r in (3, 4)}
     initial = AutoModelForCausalLM.from_pretrained(assets["checkpoint"], torch_dtype=torch.float32)

@@ -46,7 +46,7 @@ pytestmark = pytest.mark.timeout(300)
 
 # GET routes that only read; every other route changes state and takes POST only.
 READ_ONLY = {"/health", "/health_generate", "/get_model_info", "/model_info", "/get_weight_version",
-             "/get_server_info", "/server_info", "/get_weights_by_name", "/list_workers"}
+             "/get_server_info", "/server_info", "/get_weights_by_name", "/list_workers", "/v1/loads"}
 NAMED = [("model.norm.weight", torch.arange(64, dtype=torch.float32))]  # the tiny model's hidden size
 MINIMAL = ["--rollout-batch-size", "2", "--num-rollout", "1", "--actor-num-gpus-per-node", "1",
            "--train-backend-device", "cpu"]
