@@ -175,7 +175,7 @@ def main() -> None:
     import ray
 
     from patches.ray import keep_cluster_on_loopback
-    from slime.ray.driver.cluster import LOOPBACK
+    from slime.ray.common.node import LOOPBACK
 
     keep_cluster_on_loopback()  # a private cluster of this machine: nothing leaves loopback
     ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False,

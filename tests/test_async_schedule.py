@@ -12,7 +12,9 @@ import train_async
 from slime.ray.driver import session
 from arg_testing import driver_args, no_real_sglang, parse_error  # noqa: F401 - the fixture applies to every test here
 from slime.ray.driver.async_schedule import OneStepOffPlan, check_async_args
-from slime.ray.driver.placement import BundleInfo, EngineSlot, Layout, PlacementError, check_disjoint, plan_layout
+from slime.ray.common.engine_slot import EngineSlot
+from slime.ray.common.node import PlacementError
+from slime.ray.driver.placement import BundleInfo, Layout, check_disjoint, plan_layout
 from slime.ray.rollout_manager.errors import EngineFailedError
 from slime.ray.driver.rollout_wait import EngineTargets
 from slime.utils.arguments import ArgumentValidationError

@@ -27,7 +27,10 @@ ROOMS = [
     # view of the flags asks the checkpoint where the critic resumes
     ("slime.config.checks", "slime.config.validate", "slime.config.launch", "slime.config.parse",
      "slime.config.critic_role"),
+    ("slime.ray.common",),  # what every Ray-side process shares: its node, its GPUs, an engine's slot
+    # the trainer ranks', the engines' and the rollout manager's processes: they never import the driver's room
     ("slime.ray",),
+    ("slime.ray.driver",),  # the driver process: it places, starts and waits on all of the above
     ("slime.utils.arguments",),  # upstream's import path of the parser: re-exports the config room
     ("slime.utils.ppo_utils",),  # upstream's import path of the PPO maths: re-exports slime.algorithms
     ("slime_plugins",),  # upstream's plug-in paths: aliases of slime.models modules
@@ -91,3 +94,11 @@ def test_the_rules_see_an_upward_import_and_a_private_name(tmp_path):
     imports = list(_imports(path))
     assert [RANK[_room(t)] > RANK[_room("slime.models.qwen")] for _, t, _ in imports] == [True, True]
     assert [n for _, _, names in imports for n in names if n.startswith("_")] == ["_hidden"]
+
+
+def test_the_ray_processes_other_than_the_driver_may_import_the_common_room_never_the_driver():
+    """The trainer ranks, the engines and the rollout manager run in processes of their own: what they share is in
+    slime/ray/common/, and the driver's modules (cluster, placement, the loop's proxies) are above all of them."""
+    driver, common = RANK[_room("slime.ray.driver.placement")], RANK[_room("slime.ray.common.node")]
+    for process in ("slime.ray.trainer.rank_actor", "slime.ray.engines.actor", "slime.ray.rollout_manager.manager"):
+        assert common < RANK[_room(process)] < driver, process

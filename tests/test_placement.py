@@ -17,14 +17,14 @@ import pytest
 from arg_testing import driver_args
 from slime.backends.sglang_utils.launcher import gpu_id_layout, sglang_server_args_for_engine
 from slime.config import defaults_namespace
-from slime.ray.driver.cluster import PlacementError, cluster_address, worker_env
+from slime.ray.common.node import PlacementError, visible_device_index
+from slime.ray.driver.cluster import cluster_address, worker_env
 from slime.ray.driver.placement import (
     BundleInfo,
     check_colocated_nodes,
     check_engine_bind_host,
     order_bundles,
     plan_layout,
-    visible_device_index,
 )
 from slime.utils.security import ApiKey
 
@@ -356,7 +356,7 @@ def test_a_private_cluster_and_its_servers_stay_on_loopback():
         import os, types, ray
         os.environ.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)  # as train.py runs outside the tests
         from slime.ray.driver.placement import init_ray
-        from slime.ray.driver.cluster import serving_host
+        from slime.ray.common.node import serving_host
         init_ray(types.SimpleNamespace(actor_num_nodes=1, actor_num_gpus_per_node=1, debug_rollout_only=False,
                                        debug_train_only=True, rollout_num_gpus=0, rollout_num_gpus_per_engine=1,
                                        colocate=True, use_critic=False))

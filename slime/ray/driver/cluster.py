@@ -1,10 +1,9 @@
-"""The Ray cluster around a job: which one to join, each node's address, the env every actor gets.
+"""The Ray cluster around a job: which one to join, the env every actor gets, actors Ray cancels before they run.
 
 Users start a cluster with `ray start --head` / `ray start --address` and run `python train.py` on
 the head or `ray job submit -- python train.py` (which sets RAY_ADDRESS); without one, train.py
 starts a private cluster on this machine (slime/ray/driver/placement.py:init_ray), on the loopback address.
-A run on one node keeps every server (engines, router, rendezvous) on loopback; only a run that spans
-nodes listens on node addresses (`serving_host`).
+Where each process's servers listen is the node's own business (slime/ray/common/node.py).
 """
 from __future__ import annotations
 
@@ -17,21 +16,17 @@ from typing import Callable, TypeVar
 
 import ray
 
+from slime.ray.common.node import HOST_IP_ENV, PlacementError
+
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 NOSET_VISIBLE_DEVICES = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
-LOOPBACK = "127.0.0.1"
-HOST_IP_ENV = "SLIME_HOST_IP"  # upstream's per-node override of the node's address
 # Env the ranks and engines must see wherever they run (names, or prefixes ending in "_").
 FORWARDED_ENV = ("SLIME_", "NCCL_", "GLOO_", "TORCH_", "HF_", "TRANSFORMERS_OFFLINE", "OMP_NUM_THREADS",
                  "CUDA_DEVICE_MAX_CONNECTIONS", "PYTHONPATH")
 NODE_LOCAL_ENV = (HOST_IP_ENV,)  # each node has its own value: never copied from the driver
-
-
-class PlacementError(RuntimeError):
-    """The cluster cannot hold the requested layout, or the layout cannot be placed as asked."""
 
 
 def cluster_address(env: dict[str, str] | None = None) -> str | None:
@@ -110,23 +105,3 @@ def retry_if_cancelled_before_start(start: Callable[[], T], what: str,
         time.sleep(pause_s)
     return start()
 
-
-def node_address() -> str:
-    """This node's address as other nodes reach it: SLIME_HOST_IP if set here, else Ray's node IP."""
-    return os.environ.get(HOST_IP_ENV) or ray.util.get_node_ip_address()
-
-
-def is_wildcard(host: str) -> bool:
-    return host in ("0.0.0.0", "::", "[::]")
-
-
-def advertised_host(bind_host: str | None) -> str:
-    """Where peers reach a server bound to `bind_host` on this node (None: the node's address)."""
-    if not bind_host or is_wildcard(bind_host):
-        return node_address()
-    return bind_host
-
-
-def serving_host(spans_nodes: bool) -> str:
-    """Where a server this run starts listens by default: loopback unless peers on other nodes must reach it."""
-    return node_address() if spans_nodes else LOOPBACK

@@ -38,15 +38,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from patches.ray import keep_cluster_on_loopback
 from slime.config.layout import critic_has_own_bundles, critic_world_size
-from slime.ray.driver.cluster import (
-    LOOPBACK,
-    PlacementError,
-    cluster_address,
-    is_wildcard,
-    node_address,
-    require_reachable,
-    worker_env,
-)
+from slime.ray.common.engine_slot import EngineSlot
+from slime.ray.common.node import LOOPBACK, PlacementError, is_wildcard, node_address
+from slime.ray.driver.cluster import cluster_address, require_reachable, worker_env
 from slime.utils.deadlines import PLACEMENT_S
 
 logger = logging.getLogger(__name__)
@@ -97,21 +91,6 @@ def start_private_cluster(num_cpus: int) -> None:
             ray.shutdown()
 
 
-def visible_device_index(gpu_id: int | str, visible: str | None = None) -> int:
-    """The CUDA device index of Ray's GPU id in a process that sees every GPU of the node.
-
-    Ray reports ids as listed in the raylet's CUDA_VISIBLE_DEVICES when one was set, which the
-    process inherits (with NOSET Ray does not change it); else as plain indices.
-    """
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
-    if not visible:
-        return int(gpu_id)
-    listed = [v.strip() for v in visible.split(",") if v.strip()]
-    if str(gpu_id) not in listed:
-        raise PlacementError(f"GPU id {gpu_id} from Ray is not in CUDA_VISIBLE_DEVICES={visible}")
-    return listed.index(str(gpu_id))
-
-
 # ----------------------------------------------------------------------------- the layout (pure)
 @dataclass(frozen=True, kw_only=True)
 class BundleInfo:
@@ -123,31 +102,6 @@ class BundleInfo:
     node_ip: str
     gpu_id: str | None = None
     """Ray's id of the bundle's GPU (None on CPU bundles)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class EngineSlot:
-    """The bundles of one engine on one node; its Ray actor runs on the first. An engine over several nodes is the
-    slot of its node rank 0 (the process that serves HTTP), its other nodes' slots in `followers`."""
-
-    rank: int
-    bundles: tuple[int, ...]
-    node_id: str
-    node_ip: str
-    gpu_ids: tuple[str, ...] = ()
-    node_rank: int = 0
-    """This slot's SGLang --node-rank within its engine."""
-    followers: tuple["EngineSlot", ...] = ()
-    """The slots of node ranks 1.. (empty: the engine lies within one node)."""
-
-    @property
-    def parts(self) -> tuple["EngineSlot", ...]:
-        """Every node's slot, node rank 0 first."""
-        return (self, *self.followers)
-
-    @property
-    def nnodes(self) -> int:
-        return 1 + len(self.followers)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -159,7 +159,7 @@ def create_rollout_manager(args, placement: Placement, kept: KeptEngines | None 
     def start() -> RolloutManagerHandle:
         engines = [list(parts) for parts in kept.actors] if kept is not None else new_engine_actors(args, placement)
         released = kept.released if kept is not None else None
-        handle = RolloutManagerHandle(manager.remote(args, placement, engines, released), args, engines)
+        handle = RolloutManagerHandle(manager.remote(args, placement.layout.engines, engines, released), args, engines)
         try:
             handle.wait_ready()
         except BaseException:  # kept engines stay the session's to stop

@@ -35,7 +35,8 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from slime.config.layout import ParallelLayout
-from slime.ray.driver.cluster import PlacementError, cluster_address
+from slime.ray.common.node import PlacementError
+from slime.ray.driver.cluster import cluster_address
 from slime.ray.driver.healing import (HealingRefusedError, RepeatedFailureError, heal_metrics, note_failure,
                                       restart_metrics, train_with_healing, trainer_side)
 from slime.ray.driver.placement import Layout, Placement, create_placement, init_ray, placement_record, use_gpus

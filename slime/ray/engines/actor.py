@@ -17,9 +17,9 @@ from typing import Any, Sequence
 import ray
 
 from slime.backends.sglang_utils.launcher import EngineHandle, EngineNodes, launch_engine
-from slime.ray.driver.cluster import advertised_host, node_address, serving_host
+from slime.ray.common.engine_slot import EngineSlot
+from slime.ray.common.node import advertised_host, node_address, serving_host, visible_device_index
 from slime.ray.engines.recovery import LocalEngine
-from slime.ray.driver.placement import EngineSlot, visible_device_index
 from slime.utils.deadlines import ENGINE_ACTOR_CALL_S
 from slime.utils.ports import find_free_port
 from slime.utils.security import use_key

@@ -26,12 +26,12 @@ import torch
 from slime.backends.sglang_utils.http_client import SGLangHTTPClient
 from slime.backends.sglang_utils.launcher import pick_rollout_backend
 from slime.distributed.fault_inject import maybe_kill_run
-from slime.ray.driver.cluster import advertised_host, serving_host
+from slime.ray.common.engine_slot import EngineSlot
+from slime.ray.common.node import advertised_host, serving_host
 from slime.backends.sglang_utils.launcher import EngineNodes
 from slime.ray.engines.actor import EngineEndpoint, RemoteEngine, SpanningEngine
 from slime.ray.engines.health import HealthConfig
 from slime.ray.engines.recovery import EngineFleet
-from slime.ray.driver.placement import EngineSlot, Placement
 from slime.ray.rollout_manager.guard import RolloutGuard
 from slime.ray.rollout_manager.errors import RolloutTimeoutError, portable_rollout_errors
 from slime.ray.rollout_manager.steps import RolloutSteps
@@ -66,10 +66,11 @@ MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
 
 class RolloutManager:
-    def __init__(self, args, placement: Placement, engine_actors: Sequence = (),
+    def __init__(self, args, engine_slots: Sequence[EngineSlot], engine_actors: Sequence = (),
                  kept_released: Sequence[str] | None = None):
-        """`engine_actors`: per engine slot, the driver's EngineRayActors (one per node); started here, or, with
-        `kept_released` (the memory tags they hold released), already serving: a trainer-side heal kept them."""
+        """`engine_slots`: where the driver placed each engine; `engine_actors`: per engine slot, the driver's
+        EngineRayActors (one per node); started here, or, with `kept_released` (the memory tags they hold
+        released), already serving: a trainer-side heal kept them."""
         from slime.utils.logging_utils import configure_logger
 
         configure_logger(role="rollout manager")  # engine failures and restarts reach the driver's output
@@ -85,7 +86,7 @@ class RolloutManager:
         """The memory tags the engines have released (offload and onload change only what they must: SGLang
         refuses to resume a tag it holds)."""
         self.engines: list[EngineEndpoint] = (  # node rank 0's: the engines' URLs
-            self._launch_engines(placement) if kept_released is None else self._adopt_engines(placement))
+            self._launch_engines(engine_slots) if kept_released is None else self._adopt_engines(engine_slots))
         self.router = self._launch_router() if self.engines else None
         self.fleet = EngineFleet([self._engine_process(rank) for rank in range(len(self.engines))],
                                  relaunch=self._restart_engine, fault_tolerant=args.use_fault_tolerance,
@@ -96,8 +97,7 @@ class RolloutManager:
         if args.start_rollout_id > 0:  # resume after the rollout whose data state was saved; last, so that
             self.data_source.load(args.start_rollout_id - 1)  # the restored RNG is this process's at rollout start
 
-    def _launch_engines(self, placement: Placement) -> list[EngineEndpoint]:
-        slots = placement.layout.engines
+    def _launch_engines(self, slots: Sequence[EngineSlot]) -> list[EngineEndpoint]:
         if not slots:
             return []
         logger.info("starting %d %s engine(s) for %s", len(slots), self.backend, self.args.hf_checkpoint)
@@ -126,9 +126,8 @@ class RolloutManager:
                  for actor, endpoint in zip(self._engine_actors[rank], self._part_endpoints[rank])]
         return parts[0] if len(parts) == 1 else SpanningEngine(parts)
 
-    def _adopt_engines(self, placement: Placement) -> list[EngineEndpoint]:
+    def _adopt_engines(self, slots: Sequence[EngineSlot]) -> list[EngineEndpoint]:
         """Engines a trainer-side heal kept: each process must still serve where it did."""
-        slots = placement.layout.engines
         logger.info("keeping %d %s engine(s) through the restart (released: %s)", len(slots), self.backend,
                     sorted(self.released) or "nothing")
         refs = [actor.serving_endpoint.remote() for actors in self._engine_actors for actor in actors]

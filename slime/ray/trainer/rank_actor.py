@@ -9,8 +9,7 @@ import warnings
 
 import ray
 
-from slime.ray.driver.cluster import node_address, serving_host
-from slime.ray.driver.placement import visible_device_index
+from slime.ray.common.node import node_address, serving_host, visible_device_index
 from slime.utils.security import use_key
 
 # megatron-core announces at import that TE/Apex are absent (expected on the embedded path),
