@@ -33,7 +33,7 @@ class FakeGroup(FakeTrainers):
 
     def values(self, rollout_id, data_ref, on_poll=None):
         self._say(f"values {rollout_id}")
-        return [[float(rollout_id)]]
+        return ray.put({"values": [[float(rollout_id)]]})  # a reference, as critic rank 0 returns it
 
     def train(self, rollout_id, data_ref, on_poll=None, extra_refs=()):
         self._say(f"train {rollout_id} with {[ray.get(r) for r in extra_refs]}")

@@ -2,7 +2,8 @@
 
 Pure tests of the layout arithmetic, the cluster address and the device ids, then one Ray cluster of
 two nodes with four fake GPUs each: the trainer ranks and the engines' actors are created on it as
-train.py creates them, and each reports what Ray gave it, colocated and not.
+train.py creates them, and each reports what Ray gave it, colocated and not; on the same cluster, the
+critic's values reach the ranks by reference without passing through the driver.
 """
 from __future__ import annotations
 
@@ -421,3 +422,49 @@ def test_ranks_that_fail_after_the_reported_one_print_no_unhandled_error(fake_gp
     gc.collect()  # the refs held by the raised error's frames go
     time.sleep(1.0)
     assert printed == []
+
+
+@pytest.mark.timeout(300)
+def test_the_critics_values_reach_every_rank_by_reference_and_the_driver_never_fetches_them(
+        fake_gpu_cluster, tmp_path, monkeypatch):
+    """ppo: every critic rank computes the values, rank 0 alone puts them in Ray's object store and the group
+    returns that reference; each rank then fetches them beside the rollout. The driver's waits never see them."""
+    import ray
+
+    from slime.ray.driver import trainer_group
+    from slime.ray.driver.placement import create_placement
+    from slime.ray.trainer.rank_actor import TrainRayActor
+
+    values = [[0.25, -1.5], [3.75]]
+
+    class FencedCritic:  # the megatron critic's two calls, as the rank's Ray actor sees them
+        def values(self, rollout_id, data):
+            return values  # every critic rank holds all of them (shared over DP)
+
+        def train(self, rollout_id, data):
+            if data["values"] != values or data["prompt"] != "p":
+                raise AssertionError(f"this rank fetched {data}")
+            return {"critic/loss": 0.0}
+
+    class CriticRank(TrainRayActor):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.actor = FencedCritic()
+
+    fetched = []  # every result the driver takes from Ray
+    real_get = ray.get
+    monkeypatch.setattr(ray, "get", lambda *a, **kw: fetched.append(real_get(*a, **kw)) or fetched[-1])
+    monkeypatch.setattr(trainer_group, "TrainRayActor", CriticRank)
+    args = _layout_args(tmp_path, actor_num_nodes=1, actor_num_gpus_per_node=2, rollout_num_gpus=0,
+                        debug_train_only=True)
+    placement = create_placement(args, use_gpu=True, timeout_s=120)
+    group = trainer_group.RayTrainGroup(args, placement)
+    try:
+        data_ref = ray.put({"prompt": "p"})
+        values_ref = group.values(0, data_ref)
+        assert isinstance(values_ref, ray.ObjectRef)
+        assert group.train(0, data_ref, extra_refs=(values_ref,)) == {"critic/loss": 0.0}  # raised on any rank else
+    finally:
+        group.shutdown()
+        placement.remove()
+    assert fetched and "3.75" not in repr(fetched)

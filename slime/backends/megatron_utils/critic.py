@@ -7,7 +7,7 @@ It reuses MegatronTrainActor's set-up, wake/sleep, fences and checkpointing; wha
             the critic's megatron checkpoint (--critic-load holding one, else <--load>/critic), at the iteration
             the actor resumes at (the run's tracker is the actor's: config/critic_role.py)
   values    critic_values/{wake,plan,forward}: the values of every response token of the rollout (shared
-            over DP), which the driver hands to the actor (GAE) and back to the critic's step
+            over DP), which rank 0 puts in Ray's object store for the actor (GAE) and the critic's step to fetch
   train     critic_train/{wake,plan,returns,step...,exit}: returns by GAE over those values, then the
             clipped value loss (value_loss.py) on train_one_step
   save      --critic-save, else <--save>/critic, before the actor's; its tracker moves after the actor's

@@ -68,9 +68,7 @@ def train_rollout(args, rollout_id: int, data_ref, actors, critic=None,
     poll = {"on_poll": on_poll} if on_poll is not None else {}
     if critic is None:
         return actors.train(rollout_id, data_ref, **poll)
-    import ray
-
-    values_ref = ray.put({"values": critic.values(rollout_id, data_ref, **poll)})
+    values_ref = critic.values(rollout_id, data_ref, **poll)  # a reference: the values stay off the driver
     metrics = critic.train(rollout_id, data_ref, extra_refs=(values_ref,), **poll)
     if actor_trains(args, rollout_id):
         metrics.update(actors.train(rollout_id, data_ref, extra_refs=(values_ref,), **poll))

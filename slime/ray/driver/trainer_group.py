@@ -97,8 +97,10 @@ class RayTrainGroup:
         refs = [r.train.remote(rollout_id, [data_ref, *extra_refs]) for r in self._ranks]
         return self._wait(refs, f"{self.role}_train", on_poll=on_poll)[0]
 
-    def values(self, rollout_id: int, data_ref: ray.ObjectRef, on_poll: Callable[[], None] | None = None) -> list:
-        """The critic's values of every response token of the rollout."""
+    def values(self, rollout_id: int, data_ref: ray.ObjectRef, on_poll: Callable[[], None] | None = None
+               ) -> ray.ObjectRef:
+        """A reference to the critic's values of every response token of the rollout (`{"values": ...}`, put by
+        rank 0): the driver never fetches them; `train`'s `extra_refs` hands the reference to the ranks."""
         refs = [r.values.remote(rollout_id, [data_ref]) for r in self._ranks]
         return self._wait(refs, "critic_values", on_poll=on_poll)[0]
 

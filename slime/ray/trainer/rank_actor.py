@@ -137,9 +137,12 @@ class TrainRayActor:
         return self.actor.train(rollout_id, self._fetch(data_ref))
 
     @_portable_errors
-    def values(self, rollout_id: int, data_ref: list) -> list:
-        """The critic's values of the rollout's response tokens."""
-        return self.actor.values(rollout_id, self._fetch(data_ref))
+    def values(self, rollout_id: int, data_ref: list) -> ray.ObjectRef | None:
+        """The critic's values of the rollout's response tokens, which every critic rank holds: rank 0 puts them in
+        Ray's object store and returns the reference alone (the others None), so the driver hands the reference on
+        and each rank of both roles fetches the values itself (`_fetch`), as it fetches the rollout."""
+        values = self.actor.values(rollout_id, self._fetch(data_ref))
+        return ray.put({"values": values}) if self.rank == 0 else None
 
     def _fetch(self, data_refs: list) -> dict:
         """The rollout (the first ref), with the fields the later refs add (the critic's values)."""
