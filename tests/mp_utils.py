@@ -23,13 +23,14 @@ import datetime
 import os
 import pickle
 import queue
-import socket
 import time
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch.multiprocessing as mp
+
+from slime.utils.ports import find_free_port
 
 PRELOAD = ("torch", "megatron.core", "slime.backends.megatron_utils.actor", "slime.backends.megatron_utils.model",
            "slime.backends.embedded_engine.engine")
@@ -41,12 +42,6 @@ class RankOutcome:
     status: str  # "ok" | "error" (traceback text in value) | "exit" (died without reporting)
     value: Any
     exitcode: int | None
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _child(fn, rank, world_size, args, port, init_pg, pg_timeout_s, results, env):
@@ -117,7 +112,7 @@ def _run_once(fn, world_size, args, timeout_s, init_pg, pg_timeout_s, *, stop_on
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOAD))  # takes effect when the session's server starts
     results = ctx.Queue()
-    port = free_port()
+    port = find_free_port()
     procs = [
         # Not daemonic: rank code may start its own processes (dist_checkpointing writers);
         # _stop() kills whatever is left, so nothing outlives the run.

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 from aiohttp import web
+
+from slime.utils.ports import find_free_port
 
 WORDS = "what is the answer a b c d one two three four five six seven eight nine 1 2 3 4 5 6 7 8 9 + = ?".split()
 CHAT_TEMPLATE = (
@@ -47,12 +48,6 @@ def write_tokenizer(out_dir: Path, max_position_embeddings: int | None = None) -
 def write_jsonl(path: Path, rows: list) -> Path:
     path.write_text("".join((row if isinstance(row, str) else json.dumps(row)) + "\n" for row in rows))
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass
@@ -141,7 +136,7 @@ class AppThread:
 
     def __init__(self, app: web.Application):
         self.app = app
-        self.port = free_port()
+        self.port = find_free_port()
         self._loop = asyncio.new_event_loop()
         self._runner = web.AppRunner(app)
         self._thread = threading.Thread(target=self._main, daemon=True)

@@ -9,16 +9,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from rollout_testing import write_jsonl, write_tokenizer
+from rollout_testing import tokenizer_dir  # noqa: F401 (fixture)
+from rollout_testing import write_jsonl
 from slime.rollout import rm_hub
 from slime.config import defaults_namespace
 from slime.rollout.data_source import RolloutDataSource, load_tokenizer
 from slime.utils.types import Sample
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    return str(write_tokenizer(tmp_path_factory.mktemp("tok"), max_position_embeddings=64))
 
 
 def _args(tokenizer_dir, prompt_path, **kw):

@@ -10,7 +10,6 @@ import importlib.util
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import warnings
@@ -18,6 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from slime.utils.ports import find_free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -228,17 +229,11 @@ def test_attention_command_fails_loudly_on_a_wrong_kernel(bench, tmp_path, capsy
     assert rc == 1 and "MISMATCH" in capsys.readouterr().out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_step(tmp_path: Path, nproc: int, extra: list[str], env_extra: dict[str, str] | None = None,
               model: str = "tiny"):
     torchrun = Path(sys.executable).with_name("torchrun")
     results = tmp_path / "step.json"
-    cmd = [str(torchrun), "--nproc-per-node", str(nproc), "--master-port", str(_free_port()), str(BENCH), "step",
+    cmd = [str(torchrun), "--nproc-per-node", str(nproc), "--master-port", str(find_free_port()), str(BENCH), "step",
            "--model", model, "--num-samples", "4", "--min-tokens", "40", "--max-tokens", "96", "--cycles", "1",
            "--max-tokens-per-gpu", "256", "--checkpoint-dir", str(tmp_path / "ckpt"),
            "--ledger-dir", str(tmp_path / "ledger"), "--results-json", str(results), *extra]

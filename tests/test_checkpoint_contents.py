@@ -6,17 +6,15 @@ from __future__ import annotations
 
 import json
 import os
-import argparse
 
 import pytest
 import torch
 
 from mp_utils import run_ranks
 from tiny_models import save_tiny_qwen3
-from train_step_harness import build_loaded_model
+from train_step_harness import build_loaded_model, model_args
 
 from slime.checkpoint import contents, durable, rng
-from slime.config import defaults_namespace
 
 pytestmark = pytest.mark.ranks
 
@@ -115,13 +113,6 @@ def test_atomic_write_replaces_whole_files_only(tmp_path):
     assert target.read_text() == "one"
 
 
-def _args(**overrides) -> argparse.Namespace:
-    fields = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
-                  sequence_parallel=False, seed=1234, lr=1e-2, clip_grad=1e9, weight_decay=0.0, fence_timeout=120,
-                  use_distributed_optimizer=True)
-    return defaults_namespace(**{**fields, **overrides})
-
-
 def _round_trip(rank, world, hf_dir, ckpt):
     import random
 
@@ -131,7 +122,7 @@ def _round_trip(rank, world, hf_dir, ckpt):
     from slime.backends.megatron_utils.checkpoint import (holds, load_checkpoint, load_reference, restore_rng,
                                                           save_checkpoint)
 
-    model, optimizer, scheduler = build_loaded_model(_args(), hf_dir)
+    model, optimizer, scheduler = build_loaded_model(model_args(lr=1e-2, use_distributed_optimizer=True), hf_dir)
     model[0].zero_grad_buffer()  # one optimizer step on the same gradient everywhere: state worth saving
     for p in model[0].parameters():
         p.main_grad.fill_(1e-3)

@@ -9,6 +9,7 @@ import types
 import pytest
 import torch
 
+from host_reads import HostReadForbidden
 from mp_utils import run_ranks
 
 pytestmark = pytest.mark.ranks
@@ -88,19 +89,6 @@ def _forward_backward(fn, q, k, v, grad_out):
     out = fn(q, k, v)
     out.backward(grad_out)
     return out.detach(), [x.grad for x in (q, k, v)]
-
-
-class _HostReadForbidden(torch.Tensor):
-    """cu_seqlens as a GPU tensor looks to code that must not sync: any host read raises."""
-
-    READS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__int__,
-             torch.Tensor.__index__, torch.Tensor.__float__, torch.Tensor.numpy, torch.Tensor.cpu}
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if func in cls.READS:
-            raise AssertionError(f"host read of a device tensor: {func.__name__}")
-        return super().__torch_function__(func, types, args, kwargs or {})
 
 
 def test_zigzag_positions_cover_each_sequence_once():
@@ -213,7 +201,7 @@ def test_lengths_come_from_the_host_not_from_cu_seqlens():
     from slime_plugins.models.cp_attention import packed_seq_params
 
     q, k, v, _ = _inputs()
-    cu = torch.tensor((0,) + SEQ_LENS).cumsum(0).to(torch.int32).as_subclass(_HostReadForbidden)
+    cu = torch.tensor((0,) + SEQ_LENS).cumsum(0).to(torch.int32).as_subclass(HostReadForbidden)
     attention = _attention(cp=1)
     out = attention(q, k, v, None, packed_seq_params=packed_seq_params(cu, SEQ_LENS))
     torch.testing.assert_close(out, _reference(q, k, v, SEQ_LENS), rtol=0, atol=1e-5)

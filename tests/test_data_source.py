@@ -2,7 +2,8 @@
 
 import pytest
 
-from rollout_testing import write_jsonl, write_tokenizer
+from rollout_testing import tokenizer_dir  # noqa: F401 (fixture)
+from rollout_testing import write_jsonl
 from slime.config import defaults_namespace
 from slime.rollout.eval_config import EvalDatasetSpec
 from slime.rollout.data_source import (
@@ -13,11 +14,6 @@ from slime.rollout.data_source import (
 from slime.utils.types import Sample
 
 PROMPTS = [{"prompt": f"what is {i} + 1 ?", "label": str(i + 1), "metadata": {"id": i}} for i in range(1, 6)]
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    return str(write_tokenizer(tmp_path_factory.mktemp("tok"), max_position_embeddings=64))
 
 
 def make_args(tokenizer_dir, prompt_path, **kw):

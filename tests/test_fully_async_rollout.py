@@ -11,6 +11,7 @@ import torch
 
 import pytest
 
+from rollout_testing import tokenizer_dir  # noqa: F401 (fixture)
 from slime.rollout import fully_async_rollout as fa
 from slime.rollout import generation_gate
 from slime.utils.types import Sample
@@ -140,13 +141,6 @@ def test_version_metrics_name_the_oldest_version_of_each_sample():
 
 # ----- the saved data state, the generator's own failure ------------------------------------------------------
 PROMPTS = [{"prompt": f"what is {i} + 1 ?", "label": str(i + 1)} for i in range(40)]
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    from rollout_testing import write_tokenizer
-
-    return str(write_tokenizer(tmp_path_factory.mktemp("tok"), max_position_embeddings=64))
 
 
 def _source(tokenizer_dir, prompts, **flags):

@@ -8,13 +8,14 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from slime.utils.ports import find_free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -24,15 +25,9 @@ LAYOUT = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--use-dyn
           "--max-tokens-per-gpu", "256", "--calculate-per-token-loss", "--recreate-process-groups-on-wake"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_driver(tmp_path: Path, extra: list[str], env_extra: dict[str, str], timeout_s: float):
     torchrun = Path(sys.executable).with_name("torchrun")
-    cmd = [str(torchrun), "--nproc-per-node", "2", "--master-port", str(_free_port()), str(DRIVER),
+    cmd = [str(torchrun), "--nproc-per-node", "2", "--master-port", str(find_free_port()), str(DRIVER),
            "--cycles", "2", "--num-samples", "8", "--min-tokens", "32", "--max-tokens", "96",
            "--checkpoint-dir", str(tmp_path / "ckpt"), "--ledger-dir", str(tmp_path / "ledger"), *LAYOUT, *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **env_extra}

@@ -13,6 +13,8 @@ from mp_utils import run_ranks
 from tiny_models import save_tiny_qwen3_moe
 from train_step_harness import make_rollout
 
+from slime.config import defaults_namespace
+
 pytestmark = pytest.mark.ranks
 
 
@@ -108,12 +110,6 @@ def test_grouped_experts_give_the_sequential_numbers_on_cpu_under_ep2(tmp_path):
 # ------------------------------------------------------------------ flags
 
 
-def _args(**overrides):
-    from slime.config import defaults_namespace
-
-    return defaults_namespace(**overrides)
-
-
 def test_grouped_gemm_flag_default_follows_cuda(monkeypatch):
     from slime.backends.megatron_utils import moe
     from slime.utils.arguments import build_parser
@@ -122,9 +118,9 @@ def test_grouped_gemm_flag_default_follows_cuda(monkeypatch):
     assert parser.get_default("moe_grouped_gemm") is None
     for cuda in (True, False):
         monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
-        assert moe.grouped_experts_enabled(_args()) is cuda  # default: on CUDA only
-        assert moe.grouped_experts_enabled(_args(moe_grouped_gemm=True)) is True
-        assert moe.grouped_experts_enabled(_args(moe_grouped_gemm=False)) is False
+        assert moe.grouped_experts_enabled(defaults_namespace()) is cuda  # default: on CUDA only
+        assert moe.grouped_experts_enabled(defaults_namespace(moe_grouped_gemm=True)) is True
+        assert moe.grouped_experts_enabled(defaults_namespace(moe_grouped_gemm=False)) is False
 
 
 def test_grouped_flag_picks_the_experts_module():
@@ -149,19 +145,19 @@ def test_deepep_request_falls_back_to_alltoall_with_one_warning(monkeypatch):
     monkeypatch.setattr(moe, "_warned_no_deepep", False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        picked = [moe.token_dispatcher(_args(moe_token_dispatcher_type="flex", moe_enable_deepep=True)),
-                  moe.token_dispatcher(_args(moe_token_dispatcher_type="alltoall", moe_enable_deepep=True)),
-                  moe.token_dispatcher(_args(moe_token_dispatcher_type="flex"))]
+        picked = [moe.token_dispatcher(defaults_namespace(moe_token_dispatcher_type="flex", moe_enable_deepep=True)),
+                  moe.token_dispatcher(defaults_namespace(moe_token_dispatcher_type="alltoall", moe_enable_deepep=True)),
+                  moe.token_dispatcher(defaults_namespace(moe_token_dispatcher_type="flex"))]
     assert picked == ["alltoall"] * 3
     texts = [str(w.message) for w in caught]
     assert len(texts) == 1 and "alltoall dispatcher instead" in texts[0]
-    assert moe.token_dispatcher(_args(moe_token_dispatcher_type="allgather")) == "allgather"
+    assert moe.token_dispatcher(defaults_namespace(moe_token_dispatcher_type="allgather")) == "allgather"
     from transformers import Qwen3MoeConfig
 
     config = Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2)
     with warnings.catch_warnings(record=True):
-        fields = moe.moe_config_fields(config, _args(moe_token_dispatcher_type="flex", moe_enable_deepep=True))
+        fields = moe.moe_config_fields(config, defaults_namespace(moe_token_dispatcher_type="flex", moe_enable_deepep=True))
     assert fields["moe_token_dispatcher_type"] == "alltoall"
 
 

@@ -3,28 +3,17 @@ packed forward/backward, optimizer step and dist checkpoint round trip (gloo, de
 
 from __future__ import annotations
 
-import argparse
 
 import pytest
 import torch
 
 from mp_utils import run_ranks
 from tiny_models import save_tiny_qwen3
-from train_step_harness import build_loaded_model
-from slime.config import defaults_namespace
+from train_step_harness import build_loaded_model, model_args
 
 pytestmark = pytest.mark.ranks
 
 SEQ_LENS = (13, 29, 7)  # real lengths of the packed sequences
-
-
-def _args(**overrides) -> argparse.Namespace:
-    fields = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                  context_parallel_size=1, sequence_parallel=False, seed=1234, lr=1e-3,
-                  clip_grad=1e9, weight_decay=0.0, fence_timeout=120, hidden_dropout=0.0, attention_dropout=0.0)
-    return defaults_namespace(**{**fields, **overrides})
-
-
 
 
 def _sequences(vocab: int) -> list[torch.Tensor]:
@@ -91,7 +80,7 @@ def _forward_backward_step(rank, world, hf_dir, tp, cp, sp):
     from megatron.core import parallel_state
     from megatron.core.distributed import finalize_model_grads
 
-    args = _args(tensor_model_parallel_size=tp, context_parallel_size=cp, sequence_parallel=sp)
+    args = model_args(tensor_model_parallel_size=tp, context_parallel_size=cp, sequence_parallel=sp)
     model, optimizer, scheduler = build_loaded_model(args, hf_dir)
     vocab = model[0].module.vocab_size
     cp_rank = parallel_state.get_context_parallel_rank()
@@ -135,7 +124,7 @@ def hf_dir(tmp_path_factory):
 
 def _logits_single_rank(rank, world, hf_dir):
     # 512 -> 768 rows: padded vocabulary columns must not change the softmax.
-    model, _, _ = build_loaded_model(_args(make_vocab_size_divisible_by=384), hf_dir)
+    model, _, _ = build_loaded_model(model_args(make_vocab_size_divisible_by=384), hf_dir)
     ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(3))
     positions = torch.arange(24).unsqueeze(0).expand(2, -1)
     with torch.no_grad():
@@ -194,7 +183,7 @@ def test_cpu_patches_are_scoped_to_megatron_and_idempotent():
 def _checkpoint_round_trip(rank, world, hf_dir, ckpt_dir):
     from slime.backends.megatron_utils.checkpoint import load_checkpoint, save_checkpoint
 
-    args = _args(tensor_model_parallel_size=world, use_distributed_optimizer=True)
+    args = model_args(tensor_model_parallel_size=world, use_distributed_optimizer=True)
     model, optimizer, scheduler = build_loaded_model(args, hf_dir)
     ids, targets, positions, mask, params = _packed_batch(_sequences(512), 1, 0, 2 * world)
     # One step so the optimizer has state worth saving.
@@ -228,19 +217,19 @@ def test_transformer_config_from_hf_reads_architecture_and_checks_flags():
     from slime.backends.megatron_utils.model import padded_vocab_size, transformer_config_from_hf
     from tiny_models import tiny_qwen3_config
 
-    qwen3 = transformer_config_from_hf(tiny_qwen3_config(), _args(tensor_model_parallel_size=2))
+    qwen3 = transformer_config_from_hf(tiny_qwen3_config(), model_args(tensor_model_parallel_size=2))
     assert (qwen3.num_query_groups, qwen3.kv_channels, qwen3.qk_layernorm, qwen3.add_qkv_bias) == (2, 16, True, False)
     assert qwen3.gated_linear_unit and qwen3.normalization == "RMSNorm" and qwen3.layernorm_epsilon == 1e-6
     assert qwen3.params_dtype == torch.float32 and qwen3.tensor_model_parallel_size == 2
     qwen2 = transformer_config_from_hf(
         Qwen2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2), _args())
+                    num_key_value_heads=2), model_args())
     assert (qwen2.qk_layernorm, qwen2.add_qkv_bias, qwen2.kv_channels) == (False, True, 16)
     with pytest.raises(ValueError, match="num-query-groups"):
-        transformer_config_from_hf(tiny_qwen3_config(), _args(num_query_groups=4))
+        transformer_config_from_hf(tiny_qwen3_config(), model_args(num_query_groups=4))
     with pytest.raises(ValueError, match="untie"):
         transformer_config_from_hf(tiny_qwen3_config(tie_word_embeddings=True),
-                                   _args(untie_embeddings_and_output_weights=True))
+                                   model_args(untie_embeddings_and_output_weights=True))
     assert padded_vocab_size(151936, 2) == 151936
     assert padded_vocab_size(151936, 2, divisible_by=128) == 152064
 

@@ -26,12 +26,6 @@ class _State:
         self.semaphore = asyncio.Semaphore(4)
 
 
-def _args(**kw):
-    base = dict(partial_rollout=False, mask_offpolicy_in_partial_rollout=False, group_rm=False,
-                custom_generate_function_path=None, custom_rm_path=None, rollout_sample_hook_path=[])
-    return defaults_namespace(**{**base, **kw})
-
-
 async def _named(tag, args, sample, sampling_params, evaluation=False):
     sample.tokens, sample.response, sample.response_length = [1, 2], tag, 1
     sample.reward, sample.status = 1.0, Sample.Status.COMPLETED
@@ -62,7 +56,7 @@ def patched(monkeypatch):
 
 
 def test_generate_function_of_the_sample_wins_over_the_global_one(patched):
-    args = _args(custom_generate_function_path="pkg.global")
+    args = defaults_namespace(custom_generate_function_path="pkg.global")
     chosen = asyncio.run(patched.generate_and_rm(args, Sample(index=0, generate_function_path="pkg.per_sample"),
                                                  {}, evaluation=True))
     assert chosen.response == "per-sample" and chosen.metadata["evaluation"] is True
@@ -80,7 +74,7 @@ def test_group_rm_rewards_the_list_a_custom_generate_returns(patched, monkeypatc
     from slime.rollout import rm_hub
 
     monkeypatch.setattr(rm_hub, "load_function", lambda path: {"pkg.rm": group_rm}[path])
-    args = _args(custom_generate_function_path="pkg.two", group_rm=True, custom_rm_path="pkg.rm")
+    args = defaults_namespace(custom_generate_function_path="pkg.two", group_rm=True, custom_rm_path="pkg.rm")
     one = asyncio.run(patched.generate_and_rm(args, Sample(index=0), {}))
     assert isinstance(one, list) and [s.index for s in one] == [0, 100] and one[0].reward is None
     group = asyncio.run(patched.generate_and_rm_group(args, [Sample(index=0), Sample(index=1)], {}))
@@ -164,7 +158,7 @@ class _UpstreamState:
 def test_a_state_without_the_optional_fields_still_generates(monkeypatch):
     monkeypatch.setattr(sglang_rollout, "GenerateState", _UpstreamState)
     monkeypatch.setattr(sglang_rollout, "load_function", lambda path: {"pkg.global": _global}[path])
-    args = _args(custom_generate_function_path="pkg.global", seed=1)
+    args = defaults_namespace(custom_generate_function_path="pkg.global", seed=1)
     done = asyncio.run(sglang_rollout.generate_and_rm_group(args, [Sample(index=0), Sample(index=1)], {}))
     assert [s.response for s in done] == ["global", "global"] and all(s.reward == 1.0 for s in done)
 

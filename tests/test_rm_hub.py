@@ -1,11 +1,13 @@
 """Rule-based graders and the reward dispatch, on hand-written cases."""
 import asyncio
+import functools
 import sys
 import textwrap
 from types import SimpleNamespace
 
 import pytest
 
+from slime.config import defaults_namespace
 from slime.rollout.rm_hub import async_rm, batched_async_rm
 from slime.rollout.rm_hub.deepscaler import get_deepscaler_rule_based_reward
 from slime.rollout.rm_hub.f1 import f1_score
@@ -41,10 +43,7 @@ def test_math_answer_falls_back_to_final_number():
     assert extract_math_answer("we get \\boxed{12} (not 13)") == "12"
 
 
-def _args(**kw):
-    base = dict(custom_rm_path=None, rm_type="math", rm_url=None, reward_key=None)
-    base.update(kw)
-    return SimpleNamespace(**base)
+_args = functools.partial(defaults_namespace, rm_type="math")
 
 
 def _rm(args, response, label, **sample_kw):
@@ -137,7 +136,7 @@ def test_batched_rm_rule_based_and_custom_group(custom_rm_module):
 def test_remote_rm_posts_prompt_response_label():
     from aiohttp import web
 
-    from rollout_testing import free_port
+    from slime.utils.ports import find_free_port
 
     seen = []
 
@@ -150,7 +149,7 @@ def test_remote_rm_posts_prompt_response_label():
         app.router.add_post("/rm", handler)
         runner = web.AppRunner(app)
         await runner.setup()
-        port = free_port()
+        port = find_free_port()
         await web.TCPSite(runner, "127.0.0.1", port).start()
         try:
             args = _args(rm_type="remote_rm", rm_url=f"http://127.0.0.1:{port}/rm")

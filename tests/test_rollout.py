@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from rollout_testing import engine, fresh_generate_state, tokenizer_dir  # noqa: F401 (fixtures)
-from rollout_testing import FakeEngine, free_port, write_jsonl
+from rollout_testing import FakeEngine, write_jsonl
 from slime.config import defaults_namespace
 from slime.algorithms.rewards import group_normalize
 from slime.rollout.train_data import samples_to_train_data
@@ -16,6 +16,7 @@ from slime.rollout.eval_config import EvalDatasetSpec
 from slime.rollout.metrics import compute_rollout_metrics, pass_at_k
 from slime.rollout.sglang_rollout import GenerateState, generate, generate_rollout, run, sampling_params
 from slime.utils.misc import SingletonMeta
+from slime.utils.ports import find_free_port
 from slime.utils.types import Sample
 
 pytestmark = pytest.mark.timeout(120)
@@ -172,7 +173,7 @@ def test_request_timeout_and_dead_engine_fail_with_the_url(tokenizer_dir, tmp_pa
             run(generate(args, Sample(prompt="what"), sampling_params(args)))
     finally:
         fake.stop()
-    dead = make_args(tokenizer_dir, tmp_path, free_port())
+    dead = make_args(tokenizer_dir, tmp_path, find_free_port())
     with pytest.raises(ConnectionError, match="cannot connect"):
         run(generate(dead, Sample(prompt="what"), sampling_params(dead)))
 

@@ -151,13 +151,8 @@ def _write_conversations(path: Path, n: int) -> Path:
 
 
 def _args(model: Path, data: Path):
-    return defaults_namespace(hf_checkpoint=str(model), prompt_data=str(data), input_key="messages", label_key=None,
-                              metadata_key="metadata", tool_key="tools", apply_chat_template=False,
-                              apply_chat_template_kwargs=None, rollout_max_context_len=None,
-                              rollout_max_prompt_len=None, rollout_batch_size=3, n_samples_per_prompt=1,
-                              rollout_seed=1, rollout_shuffle=False,
-                              rollout_global_dataset=True, start_rollout_id=0, advantage_estimator="grpo",
-                              loss_mask_type=None)
+    return defaults_namespace(hf_checkpoint=str(model), prompt_data=str(data), input_key="messages",
+                              rollout_batch_size=3, rollout_seed=1, start_rollout_id=0, loss_mask_type=None)
 
 
 def sft_flags(model: Path, data: Path, metrics: Path, num_rollout: int) -> list[str]:

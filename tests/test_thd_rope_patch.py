@@ -9,17 +9,7 @@ import types
 import pytest
 import torch
 
-class _HostReadForbidden(torch.Tensor):
-    """cu_seqlens as a GPU tensor looks to code that must not sync: any host read raises."""
-
-    READS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__int__,
-             torch.Tensor.__index__, torch.Tensor.__float__, torch.Tensor.numpy, torch.Tensor.cpu}
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if func in cls.READS:
-            raise AssertionError(f"host read of a device tensor: {func.__name__}")
-        return super().__torch_function__(func, types, args, kwargs or {})
+from host_reads import HostReadForbidden
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +58,7 @@ def test_patched_thd_rope_is_bit_identical_to_megatron(rope, cp, lens, table):
 def test_patched_thd_rope_never_reads_cu_seqlens_on_the_host(rope):
     upstream, patched = rope
     lens = (16, 8, 40)
-    cu = torch.tensor((0,) + lens).cumsum(0).to(torch.int32).as_subclass(_HostReadForbidden)
+    cu = torch.tensor((0,) + lens).cumsum(0).to(torch.int32).as_subclass(HostReadForbidden)
     t, freqs = torch.randn(32, 2, 8), torch.randn(40, 1, 1, 8)
     patched(t, cu, freqs, cp_group=_cp_group(2, 1))
     with pytest.raises(AssertionError, match="host read"):  # what the patch removes: .tolist() per call

@@ -3,25 +3,17 @@ Qwen3ForTokenClassification (num_labels 1) built from the same tiny checkpoint: 
 on one rank and at TP2 x SP (the head replicated over TP after the sequence-parallel gather)."""
 from __future__ import annotations
 
-import argparse
 
 import pytest
 import torch
 
 from mp_utils import run_ranks
 from tiny_models import save_tiny_qwen3
-from slime.config import defaults_namespace
-from train_step_harness import build_loaded_model
+from train_step_harness import build_loaded_model, model_args
 
 pytestmark = pytest.mark.ranks
 
 SEQ = 16
-
-
-def _args(tp: int) -> argparse.Namespace:
-    return defaults_namespace(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, context_parallel_size=1,
-                              sequence_parallel=tp > 1, seed=1234, lr=1e-3, clip_grad=1e9, weight_decay=0.0,
-                              fence_timeout=120, hidden_dropout=0.0, attention_dropout=0.0)
 
 
 def _reference(hf_dir: str):
@@ -42,7 +34,7 @@ def _gpt(module):
 def _values_and_grads(rank, world, hf_dir, head_weight, ids):
     from slime.backends.megatron_utils.value_head import attach_value_head
 
-    chunks, _, _ = build_loaded_model(_args(world), hf_dir)
+    chunks, _, _ = build_loaded_model(model_args(tensor_model_parallel_size=world, sequence_parallel=world > 1), hf_dir)
     model = attach_value_head(_gpt(chunks[0]), head_weight)
     positions = torch.arange(ids.shape[1]).unsqueeze(0).expand(ids.shape[0], -1)
     values = model(ids, positions, attention_mask=None)

@@ -1,11 +1,12 @@
 """The critic's clipped value loss on one packed micro-batch (single process), worked out per sample by hand."""
 from __future__ import annotations
 
-from types import SimpleNamespace
+import functools
 
 import pytest
 import torch
 
+from train_step_harness import loss_args
 from slime.backends.megatron_utils.data import pack_micro_batch, plans_from_rollout
 from slime.backends.megatron_utils.value_loss import ValueLossConfig, value_micro_batch_loss
 
@@ -20,12 +21,7 @@ def _data():
     }
 
 
-def _args(**kw):
-    base = dict(context_parallel_size=1, tensor_model_parallel_size=1, sequence_parallel=False,
-                num_steps_per_rollout=1, use_dynamic_batch_size=True, max_tokens_per_gpu=64, micro_batch_size=1,
-                global_batch_size=3, balance_data=False, calculate_per_token_loss=False, value_clip=0.2,
-                advantage_estimator="ppo")
-    return SimpleNamespace(**(base | kw))
+_args = functools.partial(loss_args, advantage_estimator="ppo")
 
 
 def _expected(data, packed, output, value_clip, per_token):

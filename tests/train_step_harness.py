@@ -3,7 +3,8 @@
 `layout_child(rank, world, layout, hf_dir, data, modes)` builds the tiny Qwen3 on megatron
 with the layout's TP/CP/SP/DP, loads the same HF weights, computes old log-probs, then runs
 one training step per loss mode (lr=0 so every mode sees the same weights) and returns
-plain values to compare across layouts.
+plain values to compare across layouts. The arguments the trainer-side tests build without a command
+line: `layout_args` (a layout run's), `model_args` (a tiny model's), `loss_args` (the loss tests' plan).
 """
 
 from __future__ import annotations
@@ -91,6 +92,24 @@ def layout_args(layout: dict, **overrides) -> Namespace:
         hidden_dropout=0.0, attention_dropout=0.0, fence_timeout=120.0, lr_decay_style="constant",
     )
     return defaults_namespace(**{**args, **layout, **overrides})
+
+
+def model_args(**overrides) -> Namespace:
+    """The parser's defaults for a tiny model whose steps compare exactly across layouts and runs: a learning rate
+    that moves it, no gradient clipping, weight decay or dropout, a 120 s --fence-timeout."""
+    from slime.config import defaults_namespace
+
+    args = dict(lr=1e-3, clip_grad=1e9, weight_decay=0.0, fence_timeout=120, hidden_dropout=0.0, attention_dropout=0.0)
+    return defaults_namespace(**{**args, **overrides})
+
+
+def loss_args(**overrides) -> Namespace:
+    """The parser's defaults with the one plan the loss tests pack their micro-batches by: one step per rollout,
+    a global batch of 3 samples in dynamic micro-batches of up to 64 tokens."""
+    from slime.config import defaults_namespace
+
+    args = dict(num_steps_per_rollout=1, use_dynamic_batch_size=True, max_tokens_per_gpu=64, global_batch_size=3)
+    return defaults_namespace(**{**args, **overrides})
 
 
 def _perturbed(values: list[list[float]], scale: float, phase: float) -> list[list[float]]:
