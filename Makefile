@@ -25,7 +25,7 @@ $(VENV)/.installed: setup.py Makefile
 
 # Every process of a run imports the project's modules: compiled once here, as pip compiles what it installs
 # (a rank saves ~0.2 CPU-s; where PYTHONDONTWRITEBYTECODE is set, no process would write them itself).
-COMPILE := $(PY) -m compileall -q -j 0 slime slime_plugins patches examples tests train.py train_async.py >/dev/null
+COMPILE := $(PY) -m compileall -q -j 0 slime slime_plugins examples tests train.py train_async.py >/dev/null
 
 test: setup
 	$(COMPILE)

@@ -47,7 +47,7 @@ setup(
     version="0.1.0",
     description="slime-compatible RL post-training whose training step cannot hang silently",
     python_requires=">=3.11",
-    packages=find_packages(include=["slime*", "slime_plugins*", "patches*"]),
+    packages=find_packages(include=["slime*", "slime_plugins*"]),
     install_requires=BASE,
     extras_require=EXTRAS,
 )

@@ -174,7 +174,7 @@ def main() -> None:
     args = parser.parse_args()
     import ray
 
-    from patches.ray import keep_cluster_on_loopback
+    from slime.patches.ray import keep_cluster_on_loopback
     from slime.ray.common.node import LOOPBACK
 
     keep_cluster_on_loopback()  # a private cluster of this machine: nothing leaves loopback

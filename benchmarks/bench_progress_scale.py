@@ -168,7 +168,7 @@ def main() -> None:
     if args.hub == "ray":
         import ray
 
-        from patches.ray import keep_cluster_on_loopback
+        from slime.patches.ray import keep_cluster_on_loopback
         from slime.ray.common.node import LOOPBACK
 
         keep_cluster_on_loopback()  # a private cluster of this machine: nothing leaves loopback

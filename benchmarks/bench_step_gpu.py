@@ -517,7 +517,7 @@ def run_attention(argv: list[str]) -> int:
     opts = parse_attention(argv)
     device = torch.device(opts.device)
     dtype = torch.bfloat16 if opts.dtype == "bf16" else torch.float32
-    import patches
+    from slime import patches
 
     patches.apply_all()
     env = {"torch": torch.__version__, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -720,7 +720,7 @@ def use_path(actor, label: str) -> int:
     to the path `label` (PATH or PATH@KERNEL); the attention modules switched."""
     from megatron.core.transformer.mlp import MLP
 
-    from patches import megatron_core
+    from slime.patches import megatron_core
     from slime.backends.megatron_utils.adam_kernel import fused_adam_chosen, use_fused_adam
     from slime.models import gated_delta_rule
     from slime.models.grouped_experts import GroupedExperts
@@ -756,7 +756,7 @@ def use_path(actor, label: str) -> int:
 
 def path_in_use(actor) -> dict:
     """What the model ran with: the THD RoPE (patched or megatron's), the attention and DeltaNet kernels, ..."""
-    from patches import megatron_core
+    from slime.patches import megatron_core
 
     from slime.backends.megatron_utils.adam_kernel import adam_kernel_in_use
     from slime.backends.megatron_utils.offload import torch_optimizers
@@ -1126,7 +1126,7 @@ def kernel_kind(name: str) -> str:
 def failure_site(exc: BaseException) -> str:
     """The innermost frame of this project or megatron in the exception's traceback (where an OOM hit)."""
     frames = traceback.extract_tb(exc.__traceback__)
-    ours = [f for f in frames if any(p in f.filename for p in ("/slime/", "/slime_plugins/", "/patches/", "/megatron/"))]
+    ours = [f for f in frames if any(p in f.filename for p in ("/slime/", "/slime_plugins/", "/megatron/"))]
     if not frames:
         return "?"
     f = (ours or frames)[-1]

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from patches.ray import ENV_SWITCH
+from slime.patches.ray import ENV_SWITCH
 
 STARTUP_TIMEOUT_S = 180.0
 # Every node on loopback unless a test names another loopback address (127.0.0.2): no traffic leaves the machine.
@@ -109,7 +109,7 @@ def shared_cluster_address() -> str:
 
 
 def _serve(nodes: list[dict]) -> None:
-    os.environ[ENV_SWITCH] = "0"  # before Ray is imported: loopback addresses stay loopback (patches/ray.py)
+    os.environ[ENV_SWITCH] = "0"  # before Ray is imported: loopback addresses stay loopback (slime/patches/ray.py)
     from ray.cluster_utils import Cluster
 
     head, *others = nodes

@@ -1,6 +1,6 @@
 """torch's fused AdamW in megatron's optimizer (slime/backends/megatron_utils/adam_kernel.py): the same update as
 torch's default kernel through switches and a reload of a default-kernel state, and grad clipping's multi-tensor
-norm and scale (patches/megatron_core.py) giving the per-tensor values."""
+norm and scale (slime/patches/megatron_core.py) giving the per-tensor values."""
 
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ def test_fused_adam_is_chosen_on_gpus_and_refuses_integer_parameters():
 def test_grad_clipping_multi_tensor_norm_and_scale_give_the_per_tensor_values():
     from megatron.core import utils
 
-    from patches import megatron_core
+    from slime.patches import megatron_core
 
     gen = torch.Generator().manual_seed(1)
     grads = [torch.randn(s, generator=gen) for s in SHAPES] + [torch.randn(5, generator=gen).bfloat16()]

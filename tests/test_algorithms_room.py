@@ -23,7 +23,7 @@ ALLOWED = ("slime/algorithms/", "slime/config/flags/")
 
 
 def _python_files(root: Path):
-    for top in ("slime", "slime_plugins", "patches"):
+    for top in ("slime", "slime_plugins"):
         yield from sorted((root / top).rglob("*.py"))
     yield from sorted(root.glob("train*.py"))
 

@@ -4,7 +4,7 @@
   distributed_c10d's module-level functions, which the torch.distributed wrappers do not see: they are
   wrapped themselves.
 - megatron's expert-TP gathers with per-rank row counts call the list forms of all_gather / reduce_scatter
-  on GPUs; on gloo patches/megatron_core.py replaces them by a padded all_gather_into_tensor and an
+  on GPUs; on gloo slime/patches/megatron_core.py replaces them by a padded all_gather_into_tensor and an
   all_reduce, recorded as the list-form op they replace, so the order proof reads the GPU's sequence.
 The MoE groups (tp_ep, tp_ep_pp) are named: tests/test_moe.py checks that no op of a recorded MoE step is
 'unnamed'.
@@ -29,7 +29,7 @@ def _child(rank: int, world: int, ledger_dir: str) -> dict:
     import torch.distributed as dist
     from megatron.core.tensor_parallel import mappings
 
-    import patches
+    from slime import patches
     from slime.distributed.group_names import register_group
     from slime.distributed.instrument import instrument_collectives, uninstrument_collectives
     from slime.distributed.ledger import Ledger

@@ -19,7 +19,7 @@ SEQ_LENS = (16, 32, 8)  # padded lengths, divisible by 2*cp for cp=4
 
 
 def _config(cp: int):
-    import patches
+    from slime import patches
 
     patches.apply_all()
     from megatron.core.transformer.transformer_config import TransformerConfig

@@ -30,7 +30,7 @@ TERSE_HELP = {"tp", "pp", "cp", "ep", "mode", "dir", "group", "project", "score"
 
 
 def _code_files() -> list[tuple[Path, str]]:
-    files = [*ROOT.glob("slime/**/*.py"), *ROOT.glob("slime_plugins/**/*.py"), *ROOT.glob("patches/**/*.py"),
+    files = [*ROOT.glob("slime/**/*.py"), *ROOT.glob("slime_plugins/**/*.py"),
              ROOT / "train.py"]
     return [(path, path.read_text()) for path in files]
 

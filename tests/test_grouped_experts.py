@@ -169,7 +169,7 @@ def _launch_savings_child(rank, world, hf_dir, data):
     clip norm and scale, torch's default AdamW kernel), the weights put back, then the same step with them."""
     from torch.optim import adam
 
-    from patches import megatron_core
+    from slime.patches import megatron_core
     from slime.backends.megatron_utils.adam_kernel import adam_kernel_in_use, use_fused_adam
     from slime.backends.megatron_utils.offload import torch_optimizers
     from train_step_harness import build_loaded_model, layout_args
@@ -248,7 +248,7 @@ def test_permute_without_host_sync_matches_megatrons(with_probs):
     dropping (no static size) back to megatron's own."""
     from megatron.core.transformer.moe import moe_utils
 
-    from patches import megatron_core
+    from slime.patches import megatron_core
 
     gen = torch.Generator().manual_seed(3)
     num_tokens, num_experts, topk = 37, 8, 3

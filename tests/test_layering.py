@@ -19,7 +19,7 @@ ROOMS = [
     ("slime.distributed",),
     ("slime.checkpoint",),
     ("slime.models",),
-    ("patches",),
+    ("slime.patches",),  # runtime patches of megatron-core and Ray, one module per library
     ("slime.router",),
     ("slime.rollout",),
     ("slime.backends",),
@@ -45,7 +45,7 @@ def _room(module: str) -> str | None:
 
 
 def _modules():
-    for top in ("slime", "slime_plugins", "patches"):
+    for top in ("slime", "slime_plugins"):
         for path in sorted((REPO / top).rglob("*.py")):
             parts = path.relative_to(REPO).with_suffix("").parts
             yield ".".join(parts[:-1] if parts[-1] == "__init__" else parts), path

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from patches import megatron_core
+from slime.patches import megatron_core
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,7 +39,7 @@ def test_megatron_imported_through_the_patch_pulls_in_no_inductor_and_its_fusion
     """In a fresh interpreter (the test process has megatron imported already)."""
     script = (
         "import sys, torch\n"
-        "from patches.megatron_core import import_megatron\n"
+        "from slime.patches.megatron_core import import_megatron\n"
         "import_megatron()\n"
         "import slime.backends.megatron_utils.actor\n"
         "from megatron.core.fusions.fused_bias_swiglu import bias_swiglu\n"

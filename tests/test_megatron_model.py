@@ -167,7 +167,7 @@ def test_tp2_cp4_sp_packed_forward_backward_matches_transformers(hf_dir):
 
 
 def test_cpu_patches_are_scoped_to_megatron_and_idempotent():
-    import patches
+    from slime import patches
 
     patches.apply_all()
     patches.apply_all()

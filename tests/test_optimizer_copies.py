@@ -1,4 +1,4 @@
-"""patches/megatron_core.py `apply_batched_optimizer_copies`: megatron's distributed optimizer with its grad and
+"""slime/patches/megatron_core.py `apply_batched_optimizer_copies`: megatron's distributed optimizer with its grad and
 param copies batched computes the same step as with megatron's per-parameter loops.
 
 Two gloo ranks (each optimizer holds a shard of every bucket, so the shard ranges are not whole parameters), a
@@ -25,7 +25,7 @@ def _fill_grads(model, seed: int) -> None:
 
 
 def _steps(model, optimizer, start: list[torch.Tensor], batched: bool) -> dict:
-    from patches import megatron_core
+    from slime.patches import megatron_core
     from slime.backends.megatron_utils.offload import torch_optimizers
 
     megatron_core.apply_batched_optimizer_copies(enabled=batched)

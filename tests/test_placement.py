@@ -352,7 +352,7 @@ def test_separate_engines_get_gpus_of_their_own(fake_gpu_cluster, tmp_path):
 
 
 def test_a_private_cluster_and_its_servers_stay_on_loopback():
-    """Without the patch Ray turns 127.0.0.1 into the machine's network address (patches/ray.py)."""
+    """Without the patch Ray turns 127.0.0.1 into the machine's network address (slime/patches/ray.py)."""
     script = textwrap.dedent("""
         import os, types, ray
         os.environ.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)  # as train.py runs outside the tests

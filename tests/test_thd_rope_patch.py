@@ -1,4 +1,4 @@
-"""patches.megatron_core.apply_thd_rope: megatron's unfused THD RoPE without a host read of
+"""slime.patches.megatron_core.apply_thd_rope: megatron's unfused THD RoPE without a host read of
 cu_seqlens, bit-identical to megatron's own (forward and gradient, CP zig-zag, both frequency
 table layouts)."""
 
@@ -15,8 +15,8 @@ from host_reads import HostReadForbidden
 @pytest.fixture(scope="module")
 def rope():
     """(megatron's own THD RoPE, the installed one)."""
-    import patches
-    from patches import megatron_core
+    from slime import patches
+    from slime.patches import megatron_core
 
     patches.apply_all()
     from megatron.core.models.common.embeddings import rope_utils
@@ -66,7 +66,7 @@ def test_patched_thd_rope_never_reads_cu_seqlens_on_the_host(rope):
 
 
 def test_thd_rope_positions_follow_the_zigzag_layout():
-    from patches.megatron_core import thd_rope_positions
+    from slime.patches.megatron_core import thd_rope_positions
     from slime_plugins.models.cp_attention import zigzag_positions
 
     lens = (8, 16)
@@ -82,7 +82,7 @@ def test_apply_thd_rope_can_restore_megatron_and_back(rope):
     upstream, patched = rope
     from megatron.core.models.common.embeddings import rope_utils
 
-    from patches import megatron_core
+    from slime.patches import megatron_core
 
     megatron_core.apply_thd_rope(enabled=False)
     try:

@@ -12,7 +12,7 @@ design under expert parallelism): shape (-1, *row shape) and, in the peer slot,
 ("splits", rows sent to each member, rows received from each member); the order proof pairs them.
 The list forms of all_gather / reduce_scatter with rows that differ per member (megatron's expert-TP
 gathers) record (members, -1, *row shape) and ("sizes", rows per member): the same on every member.
-A stand-in for a collective (patches/megatron_core.py on gloo) records what it replaces with `recorded_as`,
+A stand-in for a collective (slime/patches/megatron_core.py on gloo) records what it replaces with `recorded_as`,
 so the CPU sequence is the one a GPU run records.
 """
 from __future__ import annotations

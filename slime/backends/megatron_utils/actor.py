@@ -91,7 +91,7 @@ class MegatronTrainActor:
     def init(self, master_addr: str, master_port: int, engine_urls: list[str], store=None) -> int:
         from transformers import AutoConfig
 
-        import patches
+        from slime import patches
         from slime.backends.megatron_utils.parallel import init_distributed, seed_model_parallel
         from slime.backends.megatron_utils.update_weight import WeightSync
 

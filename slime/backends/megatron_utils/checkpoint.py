@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-import patches
+from slime import patches
 from slime.checkpoint import contents, durable, rng
 from slime.checkpoint.contents import latest_iteration
 from slime.distributed.fault_inject import maybe_kill_run

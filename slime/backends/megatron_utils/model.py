@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-import patches
+from slime import patches
 
 patches.apply_all()
 

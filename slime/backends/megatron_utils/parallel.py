@@ -71,7 +71,7 @@ def init_model_parallel(args: Namespace) -> None:
     The training actor creates the same groups through ProcessGroupLifecycle, which adds the
     fence group and the eager warm-up; both go through create_model_parallel_groups.
     """
-    import patches
+    from slime import patches
     from slime.distributed.groups import GroupSettings, create_model_parallel_groups
 
     patches.apply_all()
@@ -82,7 +82,7 @@ def init_model_parallel(args: Namespace) -> None:
 def seed_model_parallel(args: Namespace) -> None:
     """megatron's convention: data-parallel state = args.seed, TP state = args.seed + 2718 + tp_rank.
 
-    CPU runs use the CPU generator (patches/megatron_core.py maps the CUDA RNG onto it). This is the
+    CPU runs use the CPU generator (slime/patches/megatron_core.py maps the CUDA RNG onto it). This is the
     state of a fresh start; a resume then restores every RNG as the checkpoint saved it
     (MegatronTrainActor._resume_rng, slime/checkpoint/rng.py).
     """

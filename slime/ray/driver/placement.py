@@ -36,7 +36,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from patches.ray import keep_cluster_on_loopback
+from slime.patches.ray import keep_cluster_on_loopback
 from slime.config.layout import critic_has_own_bundles, critic_world_size
 from slime.ray.common.engine_slot import EngineSlot
 from slime.ray.common.node import LOOPBACK, PlacementError, is_wildcard, node_address

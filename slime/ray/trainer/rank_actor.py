@@ -115,9 +115,9 @@ class TrainRayActor:
             import torch
 
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        from patches.megatron_core import import_megatron
+        from slime.patches.megatron_core import import_megatron
 
-        import_megatron()  # before any module of ours imports it: the lighter import (patches/megatron_core.py)
+        import_megatron()  # before any module of ours imports it: the lighter import (slime/patches/megatron_core.py)
         from slime.backends.megatron_utils.actor import MegatronTrainActor
         from slime.backends.megatron_utils.critic import CriticTrainActor
 

@@ -11,9 +11,9 @@ upstream code apart from those.
 
 def apply_all() -> None:
     """Apply every patch this machine needs. Idempotent; call before building a model."""
-    import torch  # here, not at the top: patches.ray is imported by processes that never load torch
+    import torch  # here, not at the top: slime.patches.ray is imported by processes that never load torch
 
-    from patches import megatron_core
+    from slime.patches import megatron_core
 
     megatron_core.apply_thd_rope()
     megatron_core.apply_grad_norm_without_host_sync()
