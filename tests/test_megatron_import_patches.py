@@ -1,4 +1,4 @@
-"""patches.megatron_core.import_megatron (torch.compile at a decorated function's first call, not at import) and
+"""slime.patches.megatron_core.import_megatron (torch.compile at a decorated function's first call, not at import) and
 apply_in_process_save_results (a synchronous save's results through a plain queue)."""
 from __future__ import annotations
 
