@@ -18,14 +18,16 @@ ISSUE_RECORDING_TIMEOUT_S = 480
 # `make test` runs on two pytest-xdist workers. A file's tests stay on one worker, so a run its module fixture
 # shares happens once. Files named in SHARED_GROUPS share a worker instead: the #1487 recording is a session
 # fixture of two files, and the runs of eight ranks (which alone fill two cores) go one after another.
-# Groups start longest first (as measured), the rest in file order.
+# Groups start longest first (as measured), then any other group with an end-to-end test, then the rest in file
+# order: the suite ends on short files, which the two workers share out evenly, never on a run one worker starts last.
 SHARED_GROUPS = {
     "test_end_to_end.py": "eight_ranks", "test_order_proof.py": "eight_ranks", "test_learning_demo.py": "eight_ranks",
     "test_learning_demo_moe.py": "eight_ranks",
 }
-LONGEST_FIRST = ("eight_ranks", "test_engine_faults_e2e.py", "test_exact_resume.py", "test_dropin_e2e.py",
-                 "test_train_async_e2e.py", "test_rollout_stack_e2e.py", "test_model_families_e2e.py",
-                 "test_logprob_agreement.py", "test_gpu_driver_cpu.py", "test_opd.py", "test_multinode_end_to_end.py")
+LONGEST_FIRST = ("eight_ranks", "test_engine_faults_e2e.py", "test_exact_resume.py", "test_learning_demo_qwen3_5.py",
+                 "test_dropin_e2e.py", "test_train_async_e2e.py", "test_bench_step_gpu.py", "test_learning_demo_ppo.py",
+                 "test_multinode_end_to_end.py", "test_rollout_stack_e2e.py", "test_model_families_e2e.py",
+                 "test_logprob_agreement.py", "test_sft.py", "test_gpu_driver_cpu.py", "test_opd.py")
 
 
 def worker_group(nodeid: str) -> str:
@@ -46,12 +48,13 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_collection_modifyitems(items) -> None:
-    """Longest groups first; every test is `unit` unless its file is marked `ranks` or `e2e`."""
+    """Longest groups first, then end-to-end ones; every test is `unit` unless its file is marked `ranks` or `e2e`."""
     for item in items:
         if not (item.get_closest_marker("ranks") or item.get_closest_marker("e2e")):
             item.add_marker(pytest.mark.unit)
     order = {group: i for i, group in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: order.get(worker_group(item.nodeid), len(order)))
+    end_to_end = {worker_group(item.nodeid) for item in items if item.get_closest_marker("e2e")}
+    items.sort(key=lambda item: order.get(group := worker_group(item.nodeid), len(order) + (group not in end_to_end)))
 
 
 @pytest.fixture(scope="session")
