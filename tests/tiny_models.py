@@ -470,3 +470,62 @@ def save_tiny_deepseek_v4(path: str, seed: int = 0, **overrides) -> str:
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
     return path
+
+GPT_OSS_YARN = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 128, "rope_theta": 150000.0}
+
+
+def save_tiny_gpt_oss(path: str, seed: int = 0, mxfp4: bool = False, **overrides) -> str:
+    """A tiny GptOssForCausalLM: 2 layers (a sliding one of window 4, a full one), GQA 4/2 with q/k/v/o biases and
+    sinks, YaRN RoPE (factor 4), 4 experts top-2 with biases, a router with a bias; experts and sinks of order one,
+    swiglu_limit 2 and swiglu_alpha 1.5, so the clamp, the gain and the sinks all act. `mxfp4`: the experts stored
+    as the released checkpoints store them (random MXFP4 blocks and scales, quantization_config mxfp4)."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    fields = dict(vocab_size=512, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+                  max_position_embeddings=512, rms_norm_eps=1e-6, swiglu_limit=2.0, swiglu_alpha=1.5,
+                  rope_parameters=dict(GPT_OSS_YARN), router_aux_loss_coef=0.0, pad_token_id=0)
+    fields.update(overrides)
+    torch.manual_seed(seed)
+    model = GptOssForCausalLM(GptOssConfig(**fields)).float()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj", "router.weight")):
+                param.copy_(0.3 * torch.randn(param.shape, generator=generator))
+            elif name.endswith(("sinks", "_bias", ".bias")):
+                param.copy_(0.5 * torch.randn(param.shape, generator=generator))
+    _perturb_and_save(model, path)
+    if mxfp4:
+        _store_experts_as_mxfp4(path, generator)
+    return path
+
+
+def _store_experts_as_mxfp4(path: str, generator) -> None:
+    """Replace each stacked expert weight [E, in, out] by random MXFP4 blocks [E, out, in / 32, 16] and scales
+    [E, out, in / 32] (values up to 6 x 2^-2), and say so in config.json."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, inputs, outputs = tensors.pop(name).shape
+        tensors[name + "_blocks"] = torch.randint(0, 256, (experts, outputs, inputs // 32, 16), dtype=torch.uint8,
+                                                  generator=generator)
+        tensors[name + "_scales"] = torch.randint(122, 126, (experts, outputs, inputs // 32), dtype=torch.uint8,
+                                                  generator=generator)
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    config_path = os.path.join(path, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=2)

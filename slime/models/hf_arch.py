@@ -11,6 +11,7 @@ every flag that says otherwise. Importing this module needs neither torch, megat
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -24,15 +25,38 @@ MEGATRON_LLAMA3 = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_ma
 
 
 @dataclass(frozen=True, kw_only=True)
+class YaRN:
+    """YaRN's frequency interpolation and attention factor, as transformers' _compute_yarn_parameters reads them
+    (megatron-core's YarnRotaryEmbedding builds the same: `yarn_*` fields of the TransformerConfig)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float
+    beta_slow: float
+    mscale: float | None
+    mscale_all_dim: float | None
+    truncate: bool
+    """Whether the correction range is rounded to whole dimensions (transformers' default; gpt-oss: false)."""
+
+    def megatron_fields(self) -> dict[str, Any]:
+        return dict(yarn_rotary_scaling_factor=self.factor,
+                    yarn_original_max_position_embeddings=self.original_max_position_embeddings,
+                    yarn_beta_fast=self.beta_fast, yarn_beta_slow=self.beta_slow, yarn_mscale=self.mscale,
+                    yarn_mscale_all_dim=self.mscale_all_dim, yarn_correction_range_round_to_int=self.truncate)
+
+
+@dataclass(frozen=True, kw_only=True)
 class RoPE:
     """The rotary embedding of the dense attention (multi-latent attention's is in HFArch.family_fields)."""
 
     type: str
-    """"default" or "llama3" (or what the family's config_fields reads, when its rope_types is None)."""
+    """"default", "llama3" or "yarn" (or what the family's config_fields reads, when its rope_types is None)."""
     base: float
     percent: float
     """The rotated fraction of each head's dimensions (partial_rotary_factor)."""
     llama3_factor: float | None = None
+    yarn: YaRN | None = None
+    """YaRN's parameters, for a family whose rope_types has "yarn" (gpt-oss)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -149,6 +173,8 @@ def rope_of(hf_config: Any, family: ModelFamily) -> RoPE:
     theta = getattr(hf_config, "rope_theta", None) if theta is None else theta  # 4.x: beside rope_scaling
     percent = params.get("partial_rotary_factor") or getattr(hf_config, "partial_rotary_factor", 1.0)
     rope = RoPE(type=rope_type, base=float(theta if theta is not None else 10000.0), percent=float(percent or 1.0))
+    if rope_type == "yarn" and family.rope_types is not None:
+        return RoPE(type=rope_type, base=rope.base, percent=rope.percent, yarn=_yarn(params, hf_config))
     if rope_type != "llama3":
         return rope
     if params.get("factor") is None:
@@ -159,6 +185,31 @@ def rope_of(hf_config: Any, family: ModelFamily) -> RoPE:
         raise ValueError(f"llama3 RoPE with {differ}: megatron-core builds Llama-3's scaling with low_freq_factor 1, "
                          "high_freq_factor 4 and original_max_position_embeddings 8192 only (every released Llama 3.x)")
     return RoPE(type=rope_type, base=rope.base, percent=rope.percent, llama3_factor=float(params["factor"]))
+
+
+def _yarn(params: dict, hf_config: Any) -> YaRN:
+    """YaRN's parameters; an explicit attention_factor other than the one derived from the factor is refused
+    (megatron-core derives it, as transformers does without one)."""
+    original = params.get("original_max_position_embeddings")
+    if original is None:
+        raise ValueError("yarn RoPE without original_max_position_embeddings (rope_parameters); fix config.json")
+    factor = params.get("factor") or hf_config.max_position_embeddings / original
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    derived = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim) if mscale and mscale_all_dim
+               else _yarn_mscale(factor, 1.0))
+    given = params.get("attention_factor")
+    if given is not None and abs(float(given) - derived) > 1e-9:
+        raise ValueError(f"yarn RoPE with attention_factor {given}: megatron-core derives it from the factor and "
+                         f"mscale ({derived:g}); drop attention_factor from rope_parameters or set it to that")
+    return YaRN(factor=float(factor), original_max_position_embeddings=int(original),
+                beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+                mscale=float(mscale) if mscale and mscale_all_dim else None,
+                mscale_all_dim=float(mscale_all_dim) if mscale and mscale_all_dim else None,
+                truncate=bool(params.get("truncate", True)))
+
+
+def _yarn_mscale(factor: float, mscale: float | None) -> float:
+    return 1.0 if factor <= 1 else 0.1 * (mscale or 0.0) * math.log(factor) + 1.0
 
 
 def sliding_windows(hf_config: Any) -> tuple[int | None, ...] | None:
@@ -316,8 +367,12 @@ def arch_contradictions(arch: HFArch, args: Any, family: ModelFamily) -> list[Co
         if args.use_rope_scaling and arch.rope.type != "llama3":
             found.append(Contradiction("use_rope_scaling", True, None, f"it asks for Llama-3 RoPE scaling, but the "
                                        f"config's rope type is {arch.rope.type!r}"))
-        found.append(_valued("rotary_scaling_factor", args.rotary_scaling_factor, arch.rope.llama3_factor,
-                             "llama3 rope factor", arch.family))
+        if arch.rope.yarn is not None:
+            found.append(_valued("rotary_scaling_factor", args.rotary_scaling_factor, arch.rope.yarn.factor,
+                                 "yarn rope factor", arch.family))
+        else:
+            found.append(_valued("rotary_scaling_factor", args.rotary_scaling_factor, arch.rope.llama3_factor,
+                                 "llama3 rope factor", arch.family))
     if args.multi_latent_attention and not arch.multi_latent_attention:
         found.append(Contradiction("multi_latent_attention", True, None,
                                    f"model_type {arch.model_type}, no latent attention"))

@@ -23,6 +23,11 @@ the engines do not run them) leaves them out of the export.
 The router's expert bias (DeepSeek-V3's e_score_correction_bias) is a buffer, not a parameter: megatron
 updates it outside the optimizer, and it changes routing, so load, save-hf and the push carry it like a
 replicated parameter (`_weights`).
+A family whose checkpoint stacks a layer's routed experts into one tensor (gpt-oss: `mlp.experts.gate_up_proj`
+[E, H, 2I]; ModelFamily.stacked_experts) maps each megatron expert to its row: load reads that row alone, the
+export yields the stacked tensor once its last expert (E - 1) is gathered.
+An MXFP4 checkpoint (quantization_config quant_method mxfp4) is read as its bf16 checkpoint: its experts'
+blocks and scales dequantised on load (slime/models/mxfp4.py); save-hf and the push write bf16.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from slime.models import lora, moe_hf
+from slime.models import lora, moe_hf, mxfp4
 from slime.models.registry import TEXT_PREFIX_ATTRIBUTE, family_of
 
 logger = logging.getLogger(__name__)
@@ -75,6 +80,18 @@ class _Mapping:
     hf_names: tuple[str, ...]
     to_megatron: Callable[[list[torch.Tensor]], torch.Tensor]
     to_hf: Callable[[torch.Tensor], list[torch.Tensor]]
+    stacked: tuple[int, int] | None = None
+    """(row, rows): the HF tensor stacks `rows` such parameters along dim 0 and the conversions take this one's row
+    (a checkpoint's stacked experts); None: the whole tensor."""
+
+    @property
+    def row(self) -> int | None:
+        return None if self.stacked is None else self.stacked[0]
+
+    @property
+    def last_row(self) -> bool:
+        """The stacked tensor's last row: where the export yields it (every other row has come before)."""
+        return self.stacked is not None and self.stacked[0] == self.stacked[1] - 1
 
 
 def _identity(hf_name: str) -> _Mapping:
@@ -149,6 +166,10 @@ def _layer_mapping(suffix: str, prefix: str, shapes: _Shapes, tp: int, hf_config
     moe_names = family.moe_names(suffix, prefix, global_expert, family.moe(hf_config))
     if moe_names is not None:
         return _fused_gate_up(moe_names, tp) if len(moe_names) == 2 else _identity(moe_names[0])
+    if global_expert is not None and family.stacked_experts is not None:
+        stacked = family.stacked_experts(suffix, prefix, tp, hf_config)
+        if stacked is not None:
+            return _Mapping(*stacked, stacked=(global_expert, family.moe(hf_config).num_experts))
     table = {
         "input_layernorm.weight": f"{prefix}input_layernorm.weight",
         "self_attention.linear_qkv.layer_norm_weight": f"{prefix}input_layernorm.weight",
@@ -360,9 +381,10 @@ class HFCheckpointError(ValueError):
 
 
 class _SafetensorsReader:
-    """Reads named tensors from an HF checkpoint dir (single file or index-sharded)."""
+    """Reads named tensors from an HF checkpoint dir (single file or index-sharded); with the config of an MXFP4
+    checkpoint, as its bf16 checkpoint (mxfp4.DequantisedView)."""
 
-    def __init__(self, hf_dir: str):
+    def __init__(self, hf_dir: str, hf_config: Any = None):
         index_path = os.path.join(hf_dir, "model.safetensors.index.json")
         if os.path.exists(index_path):
             with open(index_path) as f:
@@ -378,22 +400,31 @@ class _SafetensorsReader:
         if missing_files:
             raise HFCheckpointError(f"--hf-checkpoint {hf_dir}: the index names files that are not there: "
                                     f"{missing_files[:5]}; copy every shard of the checkpoint")
+        quantized = hf_config is not None and mxfp4.is_mxfp4(getattr(hf_config, "quantization_config", None))
+        self._view = mxfp4.DequantisedView(list(weight_map), self._file_shape, self._file_get) if quantized else None
 
     def names(self) -> list[str]:
-        return list(self._weight_map)
+        return self._view.names() if self._view else list(self._weight_map)
 
     def shape(self, name: str) -> tuple[int, ...] | None:
         """The tensor's shape from the file header (no data read); None when the checkpoint lacks it."""
+        return self._view.shape(name) if self._view else self._file_shape(name)
+
+    def get(self, name: str, index: int | None = None) -> torch.Tensor:
+        """The tensor, or its entry `index` of the first dimension (only that part is read)."""
+        return self._view.read(name, index) if self._view else self._file_get(name, index)
+
+    def _file_shape(self, name: str) -> tuple[int, ...] | None:
         if name not in self._weight_map:
             return None
         with safe_open(os.path.join(self._dir, self._weight_map[name]), framework="pt") as f:
             return tuple(f.get_slice(name).get_shape())
 
-    def get(self, name: str) -> torch.Tensor:
+    def _file_get(self, name: str, index: int | None = None) -> torch.Tensor:
         if name not in self._weight_map:
             raise KeyError(f"{name} not found in {self._dir}")
         with safe_open(os.path.join(self._dir, self._weight_map[name]), framework="pt") as f:
-            return f.get_tensor(name)
+            return f.get_tensor(name) if index is None else f.get_slice(name)[index]
 
 
 def full_shape(name: str, param: torch.Tensor, tp: int) -> tuple[int, ...]:
@@ -416,7 +447,9 @@ def hf_tensor_shapes(model: torch.nn.Module, hf_config: Any, tp: int, *, all_exp
 
     all_experts: as export_hf_weights yields them (every EP rank's experts, in its order); otherwise only
     what this rank loads (its own experts). Tied output weights and the last stage's embedding copy are
-    skipped in export order, as there; `mtp` and `select` as there."""
+    skipped in export order, as there; `mtp` and `select` as there. A stacked experts' tensor comes once, with
+    its whole shape: where the export yields it (all_experts), else at this rank's first expert."""
+    stacked_seen: set[str] = set()
     for name, param in _weights(model, mtp):
         if all_experts and name == "output_layer.weight" and _tied(hf_config):
             continue
@@ -425,10 +458,19 @@ def hf_tensor_shapes(model: torch.nn.Module, hf_config: Any, tp: int, *, all_exp
         full = torch.empty(full_shape(name, param, tp), dtype=param.dtype, device="meta")
         for ep_rank in _ep_ranks(name, all_experts):
             mapping = _mapping_for(model, name, param, hf_config, tp, ep_rank, mtp)
-            if all_experts:
+            if mapping.stacked is not None:
+                (hf_name,) = mapping.hf_names
+                if (mapping.last_row if all_experts else hf_name not in stacked_seen):
+                    yield hf_name, _stacked_meta(mapping.to_hf(full)[0], mapping.stacked[1])
+                stacked_seen.add(hf_name)
+            elif all_experts:
                 yield from _exported(model, name, mapping, full)
             else:
                 yield from zip(mapping.hf_names, mapping.to_hf(full))
+
+
+def _stacked_meta(row: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.empty((rows, *row.shape), dtype=row.dtype, device="meta")
 
 
 def _expected_hf_shapes(model: torch.nn.Module, hf_config: Any, tp: int) -> Iterator[tuple[str, tuple[int, ...]]]:
@@ -472,7 +514,7 @@ def load_hf_weights(model_chunks: list[torch.nn.Module], hf_dir: str, hf_config:
     """
     tp, tp_rank, _ = _tp()
     experts = _expert_layout()
-    reader = _SafetensorsReader(hf_dir)
+    reader = _SafetensorsReader(hf_dir, hf_config)
     untrained = untrained_tensor_names(reader.names(), hf_config)
     if untrained:
         logger.info("--hf-checkpoint %s: the text model is trained alone; %d tensors outside it (the vision tower: "
@@ -484,7 +526,7 @@ def load_hf_weights(model_chunks: list[torch.nn.Module], hf_dir: str, hf_config:
         model = unwrap_model(chunk)
         for name, param in _weights(model):
             mapping = _mapping_for(model, name, param, hf_config, tp)
-            full = mapping.to_megatron([reader.get(n) for n in mapping.hf_names])
+            full = mapping.to_megatron([reader.get(n, mapping.row) for n in mapping.hf_names])
             if getattr(param, "tensor_model_parallel", False):
                 split, rank = (experts.etp, experts.etp_rank) if _is_expert(name) else (tp, tp_rank)
                 full = full.chunk(split, dim=param.partition_dim)[rank]
@@ -520,6 +562,7 @@ def export_hf_weights(model_chunks: list[torch.nn.Module], hf_config: Any,
     read = read_param or (lambda param: param.detach())
     tp, _, tp_group = _tp()
     experts = _expert_layout()
+    stacks: dict[str, dict[int, torch.Tensor]] = {}  # stacked experts' rows gathered so far
     for chunk in model_chunks:
         model = unwrap_model(chunk)
         for name, param in _weights(model, mtp):
@@ -529,7 +572,7 @@ def export_hf_weights(model_chunks: list[torch.nn.Module], hf_config: Any,
                 continue
             if _is_expert(name):
                 yield from _export_expert(model, name, param, _merged(model, name, read(param), read), hf_config,
-                                          experts)
+                                          experts, stacks)
                 continue
             mapping = _mapping_for(model, name, param, hf_config, tp, mtp=mtp)
             if _is_embedding_copy(model, name) and len(mapping.hf_names) == 1:
@@ -549,8 +592,10 @@ def _merged(model: torch.nn.Module, name: str, value: torch.Tensor, read: Callab
 
 
 def _export_expert(model: torch.nn.Module, name: str, param: torch.Tensor, value: torch.Tensor, hf_config: Any,
-                   experts: _ExpertLayout) -> Iterator[tuple[str, torch.Tensor]]:
-    """One local expert parameter: gathered over ETP, then over EP (group: ep), yielded for every EP rank."""
+                   experts: _ExpertLayout, stacks: dict[str, dict[int, torch.Tensor]]
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    """One local expert parameter: gathered over ETP, then over EP (group: ep), yielded for every EP rank (a
+    stacked experts' row kept in `stacks` until the last row comes)."""
     if experts.etp > 1 and getattr(param, "tensor_model_parallel", False):
         value = _gather_tp(value, param.partition_dim, experts.etp, experts.etp_group)
     copies = [value]
@@ -559,7 +604,18 @@ def _export_expert(model: torch.nn.Module, name: str, param: torch.Tensor, value
         dist.all_gather(copies, value.contiguous(), group=experts.ep_group)
     for ep_rank, full in enumerate(copies):
         mapping = _mapping_for(model, name, param, hf_config, 0, ep_rank)
-        yield from zip(mapping.hf_names, mapping.to_hf(full))
+        if mapping.stacked is None:
+            yield from zip(mapping.hf_names, mapping.to_hf(full))
+            continue
+        (hf_name,) = mapping.hf_names
+        rows = stacks.setdefault(hf_name, {})
+        rows[mapping.row] = mapping.to_hf(full)[0]
+        if mapping.last_row:
+            del stacks[hf_name]
+            if len(rows) != mapping.stacked[1]:
+                raise RuntimeError(f"{hf_name}: {len(rows)} of its {mapping.stacked[1]} experts were exported (a "
+                                   "selection must take every expert of a layer or none)")
+            yield hf_name, torch.stack([rows[row] for row in range(mapping.stacked[1])])
 
 
 def untrained_tensor_names(names: list[str], hf_config: Any) -> list[str]:

@@ -40,9 +40,9 @@ def with_attention_window(spec: ModuleSpec, window: int | None) -> ModuleSpec:
         return spec
     attention = spec.submodules.self_attention
     core = attention.submodules.core_attention
-    if core is not ContextParallelAttention:
+    if not (isinstance(core, type) and issubclass(core, ContextParallelAttention)):
         raise TypeError(f"a sliding window is built by ContextParallelAttention; this layer's core attention is {core}")
-    windowed = ModuleSpec(module=ContextParallelAttention, params={"window": window})
+    windowed = ModuleSpec(module=core, params={"window": window})
     attn_sub = dataclasses.replace(attention.submodules, core_attention=windowed)
     sub = dataclasses.replace(spec.submodules, self_attention=dataclasses.replace(attention, submodules=attn_sub))
     return dataclasses.replace(spec, submodules=sub)

@@ -28,8 +28,8 @@ import re
 
 from slime.models.moe_arch import MoEArchitecture
 
-_LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
-_GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc[12])\.weight(\d+)$")
+_LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.(?:weight|bias)$")
+_GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc[12])\.(?:weight|bias)(\d+)$")
 
 
 def is_expert_param(layer_suffix: str) -> bool:
@@ -38,7 +38,8 @@ def is_expert_param(layer_suffix: str) -> bool:
 
 
 def local_expert(layer_suffix: str) -> tuple[int, str] | None:
-    """(local expert index, 'linear_fc1' | 'linear_fc2') of an expert parameter's layer suffix."""
+    """(local expert index, 'linear_fc1' | 'linear_fc2') of an expert parameter's layer suffix (a weight, or the
+    bias of experts that have one: gpt-oss)."""
     match = _LOCAL_EXPERT.match(layer_suffix)
     if match:
         return int(match.group(1)), match.group(2)
@@ -74,7 +75,7 @@ def moe_hf_names(layer_suffix: str, prefix: str, global_expert: int | None,
         gate, up, down = swiglu_names(f"{block}{shared_expert}.")
         return (gate, up) if layer_suffix.endswith("linear_fc1.weight") else (down,)
     expert = local_expert(layer_suffix)
-    if expert is None:
+    if expert is None or ".bias" in layer_suffix:  # experts with biases are stacked (ModelFamily.stacked_experts)
         return None
     projs = arch.hf_expert_projs if arch else ("gate_proj", "up_proj", "down_proj")
     gate, up, down = (f"{block}experts.{global_expert}.{p}.weight" for p in projs)
@@ -132,8 +133,10 @@ def checkpoint_expert_count(names: list[str], arch: MoEArchitecture) -> int | No
 
 
 def router_modules(model) -> list:
-    """transformers' MoE routers (model.layers.L.mlp.gate) in layer order: what each MoE layer routed."""
-    return [module for name, module in model.named_modules() if re.fullmatch(r".*layers\.\d+\.mlp\.gate", name)]
+    """transformers' MoE routers (model.layers.L.mlp.gate; gpt-oss's mlp.router) in layer order: what each MoE
+    layer routed."""
+    return [module for name, module in model.named_modules()
+            if re.fullmatch(r".*layers\.\d+\.mlp\.(gate|router)", name)]
 
 
 class RouteCapture:

@@ -30,6 +30,7 @@ _BUILTIN_MODULES = (
     "slime.models.glm_moe_dsa",
     "slime.models.mimo",
     "slime.models.deepseek_v4",
+    "slime.models.gpt_oss",
 )
 
 # What a model_type outside the registry is read as (arguments.py lets one through only with a custom model
@@ -149,8 +150,9 @@ class ModelFamily:
     """Called on each GPTModel chunk the builder makes: a family whose layers read more of the forward's inputs
     than the hidden states (DeepSeek-V4's hash routers read the token ids) hooks them up here."""
     check_layout: Callable[[Any, Any], None] | None = None
-    """(hf_config, args) -> None, or ValueError naming the fix: a pipeline split or recompute grouping the
-    family's layers cannot run under (GLM-5.2's shared indexer layers), checked before Ray starts."""
+    """(hf_config, args) -> None, or ValueError naming the fix: a pipeline split, recompute grouping or engine the
+    family's layers cannot run under (GLM-5.2's shared indexer layers; gpt-oss's MXFP4 experts with SGLang
+    engines), checked before Ray starts."""
     moe_architecture: Callable[[Any], Any] | None = None
     """hf_config -> MoEArchitecture of its MoE layers, or None when every layer is dense."""
 
@@ -175,6 +177,10 @@ class ModelFamily:
     batched_generation: bool = True
     """Whether the embedded engine may run several left-padded sequences in one forward; False where padding
     changes the maths (DeepSeek-V4's compressors window each row from its first position)."""
+    stacked_experts: Callable[[str, str, int, Any], tuple | None] | None = None
+    """(megatron layer suffix of a routed expert's parameter, HF layer prefix, expert-TP size, hf_config) -> (HF names
+    (one), to_megatron, to_hf) of one expert's row of a tensor that stacks the layer's experts along dim 0, or None:
+    checkpoints storing a layer's experts as one tensor (gpt-oss's mlp.experts.gate_up_proj [E, H, 2I])."""
 
     mtp_names: Callable[[Any, int], Any] | None = None
     """(hf_config, MTP layer index) -> `mtp.MTPLayerNames`, how the checkpoint spells its multi-token-prediction

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 import torch
 
+from slime.models.mxfp4 import dequantising_load
 from slime.utils.images import ImageInputError, canonical_image
 from slime.utils.vision_processor import ProcessedImages, VisionProcessor, has_vision, load_vision_processor
 
@@ -26,7 +27,7 @@ def load_model(model_path: str, dtype: torch.dtype, tokenizer) -> tuple[Any, Vis
     if has_vision(model_path):
         return (AutoModelForImageTextToText.from_pretrained(model_path, dtype=dtype),
                 load_vision_processor(model_path, tokenizer))
-    return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype), None
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, **dequantising_load(model_path)), None
 
 
 def request_images(image_data: Any, num_prompts: int, is_batch: bool) -> list[list[str] | None]:

@@ -34,6 +34,7 @@ from slime import patches
 from slime.checkpoint import contents, durable, rng
 from slime.checkpoint.contents import latest_iteration
 from slime.distributed.fault_inject import maybe_kill_run
+from slime.models import mxfp4
 from slime.models.hf_weights import carried_tensors, export_hf_weights, load_hf_weights
 from slime.models.lora import peft_unexportable
 
@@ -362,3 +363,17 @@ def _write_hf_side_files(path: str, shards: list, pp: int, hf_source_dir: str | 
         source = os.path.join(hf_source_dir or "", name)
         if hf_source_dir and os.path.exists(source):
             shutil.copyfile(source, os.path.join(path, name))
+    _write_dequantised_config(path)
+
+
+def _write_dequantised_config(path: str) -> None:
+    """The weights are written in the trainer's dtype: an MXFP4 source's config.json loses its quantization_config."""
+    config_path = os.path.join(path, "config.json")
+    if not os.path.exists(config_path):
+        return
+    with open(config_path) as f:
+        config = json.load(f)
+    dequantised = mxfp4.dequantised_config(config)
+    if dequantised is not config:
+        with open(config_path, "w") as f:
+            json.dump(dequantised, f, indent=2)

@@ -86,14 +86,18 @@ def transformer_config_from_hf(hf_config: Any, args: Namespace) -> TransformerCo
     if family_fields.get("dsa_indexer_topk"):  # the indexer's KL loss (megatron-core's fields)
         family_fields = dict(family_fields, dsa_indexer_loss_coeff=float(args.dsa_indexer_loss_coeff or 0.0),
                              dsa_indexer_use_sparse_loss=bool(args.dsa_indexer_use_sparse_loss))
+    # the generic layer (RMSNorm, bias-free SwiGLU); a family's config_fields say otherwise (gpt-oss's biases and
+    # clamped gate)
+    layer = dict(normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+                 # megatron's SwiGLU is torch.compile'd (its jit_fuser) with --fused-kernels compile; the other fused
+                 # kernels are CUDA-only and TE provides its own on the cluster path. The fused SwiGLU has no clamp
+                 # (activation_func_clamp_value, DeepSeek-V4's swiglu_limit).
+                 bias_activation_fusion=fused_kernel_impl(args) == "compile"
+                 and family_fields.get("activation_func_clamp_value") is None)
     config = config_class(
         **arch.transformer_fields(),
-        **family_fields,
+        **{**layer, **family_fields},
         **moe_fields,
-        normalization="RMSNorm",
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=virtual_pipeline_size(args),
@@ -108,11 +112,6 @@ def transformer_config_from_hf(hf_config: Any, args: Namespace) -> TransformerCo
         pipeline_dtype=params_dtype,
         bf16=bf16,
         use_cpu_initialization=not torch.cuda.is_available(),
-        # megatron's SwiGLU is torch.compile'd (its jit_fuser) with --fused-kernels compile; the other fused
-        # kernels are CUDA-only and TE provides its own on the cluster path. The fused SwiGLU has no clamp
-        # (activation_func_clamp_value, DeepSeek-V4's swiglu_limit).
-        bias_activation_fusion=fused_kernel_impl(args) == "compile"
-        and family_fields.get("activation_func_clamp_value") is None,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         persist_layer_norm=False,
@@ -135,6 +134,9 @@ def transformer_config_from_hf(hf_config: Any, args: Namespace) -> TransformerCo
     config.hf_attention_windows = arch.attention_windows
     # the layer facts no TransformerConfig field holds, for a family's own layers (DeepSeek-V4's)
     config.hf_layer_config = family.layer_config(hf_config) if family.layer_config is not None else None
+    if arch.rope.yarn is not None:  # GPTModel's YarnRotaryEmbedding reads them from the config
+        for name, value in arch.rope.yarn.megatron_fields().items():
+            setattr(config, name, value)
     return config
 
 
@@ -289,7 +291,7 @@ def build_gpt_model(
         post_process=post_process,
         parallel_output=True,
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
-        position_embedding_type="rope",
+        position_embedding_type="yarn" if arch.rope.yarn is not None else "rope",
         rotary_percent=arch.rope.percent,
         rotary_base=int(arch.rope.base),
         rope_scaling=arch.rope.type == "llama3",  # megatron's Llama-3 scaling (its other factors checked: hf_arch)
