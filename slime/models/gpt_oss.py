@@ -133,6 +133,11 @@ def check_flags(hf_config: Any, args: Any) -> None:
     if not args.add_bias_linear:
         raise ValueError("--disable-bias-linear: gpt-oss's attention, router and experts have biases, which the "
                          "model is built with (the checkpoint holds them); drop the flag")
+    if args.moe_grouped_gemm is False:
+        raise ValueError("--no-moe-grouped-gemm asks for megatron-core's SequentialMLP, which cannot train experts "
+                         "with biases (it scales a reduced output in place at EP 1, which autograd refuses); gpt-oss's "
+                         "experts run on the project's grouped experts (the same numbers; the per-expert loop off "
+                         "Hopper): drop the flag")
     etp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
     if etp > 1:
         raise ValueError(f"--expert-tensor-parallel-size {etp} (it defaults to --tensor-model-parallel-size): "

@@ -146,9 +146,19 @@ class GroupedExperts(SequentialMLP):
             x = (probs.unsqueeze(-1) * x).to(x.dtype)
             probs = torch.ones_like(probs)
         counts = tokens_per_expert if torch.is_tensor(tokens_per_expert) else torch.tensor(tokens_per_expert)
-        fc1 = self._linear(x, counts, "linear_fc1")
+        fc1 = self._linear(x, counts, "linear_fc1") + self._bias_rows(counts, "linear_fc1", x)
         hidden = self._activation(fc1, probs)
-        return self._linear(hidden, counts, "linear_fc2"), None
+        out = self._linear(hidden, counts, "linear_fc2")
+        return out + self._bias_rows(counts, "linear_fc2", x) * probs.unsqueeze(-1).to(out.dtype), None
+
+    def _bias_rows(self, counts: torch.Tensor, name: str, x: torch.Tensor) -> torch.Tensor | float:
+        """Each row's expert's bias of layer `name` (experts with biases: gpt-oss), 0 without. megatron's expert MLP
+        adds fc1's before the activation and fc2's times the routing weight, as here."""
+        biases = [getattr(e, name).bias for e in self.local_experts]
+        if biases[0] is None:
+            return 0.0
+        return torch.repeat_interleave(torch.stack(biases), counts.to(x.device, non_blocking=True), dim=0,
+                                       output_size=x.shape[0])
 
     def _linear(self, x: torch.Tensor, counts: torch.Tensor, name: str) -> torch.Tensor:
         """Every expert's `name` layer over its rows, plus its LoRA update (x A_e^T) B_e^T * alpha/r where the
@@ -165,11 +175,12 @@ class GroupedExperts(SequentialMLP):
         return y + delta * a.scale
 
     def _supported(self) -> bool:
-        """What the grouped forward reproduces: bias-free experts, no FP8/FP4 padding, and of megatron's fused
-        activations only the SwiGLU one."""
+        """What the grouped forward reproduces: no FP8/FP4 padding, and of megatron's fused activations only the
+        SwiGLU one (biased experts only unfused)."""
         c = self.config
-        fused_other = c.bias_activation_fusion and not (c.gated_linear_unit and c.activation_func is F.silu)
-        return not (c.add_bias_linear or c.fp8 or getattr(c, "fp4", None) or c.use_te_activation_func or fused_other)
+        fused_other = c.bias_activation_fusion and not (c.gated_linear_unit and c.activation_func is F.silu
+                                                        and not c.add_bias_linear)
+        return not (c.fp8 or getattr(c, "fp4", None) or c.use_te_activation_func or fused_other)
 
     def _activation(self, fc1: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         """The expert MLP's activation and routing weight over all experts' rows at once (row-wise, so the

@@ -50,13 +50,15 @@ def with_attention_window(spec: ModuleSpec, window: int | None) -> ModuleSpec:
 
 def with_moe_mlp(spec: ModuleSpec, config: TransformerConfig, grouped: bool = False) -> ModuleSpec:
     """`spec` (a local layer spec with our norms) with its MLP replaced by megatron's MoE layer, whose experts
-    are megatron's SequentialMLP or, with `grouped`, the project's GroupedExperts (same parameters)."""
+    are megatron's SequentialMLP or, with `grouped` or experts with biases, the project's GroupedExperts (same
+    parameters): megatron-core 0.16's SequentialMLP scales a biased expert's output in place, which autograd
+    refuses at EP 1."""
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 
     from slime.models.grouped_experts import GroupedExperts
 
     moe = get_moe_module_spec(use_te=False, num_experts=config.num_moe_experts, moe_grouped_gemm=False)
-    if grouped:
+    if grouped or config.add_bias_linear:
         experts = dataclasses.replace(moe.submodules.experts, module=GroupedExperts)
         moe = dataclasses.replace(moe, submodules=dataclasses.replace(moe.submodules, experts=experts))
     return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=moe))

@@ -1,0 +1,104 @@
+"""A family's training steps on forked ranks, each followed by the fenced weight push to a running embedded engine
+(the project's WeightSync: its plan, buckets, sessions and fences, over HTTP), the engine's log-probs read after
+every push, and every collective of the steps and the pushes recorded for the order proof.
+
+`train_and_push(rank, world, ledger_dir, hf_dir, data, layout, url, steps)` is one rank's run (`url` None: the
+single process's reference, no engine); `engine_log_probs(url, data)` what the engine gives each response; `check_run` what every family's run must show.
+"""
+
+from __future__ import annotations
+
+FENCE_S = 60.0
+BUCKET_BYTES = 256 * 1024  # several buckets per push, even for the tiny models
+
+
+def engine_log_probs(url: str, data: dict) -> list[list[float]]:
+    """SGLang's input_token_logprobs of each sample's response, as the engine computes them."""
+    from slime.backends.sglang_utils.http_client import SGLangHTTPClient
+
+    client = SGLangHTTPClient(url)
+    try:
+        rows = []
+        for tokens, response in zip(data["tokens"], data["response_lengths"]):
+            reply = client.generate(input_ids=list(tokens), sampling_params={"max_new_tokens": 0, "temperature": 1.0},
+                                    return_logprob=True, logprob_start_len=0)
+            rows.append([entry[0] for entry in reply["meta_info"]["input_token_logprobs"][-response:]])
+        return rows
+    finally:
+        client.close()
+
+
+def _fence(rank: int, world: int, ledger):
+    import datetime
+
+    import torch.distributed as dist
+
+    from slime.distributed import Fence
+
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=FENCE_S))
+    return Fence(group, rank=rank, world_size=world, timeout_s=FENCE_S, ledger=ledger)
+
+
+def train_and_push(rank, world, ledger_dir, hf_dir, data, layout, url, steps: int) -> dict:
+    """`steps` training steps on the same rollout; after each, with `url`, the push and the engine's log-probs."""
+    from transformers import AutoConfig
+
+    from slime.backends.megatron_utils.train_step import compute_log_probs, train_one_step
+    from slime.backends.megatron_utils.update_weight import WeightSync
+    from slime.distributed.instrument import instrument_collectives, uninstrument_collectives
+    from slime.distributed.ledger import Ledger
+    from slime_plugins.models.hf_weights import export_hf_weights
+    from train_step_harness import build_loaded_model, layout_args, plans_for_this_rank
+
+    args = layout_args(layout, fence_timeout=FENCE_S, colocate=True, rollout_num_gpus_per_engine=1,
+                       update_weight_buffer_size=BUCKET_BYTES)
+    hf_config = AutoConfig.from_pretrained(hf_dir)
+    model, optimizer, scheduler = build_loaded_model(args, hf_dir)
+    (plan,) = plans_for_this_rank(data, args)
+    before = compute_log_probs(model, data, plan, args)
+    loaded = {name: tensor.clone() for name, tensor in export_hf_weights(model, hf_config)}  # HF -> megatron -> HF
+    data = dict(data, log_probs=before, ref_log_probs=before, rollout_log_probs=before)
+    ledger = Ledger(rank, world, ledger_dir, record_sequence=True)
+    fence = _fence(rank, world, ledger)
+    sync = WeightSync(args, hf_config, [url], engine_kind="embedded") if url else None
+    results = []
+    instrument_collectives(ledger)
+    try:
+        for step in range(steps):
+            with ledger.phase("actor_train"):
+                outcome = train_one_step(model, optimizer, scheduler, data, plan, args)
+            if sync is not None:
+                with ledger.phase("weight_sync"):
+                    sync.sync(model, step, fence=fence)
+            trainer = compute_log_probs(model, data, plan, args)
+            engine = engine_log_probs(url, data) if sync is not None and rank == 0 else None
+            results.append(dict(loss=outcome.loss, grad_norm=outcome.grad_norm, skipped=outcome.skipped,
+                                trainer=trainer, engine=engine))
+    finally:
+        uninstrument_collectives()
+        ledger.close()
+        if sync is not None:
+            sync.close()
+    return dict(before=before, loaded=loaded, steps=results)
+
+
+def check_run(results: list[dict], single: dict, engine_before: list[list[float]], tolerance: float) -> None:
+    """The layout's steps are the single process's (loss, grad norm: Adam's first steps turn rounding-level gradient
+    differences into lr-sized ones, so the log-probs after a step are compared with the engine's, not the single
+    process's), each moved the model, and the engine served the trainer's log-probs before the first push and after
+    every push."""
+    import pytest
+
+    first = results[0]
+    assert len(first["steps"]) == len(single["steps"])
+    for got, want in zip(first["before"], engine_before):
+        assert got == pytest.approx(want, abs=tolerance)
+    previous = first["before"]
+    for step, (mine, ref) in enumerate(zip(first["steps"], single["steps"])):
+        assert not mine["skipped"], step
+        assert mine["loss"] == pytest.approx(ref["loss"], abs=1e-5), step
+        assert mine["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4), step
+        assert max(abs(a - b) for x, y in zip(mine["trainer"], previous) for a, b in zip(x, y)) > 1e-4, step
+        for got, want in zip(mine["trainer"], mine["engine"]):
+            assert got == pytest.approx(want, abs=tolerance), step
+        previous = mine["trainer"]

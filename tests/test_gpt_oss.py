@@ -1,0 +1,213 @@
+"""gpt-oss against transformers' GptOssForCausalLM: attention sinks, alternating sliding (window 4) and full layers,
+YaRN RoPE, experts with biases and the clamped gate (swiglu_limit 2, swiglu_alpha 1.5), the router with a bias.
+
+- MXFP4: the dequantisation is transformers' own, and the format's definition on hand-made bytes;
+- the megatron model's logits equal transformers' (fp32, 1e-5) at TP2 x CP2 (a bf16-layout checkpoint) and CP2 (an
+  MXFP4 one), and the export gives back the checkpoint (bf16 names for the MXFP4 one: transformers' dequantised
+  tensors) bit for bit;
+- two training steps at TP2 x SP x CP2 x EP2 from the MXFP4 checkpoint equal the single process's, each pushed by
+  the fenced weight sync to a running embedded engine (transformers' class), which then gives the trainer's
+  log-probs; the recorded collectives of steps and pushes pass the order proof;
+- what gpt-oss cannot run under is refused before Ray starts, naming the fix; save-hf writes a loadable bf16 config.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mp_utils import run_ranks
+from slime.config import defaults_namespace
+
+pytestmark = pytest.mark.ranks
+
+SEQ = 16
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    from tiny_models import save_tiny_gpt_oss
+
+    root = tmp_path_factory.mktemp("gpt_oss")
+    return {"bf16": save_tiny_gpt_oss(str(root / "bf16")), "mxfp4": save_tiny_gpt_oss(str(root / "mxfp4"), seed=1,
+                                                                                       mxfp4=True)}
+
+
+def test_mxfp4_dequantisation_is_the_format_and_transformers_own():
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from slime.models.mxfp4 import dequantize, dequantized_weight
+
+    # one block: bytes 0x21 (codes 1, 2: 0.5, 1.0), 0xF7 (7, 15: 6.0, -6.0), then zeros; scale 2^(125 - 127)
+    blocks = torch.zeros(1, 16, dtype=torch.uint8)
+    blocks[0, 0], blocks[0, 1] = 0x21, 0xF7
+    values = dequantize(blocks, torch.tensor([125], dtype=torch.uint8), torch.float32)
+    assert values[:4].tolist() == [0.125, 0.25, 1.5, -1.5] and values[4:].abs().sum() == 0
+    generator = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 10, 4, 16), dtype=torch.uint8, generator=generator)
+    scales = torch.randint(110, 140, (3, 10, 4), dtype=torch.uint8, generator=generator)
+    want = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, in, out]
+    assert torch.equal(dequantized_weight(blocks, scales, torch.float32), want)
+    assert torch.equal(dequantized_weight(blocks, scales), convert_moe_packed_tensors(blocks, scales))  # bf16
+
+
+def _forward_and_export(rank, world, hf_dir, tp, cp):
+    import transformers
+    from megatron.core import parallel_state
+
+    from slime.backends.megatron_utils.model import build_gpt_model
+    from slime.backends.megatron_utils.parallel import init_model_parallel
+    from slime_plugins.models.cp_attention import zigzag_positions
+    from slime_plugins.models.hf_weights import export_hf_weights, load_hf_weights
+
+    args = defaults_namespace(tensor_model_parallel_size=tp, context_parallel_size=cp, expert_tensor_parallel_size=1,
+                              pipeline_model_parallel_size=1, seed=5, attention_dropout=0.0, hidden_dropout=0.0)
+    init_model_parallel(args)
+    hf_config = transformers.AutoConfig.from_pretrained(hf_dir)
+    model = build_gpt_model(args, hf_config).eval()
+    load_hf_weights([model], hf_dir, hf_config)
+    tokens = torch.randint(0, hf_config.vocab_size, (1, SEQ), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(SEQ)
+    if cp > 1:
+        positions = zigzag_positions(SEQ, cp, parallel_state.get_context_parallel_rank())
+    with torch.no_grad():
+        logits = model(tokens[:, positions], positions.unsqueeze(0), None)[0]
+    return dict(logits=logits, positions=positions, tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+                exported=dict(export_hf_weights([model], hf_config)))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("kind, tp, cp", [("bf16", 2, 2), ("mxfp4", 1, 2)])
+def test_logits_match_transformers_and_export_is_exact(checkpoints, kind, tp, cp):
+    import transformers
+    from safetensors.torch import load_file
+
+    hf_dir = checkpoints[kind]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    assert type(hf).__name__ == "GptOssForCausalLM"
+    tokens = torch.randint(0, hf.config.vocab_size, (1, SEQ), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        reference = hf(tokens).logits[0]
+    # the MXFP4 checkpoint is exported as transformers holds it once dequantised: the bf16 checkpoint's names
+    original = load_file(f"{hf_dir}/model.safetensors") if kind == "bf16" else hf.state_dict()
+    if kind == "mxfp4":
+        assert any(name.endswith("gate_up_proj_blocks") for name in load_file(f"{hf_dir}/model.safetensors"))
+    for result in run_ranks(_forward_and_export, tp * cp, args=(hf_dir, tp, cp), timeout_s=220):
+        width = result["logits"].shape[-1]
+        want = reference[result["positions"]][:, result["tp_rank"] * width:(result["tp_rank"] + 1) * width]
+        assert (result["logits"] - want).abs().max().item() < 1e-5
+        exported = result["exported"]
+        assert sorted(exported) == sorted(original)
+        assert all(torch.equal(exported[name], original[name]) for name in original)
+
+
+def test_the_sinks_and_the_window_change_the_attention():
+    """The sink attention is the softmax with one more column per head, windowed: checked on a hand computation
+    (so neither a dropped sink nor a dropped window could pass the transformers comparison by chance)."""
+    from slime.models.attention_sinks import sink_chunk_attention
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 2, 4), torch.randn(5, 1, 4), torch.randn(5, 1, 4)  # queries at positions 2-4
+    sinks = torch.tensor([0.7, -1.3])
+    out = sink_chunk_attention(q, k, v, sinks, 2, 2, scale=0.5, dropout_p=0.0)
+    for t in range(3):
+        for h in range(2):
+            keys = [j for j in range(5) if 0 <= t + 2 - j < 2]  # itself and the one before
+            logits = torch.stack([0.5 * q[t, h] @ k[j, 0] for j in keys])
+            weights = logits.exp() / (logits.exp().sum() + sinks[h].exp())
+            want = sum(w * v[j, 0] for w, j in zip(weights, keys))
+            assert torch.allclose(out[t, h], want, atol=1e-6)
+
+
+# ------------------------------------------------------------------ training steps and pushes
+
+
+MOE_TRAINING = dict(expert_tensor_parallel_size=1, calculate_per_token_loss=True, lr=1e-3)
+LAYOUT = dict(MOE_TRAINING, tensor_model_parallel_size=2, sequence_parallel=True, context_parallel_size=2,
+              expert_model_parallel_size=2)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """The tiny MXFP4 gpt-oss with the project's tiny tokenizer, a rollout, and an embedded engine serving it."""
+    from slime.backends.sglang_utils.launcher import launch_engine
+    from slime.tools.tiny_checkpoint import TinyQwen3Spec, write_tiny_checkpoint
+    from tiny_models import replace_model, save_tiny_gpt_oss
+    from train_step_harness import make_rollout
+
+    checkpoint = write_tiny_checkpoint(tmp_path_factory.mktemp("gpt_oss_served") / "m",
+                                       TinyQwen3Spec(alphabet="0123456789"))
+    replace_model(checkpoint, lambda path, **ids: save_tiny_gpt_oss(path, seed=2, mxfp4=True, **ids))
+    vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
+    engine = launch_engine("embedded", defaults_namespace(seed=7), 0, 0, str(checkpoint), startup_timeout_s=120,
+                           log_dir=str(tmp_path_factory.mktemp("gpt_oss_engine")))
+    yield str(checkpoint), make_rollout(num_samples=4, seed=2, vocab=vocab, max_len=20), engine.url
+    engine.stop(grace_s=2.0)
+
+
+@pytest.mark.timeout(400)
+def test_steps_at_tp2_sp_cp2_ep2_equal_the_single_process_and_every_push_reaches_the_engine(served, tmp_path):
+    import transformers
+
+    from family_push import check_run, engine_log_probs, train_and_push
+    from slime.distributed.order_proof import check_order, read_sequences
+
+    hf_dir, data, url = served
+    engine_before = engine_log_probs(url, data)
+    (single,) = run_ranks(train_and_push, 1, args=(str(tmp_path / "single"), hf_dir, data, MOE_TRAINING, None, 2),
+                          timeout_s=150)
+    results = run_ranks(train_and_push, 4, args=(str(tmp_path / "ranks"), hf_dir, data, LAYOUT, url, 2),
+                        timeout_s=300)
+    report = check_order(read_sequences(str(tmp_path / "ranks")))
+    assert report.ok, report.format()
+    check_run(results, single, engine_before, tolerance=1e-5)
+    want = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).state_dict()
+    for result in results:  # every rank exports every expert (EP all-gather), stacked as transformers holds them
+        assert sorted(result["loaded"]) == sorted(want)
+        assert all(torch.equal(result["loaded"][name], want[name]) for name in want)
+
+
+# ------------------------------------------------------------------ before Ray
+
+
+def test_what_gpt_oss_cannot_run_under_is_refused_before_ray(checkpoints, tmp_path):
+    import re
+
+    from slime.config.errors import ArgumentValidationError
+    from slime.config.launch import check_hf_config
+
+    flags = lambda **given: defaults_namespace(**{"expert_tensor_parallel_size": 1, **given})  # noqa: E731
+    config = f"{checkpoints['bf16']}/config.json"
+    check_hf_config(flags(), config)
+    for given, says in [(dict(add_bias_linear=False), "--disable-bias-linear: gpt-oss's attention, router and experts"),
+                        (dict(tensor_model_parallel_size=2, expert_tensor_parallel_size=2),
+                         "pass --expert-tensor-parallel-size 1"),
+                        (dict(rotary_scaling_factor=32.0), "yarn rope factor = 4.0")]:
+        with pytest.raises(ArgumentValidationError, match=re.escape(says)):
+            check_hf_config(flags(**given), config)
+    mxfp4 = f"{checkpoints['mxfp4']}/config.json"
+    check_hf_config(flags(rollout_backend="embedded"), mxfp4)
+    with pytest.raises(ArgumentValidationError, match="python -m slime.tools.dequantize_mxfp4 SRC DST"):
+        check_hf_config(flags(rollout_backend="sglang"), mxfp4)
+    fp8 = dict(json.loads(open(config).read()), quantization_config={"quant_method": "fp8"})
+    (tmp_path / "config.json").write_text(json.dumps(fp8))
+    with pytest.raises(ArgumentValidationError, match=r"quantized weights \(fp8\)"):
+        check_hf_config(flags(), str(tmp_path / "config.json"))
+
+
+def test_the_bf16_checkpoint_of_an_mxfp4_one_is_transformers_dequantised_model(checkpoints, tmp_path):
+    """python -m slime.tools.dequantize_mxfp4 (for SGLang), and save-hf's config of an MXFP4 source."""
+    import transformers
+
+    from slime.models.mxfp4 import dequantised_config
+    from slime.tools.dequantize_mxfp4 import main
+
+    main([checkpoints["mxfp4"], str(tmp_path / "bf16")])
+    config = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    assert "quantization_config" not in config
+    source = json.loads(open(f"{checkpoints['mxfp4']}/config.json").read())
+    assert dequantised_config(source) == config and "quantization_config" in source
+    load = lambda path: transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()  # noqa: E731
+    want, got = load(checkpoints["mxfp4"]), load(str(tmp_path / "bf16"))
+    assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
