@@ -102,3 +102,60 @@ def check_run(results: list[dict], single: dict, engine_before: list[list[float]
         for got, want in zip(mine["trainer"], mine["engine"]):
             assert got == pytest.approx(want, abs=tolerance), step
         previous = mine["trainer"]
+
+
+LORA = dict(enable_lora=True, lora_rank=4, lora_alpha=8.0, lora_dropout=0.0, lr=0.05, calculate_per_token_loss=True,
+            expert_tensor_parallel_size=1)
+
+
+def lora_steps(rank, world, hf_dir, data, targets: list[str]) -> dict:
+    """Two LoRA steps (the second is where both factors learn) on one process: the log-probs after them, the merged
+    export, the base parameters that moved (none may), and what a push after the first plans and sends."""
+    import torch
+    from transformers import AutoConfig
+
+    from slime.backends.megatron_utils.train_step import compute_log_probs, train_one_step
+    from slime.backends.megatron_utils.update_weight import build_weight_sync_plan
+    from slime.models.lora import adapted_weight_names
+    from slime_plugins.models.hf_weights import export_hf_weights
+    from train_step_harness import build_loaded_model, layout_args, with_policy_log_probs
+
+    args = layout_args(dict(LORA, lora_target_modules=list(targets)))
+    hf_config = AutoConfig.from_pretrained(hf_dir)
+    model, optimizer, scheduler = build_loaded_model(args, hf_dir)
+    data, plan, _ = with_policy_log_probs(model, data, args)
+    base = {n: p.detach().clone() for n, p in model[0].module.named_parameters() if not p.requires_grad}
+    for _ in range(2):
+        step = train_one_step(model, optimizer, scheduler, data, plan, args)
+        assert not step.skipped
+    select = adapted_weight_names(model)
+    return dict(after=compute_log_probs(model, data, plan, args),
+                merged={n: t.clone() for n, t in export_hf_weights(model, hf_config)},
+                base_moved=[n for n, p in model[0].module.named_parameters()
+                            if not p.requires_grad and not torch.equal(p.detach(), base[n])],
+                adapters=[n for n, p in model[0].module.named_parameters() if p.requires_grad],
+                planned=list(build_weight_sync_plan(model, hf_config, tp_size=1, bucket_bytes=1 << 16,
+                                                    select=select).names()),
+                sent=[n for n, _ in export_hf_weights(model, hf_config, select=select)])
+
+
+def check_lora(result: dict, hf_dir: str, data: dict, tolerance: float) -> None:
+    """Only adapters trained, the base unmoved; transformers' class holding the merged export gives the trainer's
+    log-probs; the push after the first plans and sends the adapted layers only."""
+    import pytest
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    assert result["adapters"] and all(".lora.lora_" in n for n in result["adapters"])
+    assert result["base_moved"] == []
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    missing, unexpected = model.load_state_dict(result["merged"], strict=False)
+    assert not unexpected and not missing
+    assert any(not torch.equal(before[n], t) for n, t in result["merged"].items())
+    with torch.no_grad():
+        for tokens, response, got in zip(data["tokens"], data["response_lengths"], result["after"]):
+            logits = model(torch.tensor([tokens])).logits[0].log_softmax(-1)
+            want = logits[:-1].gather(-1, torch.tensor(tokens[1:]).unsqueeze(-1)).squeeze(-1)[-response:]
+            assert got == pytest.approx(want.tolist(), abs=tolerance)
+    assert result["planned"] == result["sent"] and 0 < len(result["sent"]) < len(result["merged"])
