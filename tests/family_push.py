@@ -140,19 +140,20 @@ def lora_steps(rank, world, hf_dir, data, targets: list[str]) -> dict:
 
 
 def check_lora(result: dict, hf_dir: str, data: dict, tolerance: float) -> None:
-    """Only adapters trained, the base unmoved; transformers' class holding the merged export gives the trainer's
-    log-probs; the push after the first plans and sends the adapted layers only."""
+    """Only adapters trained, the base unmoved; the embedded engine (transformers' class) given the merged export
+    gives the trainer's log-probs; the push after the first plans and sends the adapted layers only."""
     import pytest
     import torch
-    from transformers import AutoModelForCausalLM
+
+    from slime.backends.embedded_engine.engine import EmbeddedEngine
 
     assert result["adapters"] and all(".lora.lora_" in n for n in result["adapters"])
     assert result["base_moved"] == []
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    before = {n: t.clone() for n, t in model.state_dict().items()}
-    missing, unexpected = model.load_state_dict(result["merged"], strict=False)
-    assert not unexpected and not missing
+    engine = EmbeddedEngine(hf_dir)
+    before = {name: engine.get_weight(name) for name in result["merged"]}
+    assert engine.update_weights(list(result["merged"].items()), "merged") == len(result["merged"])
     assert any(not torch.equal(before[n], t) for n, t in result["merged"].items())
+    model = engine.model
     with torch.no_grad():
         for tokens, response, got in zip(data["tokens"], data["response_lengths"], result["after"]):
             logits = model(torch.tensor([tokens])).logits[0].log_softmax(-1)

@@ -214,14 +214,14 @@ def test_the_bf16_checkpoint_of_an_mxfp4_one_is_transformers_dequantised_model(c
 
 
 @pytest.mark.timeout(200)
-def test_lora_on_every_linear_layer_trains_merges_and_pushes(checkpoints):
-    """LoRA on q/k/v, o (with their biases) and the experts' fc1 / fc2: the stacked experts export merged, the push
-    after the first plans the adapted layers (the stacked experts among them) and sends them."""
+def test_lora_on_every_linear_layer_trains_merges_and_pushes(served):
+    """LoRA on q/k/v, o (with their biases) and the experts' fc1 / fc2, from the MXFP4 checkpoint: the stacked
+    experts export merged, the push after the first plans the adapted layers (the stacked experts among them) and
+    sends them."""
     from family_push import check_lora, lora_steps
-    from train_step_harness import make_rollout
 
-    data = make_rollout(num_samples=3, seed=4, vocab=512, max_len=16)
-    (result,) = run_ranks(lora_steps, 1, args=(checkpoints["bf16"], data, ["linear_qkv", "linear_proj", "linear_fc1",
-                                                                           "linear_fc2"]), timeout_s=180)
-    check_lora(result, checkpoints["bf16"], data, tolerance=1e-5)
+    hf_dir, data, _ = served
+    (result,) = run_ranks(lora_steps, 1, args=(hf_dir, data, ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]),
+                          timeout_s=180)
+    check_lora(result, hf_dir, data, tolerance=1e-5)
     assert any(name.endswith("mlp.experts.gate_up_proj") for name in result["sent"])

@@ -529,3 +529,31 @@ def _store_experts_as_mxfp4(path: str, generator) -> None:
         "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
     with open(config_path, "w") as f:
         json.dump(config, f, indent=2)
+
+
+DEEPSEEK_V32_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "beta_fast": 32,
+                     "beta_slow": 1, "mscale": 0.8, "mscale_all_dim": 1.0, "rope_theta": 10000.0}
+
+
+def save_tiny_deepseek_v32(path: str, seed: int = 0, **overrides) -> str:
+    """A tiny DeepseekV32ForCausalLM: multi-latent attention with the DSA indexer keeping 6 keys per query (below the
+    test sequences' lengths; 8 indexer heads, so that few keys score exactly 0 after the relu: keys tied at the k-th
+    score are kept in an order neither side defines), YaRN RoPE whose attention factor is not 1 (mscale 0.8 of mscale_all_dim 1), 3 layers
+    (the first dense), 8 routed experts in 2 groups (one per token, top-2 in it), one shared expert, scaling 2.5."""
+    import torch
+    from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
+
+    fields = dict(vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=24, qk_nope_head_dim=16,
+                  qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                  n_group=2, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5, index_topk=6,
+                  index_head_dim=16, index_n_heads=8, max_position_embeddings=512, rms_norm_eps=1e-6,
+                  tie_word_embeddings=False, rope_parameters=dict(DEEPSEEK_V32_YARN), pad_token_id=0)
+    fields.update(overrides)
+    torch.manual_seed(seed)
+    model = _spread_router(DeepseekV32ForCausalLM(DeepseekV32Config(**fields)).float(), seed)
+    with torch.no_grad():  # indexer scores of order one, so its choice is not decided by rounding
+        for name, param in model.named_parameters():
+            if ".indexer." in name and not name.endswith(("k_norm.weight", "k_norm.bias")):
+                param.normal_(0.0, 0.3)
+    return _perturb_and_save(model, path)

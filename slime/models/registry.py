@@ -31,6 +31,7 @@ _BUILTIN_MODULES = (
     "slime.models.mimo",
     "slime.models.deepseek_v4",
     "slime.models.gpt_oss",
+    "slime.models.deepseek_v32",
 )
 
 # What a model_type outside the registry is read as (arguments.py lets one through only with a custom model

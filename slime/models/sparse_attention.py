@@ -6,8 +6,10 @@ keeps the `index_topk` best keys per query; the attention then runs over the cau
     q_i = wq_b(q_latent)            [H, D]   (q_latent: MLA's normalised q down projection)
     k   = LayerNorm(wk(x))          [D]      (x: the layer's normalised input)
     w   = weights_proj(x) / sqrt(H) [H]
-    score(t, s) = sum_h w_h * relu(q_h(t) . k(s) / sqrt(D)),   RoPE (interleaved pairs) on the first
-                                                               qk_rope_head_dim dimensions of q and k.
+    score(t, s) = sum_h w_h * relu(q_h(t) . k(s) / sqrt(D)),   RoPE on the first qk_rope_head_dim dimensions
+                                                               of q and k: on interleaved pairs (GLM-5) or on
+                                                               two halves (DeepSeek-V3.2), with the model's
+                                                               frequencies (YaRN's where the MLA has them).
 
 The choice is not differentiable and, as in transformers' GlmMoeDsaForCausalLM (the reference), the indexer
 gets no gradient by default: its parameters are frozen. --dsa-indexer-loss-coeff (megatron-core's KL loss, which
@@ -31,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 
 import torch
 import torch.nn.functional as F
@@ -43,14 +46,43 @@ from slime.models.cp_attention import AttentionPlan, ContextParallelAttention, a
 logger = logging.getLogger(__name__)
 
 
-class LightningIndexer(torch.nn.Module):
-    """GLM-5's indexer projections (replicated over TP, frozen): HF names wq_b, wk, k_norm, weights_proj."""
+def rope_frequencies(config) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [rope_dim / 2], factor on cos and sin) of the MLA's rotary embedding, as transformers'
+    rotary embedding of the model gives the indexer: the default one, or YaRN's (interpolated frequencies, the
+    attention factor mscale / mscale_all_dim, or 0.1 ln(factor) + 1 without both)."""
+    dim, base = config.qk_pos_emb_head_dim, float(config.rotary_base)
+    exponents = torch.arange(0, dim, 2, dtype=torch.float) / dim
+    extrapolated = 1.0 / base ** exponents
+    if getattr(config, "rope_type", "rope") != "yarn":
+        return extrapolated, 1.0
+    factor = float(config.rotary_scaling_factor)
+    original = config.original_max_position_embeddings
 
-    def __init__(self, config) -> None:
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(config.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(config.beta_slow)), dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float) - low) / ((high - low) or 0.001)).clamp(0, 1)
+    frequencies = extrapolated / factor * ramp + extrapolated * (1 - ramp)
+
+    def mscale(scale: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
+
+    both = config.mscale and config.mscale_all_dim
+    return frequencies, (mscale(config.mscale) / mscale(config.mscale_all_dim) if both else mscale(1.0))
+
+
+class LightningIndexer(torch.nn.Module):
+    """The indexer's projections (replicated over TP, frozen): HF names wq_b, wk, k_norm, weights_proj.
+    `rope_interleaved`: RoPE on interleaved pairs (GLM-5), else on two halves (DeepSeek-V3.2)."""
+
+    def __init__(self, config, rope_interleaved: bool = True) -> None:
         super().__init__()
         heads, dim = config.dsa_indexer_n_heads, config.dsa_indexer_head_dim
         self.heads, self.dim, self.topk = heads, dim, config.dsa_indexer_topk
-        self.rope_dim, self.rope_base = config.qk_pos_emb_head_dim, config.rotary_base
+        self.rope_dim, self.rope_interleaved = config.qk_pos_emb_head_dim, rope_interleaved
+        self.inv_freq, self.rope_factor = rope_frequencies(config)  # a tensor, not a buffer: kept fp32
         self.wq_b = torch.nn.Linear(config.q_lora_rank, heads * dim, bias=False)
         self.wk = torch.nn.Linear(config.hidden_size, dim, bias=False)
         self.k_norm = torch.nn.LayerNorm(dim, eps=1e-6)
@@ -62,16 +94,15 @@ class LightningIndexer(torch.nn.Module):
             param.requires_grad_(trained)
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """RoPE on interleaved pairs of the first rope_dim dimensions, the rotated pairs laid out as
-        [evens | odds] (transformers' layout; q and k share it, so the dot products are RoPE's)."""
+        """RoPE on the first rope_dim dimensions: on interleaved pairs, the rotated pairs laid out as [evens | odds]
+        (transformers' layout; q and k share it, so the dot products are RoPE's), or on two halves."""
         rot, rest = x.split([self.rope_dim, self.dim - self.rope_dim], dim=-1)
-        inv_freq = 1.0 / (self.rope_base ** (torch.arange(0, self.rope_dim, 2, dtype=torch.float,
-                                                          device=x.device) / self.rope_dim))
-        angles = positions.float()[:, None] * inv_freq
+        angles = positions.float()[:, None] * self.inv_freq.to(x.device)
         shape = (angles.shape[0],) + (1,) * (x.dim() - 2) + (angles.shape[1],)
-        cos, sin = angles.cos().view(shape).to(x.dtype), angles.sin().view(shape).to(x.dtype)
-        even, odd = rot[..., 0::2], rot[..., 1::2]
-        return torch.cat([even * cos - odd * sin, odd * cos + even * sin, rest], dim=-1)
+        cos = (angles.cos() * self.rope_factor).view(shape).to(x.dtype)
+        sin = (angles.sin() * self.rope_factor).view(shape).to(x.dtype)
+        first, second = (rot[..., 0::2], rot[..., 1::2]) if self.rope_interleaved else rot.chunk(2, dim=-1)
+        return torch.cat([first * cos - second * sin, second * cos + first * sin, rest], dim=-1)
 
     def queries_and_keys(self, x, q_latent, positions):
         """Local tokens -> (q [t, H, D], head weights [t, H], k [t, D])."""
@@ -134,9 +165,9 @@ class SparseContextParallelAttention(ContextParallelAttention):
     SparseLatentSelfAttention right before this module runs (megatron's MLA passes them to its own DSA only
     when experimental_attention_variant is "dsa", which megatron-core refuses under CP)."""
 
-    def __init__(self, config, *args, **kwargs):
+    def __init__(self, config, *args, indexer_rope_interleaved: bool = True, **kwargs):
         super().__init__(config, *args, **kwargs)
-        self.indexer = LightningIndexer(config)
+        self.indexer = LightningIndexer(config, rope_interleaved=indexer_rope_interleaved)
         self.indexer_inputs = None
         self.indexer_scores = None  # ([tq, L] scores, causal masks) per sequence, for the KL loss while it trains
 
@@ -234,11 +265,16 @@ def sparse_latent_attention(base: type) -> type:
     return SparseLatentSelfAttention
 
 
-def with_sparse_attention(spec, shared: bool = False):
+def with_sparse_attention(spec, shared: bool = False, indexer_rope_interleaved: bool = True):
     """A local MLA layer spec (deepseek_v3.mla_layer_spec) with DSA's attention modules; `shared`: a layer
-    reusing the last full layer's choice (no indexer)."""
+    reusing the last full layer's choice (no indexer); `indexer_rope_interleaved` False: the indexer's RoPE on two
+    halves (DeepSeek-V3.2)."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
     attention = spec.submodules.self_attention
     core = SharedSelectionAttention if shared else SparseContextParallelAttention
+    if not indexer_rope_interleaved:
+        core = ModuleSpec(module=core, params={"indexer_rope_interleaved": False})
     sub = dataclasses.replace(attention.submodules, core_attention=core)
     attention = dataclasses.replace(attention, module=sparse_latent_attention(attention.module), submodules=sub)
     return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=attention))
