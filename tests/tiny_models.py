@@ -557,3 +557,34 @@ def save_tiny_deepseek_v32(path: str, seed: int = 0, **overrides) -> str:
             if ".indexer." in name and not name.endswith(("k_norm.weight", "k_norm.bias")):
                 param.normal_(0.0, 0.3)
     return _perturb_and_save(model, path)
+
+
+def save_tiny_kimi_linear(path: str, seed: int = 0, **overrides) -> str:
+    """A tiny KimiLinearForCausalLM: Kimi delta attention (4 heads of 8), then multi-latent attention without RoPE,
+    then KDA again; the first layer's MLP dense, the others MoE (8 experts in 2 groups, one per token, top-2, one
+    shared expert, scaling 2.5); convolutions and decays of order one, so the short convolution and the per-channel
+    gate act."""
+    import torch
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+
+    fields = dict(vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=24, q_lora_rank=None,
+                  qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, num_experts=8, num_experts_per_tok=2,
+                  n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, linear_head_dim=8,
+                  linear_num_heads=4, linear_conv_kernel_dim=4,
+                  layer_types=["linear_attention", "full_attention", "linear_attention"],
+                  mlp_layer_types=["dense", "sparse", "sparse"], rms_norm_eps=1e-6, pad_token_id=0, bos_token_id=1,
+                  eos_token_id=2)
+    fields.update(overrides)
+    torch.manual_seed(seed)
+    model = _spread_router(KimiLinearForCausalLM(KimiLinearConfig(**fields)).float(), seed)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("conv1d.weight"):
+                param.copy_(0.3 * torch.randn(param.shape, generator=generator))
+            elif name.endswith(("f_b_proj.weight", "g_b_proj.weight", "f_a_proj.weight", "g_a_proj.weight")):
+                param.copy_(0.2 * torch.randn(param.shape, generator=generator))
+            elif name.endswith("A_log"):
+                param.add_(0.3 * torch.randn(param.shape, generator=generator))
+    return _perturb_and_save(model, path)

@@ -255,9 +255,10 @@ def _check_shapes(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> N
     if q.dim() != 4 or q.shape != k.shape or v.dim() != 4 or v.shape[:2] != q.shape[:2] or v.shape[2] % q.shape[2]:
         raise ValueError(f"q, k must be [B, T, H, Dk] and v [B, T, HV, Dv] with HV a multiple of H (value head j "
                          f"reads key head j // (HV / H)); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if g.shape != v.shape[:3] or beta.shape != v.shape[:3]:
-        raise ValueError(f"g and beta must be [B, T, HV] = {tuple(v.shape[:3])}; got {tuple(g.shape)}, "
-                         f"{tuple(beta.shape)}")
+    per_channel = g.shape == (*v.shape[:3], q.shape[3])  # KDA's gate: one decay per key channel (kda_rule.py)
+    if (g.shape != v.shape[:3] and not per_channel) or beta.shape != v.shape[:3]:
+        raise ValueError(f"g must be [B, T, HV] = {tuple(v.shape[:3])} (or [B, T, HV, Dk] per key channel) and beta "
+                         f"[B, T, HV]; got {tuple(g.shape)}, {tuple(beta.shape)}")
 
 
 def _to_value_heads(x: Tensor, value_heads: int) -> Tensor:

@@ -132,8 +132,8 @@ def _qkv(prefix: str, suffix: str, shapes: _Shapes, gated: bool = False) -> _Map
     return _Mapping(names, to_megatron, to_hf)
 
 
-def _gate_up(prefix: str, tp: int) -> _Mapping:
-    return _fused_gate_up((f"{prefix}mlp.gate_proj.weight", f"{prefix}mlp.up_proj.weight"), tp)
+def _gate_up(prefix: str, tp: int, block: str = "mlp") -> _Mapping:
+    return _fused_gate_up((f"{prefix}{block}.gate_proj.weight", f"{prefix}{block}.up_proj.weight"), tp)
 
 
 def _fused_gate_up(names: tuple[str, ...], tp: int) -> _Mapping:
@@ -178,7 +178,7 @@ def _layer_mapping(suffix: str, prefix: str, shapes: _Shapes, tp: int, hf_config
         "self_attention.linear_proj.weight": f"{prefix}self_attn.o_proj.weight",
         "pre_mlp_layernorm.weight": f"{prefix}post_attention_layernorm.weight",
         "mlp.linear_fc1.layer_norm_weight": f"{prefix}post_attention_layernorm.weight",
-        "mlp.linear_fc2.weight": f"{prefix}mlp.down_proj.weight",
+        "mlp.linear_fc2.weight": f"{prefix}{family.dense_mlp_block}.down_proj.weight",
     }
     table.update(family.layer_names(prefix))
     if suffix in table:
@@ -189,7 +189,7 @@ def _layer_mapping(suffix: str, prefix: str, shapes: _Shapes, tp: int, hf_config
     if suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
         return _qkv(prefix, suffix.rsplit(".", 1)[1], shapes, family.attention_output_gate)
     if suffix == "mlp.linear_fc1.weight":
-        gate_up = _gate_up(prefix, tp)
+        gate_up = _gate_up(prefix, tp, family.dense_mlp_block)
         return gate_up if family.fused_gate_up is None else _row_fused(family.fused_gate_up(prefix), gate_up)
     raise KeyError(f"no HF mapping for layer parameter {suffix!r}")
 

@@ -32,6 +32,7 @@ _BUILTIN_MODULES = (
     "slime.models.deepseek_v4",
     "slime.models.gpt_oss",
     "slime.models.deepseek_v32",
+    "slime.models.kimi_linear",
 )
 
 # What a model_type outside the registry is read as (arguments.py lets one through only with a custom model
@@ -168,6 +169,8 @@ class ModelFamily:
     """(HF layer prefix, hf_config) -> {megatron layer suffix: (HF names, to_megatron, to_hf)} for parameters
     whose layout differs from HF's beyond a rename: to_megatron takes the HF tensors (a list) and gives the full
     megatron tensor, to_hf the inverse (a list, in HF-name order)."""
+    dense_mlp_block: str = "mlp"
+    """The checkpoint's module name of a dense layer's MLP (Kimi-Linear: block_sparse_moe, as its MoE block)."""
     fused_gate_up: Callable[[str], str] | None = None
     """HF layer prefix -> the name of the MLP's fused [gate; up] tensor, when HF stores them as one."""
     moe_names: Callable[[str, str, int | None, Any], tuple[str, ...] | None] = _shared_moe_names
@@ -182,6 +185,11 @@ class ModelFamily:
     """(megatron layer suffix of a routed expert's parameter, HF layer prefix, expert-TP size, hf_config) -> (HF names
     (one), to_megatron, to_hf) of one expert's row of a tensor that stacks the layer's experts along dim 0, or None:
     checkpoints storing a layer's experts as one tensor (gpt-oss's mlp.experts.gate_up_proj [E, H, 2I])."""
+
+    in_memory_target: Callable[[str, Any, Any], tuple[str, Any] | None] | None = None
+    """(checkpoint tensor name, transformers' state names, hf_config) -> (the state name it lives in, the rows of it),
+    or None: where transformers' class keeps a checkpoint tensor it renames or stacks on load (Kimi-Linear's forget
+    gate and per-projection convolutions), for the embedded engine's weight updates."""
 
     mtp_names: Callable[[Any, int], Any] | None = None
     """(hf_config, MTP layer index) -> `mtp.MTPLayerNames`, how the checkpoint spells its multi-token-prediction

@@ -501,7 +501,11 @@ def checkpoint_target(name: str, state: dict[str, torch.Tensor], config: Any) ->
         text_state = {"model." + key[len(COMPOSITE_TEXT_PREFIX):]: value for key, value in state.items()
                       if key.startswith(COMPOSITE_TEXT_PREFIX)}
         return checkpoint_target(text_name, text_state, config.get_text_config())
-    fused = fused_engine_target(name, set(state), family_of(config).moe(config))
+    family = family_of(config)
+    own = family.in_memory_target(name, state.keys(), config) if family.in_memory_target is not None else None
+    if own is not None:
+        return state[own[0]][own[1]]
+    fused = fused_engine_target(name, set(state), family.moe(config))
     if fused is None or fused[0] not in state:
         renamed = _renamed(name, getattr(config, "model_type", None))
         return state.get(renamed) if renamed != name else None
