@@ -231,6 +231,11 @@ KIMI_LINEAR_FIELDS = table(
     topk_group=built("moe_router_group_topk"),
     norm_topk_prob=built("the top-k weights renormalised (config.json: moe_renormalize; refused unless it is "
                          "num_experts_per_tok > 1)"),
+    model_max_length=built("max_position_embeddings as config.json stores it (transformers' alias)"),
+    moe_renormalize=built("norm_topk_prob as config.json stores it"),
+    num_expert_group=built("n_group as config.json stores it"),
+    num_experts_per_token=built("num_experts_per_tok as config.json stores it"),
+    num_shared_experts=built("n_shared_experts as config.json stores it"),
     mla_use_nope=checked("no RoPE in the MLA", must_be(True, "transformers' Kimi-Linear MLA applies none"), False),
     moe_router_activation_func=checked("the sigmoid router", must_be("sigmoid", "transformers' Kimi-Linear router "
                                                                                 "is the sigmoid one"), "softmax"),
