@@ -132,10 +132,15 @@ def test_grouped_flag_picks_the_experts_module():
 
     class Config:
         num_moe_experts = 4
+        add_bias_linear = False
+
+    class Biased(Config):  # gpt-oss's experts: megatron's SequentialMLP cannot train them at EP 1
+        add_bias_linear = True
 
     dense = get_gpt_layer_local_spec()
     chosen = {g: with_moe_mlp(dense, Config(), g).submodules.mlp.submodules.experts.module for g in (True, False)}
     assert chosen == {True: GroupedExperts, False: SequentialMLP}
+    assert with_moe_mlp(dense, Biased(), False).submodules.mlp.submodules.experts.module is GroupedExperts
 
 
 def test_deepep_request_falls_back_to_alltoall_with_one_warning(monkeypatch):
