@@ -471,6 +471,7 @@ def save_tiny_deepseek_v4(path: str, seed: int = 0, **overrides) -> str:
     model.save_pretrained(path)
     return path
 
+
 GPT_OSS_YARN = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                 "original_max_position_embeddings": 128, "rope_theta": 150000.0}
 
