@@ -11,10 +11,11 @@ which fault-injection tests need (some ranks raise a named error, others exit wi
 watchdog's code). A rank that does not finish by the deadline raises TimeoutError naming the
 missing ranks. Every child is gone when either returns.
 
-Ranks fork from one server process per test session that has imported torch, megatron-core and the
-trainer's modules (PRELOAD): a freshly spawned rank spends ~10 s of CPU on those imports, which made
-an 8-rank run on 2 cores cost ~40 s before its first line. Each rank gets the caller's environment
-as it is at the call (a test's monkeypatched SLIME_FAULT_INJECT), not the server's.
+Ranks fork from one server process per test session that has imported torch, megatron-core, the trainer's
+modules and transformers' model tables (PRELOAD): a freshly spawned rank spends ~10 s of CPU on those imports,
+which made an 8-rank run on 2 cores cost ~40 s before its first line (transformers' alone ~1 s a rank, measured
+0.8 of 1.4 CPU-s of a tiny model's two steps). Each rank gets the caller's environment as it is at the call (a
+test's monkeypatched SLIME_FAULT_INJECT), not the server's.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ import torch.multiprocessing as mp
 from slime.utils.ports import find_free_port
 
 PRELOAD = ("torch", "megatron.core", "slime.backends.megatron_utils.actor", "slime.backends.megatron_utils.model",
-           "slime.backends.embedded_engine.engine")
+           "slime.backends.megatron_utils.update_weight", "slime.backends.embedded_engine.engine",
+           "transformers.models.auto")  # after slime.utils: its import-structure cache serves transformers
 
 
 @dataclass(frozen=True)
