@@ -2,14 +2,34 @@
 (the project's WeightSync: its plan, buckets, sessions and fences, over HTTP), the engine's log-probs read after
 every push, and every collective of the steps and the pushes recorded for the order proof.
 
+`serve(checkpoint)` the embedded engine's HTTP server (its real routes, over loopback) on a thread of the test
+process, which has torch and transformers imported already (a server process would import them again);
 `train_and_push(rank, world, ledger_dir, hf_dir, data, layout, url, steps)` is one rank's run (`url` None: the
-single process's reference, no engine); `engine_log_probs(url, data)` what the engine gives each response; `check_run` what every family's run must show.
+single process's reference, no engine); `engine_log_probs(url, data)` what the engine gives each response;
+`check_run` what every family's run must show.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 FENCE_S = 60.0
 BUCKET_BYTES = 256 * 1024  # several buckets per push, even for the tiny models
+
+
+@contextlib.contextmanager
+def serve(checkpoint: str, seed: int = 7):
+    """The embedded engine serving `checkpoint`; yields its URL."""
+    from rollout_testing import AppThread
+    from slime.backends.embedded_engine.engine import EmbeddedEngine
+    from slime.backends.embedded_engine.server import build_app
+    from slime.utils.security import current_key
+
+    server = AppThread(build_app(EmbeddedEngine(checkpoint, seed=seed), api_key=current_key())).start()
+    try:
+        yield f"http://127.0.0.1:{server.port}"
+    finally:
+        server.stop()
 
 
 def engine_log_probs(url: str, data: dict) -> list[list[float]]:

@@ -78,7 +78,7 @@ LAYOUT = dict(MOE_TRAINING, tensor_model_parallel_size=2, sequence_parallel=True
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """The tiny DeepSeek-V3.2 with the project's tiny tokenizer, a rollout, and an embedded engine serving it."""
-    from slime.backends.sglang_utils.launcher import launch_engine
+    from family_push import serve
     from slime.tools.tiny_checkpoint import TinyQwen3Spec, write_tiny_checkpoint
     from tiny_models import replace_model, save_tiny_deepseek_v32
     from train_step_harness import make_rollout
@@ -87,10 +87,8 @@ def served(tmp_path_factory):
                                        TinyQwen3Spec(alphabet="0123456789"))
     replace_model(checkpoint, save_tiny_deepseek_v32)
     vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
-    engine = launch_engine("embedded", defaults_namespace(seed=7), 0, 0, str(checkpoint), startup_timeout_s=120,
-                           log_dir=str(tmp_path_factory.mktemp("v32_engine")))
-    yield str(checkpoint), make_rollout(num_samples=4, seed=2, vocab=vocab, max_len=20), engine.url
-    engine.stop(grace_s=2.0)
+    with serve(str(checkpoint)) as url:
+        yield str(checkpoint), make_rollout(num_samples=4, seed=2, vocab=vocab, max_len=20), url
 
 
 @pytest.mark.timeout(400)
@@ -138,7 +136,7 @@ def test_what_is_not_built_is_refused_before_ray(served, tmp_path):
     refused = [(dict(mtp_num_layers=1), {}, "--mtp-num-layers"),
                (dict(kv_lora_rank=512), {}, "--kv-lora-rank 512 contradicts"),
                ({}, dict(index_topk=0), "index_topk=0"),
-               ({}, dict(layer_types=["indexed_attention", "full_attention", "indexed_attention"]),
+               ({}, dict(layer_types=["indexed_attention", "full_attention"]),
                 "layer_types"),
                ({}, dict(quantization_config={"quant_method": "fp8"}), "quantized weights (fp8)")]
     for flags, fields, says in refused:

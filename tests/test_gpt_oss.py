@@ -132,7 +132,7 @@ LAYOUT = dict(MOE_TRAINING, tensor_model_parallel_size=2, sequence_parallel=True
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """The tiny MXFP4 gpt-oss with the project's tiny tokenizer, a rollout, and an embedded engine serving it."""
-    from slime.backends.sglang_utils.launcher import launch_engine
+    from family_push import serve
     from slime.tools.tiny_checkpoint import TinyQwen3Spec, write_tiny_checkpoint
     from tiny_models import replace_model, save_tiny_gpt_oss
     from train_step_harness import make_rollout
@@ -141,10 +141,8 @@ def served(tmp_path_factory):
                                        TinyQwen3Spec(alphabet="0123456789"))
     replace_model(checkpoint, lambda path, **ids: save_tiny_gpt_oss(path, seed=2, mxfp4=True, **ids))
     vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
-    engine = launch_engine("embedded", defaults_namespace(seed=7), 0, 0, str(checkpoint), startup_timeout_s=120,
-                           log_dir=str(tmp_path_factory.mktemp("gpt_oss_engine")))
-    yield str(checkpoint), make_rollout(num_samples=4, seed=2, vocab=vocab, max_len=20), engine.url
-    engine.stop(grace_s=2.0)
+    with serve(str(checkpoint)) as url:
+        yield str(checkpoint), make_rollout(num_samples=4, seed=2, vocab=vocab, max_len=20), url
 
 
 @pytest.mark.timeout(400)

@@ -72,7 +72,7 @@ LAYOUT = dict(MOE_TRAINING, tensor_model_parallel_size=2, sequence_parallel=True
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """The tiny Kimi-Linear with the project's tiny tokenizer, a rollout, and an embedded engine serving it."""
-    from slime.backends.sglang_utils.launcher import launch_engine
+    from family_push import serve
     from slime.tools.tiny_checkpoint import TinyQwen3Spec, write_tiny_checkpoint
     from tiny_models import replace_model, save_tiny_kimi_linear
     from train_step_harness import make_rollout
@@ -81,10 +81,8 @@ def served(tmp_path_factory):
                                        TinyQwen3Spec(alphabet="0123456789"))
     replace_model(checkpoint, save_tiny_kimi_linear)
     vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
-    engine = launch_engine("embedded", defaults_namespace(seed=7), 0, 0, str(checkpoint), startup_timeout_s=120,
-                           log_dir=str(tmp_path_factory.mktemp("kimi_engine")))
-    yield str(checkpoint), make_rollout(num_samples=4, seed=2, vocab=vocab, max_len=20), engine.url
-    engine.stop(grace_s=2.0)
+    with serve(str(checkpoint)) as url:
+        yield str(checkpoint), make_rollout(num_samples=4, seed=2, vocab=vocab, max_len=20), url
 
 
 @pytest.mark.timeout(400)
@@ -131,7 +129,7 @@ def test_the_released_spelling_is_read_and_what_is_not_built_is_refused_before_r
     config = json.loads(open(f"{hf_dir}/config.json").read())
     released = {key: value for key, value in config.items()
                 if key not in ("layer_types", "linear_head_dim", "linear_num_heads", "linear_conv_kernel_dim")}
-    released["linear_attn_config"] = {"kda_layers": [1, 3], "full_attn_layers": [2], "head_dim": 8, "num_heads": 4,
+    released["linear_attn_config"] = {"kda_layers": [1], "full_attn_layers": [2], "head_dim": 8, "num_heads": 4,
                                       "short_conv_kernel_size": 4}
     assert hf_arch(hf_config_from_dict(released)) == hf_arch(hf_config_from_dict(config))
     path = tmp_path / "config.json"
@@ -139,7 +137,7 @@ def test_the_released_spelling_is_read_and_what_is_not_built_is_refused_before_r
     check_hf_config(defaults_namespace(), str(path))
     refused = [(dict(tensor_model_parallel_size=8), {}, "does not divide the 4 Kimi delta attention heads"),
                ({}, dict(mla_use_nope=False), "mla_use_nope=False"),
-               ({}, dict(layer_types=["linear_attention", "sliding_attention", "linear_attention"]),
+               ({}, dict(layer_types=["linear_attention", "sliding_attention"]),
                 "sliding_attention")]
     for flags, fields, says in refused:
         path.write_text(json.dumps({**config, **fields}))

@@ -539,12 +539,13 @@ DEEPSEEK_V32_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_
 def save_tiny_deepseek_v32(path: str, seed: int = 0, **overrides) -> str:
     """A tiny DeepseekV32ForCausalLM: multi-latent attention with the DSA indexer keeping 6 keys per query (below the
     test sequences' lengths; 8 indexer heads, so that few keys score exactly 0 after the relu: keys tied at the k-th
-    score are kept in an order neither side defines), YaRN RoPE whose attention factor is not 1 (mscale 0.8 of mscale_all_dim 1), 3 layers
-    (the first dense), 8 routed experts in 2 groups (one per token, top-2 in it), one shared expert, scaling 2.5."""
+    score are kept in an order neither side defines), YaRN RoPE whose attention factor is not 1 (mscale 0.8 of
+    mscale_all_dim 1), 2 layers (the first dense), 8 routed experts in 2 groups (one per token, top-2 in it), one
+    shared expert, scaling 2.5."""
     import torch
     from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
 
-    fields = dict(vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+    fields = dict(vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=24, qk_nope_head_dim=16,
                   qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
                   n_group=2, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5, index_topk=6,
@@ -561,20 +562,19 @@ def save_tiny_deepseek_v32(path: str, seed: int = 0, **overrides) -> str:
 
 
 def save_tiny_kimi_linear(path: str, seed: int = 0, **overrides) -> str:
-    """A tiny KimiLinearForCausalLM: Kimi delta attention (4 heads of 8), then multi-latent attention without RoPE,
-    then KDA again; the first layer's MLP dense, the others MoE (8 experts in 2 groups, one per token, top-2, one
-    shared expert, scaling 2.5); convolutions and decays of order one, so the short convolution and the per-channel
+    """A tiny KimiLinearForCausalLM: Kimi delta attention (4 heads of 8), then multi-latent attention without RoPE;
+    the first layer's MLP dense, the second MoE (8 experts in 2 groups, one per token, top-2, one shared expert,
+    scaling 2.5); convolutions and decays of order one, so the short convolution and the per-channel
     gate act."""
     import torch
     from transformers import KimiLinearConfig, KimiLinearForCausalLM
 
-    fields = dict(vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+    fields = dict(vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=24, q_lora_rank=None,
                   qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, num_experts=8, num_experts_per_tok=2,
                   n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, linear_head_dim=8,
-                  linear_num_heads=4, linear_conv_kernel_dim=4,
-                  layer_types=["linear_attention", "full_attention", "linear_attention"],
-                  mlp_layer_types=["dense", "sparse", "sparse"], rms_norm_eps=1e-6, pad_token_id=0, bos_token_id=1,
+                  linear_num_heads=4, linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"],
+                  mlp_layer_types=["dense", "sparse"], rms_norm_eps=1e-6, pad_token_id=0, bos_token_id=1,
                   eos_token_id=2)
     fields.update(overrides)
     torch.manual_seed(seed)
