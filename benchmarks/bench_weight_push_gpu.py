@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from slime.backends.megatron_utils.update_weight import DEFAULT_BUCKET_BYTES, pack_buckets
-from slime.backends.megatron_utils.weight_transport import EngineSet, TensorTransport
+from slime.backends.weight_sync.plan import DEFAULT_BUCKET_BYTES, pack_buckets
+from slime.backends.weight_sync.transport import EngineSet, TensorTransport
 from slime.backends.sglang_utils.http_client import ClientTimeouts
 from slime.backends.sglang_utils.launcher import launch_engine
 from slime.config import defaults_namespace

@@ -26,12 +26,8 @@ from pathlib import Path
 
 import torch
 
-from slime.backends.megatron_utils.weight_transport import (
-    DistributedTransport,
-    EngineSet,
-    TensorTransport,
-    encode_safetensors_payload,
-)
+from slime.backends.weight_sync.transport import (DistributedTransport, EngineSet, TensorTransport,
+                                                  encode_safetensors_payload)
 from slime.backends.sglang_utils.http_client import ClientTimeouts
 from slime.backends.sglang_utils.launcher import launch_engine
 from slime.backends.sglang_utils.named_tensors import deserialize_named_tensors

@@ -365,7 +365,8 @@ def bench_fence_latency(actor, repeats: int) -> dict[str, float]:
 
 def bench_weight_sync(actor, repeats: int = 3) -> dict[str, float]:
     """Trainer-side cost of a weight sync: export (TP gather + HF conversion) and per-bucket encode."""
-    from slime.backends.megatron_utils.update_weight import SyncRole, build_weight_sync_plan, iter_planned_buckets
+    from slime.backends.weight_sync.plan import build_weight_sync_plan, iter_planned_buckets
+    from slime.backends.weight_sync.sync import SyncRole
     from slime.backends.sglang_utils.shared_payload import make_run_directory, write_shared_bucket
     from slime.utils.security import ApiKey
     from slime_plugins.models.hf_weights import export_hf_weights

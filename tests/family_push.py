@@ -64,7 +64,7 @@ def train_and_push(rank, world, ledger_dir, hf_dir, data, layout, url, steps: in
     from transformers import AutoConfig
 
     from slime.backends.megatron_utils.train_step import compute_log_probs, train_one_step
-    from slime.backends.megatron_utils.update_weight import WeightSync
+    from slime.backends.weight_sync.sync import WeightSync
     from slime.distributed.instrument import instrument_collectives, uninstrument_collectives
     from slime.distributed.ledger import Ledger
     from slime_plugins.models.hf_weights import export_hf_weights
@@ -135,7 +135,7 @@ def lora_steps(rank, world, hf_dir, data, targets: list[str]) -> dict:
     from transformers import AutoConfig
 
     from slime.backends.megatron_utils.train_step import compute_log_probs, train_one_step
-    from slime.backends.megatron_utils.update_weight import build_weight_sync_plan
+    from slime.backends.weight_sync.plan import build_weight_sync_plan
     from slime.models.lora import adapted_weight_names
     from slime_plugins.models.hf_weights import export_hf_weights
     from train_step_harness import build_loaded_model, layout_args, with_policy_log_probs

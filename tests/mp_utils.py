@@ -34,7 +34,7 @@ import torch.multiprocessing as mp
 from slime.utils.ports import find_free_port
 
 PRELOAD = ("torch", "megatron.core", "slime.backends.megatron_utils.actor", "slime.backends.megatron_utils.model",
-           "slime.backends.megatron_utils.update_weight", "slime.backends.embedded_engine.engine",
+           "slime.backends.weight_sync.sync", "slime.backends.embedded_engine.engine",
            "transformers.models.auto")  # after slime.utils: its import-structure cache serves transformers
 
 

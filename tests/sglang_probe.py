@@ -297,7 +297,7 @@ def check_payload(tp_size: int) -> dict[str, Any]:
         return real_serialize(obj, output_str=output_str)
 
     MultiprocessingSerializer.serialize = staticmethod(counting)
-    from slime.backends.megatron_utils.weight_transport import encode_sglang_payload
+    from slime.backends.weight_sync.transport import encode_sglang_payload
 
     named = [("model.embed_tokens.weight", torch.randn(6, 4)), ("model.norm.weight", torch.rand(4).to(torch.bfloat16)),
              ("lm_head.weight", torch.randn(6, 4))]

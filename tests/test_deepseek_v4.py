@@ -109,7 +109,7 @@ def _train_child(rank, world, hf_dir, data, layout, url, ledger_dir):
     from megatron.core import parallel_state
     from transformers import AutoConfig
 
-    from slime.backends.megatron_utils import update_weight
+    from slime.backends.weight_sync import sync as weight_sync
     from slime.backends.megatron_utils.train_step import compute_log_probs, train_one_step
     from slime.distributed import Fence, Watchdog
     from slime.distributed.instrument import instrument_collectives, uninstrument_collectives
@@ -138,7 +138,7 @@ def _train_child(rank, world, hf_dir, data, layout, url, ledger_dir):
     fence = Fence(dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=FENCE_S)), rank=rank,
                   world_size=world, timeout_s=FENCE_S, ledger=ledger)
     watchdog = Watchdog(FENCE_S, ledger_dir, rank, world, ledger=ledger)
-    sync = update_weight.WeightSync(args, hf_config, [url], engine_kind="embedded") if url else None
+    sync = weight_sync.WeightSync(args, hf_config, [url], engine_kind="embedded") if url else None
     steps = []
     instrument_collectives(ledger)
     try:

@@ -86,10 +86,10 @@ def test_delta_flags_parse_and_refuse_with_the_fix(tmp_path, capsys, monkeypatch
 
 
 def test_a_delta_transport_connects_its_group_in_its_stage_s_turn(monkeypatch):
-    """PP stages form their weight-update groups one after another (update_weight.py asks the transport whether
+    """PP stages form their weight-update groups one after another (sync.py asks the transport whether
     it is connected, connects it, and counts the engines joining): a delta push goes over the same group."""
-    from slime.backends.megatron_utils.delta_transport import DeltaTransport
-    from slime.backends.megatron_utils.weight_transport import DistributedTransport, EngineSet
+    from slime.backends.weight_sync.delta import DeltaTransport
+    from slime.backends.weight_sync.transport import DistributedTransport, EngineSet
     from slime.backends.sglang_utils.http_client import ClientTimeouts
 
     urls = ("http://127.0.0.1:1", "http://127.0.0.1:2")
@@ -156,7 +156,8 @@ def _logprobs(client) -> list[float]:
 
 @pytest.mark.timeout(240)
 def test_delta_pushes_leave_the_engine_where_full_pushes_do(checkpoint, engine, caplog):
-    from slime.backends.megatron_utils.weight_transport import DeltaOptions, EngineSet, build_transport
+    from slime.backends.weight_sync.factory import DeltaOptions, build_transport
+    from slime.backends.weight_sync.transport import EngineSet
     from slime.backends.sglang_utils.http_client import ClientTimeouts, SGLangHTTPClient
 
     client = SGLangHTTPClient(engine.url)
@@ -200,9 +201,10 @@ def test_delta_pushes_leave_the_engine_where_full_pushes_do(checkpoint, engine, 
 
 
 def test_the_weight_sync_pushes_deltas_only_to_separate_embedded_engines():
-    from slime.backends.megatron_utils.delta_transport import DeltaTransport
-    from slime.backends.megatron_utils.update_weight import WeightSync
-    from slime.backends.megatron_utils.weight_transport import DeltaOptions, EngineSet, build_transport
+    from slime.backends.weight_sync.delta import DeltaTransport
+    from slime.backends.weight_sync.factory import DeltaOptions, build_transport
+    from slime.backends.weight_sync.sync import WeightSync
+    from slime.backends.weight_sync.transport import EngineSet
     from slime.config import defaults_namespace
 
     args = defaults_namespace(colocate=False, update_weight_mode="delta", update_weight_delta_checksum="adler32",

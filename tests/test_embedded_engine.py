@@ -18,7 +18,7 @@ from slime.backends.sglang_utils.launcher import (
     launch_engine,
     pick_rollout_backend,
 )
-from slime.backends.megatron_utils.weight_transport import encode_safetensors_payload
+from slime.backends.weight_sync.transport import encode_safetensors_payload
 from slime.backends.sglang_utils.named_tensors import deserialize_named_tensors, serialize_named_tensors
 from slime.backends.sglang_utils.server_args import render_server_flags
 from slime.backends.sglang_utils.shared_payload import LOAD_FORMAT as SHM_FORMAT

@@ -22,7 +22,10 @@ ROOMS = [
     ("slime.patches",),  # runtime patches of megatron-core and Ray, one module per library
     ("slime.router",),
     ("slime.rollout",),
-    ("slime.backends",),
+    ("slime.backends.sglang_utils",),  # SGLang's launcher and HTTP client, the engines' wire formats
+    # the weight sync, trainer -> engines: plan, transports (full, delta, per node), the proof; the trainer calls it
+    ("slime.backends.weight_sync",),
+    ("slime.backends",),  # the megatron trainer and the embedded engine
     # the parse-time checks ask the rooms below whether a run's inputs are usable, before Ray starts; the critic's
     # view of the flags asks the checkpoint where the critic resumes
     ("slime.config.checks", "slime.config.validate", "slime.config.launch", "slime.config.parse",
@@ -62,6 +65,47 @@ def _imports(path: Path):
 
 def test_every_module_is_in_a_room():
     assert [m for m, _ in _modules() if _room(m) is None] == []
+
+
+def _module_graph(prefixes: tuple[str, ...]) -> dict[str, set[str]]:
+    """module -> the modules it imports (every import, one inside a function too), among modules under prefixes."""
+    modules = {module: path for module, path in _modules() if module.startswith(prefixes)}
+    graph = {module: set() for module in modules}
+    for module, path in modules.items():
+        for _, target, names in _imports(path):
+            for imported in (target, *(f"{target}.{name}" for name in names)):
+                if imported in modules and imported != module:
+                    graph[module].add(imported)
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each import circle once, as the path that closes it (depth first)."""
+    found, done = [], set()
+
+    def visit(module: str, path: list[str]) -> None:
+        for target in sorted(graph[module]):
+            if target in path:
+                found.append(path[path.index(target):] + [target])
+            elif target not in done:
+                visit(target, path + [target])
+        done.add(module)
+
+    for module in sorted(graph):
+        if module not in done:
+            visit(module, [module])
+    return found
+
+
+def test_the_weight_sync_and_the_trainer_have_no_import_circle():
+    """The weight sync's transports are chosen in one factory above them (a delta push wraps the distributed one),
+    so no module of the weight sync or the trainer imports one that imports it back."""
+    assert _circles(_module_graph(("slime.backends.weight_sync", "slime.backends.megatron_utils"))) == []
+
+
+def test_the_circle_finder_sees_a_circle():
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+    assert _circles({"a": {"b"}, "b": set()}) == []
 
 
 def test_no_room_imports_a_room_above_it():

@@ -63,7 +63,7 @@ def _resumes_exactly(model, optimizer, scheduler, data, plan, args, ckpt):
 
 def _push_subset(model, hf_config, tp):
     """The plan and the export of a push after the first: the adapted layers' (merged) weights only."""
-    from slime.backends.megatron_utils.update_weight import build_weight_sync_plan
+    from slime.backends.weight_sync.plan import build_weight_sync_plan
     from slime.models.hf_weights import export_hf_weights
     from slime.models.lora import adapted_weight_names
 

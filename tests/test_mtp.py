@@ -311,7 +311,7 @@ def _pipeline_child(rank, world, hf_dir, data, layout, steps, ledger_dir, save_d
     from slime.backends.megatron_utils.checkpoint import save_hf_checkpoint
     from slime.backends.megatron_utils.parallel import init_model_parallel
     from slime.backends.megatron_utils.train_step import compute_log_probs, train_one_step
-    from slime.backends.megatron_utils.update_weight import hf_tensor_sizes
+    from slime.backends.weight_sync.plan import hf_tensor_sizes
     from slime.models.hf_weights import export_hf_weights
     from train_step_harness import plans_for_this_rank
 

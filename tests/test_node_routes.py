@@ -8,7 +8,7 @@ import types
 import pytest
 from megatron.core.parallel_state import RankGenerator
 
-from slime.backends.megatron_utils.node_routes import NodeGrid, engines_of_node, node_feeds
+from slime.backends.weight_sync.node_routes import NodeGrid, engines_of_node, node_feeds
 
 # (nodes, GPUs per node, TP, CP, PP): upstream's multi-node colocated launchers, then smaller and uneven ones
 LAYOUTS = [
@@ -96,7 +96,7 @@ def test_node_feeds_find_the_engines_by_their_node_address():
 
 
 def test_a_node_sender_sends_each_bucket_to_its_node_then_over_its_stage_group():
-    from slime.backends.megatron_utils.weight_transport import NodeSplitTransport
+    from slime.backends.weight_sync.transport import NodeSplitTransport
 
     calls = []
 

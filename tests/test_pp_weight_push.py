@@ -80,15 +80,15 @@ def _probe(model, hf_config):
 def _colocated_pp_push(rank, world, hf_dir, urls, ledger_dir):
     from megatron.core import parallel_state as mpu
 
-    from slime.backends.megatron_utils import update_weight
+    from slime.backends.weight_sync import sync as weight_sync
     from slime.config import defaults_namespace
 
     args = defaults_namespace(pipeline_model_parallel_size=2, seed=5, fence_timeout=FENCE_S, colocate=True,
                               rollout_num_gpus_per_engine=1, update_weight_buffer_size=64 * 1024)
     model, hf_config = _stage_model(args, hf_dir)
     ledger, fence, watchdog = _fenced(rank, world, ledger_dir)
-    sync = update_weight.WeightSync(args, hf_config, urls, engine_kind="embedded")
-    assert sync.transport_kind == "tensor" and not sync.stages_in_order(update_weight.SyncRole.current())
+    sync = weight_sync.WeightSync(args, hf_config, urls, engine_kind="embedded")
+    assert sync.transport_kind == "tensor" and not sync.stages_in_order(weight_sync.SyncRole.current())
     served = []
     for rollout_id in (0, 1):  # the second sync opens the sessions the first one closed
         _perturb(model, 200 + 10 * rollout_id + mpu.get_pipeline_model_parallel_rank())
@@ -105,7 +105,7 @@ def _colocated_pp_push(rank, world, hf_dir, urls, ledger_dir):
 def _pp_push(rank, world, hf_dir, urls, stopped_pid, ledger_dir):
     from megatron.core import parallel_state as mpu
 
-    from slime.backends.megatron_utils import update_weight
+    from slime.backends.weight_sync import sync as weight_sync
     from slime.config import defaults_namespace
 
     args = defaults_namespace(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, seed=5,
@@ -113,7 +113,7 @@ def _pp_push(rank, world, hf_dir, urls, stopped_pid, ledger_dir):
                               update_weight_buffer_size=64 * 1024)
     model, hf_config = _stage_model(args, hf_dir)
     ledger, fence, watchdog = _fenced(rank, world, ledger_dir)
-    sync = update_weight.WeightSync(args, hf_config, urls, engine_kind="embedded")
+    sync = weight_sync.WeightSync(args, hf_config, urls, engine_kind="embedded")
     sync.sync([model], 0, fence=fence, watchdog=watchdog)
     probe = _probe(model, hf_config)
     served = _served(urls) if rank == 0 else {}  # before the stall, which leaves the engines inside a join

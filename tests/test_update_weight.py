@@ -9,13 +9,9 @@ import pytest
 import torch
 
 from mp_utils import run_ranks
-from slime.backends.megatron_utils.update_weight import (
-    WeightSyncPlan,
-    WeightSyncPlanError,
-    iter_planned_buckets,
-    pack_buckets,
-)
-from slime.backends.megatron_utils.weight_transport import choose_transport, encode_safetensors_payload
+from slime.backends.weight_sync.factory import choose_transport
+from slime.backends.weight_sync.plan import WeightSyncPlan, WeightSyncPlanError, iter_planned_buckets, pack_buckets
+from slime.backends.weight_sync.transport import encode_safetensors_payload
 from slime.backends.sglang_utils.named_tensors import deserialize_named_tensors
 from slime.backends.sglang_utils.shared_payload import read_shared_bucket, write_shared_bucket
 
@@ -98,9 +94,9 @@ def _sync_on_ranks(rank, world, layout, hf_dir, engine_url, ledger_dir, rollout_
     import torch.distributed as dist
     import transformers
 
-    from slime.backends.megatron_utils import update_weight
+    from slime.backends.weight_sync import sync as weight_sync
     from slime.backends.megatron_utils.model import build_gpt_model
-    from slime.backends.megatron_utils.weight_proof import WeightProofError
+    from slime.backends.weight_sync.proof import WeightProofError
     from slime.backends.megatron_utils.parallel import init_model_parallel
     from slime.backends.sglang_utils.http_client import SGLangHTTPClient
     from slime.config import defaults_namespace
@@ -119,9 +115,9 @@ def _sync_on_ranks(rank, world, layout, hf_dir, engine_url, ledger_dir, rollout_
         for param in model.parameters():
             param.add_(0.05 * torch.randn(param.shape, generator=generator))
 
-    plan = update_weight.build_weight_sync_plan([model], hf_config, tp_size=tp, bucket_bytes=BUCKET_BYTES)
+    plan = weight_sync.build_weight_sync_plan([model], hf_config, tp_size=tp, bucket_bytes=BUCKET_BYTES)
     exported = list(export_hf_weights([model], hf_config))  # every rank: TP collectives / none at DP2
-    assert plan == update_weight.build_weight_sync_plan([model], hf_config, tp_size=tp, bucket_bytes=BUCKET_BYTES)
+    assert plan == weight_sync.build_weight_sync_plan([model], hf_config, tp_size=tp, bucket_bytes=BUCKET_BYTES)
     assert [(n, t.numel() * t.element_size()) for n, t in exported] == [
         (n, s) for b in plan.buckets for n, s in zip(b.hf_names, b.tensor_nbytes)]
     probe = {name: tensor.flatten()[:512].float().clone() for name, tensor in exported}  # some are live views
@@ -130,7 +126,7 @@ def _sync_on_ranks(rank, world, layout, hf_dir, engine_url, ledger_dir, rollout_
     fence = Fence(dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=60)),
                   rank=rank, world_size=world, timeout_s=60.0, ledger=ledger)
     watchdog = Watchdog(60.0, ledger_dir, rank, world, ledger=ledger)
-    sync = update_weight.WeightSync(args, hf_config, [engine_url], engine_kind="embedded")
+    sync = weight_sync.WeightSync(args, hf_config, [engine_url], engine_kind="embedded")
     metrics = [sync.sync([model], rollout_id, fence=fence, watchdog=watchdog) for rollout_id in rollout_ids]
     sent_buckets = sorted({e.op for e in ledger.entries() if e.op.startswith("weight_sync/send_bucket")})
 
@@ -138,10 +134,10 @@ def _sync_on_ranks(rank, world, layout, hf_dir, engine_url, ledger_dir, rollout_
     swapped = list(plan.buckets)
     target = max(b.index for b in plan.buckets if len(b.hf_names) > 1)
     bucket = swapped[target]
-    swapped[target] = update_weight.WeightBucket(target, bucket.hf_names[::-1], bucket.nbytes,
+    swapped[target] = weight_sync.WeightBucket(target, bucket.hf_names[::-1], bucket.nbytes,
                                                  bucket.tensor_nbytes[::-1])
-    planner = update_weight.build_weight_sync_plan
-    update_weight.build_weight_sync_plan = lambda *a, **k: WeightSyncPlan(tuple(swapped), plan.total_bytes, 0)
+    planner = weight_sync.build_weight_sync_plan
+    weight_sync.build_weight_sync_plan = lambda *a, **k: WeightSyncPlan(tuple(swapped), plan.total_bytes, 0)
     try:
         sync.sync([model], rollout_ids[-1] + 1, fence=fence, watchdog=watchdog)
         mismatch = "none"
@@ -149,14 +145,14 @@ def _sync_on_ranks(rank, world, layout, hf_dir, engine_url, ledger_dir, rollout_
         mismatch = f"plan: {exc}"
     except CollectiveDivergenceError as exc:
         mismatch = f"divergence at {exc.phase} in {list(exc.fields)}"
-    update_weight.build_weight_sync_plan = planner
+    weight_sync.build_weight_sync_plan = planner
 
     # The final norm moves on the trainer and the sender's push leaves it out: the version still moves, the
     # weight-sync proof names the engine, the tensor and the version (the engine keeps the probed weights).
     with torch.no_grad():
         model.decoder.final_layernorm.weight.add_(0.01)
     dropped = "model.norm.weight"
-    update_weight.apply_weight_push_fault = lambda tensors, *_: [(n, t) for n, t in tensors if n != dropped]
+    weight_sync.apply_weight_push_fault = lambda tensors, *_: [(n, t) for n, t in tensors if n != dropped]
     try:
         sync.sync([model], rollout_ids[-1] + 2, fence=fence, watchdog=watchdog)
         proof = "none"

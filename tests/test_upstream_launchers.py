@@ -59,7 +59,7 @@ def test_upstream_multi_node_colocated_layout_parses_with_its_node_counts(shape,
     """Upstream's largest colocated launchers (scripts/run-deepseek-r1.sh, run-kimi-k2-*.sh,
     run-glm5-744B-A40B.sh) with their node counts and parallel layouts, engines within a node: PP stages and
     experts spanning nodes parse, and each node's engines get the stages it lacks over weight-update groups."""
-    from slime.backends.megatron_utils.node_routes import NodeGrid
+    from slime.backends.weight_sync.node_routes import NodeGrid
 
     argv = _argv(shape, tmp_path)
     at = len(argv) - 1 - argv[::-1].index("--rollout-num-gpus-per-engine")

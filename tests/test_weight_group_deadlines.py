@@ -4,7 +4,7 @@ On NCCL, `work.wait()` does not block the CPU, so the sender polls each broadcas
 deadline and, past it, aborts the communicator (slime/distributed/external_group.py). NCCL cannot run here: a
 stand-in work object behaves as NCCL's does for a stalled peer (wait() returns at once, is_completed() stays
 false), next to gloo's own path. Joins and replies are awaited against one deadline, and the error names every
-late engine, full pushes and delta pushes alike (slime/backends/megatron_utils/weight_transport.py).
+late engine, full pushes and delta pushes alike (slime/backends/weight_sync/transport.py).
 """
 from __future__ import annotations
 
@@ -16,13 +16,8 @@ import types
 import pytest
 import torch
 
-from slime.backends.megatron_utils.delta_transport import DeltaTransport
-from slime.backends.megatron_utils.weight_transport import (
-    DistributedTransport,
-    EngineSet,
-    WeightGroupStallError,
-    WeightPushError,
-)
+from slime.backends.weight_sync.delta import DeltaTransport
+from slime.backends.weight_sync.transport import DistributedTransport, EngineSet, WeightGroupStallError, WeightPushError
 from slime.backends.sglang_utils import weight_delta
 from slime.backends.sglang_utils.http_client import ClientTimeouts
 from slime.distributed import external_group

@@ -1,4 +1,4 @@
-"""The weight-sync proof (slime/backends/megatron_utils/weight_proof.py): the digest on every path equals its
+"""The weight-sync proof (slime/backends/weight_sync/proof.py): the digest on every path equals its
 definition; the embedded engine's /weights_checker serves a digest of every parameter and buffer in its own dtype,
 in SGLang's answer shape; the proof names a tensor no push wrote, a tensor changed on the engine after its push
 and engines that disagree (SGLang); pushes go out in the engine's dtype, so a delta against MiniMax-M2's bf16
@@ -66,7 +66,7 @@ def test_the_digest_is_its_definition_on_every_path(monkeypatch):
 
 def test_sglang_engines_are_checked_against_each_other():
     """SGLang's names and hash are its own: engines must agree with the first, GPU by GPU."""
-    from slime.backends.megatron_utils.weight_proof import _against_first_engine
+    from slime.backends.weight_sync.proof import _against_first_engine
 
     def answer(checksums_by_tp, legacy=False):
         ranks = [{"checksums": c, "per_gpu_checksum": "x",
@@ -137,7 +137,7 @@ def test_the_engine_digests_every_parameter_and_buffer_in_its_own_dtype(moe_engi
 
 
 def _pusher(url):
-    from slime.backends.megatron_utils.weight_transport import EngineSet, TensorTransport
+    from slime.backends.weight_sync.transport import EngineSet, TensorTransport
     from slime.backends.sglang_utils.http_client import ClientTimeouts
 
     engines = EngineSet((url,), ClientTimeouts(control=30, weight_update=60))
@@ -158,7 +158,7 @@ def _prove(proof, engines, version):
 
 
 def test_the_proof_names_unwritten_and_changed_tensors(moe_engine):
-    from slime.backends.megatron_utils.weight_proof import WeightProof, WeightProofError
+    from slime.backends.weight_sync.proof import WeightProof, WeightProofError
 
     engine, url, checkpoint = moe_engine
     engines, transport = _pusher(url)
@@ -199,8 +199,9 @@ def test_a_bf16_routing_bias_is_pushed_as_bf16_so_its_delta_is_taken(tmp_path):
     from rollout_testing import AppThread
     from slime.backends.embedded_engine.engine import EmbeddedEngine
     from slime.backends.embedded_engine.server import build_app
-    from slime.backends.megatron_utils.weight_proof import WeightProof
-    from slime.backends.megatron_utils.weight_transport import DeltaOptions, EngineSet, build_transport
+    from slime.backends.weight_sync.proof import WeightProof
+    from slime.backends.weight_sync.factory import DeltaOptions, build_transport
+    from slime.backends.weight_sync.transport import EngineSet
     from slime.backends.sglang_utils.http_client import ClientTimeouts
     from slime.tools.tiny_checkpoint import TinyQwen3Spec, write_tiny_checkpoint
     from slime.utils.security import current_key
@@ -268,8 +269,8 @@ def _lora_moe_child(rank, world, hf_dir, data, engine_url, ledger_dir):
     from transformers import AutoConfig
 
     from slime.backends.megatron_utils.train_step import train_one_step
-    from slime.backends.megatron_utils.update_weight import WeightSync
-    from slime.backends.megatron_utils.weight_proof import WeightProofError
+    from slime.backends.weight_sync.sync import WeightSync
+    from slime.backends.weight_sync.proof import WeightProofError
     from slime.backends.sglang_utils.http_client import SGLangHTTPClient
     from slime.distributed import CollectiveDivergenceError, Fence, Ledger, Watchdog
     from slime.models.hf_weights import export_hf_weights

@@ -6,7 +6,7 @@ import types
 import pytest
 import torch
 
-from slime.backends.megatron_utils.weight_transport import EngineSet, TensorTransport
+from slime.backends.weight_sync.transport import EngineSet, TensorTransport
 from slime.backends.sglang_utils.http_client import ClientTimeouts, EngineHTTPError
 
 
@@ -59,7 +59,7 @@ def test_a_failing_begin_is_an_error_not_a_fallback():
 
 
 def test_cuda_ipc_goes_only_to_engines_that_see_the_senders_gpu():
-    from slime.backends.megatron_utils.weight_transport import ipc_reach
+    from slime.backends.weight_sync.transport import ipc_reach
 
     gpus = [frozenset({"GPU-a"}), frozenset({"GPU-b"}), frozenset({"GPU-a", "GPU-b"}), frozenset()]
     assert ipc_reach("GPU-a", gpus) == [True, False, True, False]

@@ -93,7 +93,7 @@ class MegatronTrainActor:
 
         from slime import patches
         from slime.backends.megatron_utils.parallel import init_distributed, seed_model_parallel
-        from slime.backends.megatron_utils.update_weight import WeightSync
+        from slime.backends.weight_sync.sync import WeightSync
 
         patches.apply_all()
         init_distributed(self.args, self.rank, self.world_size, master_addr, master_port, store=store)

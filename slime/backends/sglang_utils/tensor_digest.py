@@ -1,7 +1,7 @@
 """A digest of a tensor's bytes, computed where the tensor lives: the weight-sync proof's unit of comparison.
 
 Both ends read this module: the embedded engine digests every tensor it serves, the trainer every tensor it
-pushes, each in the dtype the engine holds it, and the two must be equal (backends/megatron_utils/weight_proof.py).
+pushes, each in the dtype the engine holds it, and the two must be equal (backends/weight_sync/proof.py).
 
 The digest of a tensor is a function of its dtype and bytes alone (not of its device, its strides or the
 other tensors digested with it). Its bytes, zero-padded to whole 32-bit words w_0 .. w_{n-1} (little-endian),

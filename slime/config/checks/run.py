@@ -103,7 +103,7 @@ def check_colocate_across_nodes(args: argparse.Namespace) -> None:
     """Colocated engines take their weights from trainer ranks of their own node (CUDA IPC or shared
     memory), so every engine lies within one node and every TP group too (a node's TP group exports the PP
     stage it holds; a stage a node does not hold reaches its engines over a weight-update group:
-    backends/megatron_utils/node_routes.py)."""
+    backends/weight_sync/node_routes.py)."""
     per_node, per_engine = args.actor_num_gpus_per_node, args.rollout_num_gpus_per_engine
     where = f"--colocate over --actor-num-nodes {args.actor_num_nodes} x --actor-num-gpus-per-node {per_node}"
     if per_engine > per_node and per_engine % per_node == 0:

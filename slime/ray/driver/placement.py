@@ -323,7 +323,7 @@ def create_placement(args, *, use_gpu: bool | None = None, timeout_s: float = PL
                          gpus_per_engine=args.rollout_num_gpus_per_engine, colocate=args.colocate,
                          critic_ranks=critic_ranks(args))
     if args.colocate and args.actor_num_nodes > 1 and not args.debug_rollout_only:
-        # read by every rank's weight sync: where the nodes that lack a PP stage are (node_routes.py)
+        # read by every rank's weight sync: where the nodes that lack a PP stage are (slime/backends/weight_sync/node_routes.py)
         args.colocated_node_hosts = check_colocated_nodes(layout, args.actor_num_gpus_per_node)
     driver_node = ray.get_runtime_context().get_node_id()
     check_engine_bind_host(args.engine_bind_host, layout, driver_node)

@@ -16,7 +16,7 @@ import logging
 
 import torch
 
-from slime.backends.megatron_utils.weight_transport import DistributedTransport, NamedTensors, WeightPushError
+from slime.backends.weight_sync.transport import DistributedTransport, NamedTensors, WeightPushError
 from slime.backends.sglang_utils import weight_delta
 from slime.backends.sglang_utils.http_client import EngineHTTPError
 from slime.utils.checksums import missing_package
@@ -43,7 +43,7 @@ class DeltaTransport:
         self.baseline: dict[str, torch.Tensor] = {}  # name -> what every engine holds (host copy)
         self.fallbacks = 0  # buckets pushed in full because an engine refused their delta
 
-    # the weight-update group is the inner transport's: PP stages connect it in their turn (update_weight.py)
+    # the weight-update group is the inner transport's: PP stages connect it in their turn (sync.py)
     @property
     def connected(self) -> bool:
         return self.inner.connected

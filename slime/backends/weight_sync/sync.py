@@ -8,7 +8,7 @@ Order on EVERY rank, every sync (fences are world-wide, over the gloo fence grou
           refuses a second begin and finalizes the whole model at the end), while under PP several senders
           feed the same engine.
   push    exporters stream the weight source, check it against the plan; senders hand each full bucket to
-          the transport (weight_transport.py); fence. Colocated engines take the stages' buckets concurrently.
+          the transport (transport.py); fence. Colocated engines take the stages' buckets concurrently.
           Separate engines under PP: one stage after another, in one global order (stage 0 first) and
           fenced after each, because an engine joins one weight-update group and receives one broadcast
           at a time: two stages creating their groups (or broadcasting) at once, each holding some
@@ -16,7 +16,7 @@ Order on EVERY rank, every sync (fences are world-wide, over the gloo fence grou
           turn at the first sync, recorded in the ledger, with a deadline (half the fence window, so the
           named error of the stalled stage's sender arrives before any window expires).
   proof   (on by default) the senders' digests of what they pushed are gathered on the coordinator, which compares
-          them with every engine's own; exporters of a subset push check what it left out (weight_proof.py); fence
+          them with every engine's own; exporters of a subset push check what it left out (proof.py); fence
   resume  the coordinator closes the sessions (every sender is past the push fence), checks every engine's
           weight_version, continues generation; fence. A sync that fails at a fence closes them too.
 
@@ -51,46 +51,33 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from slime.backends.megatron_utils.node_routes import NodeFeeds, NodeGrid, node_feeds
-from slime.backends.megatron_utils.weight_proof import WeightProof
-from slime.backends.megatron_utils.weight_transport import (
-    ENGINE_KINDS,
-    EngineSet,
-    NodeSplitTransport,
-    TensorTransport,
-    build_transport,
-    choose_transport,
-    delta_options,
-)
 from slime.backends.sglang_utils.http_client import ClientTimeouts, SGLangHTTPClient
+from slime.backends.weight_sync.factory import build_transport, choose_transport, delta_options
+from slime.backends.weight_sync.node_routes import NodeFeeds, NodeGrid, node_feeds
+from slime.backends.weight_sync.plan import (
+    DEFAULT_BUCKET_BYTES,
+    NamedTensors,
+    WeightBucket,
+    WeightSource,
+    WeightSyncPlan,
+    WeightSyncPlanError,
+    build_weight_sync_plan,
+    export_model_weights,
+    iter_planned_buckets,
+)
+from slime.backends.weight_sync.proof import WeightProof
+from slime.backends.weight_sync.transport import ENGINE_KINDS, EngineSet, NodeSplitTransport, TensorTransport
 from slime.distributed.errors import CollectiveDivergenceError, DistributedStepError
 from slime.distributed.fault_inject import apply_weight_push_fault
 from slime.distributed.fingerprint import stable_hash
-from slime.models.hf_weights import export_hf_weights, hf_tensor_shapes, unwrap_model
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BUCKET_BYTES = 512 * 1024**2  # upstream's --update-weight-buffer-size default
 SESSION_CLOSE_AFTER_FAILURE_S = 2.0
-
-NamedTensors = list[tuple[str, torch.Tensor]]
-ParamReader = Callable[[torch.Tensor], torch.Tensor]
-# (model chunks, hf_config, read_param) -> HF-named tensors in export order, with the same TP collectives
-# on every exporter of a TP group.
-WeightSource = Callable[[Sequence[torch.nn.Module], Any, "ParamReader | None"], Iterable[tuple[str, torch.Tensor]]]
-
-
-def export_model_weights(model_chunks: Sequence[torch.nn.Module], hf_config: Any, read_param: ParamReader | None = None,
-                         select: Callable[[str], bool] | None = None) -> Iterable[tuple[str, torch.Tensor]]:
-    """The default weight source: HF tensors gathered over TP from the model chunks' parameters, each read
-    through `read_param` (a sleeping trainer serves them from its host copy); `select` keeps a subset by megatron
-    name (a source passed to WeightSync with a `select` must take it too). The engines do not run the
-    multi-token-prediction layers: those stay out of the push."""
-    return export_hf_weights(list(model_chunks), hf_config, read_param=read_param, mtp=False, select=select)
 
 
 @contextlib.contextmanager
@@ -108,111 +95,8 @@ def _engine_call(ledger, op: str, size: int, unit: str) -> Iterator[None]:
             ledger.end(entry, error)
 
 
-class WeightSyncPlanError(RuntimeError):
-    """The exported tensors do not follow the bucket plan (name, order or size)."""
-
-
 class WeightVersionError(RuntimeError):
     """An engine reports a weight_version other than the one just pushed."""
-
-
-# ----------------------------------------------------------------------------- the plan
-@dataclass(frozen=True)
-class WeightBucket:
-    """HF tensors sent to the engines in one request, in export order."""
-
-    index: int
-    hf_names: tuple[str, ...]
-    nbytes: int
-    tensor_nbytes: tuple[int, ...] = ()
-    """Bytes of each tensor of hf_names (same order); sums to nbytes."""
-
-
-@dataclass(frozen=True)
-class WeightSyncPlan:
-    """The buckets of one PP stage. Identical on every rank of the stage (built from full shapes)."""
-
-    buckets: tuple[WeightBucket, ...]
-    total_bytes: int
-    pp_rank: int
-
-    def names(self) -> tuple[str, ...]:
-        return tuple(name for bucket in self.buckets for name in bucket.hf_names)
-
-    def fingerprint_fields(self) -> dict[str, Any]:
-        layout = [(b.hf_names, b.tensor_nbytes) for b in self.buckets]
-        return {
-            "weight_sync_pp_rank": self.pp_rank,
-            "weight_sync_buckets": len(self.buckets),
-            "weight_sync_total_bytes": self.total_bytes,
-            "weight_sync_plan": stable_hash(layout),
-        }
-
-
-def pack_buckets(sizes: Iterable[tuple[str, int]], bucket_bytes: int) -> tuple[WeightBucket, ...]:
-    """Greedy, order-keeping packing: a bucket closes before the tensor that would overflow it.
-    A tensor larger than the budget gets a bucket of its own."""
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    buckets: list[WeightBucket] = []
-    names: list[str] = []
-    sizes_in_bucket: list[int] = []
-
-    def close() -> None:
-        buckets.append(WeightBucket(len(buckets), tuple(names), sum(sizes_in_bucket), tuple(sizes_in_bucket)))
-        names.clear()
-        sizes_in_bucket.clear()
-
-    for name, nbytes in sizes:
-        if names and sum(sizes_in_bucket) + nbytes > bucket_bytes:
-            close()
-        names.append(name)
-        sizes_in_bucket.append(nbytes)
-    if names:
-        close()
-    return tuple(buckets)
-
-
-def hf_tensor_sizes(model_chunks: Sequence[torch.nn.Module], hf_config: Any, *, tp_size: int,
-                    select: Callable[[str], bool] | None = None) -> list[tuple[str, int]]:
-    """(hf_name, bytes) in export_hf_weights' order, without collectives or copies.
-
-    Exact: the mapping's to_hf runs on a meta tensor of the full (TP-gathered) shape, so fused
-    parameters (qkv, gate/up), vocab padding and every EP rank's experts give the real export's shapes.
-    """
-    return [(name, t.numel() * t.element_size()) for chunk in model_chunks
-            for name, t in hf_tensor_shapes(unwrap_model(chunk), hf_config, tp_size, all_experts=True,
-                                            mtp=False, select=select)]
-
-
-def build_weight_sync_plan(model_chunks: Sequence[torch.nn.Module], hf_config: Any, *, tp_size: int,
-                           bucket_bytes: int, pp_rank: int = 0, select: Callable[[str], bool] | None = None
-                           ) -> WeightSyncPlan:
-    """The bucket plan of this PP stage. Pure: same inputs, same plan, on every rank of the stage."""
-    buckets = pack_buckets(hf_tensor_sizes(model_chunks, hf_config, tp_size=tp_size, select=select), bucket_bytes)
-    return WeightSyncPlan(buckets, sum(b.nbytes for b in buckets), pp_rank)
-
-
-def iter_planned_buckets(plan: WeightSyncPlan, exported: Iterable[tuple[str, torch.Tensor]]
-                         ) -> Iterator[tuple[WeightBucket, NamedTensors]]:
-    """Group the exported stream into the plan's buckets; raise at the first deviation from the plan."""
-    stream = iter(exported)
-    for bucket in plan.buckets:
-        tensors: NamedTensors = []
-        for position, (name, nbytes) in enumerate(zip(bucket.hf_names, bucket.tensor_nbytes)):
-            got = next(stream, None)
-            where = f"bucket {bucket.index} position {position}"
-            if got is None:
-                raise WeightSyncPlanError(f"{where}: plan expects {name!r}, the export ended")
-            got_bytes = got[1].numel() * got[1].element_size()
-            if got[0] != name or got_bytes != nbytes:
-                raise WeightSyncPlanError(
-                    f"{where}: plan expects {name!r} ({nbytes} bytes), export gave {got[0]!r} ({got_bytes} bytes)")
-            tensors.append(got)
-        yield bucket, tensors
-    extra = next(stream, None)
-    if extra is not None:
-        raise WeightSyncPlanError(f"export gave {extra[0]!r} after the plan's last tensor")
 
 
 # ----------------------------------------------------------------------------- roles
@@ -401,7 +285,7 @@ class WeightSync:
                     result = (self._push(model_chunks, plan, role, version, phase, ledger, read_param, select)
                               if role.exporter else _PushResult())
                 _fence_outcome(fence, "weight_sync/pushed", rollout_id, result.error)
-            if self.proof.enabled:  # every engine serves what was pushed (weight_proof.py); a flag: alike on every rank
+            if self.proof.enabled:  # every engine serves what was pushed (proof.py); a flag: alike on every rank
                 with phase("weight_sync/proof"):
                     error = self.proof.run(model_chunks=model_chunks, full_push=select is None,
                                            exporter=role.exporter, coordinator=role.coordinator, read_param=read_param,

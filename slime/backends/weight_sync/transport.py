@@ -1,6 +1,6 @@
 """How weight buckets travel from a trainer sender to the engines: the wire half of the weight sync.
 
-Chosen once at start (`choose_transport`), as upstream slime does:
+Chosen once at start (factory.py), as upstream slime does:
   tensor       colocated engines (`--colocate`): `/update_weights_from_tensor`. On SGLang, a CUDA-IPC
                flattened bucket with ONE serialization per consumer (engine x engine TP rank): torch
                refcounts each serialized CUDA handle once, so a blob shared by several consumers frees
@@ -52,7 +52,6 @@ logger = logging.getLogger(__name__)
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 ENGINE_KINDS = ("embedded", "sglang")
-TRANSPORTS = ("tensor", "distributed")
 WEIGHT_UPDATE_GROUP = "slime_weight_update"
 
 
@@ -62,13 +61,6 @@ class WeightGroupStallError(RuntimeError):
 
 class WeightPushError(RuntimeError):
     """Engines answered a bucket pushed over the weight-update group with an error (each named)."""
-
-
-def choose_transport(args: Any) -> str:
-    """'tensor' for colocated engines, 'distributed' for engines elsewhere (upstream's choice)."""
-    if args.update_weight_transport != "nccl":
-        raise ValueError(f"--update-weight-transport {args.update_weight_transport!r} is not implemented; use nccl")
-    return "tensor" if args.colocate else "distributed"
 
 
 # ----------------------------------------------------------------------------- payloads
@@ -122,7 +114,7 @@ class EngineSet:
     def begin_session(self) -> None:
         """Open a weight-update session on every engine. An engine holds one session at a time (SGLang refuses a
         second begin, and its end finalizes the whole model), so one process owns it for a whole push: the sync's
-        coordinator (update_weight.py). Every engine is asked; those that opened are remembered (end_session
+        coordinator (sync.py). Every engine is asked; those that opened are remembered (end_session
         closes them) before the first error is raised."""
         calls = self.submit_each(_open_session)
         self._in_session = [client for client, call in zip(self.clients, calls)
@@ -425,20 +417,6 @@ class NodeSplitTransport:
                 self.remote.close()
 
 
-@dataclass(frozen=True)
-class DeltaOptions:
-    """`--update-weight-mode delta`: how deltas are encoded and checked (sglang_utils/weight_delta.py)."""
-
-    encoding: str
-    checksum: str
-
-
-def delta_options(args: Any) -> DeltaOptions | None:
-    if args.update_weight_mode != "delta":
-        return None
-    return DeltaOptions(args.update_weight_delta_encoding or "xor", args.update_weight_delta_checksum or "xxh3-128")
-
-
 HEALTH_PROBE_S = 2.0
 # NCCL's watchdog ends the process past its limit: it is set this far above the deadline the sender polls against.
 NCCL_WATCHDOG_MARGIN_S = 60.0
@@ -460,25 +438,3 @@ def _answers_health(url: str) -> bool:
         return client.health()
     finally:
         client.close()
-
-
-def build_transport(kind: str, engines: EngineSet, *, engine_kind: str, engine_tp_size: int, timeout_s: float,
-                    device: torch.device | None = None, pp_rank: int = 0, delta: DeltaOptions | None = None):
-    if kind == "tensor":
-        if delta is not None:
-            raise ValueError("--update-weight-mode delta is for separate engines; colocated engines take tensors")
-        return TensorTransport(engines, engine_kind, engine_tp_size)
-    if kind == "distributed":
-        on_gpu = device is not None and device.type == "cuda"
-        transport = DistributedTransport(engines, engine_tp_size, backend="nccl" if on_gpu else "gloo",
-                                         timeout_s=timeout_s, group_name=f"{WEIGHT_UPDATE_GROUP}_pp{pp_rank}",
-                                         stage=pp_rank)
-        if delta is None:
-            return transport
-        if engine_kind != "embedded":
-            raise ValueError("--update-weight-mode delta needs engines that apply deltas (the embedded engine); "
-                             "SGLang engines take full pushes: drop --update-weight-mode delta")
-        from slime.backends.megatron_utils.delta_transport import DeltaTransport
-
-        return DeltaTransport(transport, encoding=delta.encoding, checksum=delta.checksum)
-    raise ValueError(f"unknown weight transport {kind!r}; expected one of {TRANSPORTS}")

@@ -2,7 +2,7 @@
 
 The sibling of the order proof (slime/distributed/order_proof.py): that one proves every rank ran the same
 collectives; this one proves the engines hold what the trainer trained. It runs inside the fenced weight sync
-(update_weight.py), on by default (`--no-weight-sync-proof` turns it off), in three parts:
+(sync.py), on by default (`--no-weight-sync-proof` turns it off), in three parts:
 
   sender     before the first push to its engines, asks each for its checksums (SGLang's `/weights_checker`,
              sglang_utils/weight_checker.py) to learn the dtype it holds each tensor in; every tensor then goes
@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from slime.backends.megatron_utils.weight_transport import EngineSet, NamedTensors
+from slime.backends.weight_sync.transport import EngineSet, NamedTensors
 from slime.backends.sglang_utils.tensor_digest import GROUP_BYTES, digest_dtype, tensor_digests
 from slime.backends.sglang_utils.weight_checker import EngineChecksums, parse_checksum_response
 from slime.distributed.errors import DistributedStepError
@@ -186,7 +186,7 @@ class WeightProof:
         entry = ledger.begin_named("weight_sync/proof", "http_engines", (ledger.rank,), (len(engines.urls),),
                                    "engines") if ledger is not None else None
         failure = None
-        try:  # in this rank's ledger like every call to the engines (update_weight.py), ended with its error
+        try:  # in this rank's ledger like every call to the engines (sync.py), ended with its error
             answers = engines.each(lambda client: parse_checksum_response(client.check_weights()))
         except Exception as exc:
             failure = f"{type(exc).__name__}: {str(exc)[:200]}"
