@@ -5,9 +5,11 @@ writing its file into the same directory (as another rank would).
 """
 from __future__ import annotations
 
+import ast
 import threading
 import time
 import types
+from pathlib import Path
 
 import pytest
 
@@ -46,7 +48,7 @@ def test_phase_several_windows_long_passes_while_it_progresses_and_fails_once_it
 def test_a_phase_waiting_in_a_fence_leaves_the_stall_to_the_fences_own_error_first(tmp_path):
     """The fence polls its peers once a second and names the lagging ranks; the watchdog (polling every 0.1 s)
     waits FENCE_REPORT_MARGIN_S past its window before it trips a phase whose thread waits in a fence."""
-    from slime.distributed.watchdog import FENCE_REPORT_MARGIN_S
+    from slime.utils.deadlines import FENCE_REPORT_MARGIN_S
 
     ledger = Ledger(0, 1, str(tmp_path))
     watchdog = Watchdog(WINDOW_S, str(tmp_path), 0, 1, ledger=ledger, grace_s=2.0)
@@ -335,3 +337,51 @@ def test_engine_window_flag_is_checked(capsys):
         parse_args([*flags, "--rollout-no-progress-timeout", "0"])
     assert "--rollout-no-progress-timeout must be positive" in capsys.readouterr().err
     assert parse_args([*flags, "--rollout-no-progress-timeout", "30"]).run_config.deadlines.engine_no_progress_s == 30
+
+
+# ---------------------------------------------------------------- one home for the fixed limits
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _numeric(node: ast.AST) -> bool:
+    return isinstance(node, ast.Constant) and type(node.value) in (int, float)
+
+
+def fixed_timeouts(path: Path) -> list[str]:
+    """Numbers given to a timeout in this file: `timeout...=<number>` in a call, a parameter's default, or a name
+    assigned one."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call):
+            found += [f"{path.name}:{node.lineno} {kw.arg}" for kw in node.keywords
+                      if kw.arg and "timeout" in kw.arg.lower() and _numeric(kw.value)]
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            args = node.args
+            positional = args.posonlyargs + args.args
+            pairs = [*zip(positional[len(positional) - len(args.defaults):], args.defaults),
+                     *zip(args.kwonlyargs, args.kw_defaults)]
+            found += [f"{path.name}:{node.lineno} {arg.arg}" for arg, default in pairs
+                      if default is not None and "timeout" in arg.arg.lower() and _numeric(default)]
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None and _numeric(node.value):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            found += [f"{path.name}:{node.lineno} {t.id}" for t in targets
+                      if isinstance(t, ast.Name) and "timeout" in t.id.lower()]
+    return found
+
+
+def test_every_fixed_timeout_is_named_in_the_deadline_module():
+    """A fixed limit lives in slime/utils/deadlines.py with a line on why it is that long; elsewhere a timeout is a
+    name from there or a window of the run. The command-line tools (slime/tools) pass flags, not limits."""
+    home = REPO / "slime" / "utils" / "deadlines.py"
+    files = [p for top in ("slime", "slime_plugins") for p in sorted((REPO / top).rglob("*.py"))
+             if p != home and (REPO / "slime" / "tools") not in p.parents]
+    assert [hit for path in files for hit in fixed_timeouts(path)] == []
+
+
+def test_the_fixed_timeout_scan_sees_each_form(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("CALL_TIMEOUT_S = 10.0\ndef f(timeout_s=2.0, *, connect_timeout=1):\n"
+                     "    g(timeout=5)\n    g(timeout=CALL_TIMEOUT_S)\n")
+    assert fixed_timeouts(probe) == ["probe.py:1 CALL_TIMEOUT_S", "probe.py:2 timeout_s", "probe.py:2 connect_timeout",
+                                     "probe.py:3 timeout"]

@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from slime.distributed.errors import HubUnreachableError
+from slime.utils.deadlines import HUB_CALL_S
 
 DEFAULT_INTERVAL_S = 1.0
-DEFAULT_CALL_TIMEOUT_S = 10.0
 MAX_PENDING_CALLS = 4  # per client: a hub that stopped answering does not pile up calls
 AGGREGATE_REFRESH_S = 0.2  # the per-group answer is recomputed at most this often (N calls a second)
 
@@ -307,7 +307,7 @@ class HubClient:
     """
 
     def __init__(self, transport: HubTransport, ledger=None, *, rank: int | None = None,
-                 interval_s: float = DEFAULT_INTERVAL_S, call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
+                 interval_s: float = DEFAULT_INTERVAL_S, call_timeout_s: float = HUB_CALL_S,
                  clock: Callable[[], float] | None = None, start: bool = True):
         self.transport = transport
         self.ledger = ledger

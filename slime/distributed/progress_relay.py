@@ -19,15 +19,15 @@ import threading
 import time
 from typing import Any
 
-from slime.distributed.progress_hub import (DEFAULT_CALL_TIMEOUT_S, DEFAULT_INTERVAL_S, HubCallError, HubTransport,
-                                            run_every)
+from slime.distributed.progress_hub import DEFAULT_INTERVAL_S, HubCallError, HubTransport, run_every
+from slime.utils.deadlines import HUB_CALL_S
 
 
 class NodeRelay:
     """A `HubTransport` for the ranks of one node, forwarding to the hub's transport once per interval."""
 
     def __init__(self, hub: HubTransport, node: str, *, interval_s: float = DEFAULT_INTERVAL_S,
-                 call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S, stale_s: float | None = None,
+                 call_timeout_s: float = HUB_CALL_S, stale_s: float | None = None,
                  start: bool = True):
         self.hub = hub
         self.name = f"{hub.name} via the relay of node {node}"

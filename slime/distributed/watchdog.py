@@ -28,10 +28,8 @@ from typing import Iterator
 
 from slime.distributed.errors import HangError, HubUnreachableError
 from slime.distributed.ledger import Ledger
-
-# How long past its window a phase waiting in a fence is left to the fence's own error (two of its wait slices).
-FENCE_REPORT_MARGIN_S = 2.0
 from slime.distributed.progress import ProgressView, hang_table, suspects
+from slime.utils.deadlines import FENCE_REPORT_MARGIN_S, WATCHDOG_EXIT_GRACE_S
 
 HANG_EXIT_CODE = 3
 
@@ -60,7 +58,7 @@ class Watchdog:
         world_size: int,
         *,
         ledger: Ledger | None = None,
-        grace_s: float = 5.0,
+        grace_s: float = WATCHDOG_EXIT_GRACE_S,
         poll_s: float = 0.1,
     ):
         self.deadline_s = deadline_s

@@ -61,13 +61,13 @@ from slime.rollout.sglang_rollout import (
     spawn,
 )
 from slime.rollout.staleness import group_version
+from slime.utils.deadlines import ENGINE_HTTP_CONTROL_S
 from slime.utils.http_utils import get
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.05
-VERSION_TIMEOUT_S = 30.0
 
 _generator: "FullyAsyncGenerator | None" = None
 _generator_lock = threading.Lock()
@@ -233,7 +233,7 @@ def _source_lock(data_source):
 
 async def _engines_version(args) -> int | None:
     """The newest weight version behind the router (engines that never got a push report none)."""
-    replies = await asyncio.gather(*(get(f"{url.rstrip('/')}/model_info", timeout_s=VERSION_TIMEOUT_S)
+    replies = await asyncio.gather(*(get(f"{url.rstrip('/')}/model_info", timeout_s=ENGINE_HTTP_CONTROL_S)
                                      for url in await engine_urls(args)))
     versions = [int(r["weight_version"]) for r in replies if str(r.get("weight_version")).isdigit()]
     return max(versions) if versions else None

@@ -16,12 +16,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from slime.utils.deadlines import TEACHER_CALL_S
 from slime.utils.http_utils import post
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
 
-TEACHER_TIMEOUT_S = 300.0  # one prefill of one sample
 
 
 def teacher_payload(args, sample: Sample) -> dict[str, Any]:
@@ -54,7 +54,7 @@ async def reward_func(args, sample: Sample, **kwargs) -> float:
     url = args.rm_url
     if not url:
         raise ValueError("on-policy distillation with a teacher engine needs --rm-url http://HOST:PORT/generate")
-    reply = await post(url, teacher_payload(args, sample), timeout_s=TEACHER_TIMEOUT_S)
+    reply = await post(url, teacher_payload(args, sample), timeout_s=TEACHER_CALL_S)
     sample.teacher_log_probs = teacher_response_log_probs(reply, sample.response_length)
     return 0.0
 

@@ -18,6 +18,7 @@ from typing import Any, Awaitable, Callable
 from slime.rollout.train_data import flatten_groups
 from slime.rollout.filter_hub.base_types import DropCounter, call_dynamic_filter, should_drop_dynamic_filter_output
 from slime.router.workers import RouterWorkers
+from slime.utils.deadlines import ENGINE_HTTP_CONTROL_S
 from slime.utils.http_utils import post
 from slime.utils.misc import load_function
 from slime.utils.types import Sample
@@ -29,7 +30,6 @@ MAX_SAMPLING_ROUNDS = 64
 # While in-flight groups drain after an abort, the engines are told again at this period (a request
 # that reached an engine just after the previous abort would otherwise run to its length limit).
 ABORT_POLL_S = 1.0
-ENGINE_CONTROL_TIMEOUT_S = 30.0
 
 GroupFn = Callable[[Any, list[Sample], dict], Awaitable[list]]
 
@@ -177,4 +177,4 @@ async def abort_engines(args) -> None:
     """SGLang's /abort_request with abort_all on every engine: in-flight requests end with finish 'abort'."""
     urls = await engine_urls(args)
     await asyncio.gather(*(post(f"{url.rstrip('/')}/abort_request", {"abort_all": True},
-                                timeout_s=ENGINE_CONTROL_TIMEOUT_S) for url in urls))
+                                timeout_s=ENGINE_HTTP_CONTROL_S) for url in urls))

@@ -24,6 +24,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from slime.utils.deadlines import (ROUTER_CONNECT_S, ROUTER_HEALTH_PROBE_S, ROUTER_REQUEST_S, ROUTER_STARTUP_S,
+                                   SERVER_SHUTDOWN_S)
 from slime.utils.http_utils import POOLED_CONNECTION_IDLE_S
 from slime.utils.server_process import (
     ServerHandle,
@@ -40,13 +42,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, kw_only=True)
 class RouterConfig:
-    request_timeout_s: float = 3600.0
-    """Deadline for one proxied /generate (long rollouts are legitimate)."""
-    connect_timeout_s: float = 5.0
+    request_timeout_s: float = ROUTER_REQUEST_S
+    """Deadline for one proxied /generate (--request-timeout-secs: the run's --sglang-router-request-timeout-secs)."""
+    connect_timeout_s: float = ROUTER_CONNECT_S
     """Deadline to open a connection to a worker; past it the worker counts as dead."""
     health_interval_s: float = 5.0
     """Seconds between /health probes of every worker."""
-    health_timeout_s: float = 5.0
+    health_timeout_s: float = ROUTER_HEALTH_PROBE_S
     max_request_bytes: int = 256 * 1024**2
     """Largest /generate body forwarded (sglang-router's default payload limit)."""
 
@@ -210,7 +212,7 @@ def router_command(args: Any, host: str, port: int, worker_urls: list[str],
                    listen_fd: int | None = None) -> tuple[str, list[str]]:
     """The router's command line. The slime router reads the run's key from its environment; sglang-router
     takes it in argv (`--api-key`: sent to the workers)."""
-    timeout = str(int(args.sglang_router_request_timeout_secs or 3600))
+    timeout = str(int(args.sglang_router_request_timeout_secs or ROUTER_REQUEST_S))
     if args.use_slime_router:
         flags = ["--host", host, "--port", str(port), "--request-timeout-secs", timeout]
         flags += ["--listen-fd", str(listen_fd)] if listen_fd is not None else []
@@ -225,7 +227,7 @@ def router_command(args: Any, host: str, port: int, worker_urls: list[str],
 
 
 def launch_router(
-    args: Any, worker_urls: list[str], *, startup_timeout_s: float = 120.0, log_dir: str | None = None
+    args: Any, worker_urls: list[str], *, startup_timeout_s: float = ROUTER_STARTUP_S, log_dir: str | None = None
 ) -> RouterHandle:
     """Start slime's router (args.use_slime_router) or sglang-router; return once /health answers.
 
@@ -270,7 +272,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="[slime-router %(asctime)s] %(message)s")
     config = RouterConfig(request_timeout_s=args.request_timeout_secs, health_interval_s=args.health_check_interval_secs)
     app = build_router_app(SlimeRouter(config, api_key=server_key()), args.worker_urls)
-    web.run_app(app, print=None, access_log=None, shutdown_timeout=2.0, **serve_on(args.listen_fd, args.host, args.port))
+    web.run_app(app, print=None, access_log=None, shutdown_timeout=SERVER_SHUTDOWN_S, **serve_on(args.listen_fd, args.host, args.port))
 
 
 if __name__ == "__main__":

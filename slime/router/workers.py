@@ -14,10 +14,9 @@ from dataclasses import dataclass
 
 import requests
 
+from slime.utils.deadlines import ROUTER_CALL_S, ROUTER_REGISTER_S
 from slime.utils.security import auth_headers
 
-CALL_TIMEOUT_S = 10.0
-REGISTER_TIMEOUT_S = 60.0
 
 
 class RouterWorkersError(RuntimeError):
@@ -42,7 +41,7 @@ class RouterWorkers:
             return list(self._json("GET", "/list_workers")["urls"])
         return [w["url"] for w in self._json("GET", "/workers")["workers"]]
 
-    def add(self, worker_url: str, timeout_s: float = REGISTER_TIMEOUT_S) -> None:
+    def add(self, worker_url: str, timeout_s: float = ROUTER_REGISTER_S) -> None:
         """Register worker_url; returns once the router lists it."""
         worker_url = worker_url.rstrip("/")
         if self.kind == "slime-router":
@@ -51,7 +50,7 @@ class RouterWorkers:
             self._json("POST", "/workers", json={"url": worker_url})
         self._wait_listed(worker_url, True, timeout_s, "adding")
 
-    def remove(self, worker_url: str, timeout_s: float = REGISTER_TIMEOUT_S) -> None:
+    def remove(self, worker_url: str, timeout_s: float = ROUTER_REGISTER_S) -> None:
         """Take worker_url out of rotation (no-op when the router does not list it); returns once the router
         no longer lists it (sglang-router removes a worker in a background workflow)."""
         worker_url = worker_url.rstrip("/")
@@ -74,7 +73,7 @@ class RouterWorkers:
 
     def _json(self, method: str, path: str, **kwargs):
         try:
-            response = requests.request(method, self.url + path, headers=auth_headers(), timeout=CALL_TIMEOUT_S,
+            response = requests.request(method, self.url + path, headers=auth_headers(), timeout=ROUTER_CALL_S,
                                         **kwargs)
         except requests.RequestException as exc:
             raise RouterWorkersError(f"{self.kind} at {self.url}: {method} {path} failed: {exc}") from exc

@@ -285,6 +285,74 @@ PLACEMENT_S = 300.0
 """Ray reserving every bundle of the job, then a probe on each bundle reporting its node and GPU."""
 WANDB_INIT_S = 300.0
 """`wandb.init` on the driver (login, run creation on the server); WANDB_MODE=offline needs no server."""
+ENGINE_CALL_S = 600.0
+"""A generate or weight-update call of an engine client given no window of its own (the weight push passes the
+rank window, --fence-timeout)."""
+ENGINE_MEMORY_CALL_S = 120.0
+"""An engine releasing or resuming its memory (SGLang moves its weights and KV cache to or from the host)."""
+ENGINE_HTTP_CONTROL_S = 30.0
+"""An HTTP control call of an engine (health, pause and continue, flush, server info, abort, the weight version):
+the engine answers from memory, between two scheduler steps."""
+EMBEDDED_WEIGHT_GROUP_S = 600.0
+"""The embedded engine's --weight-update-timeout when it is started by hand; the launcher passes the run's
+--fence-timeout."""
+EMBEDDED_DECODE_STEP_S = 30.0
+"""The embedded engine: a running batch that made no decode step for this long reports itself unhealthy
+(a decode step of the sizes it serves takes well under a second on a loaded CPU)."""
+SERVER_HEALTH_PROBE_S = 2.0
+"""One /health probe of a server (engine, router) while it starts, and of an engine that a weight push found
+late; a live server answers in milliseconds, and the start-up or push deadline bounds the probes together."""
+SERVER_SHUTDOWN_S = 2.0
+"""An HTTP server (router, embedded engine) finishing its open requests when it is stopped."""
+ROUTER_STARTUP_S = 120.0
+"""The router's process: started, listening and healthy (it loads no model)."""
+ROUTER_CALL_S = 10.0
+"""One call on the router's worker list (list, add, remove): the router answers from memory."""
+ROUTER_REGISTER_S = 60.0
+"""Until the router lists a worker it was told to add, or no longer lists one it was told to remove
+(sglang-router does both in a background workflow that first checks the worker's health)."""
+ROUTER_CONNECT_S = 5.0
+"""The slime router opening a connection to a worker: past it the worker counts as dead."""
+ROUTER_HEALTH_PROBE_S = 5.0
+"""The slime router's /health probe of each worker; a loopback or LAN answer takes milliseconds."""
+ROUTER_REQUEST_S = 14400.0
+"""One proxied /generate: --sglang-router-request-timeout-secs's default (upstream's); the slime router started by
+hand takes it too. A request of a rollout is bounded by the rollout's budget first."""
+PLUGIN_HTTP_CALL_S = 1800.0
+"""An HTTP call of a rollout plug-in that gives no limit (upstream's `post(url, payload)`): one long generation on
+a loaded engine; a call made during a rollout is bounded by the rollout's budget first."""
+REMOTE_REWARD_CALL_S = 120.0
+"""One call to a remote reward model (--rm-type remote_rm, tried up to 3 times): one forward of one sample."""
+TEACHER_CALL_S = 300.0
+"""One call on the on-policy-distillation teacher: the prefill of one sample, behind the teacher's queue."""
+HUB_CALL_S = 10.0
+"""One call on the progress hub (a heartbeat, the table): past it the caller counts the hub as unreachable; a live
+hub answers within its heartbeat interval."""
+FENCE_REPORT_MARGIN_S = 2.0
+"""How long past its window the watchdog leaves a phase that waits in a fence to the fence's own error (two of the
+fence's wait slices), which names the lagging ranks."""
+WATCHDOG_EXIT_GRACE_S = 5.0
+"""After a phase's window, how long the watchdog waits for the error it raised into a thread blocked in native code
+to land before it ends the process (exit code 3) with the phase named."""
+NCCL_WATCHDOG_MARGIN_S = 60.0
+"""NCCL's own watchdog on a weight-update group is set this far above the deadline the sender polls against (NCCL
+ends the process past its limit; the sender's named error must come first)."""
+SESSION_CLOSE_AFTER_FAILURE_S = 2.0
+"""Closing the engines' weight-update sessions after a failed push: a stalled engine may be why it failed, and
+what is left open the next push closes first."""
+RANK_CLOSE_S = 5.0
+"""A trainer rank closing its ledger at shutdown (milliseconds when healthy)."""
+OTHER_RANK_FAILURES_S = 2.0
+"""After one rank failed, how long the driver waits for the other ranks' errors (ranks that meet at a fence fail
+together), so that one report names them all."""
+METRICS_CLOSE_S = 60.0
+"""The metrics logger writing what it still holds at shutdown (wandb and TensorBoard flush to disk or server)."""
+RAY_ADDRESS_PROBE_S = 10.0
+"""Reaching a RAY_ADDRESS the user gave (Ray itself retries a dead address for minutes)."""
+ENGINE_FAULT_JOIN_S = 5.0
+"""A test fault aimed at an engine finishing after its rollout ended (it has fired, or it no longer will)."""
+ENGINE_FAULT_READ_S = 1.0
+"""A test fault reading an engine's running requests (it reads every 50 ms until the requests arrive)."""
 
 
 def engines_startup_s() -> float:

@@ -30,11 +30,11 @@ from typing import Any, Awaitable, Callable
 
 import aiohttp
 
+from slime.utils.deadlines import PLUGIN_HTTP_CALL_S
 from slime.utils.security import auth_headers
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_TIMEOUT_S = 1800.0  # one generation of a long response on a loaded engine
 _CONNECT_RETRIES = 3  # only for connections that could not be opened; a timeout is final
 # A pooled connection is dropped before the servers' own keep-alive closes it (SGLang: 5 s), so a request is not
 # written to a connection the server is closing (aiohttp re-sends only idempotent methods in that case, not POST).
@@ -163,10 +163,10 @@ async def _request(method: str, url: str, payload: Any, timeout_s: float) -> Any
                 _outstanding.pop(key, None)
 
 
-async def post(url: str, payload: Any, timeout_s: float = DEFAULT_TIMEOUT_S) -> Any:
+async def post(url: str, payload: Any, timeout_s: float = PLUGIN_HTTP_CALL_S) -> Any:
     """POST `payload` as JSON, return the decoded JSON reply; errors name the URL."""
     return await _request("POST", url, payload, timeout_s)
 
 
-async def get(url: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> Any:
+async def get(url: str, timeout_s: float = PLUGIN_HTTP_CALL_S) -> Any:
     return await _request("GET", url, None, timeout_s)

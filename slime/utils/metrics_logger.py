@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 from slime.utils import progress_lines
-from slime.utils.deadlines import WANDB_INIT_S
+from slime.utils.deadlines import METRICS_CLOSE_S, WANDB_INIT_S
 from slime.utils.security import public_config
 
 logger = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ class MetricsLogger:
         """Every event of the rollout is logged: stdout gets its line (no other sink sees this)."""
         self._queue.put(_ConsoleCall(self.console.rollout_done, (rollout_id, time.monotonic())))
 
-    def close(self, timeout_s: float = 60.0) -> None:
+    def close(self, timeout_s: float = METRICS_CLOSE_S) -> None:
         self._queue.put(None)
         self._thread.join(timeout_s)
         if self._thread.is_alive():

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import requests
 
+from slime.utils.deadlines import SERVER_HEALTH_PROBE_S
 from slime.utils.ports import listening_socket
 from slime.utils.security import auth_headers
 
@@ -75,7 +76,7 @@ class ServerProcess:
                     f"log {self.log_path}:\n{self.log_tail()}"
                 )
             try:
-                if requests.get(self.url + health_path, headers=auth_headers(), timeout=2.0).status_code == 200:
+                if requests.get(self.url + health_path, headers=auth_headers(), timeout=SERVER_HEALTH_PROBE_S).status_code == 200:
                     return
             except requests.RequestException:
                 pass

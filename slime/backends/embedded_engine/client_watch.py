@@ -16,11 +16,11 @@ from aiohttp import web
 
 from slime.backends.embedded_engine.engine import GenerationRequest, GenerationResult
 from slime.backends.embedded_engine.scheduler import BatchScheduler
+from slime.utils.deadlines import EMBEDDED_DECODE_STEP_S
 
 logger = logging.getLogger(__name__)
 
 CLIENT_POLL_S = 0.2
-PROGRESS_WINDOW_S = 30.0  # a running batch that made no decode step for this long is not healthy
 
 
 class ClientGoneError(RuntimeError):
@@ -49,6 +49,6 @@ async def submit_while_connected(request: web.Request, scheduler: BatchScheduler
 
 
 def made_progress(scheduler: BatchScheduler) -> bool:
-    """A batch runs and made a decode step within PROGRESS_WINDOW_S."""
+    """A batch runs and made a decode step within EMBEDDED_DECODE_STEP_S."""
     running, _ = scheduler.request_ids()
-    return bool(running) and time.monotonic() - scheduler.last_progress < PROGRESS_WINDOW_S
+    return bool(running) and time.monotonic() - scheduler.last_progress < EMBEDDED_DECODE_STEP_S

@@ -35,6 +35,7 @@ from slime.utils.server_process import serve_on
 from slime.backends.sglang_utils.shared_payload import LOAD_FORMAT as SHM_FORMAT
 from slime.backends.sglang_utils.shared_payload import read_shared_bucket, run_directory
 from slime.backends.sglang_utils import weight_checker
+from slime.utils.deadlines import EMBEDDED_WEIGHT_GROUP_S, SERVER_SHUTDOWN_S
 from slime.utils.security import LIVENESS_PATHS, ApiKey, request_limit, require_api_key, server_key
 
 logger = logging.getLogger(__name__)
@@ -48,7 +49,6 @@ TENSOR_LOAD_FORMATS = (SAFETENSORS_FORMAT, SHM_FORMAT, BUCKET_FORMAT)
 # UpdateWeightsFromTensorReqInput's fields (SGLang); anything else is a caller's mistake.
 TENSOR_UPDATE_FIELDS = frozenset({"serialized_named_tensors", "load_format", "flush_cache", "abort_all_requests",
                                   "weight_version", "selector", "torch_empty_cache"})
-DEFAULT_GROUP_TIMEOUT_S = 600.0
 
 SCHEDULER_KEY = web.AppKey("scheduler", BatchScheduler)
 
@@ -403,7 +403,7 @@ DEFAULT_MAX_REQUEST_BYTES = request_limit()  # one default weight bucket in base
 
 
 def build_app(engine: EmbeddedEngine, max_batch_size: int = 64,
-              group_timeout_s: float = DEFAULT_GROUP_TIMEOUT_S, *, api_key: ApiKey,
+              group_timeout_s: float = EMBEDDED_WEIGHT_GROUP_S, *, api_key: ApiKey,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> web.Application:
     auth = require_api_key(api_key, public=LIVENESS_PATHS)  # as SGLang: sglang-router probes /health keyless
     app = web.Application(middlewares=[auth, errors_as_json], client_max_size=max_request_bytes)
@@ -465,7 +465,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument("--num-threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
-    parser.add_argument("--weight-update-timeout", type=float, default=DEFAULT_GROUP_TIMEOUT_S,
+    parser.add_argument("--weight-update-timeout", type=float, default=EMBEDDED_WEIGHT_GROUP_S,
                         help="seconds allowed to join a weight-update group and for each broadcast on it")
     parser.add_argument("--log-level", default="info")
     return parser.parse_args(argv)
@@ -484,7 +484,7 @@ def main(argv: list[str] | None = None) -> None:
     access_log = logging.getLogger("aiohttp.access") if args.log_level.lower() == "debug" else None
     app = build_app(engine, args.max_batch_size, args.weight_update_timeout, api_key=key,
                     max_request_bytes=args.max_request_bytes)
-    web.run_app(app, print=None, access_log=access_log, shutdown_timeout=2.0,
+    web.run_app(app, print=None, access_log=access_log, shutdown_timeout=SERVER_SHUTDOWN_S,
                 **serve_on(args.listen_fd, args.host, args.port))
 
 

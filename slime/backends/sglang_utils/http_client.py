@@ -15,6 +15,7 @@ import requests
 
 from slime.backends.sglang_utils import weight_checker
 from slime.config.constants import DELTA_LOAD_FORMAT as DELTA_FORMAT
+from slime.utils.deadlines import ENGINE_CALL_S, ENGINE_HTTP_CONTROL_S, ENGINE_MEMORY_CALL_S
 from slime.utils.security import ApiKey, current_key
 
 
@@ -29,10 +30,10 @@ class EngineHTTPError(RuntimeError):
 class ClientTimeouts:
     """Seconds allowed per kind of call."""
 
-    control: float = 30.0  # health, pause/continue, flush, info
-    generate: float = 600.0
-    weight_update: float = 600.0
-    memory: float = 120.0  # release/resume memory occupation
+    control: float = ENGINE_HTTP_CONTROL_S  # health, pause/continue, flush, info
+    generate: float = ENGINE_CALL_S
+    weight_update: float = ENGINE_CALL_S
+    memory: float = ENGINE_MEMORY_CALL_S  # release/resume memory occupation
 
 
 class SGLangHTTPClient:

@@ -19,12 +19,12 @@ from slime.utils.server_process import (
 )
 from slime.backends.sglang_utils.server_args import has_option, render_server_flags
 from slime.config.engine import ROLLOUT_BACKENDS, pick_rollout_backend  # noqa: F401 (pick_rollout_backend: re-exported)
+from slime.utils.deadlines import ENGINE_STARTUP_S
 from slime.utils.ports import find_free_port, retry_port_clash
 from slime.utils.security import current_key, request_limit
 from slime.utils.sglang_passthrough import server_args_parser
 
 BACKENDS = ROLLOUT_BACKENDS
-DEFAULT_STARTUP_TIMEOUT_S = 600.0
 
 # SGLang's environment for RL engines, as upstream slime sets it (a value the user exported wins):
 # /health answers without generating (a paused or released engine stays "alive" for routers), the
@@ -189,7 +189,7 @@ def launch_engine(
     if kind == "embedded" and nodes is not None and nodes.nnodes > 1:
         raise ValueError(f"engine {engine_rank}: the embedded engine is one process and cannot span "
                          f"{nodes.nnodes} nodes")
-    deadline = startup_timeout_s or DEFAULT_STARTUP_TIMEOUT_S
+    deadline = startup_timeout_s or ENGINE_STARTUP_S
     name = f"{kind}-engine-{engine_rank}" + (f"-node-{nodes.node_rank}" if nodes is not None and nodes.nnodes > 1 else "")
     if kind == "embedded":  # bound here, served there: the port cannot be lost in between
         def command(p: int, fd: int) -> list[str]:

@@ -74,11 +74,9 @@ from slime.backends.weight_sync.transport import ENGINE_KINDS, EngineSet, NodeSp
 from slime.distributed.errors import CollectiveDivergenceError, DistributedStepError
 from slime.distributed.fault_inject import apply_weight_push_fault
 from slime.distributed.fingerprint import stable_hash
+from slime.utils.deadlines import ENGINE_HTTP_CONTROL_S, SESSION_CLOSE_AFTER_FAILURE_S
 
 logger = logging.getLogger(__name__)
-
-SESSION_CLOSE_AFTER_FAILURE_S = 2.0
-
 
 @contextlib.contextmanager
 def _engine_call(ledger, op: str, size: int, unit: str) -> Iterator[None]:
@@ -192,7 +190,7 @@ class WeightSync:
         # sender names it (WeightGroupStallError) before its peers' windows expire at the fences.
         self.group_deadline_s = self.timeout_s / 2
         # An engine call never outlives the watchdog deadline of the phase it runs in.
-        self.timeouts = timeouts or ClientTimeouts(control=min(30.0, self.timeout_s), generate=self.timeout_s,
+        self.timeouts = timeouts or ClientTimeouts(control=min(ENGINE_HTTP_CONTROL_S, self.timeout_s), generate=self.timeout_s,
                                                    weight_update=self.timeout_s, memory=self.timeout_s)
         self._engines: EngineSet | None = None
         self._transport = None

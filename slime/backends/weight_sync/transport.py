@@ -46,6 +46,7 @@ from slime.backends.sglang_utils.http_client import ClientTimeouts, EngineHTTPEr
 from slime.backends.sglang_utils.named_tensors import serialize_named_tensors
 from slime.backends.sglang_utils.shared_payload import LOAD_FORMAT as SHM_LOAD_FORMAT
 from slime.backends.sglang_utils.shared_payload import make_run_directory, run_directory, write_shared_bucket
+from slime.utils.deadlines import NCCL_WATCHDOG_MARGIN_S, SERVER_HEALTH_PROBE_S
 from slime.utils.security import current_key
 
 logger = logging.getLogger(__name__)
@@ -417,9 +418,6 @@ class NodeSplitTransport:
                 self.remote.close()
 
 
-HEALTH_PROBE_S = 2.0
-# NCCL's watchdog ends the process past its limit: it is set this far above the deadline the sender polls against.
-NCCL_WATCHDOG_MARGIN_S = 60.0
 
 
 def _await_replies(calls: list[Future], deadline: float, *, raise_errors: bool = True) -> None:
@@ -433,7 +431,7 @@ def _await_replies(calls: list[Future], deadline: float, *, raise_errors: bool =
 
 
 def _answers_health(url: str) -> bool:
-    client = SGLangHTTPClient(url, ClientTimeouts(control=HEALTH_PROBE_S))
+    client = SGLangHTTPClient(url, ClientTimeouts(control=SERVER_HEALTH_PROBE_S))
     try:
         return client.health()
     finally:

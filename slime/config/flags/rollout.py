@@ -9,7 +9,7 @@ import argparse
 from slime.config.constants import DEFAULT_ROLLOUT_FUNCTION_PATH, DELTA_ENCODINGS
 from slime.config.flags.types import non_negative_int, positive_int
 from slime.utils.checksums import CHECKSUMS
-from slime.utils.deadlines import DEFAULT_ENGINE_NO_PROGRESS_S
+from slime.utils.deadlines import DEFAULT_ENGINE_NO_PROGRESS_S, ROUTER_REQUEST_S
 
 
 def add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
@@ -138,7 +138,7 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
                    help="use this project's router instead of sglang-router")
     g.add_argument("--sglang-router-ip", type=str, default=None, help="address of a running router (default: start one)")
     g.add_argument("--sglang-router-port", type=int, default=None, help="port of the router")
-    g.add_argument("--sglang-router-request-timeout-secs", type=int, default=14400,
+    g.add_argument("--sglang-router-request-timeout-secs", type=positive_int, default=int(ROUTER_REQUEST_S),
                    help="seconds one /generate request may take at the router (default 14400, upstream's; each request "
                         "is also bounded by the rollout's deadline, --rollout-timeout)")
     g.add_argument("--sglang-router-policy", type=str, default=None,

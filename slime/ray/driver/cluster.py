@@ -17,6 +17,7 @@ from typing import Callable, TypeVar
 import ray
 
 from slime.ray.common.node import HOST_IP_ENV, PlacementError
+from slime.utils.deadlines import RAY_ADDRESS_PROBE_S
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -50,7 +51,7 @@ def cluster_address(env: dict[str, str] | None = None) -> str | None:
     return None
 
 
-def require_reachable(address: str, timeout_s: float = 10.0) -> None:
+def require_reachable(address: str, timeout_s: float = RAY_ADDRESS_PROBE_S) -> None:
     """Ray retries an unreachable address for minutes; a dead cluster's stale address fails here at once."""
     if "://" in address:  # ray://... (Ray Client) is checked by Ray itself
         return

@@ -15,6 +15,8 @@ from typing import Callable, Sequence
 
 import ray
 
+from slime.utils.deadlines import OTHER_RANK_FAILURES_S
+
 
 class RankWaitError(RuntimeError):
     """A phase ended without every rank's result."""
@@ -94,7 +96,7 @@ def _table(describe_hang: Callable[[], str] | None) -> str:
     return f"where every rank is:\n{describe_hang()}" if describe_hang else ""
 
 
-def _other_failures(refs: list, index: dict, grace_s: float = 2.0) -> tuple[list[str], list[int]]:
+def _other_failures(refs: list, index: dict, grace_s: float = OTHER_RANK_FAILURES_S) -> tuple[list[str], list[int]]:
     """One line per other rank that failed too (ranks that meet at a fence fail together), and the ranks whose
     process ended. Getting them also keeps Ray from printing each one as an unhandled error."""
     if not refs:

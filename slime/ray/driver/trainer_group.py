@@ -23,10 +23,9 @@ from slime.ray.driver.cluster import worker_env
 from slime.ray.driver.rank_wait import wait_ranks
 from slime.ray.driver.placement import Placement
 from slime.ray.trainer.rank_actor import TrainRayActor
-from slime.utils.deadlines import TRAINER_RENDEZVOUS_CALL_S
+from slime.utils.deadlines import RANK_CLOSE_S, TRAINER_RENDEZVOUS_CALL_S
 
 logger = logging.getLogger(__name__)
-RANK_CLOSE_S = 5.0  # a healthy rank closes its ledger in milliseconds
 
 
 def resolve_ledger_dir(args) -> str:

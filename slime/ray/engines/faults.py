@@ -20,6 +20,7 @@ import requests
 
 from slime.distributed.fault_inject import ENGINE_FAULT_KINDS, fault_active
 from slime.ray.engines.recovery import EngineFleet, FleetSlot
+from slime.utils.deadlines import ENGINE_FAULT_READ_S
 from slime.utils.security import auth_headers
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,6 @@ def _fire(kind: str, slot: FleetSlot, rollout_id: int, rollout_done: threading.E
 
 def _running_requests(url: str) -> int:
     try:
-        return int(requests.get(url + "/server_info", headers=auth_headers(), timeout=1.0).json().get("running_requests") or 0)
+        return int(requests.get(url + "/server_info", headers=auth_headers(), timeout=ENGINE_FAULT_READ_S).json().get("running_requests") or 0)
     except (requests.RequestException, ValueError, AttributeError):
         return 0

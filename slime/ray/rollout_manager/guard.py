@@ -30,7 +30,7 @@ from slime.ray.engines.health import HealthConfig, HealthMonitor, describe_engin
 from slime.ray.engines.recovery import EngineFleet
 from slime.ray.engines.progress import stalled_message
 from slime.ray.rollout_manager.errors import EngineFailedError, EngineStalledError, RolloutError, RolloutTimeoutError
-from slime.utils.deadlines import REQUEST_GRACE_S, RolloutClock
+from slime.utils.deadlines import ENGINE_FAULT_JOIN_S, REQUEST_GRACE_S, RolloutClock
 from slime.utils.http_utils import HTTPStatusError, OutstandingRequest, outstanding_requests, set_request_bounds
 
 logger = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ class RolloutGuard:
             result = self._watch(worker, label, budget_s)
             done.set()
             for fault in faults:  # a fault that fired during the rollout is seen by the check below
-                fault.join(timeout=5.0)
+                fault.join(timeout=ENGINE_FAULT_JOIN_S)
             self.fleet.check_processes()  # an engine that died while the others (or the router) covered for it
             if self.fleet.fatal is not None:
                 raise self._end(worker, self.fleet.fatal, label)

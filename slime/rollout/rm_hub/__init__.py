@@ -15,6 +15,7 @@ from typing import Any, Callable
 import aiohttp
 
 from slime.rollout.plugin_args import flag
+from slime.utils.deadlines import REMOTE_REWARD_CALL_S
 from slime.utils.misc import load_function
 from slime.utils.types import Sample
 
@@ -33,7 +34,6 @@ __all__ = ["async_rm", "batched_async_rm", "remote_rm", "grade_answer_verl", "ex
 
 RM_TYPES = ("math", "deepscaler", "dapo", "f1", "gpqa", "remote_rm", "random")
 _REMOTE_RM_RETRIES = 3
-_REMOTE_RM_TIMEOUT_S = 120.0
 _LABEL_WARNINGS_SHOWN = 5  # the first few unreadable labels are quoted; then one line per 100
 _MATH_LIKE = ("math", "deepscaler", "dapo")
 
@@ -109,7 +109,7 @@ async def remote_rm(args, sample: Sample) -> Any:
     if not url:
         raise ValueError("--rm-type remote_rm needs --rm-url")
     payload = {"prompt": sample.prompt, "response": sample.response, "label": sample.label}
-    timeout = aiohttp.ClientTimeout(total=_REMOTE_RM_TIMEOUT_S)
+    timeout = aiohttp.ClientTimeout(total=REMOTE_REWARD_CALL_S)
     for attempt in range(1, _REMOTE_RM_RETRIES + 1):
         try:
             async with aiohttp.ClientSession(timeout=timeout) as session:
