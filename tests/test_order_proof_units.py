@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from collections import deque
 
 from slime.distributed.ledger import Ledger, sequence_path
 from slime.distributed.order_proof import RankSequence, SequenceOp, check_order, read_sequence, read_sequences
@@ -45,6 +46,32 @@ def test_the_window_is_trimmed_only_after_writing_so_no_op_is_lost(tmp_path):
     assert check_order({0: sequence}).ok
     cut = RankSequence(0, sequence.ops[:5] + sequence.ops[6:], ())  # a file with a hole fails the proof
     assert "misses ops before #7" in check_order({0: cut}).format()
+
+
+class _AppendedWhileCopied(deque):
+    """The hot path's append landing between a reader making its iterator and reading it (`appends` times)."""
+
+    appends: list = []
+
+    def __reversed__(self):
+        iterator = super().__reversed__()
+        if self.appends:
+            self.appends.pop()()
+        return iterator
+
+
+def test_an_append_during_a_copy_is_copied_again_not_raised(tmp_path):
+    ledger = Ledger(0, 1, str(tmp_path), record_sequence=True, flush_interval_s=60)
+    _record(ledger, [("all_reduce", "world", (0,), (1,))] * 3)
+    entries = ledger._entries = _AppendedWhileCopied(ledger._entries)
+    entries.appends = [lambda: _record(ledger, [("all_gather", "world", (0,), (2,))])]
+    ledger.flush()  # the sequence file's copy meets the append: taken again
+    entries.appends = [lambda: _record(ledger, [("broadcast", "world", (0,), (3,))])]
+    assert [op["op"] for op in ledger.snapshot()["recent"]][-2:] == ["all_gather", "broadcast"]  # the rank file's
+    ledger.close()
+    sequence = read_sequence(sequence_path(str(tmp_path), 0), 0)
+    assert [(op.seq, op.op) for op in sequence.ops] == [(1, "all_reduce"), (2, "all_reduce"), (3, "all_reduce"),
+                                                        (4, "all_gather"), (5, "broadcast")]
 
 
 def test_a_point_to_point_op_is_written_with_its_peers_even_if_flushed_the_moment_it_starts(tmp_path):

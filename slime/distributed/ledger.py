@@ -9,8 +9,8 @@ call lands between megatron's kernel launches with cold caches, where every obje
 costs a miss (in situ on CPU: ~50 us per collective with a dataclass, a context manager, a lock
 and an Event per op; ~11 us as written now).
 It takes no lock: collectives are issued by one thread at a time (the main thread, or autograd's
-while the main thread waits in backward), and readers copy the containers in single C calls
-under the GIL, so they see a consistent prefix.
+while the main thread waits in backward), and readers copy the containers under the GIL, taking the
+copy again when an append landed between making the iterator and reading it (`_newest`).
 
 With `record_sequence`, the same flusher also appends every op (and every fence's fields, as a
 note) once to <dir>/sequence_rank<N>.jsonl: the whole sequence of the run, which
@@ -83,6 +83,17 @@ def ledger_path(directory: str, rank: int) -> str:
 
 def sequence_path(directory: str, rank: int) -> str:
     return os.path.join(directory, f"sequence_rank{rank}.jsonl")
+
+
+def _newest(entries: deque, n: int) -> list:
+    """The last n records, oldest first. Making the iterator and reading it are two bytecodes, so the hot
+    path's append can land in between (seen on a loaded machine: "deque mutated during iteration" ended
+    the flusher thread); the copy is then taken again."""
+    while True:
+        try:
+            return list(itertools.islice(reversed(entries), n))[::-1]
+        except RuntimeError:
+            continue
 
 
 class Ledger:
@@ -204,7 +215,7 @@ class Ledger:
         """Wall-clock time of the last progress: the end of the newest op that completed without error,
         or the last note_progress(); the deadlines run from it (slime/distributed/progress.py). Read
         from the entries rather than kept by end(), which stays as cheap as it was."""
-        for rec in itertools.islice(reversed(self._entries), _PROGRESS_SCAN):
+        for rec in reversed(_newest(self._entries, _PROGRESS_SCAN)):
             if rec[_END] is not None and rec[_ERROR] is None:
                 return max(self._tick_at, rec[_END])
         return self._tick_at
@@ -233,7 +244,7 @@ class Ledger:
 
     def snapshot(self) -> dict:
         with self._lock:
-            recent = list(itertools.islice(reversed(self._entries), self._keep_recent))[::-1]  # one C call
+            recent = _newest(self._entries, self._keep_recent)
             in_flight = self._in_flight
             # where this rank waits, or gave up waiting (a timed-out op keeps pointing at its group)
             last = recent[-1] if recent else None
@@ -261,7 +272,7 @@ class Ledger:
         and the newest ops as [op, group label, shape, dtype] (the label is the very string that keys
         `counts`: pickled once)."""
         now = _now() if now is None else now
-        newest = list(itertools.islice(reversed(self._entries), recent))[::-1]  # one C call
+        newest = _newest(self._entries, recent)
         last = newest[-1] if newest else None
         op = self._in_flight or (last if last is not None and last[_ERROR] else None)
         counts = dict(self._group_counts)
@@ -295,8 +306,8 @@ class Ledger:
             self._sequence.write([], written)
             return
         take = unwritten + 1024  # slack for ops begun between reading _seq and copying
-        while True:  # each copy is one C call; copy more if the step ran past the slack meanwhile
-            newest = list(itertools.islice(reversed(self._entries), take))[::-1]
+        while True:  # copy more if the step ran past the slack meanwhile
+            newest = _newest(self._entries, take)
             if len(newest) < take or newest[0][_SEQ] <= written + 1:
                 break
             take *= 2
