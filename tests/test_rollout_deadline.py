@@ -202,6 +202,40 @@ def test_guard_ends_the_rollout_when_an_engine_dies_without_fault_tolerance(slow
     assert "rid=sample1-y" in raised.value.details
 
 
+class _DyingEngine:
+    """An engine whose connections closed at once but whose exit code reads as exited only `exit_seen_s` later
+    (a SIGKILLed process on a loaded machine)."""
+
+    def __init__(self, url: str, exit_seen_s: float):
+        self.url, self._seen_at = url, time.monotonic() + exit_seen_s
+
+    def exit_code(self) -> int | None:
+        return -9 if time.monotonic() >= self._seen_at else None
+
+    def signal(self, sig: int) -> None:
+        pass
+
+    def process_state(self) -> str:
+        return "exited with code -9" if self.exit_code() is not None else "alive"
+
+
+def test_a_request_failed_by_an_engine_dying_ends_the_rollout_naming_the_engine():
+    fleet = EngineFleet([_DyingEngine("http://127.0.0.1:9", exit_seen_s=1.0)], relaunch=lambda rank: None,
+                        router=None, fault_tolerant=False)
+    guard = RolloutGuard(HealthConfig(fault_tolerant=False, timeout_s=1.0), fleet, grace_s=1.0)
+
+    def rollout():
+        raise ConnectionError("worker http://127.0.0.1:9 closed the connection after the request was sent")
+
+    try:
+        with pytest.raises(EngineFailedError) as raised:
+            guard.run("generate", 0, rollout, budget_s=60, weights_version=None)
+    finally:
+        guard.monitor.close()
+    assert "engine 0 at http://127.0.0.1:9" in str(raised.value) and "process exited with code -9" in str(raised.value)
+    assert "--use-fault-tolerance" in str(raised.value)
+
+
 # ----- the driver's targets -----------------------------------------------------------------------
 def test_engine_targets_reaim_the_sync_after_a_catch_up():
     pushes = []

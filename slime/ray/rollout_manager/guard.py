@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 WATCH_POLL_S = 0.2
+EXIT_SEEN_S = 5.0  # a killed engine closes its connections before its exit code can be read (longer when loaded)
 MAX_ATTEMPTS = 20  # a request is sent at most this often (fault tolerance)
 RETRY_STATUSES = frozenset({500, 502, 503, 504})  # what routers answer when the engine behind them failed
 
@@ -111,7 +112,8 @@ class RolloutGuard:
                 raise self._end(worker, EngineStalledError(message), label)
         if worker.error is None:
             return worker.result
-        self.fleet.check_processes()  # the function may have failed before the watch saw an engine die
+        if not isinstance(worker.error, RolloutError):
+            self._see_exits()  # the function may have failed before the watch saw an engine die
         if self.fleet.fatal is not None:
             raise self._end(worker, self.fleet.fatal, label) from worker.error
         if self.fleet.failures and not isinstance(worker.error, RolloutError):
@@ -119,6 +121,17 @@ class RolloutGuard:
             raise EngineFailedError(f"{label} failed after {failure.describe()}: {worker.error}",
                                     describe_engines(self.fleet, self.config.timeout_s)) from worker.error
         raise worker.error
+
+    def _see_exits(self) -> None:
+        """Look for exited engines until one is found or EXIT_SEEN_S passed: a request its engine's death failed
+        can end the function before that engine's exit code reads as exited."""
+        before = len(self.fleet.failures)
+        end = time.monotonic() + EXIT_SEEN_S
+        while True:
+            self.fleet.check_processes()
+            if len(self.fleet.failures) > before or time.monotonic() >= end:
+                return
+            time.sleep(WATCH_POLL_S)
 
     def _end(self, worker: "RolloutWorker", error: RolloutError, label: str) -> RolloutError:
         if not error.details:
