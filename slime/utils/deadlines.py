@@ -351,6 +351,9 @@ RAY_ADDRESS_PROBE_S = 10.0
 """Reaching a RAY_ADDRESS the user gave (Ray itself retries a dead address for minutes)."""
 ENGINE_FAULT_JOIN_S = 5.0
 """A test fault aimed at an engine finishing after its rollout ended (it has fired, or it no longer will)."""
+ENGINE_EXIT_SEEN_S = 5.0
+"""A rollout function failed with no engine seen failing: how long the guard looks for an exited one first (a SIGKILLed
+engine closes its connections before its exit code can be read; longer on a loaded machine)."""
 ENGINE_FAULT_READ_S = 1.0
 """A test fault reading an engine's running requests (it reads every 50 ms until the requests arrive)."""
 

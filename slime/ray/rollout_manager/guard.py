@@ -30,14 +30,13 @@ from slime.ray.engines.health import HealthConfig, HealthMonitor, describe_engin
 from slime.ray.engines.recovery import EngineFleet
 from slime.ray.engines.progress import stalled_message
 from slime.ray.rollout_manager.errors import EngineFailedError, EngineStalledError, RolloutError, RolloutTimeoutError
-from slime.utils.deadlines import ENGINE_FAULT_JOIN_S, REQUEST_GRACE_S, RolloutClock
+from slime.utils.deadlines import ENGINE_EXIT_SEEN_S, ENGINE_FAULT_JOIN_S, REQUEST_GRACE_S, RolloutClock
 from slime.utils.http_utils import HTTPStatusError, OutstandingRequest, outstanding_requests, set_request_bounds
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 WATCH_POLL_S = 0.2
-EXIT_SEEN_S = 5.0  # a killed engine closes its connections before its exit code can be read (longer when loaded)
 MAX_ATTEMPTS = 20  # a request is sent at most this often (fault tolerance)
 RETRY_STATUSES = frozenset({500, 502, 503, 504})  # what routers answer when the engine behind them failed
 
@@ -123,10 +122,10 @@ class RolloutGuard:
         raise worker.error
 
     def _see_exits(self) -> None:
-        """Look for exited engines until one is found or EXIT_SEEN_S passed: a request its engine's death failed
+        """Look for exited engines until one is found or ENGINE_EXIT_SEEN_S passed: a request its engine's death failed
         can end the function before that engine's exit code reads as exited."""
         before = len(self.fleet.failures)
-        end = time.monotonic() + EXIT_SEEN_S
+        end = time.monotonic() + ENGINE_EXIT_SEEN_S
         while True:
             self.fleet.check_processes()
             if len(self.fleet.failures) > before or time.monotonic() >= end:
