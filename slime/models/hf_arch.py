@@ -19,6 +19,7 @@ from typing import Any, Mapping
 
 from slime.models.hf_fields import CHECKED
 from slime.models.registry import TEXT_PREFIX_ATTRIBUTE, ModelFamily, family_of, names_model_type
+from slime.models.vision_arch import VISION_ATTRIBUTE
 
 # megatron-core's Llama-3 RoPE scaling (RotaryEmbedding): only the factor is a parameter, the rest is fixed.
 MEGATRON_LLAMA3 = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -150,7 +151,7 @@ def undeclared_fields(hf_config: Any, rules: Mapping[str, Any]) -> list[str]:
     """The config's fields that `rules` does not declare (config.json keys no table knows)."""
     aliases = getattr(type(hf_config), "attribute_map", None) or {}
     return sorted(name for name in vars(hf_config) if not name.startswith("_") and name not in rules
-                  and name not in aliases and name != TEXT_PREFIX_ATTRIBUTE)
+                  and name not in aliases and name not in (TEXT_PREFIX_ATTRIBUTE, VISION_ATTRIBUTE))
 
 
 def _rope_params(hf_config: Any) -> dict:

@@ -45,6 +45,7 @@ from safetensors import safe_open
 
 from slime.models import lora, moe_hf, mxfp4
 from slime.models.registry import TEXT_PREFIX_ATTRIBUTE, family_of
+from slime.models.vision_arch import VISION_ATTRIBUTE, VISION_MODULE
 
 logger = logging.getLogger(__name__)
 
@@ -229,6 +230,12 @@ def _text_prefix(hf_config: Any) -> str:
     return getattr(hf_config, TEXT_PREFIX_ATTRIBUTE, "model.")
 
 
+def _vision_prefix(hf_config: Any) -> str | None:
+    """Where the built vision tower's tensors sit in the checkpoint; None when the trainer builds none."""
+    vision = getattr(hf_config, VISION_ATTRIBUTE, None)
+    return vision.hf_prefix if vision is not None else None
+
+
 def _tied(hf_config: Any) -> bool:
     return bool(getattr(hf_config, "tie_word_embeddings", False))
 
@@ -351,6 +358,8 @@ def _mapping_for(model: torch.nn.Module, name: str, param: torch.Tensor, hf_conf
         return _identity(named[name])
     if name == "decoder.final_layernorm.weight":
         return _identity(f"{text}norm.weight")
+    if name.startswith(f"{VISION_MODULE}.") and _vision_prefix(hf_config):  # transformers' own tower: its names
+        return _identity(_vision_prefix(hf_config) + name[len(VISION_MODULE) + 1:])
     if _LAYER_NAME.match(name) is None and _MTP_LAYER_NAME.match(name) is None:
         if _MTP_PART_NAME.match(name) is not None:
             return _mtp_part(name, hf_config)
@@ -517,9 +526,8 @@ def load_hf_weights(model_chunks: list[torch.nn.Module], hf_dir: str, hf_config:
     reader = _SafetensorsReader(hf_dir, hf_config)
     untrained = untrained_tensor_names(reader.names(), hf_config)
     if untrained:
-        logger.info("--hf-checkpoint %s: the text model is trained alone; %d tensors outside it (the vision tower: "
-                    "%s ...) are not built, and --save-hf carries them through unchanged", hf_dir, len(untrained),
-                    untrained[0])
+        logger.info("--hf-checkpoint %s: %d tensors outside the model the trainer builds (%s ...) are not built, "
+                    "and --save-hf carries them through unchanged", hf_dir, len(untrained), untrained[0])
     check_moe_checkpoint(reader, hf_config)
     check_hf_tensors(model_chunks, reader, hf_config, tp)
     for chunk in model_chunks:
@@ -619,11 +627,13 @@ def _export_expert(model: torch.nn.Module, name: str, param: torch.Tensor, value
 
 
 def untrained_tensor_names(names: list[str], hf_config: Any) -> list[str]:
-    """A composite (vision + text) checkpoint's tensors outside its text model; none for a text checkpoint."""
+    """A composite (vision + text) checkpoint's tensors outside what the trainer builds (its text model, and its
+    vision tower when the run trains on images); none for a text checkpoint."""
     text = _text_prefix(hf_config)
     if text == "model.":
         return []
-    return sorted(n for n in names if not n.startswith(text) and n != "lm_head.weight")
+    built = (text, _vision_prefix(hf_config) or text)
+    return sorted(n for n in names if not n.startswith(built) and n != "lm_head.weight")
 
 
 def carried_tensors(hf_dir: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:

@@ -86,13 +86,17 @@ get_qwen3_next_spec = get_qwen3_5_spec
 
 
 def get_qwen3_5_vl_model_provider(args: Any, config: Any, vp_stage: int | None = None):
-    """Upstream's Qwen3.5-VL plug-in name. Its vision tower is not built here: the composite checkpoint's text
-    model is trained (the same layers as get_qwen3_5_spec), and a prompt with images is refused at rollout."""
-    import warnings
-
-    warnings.warn("--spec slime_plugins.models.qwen3_5_vl: the vision tower is not built; the text model of the "
-                  "checkpoint is trained and prompts with images, video or audio are refused", stacklevel=2)
+    """Upstream's Qwen3.5-VL plug-in name: the text model's layers (those of get_qwen3_5_spec). The vision tower is
+    put in front by the builder when the run trains on images (--multimodal-keys; slime/models/vision_language.py),
+    as upstream's provider does."""
     return get_qwen3_5_spec(args, config, vp_stage)
+
+
+def vision_arch(hf_config: Any):
+    """Qwen3.5's vision side: interleaved multimodal RoPE over the rotated half of each head, no deepstack."""
+    from slime.models.vision_arch import qwen_vision_arch
+
+    return qwen_vision_arch(hf_config, "Qwen3.5", interleaved=True)
 
 
 def config_fields(hf_config: Any) -> dict[str, Any]:
@@ -245,13 +249,13 @@ def _text_tying(value: Any, hf_config: Any) -> str | None:
 
 COMPOSITE_FIELDS = table(
     CONFIG_OBJECT,
-    text_config=built("the text model, trained (hf_fields of the family)"),
-    vision_config=ignored("the vision tower is not built: the text model is trained, and a prompt with images, "
-                          "video or audio is refused at rollout"),
-    image_token_id=ignored("a token id of the vision inputs, which are refused"),
-    video_token_id=ignored("a token id of the vision inputs, which are refused"),
-    vision_start_token_id=ignored("a token id of the vision inputs, which are refused"),
-    vision_end_token_id=ignored("a token id of the vision inputs, which are refused"),
+    text_config=built("the text model (hf_fields of the family), megatron's"),
+    vision_config=built("the vision tower, transformers' own class of it (every field read by that class), built and "
+                        "trained when the run trains on images (--multimodal-keys), else carried through unchanged"),
+    image_token_id=built("the image tokens, whose word embeddings the vision features replace"),
+    video_token_id=ignored("videos are refused before any engine or trainer sees one"),
+    vision_start_token_id=ignored("a text token around each image: its place comes from the image token runs"),
+    vision_end_token_id=ignored("a text token around each image: its place comes from the image token runs"),
     tie_word_embeddings=checked("text_config.tie_word_embeddings", _text_tying, True),
 )
 """The vision + text wrapper of the released Qwen3.5 checkpoints (qwen3_5, qwen3_5_moe)."""
@@ -260,9 +264,11 @@ _COMMON = dict(hf_fields=HYBRID_FIELDS, experts_key="num_experts", qk_layernorm=
                kind_layer_spec=kind_layer_spec, config_fields=config_fields, config_flags=CONFIG_FLAGS,
                arch_overrides=arch_overrides, moe_architecture=moe_architecture, layer_names=layer_names)
 
-# the released Qwen3.5 checkpoints are composite (Qwen3_5ForConditionalGeneration): trained text-only
+# the released Qwen3.5 checkpoints are composite (Qwen3_5ForConditionalGeneration): the vision tower is trained
+# with the text model on images, else carried through
 QWEN3_5 = register(ModelFamily(name="Qwen3.5", model_types=("qwen3_5_text", "qwen3_5_moe_text"),
                                composite_types=("qwen3_5", "qwen3_5_moe"), composite_fields=COMPOSITE_FIELDS,
+                               vision=vision_arch,
                                layer_layouts=_layouts(fused=False),
                                spec_plugins=("slime_plugins.models.qwen3_5 get_qwen3_5_spec",
                                              "slime_plugins.models.qwen3_5_vl get_qwen3_5_vl_model_provider"),

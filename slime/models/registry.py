@@ -80,7 +80,11 @@ class ModelFamily:
     """The HF config.json `model_type` values this family builds."""
     composite_types: tuple[str, ...] = ()
     """model_types of vision + text checkpoints (config.text_config, weights under `model.language_model.`) whose
-    text model this family trains: the vision tower is not built (`language_model_config`)."""
+    text model this family trains; their vision tower is built only for a run that trains on images
+    (`language_model_config`), else carried through unchanged."""
+    vision: Callable[[Any], Any] | None = None
+    """composite hf_config -> its `vision_arch.VisionArch`: the family trains the vision tower with the text model on
+    images (slime/models/vision_language.py); None: a run with images is refused."""
     hf_config_types: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     """model_type -> the transformers model_type whose config class reads it, for a model_type transformers ships
     no class for (MiMo: Qwen2's; Kimi-K2: DeepSeek-V3's)."""
@@ -286,19 +290,37 @@ TEXT_PREFIX_ATTRIBUTE = "slime_text_weight_prefix"
 """Set on the text config `language_model_config` returns: where its weights sit in the checkpoint."""
 
 
-def language_model_config(hf_config: Any) -> Any:
+def language_model_config(hf_config: Any, vision: bool = False) -> Any:
     """The HF config the trainer builds: a composite (vision + text) checkpoint's text_config, marked with the
-    prefix of its weights in the checkpoint (hf_weights.py reads it); any other config as it is."""
+    prefix of its weights in the checkpoint (hf_weights.py reads it) and, with `vision` (the run trains on images),
+    with its VisionArch (vision_arch.VISION_ATTRIBUTE: the builder puts the vision tower in front); any other config
+    as it is. ValueError when `vision` is asked of a checkpoint whose family builds no vision tower."""
     from slime.models.hf_arch import check_fields
+    from slime.models.vision_arch import VISION_ATTRIBUTE
 
     _load_builtin()
     family = _FAMILIES.get(getattr(hf_config, "model_type", "") or "")
     if family is None or hf_config.model_type not in family.composite_types:
+        if vision:
+            raise ValueError(f"model_type {getattr(hf_config, 'model_type', None)!r} is no vision + text checkpoint "
+                             f"a family here trains with its vision tower (those: {', '.join(vision_model_types())})")
         return hf_config
     check_fields(hf_config, family.composite_fields)
     text = hf_config.text_config
     setattr(text, TEXT_PREFIX_ATTRIBUTE, COMPOSITE_TEXT_PREFIX)
+    if vision:
+        if family.vision is None:
+            raise ValueError(f"{family.name} ({hf_config.model_type}): its vision tower is not built here, so it "
+                             f"trains on text only (vision + text checkpoints trained on images: "
+                             f"{', '.join(vision_model_types())})")
+        setattr(text, VISION_ATTRIBUTE, family.vision(hf_config))
     return text
+
+
+def vision_model_types() -> tuple[str, ...]:
+    """The composite model_types whose family trains the vision tower on images."""
+    _load_builtin()
+    return tuple(t for f in registered_families() if f.vision is not None for t in f.composite_types)
 
 
 def family_of(hf_config: Any) -> ModelFamily:

@@ -24,6 +24,9 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from slime.models.mrope import image_token_counts, position_rows
+from slime.models.vision_arch import VisionArch, VisionBatch
+
 # Keys of per-response-token float lists in the rollout data, and the PackedMicroBatch
 # field each one is aligned into.
 PER_TOKEN_KEYS: dict[str, str] = {
@@ -350,10 +353,26 @@ class PackedMicroBatch:
     (row 0 is `labels`), 0 past its padded sequence: MTP depth k embeds row k - 1 and predicts row k."""
     mtp_loss_mask: torch.Tensor | None = None
     """[D, T_local]: row k - 1 the loss mask of the position k places later in the sequence (0 past its end)."""
+    position_rows: torch.Tensor | None = None
+    """A model with a vision tower: [3, sum(padded_lengths)] multimodal RoPE positions of the WHOLE micro-batch (every
+    CP rank's tokens: the rotary table the THD RoPE takes each local token's row from; slime/models/mrope.py)."""
+    image_feature_index: torch.Tensor | None = None
+    """A model with a vision tower: [T_local] the image-feature row each local image token takes, -1 elsewhere."""
+    pixel_values: torch.Tensor | None = None
+    """The micro-batch's images in packed order (the processor's pixel values), None without images."""
+    image_grid_thw: torch.Tensor | None = None
+    """[images, 3] their grids, None without images."""
 
     @property
     def local_lengths(self) -> tuple[int, ...]:
         return tuple(n // self.cp_size for n in self.padded_lengths)
+
+    def vision(self) -> VisionBatch | None:
+        """What the vision side of the model takes (None for a text model's batch)."""
+        if self.position_rows is None:
+            return None
+        return VisionBatch(position_rows=self.position_rows, feature_index=self.image_feature_index,
+                           pixel_values=self.pixel_values, image_grid_thw=self.image_grid_thw)
 
 
 def pack_micro_batch(
@@ -365,15 +384,19 @@ def pack_micro_batch(
     tp_size: int,
     sequence_parallel: bool,
     mtp_depths: int = 0,
+    vision: VisionArch | None = None,
 ) -> PackedMicroBatch:
     """Pack ``sample_ids`` (empty: a padding micro-batch) and take CP rank's zig-zag slice.
 
     ``mtp_depths``: also the MTP layers' shifted tokens and loss masks, shifted on the whole sequence before the
     slice, so a CP rank has the tokens of positions another rank holds without exchanging them.
+    ``vision`` (a model with a vision tower): also the multimodal RoPE positions of the whole micro-batch, each local
+    image token's feature row, and the samples' pixel values and grids (a sample's images travel with it whole).
     """
     multiple = pad_multiple_for(cp_size, tp_size, sequence_parallel)
     seqs = [_aligned_sequence(data, i, multiple) for i in sample_ids] or [_dummy_sequence(data, multiple)]
     seqs = [s | _mtp_shifts(s, mtp_depths) for s in seqs] if mtp_depths else seqs
+    images = _vision_fields(data, seqs, vision) if vision is not None else {}
     fields = {k: torch.cat([zigzag_slice(s[k], cp_size, cp_rank, dim=-1) for s in seqs], dim=-1)
               for k in seqs[0] if isinstance(seqs[0][k], torch.Tensor)}
     padded = tuple(s["padded_length"] for s in seqs)
@@ -396,7 +419,44 @@ def pack_micro_batch(
         is_padding=not sample_ids,
         mtp_tokens=fields.get("mtp_tokens"),
         mtp_loss_mask=fields.get("mtp_loss_mask"),
+        image_feature_index=fields.get("image_feature_index"),
+        **images,
     )
+
+
+def _vision_fields(data: Mapping[str, Any], seqs: list[dict[str, Any]], vision: VisionArch) -> dict[str, Any]:
+    """The micro-batch's position rows (whole, unsliced), pixel values and grids in packed order; each sequence gets
+    its "image_feature_index" (sliced with the other per-token fields). Only prompt tokens are image tokens (a
+    generated image token is text, as the engines fed it). ValueError naming a sample whose prompt's image tokens
+    are not its images'."""
+    inputs = data.get("multimodal_train_inputs") or [None] * len(data["tokens"])
+    rows, pixels, grids, offset = [], [], [], 0
+    for seq in seqs:
+        sample = seq["sample_id"]
+        item = inputs[sample] if sample != PADDING_SAMPLE_ID else None
+        grid = torch.as_tensor(item["image_grid_thw"]).long() if item is not None else None
+        prompt = seq["total_length"] - seq["response_length"]
+        tokens = seq["input_ids"][:prompt]
+        is_image = tokens == vision.image_token_id
+        want = sum(image_token_counts(grid, vision.merge_size)) if grid is not None else 0
+        if int(is_image.sum()) != want:
+            raise ValueError(f"sample {sample}: its prompt holds {int(is_image.sum())} image tokens (id "
+                             f"{vision.image_token_id}), its images {want}; the prompt and multimodal_train_inputs "
+                             "must come from the same processing")
+        try:
+            rows.append(position_rows(tokens.tolist(), grid, vision.image_token_id, vision.merge_size,
+                                      seq["padded_length"]))
+        except ValueError as exc:
+            raise ValueError(f"sample {sample}: {exc}") from None
+        index = torch.full((seq["padded_length"],), -1, dtype=torch.long)
+        index[:prompt][is_image] = torch.arange(offset, offset + want)
+        seq["image_feature_index"] = index
+        offset += want
+        if want:
+            pixels.append(torch.as_tensor(item["pixel_values"]))
+            grids.append(grid)
+    return dict(position_rows=torch.cat(rows, dim=1), pixel_values=torch.cat(pixels) if pixels else None,
+                image_grid_thw=torch.cat(grids) if grids else None)
 
 
 def _shifted(values: torch.Tensor, k: int) -> torch.Tensor:

@@ -46,6 +46,7 @@ from slime.models.mtp import check_mtp_layers  # noqa: E402
 from slime.models.mtp_model import MTPGPTModel, mtp_block_spec  # noqa: E402
 from slime.models.registry import family_of  # noqa: E402
 from slime.models.sp_norm import SequenceParallelNorm  # noqa: E402
+from slime.models.vision_arch import VISION_ATTRIBUTE  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -277,7 +278,15 @@ def build_gpt_model(
     config = transformer_config_from_hf(hf_config, args)
     arch = hf_arch(hf_config)
     model_class, mtp_fields = GPTModel, {}
-    if config.mtp_num_layers:
+    vision = getattr(hf_config, VISION_ATTRIBUTE, None)
+    if vision is not None:  # the run trains on images: the vision tower in front of the text model
+        if config.mtp_num_layers:
+            raise ValueError(f"{vision.family} with images: --mtp-num-layers is not built beside the vision tower; "
+                             "drop it")
+        from slime.models.vision_language import VisionLanguageModel
+
+        model_class, mtp_fields = VisionLanguageModel, dict(vision=vision)
+    elif config.mtp_num_layers:
         model_class = MTPGPTModel
         mtp_fields = dict(mtp_block_spec=_mtp_stage_spec(args, hf_config, config, vp_stage),
                           train_mtp=bool(args.enable_mtp_training))

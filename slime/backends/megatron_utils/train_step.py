@@ -47,6 +47,7 @@ from slime.backends.megatron_utils.moe import aux_loss_scale
 from slime.models import indexer_loss
 from slime.backends.megatron_utils.routing_replay import RouteReplayer
 from slime.models.cp_attention import packed_seq_params
+from slime.models.vision_arch import VisionArch, vision_arch_of
 
 PhaseHook = Callable[[str], ContextManager]
 ProgressHook = Callable[[], None]  # called as each micro-batch starts: the previous one completed (deadlines)
@@ -109,12 +110,14 @@ def policy_log_probs(args: Any) -> PositionScores:
     return lambda output, batch: target_log_probs(output, batch, cfg, tp_group)
 
 
-def pack_plan(data: Mapping[str, Any], plan: MicroBatchPlan, args: Any, mtp_depths: int = 0) -> list[PackedMicroBatch]:
-    """Pack every micro-batch of ``plan`` for this CP rank, on the compute device (no collective)."""
+def pack_plan(data: Mapping[str, Any], plan: MicroBatchPlan, args: Any, mtp_depths: int = 0,
+              vision: VisionArch | None = None) -> list[PackedMicroBatch]:
+    """Pack every micro-batch of ``plan`` for this CP rank, on the compute device (no collective); ``vision``: the
+    model's vision side (vision_arch_of), whose inputs each micro-batch then carries."""
     cp_rank = parallel_state.get_context_parallel_rank()
     packed = [
         pack_micro_batch(data, mb, cp_size=plan.cp_size, cp_rank=cp_rank, tp_size=args.tensor_model_parallel_size,
-                         sequence_parallel=args.sequence_parallel, mtp_depths=mtp_depths)
+                         sequence_parallel=args.sequence_parallel, mtp_depths=mtp_depths, vision=vision)
         for mb in plan.micro_batches
     ]
     return [_to_device(p, _comm_device()) for p in packed] if torch.cuda.is_available() else packed
@@ -264,7 +267,7 @@ def train_one_step(model_chunks: Sequence[Any], optimizer: Any, lr_scheduler: An
     """
     objective = policy_objective(args) if objective is None else objective
     keys = objective.keys
-    packed = pack_plan(data, plan, args, objective.mtp_depths)
+    packed = pack_plan(data, plan, args, objective.mtp_depths, vision_arch_of(model_chunks[0]))
     with _phase(collective_hook, "loss_token_total"):
         total = reduce_loss_token_total(plan)
     if total == 0:
@@ -304,7 +307,7 @@ def compute_log_probs(model_chunks: Sequence[Any], data: Mapping[str, Any],
     out: list[list[float]] = [[] for _ in data["tokens"]]
     replayer = RouteReplayer(args, model_chunks, data, training=False)
     for plan in plans:
-        packed = pack_plan(data, plan, args)
+        packed = pack_plan(data, plan, args, vision=vision_arch_of(model_chunks[0]))
         with _phase(collective_hook, "log_probs_forward"), eval_mode(model_chunks):
             try:
                 local = _forward_scores(model_chunks, packed, scores, progress, replayer)
@@ -392,6 +395,8 @@ def _forward_step(data_iterator, model, *, loss_func, progress: ProgressHook | N
     # leaves it out of the expert-bias token counts and the aux losses, so they see the real tokens only
     if masks_routing:
         extra["padding_mask"] = batch.padding_mask
+    if batch.position_rows is not None:  # a vision tower: the images and the multimodal RoPE positions
+        extra["vision"] = batch.vision()
     output = model(batch.input_ids, batch.position_ids, None, packed_seq_params=_packed_seq_params(batch), **extra)
     if routes is not None:
         routes.after_forward(batch.sample_ids)
