@@ -629,8 +629,8 @@ def _export_expert(model: torch.nn.Module, name: str, param: torch.Tensor, value
 def untrained_tensor_names(names: list[str], hf_config: Any) -> list[str]:
     """A composite (vision + text) checkpoint's tensors outside what the trainer builds (its text model, and its
     vision tower when the run trains on images); none for a text checkpoint."""
-    text = _text_prefix(hf_config)
-    if text == "model.":
+    text = getattr(hf_config, TEXT_PREFIX_ATTRIBUTE, None)
+    if text is None:
         return []
     built = (text, _vision_prefix(hf_config) or text)
     return sorted(n for n in names if not n.startswith(built) and n != "lm_head.weight")

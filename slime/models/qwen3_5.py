@@ -25,6 +25,7 @@ from slime.models.mtp import qwen3_next_names
 from slime.models.qwen3_moe import QWEN_MOE_FIELDS
 from slime.models.qwen3_moe import moe_architecture as qwen_moe_architecture
 from slime.models.registry import ModelFamily, register
+from slime.models.vision_arch import QWEN_VL_COMPOSITE_FIELDS
 
 LAYER_KINDS = ("linear_attention", "full_attention")
 
@@ -239,25 +240,7 @@ HYBRID_FIELDS = table(
 """Qwen3.5's and Qwen3-Next's text config: the hybrid stack, dense or MoE (Qwen3.5-MoE always renormalises)."""
 
 
-def _text_tying(value: Any, hf_config: Any) -> str | None:
-    text = getattr(hf_config.text_config, "tie_word_embeddings", False)
-    if bool(value) == bool(text):
-        return None
-    return (f"disagrees with text_config.tie_word_embeddings={text}: transformers' composite model ties by the "
-            "outer one, the text model is built by the inner one; make them equal")
-
-
-COMPOSITE_FIELDS = table(
-    CONFIG_OBJECT,
-    text_config=built("the text model (hf_fields of the family), megatron's"),
-    vision_config=built("the vision tower, transformers' own class of it (every field read by that class), built and "
-                        "trained when the run trains on images (--multimodal-keys), else carried through unchanged"),
-    image_token_id=built("the image tokens, whose word embeddings the vision features replace"),
-    video_token_id=ignored("videos are refused before any engine or trainer sees one"),
-    vision_start_token_id=ignored("a text token around each image: its place comes from the image token runs"),
-    vision_end_token_id=ignored("a text token around each image: its place comes from the image token runs"),
-    tie_word_embeddings=checked("text_config.tie_word_embeddings", _text_tying, True),
-)
+COMPOSITE_FIELDS = QWEN_VL_COMPOSITE_FIELDS
 """The vision + text wrapper of the released Qwen3.5 checkpoints (qwen3_5, qwen3_5_moe)."""
 
 _COMMON = dict(hf_fields=HYBRID_FIELDS, experts_key="num_experts", qk_layernorm=True, attention_output_gate=True, zero_centered_norms=True, layer_kinds=layer_kinds,

@@ -33,6 +33,7 @@ _BUILTIN_MODULES = (
     "slime.models.gpt_oss",
     "slime.models.deepseek_v32",
     "slime.models.kimi_linear",
+    "slime.models.qwen_vl",
 )
 
 # What a model_type outside the registry is read as (arguments.py lets one through only with a custom model
@@ -82,6 +83,9 @@ class ModelFamily:
     """model_types of vision + text checkpoints (config.text_config, weights under `model.language_model.`) whose
     text model this family trains; their vision tower is built only for a run that trains on images
     (`language_model_config`), else carried through unchanged."""
+    composite_text_prefix: str = "model.language_model."
+    """Where a composite checkpoint of this family keeps its text model's weights (Qwen2.5-VL's, written in
+    Qwen2-VL's layout: `model.`; the output layer is `lm_head` either way)."""
     vision: Callable[[Any], Any] | None = None
     """composite hf_config -> its `vision_arch.VisionArch`: the family trains the vision tower with the text model on
     images (slime/models/vision_language.py); None: a run with images is refused."""
@@ -284,7 +288,8 @@ def family(model_type: str) -> ModelFamily:
     return _FAMILIES[model_type]
 
 
-# A composite checkpoint's text weights: `model.language_model.X` for the text model's `model.X`.
+# A composite checkpoint's text weights: `model.language_model.X` for the text model's `model.X` (transformers'
+# composite classes keep them there in memory; ModelFamily.composite_text_prefix says where a checkpoint does).
 COMPOSITE_TEXT_PREFIX = "model.language_model."
 TEXT_PREFIX_ATTRIBUTE = "slime_text_weight_prefix"
 """Set on the text config `language_model_config` returns: where its weights sit in the checkpoint."""
@@ -307,7 +312,7 @@ def language_model_config(hf_config: Any, vision: bool = False) -> Any:
         return hf_config
     check_fields(hf_config, family.composite_fields)
     text = hf_config.text_config
-    setattr(text, TEXT_PREFIX_ATTRIBUTE, COMPOSITE_TEXT_PREFIX)
+    setattr(text, TEXT_PREFIX_ATTRIBUTE, family.composite_text_prefix)
     if vision:
         if family.vision is None:
             raise ValueError(f"{family.name} ({hf_config.model_type}): its vision tower is not built here, so it "

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from slime.models.hf_fields import CONFIG_OBJECT, built, checked, ignored, table
+
 VISION_ATTRIBUTE = "slime_vision_arch"
 """Set on the text config `registry.language_model_config` returns when the run trains on images: its VisionArch."""
 VISION_MODULE = "visual"
@@ -70,14 +72,37 @@ def mrope_of(text_config: Any, interleaved: bool) -> MultimodalRope:
     return MultimodalRope(section=tuple(int(s) for s in section), interleaved=interleaved)
 
 
-def qwen_vision_arch(hf_config: Any, family: str, *, interleaved: bool, deepstack: bool = False) -> VisionArch:
+def qwen_vision_arch(hf_config: Any, family: str, *, interleaved: bool, deepstack: bool = False,
+                     hf_prefix: str = "model.visual.") -> VisionArch:
     """The Qwen-VL kind of composite config (Qwen2.5-VL, Qwen3-VL, Qwen3.5): `vision_config`, `image_token_id`,
     the text config's multimodal RoPE sections; Qwen3-VL's `deepstack_visual_indexes`."""
     vision = hf_config.vision_config
     layers = len(getattr(vision, "deepstack_visual_indexes", None) or ()) if deepstack else 0
     return VisionArch(family=family, vision_config=vision, image_token_id=int(hf_config.image_token_id),
                       merge_size=int(vision.spatial_merge_size), rope=mrope_of(hf_config.text_config, interleaved),
-                      deepstack_layers=layers)
+                      deepstack_layers=layers, hf_prefix=hf_prefix)
+
+
+def _text_tying(value: Any, hf_config: Any) -> str | None:
+    text = getattr(hf_config.text_config, "tie_word_embeddings", False)
+    if bool(value) == bool(text):
+        return None
+    return (f"disagrees with text_config.tie_word_embeddings={text}: transformers' composite model ties by the "
+            "outer one, the text model is built by the inner one; make them equal")
+
+
+QWEN_VL_COMPOSITE_FIELDS = table(
+    CONFIG_OBJECT,
+    text_config=built("the text model (hf_fields of the family), megatron's"),
+    vision_config=built("the vision tower, transformers' own class of it (every field read by that class), built and "
+                        "trained when the run trains on images (--multimodal-keys), else carried through unchanged"),
+    image_token_id=built("the image tokens, whose word embeddings the vision features replace"),
+    video_token_id=ignored("videos are refused before any engine or trainer sees one"),
+    vision_start_token_id=ignored("a text token around each image: its place comes from the image token runs"),
+    vision_end_token_id=ignored("a text token around each image: its place comes from the image token runs"),
+    tie_word_embeddings=checked("text_config.tie_word_embeddings", _text_tying, True),
+)
+"""The vision + text wrapper of the Qwen-VL kind (Qwen2.5-VL, Qwen3-VL, Qwen3.5)."""
 
 
 @dataclass(frozen=True)

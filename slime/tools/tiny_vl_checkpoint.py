@@ -1,10 +1,14 @@
-"""Write a tiny, randomly initialised vision + text checkpoint (Qwen2.5-VL, Qwen3-VL or Qwen3.5) that takes images.
+"""Write a tiny, randomly initialised vision + text checkpoint (Qwen2.5-VL, Qwen3-VL, Qwen3.5, dense or MoE) that
+takes images.
 
-    python -m slime.tools.tiny_vl_checkpoint --out DIR [--kind qwen2.5-vl|qwen3-vl|qwen3.5-vl] [--seed 0]
+    python -m slime.tools.tiny_vl_checkpoint --out DIR [--kind KIND] [--seed 0]
 
-The model is transformers' own class (Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration,
-Qwen3_5ForConditionalGeneration: one gated DeltaNet and one gated attention layer) at toy sizes: a 2-layer text model of width 64 with multimodal RoPE, a 2-block vision tower on 4-pixel patches
-merged 2 x 2, so a 32 x 32 picture is 16 image tokens. The tokenizer is a character tokenizer
+KIND is qwen2.5-vl, qwen3-vl, qwen3-vl-moe, qwen3.5-vl or qwen3.5-vl-moe. The model is transformers' own class
+(Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration,
+Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration: one gated DeltaNet and one gated attention
+layer) at toy sizes: a 2-layer text model of width 64 with multimodal RoPE (MoE: 4 experts, top 2; Qwen3.5-MoE
+with a gated shared expert), a 2-block vision tower on 4-pixel patches merged 2 x 2, so a 32 x 32 picture is 16
+image tokens. The tokenizer is a character tokenizer
 (slime/tools/char_tokenizer.py) over digits, lower-case letters and a little punctuation, plus the chat and
 vision special tokens, with a ChatML template that renders an image item as
 `<|vision_start|><|image_pad|><|vision_end|>`; the image processor (preprocessor_config.json) is Qwen2-VL's,
@@ -23,7 +27,8 @@ from slime.tools import char_tokenizer
 ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz ?.,:"
 CHAT_TOKENS = ("<|im_start|>",)
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
-KINDS = ("qwen2.5-vl", "qwen3-vl", "qwen3.5-vl")
+KINDS = ("qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe", "qwen3.5-vl", "qwen3.5-vl-moe")
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 # ChatML; an image item (any dict of type image) is the model's image placeholder between its vision markers.
 VL_CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
@@ -78,11 +83,14 @@ def build_config(spec: TinyVLSpec):
     if spec.kind == "qwen2.5-vl":
         vision.update(window_size=4 * spec.patch_size * spec.merge_size, fullatt_block_indexes=[spec.vision_depth - 1])
         config_class = transformers.Qwen2_5_VLConfig
-    elif spec.kind == "qwen3-vl":
+    elif spec.kind in ("qwen3-vl", "qwen3-vl-moe"):
         vision.update(num_position_embeddings=64, deepstack_visual_indexes=[0])
         text["rope_parameters"]["mrope_interleaved"] = True
         config_class = transformers.Qwen3VLConfig
-    elif spec.kind == "qwen3.5-vl":  # gated DeltaNet and gated attention layers; RoPE on half of each head
+        if spec.kind == "qwen3-vl-moe":
+            text.update(MOE, decoder_sparse_step=1)
+            config_class = transformers.Qwen3VLMoeConfig
+    elif spec.kind in ("qwen3.5-vl", "qwen3.5-vl-moe"):  # gated DeltaNet and gated attention layers
         vision.update(num_position_embeddings=64)
         text.update(layer_types=["linear_attention", "full_attention"] * (spec.layers // 2), linear_num_key_heads=2,
                     linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
@@ -90,6 +98,10 @@ def build_config(spec: TinyVLSpec):
         text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                                    "mrope_section": [2, 1, 1], "mrope_interleaved": True}
         config_class = transformers.Qwen3_5Config
+        if spec.kind == "qwen3.5-vl-moe":  # every layer routes, beside a gated shared expert
+            text.pop("intermediate_size")
+            text.update(MOE, shared_expert_intermediate_size=32)
+            config_class = transformers.Qwen3_5MoeConfig
     else:
         raise ValueError(f"unknown kind {spec.kind!r}; one of {KINDS}")
     return config_class(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
@@ -102,7 +114,9 @@ def model_class(kind: str):
 
     return {"qwen2.5-vl": transformers.Qwen2_5_VLForConditionalGeneration,
             "qwen3-vl": transformers.Qwen3VLForConditionalGeneration,
-            "qwen3.5-vl": transformers.Qwen3_5ForConditionalGeneration}[kind]
+            "qwen3-vl-moe": transformers.Qwen3VLMoeForConditionalGeneration,
+            "qwen3.5-vl": transformers.Qwen3_5ForConditionalGeneration,
+            "qwen3.5-vl-moe": transformers.Qwen3_5MoeForConditionalGeneration}[kind]
 
 
 def write_tiny_vl_checkpoint(out_dir: str | Path, spec: TinyVLSpec = TinyVLSpec()) -> Path:

@@ -501,6 +501,11 @@ def checkpoint_target(name: str, state: dict[str, torch.Tensor], config: Any) ->
         text_state = {"model." + key[len(COMPOSITE_TEXT_PREFIX):]: value for key, value in state.items()
                       if key.startswith(COMPOSITE_TEXT_PREFIX)}
         return checkpoint_target(text_name, text_state, config.get_text_config())
+    if any(key.startswith(COMPOSITE_TEXT_PREFIX) for key in state):  # Qwen2-VL's layout: `model.X`, `visual.X`
+        if name.startswith("visual."):
+            return checkpoint_target("model." + name, state, config)
+        if name.startswith("model.") and not name.startswith("model.visual."):
+            return checkpoint_target(COMPOSITE_TEXT_PREFIX + name[len("model."):], state, config)
     family = family_of(config)
     own = family.in_memory_target(name, state.keys(), config) if family.in_memory_target is not None else None
     if own is not None:
