@@ -28,6 +28,9 @@ ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz ?.,:"
 CHAT_TOKENS = ("<|im_start|>",)
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 KINDS = ("qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe", "qwen3.5-vl", "qwen3.5-vl-moe")
+# The text attention's q and k weights are scaled up so a random model's attention scores are of order one: what
+# each token attends to then depends on the positions, and a wrong position row changes the log-probs visibly.
+QK_SCALE = 8.0
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 # ChatML; an image item (any dict of type image) is the model's image placeholder between its vision markers.
 VL_CHAT_TEMPLATE = (
@@ -130,6 +133,8 @@ def write_tiny_vl_checkpoint(out_dir: str | Path, spec: TinyVLSpec = TinyVLSpec(
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.add_(0.1 * torch.randn_like(param))
+            if "language_model." in name and name.endswith(("q_proj.weight", "k_proj.weight")):
+                param.mul_(QK_SCALE)
     model.save_pretrained(str(out))
     ids = token_ids()
     GenerationConfig(bos_token_id=ids[char_tokenizer.PAD_TOKEN], eos_token_id=[ids[char_tokenizer.EOS_TOKEN]],
