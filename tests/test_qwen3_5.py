@@ -6,8 +6,8 @@
   its recurrence across CP ranks), and exports every HF tensor bit-exactly;
 - the training step on a packed batch of several sequences gives the single process's log-probs, loss and grad
   norm at TP2 x SP x CP2 x EP2 (Qwen3-Next: both layer kinds and the MoE) and PP2 (Qwen3.5);
-- a composite (vision + text) checkpoint trains its text model, saves back whole, takes a push; images are refused
-  while the vision tower is not trained.
+- a composite (vision + text) checkpoint trains its text model, saves back whole, takes a push; a sample with
+  images is refused unless the run trains on images (--multimodal-keys: tests/test_vlm_model.py).
 Bad input before Ray: tests/test_launch_errors.py::test_hybrid_layer_stacks_are_checked_before_ray.
 """
 from __future__ import annotations
@@ -204,15 +204,18 @@ def test_composite_checkpoint_trains_its_text_model_saves_it_whole_and_pushes_to
         assert torch.equal(engine(tokens).logits, want)
 
 
-def test_a_sample_with_images_is_refused_before_any_engine_sees_it_while_the_vision_tower_is_not_trained():
+def test_a_sample_with_images_is_refused_before_any_engine_sees_it_unless_the_run_trains_on_images():
     from slime.config import defaults_namespace
     from slime.rollout.sglang_rollout import check_sample_media
     from slime.utils.types import Sample
 
     args = defaults_namespace()
     check_sample_media(args, Sample(index=3, prompt="123"))  # text passes
-    with pytest.raises(ValueError, match="sample 3 carries multimodal inputs \\(images\\).*vision tower is not trained"):
+    with pytest.raises(ValueError, match="sample 3 carries multimodal inputs \\(images\\).*builds the vision tower "
+                                         "only for a run with --multimodal-keys"):
         check_sample_media(args, Sample(index=3, prompt="123", multimodal_inputs={"images": ["x.png"]}))
+    check_sample_media(defaults_namespace(multimodal_keys={"image": "images"}),  # the trainer takes them
+                       Sample(index=3, prompt="123", multimodal_inputs={"images": ["x.png"]}))
     check_sample_media(defaults_namespace(debug_rollout_only=True),  # a run that does not train takes them
                        Sample(index=3, prompt="123", multimodal_inputs={"images": ["x.png"]}))
     with pytest.raises(ValueError, match="sample 3 carries videos: only images are supported"):

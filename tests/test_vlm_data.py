@@ -117,15 +117,16 @@ def test_a_bad_image_row_is_named_by_file_and_line_before_ray(row, says, vl_chec
     assert f"--prompt-data: {prompts}:2: " in err and says in err and "Traceback" not in err
 
 
-def test_checked_images_stop_at_the_untrained_vision_tower_unless_the_run_only_rolls_out(vl_checkpoint, tmp_path,
-                                                                                         capsys):
+def test_checked_images_train_with_the_vision_tower_and_what_it_cannot_build_beside_is_refused(vl_checkpoint, tmp_path,
+                                                                                               capsys):
     from slime.tools.square_images import write_task
 
     paths = write_task(tmp_path, n=4)
     for prompts in paths.values():
-        err = parse_error(_parse_argv(vl_checkpoint, prompts), capsys)
-        assert "--multimodal-keys is not supported here yet: the vision tower is not trained yet" in err
+        assert parse_quiet(_parse_argv(vl_checkpoint, prompts)).multimodal_keys == {"image": "images"}
         parse_quiet(_parse_argv(vl_checkpoint, prompts, "--debug-rollout-only"))
+    err = parse_error(_parse_argv(vl_checkpoint, paths["jsonl"], "--advantage-estimator", "ppo"), capsys)
+    assert "--multimodal-keys with --advantage-estimator ppo: the critic is not built with a vision tower" in err
     err = parse_error([*PARSE_BASE, "--hf-checkpoint", vl_checkpoint, "--prompt-data", str(paths["jsonl"]),
                        "--multimodal-keys", '{"video": "clips"}', "--apply-chat-template"], capsys)
     assert "videos are not supported" in err

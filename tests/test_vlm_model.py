@@ -11,7 +11,7 @@
 - TP2 x SP x CP2 (Qwen3.5-MoE x EP2, Qwen3-VL): log-probs equal the embedded engine's (transformers' composite
   class with the same images), one fenced step gives the single process's loss and grad norm, moves the vision
   tower, passes the order proof, and the pushed weights (vision tower included) give the engine the trainer's new
-  log-probs; pushing all but the tower leaves them apart.
+  log-probs; pushing all but the tower leaves them apart; --save / --load and --save-hf keep the trained tower.
 """
 from __future__ import annotations
 
@@ -233,9 +233,10 @@ LAYOUTS = {"qwen3.5-vl-moe": dict(tensor_model_parallel_size=2, sequence_paralle
 TRAINING = dict(calculate_per_token_loss=True, lr=1e-3, max_tokens_per_gpu=96)
 
 
-def _step_child(rank, world, ledger_dir, hf_dir, data, layout):
+def _step_child(rank, world, ledger_dir, hf_dir, data, layout, save_dir=None):
     """Load, log-probs, one recorded training step, log-probs again and the export (as test_model_families'
-    MoE child), with the vision tower trained."""
+    MoE child), with the vision tower trained; `save_dir`: then --save (reloaded into a fresh model, exported
+    again) and --save-hf."""
     import transformers
 
     from slime.backends.megatron_utils.model import build_model_and_optimizer
@@ -265,8 +266,17 @@ def _step_child(rank, world, ledger_dir, hf_dir, data, layout):
         ledger.close()
     after = compute_log_probs(model, data, plan, args)
     trained = {name: tensor.clone() for name, tensor in export_hf_weights(model, hf_config)}
+    reloaded = None
+    if save_dir is not None:
+        from slime.backends.megatron_utils.checkpoint import load_checkpoint, save_checkpoint, save_hf_checkpoint
+
+        save_checkpoint(f"{save_dir}/megatron", 1, model, optimizer, scheduler)
+        save_hf_checkpoint(f"{save_dir}/hf", model, hf_config, hf_dir)
+        fresh, fresh_optimizer, fresh_scheduler = build_model_and_optimizer(args, hf_config)
+        load_checkpoint(f"{save_dir}/megatron", fresh, fresh_optimizer, fresh_scheduler)
+        reloaded = {name: tensor.clone() for name, tensor in export_hf_weights(fresh, hf_config)}
     return dict(before=before, after=after, trained=trained, loss=step.loss, grad_norm=step.grad_norm,
-                skipped=step.skipped, micro_batches=plan.num_micro_batches)
+                skipped=step.skipped, micro_batches=plan.num_micro_batches, reloaded=reloaded)
 
 
 def _engine_log_probs(engine, data) -> list[list[float]]:
@@ -290,6 +300,8 @@ def _max_gap(a, b) -> float:
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("kind", sorted(LAYOUTS))
 def test_step_under_tp2_sp_cp2_matches_the_single_process_and_the_pushed_engine(checkpoints, kind, tmp_path):
+    from safetensors.torch import load_file
+
     from slime.backends.embedded_engine.engine import EmbeddedEngine
     from slime.distributed.order_proof import check_order, read_sequences
 
@@ -298,7 +310,8 @@ def test_step_under_tp2_sp_cp2_matches_the_single_process_and_the_pushed_engine(
                                               dict(LAYOUTS[kind], **TRAINING)), timeout_s=400)
     report = check_order(read_sequences(str(tmp_path / "layout")))
     assert report.ok, report.format()
-    (single,) = run_ranks(_step_child, 1, args=(str(tmp_path / "single"), hf_dir, data, TRAINING), timeout_s=300)
+    (single,) = run_ranks(_step_child, 1, args=(str(tmp_path / "single"), hf_dir, data, TRAINING,
+                                                str(tmp_path / "saved")), timeout_s=300)
     result = results[0]
     assert result["micro_batches"] > 1 and not result["skipped"]  # dynamic batches of whole samples
     assert result["loss"] == pytest.approx(single["loss"], abs=1e-5)
@@ -312,3 +325,13 @@ def test_step_under_tp2_sp_cp2_matches_the_single_process_and_the_pushed_engine(
     assert _max_gap(result["after"], _engine_log_probs(engine, data)) > 100 * TOLERANCE  # the stale tower shows
     engine.update_weights(list(tower.items()), "v3")
     assert _max_gap(result["after"], _engine_log_probs(engine, data)) < TOLERANCE
+    # --save / --load and --save-hf keep the trained tower: a fresh model reloads it, the saved HF checkpoint is
+    # complete and serves the trained log-probs with images
+    assert sorted(single["reloaded"]) == sorted(single["trained"])
+    assert all(torch.equal(single["reloaded"][n], t) for n, t in single["trained"].items())
+    saved = load_file(str(tmp_path / "saved" / "hf" / "model.safetensors"))
+    assert sorted(saved) == sorted(single["trained"])
+    assert all(torch.equal(saved[n], t) for n, t in single["trained"].items())
+    served = EmbeddedEngine(str(tmp_path / "saved" / "hf"), dtype="float32")
+    assert served.vision is not None
+    assert _max_gap(single["after"], _engine_log_probs(served, data)) < TOLERANCE

@@ -5,8 +5,9 @@ marks where each image goes with `<image>` (upstream's placeholder), one per ima
 the chat template then renders each as the model's own image tokens. Images are checked and normalised by
 slime/utils/images.py. Video and audio are refused: no engine or trainer here processes them.
 
-The trainer builds the text model only (the vision tower is not trained yet): a run that trains on images is
-refused before Ray starts (`TRAINER_TAKES_IMAGES`); rollout-only runs (`--debug-rollout-only`) take them.
+A run with `--multimodal-keys` trains on images: the trainer builds the checkpoint's vision tower in front of its
+text model (slime/models/vision_language.py); the checkpoint's family must be one that does
+(`registry.vision_model_types()`), checked before Ray starts.
 """
 from __future__ import annotations
 
@@ -17,10 +18,8 @@ from typing import Any
 
 from slime.utils.images import ImageInputError, canonical_image
 
-# Whether the megatron trainer builds the vision tower and takes the processor's pixel values with each sample.
-TRAINER_TAKES_IMAGES = False
-NOT_TRAINED_REASON = ("the vision tower is not trained yet: the trainer builds a vision + text checkpoint's text "
-                      "model only, so its log-probs would ignore the images the engines saw")
+UNTRAINED_IMAGES = ("the trainer builds the vision tower only for a run with --multimodal-keys, so its log-probs "
+                    "would ignore the images the engines saw")
 
 IMAGE_PLACEHOLDER = "<image>"  # upstream's MultimodalTypes.IMAGE.placeholder
 MEDIA_TYPES = ("image", "video", "audio")

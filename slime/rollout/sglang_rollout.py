@@ -30,7 +30,7 @@ from slime.rollout.data_source import (PromptDataset, PromptFileSpec, eval_datas
 from slime.rollout.eval_config import EvalDatasetSpec
 from slime.rollout.metrics import compute_eval_metrics, compute_rollout_metrics
 from slime.rollout.plugin_args import flag as plugin_flag
-from slime.rollout.prompt_media import NOT_TRAINED_REASON, TRAINER_TAKES_IMAGES
+from slime.rollout.prompt_media import UNTRAINED_IMAGES
 from slime.rollout.rm_hub import async_rm, batched_async_rm
 from slime.rollout.sample_hooks import apply_rollout_sample_hooks
 from slime.rollout.sampling_loop import SamplingLoop
@@ -135,17 +135,18 @@ def _budget(args, sample: Sample, params: dict) -> int | None:
 
 def check_sample_media(args, sample: Sample) -> None:
     """Before any engine sees a sample: only images (videos and audio are refused), and images only when the
-    run's trainer takes them (or the run does not train: --debug-rollout-only)."""
+    run's trainer takes them (--multimodal-keys: it builds the vision tower) or the run does not train
+    (--debug-rollout-only)."""
     media = {**(sample.multimodal_inputs or {}), **(sample.multimodal_train_inputs or {})}
     refused = sorted(key for key, value in (sample.multimodal_inputs or {}).items()
                      if key != "images" and value is not None)
     if refused:
         raise ValueError(f"sample {sample.index} carries {', '.join(refused)}: only images are supported")
-    if any(value is not None for value in media.values()) and not TRAINER_TAKES_IMAGES \
+    if any(value is not None for value in media.values()) and plugin_flag(args, "multimodal_keys") is None \
             and not plugin_flag(args, "debug_rollout_only"):
         raise ValueError(f"sample {sample.index} carries multimodal inputs ({', '.join(sorted(media))}); "
-                         f"{NOT_TRAINED_REASON}. Train on text samples, or run the rollout alone "
-                         "(--debug-rollout-only)")
+                         f"{UNTRAINED_IMAGES}. Pass --multimodal-keys, train on text samples, or run the rollout "
+                         "alone (--debug-rollout-only)")
 
 
 def _has_images(sample: Sample) -> bool:

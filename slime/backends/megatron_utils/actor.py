@@ -105,9 +105,11 @@ class MegatronTrainActor:
             self.groups.create(timeout_s=self.deadlines.first_setup_op_s)
         seed_model_parallel(self.args)
         call_hook(self.args.custom_megatron_init_path, self.args)  # after megatron's groups and RNG exist
-        # a composite (vision + text) checkpoint trains its text model only
+        # a composite (vision + text) checkpoint trains its text model, and its vision tower when the run trains on
+        # images (--multimodal-keys)
         self.hf_config = language_model_config(AutoConfig.from_pretrained(self.args.hf_checkpoint,
-                                                                          trust_remote_code=True))
+                                                                          trust_remote_code=True),
+                                               vision=self.args.multimodal_keys is not None)
         # model build and loads make no ledger progress: the longest rank window (slime/utils/deadlines.py)
         with self.watchdog.phase("init/load", deadline_s=self.deadlines.first_setup_s):
             self._fence_load_views()

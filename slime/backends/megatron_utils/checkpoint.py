@@ -47,7 +47,8 @@ logger = logging.getLogger(__name__)
 _TRACKER = contents.TRACKER
 # HF files copied next to --save-hf weights so the directory loads with transformers / SGLang
 _HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                  "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja", "added_tokens.json")
+                  "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja", "added_tokens.json",
+                  "preprocessor_config.json")
 _PARTIAL = durable.PARTIAL
 _GROWTH_POLL_S = 1.0
 # Distributed-optimizer state format: Megatron-LM's default. The model itself reloads under any

@@ -1,5 +1,6 @@
 """`--multimodal-keys` before Ray starts: the mapping, the checkpoint's image processing, every prompt row's images
-(decoded, one `<image>` placeholder each), then whether the trainer takes images."""
+(decoded, one `<image>` placeholder each), then whether the trainer builds the checkpoint's vision tower with the
+run's other flags."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from slime.config.errors import fail
 
 
 def check_multimodal(args: argparse.Namespace) -> None:
-    from slime.rollout.prompt_media import NOT_TRAINED_REASON, TRAINER_TAKES_IMAGES, parse_media_keys
+    from slime.rollout.prompt_media import parse_media_keys
 
     per_dataset = [spec for spec in args.eval_datasets if spec.multimodal_keys is not None]
     if args.multimodal_keys is None and not per_dataset:
@@ -28,9 +29,30 @@ def check_multimodal(args: argparse.Namespace) -> None:
              "tokens where the prompt text has <image>")
     _check_checkpoint(args)
     _check_rows(args, keys)
-    if not TRAINER_TAKES_IMAGES and not args.debug_rollout_only:
-        fail(f"--multimodal-keys is not supported here yet: {NOT_TRAINED_REASON}. The prompts and images passed "
-             "their checks; --debug-rollout-only runs the rollout with them")
+    if not args.debug_rollout_only:
+        _check_trainer(args)
+
+
+def _check_trainer(args: argparse.Namespace) -> None:
+    """The trainer builds this checkpoint's vision tower, and the run's flags build beside it."""
+    import json
+
+    from slime.algorithms import estimator
+    from slime.models.hf_arch import hf_config_from_dict
+    from slime.models.registry import language_model_config
+
+    path = os.path.join(args.hf_checkpoint or "", "config.json")
+    if not os.path.isfile(path):
+        return  # check_launch_inputs names it
+    with open(path) as f:
+        whole = json.load(f)
+    try:
+        language_model_config(hf_config_from_dict(whole), vision=True)
+    except (KeyError, ValueError) as exc:
+        fail(f"--multimodal-keys: --hf-checkpoint {args.hf_checkpoint}: {exc.args[0] if exc.args else exc}")
+    if estimator(args.advantage_estimator).needs_critic:
+        fail(f"--multimodal-keys with --advantage-estimator {args.advantage_estimator}: the critic is not built with "
+             "a vision tower here; use a critic-free estimator (grpo, gspo, reinforce_plus_plus, ...)")
 
 
 def _check_checkpoint(args: argparse.Namespace) -> None:
