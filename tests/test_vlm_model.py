@@ -335,3 +335,19 @@ def test_step_under_tp2_sp_cp2_matches_the_single_process_and_the_pushed_engine(
     served = EmbeddedEngine(str(tmp_path / "saved" / "hf"), dtype="float32")
     assert served.vision is not None
     assert _max_gap(single["after"], _engine_log_probs(served, data)) < TOLERANCE
+
+
+@pytest.mark.timeout(300)
+def test_upstreams_freeze_flag_freezes_the_tower_alone(checkpoints, tmp_path):
+    """--freeze-params-name-list visual (upstream's flag, a regex on parameter names): the step trains the text model
+    and leaves every tensor of the tower as loaded."""
+    from safetensors.torch import load_file
+
+    hf_dir, data = checkpoints("qwen3-vl")
+    (result,) = run_ranks(_step_child, 1, args=(str(tmp_path), hf_dir, data,
+                                                dict(TRAINING, freeze_params_name_list=["visual"])), timeout_s=280)
+    original = load_file(f"{hf_dir}/model.safetensors")
+    assert not result["skipped"]
+    tower = [name for name in original if name.startswith("model.visual.")]
+    assert tower and all(torch.equal(result["trained"][name], original[name]) for name in tower)
+    assert not torch.equal(result["trained"]["lm_head.weight"], original["lm_head.weight"])
