@@ -92,6 +92,44 @@ OOM_EXIT_CODE = 3
 
 
 @dataclass(frozen=True, kw_only=True)
+class VisionShape:
+    """A Qwen3.5-style vision tower (transformers' Qwen3_5VisionModel): a patch embedding of temporal x patch x patch
+    pixels, `depth` blocks of full attention within each image and a GELU MLP, a merger of merge x merge patches into
+    one image token of the text width. Defaults: transformers' Qwen3_5VisionConfig (the released 27-block tower)."""
+
+    depth: int = 27
+    hidden: int = 1152
+    intermediate: int = 4304
+    heads: int = 16
+    patch: int = 16
+    merge: int = 2
+    temporal_patch: int = 2
+    position_embeddings: int = 2304
+
+    def patches(self, image_size: int) -> int:
+        """Patches of one square image (its side a multiple of patch x merge)."""
+        return (image_size // self.patch) ** 2
+
+    def tokens(self, image_size: int) -> int:
+        return self.patches(image_size) // self.merge ** 2
+
+    def matmul_params(self, out_hidden: int) -> tuple[int, int]:
+        """(weights each patch multiplies with: patch embedding, the blocks' projections and MLPs; weights each
+        merged image token multiplies with: the merger's two projections)."""
+        h, w = self.hidden, self.merge ** 2 * self.hidden
+        per_patch = 3 * self.temporal_patch * self.patch ** 2 * h + self.depth * (4 * h * h + 2 * h * self.intermediate)
+        return per_patch, w * w + w * out_hidden
+
+    def forward_flops(self, image_sizes: list[int], out_hidden: int) -> float:
+        """One forward over these images: 2 x weights per patch and per token, and full attention within each
+        image (4 x patches^2 x width per block: scores and values)."""
+        per_patch, per_token = self.matmul_params(out_hidden)
+        patches = [self.patches(n) for n in image_sizes]
+        attention = sum(4.0 * self.depth * self.hidden * n * n for n in patches)
+        return 2.0 * (per_patch * sum(patches) + per_token * sum(self.tokens(n) for n in image_sizes)) + attention
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelShape:
     """A Qwen3-style decoder (SwiGLU MLP, GQA, RMSNorm), dense or MoE (every layer routed, top-k experts); or,
     with `kv_lora_rank`, a GLM-4.7-Flash-style one (multi-latent attention, the first `dense_layers` MLPs dense,
@@ -137,6 +175,8 @@ class ModelShape:
     index_head_dim: int = 0
     index_topk: int = 0
     hash_layers: int = 0
+    vision: VisionShape | None = None
+    """A vision tower in front (a Qwen3.5 hybrid with images: transformers' composite checkpoint, the tower trained)."""
 
     @property
     def full_layers(self) -> int:
@@ -242,6 +282,15 @@ MODELS = {
                                   shared_expert_gate=True, tied=False),
     "tiny-hybrid": ModelShape(layers=4, hidden=64, heads=4, kv_heads=2, head_dim=16, ffn_hidden=128, vocab=1024,
                               full_attention_every=4, linear_key_heads=2, linear_value_heads=4, linear_head_dim=16),
+    # a Qwen3.5-VL-shaped step: the Qwen3.5-4B-sized hybrid with 8 of its 32 layers behind the whole 27-block vision
+    # tower (transformers' Qwen3_5VisionConfig), images of --image-size pixels square
+    "qwen3.5-vl-4b-8l": ModelShape(layers=8, hidden=2560, heads=16, kv_heads=4, head_dim=256, ffn_hidden=9216,
+                                   vocab=248320, full_attention_every=4, linear_key_heads=16, linear_value_heads=32,
+                                   linear_head_dim=128, vision=VisionShape()),
+    "tiny-hybrid-vl": ModelShape(layers=4, hidden=64, heads=4, kv_heads=2, head_dim=16, ffn_hidden=128, vocab=1024,
+                                 full_attention_every=4, linear_key_heads=2, linear_value_heads=4, linear_head_dim=16,
+                                 vision=VisionShape(depth=2, hidden=32, intermediate=64, heads=2, patch=4,
+                                                    position_embeddings=64)),
     # GLM-4.7-Flash's layers (MLA, 64 experts top-4 behind the sigmoid router, one shared expert, the first MLP
     # dense) with 8 of its 47 layers: about the same parameters as the Qwen3-30B-A3B 8-layer shape
     "glm-4.7-flash-8l": ModelShape(layers=8, hidden=2048, heads=20, kv_heads=20, head_dim=192, ffn_hidden=10240,
@@ -569,6 +618,9 @@ class StepOptions:
     path's last cycle), so the summary is written inside the caller's deadline"""
     results_json: str | None
     checkpoint_dir: str
+    image_size: int = 1024
+    """A model with a vision tower: each sample's prompt holds images of this many pixels square (random pixels)."""
+    images_per_sample: int = 1
 
 
 def path_label(label: str) -> str:
@@ -599,15 +651,21 @@ def parse_step(argv: list[str]) -> tuple[StepOptions, list[str]]:
     p.add_argument("--time-budget-s", type=float, default=1e9)
     p.add_argument("--results-json", default=None)
     p.add_argument("--checkpoint-dir", default=None, help="where the config-only HF checkpoint is written")
+    p.add_argument("--image-size", type=int, default=1024, help="vision models: each image's side in pixels")
+    p.add_argument("--images-per-sample", type=int, default=1)
     ns, rest = p.parse_known_args(argv)
     if not 1 <= ns.min_tokens <= ns.max_tokens:
         p.error("need 1 <= --min-tokens <= --max-tokens")
+    vision = MODELS[ns.model].vision
+    if vision is not None and ns.image_size % (vision.patch * vision.merge):
+        p.error(f"--image-size must be a multiple of patch x merge = {vision.patch * vision.merge}")
     ckpt = ns.checkpoint_dir or os.path.join(tempfile.gettempdir(), f"bench_step_gpu_{ns.model}")
     return StepOptions(model=ns.model, paths=tuple(dict.fromkeys(ns.paths)), cycles=ns.cycles,
                        num_samples=ns.num_samples, min_tokens=ns.min_tokens, max_tokens=ns.max_tokens,
                        data_seed=ns.data_seed, sync_audit=ns.sync_audit, profile=ns.profile,
                        host_profile=ns.host_profile, profile_warmup=ns.profile_warmup,
-                       time_budget_s=ns.time_budget_s, results_json=ns.results_json, checkpoint_dir=ckpt), rest
+                       time_budget_s=ns.time_budget_s, results_json=ns.results_json, checkpoint_dir=ckpt,
+                       image_size=ns.image_size, images_per_sample=ns.images_per_sample), rest
 
 
 def hybrid_config(shape: ModelShape):
@@ -671,12 +729,47 @@ def compressed_config(shape: ModelShape):
         max_position_embeddings=1048576, tie_word_embeddings=shape.tied, architectures=["DeepseekV4ForCausalLM"])
 
 
+def vision_language_config(shape: ModelShape):
+    """transformers' Qwen3.5 composite config (Qwen3_5ForConditionalGeneration): the hybrid text model behind the
+    shape's vision tower; the vision token ids are the tiny character tokenizer's (slime/tools/tiny_vl_checkpoint.py)."""
+    from transformers import Qwen3_5Config
+
+    from slime.tools.tiny_vl_checkpoint import token_ids
+
+    ids, v = token_ids(), shape.vision
+    vision = dict(depth=v.depth, hidden_size=v.hidden, intermediate_size=v.intermediate, num_heads=v.heads,
+                  patch_size=v.patch, spatial_merge_size=v.merge, temporal_patch_size=v.temporal_patch,
+                  out_hidden_size=shape.hidden, num_position_embeddings=v.position_embeddings)
+    text = hybrid_config(shape).to_dict()
+    percent = 0.25 if shape.head_dim >= 64 else 0.5  # the release's quarter of each head (half for tiny heads)
+    pairs = int(shape.head_dim * percent) // 2
+    height, width = max(1, pairs * 11 // 32), max(1, pairs * 10 // 32)  # the release's [11, 11, 10] of 32 pairs
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": percent,
+                               "mrope_section": [pairs - height - width, height, width], "mrope_interleaved": True}
+    return Qwen3_5Config(text_config=text, vision_config=vision,
+                         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+                         tie_word_embeddings=shape.tied, architectures=["Qwen3_5ForConditionalGeneration"])
+
+
+def _processing_files(shape: ModelShape):
+    """A vision shape's tokenizer and image processor writer (what --multimodal-keys checks before the run)."""
+    from slime.tools.tiny_vl_checkpoint import TinyVLSpec, write_processing_files
+
+    v = shape.vision
+    spec = TinyVLSpec(patch_size=v.patch, merge_size=v.merge, max_position_embeddings=40960)
+    return lambda out: write_processing_files(Path(out), spec)
+
+
 def write_config_checkpoint(out_dir: str, shape: ModelShape) -> str:
-    """An HF directory holding only config.json (weights stay at megatron's init)."""
+    """An HF directory holding only config.json (weights stay at megatron's init); a vision shape's also its
+    tokenizer and image processor."""
     from slime.tools.tiny_checkpoint import TinyQwen3Spec, build_config
 
     if shape.hc_mult:
         return _publish_config(out_dir, compressed_config(shape))
+    if shape.vision is not None:
+        return _publish_config(out_dir, vision_language_config(shape), _processing_files(shape))
     if shape.full_attention_every:
         return _publish_config(out_dir, hybrid_config(shape))
     if shape.kv_lora_rank:
@@ -688,17 +781,21 @@ def write_config_checkpoint(out_dir: str, shape: ModelShape) -> str:
     return _publish_config(out_dir, build_config(spec))
 
 
-def _publish_config(out_dir: str, config) -> str:
+def _publish_config(out_dir: str, config, extra=None) -> str:
     tmp = tempfile.mkdtemp(dir=os.path.dirname(os.path.abspath(out_dir)), prefix=".cfg_")
     config.save_pretrained(tmp)
+    if extra is not None:
+        extra(tmp)
     if not os.path.exists(os.path.join(out_dir, "config.json")):
         os.replace(tmp, out_dir)  # atomic: another local rank may have written it first
     return out_dir
 
 
 def step_argv(opts: StepOptions, world: int, rest: list[str], ckpt: str) -> list[str]:
-    """Defaults a bare run needs, then the user's flags (they win), then what torchrun fixes."""
-    defaults = ["--num-rollout", "1000", "--rollout-batch-size", str(opts.num_samples),
+    """Defaults a bare run needs, then the user's flags (they win), then what torchrun fixes. A vision model's run
+    trains on images (--multimodal-keys: the trainer builds the tower)."""
+    vision = ["--multimodal-keys", '{"image": "images"}', "--apply-chat-template"] if MODELS[opts.model].vision else []
+    defaults = [*vision, "--num-rollout", "1000", "--rollout-batch-size", str(opts.num_samples),
                 "--n-samples-per-prompt", "1", "--seed", "1234", "--lr", "1e-6",
                 "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--use-dynamic-batch-size",
                 "--calculate-per-token-loss", "--fence-timeout", "300",
@@ -818,6 +915,11 @@ class StepBench:
         self.data["rewards"] = [(-1.0) ** i for i in range(opts.num_samples)]  # never all-zero advantages
         self.seq_lens = [len(t) for t in self.data["tokens"]]
         self.flops = STEP_FORWARDS * self.shape.forward_flops(self.seq_lens)
+        if self.shape.vision is not None:
+            vision = vision_arch_of(self.actor.model[0])
+            with_images(self.data, self.shape.vision, vision.image_token_id, opts)
+            sizes = [opts.image_size] * opts.images_per_sample * opts.num_samples
+            self.flops += STEP_FORWARDS * self.shape.vision.forward_flops(sizes, self.shape.hidden)
         self.cycles: list[dict] = []
         self.extras: dict = {}
         self.rollout_id = -1
@@ -842,6 +944,40 @@ class StepBench:
             raise RuntimeError("the model does not use ContextParallelAttention (TransformerEngine spec?): "
                                "this benchmark compares the local-spec paths; pass --transformer-impl local")
         return actor
+
+    def measure_tower(self, reps: int = 3) -> dict:
+        """The vision tower alone on the step's images, as the step runs it: a forward without gradients (the
+        log-probs), then a forward and a backward (the training pass); median seconds of `reps`."""
+        from slime.models.hf_weights import unwrap_model
+        from slime.models.vision_arch import VISION_MODULE
+
+        tower = getattr(unwrap_model(self.actor.model[0]), VISION_MODULE)
+        inputs = [x for x in self.data["multimodal_train_inputs"] if x is not None]
+        pixels = torch.cat([x["pixel_values"] for x in inputs]).to(self.device)
+        grids = torch.cat([x["image_grid_thw"] for x in inputs]).to(self.device)
+
+        def forward() -> torch.Tensor:
+            return tower(pixels.to(tower.dtype), grid_thw=grids).pooler_output
+
+        def timed(fn) -> float:
+            times = []
+            for _ in range(reps):
+                synchronize(self.device)
+                start = time.perf_counter()
+                fn()
+                synchronize(self.device)
+                times.append(time.perf_counter() - start)
+            return statistics.median(times)
+
+        with torch.no_grad():
+            no_grad_s = timed(forward)
+        train_s = timed(lambda: forward().float().square().mean().backward())
+        tower.zero_grad(set_to_none=True)
+        step_s = statistics.median(c["step_s"] for c in self.cycles if c["path"] == self.opts.paths[0])
+        return {"images": grids.shape[0], "patches": int(pixels.shape[0]), "image_tokens": int(grids.prod(-1).sum())
+                // self.shape.vision.merge ** 2, "log_prob_forward_s": no_grad_s, "train_forward_backward_s": train_s,
+                "tower_s": no_grad_s + train_s, "step_s": step_s, "share": (no_grad_s + train_s) / step_s,
+                "tower_params": sum(p.numel() for p in tower.parameters())}
 
     # -- one cycle -------------------------------------------------------------------------
     def _train(self) -> dict:
@@ -973,6 +1109,16 @@ class StepBench:
             last[path] = result["wall_s"]
             self.cycles.append(result)
             self.report("CYCLE " + json.dumps(result))
+        if self.shape.vision is not None and self.opts.paths[0] in last:
+            if self.out_of_time(4 * last[self.opts.paths[0]]):
+                return self._stop("time budget: the vision tower was not timed alone")
+            self.current = "the vision tower timed alone"
+            v = self.extras["vision"] = self.measure_tower()
+            self.report(f"VISION {self.opts.model}: the tower ({v['tower_params'] / 1e6:.0f} M parameters) on the step's "
+                        f"{v['images']} images ({v['patches']} patches, {v['image_tokens']} image tokens): "
+                        f"{v['tower_s']:.3f} s of a {v['step_s']:.3f} s step ({100 * v['share']:.1f} %): log-prob "
+                        f"forward {v['log_prob_forward_s']:.3f} s, training forward + backward "
+                        f"{v['train_forward_backward_s']:.3f} s")
         for path in self.opts.paths if self.opts.sync_audit else ():
             if self.out_of_time(last[path]):
                 return self._stop(f"time budget: no sync audit of the {path} path")
@@ -1053,6 +1199,40 @@ class StepBench:
             print(line, flush=True)
             write_json(self.opts.results_json, {"options": asdict(self.opts), "summary": self.summary(),
                                                 "cycles": self.cycles})
+
+
+def vision_arch_of(chunk):
+    from slime.models.vision_arch import vision_arch_of as arch
+
+    return arch(chunk)
+
+
+def with_images(data: dict, vision: VisionShape, image_token_id: int, opts: StepOptions) -> None:
+    """Each sample's prompt begins with its images' token runs (between vision start and end tokens), the rest of
+    the sample kept at its length; random pixel values [patches, 3 x temporal x patch x patch] and the grids go to
+    `multimodal_train_inputs`. The response shrinks where the prompt must hold the images."""
+    from slime.tools.tiny_vl_checkpoint import token_ids
+
+    ids = token_ids()
+    side = opts.image_size // vision.patch
+    run = [ids["<|vision_start|>"], *[image_token_id] * vision.tokens(opts.image_size), ids["<|vision_end|>"]]
+    block = run * opts.images_per_sample
+    generator = torch.Generator().manual_seed(opts.data_seed)
+    data["multimodal_train_inputs"] = []
+    for i, tokens in enumerate(data["tokens"]):
+        if len(tokens) < len(block) + 2:
+            raise ValueError(f"a sample of {len(tokens)} tokens cannot hold {len(block)} image tokens and a response: "
+                             "raise --min-tokens or lower --image-size")
+        rest = [t if t != image_token_id else t + 1 for t in tokens[len(block):]]  # no stray image token
+        data["tokens"][i] = block + rest
+        cap = len(data["tokens"][i]) - len(block) - 1
+        if data["response_lengths"][i] > cap:
+            data["response_lengths"][i] = cap
+            data["loss_masks"][i] = data["loss_masks"][i][-cap:]
+        patches = vision.patches(opts.image_size) * opts.images_per_sample
+        data["multimodal_train_inputs"].append({
+            "pixel_values": torch.randn(patches, 3 * vision.temporal_patch * vision.patch ** 2, generator=generator),
+            "image_grid_thw": torch.tensor([[1, side, side]] * opts.images_per_sample)})
 
 
 def compile_counters() -> dict:

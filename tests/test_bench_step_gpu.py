@@ -297,3 +297,39 @@ def test_a_path_may_name_the_deltanet_kernel(bench):
     summary = _summary()
     summary["paths"] = {"new": summary["paths"]["new"], "new@compiled": {**summary["paths"]["new"], "step_s": 6.0}}
     assert "new/new@compiled speed = 3.00x" in bench.summary_lines(summary)[0]
+
+
+def test_vision_flops_count_the_towers_weights(bench):
+    """The tower's weights per patch and per merged token are transformers' Qwen3_5VisionModel's matmul weights."""
+    from transformers import Qwen3_5VisionConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
+
+    shape = bench.MODELS["qwen3.5-vl-4b-8l"]
+    v = shape.vision
+    config = Qwen3_5VisionConfig(out_hidden_size=shape.hidden)
+    assert (config.depth, config.hidden_size, config.intermediate_size, config.patch_size) == \
+        (v.depth, v.hidden, v.intermediate, v.patch)
+    with torch.device("meta"):
+        tower = Qwen3_5VisionModel(config)
+    weights = {n: p.numel() for n, p in tower.named_parameters() if p.dim() >= 2 and "pos_embed" not in n}
+    per_patch, per_token = v.matmul_params(shape.hidden)
+    assert per_patch + per_token == sum(weights.values())
+    assert per_token == sum(n for name, n in weights.items() if name.startswith("merger."))
+    # a 1024 x 1024 image: 4096 patches, 1024 image tokens; attention within the image on top of the weights
+    assert v.forward_flops([1024], shape.hidden) > 2 * (per_patch * 4096 + per_token * 1024)
+
+
+@pytest.mark.timeout(240)
+def test_step_command_runs_a_vision_model_and_times_its_tower(tmp_path):
+    """A Qwen3.5-VL-shaped step (the tiny shape): --multimodal-keys parses against the written checkpoint, the
+    step trains with images, the tower is timed alone and its share of the step reported."""
+    proc, report = _run_step(tmp_path, 1, ["--model", "tiny-hybrid-vl", "--paths", "new", "--image-size", "16",
+                                           "--images-per-sample", "2"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = report["summary"]
+    vision = summary["vision"]
+    assert vision["images"] == 8 and vision["image_tokens"] == 8 * 4 and vision["patches"] == 8 * 16
+    assert 0 < vision["tower_s"] < vision["step_s"] and vision["share"] == pytest.approx(
+        vision["tower_s"] / vision["step_s"])
+    assert all(math.isfinite(c["loss"]) and c["grad_norm"] > 0 for c in report["cycles"])
+    assert "VISION tiny-hybrid-vl: the tower" in proc.stdout and "RATIO step tiny-hybrid-vl" in proc.stdout

@@ -1,5 +1,4 @@
-"""Write a tiny, randomly initialised vision + text checkpoint (Qwen2.5-VL, Qwen3-VL, Qwen3.5, dense or MoE) that
-takes images.
+"""Write a tiny, randomly initialised vision + text checkpoint that takes images (Qwen2.5-VL, Qwen3-VL, Qwen3.5).
 
     python -m slime.tools.tiny_vl_checkpoint --out DIR [--kind KIND] [--seed 0]
 
@@ -123,8 +122,6 @@ def model_class(kind: str):
 
 
 def write_tiny_vl_checkpoint(out_dir: str | Path, spec: TinyVLSpec = TinyVLSpec()) -> Path:
-    from transformers import GenerationConfig, Qwen2VLImageProcessorPil
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(spec.seed)
@@ -136,6 +133,15 @@ def write_tiny_vl_checkpoint(out_dir: str | Path, spec: TinyVLSpec = TinyVLSpec(
             if "language_model." in name and name.endswith(("q_proj.weight", "k_proj.weight")):
                 param.mul_(QK_SCALE)
     model.save_pretrained(str(out))
+    write_processing_files(out, spec)
+    return out
+
+
+def write_processing_files(out: Path, spec: TinyVLSpec) -> None:
+    """The generation config, the character tokenizer with the chat and vision tokens, and Qwen2-VL's image
+    processor at the spec's patching and pixel bounds (what a checkpoint directory needs to take images)."""
+    from transformers import GenerationConfig, Qwen2VLImageProcessorPil
+
     ids = token_ids()
     GenerationConfig(bos_token_id=ids[char_tokenizer.PAD_TOKEN], eos_token_id=[ids[char_tokenizer.EOS_TOKEN]],
                      pad_token_id=ids[char_tokenizer.PAD_TOKEN], do_sample=True, temperature=1.0, top_p=1.0,
@@ -144,7 +150,6 @@ def write_tiny_vl_checkpoint(out_dir: str | Path, spec: TinyVLSpec = TinyVLSpec(
                                        extra_special=(*CHAT_TOKENS, *VISION_TOKENS), chat_template=VL_CHAT_TEMPLATE)
     Qwen2VLImageProcessorPil(patch_size=spec.patch_size, merge_size=spec.merge_size, temporal_patch_size=2,
                              min_pixels=spec.min_pixels, max_pixels=spec.max_pixels).save_pretrained(str(out))
-    return out
 
 
 def main(argv: list[str] | None = None) -> None:
