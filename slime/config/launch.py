@@ -110,8 +110,8 @@ def _read_hf_config(config_path: str) -> dict:
 
 
 def built_part(config: dict) -> dict:
-    """The config of the model the trainer builds: a composite (vision + text) checkpoint's text_config, trained
-    text-only; any other checkpoint's whole config."""
+    """The config of the text model the trainer builds: a composite (vision + text) checkpoint's text_config (its
+    vision tower: checks/multimodal.py); any other checkpoint's whole config."""
     text = config.get("text_config")
     return text if isinstance(text, dict) else config
 

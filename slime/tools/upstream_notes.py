@@ -60,8 +60,9 @@ parse time with the reason where it would change the maths and is not implemente
   (`RMSNorm`, `rope`); another value is refused.
 - `--multimodal-keys '{"image": "images"}'` reads images as upstream does (JSONL or parquet; paths, base64,
   bytes; URLs refused) and checks every one before Ray starts; the rollout sends them to the engines as
-  SGLang's `image_data`. A run that trains on them is refused before Ray while the vision tower is not
-  trained (`--debug-rollout-only` runs the rollout with images); video and audio keys are refused
+  SGLang's `image_data`; the trainer builds the checkpoint's vision tower (transformers' own class, HF
+  names) in front of the megatron text model and trains both (Qwen2.5-VL, Qwen3-VL, Qwen3.5 dense and
+  MoE; `--freeze-params-name-list visual` freezes the tower); video and audio keys are refused
   (docs/multimodal.md).
 """
 

@@ -50,6 +50,10 @@ def _check_trainer(args: argparse.Namespace) -> None:
         language_model_config(hf_config_from_dict(whole), vision=True)
     except (KeyError, ValueError) as exc:
         fail(f"--multimodal-keys: --hf-checkpoint {args.hf_checkpoint}: {exc.args[0] if exc.args else exc}")
+    if args.custom_model_provider_path:
+        fail(f"--multimodal-keys with --custom-model-provider-path {args.custom_model_provider_path}: the vision tower is "
+             "put in front of the text model by the project's builder, so a provider's model would not take the "
+             "images; drop the provider (upstream's --spec slime_plugins.models.qwen3_5_vl names are accepted)")
     if estimator(args.advantage_estimator).needs_critic:
         fail(f"--multimodal-keys with --advantage-estimator {args.advantage_estimator}: the critic is not built with "
              "a vision tower here; use a critic-free estimator (grpo, gspo, reinforce_plus_plus, ...)")
