@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from safetensors import safe_open
 from test_learning_demo import MIN_RISE, NUM_ROLLOUTS, _series
 from train_runs import PRIVATE_CLUSTER, train_env
 
@@ -43,7 +44,9 @@ def geo3k_run(tmp_path_factory) -> dict:
                           capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {"events": events, "ledger": ledger}
+    with safe_open(str(out / f"squares-vl-moe-seed{SEED}" / "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+    return {"events": events, "ledger": ledger, "checkpoint_names": names}
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 40)
@@ -57,6 +60,11 @@ def test_qwen3_5_moe_with_images_learns_under_tp2_sp_cp2_ep2(geo3k_run):
     assert len(diffs) == NUM_ROLLOUTS and all(0.0 <= d <= AGREEMENT for d in diffs), diffs
     assert _series(events, "weight_sync", "weight_sync/version") == list(range(NUM_ROLLOUTS + 1))
     assert len(_series(events, "eval", "eval/squares")) == 3  # rollouts 0, 10 and 20
+    # the weight-sync proof compared every tensor the engine serves, the vision tower's included, after every push
+    names = geo3k_run["checkpoint_names"]
+    compared = _series(events, "weight_sync", "weight_sync/proof_tensors")
+    assert any(name.startswith("model.visual.") for name in names)
+    assert len(compared) == NUM_ROLLOUTS + 1 and set(compared) == {len(names)}, (compared, len(names))
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 40)

@@ -9,9 +9,11 @@
   log-probs with the height and width rows set to the temporal one differ by far more than the tolerance, so the
   agreement is what catches a dropped or misaligned row;
 - TP2 x SP x CP2 (Qwen3.5-MoE x EP2, Qwen3-VL): log-probs equal the embedded engine's (transformers' composite
-  class with the same images), one fenced step gives the single process's loss and grad norm, moves the vision
-  tower, passes the order proof, and the pushed weights (vision tower included) give the engine the trainer's new
-  log-probs; pushing all but the tower leaves them apart; --save / --load and --save-hf keep the trained tower.
+  class with the same images) and differ by far more with multimodal RoPE's height and width rows dropped, swapped
+  or a token late in the micro-batch's rows that every CP rank indexes; one fenced step gives the single process's
+  loss and grad norm, moves the vision tower, passes the order proof, and the pushed weights (vision tower
+  included) give the engine the trainer's new log-probs; pushing all but the tower leaves them apart; --save /
+  --load and --save-hf keep the trained tower.
 """
 from __future__ import annotations
 
@@ -233,10 +235,10 @@ LAYOUTS = {"qwen3.5-vl-moe": dict(tensor_model_parallel_size=2, sequence_paralle
 TRAINING = dict(calculate_per_token_loss=True, lr=1e-3, max_tokens_per_gpu=96)
 
 
-def _step_child(rank, world, ledger_dir, hf_dir, data, layout, save_dir=None):
+def _step_child(rank, world, ledger_dir, hf_dir, data, layout, save_dir=None, mutate_rows=False):
     """Load, log-probs, one recorded training step, log-probs again and the export (as test_model_families'
     MoE child), with the vision tower trained; `save_dir`: then --save (reloaded into a fresh model, exported
-    again) and --save-hf."""
+    again) and --save-hf; `mutate_rows`: also the loaded model's log-probs with each of BROKEN_ROWS."""
     import transformers
 
     from slime.backends.megatron_utils.model import build_model_and_optimizer
@@ -255,6 +257,8 @@ def _step_child(rank, world, ledger_dir, hf_dir, data, layout, save_dir=None):
     load_hf_weights(model, hf_dir, hf_config)
     (plan,) = plans_for_this_rank(data, args)
     before = compute_log_probs(model, data, plan, args)
+    broken = {name: _log_probs_with_rows(model, data, plan, args, change) for name, change in BROKEN_ROWS.items()
+              } if mutate_rows else {}
     data = dict(data, log_probs=before, ref_log_probs=before, rollout_log_probs=before)
     ledger = Ledger(rank, world, ledger_dir, record_sequence=True)
     instrument_collectives(ledger)
@@ -276,7 +280,33 @@ def _step_child(rank, world, ledger_dir, hf_dir, data, layout, save_dir=None):
         load_checkpoint(f"{save_dir}/megatron", fresh, fresh_optimizer, fresh_scheduler)
         reloaded = {name: tensor.clone() for name, tensor in export_hf_weights(fresh, hf_config)}
     return dict(before=before, after=after, trained=trained, loss=step.loss, grad_norm=step.grad_norm,
-                skipped=step.skipped, micro_batches=plan.num_micro_batches, reloaded=reloaded)
+                skipped=step.skipped, micro_batches=plan.num_micro_batches, reloaded=reloaded, broken=broken)
+
+
+# What a trainer that loses or shifts multimodal RoPE's rows anywhere between the packer and the rotary table would
+# compute (the rows of the whole micro-batch, as every CP rank holds them)
+BROKEN_ROWS = {"height and width rows dropped": lambda rows: rows[:1].expand(3, -1),
+               "height and width rows swapped": lambda rows: rows[[0, 2, 1]],
+               "rows a token late": lambda rows: torch.cat([rows[:, :1], rows[:, :-1]], dim=1)}
+
+
+def _log_probs_with_rows(model, data, plan, args, change):
+    """compute_log_probs with every packed micro-batch's position rows changed by `change`."""
+    import dataclasses
+
+    from slime.backends.megatron_utils import train_step
+
+    real = train_step.pack_micro_batch
+
+    def packed(*a, **k):
+        batch = real(*a, **k)
+        return dataclasses.replace(batch, position_rows=change(batch.position_rows).contiguous())
+
+    train_step.pack_micro_batch = packed
+    try:
+        return train_step.compute_log_probs(model, data, plan, args)
+    finally:
+        train_step.pack_micro_batch = real
 
 
 def _engine_log_probs(engine, data) -> list[list[float]]:
@@ -307,7 +337,7 @@ def test_step_under_tp2_sp_cp2_matches_the_single_process_and_the_pushed_engine(
 
     hf_dir, data = checkpoints(kind)
     results = run_ranks(_step_child, 4, args=(str(tmp_path / "layout"), hf_dir, data,
-                                              dict(LAYOUTS[kind], **TRAINING)), timeout_s=400)
+                                              dict(LAYOUTS[kind], **TRAINING), None, True), timeout_s=400)
     report = check_order(read_sequences(str(tmp_path / "layout")))
     assert report.ok, report.format()
     (single,) = run_ranks(_step_child, 1, args=(str(tmp_path / "single"), hf_dir, data, TRAINING,
@@ -317,7 +347,12 @@ def test_step_under_tp2_sp_cp2_matches_the_single_process_and_the_pushed_engine(
     assert result["loss"] == pytest.approx(single["loss"], abs=1e-5)
     assert result["grad_norm"] == pytest.approx(single["grad_norm"], rel=1e-4)
     engine = EmbeddedEngine(hf_dir, dtype="float32")
-    assert _max_gap(result["before"], _engine_log_probs(engine, data)) < TOLERANCE
+    loaded = _engine_log_probs(engine, data)
+    assert _max_gap(result["before"], loaded) < TOLERANCE
+    # multimodal RoPE's rows dropped or misaligned anywhere on the way to the CP ranks' rotary tables is caught
+    assert set(result["broken"]) == set(BROKEN_ROWS)
+    for broken, log_probs in result["broken"].items():
+        assert _max_gap(log_probs, loaded) > 100 * TOLERANCE, broken
     assert _max_gap(result["after"], single["after"]) < TOLERANCE
     tower = {name: t for name, t in result["trained"].items() if "visual." in name}
     assert any(not torch.equal(t, engine.get_weight(name)) for name, t in tower.items())  # the step moved it

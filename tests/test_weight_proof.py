@@ -345,3 +345,56 @@ def test_upstreams_weight_equality_flag_asks_for_the_proof_and_contradicts_turni
     with pytest.raises(SystemExit) as exit_info:
         parse_args([*base, "--no-weight-sync-proof"])
     assert exit_info.value.code == 2 and "--no-weight-sync-proof turns off" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(240)
+def test_a_text_only_run_of_a_vision_checkpoint_proves_the_tower_against_the_checkpoint(tmp_path):
+    """A vision + text checkpoint trained on text: the engine serves the composite class, tower included, and the
+    trainer never builds nor pushes the tower. The proof compares the engine's tower with --hf-checkpoint's (in
+    the engine's dtype) and names a tower tensor that differs, saying why the trainer does not own it; told
+    nothing (the old proof), it stops every such run at the first push."""
+    from types import SimpleNamespace
+
+    import transformers
+
+    from rollout_testing import AppThread
+    from slime.backends.embedded_engine.engine import EmbeddedEngine
+    from slime.backends.embedded_engine.server import build_app
+    from slime.backends.weight_sync.proof import WeightProof
+    from slime.backends.weight_sync.sync import carried_by_engines
+    from slime.models.hf_weights import untrained_tensor_names
+    from slime.models.registry import language_model_config
+    from slime.utils.security import current_key
+    from tiny_models import save_tiny_qwen3_5_vl
+
+    checkpoint = save_tiny_qwen3_5_vl(str(tmp_path / "vl"))
+    text_only = language_model_config(transformers.AutoConfig.from_pretrained(checkpoint))
+    held = _checkpoint_tensors(checkpoint)
+    tower = set(untrained_tensor_names([n for n, _ in held], text_only))
+    assert tower and all(name.startswith("model.visual.") for name in tower)
+    weights = [(name, tensor.float() + 0.01) for name, tensor in held if name not in tower]  # the trained text model
+    engine = EmbeddedEngine(checkpoint, dtype="bfloat16")
+    assert engine.vision is not None  # the composite class, tower served
+    server = AppThread(build_app(engine, api_key=current_key())).start()
+    engines, transport = _pusher(f"http://127.0.0.1:{server.port}")
+    try:
+        told_nothing = WeightProof("embedded", enabled=True)
+        told_nothing.start_sync()
+        _push(told_nothing, engines, transport, weights, "1")
+        assert "served by the engine, but no push ever wrote it" in str(_prove(told_nothing, engines, "1"))
+        carried = carried_by_engines(SimpleNamespace(hf_checkpoint=checkpoint), text_only)
+        proof = WeightProof("embedded", enabled=True, carried=carried)
+        proof.start_sync()
+        _push(proof, engines, transport, weights, "2")
+        assert _prove(proof, engines, "2") is None
+        assert proof.take_metrics()["weight_sync/proof_tensors"] == len(held)  # the tower's compared too
+        name = sorted(tower)[0]
+        engine.update_weights([(name, engine.get_weight(name) + 1)], None)
+        proof.start_sync()
+        error = str(_prove(proof, engines, "3"))
+        assert f"tensor {name!r}, version loaded: the engine serves bfloat16:" in error and "1 tensor(s)" in error
+        assert "the trainer does not build it" in error
+    finally:
+        engines.close()
+        transport.close()
+        server.stop()

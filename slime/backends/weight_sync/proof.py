@@ -14,7 +14,9 @@ collectives; this one proves the engines hold what the trainer trained. It runs 
   coordinator  gathers the senders' digests (one gather_object over the fence group, to world rank 0), keeps
              per engine what was pushed to it and at which version, asks every engine for its checksums and
              compares: a digest that differs, a pushed tensor the engine lacks, a tensor the engine serves that no
-             push ever wrote.
+             push ever wrote. A tensor the trainer does not build (a composite checkpoint's vision tower in a run
+             that trains its text model alone) is never pushed: the engine loaded it from --hf-checkpoint, so it
+             is compared with the checkpoint's, and a finding says why the trainer does not own it.
 
 Every finding names the engine, the tensor and the version, and is raised as a WeightProofError through the
 sync's fence, on every rank alike. The engines' own digests cover parameters and buffers alike: the embedded
@@ -75,14 +77,27 @@ class _Expected:
     version: str
 
 
+@dataclass(frozen=True)
+class CarriedTensors:
+    """Tensors the engines load from the HF checkpoint and the trainer never pushes, because it does not build them;
+    `read` yields them (name, tensor) as the checkpoint holds them."""
+
+    read: Callable[[], Iterable[tuple[str, torch.Tensor]]]
+    reason: str
+
+
 class WeightProof:
     """One rank's part of the proof; `prepare` on senders, `run` on every rank of every sync."""
 
-    def __init__(self, engine_kind: str, *, enabled: bool, subset: Callable[[str], bool] | None = None) -> None:
-        """subset: the megatron names a push after the first sends (None: every push is full)."""
+    def __init__(self, engine_kind: str, *, enabled: bool, subset: Callable[[str], bool] | None = None,
+                 carried: CarriedTensors | None = None) -> None:
+        """subset: the megatron names a push after the first sends (None: every push is full); carried: what the
+        engines hold from --hf-checkpoint that the trainer does not build."""
         self.engine_kind = engine_kind
         self.enabled = enabled
         self.subset = subset
+        self.carried = carried
+        self._carried_digests: dict[str, dict[str, str]] = {}  # coordinator: dtype -> tensor -> checkpoint digest
         self._served_dtypes: dict[str, dict[str, str]] = {}  # sender: engine -> tensor -> the dtype it holds
         self._pushed = _Pushed()  # sender: this sync's digests
         self._expected: dict[str, dict[str, _Expected]] = {}  # coordinator: engine -> tensor -> last pushed
@@ -218,8 +233,27 @@ class WeightProof:
             elif digest != pushed.digests[digest_dtype(digest)]:
                 findings.append(ProofFinding(url, name, pushed.version, f"the engine serves {digest}, the trainer "
                                              f"pushed {pushed.digests[digest_dtype(digest)]}"))
+        unwritten = sorted(set(served) - set(expected))
+        findings += self._against_checkpoint(url, served, unwritten)
+        carried = set().union(*self._carried_digests.values()) if self._carried_digests else set()
         findings += [ProofFinding(url, name, version, "served by the engine, but no push ever wrote it")
-                     for name in sorted(set(served) - set(expected))]
+                     for name in unwritten if name not in carried]
+        return findings
+
+    def _against_checkpoint(self, url: str, served: dict[str, str], unwritten: list[str]) -> list[ProofFinding]:
+        """The carried tensors the engine serves equal the checkpoint's, in the dtype it serves each in."""
+        if self.carried is None or not unwritten:
+            return []
+        for dtype in sorted({digest_dtype(served[name]) for name in unwritten} - set(self._carried_digests)):
+            self._carried_digests[dtype] = _grouped_digests(self.carried.read(), getattr(torch, dtype))
+        findings = []
+        for name in unwritten:
+            want = self._carried_digests[digest_dtype(served[name])].get(name)
+            if want is not None:
+                self._compared += 1
+            if want is not None and want != served[name]:
+                findings.append(ProofFinding(url, name, "loaded", f"the engine serves {served[name]}, the "
+                                             f"checkpoint holds {want}; {self.carried.reason}"))
         return findings
 
 
@@ -238,6 +272,21 @@ def _digests_read(named: list[tuple[str, torch.Tensor]], read: Callable[[torch.T
             batch, size = [], 0
             if ledger is not None:
                 ledger.note_progress()
+    return digests
+
+
+def _grouped_digests(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype) -> dict[str, str]:
+    """Digests of the tensors cast to `dtype`, read and digested a group's worth at a time."""
+    digests: dict[str, str] = {}
+    names, batch, size = [], [], 0
+    for name, tensor in named:
+        names.append(name)
+        batch.append(tensor.to(dtype))
+        size += batch[-1].numel() * batch[-1].element_size()
+        if size >= GROUP_BYTES:
+            digests.update(zip(names, tensor_digests(batch)))
+            names, batch, size = [], [], 0
+    digests.update(zip(names, tensor_digests(batch)))
     return digests
 
 

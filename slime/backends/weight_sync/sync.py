@@ -69,11 +69,13 @@ from slime.backends.weight_sync.plan import (
     export_model_weights,
     iter_planned_buckets,
 )
-from slime.backends.weight_sync.proof import WeightProof
+from slime.backends.weight_sync.proof import CarriedTensors, WeightProof
 from slime.backends.weight_sync.transport import ENGINE_KINDS, EngineSet, NodeSplitTransport, TensorTransport
 from slime.distributed.errors import CollectiveDivergenceError, DistributedStepError
 from slime.distributed.fault_inject import apply_weight_push_fault
 from slime.distributed.fingerprint import stable_hash
+from slime.models.hf_weights import carried_tensors
+from slime.models.registry import TEXT_PREFIX_ATTRIBUTE
 from slime.utils.deadlines import ENGINE_HTTP_CONTROL_S, SESSION_CLOSE_AFTER_FAILURE_S
 
 logger = logging.getLogger(__name__)
@@ -160,6 +162,17 @@ def _error_field(error: Exception | None) -> str:
     return "" if error is None else f"{type(error).__name__}: {error}"[:200]
 
 
+def carried_by_engines(args: Any, hf_config: Any) -> CarriedTensors | None:
+    """What the engines load from --hf-checkpoint and the trainer does not build, so never pushes: a vision + text
+    checkpoint's vision tower when the run trains its text model alone."""
+    hf_dir = getattr(args, "hf_checkpoint", None)
+    if not hf_dir or getattr(hf_config, TEXT_PREFIX_ATTRIBUTE, None) is None:
+        return None
+    return CarriedTensors(lambda: carried_tensors(hf_dir, hf_config),
+                          "the trainer does not build it (a vision + text checkpoint trains its text model alone "
+                          "without --multimodal-keys), so the engines must serve the checkpoint's")
+
+
 # ----------------------------------------------------------------------------- the sync
 class WeightSync:
     """Per-rank executor of the fenced weight sync; `sync` runs on every rank of the world."""
@@ -204,7 +217,8 @@ class WeightSync:
         self._split_engines: list[EngineSet] = []  # its node's, and the other nodes' it feeds
         self.select = select
         self._full_push_due = True
-        self.proof = WeightProof(self.engine_kind, enabled=args.weight_sync_proof, subset=select)
+        self.proof = WeightProof(self.engine_kind, enabled=args.weight_sync_proof, subset=select,
+                                 carried=carried_by_engines(args, hf_config))
         self._fed_engines: EngineSet | None = None
 
     @property
