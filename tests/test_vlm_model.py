@@ -233,6 +233,7 @@ LAYOUTS = {"qwen3.5-vl-moe": dict(tensor_model_parallel_size=2, sequence_paralle
                                   expert_model_parallel_size=2, expert_tensor_parallel_size=1),
            "qwen3-vl": dict(tensor_model_parallel_size=2, sequence_parallel=True, context_parallel_size=2)}
 TRAINING = dict(calculate_per_token_loss=True, lr=1e-3, max_tokens_per_gpu=96)
+SAVED_KIND = "qwen3.5-vl-moe"  # --save / --load / --save-hf once: the tower is saved the same way in every family
 
 
 def _step_child(rank, world, ledger_dir, hf_dir, data, layout, save_dir=None, mutate_rows=False):
@@ -340,8 +341,9 @@ def test_step_under_tp2_sp_cp2_matches_the_single_process_and_the_pushed_engine(
                                               dict(LAYOUTS[kind], **TRAINING), None, True), timeout_s=400)
     report = check_order(read_sequences(str(tmp_path / "layout")))
     assert report.ok, report.format()
+    saves = kind == SAVED_KIND
     (single,) = run_ranks(_step_child, 1, args=(str(tmp_path / "single"), hf_dir, data, TRAINING,
-                                                str(tmp_path / "saved")), timeout_s=300)
+                                                str(tmp_path / "saved") if saves else None), timeout_s=300)
     result = results[0]
     assert result["micro_batches"] > 1 and not result["skipped"]  # dynamic batches of whole samples
     assert result["loss"] == pytest.approx(single["loss"], abs=1e-5)
@@ -360,6 +362,8 @@ def test_step_under_tp2_sp_cp2_matches_the_single_process_and_the_pushed_engine(
     assert _max_gap(result["after"], _engine_log_probs(engine, data)) > 100 * TOLERANCE  # the stale tower shows
     engine.update_weights(list(tower.items()), "v3")
     assert _max_gap(result["after"], _engine_log_probs(engine, data)) < TOLERANCE
+    if not saves:
+        return
     # --save / --load and --save-hf keep the trained tower: a fresh model reloads it, the saved HF checkpoint is
     # complete and serves the trained log-probs with images
     assert sorted(single["reloaded"]) == sorted(single["trained"])
