@@ -189,9 +189,11 @@ def _hf_log_probs_and_grads(hf_dir, data, architecture, flatten_rows=False):
             rows, _ = model.model.get_rope_index(ids, mm_token_type_ids=(ids == image).int(),
                                                  image_grid_thw=inputs.get("image_grid_thw"))
             inputs["position_ids"] = rows[:1].expand(3, -1, -1)
-        log_probs = model(input_ids=ids, **inputs).logits[0].float().log_softmax(-1)
+        with torch.set_grad_enabled(not flatten_rows):  # the flattened rows' log-probs only
+            log_probs = model(input_ids=ids, **inputs).logits[0].float().log_softmax(-1)
         picked = torch.stack([log_probs[t - 1, tokens[t]] for t in range(len(tokens) - response, len(tokens))])
-        picked.sum().backward()
+        if not flatten_rows:
+            picked.sum().backward()
         out.append(picked.detach().tolist())
     grads = {name: param.grad if param.grad is not None else torch.zeros_like(param)
              for name, param in model.named_parameters()}
