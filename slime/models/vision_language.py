@@ -11,7 +11,7 @@ Per micro-batch (a THD pack, `VisionBatch` from slime/backends/megatron_utils/da
   finalize_model_grads, with the text model's gradients); its norm is counted once (it is a TP duplicate).
 - the rotary angles come from the three position rows of the WHOLE micro-batch (`position_rows`, not CP-sliced):
   a table as long as the packed batch, from which the THD RoPE takes each local token's row (megatron's
-  `_apply_rotary_pos_emb_thd` with batch offsets, patches/megatron_core.py), so the zig-zag split never cuts a
+  `_apply_rotary_pos_emb_thd` with batch offsets, slime/patches/megatron_core.py), so the zig-zag split never cuts a
   position row apart from its token.
 - Qwen3-VL's deepstack feature maps are added to the image tokens' hidden states after the first decoder layers,
   each split for sequence parallelism like the embedding.
