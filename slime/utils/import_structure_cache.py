@@ -12,6 +12,11 @@ process of a run does before it imports transformers: it adds an import hook tha
 transformers loads the module that defines it. A process that imported transformers earlier keeps
 transformers' own. Where the cache folder cannot be written, the table is built as transformers builds it.
 Folder: $SLIME_CACHE_DIR, else $XDG_CACHE_HOME/slime, else ~/.cache/slime.
+
+Every process of a run holds the run's key, so what it reads here must not be able to run code: the table is
+plain data stored as JSON (backends, module names, exported names: strings only, checked on read), and a file
+is read only when it and its folder belong to this user and nobody else may write them; anything else is
+ignored and the table built as transformers builds it.
 """
 from __future__ import annotations
 
@@ -19,15 +24,19 @@ import functools
 import hashlib
 import importlib.abc
 import importlib.machinery
+import json
 import os
-import pickle
+import re
+import stat
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
 TARGET_MODULE = "transformers.utils.import_utils"
-FORMAT = 1  # bump when what is stored changes
+FORMAT = 2  # bump when what is stored changes
+# backends ("torch", "torch>=2.5"), modules under transformers' package (never relative), exported names
+_PLAIN_NAME = re.compile(r"[A-Za-z_][\w.-]*(?:[<>=!~]=?[\w.]+)?")
 
 
 def cache_dir() -> Path:
@@ -52,10 +61,10 @@ def with_disk_cache(define: Callable[..., Any], folder: Callable[[], Path] = cac
 
     @functools.lru_cache
     def define_import_structure(module_path, prefix=None):
-        path = folder() / f"import-structure-{_key(module_path, prefix, fingerprint)}.pickle"
+        path = folder() / f"import-structure-{_key(module_path, prefix, fingerprint)}.json"
         try:
-            return pickle.loads(path.read_bytes())
-        except Exception:  # absent, unreadable or cut short by a writer that died: build it again
+            return _decode(_read_private(path))
+        except (OSError, ValueError, TypeError, KeyError):  # absent, not ours, cut short or not a table: build it
             pass
         structure = define(module_path, prefix)
         _write(path, structure)  # before transformers adds its own names to the table it returns
@@ -111,15 +120,51 @@ def _files_fingerprint(folder: str) -> str:
     return digest.hexdigest()
 
 
+def _read_private(path: Path) -> str:
+    """The file's text, if it and its folder are this user's and writable by nobody else (else OSError)."""
+    for entry in (path.parent, path):
+        info = entry.lstat()
+        if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) or stat.S_ISLNK(info.st_mode):
+            raise PermissionError(f"{entry} is not private to this user")
+    return path.read_text()
+
+
+def _encode(structure: Any) -> str:
+    """transformers' table, {frozenset(backends): {module: set(names)}}, as JSON rows (TypeError on another shape)."""
+    rows = []
+    for backends, modules in structure.items():
+        if not isinstance(backends, frozenset) or not isinstance(modules, dict):
+            raise TypeError(f"not an import structure: {type(backends).__name__} -> {type(modules).__name__}")
+        rows.append({"backends": sorted(backends),
+                     "modules": {module: sorted(names) for module, names in modules.items()}})
+    return json.dumps(rows)
+
+
+def _decode(text: str) -> dict:
+    """The table back from its JSON rows; ValueError unless it has the table's shape, and plain names only."""
+    table = {}
+    for row in json.loads(text):
+        backends, modules = row["backends"], row["modules"]
+        if not isinstance(backends, list) or not isinstance(modules, dict) or \
+                not all(isinstance(names, list) for names in modules.values()):
+            raise ValueError("not an import structure")
+        if not all(isinstance(name, str) and _PLAIN_NAME.fullmatch(name)
+                   for name in (*backends, *modules, *(n for names in modules.values() for n in names))):
+            raise ValueError("not an import structure")
+        table[frozenset(backends)] = {module: set(names) for module, names in modules.items()}
+    return table
+
+
 def _write(path: Path, structure: Any) -> None:
-    """Whole or not at all: processes that start together may write the same key."""
+    """Whole or not at all: processes that start together may write the same key. The folder is made private
+    (0700) and the file written 0600."""
     tmp = None
     try:
-        data = pickle.dumps(structure)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".tmp-", delete=False) as tmp:
-            tmp.write(data)
+        text = _encode(structure)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=".tmp-", delete=False) as tmp:  # 0600
+            tmp.write(text)
         os.replace(tmp.name, path)
-    except Exception:  # a read-only home, a table pickle cannot write: built in every process, as without this
+    except Exception:  # a read-only home, a table of another shape: built in every process, as without this
         if tmp is not None:
             Path(tmp.name).unlink(missing_ok=True)
