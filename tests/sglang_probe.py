@@ -18,6 +18,7 @@ import argparse
 import ast
 import base64
 import dataclasses
+import importlib
 import importlib.abc
 import importlib.machinery
 import json
@@ -241,11 +242,26 @@ def launch_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def merge_config_file(parser: argparse.ArgumentParser, tokens: list[str]) -> list[str]:
+    """What SGLang's prepare_server_args makes of `--config FILE`: its own ConfigArgumentMerger's argv."""
+    if "--config" not in tokens:
+        return tokens
+    import sglang
+
+    package = Path(sglang.__file__).parent
+    for module in ("sglang.srt.utils.server_args_config_parser", "sglang.srt.server_args_config_parser"):
+        if (package.parent / (module.replace(".", "/") + ".py")).is_file():
+            merger = importlib.import_module(module).ConfigArgumentMerger(parser)
+            return merger.merge_config_with_args(tokens)
+    raise RuntimeError("SGLang's ConfigArgumentMerger was not found")
+
+
 def check_launch(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each case: slime args + --sglang-* argv -> the project's passthrough and launcher -> SGLang's parser."""
     from slime.backends.sglang_utils import launcher
     from slime.config import defaults_namespace
     from slime.utils import sglang_passthrough
+    from slime.utils.security import current_key
 
     parser = launch_parser()
     strict = argparse.ArgumentParser(parents=[parser], add_help=False, allow_abbrev=False, exit_on_error=False)
@@ -257,12 +273,15 @@ def check_launch(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
             _, passthrough = sglang_passthrough.split_passthrough(case["argv"], frozenset(case.get("declared", [])))
             args.sglang_server_args = sglang_passthrough.resolve_server_args(args, passthrough)
             nodes = launcher.EngineNodes(**case["nodes"]) if case.get("nodes") else None
-            command = launcher.build_sglang_command(args, case.get("engine_rank", 0), "127.0.0.1", 30000, "/model",
-                                                    case.get("gpu_ids"), nodes=nodes)
-            tokens = command[3:]  # after python -m sglang.launch_server
-            parsed = vars(strict.parse_args(tokens))
+            with launcher.private_key_config() as key_file:  # as launch_engine starts SGLang
+                command = launcher.build_sglang_command(args, case.get("engine_rank", 0), "127.0.0.1", 30000,
+                                                        "/model", case.get("gpu_ids"), nodes=nodes, key_file=key_file)
+                tokens = command[3:]  # after python -m sglang.launch_server
+                parsed = vars(strict.parse_args(merge_config_file(parser, tokens)))
+            key = current_key().reveal()
             result.update(tokens=tokens, parsed={k: parsed.get(k) for k in case["expect"]},
-                          env={k: launcher.sglang_engine_env({}).get(k) for k in case.get("env", [])})
+                          env={k: launcher.sglang_engine_env({}).get(k) for k in case.get("env", [])},
+                          key_in_argv=any(key in token for token in command), key_read=parsed.get("api_key") == key)
         except Exception as exc:  # noqa: BLE001 - reported, the test asserts on it
             result["error"] = f"{type(exc).__name__}: {exc}"
         report.append(result)

@@ -424,22 +424,31 @@ def test_render_server_flags_reads_back_the_same_values():
         render_server_flags({"not_a_field": 1}, parser)
 
 
-def test_sglang_command_needs_sglangs_parser():
+def test_sglang_command_needs_sglangs_parser_and_keeps_the_key_out_of_argv(caplog):
     args = defaults_namespace(rollout_num_gpus_per_engine=2, num_gpus_per_node=8, seed=1, offload_rollout=True,
                               sglang_server_args={})
-    cmd = build_sglang_command(args, 3, "127.0.0.1", 30001, "/m", gpu_ids=[5, 6], parser=_tiny_launch_parser_full())
+    cmd = build_sglang_command(args, 3, "127.0.0.1", 30001, "/m", gpu_ids=[5, 6], parser=_tiny_launch_parser_full(),
+                               key_file="/private/key.yaml")
     joined = " ".join(cmd)
     assert cmd[1:3] == ["-m", "sglang.launch_server"]
     for part in ("--model-path /m", "--port 30001", "--tp-size 2", "--base-gpu-id 5", "--enable-memory-saver",
-                 f"--api-key {current_key().reveal()}"):  # SGLang takes the run's key in argv only
+                 "--config /private/key.yaml"):  # the key travels in SGLang's config file
         assert part in joined
+    assert current_key().reveal() not in joined and "--api-key" not in cmd and not caplog.records
+    # a SGLang without --config: argv is all there is, and the log says so
+    cmd = build_sglang_command(args, 3, "127.0.0.1", 30001, "/m", gpu_ids=[5, 6],
+                               parser=_tiny_launch_parser_full(config=False), key_file="/private/key.yaml")
+    assert f"--api-key {current_key().reveal()}" in " ".join(cmd)
+    assert "command line (visible to local users): this SGLang has no --config" in caplog.text
 
 
-def _tiny_launch_parser_full():
+def _tiny_launch_parser_full(config: bool = True):
     parser = _tiny_launch_parser()
     for flag in ("--base-gpu-id", "--random-seed"):
         parser.add_argument(flag, type=int)
     parser.add_argument("--api-key", type=str)
+    if config:
+        parser.add_argument("--config", type=str)
     for flag in ("--trust-remote-code", "--skip-server-warmup"):
         parser.add_argument(flag, action="store_true")
     return parser

@@ -100,6 +100,33 @@ def test_sglang_api_key_passthrough_is_refused(capsys):
     assert "--api-key" in capsys.readouterr().err
 
 
+def test_the_key_reaches_child_servers_by_private_file_or_environment_never_argv(monkeypatch, tmp_path):
+    """SGLang gets the key in a 0600 --config file that is gone once it started; sglang-router (argv only) through a
+    launcher that hands the environment's key to sglang-router's own parser inside its process."""
+    from slime.backends.sglang_utils.launcher import private_key_config
+    from slime.router import sglang_router_launch
+    from slime.router.router import router_command
+
+    key = current_key().reveal()
+    with private_key_config() as path:
+        folder = os.path.dirname(path)
+        assert oct(os.stat(folder).st_mode & 0o777) == "0o700" and oct(os.stat(path).st_mode & 0o777) == "0o600"
+        assert open(path).read() == f"api-key: {json.dumps(key)}\n"
+    assert not os.path.exists(folder)
+
+    args = defaults_namespace(use_slime_router=False, sglang_router_policy=None, sglang_router_request_timeout_secs=None)
+    kind, command = router_command(args, "127.0.0.1", 30000, ["http://127.0.0.1:1"])
+    assert kind == "sglang-router" and command[1:3] == ["-m", "slime.router.sglang_router_launch"]
+    assert not any(key in token for token in command) and "--api-key" not in command
+    seen = []
+    monkeypatch.setattr("sglang_router.launch_router.launch_router", seen.append)
+    sglang_router_launch.main(command[3:])  # what the launched process runs, with the run's key in its environment
+    (router_args,) = seen
+    assert router_args.api_key == key and router_args.worker_urls == ["http://127.0.0.1:1"]
+    with pytest.raises(SystemExit, match="export SLIME_API_KEY"):
+        sglang_router_launch.main([*command[3:], "--api-key", "typed"])
+
+
 # ----- shared-memory buckets ---------------------------------------------------------------------------------
 @pytest.fixture
 def run_dir():
@@ -326,6 +353,8 @@ def test_routers_start_although_their_first_ports_are_taken(use_slime_router, la
                                       timeout=60)).status_code == 503 and time.monotonic() < deadline:
             time.sleep(0.5)
         assert reply.status_code == 200, reply.text
+        with open(f"/proc/{handle.server.process.pid}/cmdline", "rb") as cmdline:  # what every local user can read
+            assert current_key().reveal().encode() not in cmdline.read()
     finally:
         handle.stop()
 

@@ -266,6 +266,8 @@ def test_launch_argv_parses_back_to_what_slime_meant(report):
             parsed.pop("cuda_graph_bs_decode", None)
             assert graph_sizes == source["cuda_graph_bs"], case["tokens"]
         assert parsed == expected, f"{case['name']}: {case['tokens']}"
+        # the run's key reaches SGLang through its --config file, never through the command line
+        assert case["key_read"] and not case["key_in_argv"], case["tokens"]
         for name in source.get("env", []):
             assert case["env"][name] == "false", name
 

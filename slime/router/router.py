@@ -35,7 +35,7 @@ from slime.utils.server_process import (
     start_server_process,
 )
 from slime.utils.ports import find_free_port, retry_port_clash
-from slime.utils.security import ApiKey, current_key, require_api_key, server_key
+from slime.utils.security import ApiKey, require_api_key, server_key
 
 logger = logging.getLogger(__name__)
 
@@ -210,8 +210,9 @@ RouterHandle = ServerHandle  # a router is a server like an engine; no extra beh
 
 def router_command(args: Any, host: str, port: int, worker_urls: list[str],
                    listen_fd: int | None = None) -> tuple[str, list[str]]:
-    """The router's command line. The slime router reads the run's key from its environment; sglang-router
-    takes it in argv (`--api-key`: sent to the workers)."""
+    """The router's command line. Neither holds the run's key: the slime router reads it from its environment,
+    sglang-router (which reads `--api-key` from argv only, and sends it to the workers) is started by a launcher
+    that hands it the key from the environment inside the process (slime/router/sglang_router_launch.py)."""
     timeout = str(int(args.sglang_router_request_timeout_secs or ROUTER_REQUEST_S))
     if args.use_slime_router:
         flags = ["--host", host, "--port", str(port), "--request-timeout-secs", timeout]
@@ -220,10 +221,8 @@ def router_command(args: Any, host: str, port: int, worker_urls: list[str],
         return "slime-router", python_module_command("slime.router.router", flags)
     policy = args.sglang_router_policy or "round_robin"
     flags = ["--host", host, "--port", str(port), "--policy", policy, "--request-timeout-secs", timeout]
-    key = current_key()
-    flags += ["--api-key", key.reveal()] if key is not None else []
     flags += ["--worker-urls", *worker_urls] if worker_urls else []
-    return "sglang-router", python_module_command("sglang_router.launch_router", flags)
+    return "sglang-router", python_module_command("slime.router.sglang_router_launch", flags)
 
 
 def launch_router(

@@ -116,11 +116,12 @@ def start_server_process(
     `env`: the child's whole environment (default: this process's); the repo goes on its PYTHONPATH.
     `pass_fds`: descriptors the child inherits (a listening socket)."""
     directory = Path(log_dir or tempfile.gettempdir())
-    directory.mkdir(parents=True, exist_ok=True)
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     log_path = directory / f"{name}-{os.getpid()}-{time.time_ns()}.log"
     env = dict(os.environ if env is None else env)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
-    with open(log_path, "wb") as log:
+    # 0600: SGLang logs its server arguments, the run's key among them
+    with open(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as log:
         process = subprocess.Popen(tied_command(command), stdout=log, stderr=subprocess.STDOUT, env=env,
                                    cwd=str(REPO_ROOT), pass_fds=pass_fds, start_new_session=True)
     return ServerProcess(name=name, url=url, command=tuple(command), process=process, log_path=log_path)

@@ -6,9 +6,14 @@ Both answer the same HTTP API, so everything after `launch_engine` is backend-ag
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import logging
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from slime.backends.sglang_utils.http_client import SGLangHTTPClient
 from slime.utils.server_process import (
@@ -23,6 +28,8 @@ from slime.utils.deadlines import ENGINE_STARTUP_S
 from slime.utils.ports import find_free_port, retry_port_clash
 from slime.utils.security import current_key, request_limit
 from slime.utils.sglang_passthrough import server_args_parser
+
+logger = logging.getLogger(__name__)
 
 BACKENDS = ROLLOUT_BACKENDS
 
@@ -118,19 +125,51 @@ def sglang_server_args_for_engine(args: Any, engine_rank: int, gpu_ids: Sequence
 
 def build_sglang_command(args: Any, engine_rank: int, host: str, port: int, model_path: str,
                          gpu_ids: Sequence[int] | None = None, *,
-                         parser: argparse.ArgumentParser | None = None, nodes: EngineNodes | None = None) -> list[str]:
-    """`python -m sglang.launch_server ...`, rendered against SGLang's own parser (the installed one by default)."""
+                         parser: argparse.ArgumentParser | None = None, nodes: EngineNodes | None = None,
+                         key_file: str | None = None) -> list[str]:
+    """`python -m sglang.launch_server ...`, rendered against SGLang's own parser (the installed one by default).
+
+    The run's key reaches SGLang in `key_file` (`--config`: a private YAML file of SGLang's own config format,
+    see `private_key_config`), never in argv, where every local user reads it. Only where that cannot be (a
+    SGLang without --config, or a --sglang-config of the user's) does it go in argv, with a warning."""
     parser = parser or server_args_parser()
     if parser is None:
         raise RuntimeError("sglang is not importable here, so its launch flags cannot be rendered; "
                            "install the [gpu] extra or use --rollout-backend embedded")
     server_args = sglang_server_args_for_engine(args, engine_rank, gpu_ids, parser=parser, nodes=nodes)
     key = current_key()
-    if key is not None:  # SGLang reads its key from argv only
-        server_args["api_key"] = key.reveal()
-    flags = ["--model-path", model_path, "--host", host, "--port", str(port),
+    config: list[str] = []
+    if key is not None:
+        if key_file is not None and has_option(parser, "--config") and "config" not in server_args:
+            config = ["--config", key_file]
+        else:
+            logger.warning("SGLang engine %d gets the run's key on its command line (visible to local users): %s",
+                           engine_rank, "--sglang-config is the user's" if "config" in server_args
+                           else "this SGLang has no --config" if key_file is not None else "no key file was made")
+            server_args["api_key"] = key.reveal()
+    flags = ["--model-path", model_path, "--host", host, "--port", str(port), *config,
              *render_server_flags(server_args, parser)]
     return python_module_command("sglang.launch_server", flags)
+
+
+@contextlib.contextmanager
+def private_key_config() -> Iterator[str | None]:
+    """A YAML file in SGLang's --config format holding only the `api-key` option, in a folder of its own
+    (folder 0700, file 0600), both removed on exit (SGLang reads it as it starts). None without a key."""
+    key = current_key()
+    if key is None:
+        yield None
+        return
+    folder = tempfile.mkdtemp(prefix="slime-sglang-key-")  # 0700
+    path = os.path.join(folder, "key.yaml")
+    try:
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(descriptor, "w") as handle:
+            # the option as spelled on the command line: SGLang turns a key into "--<key>" as written
+            handle.write(f"api-key: {json.dumps(key.reveal())}\n")  # a JSON string is a YAML string
+        yield path
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def build_embedded_command(args: Any, engine_rank: int, host: str, port: int, model_path: str,
@@ -203,10 +242,12 @@ def launch_engine(
 
     def start_sglang() -> EngineHandle:
         chosen = port or find_free_port(host)
-        command = build_sglang_command(args, engine_rank, host, chosen, model_path, gpu_ids, nodes=nodes)
-        server = start_server_process(name, command, f"http://{host}:{chosen}", log_dir=log_dir,
-                                      env=sglang_engine_env())
-        server.wait_healthy(deadline)
+        with private_key_config() as key_file:  # removed once the engine serves: it read it as it started
+            command = build_sglang_command(args, engine_rank, host, chosen, model_path, gpu_ids, nodes=nodes,
+                                           key_file=key_file)
+            server = start_server_process(name, command, f"http://{host}:{chosen}", log_dir=log_dir,
+                                          env=sglang_engine_env())
+            server.wait_healthy(deadline)
         return EngineHandle(kind=kind, engine_rank=engine_rank, host=host, port=chosen, server=server)
 
     return retry_port_clash(start_sglang, attempts=1 if port else 3, what=name)
