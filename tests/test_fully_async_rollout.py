@@ -80,7 +80,7 @@ def test_groups_aborted_by_a_push_are_redone_from_their_prompt(worker):
 
     w = worker(_args(), source, plan)
     groups, staleness, dropped = _take(w, 2)
-    assert len(groups) == 2 and dropped == 0 and w.requeued == {"redone": 1, "continued": 0}
+    assert len(groups) == 2 and dropped == 0 and w.requeued == {"redone": 1, "continued": 0, "failed": 0}
     assert all(c == [0, 0] for c in calls)  # the aborted group came back as the fresh prompt it was drawn as
     assert all(s.weight_versions == ["0"] for g in groups for s in g)  # one version per sample
 
@@ -118,13 +118,42 @@ def test_a_held_gate_draws_no_new_prompt(worker):
     assert len(_take(w, 2)[0]) == 2
 
 
-def test_a_failed_group_fails_the_next_rollout_naming_the_error(worker):
-    def plan(group):
-        raise ConnectionError("router went away")
+def test_a_failed_group_fails_one_call_its_prompt_goes_back_and_the_next_call_goes_on(worker):
+    source, calls = Source(), []
 
-    w = worker(_args(), Source(), plan)
-    with pytest.raises(RuntimeError, match="ConnectionError: router went away"):
+    def plan(group):
+        calls.append(group[0].prompt)
+        if len(calls) == 1:
+            raise ConnectionError("router went away")
+        return [_generated(s, 0) for s in group]
+
+    w = worker(_args(), source, plan)
+    with pytest.raises(RuntimeError, match="a group's generation .*ConnectionError: router went away"):
         _take(w, 2)
+    groups, _, _ = _take(w, 2)  # the error was raised once; the failed prompt was generated again
+    assert sorted(g[0].prompt for g in groups) == ["p1", "p2"] and calls.count("p1") == 2
+    assert w.requeued["failed"] == 1 and source.drawn >= 2
+    assert all(g[0].prompt != "p1" for g in w.drawn.values())  # no longer outstanding twice
+
+
+def test_the_engines_version_leaves_out_an_engine_that_does_not_answer(monkeypatch):
+    replies = {"http://a": ConnectionError("restarting"), "http://b": {"weight_version": "3"}}
+
+    async def urls(args):
+        return list(replies)
+
+    async def get(url, timeout_s):
+        reply = replies[url.removesuffix("/model_info")]
+        if isinstance(reply, BaseException):
+            raise reply
+        return reply
+
+    monkeypatch.setattr(fa, "engine_urls", urls)
+    monkeypatch.setattr(fa, "get", get)
+    assert asyncio.run(fa._engines_version(_args())) == 3
+    replies["http://b"] = ConnectionError("down too")
+    with pytest.raises(ConnectionError, match="restarting"):
+        asyncio.run(fa._engines_version(_args()))
 
 
 def test_version_metrics_name_the_oldest_version_of_each_sample():

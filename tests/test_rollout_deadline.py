@@ -236,6 +236,69 @@ def test_a_request_failed_by_an_engine_dying_ends_the_rollout_naming_the_engine(
     assert "--use-fault-tolerance" in str(raised.value)
 
 
+def _flaky_generate(failures: int):
+    """A /generate that answers 503 (the router's answer when its engine died) `failures` times, then 200."""
+    calls = []
+
+    async def generate(request: web.Request) -> web.Response:
+        calls.append(await request.json())
+        if len(calls) <= failures:
+            return web.json_response({"error": "worker died"}, status=503)
+        return web.json_response({"text": "ok"})
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    return AppThread(app).start(), calls
+
+
+def test_requests_between_rollouts_get_the_fault_tolerance_retry(slow_engine):
+    """What a background generator (fully-async) sends after a call ended is retried as inside one, counted in
+    the next call's retried_requests; without --use-fault-tolerance the error stands."""
+    server, calls = _flaky_generate(failures=1)
+    url = f"http://127.0.0.1:{server.port}/generate"
+    engine = _Process(f"http://127.0.0.1:{slow_engine.port}")  # one serving engine behind the router
+    tolerant, plain = _guard([engine], fault_tolerant=True), _guard([engine], fault_tolerant=False)
+    try:
+        tolerant.run("generate", 0, lambda: None, budget_s=30, weights_version=None)
+        assert _post(url, {"rid": "between-1"}, timeout_s=30) == {"text": "ok"} and len(calls) == 2
+        _, counters = tolerant.run("generate", 1, lambda: None, budget_s=30, weights_version=None)
+        assert counters["retried_requests"] == 1.0
+        plain.run("generate", 0, lambda: None, budget_s=30, weights_version=None)
+        calls.clear()
+        with pytest.raises(http_utils.HTTPStatusError, match="HTTP 503"):
+            _post(url, {"rid": "between-2"}, timeout_s=30)
+    finally:
+        for guard in (tolerant, plain):
+            guard.monitor.close()
+        http_utils.set_request_bounds(None)
+        engine.stop()
+        server.stop()
+
+
+def test_between_rollouts_a_dead_engine_is_failed_and_the_wait_for_a_serving_one_is_bounded(monkeypatch):
+    from slime.ray.rollout_manager import guard as guard_module
+
+    monkeypatch.setattr(guard_module, "BETWEEN_CALLS_WAIT_S", 1.0)
+    server, calls = _flaky_generate(failures=100)
+    engine = _Process("http://127.0.0.1:1")
+    guard = _guard([engine], fault_tolerant=True)
+    guard.fleet.relaunch = lambda rank: time.sleep(60)  # the restart does not serve within the wait
+    try:
+        guard.run("generate", 0, lambda: None, budget_s=30, weights_version=None)
+        engine.server.process.kill()
+        engine.server.process.wait()
+        start = time.monotonic()
+        with pytest.raises(http_utils.HTTPStatusError, match="HTTP 503"):
+            _post(f"http://127.0.0.1:{server.port}/generate", {"rid": "between-3"}, timeout_s=30)
+        assert time.monotonic() - start < 10 and len(calls) == 1
+        assert [f.rank for f in guard.fleet.failures] == [0]  # noticed at the failed request, no monitor running
+    finally:
+        guard.monitor.close()
+        http_utils.set_request_bounds(None)
+        engine.stop()
+        server.stop()
+
+
 # ----- the driver's targets -----------------------------------------------------------------------
 def test_engine_targets_reaim_the_sync_after_a_catch_up():
     pushes = []

@@ -29,9 +29,11 @@ trained twice (slime/rollout/data_source.py).
 
 Deadlines: a call waits at most the rollout's deadline (slime/utils/deadlines.py; the rollout manager's
 guard watches it too); every request keeps its own timeout, also between calls, when no rollout runs.
-A group whose generation failed fails the next call, naming the error; a generator that failed itself fails
-the call at once with its traceback. Groups a failing call had already taken stay waiting for the next one,
-and a generator started after a failed one takes over what it held.
+A group whose generation failed goes back to the data source as it was drawn (generated again later) and
+fails the next call once, naming the error; the call after it goes on. A generator that failed itself fails
+the call at once with its traceback; the next call starts a new generator, which takes over what the failed
+one held. Groups a failing call had already taken stay waiting for the next one. With --use-fault-tolerance,
+requests sent between calls are retried as inside one (slime/ray/rollout_manager/guard.py).
 """
 from __future__ import annotations
 
@@ -83,8 +85,8 @@ class FullyAsyncGenerator:
         self.capacity = min(groups_in_flight, 2 * int(args.rollout_batch_size))
         self.ready: deque[list] = deque()  # finished groups, oldest first (appended by the loop's thread)
         self.in_flight = 0
-        self.error: BaseException | None = None
-        self.requeued = {"redone": 0, "continued": 0}
+        self.failed: list[BaseException] = []  # errors of groups whose generation failed, not yet raised
+        self.requeued = {"redone": 0, "continued": 0, "failed": 0}
         self.drawn: dict[int, list[Sample]] = {}  # key -> the group as drawn, from its draw until it is taken
         self._ready_keys: deque[int] = deque()  # the key of each group in `ready`, in the same order
         self._keys = itertools.count()
@@ -145,11 +147,13 @@ class FullyAsyncGenerator:
 
     def _file(self, task: asyncio.Task, key: int) -> None:
         self.in_flight -= 1
-        if task.exception() is not None:  # its prompt stays outstanding
-            self.error = self.error or task.exception()
+        drawn = self.drawn.pop(key)
+        if task.exception() is not None:  # back to the source as drawn; the next call raises the error once
+            self.data_source.add_samples([drawn])
+            self.requeued["failed"] += 1
+            self.failed.append(task.exception())
             return
         group = task.result()
-        drawn = self.drawn.pop(key)
         if not any(s.status == Sample.Status.ABORTED for s in flatten_groups(group)):
             self._add_ready(group, drawn)  # outstanding until taken
             return
@@ -160,11 +164,17 @@ class FullyAsyncGenerator:
             self.data_source.add_samples([drawn])  # generated again from its prompt
             self.requeued["redone"] += 1
 
-    def _failure(self) -> BaseException | None:
-        """The generator's own error (its loop ended) or a group's; None while it runs."""
+    def _failure(self) -> tuple[str, BaseException] | None:
+        """What failed, and its error: the generator itself (its loop ended: every call until a new one takes
+        over) or groups' generations (each raised once, then forgotten); None while all is well."""
         if self._future.done() and self._future.exception() is not None:
-            return self._future.exception()
-        return self.error
+            return "the generator", self._future.exception()
+        with self._lock:
+            failed, self.failed = self.failed, []
+        if not failed:
+            return None
+        where = "a group's generation" if len(failed) == 1 else f"{len(failed)} groups' generations"
+        return f"{where} (its prompts went back to the data source)", failed[0]
 
     def _pop_ready(self) -> tuple[list, list[Sample] | None]:
         """The oldest finished group and its drawn copy, no longer outstanding (the trainer has it now)."""
@@ -204,10 +214,10 @@ class FullyAsyncGenerator:
                 self._add_ready(group, drawn, first=True)
 
     def _raise_failure(self) -> None:
-        failure = self._failure()
-        if failure is None:
+        found = self._failure()
+        if found is None:
             return
-        where = "a group's generation" if failure is self.error else "the generator"
+        where, failure = found
         trace = "".join(traceback.format_exception(failure))
         raise RuntimeError(f"fully-async rollout: {where} failed: {type(failure).__name__}: {failure}\n"
                            f"{trace}") from failure
@@ -232,10 +242,18 @@ def _source_lock(data_source):
 
 
 async def _engines_version(args) -> int | None:
-    """The newest weight version behind the router (engines that never got a push report none)."""
+    """The newest weight version behind the router (engines that never got a push report none). An engine that
+    does not answer (one restarting under --use-fault-tolerance) is left out; the call fails only when none does."""
+    urls = await engine_urls(args)
     replies = await asyncio.gather(*(get(f"{url.rstrip('/')}/model_info", timeout_s=ENGINE_HTTP_CONTROL_S)
-                                     for url in await engine_urls(args)))
-    versions = [int(r["weight_version"]) for r in replies if str(r.get("weight_version")).isdigit()]
+                                     for url in urls), return_exceptions=True)
+    answered = [r for r in replies if not isinstance(r, BaseException)]
+    if urls and not answered:
+        raise replies[0]
+    for url, reply in zip(urls, replies):
+        if isinstance(reply, BaseException):
+            logger.warning("fully-async rollout: engine %s did not report its weight version (%s)", url, reply)
+    versions = [int(r["weight_version"]) for r in answered if str(r.get("weight_version")).isdigit()]
     return max(versions) if versions else None
 
 
@@ -261,6 +279,7 @@ def generate_rollout_fully_async(args, rollout_id: int, data_source, evaluation:
                "rollout/staleness/dropped_groups": float(dropped),
                "rollout/fully_async/redone_groups": float(worker.requeued["redone"]),
                "rollout/fully_async/continued_groups": float(worker.requeued["continued"]),
+               "rollout/fully_async/failed_groups": float(worker.requeued["failed"]),
                "rollout/fully_async/waiting_groups": float(len(worker.ready))}
     logger.info("fully-async rollout %d: %d groups in %.1fs (engines at version %s, staleness max %d, %d dropped, "
                 "%d waiting)", rollout_id, len(groups), time.monotonic() - start, current, max(staleness), dropped,

@@ -16,6 +16,12 @@ rollout function in a worker thread while it watches three things:
 
 On either error the engines are told to abort everything (the rollout's requests stop generating)
 and the worker gets `grace_s` (REQUEST_GRACE_S) to end: every request of it ends by then.
+
+Between calls no rollout deadline bounds requests (each keeps its own timeout), but a background generator
+(slime/rollout/fully_async_rollout.py) keeps sending them: with --use-fault-tolerance a /generate that failed
+with its engine is sent again then too, once an engine serves (a dead engine process is failed and its restart
+begun at once; the wait for a serving engine is bounded by BETWEEN_CALLS_WAIT_S). The retries count in the
+next call's `retried_requests`.
 """
 from __future__ import annotations
 
@@ -30,7 +36,8 @@ from slime.ray.engines.health import HealthConfig, HealthMonitor, describe_engin
 from slime.ray.engines.recovery import EngineFleet
 from slime.ray.engines.progress import stalled_message
 from slime.ray.rollout_manager.errors import EngineFailedError, EngineStalledError, RolloutError, RolloutTimeoutError
-from slime.utils.deadlines import ENGINE_EXIT_SEEN_S, ENGINE_FAULT_JOIN_S, REQUEST_GRACE_S, RolloutClock
+from slime.utils.deadlines import (ENGINE_EXIT_SEEN_S, ENGINE_FAULT_JOIN_S, ENGINE_STARTUP_S, REQUEST_GRACE_S,
+                                    RolloutClock)
 from slime.utils.http_utils import HTTPStatusError, OutstandingRequest, outstanding_requests, set_request_bounds
 
 logger = logging.getLogger(__name__)
@@ -39,6 +46,7 @@ T = TypeVar("T")
 WATCH_POLL_S = 0.2
 MAX_ATTEMPTS = 20  # a request is sent at most this often (fault tolerance)
 RETRY_STATUSES = frozenset({500, 502, 503, 504})  # what routers answer when the engine behind them failed
+BETWEEN_CALLS_WAIT_S = ENGINE_STARTUP_S  # between calls, a retry waits this long at most for a serving engine
 
 
 class RolloutGuard:
@@ -48,15 +56,16 @@ class RolloutGuard:
         self.grace_s = grace_s
         self.clock = RolloutClock()
         self.monitor = HealthMonitor(config, fleet)
-        self.retried = 0
+        self.retried = 0  # requests sent again since the last call ended (between calls) and during this one
         fleet.on_recovered = self._recovered
+        self._between_calls()
 
     def run(self, what: str, rollout_id: int, fn: Callable[[], T], *, budget_s: float,
             weights_version: str | None, inject_faults: bool = False) -> tuple[T, dict[str, float]]:
         """fn's result and this run's engine-fault counters, or a RolloutError naming engines and requests."""
         self.fleet.weights_version = weights_version
         self.fleet.changed.clear()
-        before, self.retried = self.fleet.counts(), 0
+        before = self.fleet.counts()
         self.clock.start(budget_s)
         self._bound_requests()
         self.monitor.resume()
@@ -75,11 +84,12 @@ class RolloutGuard:
         finally:
             done.set()
             self.monitor.pause()
-            set_request_bounds(None, None)
             self.clock.stop()
+            self._between_calls()
         after = self.fleet.counts()
         counters = {"engine_failures": after["failures"] - before["failures"],
                     "engine_restarts": after["restarts"] - before["restarts"], "retried_requests": self.retried}
+        self.retried = 0
         return result, {key: float(value) for key, value in counters.items()}
 
     def left_s(self) -> float | None:
@@ -87,6 +97,10 @@ class RolloutGuard:
 
     def _bound_requests(self) -> None:
         set_request_bounds(self.clock.deadline + self.grace_s, self._retry if self.config.fault_tolerant else None)
+
+    def _between_calls(self) -> None:
+        """No rollout deadline; fault tolerance's retry stays for what a background generator sends."""
+        set_request_bounds(None, self._retry_between_calls if self.config.fault_tolerant else None)
 
     def _recovered(self, seconds: float) -> None:
         """An engine serves again: the time it was lost is given back to the rollout's deadline."""
@@ -161,6 +175,25 @@ class RolloutGuard:
         await asyncio.sleep(min(0.25 * 2 ** attempt, 5.0))  # let the monitor see the failure first
         while not self.fleet.any_serving():
             if self.clock.expired():
+                return False
+            await asyncio.sleep(0.5)
+        self.retried += 1
+        return True
+
+    async def _retry_between_calls(self, url: str, error: BaseException, attempt: int) -> bool:
+        """As `_retry`, with no rollout running: no health monitor looks at the engines, so a dead engine process
+        is failed here (its restart begins), and the wait for a serving engine has a bound of its own."""
+        if attempt >= MAX_ATTEMPTS or not url.endswith("/generate") or isinstance(error, TimeoutError):
+            return False  # a timeout between calls is the request's own, final
+        if isinstance(error, HTTPStatusError) and error.status not in RETRY_STATUSES:
+            return False
+        await asyncio.to_thread(self.fleet.check_processes)
+        await asyncio.sleep(min(0.25 * 2 ** attempt, 5.0))
+        end = time.monotonic() + BETWEEN_CALLS_WAIT_S
+        while not self.fleet.any_serving():
+            if time.monotonic() > end:
+                logger.error("%s failed (%s) between rollouts and no engine served within %.0fs: not sent again",
+                             url, error, BETWEEN_CALLS_WAIT_S)
                 return False
             await asyncio.sleep(0.5)
         self.retried += 1
