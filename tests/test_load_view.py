@@ -30,7 +30,7 @@ def _fake_checkpoint(root, iteration: int, items=("model", "scheduler"), rng_ran
 def test_load_view_reads_the_tracker_the_items_and_errors(tmp_path):
     root = _fake_checkpoint(tmp_path / "ckpt", 3, items=("model", "optimizer"))
     assert contents.load_view(root) == {"kind": "megatron", "iteration": 3, "exists": True,
-                                        "items": ["model", "optimizer"], "rng_files": 2}
+                                        "items": ["model", "optimizer"], "rng_files": 2, "layout": None}
     assert contents.load_view(root, 5) == {"kind": "megatron", "iteration": 5, "exists": False}
     assert contents.load_view(str(tmp_path / "none")) == {"kind": "megatron", "iteration": None, "exists": False}
     (tmp_path / "ckpt" / contents.TRACKER).write_text("garbage")

@@ -10,6 +10,8 @@ read it, so nothing is saved that load ignores, and nothing load needs goes unsa
                                                                moves the reference away from --ref-load
   iteration       rank 0            latest_checkpointed_iteration.txt (and iter_N/slime_contents.json, with
                                     the id of the run that saved it: `heal_target`)
+  layout          rank 0            iter_N/slime_layout.json: the parallel layout and the optimizer's partition,
+                                    what a resume at another layout is checked against (slime/checkpoint/layout.py)
   data            rollout manager   rollout/global_dataset_state_dict_N.pt: prompt position, epoch and
                                     its shuffle order, the partial-rollout buffer, the rollout side's RNG
   metrics step    (derived)         N + 1: the driver logs every event under its rollout id
@@ -26,6 +28,7 @@ import os
 from dataclasses import dataclass
 
 from slime.checkpoint.durable import write_text_atomic
+from slime.checkpoint.layout import read_layout
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "slime_contents.json"
@@ -151,5 +154,7 @@ def load_view(root: str, iteration: int | None = None) -> dict:
     if not os.path.isdir(path):
         return {"kind": "megatron", "iteration": iteration, "exists": False}
     rng_dir = os.path.join(path, RNG_DIR)
+    saved_layout = read_layout(path)
     return {"kind": "megatron", "iteration": iteration, "exists": True, "items": sorted(read_manifest(path)),
-            "rng_files": len(os.listdir(rng_dir)) if os.path.isdir(rng_dir) else 0}
+            "rng_files": len(os.listdir(rng_dir)) if os.path.isdir(rng_dir) else 0,
+            "layout": saved_layout.describe() if saved_layout is not None else None}

@@ -16,6 +16,7 @@ from slime.config.checks.linear_attention import check_linear_attention
 from slime.config.checks.lora import check_lora_against_config
 from slime.config.checks.model import check_pipeline_layers
 from slime.config.constants import DEFAULT_DATA_SOURCE_PATH, DEFAULT_ROLLOUT_FUNCTION_PATH
+from slime.checkpoint.layout import check_resume_layout
 from slime.config.critic_role import critic_checkpoint_mismatch, critic_resume_dir
 from slime.config.errors import fail, require_path
 from slime.models import family as model_family
@@ -59,6 +60,7 @@ def check_launch_inputs(args: argparse.Namespace) -> None:
     _check_moe_tensor_parallel(args, os.path.join(path, HF_CONFIG_FILE))
     if estimator(args.advantage_estimator).needs_critic and not args.debug_rollout_only:
         check_critic_checkpoint(args)
+    check_resume_layout(args)  # --load saved at another layout: what cannot be restored (slime/checkpoint/layout.py)
 
 
 # HF model_type values the model builder has a family for (slime/models registers them). Any other checkpoint would

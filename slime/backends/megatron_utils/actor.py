@@ -167,10 +167,19 @@ class MegatronTrainActor:
     def _resume(self, path: str, iteration: int | None = None) -> int:
         """--load: weights, optimizer (unless --no-load-optim), schedule, this rank's RNG (unless --no-load-rng)
         and a refreshed reference model; --finetune: weights only, rollout 0. `iteration`: which one (default:
-        the tracker's)."""
-        from slime.backends.megatron_utils.checkpoint import load_checkpoint
+        the tracker's). At another layout than the saved one, what can be restored is, what cannot is refused first
+        (slime/checkpoint/layout.py)."""
+        from slime.backends.megatron_utils.checkpoint import latest_iteration, load_checkpoint, plan_resume
+        from slime.checkpoint.layout import training_draws
 
+        iteration = latest_iteration(path) if iteration is None else iteration
         fresh_optimizer = self.args.no_load_optim or self.args.finetune
+        plan = None if self.args.finetune else plan_resume(
+            path, iteration, self.optimizer, load_optimizer=not fresh_optimizer,
+            load_rng=not self.args.no_load_rng, random_draws=training_draws(self.args))
+        if plan is not None and self.rank == 0:
+            for note in plan.notes:
+                logger.warning("%s", note)
         iteration = load_checkpoint(path, self.model, None if fresh_optimizer else self.optimizer,
                                     None if self.args.finetune else self.lr_scheduler, iteration=iteration)
         if fresh_optimizer:
@@ -178,7 +187,8 @@ class MegatronTrainActor:
         if self.args.finetune:
             return 0
         self._resume_reference(path, iteration)
-        self._resume_rng(path, iteration)
+        if plan.restore_rng:
+            self._resume_rng(path, iteration)
         return iteration + 1
 
     def _resume_reference(self, path: str, iteration: int) -> None:
@@ -197,8 +207,6 @@ class MegatronTrainActor:
     def _resume_rng(self, path: str, iteration: int) -> None:
         from slime.backends.megatron_utils.checkpoint import restore_rng
 
-        if self.args.no_load_rng:
-            return
         if not restore_rng(path, iteration, self.rank):
             logger.warning("%s (iteration %d) holds no RNG state for rank %d (saved before RNG was saved, or by "
                            "another world size): this rank keeps the --seed state", path, iteration, self.rank)

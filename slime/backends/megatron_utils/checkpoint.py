@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from slime import patches
-from slime.checkpoint import contents, durable, rng
+from slime.checkpoint import contents, durable, layout, rng
 from slime.checkpoint.contents import latest_iteration
 from slime.distributed.fault_inject import maybe_kill_run
 from slime.models import mxfp4
@@ -40,7 +40,8 @@ from slime.models.lora import peft_unexportable
 
 __all__ = ["save_checkpoint", "publish_checkpoint", "load_checkpoint",
            "load_model_weights", "latest_iteration", "load_hf_weights",
-           "export_hf_weights", "save_hf_checkpoint", "load_reference", "restore_rng", "holds"]
+           "export_hf_weights", "save_hf_checkpoint", "load_reference", "restore_rng", "holds", "plan_resume",
+           "rank_layout"]
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +131,7 @@ def save_checkpoint(root: str, iteration: int, model_chunks: list, optimizer=Non
     barrier("shards_written")  # every rank's shards are complete
     if dist.get_rank() == 0:
         contents.write_manifest(partial, plan.items(), run_id)
+        layout.write_layout(partial, rank_layout(optimizer))
         # the iteration the tracker names is never missing; any other (unpublished) one is simply replaced
         durable.publish_dir(partial, path, progress, in_use=latest_iteration(root) == iteration)
         if publish:
@@ -276,6 +278,29 @@ def load_reference(root: str, iteration: int, model_chunks: list) -> None:
     loaded = dist_checkpointing.load(_model_sharded_state_dict(model_chunks),
                                      contents.reference_dir(_iteration_dir(root, iteration)))
     _load_model_state(model_chunks, loaded)
+
+
+def rank_layout(optimizer=None) -> layout.SavedLayout:
+    """This rank's parallel layout (megatron's groups) and how `optimizer` partitions its state."""
+    from megatron.core import parallel_state as ps
+
+    config = getattr(optimizer, "config", None)
+    kind = None if optimizer is None else (layout.DISTRIBUTED if config is not None and
+                                           config.use_distributed_optimizer else layout.PER_PARAMETER)
+    return layout.SavedLayout(
+        tp=ps.get_tensor_model_parallel_world_size(), pp=ps.get_pipeline_model_parallel_world_size(),
+        cp=ps.get_context_parallel_world_size(), ep=ps.get_expert_model_parallel_world_size(),
+        etp=ps.get_expert_tensor_parallel_world_size(), dp=ps.get_data_parallel_world_size(),
+        world_size=dist.get_world_size(), vpp=ps.get_virtual_pipeline_model_parallel_world_size(),
+        optimizer=kind, optimizer_parts=len(getattr(optimizer, "chained_optimizers", None) or [optimizer]))
+
+
+def plan_resume(root: str, iteration: int, optimizer, *, load_optimizer: bool, load_rng: bool,
+                random_draws: tuple[str, ...]) -> layout.LayoutResume:
+    """What a resume from `iteration` restores at this rank's layout (slime/checkpoint/layout.py); raises
+    LayoutResumeError, before anything is loaded, for what it cannot restore."""
+    return layout.plan_layout_resume(layout.read_layout(_iteration_dir(root, iteration)), rank_layout(optimizer),
+                                     load_optimizer=load_optimizer, load_rng=load_rng, random_draws=random_draws)
 
 
 def restore_rng(root: str, iteration: int, rank: int) -> bool:
