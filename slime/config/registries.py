@@ -64,8 +64,12 @@ NOT_IMPLEMENTED_FLAGS: tuple[NotImplementedFlag, ...] = (
              "--rollout-data-dir", "--rollout-storage-profile", "--rollout-storage-declaration",
              "--rollout-queue-run-id", "--rollout-queue-online-gc", "--rollout-queue-lease-seconds",
              "--rollout-queue-segment-mib", "--rollout-io-concurrency"),
-    *_warned("retained internal serving / training recovery is not implemented", "--rollout-session-id",
-             "--rollout-cleanup-timeout"),
+    NotImplementedFlag(flag="--rollout-session-id",
+                       reason="no engines outlive the driver: a resubmitted run starts its own; --load resumes at "
+                              "another parallel layout (docs/exact-resume.md, 'Resuming at another layout')"),
+    NotImplementedFlag(flag="--rollout-cleanup-timeout",
+                       reason="every teardown step has a deadline of its own (slime/utils/deadlines.py); nothing "
+                              "is retained between attempts to detach"),
     *_warned("FLOPs-balanced micro-batches are not implemented; --balance-data balances tokens",
              "--balance-by-flops"),
     *_warned("eval requests are bounded by --eval-max-response-len and --rollout-max-context-len",

@@ -39,6 +39,8 @@ parse time with the reason where it would change the maths and is not implemente
   (`<dir>/iter_NNNNNNN/`, `latest_checkpointed_iteration.txt`), as upstream's Megatron backend does:
   a directory upstream saved with `--ckpt-format torch_dist` loads here, resharded to the new layout
   by megatron's dist_checkpointing. `--ckpt-format torch` (the legacy per-rank files) is refused.
+  What else a resume at another layout restores, and what it refuses, is in docs/exact-resume.md
+  ("Resuming at another layout").
 - `--hf-checkpoint` is read with this project's HF <-> megatron mapping (no `torch_dist` conversion
   step is needed to start from Hugging Face weights; upstream's `convert_hf_to_torch_dist.py` output
   loads as any `--load` directory). `--save-hf` writes Hugging Face weights next to each checkpoint.
