@@ -29,8 +29,9 @@ def train(args) -> None:
         actors = run.start_trainer()
         schedule = AsyncSchedule(args, run.rollout, actors, run.metrics, critic=run.critic)
         with run.first_weight_push():
-            schedule.push_weights(args.start_rollout_id - 1)  # the engines start from the trainer's weights
+            schedule.push_at_start()  # the trainer's weights, or those the engines held when --load was saved
         schedule.start_generation(args.start_rollout_id)
+        schedule.replay_push()  # resumed: the push that followed that rollout's generation before the run stopped
         for rollout_id in run.rollouts():
             data_ref = schedule.collect(rollout_id)
             if rollout_id + 1 < args.num_rollout:  # the next rollout generates while this one trains

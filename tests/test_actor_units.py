@@ -57,3 +57,35 @@ def test_weight_snapshot_swaps_in_and_restores():
         assert not torch.equal(model.weight, trained)
     assert torch.equal(model.weight, trained)
     assert "ref" in snapshots and "_live" not in snapshots
+
+
+def test_train_async_pushes_keep_what_the_engines_hold_and_push_it_back_after_a_resume():
+    """update_weights(keep_served=True) keeps a copy of the pushed weights (saved as the engines' weights), a later
+    push of other weights forgets it, and served=True pushes the copy while the trainer keeps its own weights."""
+    import contextlib
+    import types
+
+    from slime.backends.megatron_utils.actor import MegatronTrainActor
+
+    layer = torch.nn.Linear(2, 2, bias=False)
+    pushed = []
+    actor = types.SimpleNamespace(
+        rank=0, asleep=False, snapshots=WeightSnapshots([layer]), served_version=None,
+        groups=types.SimpleNamespace(fence=None),
+        weight_sync=types.SimpleNamespace(sync=lambda model, rollout_id, **_: pushed.append(
+            (rollout_id + 1, model[0].weight.detach().clone())) or {}, retarget=lambda urls: None),
+        watchdog=types.SimpleNamespace(phase=lambda name: contextlib.nullcontext()),
+        memory=types.SimpleNamespace(read_param=None), ledger=types.SimpleNamespace(flush=lambda: None))
+    actor.model = [layer]
+    push = MegatronTrainActor.update_weights.__get__(actor)
+    with torch.no_grad():
+        layer.weight.fill_(1.0)
+    push(3, keep_served=True)  # version 4: a save follows before the next push
+    assert actor.served_version == 4 and "served" in actor.snapshots
+    with torch.no_grad():
+        layer.weight.fill_(2.0)  # the trainer trains on
+    push(3, served=True)  # a resumed run: the engines get the copy (version 4), the trainer keeps version 5
+    assert torch.equal(pushed[-1][1], torch.ones(2, 2)) and torch.equal(layer.weight, torch.full((2, 2), 2.0))
+    push(4)  # the trainer's own weights, no save before the next push: the copy no longer is what engines hold
+    assert actor.served_version is None and "served" not in actor.snapshots
+    assert [version for version, _ in pushed] == [4, 4, 5]

@@ -3,6 +3,7 @@ the refusals. Recorders stand in for the rollout manager and the trainer group (
 components run this order in tests/test_train_async_e2e.py)."""
 from __future__ import annotations
 
+import os
 import tempfile
 import types
 
@@ -39,6 +40,20 @@ def test_an_interval_of_two_pushes_every_other_rollout_and_staleness_alternates(
 
 def test_a_resumed_run_starts_from_the_version_it_pushes_at_start():
     assert _timeline(start_rollout_id=5, num_rollout=7) == [(5, 5, 5, True), (6, 5, 6, True)]
+
+
+@pytest.mark.parametrize("interval", [1, 2, 3])
+def test_a_run_resumed_with_the_engines_weights_generates_every_rollout_with_the_uninterrupted_version(interval):
+    """From a checkpoint saved after rollout S-1 with the weights the engines held (version E), the resumed plan is
+    the uninterrupted one from rollout S on; from the trainer's weights (version S) alone it is not."""
+    uninterrupted = OneStepOffPlan(start_rollout_id=0, num_rollout=8, update_weights_interval=interval).steps()
+    for start in range(1, 8):
+        served = uninterrupted[start].generated_with
+        resumed = OneStepOffPlan(start_rollout_id=start, num_rollout=8, update_weights_interval=interval,
+                                 start_version=served)
+        assert resumed.steps() == uninterrupted[start:], (start, served)
+        assert resumed.replays_push == (served != start and (start % interval == 0))
+    assert OneStepOffPlan(start_rollout_id=3, num_rollout=8).steps()[0].generated_with == 3 != uninterrupted[3]
 
 
 # ----- the loop, call by call ---------------------------------------------------------------------
@@ -141,8 +156,9 @@ class FakeTrainers:
     def save(self, rollout_id):
         self.log.append(f"save {rollout_id}")
 
-    def update_weights(self, rollout_id, engine_urls=None):
-        self.log.append(f"push version {rollout_id + 1}" + (f" to {engine_urls}" if engine_urls else ""))
+    def update_weights(self, rollout_id, engine_urls=None, served=False, keep_served=False):
+        self.log.append(f"push version {rollout_id + 1}" + (f" to {engine_urls}" if engine_urls else "")
+                        + (" (the checkpoint's copy)" if served else "") + (", copy kept" if keep_served else ""))
         return {"weight_sync/version": rollout_id + 1}
 
     def shutdown(self):
@@ -286,3 +302,33 @@ def test_train_py_refuses_an_interval_it_would_ignore(capsys):
 def test_a_negative_staleness_bound_is_refused(capsys):
     message = parse_error([*MINIMAL, "--max-weight-staleness", "-1"], capsys)
     assert "--max-weight-staleness" in message and "is not a non-negative integer" in message
+
+
+def _checkpoint_with_served_weights(root, iteration: int, version: int) -> str:
+    from slime.checkpoint import contents
+
+    path = contents.iteration_dir(str(root), iteration)
+    os.makedirs(contents.served_dir(path))
+    contents.write_manifest(path, ("model", "optimizer", "scheduler", "rng", "served"))
+    contents.write_served_version(path, version)
+    (root / contents.TRACKER).write_text(str(iteration))
+    return str(root)
+
+
+def test_a_resumed_run_pushes_the_engines_weights_of_the_checkpoint_and_replays_the_push_after_it(monkeypatch,
+                                                                                                  tmp_path):
+    """What the engines generate with, and what is pushed, from rollout 3 on, is the uninterrupted run's; every
+    push followed by a save keeps a copy of what it pushed (saved as the engines' weights)."""
+    def timeline(log, start):
+        return [c for c in log if (c.startswith("push") or ("starts" in c and int(c.split()[1]) >= start))]
+
+    uninterrupted = run_loop(monkeypatch, num_rollout=5, save=str(tmp_path / "a"), save_interval=1)
+    assert "push version 2, copy kept" in uninterrupted  # saved after training rollout 2: the engines hold 2
+    load = _checkpoint_with_served_weights(tmp_path / "b", 2, 2)
+    resumed = run_loop(monkeypatch, num_rollout=5, load=load, start_rollout_id=3, save=load, save_interval=1)
+    assert timeline(resumed, 3)[:4] == ["push version 2 (the checkpoint's copy)", "generate 3 starts at version 2",
+                                        "push version 3, copy kept", "generate 4 starts at version 3"]
+    assert timeline(resumed, 3)[1:] == timeline(uninterrupted, 3)[timeline(uninterrupted, 3).index(
+        "generate 3 starts at version 2"):]
+    train = {step: v for kind, step, v in resumed.events if kind == "train"}
+    assert [train[k]["train/rollout_weight_version"] for k in (3, 4)] == [2.0, 3.0]

@@ -22,6 +22,7 @@ pytestmark = pytest.mark.ranks
 def test_trainer_save_lists_only_what_it_writes():
     assert contents.TrainerSave(optimizer=True, reference=False).items() == ("model", "optimizer", "scheduler", "rng")
     assert contents.TrainerSave(optimizer=False, reference=True).items() == ("model", "scheduler", "rng", "reference")
+    assert contents.TrainerSave(optimizer=False, reference=False, served=True).items()[-1] == "served"
 
 
 def test_manifest_of_older_checkpoints_is_read_as_what_they_held(tmp_path):
@@ -119,8 +120,8 @@ def _round_trip(rank, world, hf_dir, ckpt):
     import numpy
 
     from slime.backends.megatron_utils.actor import WeightSnapshots
-    from slime.backends.megatron_utils.checkpoint import (holds, load_checkpoint, load_reference, restore_rng,
-                                                          save_checkpoint)
+    from slime.backends.megatron_utils.checkpoint import (holds, load_checkpoint, load_reference, load_served,
+                                                          restore_rng, save_checkpoint)
 
     model, optimizer, scheduler = build_loaded_model(model_args(lr=1e-2, use_distributed_optimizer=True), hf_dir)
     model[0].zero_grad_buffer()  # one optimizer step on the same gradient everywhere: state worth saving
@@ -133,8 +134,16 @@ def _round_trip(rank, world, hf_dir, ckpt):
     with torch.no_grad():  # the actor moved away from its reference
         for p in model[0].parameters():
             p.mul_(1.5)
+    with torch.no_grad():  # what the engines hold: yet other weights (train_async.py: a version behind)
+        for p in model[0].parameters():
+            p.mul_(0.5)
+    snapshots.take("served")
+    with torch.no_grad():
+        for p in model[0].parameters():
+            p.mul_(2.0)
     saved = {n: p.detach().clone() for n, p in model[0].named_parameters()}
     reference = {n: t.clone() for n, t in snapshots._saved["ref"].items()}
+    served = {n: t.clone() for n, t in snapshots._saved["served"].items()}
     torch.manual_seed(17 + rank), random.seed(17 + rank), numpy.random.seed(17 + rank)
     waits, ticks = [], []
 
@@ -155,14 +164,16 @@ def _round_trip(rank, world, hf_dir, ckpt):
     durable.exchange = no_exchange
     torch.distributed.barrier()
     save_checkpoint(ckpt, 3, model, optimizer, scheduler, reference=lambda: snapshots.swapped("ref"),
-                    barrier=barrier, progress=lambda: ticks.append(rank), run_id="run-a")
+                    served=(3, lambda: snapshots.swapped("served")), barrier=barrier,
+                    progress=lambda: ticks.append(rank), run_id="run-a")
     durable.fsync_path, durable.exchange = real_fsync, real_exchange
     saved_by = contents.written_by(ckpt, 3)
     # each rank fsyncs the shards it wrote itself (another node's fsync would not flush them)
     partial = stale + ".partial"
     shards = sorted(os.path.relpath(p, partial) for p in fsynced if p.startswith(partial) and p.endswith(".distcp"))
     state = rng.capture()
-    save_checkpoint(ckpt, 3, model, optimizer, scheduler, reference=lambda: snapshots.swapped("ref"))  # a re-save
+    save_checkpoint(ckpt, 3, model, optimizer, scheduler, reference=lambda: snapshots.swapped("ref"),
+                    served=(3, lambda: snapshots.swapped("served")))  # a re-save
     rng.restore(state)
     expected = (float(torch.rand(1)), random.random(), float(numpy.random.rand()))
     with torch.no_grad():
@@ -174,7 +185,10 @@ def _round_trip(rank, world, hf_dir, ckpt):
     restored_rng = restore_rng(ckpt, iteration, rank)
     drawn = (float(torch.rand(1)), random.random(), float(numpy.random.rand()))
     snapshots.capture("ref", lambda: load_reference(ckpt, iteration, model))
+    versions = []
+    snapshots.capture("served", lambda: versions.append(load_served(ckpt, iteration, model)))
     return {
+        "served": versions == [3] and all(torch.equal(served[n], t) for n, t in snapshots._saved["served"].items()),
         "iteration": iteration,
         "items": sorted(holds(ckpt, iteration)),
         "model": all(torch.equal(saved[n], p) for n, p in model[0].named_parameters()),
@@ -197,7 +211,7 @@ def test_checkpoint_round_trip_restores_model_reference_and_every_ranks_rng(tmp_
     # rank 0 fsyncs every file of the iteration before publishing it: each counts as progress for its peers
     files = sum(len(names) for _, _, names in os.walk(tmp_path / "ckpt" / "iter_0000003"))
     assert ticks[0] >= files > 0, (ticks, files)
-    # every shard of the save (model and optimizer, reference model) was fsynced by the rank that wrote it
+    # every shard of the save (model and optimizer, reference model, served copy) was fsynced by the rank that wrote it
     iteration = tmp_path / "ckpt" / "iter_0000003"
     for rank, result in enumerate(results):
         written = sorted(str(p.relative_to(iteration)) for p in iteration.rglob(f"__{rank}_*.distcp"))
@@ -205,7 +219,8 @@ def test_checkpoint_round_trip_restores_model_reference_and_every_ranks_rng(tmp_
     for result in results:
         # every wait of the save goes through the caller's barrier (the trainer's fence), none bare
         assert result.pop("waits") == ["directory_made", "model_saved", "reference_directory_made",
-                                       "shards_written", "published"], result
-        assert result == {"iteration": 3, "items": ["model", "optimizer", "reference", "rng", "scheduler"],
-                          "model": True, "reference": True, "rng": True, "leftovers": [], "stale": False,
-                          "run": "run-a"}, result
+                                       "served_after_model", "served_directory_made", "shards_written",
+                                       "published"], result
+        assert result == {"iteration": 3, "items": ["model", "optimizer", "reference", "rng", "scheduler", "served"],
+                          "model": True, "reference": True, "served": True, "rng": True, "leftovers": [],
+                          "stale": False, "run": "run-a"}, result

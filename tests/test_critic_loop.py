@@ -45,7 +45,7 @@ class FakeGroup(FakeTrainers):
     def publish(self, rollout_id):
         self._say(f"publish {rollout_id}")
 
-    def update_weights(self, rollout_id, engine_urls=None):
+    def update_weights(self, rollout_id, engine_urls=None, *, served=False, keep_served=None):
         self.log.calls.append(f"push version {rollout_id + 1}")
         return {"weight_sync/version": rollout_id + 1}
 

@@ -256,7 +256,7 @@ def test_a_rank_whose_fence_timed_out_blames_the_peers_it_found_lagging():
     from slime.ray.trainer.rank_actor import RankError, TrainRayActor
 
     class Waiting:  # a rank whose weight push's fence found rank 1 lagging
-        def update_weights(self, rollout_id, engine_urls):
+        def update_weights(self, rollout_id, engine_urls, *, served=False, keep_served=None):
             raise FenceTimeoutError("fence 'weight_sync' timed out", phase="weight_sync", lagging_ranks=(1,))
 
     with pytest.raises(RankError) as raised:  # the actor's wrapper makes it portable

@@ -8,6 +8,9 @@ read it, so nothing is saved that load ignores, and nothing load needs goes unsa
   rng             every rank        iter_N/rng/rank_R.pt       torch CPU + CUDA, Python, numpy, megatron tracker
   reference       every rank        iter_N/reference/          torch_dist; only when --ref-update-interval
                                                                moves the reference away from --ref-load
+  served          every rank        iter_N/served/             torch_dist: the weights the engines held (and their
+                                                               version) when train_async.py saved, so a resume
+                                                               generates the next rollout with them
   iteration       rank 0            latest_checkpointed_iteration.txt (and iter_N/slime_contents.json, with
                                     the id of the run that saved it: `heal_target`)
   layout          rank 0            iter_N/slime_layout.json: the parallel layout and the optimizer's partition,
@@ -34,10 +37,12 @@ TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "slime_contents.json"
 RNG_DIR = "rng"
 REFERENCE_DIR = "reference"
+SERVED_DIR = "served"
+SERVED_VERSION = "version.json"
 DATA_DIR = "rollout"
 
-MODEL, OPTIMIZER, SCHEDULER, RNG, REFERENCE = "model", "optimizer", "scheduler", "rng", "reference"
-TRAINER_ITEMS = (MODEL, OPTIMIZER, SCHEDULER, RNG, REFERENCE)
+MODEL, OPTIMIZER, SCHEDULER, RNG, REFERENCE, SERVED = "model", "optimizer", "scheduler", "rng", "reference", "served"
+TRAINER_ITEMS = (MODEL, OPTIMIZER, SCHEDULER, RNG, REFERENCE, SERVED)
 # What the data file holds (RolloutDataSource.state_dict): every key is needed for an exact resume.
 DATA_ITEMS = ("position", "epoch_order", "buffer", "rng")
 # A checkpoint written before the manifest listed its items held these (optimizer unless it said not).
@@ -56,10 +61,13 @@ class TrainerSave:
     """False under --no-save-optim."""
     reference: bool
     """True when the reference model is refreshed (--ref-update-interval), so --ref-load no longer holds it."""
+    served: bool = False
+    """True when the engines hold other weights than the trainer's (train_async.py: one version behind)."""
 
     def items(self) -> tuple[str, ...]:
         return tuple(name for name in TRAINER_ITEMS
-                     if (name != OPTIMIZER or self.optimizer) and (name != REFERENCE or self.reference))
+                     if (name != OPTIMIZER or self.optimizer) and (name != REFERENCE or self.reference)
+                     and (name != SERVED or self.served))
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -72,6 +80,23 @@ def rng_file(iteration_path: str, rank: int) -> str:
 
 def reference_dir(iteration_path: str) -> str:
     return os.path.join(iteration_path, REFERENCE_DIR)
+
+
+def served_dir(iteration_path: str) -> str:
+    return os.path.join(iteration_path, SERVED_DIR)
+
+
+def write_served_version(iteration_path: str, version: int) -> None:
+    write_text_atomic(os.path.join(served_dir(iteration_path), SERVED_VERSION), json.dumps({"version": version}))
+
+
+def served_version(iteration_path: str) -> int | None:
+    """The weight version of the served copy the iteration holds (None: it holds none)."""
+    path = os.path.join(served_dir(iteration_path), SERVED_VERSION)
+    if SERVED not in read_manifest(iteration_path) or not os.path.exists(path):
+        return None
+    with open(path) as handle:
+        return int(json.load(handle)["version"])
 
 
 def data_file(root: str, rollout_id: int) -> str:

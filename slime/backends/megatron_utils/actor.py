@@ -148,6 +148,7 @@ class MegatronTrainActor:
         self.model, self.optimizer, self.lr_scheduler = build_model_and_optimizer(self.args, self.hf_config)
         self.memory = TrainerMemory(self.model, self.optimizer)  # colocate: what sleep frees and wake restores
         self.snapshots = WeightSnapshots(self.model)
+        self.served_version: int | None = None  # the version of the "served" snapshot (train_async.py)
         # forward-only copies first (the model holds each in turn), then the actor's own weights
         loaded = None
         reference = self.args.ref_load or self.args.hf_checkpoint  # --ref-load defaults to the HF weights
@@ -187,6 +188,7 @@ class MegatronTrainActor:
         if self.args.finetune:
             return 0
         self._resume_reference(path, iteration)
+        self._resume_served(path, iteration)
         if plan.restore_rng:
             self._resume_rng(path, iteration)
         return iteration + 1
@@ -203,6 +205,14 @@ class MegatronTrainActor:
                            path, iteration)
             return
         self.snapshots.capture("ref", lambda: load_reference(path, iteration, self.model))
+
+    def _resume_served(self, path: str, iteration: int) -> None:
+        """The weights the engines held when the checkpoint was saved (train_async.py), for the push at start."""
+        from slime.backends.megatron_utils.checkpoint import holds, load_served
+
+        if "served" in holds(path, iteration):
+            self.snapshots.capture("served", lambda: setattr(self, "served_version",
+                                                              load_served(path, iteration, self.model)))
 
     def _resume_rng(self, path: str, iteration: int) -> None:
         from slime.backends.megatron_utils.checkpoint import restore_rng
@@ -428,18 +438,28 @@ class MegatronTrainActor:
         self.ledger.close()
 
     # ------------------------------------------------------------ weight sync
-    def update_weights(self, rollout_id: int, engine_urls: list[str] | None = None) -> dict[str, Any]:
-        """Push the weights to the engines. A sleeping trainer stays asleep: only its communicators wake,
-        and the weights are read from the host copy (nothing is resident twice on a shared GPU).
-        `engine_urls`: aim this and later pushes at these engines (engines were restarted)."""
+    def update_weights(self, rollout_id: int, engine_urls: list[str] | None = None, *, served: bool = False,
+                       keep_served: bool = False) -> dict[str, Any]:
+        """Push the weights to the engines as version rollout_id + 1. A sleeping trainer stays asleep: only its
+        communicators wake, and the weights are read from the host copy (nothing is resident twice on a shared
+        GPU). `engine_urls`: aim this and later pushes at these engines (engines were restarted).
+        train_async.py: `keep_served` keeps a host copy of what is pushed, saved with the next checkpoint as the
+        weights the engines hold; `served` pushes the copy a checkpoint brought back instead of the weights."""
         maybe_kill_run("kill_during_weight_sync", self.rank, rollout_id)
         if engine_urls is not None:
             self.weight_sync.retarget(engine_urls)
         asleep = self.asleep
         with self.watchdog.phase("weight_sync/wake"):
             wake = self._wake_groups(rollout_id) if asleep else {}
-        metrics = self.weight_sync.sync(self.model, rollout_id, fence=self.groups.fence, watchdog=self.watchdog,
-                                        read_param=self.memory.read_param)
+        with self.snapshots.swapped("served") if served else contextlib.nullcontext():
+            metrics = self.weight_sync.sync(self.model, rollout_id, fence=self.groups.fence, watchdog=self.watchdog,
+                                            read_param=self.memory.read_param)
+        if keep_served:
+            self.snapshots.take("served")
+            self.served_version = rollout_id + 1
+        elif not served:  # the engines now hold other weights than the copy
+            self.snapshots.drop("served")
+            self.served_version = None
         if asleep:  # groups go back down only after the sync's closing fence
             with self.watchdog.phase("weight_sync/sleep"):
                 self.groups.sleep()
@@ -468,9 +488,11 @@ class MegatronTrainActor:
         with self.watchdog.phase("save"):  # progress: collectives and checkpoint bytes written
             optimizer = None if self.args.no_save_optim else self.optimizer
             reference = (lambda: self.snapshots.swapped("ref")) if self._reference_moves() else None
+            served = (self.served_version, lambda: self.snapshots.swapped("served")) if "served" in self.snapshots \
+                else None
             barrier = lambda name: self.groups.fence(f"save/{name}", {"iteration": rollout_id})  # noqa: E731
             save_checkpoint(self.args.save, rollout_id, self.model, optimizer, self.lr_scheduler,
-                            progress=self.ledger.note_progress, reference=reference, barrier=barrier,
+                            progress=self.ledger.note_progress, reference=reference, served=served, barrier=barrier,
                             run_id=self.args.run_id, publish=publish)
             if self.args.save_hf:
                 save_hf_checkpoint(self.args.save_hf.format(rollout_id=rollout_id), self.model, self.hf_config,
@@ -537,6 +559,9 @@ class WeightSnapshots:
     @torch.no_grad()
     def take(self, tag: str) -> None:
         self._saved[tag] = {n: p.detach().to("cpu", copy=True) for n, p in self._params}
+
+    def drop(self, tag: str) -> None:
+        self._saved.pop(tag, None)
 
     @torch.no_grad()
     def _load(self, values: dict[str, torch.Tensor]) -> None:

@@ -40,8 +40,8 @@ from slime.models.lora import peft_unexportable
 
 __all__ = ["save_checkpoint", "publish_checkpoint", "load_checkpoint",
            "load_model_weights", "latest_iteration", "load_hf_weights",
-           "export_hf_weights", "save_hf_checkpoint", "load_reference", "restore_rng", "holds", "plan_resume",
-           "rank_layout"]
+           "export_hf_weights", "save_hf_checkpoint", "load_reference", "load_served", "restore_rng", "holds",
+           "plan_resume", "rank_layout"]
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +95,7 @@ def world_barrier(name: str) -> None:
 def save_checkpoint(root: str, iteration: int, model_chunks: list, optimizer=None, lr_scheduler=None, *,
                     progress: Callable[[], None] | None = None,
                     reference: Callable[[], contextlib.AbstractContextManager] | None = None,
+                    served: tuple[int, Callable[[], contextlib.AbstractContextManager]] | None = None,
                     barrier: Callable[[str], None] = world_barrier, run_id: str | None = None,
                     publish: bool = True) -> str:
     """Save model (+ optimizer, scheduler), every rank's RNG and (`reference`) the reference model as
@@ -103,6 +104,8 @@ def save_checkpoint(root: str, iteration: int, model_chunks: list, optimizer=Non
     `progress()` is called whenever the bytes written grow, and after each file rank 0 fsyncs (the save's
     progress for the deadlines).
     `reference()`: a context in which the model holds the reference weights (saved under reference/).
+    `served`: (version, a context in which the model holds the weights the engines hold as that version), saved
+    under served/ (train_async.py: the engines are a version behind the trainer).
     `barrier(name)`: where every rank waits for rank 0's directory work or for every rank's shards; the
     trainer passes its fence, which waits while some rank progresses and names the ranks it waits for.
     `run_id`: the saving run, in the manifest. `publish=False`: the iteration directory is put in place but the
@@ -111,7 +114,8 @@ def save_checkpoint(root: str, iteration: int, model_chunks: list, optimizer=Non
     patches.apply_all()  # dist_checkpointing modules imported since start get the CPU patch too
     from megatron.core import dist_checkpointing
 
-    plan = contents.TrainerSave(optimizer=optimizer is not None, reference=reference is not None)
+    plan = contents.TrainerSave(optimizer=optimizer is not None, reference=reference is not None,
+                                served=served is not None)
     path = _iteration_dir(root, iteration)
     partial = path + _PARTIAL
     if dist.get_rank() == 0:
@@ -123,7 +127,9 @@ def save_checkpoint(root: str, iteration: int, model_chunks: list, optimizer=Non
     with _progress_while_growing(partial, progress):
         dist_checkpointing.save(state, partial)
         if reference is not None:  # every rank passes one or none (--ref-update-interval)
-            _save_reference(partial, model_chunks, reference, barrier)
+            _save_copy(partial, contents.reference_dir(partial), model_chunks, reference, barrier, "reference")
+        if served is not None:  # every rank passes one or none (the driver's choice)
+            _save_copy(partial, contents.served_dir(partial), model_chunks, served[1], barrier, "served")
     durable.write_atomic(contents.rng_file(partial, dist.get_rank()), lambda f: torch.save(rng.capture(), f))
     for own in own_shards(partial, dist.get_rank()):  # durable from this node before any rank publishes
         durable.fsync_path(own)
@@ -131,6 +137,8 @@ def save_checkpoint(root: str, iteration: int, model_chunks: list, optimizer=Non
     barrier("shards_written")  # every rank's shards are complete
     if dist.get_rank() == 0:
         contents.write_manifest(partial, plan.items(), run_id)
+        if served is not None:
+            contents.write_served_version(partial, served[0])
         layout.write_layout(partial, rank_layout(optimizer))
         # the iteration the tracker names is never missing; any other (unpublished) one is simply replaced
         durable.publish_dir(partial, path, progress, in_use=latest_iteration(root) == iteration)
@@ -152,21 +160,23 @@ def publish_checkpoint(root: str, iteration: int) -> None:
 
 def own_shards(partial: str, rank: int) -> list[str]:
     """The shard files this rank wrote into a torch_dist save (megatron names them `__<global rank>_<i>.distcp`),
-    the reference model's included."""
+    the reference model's and the served copy's included."""
     prefix = f"__{rank}_"
     return sorted(os.path.join(base, name) for base, _, names in os.walk(partial)
                   for name in names if name.startswith(prefix))
 
 
-def _save_reference(partial: str, model_chunks: list, reference, barrier: Callable[[str], None]) -> None:
+def _save_copy(partial: str, directory: str, model_chunks: list, holding, barrier: Callable[[str], None],
+               what: str) -> None:
+    """Another copy of the model's weights (the reference, the served weights) under `directory`."""
     from megatron.core import dist_checkpointing
 
-    barrier("model_saved")  # the model's save is done: its directory may now hold the reference's
+    barrier(f"{what}_after_model" if what != "reference" else "model_saved")  # the directory may take the copy
     if dist.get_rank() == 0:
-        os.makedirs(contents.reference_dir(partial))
-    barrier("reference_directory_made")
-    with reference():
-        dist_checkpointing.save(_model_sharded_state_dict(model_chunks), contents.reference_dir(partial))
+        os.makedirs(directory)
+    barrier(f"{what}_directory_made")
+    with holding():
+        dist_checkpointing.save(_model_sharded_state_dict(model_chunks), directory)
 
 
 def _write_tracker(root: str, iteration: int) -> None:
@@ -272,12 +282,23 @@ def holds(root: str, iteration: int) -> frozenset[str]:
 @torch.no_grad()
 def load_reference(root: str, iteration: int, model_chunks: list) -> None:
     """The reference model saved with the iteration, loaded into model_chunks in place. All ranks call."""
+    _load_copy(contents.reference_dir(_iteration_dir(root, iteration)), model_chunks)
+
+
+@torch.no_grad()
+def load_served(root: str, iteration: int, model_chunks: list) -> int:
+    """The weights the engines held when the iteration was saved, loaded into model_chunks in place; returns
+    their version. All ranks call."""
+    path = _iteration_dir(root, iteration)
+    _load_copy(contents.served_dir(path), model_chunks)
+    return contents.served_version(path)
+
+
+def _load_copy(directory: str, model_chunks: list) -> None:
     patches.apply_all()
     from megatron.core import dist_checkpointing
 
-    loaded = dist_checkpointing.load(_model_sharded_state_dict(model_chunks),
-                                     contents.reference_dir(_iteration_dir(root, iteration)))
-    _load_model_state(model_chunks, loaded)
+    _load_model_state(model_chunks, dist_checkpointing.load(_model_sharded_state_dict(model_chunks), directory))
 
 
 def rank_layout(optimizer=None) -> layout.SavedLayout:

@@ -11,6 +11,12 @@ of the default rollout function: the only thing generating then is a background 
 (slime.rollout.fully_async_rollout), which the rollout manager holds for the push (its requests are
 aborted and redone, or continued with --partial-rollout; slime/rollout/generation_gate.py).
 
+A resume keeps the schedule: a checkpoint saved after training rollout k holds the trainer's version k+1,
+while the engines then held an older one, the version rollout k+1 was generated with. So every push after
+which a save comes keeps a host copy of what it pushed, saved with the checkpoint (`served`), and a run
+resumed from it pushes that copy first (as its version), generates rollout k+1 with it, then makes the push
+the run that never stopped made after training rollout k-1 (`replays_push`), and goes on as that run did.
+
 `OneStepOffPlan` is that timeline as data (pure, unit-tested); `AsyncSchedule` runs it. Each of the two
 activities that overlap keeps its own deadline: the trainer's phases the ranks' progress window
 (slime/utils/deadlines.py, through RayTrainGroup), the rollout in flight its manager's deadline
@@ -26,7 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from slime.ray.driver.loop import catch_up, log_unless_custom, train_rollout
+from slime.ray.driver.loop import catch_up, log_unless_custom, save_due, train_rollout
 from slime.ray.driver.rollout_wait import RolloutWatch
 from slime.config.errors import ArgumentValidationError
 from slime.utils.metrics_logger import MetricsLogger
@@ -76,13 +82,28 @@ class OneStepOffPlan:
     start_rollout_id: int
     num_rollout: int
     update_weights_interval: int = 1
+    start_version: int | None = None
+    """The version the engines get at start: None, the trainer's (start_rollout_id); resuming from a checkpoint
+    that kept the weights the engines held then (`served`), their older version."""
+
+    @property
+    def engines_at_start(self) -> int:
+        return self.start_rollout_id if self.start_version is None else self.start_version
+
+    @property
+    def replays_push(self) -> bool:
+        """Started from the engines' older weights: once rollout start_rollout_id is generated, the push the run
+        that never stopped made after training rollout start_rollout_id - 1, if it was due."""
+        return self.engines_at_start != self.start_rollout_id and self.push_due(self.start_rollout_id - 1)
 
     def push_due(self, rollout_id: int) -> bool:
         return (rollout_id + 1) % self.update_weights_interval == 0
 
     def steps(self) -> tuple[Step, ...]:
-        engines = self.start_rollout_id  # the push at start
+        engines = self.engines_at_start  # the push at start
         generated_with = {self.start_rollout_id: engines}
+        if self.replays_push:
+            engines = self.start_rollout_id
         steps = []
         for k in range(self.start_rollout_id, self.num_rollout):
             if k + 1 < self.num_rollout:
@@ -91,6 +112,17 @@ class OneStepOffPlan:
             if self.push_due(k):
                 engines = k + 1
         return tuple(steps)
+
+
+def served_version_at_start(args) -> int | None:
+    """The version of the engines' weights kept with the checkpoint this run resumes from (None: it resumes from
+    none, or the checkpoint kept none: the engines start from the trainer's weights)."""
+    from slime.checkpoint.contents import iteration_dir, latest_iteration, served_version
+
+    last = latest_iteration(args.load) if args.load else None
+    if last is None or args.finetune or args.start_rollout_id != last + 1:
+        return None
+    return served_version(iteration_dir(args.load, last))
 
 
 # ----------------------------------------------------------------------------- running it
@@ -113,7 +145,8 @@ class AsyncSchedule:
         self.critic = critic
         """The critic's ranks (--advantage-estimator ppo), or None."""
         self.plan = OneStepOffPlan(start_rollout_id=args.start_rollout_id, num_rollout=args.num_rollout,
-                                   update_weights_interval=args.update_weights_interval)
+                                   update_weights_interval=args.update_weights_interval,
+                                   start_version=served_version_at_start(args))
         self.steps = {step.rollout_id: step for step in self.plan.steps()}
         self.rollout, self.actors, self.metrics = rollout, actors, metrics
         self.trainer_version = args.start_rollout_id
@@ -193,22 +226,60 @@ class AsyncSchedule:
         if generation is not None and generation.finished is None and generation.watch.waiting_for_weights:
             generation.watch.poll(0.0, can_push=True)
 
+    def push_at_start(self) -> None:
+        """The engines' first weights: the trainer's (version start_rollout_id), or, resuming a checkpoint that
+        kept the weights the engines held then, those (their version)."""
+        version, start = self.plan.engines_at_start, self.plan.start_rollout_id
+        never_stopped = OneStepOffPlan(start_rollout_id=0, num_rollout=start + 1,
+                                       update_weights_interval=self.plan.update_weights_interval).steps()[start]
+        if self.args.load and version != never_stopped.generated_with:
+            logger.warning("resuming at rollout %d without the engines' weights of that time (the checkpoint kept "
+                           "none: saved by train.py, or by an older version): rollout %d generates with version %d, "
+                           "a run that had not stopped generated it with version %d, so from it on the samples "
+                           "differ from that run's", start, start, version, never_stopped.generated_with)
+        if version == self.trainer_version:
+            self.push_weights(version - 1)
+        else:
+            logger.info("resuming with the engines' weights of the checkpoint (version %d): rollout %d generates "
+                        "with them, as it did before the run stopped", version, self.plan.start_rollout_id)
+            self._push(version, served=True)
+
+    def replay_push(self) -> None:
+        """After the first rollout generated with the checkpoint's engine weights: the push that followed it."""
+        if self.plan.replays_push:
+            self.push_weights(self.plan.start_rollout_id - 1)
+
     def push_weights(self, rollout_id: int) -> None:
         """Fenced weight push of version rollout_id + 1 (after training rollout_id; rollout_id = start - 1 at start)."""
         if self.trainer_version != rollout_id + 1:
             raise RuntimeError(f"push of version {rollout_id + 1} from a trainer at version {self.trainer_version}")
+        self._push(rollout_id + 1, served=False)
+
+    def _push(self, version: int, *, served: bool) -> None:
         if self._generation is not None:  # upstream: never push in the middle of a rollout's generation
             generation = self._finish_generation()
             self._finished[generation.rollout_id] = generation
         held = self.rollout.hold_generation()  # a background generator's requests (fully-async rollout)
         try:
             engine_urls = self.rollout.engines_for_sync()
-            result = self.actors.update_weights(rollout_id, engine_urls=engine_urls)
-            self.rollout.weights_pushed(engine_urls, rollout_id + 1)
+            result = self.actors.update_weights(version - 1, engine_urls=engine_urls, served=served,
+                                                keep_served=not served and self._saves_before_next_push(version))
+            self.rollout.weights_pushed(engine_urls, version)
         finally:
             self.rollout.release_generation()
-        self.engine_version = rollout_id + 1
-        self.metrics.log("weight_sync", rollout_id, {**result, **held})
+        self.engine_version = version
+        self.metrics.log("weight_sync", version - 1, {**result, **held})
+
+    def _saves_before_next_push(self, version: int) -> bool:
+        """A checkpoint is saved while the engines hold `version` (it then keeps a copy of those weights)."""
+        if not self.args.save:
+            return False
+        for rollout_id in range(max(version, self.plan.start_rollout_id), self.args.num_rollout):
+            if save_due(self.args, rollout_id):
+                return True
+            if self.plan.push_due(rollout_id):
+                return False
+        return False
 
     def evaluate(self, rollout_id: int) -> dict:
         """Eval with the engines' current weights, once the rollout in flight has been generated."""

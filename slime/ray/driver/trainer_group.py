@@ -103,10 +103,13 @@ class RayTrainGroup:
         refs = [r.values.remote(rollout_id, [data_ref]) for r in self._ranks]
         return self._wait(refs, "critic_values", on_poll=on_poll)[0]
 
-    def update_weights(self, rollout_id: int, engine_urls: list[str] | None = None) -> dict[str, Any]:
+    def update_weights(self, rollout_id: int, engine_urls: list[str] | None = None, *, served: bool = False,
+                       keep_served: bool = False) -> dict[str, Any]:
         """Push the weights of rollout `rollout_id` (version rollout_id + 1); `engine_urls` re-aims the
-        trainer at a new set of engines (fault tolerance restarted some)."""
-        refs = [r.update_weights.remote(rollout_id, engine_urls) for r in self._ranks]
+        trainer at a new set of engines (fault tolerance restarted some). `served`/`keep_served`: the copy of
+        what the engines hold that train_async.py saves with a checkpoint (MegatronTrainActor.update_weights)."""
+        refs = [r.update_weights.remote(rollout_id, engine_urls, served=served, keep_served=keep_served)
+                for r in self._ranks]
         return self._wait(refs, "weight_sync")[0]
 
     def sleep(self) -> dict[str, float]:

@@ -152,8 +152,9 @@ class TrainRayActor:
         return data
 
     @_portable_errors
-    def update_weights(self, rollout_id: int, engine_urls: list[str] | None = None) -> dict:
-        return self.actor.update_weights(rollout_id, engine_urls)
+    def update_weights(self, rollout_id: int, engine_urls: list[str] | None = None, *, served: bool = False,
+                       keep_served: bool = False) -> dict:
+        return self.actor.update_weights(rollout_id, engine_urls, served=served, keep_served=keep_served)
 
     @_portable_errors
     def sleep(self) -> dict:
