@@ -3,7 +3,7 @@
 Rank 0 writes `iter_N/slime_layout.json` with every save. A resume compares it with the layout it runs at:
 
   item                      same layout        another layout (TP, PP, CP, EP, ETP, DP or the world changed)
-  model, reference model    exact              exact: megatron's dist_checkpointing reshards every tensor
+  model, reference, served  exact              exact: megatron's dist_checkpointing reshards every tensor
   scheduler                 exact              exact (one state for every rank)
   optimizer, per parameter  exact              exact: saved per parameter, resharded with the model. Refused when
   (the default)                                expert parallelism is switched on or off (EP 1 <-> EP > 1): megatron
