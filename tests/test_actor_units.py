@@ -86,6 +86,8 @@ def test_train_async_pushes_keep_what_the_engines_hold_and_push_it_back_after_a_
         layer.weight.fill_(2.0)  # the trainer trains on
     push(3, served=True)  # a resumed run: the engines get the copy (version 4), the trainer keeps version 5
     assert torch.equal(pushed[-1][1], torch.ones(2, 2)) and torch.equal(layer.weight, torch.full((2, 2), 2.0))
-    push(4)  # the trainer's own weights, no save before the next push: the copy no longer is what engines hold
+    push(4)  # a catch-up of restarted engines: the others still hold the copy
+    assert actor.served_version == 4 and "served" in actor.snapshots
+    push(4, keep_served=False)  # the schedule's push, no save before the next one: the copy is no longer theirs
     assert actor.served_version is None and "served" not in actor.snapshots
-    assert [version for version, _ in pushed] == [4, 4, 5]
+    assert [version for version, _ in pushed] == [4, 4, 5, 5]

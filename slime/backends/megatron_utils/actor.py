@@ -439,12 +439,13 @@ class MegatronTrainActor:
 
     # ------------------------------------------------------------ weight sync
     def update_weights(self, rollout_id: int, engine_urls: list[str] | None = None, *, served: bool = False,
-                       keep_served: bool = False) -> dict[str, Any]:
+                       keep_served: bool | None = None) -> dict[str, Any]:
         """Push the weights to the engines as version rollout_id + 1. A sleeping trainer stays asleep: only its
         communicators wake, and the weights are read from the host copy (nothing is resident twice on a shared
         GPU). `engine_urls`: aim this and later pushes at these engines (engines were restarted).
-        train_async.py: `keep_served` keeps a host copy of what is pushed, saved with the next checkpoint as the
-        weights the engines hold; `served` pushes the copy a checkpoint brought back instead of the weights."""
+        train_async.py's copy of what the engines hold (saved with a checkpoint): `keep_served` True keeps a host
+        copy of what is pushed, False forgets the copy (the engines hold other weights now), None leaves it (a
+        catch-up of restarted engines); `served` pushes the copy a checkpoint brought back, not the weights."""
         maybe_kill_run("kill_during_weight_sync", self.rank, rollout_id)
         if engine_urls is not None:
             self.weight_sync.retarget(engine_urls)
@@ -457,7 +458,7 @@ class MegatronTrainActor:
         if keep_served:
             self.snapshots.take("served")
             self.served_version = rollout_id + 1
-        elif not served:  # the engines now hold other weights than the copy
+        elif keep_served is not None:
             self.snapshots.drop("served")
             self.served_version = None
         if asleep:  # groups go back down only after the sync's closing fence

@@ -15,7 +15,7 @@ A resume keeps the schedule: a checkpoint saved after training rollout k holds t
 while the engines then held an older one, the version rollout k+1 was generated with. So every push after
 which a save comes keeps a host copy of what it pushed, saved with the checkpoint (`served`), and a run
 resumed from it pushes that copy first (as its version), generates rollout k+1 with it, then makes the push
-the run that never stopped made after training rollout k-1 (`replays_push`), and goes on as that run did.
+the run that never stopped made after training rollout k (`replays_push`), and goes on as that run did.
 
 `OneStepOffPlan` is that timeline as data (pure, unit-tested); `AsyncSchedule` runs it. Each of the two
 activities that overlap keeps its own deadline: the trainer's phases the ranks' progress window
@@ -263,7 +263,7 @@ class AsyncSchedule:
         try:
             engine_urls = self.rollout.engines_for_sync()
             result = self.actors.update_weights(version - 1, engine_urls=engine_urls, served=served,
-                                                keep_served=not served and self._saves_before_next_push(version))
+                                                keep_served=None if served else self._saves_before_next_push(version))
             self.rollout.weights_pushed(engine_urls, version)
         finally:
             self.rollout.release_generation()

@@ -104,7 +104,7 @@ class RayTrainGroup:
         return self._wait(refs, "critic_values", on_poll=on_poll)[0]
 
     def update_weights(self, rollout_id: int, engine_urls: list[str] | None = None, *, served: bool = False,
-                       keep_served: bool = False) -> dict[str, Any]:
+                       keep_served: bool | None = None) -> dict[str, Any]:
         """Push the weights of rollout `rollout_id` (version rollout_id + 1); `engine_urls` re-aims the
         trainer at a new set of engines (fault tolerance restarted some). `served`/`keep_served`: the copy of
         what the engines hold that train_async.py saves with a checkpoint (MegatronTrainActor.update_weights)."""

@@ -153,7 +153,7 @@ class TrainRayActor:
 
     @_portable_errors
     def update_weights(self, rollout_id: int, engine_urls: list[str] | None = None, *, served: bool = False,
-                       keep_served: bool = False) -> dict:
+                       keep_served: bool | None = None) -> dict:
         return self.actor.update_weights(rollout_id, engine_urls, served=served, keep_served=keep_served)
 
     @_portable_errors
