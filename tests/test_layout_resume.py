@@ -59,9 +59,13 @@ def test_at_another_layout_the_rng_is_not_restored_and_dropout_makes_that_a_refu
 def test_optimizer_state_that_cannot_be_resharded_is_refused_with_the_way_out():
     distributed = _layout(optimizer=DISTRIBUTED)
     assert _plan(distributed, _layout(cp=2, dp=2, optimizer=DISTRIBUTED)).changed  # DP x CP: resharded
-    with pytest.raises(LayoutResumeError, match=r"reshards over DP and CP only, and TP 2 -> 1, ETP 2 -> 1.*"
-                                                r"resume at the saved TP, ETP, or pass --no-load-optim"):
+    with pytest.raises(LayoutResumeError, match=r"reshards over DP and CP only, and TP 2 -> 1; "
+                                                r"resume at the saved TP, or pass --no-load-optim"):
         _plan(distributed, _layout(tp=1, etp=1, cp=4, dp=2, optimizer=DISTRIBUTED))
+    with pytest.raises(LayoutResumeError, match=r"EP 2 -> 4, ETP 2 -> 1"):  # the experts' own split
+        _plan(_layout(ep=2, cp=1, dp=4, optimizer=DISTRIBUTED, optimizer_parts=2),
+              _layout(ep=4, etp=1, cp=1, dp=4, optimizer=DISTRIBUTED, optimizer_parts=2))
+    assert _plan(distributed, _layout(etp=1, cp=2, dp=2, optimizer=DISTRIBUTED)).changed  # ETP of a dense model
     assert _plan(distributed, _layout(tp=1, etp=1, dp=2, optimizer=DISTRIBUTED), load_optimizer=False).changed
     assert _plan(_layout(), _layout(tp=1, etp=1, dp=2)).changed  # per parameter: resharded with the model
     with pytest.raises(LayoutResumeError, match="in 1 part.*makes 2.*expert parallelism off"):

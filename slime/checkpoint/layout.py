@@ -133,7 +133,9 @@ def _check_optimizer(saved: SavedLayout, current: SavedLayout, where: str = "") 
             f"{current.optimizer_parts} (megatron keeps the experts' parameters in an optimizer of their own when "
             f"expert parallelism is on); resume with expert parallelism {'on' if saved.optimizer_parts > 1 else 'off'}"
             f", or {way_out}")
-    fixed = (("TP", "tp"), ("PP", "pp"), ("EP", "ep"), ("ETP", "etp"), ("virtual pipeline stages", "vpp"))
+    fixed = [("TP", "tp"), ("PP", "pp"), ("EP", "ep"), ("virtual pipeline stages", "vpp")]
+    if saved.ep > 1 or current.ep > 1:  # experts split over ranks: their own TP too (a dense model has no experts)
+        fixed.insert(3, ("ETP", "etp"))
     differ = [(name, getattr(saved, attr), getattr(current, attr)) for name, attr in fixed
               if getattr(saved, attr) != getattr(current, attr)]
     if saved.optimizer == DISTRIBUTED and differ:
