@@ -89,6 +89,19 @@ def test_state_save_and_load_resumes_position(tokenizer_dir, tmp_path):
     ]
 
 
+def test_a_resume_warns_only_of_what_the_saved_state_lacks(tokenizer_dir, tmp_path, caplog):
+    from slime.checkpoint.contents import DATA_ITEMS
+
+    source = RolloutDataSource(make_args(tokenizer_dir, write_jsonl(tmp_path / "p.jsonl", PROMPTS)))
+    source.get_samples(2)
+    state = source.state_dict()
+    assert sorted(state) == sorted([*DATA_ITEMS, "metadata"])
+    source.load_state_dict(state)
+    assert "data-source state has no" not in caplog.text
+    source.load_state_dict({k: v for k, v in state.items() if k not in ("outstanding", "rng")})
+    assert "data-source state has no ['outstanding', 'rng']" in caplog.text
+
+
 def test_missing_state_file_is_an_error_naming_the_file_and_the_flag(tokenizer_dir, tmp_path):
     path = write_jsonl(tmp_path / "p.jsonl", PROMPTS)
     source = RolloutDataSource(make_args(tokenizer_dir, path, load=str(tmp_path)))

@@ -43,8 +43,9 @@ DATA_DIR = "rollout"
 
 MODEL, OPTIMIZER, SCHEDULER, RNG, REFERENCE, SERVED = "model", "optimizer", "scheduler", "rng", "reference", "served"
 TRAINER_ITEMS = (MODEL, OPTIMIZER, SCHEDULER, RNG, REFERENCE, SERVED)
-# What the data file holds (RolloutDataSource.state_dict): every key is needed for an exact resume.
-DATA_ITEMS = ("position", "epoch_order", "buffer", "rng")
+# The keys of the data file (RolloutDataSource.state_dict): every one is needed for an exact resume.
+DATA_POSITION = ("epoch_id", "sample_offset", "sample_group_index", "sample_index")
+DATA_ITEMS = (*DATA_POSITION, "epoch_order", "buffer", "outstanding", "rng")
 # A checkpoint written before the manifest listed its items held these (optimizer unless it said not).
 _LEGACY_ITEMS = (MODEL, OPTIMIZER, SCHEDULER)
 
