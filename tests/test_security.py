@@ -123,6 +123,8 @@ def test_the_key_reaches_child_servers_by_private_file_or_environment_never_argv
     sglang_router_launch.main(command[3:])  # what the launched process runs, with the run's key in its environment
     (router_args,) = seen
     assert router_args.api_key == key and router_args.worker_urls == ["http://127.0.0.1:1"]
+    # its metrics listener on the run's host and a port of its own, not every interface's 29000 (one per node)
+    assert router_args.prometheus_host == "127.0.0.1" and router_args.prometheus_port not in (29000, 30000)
     with pytest.raises(SystemExit, match="export SLIME_API_KEY"):
         sglang_router_launch.main([*command[3:], "--api-key", "typed"])
 

@@ -221,6 +221,8 @@ def router_command(args: Any, host: str, port: int, worker_urls: list[str],
         return "slime-router", python_module_command("slime.router.router", flags)
     policy = args.sglang_router_policy or "round_robin"
     flags = ["--host", host, "--port", str(port), "--policy", policy, "--request-timeout-secs", timeout]
+    # its metrics listener would default to 0.0.0.0:29000: every interface, and one port for every router of the node
+    flags += ["--prometheus-host", host, "--prometheus-port", str(find_free_port(host))]
     flags += ["--worker-urls", *worker_urls] if worker_urls else []
     return "sglang-router", python_module_command("slime.router.sglang_router_launch", flags)
 
