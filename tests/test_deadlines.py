@@ -385,3 +385,80 @@ def test_the_fixed_timeout_scan_sees_each_form(tmp_path):
                      "    g(timeout=5)\n    g(timeout=CALL_TIMEOUT_S)\n")
     assert fixed_timeouts(probe) == ["probe.py:1 CALL_TIMEOUT_S", "probe.py:2 timeout_s", "probe.py:2 connect_timeout",
                                      "probe.py:3 timeout"]
+
+
+# ---------------------------------------------------------------- one value from the parser to every reader
+
+DEADLINE_FLAGS = ("fence_timeout", "distributed_timeout_minutes", "rollout_no_progress_timeout")
+"""The flags the deadline model is derived from (DeadlineModel.from_args)."""
+DERIVED_ONCE_IN = ("slime/utils/deadlines.py", "slime/config/")
+"""Where those flags are read: the deadline module, and the parser with its checks (which run before the run
+config, built last by parse_args, derives the run's model)."""
+
+
+def _reads_args(node: ast.AST) -> bool:
+    """`args.x` or `self.args.x`."""
+    owner = node.value if isinstance(node, ast.Attribute) else None
+    return (isinstance(owner, ast.Name) and owner.id == "args") or (
+        isinstance(owner, ast.Attribute) and owner.attr == "args")
+
+
+def deadline_fallbacks(path: Path) -> list[str]:
+    """`args.<a timeout flag> or <anything>`: a second default beside the parser's (the flag is checked positive)."""
+    return [f"{path.name}:{node.lineno} {node.values[0].attr}" for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.BoolOp) and isinstance(node.op, ast.Or) and isinstance(node.values[0], ast.Attribute)
+            and _reads_args(node.values[0]) and "timeout" in node.values[0].attr]
+
+
+def deadline_rederivations(path: Path) -> list[str]:
+    """A read of a flag the deadline model is derived from, or a new derivation of the model."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr in DEADLINE_FLAGS:
+            found.append(f"{path.name}:{node.lineno} {node.attr}")
+        elif (isinstance(node, ast.Attribute) and node.attr == "from_args" and isinstance(node.value, ast.Name)
+              and node.value.id == "DeadlineModel"):
+            found.append(f"{path.name}:{node.lineno} DeadlineModel.from_args")
+    return found
+
+
+def _product_files() -> list[Path]:
+    return [p for top in ("slime", "slime_plugins") for p in sorted((REPO / top).rglob("*.py"))] + [
+        REPO / "train.py", REPO / "train_async.py"]
+
+
+def test_no_deadline_flag_is_read_with_a_fallback():
+    """A timeout flag has one default, the parser's: `args.fence_timeout or 600.0` would be a second one, silently
+    used by arguments that lack the flag (the weight push once waited 600 s where the ranks' window was 180 s)."""
+    assert [hit for path in _product_files() for hit in deadline_fallbacks(path)] == []
+
+
+def test_the_fence_timeout_reaches_every_reader_through_the_one_deadline_model():
+    """--fence-timeout (and the two flags beside it) are read in the deadline module and the parser's checks alone;
+    everything else reads the run's DeadlineModel (`run_deadlines(args)`: args.run_config.deadlines)."""
+    hits = [hit for path in _product_files() if not str(path.relative_to(REPO)).startswith(DERIVED_ONCE_IN)
+            for hit in deadline_rederivations(path)]
+    assert hits == []
+
+
+def test_the_deadline_scans_see_each_form(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("a = float(args.fence_timeout or 600.0)\nb = self.args.rollout_health_check_timeout or LIMIT\n"
+                     "c = args.sglang_server_concurrency or 512\nd = DeadlineModel.from_args(args)\n"
+                     "e = self.args.distributed_timeout_minutes\n")
+    assert sorted(deadline_fallbacks(probe)) == ["probe.py:1 fence_timeout", "probe.py:2 rollout_health_check_timeout"]
+    assert sorted(deadline_rederivations(probe)) == ["probe.py:1 fence_timeout", "probe.py:4 DeadlineModel.from_args",
+                                             "probe.py:5 distributed_timeout_minutes"]
+
+
+def test_the_run_reads_the_deadline_model_parse_args_built():
+    """Every process receives args with their run config: a rank, the engines' launcher and the weight push read the
+    window parse_args derived, not the flag again."""
+    from slime.utils.deadlines import run_deadlines
+
+    args = parse_args(["--rollout-batch-size", "2", "--num-rollout", "1", "--actor-num-gpus-per-node", "1",
+                       "--train-backend-device", "cpu", "--fence-timeout", "42"])
+    assert run_deadlines(args) is args.run_config.deadlines and run_deadlines(args).no_progress_s == 42.0
+    from slime.config import defaults_namespace
+
+    assert run_deadlines(defaults_namespace(fence_timeout=7.0)).no_progress_s == 7.0  # no command line: same rule

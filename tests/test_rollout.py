@@ -36,7 +36,7 @@ def make_args(tokenizer_dir, prompt_path, port, **kw):
         rollout_stop=None, rollout_stop_token_ids=None, rollout_skip_special_tokens=False,
         sglang_router_ip="127.0.0.1", sglang_router_port=port, rm_type="math", custom_rm_path=None, reward_key=None,
         group_rm=False, custom_generate_function_path=None, advantage_estimator="grpo", rewards_normalization=True,
-        grpo_std_normalization=True, save=None, load=None, sglang_router_request_timeout_secs=None,
+        grpo_std_normalization=True, save=None, load=None,
     )
     base.update(kw)
     return defaults_namespace(**base)

@@ -38,7 +38,7 @@ def make_args(tokenizer_dir, tmp_path, port, **kw):
         custom_rm_path=f"{PLUGINS}:index_parity_rm", reward_key=None, group_rm=False,
         custom_generate_function_path=None, advantage_estimator="grpo", rewards_normalization=True,
         grpo_std_normalization=True, save=None, load=None, hook_log=str(tmp_path / "hooks.jsonl"),
-        sglang_server_concurrency=64, sglang_router_request_timeout_secs=None,
+        sglang_server_concurrency=64,
     )
     base.update(kw)
     return defaults_namespace(**base)

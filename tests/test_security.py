@@ -344,7 +344,7 @@ def test_routers_start_although_their_first_ports_are_taken(use_slime_router, la
     free = router.find_free_port
     monkeypatch.setattr(router, "find_free_port", lambda host="127.0.0.1": next(ports, None) or free(host))
     args = defaults_namespace(use_slime_router=use_slime_router, sglang_router_ip="127.0.0.1",
-                              sglang_router_port=None, sglang_router_request_timeout_secs=None)
+                              sglang_router_port=None)
     handle = router.launch_router(args, [launched_engine.url], startup_timeout_s=60, log_dir=str(tmp_path))
     generate = {"text": "hi", "sampling_params": {"max_new_tokens": 1}}
     try:

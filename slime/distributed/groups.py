@@ -24,7 +24,7 @@ from slime.distributed.fence import Fence
 from slime.distributed.group_names import forget_group, register_group
 from slime.distributed.ledger import FENCE_GROUP_NAME, Ledger
 from slime.distributed.warmup import CommunicatorWarmup, WarmupReport, step_groups
-from slime.utils.deadlines import DEFAULT_NO_PROGRESS_S, DeadlineModel
+from slime.utils.deadlines import DEFAULT_NO_PROGRESS_S, DeadlineModel, run_deadlines
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,7 +48,7 @@ class GroupSettings:
     @classmethod
     def from_args(cls, args) -> "GroupSettings":
         """The settings of the running world (torch.distributed initialised) from the flags."""
-        deadlines = DeadlineModel.from_args(args)
+        deadlines = run_deadlines(args)
         return cls(
             parallel=build_parallel_layout(args, world_size=dist.get_world_size()),
             fence_timeout_s=deadlines.no_progress_s,

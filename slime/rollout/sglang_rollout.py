@@ -35,7 +35,6 @@ from slime.rollout.rm_hub import async_rm, batched_async_rm
 from slime.rollout.sample_hooks import apply_rollout_sample_hooks
 from slime.rollout.sampling_loop import SamplingLoop
 from slime.rollout.sampling_seed import seeded_params
-from slime.utils.deadlines import ROUTER_REQUEST_S
 from slime.utils.http_utils import post
 from slime.utils.misc import SingletonMeta, load_function
 from slime.utils.types import Sample
@@ -80,7 +79,7 @@ def generate_url(args) -> str:
 
 def request_timeout(args) -> float:
     """Deadline of one /generate call: the router's request timeout (--sglang-router-request-timeout-secs)."""
-    return float(args.sglang_router_request_timeout_secs or ROUTER_REQUEST_S)  # args a plug-in built by hand
+    return float(plugin_flag(args, "sglang_router_request_timeout_secs"))  # also of args a plug-in built
 
 
 # SGLang sampling parameter -> (rollout flag dest, eval flag dest); the eval one wins when evaluating and set

@@ -213,7 +213,7 @@ def router_command(args: Any, host: str, port: int, worker_urls: list[str],
     """The router's command line. Neither holds the run's key: the slime router reads it from its environment,
     sglang-router (which reads `--api-key` from argv only, and sends it to the workers) is started by a launcher
     that hands it the key from the environment inside the process (slime/router/sglang_router_launch.py)."""
-    timeout = str(int(args.sglang_router_request_timeout_secs or ROUTER_REQUEST_S))
+    timeout = str(int(args.sglang_router_request_timeout_secs))
     if args.use_slime_router:
         flags = ["--host", host, "--port", str(port), "--request-timeout-secs", timeout]
         flags += ["--listen-fd", str(listen_fd)] if listen_fd is not None else []

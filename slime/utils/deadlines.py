@@ -98,7 +98,7 @@ class DeadlineModel:
     @classmethod
     def from_args(cls, args) -> "DeadlineModel":
         minutes = args.distributed_timeout_minutes
-        return cls(no_progress_s=float(args.fence_timeout or DEFAULT_NO_PROGRESS_S),
+        return cls(no_progress_s=float(args.fence_timeout),
                    group_timeout_s=60.0 * float(minutes) if minutes else None,
                    engine_no_progress_s=float(args.rollout_no_progress_timeout))
 
@@ -163,10 +163,18 @@ def default_group_timeout_minutes(no_progress_s: float) -> int:
     return max(1, math.ceil((longest + GROUP_TIMEOUT_MARGIN_S) / 60.0))
 
 
+def run_deadlines(args) -> DeadlineModel:
+    """The run's deadline model: the one parse_args builds last (``args.run_config.deadlines``), which every process
+    receives with its arguments. Arguments built without a command line (tests, tools: slime/config/defaults.py)
+    have no run config; their model is derived from their flags by the same rule."""
+    run_config = vars(args).get("run_config")
+    return run_config.deadlines if run_config is not None else DeadlineModel.from_args(args)
+
+
 def rollout_step_window_s(args) -> float:
     """The window of each rollout-manager step outside generation (user hooks, the data save, metrics):
     the loop's no-progress window, --fence-timeout."""
-    return DeadlineModel.from_args(args).no_progress_s
+    return run_deadlines(args).no_progress_s
 
 
 # -- rollout budgets ---------------------------------------------------------------------------------
@@ -225,7 +233,7 @@ def unreported_deadline_s(margin_s: float) -> float:
 
 def rollout_driver_margin_s(args) -> float:
     """What the driver adds to the manager's deadline: the manager's report (engine probes) comes first."""
-    return ROLLOUT_DRIVER_EXTRA_S + 2 * float(args.rollout_health_check_timeout or DEFAULT_HEALTH_CHECK_TIMEOUT_S)
+    return ROLLOUT_DRIVER_EXTRA_S + 2 * float(args.rollout_health_check_timeout)
 
 
 

@@ -58,7 +58,7 @@ from slime.distributed.fault_inject import (
     skipping_one_collective,
     stall_forever,
 )
-from slime.utils.deadlines import DeadlineModel
+from slime.utils.deadlines import run_deadlines
 from slime.utils.rollout_batch import PER_DP_RANK_KEYS
 from slime.models import fused_kernels
 from slime.models.lora import adapted_weight_names
@@ -76,7 +76,7 @@ class MegatronTrainActor:
         self.args = args
         self.rank = rank
         self.world_size = world_size
-        self.deadlines = DeadlineModel.from_args(args)
+        self.deadlines = run_deadlines(args)
         self.timeout_s = self.deadlines.no_progress_s
         self.ledger_dir = ledger_dir
         self.ledger = Ledger(rank, world_size, ledger_dir, record_sequence=bool(args.ledger_record_sequence))

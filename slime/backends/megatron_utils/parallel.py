@@ -14,12 +14,12 @@ import torch
 import torch.distributed as dist
 
 from slime.distributed.communicator_config import world_group_options
-from slime.utils.deadlines import DeadlineModel
+from slime.utils.deadlines import run_deadlines
 
 
 def _timeout(args: Namespace) -> datetime.timedelta:
     """The world group's timeout: the process-group timeout, above every watchdog window."""
-    return datetime.timedelta(seconds=DeadlineModel.from_args(args).group_timeout)
+    return datetime.timedelta(seconds=run_deadlines(args).group_timeout)
 
 
 def host_rendezvous(args: Namespace, world_size: int, host: str) -> dist.TCPStore:

@@ -24,7 +24,7 @@ from slime.utils.server_process import (
 )
 from slime.backends.sglang_utils.server_args import has_option, render_server_flags
 from slime.config.engine import ROLLOUT_BACKENDS, pick_rollout_backend  # noqa: F401 (pick_rollout_backend: re-exported)
-from slime.utils.deadlines import ENGINE_STARTUP_S
+from slime.utils.deadlines import ENGINE_STARTUP_S, run_deadlines
 from slime.utils.ports import find_free_port, retry_port_clash
 from slime.utils.security import current_key, request_limit
 from slime.utils.sglang_passthrough import server_args_parser
@@ -189,7 +189,7 @@ def build_embedded_command(args: Any, engine_rank: int, host: str, port: int, mo
         flags += ["--device", f"cuda:{gpu}"]
     if num_threads:
         flags += ["--num-threads", str(num_threads)]
-    flags += ["--weight-update-timeout", str(float(args.fence_timeout or 600.0))]
+    flags += ["--weight-update-timeout", str(run_deadlines(args).no_progress_s)]  # the trainer's rank window
     return python_module_command("slime.backends.embedded_engine.server", flags)
 
 

@@ -76,7 +76,7 @@ from slime.distributed.fault_inject import apply_weight_push_fault
 from slime.distributed.fingerprint import stable_hash
 from slime.models.hf_weights import carried_tensors
 from slime.models.registry import TEXT_PREFIX_ATTRIBUTE
-from slime.utils.deadlines import ENGINE_HTTP_CONTROL_S, SESSION_CLOSE_AFTER_FAILURE_S
+from slime.utils.deadlines import ENGINE_HTTP_CONTROL_S, SESSION_CLOSE_AFTER_FAILURE_S, run_deadlines
 
 logger = logging.getLogger(__name__)
 
@@ -198,7 +198,7 @@ class WeightSync:
         # whatever its GPU count (its TP is not sharded).
         self.engine_tp_size = 1 if self.engine_kind == "embedded" else int(args.rollout_num_gpus_per_engine or 1)
         self.bucket_bytes = int(args.update_weight_buffer_size or DEFAULT_BUCKET_BYTES)
-        self.timeout_s = float(args.fence_timeout or 600.0)
+        self.timeout_s = run_deadlines(args).no_progress_s  # the rank window, --fence-timeout
         # A weight-update group's creation and each broadcast: half a window, so that the stalled stage's
         # sender names it (WeightGroupStallError) before its peers' windows expire at the fences.
         self.group_deadline_s = self.timeout_s / 2

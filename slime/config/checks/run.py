@@ -31,11 +31,12 @@ def check_deadlines(args: argparse.Namespace) -> None:
     """Process-group timeouts strictly above every watchdog window (slime/utils/deadlines.py)."""
     if args.distributed_timeout_minutes is not None and args.distributed_timeout_minutes <= 0:
         fail(f"--distributed-timeout-minutes must be positive, got {args.distributed_timeout_minutes}")
-    problem = DeadlineModel.from_args(args).group_timeout_error()
+    deadlines = DeadlineModel.from_args(args)  # run_config, built last, derives the run's model by the same rule
+    problem = deadlines.group_timeout_error()
     if problem:
         fail(problem)
     if args.distributed_timeout_minutes is None:
-        args.distributed_timeout_minutes = default_group_timeout_minutes(args.fence_timeout)
+        args.distributed_timeout_minutes = default_group_timeout_minutes(deadlines.no_progress_s)
 
 
 def check_healing(args: argparse.Namespace) -> None:

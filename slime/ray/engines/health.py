@@ -26,7 +26,7 @@ import requests
 from slime.ray.engines.progress import LoadsNotServed, ProgressWatch, Stall, read_loads
 from slime.ray.engines.recovery import EngineFleet, FleetSlot
 from slime.rollout import generation_gate
-from slime.utils.deadlines import DEFAULT_HEALTH_CHECK_TIMEOUT_S, DeadlineModel
+from slime.utils.deadlines import DEFAULT_HEALTH_CHECK_TIMEOUT_S, DeadlineModel, run_deadlines
 from slime.utils.security import auth_headers
 
 logger = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ class HealthConfig:
                    interval_s=float(args.rollout_health_check_interval),
                    timeout_s=float(args.rollout_health_check_timeout),
                    first_wait_s=float(args.rollout_health_check_first_wait),
-                   progress=DeadlineModel.from_args(args))
+                   progress=run_deadlines(args))
 
 
 def probe_health(url: str, timeout_s: float, path: str = "/health_generate") -> str | None:

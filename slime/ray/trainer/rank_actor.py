@@ -10,6 +10,7 @@ import warnings
 import ray
 
 from slime.ray.common.node import node_address, serving_host, visible_device_index
+from slime.utils.deadlines import run_deadlines
 from slime.utils.security import use_key
 
 # megatron-core announces at import that TE/Apex are absent (expected on the embedded path),
@@ -146,9 +147,10 @@ class TrainRayActor:
 
     def _fetch(self, data_refs: list) -> dict:
         """The rollout (the first ref), with the fields the later refs add (the critic's values)."""
-        data = ray.get(data_refs[0], timeout=self.args.fence_timeout)
+        window_s = run_deadlines(self.args).no_progress_s
+        data = ray.get(data_refs[0], timeout=window_s)
         for ref in data_refs[1:]:
-            data.update(ray.get(ref, timeout=self.args.fence_timeout))
+            data.update(ray.get(ref, timeout=window_s))
         return data
 
     @_portable_errors
