@@ -146,3 +146,22 @@ def test_the_ray_processes_other_than_the_driver_may_import_the_common_room_neve
     driver, common = RANK[_room("slime.ray.driver.placement")], RANK[_room("slime.ray.common.node")]
     for process in ("slime.ray.trainer.rank_actor", "slime.ray.engines.actor", "slime.ray.rollout_manager.manager"):
         assert common < RANK[_room(process)] < driver, process
+
+
+def test_the_drawing_of_the_rooms_in_the_docs_is_what_the_imports_give_now():
+    """docs/architecture.md's drawing and tables are generated from these ROOMS and the imports of today's code."""
+    from slime.tools import draw_rooms
+
+    assert draw_rooms.rooms() == [tuple(room) for room in ROOMS]
+    assert draw_rooms.main(["--check"]) == 0, "the rooms drawing is stale: run python -m slime.tools.draw_rooms"
+
+
+def test_the_drawing_names_who_imports_whom():
+    """The generated tables follow the imports: the driver reaches the Ray processes' rooms, they never the driver's."""
+    from slime.tools import draw_rooms
+
+    rows = {line.split(" | ")[0].strip("| `"): line for line in draw_rooms.render().splitlines() if line.startswith("| ")}
+    assert "`slime/ray/`" in rows["slime/ray/driver/"] and "slime/ray/driver/" not in rows["slime/ray/"]
+    for process in ("trainer rank", "rollout manager", "engine (Ray actor, embedded engine server)"):
+        assert "`slime/ray/common/`" in rows[process] and "slime/ray/driver/" not in rows[process], process
+    assert "slime/backends/" not in rows["slime router"]
