@@ -24,7 +24,7 @@ from slime.distributed.fence import Fence
 from slime.distributed.group_names import forget_group, register_group
 from slime.distributed.ledger import FENCE_GROUP_NAME, Ledger
 from slime.distributed.warmup import CommunicatorWarmup, WarmupReport, step_groups
-from slime.utils.deadlines import DEFAULT_NO_PROGRESS_S, DeadlineModel, run_deadlines
+from slime.utils.deadlines import run_deadlines
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,9 +33,9 @@ class GroupSettings:
 
     parallel: ParallelLayout
     """Sizes of the TP/PP/CP/EP/ETP groups (slime/config/layout.py), over the running world."""
-    fence_timeout_s: float = DEFAULT_NO_PROGRESS_S
+    fence_timeout_s: float
     """No-progress window of each fence, and deadline of each warm-up op."""
-    group_timeout_s: float = DeadlineModel().group_timeout
+    group_timeout_s: float
     """Timeout megatron's groups and the fence group are created with (--distributed-timeout-minutes,
     derived above every rank window when unset: slime/utils/deadlines.py), so the watchdog, which
     names phase and ranks, fires first."""
