@@ -165,3 +165,4 @@ def test_the_drawing_names_who_imports_whom():
     for process in ("trainer rank", "rollout manager", "engine (Ray actor, embedded engine server)"):
         assert "`slime/ray/common/`" in rows[process] and "slime/ray/driver/" not in rows[process], process
     assert "slime/backends/" not in rows["slime router"]
+    assert draw_rooms.circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}) == [["a", "b", "c"]]

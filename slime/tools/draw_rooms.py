@@ -49,19 +49,52 @@ def modules() -> dict[str, Path]:
     return found
 
 
-def _imported_names(path: Path) -> Iterator[str]:
+def _imported_names(module: str, path: Path) -> Iterator[str]:
+    """What `module` imports: each module name, and each name taken from one (a relative import resolved)."""
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
             yield from (alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            yield node.module
-            yield from (f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join([*package[:len(package) - node.level + 1], *([node.module] if node.module else [])]) \
+                if node.level else node.module
+            yield base
+            yield from (f"{base}.{alias.name}" for alias in node.names)
 
 
 def import_graph(known: dict[str, Path]) -> dict[str, set[str]]:
     """module -> the house's modules it imports (a name imported from a package counts when it is a module)."""
-    return {module: {name for name in _imported_names(path) if name in known} - {module}
+    return {module: {name for name in _imported_names(module, path) if name in known} - {module}
             for module, path in known.items()}
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The sets of modules that import each other, directly or around a loop (Tarjan's strongly connected
+    components of more than one module), each sorted, in the order of their first module."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for target in sorted(graph[module]):
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            component = stack[stack.index(module):]
+            del stack[stack.index(module):]
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return sorted(found)
 
 
 def room_of(module: str, order: list[tuple[str, ...]]) -> int | None:
@@ -136,6 +169,9 @@ def render() -> str:
         lines.append(f"| `{label(order[i])}` | {targets or '(none of the house)'} |")
     lines += ["", "| process | starts from | the rooms its imports reach |", "|---|---|---|"]
     lines += list(process_rows(graph, order))
+    lines += ["", "Modules that import each other, directly or around a loop (none crosses rooms; the weight sync and the",
+              "trainer hold none: `tests/test_layering.py`):", ""]
+    lines += [f"- {', '.join(f'`{m}`' for m in circle)}" for circle in circles(graph)] or ["- none"]
     return "\n".join([*lines, "", END])
 
 
