@@ -114,7 +114,7 @@ def test_the_key_reaches_child_servers_by_private_file_or_environment_never_argv
         assert open(path).read() == f"api-key: {json.dumps(key)}\n"
     assert not os.path.exists(folder)
 
-    args = defaults_namespace(use_slime_router=False, sglang_router_policy=None, sglang_router_request_timeout_secs=None)
+    args = defaults_namespace(use_slime_router=False, sglang_router_policy=None)
     kind, command = router_command(args, "127.0.0.1", 30000, ["http://127.0.0.1:1"])
     assert kind == "sglang-router" and command[1:3] == ["-m", "slime.router.sglang_router_launch"]
     assert not any(key in token for token in command) and "--api-key" not in command
