@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from slime.backends.weight_sync.transport import EngineSet, NamedTensors
+from slime.backends.weight_sync.transport import EngineSet, NamedTensors, engine_call
 from slime.backends.sglang_utils.tensor_digest import GROUP_BYTES, digest_dtype, tensor_digests
 from slime.backends.sglang_utils.weight_checker import EngineChecksums, parse_checksum_response
 from slime.distributed.errors import DistributedStepError
@@ -198,18 +198,8 @@ class WeightProof:
                 expected = self._expected.setdefault(url, {})
                 for name, digests in pushed.digests.items():
                     expected[name] = _Expected(digests, version)
-        entry = ledger.begin_named("weight_sync/proof", "http_engines", (ledger.rank,), (len(engines.urls),),
-                                   "engines") if ledger is not None else None
-        failure = None
-        try:  # in this rank's ledger like every call to the engines (sync.py), ended with its error
+        with engine_call(ledger, "weight_sync/proof", len(engines.urls), "engines"):
             answers = engines.each(lambda client: parse_checksum_response(client.check_weights()))
-        except Exception as exc:
-            failure = f"{type(exc).__name__}: {str(exc)[:200]}"
-            raise
-        finally:
-            if entry is not None:
-                ledger.end(entry, failure)
-                ledger.note_progress()
         if self.engine_kind == "embedded":
             findings = [finding for url, answer in zip(engines.urls, answers)
                         for finding in self._against_trainer(url, answer, version)]

@@ -70,7 +70,8 @@ from slime.backends.weight_sync.plan import (
     iter_planned_buckets,
 )
 from slime.backends.weight_sync.proof import CarriedTensors, WeightProof
-from slime.backends.weight_sync.transport import ENGINE_KINDS, EngineSet, NodeSplitTransport, TensorTransport
+from slime.backends.weight_sync.transport import ENGINE_KINDS, EngineSet, NodeSplitTransport, TensorTransport, \
+    engine_call
 from slime.distributed.errors import CollectiveDivergenceError, DistributedStepError
 from slime.distributed.fault_inject import apply_weight_push_fault
 from slime.distributed.fingerprint import stable_hash
@@ -79,20 +80,6 @@ from slime.models.registry import TEXT_PREFIX_ATTRIBUTE
 from slime.utils.deadlines import ENGINE_HTTP_CONTROL_S, SESSION_CLOSE_AFTER_FAILURE_S, run_deadlines
 
 logger = logging.getLogger(__name__)
-
-@contextlib.contextmanager
-def _engine_call(ledger, op: str, size: int, unit: str) -> Iterator[None]:
-    """A call to the engines in this rank's ledger (channel "http_engines"), ended with its error if it raised."""
-    entry = ledger.begin_named(op, "http_engines", (ledger.rank,), (size,), unit) if ledger else None
-    error = None
-    try:
-        yield
-    except Exception as exc:
-        error = f"{type(exc).__name__}: {str(exc)[:200]}"
-        raise
-    finally:
-        if entry is not None:
-            ledger.end(entry, error)
 
 
 class WeightVersionError(RuntimeError):
@@ -332,11 +319,11 @@ class WeightSync:
 
     def _pause_and_open_sessions(self, ledger) -> None:
         self._each_engine(lambda client: (client.pause_generation(), client.flush_cache(self.timeouts.control)))
-        with _engine_call(ledger, "weight_sync/begin_session", len(self.engine_urls), "engines"):
+        with engine_call(ledger, "weight_sync/begin_session", len(self.engine_urls), "engines"):
             self.engines.begin_session()
 
     def _close_sessions(self, ledger) -> None:
-        with _engine_call(ledger, "weight_sync/end_session", len(self.engine_urls), "engines"):
+        with engine_call(ledger, "weight_sync/end_session", len(self.engine_urls), "engines"):
             self.engines.end_session()
 
     def _close_sessions_after_failure(self) -> None:
@@ -398,7 +385,7 @@ class WeightSync:
         transport = self.transport(device, stage)
         if transport.connected:
             return
-        with _engine_call(ledger, f"weight_sync/connect_pp{stage}", len(transport.group_engines), "engines"):
+        with engine_call(ledger, f"weight_sync/connect_pp{stage}", len(transport.group_engines), "engines"):
             transport.connect()
 
     def _export(self, model_chunks, read_param, select):
@@ -412,7 +399,7 @@ class WeightSync:
         start = time.perf_counter()
         last = bucket.index == len(plan.buckets) - 1
         try:
-            with _engine_call(ledger, f"weight_sync/send_bucket{bucket.index}", bucket.nbytes, "bytes"):
+            with engine_call(ledger, f"weight_sync/send_bucket{bucket.index}", bucket.nbytes, "bytes"):
                 # The version moves (and the cache flushes) with the last bucket only: an engine whose push
                 # broke off midway keeps reporting the old version, so the version check catches it.
                 device = tensors[0][1].device if tensors else torch.device("cpu")

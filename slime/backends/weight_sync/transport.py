@@ -29,6 +29,7 @@ The weight *source* is not this module's business: it receives HF-named tensors 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import time
@@ -36,7 +37,7 @@ import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 from urllib.parse import urlparse
 
 import torch
@@ -94,6 +95,21 @@ def encode_sglang_payload(named_tensors: NamedTensors, engine_tp_size: int) -> E
 
 
 # ----------------------------------------------------------------------------- engines
+@contextlib.contextmanager
+def engine_call(ledger, op: str, size: int, unit: str) -> Iterator[None]:
+    """A call to the engines in this rank's ledger (channel "http_engines"), ended with its error if it raised."""
+    entry = ledger.begin_named(op, "http_engines", (ledger.rank,), (size,), unit) if ledger else None
+    error = None
+    try:
+        yield
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {str(exc)[:200]}"
+        raise
+    finally:
+        if entry is not None:
+            ledger.end(entry, error)
+
+
 class EngineSet:
     """The engines one sender feeds: concurrent calls (one long-lived thread per engine) and sessions."""
 
