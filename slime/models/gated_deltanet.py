@@ -24,7 +24,7 @@ and an all-gather of (2 nk dk + nv dv + 2 nv) / TP values per token.
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +50,26 @@ def _local_index(lengths: tuple[int, ...], cp_size: int, cp_rank: int, device: t
     inverse[plan.key_order] = torch.arange(plan.key_order.numel(), device=plan.key_order.device)
     local_total = plan.key_order.numel() // cp_size
     return inverse[cp_rank * local_total:(cp_rank + 1) * local_total]
+
+
+def full_lengths(params: Optional[PackedSeqParams], s: int, b: int, cp_size: int) -> tuple[int, ...]:
+    """Full (all CP ranks) padded length of each sequence of the local tokens [s, b]."""
+    if params is not None and params.qkv_format == "thd":
+        return tuple(padded_lengths_of(params))
+    return (s * cp_size,) * b
+
+
+def over_whole_sequences(recurrence: Callable[[torch.Tensor, tuple[int, ...]], torch.Tensor], local: torch.Tensor,
+                         lengths: tuple[int, ...], cp_size: int, cp_group: Any) -> torch.Tensor:
+    """`recurrence` (whole sequences [T, channels] concatenated in global order, `lengths` each -> [T, ...]) of this
+    CP rank's tokens [t, channels]: a recurrence needs every earlier token, so the CP ranks' tokens are gathered,
+    the whole sequences run, and this rank's rows kept."""
+    if cp_size > 1:
+        rank = torch.distributed.get_rank(cp_group)
+        plan = attention_plan(lengths, cp_size, rank, local.device)
+        whole = all_gather_sequence(local, cp_group)[plan.key_order]  # each sequence in global order
+        return recurrence(whole, lengths)[_local_index(lengths, cp_size, rank, local.device)]
+    return recurrence(local, lengths)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -107,19 +127,15 @@ class GatedDeltaNet(MegatronModule):
         tokens = projected.transpose(0, 1).reshape(b * s, self.groups, self.group_width)
         dv, r = self.value_dim, self.ratio
         mixed, z, beta_logit, a = tokens.split([self.conv_width, r * dv, r, r], dim=-1)
-        lengths = self._full_lengths(packed_seq_params, s, b)
-        core = self._mix(torch.cat([mixed.flatten(1), beta_logit.flatten(1), a.flatten(1)], dim=-1), lengths)
+        cp = self.config.context_parallel_size
+        local = torch.cat([mixed.flatten(1), beta_logit.flatten(1), a.flatten(1)], dim=-1)  # conv + gated delta rule
+        core = over_whole_sequences(self._recurrence, local, full_lengths(packed_seq_params, s, b, cp), cp,
+                                    self.cp_group)
         out = gated_rms_norm(core, z.reshape(b * s, self.value_heads, dv), self._norm_weight(),
                              self.config.layernorm_epsilon)
         out = out.reshape(b, s, self.value_heads * dv).transpose(0, 1)
         output, _ = self.out_proj(out)
         return output, None
-
-    def _full_lengths(self, params: Optional[PackedSeqParams], s: int, b: int) -> tuple[int, ...]:
-        """Full (all CP ranks) padded length of each sequence of the local tokens."""
-        if params is not None and params.qkv_format == "thd":
-            return tuple(padded_lengths_of(params))
-        return (s * self.config.context_parallel_size,) * b
 
     def _norm_weight(self) -> torch.Tensor:
         # every TP rank normalises its own heads with the shared weight: its gradient is summed over TP
@@ -127,16 +143,6 @@ class GatedDeltaNet(MegatronModule):
         if self.config.tensor_model_parallel_size == 1:
             return self.norm_weight
         return tensor_parallel.copy_to_tensor_model_parallel_region(self.norm_weight, group=self.tp_group)
-
-    def _mix(self, local: torch.Tensor, lengths: tuple[int, ...]) -> torch.Tensor:
-        """Conv + gated delta rule of this rank's tokens [t, channels] -> [t, value heads, dv]."""
-        cp = self.config.context_parallel_size
-        if cp > 1:
-            rank = torch.distributed.get_rank(self.cp_group)
-            plan = attention_plan(lengths, cp, rank, local.device)
-            whole = all_gather_sequence(local, self.cp_group)[plan.key_order]  # each sequence in global order
-            return self._recurrence(whole, lengths)[_local_index(lengths, cp, rank, local.device)]
-        return self._recurrence(local, lengths)
 
     def _recurrence(self, tokens: torch.Tensor, lengths: tuple[int, ...]) -> torch.Tensor:
         """Whole sequences [T, channels] (concatenated, `lengths` each) -> the rule's output [T, heads, dv]."""

@@ -32,8 +32,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from slime.models import gated_delta_rule, kda_rule
-from slime.models.cp_attention import all_gather_sequence, attention_plan, padded_lengths_of
-from slime.models.gated_deltanet import _local_index
+from slime.models.gated_deltanet import full_lengths, over_whole_sequences
 
 # parameters split over TP by heads (dim 0); the others are replicated
 _SPLIT = ("in_proj_weight", "conv1d_weight", "gate_up_weight", "dt_bias", "A_log")
@@ -91,7 +90,9 @@ class KimiDeltaAttention(MegatronModule):
         forget = torch.einsum("tr,hcr->thc", f_low, up[:, 0])
         gate = torch.einsum("tr,hcr->thc", g_low, up[:, 1])
         local = torch.cat([qkv.flatten(1), forget.flatten(1), beta_logit.flatten(1)], dim=-1)
-        core = self._mix(local, self._full_lengths(packed_seq_params, s, b))
+        cp = self.config.context_parallel_size  # conv + Kimi delta rule
+        core = over_whole_sequences(self._recurrence, local, full_lengths(packed_seq_params, s, b, cp), cp,
+                                    self.cp_group)
         out = gated_output_norm(core, gate, self._replicated(self.norm_weight), self.config.layernorm_epsilon)
         output, _ = self.linear_proj(out.reshape(b, s, heads * dim).transpose(0, 1))
         return output, None
@@ -110,22 +111,6 @@ class KimiDeltaAttention(MegatronModule):
         if self.config.tensor_model_parallel_size == 1:
             return weight
         return tensor_parallel.copy_to_tensor_model_parallel_region(weight, group=self.tp_group)
-
-    def _full_lengths(self, params: Optional[PackedSeqParams], s: int, b: int) -> tuple[int, ...]:
-        """Full (all CP ranks) padded length of each sequence of the local tokens."""
-        if params is not None and params.qkv_format == "thd":
-            return tuple(padded_lengths_of(params))
-        return (s * self.config.context_parallel_size,) * b
-
-    def _mix(self, local: torch.Tensor, lengths: tuple[int, ...]) -> torch.Tensor:
-        """Conv + Kimi delta rule of this rank's tokens [t, channels] -> [t, heads, dim]."""
-        cp = self.config.context_parallel_size
-        if cp > 1:
-            rank = torch.distributed.get_rank(self.cp_group)
-            plan = attention_plan(lengths, cp, rank, local.device)
-            whole = all_gather_sequence(local, self.cp_group)[plan.key_order]  # each sequence in global order
-            return self._recurrence(whole, lengths)[_local_index(lengths, cp, rank, local.device)]
-        return self._recurrence(local, lengths)
 
     def _recurrence(self, tokens: torch.Tensor, lengths: tuple[int, ...]) -> torch.Tensor:
         """Whole sequences [T, channels] (concatenated, `lengths` each) -> the rule's output [T, heads, dim]."""
