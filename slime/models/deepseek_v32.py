@@ -26,7 +26,7 @@ from typing import Any
 
 from slime.models.deepseek_v3 import DEEPSEEK_V3_FIELDS, MLA_FLAGS, mla_arch_overrides, mla_config_fields, \
     mla_layer_spec
-from slime.models.glm_moe_dsa import dsa_names
+from slime.models.glm_moe_dsa import dsa_names, sparse_attention_fields
 from slime.models.hf_fields import built, checked, ignored, must_be, table
 from slime.models.registry import ModelFamily, register
 from slime.models.sigmoid_router import deepseek_style_moe, sigmoid_router_architecture
@@ -70,23 +70,11 @@ def layer_spec(config: Any, mlp: Any = None):
     return with_sparse_attention(mla_layer_spec(config, mlp), indexer_rope_interleaved=False)
 
 
-def _every_layer_indexed(value: Any, hf_config: Any) -> str | None:
-    unknown = sorted(set(value or ()) - {"indexed_attention"})
-    return (f"has {unknown}; every DeepSeek-V3.2 layer is sparse attention with its indexer (indexed_attention)"
-            if unknown else None)
-
-
 DEEPSEEK_V32_FIELDS = table(
-    DEEPSEEK_V3_FIELDS,
+    DEEPSEEK_V3_FIELDS, sparse_attention_fields("DeepSeek-V3.2"),
     q_lora_rank=built("the query compression (q_a_proj, q_b_proj: always there in DeepSeek-V3.2)"),
     rope_interleave=ignored("not a field of transformers' DeepSeek-V3.2 class, whose MLA always rotates "
                             "interleaved pairs (built so)"),
-    mlp_layer_types=built("each layer's MLP: dense or sparse (the MoE layer pattern)"),
-    first_k_dense_replace=built("the dense layers, through mlp_layer_types (transformers derives it when unset)"),
-    layer_types=checked("indexed_attention on every layer", _every_layer_indexed, ["full_attention"]),
-    index_topk=built("dsa_indexer_topk: the keys each query keeps"),
-    index_n_heads=built("dsa_indexer_n_heads"),
-    index_head_dim=built("dsa_indexer_head_dim"),
     moe_layer_freq=ignored("the released config's MoE spacing, which transformers' class does not read "
                            "(mlp_layer_types says which layers are MoE: built)"),
     num_nextn_predict_layers=ignored("the released checkpoints' MTP layer, which transformers' class drops on load; "

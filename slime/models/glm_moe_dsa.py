@@ -17,12 +17,12 @@ Refused with the fix named: YaRN or partial RoPE (the indexer's RoPE here is the
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 from slime.config.layout import virtual_pipeline_size
 from slime.models.deepseek_v3 import MLA_FIELDS, MLA_FLAGS, attention_names, mla_arch_overrides, mla_layer_spec
 from slime.models.glm4_moe import glm4_moe_lite_config_fields
-from slime.models.hf_fields import built, checked, table
+from slime.models.hf_fields import FieldRule, built, checked, table
 from slime.models.registry import ModelFamily, register
 from slime.models.sigmoid_router import DEEPSEEK_STYLE_MOE_FIELDS, deepseek_style_moe, sigmoid_router_architecture
 
@@ -182,20 +182,26 @@ def get_glm5_spec(args: Any, config: Any, vp_stage: int | None = None):
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=SequenceParallelNorm)
 
 
-def _every_layer_indexed(value: Any, hf_config: Any) -> str | None:
-    unknown = sorted(set(value or ()) - {"indexed_attention"})
-    return (f"has {unknown}; every GLM-5 layer built here is sparse attention with its indexer (indexed_attention)"
-            if unknown else None)
+def sparse_attention_fields(family: str) -> Mapping[str, FieldRule]:
+    """The fields of a family whose every layer is DeepSeek sparse attention (an indexer) over a dense or MoE MLP."""
+
+    def every_layer_indexed(value: Any, hf_config: Any) -> str | None:
+        unknown = sorted(set(value or ()) - {"indexed_attention"})
+        return (f"has {unknown}; every {family} layer built here is sparse attention with its indexer "
+                "(indexed_attention)" if unknown else None)
+
+    return table(
+        mlp_layer_types=built("each layer's MLP: dense or sparse (the MoE layer pattern)"),
+        first_k_dense_replace=built("the dense layers, through mlp_layer_types (transformers derives it when unset)"),
+        layer_types=checked("indexed_attention on every layer", every_layer_indexed, ["full_attention"]),
+        index_topk=built("dsa_indexer_topk: the keys each query keeps"),
+        index_n_heads=built("dsa_indexer_n_heads"),
+        index_head_dim=built("dsa_indexer_head_dim"),
+    )
 
 
 GLM_MOE_DSA_FIELDS = table(
-    MLA_FIELDS, DEEPSEEK_STYLE_MOE_FIELDS,
-    mlp_layer_types=built("each layer's MLP: dense or sparse (the MoE layer pattern)"),
-    first_k_dense_replace=built("the dense layers, through mlp_layer_types (transformers derives it when unset)"),
-    layer_types=checked("indexed_attention on every layer", _every_layer_indexed, ["full_attention"]),
-    index_topk=built("dsa_indexer_topk: the keys each query keeps"),
-    index_n_heads=built("dsa_indexer_n_heads"),
-    index_head_dim=built("dsa_indexer_head_dim"),
+    MLA_FIELDS, DEEPSEEK_STYLE_MOE_FIELDS, sparse_attention_fields("GLM-5"),
     indexer_types=built("each layer's indexer: full or shared (GLM-5.2)"),
     index_topk_pattern=built("indexer_types spelt F/S (transformers derives indexer_types from it)"),
     index_topk_freq=built("indexer_types' schedule (transformers derives indexer_types from it)"),
