@@ -1,17 +1,21 @@
-"""A family's training steps on forked ranks, each followed by the fenced weight push to a running embedded engine
-(the project's WeightSync: its plan, buckets, sessions and fences, over HTTP), the engine's log-probs read after
-every push, and every collective of the steps and the pushes recorded for the order proof.
+"""What the model families' tests share: a family's training steps on forked ranks, each followed by the fenced weight
+push to a running embedded engine (the project's WeightSync: its plan, buckets, sessions and fences, over HTTP), the
+engine's log-probs read after every push, and every collective of the steps and the pushes recorded for the order
+proof; one rank's logits and export against transformers'.
 
 `serve(checkpoint)` the embedded engine's HTTP server (its real routes, over loopback) on a thread of the test
 process, which has torch and transformers imported already (a server process would import them again);
+`serve_tiny(root, save)` a tiny checkpoint with the project's tiny tokenizer, a rollout and that server;
 `train_and_push(rank, world, ledger_dir, hf_dir, data, layout, url, steps)` is one rank's run (`url` None: the
 single process's reference, no engine); `engine_log_probs(url, data)` what the engine gives each response;
-`check_run` what every family's run must show.
+`check_run` what every family's run must show, `check_layout_run` the run at a layout against the single process's;
+`forward_and_export` and `check_logits_and_export` one rank's logits and HF export against transformers'.
 """
 
 from __future__ import annotations
 
 import contextlib
+from typing import Callable, Iterator
 
 FENCE_S = 60.0
 BUCKET_BYTES = 256 * 1024  # several buckets per push, even for the tiny models
@@ -30,6 +34,23 @@ def serve(checkpoint: str, seed: int = 7):
         yield f"http://127.0.0.1:{server.port}"
     finally:
         server.stop()
+
+
+@contextlib.contextmanager
+def serve_tiny(root, save: Callable[..., str]) -> Iterator[tuple[str, dict, str]]:
+    """The tiny checkpoint `save` writes, with the project's tiny tokenizer (digits), a rollout of it, and the
+    embedded engine serving it: yields (checkpoint dir, rollout, URL)."""
+    import json
+
+    from slime.tools.tiny_checkpoint import TinyQwen3Spec, write_tiny_checkpoint
+    from tiny_models import replace_model
+    from train_step_harness import make_rollout
+
+    checkpoint = write_tiny_checkpoint(root / "m", TinyQwen3Spec(alphabet="0123456789"))
+    replace_model(checkpoint, save)
+    vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
+    with serve(str(checkpoint)) as url:
+        yield str(checkpoint), make_rollout(num_samples=4, seed=2, vocab=vocab, max_len=20), url
 
 
 def engine_log_probs(url: str, data: dict) -> list[list[float]]:
@@ -122,6 +143,76 @@ def check_run(results: list[dict], single: dict, engine_before: list[list[float]
         for got, want in zip(mine["trainer"], mine["engine"]):
             assert got == pytest.approx(want, abs=tolerance), step
         previous = mine["trainer"]
+
+
+def check_layout_run(tmp_path, served: tuple[str, dict, str], single_layout: dict, layout: dict, world: int = 4,
+                     steps: int = 2, tolerance: float = 1e-5) -> list[dict]:
+    """`steps` steps at `layout` on `world` ranks, each pushed to the engine of `served`, against the single
+    process's at `single_layout`: the recorded collectives pass the order proof and `check_run` holds. Returns the
+    ranks' results for the family's own checks."""
+    from mp_utils import run_ranks
+    from slime.distributed.order_proof import check_order, read_sequences
+
+    hf_dir, data, url = served
+    engine_before = engine_log_probs(url, data)
+    (single,) = run_ranks(train_and_push, 1, args=(str(tmp_path / "single"), hf_dir, data, single_layout, None,
+                                                   steps), timeout_s=150)
+    results = run_ranks(train_and_push, world, args=(str(tmp_path / "ranks"), hf_dir, data, layout, url, steps),
+                        timeout_s=300)
+    report = check_order(read_sequences(str(tmp_path / "ranks")))
+    assert report.ok, report.format()
+    check_run(results, single, engine_before, tolerance)
+    return results
+
+
+def assert_same_tensors(got: dict, want: dict) -> None:
+    """The same names, and every tensor equal bit for bit."""
+    import torch
+
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[name], want[name]) for name in want)
+
+
+SEQ = 16
+
+
+def forward_and_export(rank, world, hf_dir, tp: int, cp: int, flags: dict | None = None) -> dict:
+    """This rank's logits of SEQ seeded tokens (its zig-zag CP positions, its TP vocabulary shard) and its HF
+    export, the model loaded from `hf_dir` at TP `tp` x CP `cp` (`flags` on top)."""
+    import torch
+    import transformers
+    from megatron.core import parallel_state
+
+    from slime.backends.megatron_utils.model import build_gpt_model
+    from slime.backends.megatron_utils.parallel import init_model_parallel
+    from slime.config import defaults_namespace
+    from slime_plugins.models.cp_attention import zigzag_positions
+    from slime_plugins.models.hf_weights import export_hf_weights, load_hf_weights
+
+    args = defaults_namespace(**{**dict(tensor_model_parallel_size=tp, context_parallel_size=cp,
+                                        pipeline_model_parallel_size=1, seed=5, attention_dropout=0.0,
+                                        hidden_dropout=0.0), **(flags or {})})
+    init_model_parallel(args)
+    hf_config = transformers.AutoConfig.from_pretrained(hf_dir)
+    model = build_gpt_model(args, hf_config).eval()
+    load_hf_weights([model], hf_dir, hf_config)
+    tokens = torch.randint(0, hf_config.vocab_size, (1, SEQ), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(SEQ)
+    if cp > 1:
+        positions = zigzag_positions(SEQ, cp, parallel_state.get_context_parallel_rank())
+    with torch.no_grad():
+        logits = model(tokens[:, positions], positions.unsqueeze(0), None)[0]
+    return dict(logits=logits, positions=positions, tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+                exported=dict(export_hf_weights([model], hf_config)))
+
+
+def check_logits_and_export(result: dict, reference, original: dict, tolerance: float = 1e-5) -> None:
+    """One rank's logits are transformers' `reference` logits [SEQ, vocab] at its positions and of its vocabulary
+    shard; its export is `original` bit for bit."""
+    width = result["logits"].shape[-1]
+    want = reference[result["positions"]][:, result["tp_rank"] * width:(result["tp_rank"] + 1) * width]
+    assert (result["logits"] - want).abs().max().item() < tolerance
+    assert_same_tensors(result["exported"], original)
 
 
 LORA = dict(enable_lora=True, lora_rank=4, lora_alpha=8.0, lora_dropout=0.0, lr=0.05, calculate_per_token_loss=True,

@@ -78,39 +78,24 @@ LAYOUT = dict(MOE_TRAINING, tensor_model_parallel_size=2, sequence_parallel=True
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """The tiny DeepSeek-V3.2 with the project's tiny tokenizer, a rollout, and an embedded engine serving it."""
-    from family_push import serve
-    from slime.tools.tiny_checkpoint import TinyQwen3Spec, write_tiny_checkpoint
-    from tiny_models import replace_model, save_tiny_deepseek_v32
-    from train_step_harness import make_rollout
+    from family_push import serve_tiny
+    from tiny_models import save_tiny_deepseek_v32
 
-    checkpoint = write_tiny_checkpoint(tmp_path_factory.mktemp("v32_served") / "m",
-                                       TinyQwen3Spec(alphabet="0123456789"))
-    replace_model(checkpoint, save_tiny_deepseek_v32)
-    vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
-    with serve(str(checkpoint)) as url:
-        yield str(checkpoint), make_rollout(num_samples=4, seed=2, vocab=vocab, max_len=20), url
+    with serve_tiny(tmp_path_factory.mktemp("v32_served"), save_tiny_deepseek_v32) as served:
+        yield served
 
 
 @pytest.mark.timeout(400)
 def test_steps_at_tp2_sp_cp2_ep2_equal_the_single_process_and_every_push_reaches_the_engine(served, tmp_path):
     from safetensors.torch import load_file
 
-    from family_push import check_run, engine_log_probs, train_and_push
-    from slime.distributed.order_proof import check_order, read_sequences
+    from family_push import assert_same_tensors, check_layout_run
 
-    hf_dir, data, url = served
-    engine_before = engine_log_probs(url, data)
-    (single,) = run_ranks(train_and_push, 1, args=(str(tmp_path / "single"), hf_dir, data, MOE_TRAINING, None, 2),
-                          timeout_s=150)
-    results = run_ranks(train_and_push, 4, args=(str(tmp_path / "ranks"), hf_dir, data, LAYOUT, url, 2),
-                        timeout_s=300)
-    report = check_order(read_sequences(str(tmp_path / "ranks")))
-    assert report.ok, report.format()
-    check_run(results, single, engine_before, tolerance=1e-5)
+    hf_dir = served[0]
+    results = check_layout_run(tmp_path, served, MOE_TRAINING, LAYOUT)
     original = load_file(f"{hf_dir}/model.safetensors")
     for result in results:  # every rank exports every expert (EP all-gather), the indexers and the routing bias
-        assert sorted(result["loaded"]) == sorted(original)
-        assert all(torch.equal(result["loaded"][name], original[name]) for name in original)
+        assert_same_tensors(result["loaded"], original)
 
 
 @pytest.mark.timeout(200)

@@ -19,6 +19,7 @@ import json
 import pytest
 import torch
 
+from family_push import engine_log_probs
 from mp_utils import run_ranks
 from slime.backends.megatron_utils.model import PADDED_VOCAB_LOGIT
 
@@ -84,22 +85,6 @@ def _logits_and_export(args, hf_dir, grads: bool = False) -> dict:
     return result
 
 
-def _engine_log_probs(url: str, data: dict) -> list[list[float]]:
-    """The engine's input-token log-probs (SGLang's input_token_logprobs) of each sample's response, over HTTP."""
-    from slime.backends.sglang_utils.http_client import SGLangHTTPClient
-
-    client = SGLangHTTPClient(url)
-    try:
-        out = []
-        for tokens, response in zip(data["tokens"], data["response_lengths"]):
-            reply = client.generate(input_ids=list(tokens), sampling_params={"max_new_tokens": 0, "temperature": 1.0},
-                                    return_logprob=True, logprob_start_len=0)
-            out.append([lp for lp, _, _ in reply["meta_info"]["input_token_logprobs"][-response:]])
-        return out
-    finally:
-        client.close()
-
-
 def _train_child(rank, world, hf_dir, data, layout, url, ledger_dir):
     """The logits and export at this layout, then two fenced training steps, each followed by the weight push to
     the engine at `url` (None: no push) and the engine's log-probs; every collective in a ledger."""
@@ -149,7 +134,7 @@ def _train_child(rank, world, hf_dir, data, layout, url, ledger_dir):
             served = None
             if sync is not None:
                 sync.sync(model, rollout_id, fence=fence, watchdog=watchdog)
-                served = _engine_log_probs(url, data) if rank == 0 else None
+                served = engine_log_probs(url, data) if rank == 0 else None
             steps.append(dict(loss=step.loss, grad_norm=step.grad_norm, skipped=step.skipped, after=after,
                               served=served))
     finally:
@@ -266,7 +251,7 @@ def test_tp2_sp_cp2_ep2_trains_as_one_rank_and_every_push_gives_the_engine_the_t
 
     hf_dir, data = assets
     single = _reference(hf_dir, data, tmp_path)
-    served_before = _engine_log_probs(engine.url, data)  # transformers' class, as loaded
+    served_before = engine_log_probs(engine.url, data)  # transformers' class, as loaded
     for got, want in zip(single["before"], served_before):
         assert got == pytest.approx(want, abs=1e-5)
     (tmp_path / "ledger").mkdir()

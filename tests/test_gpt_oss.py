@@ -18,12 +18,11 @@ import json
 import pytest
 import torch
 
+from family_push import SEQ  # the tokens forward_and_export feeds
 from mp_utils import run_ranks
 from slime.config import defaults_namespace
 
 pytestmark = pytest.mark.ranks
-
-SEQ = 16
 
 
 @pytest.fixture(scope="module")
@@ -53,36 +52,13 @@ def test_mxfp4_dequantisation_is_the_format_and_transformers_own():
     assert torch.equal(dequantized_weight(blocks, scales), convert_moe_packed_tensors(blocks, scales))  # bf16
 
 
-def _forward_and_export(rank, world, hf_dir, tp, cp):
-    import transformers
-    from megatron.core import parallel_state
-
-    from slime.backends.megatron_utils.model import build_gpt_model
-    from slime.backends.megatron_utils.parallel import init_model_parallel
-    from slime_plugins.models.cp_attention import zigzag_positions
-    from slime_plugins.models.hf_weights import export_hf_weights, load_hf_weights
-
-    args = defaults_namespace(tensor_model_parallel_size=tp, context_parallel_size=cp, expert_tensor_parallel_size=1,
-                              pipeline_model_parallel_size=1, seed=5, attention_dropout=0.0, hidden_dropout=0.0)
-    init_model_parallel(args)
-    hf_config = transformers.AutoConfig.from_pretrained(hf_dir)
-    model = build_gpt_model(args, hf_config).eval()
-    load_hf_weights([model], hf_dir, hf_config)
-    tokens = torch.randint(0, hf_config.vocab_size, (1, SEQ), generator=torch.Generator().manual_seed(0))
-    positions = torch.arange(SEQ)
-    if cp > 1:
-        positions = zigzag_positions(SEQ, cp, parallel_state.get_context_parallel_rank())
-    with torch.no_grad():
-        logits = model(tokens[:, positions], positions.unsqueeze(0), None)[0]
-    return dict(logits=logits, positions=positions, tp_rank=parallel_state.get_tensor_model_parallel_rank(),
-                exported=dict(export_hf_weights([model], hf_config)))
-
-
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("kind, tp, cp", [("bf16", 1, 1)])  # MXFP4 at TP2 x SP x CP2 x EP2: the steps' test
 def test_logits_match_transformers_and_export_is_exact(checkpoints, kind, tp, cp):
     import transformers
     from safetensors.torch import load_file
+
+    from family_push import check_logits_and_export, forward_and_export
 
     hf_dir = checkpoints[kind]
     hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
@@ -94,13 +70,9 @@ def test_logits_match_transformers_and_export_is_exact(checkpoints, kind, tp, cp
     original = load_file(f"{hf_dir}/model.safetensors") if kind == "bf16" else hf.state_dict()
     if kind == "mxfp4":
         assert any(name.endswith("gate_up_proj_blocks") for name in load_file(f"{hf_dir}/model.safetensors"))
-    for result in run_ranks(_forward_and_export, tp * cp, args=(hf_dir, tp, cp), timeout_s=220):
-        width = result["logits"].shape[-1]
-        want = reference[result["positions"]][:, result["tp_rank"] * width:(result["tp_rank"] + 1) * width]
-        assert (result["logits"] - want).abs().max().item() < 1e-5
-        exported = result["exported"]
-        assert sorted(exported) == sorted(original)
-        assert all(torch.equal(exported[name], original[name]) for name in original)
+    for result in run_ranks(forward_and_export, tp * cp, args=(hf_dir, tp, cp, dict(expert_tensor_parallel_size=1)),
+                            timeout_s=220):
+        check_logits_and_export(result, reference, original)
 
 
 def test_the_sinks_and_the_window_change_the_attention():
@@ -132,39 +104,25 @@ LAYOUT = dict(MOE_TRAINING, tensor_model_parallel_size=2, sequence_parallel=True
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """The tiny MXFP4 gpt-oss with the project's tiny tokenizer, a rollout, and an embedded engine serving it."""
-    from family_push import serve
-    from slime.tools.tiny_checkpoint import TinyQwen3Spec, write_tiny_checkpoint
-    from tiny_models import replace_model, save_tiny_gpt_oss
-    from train_step_harness import make_rollout
+    from family_push import serve_tiny
+    from tiny_models import save_tiny_gpt_oss
 
-    checkpoint = write_tiny_checkpoint(tmp_path_factory.mktemp("gpt_oss_served") / "m",
-                                       TinyQwen3Spec(alphabet="0123456789"))
-    replace_model(checkpoint, lambda path, **ids: save_tiny_gpt_oss(path, seed=2, mxfp4=True, **ids))
-    vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
-    with serve(str(checkpoint)) as url:
-        yield str(checkpoint), make_rollout(num_samples=4, seed=2, vocab=vocab, max_len=20), url
+    save = lambda path, **ids: save_tiny_gpt_oss(path, seed=2, mxfp4=True, **ids)  # noqa: E731
+    with serve_tiny(tmp_path_factory.mktemp("gpt_oss_served"), save) as served:
+        yield served
 
 
 @pytest.mark.timeout(400)
 def test_steps_at_tp2_sp_cp2_ep2_equal_the_single_process_and_every_push_reaches_the_engine(served, tmp_path):
     import transformers
 
-    from family_push import check_run, engine_log_probs, train_and_push
-    from slime.distributed.order_proof import check_order, read_sequences
+    from family_push import assert_same_tensors, check_layout_run
 
-    hf_dir, data, url = served
-    engine_before = engine_log_probs(url, data)
-    (single,) = run_ranks(train_and_push, 1, args=(str(tmp_path / "single"), hf_dir, data, MOE_TRAINING, None, 2),
-                          timeout_s=150)
-    results = run_ranks(train_and_push, 4, args=(str(tmp_path / "ranks"), hf_dir, data, LAYOUT, url, 2),
-                        timeout_s=300)
-    report = check_order(read_sequences(str(tmp_path / "ranks")))
-    assert report.ok, report.format()
-    check_run(results, single, engine_before, tolerance=1e-5)
+    hf_dir = served[0]
+    results = check_layout_run(tmp_path, served, MOE_TRAINING, LAYOUT)
     want = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).state_dict()
     for result in results:  # every rank exports every expert (EP all-gather), stacked as transformers holds them
-        assert sorted(result["loaded"]) == sorted(want)
-        assert all(torch.equal(result["loaded"][name], want[name]) for name in want)
+        assert_same_tensors(result["loaded"], want)
 
 
 # ------------------------------------------------------------------ before Ray

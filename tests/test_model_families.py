@@ -20,6 +20,7 @@ import types
 import pytest
 import torch
 
+from family_push import SEQ  # the tokens forward_and_export feeds
 from mp_utils import run_ranks
 from slime.config import defaults_namespace
 from test_train_step import assert_matches_reference, rollout  # noqa: F401 (fixture)
@@ -28,7 +29,6 @@ from train_step_harness import layout_child
 
 pytestmark = pytest.mark.ranks
 
-SEQ = 16
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "beta_fast": 32,
         "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
 
@@ -48,31 +48,6 @@ def family_dirs(tmp_path_factory):
             "glm5": save_tiny_glm_moe_dsa(str(root / "glm5"))}
 
 
-def _forward_and_export(rank, world, hf_dir, tp, cp):
-    import transformers
-    from megatron.core import parallel_state
-
-    from slime.backends.megatron_utils.model import build_gpt_model
-    from slime.backends.megatron_utils.parallel import init_model_parallel
-    from slime_plugins.models.cp_attention import zigzag_positions
-    from slime_plugins.models.hf_weights import export_hf_weights, load_hf_weights
-
-    args = defaults_namespace(tensor_model_parallel_size=tp, context_parallel_size=cp,
-                              pipeline_model_parallel_size=1, seed=5, attention_dropout=0.0, hidden_dropout=0.0)
-    init_model_parallel(args)
-    hf_config = transformers.AutoConfig.from_pretrained(hf_dir)
-    model = build_gpt_model(args, hf_config).eval()
-    load_hf_weights([model], hf_dir, hf_config)
-    tokens = torch.randint(0, hf_config.vocab_size, (1, SEQ), generator=torch.Generator().manual_seed(0))
-    positions = torch.arange(SEQ)
-    if cp > 1:
-        positions = zigzag_positions(SEQ, cp, parallel_state.get_context_parallel_rank())
-    with torch.no_grad():
-        logits = model(tokens[:, positions], positions.unsqueeze(0), None)[0]
-    return dict(logits=logits, positions=positions, tp_rank=parallel_state.get_tensor_model_parallel_rank(),
-                exported=dict(export_hf_weights([model], hf_config)))
-
-
 def _hf_logits(hf_dir, architecture):
     import transformers
 
@@ -89,16 +64,13 @@ def _hf_logits(hf_dir, architecture):
 def test_logits_match_transformers_and_export_is_exact(family_dirs, kind, tp, cp):
     from safetensors.torch import load_file
 
+    from family_push import check_logits_and_export, forward_and_export
+
     hf_dir = family_dirs[kind]
     reference = _hf_logits(hf_dir, ARCHITECTURES[kind])
     original = load_file(f"{hf_dir}/model.safetensors")
-    for result in run_ranks(_forward_and_export, tp * cp, args=(hf_dir, tp, cp), timeout_s=220):
-        width = result["logits"].shape[-1]
-        want = reference[result["positions"]][:, result["tp_rank"] * width:(result["tp_rank"] + 1) * width]
-        assert (result["logits"] - want).abs().max().item() < 1e-5
-        exported = result["exported"]
-        assert sorted(exported) == sorted(original)
-        assert all(torch.equal(exported[name], original[name]) for name in original)
+    for result in run_ranks(forward_and_export, tp * cp, args=(hf_dir, tp, cp), timeout_s=220):
+        check_logits_and_export(result, reference, original)
 
 
 LAYOUTS = {

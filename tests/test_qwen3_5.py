@@ -98,16 +98,13 @@ def test_logits_and_grads_match_transformers_and_export_is_exact(hybrid_dirs, ki
     back the checkpoint."""
     from safetensors.torch import load_file
 
+    from family_push import check_logits_and_export
+
     hf_dir = hybrid_dirs[kind]
     reference, reference_grads = _hf_logits_and_grads(hf_dir, SAVERS[kind][1])
     original = load_file(f"{hf_dir}/model.safetensors")
     for result in run_ranks(_forward_and_export, tp * cp, args=(hf_dir, tp, cp, spec), timeout_s=220):
-        width = result["logits"].shape[-1]
-        want = reference[result["positions"]][:, result["tp_rank"] * width:(result["tp_rank"] + 1) * width]
-        assert (result["logits"] - want).abs().max().item() < 1e-5
-        exported = result["exported"]
-        assert sorted(exported) == sorted(original)
-        assert all(torch.equal(exported[name], original[name]) for name in original)
+        check_logits_and_export(result, reference, original)
         for name, grad in result["grads"].items():
             assert (grad - reference_grads(name)).abs().max().item() < 1e-5, name
 
