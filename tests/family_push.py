@@ -145,11 +145,15 @@ def check_run(results: list[dict], single: dict, engine_before: list[list[float]
         previous = mine["trainer"]
 
 
-def check_layout_run(tmp_path, served: tuple[str, dict, str], single_layout: dict, layout: dict, world: int = 4,
-                     steps: int = 2, tolerance: float = 1e-5) -> list[dict]:
+TP2_SP_CP2_EP2 = dict(tensor_model_parallel_size=2, sequence_parallel=True, context_parallel_size=2,
+                      expert_model_parallel_size=2)
+
+
+def check_layout_run(tmp_path, served: tuple[str, dict, str], single_layout: dict, layout: dict, exported: dict,
+                     world: int = 4, steps: int = 2, tolerance: float = 1e-5) -> list[dict]:
     """`steps` steps at `layout` on `world` ranks, each pushed to the engine of `served`, against the single
-    process's at `single_layout`: the recorded collectives pass the order proof and `check_run` holds. Returns the
-    ranks' results for the family's own checks."""
+    process's at `single_layout`: the recorded collectives pass the order proof, `check_run` holds, and every
+    rank's HF -> megatron -> HF export is `exported` bit for bit. Returns the ranks' results."""
     from mp_utils import run_ranks
     from slime.distributed.order_proof import check_order, read_sequences
 
@@ -162,6 +166,8 @@ def check_layout_run(tmp_path, served: tuple[str, dict, str], single_layout: dic
     report = check_order(read_sequences(str(tmp_path / "ranks")))
     assert report.ok, report.format()
     check_run(results, single, engine_before, tolerance)
+    for result in results:
+        assert_same_tensors(result["loaded"], exported)
     return results
 
 

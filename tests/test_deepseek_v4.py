@@ -19,7 +19,7 @@ import json
 import pytest
 import torch
 
-from family_push import engine_log_probs
+from family_push import TP2_SP_CP2_EP2, engine_log_probs
 from mp_utils import run_ranks
 from slime.backends.megatron_utils.model import PADDED_VOCAB_LOGIT
 
@@ -29,8 +29,7 @@ SEQ = 16
 ARCHITECTURE = "DeepseekV4ForCausalLM"
 TRAINING = dict(expert_tensor_parallel_size=1, calculate_per_token_loss=True, lr=1e-3,
                 moe_router_bias_update_rate=0.05)
-LAYOUT = dict(tensor_model_parallel_size=2, sequence_parallel=True, context_parallel_size=2,
-              expert_model_parallel_size=2)
+LAYOUT = TP2_SP_CP2_EP2
 FENCE_S = 60.0
 _REFERENCE = {}
 
