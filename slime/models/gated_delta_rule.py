@@ -435,17 +435,21 @@ def active_kernel(device: torch.device) -> KernelChoice:
     return _choice_for(device.type, device.index, requested)
 
 
-@functools.lru_cache(maxsize=None)
-def _compiled() -> tuple:
-    """chunk_terms and chunk_outputs compiled for CUDA (built on first use; never on CPU)."""
+def compile_chunk_functions(*functions) -> tuple:
+    """`functions` (of tensors whose dim 0 is the chunk count) compiled for CUDA, the chunk count dynamic."""
     # One graph per grad mode and head shape: stay clear of the default limit of 8.
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, 32)
     # Only the chunk count is dynamic (marked by _dynamic_chunks). With dynamic=True every size is symbolic and
     # equal sizes share a symbol, so a chunk count equal to the head dim (128 chunks, Dk = 128) was guarded on
     # and the next packing recompiled (36 s on an H200).
-    terms, outputs = (torch.compile(fn, fullgraph=True) for fn in (chunk_terms, chunk_outputs))
-    return _dynamic_chunks(terms), _dynamic_chunks(outputs)
+    return tuple(_dynamic_chunks(torch.compile(fn, fullgraph=True)) for fn in functions)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled() -> tuple:
+    """chunk_terms and chunk_outputs compiled for CUDA (built on first use; never on CPU)."""
+    return compile_chunk_functions(chunk_terms, chunk_outputs)
 
 
 def _dynamic_chunks(compiled):

@@ -28,7 +28,7 @@ import functools
 import torch
 from torch import Tensor
 
-from slime.models.gated_delta_rule import _dynamic_chunks, _torch_rule, chunk_outputs, unit_lower_inverse
+from slime.models.gated_delta_rule import _torch_rule, chunk_outputs, compile_chunk_functions, unit_lower_inverse
 
 KDA_CHUNK_SIZE = 16
 
@@ -59,10 +59,7 @@ def kda_chunk_terms(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
 @functools.lru_cache(maxsize=None)
 def _compiled() -> tuple:
     """kda_chunk_terms and chunk_outputs compiled for CUDA (built on first use; never on CPU)."""
-    config = torch._dynamo.config
-    config.recompile_limit = max(config.recompile_limit, 32)
-    terms, outputs = (torch.compile(fn, fullgraph=True) for fn in (kda_chunk_terms, chunk_outputs))
-    return _dynamic_chunks(terms), _dynamic_chunks(outputs)
+    return compile_chunk_functions(kda_chunk_terms, chunk_outputs)
 
 
 def chunk_kda_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale: float | None = None,
