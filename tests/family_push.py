@@ -9,7 +9,8 @@ process, which has torch and transformers imported already (a server process wou
 `train_and_push(rank, world, ledger_dir, hf_dir, data, layout, url, steps)` is one rank's run (`url` None: the
 single process's reference, no engine); `engine_log_probs(url, data)` what the engine gives each response;
 `check_run` what every family's run must show, `check_layout_run` the run at a layout against the single process's;
-`forward_and_export` and `check_logits_and_export` one rank's logits and HF export against transformers'.
+`forward_and_export` and `check_logits_and_export` one rank's logits and HF export against transformers';
+`check_lora_run` the LoRA steps, merge and push plan.
 """
 
 from __future__ import annotations
@@ -277,3 +278,13 @@ def check_lora(result: dict, hf_dir: str, data: dict, tolerance: float) -> None:
             want = logits[:-1].gather(-1, torch.tensor(tokens[1:]).unsqueeze(-1)).squeeze(-1)[-response:]
             assert got == pytest.approx(want.tolist(), abs=tolerance)
     assert result["planned"] == result["sent"] and 0 < len(result["sent"]) < len(result["merged"])
+
+
+def check_lora_run(served: tuple[str, dict, str], targets: list[str], tolerance: float = 1e-5) -> dict:
+    """`lora_steps` on one forked process with LoRA on `targets`, and `check_lora` of it; returns its result."""
+    from mp_utils import run_ranks
+
+    hf_dir, data, _ = served
+    (result,) = run_ranks(lora_steps, 1, args=(hf_dir, data, list(targets)), timeout_s=180)
+    check_lora(result, hf_dir, data, tolerance)
+    return result

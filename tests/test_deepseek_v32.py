@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from family_push import TP2_SP_CP2_EP2
-from mp_utils import run_ranks
 from slime.config import defaults_namespace
 
 pytestmark = pytest.mark.ranks
@@ -97,12 +96,9 @@ def test_steps_at_tp2_sp_cp2_ep2_equal_the_single_process_and_every_push_reaches
 
 @pytest.mark.timeout(200)
 def test_lora_trains_merges_and_pushes(served):
-    from family_push import check_lora, lora_steps
+    from family_push import check_lora_run
 
-    hf_dir, data, _ = served
-    (result,) = run_ranks(lora_steps, 1, args=(hf_dir, data, ["linear_proj", "linear_fc1", "linear_fc2"]),
-                          timeout_s=180)
-    check_lora(result, hf_dir, data, tolerance=1e-5)
+    check_lora_run(served, ["linear_proj", "linear_fc1", "linear_fc2"])
 
 
 def test_what_is_not_built_is_refused_before_ray(served, tmp_path):

@@ -172,10 +172,7 @@ def test_lora_on_every_linear_layer_trains_merges_and_pushes(served):
     """LoRA on q/k/v, o (with their biases) and the experts' fc1 / fc2, from the MXFP4 checkpoint: the stacked
     experts export merged, the push after the first plans the adapted layers (the stacked experts among them) and
     sends them."""
-    from family_push import check_lora, lora_steps
+    from family_push import check_lora_run
 
-    hf_dir, data, _ = served
-    (result,) = run_ranks(lora_steps, 1, args=(hf_dir, data, ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]),
-                          timeout_s=180)
-    check_lora(result, hf_dir, data, tolerance=1e-5)
+    result = check_lora_run(served, ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
     assert any(name.endswith("mlp.experts.gate_up_proj") for name in result["sent"])
