@@ -7,6 +7,8 @@ Single process: the servers are in-process aiohttp apps (tests/rollout_testing.p
 from __future__ import annotations
 
 import asyncio
+import re
+import signal
 import subprocess
 import sys
 import threading
@@ -19,11 +21,12 @@ from aiohttp import web
 
 from rollout_testing import AppThread, FakeEngine
 from slime.ray.engines.health import HealthConfig
-from slime.ray.engines.recovery import EngineFleet, LocalEngine
-from slime.ray.rollout_manager.errors import EngineFailedError, RolloutTimeoutError
+from slime.backends.sglang_utils.http_client import SGLangHTTPClient
+from slime.ray.engines.recovery import EngineFleet, LocalEngine, local_process_state
+from slime.ray.rollout_manager.errors import EngineFailedError, EngineStalledError, RolloutTimeoutError
 from slime.ray.rollout_manager.guard import RolloutGuard
 from slime.ray.driver.rollout_wait import EngineTargets
-from slime.utils.deadlines import RolloutClock, rollout_deadline_s, rollout_timeout_s
+from slime.utils.deadlines import DeadlineModel, RolloutClock, rollout_deadline_s, rollout_timeout_s
 from slime.utils.deadlines import rollout_driver_margin_s as driver_margin_s
 from slime.utils import http_utils
 from slime.utils.arguments import parse_args
@@ -297,6 +300,66 @@ def test_between_rollouts_a_dead_engine_is_failed_and_the_wait_for_a_serving_one
         http_utils.set_request_bounds(None)
         engine.stop()
         server.stop()
+
+
+class _StoppedEngine:
+    """A real engine-like process stopped with SIGSTOP: the kernel still accepts its connections, nothing answers
+    them (a request, /v1/loads or an abort waits out its own timeout)."""
+
+    def __init__(self):
+        self.process = subprocess.Popen([sys.executable, "-c", (
+            "import socket, sys, time\n"
+            "s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(64)\n"
+            "print(s.getsockname()[1], flush=True); time.sleep(600)")], stdout=subprocess.PIPE, text=True)
+        self.url = f"http://127.0.0.1:{int(self.process.stdout.readline())}"
+        self.process.send_signal(signal.SIGSTOP)
+
+    def exit_code(self) -> int | None:
+        return self.process.poll()
+
+    def signal(self, sig: int) -> None:
+        self.process.send_signal(sig)
+
+    def process_state(self) -> str:
+        return local_process_state(self.process)
+
+    def stop(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+
+def test_a_stopped_engine_ends_the_rollout_at_once_with_its_requests_cancelled_not_after_the_grace(monkeypatch):
+    """Without fault tolerance a stalled engine ends the rollout; its requests are cancelled on the client side at
+    once (the rollout function returns before the guard does) and it is sent no abort that it could not answer."""
+    engine = _StoppedEngine()
+    fleet = EngineFleet([engine], relaunch=lambda rank: None, router=None, fault_tolerant=False)
+    config = HealthConfig(fault_tolerant=False, timeout_s=1.0, first_wait_s=600.0,
+                          progress=DeadlineModel(engine_no_progress_s=2.0))
+    guard = RolloutGuard(config, fleet, grace_s=60.0)  # the old end waited the grace out: over a minute
+    aborts, ended = [], []
+    abort_all = SGLangHTTPClient.abort_all
+
+    def rollout():
+        try:
+            _post(engine.url + "/generate", {"input_ids": [1, 2], "rid": "sample4-held"})
+        except BaseException as exc:
+            ended.append(exc)
+            raise
+
+    monkeypatch.setattr(SGLangHTTPClient, "abort_all", lambda client: (aborts.append(client.base_url), abort_all(client)))
+    try:
+        with pytest.raises(EngineStalledError) as raised:
+            guard.run("generate", 3, rollout, budget_s=300, weights_version=None)
+    finally:
+        guard.monitor.close()
+        engine.stop()
+    assert re.fullmatch(rf"rollout 3: generate: engine 0 at {engine.url} did not answer GET /v1/loads for \d+s "
+                        r"\(it never answered\) \(--rollout-no-progress-timeout 2s\); .*", str(raised.value))
+    assert "stopped (SIGSTOP)" in raised.value.details and "rid=sample4-held" in raised.value.details
+    assert aborts == []
+    assert [type(exc) for exc in ended] == [http_utils.RequestAbandonedError], ended
+    assert f"POST {engine.url}/generate: cancelled (rollout 3: generate ended: EngineStalledError)" in str(ended[0])
+    assert http_utils.outstanding_requests() == []
 
 
 # ----- the driver's targets -----------------------------------------------------------------------

@@ -11,8 +11,9 @@ a POST to a reward service applied twice).
 
 The rollout manager bounds every request of a rollout from outside (`set_request_bounds`): no
 request outlives the rollout's deadline, requests still in flight can be listed for an error report
-(`outstanding_requests`), and with --use-fault-tolerance a /generate that failed because its engine
-did is sent again once an engine serves (`retry`: that flag's choice, as upstream).
+(`outstanding_requests`), those of a rollout that ended in an error are cancelled here (`abandon_requests`: a
+stopped engine answers neither them nor an abort), and with --use-fault-tolerance a /generate that failed because
+its engine did is sent again once an engine serves (`retry`: that flag's choice, as upstream).
 
 Every request carries the run's key (slime/utils/security.py): these helpers talk to the run's own
 engines and router; call other services with a client of your own.
@@ -51,6 +52,10 @@ class HTTPStatusError(RuntimeError):
         self.status = status
 
 
+class RequestAbandonedError(RuntimeError):
+    """The rollout this request belonged to ended in an error: it was cancelled on the client side."""
+
+
 @dataclass(frozen=True)
 class OutstandingRequest:
     """A request in flight, as the rollout's error report lists it."""
@@ -72,10 +77,13 @@ RetryPolicy = Callable[[str, BaseException, int], Awaitable[bool]]
 class _Bounds:
     deadline: float | None = None  # time.monotonic() by which every request must have ended
     retry: RetryPolicy | None = None
+    abandoned: str | None = None  # why requests are refused until the bounds are set again
 
 
 _bounds = _Bounds()
 _outstanding: dict[int, OutstandingRequest] = {}
+_in_flight: dict[int, asyncio.Future] = {}  # the same keys: what `abandon_requests` cancels
+_abandoned: dict[int, str] = {}  # key -> why it was cancelled
 _outstanding_lock = threading.Lock()
 _ids = itertools.count()
 
@@ -83,7 +91,22 @@ _ids = itertools.count()
 def set_request_bounds(deadline: float | None, retry: RetryPolicy | None = None) -> None:
     """Bound every request of this process by `deadline` (time.monotonic()) and retry per `retry`;
     None, None lifts both (between rollouts)."""
-    _bounds.deadline, _bounds.retry = deadline, retry
+    _bounds.deadline, _bounds.retry, _bounds.abandoned = deadline, retry, None
+
+
+def abandon_requests(reason: str) -> int:
+    """Cancel every request of this process in flight (each raises RequestAbandonedError naming `reason`) and
+    refuse new ones until the bounds are set again; the number cancelled. Thread-safe."""
+    _bounds.abandoned = reason
+    with _outstanding_lock:
+        cancelled = dict(_in_flight)
+        _abandoned.update(dict.fromkeys(cancelled, reason))
+    for future in cancelled.values():
+        try:
+            future.get_loop().call_soon_threadsafe(future.cancel)
+        except RuntimeError:  # its loop is closed: the request ended with it
+            pass
+    return len(cancelled)
 
 
 def outstanding_requests() -> list[OutstandingRequest]:
@@ -148,11 +171,21 @@ async def _request_once(method: str, url: str, payload: Any, timeout_s: float) -
 
 async def _request(method: str, url: str, payload: Any, timeout_s: float) -> Any:
     for attempt in itertools.count(1):
+        if _bounds.abandoned is not None:
+            raise RequestAbandonedError(f"{method} {url}: not sent ({_bounds.abandoned})")
         key = next(_ids)
+        once = asyncio.ensure_future(_request_once(method, url, payload, timeout_s))
         with _outstanding_lock:
             _outstanding[key] = _describe(method, url, payload, attempt)
+            _in_flight[key] = once
         try:
-            return await _request_once(method, url, payload, timeout_s)
+            return await once
+        except asyncio.CancelledError:
+            with _outstanding_lock:
+                reason = _abandoned.get(key)
+            if reason is not None and not asyncio.current_task().cancelling():  # not this task's own cancellation
+                raise RequestAbandonedError(f"{method} {url}: cancelled ({reason})") from None
+            raise
         except (ConnectionError, HTTPStatusError, TimeoutError) as exc:
             retry = _bounds.retry
             if retry is None or not await retry(url, exc, attempt):
@@ -161,6 +194,8 @@ async def _request(method: str, url: str, payload: Any, timeout_s: float) -> Any
         finally:
             with _outstanding_lock:
                 _outstanding.pop(key, None)
+                _in_flight.pop(key, None)
+                _abandoned.pop(key, None)
 
 
 async def post(url: str, payload: Any, timeout_s: float = PLUGIN_HTTP_CALL_S) -> Any:

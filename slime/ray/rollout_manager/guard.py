@@ -14,8 +14,10 @@ rollout function in a worker thread while it watches three things:
                            monitor's progress watch): with --use-fault-tolerance a failure as above; without,
                            EngineStalledError naming it and what it holds, with the same tables
 
-On either error the engines are told to abort everything (the rollout's requests stop generating)
-and the worker gets `grace_s` (REQUEST_GRACE_S) to end: every request of it ends by then.
+On either error the engines are told to abort everything (the rollout's requests stop generating), but for one
+found stalled without answering (a stopped process answers no abort either): then the requests still in flight are
+cancelled on the client side (those on that engine would never end). The worker gets `grace_s` (REQUEST_GRACE_S)
+to end.
 
 Between calls no rollout deadline bounds requests (each keeps its own timeout), but a background generator
 (slime/rollout/fully_async_rollout.py) keeps sending them: with --use-fault-tolerance a /generate that failed
@@ -38,7 +40,8 @@ from slime.ray.engines.progress import stalled_message
 from slime.ray.rollout_manager.errors import EngineFailedError, EngineStalledError, RolloutError, RolloutTimeoutError
 from slime.utils.deadlines import (ENGINE_EXIT_SEEN_S, ENGINE_FAULT_JOIN_S, ENGINE_STARTUP_S, REQUEST_GRACE_S,
                                     RolloutClock)
-from slime.utils.http_utils import HTTPStatusError, OutstandingRequest, outstanding_requests, set_request_bounds
+from slime.utils.http_utils import (HTTPStatusError, OutstandingRequest, abandon_requests, outstanding_requests,
+                                    set_request_bounds)
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -150,15 +153,21 @@ class RolloutGuard:
         if not error.details:
             error.details = _details(describe_engines(self.fleet, self.config.timeout_s), outstanding_requests())
         logger.error("%s\n%s", error, error.details)
-        self._abort_engines()
+        silent = {stall.rank for stall in self.monitor.stalls() if not stall.answered}
+        self._abort_engines(silent)
+        if silent:  # what those engines hold would never end; the others' requests come back aborted as ever
+            abandon_requests(f"{label} ended: {type(error).__name__}")
         if not worker.done.wait(self.grace_s + 5):
             logger.warning("%s: the rollout function did not return after its requests were aborted", label)
         return error
 
-    def _abort_engines(self) -> None:
+    def _abort_engines(self, silent: set[int]) -> None:
+        """Abort the requests of every serving engine but the `silent` ones (each abort would wait out its timeout)."""
         from slime.backends.sglang_utils.http_client import ClientTimeouts, EngineHTTPError, SGLangHTTPClient
 
         for slot in self.fleet.serving():
+            if slot.rank in silent:
+                continue
             try:
                 SGLangHTTPClient(slot.url, ClientTimeouts(control=self.config.timeout_s)).abort_all()
             except EngineHTTPError as exc:
