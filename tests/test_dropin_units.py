@@ -73,6 +73,17 @@ def test_reference_model_is_refreshed_every_interval():
     assert torch.equal(actor.snapshots._saved["ref"]["0.decoder.weight"], model[0].decoder.weight)
 
 
+NO_DRAWS = {"hidden_dropout": 0.0, "attention_dropout": 0.0, "enable_lora": False}  # a step that draws no random numbers
+
+
+def _same_layout(monkeypatch, checkpoint, items: frozenset[str]) -> None:
+    """The checkpoint as saved at this rank's layout (what a layout resume changes is tests/test_layout_resume.py's),
+    holding `items`."""
+    monkeypatch.setattr(checkpoint, "plan_resume", lambda path, iteration, optimizer, *, load_optimizer, load_rng,
+                        random_draws: SimpleNamespace(notes=(), restore_rng=load_rng))
+    monkeypatch.setattr(checkpoint, "holds", lambda path, iteration: items)
+
+
 @pytest.mark.parametrize("flags, optimizer_loaded, scheduler_loaded, rng_loaded, start", [
     ({}, True, True, True, 8), ({"no_load_optim": True}, False, True, True, 8),
     ({"no_load_rng": True}, True, True, False, 8), ({"finetune": True}, False, False, False, 0)])
@@ -84,8 +95,9 @@ def test_resume_variants(monkeypatch, flags, optimizer_loaded, scheduler_loaded,
                         lambda path, model, optimizer=None, scheduler=None, iteration=None:
                         calls.append((optimizer, scheduler)) or 7)
     monkeypatch.setattr(checkpoint, "restore_rng", lambda path, iteration, rank: rng_calls.append((iteration, rank)) or True)
+    _same_layout(monkeypatch, checkpoint, frozenset({"model", "rng"}))
     args = SimpleNamespace(**{"no_load_optim": False, "finetune": False, "no_load_rng": False,
-                              "ref_update_interval": None, **flags})
+                              "ref_update_interval": None, **NO_DRAWS, **flags})
     optimizer = SimpleNamespace(reloaded=0)
     optimizer.reload_model_params = lambda: setattr(optimizer, "reloaded", optimizer.reloaded + 1)
     actor = _actor(args=args, model="m", optimizer=optimizer, lr_scheduler="sched", rank=3,
@@ -104,7 +116,7 @@ def test_resume_restores_a_refreshed_reference_and_keeps_the_live_weights(monkey
     live = {n: p.detach().clone() for n, p in model[0].named_parameters()}
     monkeypatch.setattr(checkpoint, "load_checkpoint", lambda *a, **k: 4)
     monkeypatch.setattr(checkpoint, "restore_rng", lambda *a: True)
-    monkeypatch.setattr(checkpoint, "holds", lambda path, iteration: frozenset({"model", "reference"}))
+    _same_layout(monkeypatch, checkpoint, frozenset({"model", "reference"}))
 
     def load_reference(path, iteration, chunks):  # the saved reference: every weight 0.5
         with torch.no_grad():
@@ -112,7 +124,7 @@ def test_resume_restores_a_refreshed_reference_and_keeps_the_live_weights(monkey
                 p.fill_(0.5)
 
     monkeypatch.setattr(checkpoint, "load_reference", load_reference)
-    args = SimpleNamespace(no_load_optim=False, finetune=False, no_load_rng=False, ref_update_interval=2)
+    args = SimpleNamespace(no_load_optim=False, finetune=False, no_load_rng=False, ref_update_interval=2, **NO_DRAWS)
     actor = _actor(args=args, model=model, optimizer=None, lr_scheduler=None, rank=0, snapshots=WeightSnapshots(model))
     actor.snapshots.take("ref")  # --ref-load's weights
     assert actor._resume("/ckpt") == 5
