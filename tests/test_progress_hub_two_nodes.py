@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 from ray_cluster import RayTestCluster, second_loopback_address
 
+from slime.utils.deadlines import HUB_CALL_S
+
 pytestmark = pytest.mark.e2e
 
 WINDOW_S = 3.0
@@ -137,7 +139,9 @@ def _wait(two_ranks, refs, phase: str):
     from slime.ray.driver.rank_wait import wait_ranks
 
     driver = two_ranks["driver"]
-    window = 1.5 * WINDOW_S + 5  # above the ranks' window, as the driver's is (slime/utils/deadlines.py)
+    # above the ranks' window, as the driver's is (slime/utils/deadlines.py), and above one hub call's deadline, as
+    # the driver's always is: a window shorter than a call would call a hub that answers slowly unreachable
+    window = 1.5 * WINDOW_S + HUB_CALL_S
     return wait_ranks(refs, phase=phase, window_s=window, progress=lambda: driver.latest_progress(window),
                       describe_hang=lambda: hang_table(driver, 2, None), poll_s=0.5)
 
