@@ -195,10 +195,8 @@ def _moe_child(rank, world, ledger_dir, hf_dir, data, layout):
     from transformers import AutoConfig
 
     from slime.backends.megatron_utils.train_step import compute_log_probs, train_one_step
-    from slime.distributed.instrument import instrument_collectives, uninstrument_collectives
-    from slime.distributed.ledger import Ledger
     from slime_plugins.models.hf_weights import export_hf_weights
-    from train_step_harness import build_loaded_model, layout_args, plans_for_this_rank
+    from train_step_harness import build_loaded_model, layout_args, plans_for_this_rank, recorded_phase
 
     args = layout_args(layout)
     hf_config = AutoConfig.from_pretrained(hf_dir)
@@ -207,14 +205,8 @@ def _moe_child(rank, world, ledger_dir, hf_dir, data, layout):
     (plan,) = plans_for_this_rank(data, args)
     before = compute_log_probs(model, data, plan, args)
     data = dict(data, log_probs=before, ref_log_probs=before, rollout_log_probs=before)
-    ledger = Ledger(rank, world, ledger_dir, record_sequence=True)
-    instrument_collectives(ledger)
-    try:
-        with ledger.phase("actor_train"):
-            step = train_one_step(model, optimizer, scheduler, data, plan, args)
-    finally:
-        uninstrument_collectives()
-        ledger.close()
+    with recorded_phase(rank, world, ledger_dir):
+        step = train_one_step(model, optimizer, scheduler, data, plan, args)
     after = compute_log_probs(model, data, plan, args)
     trained = {name: tensor.clone() for name, tensor in export_hf_weights(model, hf_config)}
     # --save / --load write and read the model's sharded state dict: the bias megatron moved is in it

@@ -12,7 +12,7 @@ import torch
 from mp_utils import run_ranks
 from test_train_step import MODES, TOL, assert_matches_reference
 from tiny_models import save_tiny_qwen3_moe
-from train_step_harness import layout_child, make_rollout
+from train_step_harness import layout_child, make_rollout, recorded_phase
 from slime.config import defaults_namespace
 
 pytestmark = pytest.mark.ranks
@@ -93,17 +93,8 @@ MOE_LAYOUTS = {
 
 def _recorded_layout_child(rank, world, ledger_dir, *args):
     """layout_child with every collective in a ledger that records the whole sequence (the order proof's input)."""
-    from slime.distributed.instrument import instrument_collectives, uninstrument_collectives
-    from slime.distributed.ledger import Ledger
-
-    ledger = Ledger(rank, world, ledger_dir, record_sequence=True)
-    instrument_collectives(ledger)
-    try:
-        with ledger.phase("actor_train"):
-            return layout_child(rank, world, *args)
-    finally:
-        uninstrument_collectives()
-        ledger.close()
+    with recorded_phase(rank, world, ledger_dir):
+        return layout_child(rank, world, *args)
 
 
 @pytest.mark.timeout(600)

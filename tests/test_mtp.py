@@ -16,7 +16,7 @@ import torch
 
 from mp_utils import run_ranks
 from tiny_models import save_tiny_after_decoder_mtp, save_tiny_mimo, save_tiny_qwen3_next_mtp
-from train_step_harness import layout_args, make_rollout
+from train_step_harness import layout_args, make_rollout, recorded_phase
 
 MTP_FLAGS = {"plain": {}, "carried": dict(mtp_num_layers=1),
              "trained": dict(mtp_num_layers=1, enable_mtp_training=True, mtp_loss_scaling_factor=0.3)}
@@ -139,17 +139,8 @@ def _child(rank, world, hf_dir, data, layout, steps, ledger_dir=None):
 
 def _in_ledger(step, rank, world, ledger_dir):
     """`step()` with every collective recorded in a ledger that keeps the whole sequence (the order proof's input)."""
-    from slime.distributed.instrument import instrument_collectives, uninstrument_collectives
-    from slime.distributed.ledger import Ledger
-
-    ledger = Ledger(rank, world, ledger_dir, record_sequence=True)
-    instrument_collectives(ledger)
-    try:
-        with ledger.phase("actor_train"):
-            return step()
-    finally:
-        uninstrument_collectives()
-        ledger.close()
+    with recorded_phase(rank, world, ledger_dir):
+        return step()
 
 
 # where each family's checkpoint keeps its MTP layer

@@ -247,11 +247,9 @@ def _step_child(rank, world, ledger_dir, hf_dir, data, layout, save_dir=None, mu
     from slime.backends.megatron_utils.model import build_model_and_optimizer
     from slime.backends.megatron_utils.parallel import init_model_parallel
     from slime.backends.megatron_utils.train_step import compute_log_probs, train_one_step
-    from slime.distributed.instrument import instrument_collectives, uninstrument_collectives
-    from slime.distributed.ledger import Ledger
     from slime.models.registry import language_model_config
     from slime_plugins.models.hf_weights import export_hf_weights, load_hf_weights
-    from train_step_harness import layout_args, plans_for_this_rank
+    from train_step_harness import layout_args, plans_for_this_rank, recorded_phase
 
     args = layout_args(layout)
     init_model_parallel(args)
@@ -263,14 +261,8 @@ def _step_child(rank, world, ledger_dir, hf_dir, data, layout, save_dir=None, mu
     broken = {name: _log_probs_with_rows(model, data, plan, args, change) for name, change in BROKEN_ROWS.items()
               } if mutate_rows else {}
     data = dict(data, log_probs=before, ref_log_probs=before, rollout_log_probs=before)
-    ledger = Ledger(rank, world, ledger_dir, record_sequence=True)
-    instrument_collectives(ledger)
-    try:
-        with ledger.phase("actor_train"):
-            step = train_one_step(model, optimizer, scheduler, data, plan, args)
-    finally:
-        uninstrument_collectives()
-        ledger.close()
+    with recorded_phase(rank, world, ledger_dir):
+        step = train_one_step(model, optimizer, scheduler, data, plan, args)
     after = compute_log_probs(model, data, plan, args)
     trained = {name: tensor.clone() for name, tensor in export_hf_weights(model, hf_config)}
     reloaded = None

@@ -13,6 +13,23 @@ import copy
 import math
 import time
 from argparse import Namespace
+from contextlib import contextmanager
+
+
+@contextmanager
+def recorded_phase(rank: int, world: int, ledger_dir: str, phase: str = "actor_train"):
+    """Every collective inside recorded in a ledger that keeps the whole sequence (the order proof's input)."""
+    from slime.distributed.instrument import instrument_collectives, uninstrument_collectives
+    from slime.distributed.ledger import Ledger
+
+    ledger = Ledger(rank, world, ledger_dir, record_sequence=True)
+    instrument_collectives(ledger)
+    try:
+        with ledger.phase(phase):
+            yield ledger
+    finally:
+        uninstrument_collectives()
+        ledger.close()
 
 
 def make_rollout(num_samples: int = 6, seed: int = 0, vocab: int = 512, max_len: int = 30) -> dict:
