@@ -12,7 +12,7 @@ import time
 import pytest
 
 from slime.distributed import HangError, HubUnreachableError, Ledger, Watchdog
-from slime.distributed.progress_hub import HubClient, HubState, LocalHub, to_wire
+from slime.distributed.progress_hub import HubCallError, HubClient, HubState, LocalHub, to_wire
 
 INTERVAL_S = 0.2
 # A thread on a loaded two-core machine can lose seconds to the scheduler. The upper bounds below add this
@@ -135,6 +135,45 @@ def test_a_hub_that_stops_answering_is_named_within_a_window(tmp_path):
     assert window - INTERVAL_S - 0.1 < time.monotonic() - down_at < window + INTERVAL_S + LOAD_SLACK_S
     assert "phase actor_train" in str(err.value) and "is down" in str(err.value)
     _close(ledgers, clients, watchdog)
+
+
+class _SlowHub(LocalHub):
+    """Answers after `delay_s`, as a hub on a loaded node does; past the call's deadline it fails as Ray's get."""
+
+    def __init__(self, delay_s: float):
+        super().__init__(HubState(1))
+        self.delay_s = delay_s
+
+    def call(self, method, *args, timeout_s):
+        time.sleep(min(self.delay_s, timeout_s))
+        if self.delay_s >= timeout_s:
+            raise HubCallError(f"{method}: GetTimeoutError: past its {timeout_s:g}s deadline")
+        return super().call(method, *args, timeout_s=timeout_s)
+
+
+@pytest.mark.parametrize("delay_s", [1.2, 5.0])
+def test_a_slow_answer_within_its_deadline_is_not_a_silent_hub(delay_s):
+    """A window (0.5 s) shorter than one call's deadline (2 s): an answer 1.2 s late keeps the hub reachable; a
+    call that passes its deadline makes it unreachable then, naming the deadline. Called unreachable while the
+    answer is on the way, a loaded node's ranks would stop a healthy run."""
+    window, deadline = 0.5, 2.0
+    client = HubClient(_SlowHub(delay_s), rank=0, interval_s=0.05, call_timeout_s=deadline)
+    begun, outcome = time.monotonic(), None
+    while time.monotonic() - begun < 4.0 and outcome is None:
+        try:
+            client.check(window)
+            if client.published or client.latest is not None:
+                outcome = "answered"
+        except HubUnreachableError as exc:
+            outcome = exc
+        time.sleep(0.05)
+    client.close()
+    if delay_s < deadline:
+        assert outcome == "answered"
+    else:
+        assert isinstance(outcome, HubUnreachableError), outcome
+        assert "past its 2s deadline" in str(outcome)
+        assert time.monotonic() - begun >= deadline - 0.1
 
 
 def test_the_heartbeat_is_sent_only_when_it_changed_at_most_once_per_interval(tmp_path):

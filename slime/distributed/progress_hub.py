@@ -321,6 +321,7 @@ class HubClient:
         self._sent_key: tuple | None = None
         self._labels_sent: list[str] | None = None
         self._contact = time.monotonic()  # the last answer (or the start)
+        self._asking_since: float | None = None  # when the call in flight began (None: none in flight)
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"progress-hub-{self.rank}", daemon=True)
         if start:
@@ -343,11 +344,14 @@ class HubClient:
         if key is not None and key != self._sent_key:
             beat = to_wire(self.ledger.heartbeat(), self._labels_sent)
         sent = self.clock()
+        self._asking_since = time.monotonic()
         try:
             answer = self.transport.call("beat", beat, self.rank, timeout_s=self.call_timeout_s)
         except HubCallError as exc:
             self.last_error = str(exc)
             return
+        finally:
+            self._asking_since = None
         received = self.clock()
         self._contact = time.monotonic()
         if beat is not None:
@@ -358,9 +362,13 @@ class HubClient:
         self.latest = Aggregate((sent + received) / 2, answer["latest_age"], slowest)
 
     def check(self, window_s: float) -> None:
-        """HubUnreachableError once the hub has not answered for `window_s`."""
+        """HubUnreachableError once the hub has not answered for `window_s`; while a call is in flight, for
+        `window_s` plus one call's deadline: a window shorter than a call's deadline would otherwise call a slow
+        hub (a loaded node) unreachable while its answer is on the way. A hub that fails calls is named at the
+        window."""
         silent = time.monotonic() - self._contact
-        if silent > window_s:
+        limit = window_s if self._asking_since is None else window_s + self.call_timeout_s
+        if silent > limit:
             raise HubUnreachableError(
                 f"{self.transport.name} unreachable from {self.who}: no answer for {silent:.0f}s "
                 f"(window {window_s:g}s; calls time out after {self.call_timeout_s:g}s); last error: "
