@@ -175,6 +175,9 @@ class ModelShape:
     index_head_dim: int = 0
     index_topk: int = 0
     hash_layers: int = 0
+    sliding_every_other: bool = False
+    """A gpt-oss-style model (slime/models/gpt_oss.py): layers alternate sliding-window (`sliding_window`, the first)
+    and full attention, with attention sinks, biased projections, experts and router (no matmul FLOPs)."""
     vision: VisionShape | None = None
     """A vision tower in front (a Qwen3.5 hybrid with images: transformers' composite checkpoint, the tower trained)."""
 
@@ -253,6 +256,11 @@ class ModelShape:
         if self.hc_mult:
             return 2.0 * self.matmul_params() * sum(seq_lens) + sum(map(self._compressed_attention_flops, seq_lens))
         attention = sum(2 * self.full_layers * self.heads * self.attention_width * n * n for n in seq_lens)
+        if self.sliding_every_other:  # each query of a sliding layer sees its window: 4 x heads x head_dim per key
+            sliding, full = self.layers - self.layers // 2, self.layers // 2
+            attention = sum(2 * full * self.heads * self.head_dim * n * n
+                            + 4 * sliding * self.heads * self.head_dim * sum(min(self.sliding_window, t + 1)
+                                                                             for t in range(n)) for n in seq_lens)
         dl = self.linear_head_dim
         delta_rule = (self.layers - self.full_layers) * self.linear_value_heads * (4 * 64 * dl + 6 * dl * dl)
         return (2.0 * self.matmul_params() + delta_rule) * sum(seq_lens) + attention
@@ -313,6 +321,15 @@ MODELS = {
                                        attention_kinds=("hca", "csa", "hca", "csa"), sliding_window=128,
                                        compress_ratios=(4, 128), o_groups=8, o_lora_rank=1024, index_heads=64,
                                        index_head_dim=128, index_topk=512, hash_layers=1),
+    # gpt-oss-20b's layers (64 heads of 64 over 8 kv heads, 32 experts of 2880 top-4, window 128 on every other layer)
+    # with 4 of its 24: about 4.4B parameters (3.3B in experts, 1.2B in the untied embeddings), weights, grads and
+    # Adam state near 80 GiB: an H200
+    "gpt-oss-20b-4l": ModelShape(layers=4, hidden=2880, heads=64, kv_heads=8, head_dim=64, ffn_hidden=2880,
+                                 vocab=201088, num_experts=32, topk=4, moe_ffn_hidden=2880, tied=False,
+                                 sliding_window=128, sliding_every_other=True),
+    "tiny-gpt-oss": ModelShape(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, ffn_hidden=32, vocab=512,
+                               num_experts=4, topk=2, moe_ffn_hidden=32, tied=False, sliding_window=4,
+                               sliding_every_other=True),
     "tiny-deepseek-v4": ModelShape(layers=3, hidden=64, heads=4, kv_heads=1, head_dim=32, ffn_hidden=32, vocab=512,
                                    num_experts=8, topk=2, moe_ffn_hidden=32, shared_experts=1, tied=False,
                                    q_lora_rank=32, hc_mult=3, attention_kinds=("sliding", "csa", "hca"),
@@ -729,6 +746,22 @@ def compressed_config(shape: ModelShape):
         max_position_embeddings=1048576, tie_word_embeddings=shape.tied, architectures=["DeepseekV4ForCausalLM"])
 
 
+def sink_moe_config(shape: ModelShape):
+    """transformers' gpt-oss config of a sliding/full alternating shape (its other fields, YaRN RoPE and the clamped
+    SwiGLU's alpha and limit: the release's)."""
+    from transformers import GptOssConfig
+
+    kinds = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(shape.layers)]
+    return GptOssConfig(
+        vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.moe_ffn_hidden,
+        num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim, num_local_experts=shape.num_experts, num_experts_per_tok=shape.topk,
+        sliding_window=shape.sliding_window, layer_types=kinds, max_position_embeddings=131072,
+        rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 4096, "rope_theta": 150000.0},
+        tie_word_embeddings=shape.tied, pad_token_id=0, architectures=["GptOssForCausalLM"])
+
+
 def vision_language_config(shape: ModelShape):
     """transformers' Qwen3.5 composite config (Qwen3_5ForConditionalGeneration): the hybrid text model behind the
     shape's vision tower; the vision token ids are the tiny character tokenizer's (slime/tools/tiny_vl_checkpoint.py)."""
@@ -770,6 +803,8 @@ def write_config_checkpoint(out_dir: str, shape: ModelShape) -> str:
         return _publish_config(out_dir, compressed_config(shape))
     if shape.vision is not None:
         return _publish_config(out_dir, vision_language_config(shape), _processing_files(shape))
+    if shape.sliding_every_other:
+        return _publish_config(out_dir, sink_moe_config(shape))
     if shape.full_attention_every:
         return _publish_config(out_dir, hybrid_config(shape))
     if shape.kv_lora_rank:

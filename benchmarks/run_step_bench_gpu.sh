@@ -21,6 +21,9 @@
 #               sparse / heavily compressed attention with the indexer, 4 hyper-connection streams, 32 of its 256
 #               experts top-6 + a shared one, the first layer hash-routed; EP1), grouped experts (V4_PATHS), a
 #               profiled cycle; V4_TOKENS_PER_GPU / V4_MIN_TOKENS / V4_MAX_TOKENS size it
+#   gptoss      (only when PHASES names it) gpt-oss-20b-shaped step (4 of 24 layers at its widths: sliding-window and
+#               full attention alternating, attention sinks, 32 biased experts of 2880 top-4 behind the biased router,
+#               the clamped SwiGLU; EP1; ~80 GiB static: an H200), grouped experts (OSS_PATHS), a profiled cycle
 #   gdn         benchmarks/bench_gated_delta_gpu.py: the gated DeltaNet's kernel alone, fla's kernels with the project's
 #               chunk_bwd_dqkwg (fla-dqkwg) vs the compiled rule, errors of every gradient vs fp64 (GDN_JOBS: its --jobs)
 #   qwen35      Qwen3.5-4B-sized hybrid step (16 of 32 layers: 12 gated DeltaNet, 4 gated attention; fused path,
@@ -73,8 +76,9 @@ fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 "$PY" -c "import megatron.core, transformers, safetensors, torch.distributed.run" || fatal "a required package does not import (above)"
 if [ "${DRY_RUN:-0}" = 1 ]; then
-  NGPU=1 M06=tiny M4B=tiny MMOE=tiny-moe MGLM=tiny-glm-moe-lite MQ35=tiny-hybrid-moe MV4=tiny-deepseek-v4 ATTN=(--device cpu --tokens 64 --shapes 4:2:16 --reps 1) SMI=true
+  NGPU=1 M06=tiny M4B=tiny MMOE=tiny-moe MGLM=tiny-glm-moe-lite MQ35=tiny-hybrid-moe MV4=tiny-deepseek-v4 MOSS=tiny-gpt-oss ATTN=(--device cpu --tokens 64 --shapes 4:2:16 --reps 1) SMI=true
   export V4_MIN_TOKENS=64 V4_MAX_TOKENS=128 V4_TOKENS_PER_GPU=256 V4_CYCLES=1
+  export OSS_MIN_TOKENS=64 OSS_MAX_TOKENS=128 OSS_TOKENS_PER_GPU=256 OSS_CYCLES=1
   export S06_MIN_TOKENS=64 S06_MAX_TOKENS=128 S06_TOKENS_PER_GPU=256 S06_CYCLES=1
   export S4B_MIN_TOKENS=200 S4B_MAX_TOKENS=240 S4B_TOKENS_PER_GPU=256 S4B_CYCLES=1
   export SMOE_MIN_TOKENS=64 SMOE_MAX_TOKENS=128 SMOE_TOKENS_PER_GPU=256 SMOE_CYCLES=1
@@ -87,7 +91,7 @@ if [ "${DRY_RUN:-0}" = 1 ]; then
 else
   NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count())') || fatal "torch does not start"
   [ "$NGPU" -ge 1 ] || fatal "no GPU visible to torch"
-  M06=qwen3-0.6b M4B=qwen3-4b MMOE=qwen3-30b-a3b-8l MGLM=glm-4.7-flash-8l MQ35=qwen3.5-35b-a3b-4l MV4=deepseek-v4-flash-4l ATTN=(--tokens ${ATTN_TOKENS:-16384 32768} --shapes 16:8:128 32:8:128) SMI=nvidia-smi
+  M06=qwen3-0.6b M4B=qwen3-4b MMOE=qwen3-30b-a3b-8l MGLM=glm-4.7-flash-8l MQ35=qwen3.5-35b-a3b-4l MV4=deepseek-v4-flash-4l MOSS=gpt-oss-20b-4l ATTN=(--tokens ${ATTN_TOKENS:-16384 32768} --shapes 16:8:128 32:8:128) SMI=nvidia-smi
   GDN=() MQ35D=qwen3.5-4b-16l GDN_OLD=compiled
 fi
 TORCHRUN=("$PY" -m torch.distributed.run --nproc-per-node "$NGPU")
@@ -168,6 +172,13 @@ if [[ " ${PHASES:-} " == *" dsv4 "* ]]; then  # DeepSeek-V4-Flash-shaped step: n
   step dsv4 "${V4_CAP:-420}" V4 "$MV4" --paths ${V4_PATHS:-grouped} --profile ${V4_EXTRA:-} --lr 0 --moe-grouped-gemm \
     --max-tokens-per-gpu "${V4_TOKENS_PER_GPU:-8192}" --moe-token-dispatcher-type alltoall --moe-router-dtype fp32 \
     --use-distributed-optimizer
+fi
+if [[ " ${PHASES:-} " == *" gptoss "* ]]; then  # gpt-oss-20b-shaped step: named phase only (not in the default run)
+  OSS_NUM_SAMPLES=${OSS_NUM_SAMPLES:-4} OSS_MIN_TOKENS=${OSS_MIN_TOKENS:-6144} OSS_MAX_TOKENS=${OSS_MAX_TOKENS:-8192}
+  OSS_CYCLES=${OSS_CYCLES:-2}
+  step gptoss "${OSS_CAP:-360}" OSS "$MOSS" --paths ${OSS_PATHS:-grouped} --profile ${OSS_EXTRA:-} --lr 0 \
+    --moe-grouped-gemm --max-tokens-per-gpu "${OSS_TOKENS_PER_GPU:-8192}" --moe-token-dispatcher-type alltoall \
+    --moe-router-dtype fp32 --use-distributed-optimizer
 fi
 
 # the gated DeltaNet kernel alone (no megatron): fla-dqkwg vs the compiled rule, every gradient against fp64

@@ -138,6 +138,29 @@ def test_compressed_matmul_params_are_the_active_weights(bench):
                                       num_experts=256).matmul_params() < 16e9  # V4-Flash: "13B activated"
 
 
+def test_sink_moe_matmul_params_and_sliding_flops(bench):
+    """gpt-oss's shape (transformers' own model): attention, the router and top-k of the fused experts (biases and
+    sinks are no matmul; gpt-oss-20b: "3.6B active"); a sliding layer's query sees only its window."""
+    import dataclasses
+
+    from transformers import AutoModelForCausalLM
+
+    for name in ("gpt-oss-20b-4l", "tiny-gpt-oss"):
+        shape = bench.MODELS[name]
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(bench.sink_moe_config(shape))
+        weights = {n: p.numel() for n, p in model.named_parameters()
+                   if ".layers." in n and p.dim() >= 2 and not n.endswith("_bias")}
+        experts = sum(v for n, v in weights.items() if ".mlp.experts." in n)
+        active = sum(weights.values()) - experts + experts * shape.topk // shape.num_experts
+        assert shape.matmul_params() == active + shape.hidden * shape.vocab, name
+        assert model.config.layer_types[:2] == ["sliding_attention", "full_attention"]
+    assert 3.0e9 < dataclasses.replace(bench.MODELS["gpt-oss-20b-4l"], layers=24).matmul_params() < 4.2e9
+    tiny = bench.MODELS["tiny-gpt-oss"]  # layer 0 sliding (window 4), layer 1 full
+    attention = 2 * 4 * 16 * 10 ** 2 + 4 * 4 * 16 * sum(min(4, t + 1) for t in range(10))
+    assert tiny.forward_flops([10]) == 2 * tiny.matmul_params() * 10 + attention
+
+
 def test_forward_flops_count_causal_attention_per_sequence(bench):
     shape = bench.ModelShape(layers=2, hidden=8, heads=4, kv_heads=2, head_dim=4, ffn_hidden=16, vocab=32)
     matmul = 2 * (8 * (4 + 4) * 4 + 4 * 4 * 8 + 3 * 8 * 16) + 8 * 32
@@ -156,11 +179,12 @@ def test_step_flags_parse_as_on_a_gpu_machine(bench, tmp_path, monkeypatch):
     """What parse_args decides from CUDA being present (bf16, the engine kind) must not refuse the run."""
     from slime.utils.arguments import parse_args
 
-    ckpt = bench.write_config_checkpoint(str(tmp_path / "ckpt"), bench.MODELS["tiny"])
-    opts, rest = bench.parse_step(["--model", "tiny", "--max-tokens-per-gpu", "256"])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    args = parse_args(bench.step_argv(opts, 1, rest, ckpt))
-    assert args.bf16 and args.rollout_backend == "embedded" and args.max_tokens_per_gpu == 256
+    for model in ("tiny", "tiny-gpt-oss"):
+        ckpt = bench.write_config_checkpoint(str(tmp_path / model), bench.MODELS[model])
+        opts, rest = bench.parse_step(["--model", model, "--max-tokens-per-gpu", "256"])
+        args = parse_args(bench.step_argv(opts, 1, rest, ckpt))
+        assert args.bf16 and args.rollout_backend == "embedded" and args.max_tokens_per_gpu == 256
 
 
 def test_sync_sites_count_synchronising_warnings_by_line(bench):

@@ -213,6 +213,32 @@ def test_sliding_layers_refuse_a_spec_plugin_and_mtp_layers(tmp_path):
             check_hf_config(defaults_namespace(**flags), path)
 
 
+def test_sliding_layers_warn_only_where_sglangs_model_serves_full_attention(tmp_path):
+    """Qwen3's SGLang model serves every layer with full attention: the run warns; gpt-oss's applies the windows
+    (its model reads sliding_window): no warning, which would send a gpt-oss user hunting for a mismatch."""
+    import warnings
+
+    from tiny_models import tiny_qwen3_config
+    from transformers import GptOssConfig
+
+    from slime.config.launch import check_hf_config
+
+    (tmp_path / "qwen3").mkdir()
+    (tmp_path / "gpt_oss").mkdir()
+    qwen3 = _write(tmp_path / "qwen3", tiny_qwen3_config(use_sliding_window=True, sliding_window=8,
+                                                          max_window_layers=1).to_dict())
+    gpt_oss = _write(tmp_path / "gpt_oss", dict(GptOssConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+        pad_token_id=0).to_dict()))
+    for path, warns in ((qwen3, True), (gpt_oss, False)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            check_hf_config(defaults_namespace(), path)
+        window_warnings = [w for w in caught if "serve every layer with full attention" in str(w.message)]
+        assert bool(window_warnings) == warns, (path, [str(w.message) for w in caught])
+
+
 # ---------------------------------------------------------------- Llama-3 RoPE
 LLAMA32 = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
            "original_max_position_embeddings": 8192}

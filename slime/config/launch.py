@@ -198,7 +198,7 @@ def _warn_unread_fields(hf_config: Any, whole: dict, family: Any, config_path: s
 
 
 def _warn_windows(arch: HFArch, config_path: str) -> None:
-    if arch.attention_windows is None:
+    if arch.attention_windows is None or model_family(arch.model_type).sglang_serves_windows:
         return
     sliding = [w for w in arch.attention_windows if w is not None]
     warnings.warn(f"--hf-checkpoint {config_path}: {len(sliding)} of {arch.num_layers} layers attend to a sliding "

@@ -194,6 +194,7 @@ GPT_OSS = register(ModelFamily(
     hf_fields=GPT_OSS_FIELDS,
     experts_key="num_local_experts",
     attention_windows=sliding_windows,
+    sglang_serves_windows=True,
     qkv_bias=True,  # with o_proj's, from add_bias_linear (config_fields)
     rope_types=("default", "yarn"),
     config_fields=gpt_oss_config_fields,

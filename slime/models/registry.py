@@ -104,6 +104,9 @@ class ModelFamily:
     attention_windows: Callable[[Any], tuple[int | None, ...] | None] | None = None
     """hf_config -> each layer's sliding key window (None for a full-attention layer), or None when no layer slides
     (hf_arch.sliding_windows reads transformers' Qwen2 / Qwen3 spelling); None: the family has no windows."""
+    sglang_serves_windows: bool = False
+    """SGLang's model of this family applies the windows (gpt-oss); False: SGLang 0.5 serves every layer with full
+    attention (its qwen2 / qwen3 / mimo models), which the run warns of where a layer slides."""
 
     # ---- HF config -> TransformerConfig
     qk_layernorm: bool = False
