@@ -81,8 +81,7 @@ class _Bounds:
 
 
 _bounds = _Bounds()
-_outstanding: dict[int, OutstandingRequest] = {}
-_in_flight: dict[int, asyncio.Future] = {}  # the same keys: what `abandon_requests` cancels
+_in_flight: dict[int, tuple[OutstandingRequest, asyncio.Future]] = {}  # what is listed, and what abandoning cancels
 _abandoned: dict[int, str] = {}  # key -> why it was cancelled
 _outstanding_lock = threading.Lock()
 _ids = itertools.count()
@@ -99,7 +98,7 @@ def abandon_requests(reason: str) -> int:
     refuse new ones until the bounds are set again; the number cancelled. Thread-safe."""
     _bounds.abandoned = reason
     with _outstanding_lock:
-        cancelled = dict(_in_flight)
+        cancelled = {key: future for key, (_, future) in _in_flight.items()}
         _abandoned.update(dict.fromkeys(cancelled, reason))
     for future in cancelled.values():
         try:
@@ -112,7 +111,7 @@ def abandon_requests(reason: str) -> int:
 def outstanding_requests() -> list[OutstandingRequest]:
     """Requests of this process in flight now, oldest first."""
     with _outstanding_lock:
-        return sorted(_outstanding.values(), key=lambda r: r.started)
+        return sorted((request for request, _ in _in_flight.values()), key=lambda r: r.started)
 
 
 def _session() -> aiohttp.ClientSession:
@@ -176,8 +175,7 @@ async def _request(method: str, url: str, payload: Any, timeout_s: float) -> Any
         key = next(_ids)
         once = asyncio.ensure_future(_request_once(method, url, payload, timeout_s))
         with _outstanding_lock:
-            _outstanding[key] = _describe(method, url, payload, attempt)
-            _in_flight[key] = once
+            _in_flight[key] = (_describe(method, url, payload, attempt), once)
         try:
             return await once
         except asyncio.CancelledError:
@@ -193,7 +191,6 @@ async def _request(method: str, url: str, payload: Any, timeout_s: float) -> Any
             logger.warning("%s %s failed (%s); sending it again (attempt %d)", method, url, exc, attempt + 1)
         finally:
             with _outstanding_lock:
-                _outstanding.pop(key, None)
                 _in_flight.pop(key, None)
                 _abandoned.pop(key, None)
 
