@@ -167,16 +167,7 @@ def _wrap(name: str, original: Callable) -> Callable:
             entry = ledger.begin(name, group, first.shape, first.dtype)
         else:
             entry = ledger.begin(name, *_describe(args, kwargs, group_index))
-        _depth.value = 1
-        try:
-            result = original(*args, **kwargs)
-        except BaseException as exc:
-            ledger.end(entry, error_text(exc))
-            raise
-        finally:
-            _depth.value = 0
-        ledger.end(entry)
-        return result
+        return _run_recorded(ledger, entry, original, args, kwargs)
 
     recorded.__slime_original__ = original
     return recorded
