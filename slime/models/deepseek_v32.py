@@ -29,16 +29,12 @@ from slime.models.deepseek_v3 import DEEPSEEK_V3_FIELDS, MLA_FLAGS, mla_arch_ove
 from slime.models.glm_moe_dsa import dsa_names, sparse_attention_fields
 from slime.models.hf_fields import built, checked, ignored, must_be, table
 from slime.models.registry import ModelFamily, register
-from slime.models.sigmoid_router import deepseek_style_moe, sigmoid_router_architecture
+from slime.models.sigmoid_router import deepseek_style_moe, dense_or_sparse_layers, sigmoid_router_architecture
 
 
 def moe_architecture(hf_config: Any):
     """The MoE layers: those `mlp_layer_types` calls sparse, behind DeepSeek-V3's sigmoid router."""
-    kinds = list(getattr(hf_config, "mlp_layer_types", None) or ())
-    if len(kinds) != hf_config.num_hidden_layers or set(kinds) - {"dense", "sparse"}:
-        raise ValueError(f"DeepSeek-V3.2: mlp_layer_types {kinds} must give 'dense' or 'sparse' for each of the "
-                         f"{hf_config.num_hidden_layers} layers; fix config.json")
-    pattern = tuple(int(kind == "sparse") for kind in kinds)
+    pattern = dense_or_sparse_layers(hf_config, "DeepSeek-V3.2")
     if not getattr(hf_config, "n_routed_experts", None) or 1 not in pattern:
         return None
     return sigmoid_router_architecture(deepseek_style_moe(hf_config, "DeepSeek-V3.2 MoE", pattern))

@@ -22,8 +22,8 @@ from slime.models.deepseek_v3 import MLA_FIELDS, MLA_FLAGS, attention_names, mla
 from slime.models.hf_fields import CONFIG_OBJECT, DECODER, built, ignored, table
 from slime.models.mtp import after_decoder_names
 from slime.models.registry import ModelFamily, register
-from slime.models.sigmoid_router import DEEPSEEK_STYLE_MOE_FIELDS, deepseek_style_moe, first_k_dense, \
-    sigmoid_router_architecture
+from slime.models.sigmoid_router import DEEPSEEK_STYLE_MOE_FIELDS, deepseek_style_moe, dense_or_sparse_layers, \
+    first_k_dense, sigmoid_router_architecture
 
 
 def _has_experts(hf_config: Any, pattern: tuple[int, ...]) -> bool:
@@ -69,17 +69,9 @@ GLM4_MOE = register(ModelFamily(
 # ------------------------------------------------------------------ GLM-4.7-Flash
 
 
-def _lite_layer_pattern(hf_config: Any) -> tuple[int, ...]:
-    kinds = list(getattr(hf_config, "mlp_layer_types", None) or ())
-    if len(kinds) != hf_config.num_hidden_layers or set(kinds) - {"dense", "sparse"}:
-        raise ValueError(f"GLM-4.7-Flash: mlp_layer_types {kinds} must give 'dense' or 'sparse' for each of the "
-                         f"{hf_config.num_hidden_layers} layers; fix config.json")
-    return tuple(int(kind == "sparse") for kind in kinds)
-
-
 def glm4_moe_lite_architecture(hf_config: Any):
     """GLM-4.7-Flash's MoE layers: those `mlp_layer_types` calls sparse, with DeepSeek-V3's router."""
-    pattern = _lite_layer_pattern(hf_config)
+    pattern = dense_or_sparse_layers(hf_config, "GLM-4.7-Flash")
     if not _has_experts(hf_config, pattern):
         return None
     return sigmoid_router_architecture(deepseek_style_moe(hf_config, "GLM-4.7-Flash MoE", pattern))

@@ -24,23 +24,16 @@ from slime.models.deepseek_v3 import MLA_FIELDS, MLA_FLAGS, attention_names, mla
 from slime.models.glm4_moe import glm4_moe_lite_config_fields
 from slime.models.hf_fields import FieldRule, built, checked, table
 from slime.models.registry import ModelFamily, register
-from slime.models.sigmoid_router import DEEPSEEK_STYLE_MOE_FIELDS, deepseek_style_moe, sigmoid_router_architecture
+from slime.models.sigmoid_router import (DEEPSEEK_STYLE_MOE_FIELDS, deepseek_style_moe, dense_or_sparse_layers,
+                                         sigmoid_router_architecture)
 
 # megatron flag dest -> TransformerConfig field: the MLA flags, checked against the HF config
 DSA_FLAGS = dict(MLA_FLAGS)
 
 
-def _mlp_pattern(hf_config: Any) -> tuple[int, ...]:
-    kinds = list(getattr(hf_config, "mlp_layer_types", None) or ())
-    if len(kinds) != hf_config.num_hidden_layers or set(kinds) - {"dense", "sparse"}:
-        raise ValueError(f"GLM-5: mlp_layer_types {kinds} must give 'dense' or 'sparse' for each of the "
-                         f"{hf_config.num_hidden_layers} layers; fix config.json")
-    return tuple(int(kind == "sparse") for kind in kinds)
-
-
 def glm_moe_dsa_architecture(hf_config: Any):
     """GLM-5's MoE layers: those `mlp_layer_types` calls sparse, behind DeepSeek-V3's sigmoid router."""
-    pattern = _mlp_pattern(hf_config)
+    pattern = dense_or_sparse_layers(hf_config, "GLM-5")
     if not getattr(hf_config, "n_routed_experts", None) or 1 not in pattern:
         return None
     return sigmoid_router_architecture(deepseek_style_moe(hf_config, "GLM-5 MoE", pattern))

@@ -111,6 +111,16 @@ def first_k_dense(hf_config: Any) -> tuple[int, ...]:
     return tuple(int(i >= dense) for i in range(layers))
 
 
+def dense_or_sparse_layers(hf_config: Any, family: str) -> tuple[int, ...]:
+    """Layer pattern of `mlp_layer_types` ("dense" or "sparse" per layer: GLM-4.7-Flash, GLM-5, DeepSeek-V3.2);
+    ValueError naming the family when it does not give one of them for each layer."""
+    kinds = list(getattr(hf_config, "mlp_layer_types", None) or ())
+    if len(kinds) != hf_config.num_hidden_layers or set(kinds) - {"dense", "sparse"}:
+        raise ValueError(f"{family}: mlp_layer_types {kinds} must give 'dense' or 'sparse' for each of the "
+                         f"{hf_config.num_hidden_layers} layers; fix config.json")
+    return tuple(int(kind == "sparse") for kind in kinds)
+
+
 def deepseek_style_moe(hf_config: Any, family: str, layer_pattern: tuple[int, ...]) -> SigmoidRouterMoE:
     """The facts of a config spelt as DeepSeek-V3's (n_routed_experts, moe_intermediate_size, n_shared_experts,
     routed_scaling_factor, n_group, topk_group, norm_topk_prob): DeepSeek-V3, Kimi-K2, GLM-4.5, GLM-4.7-Flash."""
