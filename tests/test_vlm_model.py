@@ -27,7 +27,8 @@ from mp_utils import run_ranks
 pytestmark = pytest.mark.ranks
 
 KINDS = {"qwen2.5-vl": "Qwen2_5_VLForConditionalGeneration", "qwen3-vl": "Qwen3VLForConditionalGeneration",
-         "qwen3.5-vl": "Qwen3_5ForConditionalGeneration", "qwen3.5-vl-moe": "Qwen3_5MoeForConditionalGeneration"}
+         "qwen3-vl-moe": "Qwen3VLMoeForConditionalGeneration", "qwen3.5-vl": "Qwen3_5ForConditionalGeneration",
+         "qwen3.5-vl-moe": "Qwen3_5MoeForConditionalGeneration"}
 INTERLEAVED = {"qwen2.5-vl": False, "qwen3-vl": True, "qwen3.5-vl": True}
 CHAT = "<|im_start|>user\n{images}how many?<|im_end|>\n<|im_start|>assistant\n"
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"

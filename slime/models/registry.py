@@ -34,6 +34,7 @@ _BUILTIN_MODULES = (
     "slime.models.deepseek_v32",
     "slime.models.kimi_linear",
     "slime.models.qwen_vl",
+    "slime.models.qwen3_vl_moe",
 )
 
 # What a model_type outside the registry is read as (arguments.py lets one through only with a custom model
@@ -198,9 +199,10 @@ class ModelFamily:
     checkpoints storing a layer's experts as one tensor (gpt-oss's mlp.experts.gate_up_proj [E, H, 2I])."""
 
     in_memory_target: Callable[[str, Any, Any], tuple[str, Any] | None] | None = None
-    """(checkpoint tensor name, transformers' state names, hf_config) -> (the state name it lives in, the rows of it),
-    or None: where transformers' class keeps a checkpoint tensor it renames or stacks on load (Kimi-Linear's forget
-    gate and per-projection convolutions), for the embedded engine's weight updates."""
+    """(checkpoint tensor name, transformers' state names, hf_config) -> (the state name it lives in, the rows of it or
+    a function giving the checkpoint-layout view of it), or None: where transformers' class keeps a checkpoint tensor
+    it renames, stacks or transposes on load (Kimi-Linear's forget gate and per-projection convolutions, Qwen3-VL-MoE's
+    fused experts), for the embedded engine's weight updates."""
 
     mtp_names: Callable[[Any, int], Any] | None = None
     """(hf_config, MTP layer index) -> `mtp.MTPLayerNames`, how the checkpoint spells its multi-token-prediction

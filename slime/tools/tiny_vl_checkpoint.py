@@ -6,7 +6,7 @@ KIND is qwen2.5-vl, qwen3-vl, qwen3-vl-moe, qwen3.5-vl or qwen3.5-vl-moe. The mo
 (Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration,
 Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration: one gated DeltaNet and one gated attention
 layer) at toy sizes: a 2-layer text model of width 64 with multimodal RoPE (MoE: 4 experts, top 2; Qwen3.5-MoE
-with a gated shared expert), a 2-block vision tower on 4-pixel patches merged 2 x 2, so a 32 x 32 picture is 16
+with a gated shared expert; Qwen3-VL-MoE's fused experts in Qwen's released layout), a 2-block vision tower on 4-pixel patches merged 2 x 2, so a 32 x 32 picture is 16
 image tokens. The tokenizer is a character tokenizer
 (slime/tools/char_tokenizer.py) over digits, lower-case letters and a little punctuation, plus the chat and
 vision special tokens, with a ChatML template that renders an image item as
@@ -89,8 +89,8 @@ def build_config(spec: TinyVLSpec):
         vision.update(num_position_embeddings=64, deepstack_visual_indexes=[0])
         text["rope_parameters"]["mrope_interleaved"] = True
         config_class = transformers.Qwen3VLConfig
-        if spec.kind == "qwen3-vl-moe":
-            text.update(MOE, decoder_sparse_step=1)
+        if spec.kind == "qwen3-vl-moe":  # experts of a width whose fused tensors are not square (their layout shows)
+            text.update(MOE, moe_intermediate_size=24, decoder_sparse_step=1)
             config_class = transformers.Qwen3VLMoeConfig
     elif spec.kind in ("qwen3.5-vl", "qwen3.5-vl-moe"):  # gated DeltaNet and gated attention layers
         vision.update(num_position_embeddings=64)
@@ -133,8 +133,23 @@ def write_tiny_vl_checkpoint(out_dir: str | Path, spec: TinyVLSpec = TinyVLSpec(
             if "language_model." in name and name.endswith(("q_proj.weight", "k_proj.weight")):
                 param.mul_(QK_SCALE)
     model.save_pretrained(str(out))
+    if spec.kind == "qwen3-vl-moe":
+        write_released_expert_layout(out)
     write_processing_files(out, spec)
     return out
+
+
+def write_released_expert_layout(out: Path) -> None:
+    """Qwen3-VL-MoE's fused experts as Qwen's released checkpoints store them (gate_up_proj [E, H, 2I], down_proj
+    [E, I, H]; what SGLang reads), not as transformers 5 saves them (its in-memory [E, 2I, H], [E, H, I]);
+    transformers reads either, transposing a tensor whose shape is not the in-memory one."""
+    from safetensors.torch import load_file, save_file
+
+    path = out / "model.safetensors"
+    tensors = load_file(str(path))
+    fused = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+    save_file({name: t.transpose(-1, -2).contiguous() if name.endswith(fused) else t for name, t in tensors.items()},
+              str(path), metadata={"format": "pt"})
 
 
 def write_processing_files(out: Path, spec: TinyVLSpec) -> None:

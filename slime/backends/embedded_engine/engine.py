@@ -347,7 +347,8 @@ class EmbeddedEngine:
         params = dict(self.model.named_parameters(remove_duplicate=False))  # tied names share one Parameter
         for name, tensor in named_tensors:
             param = params.get(name)
-            if adopt and param is not None and tensor.dtype == param.dtype and tensor.device == param.device:
+            if adopt and param is not None and tensor.dtype == param.dtype and tensor.device == param.device \
+                    and targets[name].shape == param.shape and targets[name].stride() == param.stride():
                 param.data = tensor
             else:
                 targets[name].copy_(tensor.to(targets[name].dtype))
@@ -490,7 +491,13 @@ def checkpoint_target(name: str, state: dict[str, torch.Tensor], config: Any) ->
     Pushes speak checkpoint names, as SGLang's loader does; transformers keeps MoE experts fused in memory
     (slime/models/moe_hf.py says where each expert's rows live, and MiniMax-M2's block_sparse_moe is `mlp`), and
     serves a composite (vision + text) checkpoint through its text model (AutoModelForCausalLM), whose names lack
-    `language_model.`, or, with images, through the composite class, whose text tensors keep them."""
+    `language_model.`, or, with images, through the composite class, whose text tensors keep them. A family that
+    keeps a checkpoint tensor elsewhere or otherwise laid out in memory says where first (`in_memory_target`)."""
+    family = family_of(config)
+    own = family.in_memory_target(name, state.keys(), config) if family.in_memory_target is not None else None
+    if own is not None:
+        target, view = own
+        return view(state[target]) if callable(view) else state[target][view]
     if name in state:
         return state[name]
     if name.startswith(COMPOSITE_TEXT_PREFIX):  # a composite checkpoint's text weights
@@ -506,10 +513,6 @@ def checkpoint_target(name: str, state: dict[str, torch.Tensor], config: Any) ->
             return checkpoint_target("model." + name, state, config)
         if name.startswith("model.") and not name.startswith("model.visual."):
             return checkpoint_target(COMPOSITE_TEXT_PREFIX + name[len("model."):], state, config)
-    family = family_of(config)
-    own = family.in_memory_target(name, state.keys(), config) if family.in_memory_target is not None else None
-    if own is not None:
-        return state[own[0]][own[1]]
     fused = fused_engine_target(name, set(state), family.moe(config))
     if fused is None or fused[0] not in state:
         renamed = _renamed(name, getattr(config, "model_type", None))
