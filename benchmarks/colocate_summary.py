@@ -5,7 +5,9 @@
 One row per rollout: loss, grad norm, the engines' vs the trainer's log-prob diff, weight-sync seconds /
 bytes / version, the trainer's device memory awake (peak) and asleep, the engines' awake peak and
 released figures, and the asleep/awake ratios the colocate target is stated in (under 10 %, CUDA context
-and communicator buffers apart). The last lines say whether every rollout trained, synced and met it.
+and communicator buffers apart). The last lines say whether every rollout trained, synced and met it, the
+weight sync's and the proof's share of a step, the reward's first and last rollouts and each phase's median
+seconds.
 """
 from __future__ import annotations
 
@@ -75,6 +77,7 @@ def main(path: str) -> int:
         print(f"train_rollout_logprob_abs_diff: first {diffs[0]:.4g}, last {diffs[-1]:.4g}, "
               f"min {min(diffs):.4g}, max {max(diffs):.4g}")
     sync_share(rows, rollouts)
+    reward_and_phases(rows, rollouts)
     return 0 if rollouts and len(trained) == len(rollouts) == len(synced) else 1
 
 
@@ -100,6 +103,26 @@ def sync_share(rows: dict, rollouts: list[int]) -> None:
         print(f"weight-sync proof median {proof:.4f} s per push vs actor_train median {train:.3f} s: "
               f"{proof / train:.2%} (target <= 1 %); per push: {' '.join(per_push)}; "
               f"{median('weight_sync', 'weight_sync/proof_tensors') or 0:.0f} (engine, tensor) pairs compared")
+
+
+# Seconds per phase of a rollout, as the run logs them (any event of the rollout)
+PHASES = (("generate", "perf/rollout_generate_s"), ("wake", "perf/wake_memory_s"), ("train", "perf/actor_train_s"),
+          ("weight_sync", "weight_sync/seconds"), ("proof", "weight_sync/proof_seconds"))
+
+
+def reward_and_phases(rows: dict, rollouts: list[int]) -> None:
+    """The mean reward's first and last rollouts (mean of up to three each), and each phase's median seconds."""
+    def found(key: str) -> list[float]:
+        return [v for r in rollouts for event in rows[r].values() if (v := event.get(key)) is not None]
+
+    rewards = found("rollout/raw_reward")
+    if rewards:
+        k = min(3, len(rewards))
+        print(f"reward: first {k} rollouts {statistics.mean(rewards[:k]):.3f}, last {k} "
+              f"{statistics.mean(rewards[-k:]):.3f}; per rollout {' '.join(f'{x:.3f}' for x in rewards)}")
+    times = [f"{name} {statistics.median(values):.3f}" for name, key in PHASES if (values := found(key))]
+    if times:
+        print("median seconds per rollout: " + ", ".join(times))
 
 
 def _fmt(value) -> str:

@@ -11,6 +11,11 @@
 #   loop-qwen3.5  the loop on a Qwen3.5-shaped hybrid written by transformers' Qwen3_5ForCausalLM (Qwen3.5-0.8B's
 #           widths, 3 gated DeltaNet : 1 gated attention, QWEN35_LAYERS layers, default 24; the demo's characters),
 #           ROLLOUTS rollouts (default 8); outputs loop_qwen3.5*
+#   loop-vl  the colocated loop with images on one GPU: upstream's geo3k VLM job shrunk as examples/run_cpu_geo3k_vlm.sh
+#           (GRPO on the square-counting pictures, --multimodal-keys, the vision tower trained) on a tiny random-init
+#           vision + text checkpoint (VL_KIND, default qwen3-vl-moe: Qwen3-VL's tower and deepstack, fused experts;
+#           qwen3.5-vl-moe is the CPU example's), bf16, ROLLOUTS rollouts (default 20): reward, the trainer/engine
+#           log-prob diff and the weight-sync proof of every push, seconds per phase; outputs loop_vl*
 #   push    the loop's model pushed into one embedded engine on the same GPU, shared-memory file vs CUDA IPC
 #           side by side (benchmarks/bench_weight_push_gpu.py), next to the GPU's copy bandwidth
 #   digest  the weight-sync proof's tensor digest on the GPU: equal to the host's for every dtype and layout, and its
@@ -101,7 +106,37 @@ print(f"Qwen3.5 counting model: {sum(p.numel() for p in model.parameters()) / 1e
 PY
 }
 
+VL_MODEL=/tmp/colocate-squares-${VL_KIND:-qwen3-vl-moe}
+squares_task() {  # the tiny vision + text checkpoint and the square-counting prompts as JSONL (no pyarrow needed)
+  python3 -c 'import PIL' 2>/dev/null || { echo "loop-vl: Pillow is not importable (images are decoded and drawn with it); carry its cp312 wheel in .whl/"; return 1; }
+  [ -f $VL_MODEL/config.json ] || python3 -m slime.tools.tiny_vl_checkpoint --out $VL_MODEL --kind ${VL_KIND:-qwen3-vl-moe} \
+    --seed 1234 > /dev/null || return 1
+  python3 - <<'PY'
+import base64, json
+from slime.tools.square_images import make_rows
+with open("/tmp/squares.jsonl", "w") as f:
+    for row in make_rows(256, seed=0):
+        f.write(json.dumps({**row, "images": [base64.b64encode(i).decode() for i in row["images"]]}) + "\n")
+PY
+}
+
 for phase in "$@"; do case $phase in
+loop-vl)
+  squares_task || exit 1
+  rm -f "$OUT/loop_vl_metrics.jsonl"  # the metrics sink appends
+  timeout ${LOOP_TIMEOUT:-480} python3 train.py --hf-checkpoint $VL_MODEL --rollout-backend embedded \
+    --prompt-data /tmp/squares.jsonl --input-key prompt --label-key label --apply-chat-template \
+    --multimodal-keys '{"image": "images"}' --rollout-shuffle --custom-rm-path examples.square_count_reward.reward \
+    --actor-num-nodes 1 --actor-num-gpus-per-node 1 --colocate --rollout-num-gpus-per-engine 1 --use-slime-router \
+    --use-dynamic-batch-size --max-tokens-per-gpu 4096 --calculate-per-token-loss \
+    --num-rollout ${ROLLOUTS:-20} --rollout-batch-size 8 --n-samples-per-prompt 8 --global-batch-size 64 \
+    --rollout-max-response-len 2 --rollout-temperature 1.0 \
+    --advantage-estimator grpo --kl-loss-coef 0.00 --kl-coef 0.00 --entropy-coef 0.00 --eps-clip 0.2 --eps-clip-high 0.28 \
+    --optimizer adam --lr ${LR:-3e-3} --lr-decay-style constant --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.98 \
+    --bf16 --attention-dropout 0.0 --hidden-dropout 0.0 --fence-timeout 120 --seed 1234 ${LOOP_EXTRA:-} \
+    --metrics-jsonl "$OUT/loop_vl_metrics.jsonl" > "$OUT/loop_vl.log" 2>&1
+  echo "loop-vl rc=$?"; grep -h "training stopped\|Traceback\|Error" "$OUT/loop_vl.log" | head -5
+  python3 benchmarks/colocate_summary.py "$OUT/loop_vl_metrics.jsonl" | tee "$OUT/loop_vl_summary.txt" ;;
 loop-qwen3.5)
   qwen35_model || exit 1
   python3 -m slime.tools.demo_prompts --task counting --n 400 --out /tmp/counting.jsonl > /dev/null

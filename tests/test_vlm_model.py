@@ -232,9 +232,10 @@ def test_log_probs_and_gradients_with_images_equal_transformers_and_export_is_ex
 
 
 # ----------------------------------------------------------------- TP2 x SP x CP2: the fenced step and the push
-LAYOUTS = {"qwen3.5-vl-moe": dict(tensor_model_parallel_size=2, sequence_parallel=True, context_parallel_size=2,
-                                  expert_model_parallel_size=2, expert_tensor_parallel_size=1),
-           "qwen3-vl": dict(tensor_model_parallel_size=2, sequence_parallel=True, context_parallel_size=2)}
+TP2_SP_CP2_EP2 = dict(tensor_model_parallel_size=2, sequence_parallel=True, context_parallel_size=2,
+                      expert_model_parallel_size=2, expert_tensor_parallel_size=1)
+# Qwen3-VL-MoE's text layers are Qwen3-VL's attention with fused experts: its run covers Qwen3-VL's deepstack too
+LAYOUTS = {"qwen3.5-vl-moe": TP2_SP_CP2_EP2, "qwen3-vl-moe": TP2_SP_CP2_EP2}
 TRAINING = dict(calculate_per_token_loss=True, lr=1e-3, max_tokens_per_gpu=96)
 SAVED_KIND = "qwen3.5-vl-moe"  # --save / --load / --save-hf once: the tower is saved the same way in every family
 
@@ -329,6 +330,7 @@ def test_step_under_tp2_sp_cp2_matches_the_single_process_and_the_pushed_engine(
     from safetensors.torch import load_file
 
     from slime.backends.embedded_engine.engine import EmbeddedEngine
+    from slime.backends.sglang_utils.tensor_digest import tensor_digests
     from slime.distributed.order_proof import check_order, read_sequences
 
     hf_dir, data = checkpoints(kind)
@@ -357,6 +359,12 @@ def test_step_under_tp2_sp_cp2_matches_the_single_process_and_the_pushed_engine(
     assert _max_gap(result["after"], _engine_log_probs(engine, data)) > 100 * TOLERANCE  # the stale tower shows
     engine.update_weights(list(tower.items()), "v3")
     assert _max_gap(result["after"], _engine_log_probs(engine, data)) < TOLERANCE
+    # what the weight-sync proof compares: the engine's digest of every tensor it serves (Qwen3-VL-MoE's fused experts
+    # through transformers' transposed in-memory ones) equals the pushed tensor's
+    names = sorted(result["trained"])
+    served = engine.weight_checksums()
+    assert set(served) == set(names)
+    assert [served[n] for n in names] == tensor_digests([result["trained"][n] for n in names])
     if not saves:
         return
     # --save / --load and --save-hf keep the trained tower: a fresh model reloads it, the saved HF checkpoint is
@@ -385,3 +393,71 @@ def test_upstreams_freeze_flag_freezes_the_tower_alone(checkpoints, tmp_path):
     tower = [name for name in original if name.startswith("model.visual.")]
     assert tower and all(torch.equal(result["trained"][name], original[name]) for name in tower)
     assert not torch.equal(result["trained"]["lm_head.weight"], original["lm_head.weight"])
+
+
+# ----------------------------------------------------------------- Qwen3-VL-MoE's fused experts
+def test_fused_experts_map_onto_transformers_own_gate_and_up(checkpoints):
+    """megatron's fc1 of expert e (at expert-TP 1) is transformers' in-memory gate_up_proj[e], gate rows first (what
+    its experts' forward chunks into gate and up), fc2 its down_proj[e]; at expert-TP 2 rank r holds [gate_r; up_r];
+    every way back gives the file's row. A mapping that swapped gate and up, interleaved them or read a row
+    untransposed fails here (the tiny checkpoint's expert tensors are not square, so a transposition cannot pass)."""
+    import transformers
+    from safetensors.torch import load_file
+
+    from slime.models.qwen3_vl_moe import stacked_experts
+
+    hf_dir, _ = checkpoints("qwen3-vl-moe")
+    model = transformers.AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=torch.float32)
+    memory, stored = model.state_dict(), load_file(f"{hf_dir}/model.safetensors")
+    config, prefix = model.config.text_config, "model.language_model.layers.1."
+    width = config.moe_intermediate_size
+    for expert in range(config.num_experts):
+        for fc, fused in (("linear_fc1", "gate_up_proj"), ("linear_fc2", "down_proj")):
+            for etp in (1, 2):
+                names, to_megatron, to_hf = stacked_experts(f"mlp.experts.local_experts.{expert}.{fc}.weight",
+                                                            prefix, etp, config)
+                assert names == (f"{prefix}mlp.experts.{fused}",)
+                row = stored[names[0]][expert]
+                megatron = to_megatron([row])
+                assert torch.equal(to_hf(megatron)[0], row)
+                in_memory = memory[names[0]][expert]
+                if fc == "linear_fc2" or etp == 1:
+                    assert torch.equal(megatron, in_memory)
+                    continue
+                gate, up = in_memory[:width], in_memory[width:]
+                for rank, shard in enumerate(megatron.chunk(etp)):
+                    assert torch.equal(shard, torch.cat([gate.chunk(etp)[rank], up.chunk(etp)[rank]]))
+
+
+def test_expert_layouts_that_cannot_be_told_apart_are_refused_before_ray(checkpoints, tmp_path):
+    """The released layout passes; a checkpoint as transformers 5 saves it (its in-memory layout) and sizes that
+    make the fused tensors square are refused naming why; another vision + text MoE (GLM-4.6V) stays refused."""
+    import json
+    import shutil
+
+    import transformers
+
+    from slime.config import defaults_namespace
+    from slime.config.errors import ArgumentValidationError
+    from slime.config.launch import check_hf_config
+
+    def check(path):
+        check_hf_config(defaults_namespace(hf_checkpoint=str(path)), f"{path}/config.json")
+
+    hf_dir, _ = checkpoints("qwen3-vl-moe")
+    check(hf_dir)
+    resaved = tmp_path / "transformers_layout"
+    transformers.AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=torch.float32).save_pretrained(resaved)
+    with pytest.raises(ArgumentValidationError, match=r"gate_up_proj is stored \[4, 48, 64\], transformers' in-memory"):
+        check(resaved)
+    config = json.loads((resaved / "config.json").read_text())
+    for name, edit in (("square", {"moe_intermediate_size": 32}), ("glm", None)):
+        (tmp_path / name).mkdir()
+        shutil.copy(f"{hf_dir}/model.safetensors", tmp_path / name)
+        changed = dict(config, text_config=dict(config["text_config"], **edit)) if edit else dict(config,
+                                                                                                 model_type="glm4v_moe")
+        (tmp_path / name / "config.json").write_text(json.dumps(changed))
+    with pytest.raises(ArgumentValidationError, match="make the fused expert tensors square"):
+        check(tmp_path / "square")
+    with pytest.raises(ArgumentValidationError, match="'glm4v_moe', which no model family here builds"):
+        check(tmp_path / "glm")
