@@ -461,3 +461,29 @@ def test_expert_layouts_that_cannot_be_told_apart_are_refused_before_ray(checkpo
         check(tmp_path / "square")
     with pytest.raises(ArgumentValidationError, match="'glm4v_moe', which no model family here builds"):
         check(tmp_path / "glm")
+
+
+def test_the_released_config_spelling_builds_untied_as_transformers_does(checkpoints, tmp_path):
+    """Qwen's released config.json leaves text_config.tie_word_embeddings out (the class default: True) beside an
+    untied outer one, spells the experts num_experts and says norm_topk_prob: it passes the check before Ray, and
+    the text model is built untied, as transformers' composite class ties by the outer one."""
+    import json
+    import shutil
+
+    import transformers
+
+    from slime.config import defaults_namespace
+    from slime.config.launch import check_hf_config
+    from slime.models.registry import language_model_config
+
+    hf_dir, _ = checkpoints("qwen3-vl-moe")
+    config = json.loads(open(f"{hf_dir}/config.json").read())
+    text = {k: v for k, v in config["text_config"].items() if k not in ("tie_word_embeddings", "num_local_experts")}
+    config["text_config"] = dict(text, num_experts=4, norm_topk_prob=True)
+    shutil.copy(f"{hf_dir}/model.safetensors", tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    check_hf_config(defaults_namespace(hf_checkpoint=str(tmp_path)), str(tmp_path / "config.json"))
+    whole = transformers.AutoConfig.from_pretrained(str(tmp_path))
+    assert whole.text_config.tie_word_embeddings and not whole.tie_word_embeddings  # as transformers reads it
+    built = language_model_config(whole, vision=True)
+    assert not built.tie_word_embeddings and built.num_experts == 4

@@ -152,9 +152,15 @@ def vision(hf_config: Any):
     return qwen_vision_arch(hf_config, "Qwen3-VL-MoE", interleaved=True, deepstack=True)
 
 
+# The released configs leave text_config.tie_word_embeddings out (its class default is True) beside an untied outer
+# one: transformers' composite class ties by the outer one, and so is the text model built
+COMPOSITE_FIELDS = table(QWEN_VL_COMPOSITE_FIELDS, tie_word_embeddings=built(
+    "lm_head tied to the text model's embed_tokens, as transformers' composite class ties them (whatever "
+    "text_config.tie_word_embeddings says)"))
+
 QWEN3_VL_MOE = register(ModelFamily(
     name="Qwen3-VL-MoE", model_types=("qwen3_vl_moe_text",), composite_types=("qwen3_vl_moe",),
-    qk_layernorm=True, hf_fields=QWEN3_VL_MOE_FIELDS, composite_fields=QWEN_VL_COMPOSITE_FIELDS,
+    qk_layernorm=True, hf_fields=QWEN3_VL_MOE_FIELDS, composite_fields=COMPOSITE_FIELDS,
     experts_key="num_experts", moe_architecture=moe_architecture, moe_names=moe_names,
     stacked_experts=stacked_experts, in_memory_target=in_memory_target, check_config=check_config,
     check_layout=check_layout, vision=vision))

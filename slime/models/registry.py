@@ -318,6 +318,8 @@ def language_model_config(hf_config: Any, vision: bool = False) -> Any:
     check_fields(hf_config, family.composite_fields)
     text = hf_config.text_config
     setattr(text, TEXT_PREFIX_ATTRIBUTE, family.composite_text_prefix)
+    if hasattr(hf_config, "tie_word_embeddings"):  # transformers' composite class ties by its own config's
+        text.tie_word_embeddings = hf_config.tie_word_embeddings
     if vision:
         if family.vision is None:
             raise ValueError(f"{family.name} ({hf_config.model_type}): its vision tower is not built here, so it "
