@@ -3,17 +3,20 @@
 - multimodal RoPE: the three position rows and the rotary angles equal transformers' `get_rope_index` and rotary
   embedding for Qwen2.5-VL (contiguous sections), Qwen3-VL and Qwen3.5 (interleaved); a packed micro-batch carries
   each sample's rows whole, and its CP ranks' image-feature rows gather back to the micro-batch's;
-- per family (Qwen2.5-VL, Qwen3-VL with deepstack, Qwen3.5 dense and MoE), one process: log-probs of a batch
+- per family (Qwen2.5-VL, Qwen3-VL with deepstack, Qwen3-VL-MoE, Qwen3.5 dense and MoE), one process: log-probs of a batch
   mixing prompts with one image, two images and none equal transformers' composite class, the gradient of every
   checkpoint tensor (the vision tower's included) equals transformers', HF -> megatron -> HF is bit-exact; the same
   log-probs with the height and width rows set to the temporal one differ by far more than the tolerance, so the
   agreement is what catches a dropped or misaligned row;
-- TP2 x SP x CP2 (Qwen3.5-MoE x EP2, Qwen3-VL): log-probs equal the embedded engine's (transformers' composite
+- TP2 x SP x CP2 x EP2 (Qwen3.5-MoE, Qwen3-VL-MoE with deepstack): log-probs equal the embedded engine's (transformers' composite
   class with the same images) and differ by far more with multimodal RoPE's height and width rows dropped, swapped
   or a token late in the micro-batch's rows that every CP rank indexes; one fenced step gives the single process's
   loss and grad norm, moves the vision tower, passes the order proof, and the pushed weights (vision tower
   included) give the engine the trainer's new log-probs; pushing all but the tower leaves them apart; --save /
-  --load and --save-hf keep the trained tower.
+  --load and --save-hf keep the trained tower;
+- Qwen3-VL-MoE's fused experts: megatron's experts equal transformers' own in-memory gate and up halves and down
+  (a swap or a transposition fails), SGLang's own loader reads the pushed tensors as the same halves, the layouts
+  the shapes cannot tell are refused before Ray, and the released config's spelling builds untied.
 """
 from __future__ import annotations
 
@@ -487,3 +490,65 @@ def test_the_released_config_spelling_builds_untied_as_transformers_does(checkpo
     assert whole.text_config.tie_word_embeddings and not whole.tie_word_embeddings  # as transformers reads it
     built = language_model_config(whole, vision=True)
     assert not built.tie_word_embeddings and built.num_experts == 4
+
+
+def _sglang_qwen3_vl_moe_loader():
+    """SGLang's own Qwen3VLMoeForConditionalGeneration.load_weights and load_fused_expert_weights (the newest supported
+    release's file, read by path: SGLang does not import here), with its layer and MoE helpers as plain stand-ins."""
+    import ast
+    import re
+    import textwrap
+    import types
+
+    from sglang_files import sglang_root, supported_versions
+
+    path = sglang_root(supported_versions()[1]) / "sglang" / "srt" / "models" / "qwen3_vl_moe.py"
+    tree = ast.parse(path.read_text())
+    functions = [node for node in tree.body if isinstance(node, ast.FunctionDef)
+                 and node.name == "load_fused_expert_weights"]
+    functions += [node for cls in tree.body if isinstance(cls, ast.ClassDef)
+                  and cls.name == "Qwen3VLMoeForConditionalGeneration"
+                  for node in cls.body if isinstance(node, ast.FunctionDef) and node.name == "load_weights"]
+    assert len(functions) == 2, path
+    namespace = dict(torch=torch, logger=types.SimpleNamespace(warning=lambda *a: None),
+                     FusedMoE=types.SimpleNamespace(make_expert_params_mapping=lambda **k: []),
+                     get_layer_id=lambda name: int(m.group(1)) if (m := re.search(r"layers\.(\d+)\.", name)) else None,
+                     default_weight_loader=lambda param, weight: None, Iterable=list, Tuple=tuple)
+    exec(compile(ast.Module(body=[ast.parse(textwrap.dedent(ast.get_source_segment(path.read_text(), f))).body[0]
+                                  for f in functions], type_ignores=[]), str(path), "exec"), namespace)
+    return namespace["load_weights"]
+
+
+def test_sglangs_loader_reads_the_pushed_fused_experts_as_transformers_gate_up_and_down(checkpoints):
+    """The pushed fused experts (the checkpoint's names and layout) through SGLang's own Qwen3-VL-MoE loader: each
+    expert's w1 / w3 (gate / up) and w2 shards are transformers' in-memory gate and up halves and down_proj."""
+    import types
+
+    import transformers
+    from safetensors.torch import load_file
+
+    hf_dir, _ = checkpoints("qwen3-vl-moe")
+    memory = transformers.AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=torch.float32).state_dict()
+    pushed = {n: t for n, t in load_file(f"{hf_dir}/model.safetensors").items() if ".mlp.experts." in n}
+    loaded = {}
+
+    def weight_loader(param, weight, name, shard_id, expert_id):
+        loaded[(name, shard_id, expert_id)] = weight.clone()
+
+    experts = 4
+    params = {f"model.layers.{layer}.mlp.experts.{w}": types.SimpleNamespace(weight_loader=weight_loader)
+              for layer in (0, 1) for w in ("w13_weight", "w2_weight")}
+    sglang_model = types.SimpleNamespace(config=types.SimpleNamespace(num_experts=experts, encoder_only=False,
+                                                                      language_only=False),
+                                         named_parameters=lambda: params.items())
+    _sglang_qwen3_vl_moe_loader()(sglang_model, list(pushed.items()))
+    assert len(loaded) == 2 * 3 * experts
+    width = memory["model.language_model.layers.0.mlp.experts.gate_up_proj"].shape[1] // 2
+    for layer in (0, 1):
+        gate_up = memory[f"model.language_model.layers.{layer}.mlp.experts.gate_up_proj"]
+        down = memory[f"model.language_model.layers.{layer}.mlp.experts.down_proj"]
+        prefix = f"model.layers.{layer}.mlp.experts."
+        for e in range(experts):
+            assert torch.equal(loaded[(prefix + "w13_weight", "w1", e)], gate_up[e, :width])
+            assert torch.equal(loaded[(prefix + "w13_weight", "w3", e)], gate_up[e, width:])
+            assert torch.equal(loaded[(prefix + "w2_weight", "w2", e)], down[e])
