@@ -3,13 +3,13 @@
 - multimodal RoPE: the three position rows and the rotary angles equal transformers' `get_rope_index` and rotary
   embedding for Qwen2.5-VL (contiguous sections), Qwen3-VL and Qwen3.5 (interleaved); a packed micro-batch carries
   each sample's rows whole, and its CP ranks' image-feature rows gather back to the micro-batch's;
-- per family (Qwen2.5-VL, Qwen3-VL with deepstack, Qwen3-VL-MoE, Qwen3.5 dense and MoE), one process: log-probs of a batch
-  mixing prompts with one image, two images and none equal transformers' composite class, the gradient of every
+- per family (Qwen2.5-VL, Qwen3-VL with deepstack, Qwen3-VL-MoE, Qwen3.5 dense and MoE), one process: log-probs
+  of a batch mixing prompts with one image, two images and none equal transformers' composite class, the gradient of every
   checkpoint tensor (the vision tower's included) equals transformers', HF -> megatron -> HF is bit-exact; the same
   log-probs with the height and width rows set to the temporal one differ by far more than the tolerance, so the
   agreement is what catches a dropped or misaligned row;
-- TP2 x SP x CP2 x EP2 (Qwen3.5-MoE, Qwen3-VL-MoE with deepstack): log-probs equal the embedded engine's (transformers' composite
-  class with the same images) and differ by far more with multimodal RoPE's height and width rows dropped, swapped
+- TP2 x SP x CP2 x EP2 (Qwen3.5-MoE, Qwen3-VL-MoE with deepstack): log-probs equal the embedded engine's
+  (transformers' composite class with the same images) and differ by far more with multimodal RoPE's height and width rows dropped, swapped
   or a token late in the micro-batch's rows that every CP rank indexes; one fenced step gives the single process's
   loss and grad norm, moves the vision tower, passes the order proof, and the pushed weights (vision tower
   included) give the engine the trainer's new log-probs; pushing all but the tower leaves them apart; --save /

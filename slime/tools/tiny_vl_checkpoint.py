@@ -6,8 +6,8 @@ KIND is qwen2.5-vl, qwen3-vl, qwen3-vl-moe, qwen3.5-vl or qwen3.5-vl-moe. The mo
 (Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration,
 Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration: one gated DeltaNet and one gated attention
 layer) at toy sizes: a 2-layer text model of width 64 with multimodal RoPE (MoE: 4 experts, top 2; Qwen3.5-MoE
-with a gated shared expert; Qwen3-VL-MoE's fused experts in Qwen's released layout), a 2-block vision tower on 4-pixel patches merged 2 x 2, so a 32 x 32 picture is 16
-image tokens. The tokenizer is a character tokenizer
+with a gated shared expert; Qwen3-VL-MoE's fused experts in Qwen's released layout), a 2-block vision tower on
+4-pixel patches merged 2 x 2, so a 32 x 32 picture is 16 image tokens. The tokenizer is a character tokenizer
 (slime/tools/char_tokenizer.py) over digits, lower-case letters and a little punctuation, plus the chat and
 vision special tokens, with a ChatML template that renders an image item as
 `<|vision_start|><|image_pad|><|vision_end|>`; the image processor (preprocessor_config.json) is Qwen2-VL's,
