@@ -101,8 +101,7 @@ def check_config(hf_config: Any) -> None:
 
 def check_layout(hf_config: Any, args: Any) -> None:
     """The checkpoint's fused experts are in the released layout (not transformers' in-memory one), before Ray."""
-    path = getattr(args, "hf_checkpoint", None)
-    found = _first_fused_shape(path) if path else None
+    found = _first_fused_shape(args.hf_checkpoint) if args.hf_checkpoint else None
     if found is None or not getattr(hf_config, "hidden_size", None):
         return
     name, shape = found
