@@ -552,3 +552,22 @@ def test_sglangs_loader_reads_the_pushed_fused_experts_as_transformers_gate_up_a
             assert torch.equal(loaded[(prefix + "w13_weight", "w1", e)], gate_up[e, :width])
             assert torch.equal(loaded[(prefix + "w13_weight", "w3", e)], gate_up[e, width:])
             assert torch.equal(loaded[(prefix + "w2_weight", "w2", e)], down[e])
+
+
+def test_the_embedded_engine_serves_the_fused_experts_in_the_checkpoints_layout(checkpoints):
+    """get_weight of a fused expert tensor is the checkpoint's ([E, H, 2I], a view of transformers' [E, 2I, H]), and
+    /update_weights_from_disk writes each tensor back through the same view."""
+    from safetensors.torch import load_file
+
+    from slime.backends.embedded_engine.engine import EmbeddedEngine
+
+    hf_dir, _ = checkpoints("qwen3-vl-moe")
+    stored = load_file(f"{hf_dir}/model.safetensors")
+    engine = EmbeddedEngine(hf_dir, dtype="float32")
+    fused = [name for name in stored if ".mlp.experts." in name]
+    assert fused and all(torch.equal(engine.get_weight(name), stored[name]) for name in fused)
+    with torch.no_grad():
+        for param in engine.model.parameters():
+            param.zero_()
+    assert engine.update_weights_from_disk(hf_dir, "v2") == len(engine.model.state_dict())
+    assert all(torch.equal(engine.get_weight(name), tensor) for name, tensor in stored.items())

@@ -363,7 +363,9 @@ class EmbeddedEngine:
 
     def update_weights_from_disk(self, model_path: str, weight_version: str | None) -> int:
         fresh, _ = load_model(model_path, self.dtype, self.tokenizer)
-        count = self.update_weights(list(fresh.state_dict().items()), weight_version)
+        state = fresh.state_dict()  # each tensor as its name's checkpoint layout (a family's view, as a push's)
+        count = self.update_weights([(name, checkpoint_target(name, state, fresh.config)) for name in state],
+                                    weight_version)
         self.model_path = str(model_path)
         self._served_names = set(_checkpoint_names(Path(model_path)) or fresh.state_dict())
         return count
