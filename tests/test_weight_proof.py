@@ -398,3 +398,136 @@ def test_a_text_only_run_of_a_vision_checkpoint_proves_the_tower_against_the_che
         engines.close()
         transport.close()
         server.stop()
+
+
+# ----------------------------------------------------------------------------- the proof's concurrency
+class _StandInEngines:
+    """EngineSet's surface the proof reads, over stand-in clients (each: base_url, timeouts, check_weights)."""
+
+    def __init__(self, clients):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.clients = clients
+        self.urls = tuple(c.base_url for c in clients)
+        self._pool = ThreadPoolExecutor(max_workers=len(clients))
+
+    def submit_each(self, call, clients=None):
+        return [self._pool.submit(call, c) for c in (self.clients if clients is None else clients)]
+
+    def each(self, call, clients=None):
+        return [f.result() for f in self.submit_each(call, clients)]
+
+    def close(self):
+        self._pool.shutdown(wait=False)
+
+
+class _StandInClient:
+    """An engine serving `served`; `answer`, if given, replaces its answers after the first (the sender's question
+    for its dtypes)."""
+
+    def __init__(self, url, served, *, deadline_s=10.0, answer=None):
+        from slime.backends.sglang_utils.http_client import ClientTimeouts
+
+        self.base_url, self.served, self.answer = url, served, answer
+        self.timeouts = ClientTimeouts(weight_update=deadline_s)
+        self.asked = 0
+
+    def check_weights(self):
+        from slime.backends.sglang_utils.weight_checker import checksum_response
+
+        self.asked += 1
+        if self.answer is not None and self.asked > 1:
+            return self.answer()
+        return checksum_response({n: tensor_digest.tensor_digest(t) for n, t in self.served.items()})
+
+
+def test_a_bucket_is_digested_while_it_is_sent_and_let_go_only_once_digested(monkeypatch):
+    """The sender's digests run while the bucket goes out (the digest waits for the send to have begun: inline, it
+    would never start) and the block ends only once they are taken, so the next export may reuse the bucket's
+    memory: a tensor changed after the block does not change what the proof compares. A digest that fails ends
+    the block with its error (the push fails at its fence); the send's own error comes first."""
+    import threading
+    import time
+
+    from slime.backends.weight_sync import proof as proof_module
+
+    tensors = [("a", torch.arange(6, dtype=torch.float32)), ("b", torch.ones(3, dtype=torch.float32))]
+    engines = _StandInEngines([_StandInClient("http://e0", dict(tensors))])
+    sending_began = threading.Event()
+    real = proof_module.tensor_digests
+
+    def digests_once_sending(batch):
+        if not sending_began.wait(10):
+            raise AssertionError("the digests ran before the bucket was sent, not while")
+        time.sleep(0.2)  # a slow digest: the block must wait for it
+        return real(batch)
+
+    monkeypatch.setattr(proof_module, "tensor_digests", digests_once_sending)
+    proof = proof_module.WeightProof("embedded", enabled=True)
+    try:
+        proof.start_sync()
+        expected = {n: tensor_digest.tensor_digest(t) for n, t in tensors}
+        with proof.sending(engines, tensors) as cast:
+            assert [n for n, _ in cast] == ["a", "b"]
+            sending_began.set()
+        tensors[0][1].add_(1)  # the next export reuses the memory
+        assert {n: next(iter(d.values())) for n, d in proof._pushed.digests.items()} == expected
+        assert _prove(proof, engines, "1") is not None  # the engine now serves what was not pushed
+
+        def broken(batch):
+            raise RuntimeError("digest kernel failed")
+
+        monkeypatch.setattr(proof_module, "tensor_digests", broken)
+        with pytest.raises(RuntimeError, match="digest kernel failed"):
+            with proof.sending(engines, tensors):
+                pass
+        with pytest.raises(ConnectionError, match="send failed"):  # the send's error, not the digest's
+            with proof.sending(engines, tensors):
+                raise ConnectionError("send failed")
+    finally:
+        proof.close()
+        engines.close()
+
+
+def test_every_engine_is_asked_at_once_and_each_late_or_failing_one_is_named():
+    """The coordinator asks every engine as the proof begins, before its own checks and the gather, and awaits
+    them against one deadline: an engine that does not answer in time and one that fails are both named (not
+    only the first), with the version; an engine that answers is not."""
+    import threading
+
+    from slime.backends.weight_sync.proof import WeightProof, WeightProofError
+
+    tensors = {"w": torch.arange(4, dtype=torch.float32)}
+    release, late_asked = threading.Event(), threading.Event()
+
+    def late():
+        late_asked.set()
+        release.wait(30)
+        raise RuntimeError("answered after the proof gave up")
+
+    def failing():
+        raise ConnectionError("connection refused")
+
+    clients = [_StandInClient("http://ok", tensors, deadline_s=0.5),
+               _StandInClient("http://late", tensors, deadline_s=0.5, answer=late),
+               _StandInClient("http://failing", tensors, deadline_s=0.5, answer=failing)]
+    engines = _StandInEngines(clients)
+    proof = WeightProof("embedded", enabled=True, subset=lambda name: True)
+    asked_before_own_checks = []  # the rank's own checks find the engines already asked
+    proof._check_left_out = lambda *a: asked_before_own_checks.append(late_asked.wait(10))
+    try:
+        proof.start_sync()
+        proof.prepare(engines, list(tensors.items()))
+        error = proof.run(model_chunks=[], full_push=True, exporter=True, coordinator=True, read_param=None,
+                          engines=engines, group=None, version="7")
+        assert isinstance(error, WeightProofError)
+        message = str(error)
+        assert "after the push of version 7: 2 engine(s) did not report what they serve" in message
+        assert "engine http://late: no answer within 0.5s" in message
+        assert "engine http://failing: ConnectionError: connection refused" in message
+        assert "http://ok" not in message
+    finally:
+        release.set()
+        proof.close()
+        engines.close()
+    assert asked_before_own_checks == [True]

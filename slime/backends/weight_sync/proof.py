@@ -28,10 +28,14 @@ peers), not that they equal the trainer's (docs/fenced-step.md).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -102,6 +106,7 @@ class WeightProof:
         self._pushed = _Pushed()  # sender: this sync's digests
         self._expected: dict[str, dict[str, _Expected]] = {}  # coordinator: engine -> tensor -> last pushed
         self._left_out: dict[str, tuple[str, str]] = {}  # exporter: megatron name -> (digest, version) at full push
+        self._pool: ThreadPoolExecutor | None = None  # sender: the thread that digests a bucket while it is sent
         self._seconds = 0.0
         self._compared = 0
 
@@ -118,19 +123,53 @@ class WeightProof:
 
     # -- sender ------------------------------------------------------------------------------
     def prepare(self, engines: EngineSet, tensors: NamedTensors) -> NamedTensors:
-        """The bucket as it goes out: each tensor in the dtype every engine holds it; digested when proving."""
+        """The bucket as it goes out, digested before this returns (`sending` digests it while it is sent)."""
+        with self.sending(engines, tensors) as cast:
+            return cast
+
+    @contextlib.contextmanager
+    def sending(self, engines: EngineSet, tensors: NamedTensors) -> Iterator[NamedTensors]:
+        """The bucket as it goes out: each tensor in the dtype every engine holds it. When proving, its digests are
+        taken on this proof's thread while the caller sends it, and awaited when the block ends: the bucket is not
+        let go (its memory reused by the next export) before they are. A digest's error is raised at the end of the
+        block, unless the block raised its own."""
         if self.engine_kind != "embedded":  # SGLang does not say its dtypes; it casts on load
-            return tensors
-        start = time.perf_counter()
+            yield tensors
+            return
         held = self._dtypes(engines)
         cast = []
         for name, tensor in tensors:
             dtypes = {held[url].get(name) for url in engines.urls} - {None}
             cast.append((name, tensor.to(getattr(torch, dtypes.pop())) if len(dtypes) == 1 else tensor))
-        if self.enabled:
-            self._record(engines, cast, held)
-        self._seconds += time.perf_counter() - start
-        return cast
+        if not self.enabled:
+            yield cast
+            return
+        self._pushed.engines = engines.urls
+        deadline_s = _deadline_s(engines)
+        digesting = self._digester().submit(_digests_as_held, cast, engines.urls, held, _current_stream(cast))
+        try:
+            yield cast
+        except BaseException:
+            futures_wait([digesting], timeout=deadline_s)  # its tensors stay untouched until it ends
+            raise
+        start = time.perf_counter()
+        try:
+            self._pushed.digests.update(digesting.result(timeout=deadline_s))
+        except FutureTimeout:
+            raise WeightProofError(f"weight-sync proof: the digests of a bucket of {len(cast)} tensor(s) were not "
+                                   f"taken within {deadline_s:g}s") from None
+        finally:
+            self._seconds += time.perf_counter() - start  # what the push waited for them
+
+    def _digester(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-proof-digest")
+        return self._pool
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
 
     def _dtypes(self, engines: EngineSet) -> dict[str, dict[str, str]]:
         missing = [client for client in engines.clients if client.base_url not in self._served_dtypes]
@@ -140,16 +179,6 @@ class WeightProof:
                 self._served_dtypes[client.base_url] = {n: digest_dtype(d) for n, d in answer.single.items()}
         return self._served_dtypes
 
-    def _record(self, engines: EngineSet, tensors: NamedTensors, held: dict[str, dict[str, str]]) -> None:
-        self._pushed.engines = engines.urls
-        others = []  # engines that disagree on a tensor's dtype: each gets a digest in its own
-        for (name, tensor), digest in zip(tensors, tensor_digests([t for _, t in tensors])):
-            self._pushed.digests[name] = {digest_dtype(digest): digest}
-            dtypes = {held[url].get(name) for url in engines.urls} - {None, digest_dtype(digest)}
-            others += [(name, tensor.to(getattr(torch, dtype))) for dtype in sorted(dtypes)]
-        for (name, _), digest in zip(others, tensor_digests([t for _, t in others])):
-            self._pushed.digests[name][digest_dtype(digest)] = digest
-
     # -- every rank ----------------------------------------------------------------------------
     def run(self, *, model_chunks: Sequence[torch.nn.Module], full_push: bool, exporter: bool, coordinator: bool,
             read_param: Callable[[torch.Tensor], torch.Tensor] | None, engines: EngineSet | None, group: Any,
@@ -157,13 +186,14 @@ class WeightProof:
         """This rank's part after the push; its error (not raised: the caller's fence carries it to every rank).
         Every rank calls it: it holds the gather of the senders' digests."""
         start = time.perf_counter()
+        asked = _AskedEngines.ask(engines) if coordinator else None  # the engines digest while this rank goes on
         error = None
         if exporter and self.subset is not None:
             error = _attempt(lambda: self._check_left_out(model_chunks, full_push, read_param, version, ledger))
         pushed, self._pushed = self._pushed, _Pushed()
         gathered = _gather_to_first(pushed if pushed.digests else None, group)
         if coordinator:
-            error = error or _attempt(lambda: self._check_engines(gathered, engines, version, ledger))
+            error = error or _attempt(lambda: self._check_engines(gathered, asked, version, ledger))
         self._seconds += time.perf_counter() - start
         return error
 
@@ -192,19 +222,19 @@ class WeightProof:
             raise WeightProofError(_message(findings, version, "changed on the trainer but were left out of the push"))
 
     # -- coordinator: what the engines serve ---------------------------------------------------------
-    def _check_engines(self, gathered: Iterable[_Pushed | None], engines: EngineSet, version: str, ledger) -> None:
+    def _check_engines(self, gathered: Iterable[_Pushed | None], asked: "_AskedEngines", version: str,
+                       ledger) -> None:
         for pushed in filter(None, gathered):
             for url in pushed.engines:
                 expected = self._expected.setdefault(url, {})
                 for name, digests in pushed.digests.items():
                     expected[name] = _Expected(digests, version)
-        with engine_call(ledger, "weight_sync/proof", len(engines.urls), "engines"):
-            answers = engines.each(lambda client: parse_checksum_response(client.check_weights()))
+        answers = asked.answers(version, ledger)
         if self.engine_kind == "embedded":
-            findings = [finding for url, answer in zip(engines.urls, answers)
+            findings = [finding for url, answer in zip(asked.urls, answers)
                         for finding in self._against_trainer(url, answer, version)]
         else:
-            findings = _against_first_engine(engines.urls, answers, version)
+            findings = _against_first_engine(asked.urls, answers, version)
         if findings:
             raise WeightProofError(_message(findings, version, "differ between the trainer and the engines"))
 
@@ -245,6 +275,68 @@ class WeightProof:
                 findings.append(ProofFinding(url, name, "loaded", f"the engine serves {served[name]}, the "
                                              f"checkpoint holds {want}; {self.carried.reason}"))
         return findings
+
+
+def _deadline_s(engines: EngineSet) -> float:
+    """The proof's waits (a bucket's digests, every engine's answer) are bounded like a weight update."""
+    return max(client.timeouts.weight_update for client in engines.clients)
+
+
+def _current_stream(tensors: NamedTensors) -> Any:
+    """The sender's CUDA stream where the bucket is on a GPU (its digests queue after the kernels that made it)."""
+    device = next((t.device for _, t in tensors if t.device.type == "cuda"), None)
+    return None if device is None else torch.cuda.current_stream(device)
+
+
+def _digests_as_held(tensors: NamedTensors, urls: tuple[str, ...], held: dict[str, dict[str, str]],
+                     stream: Any) -> dict[str, dict[str, str]]:
+    """Per tensor: its digest as sent, and one in every other dtype an engine holds it in (engines that disagree
+    on a tensor's dtype each get it in their own). Runs on the proof's thread, on the sender's device and stream."""
+    with contextlib.ExitStack() as on_device:
+        if stream is not None:
+            on_device.enter_context(torch.cuda.device(stream.device))
+            on_device.enter_context(torch.cuda.stream(stream))
+        digests: dict[str, dict[str, str]] = {}
+        others = []
+        for (name, tensor), digest in zip(tensors, tensor_digests([t for _, t in tensors])):
+            digests[name] = {digest_dtype(digest): digest}
+            dtypes = {held[url].get(name) for url in urls} - {None, digest_dtype(digest)}
+            others += [(name, tensor.to(getattr(torch, dtype))) for dtype in sorted(dtypes)]
+        for (name, _), digest in zip(others, tensor_digests([t for _, t in others])):
+            digests[name][digest_dtype(digest)] = digest
+    return digests
+
+
+@dataclass(frozen=True)
+class _AskedEngines:
+    """The coordinator's `/weights_checker` call, made to every engine at once as the proof begins (the engines
+    digest what they serve while this rank checks what a subset push left out and gathers the senders' digests),
+    answered against one deadline for all: every engine late or failing is named, not only the first."""
+
+    urls: tuple[str, ...]
+    calls: tuple[Future, ...]
+    deadline: float  # time.monotonic()
+    timeout_s: float
+
+    @classmethod
+    def ask(cls, engines: EngineSet) -> "_AskedEngines":
+        timeout_s = _deadline_s(engines)
+        calls = engines.submit_each(lambda client: parse_checksum_response(client.check_weights()))
+        return cls(engines.urls, tuple(calls), time.monotonic() + timeout_s, timeout_s)
+
+    def answers(self, version: str, ledger: Any) -> list[EngineChecksums]:
+        with engine_call(ledger, "weight_sync/proof", len(self.urls), "engines"):
+            futures_wait(self.calls, timeout=max(0.0, self.deadline - time.monotonic()))
+            problems = [(url, call) for url, call in zip(self.urls, self.calls)
+                        if not call.done() or call.exception() is not None]
+            if problems:
+                said = "; ".join(f"engine {url}: " + (f"no answer within {self.timeout_s:g}s" if not call.done() else
+                                                      f"{type(call.exception()).__name__}: {call.exception()}")
+                                 for url, call in problems)
+                cause = next((call.exception() for _, call in problems if call.done()), None)
+                raise WeightProofError(f"weight-sync proof after the push of version {version}: {len(problems)} "
+                                       f"engine(s) did not report what they serve: {said}") from cause
+            return [call.result() for call in self.calls]
 
 
 def _digests_read(named: list[tuple[str, torch.Tensor]], read: Callable[[torch.Tensor], torch.Tensor],

@@ -349,9 +349,8 @@ class WeightSync:
                     break
                 if role.sender and result.error is None:  # in the engines' dtypes, digested as the export gave it
                     bucket, tensors = item
-                    result.error = _attempt(lambda: self._send_bucket(bucket, apply_weight_push_fault(
-                        self.proof.prepare(self.fed_engines, tensors), role.world_rank, int(version) - 1),
-                        version, plan, ledger, result))
+                    result.error = _attempt(lambda: self._send_proven(bucket, tensors, role, version, plan, ledger,
+                                                                      result))
                 if ledger is not None:
                     ledger.note_progress()  # a bucket exported (and sent): progress on every exporter
         return result
@@ -393,6 +392,13 @@ class WeightSync:
         if select is None:
             return self.weight_source(model_chunks, self.hf_config, read_param)
         return self.weight_source(model_chunks, self.hf_config, read_param, select=select)
+
+    def _send_proven(self, bucket: WeightBucket, tensors: NamedTensors, role: SyncRole, version: str,
+                     plan: WeightSyncPlan, ledger, result: _PushResult) -> None:
+        """The bucket in the engines' dtypes, sent while the proof digests it; the next export waits for both."""
+        with self.proof.sending(self.fed_engines, tensors) as cast:
+            self._send_bucket(bucket, apply_weight_push_fault(cast, role.world_rank, int(version) - 1), version, plan,
+                              ledger, result)
 
     def _send_bucket(self, bucket: WeightBucket, tensors: NamedTensors, version: str, plan: WeightSyncPlan,
                      ledger, result: _PushResult) -> None:
@@ -436,6 +442,7 @@ class WeightSync:
         }
 
     def close(self) -> None:
+        self.proof.close()
         if self._transport is not None:
             self._transport.close()
             self._transport = None
