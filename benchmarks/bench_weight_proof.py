@@ -8,11 +8,11 @@ checkpoint, and pushes them as the fenced sync's push phase does (one session, e
 TensorTransport.send, the version with the last), then runs the proof's coordinator part. Each push is timed
 twice side by side, the proof off and on, so the proof's wall-clock cost is a difference of two pushes measured
 in the same process. Printed per push (medians over --repeats, after one warm-up push of each kind):
-  sender      the proof's share of WeightProof.prepare (the digests of what goes out) and, within it, the time
-              the push waited for them
+  sender      what the push waited for the digests of what it sent (proof_seconds minus the coordinator's part)
   engines     the coordinator's /weights_checker call (the engines digest what they serve, answer, are parsed)
   rtt         a control round trip to the same engines (GET /weight_version): the HTTP floor
   compare     the coordinator's comparison (the proof's run minus its engine call)
+  digest      one side's digest of every tensor, in this process, on --device (tensor_digest.tensor_digests)
   calls       HTTP calls per push per engine, by route, proof off and on
   wall        the push + proof wall-clock seconds off and on, and their difference
 Prints lines starting `WEIGHT_PROOF`.
@@ -121,8 +121,11 @@ def main(argv: list[str] | None = None) -> None:
     from safetensors.torch import load_file
 
     generator = torch.Generator().manual_seed(0)
-    named = sorted((name, (t.float() + 0.01 * torch.randn(t.shape, generator=generator)).to(opts.device))
-                   for path in sorted(Path(checkpoint).glob("*.safetensors")) for name, t in load_file(str(path)).items())
+    # the trainer's export in the engines' dtype (a bf16 run's), moved off the checkpoint: no cast on the way out
+    loaded = [item for path in sorted(Path(checkpoint).glob("*.safetensors")) for item in load_file(str(path)).items()]
+    named = sorted((name, (t.float() + 0.01 * torch.randn(t.shape, generator=generator)).to(opts.device,
+                                                                                            torch.bfloat16))
+                   for name, t in loaded)
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
     plan = pack_buckets([(n, t.numel() * t.element_size()) for n, t in named], opts.bucket_bytes)
     by_name = dict(named)
@@ -161,10 +164,24 @@ def main(argv: list[str] | None = None) -> None:
         engines.close()
         for handle in handles:
             handle.stop()
-    report(opts, nbytes, len(named), len(plan), rows, calls, rtt[1:])
+    report(opts, nbytes, len(named), len(plan), rows, calls, rtt[1:], digest_seconds(named, opts.repeats))
 
 
-def report(opts, nbytes: int, tensors: int, n_buckets: int, rows, calls, rtt: list[float]) -> None:
+def digest_seconds(named, repeats: int) -> float:
+    """One side's digest of every tensor (what the engine does per push, what the sender does bucket by bucket)."""
+    from slime.backends.sglang_utils.tensor_digest import tensor_digests
+
+    tensor_digests([t for _, t in named])  # compiles on a GPU
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        tensor_digests([t for _, t in named])  # the digests come back to the host: synchronised
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def report(opts, nbytes: int, tensors: int, n_buckets: int, rows, calls, rtt: list[float], digest_s: float
+           ) -> None:
     def median(mode: str, key: str) -> float:
         return statistics.median(row.get(key, 0.0) for row in rows[mode])
 
@@ -175,7 +192,8 @@ def report(opts, nbytes: int, tensors: int, n_buckets: int, rows, calls, rtt: li
     print(f"WEIGHT_PROOF {tensors} tensors, {nbytes / 1e9:.3f} GB in {n_buckets} buckets, {opts.engines} embedded "
           f"engine(s) on {opts.device}, median of {len(rows['on'])} pushes each way")
     print(f"WEIGHT_PROOF parts (s): sender {sender_s:.4f}  engines {engines_s:.4f}  rtt {statistics.median(rtt):.4f}  "
-          f"compare {max(run_s - engines_s, 0.0):.4f}  proof_seconds {proof_s:.4f}")
+          f"compare {max(run_s - engines_s, 0.0):.4f}  proof_seconds {proof_s:.4f}  (one side's digest of every "
+          f"tensor: {digest_s:.4f})")
     per_engine = {mode: {route: n / opts.engines for route, n in sorted(c.items())} for mode, c in calls.items()}
     print(f"WEIGHT_PROOF calls per push per engine: off {per_engine.get('off')}  on {per_engine.get('on')}")
     print(f"WEIGHT_PROOF wall (s): off {off_wall:.4f}  on {on_wall:.4f}  proof adds {on_wall - off_wall:.4f} "

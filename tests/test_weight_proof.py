@@ -57,6 +57,10 @@ def test_the_digest_is_its_definition_on_every_path(monkeypatch):
     big = torch.randn(7000, generator=generator)
     assert tensor_digest._device_lanes([(0, tensor_digest._bytes_of(big))])[0] == tensor_digest._host_lanes(
         tensor_digest._bytes_of(big))
+    # many tensors over several groups, a large one between them (its head alone, its tail with those after it)
+    mixed = [(i, tensor_digest._bytes_of(t)) for i, t in enumerate([*tensors, big, *tensors, big[1:]])]
+    lanes = tensor_digest._device_lanes(mixed)
+    assert [lanes[i] for i, _ in mixed] == [tensor_digest._host_lanes(f) for _, f in mixed]
     # one bit anywhere, or the same bytes as another dtype, is another digest
     flipped = big.clone()
     flipped.view(torch.int32)[4321] ^= 1 << 7
@@ -144,10 +148,12 @@ def _pusher(url):
     return engines, TensorTransport(engines, "embedded", 1)
 
 
-def _push(proof, engines, transport, tensors, version):
+def _push(proof, engines, transport, tensors, version, on_the_way=lambda tensors: tensors):
+    """One bucket as the sync sends it: digested while it goes out; `on_the_way` stands for a faulty transport."""
     engines.begin_session()
     try:
-        transport.send(0, proof.prepare(engines, tensors), version=version, flush_cache=True)
+        with proof.sending(engines, tensors) as cast:
+            transport.send(0, on_the_way(cast), version=version, flush_cache=True)
     finally:
         engines.end_session()
 
@@ -186,6 +192,14 @@ def test_the_proof_names_unwritten_and_changed_tensors(moe_engine):
         error = _prove(proof, engines, "3")
         assert f"engine {url}, tensor {name!r}, version 2: the engine serves bfloat16:" in str(error)
         assert "1 tensor(s) differ" in str(error)
+        # a push corrupted on its way (after the trainer handed it over, as corrupt_weight_push does): named
+        corrupted = "model.layers.0.self_attn.o_proj.weight"
+        proof.start_sync()
+        _push(proof, engines, transport, weights, "4",
+              on_the_way=lambda cast: [(n, t + 0.5 if n == corrupted else t) for n, t in cast])
+        error = str(_prove(proof, engines, "4"))
+        assert f"engine {url}, tensor {corrupted!r}, version 4: the engine serves bfloat16:" in error
+        assert "1 tensor(s) differ" in error
     finally:
         engines.close()
         transport.close()

@@ -16,15 +16,16 @@ so the integer arithmetic is exact on every device (no overflow), and the sums d
 the additions: a CPU and a GPU agree bit for bit.
 
 Cost: on CUDA the per-word maths and the row sums are one Triton kernel reading each byte once; tensors are
-grouped into buffers of up to GROUP_BYTES so one launch covers many small tensors; only 16 bytes per tensor come
-back to the host (without Triton, or on another device, the same maths runs as torch ops, eagerly). On the host
-(tests, the CPU engine) numpy's wrapping uint32 arithmetic computes the same sums.
+grouped into buffers of up to GROUP_BYTES (one concatenation per group pads every member to whole rows) so one
+launch covers many small tensors; only 16 bytes per tensor come back to the host (without Triton, or on another
+device, the same maths runs as torch ops, eagerly). On the host (tests, the CPU engine) numpy's wrapping uint32
+arithmetic computes the same sums.
 """
 from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -101,58 +102,64 @@ def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     return flat if flat.storage_offset() % 4 == 0 else flat.clone()  # whole words of its own storage
 
 
-@dataclass(frozen=True)
-class _Piece:
-    """Words start_word .. start_word + words of the tensor at `position` (a tensor is one piece, or an
-    aligned head of its own and a tail)."""
-
-    position: int
-    start_word: int
-    words: int
-    data: torch.Tensor  # its bytes, zero-padded to whole rows
-
-    @property
-    def rows(self) -> int:
-        return self.data.numel() // (ROW_WORDS * 4)
+ROW_BYTES = ROW_WORDS * 4
 
 
-def _pieces(position: int, flat: torch.Tensor, zeros: torch.Tensor) -> list[_Piece]:
-    """A large tensor's row-aligned head is digested in place (no copy); the rest gets padding."""
-    row_bytes = ROW_WORDS * 4
-    head = flat.numel() // row_bytes * row_bytes if flat.numel() > GROUP_BYTES else 0
-    pieces = [_Piece(position, 0, head // 4, flat[:head])] if head else []
-    tail = flat[head:]
-    if tail.numel() or not head:
-        pad = (-tail.numel()) % row_bytes or (0 if tail.numel() else row_bytes)
-        padded = torch.cat([tail, zeros[:pad]]) if pad else tail
-        pieces.append(_Piece(position, head // 4, -(-tail.numel() // 4), padded))
-    return pieces
+@dataclass
+class _Group:
+    """Tensors digested in one call: their bytes, each padded to whole rows, concatenated once (or, alone, a large
+    tensor's row-aligned head, in place); per tensor (or head, or tail) its rows, first word's index and words."""
+
+    parts: list[torch.Tensor] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    start_words: list[int] = field(default_factory=list)
+    words: list[int] = field(default_factory=list)
+    nbytes: int = 0
+
+    def add(self, position: int, part: torch.Tensor, pad: torch.Tensor | None, start_word: int, nbytes: int) -> None:
+        self.parts += [part] if pad is None else [part, pad]
+        padded = nbytes + (0 if pad is None else pad.numel())
+        self.positions.append(position)
+        self.rows.append(padded // ROW_BYTES)
+        self.start_words.append(start_word)
+        self.words.append(-(-nbytes // 4))
+        self.nbytes += padded
 
 
-def _groups(pieces: list[_Piece]) -> list[list[_Piece]]:
-    groups: list[list[_Piece]] = [[]]
-    size = 0
-    for piece in pieces:
-        if groups[-1] and size + piece.data.numel() > GROUP_BYTES:
-            groups.append([])
-            size = 0
-        groups[-1].append(piece)
-        size += piece.data.numel()
-    return groups
+def _groups(flats: list[tuple[int, torch.Tensor]], zeros: torch.Tensor) -> list[_Group]:
+    """Groups of up to GROUP_BYTES. A tensor over it has its row-aligned head digested in place, alone (no copy),
+    and its tail grouped with the tensors after it. A tensor's padding is a slice of `zeros`: no copy of its own,
+    the group's one concatenation pads them all."""
+    groups = [_Group()]
+    for position, flat in flats:
+        nbytes = flat.numel()
+        head = nbytes // ROW_BYTES * ROW_BYTES if nbytes > GROUP_BYTES else 0
+        if head:
+            groups.insert(len(groups) - 1, _Group())
+            groups[-2].add(position, flat[:head], None, 0, head)
+            if head == nbytes:
+                continue
+        tail = nbytes - head
+        pad = -tail % ROW_BYTES if tail else ROW_BYTES  # an empty tensor: one row of padding
+        if groups[-1].positions and groups[-1].nbytes + tail + pad > GROUP_BYTES:
+            groups.append(_Group())
+        groups[-1].add(position, flat[head:] if head else flat, zeros[:pad] if pad else None, head // 4, tail)
+    return [group for group in groups if group.positions]
 
 
-def _group_lanes(group: list[_Piece], device: torch.device) -> list[tuple[int, int]]:
-    """The lane sums of each piece of a group (one call over all its rows), on the host."""
-    data = group[0].data if len(group) == 1 else torch.cat([p.data for p in group])
+def _group_lanes(group: _Group, device: torch.device) -> list[tuple[int, int]]:
+    """The lane sums of each member of a group (one call over all its rows), on the host."""
+    data = group.parts[0] if len(group.parts) == 1 else torch.cat(group.parts)
     rows = data.view(torch.int32).view(-1, ROW_WORDS)
     rows_per, start, words = (torch.tensor(v, dtype=torch.int64, device=device) for v in
-                              ([p.rows for p in group], [p.start_word for p in group], [p.words for p in group]))
-    owner = torch.repeat_interleave(torch.arange(len(group), device=device), rows_per, output_size=rows.shape[0])
+                              (group.rows, group.start_words, group.words))
+    owner = torch.repeat_interleave(torch.arange(len(group.rows), device=device), rows_per, output_size=rows.shape[0])
     local = torch.arange(rows.shape[0], device=device) - (torch.cumsum(rows_per, 0) - rows_per)[owner]
     first = start[owner] + local * ROW_WORDS
     valid = (words[owner] - local * ROW_WORDS).clamp(max=ROW_WORDS)
     lanes = _row_lanes_on(device)(rows, first, valid)
-    sums = torch.zeros(len(group), 2, dtype=torch.int64, device=device).index_add_(0, owner, lanes)
+    sums = torch.zeros(len(group.rows), 2, dtype=torch.int64, device=device).index_add_(0, owner, lanes)
     return [tuple(pair) for pair in sums.cpu().tolist()]
 
 
@@ -205,16 +212,15 @@ def tensor_digests(tensors: Sequence[torch.Tensor]) -> list[str]:
 
 def _device_lanes(flats: list[tuple[int, torch.Tensor]]) -> dict[int, list[int]]:
     """position -> lane sums of tensors on a device: grouped, one row-wise call per group."""
-    by_device: dict[torch.device, list[_Piece]] = {}
-    zeros: dict[torch.device, torch.Tensor] = {}
+    by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
     for position, flat in flats:
-        pad = zeros.setdefault(flat.device, torch.zeros(ROW_WORDS * 4, dtype=torch.uint8, device=flat.device))
-        by_device.setdefault(flat.device, []).extend(_pieces(position, flat, pad))
+        by_device.setdefault(flat.device, []).append((position, flat))
     lanes: dict[int, list[int]] = {}
-    for device, pieces in by_device.items():
-        for group in _groups(pieces):
-            for piece, pair in zip(group, _group_lanes(group, device)):
-                held = lanes.setdefault(piece.position, [0, 0])
+    for device, members in by_device.items():
+        zeros = torch.zeros(ROW_BYTES, dtype=torch.uint8, device=device)
+        for group in _groups(members, zeros):
+            for position, pair in zip(group.positions, _group_lanes(group, device)):
+                held = lanes.setdefault(position, [0, 0])
                 held[0] += pair[0]
                 held[1] += pair[1]
     return lanes

@@ -7,16 +7,20 @@ collectives; this one proves the engines hold what the trainer trained. It runs 
   sender     before the first push to its engines, asks each for its checksums (SGLang's `/weights_checker`,
              sglang_utils/weight_checker.py) to learn the dtype it holds each tensor in; every tensor then goes
              out cast to that dtype (a bf16 routing bias is pushed as bf16, so a delta against it can match) and
-             is digested as sent (sglang_utils/tensor_digest.py), on its device, before anything can alter it.
+             is digested as handed to the transport (sglang_utils/tensor_digest.py), on its device and stream, on
+             the proof's thread while the bucket is sent; the bucket is let go (its memory free for the next
+             export) only once its digests are taken.
   exporter   with a subset push (LoRA: only what training changes goes out after the first push), digests the
              local shard of every exported tensor the subset leaves out and compares it with its digest at the
              last full push: a tensor that changed on the trainer but is no longer pushed is named.
-  coordinator  gathers the senders' digests (one gather_object over the fence group, to world rank 0), keeps
-             per engine what was pushed to it and at which version, asks every engine for its checksums and
-             compares: a digest that differs, a pushed tensor the engine lacks, a tensor the engine serves that no
-             push ever wrote. A tensor the trainer does not build (a composite checkpoint's vision tower in a run
-             that trains its text model alone) is never pushed: the engine loaded it from --hf-checkpoint, so it
-             is compared with the checkpoint's, and a finding says why the trainer does not own it.
+  coordinator  asks every engine for its checksums at once as the proof begins (the engines digest while it
+             does its own part and the gather), gathers the senders' digests (one gather_object over the fence
+             group, to world rank 0), keeps per engine what was pushed to it and at which version, awaits the
+             engines' answers against one deadline (every late or failing engine named) and compares: a digest
+             that differs, a pushed tensor the engine lacks, a tensor the engine serves that no push ever wrote.
+             A tensor the trainer does not build (a composite checkpoint's vision tower in a run that trains its
+             text model alone) is never pushed: the engine loaded it from --hf-checkpoint, so it is compared with
+             the checkpoint's, and a finding says why the trainer does not own it.
 
 Every finding names the engine, the tensor and the version, and is raised as a WeightProofError through the
 sync's fence, on every rank alike. The engines' own digests cover parameters and buffers alike: the embedded
@@ -186,14 +190,15 @@ class WeightProof:
         """This rank's part after the push; its error (not raised: the caller's fence carries it to every rank).
         Every rank calls it: it holds the gather of the senders' digests."""
         start = time.perf_counter()
-        asked = _AskedEngines.ask(engines) if coordinator else None  # the engines digest while this rank goes on
-        error = None
+        asked: list[_AskedEngines] = []  # the engines digest while this rank does its part and the gather
+        error = _attempt(lambda: asked.append(_AskedEngines.ask(engines))) if coordinator else None
         if exporter and self.subset is not None:
-            error = _attempt(lambda: self._check_left_out(model_chunks, full_push, read_param, version, ledger))
+            left_out = _attempt(lambda: self._check_left_out(model_chunks, full_push, read_param, version, ledger))
+            error = error or left_out
         pushed, self._pushed = self._pushed, _Pushed()
         gathered = _gather_to_first(pushed if pushed.digests else None, group)
-        if coordinator:
-            error = error or _attempt(lambda: self._check_engines(gathered, asked, version, ledger))
+        if coordinator and asked:
+            error = error or _attempt(lambda: self._check_engines(gathered, asked[0], version, ledger))
         self._seconds += time.perf_counter() - start
         return error
 
