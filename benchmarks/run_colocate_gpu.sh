@@ -21,6 +21,9 @@
 #   digest  the weight-sync proof's tensor digest on the GPU: equal to the host's for every dtype and layout, and its
 #           throughput over a 0.6B-shaped body (benchmarks/bench_tensor_digest_gpu.py); the loop's summary prints the
 #           proof's seconds per push beside actor_train (weight_sync/proof_seconds)
+#   proof   the weight-sync proof's parts on the loop's model, one embedded engine on the same GPU: the sender's wait
+#           for its digests, the engine's /weights_checker call, a control round trip, HTTP calls per push, and the
+#           push's wall-clock time with the proof off and on (benchmarks/bench_weight_proof.py)
 #   footprint  a trainer-like process's device memory outside PyTorch's allocator, item by item
 #           (context, cuBLAS, attention, NCCL; benchmarks/footprint_gpu.py), with NCCL's default channels and with one
 #   logprobs  the loop's model on one GPU: engine, transformers and megatron log-probs of the same generated
@@ -146,6 +149,11 @@ push)
   timeout ${PUSH_TIMEOUT:-200} python3 benchmarks/bench_weight_push_gpu.py --checkpoint $MODEL --repeats ${REPEATS:-5} \
     --json "$OUT/push.json" > "$OUT/push.log" 2>&1
   echo "push rc=$?"; grep -h "WEIGHT_PUSH\|Error" "$OUT/push.log" | cut -c1-400 ;;
+proof)
+  counting_model
+  timeout ${PROOF_TIMEOUT:-300} python3 benchmarks/bench_weight_proof.py --device cuda --checkpoint $MODEL \
+    --repeats ${REPEATS:-5} --json "$OUT/proof.json" > "$OUT/proof.log" 2>&1
+  echo "proof rc=$?"; grep -h "WEIGHT_PROOF\|Error" "$OUT/proof.log" | cut -c1-400 ;;
 digest)
   timeout ${DIGEST_TIMEOUT:-240} python3 benchmarks/bench_tensor_digest_gpu.py --repeats ${REPEATS:-5} \
     --json "$OUT/digest.json" > "$OUT/digest.log" 2>&1
