@@ -260,6 +260,7 @@ def check_launch(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each case: slime args + --sglang-* argv -> the project's passthrough and launcher -> SGLang's parser."""
     from slime.backends.sglang_utils import launcher
     from slime.config import defaults_namespace
+    from slime.config.parse import apply_sglang_server_args
     from slime.utils import sglang_passthrough
     from slime.utils.security import current_key
 
@@ -271,7 +272,7 @@ def check_launch(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
         result: dict[str, Any] = {"name": case["name"]}
         try:
             _, passthrough = sglang_passthrough.split_passthrough(case["argv"], frozenset(case.get("declared", [])))
-            args.sglang_server_args = sglang_passthrough.resolve_server_args(args, passthrough)
+            apply_sglang_server_args(args, passthrough)
             nodes = launcher.EngineNodes(**case["nodes"]) if case.get("nodes") else None
             with launcher.private_key_config() as key_file:  # as launch_engine starts SGLang
                 command = launcher.build_sglang_command(args, case.get("engine_rank", 0), "127.0.0.1", 30000,

@@ -323,7 +323,8 @@ def test_the_default_engine_window_ends_a_hung_rollout_within_five_minutes_and_h
                        "--train-backend-device", "cpu", "--rollout-backend", "embedded"])
     model = args.run_config.deadlines
     assert model.engine_no_progress_s == 180 and model.engine_look_s == 15 and model.engine_read_s == 5
-    assert model.engine_stall_found_s + rollout_driver_margin_s(args) <= 300 < rollout_deadline_s(args)
+    found_s = model.engine_stall_found_s + rollout_driver_margin_s(args)
+    assert found_s <= 300 < rollout_deadline_s(args, args.run_config)
     said = " ".join(build_parser()._option_string_actions["--rollout-no-progress-timeout"].help.split())
     assert f"Default {model.engine_no_progress_s:.0f}" in said and "within 5 minutes" in said
     assert f"window / {round(model.engine_no_progress_s / model.engine_look_s)}" in said

@@ -158,7 +158,9 @@ def test_train_env_vars_reach_the_rank_process(monkeypatch):
 
     monkeypatch.setattr(actor_module, "MegatronTrainActor", FakeMegatronActor)
     monkeypatch.delenv("SLIME_TEST_ENV_VAR", raising=False)
-    args = SimpleNamespace(train_env_vars={"SLIME_TEST_ENV_VAR": 3}, api_key=current_key(), restart_count=0)
+    from slime.config import defaults_namespace
+
+    args = defaults_namespace(train_env_vars={"SLIME_TEST_ENV_VAR": 3}, api_key=current_key())
     rank = train_actor.TrainRayActor(args, 0, 1, "/tmp")
     rank.init("127.0.0.1", 1, [])
     assert seen["value"] == "3"

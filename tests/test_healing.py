@@ -9,6 +9,8 @@ import types
 
 import pytest
 
+from slime.config import defaults_namespace
+from slime.config.run_state import run_state_of
 from slime.ray.driver.healing import (Failure, HealingPolicy, HealingRefusedError, RepeatedFailureError, Restart,
                                       SavedCheckpoint, plan_restart, train_with_healing)
 from slime.ray.driver.rank_wait import RankFailedError
@@ -62,9 +64,8 @@ def test_no_checkpoint_or_one_outside_the_window_is_a_named_refusal():
 
 
 def run_args(tmp_path, max_restarts: int) -> argparse.Namespace:
-    return argparse.Namespace(max_restarts=max_restarts, restart_window_rollouts=None, save=str(tmp_path),
-                              ledger_dir=None, load=None, finetune=True, start_rollout_id=0,
-                              start_rollout_id_given=True, restart_count=0, run_id="this-run",
+    return defaults_namespace(max_restarts=max_restarts, restart_window_rollouts=None, save=str(tmp_path),
+                              ledger_dir=None, load=None, finetune=True, start_rollout_id=0, run_id="this-run",
                               no_load_optim=False, no_load_rng=False, use_critic=False)
 
 
@@ -82,7 +83,8 @@ def test_the_loop_resumes_from_save_and_stops_on_an_unnamed_error(tmp_path):
     seen = []
 
     def train(a):
-        seen.append((a.load, a.start_rollout_id, a.finetune, a.restart_count))
+        state = run_state_of(a)
+        seen.append((a.load, a.start_rollout_id, a.finetune, state.restart_count, state.restart_checkpoint))
         if len(seen) == 1:
             publish(tmp_path, 1)
             error = RankFailedError("phase 'actor_train': rank 1 exited", phase="actor_train", ranks=(1,))
@@ -95,8 +97,8 @@ def test_the_loop_resumes_from_save_and_stops_on_an_unnamed_error(tmp_path):
 
     with pytest.raises(ValueError, match="a bug"):
         train_with_healing(train, args)
-    assert seen == [(None, 0, True, 0), (str(tmp_path), None, False, 1), (str(tmp_path), None, False, 2)]
-    assert args.restart_checkpoint == 2
+    assert seen == [(None, 0, True, 0, None), (str(tmp_path), None, False, 1, 1), (str(tmp_path), None, False, 2, 2)]
+    assert (args.load, args.finetune, run_state_of(args).restart_count) == (None, True, 0)  # each attempt its own
 
 
 def test_without_max_restarts_a_named_failure_ends_the_run(tmp_path):
@@ -206,29 +208,33 @@ def test_a_run_resumed_from_its_save_directory_may_go_back_to_that_checkpoint(tm
     seen = []
 
     def train(a):
-        seen.append((a.load, a.restart_count))
+        seen.append((a.load, run_state_of(a).restart_count, run_state_of(a).restart_checkpoint))
         if len(seen) == 1:
             error = TimeoutError("rollout 4 timed out")
             error.failed_rollout_id = 4  # as the session notes it
             raise error
 
     train_with_healing(train, args)
-    assert seen == [(str(tmp_path), 0), (str(tmp_path), 1)] and args.restart_checkpoint == 3
+    assert seen == [(str(tmp_path), 0, None), (str(tmp_path), 1, 3)]
 
 
 # ----------------------------------------------------------------------------- exact under every flag
 def test_a_restart_loads_the_optimizer_rng_and_the_critics_own_saves(tmp_path):
-    from slime.ray.driver.healing import prepare_resume
+    from slime.ray.driver.healing import resume_args
 
-    args = types.SimpleNamespace(ledger_dir=None, load="/A", save=str(tmp_path), finetune=True, start_rollout_id=51,
-                                 start_rollout_id_given=False, no_load_optim=True, no_load_rng=True,
-                                 use_critic=True, critic_load="/C", critic_save=None, restart_count=0)
-    prepare_resume(args, Restart(number=1, failure=failure(52), checkpoint=51))
-    assert (args.load, args.finetune, args.no_load_optim, args.no_load_rng) == (str(tmp_path), False, False, False)
-    assert args.critic_load == str(tmp_path / "critic") and args.start_rollout_id is None  # not --critic-load's /C
-    args.critic_save = "/D"
-    prepare_resume(args, Restart(number=2, failure=failure(53), checkpoint=52))
-    assert args.critic_load == "/D"
+    args = defaults_namespace(ledger_dir=None, load="/A", save=str(tmp_path), finetune=True, start_rollout_id=51,
+                              no_load_optim=True, no_load_rng=True, use_critic=True, critic_load="/C",
+                              critic_save=None)
+    resumed = resume_args(args, Restart(number=1, failure=failure(52), checkpoint=51))
+    assert (resumed.load, resumed.finetune, resumed.no_load_optim, resumed.no_load_rng) == (str(tmp_path), False,
+                                                                                             False, False)
+    assert resumed.critic_load == str(tmp_path / "critic") and resumed.start_rollout_id is None  # not /C
+    assert (args.load, args.critic_load, args.start_rollout_id) == ("/A", "/C", 51)  # the failed attempt's, kept
+    state = run_state_of(resumed)
+    assert (state.start_rollout_id, state.start_rollout_id_given, state.restart_count) == (None, False, 1)
+    again = resume_args(defaults_namespace(**{**vars(resumed), "critic_save": "/D"}),
+                        Restart(number=2, failure=failure(53), checkpoint=52))
+    assert again.critic_load == "/D" and run_state_of(again).restart_checkpoint == 52
 
 
 # ----------------------------------------------------------------------------- repeats by role and rank
@@ -267,7 +273,7 @@ def test_a_restart_moves_the_critics_stack_files_aside_and_keeps_the_engines_log
 def test_a_healed_run_removes_the_temp_ledger_dir_it_made(tmp_path):
     from slime.ray.driver.trainer_group import remove_temp_ledger_dir, resolve_ledger_dir
 
-    args = types.SimpleNamespace(ledger_dir=None, ledger_dir_is_temp=False)
+    args = defaults_namespace(ledger_dir=None)
     made = resolve_ledger_dir(args)  # the first session
     assert resolve_ledger_dir(args) == made  # the restarted session's
     remove_temp_ledger_dir(args)  # the run ended cleanly
@@ -288,7 +294,7 @@ def test_a_rank_group_that_fails_to_start_its_ranks_ends_its_hub(monkeypatch):
 
     monkeypatch.setattr(trainer_group.ray, "remote", lambda cls: types.SimpleNamespace(options=refuse))
     layout = types.SimpleNamespace(world_size=2)
-    args = types.SimpleNamespace(ledger_dir="/tmp", run_config=types.SimpleNamespace(layout=layout, deadlines=None))
+    args = defaults_namespace(ledger_dir="/tmp", run_config=types.SimpleNamespace(layout=layout, deadlines=None))
     with pytest.raises(ValueError, match="no such bundle"):
         trainer_group.RayTrainGroup(args, types.SimpleNamespace(trainer_options=lambda rank, role: {}))
     assert killed == ["hub"]

@@ -151,11 +151,13 @@ def test_tensorboard_logs_the_same_metrics_as_the_jsonl(tmp_path, monkeypatch):
 
 
 def test_tensorboard_dir_follows_upstream_override_then_flags(monkeypatch):
+    from slime.config import defaults_namespace
     from slime.utils.metrics_logger import tensorboard_log_dir
 
     args = SimpleNamespace(tensorboard_dir="tb", tb_experiment_name="exp")
     monkeypatch.delenv("TENSORBOARD_DIR", raising=False)
     assert tensorboard_log_dir(args) == "tb/exp"
-    assert tensorboard_log_dir(SimpleNamespace(tensorboard_dir=None, tb_experiment_name=None)) == "tensorboard_log"
+    assert tensorboard_log_dir(defaults_namespace(use_tensorboard=True)) == "tensorboard_log"  # completed by the config
+    assert tensorboard_log_dir(defaults_namespace(tb_project_name="proj")) == "proj"  # upstream's name
     monkeypatch.setenv("TENSORBOARD_DIR", "/elsewhere")
     assert tensorboard_log_dir(args) == "/elsewhere"

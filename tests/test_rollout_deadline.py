@@ -54,15 +54,17 @@ def test_default_timeout_grows_with_response_length_and_batch():
 
 def test_deadline_from_flags_and_override():
     args, _ = _parse("--rollout-max-response-len", "1000", "--rollout-num-gpus", "2")
-    assert rollout_deadline_s(args) == pytest.approx(300 + 100)
+    assert rollout_deadline_s(args, args.run_config) == pytest.approx(300 + 100)
     args, _ = _parse("--rollout-max-response-len", "1000", "--over-sampling-batch-size", "2000",
                      "--sglang-server-concurrency", "1000", "--rollout-num-gpus", "2")
-    assert rollout_deadline_s(args) == pytest.approx(300 + 0.1 * 1000 * 8)  # 2000 x 8 samples over 2 x 1000
+    # 2000 x 8 samples over 2 x 1000
+    assert rollout_deadline_s(args, args.run_config) == pytest.approx(300 + 0.1 * 1000 * 8)
     args, _ = _parse("--rollout-max-response-len", "1000", "--eval-max-response-len", "50",
                      "--n-samples-per-eval-prompt", "2")
-    assert rollout_deadline_s(args, evaluation=True, eval_prompts=10) == pytest.approx(300 + 5)
+    assert rollout_deadline_s(args, args.run_config, evaluation=True, eval_prompts=10) == pytest.approx(300 + 5)
     args, _ = _parse("--rollout-timeout", "42", "--rollout-health-check-timeout", "3", "--use-fault-tolerance")
-    assert rollout_deadline_s(args) == 42 and rollout_deadline_s(args, evaluation=True) == 42
+    run = args.run_config
+    assert rollout_deadline_s(args, run) == 42 and rollout_deadline_s(args, run, evaluation=True) == 42
     assert driver_margin_s(args) > 2 * 3
 
 
@@ -403,9 +405,11 @@ def _manager_with_hanging_log(window_s: float):
     from slime.ray.rollout_manager.manager import RolloutManager
     from slime.ray.rollout_manager.steps import RolloutSteps
 
-    args = types.SimpleNamespace(use_fault_tolerance=False, save_debug_rollout_data=None, save=None,
-                                 custom_convert_samples_to_train_data_path=None, rollout_timeout=60,
-                                 custom_rollout_log_function_path=f"{hook_plugins.__file__}:hanging_rollout_log")
+    from slime.config import defaults_namespace
+
+    args = defaults_namespace(use_fault_tolerance=False, save_debug_rollout_data=None, save=None,
+                              custom_convert_samples_to_train_data_path=None, rollout_timeout=60,
+                              custom_rollout_log_function_path=f"{hook_plugins.__file__}:hanging_rollout_log")
     manager = object.__new__(RolloutManager)
     guard = types.SimpleNamespace(run=lambda *a, **k: (([], {}), {}), left_s=lambda: None)
     fleet = types.SimpleNamespace(needing_weights=lambda: [])

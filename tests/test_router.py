@@ -157,8 +157,9 @@ def test_add_and_list_workers(servers):
 @pytest.mark.parametrize("use_slime_router", [True, False], ids=["slime-router", "sglang-router"])
 def test_launch_router_process(servers, tmp_path, use_slime_router):
     workers = [servers(fake_engine(f"w{i}")) for i in range(2)]
-    args = defaults_namespace(use_slime_router=use_slime_router, sglang_router_ip=None, sglang_router_port=None)
-    handle = launch_router(args, [w.url for w in workers], startup_timeout_s=60, log_dir=str(tmp_path))
+    args = defaults_namespace(use_slime_router=use_slime_router)
+    handle = launch_router(args, [w.url for w in workers], host="127.0.0.1", port=None, startup_timeout_s=60,
+                           log_dir=str(tmp_path))
     try:
         answered = {post_generate(handle.url).json()["text"] for _ in range(4)}
         assert answered == {"w0", "w1"}, handle.server.log_tail()

@@ -114,7 +114,7 @@ def test_the_key_reaches_child_servers_by_private_file_or_environment_never_argv
         assert open(path).read() == f"api-key: {json.dumps(key)}\n"
     assert not os.path.exists(folder)
 
-    args = defaults_namespace(use_slime_router=False, sglang_router_policy=None)
+    args = defaults_namespace(use_slime_router=False)
     kind, command = router_command(args, "127.0.0.1", 30000, ["http://127.0.0.1:1"])
     assert kind == "sglang-router" and command[1:3] == ["-m", "slime.router.sglang_router_launch"]
     assert not any(key in token for token in command) and "--api-key" not in command
@@ -343,9 +343,9 @@ def test_routers_start_although_their_first_ports_are_taken(use_slime_router, la
     ports = iter([busy_port, busy_port])  # sglang-router: its first two picks are taken, the third is free
     free = router.find_free_port
     monkeypatch.setattr(router, "find_free_port", lambda host="127.0.0.1": next(ports, None) or free(host))
-    args = defaults_namespace(use_slime_router=use_slime_router, sglang_router_ip="127.0.0.1",
-                              sglang_router_port=None)
-    handle = router.launch_router(args, [launched_engine.url], startup_timeout_s=60, log_dir=str(tmp_path))
+    args = defaults_namespace(use_slime_router=use_slime_router)
+    handle = router.launch_router(args, [launched_engine.url], host="127.0.0.1", port=None, startup_timeout_s=60,
+                                  log_dir=str(tmp_path))
     generate = {"text": "hi", "sampling_params": {"max_new_tokens": 1}}
     try:
         assert handle.port != busy_port
@@ -386,11 +386,12 @@ def test_port_clash_retries_are_bounded_and_only_for_a_lost_port():
 
 def test_rendezvous_port_is_held_from_the_moment_it_is_offered(monkeypatch):
     from slime.backends.megatron_utils.parallel import join_rendezvous
+    from slime.config.run_state import advance
     from slime.ray.trainer.rank_actor import TrainRayActor
 
     monkeypatch.setenv("SLIME_HOST_IP", "127.0.0.1")
     args = parse_quiet(MINIMAL)
-    args.spans_nodes = True  # as create_placement sets it for a run over several nodes: the node's address
+    advance(args, spans_nodes=True)  # as create_placement does for a run over several nodes: the node's address
     rank0 = types.SimpleNamespace(args=args, world_size=2, _store=None)
     address, port = TrainRayActor.rendezvous_address(rank0)
     with socket.socket() as thief, pytest.raises(OSError):

@@ -29,7 +29,7 @@ def compute_advantages_and_returns(args: Any, data: RolloutBatch) -> None:
     masks = [torch.tensor(m, dtype=torch.float32) for m in data["loss_masks"]]
     kl = _shaping_kl(args, data, masks)
     inputs = AdvantageInputs(rewards=data["rewards"], kl=kl, loss_masks=masks, values=data.get("values"),
-                             kl_coef=args.kl_coef or 0.0, args=args)
+                             kl_coef=args.kl_coef, args=args)
     advantages, returns = record.advantages(inputs)
     # --use-opd: the distillation penalty joins the estimator's advantages before any whitening (upstream's order)
     advantages = opd_penalised(args, data, advantages)
@@ -44,7 +44,7 @@ def _shaping_kl(args: Any, data: RolloutBatch, masks: list[torch.Tensor]) -> lis
     policy = data.get("rollout_log_probs" if args.use_rollout_logprobs else "log_probs")
     if policy is None or data.get("ref_log_probs") is None:
         return [torch.zeros_like(m) for m in masks]
-    kl_type = args.kl_loss_type or "k1"
+    kl_type = args.kl_loss_type
     return [
         compute_approx_kl(torch.tensor(lp), torch.tensor(ref), kl_type)
         for lp, ref in zip(policy, data["ref_log_probs"])

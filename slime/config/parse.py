@@ -33,6 +33,14 @@ def _check_required(args: argparse.Namespace, required: Sequence[argparse.Action
         fail("; ".join([*missing, *launch_missing_flags(args)]))
 
 
+def apply_sglang_server_args(args: argparse.Namespace, passthrough: list[tuple[str, list[str]]]) -> None:
+    """``args.sglang_server_args``: the ServerArgs overrides the user asked for (sglang_passthrough), each mirrored
+    as ``args.sglang_<name>`` too (upstream code reads them that way)."""
+    args.sglang_server_args = sglang_passthrough.resolve_server_args(args, passthrough)
+    for name, value in args.sglang_server_args.items():
+        setattr(args, "sglang_" + name, value)
+
+
 def parse_args(
     argv: Sequence[str] | None = None,
     add_custom_arguments: Callable[[argparse.ArgumentParser], argparse.ArgumentParser | None] | None = None,
@@ -68,7 +76,7 @@ def parse_args(
             args.api_key = resolve_api_key(args.api_key)
         except ValueError as exc:
             raise ArgumentValidationError(f"--api-key: {exc}") from None
-        args.sglang_server_args = sglang_passthrough.resolve_server_args(args, passthrough)
+        apply_sglang_server_args(args, passthrough)
         device = resolve_train_device(args)
         validate_args(args, parser, device)
         check_rollout_backend(args)

@@ -3,7 +3,8 @@ attached as ``args.run_config``, so that the rooms that need the parallel layout
 (trainer, critic, engines; colocated or apart) or the size of a rollout read one value instead of each
 recomputing it from raw flags. The flags themselves stay on ``args``; nothing here changes after parsing.
 
-Code that runs without a command line (tests, tools) builds it from its namespace with ``build_run_config``.
+Code that runs without a command line (tests, tools) gets it from its namespace with ``run_config_of``. What the run
+learns after parsing (placement, hosts, the router, the resume position, restarts) is the RunState (run_state.py).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from slime.algorithms import estimator
 from slime.config.layout import ParallelLayout, build_parallel_layout, critic_has_own_bundles, critic_world_size
 from slime.utils.deadlines import DeadlineModel
 
@@ -41,10 +43,21 @@ class RolloutSize:
     """Prompts per rollout (--rollout-batch-size)."""
     samples_per_prompt: int
     """Samples generated per prompt (--n-samples-per-prompt)."""
+    prompts_per_draw: int
+    """Prompts drawn per sampling round (--over-sampling-batch-size, else --rollout-batch-size)."""
+    eval_samples_per_prompt: int
+    """Samples per evaluation prompt (--n-samples-per-eval-prompt; an eval dataset may set its own)."""
+    concurrency_per_engine: int
+    """Requests in flight per engine (--sglang-server-concurrency)."""
 
     @property
     def samples(self) -> int:
         return self.prompts * self.samples_per_prompt
+
+    @property
+    def samples_drawn(self) -> int:
+        """Samples of one sampling round: the most one rollout generates at once."""
+        return self.prompts_per_draw * self.samples_per_prompt
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,15 +75,29 @@ class RunConfig:
 def build_run_config(args: Any, *, world_size: int | None = None) -> RunConfig:
     """The run config of checked flags (``world_size``: of this role's ranks; default, the actor's)."""
     rollout_only, train_only = args.debug_rollout_only, args.debug_train_only
-    engine_gpus = 0 if train_only else args.rollout_num_gpus or 0
+    engine_gpus = 0 if train_only or args.rollout_num_gpus is None else args.rollout_num_gpus
+    use_critic = estimator(args.advantage_estimator).needs_critic  # as the checks derive --use-critic
     roles = RunRoles(
         trainer_ranks=0 if rollout_only else args.actor_num_nodes * args.actor_num_gpus_per_node,
-        critic_ranks=critic_world_size(args) if args.use_critic and not rollout_only else 0,
+        critic_ranks=critic_world_size(args) if use_critic and not rollout_only else 0,
         critic_own_bundles=critic_has_own_bundles(args),
         engines=engine_gpus // args.rollout_num_gpus_per_engine,
         gpus_per_engine=args.rollout_num_gpus_per_engine,
         colocate=bool(args.colocate),
     )
     return RunConfig(layout=build_parallel_layout(args, world_size=world_size), deadlines=DeadlineModel.from_args(args),
-                     roles=roles, rollout=RolloutSize(prompts=args.rollout_batch_size,
-                                                      samples_per_prompt=args.n_samples_per_prompt))
+                     roles=roles, rollout=rollout_size(args))
+
+
+def rollout_size(args: Any) -> RolloutSize:
+    drawn = args.rollout_batch_size if args.over_sampling_batch_size is None else args.over_sampling_batch_size
+    return RolloutSize(prompts=args.rollout_batch_size, samples_per_prompt=args.n_samples_per_prompt,
+                       prompts_per_draw=drawn, eval_samples_per_prompt=args.n_samples_per_eval_prompt,
+                       concurrency_per_engine=args.sglang_server_concurrency)
+
+
+def run_config_of(args: Any) -> RunConfig:
+    """The run config parse_args built (``args.run_config``); arguments built without a command line
+    (slime/config/defaults.py) get theirs from their flags by the same rule."""
+    run_config = vars(args).get("run_config")
+    return run_config if run_config is not None else build_run_config(args)

@@ -12,7 +12,7 @@ from slime.config.checks.checkpoints import check_load, resolve_checkpoint_reten
 from slime.config.checks.lora import check_lora_flags
 from slime.config.checks.batching import check_batch_split, check_batching, check_context_parallel
 from slime.config.checks.multimodal import check_multimodal
-from slime.config.checks.model import check_model_shape, check_mtp, resolve_model_defaults
+from slime.config.checks.model import check_model_shape, check_mtp, check_recompute, resolve_model_defaults
 from slime.config.checks.optimizer import resolve_optimizer_offload
 from slime.config.checks.paths import check_paths, check_spec
 from slime.config.checks.rollout import (
@@ -40,6 +40,7 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
     before = before_checks(args)
     refuse_unsupported(args, parser, device)
     check_positive(args)
+    check_recompute(args)
     check_deadlines(args)
     check_healing(args)
     check_weight_sync_proof(args)

@@ -119,7 +119,7 @@ def _recompute_groups(args: Any, chunk: range) -> list[range]:
     """The layers of a pipeline chunk that --recompute-granularity full re-runs together."""
     if args.recompute_granularity != "full":
         return [chunk]
-    count = args.recompute_num_layers or 1
+    count = args.recompute_num_layers  # set with full granularity (slime/config/checks/model.py)
     if args.recompute_method == "block":  # the first `count` layers alone, the rest not at all
         alone = [range(layer, layer + 1) for layer in chunk[:count]]
         return alone + ([chunk[count:]] if len(chunk) > count else [])

@@ -202,11 +202,12 @@ def _global_name(model: torch.nn.Module, name: str) -> str:
     return f"{prefix}.experts.{ep_rank * experts.num_local_experts + int(local)}.{tail}"
 
 
-def apply_lora(model: torch.nn.Module, config: LoraConfig, train_in_full: tuple[str, ...] = ()) -> int:
+def apply_lora(model: torch.nn.Module, config: LoraConfig, train_in_full: list[str] | None = None) -> int:
     """Freeze every parameter of `model` but those a `train_in_full` pattern matches (re.search: PEFT's
-    modules_to_save, e.g. the output layer), attach an adapter to each target layer; returns how many."""
+    modules_to_save, e.g. the output layer; None: none), attach an adapter to each target layer; returns how many."""
+    patterns = train_in_full if train_in_full is not None else []
     for name, param in model.named_parameters():
-        param.requires_grad_(any(re.search(pattern, name) for pattern in train_in_full))
+        param.requires_grad_(any(re.search(pattern, name) for pattern in patterns))
     targets = _targets(model, config)
     for name, layer in targets:
         layer.add_module(ADAPTER, LoraAdapter(layer, config, _global_name(model, name)))

@@ -76,7 +76,7 @@ def vision_of(hf_checkpoint: str, spec: PromptFileSpec):
 
 
 def _chat_template_kwargs(args) -> dict:
-    value = args.apply_chat_template_kwargs or {}
+    value = args.apply_chat_template_kwargs
     return json.loads(value) if isinstance(value, str) else dict(value)
 
 
@@ -102,7 +102,7 @@ def context_budget(args) -> PromptBudget | None:
             context = _model_context(args.hf_checkpoint)
             budgets.append(PromptBudget(int(context) - 1, f"the model's context ({context}) less one token"))
     if args.use_dynamic_batch_size and args.max_tokens_per_gpu:
-        cp = int(args.context_parallel_size or 1)
+        cp = args.context_parallel_size
         budgets.append(PromptBudget(int(args.max_tokens_per_gpu) * cp - 1,
                                     f"the training token budget (--max-tokens-per-gpu {args.max_tokens_per_gpu} x "
                                     f"CP {cp}) less one response token"))
@@ -120,7 +120,7 @@ def train_prompt_spec(args) -> PromptFileSpec:
     return PromptFileSpec(
         path=args.prompt_data,
         flag="--prompt-data",
-        input_key=args.input_key or "input",
+        input_key=args.input_key,
         label_key=args.label_key,
         metadata_key=args.metadata_key,
         tool_key=args.tool_key,
@@ -152,7 +152,7 @@ def eval_prompt_specs(args) -> dict[str, PromptFileSpec]:
 
 def _eval_spec_fields(args) -> dict[str, Any]:
     return dict(
-        input_key=args.eval_input_key or args.input_key or "input",
+        input_key=args.eval_input_key or args.input_key,
         label_key=args.eval_label_key or args.label_key,
         metadata_key=args.metadata_key,
         tool_key=args.eval_tool_key or args.tool_key,

@@ -50,6 +50,7 @@ from typing import Any
 from slime.rollout import generation_gate
 from slime.rollout.train_data import flatten_groups
 from slime.rollout.base_types import RolloutFnTrainOutput
+from slime.config.run_config import run_config_of
 from slime.utils.deadlines import rollout_deadline_s
 from slime.rollout.metrics import compute_rollout_metrics
 from slime.rollout.sampling_loop import engine_urls
@@ -271,7 +272,7 @@ def generate_rollout_fully_async(args, rollout_id: int, data_source, evaluation:
     current = run(_engines_version(args))
     max_staleness = args.max_weight_staleness
     groups, staleness, dropped = worker.take(int(args.rollout_batch_size), current_version=current,
-                                             max_staleness=max_staleness, deadline=start + rollout_deadline_s(args))
+                                             max_staleness=max_staleness, deadline=start + rollout_deadline_s(args, run_config_of(args)))
     groups.sort(key=_index)
     samples = flatten_groups(groups)
     metrics = {**compute_rollout_metrics(args, samples),

@@ -30,7 +30,7 @@ def teacher_payload(args, sample: Sample) -> dict[str, Any]:
         raise ValueError(f"sample {sample.index} has no tokens for the teacher to score")
     return {
         "input_ids": list(sample.tokens),
-        "sampling_params": {"temperature": float(args.rollout_temperature or 1.0),
+        "sampling_params": {"temperature": float(args.rollout_temperature),
                             "max_new_tokens": 0, "skip_special_tokens": False},
         "return_logprob": True,
         "logprob_start_len": 0,

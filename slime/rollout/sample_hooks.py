@@ -14,7 +14,7 @@ from slime.utils.types import Sample
 
 async def apply_rollout_sample_hooks(args, result: Sample | list[Sample], *, rollout_id: int | None,
                                      evaluation: bool) -> Sample | list[Sample]:
-    paths = args.rollout_sample_hook_path or []
+    paths = args.rollout_sample_hook_path
     if not paths:
         return result
     hooks = [load_function(path) for path in paths]

@@ -22,6 +22,7 @@ from typing import Any, Awaitable, TypeVar
 
 from tqdm import tqdm
 
+from slime.config.run_config import run_config_of
 from slime.rollout import generation_gate
 from slime.rollout.train_data import flatten_groups
 from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
@@ -43,7 +44,6 @@ from slime.utils.vision_processor import image_uri, images_digest, load_vision_p
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-DEFAULT_SERVER_CONCURRENCY = 512  # in-flight requests per engine (upstream's --sglang-server-concurrency)
 
 
 # ---------------------------------------------------------------- background event loop
@@ -360,9 +360,8 @@ async def generate_and_rm_group(args, group: list[Sample], sampling_params: dict
 
 
 def concurrency(args) -> int:
-    per_engine = args.sglang_server_concurrency or DEFAULT_SERVER_CONCURRENCY
-    engines = max(1, (args.rollout_num_gpus or 1) // (args.rollout_num_gpus_per_engine or 1))
-    return per_engine * engines
+    run = run_config_of(args)
+    return run.rollout.concurrency_per_engine * max(1, run.roles.engines)
 
 
 async def generate_groups(args, groups: list[list[Sample]], params: dict, desc: str,
@@ -425,7 +424,7 @@ def _eval_dataset(args, spec: PromptFileSpec) -> PromptDataset:
 
 
 def _eval_groups(args, dataset: PromptDataset, config: EvalDatasetSpec) -> list[list[Sample]]:
-    n = config.n_samples_per_eval_prompt or args.n_samples_per_eval_prompt or 1
+    n = config.n_samples_per_eval_prompt or args.n_samples_per_eval_prompt
     groups = []
     for group_index, prompt in enumerate(dataset.samples):
         group = [copy.deepcopy(prompt) for _ in range(n)]

@@ -219,8 +219,7 @@ def router_command(args: Any, host: str, port: int, worker_urls: list[str],
         flags += ["--listen-fd", str(listen_fd)] if listen_fd is not None else []
         flags += ["--worker-urls", *worker_urls] if worker_urls else []
         return "slime-router", python_module_command("slime.router.router", flags)
-    policy = args.sglang_router_policy or "round_robin"
-    flags = ["--host", host, "--port", str(port), "--policy", policy, "--request-timeout-secs", timeout]
+    flags = ["--host", host, "--port", str(port), "--policy", args.sglang_router_policy, "--request-timeout-secs", timeout]
     # its metrics listener would default to 0.0.0.0:29000: every interface, and one port for every router of the node
     flags += ["--prometheus-host", host, "--prometheus-port", str(find_free_port(host))]
     flags += ["--worker-urls", *worker_urls] if worker_urls else []
@@ -228,20 +227,20 @@ def router_command(args: Any, host: str, port: int, worker_urls: list[str],
 
 
 def launch_router(
-    args: Any, worker_urls: list[str], *, startup_timeout_s: float = ROUTER_STARTUP_S, log_dir: str | None = None
+    args: Any, worker_urls: list[str], *, host: str, port: int | None, startup_timeout_s: float = ROUTER_STARTUP_S,
+    log_dir: str | None = None,
 ) -> RouterHandle:
     """Start slime's router (args.use_slime_router) or sglang-router; return once /health answers.
 
-    Host/port come from args.sglang_router_ip / args.sglang_router_port (127.0.0.1 / a free port when unset).
+    `host`: where it listens; `port`: --sglang-router-port (None: a free port).
     The slime router is handed its socket already bound; sglang-router, which cannot take one, is started
     again on a fresh port if another process took its port first (a port the user set is kept).
     """
-    host = args.sglang_router_ip or "127.0.0.1"
-    given = int(args.sglang_router_port or 0)
+    given = port
     if args.use_slime_router:
         server, port = start_bound_server(
             "slime-router", lambda p, fd: router_command(args, host, p, worker_urls, listen_fd=fd)[1],
-            host=host, port=given, log_dir=log_dir)
+            host=host, port=0 if given is None else given, log_dir=log_dir)
         server.wait_healthy(startup_timeout_s)
         return RouterHandle(kind="slime-router", host=host, port=port, server=server)
 

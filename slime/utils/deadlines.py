@@ -182,7 +182,6 @@ def rollout_step_window_s(args) -> float:
 ROLLOUT_BASE_S = 300.0
 SECONDS_PER_TOKEN = 0.1
 DEFAULT_MAX_NEW_TOKENS = 4096
-DEFAULT_CONCURRENCY = 512  # upstream's --sglang-server-concurrency
 REQUEST_GRACE_S = 15.0
 ROLLOUT_DRIVER_EXTRA_S = 60.0
 DEFAULT_HEALTH_CHECK_TIMEOUT_S = 5.0  # --rollout-health-check-timeout's default
@@ -202,27 +201,15 @@ def _max_new_tokens(args, evaluation: bool) -> int:
     return DEFAULT_MAX_NEW_TOKENS
 
 
-def num_engines(args) -> int:
-    if args.debug_train_only:
-        return 0
-    gpus = args.rollout_num_gpus or 1
-    return max(1, gpus // (args.rollout_num_gpus_per_engine or 1))
-
-
-def train_samples(args) -> int:
-    prompts = max(args.rollout_batch_size, args.over_sampling_batch_size or 0)
-    return prompts * args.n_samples_per_prompt
-
-
-def rollout_deadline_s(args, *, evaluation: bool = False, eval_prompts: int = 0) -> float:
-    """--rollout-timeout, or the default rule for a training rollout (or an eval of `eval_prompts` prompts)."""
+def rollout_deadline_s(args, run, *, evaluation: bool = False, eval_prompts: int = 0) -> float:
+    """--rollout-timeout, or the default rule for a training rollout (or an eval of `eval_prompts` prompts), of
+    `run`, the run's config (slime/config/run_config.py: its rollout size and engine count)."""
     if args.rollout_timeout:
         return float(args.rollout_timeout)
-    samples = (eval_prompts * (args.n_samples_per_eval_prompt or 1) if evaluation
-               else train_samples(args))
+    size = run.rollout
+    samples = eval_prompts * size.eval_samples_per_prompt if evaluation else size.samples_drawn
     return rollout_timeout_s(samples=samples, max_new_tokens=_max_new_tokens(args, evaluation),
-                             engines=num_engines(args),
-                             concurrency=args.sglang_server_concurrency or DEFAULT_CONCURRENCY)
+                             engines=run.roles.engines, concurrency=size.concurrency_per_engine)
 
 
 def unreported_deadline_s(margin_s: float) -> float:

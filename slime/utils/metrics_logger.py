@@ -223,11 +223,11 @@ def _wandb_sink(args):
 
 
 def tensorboard_log_dir(args) -> str:
-    """$TENSORBOARD_DIR (upstream's override), else --tensorboard-dir (or --tb-project-name), else
-    tensorboard_log; --tb-experiment-name adds a sub-directory per run."""
+    """$TENSORBOARD_DIR (upstream's override), else --tensorboard-dir (or --tb-project-name, else tensorboard_log:
+    slime/config/defaults.py completes it); --tb-experiment-name adds a sub-directory per run."""
     if os.environ.get("TENSORBOARD_DIR"):
         return os.environ["TENSORBOARD_DIR"]
-    base = args.tensorboard_dir or "tensorboard_log"
+    base = args.tensorboard_dir
     experiment = args.tb_experiment_name
     return os.path.join(base, experiment) if experiment else base
 

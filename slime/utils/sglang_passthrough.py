@@ -186,7 +186,7 @@ def _check_not_set_by_slime(server_args: dict[str, Any]) -> None:
 def resolve_server_args(args: argparse.Namespace, passthrough: list[tuple[str, list[str]]]) -> dict[str, Any]:
     """ServerArgs overrides the user asked for: passthrough flags plus the declared --sglang-* flags they set.
 
-    Also mirrors each as ``args.sglang_<name>`` (upstream code reads them that way).
+    slime/config/parse.py's ``apply_sglang_server_args`` keeps them on ``args``.
     """
     server_parser = server_args_parser()
     values = _typed_values(passthrough, server_parser) if server_parser else _untyped_values(passthrough)
@@ -202,8 +202,6 @@ def resolve_server_args(args: argparse.Namespace, passthrough: list[tuple[str, l
         unknown = sorted(n for n in values if not any(a.dest == n for a in server_parser._actions))
         if unknown:
             raise SGLangArgumentError(f"SGLang ServerArgs has no field(s) {unknown} (from --sglang-* flags)")
-    for name, value in values.items():
-        setattr(args, "sglang_" + name, value)
     return dict(sorted(values.items()))
 
 

@@ -275,7 +275,7 @@ def plans_from_rollout(data: Mapping[str, Any], args: Any, *, dp_size: int, dp_r
         use_dynamic_batch_size=args.use_dynamic_batch_size,
         max_tokens_per_gpu=args.max_tokens_per_gpu,
         cp_size=cp,
-        micro_batch_size=args.micro_batch_size or 1,
+        micro_batch_size=args.micro_batch_size,
         global_batch_size=args.global_batch_size,
         balance_data=args.balance_data,
         pad_multiple=pad_multiple_for(cp, args.tensor_model_parallel_size, args.sequence_parallel),

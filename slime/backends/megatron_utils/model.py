@@ -85,7 +85,7 @@ def transformer_config_from_hf(hf_config: Any, args: Namespace) -> TransformerCo
     params_dtype = torch.bfloat16 if bf16 else torch.float32
     moe_fields = {"moe_token_dispatcher_type": "alltoall", **moe.moe_config_fields(hf_config, args)}
     if family_fields.get("dsa_indexer_topk"):  # the indexer's KL loss (megatron-core's fields)
-        family_fields = dict(family_fields, dsa_indexer_loss_coeff=float(args.dsa_indexer_loss_coeff or 0.0),
+        family_fields = dict(family_fields, dsa_indexer_loss_coeff=float(args.dsa_indexer_loss_coeff),
                              dsa_indexer_use_sparse_loss=bool(args.dsa_indexer_use_sparse_loss))
     # the generic layer (RMSNorm, bias-free SwiGLU); a family's config_fields say otherwise (gpt-oss's biases and
     # clamped gate)
@@ -126,7 +126,7 @@ def transformer_config_from_hf(hf_config: Any, args: Namespace) -> TransformerCo
         recompute_num_layers=args.recompute_num_layers,
         num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
         num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
-        mtp_num_layers=args.mtp_num_layers or None,
+        mtp_num_layers=args.mtp_num_layers,
         mtp_loss_scaling_factor=args.mtp_loss_scaling_factor,
     )
     # every layer's kind, for a --spec plug-in that builds them by kind (no TransformerConfig field says it), and
@@ -207,8 +207,9 @@ def _layer_spec(args: Namespace, hf_config: Any, config: TransformerConfig, vp_s
         if isinstance(spec, TransformerBlockSubmodules):
             return spec
         if not isinstance(spec, ModuleSpec):
-            raise TypeError(f"--spec {' '.join(args.spec or ())} returned {type(spec).__name__}; expected a megatron "
-                            "ModuleSpec (one layer) or TransformerBlockSubmodules")
+            plugin = f"--spec {' '.join(args.spec)}" if args.spec else "the family's layer spec"
+            raise TypeError(f"{plugin} returned {type(spec).__name__}; expected a megatron ModuleSpec (one layer) or "
+                            "TransformerBlockSubmodules")
         layer_specs = [spec] * get_num_layers_to_build(config, vp_stage=vp_stage)
     elif family_of(hf_config).layer_kinds is not None:
         layer_specs = _hybrid_layer_specs(args, hf_config, config, vp_stage)
@@ -474,7 +475,7 @@ def build_model_and_optimizer(args: Namespace, hf_config: Any):
     chunks = _build_model_chunks(args, hf_config)
     if args.enable_lora:  # LoRA freezes the base but --only-train-params-name-list (a PP stage may hold none)
         for chunk in chunks:
-            apply_lora(chunk, lora_config(args), train_in_full=tuple(args.only_train_params_name_list or ()))
+            apply_lora(chunk, lora_config(args), train_in_full=args.only_train_params_name_list)
     else:
         freeze_parameters(chunks, args.only_train_params_name_list, args.freeze_params_name_list)
     model = _wrap_ddp(args, chunks)

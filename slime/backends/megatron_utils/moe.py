@@ -96,7 +96,7 @@ def check_moe_args(arch: MoEArchitecture, args: Namespace) -> None:
     if args.moe_router_pre_softmax and arch.score_function == "softmax" and arch.norm_topk_prob:
         raise MoEConfigError("--moe-router-pre-softmax keeps the top-k weights unnormalised, the HF config "
                              "renormalises them (norm_topk_prob=true); drop the flag")
-    ep = int(args.expert_model_parallel_size or 1)
+    ep = args.expert_model_parallel_size
     if arch.num_experts % ep:
         raise MoEConfigError(f"--expert-model-parallel-size {ep} does not divide the checkpoint's "
                              f"{arch.num_experts} experts; use a divisor of {arch.num_experts}")
@@ -140,7 +140,7 @@ def moe_config_fields(hf_config: Any, args: Namespace) -> dict[str, Any]:
         return {}
     check_moe_args(arch, args)
     dispatcher = token_dispatcher(args)
-    ep, pp = int(args.expert_model_parallel_size or 1), int(args.pipeline_model_parallel_size or 1)
+    ep, pp = args.expert_model_parallel_size, args.pipeline_model_parallel_size
     if dispatcher == "allgather" and (ep > 1 or pp > 1):
         raise MoEConfigError("--moe-token-dispatcher-type allgather needs equal token counts on the ranks it "
                              "gathers over, which dynamic batches do not give under EP > 1 or PP > 1; use "
@@ -153,8 +153,8 @@ def moe_config_fields(hf_config: Any, args: Namespace) -> dict[str, Any]:
         **_router_fields(arch),
         moe_router_bias_update_rate=_bias_update_rate(args),
         moe_router_dtype=args.moe_router_dtype,
-        moe_router_load_balancing_type=args.moe_router_load_balancing_type or "aux_loss",
-        moe_aux_loss_coeff=float(args.moe_aux_loss_coeff or 0.0),
+        moe_router_load_balancing_type=args.moe_router_load_balancing_type,
+        moe_aux_loss_coeff=float(args.moe_aux_loss_coeff),
         moe_z_loss_coeff=args.moe_z_loss_coeff,
         moe_token_dispatcher_type=dispatcher,
         moe_flex_dispatcher_backend="deepep",  # read by megatron only with the flex dispatcher
@@ -164,7 +164,7 @@ def moe_config_fields(hf_config: Any, args: Namespace) -> dict[str, Any]:
         moe_shared_expert_gate=arch.shared_expert_gate,
         moe_shared_expert_overlap=bool(args.moe_shared_expert_overlap),
         moe_expert_capacity_factor=args.moe_expert_capacity_factor,
-        moe_token_drop_policy=args.moe_token_drop_policy or "probs",
+        moe_token_drop_policy=args.moe_token_drop_policy,
         moe_pad_expert_input_to_capacity=bool(args.moe_pad_expert_input_to_capacity),
         moe_enable_routing_replay=routing_replay_enabled(args),
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
@@ -200,7 +200,7 @@ def token_dispatcher(args: Namespace) -> str:
     flex dispatcher where DeepEP is installed, else by alltoall: the routing is the same whichever transport
     moves the tokens, so the run goes on (one warning, from the first rank)."""
     global _warned_no_deepep
-    dispatcher = args.moe_token_dispatcher_type or "alltoall"
+    dispatcher = args.moe_token_dispatcher_type
     if dispatcher != "flex" and not args.moe_enable_deepep:
         return dispatcher
     if deep_ep_available():

@@ -52,7 +52,7 @@ def init_distributed(
     """
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialized")
-    backend = backend or (args.distributed_backend or "nccl" if torch.cuda.is_available() else "gloo")
+    backend = backend or (args.distributed_backend if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         # LOCAL_RANK: the device of the rank's Ray bundle (slime/ray/driver/placement.py), or torchrun's;
         # without either, ranks share a host's GPUs in rank order.

@@ -31,7 +31,7 @@ class DeltaOptions:
 def delta_options(args: Any) -> DeltaOptions | None:
     if args.update_weight_mode != "delta":
         return None
-    return DeltaOptions(args.update_weight_delta_encoding or "xor", args.update_weight_delta_checksum or "xxh3-128")
+    return DeltaOptions(args.update_weight_delta_encoding, args.update_weight_delta_checksum)
 
 
 def build_transport(kind: str, engines: EngineSet, *, engine_kind: str, engine_tp_size: int, timeout_s: float,

@@ -59,7 +59,6 @@ from slime.backends.sglang_utils.http_client import ClientTimeouts, SGLangHTTPCl
 from slime.backends.weight_sync.factory import build_transport, choose_transport, delta_options
 from slime.backends.weight_sync.node_routes import NodeFeeds, NodeGrid, node_feeds
 from slime.backends.weight_sync.plan import (
-    DEFAULT_BUCKET_BYTES,
     NamedTensors,
     WeightBucket,
     WeightSource,
@@ -72,6 +71,7 @@ from slime.backends.weight_sync.plan import (
 from slime.backends.weight_sync.proof import CarriedTensors, WeightProof
 from slime.backends.weight_sync.transport import ENGINE_KINDS, EngineSet, NodeSplitTransport, TensorTransport, \
     engine_call
+from slime.config.run_state import run_state_of
 from slime.distributed.errors import CollectiveDivergenceError, DistributedStepError
 from slime.distributed.fault_inject import apply_weight_push_fault
 from slime.distributed.fingerprint import stable_hash
@@ -183,8 +183,8 @@ class WeightSync:
         self.delta = delta_options(args)
         # Ranks per engine in a weight-update group: SGLang's TP ranks; the embedded engine is one process
         # whatever its GPU count (its TP is not sharded).
-        self.engine_tp_size = 1 if self.engine_kind == "embedded" else int(args.rollout_num_gpus_per_engine or 1)
-        self.bucket_bytes = int(args.update_weight_buffer_size or DEFAULT_BUCKET_BYTES)
+        self.engine_tp_size = 1 if self.engine_kind == "embedded" else args.rollout_num_gpus_per_engine
+        self.bucket_bytes = args.update_weight_buffer_size
         self.timeout_s = run_deadlines(args).no_progress_s  # the rank window, --fence-timeout
         # A weight-update group's creation and each broadcast: half a window, so that the stalled stage's
         # sender names it (WeightGroupStallError) before its peers' windows expire at the fences.
@@ -197,8 +197,9 @@ class WeightSync:
         self.grid = NodeGrid.from_args(args)
         # this rank's node address (its Ray actor sets it) and every node's (placement sets them): read only where
         # the run is colocated across nodes
-        self.node_host = args.node_host if self.grid is not None else None
-        self.node_hosts = tuple(args.colocated_node_hosts) if self.grid is not None else ()  # by node index
+        state = run_state_of(args)
+        self.node_host = state.node_host if self.grid is not None else None
+        self.node_hosts = state.colocated_node_hosts if self.grid is not None else ()  # by node index
         self._rank: int | None = None
         self._feeds: NodeFeeds | None = None
         self._split_engines: list[EngineSet] = []  # its node's, and the other nodes' it feeds

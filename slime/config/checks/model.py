@@ -66,6 +66,14 @@ def check_mtp(args: argparse.Namespace) -> None:
                  "the decoder's MoE layers, not the MTP layers' routers; drop one of them")
 
 
+def check_recompute(args: argparse.Namespace) -> None:
+    """--recompute-granularity full re-runs groups of --recompute-num-layers layers, chosen by --recompute-method:
+    megatron-core refuses it without both (on the ranks, after Ray started), so the parser names them here."""
+    if args.recompute_granularity == "full" and (args.recompute_method is None or args.recompute_num_layers is None):
+        fail("--recompute-granularity full needs --recompute-method (uniform or block) and --recompute-num-layers N "
+             "(the layers re-run together)")
+
+
 def check_model_shape(args: argparse.Namespace) -> None:
     tp = args.tensor_model_parallel_size
     if args.num_attention_heads is not None and args.num_attention_heads % tp:

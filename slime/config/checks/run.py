@@ -9,6 +9,7 @@ import uuid
 
 from slime.algorithms import estimator
 from slime.config.constants import DEFAULT_ROLLOUT_FUNCTION_PATH
+from slime.config.defaults import complete_unset
 from slime.config.errors import derive, fail, flag_name
 from slime.utils.deadlines import DeadlineModel, default_group_timeout_minutes
 
@@ -88,8 +89,6 @@ def resolve_modes(args: argparse.Namespace) -> None:
     args.skip_engines = args.debug_train_only
     args.use_critic = estimator(args.advantage_estimator).needs_critic
     args.critic_overrides = {}  # the critic's own flags: checks/roles.py fills them for a critic it checks
-    args.start_rollout_id_given = args.start_rollout_id is not None  # else train.py reads it from --load
-    args.restart_count = 0  # the first attempt; --max-restarts: slime/ray/driver/healing.py counts the restarts
     args.run_id = uuid.uuid4().hex[:16]  # in every checkpoint's manifest: a restart goes back only to this run's
     if args.finetune and args.load is None:
         fail("--finetune loads the weights of --load DIR; pass --load")
@@ -132,9 +131,7 @@ def check_colocate_across_nodes(args: argparse.Namespace) -> None:
 def check_ledger(args: argparse.Namespace) -> None:
     if args.ledger_record_sequence and not args.ledger_dir:
         fail("--ledger-record-sequence needs --ledger-dir DIR (where the sequence files are kept)")
-    args.ledger_dir_is_temp = False  # the run's first session makes a temp dir when --ledger-dir is not given
 
 
 def resolve_tracking(args: argparse.Namespace) -> None:
-    if args.tensorboard_dir is None and args.tb_project_name is not None:
-        args.tensorboard_dir = args.tb_project_name  # upstream slime's name for the TensorBoard dir
+    complete_unset(args)  # the TensorBoard directory (slime/config/defaults.py)

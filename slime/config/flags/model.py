@@ -92,8 +92,8 @@ def add_megatron_model_arguments(parser: argparse.ArgumentParser) -> None:
 def add_sparse_attention_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("megatron sparse attention", "DeepSeek sparse attention (GLM-5): the indexer's "
                                   "shape comes from the HF config; its training loss is megatron-core's")
-    g.add_argument("--dsa-indexer-loss-coeff", type=float, default=None,
-                   help="weight of the indexer's KL loss towards the main attention (megatron-core's); unset or 0: "
+    g.add_argument("--dsa-indexer-loss-coeff", type=float, default=0.0,
+                   help="weight of the indexer's KL loss towards the main attention (megatron-core's); 0: "
                         "the indexer is frozen, as in transformers")
     g.add_argument("--dsa-indexer-use-sparse-loss", action="store_true",
                    help="the indexer's KL loss over the keys it kept only (megatron-core's), not every causal key")

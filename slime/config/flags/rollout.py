@@ -141,8 +141,8 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--sglang-router-request-timeout-secs", type=positive_int, default=int(ROUTER_REQUEST_S),
                    help="seconds one /generate request may take at the router (default 14400, upstream's; each request "
                         "is also bounded by the rollout's deadline, --rollout-timeout)")
-    g.add_argument("--sglang-router-policy", type=str, default=None,
-                   help="sglang-router load-balancing policy (default: round_robin)")
+    g.add_argument("--sglang-router-policy", type=str, default="round_robin",
+                   help="sglang-router load-balancing policy")
 
 
 def add_rollout_fault_arguments(parser: argparse.ArgumentParser) -> None:

@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
+from slime.config.run_state import advance, run_state_of
 from slime.ray.driver.rank_wait import RankWaitError
 from slime.ray.rollout_manager.errors import RolloutError
 
@@ -177,25 +178,23 @@ def trainer_side(exc: BaseException) -> bool:
     return isinstance(exc, RankWaitError) and exc.phase not in ENGINE_FACING_PHASES
 
 
-def prepare_resume(args, restart: Restart) -> None:
-    """The next attempt resumes from --save's last checkpoint, as `--load <save>` would, with everything the
-    checkpoint holds (--no-load-optim and --no-load-rng were the first attempt's: a restart that kept them would
-    not continue the run); the failed attempt's ledger files move aside, so that no stale verdict explains a later
-    failure."""
+def resume_args(args, restart: Restart):
+    """The next attempt's arguments: it resumes from --save's last checkpoint, as `--load <save>` would, with
+    everything the checkpoint holds (--no-load-optim and --no-load-rng were the first attempt's: a restart that kept
+    them would not continue the run); the failed attempt's ledger files move aside, so that no stale verdict explains
+    a later failure. A new namespace: the failed attempt's stays as it was."""
     from slime.config.critic_role import critic_save_dir
 
-    archive_ledger(args.ledger_dir, restart.number)
-    args.load = args.save
-    args.finetune = False  # the run's own checkpoint: optimizer, RNG and data position included
-    args.no_load_optim = False
-    args.no_load_rng = False
+    archive_ledger(run_state_of(args).ledger_dir, restart.number)
+    flags = {"load": args.save, "finetune": False,  # the run's own checkpoint: optimizer, RNG and data position
+             "no_load_optim": False, "no_load_rng": False}
     if args.use_critic:  # the critic's own saves (--critic-save, else <save>/critic), not the --critic-load it began at
-        args.critic_load = critic_save_dir(args)
-    args.start_rollout_id = None  # the session sets it from the checkpoint and checks the data position
-    args.start_rollout_id_given = False
-    args.restart_count = restart.number
-    args.restart_checkpoint = restart.checkpoint
-    args.restart_detected_at = restart.detected_at
+        flags["critic_load"] = critic_save_dir(args)
+    resumed = type(args)(**{**vars(args), **flags})
+    advance(resumed, start_rollout_id=None,  # the session sets it from the checkpoint and checks the data position
+            start_rollout_id_given=False, restart_count=restart.number, restart_checkpoint=restart.checkpoint,
+            restart_detected_at=restart.detected_at)
+    return resumed
 
 
 KEPT_IN_LEDGER = ("engine-logs",)
@@ -251,7 +250,7 @@ def train_with_healing(train: Callable[[object], None], args, *, multi_node: boo
     started_from = resumed_from(args)
     history: tuple[Restart, ...] = ()
     while True:
-        start = args.start_rollout_id  # a restart's session reads it from the checkpoint
+        start = run_state_of(args).start_rollout_id  # a restart's session reads it from the checkpoint
         if start is None:
             start = history[-1].checkpoint + 1 if history else 0
         try:
@@ -274,20 +273,21 @@ def train_with_healing(train: Callable[[object], None], args, *, multi_node: boo
                            failure.cause, f"{failure.role} " if failure.role else "", list(failure.ranks),
                            failure.rollout_id, restart.checkpoint, restart.checkpoint + 1)
             history = (*history, restart)
-            prepare_resume(args, restart)
+            args = resume_args(args, restart)
 
 
 def restart_metrics(args) -> dict[str, int] | None:
     """The `restart` event of a restarted session (None on the first attempt)."""
-    number = args.restart_count
-    if not number:
+    state = run_state_of(args)
+    if not state.restart_count:
         return None
-    return {"run/restarts": number, "run/restart_checkpoint": args.restart_checkpoint}
+    return {"run/restarts": state.restart_count, "run/restart_checkpoint": state.restart_checkpoint}
 
 
 def heal_metrics(args, engines_kept: bool) -> dict[str, float] | None:
     """The `healed` event, once the first rollout of a restarted session is done (None on the first attempt):
     seconds from the failure's detection to that rollout trained, saved and pushed."""
-    if not args.restart_count:
+    state = run_state_of(args)
+    if not state.restart_count:
         return None
-    return {"run/heal_s": time.monotonic() - args.restart_detected_at, "run/engines_kept": int(engines_kept)}
+    return {"run/heal_s": time.monotonic() - state.restart_detected_at, "run/engines_kept": int(engines_kept)}

@@ -38,6 +38,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from slime.patches.ray import keep_cluster_on_loopback
 from slime.config.layout import critic_has_own_bundles, critic_world_size
+from slime.config.run_config import run_config_of
+from slime.config.run_state import advance
 from slime.ray.common.engine_slot import EngineSlot
 from slime.ray.common.node import LOOPBACK, PlacementError, is_wildcard, node_address
 from slime.ray.driver.cluster import cluster_address, require_reachable, worker_env
@@ -239,7 +241,7 @@ def num_engines(args) -> int:
     if not args.rollout_num_gpus:
         raise PlacementError("no GPUs for the engines: set --rollout-num-gpus N, or --colocate to share the "
                              "trainer's (or --debug-train-only to run without engines)")
-    return args.rollout_num_gpus // args.rollout_num_gpus_per_engine
+    return run_config_of(args).roles.engines
 
 
 def total_bundles(args) -> int:
@@ -324,11 +326,11 @@ def create_placement(args, *, use_gpu: bool | None = None, timeout_s: float = PL
                          critic_ranks=critic_ranks(args))
     if args.colocate and args.actor_num_nodes > 1 and not args.debug_rollout_only:
         # read by every rank's weight sync: where the nodes that lack a PP stage are (slime/backends/weight_sync/node_routes.py)
-        args.colocated_node_hosts = check_colocated_nodes(layout, args.actor_num_gpus_per_node)
+        advance(args, colocated_node_hosts=tuple(check_colocated_nodes(layout, args.actor_num_gpus_per_node)))
     driver_node = ray.get_runtime_context().get_node_id()
     check_engine_bind_host(args.engine_bind_host, layout, driver_node)
     # Read by every server the run starts (engines, router, rendezvous): loopback on one node.
-    args.spans_nodes = node_count(layout, driver_node) > 1
+    advance(args, spans_nodes=node_count(layout, driver_node) > 1)
     placement = Placement(group=group, use_gpu=use_gpu, layout=layout)
     # every bundle with --verbose; else stdout's placement line sums it up
     where = ":\n  " + "\n  ".join(placement.describe()) if args.verbose else ""

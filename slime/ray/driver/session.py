@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from slime.config.layout import ParallelLayout
+from slime.config.run_state import advance, run_state_of
 from slime.ray.common.node import PlacementError
 from slime.ray.driver.cluster import cluster_address
 from slime.ray.driver.healing import (HealingRefusedError, RepeatedFailureError, heal_metrics, note_failure,
@@ -114,8 +115,8 @@ class RunSession:
 
     def _start(self) -> None:
         args = self.args
-        if args.start_rollout_id is None:  # --start-rollout-id wins over --load's position
-            args.start_rollout_id = resume_rollout_id(args)
+        if run_state_of(args).start_rollout_id is None:  # --start-rollout-id wins over --load's position
+            advance(args, start_rollout_id=resume_rollout_id(args))
         resolve_ledger_dir(args)
         self.console = announce_start(args)  # stdout: what starts, each slow start-up step, then a line per rollout
         kept = _kept_serving.pop() if _kept_serving else None  # a trainer-side failure before: its bundles, engines
@@ -135,8 +136,8 @@ class RunSession:
             self.rollout = (create_rollout_manager(args, self.placement) if self.kept is None
                             else create_rollout_manager(args, self.placement, self.kept))
         self.engines_kept, self.kept = self.kept is not None, None  # the manager owns them now
-        if args.num_rollout is None:  # --num-epoch: as many rollouts as the epochs of prompts take
-            args.num_rollout = args.num_epoch * self.rollout.num_prompts() // args.rollout_batch_size
+        if run_state_of(args).num_rollout is None:  # --num-epoch: as many rollouts as the epochs of prompts take
+            advance(args, num_rollout=args.num_epoch * self.rollout.num_prompts() // args.rollout_batch_size)
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc is not None:
@@ -161,8 +162,9 @@ class RunSession:
     def _may_keep_serving(self, exc: BaseException) -> bool:
         """A restart comes (--max-restarts not spent), the trainer alone failed, and there are engines to keep."""
         args = self.args
-        return (args.restart_count < args.max_restarts and not args.restart_engines_on_heal and trainer_side(exc)
-                and self.rollout is not None and self.placement is not None and bool(self.placement.layout.engines))
+        return (run_state_of(args).restart_count < args.max_restarts and not args.restart_engines_on_heal
+                and trainer_side(exc) and self.rollout is not None and self.placement is not None
+                and bool(self.placement.layout.engines))
 
     def _keep_serving(self) -> KeptServing | None:
         """The engines left serving for the next session (None: one was not serving, and all stop)."""
@@ -233,18 +235,19 @@ def run_entry(script: str, train: Callable, check: Callable, argv: list[str] | N
     try:
         train_with_healing(train, args, multi_node=args.actor_num_nodes > 1)  # --max-restarts: healing.py
     except (HealingRefusedError, RepeatedFailureError, CheckpointMismatchError) as exc:
-        logger.error("training stopped: %s (ledger dir %s)", exc, args.ledger_dir)
+        logger.error("training stopped: %s (ledger dir %s)", exc, run_state_of(args).ledger_dir)
         return 1
     except (RankWaitError, TimeoutError, RolloutError, PlacementError) as exc:
         # The rank's traceback and one table of every rank (a placement error: what to change), then the one
         # line that matters.
         if getattr(exc, "details", ""):
             logger.error("\n%s", exc.details)
-        logger.error("training stopped: %s (ledger dir %s)", exc, args.ledger_dir)
+        logger.error("training stopped: %s (ledger dir %s)", exc, run_state_of(args).ledger_dir)
         return 1
     except Exception as exc:  # anything else: its traceback, then the same one line
         logger.exception("unexpected error")
-        logger.error("training stopped: %s: %s (ledger dir %s)", type(exc).__name__, exc, args.ledger_dir)
+        logger.error("training stopped: %s: %s (ledger dir %s)", type(exc).__name__, exc,
+                     run_state_of(args).ledger_dir)
         return 1
     finally:
         stop_kept_serving()  # engines a failed session kept for a restart that did not come

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import ray
 
 from slime.config.critic_role import critic_args
+from slime.config.run_state import advance, run_state_of
 from slime.distributed.progress_hub import HubClient, RayHub, start_hub
 from slime.ray.driver.cluster import worker_env
 from slime.ray.driver.rank_wait import wait_ranks
@@ -31,18 +32,19 @@ logger = logging.getLogger(__name__)
 def resolve_ledger_dir(args) -> str:
     """--ledger-dir, or a fresh temp dir (made by the run's first session; a restart's session keeps it, and it
     stays temporary); printed so a stuck run can be inspected from another shell."""
-    if not args.ledger_dir:
-        args.ledger_dir = tempfile.mkdtemp(prefix="slime-ledger-")
-        args.ledger_dir_is_temp = True
+    state = run_state_of(args)
+    if not state.ledger_dir:
+        state = advance(args, ledger_dir=tempfile.mkdtemp(prefix="slime-ledger-"), ledger_dir_is_temp=True)
     logger.info("ledger dir: %s (where is every rank: python -m slime.distributed.hang_report %s)",
-                args.ledger_dir, args.ledger_dir)
-    return args.ledger_dir
+                state.ledger_dir, state.ledger_dir)
+    return state.ledger_dir
 
 
 def remove_temp_ledger_dir(args) -> None:
     """After a run that ended cleanly: the temp ledger dir made for it goes (a failed run keeps it)."""
-    if args.ledger_dir_is_temp:
-        shutil.rmtree(args.ledger_dir, ignore_errors=True)
+    state = run_state_of(args)
+    if state.ledger_dir_is_temp:
+        shutil.rmtree(state.ledger_dir, ignore_errors=True)
 
 
 class RayTrainGroup:
@@ -52,7 +54,7 @@ class RayTrainGroup:
 
     def __init__(self, args, placement: Placement, role: str = "actor"):
         self.role = role
-        self.ledger_dir = args.ledger_dir or resolve_ledger_dir(args)
+        self.ledger_dir = run_state_of(args).ledger_dir or resolve_ledger_dir(args)
         if role == "critic":
             args = critic_args(args)
             self.ledger_dir = os.path.join(self.ledger_dir, role)
@@ -81,7 +83,7 @@ class RayTrainGroup:
         master_addr, master_port = ray.get(rendezvous, timeout=TRAINER_RENDEZVOUS_CALL_S)
         refs = [r.init.remote(master_addr, master_port, engine_urls) for r in self._ranks]
         starts = self._wait(refs, "init", self.deadlines.driver_init_window_s)
-        explicit = self.args.start_rollout_id_given  # --start-rollout-id wins over --load
+        explicit = run_state_of(self.args).start_rollout_id_given  # --start-rollout-id wins over --load
         if len(set(starts)) != 1 or (not explicit and set(starts) != {self.args.start_rollout_id}):
             raise RuntimeError(f"{self.role} ranks resumed at rollouts {sorted(set(starts))}, the driver at "
                                f"{self.args.start_rollout_id}: is --load readable the same way by every rank "

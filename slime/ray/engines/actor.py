@@ -16,6 +16,7 @@ from typing import Any, Sequence
 
 import ray
 
+from slime.config.run_state import run_state_of
 from slime.backends.sglang_utils.launcher import EngineHandle, EngineNodes, launch_engine
 from slime.ray.common.engine_slot import EngineSlot
 from slime.ray.common.node import advertised_host, node_address, serving_host, visible_device_index
@@ -65,7 +66,7 @@ class EngineRayActor:
                 "device_indices": list(self.devices())}
 
     def bind_host(self) -> str:
-        return self.args.engine_bind_host or serving_host(self.args.spans_nodes)
+        return self.args.engine_bind_host or serving_host(run_state_of(self.args).spans_nodes)
 
     def dist_init_addr(self) -> str:
         """host:port on this node (node rank 0 of an engine over several nodes) where its processes meet: a port

@@ -26,6 +26,8 @@ import torch
 from slime.backends.sglang_utils.http_client import SGLangHTTPClient
 from slime.backends.sglang_utils.launcher import pick_rollout_backend
 from slime.distributed.fault_inject import maybe_kill_run
+from slime.config.run_config import run_config_of
+from slime.config.run_state import advance, run_state_of
 from slime.ray.common.engine_slot import EngineSlot
 from slime.ray.common.node import advertised_host, serving_host
 from slime.backends.sglang_utils.launcher import EngineNodes
@@ -94,8 +96,8 @@ class RolloutManager:
         self.guard = RolloutGuard(HealthConfig.from_args(args), self.fleet)
         self.steps = RolloutSteps(rollout_step_window_s(args))
         self._rollout_fn = load_function(args.rollout_function_path)
-        if args.start_rollout_id > 0:  # resume after the rollout whose data state was saved; last, so that
-            self.data_source.load(args.start_rollout_id - 1)  # the restored RNG is this process's at rollout start
+        if run_state_of(args).start_rollout_id > 0:  # resume after the rollout whose data state was saved; last, so that
+            self.data_source.load(run_state_of(args).start_rollout_id - 1)  # the restored RNG is this process's at rollout start
 
     def _launch_engines(self, slots: Sequence[EngineSlot]) -> list[EngineEndpoint]:
         if not slots:
@@ -168,9 +170,10 @@ class RolloutManager:
     def _launch_router(self):
         # Loopback on one node; upstream's node address when the run spans nodes; --sglang-router-ip
         # overrides (0.0.0.0: every interface). The rollout function reaches it at the advertised address.
-        self.args.sglang_router_ip = self.args.sglang_router_ip or serving_host(self.args.spans_nodes)
-        router = launch_router(self.args, [e.url for e in self.engines], log_dir=self.log_dir)
-        self.args.sglang_router_ip, self.args.sglang_router_port = advertised_host(router.host), router.port
+        state = run_state_of(self.args)
+        router = launch_router(self.args, [e.url for e in self.engines], host=state.router_ip or serving_host(
+            state.spans_nodes), port=state.router_port, log_dir=self.log_dir)
+        advance(self.args, router_ip=advertised_host(router.host), router_port=router.port)
         return router
 
     def engine_urls(self) -> list[str]:
@@ -192,7 +195,8 @@ class RolloutManager:
         with self.steps.call():
             start = time.monotonic()
             (samples, metrics), faults = self.steps.guarded(lambda: self.guard.run(
-                "generate", rollout_id, lambda: self._samples(rollout_id), budget_s=rollout_deadline_s(self.args),
+                "generate", rollout_id, lambda: self._samples(rollout_id),
+                budget_s=rollout_deadline_s(self.args, run_config_of(self.args)),
                 weights_version=weights_version, inject_faults=True))
             rollout_time = time.monotonic() - start
             if self.args.use_fault_tolerance:
@@ -244,8 +248,8 @@ class RolloutManager:
             label = f"eval {rollout_id}:"
             fn = self.steps.run(f"{label} loading the eval function", load_function,
                                 self.args.eval_function_path or self.args.rollout_function_path)
-            budget_s = rollout_deadline_s(self.args, evaluation=True, eval_prompts=self.steps.run(
-                f"{label} counting the eval prompts", self._eval_prompts))
+            prompts = self.steps.run(f"{label} counting the eval prompts", self._eval_prompts)
+            budget_s = rollout_deadline_s(self.args, run_config_of(self.args), evaluation=True, eval_prompts=prompts)
             output, _ = self.steps.guarded(lambda: self.guard.run(
                 "eval", rollout_id, lambda: call_rollout_fn(fn, self.args, rollout_id, self.data_source, evaluation=True),
                 budget_s=budget_s, weights_version=weights_version))
@@ -340,7 +344,7 @@ class RolloutManager:
 
 def engine_log_dir(args) -> str:
     """Where the engines and the router write their logs (kept in place by a restart: healing.KEPT_IN_LEDGER)."""
-    return os.path.join(args.ledger_dir or "/tmp", "engine-logs")
+    return os.path.join(run_state_of(args).ledger_dir, "engine-logs")
 
 
 def _generating() -> list:

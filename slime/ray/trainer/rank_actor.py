@@ -10,6 +10,7 @@ import warnings
 import ray
 
 from slime.ray.common.node import node_address, serving_host, visible_device_index
+from slime.config.run_state import advance, run_state_of
 from slime.utils.deadlines import run_deadlines
 from slime.utils.security import use_key
 
@@ -87,7 +88,7 @@ class TrainRayActor:
         self.actor = None
         self._store = None  # rank 0: the rendezvous store it hosts
         use_key(args.api_key)  # weight pushes reach the engines with the run's key
-        args.node_host = node_address()  # colocated across nodes, the push feeds the engines at this address
+        advance(args, node_host=node_address())  # colocated across nodes, the push feeds the engines at this address
         if rank != 0 and not args.verbose:
             quiet_library_warnings()
         # On GPU bundles the rank sees the whole node (placement.py says why) and trains on its
@@ -106,7 +107,7 @@ class TrainRayActor:
         kernel picks as it binds, so no other process can take it first, and offers that address and port."""
         from slime.backends.megatron_utils.parallel import host_rendezvous
 
-        host = serving_host(self.args.spans_nodes)
+        host = serving_host(run_state_of(self.args).spans_nodes)
         self._store = host_rendezvous(self.args, self.world_size, host)
         return host, self._store.port
 
@@ -123,10 +124,11 @@ class TrainRayActor:
         from slime.backends.megatron_utils.critic import CriticTrainActor
 
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-        os.environ.update({k: str(v) for k, v in (self.args.train_env_vars or {}).items()})  # --train-env-vars
+        os.environ.update({k: str(v) for k, v in self.args.train_env_vars.items()})  # --train-env-vars
         from slime.backends.megatron_utils.parallel import join_rendezvous
 
-        if self.role == "actor" and self.args.restart_count:  # before any push of this attempt on this host
+        # before any push of this attempt on this host
+        if self.role == "actor" and run_state_of(self.args).restart_count:
             remove_stale_buckets()
         store = self._store if self.rank == 0 else join_rendezvous(self.args, master_addr, master_port, self.world_size)
         trainer = CriticTrainActor if self.role == "critic" else MegatronTrainActor

@@ -129,7 +129,8 @@ async def async_rm(args, sample: Sample, **kwargs) -> Any:
     if custom:
         return await load_function(custom)(args, sample, **kwargs)
     metadata = sample.metadata if isinstance(sample.metadata, dict) else {}
-    rm_type = (metadata.get("rm_type") or args.rm_type or "").strip()
+    rm_type = metadata.get("rm_type") or args.rm_type
+    rm_type = rm_type.strip() if rm_type else None
     if not rm_type:
         raise ValueError("no reward: set --rm-type or --custom-rm-path")
     if rm_type == "remote_rm":
