@@ -96,6 +96,19 @@ def rollout_size(args: Any) -> RolloutSize:
                        concurrency_per_engine=args.sglang_server_concurrency)
 
 
+def run_layout(args: Any, world_size: int) -> ParallelLayout:
+    """The parallel layout a running world of `world_size` ranks trains in: the run config's (checked against the
+    world it runs in: a rank started in another world would build other groups than its peers); arguments built
+    without a command line get the layout of their flags over that world."""
+    run_config = vars(args).get("run_config")
+    if run_config is None:
+        return build_parallel_layout(args, world_size=world_size)
+    if run_config.layout.world_size != world_size:
+        raise ValueError(f"the run's parallel layout is for {run_config.layout.world_size} ranks, but this rank's "
+                         f"torch.distributed world has {world_size}")
+    return run_config.layout
+
+
 def run_config_of(args: Any) -> RunConfig:
     """The run config parse_args built (``args.run_config``); arguments built without a command line
     (slime/config/defaults.py) get theirs from their flags by the same rule."""

@@ -18,7 +18,8 @@ from datetime import timedelta
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
-from slime.config.layout import ParallelLayout, build_parallel_layout
+from slime.config.layout import ParallelLayout
+from slime.config.run_config import run_layout
 from slime.distributed.communicator_config import megatron_config_file, single_rank_group_kinds
 from slime.distributed.fence import Fence
 from slime.distributed.group_names import forget_group, register_group
@@ -50,7 +51,7 @@ class GroupSettings:
         """The settings of the running world (torch.distributed initialised) from the flags."""
         deadlines = run_deadlines(args)
         return cls(
-            parallel=build_parallel_layout(args, world_size=dist.get_world_size()),
+            parallel=run_layout(args, dist.get_world_size()),
             fence_timeout_s=deadlines.no_progress_s,
             group_timeout_s=deadlines.group_timeout,
             recreate_process_groups_on_wake=args.recreate_process_groups_on_wake,
