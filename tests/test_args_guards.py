@@ -11,6 +11,7 @@ from the syntax tree:
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,9 +58,9 @@ def _targets(node: ast.AST):
         yield node.target
 
 
-def writes_into_args(source: str) -> list[tuple[int, str]]:
+def writes_into_args(tree: ast.AST) -> list[tuple[int, str]]:
     found = []
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(tree):
         for target in _targets(node):
             if _is_args_field(target) and isinstance(target.ctx, ast.Store):
                 found.append((node.lineno, ast.unparse(target)))
@@ -69,9 +70,9 @@ def writes_into_args(source: str) -> list[tuple[int, str]]:
     return found
 
 
-def literal_fallbacks(source: str) -> list[tuple[int, str]]:
+def literal_fallbacks(tree: ast.AST) -> list[tuple[int, str]]:
     found = []
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(tree):
         if isinstance(node, ast.BoolOp) and isinstance(node.op, ast.Or):
             for i, value in enumerate(node.values[:-1]):
                 if _is_args_field(value) and any(_is_literal(v) for v in node.values[i + 1:]):
@@ -80,22 +81,26 @@ def literal_fallbacks(source: str) -> list[tuple[int, str]]:
     return found
 
 
+@functools.cache
+def _trees() -> tuple[tuple[Path, ast.AST], ...]:
+    return tuple((path, ast.parse(path.read_text(), filename=str(path))) for path in _product_files())
+
+
 def _scan(check) -> list[str]:
-    return [f"{path.relative_to(REPO)}:{line}: {text}" for path in _product_files()
-            for line, text in check(path.read_text())]
+    return [f"{path.relative_to(REPO)}:{line}: {text}" for path, tree in _trees() for line, text in check(tree)]
 
 
 def test_the_scanners_see_what_they_refuse():
     """The scanners themselves: each form they refuse, and the reads they leave alone."""
     refused = "args.x = 1\nself.args.y += 2\nargs.a, b = 1, 2\nsetattr(args, 'z', 3)\n"
-    assert [line for line, _ in writes_into_args(refused)] == [1, 2, 3, 4]
-    assert writes_into_args("x = args.y\nother.args.z = 1\nargs = make()\nargs[0] = 1\n") == []
+    assert [line for line, _ in writes_into_args(ast.parse(refused))] == [1, 2, 3, 4]
+    assert writes_into_args(ast.parse("x = args.y\nother.args.z = 1\nargs = make()\nargs[0] = 1\n")) == []
     fallbacks = ("a = args.x or 1\nb = self.args.y or 'k1'\nc = args.z or None\nd = args.w or []\ne = args.v or {}\n"
                  "f = args.u or ()\ng = args.t or args.s or 'input'\nh = args.r or DEFAULT_CONCURRENCY\n"
                  "i = args.q or -1.0\n")
-    assert [line for line, _ in literal_fallbacks(fallbacks)] == list(range(1, 10))
-    assert literal_fallbacks("a = args.x or args.y\nif args.x or args.y: pass\nb = x or 1\n"
-                             "c = args.x or compute(args)\nd = args.x and 1\n") == []
+    assert [line for line, _ in literal_fallbacks(ast.parse(fallbacks))] == list(range(1, 10))
+    assert literal_fallbacks(ast.parse("a = args.x or args.y\nif args.x or args.y: pass\nb = x or 1\n"
+                                       "c = args.x or compute(args)\nd = args.x and 1\n")) == []
 
 
 def test_no_writes_into_args_outside_the_config_room():
