@@ -684,7 +684,7 @@ def test_indexer_loss_trains_the_indexer_only_when_asked(moe_assets, tmp_path):
     hf_dir, data = moe_assets("glm_moe_dsa")
     want = _hf_log_probs(hf_dir, data)
     data = dict(data, log_probs=want, ref_log_probs=want, rollout_log_probs=want)
-    for coeff in (1.0, None):
+    for coeff in (1.0, 0.0):  # 0: the flag's default, the indexer frozen
         (result,) = run_ranks(_indexer_loss_child, 1, args=(hf_dir, data, coeff), timeout_s=90)
         assert not result["skipped"]
         assert sorted(result["before"]) and all(".layers.2." not in n for n in result["before"])  # layer 2: shared
