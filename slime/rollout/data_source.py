@@ -76,7 +76,10 @@ def vision_of(hf_checkpoint: str, spec: PromptFileSpec):
 
 
 def _chat_template_kwargs(args) -> dict:
+    """--apply-chat-template-kwargs: a dict, or JSON text; None (arguments built by hand, upstream-style): none."""
     value = args.apply_chat_template_kwargs
+    if value is None:
+        return {}
     return json.loads(value) if isinstance(value, str) else dict(value)
 
 
