@@ -157,8 +157,13 @@ def test_failed_request_is_sent_again_only_when_the_policy_says_so():
 
 
 # ----- the guard: a deadline or a failed engine ends the rollout with a named error ----------------
+def _no_restart(rank: int):
+    raise RuntimeError(f"engine {rank}: this test restarts no engine")  # a relaunch gives a handle or raises
+
+
 def _guard(engines=(), fault_tolerant=False) -> RolloutGuard:
-    fleet = EngineFleet([LocalEngine(e) for e in engines], relaunch=lambda rank: None, router=None, fault_tolerant=fault_tolerant)
+    fleet = EngineFleet([LocalEngine(e) for e in engines], relaunch=_no_restart, router=None,
+                        fault_tolerant=fault_tolerant)
     return RolloutGuard(HealthConfig(fault_tolerant=fault_tolerant, timeout_s=1.0), fleet, grace_s=1.0)
 
 
@@ -287,7 +292,13 @@ def test_between_rollouts_a_dead_engine_is_failed_and_the_wait_for_a_serving_one
     server, calls = _flaky_generate(failures=100)
     engine = _Process("http://127.0.0.1:1")
     guard = _guard([engine], fault_tolerant=True)
-    guard.fleet.relaunch = lambda rank: time.sleep(60)  # the restart does not serve within the wait
+    released = threading.Event()
+
+    def restart_that_does_not_serve_within_the_wait(rank: int):
+        released.wait(60)
+        raise RuntimeError(f"engine {rank}: the test's restart ended")
+
+    guard.fleet.relaunch = restart_that_does_not_serve_within_the_wait
     try:
         guard.run("generate", 0, lambda: None, budget_s=30, weights_version=None)
         engine.server.process.kill()
@@ -298,6 +309,7 @@ def test_between_rollouts_a_dead_engine_is_failed_and_the_wait_for_a_serving_one
         assert time.monotonic() - start < 10 and len(calls) == 1
         assert [f.rank for f in guard.fleet.failures] == [0]  # noticed at the failed request, no monitor running
     finally:
+        released.set()
         guard.monitor.close()
         http_utils.set_request_bounds(None)
         engine.stop()
