@@ -20,7 +20,9 @@ def no_real_sglang(monkeypatch):
 
 
 def driver_args(**flags) -> argparse.Namespace:
-    """The parser's defaults with ``flags``, and the run config parse_args builds from them (args.run_config)."""
+    """The parser's defaults with ``flags``, and the run config parse_args builds from them (args.run_config); flags
+    copied from another namespace (``vars(args)``) leave its run config and run state behind, as a new parse would."""
+    flags = {k: v for k, v in flags.items() if k not in ("run_config", "run_state")}
     args = defaults_namespace(**flags)
     args.run_config = build_run_config(args)
     return args

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import types
 
 import torch
 
@@ -33,9 +32,11 @@ class Source:
 
 
 def _args(**flags):
-    return types.SimpleNamespace(**{"rollout_batch_size": 2, "n_samples_per_prompt": 2, "sglang_server_concurrency": 2,
-                                    "rollout_num_gpus": 2, "rollout_num_gpus_per_engine": 1, "partial_rollout": False,
-                                    **flags})
+    from slime.config import defaults_namespace
+
+    return defaults_namespace(**{"rollout_batch_size": 2, "n_samples_per_prompt": 2, "sglang_server_concurrency": 2,
+                                 "rollout_num_gpus": 2, "rollout_num_gpus_per_engine": 1, "partial_rollout": False,
+                                 **flags})
 
 
 def _generated(sample: Sample, version: int, status=Sample.Status.COMPLETED) -> Sample:

@@ -113,8 +113,7 @@ def test_an_unexpected_error_after_start_ends_in_its_traceback_and_one_line(laun
     made = {}
 
     def broken(args):
-        resolve_ledger_dir(args)
-        made["dir"] = args.ledger_dir
+        made["dir"] = resolve_ledger_dir(args)
         raise KeyError("reward")
 
     monkeypatch.setattr(train, "train", broken)
@@ -145,8 +144,7 @@ def test_a_clean_run_removes_the_temp_ledger_dir_it_made(launchable, monkeypatch
     made = {}
 
     def fine(args):
-        resolve_ledger_dir(args)
-        made["dir"] = args.ledger_dir
+        made["dir"] = resolve_ledger_dir(args)
 
     monkeypatch.setattr(train, "train", fine)
     assert train.main(launchable) == 0

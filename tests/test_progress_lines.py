@@ -109,7 +109,7 @@ def test_the_start_line_names_the_layout_from_the_flags():
                         "rollout_num_gpus": 4, "rollout_num_gpus_per_engine": 2})
     assert start_line(dp, device="GPU").startswith("starting: 8 trainer ranks (TP2 x DP4), 2 engines of 2 GPUs each, "
                                                    "engines apart, on GPU")
-    ppo = driver_args(**{**vars(args), "use_critic": True})
+    ppo = driver_args(**{**vars(args), "advantage_estimator": "ppo", "use_critic": True})
     assert start_line(ppo, device="CPU").startswith(
         "starting: 8 trainer ranks (TP2 x SP x CP4), 8 critic ranks on the trainer ranks' GPUs, 1 engine")
     own = driver_args(**{**vars(ppo), "critic_num_gpus_per_node": 4})
