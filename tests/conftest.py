@@ -3,6 +3,7 @@
 - every test process holds a run key, as each process of a run does: the clients here send it and the
   servers started here require it (slime/utils/security.py)."""
 import os
+from pathlib import Path
 
 from slime.patches.ray import ENV_SWITCH
 from slime.utils.security import ApiKey, use_key
@@ -24,10 +25,11 @@ SHARED_GROUPS = {
     "test_end_to_end.py": "eight_ranks", "test_order_proof.py": "eight_ranks", "test_learning_demo.py": "eight_ranks",
     "test_learning_demo_moe.py": "eight_ranks",
 }
-LONGEST_FIRST = ("eight_ranks", "test_engine_faults_e2e.py", "test_exact_resume.py", "test_learning_demo_qwen3_5.py",
-                 "test_dropin_e2e.py", "test_train_async_e2e.py", "test_bench_step_gpu.py", "test_learning_demo_ppo.py",
-                 "test_multinode_end_to_end.py", "test_rollout_stack_e2e.py", "test_model_families_e2e.py",
-                 "test_logprob_agreement.py", "test_sft.py", "test_gpu_driver_cpu.py", "test_opd.py")
+LONGEST_FIRST = ("eight_ranks", "test_exact_resume.py", "test_engine_faults_e2e.py", "test_learning_demo_ppo.py",
+                 "test_multinode_end_to_end.py", "test_train_async_e2e.py", "test_dropin_e2e.py",
+                 "test_rollout_stack_e2e.py", "test_learning_demo_qwen3_5.py", "test_logprob_agreement.py",
+                 "test_bench_step_gpu.py", "test_model_families_e2e.py", "test_opd.py", "test_gpu_driver_cpu.py",
+                 "test_sft.py")
 
 
 def worker_group(nodeid: str) -> str:
@@ -55,6 +57,16 @@ def pytest_collection_modifyitems(items) -> None:
     order = {group: i for i, group in enumerate(LONGEST_FIRST)}
     end_to_end = {worker_group(item.nodeid) for item in items if item.get_closest_marker("e2e")}
     items.sort(key=lambda item: order.get(group := worker_group(item.nodeid), len(order) + (group not in end_to_end)))
+
+
+@pytest.fixture(scope="session")
+def small_run_inputs(tmp_path_factory) -> dict[str, Path]:
+    """A one-layer tiny Qwen3 with the Qwen tokenizer and 8 arithmetic prompts, written once per test process for
+    the engines and short runs whose assertions do not depend on the model's shape; nothing writes into them."""
+    from slime.tools.tiny_checkpoint import TinyQwen3Spec
+    from train_runs import write_run_assets
+
+    return write_run_assets(tmp_path_factory.mktemp("small_run_inputs"), TinyQwen3Spec(layers=1), prompts=8)
 
 
 @pytest.fixture(scope="session")

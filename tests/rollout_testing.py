@@ -11,10 +11,12 @@ import json
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from aiohttp import web
 
+from slime.config import defaults_namespace
 from slime.utils.ports import find_free_port
 
 WORDS = "what is the answer a b c d one two three four five six seven eight nine 1 2 3 4 5 6 7 8 9 + = ?".split()
@@ -43,6 +45,17 @@ def write_tokenizer(out_dir: Path, max_position_embeddings: int | None = None) -
     if max_position_embeddings is not None:
         (out_dir / "config.json").write_text(json.dumps({"max_position_embeddings": max_position_embeddings}))
     return out_dir
+
+
+def rollout_args(tokenizer_dir, prompt_path, port: int | None = None, **overrides) -> SimpleNamespace:
+    """The parser's defaults for a rollout of `prompt_path` ("prompt" and "label" keys, 2 samples a prompt, --seed
+    alone orders them) tokenized by `tokenizer_dir`; with a port, generating up to 16 tokens a sample through the
+    router at 127.0.0.1:port; `overrides` on top."""
+    fields = dict(prompt_data=str(prompt_path), hf_checkpoint=tokenizer_dir, input_key="prompt", label_key="label",
+                  rollout_seed=None, n_samples_per_prompt=2)
+    if port is not None:
+        fields.update(sglang_router_ip="127.0.0.1", sglang_router_port=port, rollout_max_response_len=16)
+    return defaults_namespace(**{**fields, **overrides})
 
 
 def write_jsonl(path: Path, rows: list) -> Path:

@@ -3,8 +3,7 @@
 import pytest
 
 from rollout_testing import tokenizer_dir  # noqa: F401 (fixture)
-from rollout_testing import write_jsonl
-from slime.config import defaults_namespace
+from rollout_testing import rollout_args, write_jsonl
 from slime.rollout.eval_config import EvalDatasetSpec
 from slime.rollout.data_source import (
     RolloutDataSource,
@@ -17,14 +16,7 @@ PROMPTS = [{"prompt": f"what is {i} + 1 ?", "label": str(i + 1), "metadata": {"i
 
 
 def make_args(tokenizer_dir, prompt_path, **kw):
-    base = dict(
-        prompt_data=str(prompt_path), hf_checkpoint=tokenizer_dir, input_key="prompt", label_key="label",
-        metadata_key="metadata", apply_chat_template=False, apply_chat_template_kwargs=None, rollout_shuffle=False,
-        seed=1234, rollout_seed=None, n_samples_per_prompt=2, rollout_max_prompt_len=None, rollout_max_context_len=None,
-        save=None, load=None,
-    )
-    base.update(kw)
-    return defaults_namespace(**base)
+    return rollout_args(tokenizer_dir, prompt_path, **{"seed": 1234, **kw})
 
 
 def test_groups_have_copies_with_indices(tokenizer_dir, tmp_path):

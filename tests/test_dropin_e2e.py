@@ -14,19 +14,16 @@ from __future__ import annotations
 import json
 import math
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import hook_plugins
-from train_runs import read_events, run_train, train_env
+from train_runs import read_events, run_script, run_train, write_run_assets
 
 pytestmark = pytest.mark.e2e
 
-ROOT = Path(__file__).resolve().parents[1]
 PLUGINS = str(Path(hook_plugins.__file__).resolve())
 ONE_RANK = ["--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1",
             "--use-slime-router", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "1024",
@@ -44,13 +41,9 @@ def saved_samples(pattern: str, rollout_id: int) -> list[dict]:
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> dict[str, Path]:
     from slime.tools.demo_prompts import write_prompts
-    from slime.tools.tiny_checkpoint import write_tiny_checkpoint
 
-    root = tmp_path_factory.mktemp("dropin")
-    checkpoint = Path(write_tiny_checkpoint(root / "tiny-qwen3"))
-    prompts = write_prompts(root / "prompts.jsonl", n=32, seed=0)
-    eval_prompts = write_prompts(root / "eval.jsonl", n=2, seed=1)
-    return {"root": root, "checkpoint": checkpoint, "prompts": prompts, "eval": eval_prompts}
+    assets = write_run_assets(tmp_path_factory.mktemp("dropin"), prompts=32)
+    return {**assets, "eval": write_prompts(assets["root"] / "eval.jsonl", n=2, seed=1)}
 
 
 def data_flags(assets) -> list[str]:
@@ -282,12 +275,8 @@ def test_custom_loss_trains(sampling_run):
 @pytest.fixture(scope="module")
 def multi_turn_run(assets) -> dict:
     out = assets["root"] / "multi_turn"
-    env = train_env({"PY": sys.executable, "OUT": str(out)})
     pattern = str(out / "rollout_{rollout_id}.pt")
-    proc = subprocess.run(["bash", str(ROOT / "examples/multi_turn/run_multi_turn_cpu.sh"),
-                           "--save-debug-rollout-data", pattern], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-5000:]
+    run_script("multi_turn/run_multi_turn_cpu.sh", out, timeout_s=600, extra=["--save-debug-rollout-data", pattern])
     return {"out": out, "events": read_events(out / "metrics.jsonl"), "rollout": pattern}
 
 

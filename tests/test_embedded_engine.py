@@ -24,7 +24,6 @@ from slime.backends.sglang_utils.server_args import render_server_flags
 from slime.backends.sglang_utils.shared_payload import LOAD_FORMAT as SHM_FORMAT
 from slime.backends.sglang_utils.shared_payload import make_run_directory, write_shared_bucket
 from slime.config import defaults_namespace
-from slime.tools.tiny_checkpoint import TinyQwen3Spec, write_tiny_checkpoint
 from slime.utils.security import auth_headers, current_key
 
 pytestmark = pytest.mark.timeout(300)
@@ -33,8 +32,8 @@ PROMPT = "What is 3 + 4?"
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return str(write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), TinyQwen3Spec(layers=1)))
+def checkpoint(small_run_inputs):
+    return str(small_run_inputs["checkpoint"])
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ import requests
 from rollout_testing import AppThread
 from slime.backends.embedded_engine.engine import EmbeddedEngine
 from slime.backends.embedded_engine.server import build_app
-from slime.tools.tiny_checkpoint import TinyQwen3Spec, write_tiny_checkpoint
 from slime.utils.security import auth_headers, current_key
 
 pytestmark = pytest.mark.timeout(300)
@@ -22,9 +21,8 @@ LONG = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 3000, "ign
 
 
 @pytest.fixture(scope="module")
-def engine_url(tmp_path_factory):
-    checkpoint = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), TinyQwen3Spec(layers=1))
-    server = AppThread(build_app(EmbeddedEngine(str(checkpoint), seed=3), api_key=current_key())).start()
+def engine_url(small_run_inputs):
+    server = AppThread(build_app(EmbeddedEngine(str(small_run_inputs["checkpoint"]), seed=3), api_key=current_key())).start()
     yield f"http://127.0.0.1:{server.port}"
     server.stop()
 

@@ -15,7 +15,6 @@ one (every failure counted is an injected one).
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 
@@ -40,15 +39,9 @@ FAULT_TOLERANCE = ["--use-fault-tolerance", "--rollout-health-check-interval", "
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory) -> dict[str, Path]:
-    from slime.tools.demo_prompts import write_prompts
-    from slime.tools.tiny_checkpoint import TinyQwen3Spec, write_tiny_checkpoint
-
-    root = tmp_path_factory.mktemp("faults")
-    prompts = root / "prompts.jsonl"
-    write_prompts(prompts, n=8, seed=0)
-    checkpoint = write_tiny_checkpoint(root / "tiny", TinyQwen3Spec(layers=1))
-    return {"root": root, "flags": ["--hf-checkpoint", str(checkpoint), "--prompt-data", str(prompts), *FLAGS]}
+def assets(tmp_path_factory, small_run_inputs) -> dict:
+    flags = ["--hf-checkpoint", str(small_run_inputs["checkpoint"]), "--prompt-data", str(small_run_inputs["prompts"])]
+    return {"root": tmp_path_factory.mktemp("faults"), "flags": [*flags, *FLAGS]}
 
 
 def _run(assets, name: str, extra: list[str], faults: str, timeout_s: float = 540):

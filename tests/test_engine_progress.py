@@ -25,7 +25,6 @@ from slime.ray.engines.recovery import FAILED, STARTING, EngineFleet
 from slime.ray.rollout_manager.errors import EngineStalledError, RolloutTimeoutError
 from slime.ray.rollout_manager.guard import RolloutGuard
 from slime.rollout import generation_gate
-from slime.tools.tiny_checkpoint import TinyQwen3Spec, write_tiny_checkpoint
 from slime.utils import http_utils
 from slime.utils.deadlines import DeadlineModel
 from slime.utils.security import auth_headers, current_key
@@ -115,8 +114,8 @@ def test_loads_that_are_not_sglangs_are_refused():
 
 # ----- the real embedded engine under the guard ---------------------------------------------------------
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), TinyQwen3Spec(layers=1))
+def checkpoint(small_run_inputs):
+    return small_run_inputs["checkpoint"]
 
 
 class _Served:

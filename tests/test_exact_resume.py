@@ -27,7 +27,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,10 +36,10 @@ import torch
 
 import hook_plugins
 from slime.checkpoint.contents import data_file, rng_file
+from train_runs import run_train_session, write_run_assets
 
 pytestmark = pytest.mark.e2e
 
-ROOT = Path(__file__).resolve().parents[1]
 PLUGINS = str(Path(hook_plugins.__file__).resolve())
 NUM_ROLLOUT = 4
 NUM_PROMPTS = 6  # 3 rollouts of 2 prompts an epoch: rollout 3 starts the second epoch's shuffle
@@ -90,13 +89,10 @@ def test_a_run_kill_outside_a_run_of_its_own_refuses(monkeypatch):
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> dict[str, Path]:
-    from slime.tools.demo_prompts import write_prompts
-    from slime.tools.tiny_checkpoint import TinyQwen3Spec, write_tiny_checkpoint
+    from slime.tools.tiny_checkpoint import TinyQwen3Spec
 
-    root = tmp_path_factory.mktemp("resume")
-    checkpoint = write_tiny_checkpoint(root / "tiny-qwen3", TinyQwen3Spec(alphabet="0123456789"))
-    return {"root": root, "checkpoint": Path(checkpoint),
-            "prompts": write_prompts(root / "prompts.jsonl", n=NUM_PROMPTS, seed=0, task="counting")}
+    return write_run_assets(tmp_path_factory.mktemp("resume"), TinyQwen3Spec(alphabet="0123456789"),
+                            prompts=NUM_PROMPTS, task="counting")
 
 
 def flags(assets, save: Path, metrics: Path) -> list[str]:
@@ -116,21 +112,14 @@ def flags(assets, save: Path, metrics: Path) -> list[str]:
 
 def run_train(argv: list[str], *, fault: str | None = None, timeout_s: float = RUN_TIMEOUT_S
               ) -> subprocess.CompletedProcess:
-    """train.py as its own session (the run-kill faults SIGKILL that session); whatever of the run
-    outlives the driver is killed before this returns."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    env.pop("SLIME_FAULT_INJECT", None)
-    if fault:
-        env["SLIME_FAULT_INJECT"] = fault
-    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *argv], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    """train.py as its own session on its own cluster (the run-kill faults SIGKILL that session): nothing of the
+    run outlives it, its engine servers included."""
     try:
-        out, err = proc.communicate(timeout=timeout_s)
+        proc = run_train_session(argv, timeout_s=timeout_s, env_extra={"SLIME_FAULT_INJECT": fault} if fault else None)
     finally:
-        _kill_session(proc.pid)
         servers = _servers_left(argv[argv.index("--hf-checkpoint") + 1])
     assert not servers, f"engine servers outlived the run (each dies with its engine actor): {servers}"
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return proc
 
 
 def _servers_left(checkpoint: str, timeout_s: float = 15.0) -> list[str]:
@@ -150,30 +139,6 @@ def _servers_left(checkpoint: str, timeout_s: float = 15.0) -> list[str]:
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.2)
-
-
-def _kill_session(sid: int, timeout_s: float = 30.0) -> None:
-    """SIGKILL every process left in the run's session and wait until none is."""
-    deadline = time.monotonic() + timeout_s
-    while (pids := _session_pids(sid)) and time.monotonic() < deadline:
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.2)
-    assert not _session_pids(sid), f"processes of the run outlived it: {_session_pids(sid)}"
-
-
-def _session_pids(sid: int) -> list[int]:
-    pids = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if os.getsid(int(entry)) == sid and not Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].startswith(" Z"):
-                pids.append(int(entry))
-        except OSError:  # gone meanwhile
-            continue
-    return pids
 
 
 def events(path: Path) -> dict[str, dict[int, dict]]:

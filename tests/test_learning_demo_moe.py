@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import pytest
 
-from test_learning_demo import AGREEMENT, MIN_RISE, NUM_ROLLOUTS, _series, run_demo_script
+from test_learning_demo import AGREEMENT, MIN_RISE, NUM_ROLLOUTS
+from train_runs import assert_reward_rises, run_script, series
 
 pytestmark = pytest.mark.e2e
 # ~110 s alone; 656 s once in CI's suite beside the PPO run (a host under load): the deadline is for a hang
@@ -23,22 +24,19 @@ RUN_TIMEOUT_S = 1200
 
 @pytest.fixture(scope="module")
 def moe_demo(tmp_path_factory) -> dict:
-    return run_demo_script("run_cpu_demo_moe.sh", tmp_path_factory.mktemp("demo_moe"), RUN_TIMEOUT_S,
-                           extra=("--advantage-estimator", "cispo"))
+    return run_script("run_cpu_demo_moe.sh", tmp_path_factory.mktemp("demo_moe"), timeout_s=RUN_TIMEOUT_S,
+                      num_rollout=NUM_ROLLOUTS, extra=("--advantage-estimator", "cispo"))
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 40)
 def test_moe_reward_rises_from_random_weights(moe_demo):
-    rewards = _series(moe_demo["events"], "rollout", "rollout/raw_reward")
-    assert len(rewards) == NUM_ROLLOUTS
-    rise = sum(rewards[-3:]) / 3 - rewards[0]
-    assert rise >= MIN_RISE, f"rewards {[round(r, 3) for r in rewards]}"
+    assert_reward_rises(series(moe_demo["events"], "rollout", "rollout/raw_reward"), NUM_ROLLOUTS, MIN_RISE)
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 40)
 def test_cispo_clipped_weights_and_every_moe_weight_sync_is_confirmed_by_the_log_probs(moe_demo):
-    clipfrac = _series(moe_demo["events"], "train", "train/pg_clipfrac")
+    clipfrac = series(moe_demo["events"], "train", "train/pg_clipfrac")
     assert len(clipfrac) == NUM_ROLLOUTS and max(clipfrac) > 0.0, clipfrac
-    diffs = _series(moe_demo["events"], "train", "train/train_rollout_logprob_abs_diff")
+    diffs = series(moe_demo["events"], "train", "train/train_rollout_logprob_abs_diff")
     assert len(diffs) == NUM_ROLLOUTS and all(0.0 <= d <= AGREEMENT for d in diffs), diffs
-    assert _series(moe_demo["events"], "weight_sync", "weight_sync/version") == list(range(NUM_ROLLOUTS + 1))
+    assert series(moe_demo["events"], "weight_sync", "weight_sync/version") == list(range(NUM_ROLLOUTS + 1))

@@ -27,8 +27,8 @@ import sys
 
 import pytest
 
-from test_learning_demo import AGREEMENT, MIN_RISE, NUM_ROLLOUTS, _series, run_demo_script
-from train_runs import PRIVATE_CLUSTER, ROOT
+from test_learning_demo import AGREEMENT, MIN_RISE, NUM_ROLLOUTS
+from train_runs import PRIVATE_CLUSTER, ROOT, assert_reward_rises, run_script, series
 
 pytestmark = pytest.mark.e2e
 
@@ -51,7 +51,7 @@ def ppo_demo(tmp_path_factory) -> dict:
     ledger = out / "ledger"
     roles = out / "roles.yaml"  # upstream's per-role Megatron config: the critic's own rate
     roles.write_text(f"megatron:\n  - {{name: default, role: critic, overrides: {{lr: {CRITIC_LR}}}}}\n")
-    return {**run_demo_script("run_cpu_demo.sh", out, RUN_TIMEOUT_S, extra=(
+    return {**run_script("run_cpu_demo.sh", out, timeout_s=RUN_TIMEOUT_S, num_rollout=NUM_ROLLOUTS, extra=(
         *LAYOUT, "--advantage-estimator", "ppo", "--critic-load", str(out / "counting-model-seed1234"),
         "--megatron-config-path", str(roles), "--num-critic-only-steps", str(CRITIC_ONLY), "--normalize-advantages",
         "--ledger-dir", str(ledger), "--ledger-record-sequence", *LORA), env_extra=PRIVATE_CLUSTER), "ledger": ledger}
@@ -59,24 +59,21 @@ def ppo_demo(tmp_path_factory) -> dict:
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 40)
 def test_ppo_reward_rises_from_random_weights(ppo_demo):
-    rewards = _series(ppo_demo["events"], "rollout", "rollout/raw_reward")
-    assert len(rewards) == NUM_ROLLOUTS
-    rise = sum(rewards[-3:]) / 3 - rewards[0]
-    assert rise >= MIN_RISE, f"rewards {[round(r, 3) for r in rewards]}"
+    assert_reward_rises(series(ppo_demo["events"], "rollout", "rollout/raw_reward"), NUM_ROLLOUTS, MIN_RISE)
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 40)
 def test_the_critic_trains_every_rollout_and_the_actor_after_the_critic_only_ones(ppo_demo):
     events = ppo_demo["events"]
-    value_loss = _series(events, "train", "critic/value_loss")
+    value_loss = series(events, "train", "critic/value_loss")
     assert len(value_loss) == NUM_ROLLOUTS and all(v >= 0.0 for v in value_loss)
-    assert set(_series(events, "train", "critic/lr")) == {CRITIC_LR}  # --megatron-config-path's critic entry
+    assert set(series(events, "train", "critic/lr")) == {CRITIC_LR}  # --megatron-config-path's critic entry
     trained = sorted(e["rollout_id"] for e in events if e["event"] == "train" and "train/loss" in e)
     assert trained == list(range(CRITIC_ONLY, NUM_ROLLOUTS))
     diffs = [e["train/train_rollout_logprob_abs_diff"] for e in events if "train/train_rollout_logprob_abs_diff" in e]
     assert len(diffs) == NUM_ROLLOUTS - CRITIC_ONLY and all(0.0 <= d <= AGREEMENT for d in diffs), diffs
     # the first push at start, then one after every rollout the actor trained
-    assert _series(events, "weight_sync", "weight_sync/version") == [0, *range(CRITIC_ONLY + 1, NUM_ROLLOUTS + 1)]
+    assert series(events, "weight_sync", "weight_sync/version") == [0, *range(CRITIC_ONLY + 1, NUM_ROLLOUTS + 1)]
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 40)
@@ -134,9 +131,9 @@ def test_lora_trains_both_roles_adapters_and_pushes_only_what_trained(ppo_demo):
     weights = load_file(str(model / "model.safetensors"))
     total = sum(t.numel() * t.element_size() for t in weights.values())
     norms = sum(t.numel() * t.element_size() for name, t in weights.items() if "norm" in name)
-    pushed = _series(ppo_demo["events"], "weight_sync", "weight_sync/bytes")
+    pushed = series(ppo_demo["events"], "weight_sync", "weight_sync/bytes")
     assert pushed[0] == total and set(pushed[1:]) == {total - norms}, (pushed, total, norms)
     # the weight-sync proof held after every push, the subset pushes included: every tensor the engines serve
     # (the norms pushed once) against the trainer's, and the norms each push left out unchanged on the trainer
-    compared = _series(ppo_demo["events"], "weight_sync", "weight_sync/proof_tensors")
+    compared = series(ppo_demo["events"], "weight_sync", "weight_sync/proof_tensors")
     assert len(set(compared)) == 1 and compared[0] >= len(weights), compared

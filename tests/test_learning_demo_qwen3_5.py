@@ -13,19 +13,16 @@ pass the order proof. The evaluation with images runs at the start and every 10 
 """
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from safetensors import safe_open
-from test_learning_demo import MIN_RISE, NUM_ROLLOUTS, _series
-from train_runs import PRIVATE_CLUSTER, train_env
+from test_learning_demo import MIN_RISE, NUM_ROLLOUTS
+from train_runs import PRIVATE_CLUSTER, ROOT, assert_reward_rises, run_script, series
 
 pytestmark = pytest.mark.e2e
 
-ROOT = Path(__file__).resolve().parents[1]
 SEED = 1234
 # trainer vs engine (transformers' composite class after the push, with the images), fp32 on CPU; measured ~1.5e-7
 AGREEMENT = 1e-6
@@ -37,13 +34,9 @@ RUN_TIMEOUT_S = 800
 def geo3k_run(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("geo3k_vlm")
     ledger = out / "ledger"
-    env = train_env({"OUT": str(out), "NUM_ROLLOUT": str(NUM_ROLLOUTS), "PY": sys.executable, "SEED": str(SEED),
-                     "EVAL_INTERVAL": "10", **PRIVATE_CLUSTER})
     extra = ("--context-parallel-size", "2", "--ledger-dir", str(ledger), "--ledger-record-sequence")
-    proc = subprocess.run(["bash", str(ROOT / "examples" / "run_cpu_geo3k_vlm.sh"), *extra], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    events = run_script("run_cpu_geo3k_vlm.sh", out, timeout_s=RUN_TIMEOUT_S, num_rollout=NUM_ROLLOUTS, extra=extra,
+                        env_extra={"SEED": str(SEED), "EVAL_INTERVAL": "10", **PRIVATE_CLUSTER})["events"]
     with safe_open(str(out / f"squares-vl-moe-seed{SEED}" / "model.safetensors"), "pt") as f:
         names = list(f.keys())
     return {"events": events, "ledger": ledger, "checkpoint_names": names}
@@ -52,17 +45,14 @@ def geo3k_run(tmp_path_factory) -> dict:
 @pytest.mark.timeout(RUN_TIMEOUT_S + 40)
 def test_qwen3_5_moe_with_images_learns_under_tp2_sp_cp2_ep2(geo3k_run):
     events = geo3k_run["events"]
-    rewards = _series(events, "rollout", "rollout/raw_reward")
-    assert len(rewards) == NUM_ROLLOUTS
-    rise = sum(rewards[-3:]) / 3 - rewards[0]
-    assert rise >= MIN_RISE, f"rewards {[round(r, 3) for r in rewards]}"
-    diffs = _series(events, "train", "train/train_rollout_logprob_abs_diff")
+    assert_reward_rises(series(events, "rollout", "rollout/raw_reward"), NUM_ROLLOUTS, MIN_RISE)
+    diffs = series(events, "train", "train/train_rollout_logprob_abs_diff")
     assert len(diffs) == NUM_ROLLOUTS and all(0.0 <= d <= AGREEMENT for d in diffs), diffs
-    assert _series(events, "weight_sync", "weight_sync/version") == list(range(NUM_ROLLOUTS + 1))
-    assert len(_series(events, "eval", "eval/squares")) == 3  # rollouts 0, 10 and 20
+    assert series(events, "weight_sync", "weight_sync/version") == list(range(NUM_ROLLOUTS + 1))
+    assert len(series(events, "eval", "eval/squares")) == 3  # rollouts 0, 10 and 20
     # the weight-sync proof compared every tensor the engine serves, the vision tower's included, after every push
     names = geo3k_run["checkpoint_names"]
-    compared = _series(events, "weight_sync", "weight_sync/proof_tensors")
+    compared = series(events, "weight_sync", "weight_sync/proof_tensors")
     assert any(name.startswith("model.visual.") for name in names)
     assert len(compared) == NUM_ROLLOUTS + 1 and set(compared) == {len(names)}, (compared, len(names))
 

@@ -21,18 +21,17 @@ The healthy run's every sync also ran the proof over every tensor the engines se
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
-import train_runs
+from train_runs import run_train, write_run_assets
 
 pytestmark = pytest.mark.e2e
 
-ROOT = Path(__file__).resolve().parents[1]
 NUM_ROLLOUTS = 5
+RUN_TIMEOUT_S = 480
 AGREEMENT = 1e-4  # fp32, 2 ranks: measured ~1e-7 (see the CHANGELOG)
 BROKEN_FACTOR = 100.0
 FAULTS = "skip_weight_push@0#1,corrupt_weight_push@0#2"
@@ -41,13 +40,10 @@ BROKEN_ROLLOUTS = (2, 3)
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> dict[str, Path]:
-    from slime.tools.demo_prompts import write_prompts
-    from slime.tools.tiny_checkpoint import TinyQwen3Spec, write_tiny_checkpoint
+    from slime.tools.tiny_checkpoint import TinyQwen3Spec
 
-    root = tmp_path_factory.mktemp("logprob")
-    checkpoint = write_tiny_checkpoint(root / "counting-model", TinyQwen3Spec(alphabet="0123456789"))
-    prompts = write_prompts(root / "counting.jsonl", n=64, seed=0, task="counting")
-    return {"root": root, "checkpoint": checkpoint, "prompts": prompts}
+    return write_run_assets(tmp_path_factory.mktemp("logprob"), TinyQwen3Spec(alphabet="0123456789"), prompts=64,
+                            task="counting")
 
 
 def train_flags(assets: dict[str, Path], name: str) -> list[str]:
@@ -69,14 +65,11 @@ def train_flags(assets: dict[str, Path], name: str) -> list[str]:
     ]
 
 
-def run_train(flags: list[str], faults: str | None) -> subprocess.CompletedProcess:
-    flags = flags + ["--no-weight-sync-proof"] if faults else flags  # what the proof would stop at once
-    proc, _ = train_runs.run_train(flags, timeout_s=480, env_extra={"SLIME_FAULT_INJECT": faults} if faults else None)
-    return proc
-
-
 def run_and_read(assets: dict[str, Path], name: str, faults: str | None) -> dict:
-    proc = run_train(train_flags(assets, name), faults)
+    flags = train_flags(assets, name)
+    if faults:
+        flags.append("--no-weight-sync-proof")  # what the proof would stop at once
+    proc, _ = run_train(flags, timeout_s=RUN_TIMEOUT_S, env_extra={"SLIME_FAULT_INJECT": faults} if faults else None)
     assert proc.returncode == 0, proc.stderr[-4000:]
     events = [json.loads(line) for line in (assets["root"] / name / "metrics.jsonl").read_text().splitlines()]
     train = {e["rollout_id"]: e for e in events if e["event"] == "train"}

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from test_logprob_agreement import AGREEMENT, run_train, train_flags
+from test_logprob_agreement import AGREEMENT, RUN_TIMEOUT_S, train_flags
 from tiny_models import replace_model, save_tiny_deepseek_v3, save_tiny_glm4
+from train_runs import run_train
 
 pytestmark = pytest.mark.e2e
 
@@ -58,7 +59,7 @@ def _run(assets, family: str, extra: tuple[str, ...] = (), **layout: str | None)
     base = train_flags({"root": assets["root"], "checkpoint": assets["checkpoints"][family],
                         "prompts": assets["prompts"]}, family)
     flags = [*_with(base, num_rollout=str(NUM_ROLLOUTS), save_debug_rollout_data=None, **layout), *extra]
-    proc = run_train(flags, None)
+    proc, _ = run_train(flags, timeout_s=RUN_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-4000:]
     events = [json.loads(line) for line in (assets["root"] / family / "metrics.jsonl").read_text().splitlines()]
     return {e["rollout_id"]: e["train/train_rollout_logprob_abs_diff"] for e in events if e["event"] == "train"}

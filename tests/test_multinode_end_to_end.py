@@ -18,15 +18,12 @@ agree with the trainer's after every push, and its recorded collectives pass the
 """
 from __future__ import annotations
 
-import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from ray_cluster import RayTestCluster, second_loopback_address
-from train_runs import ROOT, read_events, run_train, train_env
+from train_runs import assert_reward_rises, read_events, run_script, run_train, write_run_assets
 
 pytestmark = pytest.mark.e2e
 # The colocated run: ~240 s in the suite on idle cores, 478 s once on a CI host under load. The deadline is for a hang.
@@ -37,10 +34,10 @@ LAYOUTS = {
 }
 
 
-def small_job_flags(root: Path) -> list[str]:
+def small_job_flags(job_files: dict[str, Path]) -> list[str]:
     return [
-        "--hf-checkpoint", str(root / "tiny-qwen3"),
-        "--prompt-data", str(root / "prompts.jsonl"), "--input-key", "prompt", "--label-key", "label",
+        "--hf-checkpoint", str(job_files["checkpoint"]),
+        "--prompt-data", str(job_files["prompts"]), "--input-key", "prompt", "--label-key", "label",
         "--apply-chat-template", "--rm-type", "math",
         "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--num-steps-per-rollout", "1",
         "--rollout-max-response-len", "8", "--advantage-estimator", "grpo",
@@ -51,14 +48,8 @@ def small_job_flags(root: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def job_files(tmp_path_factory) -> Path:
-    from slime.tools.demo_prompts import write_prompts
-    from slime.tools.tiny_checkpoint import write_tiny_checkpoint
-
-    root = tmp_path_factory.mktemp("two-node")
-    write_tiny_checkpoint(root / "tiny-qwen3")
-    write_prompts(root / "prompts.jsonl", n=8, seed=0)
-    return root
+def job_files(tmp_path_factory) -> dict[str, Path]:
+    return write_run_assets(tmp_path_factory.mktemp("two-node"), prompts=8)
 
 
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))
@@ -67,7 +58,7 @@ def two_node_run(request, job_files):
     second_ip = second_loopback_address()
     nodes = [{"num_cpus": cpus_per_node},
              {"num_cpus": cpus_per_node, **({"node_ip_address": second_ip} if second_ip else {})}]
-    metrics = job_files / f"{request.param}.jsonl"
+    metrics = job_files["root"] / f"{request.param}.jsonl"
     with RayTestCluster(nodes) as cluster:
         # As on a cluster's head after `ray start --head`: no RAY_ADDRESS, the address file finds it.
         proc, seconds = run_train([*small_job_flags(job_files), *layout, "--metrics-jsonl", str(metrics)],
@@ -117,17 +108,10 @@ def colocated_run(tmp_path_factory):
     second_ip = second_loopback_address()
     nodes = [{"num_cpus": 4}, {"num_cpus": 4, **({"node_ip_address": second_ip} if second_ip else {})}]
     with RayTestCluster(nodes) as cluster:
-        env = train_env({**cluster.env, "RAY_ADDRESS": "", "OUT": str(out), "NUM_ROLLOUT": str(COLOCATED_ROLLOUTS),
-                         "PY": sys.executable})
-        proc = subprocess.run(["bash", str(ROOT / "examples" / "run_cpu_demo.sh"), *COLOCATED_FLAGS,
-                               "--ledger-dir", str(out / "ledger")],
-                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    events: dict[str, list[dict]] = {}
-    for line in (out / "metrics.jsonl").read_text().splitlines():
-        event = json.loads(line)
-        events.setdefault(event["event"], []).append(event)
-    return {"out": out, "events": events, "second_ip": second_ip}
+        run_script("run_cpu_demo.sh", out, timeout_s=RUN_TIMEOUT_S, num_rollout=COLOCATED_ROLLOUTS,
+                   extra=[*COLOCATED_FLAGS, "--ledger-dir", str(out / "ledger")],
+                   env_extra={**cluster.env, "RAY_ADDRESS": ""})
+    return {"out": out, "events": read_events(out / "metrics.jsonl"), "second_ip": second_ip}
 
 
 def _series(events: dict, kind: str, key: str) -> list[float]:
@@ -149,10 +133,7 @@ def test_colocated_over_two_nodes_each_engine_on_its_node(colocated_run):
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)
 def test_colocated_over_two_nodes_learns_and_every_engine_follows(colocated_run):
     events = colocated_run["events"]
-    rewards = _series(events, "rollout", "rollout/raw_reward")
-    assert len(rewards) == COLOCATED_ROLLOUTS
-    rise = sum(rewards[-3:]) / 3 - rewards[0]
-    assert rise >= MIN_RISE, f"rewards {[round(r, 3) for r in rewards]}"
+    assert_reward_rises(_series(events, "rollout", "rollout/raw_reward"), COLOCATED_ROLLOUTS, MIN_RISE)
     # every sync's version check reads both engines; the log-probs agree, so each node's engine got the weights
     assert _series(events, "weight_sync", "weight_sync/version") == list(range(COLOCATED_ROLLOUTS + 1))
     diffs = _series(events, "train", "train/train_rollout_logprob_abs_diff")

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from rollout_testing import engine, fresh_generate_state, tokenizer_dir  # noqa: F401 (fixtures)
-from rollout_testing import FakeEngine, write_jsonl
+from rollout_testing import FakeEngine, rollout_args, write_jsonl
 from slime.config import defaults_namespace
 from slime.algorithms.rewards import group_normalize
 from slime.rollout.train_data import samples_to_train_data
@@ -28,18 +28,7 @@ PROMPTS = [{"prompt": "what is 3 + 4 ?", "label": "7"}, {"prompt": "what is 1 + 
 
 
 def make_args(tokenizer_dir, prompt_path, port, **kw):
-    base = dict(
-        prompt_data=str(prompt_path), hf_checkpoint=tokenizer_dir, input_key="prompt", label_key="label",
-        metadata_key="metadata", apply_chat_template=False, rollout_shuffle=False, seed=1, rollout_seed=None,
-        n_samples_per_prompt=2, rollout_batch_size=3, rollout_max_prompt_len=None, rollout_max_context_len=None,
-        rollout_temperature=1.0, rollout_top_p=1.0, rollout_top_k=-1, rollout_max_response_len=16,
-        rollout_stop=None, rollout_stop_token_ids=None, rollout_skip_special_tokens=False,
-        sglang_router_ip="127.0.0.1", sglang_router_port=port, rm_type="math", custom_rm_path=None, reward_key=None,
-        group_rm=False, custom_generate_function_path=None, advantage_estimator="grpo", rewards_normalization=True,
-        grpo_std_normalization=True, save=None, load=None,
-    )
-    base.update(kw)
-    return defaults_namespace(**base)
+    return rollout_args(tokenizer_dir, prompt_path, port, **{"seed": 1, "rollout_batch_size": 3, "rm_type": "math", **kw})
 
 
 def test_generate_fills_response_fields_and_sends_sglang_payload(tokenizer_dir, tmp_path, engine):

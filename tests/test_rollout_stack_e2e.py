@@ -48,15 +48,8 @@ ROUTER_LOG = {"sglang_router": "sglang-router-", "slime_router": "slime-router-"
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory) -> dict[str, Path]:
-    from slime.tools.demo_prompts import write_prompts
-    from slime.tools.tiny_checkpoint import TinyQwen3Spec, write_tiny_checkpoint
-
-    root = tmp_path_factory.mktemp("stack")
-    prompts = root / "prompts.jsonl"
-    write_prompts(prompts, n=8, seed=0)
-    return {"root": root, "checkpoint": Path(write_tiny_checkpoint(root / "tiny", TinyQwen3Spec(layers=1))),
-            "prompts": prompts}
+def assets(tmp_path_factory, small_run_inputs) -> dict[str, Path]:
+    return {**small_run_inputs, "root": tmp_path_factory.mktemp("stack")}
 
 
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))

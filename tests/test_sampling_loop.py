@@ -9,8 +9,7 @@ import pytest
 
 import hook_plugins
 from rollout_testing import engine, fresh_generate_state, tokenizer_dir  # noqa: F401 (fixtures)
-from rollout_testing import write_jsonl
-from slime.config import defaults_namespace
+from rollout_testing import rollout_args, write_jsonl
 from slime.rollout.data_source import RolloutDataSourceWithBuffer, pop_first, pop_stalest
 from slime.rollout.filter_hub.base_types import DynamicFilterOutput, call_dynamic_filter, should_drop_dynamic_filter_output
 from slime.rollout.filter_hub.dynamic_sampling_filters import (
@@ -28,20 +27,9 @@ PROMPTS = [{"prompt": f"what is {i} + {i} ?", "label": str(2 * i)} for i in rang
 
 
 def make_args(tokenizer_dir, tmp_path, port, **kw):
-    base = dict(
-        prompt_data=str(write_jsonl(tmp_path / "p.jsonl", PROMPTS)), hf_checkpoint=tokenizer_dir, input_key="prompt",
-        label_key="label", metadata_key="metadata", apply_chat_template=False, rollout_shuffle=False, seed=1,
-        rollout_seed=None, n_samples_per_prompt=2, rollout_batch_size=2, rollout_max_prompt_len=None,
-        rollout_max_context_len=None, rollout_temperature=1.0, rollout_top_p=1.0, rollout_top_k=-1,
-        rollout_max_response_len=16, rollout_stop=None, rollout_stop_token_ids=None, rollout_skip_special_tokens=False,
-        sglang_router_ip="127.0.0.1", sglang_router_port=port, rm_type=None,
-        custom_rm_path=f"{PLUGINS}:index_parity_rm", reward_key=None, group_rm=False,
-        custom_generate_function_path=None, advantage_estimator="grpo", rewards_normalization=True,
-        grpo_std_normalization=True, save=None, load=None, hook_log=str(tmp_path / "hooks.jsonl"),
-        sglang_server_concurrency=64,
-    )
-    base.update(kw)
-    return defaults_namespace(**base)
+    fields = dict(seed=1, rollout_batch_size=2, custom_rm_path=f"{PLUGINS}:index_parity_rm",
+                  hook_log=str(tmp_path / "hooks.jsonl"), sglang_server_concurrency=64)
+    return rollout_args(tokenizer_dir, write_jsonl(tmp_path / "p.jsonl", PROMPTS), port, **{**fields, **kw})
 
 
 def _records(args, hook):

@@ -31,7 +31,6 @@ from slime.backends.sglang_utils.shared_payload import (
     write_shared_bucket,
 )
 from slime.router.router import SlimeRouter, build_router_app
-from slime.tools.tiny_checkpoint import TinyQwen3Spec, write_tiny_checkpoint
 from slime.utils.security import (
     API_KEY_ENV,
     LIVENESS_PATHS,
@@ -219,9 +218,8 @@ def test_debug_rollout_data_loads_without_unpickling_code(tmp_path):
 
 # ----- every route of the engine and the router ---------------------------------------------------------------
 @pytest.fixture(scope="module")
-def engine_server(tmp_path_factory):
-    checkpoint = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), TinyQwen3Spec(layers=1))
-    app = build_app(EmbeddedEngine(str(checkpoint), seed=3), api_key=current_key(), max_request_bytes=64 * 1024)
+def engine_server(small_run_inputs):
+    app = build_app(EmbeddedEngine(str(small_run_inputs["checkpoint"]), seed=3), api_key=current_key(), max_request_bytes=64 * 1024)
     server = AppThread(app).start()
     yield app, f"http://127.0.0.1:{server.port}"
     server.stop()
@@ -314,14 +312,12 @@ def busy_port():
 
 
 @pytest.fixture(scope="module")
-def launched_engine(tmp_path_factory):
+def launched_engine(tmp_path_factory, small_run_inputs):
     """An embedded engine process started as a run starts it (port 0: the launcher binds the socket)."""
     from slime.backends.sglang_utils.launcher import launch_engine
 
-    root = tmp_path_factory.mktemp("launched")
-    checkpoint = write_tiny_checkpoint(root / "tiny", TinyQwen3Spec(layers=1))
-    handle = launch_engine("embedded", defaults_namespace(seed=1), 0, 0, str(checkpoint), startup_timeout_s=120,
-                           log_dir=str(root))
+    handle = launch_engine("embedded", defaults_namespace(seed=1), 0, 0, str(small_run_inputs["checkpoint"]),
+                           startup_timeout_s=120, log_dir=str(tmp_path_factory.mktemp("launched")))
     yield handle
     handle.stop()
 

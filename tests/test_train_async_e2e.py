@@ -14,9 +14,6 @@ happens on the rollout side, and the demo run above already covers the 4-rank la
 """
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,11 +21,10 @@ import torch
 
 from slime.distributed.order_proof import check_order, read_sequences
 from slime.ray.driver.async_schedule import OneStepOffPlan
-from train_runs import train_env
+from train_runs import assert_reward_rises, run_script
 
 pytestmark = pytest.mark.e2e
 
-ROOT = Path(__file__).resolve().parents[1]
 NUM_ROLLOUTS = 20
 KILLED_IN = 3  # both engines are killed while they generate this rollout (during the training of the one before)
 MIN_RISE = 0.25  # the demo's target is +0.3; the margin keeps sampling noise from failing the test
@@ -38,20 +34,17 @@ TWO_RANKS = ["--actor-num-gpus-per-node", "2", "--context-parallel-size", "1"]  
 
 
 def _run(out: Path, num_rollout: int, extra: list[str], env: dict[str, str] | None = None) -> dict:
-    environ = train_env({"OUT": str(out), "NUM_ROLLOUT": str(num_rollout), "PY": sys.executable, **(env or {})})
     flags = ["--ledger-dir", str(out / "ledger"), "--save-debug-rollout-data", str(out / "rollout_{rollout_id}.pt"),
              *extra]
-    proc = subprocess.run(["bash", str(ROOT / "examples" / "run_cpu_async_demo.sh"), *flags], cwd=ROOT, env=environ,
-                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    run = run_script("run_cpu_async_demo.sh", out, timeout_s=RUN_TIMEOUT_S, num_rollout=num_rollout, extra=flags,
+                     env_extra=env)
     events: dict[str, dict[int, dict]] = {}
     catch_ups = []  # one per push to restarted engines (several may share a rollout id)
-    for line in (out / "metrics.jsonl").read_text().splitlines():
-        event = json.loads(line)
+    for event in run["events"]:
         events.setdefault(event["event"], {})[event["rollout_id"]] = event
         if event["event"] == "engine_catch_up":
             catch_ups.append(event)
-    return {"out": out, "events": events, "catch_ups": catch_ups, "stdout": proc.stdout}
+    return {"out": out, "events": events, "catch_ups": catch_ups, "stdout": run["stdout"]}
 
 
 def _sample_versions(out: Path, rollout_id: int) -> list[list[str]]:
@@ -70,9 +63,7 @@ def demo(tmp_path_factory) -> dict:
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)
 def test_the_async_demo_learns_with_an_engine_killed_midway(demo):
     rollouts = demo["events"]["rollout"]
-    rewards = [rollouts[k]["rollout/raw_reward"] for k in range(NUM_ROLLOUTS)]
-    rise = sum(rewards[-3:]) / 3 - rewards[0]
-    assert rise >= MIN_RISE, f"rewards {[round(r, 3) for r in rewards]}"
+    assert_reward_rises([rollouts[k]["rollout/raw_reward"] for k in range(NUM_ROLLOUTS)], NUM_ROLLOUTS, MIN_RISE)
     killed = rollouts[KILLED_IN]
     assert (killed["rollout/engine_failures"], killed["rollout/engine_restarts"]) == (2, 2)
     assert killed["rollout/retried_requests"] > 0  # the killed engines held unfinished requests

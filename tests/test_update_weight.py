@@ -173,10 +173,8 @@ def _sync_on_ranks(rank, world, layout, hf_dir, engine_url, ledger_dir, rollout_
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    from slime.tools.tiny_checkpoint import TinyQwen3Spec, write_tiny_checkpoint
-
-    return str(write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), TinyQwen3Spec(layers=1)))
+def checkpoint(small_run_inputs):
+    return str(small_run_inputs["checkpoint"])
 
 
 @pytest.fixture(scope="module")
