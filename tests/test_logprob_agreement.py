@@ -16,17 +16,20 @@ faulty   the same run with SLIME_FAULT_INJECT=skip_weight_push@0#1,corrupt_weigh
          and version: tests/test_update_weight.py): the push after rollout 1 sends no tensors, the one after
          rollout 2 sends them with noise. The versions still move (so the version check passes), but rollouts 2
          and 3 show a diff >= 100 x the healthy run's largest, and rollout 4 (after a clean push) is back to noise.
-The healthy run's every sync also ran the proof over every tensor the engines serve.
+The healthy run's every sync also ran the proof over every tensor the engines serve. It is also the end-to-end
+run of the project's router with colocated engines (docs/rollout-stack.md): one router, two engines that took
+every push through the shared-memory tensor payload, the run's key in no log.
 """
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 import torch
 
-from train_runs import run_train, write_run_assets
+from train_runs import assert_key_reaches_no_log, run_train, write_run_assets
 
 pytestmark = pytest.mark.e2e
 
@@ -66,16 +69,17 @@ def train_flags(assets: dict[str, Path], name: str) -> list[str]:
 
 
 def run_and_read(assets: dict[str, Path], name: str, faults: str | None) -> dict:
-    flags = train_flags(assets, name)
+    out = assets["root"] / name
+    flags = [*train_flags(assets, name), "--ledger-dir", str(out / "ledger")]  # the engines' and router's logs
     if faults:
         flags.append("--no-weight-sync-proof")  # what the proof would stop at once
     proc, _ = run_train(flags, timeout_s=RUN_TIMEOUT_S, env_extra={"SLIME_FAULT_INJECT": faults} if faults else None)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    events = [json.loads(line) for line in (assets["root"] / name / "metrics.jsonl").read_text().splitlines()]
+    events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = {e["rollout_id"]: e for e in events if e["event"] == "train"}
-    recorded = {k: torch.load(assets["root"] / name / f"rollout_{k}.pt", weights_only=False)["samples"]
-                for k in range(NUM_ROLLOUTS)}
-    return {"diff": {k: train[k]["train/train_rollout_logprob_abs_diff"] for k in sorted(train)},
+    recorded = {k: torch.load(out / f"rollout_{k}.pt", weights_only=False)["samples"] for k in range(NUM_ROLLOUTS)}
+    return {"proc": proc, "out": out, "train": train,
+            "diff": {k: train[k]["train/train_rollout_logprob_abs_diff"] for k in sorted(train)},
             "versions": {k: [s["weight_versions"] for s in samples] for k, samples in recorded.items()},
             "syncs": [e for e in events if e["event"] == "weight_sync"]}
 
@@ -110,6 +114,25 @@ def test_engines_and_trainer_agree_after_every_weight_sync(healthy):
 def test_every_sample_of_rollout_k_carries_the_version_pushed_after_rollout_k_minus_1(healthy):
     for rollout_id, versions in healthy["versions"].items():
         assert versions and all(v == [expected_version(rollout_id)] for v in versions), (rollout_id, versions)
+
+
+@pytest.mark.timeout(600)
+def test_the_project_router_served_two_colocated_engines_that_took_every_push(healthy):
+    logs = sorted((healthy["out"] / "ledger" / "engine-logs").iterdir())
+    routers = [p for p in logs if p.name.startswith("slime-router-")]
+    engines = [p for p in logs if p.name.startswith("embedded-engine-")]
+    assert len(routers) == 1 and len(engines) == 2, [p.name for p in logs]
+    for engine in engines:  # each engine took every push, the last one included
+        text = engine.read_text()
+        assert "updated" in text and f"weight_version={NUM_ROLLOUTS}" in text, engine.name
+    assert all(e["weight_sync/bytes"] > 0 and e["weight_sync/send_seconds"] > 0 for e in healthy["syncs"])
+    assert all(math.isfinite(e["train/loss"]) for e in healthy["train"].values())
+
+
+@pytest.mark.timeout(600)
+def test_the_run_key_reaches_no_log(healthy):
+    """The project's router and the tensor transport authenticate with the run's key (tests/conftest.py)."""
+    assert_key_reaches_no_log(healthy["proc"], healthy["out"])
 
 
 @pytest.mark.timeout(900)

@@ -1,14 +1,15 @@
-"""`python train.py` end to end through both routers and both weight transports, on the embedded default.
+"""`python train.py` end to end through the sglang-router and the distributed weight transport, on the embedded
+default.
 
-- default path: the real sglang-router (Rust, from the sglang-router package) in front of two embedded
+- the default path: the real sglang-router (Rust, from the sglang-router package) in front of two embedded
   engines on their own bundles (not colocated), so weights travel SGLang's distributed way: the engines
   join a gloo group with the trainer's sender and receive broadcasts.
   The same run samples: over-sampling with the DAPO filter (group 0 scores flat and is dropped), partial
   rollout (the group in flight when the rollout has its groups is aborted on every engine the router
   lists, buffered and finished by the next rollout under the next weights).
-- `--use-slime-router --colocate`: the project's router, two ranks and two colocated engines, weights
-  through the shared-memory tensor payload.
-One small run each (2 engines, 2 rollouts); every assertion shares it.
+One small run (2 engines, 2 rollouts); every assertion shares it. The other path (`--use-slime-router --colocate`:
+the project's router, two ranks and two colocated engines, weights through the shared-memory tensor payload) is
+checked on tests/test_logprob_agreement.py's healthy run, which takes that path.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 import hook_plugins
-from train_runs import read_events, run_train
+from train_runs import assert_key_reaches_no_log, read_events, run_train
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -41,10 +42,7 @@ LAYOUTS = {
         "--dynamic-sampling-filter-path", "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std",
         "--custom-rm-path", f"{PLUGINS}:first_group_flat_rm", "--rollout-sample-hook-path", f"{PLUGINS}:slow_sample_hook",
         "--partial-rollout", "--rollout-max-response-len", "256"],
-    "slime_router": ["--actor-num-nodes", "1", "--actor-num-gpus-per-node", "2", "--colocate",
-                     "--use-slime-router"],
 }
-ROUTER_LOG = {"sglang_router": "sglang-router-", "slime_router": "slime-router-"}
 
 
 @pytest.fixture(scope="module")
@@ -81,27 +79,20 @@ def test_train_runs_every_rollout_and_pushes_every_version(run):
 def test_the_intended_router_served_the_rollouts(run):
     assert run["proc"].returncode == 0, "the run failed"
     logs = sorted((run["out"] / "ledger" / "engine-logs").iterdir())
-    routers = [p for p in logs if p.name.startswith(ROUTER_LOG[run["name"]])]
+    routers = [p for p in logs if p.name.startswith("sglang-router-")]
     engines = [p for p in logs if p.name.startswith("embedded-engine-")]
     assert len(routers) == 1 and len(engines) == 2, [p.name for p in logs]
     for engine in engines:  # each engine took every push
         text = engine.read_text()
         assert "updated" in text and "weight_version=2" in text, engine.name
-    if run["name"] == "sglang_router":
-        assert all("joined weight-update group" in e.read_text() for e in engines)
+    assert all("joined weight-update group" in e.read_text() for e in engines)
 
 
 def test_the_run_key_reaches_no_log(run):
-    """Both routers and both weight transports authenticate with the run's key (here from $SLIME_API_KEY,
+    """The router and the distributed weight transport authenticate with the run's key (here from $SLIME_API_KEY,
     as tests/conftest.py set it), and neither the run's output nor any file it wrote holds it."""
-    from slime.utils.security import current_key
-
     assert run["proc"].returncode == 0, "the run failed"
-    key = current_key().reveal()
-    assert key not in run["proc"].stdout + run["proc"].stderr
-    written = [p for p in run["out"].rglob("*") if p.is_file()]
-    assert any(p.name.startswith("embedded-engine-") for p in written)
-    assert not [p for p in written if key in p.read_text(errors="replace")]
+    assert_key_reaches_no_log(run["proc"], run["out"])
 
 
 def _engine_logs(run) -> list[str]:

@@ -133,6 +133,18 @@ def series(events: list[dict], kind: str, key: str) -> list[float]:
     return [e[key] for e in sorted((e for e in events if e["event"] == kind), key=lambda e: e["rollout_id"])]
 
 
+def assert_key_reaches_no_log(proc: subprocess.CompletedProcess, out: Path) -> None:
+    """The run's key (the test process's, tests/conftest.py) is in neither the run's output nor any file it wrote
+    under `out`, its engines' logs among them."""
+    from slime.utils.security import current_key
+
+    key = current_key().reveal()
+    assert key not in proc.stdout + proc.stderr
+    written = [p for p in out.rglob("*") if p.is_file()]
+    assert any(p.name.startswith("embedded-engine-") for p in written)
+    assert not [p for p in written if key in p.read_text(errors="replace")]
+
+
 def read_events(path: Path) -> dict[str, list[dict]]:
     events: dict[str, list[dict]] = {}
     for line in path.read_text().splitlines():
