@@ -148,12 +148,12 @@ def test_bundle_count_per_mode():
     def count(**kw):
         base = dict(actor_num_nodes=2, actor_num_gpus_per_node=4, rollout_num_gpus=4, rollout_num_gpus_per_engine=2,
                     colocate=False, debug_train_only=False, debug_rollout_only=False, use_critic=False)
-        return total_bundles(types.SimpleNamespace(**{**base, **kw}))
+        return total_bundles(defaults_namespace(**{**base, **kw}))
 
     assert count() == 12  # trainer's 8 + the engines' 4
     assert count(colocate=True) == 8 and count(colocate=True, rollout_num_gpus=16) == 16  # shared: the larger
     assert count(debug_train_only=True) == 8 and count(debug_rollout_only=True) == 4
-    ppo = dict(use_critic=True, critic_num_nodes=None, colocate=True)
+    ppo = dict(advantage_estimator="ppo", use_critic=True, critic_num_nodes=None, colocate=True)
     assert count(**ppo, critic_num_gpus_per_node=None) == 8  # the critic on the actor's bundles
     assert count(**ppo, critic_num_gpus_per_node=4) == 8  # the actor's counts: the same
     assert count(**ppo, critic_num_gpus_per_node=2) == 12 and count(**{**ppo, "critic_num_nodes": 1},
