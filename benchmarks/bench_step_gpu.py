@@ -274,6 +274,10 @@ MODELS = {
     # with Adam state (about 5.6B parameters) at EP1
     "qwen3-30b-a3b-8l": ModelShape(layers=8, hidden=2048, heads=32, kv_heads=4, head_dim=128, ffn_hidden=6144,
                                    num_experts=128, topk=8, moe_ffn_hidden=768, tied=False),
+    # the same layer with 4 of the 48: about 2.9B parameters, so the step fits one H100 with and without the
+    # optimizer's state on the host (a side by side of the offload's cost on an 80 GB card)
+    "qwen3-30b-a3b-4l": ModelShape(layers=4, hidden=2048, heads=32, kv_heads=4, head_dim=128, ffn_hidden=6144,
+                                   num_experts=128, topk=8, moe_ffn_hidden=768, tied=False),
     # a Qwen3.5-4B-sized hybrid (3 DeltaNet : 1 gated attention, the released 4B's widths) with 16 of 32 layers
     "qwen3.5-4b-16l": ModelShape(layers=16, hidden=2560, heads=16, kv_heads=4, head_dim=256, ffn_hidden=9216,
                                  vocab=248320, full_attention_every=4, linear_key_heads=16, linear_value_heads=32,

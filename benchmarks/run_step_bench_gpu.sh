@@ -11,7 +11,8 @@
 #   moeoffload  the same MoE step (grouped experts; SMO_PATHS) with Adam's state and update on the host:
 #               --optimizer-cpu-offload --use-precision-aware-optimizer --overlap-cpu-optimizer-d2h-h2d (SMO_EXTRA adds
 #               flags, e.g. --optimizer-offload-fraction 0.5); MEMORY adds the host peak. The host optimizer runs on
-#               OMP_NUM_THREADS threads (default 4 here: give it the machine's cores for this phase)
+#               OMP_NUM_THREADS threads (default 4 here: give it the machine's cores for this phase).
+#               SMOE_MODEL=qwen3-30b-a3b-4l (4 of the 48 layers) runs moe and moeoffload on a shape where both fit one H100
 #   moefused    the same MoE step on the fused path (--fused-kernels compile: norms, RoPE, the experts' weighted
 #               SwiGLU, the log-prob head compiled), its first cycle the compile (90-101 s on one H200: give SMF_CAP
 #               >= 250 for timed cycles); SMF_PATHS="fused grouped sequential" compares the three in one process
@@ -91,7 +92,7 @@ if [ "${DRY_RUN:-0}" = 1 ]; then
 else
   NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count())') || fatal "torch does not start"
   [ "$NGPU" -ge 1 ] || fatal "no GPU visible to torch"
-  M06=qwen3-0.6b M4B=qwen3-4b MMOE=qwen3-30b-a3b-8l MGLM=glm-4.7-flash-8l MQ35=qwen3.5-35b-a3b-4l MV4=deepseek-v4-flash-4l MOSS=gpt-oss-20b-4l ATTN=(--tokens ${ATTN_TOKENS:-16384 32768} --shapes 16:8:128 32:8:128) SMI=nvidia-smi
+  M06=qwen3-0.6b M4B=qwen3-4b MMOE=${SMOE_MODEL:-qwen3-30b-a3b-8l} MGLM=glm-4.7-flash-8l MQ35=qwen3.5-35b-a3b-4l MV4=deepseek-v4-flash-4l MOSS=gpt-oss-20b-4l ATTN=(--tokens ${ATTN_TOKENS:-16384 32768} --shapes 16:8:128 32:8:128) SMI=nvidia-smi
   GDN=() MQ35D=qwen3.5-4b-16l GDN_OLD=compiled
 fi
 TORCHRUN=("$PY" -m torch.distributed.run --nproc-per-node "$NGPU")

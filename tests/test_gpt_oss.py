@@ -176,3 +176,17 @@ def test_lora_on_every_linear_layer_trains_merges_and_pushes(served):
 
     result = check_lora_run(served, ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
     assert any(name.endswith("mlp.experts.gate_up_proj") for name in result["sent"])
+
+
+def test_a_config_without_swiglu_alpha_gets_the_released_experts_gain():
+    """transformers releases before the `swiglu_alpha` field fixed the gain in their experts: such a config must
+    build the gain transformers' own default now names, not fail or take another."""
+    from types import SimpleNamespace
+
+    from transformers import GptOssConfig
+
+    from slime.models.gpt_oss import gpt_oss_config_fields
+
+    older = SimpleNamespace(swiglu_limit=7.0)  # what such a release's GptOssConfig carries of the two
+    assert gpt_oss_config_fields(older)["activation_func"].alpha == GptOssConfig().swiglu_alpha
+    assert gpt_oss_config_fields(SimpleNamespace(swiglu_limit=7.0, swiglu_alpha=1.5))["activation_func"].alpha == 1.5

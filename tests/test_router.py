@@ -174,6 +174,42 @@ def test_launch_router_process(servers, tmp_path, use_slime_router):
     assert not handle.server.alive()
 
 
+def test_sglang_router_keeps_the_users_port_and_chooses_its_metrics_port_again_after_a_clash(servers, tmp_path,
+                                                                                             monkeypatch):
+    """sglang-router binds its metrics port itself, so another process can take it between the choice and the
+    bind: that one is chosen again while the port the user set is kept; a clash on the user's port is not
+    retried (it would clash again)."""
+    import socket
+
+    from slime.router import router as router_module
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    metrics_ports = []
+
+    def choose(host):  # the first metrics port chosen is the taken one
+        metrics_ports.append(taken.getsockname()[1] if not metrics_ports else find_free_port(host))
+        return metrics_ports[-1]
+
+    monkeypatch.setattr(router_module, "find_free_port", choose)
+    args = defaults_namespace(use_slime_router=False)
+    given = find_free_port()
+    handle = launch_router(args, [servers(fake_engine("w0")).url], host="127.0.0.1", port=given, startup_timeout_s=60,
+                           log_dir=str(tmp_path))
+    try:
+        assert handle.port == given and len(metrics_ports) == 2
+        assert post_generate(handle.url).json()["text"] == "w0"
+    finally:
+        handle.stop()
+    metrics_ports[:] = [None]  # from here on every metrics port chosen is free
+    with pytest.raises(RuntimeError, match="(?i)address already in use"):
+        launch_router(args, [], host="127.0.0.1", port=taken.getsockname()[1], startup_timeout_s=60,
+                      log_dir=str(tmp_path))
+    assert len(metrics_ports) == 2  # one launch
+    taken.close()
+
+
 def check_worker_changes(args, handle, workers, extra) -> None:
     """What the sampling loop's abort and the engine fleet's restarts ask of the router they launched."""
     args = types.SimpleNamespace(**{**vars(args), "sglang_router_ip": handle.host, "sglang_router_port": handle.port})

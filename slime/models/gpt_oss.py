@@ -34,6 +34,9 @@ from slime.models.moe_hf import local_expert
 from slime.models.registry import ModelFamily, register
 
 
+RELEASED_SWIGLU_ALPHA = 1.702  # the gate's gain in gpt-oss's released experts
+
+
 @dataclasses.dataclass(frozen=True)
 class SigmoidGate:
     """x * sigmoid(alpha * x): the experts' gate activation (megatron's quick_gelu at alpha 1.702); a value, so the
@@ -48,8 +51,12 @@ class SigmoidGate:
 
 
 def gpt_oss_config_fields(hf_config: Any) -> dict[str, Any]:
-    """The layer fields that differ from the generic bias-free SwiGLU layer."""
-    return dict(add_bias_linear=True, activation_func=SigmoidGate(float(hf_config.swiglu_alpha)),
+    """The layer fields that differ from the generic bias-free SwiGLU layer. A config without `swiglu_alpha` (the
+    released checkpoints' config.json, and transformers releases before the field, whose experts fixed it) means
+    the 1.702 those experts use."""
+    alpha = getattr(hf_config, "swiglu_alpha", None)
+    gain = RELEASED_SWIGLU_ALPHA if alpha is None else float(alpha)
+    return dict(add_bias_linear=True, activation_func=SigmoidGate(gain),
                 glu_linear_offset=1.0, activation_func_clamp_value=float(hf_config.swiglu_limit),
                 bias_activation_fusion=False)  # megatron fuses SwiGLU and quick-GeLU without the clamp only
 

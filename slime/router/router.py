@@ -206,6 +206,7 @@ def build_router_app(router: SlimeRouter, worker_urls: list[str] = ()) -> web.Ap
 
 # ----- launching (slime router or sglang-router) --------------------------------------------------
 RouterHandle = ServerHandle  # a router is a server like an engine; no extra behaviour
+METRICS_LISTENER = "prometheus"  # sglang-router's panic when its metrics port is taken names its exporter
 
 
 def router_command(args: Any, host: str, port: int, worker_urls: list[str],
@@ -234,7 +235,8 @@ def launch_router(
 
     `host`: where it listens; `port`: --sglang-router-port (None: a free port).
     The slime router is handed its socket already bound; sglang-router, which cannot take one, is started
-    again on a fresh port if another process took its port first (a port the user set is kept).
+    again on fresh ports if another process took one of its ports first (a port the user set is kept: only its
+    metrics port is then chosen again).
     """
     given = port
     if args.use_slime_router:
@@ -251,7 +253,8 @@ def launch_router(
         server.wait_healthy(startup_timeout_s)
         return RouterHandle(kind=kind, host=host, port=port, server=server)
 
-    return retry_port_clash(start, attempts=1 if given else 3, what="sglang-router")
+    return retry_port_clash(start, what="sglang-router",
+                            chosen_anew=lambda error: given is None or METRICS_LISTENER in error)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -38,14 +38,16 @@ def find_free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def retry_port_clash(launch, attempts: int = PORT_ATTEMPTS, what: str = "server"):
+def retry_port_clash(launch, attempts: int = PORT_ATTEMPTS, what: str = "server", chosen_anew=lambda error: True):
     """`launch()` again, on a fresh port, when the server lost its port to another process before binding
-    it; at most `attempts` times, then the last error."""
+    it; at most `attempts` times, then the last error. `chosen_anew(error)`: whether the port that clashed is
+    one the next launch picks again (a port the user set is not: trying it again would clash again)."""
     for attempt in range(1, attempts + 1):
         try:
             return launch()
         except RuntimeError as exc:
-            if PORT_CLASH not in str(exc).lower() or attempt == attempts:
+            error = str(exc).lower()
+            if PORT_CLASH not in error or not chosen_anew(error) or attempt == attempts:
                 raise
             logger.warning("%s lost its port to another process (attempt %d of %d); starting it on another port",
                            what, attempt, attempts)
