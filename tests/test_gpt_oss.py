@@ -178,15 +178,18 @@ def test_lora_on_every_linear_layer_trains_merges_and_pushes(served):
     assert any(name.endswith("mlp.experts.gate_up_proj") for name in result["sent"])
 
 
-def test_a_config_without_swiglu_alpha_gets_the_released_experts_gain():
-    """transformers releases before the `swiglu_alpha` field fixed the gain in their experts: such a config must
-    build the gain transformers' own default now names, not fail or take another."""
+def test_a_config_without_the_gate_fields_gets_the_released_experts_gate():
+    """transformers releases before the `swiglu_alpha` / `swiglu_limit` fields fixed the gate in their experts: such
+    a config must build the values transformers' own defaults now name, not fail or take others."""
     from types import SimpleNamespace
 
     from transformers import GptOssConfig
 
     from slime.models.gpt_oss import gpt_oss_config_fields
 
-    older = SimpleNamespace(swiglu_limit=7.0)  # what such a release's GptOssConfig carries of the two
-    assert gpt_oss_config_fields(older)["activation_func"].alpha == GptOssConfig().swiglu_alpha
-    assert gpt_oss_config_fields(SimpleNamespace(swiglu_limit=7.0, swiglu_alpha=1.5))["activation_func"].alpha == 1.5
+    released = GptOssConfig()
+    older = gpt_oss_config_fields(SimpleNamespace())  # what such a release's GptOssConfig carries of the two
+    assert older["activation_func"].alpha == released.swiglu_alpha
+    assert older["activation_func_clamp_value"] == released.swiglu_limit
+    given = gpt_oss_config_fields(SimpleNamespace(swiglu_limit=2.0, swiglu_alpha=1.5))
+    assert (given["activation_func"].alpha, given["activation_func_clamp_value"]) == (1.5, 2.0)

@@ -34,7 +34,9 @@ from slime.models.moe_hf import local_expert
 from slime.models.registry import ModelFamily, register
 
 
-RELEASED_SWIGLU_ALPHA = 1.702  # the gate's gain in gpt-oss's released experts
+# the experts' gate as released (the gain and the clamp): transformers releases before these config fields fixed
+# them in the experts, and a config without them means these values
+RELEASED_GATE = {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,14 +53,15 @@ class SigmoidGate:
 
 
 def gpt_oss_config_fields(hf_config: Any) -> dict[str, Any]:
-    """The layer fields that differ from the generic bias-free SwiGLU layer. A config without `swiglu_alpha` (the
-    released checkpoints' config.json, and transformers releases before the field, whose experts fixed it) means
-    the 1.702 those experts use."""
-    alpha = getattr(hf_config, "swiglu_alpha", None)
-    gain = RELEASED_SWIGLU_ALPHA if alpha is None else float(alpha)
-    return dict(add_bias_linear=True, activation_func=SigmoidGate(gain),
-                glu_linear_offset=1.0, activation_func_clamp_value=float(hf_config.swiglu_limit),
+    """The layer fields that differ from the generic bias-free SwiGLU layer."""
+    return dict(add_bias_linear=True, activation_func=SigmoidGate(_gate_field(hf_config, "swiglu_alpha")),
+                glu_linear_offset=1.0, activation_func_clamp_value=_gate_field(hf_config, "swiglu_limit"),
                 bias_activation_fusion=False)  # megatron fuses SwiGLU and quick-GeLU without the clamp only
+
+
+def _gate_field(hf_config: Any, name: str) -> float:
+    value = getattr(hf_config, name, None)
+    return RELEASED_GATE[name] if value is None else float(value)
 
 
 def moe_architecture(hf_config: Any) -> MoEArchitecture | None:
