@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from slime.backends.weight_sync.factory import DeltaOptions, build_transport  # noqa: E402
+from slime.backends.weight_sync.factory import build_transport  # noqa: E402
+from slime.config.weight_sync import DeltaOptions  # noqa: E402
 from slime.backends.weight_sync.transport import EngineSet
 from slime.backends.sglang_utils.http_client import ClientTimeouts  # noqa: E402
 from slime.backends.sglang_utils.launcher import launch_engine  # noqa: E402

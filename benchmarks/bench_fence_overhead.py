@@ -94,13 +94,14 @@ class _no_phase:
 
 def run_rank(rank: int, world_size: int, cfg: argparse.Namespace, ledger_dir: str) -> None:
     from slime.config import defaults_namespace
+    from slime.config.run_config import run_groups
     from slime.distributed import Ledger, ProcessGroupLifecycle, Watchdog, instrument_collectives, uninstrument_collectives
 
     args = defaults_namespace(tensor_model_parallel_size=cfg.tp, context_parallel_size=cfg.cp,
                               pipeline_model_parallel_size=1, fence_timeout=cfg.fence_timeout,
                               recreate_process_groups_on_wake=False)
     ledger = Ledger(rank, world_size, ledger_dir)
-    lifecycle = ProcessGroupLifecycle.from_args(args, ledger=ledger)
+    lifecycle = ProcessGroupLifecycle(run_groups(args, world_size), ledger=ledger)
     watchdog = Watchdog(cfg.fence_timeout, ledger_dir, rank, world_size, ledger=ledger)
     report = lifecycle.create(rollout_id=0)
     device = _device()

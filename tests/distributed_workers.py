@@ -23,6 +23,7 @@ from slime.distributed import (
 )
 from slime.distributed.fault_inject import should_skip_collective
 from slime.config import defaults_namespace
+from slime.config.run_config import run_groups
 
 
 def make_args(*, fence_timeout: float, recreate: bool = False, group_timeout_min: float = 1.0,
@@ -43,7 +44,7 @@ def make_args(*, fence_timeout: float, recreate: bool = False, group_timeout_min
 def setup(rank: int, world: int, ledger_dir: str, args, *, deadline_s: float, grace_s: float = 1.0):
     ledger = Ledger(rank, world, ledger_dir)
     instrument_collectives(ledger)
-    lifecycle = ProcessGroupLifecycle.from_args(args, ledger=ledger)
+    lifecycle = ProcessGroupLifecycle(run_groups(args, world), ledger=ledger)
     watchdog = Watchdog(deadline_s, ledger_dir, rank, world, ledger=ledger, grace_s=grace_s)
     with watchdog.phase("create", deadline_s=max(deadline_s, 120.0)):  # 8 ranks creating groups on 2 busy cores
         lifecycle.create(rollout_id=0)

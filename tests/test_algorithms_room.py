@@ -125,7 +125,7 @@ def _halved_clip(inputs):
 def test_a_new_estimator_is_its_record_alone():
     """Nothing outside the record names an estimator: one registered here drives the rewards, the advantages, the
     whitening, the loss term and the critic decision without another line changing."""
-    from slime.backends.megatron_utils.loss import LossConfig
+    from slime.config.loss import build_loss_config
     from slime.rollout.train_data import samples_to_train_data
 
     def doubled(inputs: AdvantageInputs):
@@ -146,7 +146,7 @@ def test_a_new_estimator_is_its_record_alone():
         flat = torch.tensor(data["advantages"]).flatten()  # whitened although --normalize-advantages is off
         assert flat.mean().item() == pytest.approx(0.0, abs=1e-6)
         assert flat.std(unbiased=False).item() == pytest.approx(1.0, rel=1e-4)
-        cfg = LossConfig.from_args(args)
+        cfg = build_loss_config(args)
         assert (cfg.ratio_mode, cfg.policy_loss) == ("sequence", _halved_clip)
         assert not estimator("doubled_test").needs_critic
     assert "doubled_test" not in registry._ESTIMATORS

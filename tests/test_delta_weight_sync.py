@@ -156,7 +156,8 @@ def _logprobs(client) -> list[float]:
 
 @pytest.mark.timeout(240)
 def test_delta_pushes_leave_the_engine_where_full_pushes_do(checkpoint, engine, caplog):
-    from slime.backends.weight_sync.factory import DeltaOptions, build_transport
+    from slime.backends.weight_sync.factory import build_transport
+    from slime.config.weight_sync import DeltaOptions
     from slime.backends.weight_sync.transport import EngineSet
     from slime.backends.sglang_utils.http_client import ClientTimeouts, SGLangHTTPClient
 
@@ -202,7 +203,8 @@ def test_delta_pushes_leave_the_engine_where_full_pushes_do(checkpoint, engine, 
 
 def test_the_weight_sync_pushes_deltas_only_to_separate_embedded_engines():
     from slime.backends.weight_sync.delta import DeltaTransport
-    from slime.backends.weight_sync.factory import DeltaOptions, build_transport
+    from slime.backends.weight_sync.factory import build_transport
+    from slime.config.weight_sync import DeltaOptions
     from slime.backends.weight_sync.sync import WeightSync
     from slime.backends.weight_sync.transport import EngineSet
     from slime.config import defaults_namespace

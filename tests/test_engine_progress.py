@@ -19,7 +19,8 @@ import requests
 from rollout_testing import AppThread
 from slime.backends.embedded_engine.engine import EmbeddedEngine
 from slime.backends.embedded_engine.server import SCHEDULER_KEY, build_app
-from slime.ray.engines.health import HealthConfig, HealthMonitor
+from slime.config.health import HealthConfig
+from slime.ray.engines.health import HealthMonitor
 from slime.ray.engines.progress import LoadsNotServed, ProgressWatch, RankLoad, parse_loads, read_loads
 from slime.ray.engines.recovery import FAILED, STARTING, EngineFleet
 from slime.ray.rollout_manager.errors import EngineStalledError, RolloutTimeoutError

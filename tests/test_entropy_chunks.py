@@ -6,13 +6,15 @@ import types
 import pytest
 import torch
 
+from slime.algorithms.policy_loss import ppo_clip_loss
 from slime.backends.megatron_utils import loss as loss_mod
+from slime.config.loss import LossConfig
 
 
 def _cfg(temperature: float, entropy_coef: float = 0.0):
-    return loss_mod.LossConfig(calculate_per_token_loss=True, eps_clip=0.2, eps_clip_high=0.2, eps_clip_c=None,
-                               use_kl_loss=False, kl_loss_coef=0.0, kl_loss_type="k1", entropy_coef=entropy_coef,
-                               use_tis=False, tis_clip=2.0, tis_clip_low=0.0, temperature=temperature)
+    return LossConfig(calculate_per_token_loss=True, eps_clip=0.2, eps_clip_high=0.2, eps_clip_c=None,
+                      use_kl_loss=False, kl_loss_coef=0.0, kl_loss_type="k1", entropy_coef=entropy_coef,
+                      use_tis=False, tis_clip=2.0, tis_clip_low=0.0, temperature=temperature, policy_loss=ppo_clip_loss)
 
 
 def test_chunked_entropy_equals_one_pass(monkeypatch):

@@ -10,8 +10,9 @@ import types
 import pytest
 
 from slime.config import defaults_namespace
+from slime.config.health import HealingPolicy
 from slime.config.run_state import run_state_of
-from slime.ray.driver.healing import (Failure, HealingPolicy, HealingRefusedError, RepeatedFailureError, Restart,
+from slime.ray.driver.healing import (Failure, HealingRefusedError, RepeatedFailureError, Restart,
                                       SavedCheckpoint, plan_restart, train_with_healing)
 from slime.ray.driver.rank_wait import RankFailedError
 from slime.ray.rollout_manager.errors import EngineFailedError

@@ -12,12 +12,13 @@ from slime.backends.embedded_engine.sampling import RETURN_ORIGINAL_LOGPROB_ENV,
 from slime.backends.megatron_utils.data import build_rollout_plans, pack_micro_batch
 from slime.backends.megatron_utils.loss import (
     LOGPROB_DIFF_KEY,
-    LossConfig,
     metric_keys,
     micro_batch_loss,
     trainer_computes_old_log_probs,
 )
 from slime.config import defaults_namespace
+from slime.algorithms.policy_loss import ppo_clip_loss
+from slime.config.loss import LossConfig
 from slime.distributed import fault_inject
 from slime.utils.arguments import parse_args
 from slime.utils.ppo_utils import compute_advantages_and_returns
@@ -77,7 +78,7 @@ def _rollout(with_engine_log_probs: bool = True) -> dict:
 def _cfg(**overrides) -> LossConfig:
     values = dict(calculate_per_token_loss=True, eps_clip=0.2, eps_clip_high=0.2, eps_clip_c=None, use_kl_loss=False,
                   kl_loss_coef=0.0, kl_loss_type="k1", entropy_coef=0.0, use_tis=False, tis_clip=2.0, tis_clip_low=0.0,
-                  temperature=1.0)
+                  temperature=1.0, policy_loss=ppo_clip_loss)
     return LossConfig(**(values | overrides))
 
 
@@ -88,7 +89,7 @@ def _loss_and_metrics(data: dict, cfg: LossConfig):
                                   balance_data=False, pad_multiple=2)
     packed = pack_micro_batch(data, plan.micro_batches[0], cp_size=1, cp_rank=0, tp_size=1, sequence_parallel=False)
     logits = torch.randn(packed.labels.numel(), VOCAB, generator=torch.Generator().manual_seed(5))
-    return micro_batch_loss(logits, packed, plan, cfg, None)
+    return micro_batch_loss(logits, packed, plan, cfg, None, plugin_args=None)
 
 
 def _expected_diff(data: dict) -> float:

@@ -13,7 +13,8 @@ import hook_plugins
 from train_step_harness import loss_args
 from slime.backends.megatron_utils.data import pack_micro_batch, plans_from_rollout
 from slime.config import defaults_namespace
-from slime.backends.megatron_utils.loss import LossConfig, metric_keys, micro_batch_loss
+from slime.backends.megatron_utils.loss import metric_keys, micro_batch_loss
+from slime.config.loss import build_loss_config
 from slime.backends.megatron_utils.loss_hooks import ResponseView, sequence_mean_log_ratio
 from slime.utils.ppo_utils import compute_advantages_and_returns
 
@@ -48,7 +49,7 @@ def _batch(args):
 
 
 def _loss(args, packed, plan, logits):
-    return micro_batch_loss(logits, packed, plan, LossConfig.from_args(args), None)
+    return micro_batch_loss(logits, packed, plan, build_loss_config(args), None, plugin_args=args)
 
 
 def test_response_view_takes_each_samples_response_tokens():
@@ -73,7 +74,7 @@ def test_custom_tis_plugin_replaces_the_weights_and_its_masks_apply(tmp_path):
         dropped[positions[-1]] = 0
     record = hook_plugins.read_records(tmp_path / "h.jsonl")[0]
     assert record["hook"] == "tis" and sorted(record["sizes"]) == sorted(packed.response_lengths)
-    assert "plugin_tis_ratio" in metrics and "tis" not in metric_keys(LossConfig.from_args(args))
+    assert "plugin_tis_ratio" in metrics and "tis" not in metric_keys(build_loss_config(args))
     assert metrics["pg_loss"].item() != pytest.approx(plain_metrics["pg_loss"].item())
     # same per-sample denominators, fewer tokens in the numerator
     assert metrics["pg_loss"].item() == pytest.approx(_pg_with_masks(_args(), packed, plan, logits, dropped))
@@ -83,9 +84,9 @@ def test_custom_tis_plugin_replaces_the_weights_and_its_masks_apply(tmp_path):
 def _pg_with_masks(args, packed, plan, logits, mask) -> float:
     from slime.backends.megatron_utils.loss import policy_token_terms, target_log_probs, token_entropy, token_weights
 
-    cfg = LossConfig.from_args(args)
+    cfg = build_loss_config(args)
     terms = policy_token_terms(target_log_probs(logits, packed, cfg, None), token_entropy(logits, packed, cfg, None),
-                               packed, cfg)
+                               packed, cfg, plugin_args=args)
     return float((terms["pg_loss"].detach() * token_weights(packed, plan, cfg) * mask).sum())
 
 
@@ -95,9 +96,9 @@ def test_custom_pg_reducer_divides_by_a_constant():
     _, metrics = _loss(args, packed, plan, logits)
     from slime.backends.megatron_utils.loss import policy_token_terms, target_log_probs, token_entropy
 
-    cfg = LossConfig.from_args(args)
+    cfg = build_loss_config(args)
     terms = policy_token_terms(target_log_probs(logits, packed, cfg, None), token_entropy(logits, packed, cfg, None),
-                               packed, cfg)
+                               packed, cfg, plugin_args=args)
     expected = (terms["pg_loss"] * packed.loss_mask).sum() / hook_plugins.PG_REDUCER_CONSTANT
     assert metrics["pg_loss"].item() == pytest.approx(expected.item())
 

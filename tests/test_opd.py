@@ -93,7 +93,8 @@ def test_trainer_reports_the_reverse_kl_as_a_train_metric():
     from test_loss_hooks import _args, _data  # the loss tests' one packed micro-batch
 
     from slime.backends.megatron_utils.data import pack_micro_batch, plans_from_rollout
-    from slime.backends.megatron_utils.loss import LossConfig, metric_keys, micro_batch_loss
+    from slime.backends.megatron_utils.loss import metric_keys, micro_batch_loss
+    from slime.config.loss import build_loss_config
 
     args = _args(use_opd=True, calculate_per_token_loss=True)
     data = _data()
@@ -101,8 +102,8 @@ def test_trainer_reports_the_reverse_kl_as_a_train_metric():
     plan = plans_from_rollout(data, args, dp_size=1, dp_rank=0)[0]
     packed = pack_micro_batch(data, plan.micro_batches[0], cp_size=1, cp_rank=0, tp_size=1, sequence_parallel=False)
     logits = torch.randn(packed.labels.numel(), 11)
-    _, metrics = micro_batch_loss(logits, packed, plan, LossConfig.from_args(args), None)
-    assert OPD_KL_KEY in metric_keys(LossConfig.from_args(args))
+    _, metrics = micro_batch_loss(logits, packed, plan, build_loss_config(args), None, plugin_args=args)
+    assert OPD_KL_KEY in metric_keys(build_loss_config(args))
     covered = float(packed.loss_mask.sum()) / plan.step_loss_token_total
     assert metrics[OPD_KL_KEY].item() == pytest.approx(0.5 * covered)
 

@@ -20,7 +20,7 @@ import pytest
 from aiohttp import web
 
 from rollout_testing import AppThread, FakeEngine
-from slime.ray.engines.health import HealthConfig
+from slime.config.health import HealthConfig
 from slime.backends.sglang_utils.http_client import SGLangHTTPClient
 from slime.ray.engines.recovery import EngineFleet, LocalEngine, local_process_state
 from slime.ray.rollout_manager.errors import EngineFailedError, EngineStalledError, RolloutTimeoutError

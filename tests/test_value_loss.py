@@ -8,7 +8,8 @@ import torch
 
 from train_step_harness import loss_args
 from slime.backends.megatron_utils.data import pack_micro_batch, plans_from_rollout
-from slime.backends.megatron_utils.value_loss import ValueLossConfig, value_micro_batch_loss
+from slime.backends.megatron_utils.value_loss import value_micro_batch_loss
+from slime.config.loss import build_value_loss_config
 
 
 def _data():
@@ -47,7 +48,7 @@ def test_value_loss_of_a_packed_micro_batch_matches_the_hand_sum(per_token):
     plan = plans_from_rollout(data, args, dp_size=1, dp_rank=0)[0]
     packed = pack_micro_batch(data, plan.micro_batches[0], cp_size=1, cp_rank=0, tp_size=1, sequence_parallel=False)
     output = torch.randn(1, packed.labels.numel(), 1, generator=torch.Generator().manual_seed(2), requires_grad=True)
-    loss, metrics = value_micro_batch_loss(output, packed, plan, ValueLossConfig.from_args(args))
+    loss, metrics = value_micro_batch_loss(output, packed, plan, build_value_loss_config(args))
     assert len(plan.micro_batches) == 1 and len(packed.sample_ids) == 3
     assert loss.item() == pytest.approx(_expected(data, packed, output, 0.2, per_token), rel=1e-5)
     assert metrics["value_loss"].item() == pytest.approx(loss.item())
@@ -62,4 +63,4 @@ def test_the_critic_refuses_a_batch_without_values():
     plan = plans_from_rollout(data, args, dp_size=1, dp_rank=0)[0]
     packed = pack_micro_batch(data, plan.micro_batches[0], cp_size=1, cp_rank=0, tp_size=1, sequence_parallel=False)
     with pytest.raises(ValueError, match="'values' and 'returns'"):
-        value_micro_batch_loss(torch.zeros(1, packed.labels.numel(), 1), packed, plan, ValueLossConfig.from_args(args))
+        value_micro_batch_loss(torch.zeros(1, packed.labels.numel(), 1), packed, plan, build_value_loss_config(args))

@@ -214,7 +214,8 @@ def test_a_bf16_routing_bias_is_pushed_as_bf16_so_its_delta_is_taken(tmp_path):
     from slime.backends.embedded_engine.engine import EmbeddedEngine
     from slime.backends.embedded_engine.server import build_app
     from slime.backends.weight_sync.proof import WeightProof
-    from slime.backends.weight_sync.factory import DeltaOptions, build_transport
+    from slime.backends.weight_sync.factory import build_transport
+    from slime.config.weight_sync import DeltaOptions
     from slime.backends.weight_sync.transport import EngineSet
     from slime.backends.sglang_utils.http_client import ClientTimeouts
     from slime.tools.tiny_checkpoint import TinyQwen3Spec, write_tiny_checkpoint

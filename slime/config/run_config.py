@@ -1,10 +1,14 @@
 """The run's derived configuration, typed and frozen: built once by ``parse_args`` from the checked flags and
 attached as ``args.run_config``, so that the rooms that need the parallel layout, the deadline model, who runs
-(trainer, critic, engines; colocated or apart) or the size of a rollout read one value instead of each
-recomputing it from raw flags. The flags themselves stay on ``args``; nothing here changes after parsing.
+(trainer, critic, engines; colocated or apart), the size of a rollout, the loss, the process groups, the engines'
+health checks, the restart policy or the weight deltas read one value instead of each recomputing it from raw
+flags. Each component takes its sub-config as an argument; ``build_run_config`` is the one place that derives
+them (the critic's own run config too: critic_role.critic_args). The flags themselves stay on ``args``; nothing
+here changes after parsing.
 
-Code that runs without a command line (tests, tools) gets it from its namespace with ``run_config_of``. What the run
-learns after parsing (placement, hosts, the router, the resume position, restarts) is the RunState (run_state.py).
+Code that runs without a command line (tests, tools) gets it from its namespace with ``run_config_of`` (or one
+sub-config with ``run_loss`` and its kin), derived from its flags by the same builders. What the run learns after
+parsing (placement, hosts, the router, the resume position, restarts) is the RunState (run_state.py).
 """
 
 from __future__ import annotations
@@ -13,7 +17,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from slime.algorithms import estimator
+from slime.config.health import HealingPolicy, HealthConfig, build_healing_policy, build_health_config
 from slime.config.layout import ParallelLayout, build_parallel_layout, critic_has_own_bundles, critic_world_size
+from slime.config.loss import LossConfig, ValueLossConfig, build_loss_config, build_value_loss_config
+from slime.config.process_groups import GroupSettings, build_group_settings
+from slime.config.weight_sync import DeltaOptions, build_delta_options
 from slime.utils.deadlines import DeadlineModel
 
 
@@ -70,6 +78,18 @@ class RunConfig:
     """The progress windows of the ranks and of the driver's wait on them (slime/utils/deadlines.py)."""
     roles: RunRoles
     rollout: RolloutSize
+    loss: LossConfig
+    """The policy loss (slime/backends/megatron_utils/loss.py)."""
+    value_loss: ValueLossConfig
+    """The critic's value loss (value_loss.py; read from the critic's own run config)."""
+    groups: GroupSettings
+    """The training ranks' process groups over ``layout`` (slime/distributed/groups.py)."""
+    health: HealthConfig
+    """How the rollout manager watches its engines (slime/ray/engines/health.py)."""
+    healing: HealingPolicy
+    """How many named failures the driver heals by a restart (slime/ray/driver/healing.py)."""
+    delta: DeltaOptions | None
+    """The weight push's delta encoding (--update-weight-mode delta), None for full pushes."""
 
 
 def build_run_config(args: Any, *, world_size: int | None = None) -> RunConfig:
@@ -85,8 +105,12 @@ def build_run_config(args: Any, *, world_size: int | None = None) -> RunConfig:
         gpus_per_engine=args.rollout_num_gpus_per_engine,
         colocate=bool(args.colocate),
     )
-    return RunConfig(layout=build_parallel_layout(args, world_size=world_size), deadlines=DeadlineModel.from_args(args),
-                     roles=roles, rollout=rollout_size(args))
+    layout, deadlines = build_parallel_layout(args, world_size=world_size), DeadlineModel.from_args(args)
+    return RunConfig(layout=layout, deadlines=deadlines, roles=roles, rollout=rollout_size(args),
+                     loss=build_loss_config(args), value_loss=build_value_loss_config(args),
+                     groups=build_group_settings(args, layout, deadlines),
+                     health=build_health_config(args, deadlines), healing=build_healing_policy(args),
+                     delta=build_delta_options(args))
 
 
 def rollout_size(args: Any) -> RolloutSize:
@@ -96,17 +120,28 @@ def rollout_size(args: Any) -> RolloutSize:
                        concurrency_per_engine=args.sglang_server_concurrency)
 
 
-def run_layout(args: Any, world_size: int) -> ParallelLayout:
-    """The parallel layout a running world of `world_size` ranks trains in: the run config's (checked against the
+def run_groups(args: Any, world_size: int) -> GroupSettings:
+    """The process groups a running world of `world_size` ranks trains in: the run config's (checked against the
     world it runs in: a rank started in another world would build other groups than its peers); arguments built
-    without a command line get the layout of their flags over that world."""
+    without a command line get the groups of their flags over that world."""
     run_config = vars(args).get("run_config")
     if run_config is None:
-        return build_parallel_layout(args, world_size=world_size)
-    if run_config.layout.world_size != world_size:
-        raise ValueError(f"the run's parallel layout is for {run_config.layout.world_size} ranks, but this rank's "
+        deadlines = DeadlineModel.from_args(args)
+        return build_group_settings(args, build_parallel_layout(args, world_size=world_size), deadlines)
+    check_world(run_config.groups, world_size)
+    return run_config.groups
+
+
+def check_world(groups: GroupSettings, world_size: int) -> None:
+    """Refuse groups laid out for another world than the one this rank runs in."""
+    if groups.parallel.world_size != world_size:
+        raise ValueError(f"the run's parallel layout is for {groups.parallel.world_size} ranks, but this rank's "
                          f"torch.distributed world has {world_size}")
-    return run_config.layout
+
+
+def run_layout(args: Any, world_size: int) -> ParallelLayout:
+    """The parallel layout of ``run_groups``."""
+    return run_groups(args, world_size).parallel
 
 
 def run_config_of(args: Any) -> RunConfig:
@@ -114,3 +149,27 @@ def run_config_of(args: Any) -> RunConfig:
     (slime/config/defaults.py) get theirs from their flags by the same rule."""
     run_config = vars(args).get("run_config")
     return run_config if run_config is not None else build_run_config(args)
+
+
+def run_loss(args: Any) -> LossConfig:
+    """The run config's policy loss (arguments without a command line: of their flags)."""
+    run_config = vars(args).get("run_config")
+    return run_config.loss if run_config is not None else build_loss_config(args)
+
+
+def run_value_loss(args: Any) -> ValueLossConfig:
+    """The run config's value loss (the critic's namespace: its own; without a command line: of the flags)."""
+    run_config = vars(args).get("run_config")
+    return run_config.value_loss if run_config is not None else build_value_loss_config(args)
+
+
+def run_health(args: Any) -> HealthConfig:
+    """The run config's engine health checks (arguments without a command line: of their flags)."""
+    run_config = vars(args).get("run_config")
+    return run_config.health if run_config is not None else build_health_config(args, DeadlineModel.from_args(args))
+
+
+def run_delta(args: Any) -> DeltaOptions | None:
+    """The run config's delta options (arguments without a command line: of their flags)."""
+    run_config = vars(args).get("run_config")
+    return run_config.delta if run_config is not None else build_delta_options(args)

@@ -24,7 +24,6 @@ _EXPORTS = {
     "PlanFingerprint": "fingerprint",
     "plan_fingerprint": "fingerprint",
     "stable_hash": "fingerprint",
-    "GroupSettings": "groups",
     "ParallelLayout": "groups",
     "ProcessGroupLifecycle": "groups",
     "WakeReport": "groups",

@@ -19,44 +19,13 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
 from slime.config.layout import ParallelLayout
-from slime.config.run_config import run_layout
+from slime.config.process_groups import GroupSettings
+from slime.config.run_config import check_world
 from slime.distributed.communicator_config import megatron_config_file, single_rank_group_kinds
 from slime.distributed.fence import Fence
 from slime.distributed.group_names import forget_group, register_group
 from slime.distributed.ledger import FENCE_GROUP_NAME, Ledger
 from slime.distributed.warmup import CommunicatorWarmup, WarmupReport, step_groups
-from slime.utils.deadlines import run_deadlines
-
-
-@dataclass(frozen=True, kw_only=True)
-class GroupSettings:
-    """What the groups are made of and how they live: the parallel layout and the lifecycle options, read once."""
-
-    parallel: ParallelLayout
-    """Sizes of the TP/PP/CP/EP/ETP groups (slime/config/layout.py), over the running world."""
-    fence_timeout_s: float
-    """No-progress window of each fence, and deadline of each warm-up op."""
-    group_timeout_s: float
-    """Timeout megatron's groups and the fence group are created with (--distributed-timeout-minutes,
-    derived above every rank window when unset: slime/utils/deadlines.py), so the watchdog, which
-    names phase and ranks, fires first."""
-    recreate_process_groups_on_wake: bool = False
-    """Destroy model-parallel groups at sleep and re-create them at wake (upstream colocate behaviour)."""
-    single_rank_group_max_ctas: int = 1
-    """NCCL channels of a communicator whose group holds one rank (0: NCCL's default); see
-    slime/distributed/communicator_config.py."""
-
-    @classmethod
-    def from_args(cls, args) -> "GroupSettings":
-        """The settings of the running world (torch.distributed initialised) from the flags."""
-        deadlines = run_deadlines(args)
-        return cls(
-            parallel=run_layout(args, dist.get_world_size()),
-            fence_timeout_s=deadlines.no_progress_s,
-            group_timeout_s=deadlines.group_timeout,
-            recreate_process_groups_on_wake=args.recreate_process_groups_on_wake,
-            single_rank_group_max_ctas=args.single_rank_group_max_ctas,
-        )
 
 
 def _single_rank_kinds(layout: ParallelLayout) -> tuple[str, ...]:
@@ -98,7 +67,9 @@ class ProcessGroupLifecycle:
     """Owns megatron's parallel_state groups plus the persistent gloo fence group of this process."""
 
     def __init__(self, settings: GroupSettings, *, ledger: Ledger | None = None):
+        """`settings`: the run config's (run_config.run_groups), laid out for this world."""
         assert dist.is_initialized(), "torch.distributed must be initialised (with a timeout) first"
+        check_world(settings, dist.get_world_size())
         self.settings = settings
         self.ledger = ledger
         self.rank = dist.get_rank()
@@ -106,10 +77,6 @@ class ProcessGroupLifecycle:
         self._fence: Fence | None = None
         self._asleep = False
         self.metrics: dict[str, float] = {}
-
-    @classmethod
-    def from_args(cls, args, *, ledger: Ledger | None = None) -> "ProcessGroupLifecycle":
-        return cls(GroupSettings.from_args(args), ledger=ledger)
 
     @property
     def fence(self) -> Fence:

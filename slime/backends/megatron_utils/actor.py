@@ -34,7 +34,7 @@ from slime.algorithms import estimator
 from slime.algorithms.advantages import compute_advantages_and_returns
 from slime.backends.megatron_utils.data import plans_from_rollout
 from slime.backends.megatron_utils.hook_fence import PerDpKeys, run_fenced_hook
-from slime.backends.megatron_utils.loss import LossConfig, metric_keys, trainer_computes_old_log_probs
+from slime.backends.megatron_utils.loss import metric_keys, trainer_computes_old_log_probs
 from slime.backends.megatron_utils.opd import megatron_teacher
 from slime.backends.megatron_utils.moe import moe_plan_collectives
 from slime.backends.megatron_utils.train_step import StepResult, compute_log_probs, train_one_step
@@ -45,6 +45,7 @@ from slime.distributed import (
     instrument_collectives,
     stable_hash,
 )
+from slime.config.run_config import run_groups, run_loss
 from slime.distributed.errors import DistributedStepError
 from slime.distributed.progress_hub import HubClient, RayHub
 from slime.distributed.progress_relay import RELAY_MIN_WORLD, node_relay
@@ -78,6 +79,7 @@ class MegatronTrainActor:
         self.world_size = world_size
         self.deadlines = run_deadlines(args)
         self.timeout_s = self.deadlines.no_progress_s
+        self.loss = run_loss(args)
         self.ledger_dir = ledger_dir
         self.ledger = Ledger(rank, world_size, ledger_dir, record_sequence=bool(args.ledger_record_sequence))
         if hub is not None:  # peers' progress from the driver's hub, on every node (no shared filesystem)
@@ -98,7 +100,7 @@ class MegatronTrainActor:
         patches.apply_all()
         init_distributed(self.args, self.rank, self.world_size, master_addr, master_port, store=store)
         instrument_collectives(self.ledger)
-        self.groups = ProcessGroupLifecycle.from_args(self.args, ledger=self.ledger)
+        self.groups = ProcessGroupLifecycle(run_groups(self.args, self.world_size), ledger=self.ledger)
         # the first set-up of every communicator is slower than a re-warm-up (on 4 H200s a rank was
         # seen 15 s behind its CP peer): it gets a longer window
         with self.watchdog.phase("init/create_groups", deadline_s=self.deadlines.first_setup_s):
@@ -316,7 +318,6 @@ class MegatronTrainActor:
         log_prob_args = log_prob_plan_args(self.args)
         log_prob_plans = every_dp if log_prob_args is self.args else [
             plans_from_rollout(data, log_prob_args, dp_size=dp_size, dp_rank=r) for r in range(dp_size)]
-        cfg = LossConfig.from_args(self.args)
         fields = {
             "rollout_id": rollout_id,
             "num_steps": len(every_dp[0]),
@@ -327,9 +328,9 @@ class MegatronTrainActor:
             "micro_batch_tokens": [[list(p.token_counts) for p in plans] for plans in every_dp],
             "loss_token_totals": [p.step_loss_token_total for p in every_dp[0]],
             "log_prob_plan_digests": [[p.global_digest for p in plans] for plans in log_prob_plans],
-            "metric_keys": sorted(metric_keys(cfg)),
+            "metric_keys": sorted(metric_keys(self.loss)),
             "optional_collectives": sorted(name for name, on in (
-                ("kl_loss", cfg.use_kl_loss), ("ref_log_probs", "ref" in self.snapshots),
+                ("kl_loss", self.loss.use_kl_loss), ("ref_log_probs", "ref" in self.snapshots),
                 ("teacher_log_probs", "teacher" in self.snapshots),
                 ("old_log_probs", trainer_computes_old_log_probs(self.args)),
                 # the fused log-prob head all-reduces over TP per chunk, unlike the unfused one: every rank the same

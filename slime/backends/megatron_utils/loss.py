@@ -22,104 +22,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from slime.backends.megatron_utils import logprob_head, loss_hooks, mtp_loss
 from slime.backends.megatron_utils.data import MicroBatchPlan, PackedMicroBatch
-from slime.algorithms import PolicyLossInputs, estimator
+from slime.algorithms import PolicyLossInputs
 from slime.algorithms.advantages import OPD_KL_KEY
 from slime.algorithms.kl import compute_approx_kl
 from slime.algorithms.log_probs import compute_entropy_from_logits, compute_log_probs
-from slime.algorithms.policy_loss import compute_tis_weights, ppo_clip_loss
-from slime.algorithms.registry import PolicyLossTerm, RatioMode
+from slime.algorithms.policy_loss import compute_tis_weights
+from slime.config.loss import LossConfig
 from slime.models import fused_kernels
-
-
-@dataclass(frozen=True, kw_only=True)
-class LossConfig:
-    """The loss-related flags, read once from ``args``."""
-
-    calculate_per_token_loss: bool
-    """Normalise by the step's loss tokens instead of averaging per-sample means."""
-    eps_clip: float
-    eps_clip_high: float
-    eps_clip_c: float | None
-    """Dual-clip bound for negative advantages (None: off)."""
-    use_kl_loss: bool
-    kl_loss_coef: float
-    kl_loss_type: str
-    entropy_coef: float
-    use_tis: bool
-    tis_clip: float
-    tis_clip_low: float
-    temperature: float
-    """Logits are divided by the rollout temperature, as the engine sampled with it."""
-    use_rollout_logprobs: bool = False
-    """The engines' log-probs are the old policy (--use-rollout-logprobs)."""
-    get_mismatch_metrics: bool = False
-    """Also report the TIS ratio statistics and ois (--get-mismatch-metrics); the loss is unchanged."""
-    ratio_mode: RatioMode = "token"
-    """The estimator's importance ratio: per token, or per sample (GSPO: the mean token log-ratio, clipped per
-    sample)."""
-    policy_loss: PolicyLossTerm = ppo_clip_loss
-    """The estimator's policy-gradient term per token (PPO's clipped surrogate; CISPO's clipped weight times
-    log pi)."""
-    use_opd: bool = False
-    """On-policy distillation: report the rollout's reverse KL to the teacher (opd_reverse_kl)."""
-    loss_type: str = "policy_loss"
-    custom_loss_function_path: str | None = None
-    custom_tis_function_path: str | None = None
-    """Replaces the vanilla TIS weights when --use-tis is on."""
-    custom_pg_loss_reducer_function_path: str | None = None
-    mtp_depths: int = 0
-    """Multi-token-prediction layers trained beside the main loss (--enable-mtp-training); 0: none."""
-    mtp_loss_scaling_factor: float = 0.2
-    args: Any = field(default=None, compare=False, repr=False)
-    """The parsed flags, handed to the loss plug-ins."""
-
-    @property
-    def has_plugin_metrics(self) -> bool:
-        """Metric keys chosen by a plug-in: the ranks agree on them before reducing."""
-        return self.loss_type == "custom_loss" or (self.mismatch_terms and self.custom_tis_function_path is not None)
-
-    @classmethod
-    def from_args(cls, args: Any) -> "LossConfig":
-        eps_clip = float(args.eps_clip)
-        eps_high = args.eps_clip_high
-        record = estimator(args.advantage_estimator)
-        return cls(
-            calculate_per_token_loss=bool(args.calculate_per_token_loss),
-            eps_clip=eps_clip,
-            eps_clip_high=eps_clip if eps_high is None else float(eps_high),
-            eps_clip_c=args.eps_clip_c,
-            use_kl_loss=bool(args.use_kl_loss),
-            kl_loss_coef=float(args.kl_loss_coef),
-            kl_loss_type=args.kl_loss_type,
-            entropy_coef=float(args.entropy_coef),
-            use_tis=bool(args.use_tis),
-            tis_clip=float(args.tis_clip),
-            tis_clip_low=float(args.tis_clip_low),
-            temperature=float(args.rollout_temperature),
-            use_rollout_logprobs=bool(args.use_rollout_logprobs),
-            get_mismatch_metrics=bool(args.get_mismatch_metrics),
-            ratio_mode=record.ratio_mode,
-            policy_loss=record.policy_loss,
-            use_opd=bool(args.use_opd),
-            loss_type=args.loss_type,
-            custom_loss_function_path=args.custom_loss_function_path,
-            custom_tis_function_path=args.custom_tis_function_path,
-            custom_pg_loss_reducer_function_path=args.custom_pg_loss_reducer_function_path,
-            mtp_depths=args.mtp_num_layers if args.enable_mtp_training else 0,
-            mtp_loss_scaling_factor=float(args.mtp_loss_scaling_factor),
-            args=args,
-        )
-
-    @property
-    def mismatch_terms(self) -> bool:
-        return self.use_tis or self.get_mismatch_metrics
 
 
 LOGPROB_DIFF_KEY = "train_rollout_logprob_abs_diff"
@@ -243,8 +158,9 @@ def rollout_logprob_abs_diff(log_probs: torch.Tensor, packed: PackedMicroBatch) 
 
 
 def policy_token_terms(log_probs: torch.Tensor, entropy: torch.Tensor, packed: PackedMicroBatch,
-                       cfg: LossConfig) -> dict[str, torch.Tensor]:
-    """Per-token loss terms; ``loss`` is what is minimised, the rest are metrics.
+                       cfg: LossConfig, *, plugin_args: Any) -> dict[str, torch.Tensor]:
+    """Per-token loss terms; ``loss`` is what is minimised, the rest are metrics. ``plugin_args``: the run's flags,
+    which a TIS plug-in receives (upstream's signature).
 
     ``pg_loss_mask`` (custom TIS/RS only) multiplies the weights of the policy-gradient term.
     """
@@ -270,7 +186,7 @@ def policy_token_terms(log_probs: torch.Tensor, entropy: torch.Tensor, packed: P
         terms["ois"] = torch.exp(-ppo_kl).detach()
         if cfg.custom_tis_function_path:  # upstream's TIS/RS plug-in replaces the vanilla weights
             pg_loss, pg_mask, plugin_metrics = loss_hooks.custom_tis(
-                cfg.custom_tis_function_path, cfg.args, pg_loss, trainer_old_log_probs(log_probs, packed), packed,
+                cfg.custom_tis_function_path, plugin_args, pg_loss, trainer_old_log_probs(log_probs, packed), packed,
                 loss_hooks.ResponseView.of(packed))
             terms |= plugin_metrics | {"pg_loss_mask": pg_mask}
         else:
@@ -292,15 +208,16 @@ def policy_token_terms(log_probs: torch.Tensor, entropy: torch.Tensor, packed: P
 
 
 def micro_batch_loss(output: torch.Tensor, packed: PackedMicroBatch, plan: MicroBatchPlan, cfg: LossConfig,
-                     tp_group: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """This rank's contribution to the step loss, and to each metric (detached sums).
+                     tp_group: Any, *, plugin_args: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """This rank's contribution to the step loss, and to each metric (detached sums); ``plugin_args``: the run's
+    flags, which the loss and TIS plug-ins receive (upstream's signatures).
 
     Padding micro-batches and empty CP slices give an exact 0 that stays connected to
     the model, so backward runs (and its collectives happen) on every rank. With MTP trained, the output also
     holds the MTP depths' logits (mtp_model.py): their loss (mtp_loss.py) is added, weighted as the main loss is.
     """
     logits, depth_logits = mtp_loss.split_output(output, cfg.mtp_depths)
-    loss, metrics = _main_loss(logits, packed, plan, cfg, tp_group)
+    loss, metrics = _main_loss(logits, packed, plan, cfg, tp_group, plugin_args)
     if not depth_logits:
         return loss, metrics
     term = mtp_loss.mtp_loss(depth_logits, packed, lambda mask: token_weights(packed, plan, cfg, mask),
@@ -310,7 +227,7 @@ def micro_batch_loss(output: torch.Tensor, packed: PackedMicroBatch, plan: Micro
 
 
 def _main_loss(logits: torch.Tensor, packed: PackedMicroBatch, plan: MicroBatchPlan, cfg: LossConfig,
-               tp_group: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+               tp_group: Any, plugin_args: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     log_probs, entropy = log_probs_and_entropy(logits, packed, cfg, tp_group)
     weights = token_weights(packed, plan, cfg)
     per_token = packed.loss_mask / max(1, plan.step_loss_token_total)
@@ -323,10 +240,10 @@ def _main_loss(logits: torch.Tensor, packed: PackedMicroBatch, plan: MicroBatchP
         if cfg.loss_type == "sft_loss":  # negative log-likelihood of the loss tokens
             loss = (-log_probs * weights).sum()
             return loss, diff | {"loss": loss.detach()}
-        loss, plugin_metrics = loss_hooks.custom_loss(cfg.custom_loss_function_path, cfg.args, logits, packed,
+        loss, plugin_metrics = loss_hooks.custom_loss(cfg.custom_loss_function_path, plugin_args, logits, packed,
                                                       loss_hooks.ResponseView.of(packed), log_probs, entropy, weights)
         return loss, plugin_metrics | diff | {"loss": loss.detach()}
-    terms = policy_token_terms(log_probs, entropy, packed, cfg)
+    terms = policy_token_terms(log_probs, entropy, packed, cfg, plugin_args=plugin_args)
     pg_mask = terms.pop("pg_loss_mask", None)
     metrics = {key: reduced(key, value) for key, value in terms.items()}
     if pg_mask is None and cfg.custom_pg_loss_reducer_function_path is None:

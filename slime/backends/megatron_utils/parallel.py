@@ -13,6 +13,7 @@ from argparse import Namespace
 import torch
 import torch.distributed as dist
 
+from slime.config.run_config import run_groups
 from slime.distributed.communicator_config import world_group_options
 from slime.utils.deadlines import run_deadlines
 
@@ -60,7 +61,7 @@ def init_distributed(
     rendezvous = {"store": store} if store is not None else {"init_method": f"tcp://{master_addr}:{master_port}"}
     options = None
     if backend == "nccl":  # a world of one rank: one NCCL channel (slime/distributed/communicator_config.py)
-        options = world_group_options(world_size, int(args.single_rank_group_max_ctas))
+        options = world_group_options(world_size, run_groups(args, world_size).single_rank_group_max_ctas)
     dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=_timeout(args),
                             pg_options=options, **rendezvous)
 
@@ -72,10 +73,10 @@ def init_model_parallel(args: Namespace) -> None:
     fence group and the eager warm-up; both go through create_model_parallel_groups.
     """
     from slime import patches
-    from slime.distributed.groups import GroupSettings, create_model_parallel_groups
+    from slime.distributed.groups import create_model_parallel_groups
 
     patches.apply_all()
-    create_model_parallel_groups(GroupSettings.from_args(args))
+    create_model_parallel_groups(run_groups(args, dist.get_world_size()))
     seed_model_parallel(args)
 
 

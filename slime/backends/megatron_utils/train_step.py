@@ -42,8 +42,9 @@ from slime.backends.megatron_utils.data import (
     pack_micro_batch,
     unpack_response_values,
 )
-from slime.backends.megatron_utils.loss import LossConfig, metric_keys, micro_batch_loss, target_log_probs
+from slime.backends.megatron_utils.loss import metric_keys, micro_batch_loss, target_log_probs
 from slime.backends.megatron_utils.moe import aux_loss_scale
+from slime.config.run_config import run_loss
 from slime.models import indexer_loss
 from slime.backends.megatron_utils.routing_replay import RouteReplayer
 from slime.models.cp_attention import packed_seq_params
@@ -94,18 +95,18 @@ class StepObjective:
 
 
 def policy_objective(args: Any) -> StepObjective:
-    """The actor's objective: the policy loss of --loss-type with its flags (loss.py)."""
-    cfg = LossConfig.from_args(args)
+    """The actor's objective: the policy loss of the run config (loss.py); the loss plug-ins receive ``args``."""
+    cfg = run_loss(args)
     tp_group = parallel_state.get_tensor_model_parallel_group()
     return StepObjective(keys=metric_keys(cfg), plugin_metrics=cfg.has_plugin_metrics,
                          micro_batch_loss=lambda output, batch, plan: micro_batch_loss(output, batch, plan, cfg,
-                                                                                       tp_group),
+                                                                                       tp_group, plugin_args=args),
                          mtp_depths=cfg.mtp_depths)
 
 
 def policy_log_probs(args: Any) -> PositionScores:
     """The actor's forward-only score: log pi(target token) (all-reduces over TP)."""
-    cfg = LossConfig.from_args(args)
+    cfg = run_loss(args)
     tp_group = parallel_state.get_tensor_model_parallel_group()
     return lambda output, batch: target_log_probs(output, batch, cfg, tp_group)
 

@@ -7,34 +7,16 @@ put them (data.py). Weights are the policy loss's (per-sample mean, or per token
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from slime.algorithms import estimator
-from slime.algorithms.registry import ValueLossTerm
 from slime.backends.megatron_utils.data import MicroBatchPlan, PackedMicroBatch
 from slime.backends.megatron_utils.train_step import StepObjective, compute_log_probs
+from slime.config.loss import ValueLossConfig
+from slime.config.run_config import run_value_loss
 
 VALUE_METRIC_KEYS = ("value_clipfrac", "value_loss", "values")
-
-
-@dataclass(frozen=True, kw_only=True)
-class ValueLossConfig:
-    """The critic's loss flags, read once from ``args``."""
-
-    value_clip: float
-    """--value-clip: how far a value may move from the rollout's before its loss stops improving."""
-    calculate_per_token_loss: bool
-    """Normalise by the step's loss tokens instead of averaging per-sample means (as the actor)."""
-    value_loss: ValueLossTerm
-    """The estimator's value-loss term per token (its record's `value_loss`: PPO's clipped value loss)."""
-
-    @classmethod
-    def from_args(cls, args: Any) -> "ValueLossConfig":
-        return cls(value_clip=float(args.value_clip), calculate_per_token_loss=bool(args.calculate_per_token_loss),
-                   value_loss=estimator(args.advantage_estimator).value_loss)
 
 
 def flat_values(output: torch.Tensor, packed: PackedMicroBatch) -> torch.Tensor:
@@ -70,8 +52,8 @@ def value_micro_batch_loss(output: torch.Tensor, packed: PackedMicroBatch, plan:
 
 
 def value_objective(args: Any) -> StepObjective:
-    """The critic's step objective for train_step.train_one_step."""
-    cfg = ValueLossConfig.from_args(args)
+    """The critic's step objective for train_step.train_one_step: the value loss of its run config."""
+    cfg = run_value_loss(args)
     return StepObjective(keys=tuple(sorted(("loss", *VALUE_METRIC_KEYS))),
                          micro_batch_loss=lambda output, batch, plan: _with_loss_key(
                              *value_micro_batch_loss(output, batch, plan, cfg)))

@@ -2,13 +2,13 @@
 (transport.py's tensor and distributed pushes, delta.py's deltas over the distributed one)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from slime.backends.weight_sync.delta import DeltaTransport
 from slime.backends.weight_sync.transport import WEIGHT_UPDATE_GROUP, DistributedTransport, EngineSet, TensorTransport
+from slime.config.weight_sync import DeltaOptions
 
 TRANSPORTS = ("tensor", "distributed")
 
@@ -18,20 +18,6 @@ def choose_transport(args: Any) -> str:
     if args.update_weight_transport != "nccl":
         raise ValueError(f"--update-weight-transport {args.update_weight_transport!r} is not implemented; use nccl")
     return "tensor" if args.colocate else "distributed"
-
-
-@dataclass(frozen=True)
-class DeltaOptions:
-    """`--update-weight-mode delta`: how deltas are encoded and checked (sglang_utils/weight_delta.py)."""
-
-    encoding: str
-    checksum: str
-
-
-def delta_options(args: Any) -> DeltaOptions | None:
-    if args.update_weight_mode != "delta":
-        return None
-    return DeltaOptions(args.update_weight_delta_encoding, args.update_weight_delta_checksum)
 
 
 def build_transport(kind: str, engines: EngineSet, *, engine_kind: str, engine_tp_size: int, timeout_s: float,

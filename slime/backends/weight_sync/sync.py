@@ -56,7 +56,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from slime.backends.sglang_utils.http_client import ClientTimeouts, SGLangHTTPClient
-from slime.backends.weight_sync.factory import build_transport, choose_transport, delta_options
+from slime.backends.weight_sync.factory import build_transport, choose_transport
 from slime.backends.weight_sync.node_routes import NodeFeeds, NodeGrid, node_feeds
 from slime.backends.weight_sync.plan import (
     NamedTensors,
@@ -71,6 +71,7 @@ from slime.backends.weight_sync.plan import (
 from slime.backends.weight_sync.proof import CarriedTensors, WeightProof
 from slime.backends.weight_sync.transport import ENGINE_KINDS, EngineSet, NodeSplitTransport, TensorTransport, \
     engine_call
+from slime.config.run_config import run_delta
 from slime.config.run_state import run_state_of
 from slime.distributed.errors import CollectiveDivergenceError, DistributedStepError
 from slime.distributed.fault_inject import apply_weight_push_fault
@@ -180,7 +181,7 @@ class WeightSync:
             raise ValueError(f"engine kind {self.engine_kind!r}; expected one of {ENGINE_KINDS}")
         self.transport_kind = transport or choose_transport(args)
         self.weight_source = weight_source
-        self.delta = delta_options(args)
+        self.delta = run_delta(args)
         # Ranks per engine in a weight-update group: SGLang's TP ranks; the embedded engine is one process
         # whatever its GPU count (its TP is not sharded).
         self.engine_tp_size = 1 if self.engine_kind == "embedded" else args.rollout_num_gpus_per_engine

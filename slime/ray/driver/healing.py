@@ -28,6 +28,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
+from slime.config.health import HealingPolicy
+from slime.config.run_config import run_config_of
 from slime.config.run_state import advance, run_state_of
 from slime.ray.driver.rank_wait import RankWaitError
 from slime.ray.rollout_manager.errors import RolloutError
@@ -46,18 +48,6 @@ class HealingRefusedError(RuntimeError):
 
 class RepeatedFailureError(RuntimeError):
     """The same rank (or node) failed in two restarts in a row: restarting again would loop."""
-
-
-@dataclass(frozen=True)
-class HealingPolicy:
-    max_restarts: int = 0
-    """Restarts allowed in one run; 0: a named failure ends the run."""
-    window_rollouts: int | None = None
-    """How many rollouts of work a restart may lose (None: back to any checkpoint of the run)."""
-
-    @classmethod
-    def from_args(cls, args) -> "HealingPolicy":
-        return cls(max_restarts=args.max_restarts, window_rollouts=args.restart_window_rollouts)
 
 
 @dataclass(frozen=True)
@@ -246,7 +236,7 @@ def saved_checkpoint(save: str | None, run_id: str, started_from: int | None) ->
 
 def train_with_healing(train: Callable[[object], None], args, *, multi_node: bool = False) -> None:
     """`train(args)`, started again from the last complete checkpoint after each named failure, within the policy."""
-    policy = HealingPolicy.from_args(args)
+    policy = run_config_of(args).healing
     started_from = resumed_from(args)
     history: tuple[Restart, ...] = ()
     while True:

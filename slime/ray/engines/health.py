@@ -19,41 +19,18 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import requests
 
 from slime.ray.engines.progress import LoadsNotServed, ProgressWatch, Stall, read_loads
 from slime.ray.engines.recovery import EngineFleet, FleetSlot
 from slime.rollout import generation_gate
-from slime.utils.deadlines import DEFAULT_HEALTH_CHECK_TIMEOUT_S, DeadlineModel, run_deadlines
+from slime.config.health import HealthConfig
 from slime.utils.security import auth_headers
 
 logger = logging.getLogger(__name__)
 
 PROCESS_POLL_S = 1.0  # without fault tolerance: how often exited engine processes are noticed
-
-
-@dataclass(frozen=True, kw_only=True)
-class HealthConfig:
-    fault_tolerant: bool = False
-    """--use-fault-tolerance: probe engines and restart failed ones."""
-    interval_s: float = 10.0
-    """--rollout-health-check-interval: seconds between two looks at every engine."""
-    timeout_s: float = DEFAULT_HEALTH_CHECK_TIMEOUT_S
-    """--rollout-health-check-timeout: /health_generate must answer within this."""
-    first_wait_s: float = 300.0
-    """--rollout-health-check-first-wait: delay before the first probe (model compilation)."""
-    progress: DeadlineModel = DeadlineModel()
-    """The engines' no-progress window (--rollout-no-progress-timeout), its looks and their reads."""
-
-    @classmethod
-    def from_args(cls, args) -> "HealthConfig":
-        return cls(fault_tolerant=bool(args.use_fault_tolerance),
-                   interval_s=float(args.rollout_health_check_interval),
-                   timeout_s=float(args.rollout_health_check_timeout),
-                   first_wait_s=float(args.rollout_health_check_first_wait),
-                   progress=run_deadlines(args))
 
 
 def probe_health(url: str, timeout_s: float, path: str = "/health_generate") -> str | None:

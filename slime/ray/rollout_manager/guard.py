@@ -34,7 +34,8 @@ import time
 from typing import Any, Callable, TypeVar
 
 from slime.ray.engines.faults import inject_engine_faults
-from slime.ray.engines.health import HealthConfig, HealthMonitor, describe_engines
+from slime.config.health import HealthConfig
+from slime.ray.engines.health import HealthMonitor, describe_engines
 from slime.ray.engines.recovery import EngineFleet
 from slime.ray.engines.progress import stalled_message
 from slime.ray.rollout_manager.errors import EngineFailedError, EngineStalledError, RolloutError, RolloutTimeoutError

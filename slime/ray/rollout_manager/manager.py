@@ -26,13 +26,12 @@ import torch
 from slime.backends.sglang_utils.http_client import SGLangHTTPClient
 from slime.backends.sglang_utils.launcher import pick_rollout_backend
 from slime.distributed.fault_inject import maybe_kill_run
-from slime.config.run_config import run_config_of
+from slime.config.run_config import run_config_of, run_health
 from slime.config.run_state import advance, run_state_of
 from slime.ray.common.engine_slot import EngineSlot
 from slime.ray.common.node import advertised_host, serving_host
 from slime.backends.sglang_utils.launcher import EngineNodes
 from slime.ray.engines.actor import EngineEndpoint, RemoteEngine, SpanningEngine
-from slime.ray.engines.health import HealthConfig
 from slime.ray.engines.recovery import EngineFleet
 from slime.ray.rollout_manager.guard import RolloutGuard
 from slime.ray.rollout_manager.errors import RolloutTimeoutError, portable_rollout_errors
@@ -93,7 +92,7 @@ class RolloutManager:
         self.fleet = EngineFleet([self._engine_process(rank) for rank in range(len(self.engines))],
                                  relaunch=self._restart_engine, fault_tolerant=args.use_fault_tolerance,
                                  router=RouterWorkers(kind=self.router.kind, url=self.router.url) if self.router else None)
-        self.guard = RolloutGuard(HealthConfig.from_args(args), self.fleet)
+        self.guard = RolloutGuard(run_health(args), self.fleet)
         self.steps = RolloutSteps(rollout_step_window_s(args))
         self._rollout_fn = load_function(args.rollout_function_path)
         if run_state_of(args).start_rollout_id > 0:  # resume after the rollout whose data state was saved; last, so that
