@@ -111,3 +111,89 @@ def test_no_writes_into_args_outside_the_config_room():
 def test_no_literal_fallbacks_on_args_outside_the_config_room():
     """A flag's default is the parser's (or slime/config's finalize step): `args.x or <literal>` is a second one."""
     assert _scan(literal_fallbacks) == []
+
+
+SUB_CONFIGS = ("RunConfig", "LossConfig", "ValueLossConfig", "GroupSettings", "HealthConfig", "HealingPolicy",
+               "DeltaOptions", "DeadlineModel")
+"""The run config and its sub-configs (slime/config/run_config.py): built from the flags in slime/config alone."""
+BUILDERS = ("build_run_config", "build_loss_config", "build_value_loss_config", "build_group_settings",
+            "build_health_config", "build_healing_policy", "build_delta_options")
+
+
+def _called_name(call: ast.Call) -> str | None:
+    func = call.func
+    return func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
+
+
+def sub_configs_built(tree: ast.AST) -> list[tuple[int, str]]:
+    """A sub-config made outside the builder: a builder called, a ``from_args`` of one, or one defined anew."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name in SUB_CONFIGS:
+            found.append((node.lineno, f"class {node.name}"))
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        if _called_name(node) in BUILDERS or (isinstance(func, ast.Attribute) and func.attr == "from_args"
+                                              and isinstance(func.value, ast.Name) and func.value.id in SUB_CONFIGS):
+            found.append((node.lineno, ast.unparse(func)))
+    return found
+
+
+RUN_STATE_READERS = ("run_state_of", "advance")
+
+
+def run_state_on_args(tree: ast.AST) -> list[tuple[int, str]]:
+    """The run state read from (or replaced on) ``args``: the driver's alone; an actor has its own argument."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and _called_name(node) in RUN_STATE_READERS:
+            found.append((node.lineno, ast.unparse(node.func)))
+        elif isinstance(node, ast.Attribute) and node.attr == "run_state" and _is_args(node.value):
+            found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_the_sub_config_and_run_state_scanners_see_what_they_refuse():
+    built = ("a = LossConfig.from_args(args)\nb = build_loss_config(args)\nc = cfg.build_health_config(args, d)\n"
+             "class HealthConfig: pass\ne = DeadlineModel.from_args(args)\n")
+    assert sorted(line for line, _ in sub_configs_built(ast.parse(built))) == [1, 2, 3, 4, 5]
+    assert sub_configs_built(ast.parse("a = run_loss(args)\nb = NodeGrid.from_args(args)\nc = args.run_config.loss\n"
+                                       "d = HealthConfig(timeout_s=1.0)\n")) == []
+    read = "a = run_state_of(args)\nb = advance(args, x=1)\nc = self.args.run_state\nd = args.run_state.ledger_dir\n"
+    assert [line for line, _ in run_state_on_args(ast.parse(read))] == [1, 2, 3, 4]
+    assert run_state_on_args(ast.parse("a = self.run_state.spans_nodes\nb = run_state.router_ip\n")) == []
+
+
+def test_sub_configs_are_built_in_the_config_room_alone():
+    """Each component takes its sub-config from the run config parse_args built (the critic's by the same builder,
+    in slime/config/critic_role.py): one that derived it again from the flags could read another value than the
+    run's (a flag a later step changed, a default). The deadline module defines its model beside the limits it
+    derives (slime/utils/deadlines.py: run_deadlines, the run config's, or for arguments without a command line
+    the model of their flags)."""
+    deadline_module = "slime/utils/deadlines.py:"
+    assert [hit for hit in _scan(sub_configs_built) if not hit.startswith(deadline_module)] == []
+
+
+def test_only_the_driver_keeps_the_run_state_on_args():
+    """The trainer ranks, the critic, the rollout manager and the engines receive the run state as an argument
+    (their args come without it: run_state.actor_args); reading it from args there would fall back to the flags'
+    initial state, silently (no restart count, no node hosts, no router)."""
+    driver = ("slime/ray/driver/",)
+    assert [hit for hit in _scan(run_state_on_args) if not hit.startswith(driver)] == []
+
+
+def test_upstreams_published_names_are_written_in_one_place():
+    """args.start_rollout_id, num_rollout, sglang_router_ip and sglang_router_port (upstream's plug-ins read them)
+    are written by run_state.publish alone, in slime/config too."""
+    from slime.config.run_state import PUBLISHED
+
+    published = set(PUBLISHED.values())
+    hits = []
+    for path in sorted((REPO / "slime" / "config").rglob("*.py")):
+        if path.name == "run_state.py":
+            continue
+        for line, text in writes_into_args(ast.parse(path.read_text())):
+            if any(f".{name}" in text or f"'{name}'" in text or f'"{name}"' in text for name in published):
+                hits.append(f"{path.relative_to(REPO)}:{line}: {text}")
+    assert hits == []

@@ -382,13 +382,14 @@ def test_port_clash_retries_are_bounded_and_only_for_a_lost_port():
 
 def test_rendezvous_port_is_held_from_the_moment_it_is_offered(monkeypatch):
     from slime.backends.megatron_utils.parallel import join_rendezvous
-    from slime.config.run_state import advance
+    from slime.config.run_state import initial_run_state
     from slime.ray.trainer.rank_actor import TrainRayActor
 
     monkeypatch.setenv("SLIME_HOST_IP", "127.0.0.1")
     args = parse_quiet(MINIMAL)
-    advance(args, spans_nodes=True)  # as create_placement does for a run over several nodes: the node's address
-    rank0 = types.SimpleNamespace(args=args, world_size=2, _store=None)
+    # the run state a rank receives for a run over several nodes (create_placement's): the node's address
+    state = dataclasses.replace(initial_run_state(args), spans_nodes=True)
+    rank0 = types.SimpleNamespace(args=args, run_state=state, world_size=2, _store=None)
     address, port = TrainRayActor.rendezvous_address(rank0)
     with socket.socket() as thief, pytest.raises(OSError):
         thief.bind(("127.0.0.1", port))  # no other process can take it before the ranks meet

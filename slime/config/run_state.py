@@ -3,13 +3,19 @@
 The flags are fixed by ``parse_args`` and the run config is derived from them once (run_config.py). Some facts
 only exist later: where the placement put the ranks, the ledger dir the first session made, the router's address,
 the rollout the run resumes at, how many restarts it has made. They live here, one value per fact, and change
-only by replacement (``advance``), never by writing into the flags. A process receives the state its parent had
-when it started it, with ``args`` (as ``args.run_state``), as it receives ``args.run_config``.
+only by replacement, never by writing into the flags.
 
-``advance`` is the one writer, and the one place that publishes facts into ``args`` itself: upstream's plug-in
-surface (custom rollout, reward, data-source and loss functions, and train.py-shaped scripts) receives ``args``
-and reads ``args.start_rollout_id``, ``args.num_rollout`` and ``args.sglang_router_ip`` / ``args.sglang_router_port``
-(upstream sets them there), so those four are published under their upstream names as well.
+The driver holds the run's current state on its own namespace (``args.run_state``: a restart's session starts from
+a fresh namespace, healing.resume_args) and replaces it with ``advance``. The Ray actors (trainer ranks, critic
+ranks, rollout manager, engines) receive the state their driver had when it started them as an explicit argument,
+and their ``args`` without it (``actor_args``): an actor keeps its own copy and replaces it itself (a rank's node
+address, the router's address).
+
+``publish`` is the one place that writes run-state facts into ``args``: upstream's plug-in surface (custom rollout,
+reward, data-source and loss functions, and train.py-shaped scripts) receives ``args`` and reads
+``args.start_rollout_id``, ``args.num_rollout`` and ``args.sglang_router_ip`` / ``args.sglang_router_port``
+(upstream sets them there), so those four are published under their upstream names, by the driver's ``advance``
+and by an actor that learns one of them.
 """
 
 from __future__ import annotations
@@ -62,15 +68,27 @@ def initial_run_state(args: Any) -> RunState:
 
 
 def run_state_of(args: Any) -> RunState:
-    """The run state ``args`` carries, or (arguments built without parse_args) the initial one of its flags."""
+    """The run state the driver's ``args`` carry, or (arguments built without parse_args) the initial one of its
+    flags."""
     state = vars(args).get("run_state")
     return state if state is not None else initial_run_state(args)
 
 
 def advance(args: Any, **facts: Any) -> RunState:
-    """``args``'s run state with ``facts`` replaced; the facts upstream's plug-ins read are published on ``args``."""
+    """The driver's run state with ``facts`` replaced, held on its namespace and published (``publish``)."""
     state = dataclasses.replace(run_state_of(args), **facts)
     args.run_state = state
+    publish(args, state)
+    return state
+
+
+def publish(args: Any, state: RunState) -> None:
+    """Write the facts upstream's plug-ins read into ``args`` under their upstream names."""
     for field, name in PUBLISHED.items():
         setattr(args, name, getattr(state, field))
-    return state
+
+
+def actor_args(args: Any) -> Any:
+    """``args`` as the driver hands them to a Ray actor: the flags, the run config and the published names, without
+    the driver's run state, which the actor receives as an argument of its own."""
+    return type(args)(**{name: value for name, value in vars(args).items() if name != "run_state"})

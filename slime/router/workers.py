@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import requests
 
-from slime.config.run_state import run_state_of
 from slime.utils.deadlines import ROUTER_CALL_S, ROUTER_REGISTER_S
 from slime.utils.security import auth_headers
 
@@ -33,10 +32,10 @@ class RouterWorkers:
 
     @classmethod
     def for_args(cls, args) -> "RouterWorkers":
-        """The router the rollout sends to (--sglang-router-ip/--sglang-router-port; --use-slime-router: ours)."""
+        """The router the rollout sends to (--use-slime-router: ours), where the rollout manager published it: at
+        upstream's names, which the rollout functions read (run_state.publish)."""
         kind = "slime-router" if args.use_slime_router else "sglang-router"
-        state = run_state_of(args)
-        return cls(kind=kind, url=f"http://{state.router_ip}:{state.router_port}")
+        return cls(kind=kind, url=f"http://{args.sglang_router_ip}:{args.sglang_router_port}")
 
     def urls(self) -> list[str]:
         if self.kind == "slime-router":

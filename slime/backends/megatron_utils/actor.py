@@ -46,6 +46,7 @@ from slime.distributed import (
     stable_hash,
 )
 from slime.config.run_config import run_groups, run_loss
+from slime.config.run_state import RunState
 from slime.distributed.errors import DistributedStepError
 from slime.distributed.progress_hub import HubClient, RayHub
 from slime.distributed.progress_relay import RELAY_MIN_WORLD, node_relay
@@ -73,8 +74,12 @@ class LoggingStallError(DistributedStepError):
 
 
 class MegatronTrainActor:
-    def __init__(self, args, rank: int, world_size: int, ledger_dir: str, hub: tuple | None = None):
+    def __init__(self, args, rank: int, world_size: int, ledger_dir: str, hub: tuple | None = None,
+                 run_state: RunState | None = None):
+        """`run_state`: what the run knows of this rank's node and the others' (its Ray actor's; None: a rank
+        started without Ray, on one node)."""
         self.args = args
+        self.run_state = run_state
         self.rank = rank
         self.world_size = world_size
         self.deadlines = run_deadlines(args)
@@ -116,8 +121,11 @@ class MegatronTrainActor:
         with self.watchdog.phase("init/load", deadline_s=self.deadlines.first_setup_s):
             self._fence_load_views()
             start = self._build_model()
+        hosts = {} if self.run_state is None else {"node_host": self.run_state.node_host,
+                                                   "node_hosts": self.run_state.colocated_node_hosts}
         self.weight_sync = WeightSync(self.args, self.hf_config, engine_urls,
-                                      select=adapted_weight_names(self.model) if self.args.enable_lora else None)
+                                      select=adapted_weight_names(self.model) if self.args.enable_lora else None,
+                                      **hosts)
         return start
 
     def _weight_sources(self) -> dict[str, tuple[str, int | None]]:

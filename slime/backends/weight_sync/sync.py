@@ -72,7 +72,6 @@ from slime.backends.weight_sync.proof import CarriedTensors, WeightProof
 from slime.backends.weight_sync.transport import ENGINE_KINDS, EngineSet, NodeSplitTransport, TensorTransport, \
     engine_call
 from slime.config.run_config import run_delta
-from slime.config.run_state import run_state_of
 from slime.distributed.errors import CollectiveDivergenceError, DistributedStepError
 from slime.distributed.fault_inject import apply_weight_push_fault
 from slime.distributed.fingerprint import stable_hash
@@ -167,11 +166,12 @@ class WeightSync:
 
     def __init__(self, args: Any, hf_config: Any, engine_urls: Sequence[str], *, engine_kind: str | None = None,
                  timeouts: ClientTimeouts | None = None, transport: str | None = None,
-                 weight_source: WeightSource = export_model_weights, select: Callable[[str], bool] | None = None
-                 ) -> None:
+                 weight_source: WeightSource = export_model_weights, select: Callable[[str], bool] | None = None,
+                 node_host: str | None = None, node_hosts: Sequence[str] = ()) -> None:
         """`select` (megatron name -> bool): what a push after the first sends (LoRA: only the adapted layers,
         the rest is the frozen base the engines already hold); the first push, and the first after a retarget,
-        send every weight."""
+        send every weight. `node_host`, `node_hosts`: this rank's node address and every node's, by node index (the
+        run state's: read where the run is colocated across nodes)."""
         from slime.backends.sglang_utils.launcher import pick_rollout_backend
 
         self.hf_config = hf_config
@@ -196,11 +196,10 @@ class WeightSync:
         self._engines: EngineSet | None = None
         self._transport = None
         self.grid = NodeGrid.from_args(args)
-        # this rank's node address (its Ray actor sets it) and every node's (placement sets them): read only where
-        # the run is colocated across nodes
-        state = run_state_of(args)
-        self.node_host = state.node_host if self.grid is not None else None
-        self.node_hosts = state.colocated_node_hosts if self.grid is not None else ()  # by node index
+        # this rank's node address (its Ray actor's) and every node's, by node index (the placement's): the run
+        # state's, read only where the run is colocated across nodes
+        self.node_host = node_host if self.grid is not None else None
+        self.node_hosts = tuple(node_hosts) if self.grid is not None else ()
         self._rank: int | None = None
         self._feeds: NodeFeeds | None = None
         self._split_engines: list[EngineSet] = []  # its node's, and the other nodes' it feeds

@@ -16,6 +16,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from slime.config.run_state import actor_args, run_state_of
 from slime.ray.driver.cluster import retry_if_cancelled_before_start, worker_env
 from slime.ray.driver.placement import Placement
 from slime.ray.driver.rollout_wait import EngineTargets, RolloutWatch, get_result, wait_for_rollout
@@ -159,7 +160,8 @@ def create_rollout_manager(args, placement: Placement, kept: KeptEngines | None 
     def start() -> RolloutManagerHandle:
         engines = [list(parts) for parts in kept.actors] if kept is not None else new_engine_actors(args, placement)
         released = kept.released if kept is not None else None
-        handle = RolloutManagerHandle(manager.remote(args, placement.layout.engines, engines, released), args, engines)
+        handle = RolloutManagerHandle(manager.remote(actor_args(args), run_state_of(args), placement.layout.engines,
+                                                     engines, released), args, engines)
         try:
             handle.wait_ready()
         except BaseException:  # kept engines stay the session's to stop
@@ -176,10 +178,11 @@ def new_engine_actors(args, placement: Placement) -> list[list]:
     from slime.config.engine import pick_rollout_backend
     from slime.ray.engines.actor import EngineRayActor
 
-    backend, log_dir = pick_rollout_backend(args), engine_log_dir(args)
+    state = run_state_of(args)
+    backend, log_dir, engine_args = pick_rollout_backend(args), engine_log_dir(state.ledger_dir), actor_args(args)
     remote = ray.remote(EngineRayActor)
-    return [[remote.options(**placement.engine_options(slot.rank, part.node_rank)).remote(args, part, backend, log_dir)
-             for part in slot.parts] for slot in placement.layout.engines]
+    return [[remote.options(**placement.engine_options(slot.rank, part.node_rank)).remote(
+        engine_args, state, part, backend, log_dir) for part in slot.parts] for slot in placement.layout.engines]
 
 
 def _kill_all(actors: list) -> None:

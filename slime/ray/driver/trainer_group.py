@@ -18,7 +18,7 @@ from typing import Any, Callable
 import ray
 
 from slime.config.critic_role import critic_args
-from slime.config.run_state import advance, run_state_of
+from slime.config.run_state import actor_args, advance, run_state_of
 from slime.distributed.progress_hub import HubClient, RayHub, start_hub
 from slime.ray.driver.cluster import worker_env
 from slime.ray.driver.rank_wait import wait_ranks
@@ -65,11 +65,12 @@ class RayTrainGroup:
         self.hub = start_hub(self.world_size, runtime_env={"env_vars": worker_env(use_gpu=False)})
         self.progress = HubClient(RayHub(*self.hub))  # the driver's view: asks only
         remote = ray.remote(TrainRayActor)
+        state, ranks_args = run_state_of(args), actor_args(args)  # the state is the ranks' argument, not a flag
         self._ranks = []
         try:
             for rank in range(self.world_size):
                 self._ranks.append(remote.options(**placement.trainer_options(rank, role)).remote(
-                    args, rank, self.world_size, self.ledger_dir, self.hub, role))
+                    ranks_args, state, rank, self.world_size, self.ledger_dir, self.hub, role))
         except BaseException:  # nothing owns this group yet: what it started ends here
             self._kill()
             raise

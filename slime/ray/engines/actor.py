@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 import ray
 
-from slime.config.run_state import run_state_of
+from slime.config.run_state import RunState
 from slime.backends.sglang_utils.launcher import EngineHandle, EngineNodes, launch_engine
 from slime.ray.common.engine_slot import EngineSlot
 from slime.ray.common.node import advertised_host, node_address, serving_host, visible_device_index
@@ -46,9 +46,11 @@ class EngineEndpoint:
 
 
 class EngineRayActor:
-    def __init__(self, args: Any, slot: EngineSlot, backend: str, log_dir: str):
+    def __init__(self, args: Any, run_state: RunState, slot: EngineSlot, backend: str, log_dir: str):
+        """`run_state`: the driver's when it started this actor (whether the run spans nodes)."""
         use_key(args.api_key)  # the engine inherits it; health checks send it
         self.args = args
+        self.run_state = run_state
         self.slot = slot
         self.backend = backend
         self.log_dir = log_dir
@@ -66,7 +68,7 @@ class EngineRayActor:
                 "device_indices": list(self.devices())}
 
     def bind_host(self) -> str:
-        return self.args.engine_bind_host or serving_host(run_state_of(self.args).spans_nodes)
+        return self.args.engine_bind_host or serving_host(self.run_state.spans_nodes)
 
     def dist_init_addr(self) -> str:
         """host:port on this node (node rank 0 of an engine over several nodes) where its processes meet: a port

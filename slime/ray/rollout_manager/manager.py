@@ -14,6 +14,7 @@ tolerance: slime/ray/rollout_manager/guard.py); the engines' states live in `Eng
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -27,7 +28,7 @@ from slime.backends.sglang_utils.http_client import SGLangHTTPClient
 from slime.backends.sglang_utils.launcher import pick_rollout_backend
 from slime.distributed.fault_inject import maybe_kill_run
 from slime.config.run_config import run_config_of, run_health
-from slime.config.run_state import advance, run_state_of
+from slime.config.run_state import RunState, publish
 from slime.ray.common.engine_slot import EngineSlot
 from slime.ray.common.node import advertised_host, serving_host
 from slime.backends.sglang_utils.launcher import EngineNodes
@@ -67,9 +68,11 @@ MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
 
 class RolloutManager:
-    def __init__(self, args, engine_slots: Sequence[EngineSlot], engine_actors: Sequence = (),
+    def __init__(self, args, run_state: RunState, engine_slots: Sequence[EngineSlot], engine_actors: Sequence = (),
                  kept_released: Sequence[str] | None = None):
-        """`engine_slots`: where the driver placed each engine; `engine_actors`: per engine slot, the driver's
+        """`run_state`: the driver's when it started this manager (where the run resumes, its ledger dir, whether it
+        spans nodes; the manager adds the router's address); `engine_slots`: where the driver placed each engine;
+        `engine_actors`: per engine slot, the driver's
         EngineRayActors (one per node); started here, or, with `kept_released` (the memory tags they hold
         released), already serving: a trainer-side heal kept them."""
         from slime.utils.logging_utils import configure_logger
@@ -77,9 +80,11 @@ class RolloutManager:
         configure_logger(role="rollout manager")  # engine failures and restarts reach the driver's output
         use_key(args.api_key)  # the router inherits it; every call to an engine or the router sends it
         self.args = args
+        self.run_state = run_state
+        publish(args, run_state)  # the plug-ins this process calls read the state's facts on args
         self.data_source = load_function(args.data_source_path)(args)  # --data-source-path: cls(args)
         self.backend = pick_rollout_backend(args)
-        self.log_dir = engine_log_dir(args)
+        self.log_dir = engine_log_dir(run_state.ledger_dir)
         self._engine_actors: list[list] = [list(parts) for parts in engine_actors]
         """Per engine, the driver's actors, one per node (node rank 0 first)."""
         self._part_endpoints: list[list[EngineEndpoint]] = []  # the same, their processes' endpoints
@@ -95,8 +100,8 @@ class RolloutManager:
         self.guard = RolloutGuard(run_health(args), self.fleet)
         self.steps = RolloutSteps(rollout_step_window_s(args))
         self._rollout_fn = load_function(args.rollout_function_path)
-        if run_state_of(args).start_rollout_id > 0:  # resume after the rollout whose data state was saved; last, so that
-            self.data_source.load(run_state_of(args).start_rollout_id - 1)  # the restored RNG is this process's at rollout start
+        if run_state.start_rollout_id > 0:  # resume after the rollout whose data state was saved; last, so that
+            self.data_source.load(run_state.start_rollout_id - 1)  # the restored RNG is this process's at rollout start
 
     def _launch_engines(self, slots: Sequence[EngineSlot]) -> list[EngineEndpoint]:
         if not slots:
@@ -169,10 +174,11 @@ class RolloutManager:
     def _launch_router(self):
         # Loopback on one node; upstream's node address when the run spans nodes; --sglang-router-ip
         # overrides (0.0.0.0: every interface). The rollout function reaches it at the advertised address.
-        state = run_state_of(self.args)
+        state = self.run_state
         router = launch_router(self.args, [e.url for e in self.engines], host=state.router_ip or serving_host(
             state.spans_nodes), port=state.router_port, log_dir=self.log_dir)
-        advance(self.args, router_ip=advertised_host(router.host), router_port=router.port)
+        self.run_state = dataclasses.replace(state, router_ip=advertised_host(router.host), router_port=router.port)
+        publish(self.args, self.run_state)
         return router
 
     def engine_urls(self) -> list[str]:
@@ -341,9 +347,9 @@ class RolloutManager:
             ray.kill(actor, no_restart=True)
 
 
-def engine_log_dir(args) -> str:
+def engine_log_dir(ledger_dir: str) -> str:
     """Where the engines and the router write their logs (kept in place by a restart: healing.KEPT_IN_LEDGER)."""
-    return os.path.join(run_state_of(args).ledger_dir, "engine-logs")
+    return os.path.join(ledger_dir, "engine-logs")
 
 
 def _generating() -> list:

@@ -1,6 +1,7 @@
 """One trainer rank as a Ray actor: rendezvous, then delegate to the fenced megatron actor."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -10,7 +11,7 @@ import warnings
 import ray
 
 from slime.ray.common.node import node_address, serving_host, visible_device_index
-from slime.config.run_state import advance, run_state_of
+from slime.config.run_state import RunState
 from slime.utils.deadlines import run_deadlines
 from slime.utils.security import use_key
 
@@ -77,8 +78,9 @@ def remove_stale_buckets() -> None:
 
 
 class TrainRayActor:
-    def __init__(self, args, rank: int, world_size: int, ledger_dir: str, hub: tuple | None = None,
-                 role: str = "actor"):
+    def __init__(self, args, run_state: RunState, rank: int, world_size: int, ledger_dir: str,
+                 hub: tuple | None = None, role: str = "actor"):
+        """`run_state`: the driver's when it started this rank (this rank adds its node's address)."""
         self.args = args
         self.role = role  # "actor", or "critic" (--advantage-estimator ppo: slime/backends/megatron_utils/critic.py)
         self.rank = rank
@@ -88,7 +90,8 @@ class TrainRayActor:
         self.actor = None
         self._store = None  # rank 0: the rendezvous store it hosts
         use_key(args.api_key)  # weight pushes reach the engines with the run's key
-        advance(args, node_host=node_address())  # colocated across nodes, the push feeds the engines at this address
+        # colocated across nodes, the push feeds the engines at this address
+        self.run_state = dataclasses.replace(run_state, node_host=node_address())
         if rank != 0 and not args.verbose:
             quiet_library_warnings()
         # On GPU bundles the rank sees the whole node (placement.py says why) and trains on its
@@ -107,7 +110,7 @@ class TrainRayActor:
         kernel picks as it binds, so no other process can take it first, and offers that address and port."""
         from slime.backends.megatron_utils.parallel import host_rendezvous
 
-        host = serving_host(run_state_of(self.args).spans_nodes)
+        host = serving_host(self.run_state.spans_nodes)
         self._store = host_rendezvous(self.args, self.world_size, host)
         return host, self._store.port
 
@@ -128,11 +131,12 @@ class TrainRayActor:
         from slime.backends.megatron_utils.parallel import join_rendezvous
 
         # before any push of this attempt on this host
-        if self.role == "actor" and run_state_of(self.args).restart_count:
+        if self.role == "actor" and self.run_state.restart_count:
             remove_stale_buckets()
         store = self._store if self.rank == 0 else join_rendezvous(self.args, master_addr, master_port, self.world_size)
         trainer = CriticTrainActor if self.role == "critic" else MegatronTrainActor
-        self.actor = trainer(self.args, self.rank, self.world_size, self.ledger_dir, hub=self.hub)
+        self.actor = trainer(self.args, self.rank, self.world_size, self.ledger_dir, hub=self.hub,
+                             run_state=self.run_state)
         return self.actor.init(master_addr, master_port, engine_urls, store=store)
 
     @_portable_errors
