@@ -153,23 +153,25 @@ def run_config_of(args: Any) -> RunConfig:
 
 def run_loss(args: Any) -> LossConfig:
     """The run config's policy loss (arguments without a command line: of their flags)."""
-    run_config = vars(args).get("run_config")
-    return run_config.loss if run_config is not None else build_loss_config(args)
+    return _part(args, "loss", build_loss_config)
 
 
 def run_value_loss(args: Any) -> ValueLossConfig:
     """The run config's value loss (the critic's namespace: its own; without a command line: of the flags)."""
-    run_config = vars(args).get("run_config")
-    return run_config.value_loss if run_config is not None else build_value_loss_config(args)
+    return _part(args, "value_loss", build_value_loss_config)
 
 
 def run_health(args: Any) -> HealthConfig:
     """The run config's engine health checks (arguments without a command line: of their flags)."""
-    run_config = vars(args).get("run_config")
-    return run_config.health if run_config is not None else build_health_config(args, DeadlineModel.from_args(args))
+    return _part(args, "health", lambda flags: build_health_config(flags, DeadlineModel.from_args(flags)))
 
 
 def run_delta(args: Any) -> DeltaOptions | None:
     """The run config's delta options (arguments without a command line: of their flags)."""
+    return _part(args, "delta", build_delta_options)
+
+
+def _part(args: Any, name: str, build: Any) -> Any:
+    """One sub-config of the run config parse_args built, or, without one, built from the flags by its builder."""
     run_config = vars(args).get("run_config")
-    return run_config.delta if run_config is not None else build_delta_options(args)
+    return getattr(run_config, name) if run_config is not None else build(args)

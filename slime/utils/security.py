@@ -139,9 +139,14 @@ def request_limit(bucket_bytes: int | None = None) -> int:
 
 
 def public_config(args: Any) -> dict[str, Any]:
-    """The run's arguments without their secrets (what wandb may upload); the derived run config as plain data."""
-    return {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) and not isinstance(v, type) else v
-            for k, v in vars(args).items() if k not in SECRET_DESTS}
+    """The run's arguments without their secrets (what wandb may upload); the derived run config as plain data (a
+    function it holds, such as the estimator's loss term, by its qualified name)."""
+    return {k: dataclasses.asdict(v, dict_factory=_plain_fields) if dataclasses.is_dataclass(v)
+            and not isinstance(v, type) else v for k, v in vars(args).items() if k not in SECRET_DESTS}
+
+
+def _plain_fields(items: list[tuple[str, Any]]) -> dict[str, Any]:
+    return {k: f"{v.__module__}.{v.__qualname__}" if callable(v) else v for k, v in items}
 
 
 def shown(dest: str, value: Any) -> Any:
