@@ -3,7 +3,6 @@ the train/rollout diff metric and the mismatch flags in the loss, the weight-pus
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -147,12 +146,9 @@ def test_metric_keys_follow_the_flags_only():
 
 
 def test_old_policy_forward_is_skipped_only_for_use_rollout_logprobs_alone():
-    def args(**kw):
-        return SimpleNamespace(**({"use_rollout_logprobs": False, "get_mismatch_metrics": False} | kw))
-
-    assert trainer_computes_old_log_probs(args())
-    assert not trainer_computes_old_log_probs(args(use_rollout_logprobs=True))
-    assert trainer_computes_old_log_probs(args(use_rollout_logprobs=True, get_mismatch_metrics=True))
+    assert trainer_computes_old_log_probs(_cfg())
+    assert not trainer_computes_old_log_probs(_cfg(use_rollout_logprobs=True))
+    assert trainer_computes_old_log_probs(_cfg(use_rollout_logprobs=True, get_mismatch_metrics=True))
 
 
 def test_reward_shaping_kl_uses_the_engines_log_probs_with_use_rollout_logprobs():

@@ -340,7 +340,7 @@ class MegatronTrainActor:
             "optional_collectives": sorted(name for name, on in (
                 ("kl_loss", self.loss.use_kl_loss), ("ref_log_probs", "ref" in self.snapshots),
                 ("teacher_log_probs", "teacher" in self.snapshots),
-                ("old_log_probs", trainer_computes_old_log_probs(self.args)),
+                ("old_log_probs", trainer_computes_old_log_probs(self.loss)),
                 # the fused log-prob head all-reduces over TP per chunk, unlike the unfused one: every rank the same
                 ("fused_logprob_head", fused_kernels.active() == "compile"),
                 *moe_plan_collectives(get_model_config(self.model[0]))) if on),
@@ -351,12 +351,12 @@ class MegatronTrainActor:
 
     def _fill_log_probs(self, data: dict, plans) -> None:
         hooks = dict(collective_hook=self.watchdog.phase, progress=self.ledger.note_progress)
-        if self.args.use_rollout_logprobs and data.get("rollout_log_probs") is None:
+        if self.loss.use_rollout_logprobs and data.get("rollout_log_probs") is None:
             raise ValueError("--use-rollout-logprobs: the rollout carries no engine log-probs (every sample needs "
                              "rollout_log_probs)")
         before = self.args.custom_megatron_before_log_prob_hook_path  # fn(args, model, store_prefix)
         with torch.no_grad():
-            if trainer_computes_old_log_probs(self.args):  # else the engines' log-probs are the old policy
+            if trainer_computes_old_log_probs(self.loss):  # else the engines' log-probs are the old policy
                 call_hook(before, self.args, self.model, "")
                 data["log_probs"] = compute_log_probs(self.model, data, plans, self.args, **hooks)
             for tag in FORWARD_ONLY_COPIES:

@@ -63,10 +63,10 @@ def metric_keys(cfg: LossConfig) -> tuple[str, ...]:
     return tuple(sorted(keys))
 
 
-def trainer_computes_old_log_probs(args: Any) -> bool:
+def trainer_computes_old_log_probs(cfg: LossConfig) -> bool:
     """Upstream's rule: --use-rollout-logprobs skips the trainer's old-policy forward, unless
     --get-mismatch-metrics needs it to compare with."""
-    return not args.use_rollout_logprobs or bool(args.get_mismatch_metrics)
+    return not cfg.use_rollout_logprobs or cfg.get_mismatch_metrics
 
 
 def flat_logits(logits: torch.Tensor, packed: PackedMicroBatch) -> torch.Tensor:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from slime.config.layout import ParallelLayout
+from slime.config.run_config import run_config_of
 from slime.config.run_state import advance, run_state_of
 from slime.ray.common.node import PlacementError
 from slime.ray.driver.cluster import cluster_address
@@ -162,7 +163,8 @@ class RunSession:
     def _may_keep_serving(self, exc: BaseException) -> bool:
         """A restart comes (--max-restarts not spent), the trainer alone failed, and there are engines to keep."""
         args = self.args
-        return (run_state_of(args).restart_count < args.max_restarts and not args.restart_engines_on_heal
+        return (run_state_of(args).restart_count < run_config_of(args).healing.max_restarts
+                and not args.restart_engines_on_heal
                 and trainer_side(exc) and self.rollout is not None and self.placement is not None
                 and bool(self.placement.layout.engines))
 

@@ -94,10 +94,11 @@ class RolloutManager:
         self.engines: list[EngineEndpoint] = (  # node rank 0's: the engines' URLs
             self._launch_engines(engine_slots) if kept_released is None else self._adopt_engines(engine_slots))
         self.router = self._launch_router() if self.engines else None
+        health = run_health(args)
         self.fleet = EngineFleet([self._engine_process(rank) for rank in range(len(self.engines))],
-                                 relaunch=self._restart_engine, fault_tolerant=args.use_fault_tolerance,
+                                 relaunch=self._restart_engine, fault_tolerant=health.fault_tolerant,
                                  router=RouterWorkers(kind=self.router.kind, url=self.router.url) if self.router else None)
-        self.guard = RolloutGuard(run_health(args), self.fleet)
+        self.guard = RolloutGuard(health, self.fleet)
         self.steps = RolloutSteps(rollout_step_window_s(args))
         self._rollout_fn = load_function(args.rollout_function_path)
         if run_state.start_rollout_id > 0:  # resume after the rollout whose data state was saved; last, so that
@@ -204,7 +205,7 @@ class RolloutManager:
                 budget_s=rollout_deadline_s(self.args, run_config_of(self.args)),
                 weights_version=weights_version, inject_faults=True))
             rollout_time = time.monotonic() - start
-            if self.args.use_fault_tolerance:
+            if self.guard.config.fault_tolerant:
                 metrics = {**(metrics or {}), **faults}
             label = f"rollout {rollout_id}:"
             if self.args.save_debug_rollout_data:
