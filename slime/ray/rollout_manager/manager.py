@@ -205,7 +205,7 @@ class RolloutManager:
                 budget_s=rollout_deadline_s(self.args, run_config_of(self.args)),
                 weights_version=weights_version, inject_faults=True))
             rollout_time = time.monotonic() - start
-            if self.guard.config.fault_tolerant:
+            if run_health(self.args).fault_tolerant:
                 metrics = {**(metrics or {}), **faults}
             label = f"rollout {rollout_id}:"
             if self.args.save_debug_rollout_data:
