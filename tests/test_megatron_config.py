@@ -19,6 +19,7 @@ import yaml
 from arg_testing import parse_error, parse_quiet
 from mp_utils import run_ranks
 from slime.config.critic_role import critic_args
+from slime.config.run_state import run_state_of
 
 QWEN3 = dict(model_type="qwen3", num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=128, vocab_size=32)
@@ -230,6 +231,8 @@ def test_the_critic_group_starts_its_own_world_on_its_own_bundles(tmp_path, monk
     group = trainer_group.RayTrainGroup(args, placement, role="critic")
     assert group.world_size == 2 and [bundle for bundle, _ in started] == [4, 5]
     assert group.deadlines == args.run_config.deadlines
-    for rank, (_, (role_args, rank_arg, world, ledger_dir, hub, role)) in enumerate(started):
+    for rank, (_, (role_args, run_state, rank_arg, world, ledger_dir, hub, role)) in enumerate(started):
         assert (rank_arg, world, role, ledger_dir) == (rank, 2, "critic", str(tmp_path / "ledger" / "critic"))
+        # the run state is the rank's argument (the driver's, with its ledger dir), not a field of its flags
+        assert run_state == run_state_of(args) and "run_state" not in vars(role_args)
         assert (role_args.lr, role_args.tensor_model_parallel_size, role_args.data_parallel_size) == (1e-5, 2, 1)
