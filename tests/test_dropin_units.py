@@ -161,7 +161,9 @@ def test_train_env_vars_reach_the_rank_process(monkeypatch):
     from slime.config import defaults_namespace
 
     args = defaults_namespace(train_env_vars={"SLIME_TEST_ENV_VAR": 3}, api_key=current_key())
-    rank = train_actor.TrainRayActor(args, 0, 1, "/tmp")
+    from slime.config.run_state import initial_run_state
+
+    rank = train_actor.TrainRayActor(args, initial_run_state(args), 0, 1, "/tmp")
     rank.init("127.0.0.1", 1, [])
     assert seen["value"] == "3"
     monkeypatch.delenv("SLIME_TEST_ENV_VAR", raising=False)

@@ -273,14 +273,16 @@ def _assignments(args):
     from slime.backends.sglang_utils.launcher import sglang_server_args_for_engine
     from slime.ray.driver.trainer_group import RayTrainGroup
     from slime.ray.engines.actor import EngineRayActor
+    from slime.config.run_state import actor_args, run_state_of
     from slime.ray.driver.placement import create_placement
 
     placement = create_placement(args, use_gpu=True, timeout_s=120)
     trainers = RayTrainGroup(args, placement) if not args.debug_rollout_only else None
     parts = [part for slot in placement.layout.engines for part in slot.parts]  # an actor on each engine's node
-    engines = [ray.remote(EngineRayActor).options(**placement.engine_options(part.rank, part.node_rank)).remote(
-        args, part, "sglang", str(args.ledger_dir)) for part in parts]
-    try:
+    engines = []
+    try:  # the placement is given back whatever fails, so that the next test finds the cluster free
+        engines += [ray.remote(EngineRayActor).options(**placement.engine_options(part.rank, part.node_rank)).remote(
+            actor_args(args), run_state_of(args), part, "sglang", str(args.ledger_dir)) for part in parts]
         ranks = trainers.where() if trainers is not None else []
         actors = ray.get([e.where.remote() for e in engines], timeout=120)
     finally:
