@@ -191,8 +191,9 @@ GPT_OSS_FIELDS = table(
     layer_types=built("each layer's attention: sliding_attention or full_attention"),
     num_local_experts=built("the routed experts"),
     num_experts_per_tok=built("the router's top-k (a softmax over the k logits)"),
-    swiglu_alpha=built("the experts' gate x * sigmoid(alpha x)"),
-    swiglu_limit=built("the experts' clamp (gate from above, up on both sides): activation_func_clamp_value"),
+    swiglu_alpha=built("the experts' gate x * sigmoid(alpha x) (absent: RELEASED_GATE's)"),
+    swiglu_limit=built("the experts' clamp (gate from above, up on both sides): activation_func_clamp_value "
+                       "(absent: RELEASED_GATE's)"),
     experts_per_token=checked("num_experts_per_tok's value", _experts_per_token, 99),
     initial_context_length=ignored("the released config's pre-YaRN context; rope_parameters' "
                                    "original_max_position_embeddings is what RoPE reads"),
