@@ -16,6 +16,7 @@ import types
 import pytest
 import torch
 
+from slime.backends.weight_sync import transport as transport_module
 from slime.backends.weight_sync.delta import DeltaTransport
 from slime.backends.weight_sync.transport import DistributedTransport, EngineSet, WeightGroupStallError, WeightPushError
 from slime.backends.sglang_utils import weight_delta
@@ -169,7 +170,14 @@ def test_a_stalled_bucket_is_named_by_stage_and_engines(release):
     assert [engine.routes for engine in engines] == [left, left]
 
 
-def test_late_replies_share_the_bucket_deadline_and_are_all_named(release):
+@pytest.fixture
+def no_health_wait(monkeypatch):
+    """The /health probes that name the silent engines answer at once: a port found free here can be bound by
+    another test's server meanwhile, and a probe to it would add its own bound to the deadline timed below."""
+    monkeypatch.setattr(transport_module, "_answers_health", lambda url: False)
+
+
+def test_late_replies_share_the_bucket_deadline_and_are_all_named(release, no_health_wait):
     """The broadcasts completed; two engines never answer: one deadline for both, not one each."""
     transport, urls = _transport([SlowEngine(release), SlowEngine(release), SlowEngine(release, late=False)],
                                  lambda: NcclLikeWork(done_at=0.0), timeout_s=1.0)
@@ -204,7 +212,7 @@ def test_engine_errors_are_read_from_every_engine_and_named_together(release):
     assert urls[0] not in str(err.value)  # a refused delta is no error: that engine would take the bucket in full
 
 
-def test_joins_share_one_deadline_and_every_late_engine_is_named(release, monkeypatch):
+def test_joins_share_one_deadline_and_every_late_engine_is_named(release, monkeypatch, no_health_wait):
     """Three engines that never finish joining: the creation ends after one deadline, naming all three."""
     transport, urls = _transport([SlowEngine(release) for _ in range(3)], NcclLikeWork, timeout_s=0.6)
     object.__setattr__(transport, "_group", None)
