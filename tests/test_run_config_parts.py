@@ -99,3 +99,23 @@ def test_a_ray_actor_gets_the_run_state_as_an_argument_and_args_without_it():
     for actor in (TrainRayActor, RolloutManager, EngineRayActor):
         parameter = inspect.signature(actor.__init__).parameters["run_state"]
         assert parameter.default is inspect.Parameter.empty and parameter.annotation in (RunState, "RunState")
+
+
+def test_the_args_an_actor_unpickles_import_no_loss_module_and_no_torch(tmp_path):
+    """An engine actor receives the run config but computes no loss: its loss terms are imported at their first
+    call, so unpickling the args costs no torch import (~1.6 CPU-s per engine process otherwise)."""
+    import pickle
+    import subprocess
+    import sys
+
+    args = parse_quiet([*MINIMAL, "--advantage-estimator", "ppo", "--critic-load", str(tmp_path)])
+    (tmp_path / "args.pkl").write_bytes(pickle.dumps(actor_args(args)))
+    loaded = subprocess.run([sys.executable, "-c", (
+        "import pickle, sys; args = pickle.load(open(sys.argv[1], 'rb')); "
+        "print(sorted(m for m in ('torch', 'slime.algorithms.policy_loss', 'slime.algorithms.ppo') if m in sys.modules))"
+    ), str(tmp_path / "args.pkl")], capture_output=True, text=True, timeout=60)
+    assert loaded.returncode == 0 and loaded.stdout.strip() == "[]", loaded.stdout + loaded.stderr
+    loss, value = args.run_config.loss.policy_loss, args.run_config.value_loss.value_loss
+    from slime.algorithms.policy_loss import ppo_clip_loss
+    from slime.algorithms.ppo import compute_value_loss
+    assert loss.resolve() is ppo_clip_loss and value.resolve() is compute_value_loss  # the estimator's own terms

@@ -137,3 +137,30 @@ def estimator(name: str) -> Estimator:
     if name not in _ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {name!r}; known: {', '.join(estimator_names())}")
     return _ESTIMATORS[name]
+
+
+@dataclass(frozen=True)
+class DeferredTerm:
+    """A loss term named by its module and qualified name, imported at its first call. The run config travels to
+    every Ray actor, and a function pickles as a reference its receiver imports at once: an engine or hub actor,
+    which never computes a loss, would import the term's module and torch with it (~1.6 CPU-s a process)."""
+
+    module: str
+    qualname: str
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.resolve()(*args, **kwargs)
+
+    def resolve(self) -> Callable[..., Any]:
+        target: Any = importlib.import_module(self.module)
+        for part in self.qualname.split("."):
+            target = getattr(target, part)
+        return target
+
+
+def deferred(term: Callable[..., Any]) -> Callable[..., Any]:
+    """`term` as a DeferredTerm where its module and name find it again (a lambda or a local function stays as is)."""
+    module, qualname = getattr(term, "__module__", None), getattr(term, "__qualname__", "")
+    if not module or "<" in qualname:
+        return term
+    return DeferredTerm(module, qualname)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from slime.algorithms import estimator
-from slime.algorithms.registry import PolicyLossTerm, RatioMode, ValueLossTerm
+from slime.algorithms.registry import PolicyLossTerm, RatioMode, ValueLossTerm, deferred
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,7 +93,7 @@ def build_loss_config(args: Any) -> LossConfig:
         use_rollout_logprobs=bool(args.use_rollout_logprobs),
         get_mismatch_metrics=bool(args.get_mismatch_metrics),
         ratio_mode=record.ratio_mode,
-        policy_loss=record.policy_loss,
+        policy_loss=deferred(record.policy_loss),  # the actors that compute no loss never import it
         use_opd=bool(args.use_opd),
         loss_type=args.loss_type,
         custom_loss_function_path=args.custom_loss_function_path,
@@ -108,4 +108,8 @@ def build_value_loss_config(args: Any) -> ValueLossConfig:
     """The critic's loss options of checked flags."""
     return ValueLossConfig(value_clip=float(args.value_clip),
                            calculate_per_token_loss=bool(args.calculate_per_token_loss),
-                           value_loss=estimator(args.advantage_estimator).value_loss)
+                           value_loss=_deferred_or_none(estimator(args.advantage_estimator).value_loss))
+
+
+def _deferred_or_none(term: ValueLossTerm | None) -> ValueLossTerm | None:
+    return None if term is None else deferred(term)
