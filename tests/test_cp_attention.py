@@ -8,6 +8,7 @@ import types
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from host_reads import HostReadForbidden
 from mp_utils import run_ranks
@@ -129,6 +130,30 @@ def test_lower_right_chunk_equals_its_explicit_mask():
     got = causal_chunk_attention(q, k, v, scale=0.3, dropout_p=0.0)
     want = masked_attention(q, k, v, torch.arange(14, 20), torch.arange(20), scale=0.3, dropout_p=0.0)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_the_cpu_lower_right_mask_gives_causal_bias_s_results_bit_for_bit():
+    """On CPU the chunk kernel passes the boolean mask itself: the same outputs and gradients, to the bit, as torch's
+    CausalBias (which materialises that mask there), so no CPU run's numbers moved."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    from slime_plugins.models.cp_attention import causal_chunk_attention, heads_first, lower_right_mask
+
+    assert torch.equal(lower_right_mask(6, 20, torch.device("cpu")), causal_lower_right(6, 20)._materialize())
+    gen = torch.Generator().manual_seed(5)
+    inputs = [torch.randn(6, HEADS, DIM, generator=gen), *torch.randn(2, 20, GROUPS, DIM, generator=gen)]
+    results = []
+    for bias in (True, False):
+        q, k, v = (x.clone().requires_grad_() for x in inputs)
+        if bias:
+            out = F.scaled_dot_product_attention(heads_first(q), heads_first(k), heads_first(v),
+                                                 attn_mask=causal_lower_right(6, 20), scale=0.3,
+                                                 enable_gqa=True).squeeze(0).transpose(0, 1)
+        else:
+            out = causal_chunk_attention(q, k, v, scale=0.3, dropout_p=0.0)
+        out.pow(2).sum().backward()
+        results.append((out.detach(), q.grad, k.grad, v.grad))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
 def _simulated_cp(kernel: str, seq_lens, cp: int):

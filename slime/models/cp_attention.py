@@ -200,10 +200,19 @@ def causal_chunk_attention(q, k, v, *, scale: float, dropout_p: float) -> torch.
     square = tq == tk
     out = F.scaled_dot_product_attention(
         heads_first(q), heads_first(k), heads_first(v),
-        attn_mask=None if square else causal_lower_right(tq, tk),
+        attn_mask=None if square else lower_right_mask(tq, tk, q.device),
         is_causal=square, dropout_p=dropout_p, scale=scale, enable_gqa=True,
     )
     return out.squeeze(0).transpose(0, 1)
+
+
+def lower_right_mask(tq: int, tk: int, device: torch.device):
+    """The lower-right causal mask of tq queries over tk keys. On GPU torch's CausalBias, which picks a kernel that
+    takes the variant itself; on CPU the boolean matrix CausalBias materialises there, without its tensor-subclass
+    dispatch on every call (about 9 % of a CPU rank's Python time at CP 4)."""
+    if device.type != "cpu":
+        return causal_lower_right(tq, tk)
+    return torch.ones(tq, tk, dtype=torch.bool).tril(tk - tq)
 
 
 def masked_attention(q, k, v, query_pos, key_pos, *, scale: float, dropout_p: float) -> torch.Tensor:
