@@ -138,6 +138,7 @@ def _sync_on_ranks(rank, world, layout, hf_dir, engine_url, ledger_dir, rollout_
                                                  bucket.tensor_nbytes[::-1])
     planner = weight_sync.build_weight_sync_plan
     weight_sync.build_weight_sync_plan = lambda *a, **k: WeightSyncPlan(tuple(swapped), plan.total_bytes, 0)
+    sync._plans.clear()  # the sync keeps the plan it built for the model: this push builds the swapped one
     try:
         sync.sync([model], rollout_ids[-1] + 1, fence=fence, watchdog=watchdog)
         mismatch = "none"
@@ -146,6 +147,7 @@ def _sync_on_ranks(rank, world, layout, hf_dir, engine_url, ledger_dir, rollout_
     except CollectiveDivergenceError as exc:
         mismatch = f"divergence at {exc.phase} in {list(exc.fields)}"
     weight_sync.build_weight_sync_plan = planner
+    sync._plans.clear()
 
     # The final norm moves on the trainer and the sender's push leaves it out: the version still moves, the
     # weight-sync proof names the engine, the tensor and the version (the engine keeps the probed weights).

@@ -208,6 +208,18 @@ class WeightSync:
         self.proof = WeightProof(self.engine_kind, enabled=args.weight_sync_proof, subset=select,
                                  carried=carried_by_engines(args, hf_config))
         self._fed_engines: EngineSet | None = None
+        self._plans: dict[tuple, WeightSyncPlan] = {}
+
+    def _plan(self, model_chunks: Sequence[torch.nn.Module], role: SyncRole, select) -> WeightSyncPlan:
+        """The bucket plan, built once per model and push kind: pure in the model's parameter shapes, which a run
+        never changes (a rebuilt model is other module objects), so every later push reuses it instead of mapping
+        each parameter to its HF tensors again."""
+        key = (tuple(map(id, model_chunks)), role.tp_size, role.pp_rank, select is None)
+        if key not in self._plans:
+            self._plans[key] = build_weight_sync_plan(model_chunks, self.hf_config, tp_size=role.tp_size,
+                                                      bucket_bytes=self.bucket_bytes, pp_rank=role.pp_rank,
+                                                      select=select)
+        return self._plans[key]
 
     @property
     def engines(self) -> EngineSet:
@@ -268,8 +280,7 @@ class WeightSync:
         select = None if self._full_push_due else self.select
         self.proof.start_sync()
         with phase("weight_sync/plan"):
-            plan = build_weight_sync_plan(model_chunks, self.hf_config, tp_size=role.tp_size,
-                                          bucket_bytes=self.bucket_bytes, pp_rank=role.pp_rank, select=select)
+            plan = self._plan(model_chunks, role, select)
             fence("weight_sync/plan", self._plan_fields(plan, role, rollout_id))
         try:
             with phase("weight_sync/pause"):
