@@ -35,7 +35,7 @@ def test_a_decorated_function_is_compiled_at_its_first_call_once_with_torch_s_co
     assert compiled[1:] == [(module, {}), (None, {"mode": "max-autotune"})]
 
 
-def test_megatron_imported_through_the_patch_pulls_in_no_inductor_and_its_fusions_still_compute():
+def test_megatron_and_the_actor_imported_through_the_patch_pull_in_no_dynamo_and_the_fusions_still_compute():
     """In a fresh interpreter (the test process has megatron imported already)."""
     script = (
         "import sys, torch\n"
@@ -44,6 +44,7 @@ def test_megatron_imported_through_the_patch_pulls_in_no_inductor_and_its_fusion
         "import slime.backends.megatron_utils.actor\n"
         "from megatron.core.fusions.fused_bias_swiglu import bias_swiglu\n"
         "assert 'torch._inductor.lowering' not in sys.modules, 'inductor imported'\n"
+        "assert 'torch._dynamo' not in sys.modules, 'dynamo imported'\n"
         "assert torch.compile.__module__ == 'torch', 'torch.compile left patched'\n"
         "x, b = torch.randn(4, 6), torch.randn(6)\n"
         "y = x + b\n"

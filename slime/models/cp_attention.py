@@ -53,8 +53,6 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
-from torch.nn.attention.bias import causal_lower_right
-
 from slime.models.prefix_attention import (LseKernel, chunk_pair_attention, cudnn_usable, heads_first,
                                              lse_kernel_for, prefix_attention)
 
@@ -211,6 +209,8 @@ def lower_right_mask(tq: int, tk: int, device: torch.device):
     takes the variant itself; on CPU the boolean matrix CausalBias materialises there, without its tensor-subclass
     dispatch on every call (about 9 % of a CPU rank's Python time at CP 4)."""
     if device.type != "cpu":
+        from torch.nn.attention.bias import causal_lower_right  # imports torch._dynamo: not at a CPU rank's start
+
         return causal_lower_right(tq, tk)
     return torch.ones(tq, tk, dtype=torch.bool).tril(tk - tq)
 
