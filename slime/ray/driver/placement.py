@@ -77,6 +77,9 @@ def init_ray(args) -> None:
 # whose cores other jobs share) that start can miss it once and succeed when tried again.
 _RAY_START_TIMEOUT = "The current node timed out during startup"
 PRIVATE_CLUSTER_STARTS = 2
+# Ray starts idle workers for the first driver; no actor of a run takes one (they stay ray::IDLE to its end), so
+# they only cost their start (~1 CPU-s each).
+PRIVATE_CLUSTER_CONFIG = {"prestart_worker_first_driver": False}
 
 
 def start_private_cluster(num_cpus: int) -> None:
@@ -84,7 +87,7 @@ def start_private_cluster(num_cpus: int) -> None:
     for attempt in range(1, PRIVATE_CLUSTER_STARTS + 1):
         try:
             ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True,
-                     _node_ip_address=LOOPBACK)
+                     _node_ip_address=LOOPBACK, _system_config=PRIVATE_CLUSTER_CONFIG)
             return
         except Exception as exc:  # Ray raises a bare Exception for this timeout
             if _RAY_START_TIMEOUT not in str(exc) or attempt == PRIVATE_CLUSTER_STARTS:
