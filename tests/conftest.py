@@ -19,8 +19,9 @@ ISSUE_RECORDING_TIMEOUT_S = 480
 # `make test` runs on two pytest-xdist workers. A file's tests stay on one worker, so a run its module fixture
 # shares happens once. Files named in SHARED_GROUPS share a worker instead: the #1487 recording is a session
 # fixture of two files, and the runs of eight ranks (which alone fill two cores) go one after another.
-# Groups start longest first (as measured), then any other group with an end-to-end test, then the rest in file
-# order: the suite ends on short files, which the two workers share out evenly, never on a run one worker starts last.
+# Groups start longest first (as measured), then any other group with an end-to-end test, then the slowest other
+# files, then the rest in file order: the suite ends on short files, which the two workers share out evenly, never on
+# a run one worker starts last.
 SHARED_GROUPS = {
     "test_end_to_end.py": "eight_ranks", "test_order_proof.py": "eight_ranks", "test_learning_demo.py": "eight_ranks",
     "test_learning_demo_moe.py": "eight_ranks",
@@ -30,6 +31,13 @@ LONGEST_FIRST = ("eight_ranks", "test_exact_resume.py", "test_engine_faults_e2e.
                  "test_rollout_stack_e2e.py", "test_learning_demo_qwen3_5.py", "test_logprob_agreement.py",
                  "test_bench_step_gpu.py", "test_model_families_e2e.py", "test_opd.py", "test_gpu_driver_cpu.py",
                  "test_sft.py")
+# The slowest files without a train.py run (as measured), after the end-to-end groups and before the rest: the suite's
+# last minutes are then short files both workers share, not one worker finishing a long file alone.
+SLOW_UNIT_FIRST = ("test_qwen3_5.py", "test_model_families.py", "test_step_faults.py", "test_vlm_model.py",
+                   "test_deadlines.py", "test_mtp.py", "test_pp_weight_push.py", "test_sglang_contract.py",
+                   "test_engine_progress.py", "test_progress_hub.py", "test_moe.py", "test_embedded_engine.py",
+                   "test_distributed_lifecycle.py", "test_delta_weight_sync.py", "test_import_structure_cache.py",
+                   "test_fused_kernels.py", "test_rollout_deadline.py", "test_deepseek_v4.py")
 
 
 def worker_group(nodeid: str) -> str:
@@ -55,8 +63,18 @@ def pytest_collection_modifyitems(items) -> None:
         if not (item.get_closest_marker("ranks") or item.get_closest_marker("e2e")):
             item.add_marker(pytest.mark.unit)
     order = {group: i for i, group in enumerate(LONGEST_FIRST)}
+    slow = {group: i for i, group in enumerate(SLOW_UNIT_FIRST)}
     end_to_end = {worker_group(item.nodeid) for item in items if item.get_closest_marker("e2e")}
-    items.sort(key=lambda item: order.get(group := worker_group(item.nodeid), len(order) + (group not in end_to_end)))
+
+    def rank(item) -> tuple[int, int]:
+        group = worker_group(item.nodeid)
+        if group in order:
+            return 0, order[group]
+        if group in end_to_end:
+            return 1, 0
+        return (2, slow[group]) if group in slow else (3, 0)
+
+    items.sort(key=rank)  # stable: within a rank, files keep their collection order
 
 
 @pytest.fixture(scope="session")
