@@ -112,7 +112,8 @@ def test_the_args_an_actor_unpickles_import_no_loss_module_and_no_torch(tmp_path
     (tmp_path / "args.pkl").write_bytes(pickle.dumps(actor_args(args)))
     loaded = subprocess.run([sys.executable, "-c", (
         "import pickle, sys; args = pickle.load(open(sys.argv[1], 'rb')); "
-        "print(sorted(m for m in ('torch', 'slime.algorithms.policy_loss', 'slime.algorithms.ppo') if m in sys.modules))"
+        "print(sorted(m for m in ('torch', 'slime.algorithms.policy_loss', 'slime.algorithms.ppo')"
+        " if m in sys.modules))"
     ), str(tmp_path / "args.pkl")], capture_output=True, text=True, timeout=60)
     assert loaded.returncode == 0 and loaded.stdout.strip() == "[]", loaded.stdout + loaded.stderr
     loss, value = args.run_config.loss.policy_loss, args.run_config.value_loss.value_loss

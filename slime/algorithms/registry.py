@@ -142,8 +142,8 @@ def estimator(name: str) -> Estimator:
 @dataclass(frozen=True)
 class DeferredTerm:
     """A loss term named by its module and qualified name, imported at its first call. The run config travels to
-    every Ray actor, and a function pickles as a reference its receiver imports at once: an engine or hub actor,
-    which never computes a loss, would import the term's module and torch with it (~1.6 CPU-s a process)."""
+    every Ray actor, and a function pickles as a reference its receiver imports at once: an engine actor, which never
+    computes a loss, would import the term's module and torch with it (~1.6 CPU-s a process)."""
 
     module: str
     qualname: str

@@ -287,9 +287,10 @@ def instrument_collectives(ledger: Ledger) -> None:
 
 
 def _without_deprecation_warning(op: Callable) -> Callable:
-    """The function under a `@deprecated` op's wrappers (torch 2.13 deprecates all_gather_into_tensor and reduce_scatter_tensor,
-    which megatron calls several times a layer): the same op without a FutureWarning per call, whose filter lookup
-    cost the CPU step about 8 % of its Python time, nor c10d's error log around it (this module records errors)."""
+    """The function under a `@deprecated` op's wrappers (torch 2.13 deprecates all_gather_into_tensor and
+    reduce_scatter_tensor, which megatron calls several times a layer): the same op without a FutureWarning per call,
+    whose filter lookup cost the CPU step about 8 % of its Python time, nor c10d's error log around it (this module
+    records errors)."""
     return inspect.unwrap(op) if getattr(op, "__deprecated__", None) is not None else op
 
 
