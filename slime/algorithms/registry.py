@@ -159,7 +159,8 @@ class DeferredTerm:
 
 
 def deferred(term: Callable[..., Any]) -> Callable[..., Any]:
-    """`term` as a DeferredTerm where its module and name find it again (a lambda or a local function stays as is)."""
+    """`term` as a DeferredTerm where its module and name find it again (a lambda, a local function or None stays as
+    is)."""
     module, qualname = getattr(term, "__module__", None), getattr(term, "__qualname__", "")
     if not module or "<" in qualname:
         return term

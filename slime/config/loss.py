@@ -108,8 +108,4 @@ def build_value_loss_config(args: Any) -> ValueLossConfig:
     """The critic's loss options of checked flags."""
     return ValueLossConfig(value_clip=float(args.value_clip),
                            calculate_per_token_loss=bool(args.calculate_per_token_loss),
-                           value_loss=_deferred_or_none(estimator(args.advantage_estimator).value_loss))
-
-
-def _deferred_or_none(term: ValueLossTerm | None) -> ValueLossTerm | None:
-    return None if term is None else deferred(term)
+                           value_loss=deferred(estimator(args.advantage_estimator).value_loss))
