@@ -246,6 +246,40 @@ def test_a_request_failed_by_an_engine_dying_ends_the_rollout_naming_the_engine(
     assert "--use-fault-tolerance" in str(raised.value)
 
 
+class _SlowRouter:
+    """A router whose removal of a worker blocks until released (an HTTP call on a loaded machine)."""
+
+    def __init__(self):
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def remove(self, url: str) -> None:
+        self.entered.set()
+        self.release.wait(10)
+
+
+def test_a_failure_and_its_restart_are_counted_together_while_the_router_is_slow():
+    """A rollout that ends while the monitor is still taking a failed engine out of the router reads its
+    failure and the restart it began in the same counts (they were once a restart apart: lost from both
+    rollouts' counters)."""
+    router, relaunched = _SlowRouter(), threading.Event()
+
+    def relaunch(rank: int):
+        relaunched.set()
+        raise RuntimeError("this test restarts no engine")
+
+    fleet = EngineFleet([_DyingEngine("http://127.0.0.1:9", exit_seen_s=0.0)], relaunch=relaunch, router=router,
+                        fault_tolerant=True)
+    failing = threading.Thread(target=fleet.fail, args=(0, "process exited with code -9"))
+    failing.start()
+    try:
+        assert router.entered.wait(10)
+        assert fleet.counts() == {"failures": 1, "restarts": 1}
+    finally:
+        router.release.set()
+        failing.join(10)
+    assert relaunched.wait(10) and fleet.counts() == {"failures": 1, "restarts": 1}
+
+
 def _flaky_generate(failures: int):
     """A /generate that answers 503 (the router's answer when its engine died) `failures` times, then 200."""
     calls = []

@@ -179,13 +179,14 @@ class EngineFleet:
             slot.state = FAILED
             failure = EngineFailure(rank, slot.url, reason, slot.last_request_ids)
             self.failures.append(failure)
+            if self.fault_tolerant:  # counted with the failure: a rollout that ends meanwhile sees both or neither
+                self._restarts_begun.append(rank)
         logger.error("rollout %s", failure.describe())
         slot.handle.signal(signal.SIGKILL)
         self._leave_router(slot.url)
         if self.fault_tolerant:
             thread = threading.Thread(target=self._restart, args=(slot,), name=f"restart-engine-{rank}", daemon=True)
             self._restarts.append(thread)
-            self._restarts_begun.append(rank)
             thread.start()
         elif self.fatal is None:
             self.fatal = EngineFailedError(
