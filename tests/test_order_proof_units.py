@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import json
+import time
 from collections import deque
 
-from slime.distributed.ledger import Ledger, sequence_path
+from slime.distributed.ledger import Ledger, ledger_path, sequence_path
 from slime.distributed.order_proof import RankSequence, SequenceOp, check_order, read_sequence, read_sequences
 from slime.tools.render_step_sequence import fold_repeats, phase_runs, render, rollout_windows
 
@@ -46,6 +47,21 @@ def test_the_window_is_trimmed_only_after_writing_so_no_op_is_lost(tmp_path):
     assert check_order({0: sequence}).ok
     cut = RankSequence(0, sequence.ops[:5] + sequence.ops[6:], ())  # a file with a hole fails the proof
     assert "misses ops before #7" in check_order({0: cut}).format()
+
+
+def test_recording_appends_the_sequence_without_rewriting_the_rank_file_each_time(tmp_path):
+    """The flusher appends the sequence every SEQUENCE_FLUSH_INTERVAL_S, but the rank's file keeps its own interval
+    (here 60 s: only the write at start), each rewrite being a JSON dump and a replace."""
+    ledger = Ledger(0, 1, str(tmp_path), record_sequence=True, flush_interval_s=60)
+    _record(ledger, [("all_reduce", "world", (0,), (1,))] * 3)
+    deadline = time.monotonic() + 10
+    while len(open(sequence_path(str(tmp_path), 0)).readlines()) < 3:
+        assert time.monotonic() < deadline, "the flusher did not append the sequence"
+        time.sleep(0.05)
+    time.sleep(0.3)  # a few more ticks of the flusher
+    assert json.load(open(ledger_path(str(tmp_path), 0)))["seq"] == 0
+    ledger.close()
+    assert json.load(open(ledger_path(str(tmp_path), 0)))["seq"] == 3
 
 
 class _AppendedWhileCopied(deque):

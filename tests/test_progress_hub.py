@@ -33,6 +33,20 @@ def _beat(rank: int, now: float, progress: float, seq: int, counts: dict, op: di
                     "counts": counts, "recent": [], "op": op}, None)
 
 
+def test_a_heartbeat_unpickles_without_torch():
+    """A collective's shape is a torch.Size on the rank; the heartbeat carries it as a plain tuple, so that the hub's
+    process does not import torch (seconds of CPU) to read it."""
+    import pickle
+
+    import torch
+
+    ledger = Ledger(0, 2)
+    ledger.end(ledger.begin_named("all_reduce", "tp", (0, 1), torch.Size([4, 8]), torch.float32))
+    beat = ledger.heartbeat()
+    assert beat["recent"][-1][2:] == [(4, 8), "float32"]
+    assert b"torch" not in pickle.dumps(beat)
+
+
 @pytest.mark.parametrize("skew_s", [3600.0, -3600.0])
 def test_a_skewed_publisher_clock_changes_no_verdict(skew_s):
     """Rank 1's clock is an hour off; what the hub answers is what it answers without the skew."""

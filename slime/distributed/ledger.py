@@ -16,7 +16,8 @@ With `record_sequence`, the same flusher also appends every op (and every fence'
 note) once to <dir>/sequence_rank<N>.jsonl: the whole sequence of the run, which
 slime.distributed.order_proof compares across the members of each group. The hot path is
 unchanged. The in-memory window is then trimmed by the flusher, after writing, instead of by the
-deque itself, so that no op can leave memory before it is on file.
+deque itself, so that no op can leave memory before it is on file. The flusher then appends every
+SEQUENCE_FLUSH_INTERVAL_S and still rewrites rank<N>.json at most once per flush interval.
 """
 from __future__ import annotations
 
@@ -129,7 +130,9 @@ class Ledger:
         self._tick_at = _now()  # the last note_progress() (or the creation)
         self._closed = threading.Event()
         self._flusher: threading.Thread | None = None
-        self._flush_interval_s = min(flush_interval_s, SEQUENCE_FLUSH_INTERVAL_S) if recording else flush_interval_s
+        self._file_interval_s = flush_interval_s  # the rank's file: at most one rewrite per interval
+        # recording: the sequence is appended more often, so that the window stays near max_entries
+        self._tick_s = min(flush_interval_s, SEQUENCE_FLUSH_INTERVAL_S) if recording else flush_interval_s
         self._sequence = _SequenceWriter(sequence_path(directory, rank)) if recording else None
         self.hub = None  # the live link to every rank's progress (progress_hub.HubClient); None: peers' files
         if directory:
@@ -270,7 +273,8 @@ class Ledger:
     def heartbeat(self, now: float | None = None, recent: int = HEARTBEAT_RECENT) -> dict:
         """The compact live state the progress hub keeps: ages instead of times (the hub has its own clock),
         and the newest ops as [op, group label, shape, dtype] (the label is the very string that keys
-        `counts`: pickled once)."""
+        `counts`: pickled once). Shapes go as plain tuples: a torch.Size would make the hub's process import
+        torch (seconds of CPU) to unpickle the first heartbeat."""
         now = _now() if now is None else now
         newest = _newest(self._entries, recent)
         last = newest[-1] if newest else None
@@ -279,13 +283,14 @@ class Ledger:
         labels = {label: label for label in counts}  # a fence's label is a new string per op
         return {"rank": self.rank, "world_size": self.world_size, "seq": self._seq, "phase": self._phase,
                 "age": now - self.progress_at, "counts": counts,
-                "recent": [[rec[_OP], labels.get(rec[_GROUP][2], rec[_GROUP][2]), rec[_SHAPE],
+                "recent": [[rec[_OP], labels.get(rec[_GROUP][2], rec[_GROUP][2]), tuple(rec[_SHAPE]),
                             _dtype_text(rec[_DTYPE])] for rec in newest],
                 "op": None if op is None else {"op": op[_OP], "group": op[_GROUP][0], "ranks": list(op[_GROUP][1]),
                                                "age": now - op[_START], "error": op[_ERROR]}}
 
     # -- file mirror -------------------------------------------------------------------------
     def flush(self) -> None:
+        """Append the ops begun since the last flush to the sequence file (recording) and rewrite the rank's file."""
         if not self.directory:
             return
         with self._flush_lock:
@@ -319,10 +324,19 @@ class Ledger:
             entries.popleft()
 
     def _flush_loop(self) -> None:
-        # polls a flag rather than waiting on an Event: setting an Event per op costs the hot path a lock
-        while not self._closed.wait(self._flush_interval_s):
-            if self._dirty:
+        # polls a flag rather than waiting on an Event: setting an Event per op costs the hot path a lock.
+        # Recording, the ticks between two rewrites of the rank's file only append the sequence: a rewrite (a
+        # JSON dump and an atomic replace) per tick cost each rank more CPU than the recording itself.
+        written_at = time.monotonic()
+        while not self._closed.wait(self._tick_s):
+            if not self._dirty:
+                continue
+            if self._sequence is None or time.monotonic() - written_at >= self._file_interval_s:
                 self.flush()
+                written_at = time.monotonic()
+            else:
+                with self._flush_lock:
+                    self._append_sequence()
 
     def close(self) -> None:
         self._closed.set()
