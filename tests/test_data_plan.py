@@ -14,6 +14,7 @@ from slime.backends.megatron_utils.data import (
     round_up,
     unpack_response_values,
     zigzag_gather,
+    zigzag_index,
     zigzag_slice,
 )
 
@@ -123,6 +124,18 @@ def test_zigzag_round_trip_and_layout():
     assert torch.equal(zigzag_gather([zigzag_slice(x, 3, r) for r in range(3)]), x)
     with pytest.raises(ValueError):
         zigzag_slice(torch.arange(10), 4, 0)
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_zigzag_index_takes_what_zigzag_slice_of_each_sequence_holds(cp):
+    lengths = [2 * cp, 6 * cp, 4 * cp]
+    packed = torch.arange(sum(lengths)) * 10
+    sequences = packed.split(lengths)
+    for r in range(cp):
+        expected = torch.cat([zigzag_slice(s, cp, r) for s in sequences])
+        assert torch.equal(packed[zigzag_index(lengths, cp, r)], expected)
+    with pytest.raises(ValueError):
+        zigzag_index([2 * cp, 2 * cp + 1], cp, 0)
 
 
 def _rollout():

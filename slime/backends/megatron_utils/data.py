@@ -295,6 +295,21 @@ def zigzag_slice(t: torch.Tensor, cp_size: int, cp_rank: int, dim: int = 0) -> t
     return torch.cat([chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]], dim=dim)
 
 
+def zigzag_index(lengths: Sequence[int], cp_size: int, cp_rank: int) -> torch.Tensor:
+    """Positions, in sequences of ``lengths`` laid end to end, of CP rank's parts: what zigzag_slice of each
+    sequence, concatenated, holds."""
+    positions: list[int] = []
+    offset = 0
+    for length in lengths:
+        if length % (2 * cp_size):
+            raise ValueError(f"length {length} is not a multiple of 2*cp={2 * cp_size}")
+        chunk = length // (2 * cp_size)
+        for part in (cp_rank, 2 * cp_size - 1 - cp_rank):
+            positions.extend(range(offset + part * chunk, offset + (part + 1) * chunk))
+        offset += length
+    return torch.tensor(positions, dtype=torch.long)
+
+
 def zigzag_gather(slices: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
     """Inverse of zigzag_slice: ``slices[r]`` is CP rank r's part; returns the sequence."""
     cp_size = len(slices)
@@ -397,9 +412,11 @@ def pack_micro_batch(
     seqs = [_aligned_sequence(data, i, multiple) for i in sample_ids] or [_dummy_sequence(data, multiple)]
     seqs = [s | _mtp_shifts(s, mtp_depths) for s in seqs] if mtp_depths else seqs
     images = _vision_fields(data, seqs, vision) if vision is not None else {}
-    fields = {k: torch.cat([zigzag_slice(s[k], cp_size, cp_rank, dim=-1) for s in seqs], dim=-1)
-              for k in seqs[0] if isinstance(seqs[0][k], torch.Tensor)}
     padded = tuple(s["padded_length"] for s in seqs)
+    fields = {k: torch.cat([s[k] for s in seqs], dim=-1) for k in seqs[0] if isinstance(seqs[0][k], torch.Tensor)}
+    if cp_size > 1:  # one gather per field, not a slice per sequence and field
+        local = zigzag_index(padded, cp_size, cp_rank)
+        fields = {k: v.index_select(-1, local) for k, v in fields.items()}
     cu = torch.tensor([0, *torch.tensor(padded).cumsum(0).tolist()], dtype=torch.int32)
     return PackedMicroBatch(
         input_ids=fields["input_ids"].unsqueeze(0),
