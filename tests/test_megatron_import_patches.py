@@ -1,5 +1,6 @@
-"""slime.patches.megatron_core.import_megatron (torch.compile at a decorated function's first call, not at import) and
-apply_in_process_save_results (a synchronous save's results through a plain queue)."""
+"""slime.patches.megatron_core.import_megatron (torch.compile at a decorated function's first call, not at import,
+and only under --fused-kernels compile) and apply_in_process_save_results (a synchronous save's results through a
+plain queue)."""
 from __future__ import annotations
 
 import subprocess
@@ -8,12 +9,14 @@ from pathlib import Path
 
 import torch
 
+from slime.models import fused_kernels
 from slime.patches import megatron_core
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_a_decorated_function_is_compiled_at_its_first_call_once_with_torch_s_compile():
+def test_a_decorated_function_is_compiled_at_its_first_call_once_with_torch_s_compile(monkeypatch):
+    monkeypatch.setattr(fused_kernels, "active", lambda: "compile")  # --fused-kernels compile
     compiled = []
 
     def compile_now(fn=None, **options):
@@ -33,6 +36,23 @@ def test_a_decorated_function_is_compiled_at_its_first_call_once_with_torch_s_co
     compile_later(module)  # a module, or options for a decorator: torch.compile's own way, now
     compile_later(mode="max-autotune")
     assert compiled[1:] == [(module, {}), (None, {"mode": "max-autotune"})]
+
+
+def test_under_eager_fused_kernels_a_decorated_function_runs_as_written_and_nothing_is_compiled(monkeypatch):
+    """--fused-kernels eager (CPU's default under auto): megatron's fused functions (the gated attention's output
+    gate) are the unfused reference too, with no inductor C++ kernel built in every rank."""
+    monkeypatch.setattr(fused_kernels, "active", lambda: "eager")
+    compiled = []
+
+    def compile_now(fn=None, **options):
+        compiled.append(fn)
+        return lambda *args: fn(*args) + 1
+
+    def scaled(x):
+        return 2 * x
+
+    wrapped = megatron_core._compile_at_first_call(compile_now)(scaled)
+    assert wrapped(3) == 6 and wrapped(4) == 8 and compiled == []
 
 
 def test_megatron_and_the_actor_imported_through_the_patch_pull_in_no_dynamo_and_the_fusions_still_compute():

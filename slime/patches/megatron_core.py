@@ -30,8 +30,10 @@ interpreter, ~2 CPU-s), which only its background save (not used here: `--async-
 `import_megatron()` (every machine, before anything imports megatron-core): its `jit_fuser` is torch.compile,
 applied to a score of functions as they are defined, and wrapping a function pulls in inductor (~1.3 CPU-s in every
 process, most of megatron's import beyond torch); imported through this, the functions are wrapped at their first
-call instead. torch.compile compiles at the first call either way, so a GPU run compiles the same graphs; a run on
-CPU calls none of them.
+call instead, and compiled there only where `--fused-kernels` resolved to compile (slime/models/fused_kernels.py),
+else they run as written, as the flag's eager (the unfused reference, and CPU's default under auto) promises. A GPU
+run under auto compiles them at their first call. On CPU the gated attention's output gate is the one called;
+compiled, its C++ kernel would cost each rank ~5 CPU-s of tracing, header preprocessing and vector-ISA probes.
 
 `apply_router_padding_mask()` (every machine): the MoE router's padding mask, so padding tokens are
 not counted by the expert-bias update or the aux losses (three spots of megatron's path, below).
@@ -999,7 +1001,7 @@ def _compile_at_first_call(compile_now: Callable) -> Callable:
         def call(*args, **kwargs):
             nonlocal compiled
             if compiled is None:
-                compiled = compile_now(model)
+                compiled = compile_now(model) if fused_kernels.active() == "compile" else model
             return compiled(*args, **kwargs)
 
         return call

@@ -64,9 +64,9 @@ def add_megatron_model_arguments(parser: argparse.ArgumentParser) -> None:
                    help="layer spec (default: local, the path measured on H200s in benchmarks/RESULTS.md; "
                         "transformer_engine is opt-in, warned as unmeasured, and needs CUDA and TransformerEngine)")
     g.add_argument("--fused-kernels", type=str, default="auto", choices=["auto", "compile", "eager"],
-                   help="local spec's RMSNorm, RoPE, SwiGLU and the log-prob/entropy head: compile (torch.compile, "
-                        "one kernel each), eager (unfused, the reference), auto (compile on CUDA with Triton, else "
-                        "eager)")
+                   help="local spec's RMSNorm, RoPE, SwiGLU, the log-prob/entropy head and megatron's own fused "
+                        "functions (the attention output gate): compile (torch.compile, one kernel each), eager "
+                        "(unfused, the reference), auto (compile on CUDA with Triton, else eager)")
     g.add_argument("--use-flash-attn", action="store_true", default=False, help="older Megatron flash-attention switch")
     g.add_argument("--attention-output-gate", "--use-gated-attention", dest="attention_output_gate",
                    action="store_true", default=False,
