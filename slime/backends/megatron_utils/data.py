@@ -17,6 +17,7 @@ log-prob, advantage, ... of token t+1 (logits at t predict token t+1).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import warnings
 from dataclasses import dataclass
@@ -296,18 +297,11 @@ def zigzag_slice(t: torch.Tensor, cp_size: int, cp_rank: int, dim: int = 0) -> t
 
 
 def zigzag_index(lengths: Sequence[int], cp_size: int, cp_rank: int) -> torch.Tensor:
-    """Positions, in sequences of ``lengths`` laid end to end, of CP rank's parts: what zigzag_slice of each
-    sequence, concatenated, holds."""
-    positions: list[int] = []
-    offset = 0
-    for length in lengths:
-        if length % (2 * cp_size):
-            raise ValueError(f"length {length} is not a multiple of 2*cp={2 * cp_size}")
-        chunk = length // (2 * cp_size)
-        for part in (cp_rank, 2 * cp_size - 1 - cp_rank):
-            positions.extend(range(offset + part * chunk, offset + (part + 1) * chunk))
-        offset += length
-    return torch.tensor(positions, dtype=torch.long)
+    """Positions, in sequences of ``lengths`` laid end to end, of CP rank's parts: zigzag_slice of each sequence's
+    positions, concatenated (one gather then takes every field's part)."""
+    starts = itertools.accumulate(lengths, initial=0)
+    return torch.cat([start + zigzag_slice(torch.arange(length), cp_size, cp_rank)
+                      for start, length in zip(starts, lengths)])
 
 
 def zigzag_gather(slices: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
